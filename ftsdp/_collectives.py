@@ -1,0 +1,156 @@
+"""The engine's collectives, as free functions over flat 1-D tensors and a process group.
+
+Every function takes the process group explicitly (``None`` means "no distributed run": one
+rank, nothing to communicate) and an optional :class:`CommStats` that counts calls and bytes,
+so the traffic of a training step can be measured and compared with theory.
+
+Byte accounting follows the usual ring-algorithm cost per rank: an all-gather or a
+reduce-scatter of a ``W * s``-element buffer moves ``(W - 1) * s`` elements per rank, an
+all-reduce of ``n`` elements ``2 * (W - 1) / W * n``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the flat collectives; older releases only have the *_into_tensor names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Counts of collective calls and per-rank bytes moved, by collective kind."""
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += int(nbytes)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """World size of ``group``; 1 when torch.distributed is not initialised."""
+    if group is None and not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; 0 when torch.distributed is not initialised."""
+    if group is None and not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def all_gather_flat(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+) -> dist.Work | None:
+    """Gather equal 1-D shards from every rank into ``output`` (``W * shard.numel()``)."""
+    world = group_size(group)
+    assert output.numel() == world * shard.numel(), (output.numel(), world, shard.numel())
+    if world == 1:
+        output.copy_(shard)
+        return None
+    if stats is not None:
+        stats.record("all_gather", (world - 1) * shard.numel() * shard.element_size())
+    return _all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+) -> dist.Work | None:
+    """Sum ``full`` (``W * output.numel()``) over ranks; rank ``r`` keeps chunk ``r``."""
+    world = group_size(group)
+    assert full.numel() == world * output.numel(), (full.numel(), world, output.numel())
+    if world == 1:
+        output.copy_(full)
+        return None
+    if stats is not None:
+        stats.record("reduce_scatter", (world - 1) * output.numel() * output.element_size())
+    return _reduce_scatter_single(
+        output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+
+
+def all_reduce_flat(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+) -> dist.Work | None:
+    """All-reduce ``tensor`` in place."""
+    world = group_size(group)
+    if world == 1:
+        return None
+    if stats is not None:
+        nbytes = 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
+        stats.record("all_reduce", nbytes)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast_flat(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    src_group_rank: int = 0,
+    stats: CommStats | None = None,
+) -> None:
+    """Overwrite ``tensor`` on every rank with the copy held by ``src_group_rank``."""
+    world = group_size(group)
+    if world == 1:
+        return
+    if stats is not None:
+        stats.record("broadcast", tensor.numel() * tensor.element_size())
+    src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
+    """Every rank's list of ints (lists may differ in length). Used for wrap-time checks."""
+    world = group_size(group)
+    if world == 1:
+        return [list(values)]
+    device = _comm_device(group)
+    length = torch.tensor([len(values)], dtype=torch.int64, device=device)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    _all_gather_single(lengths, length, group=group)
+    longest = int(lengths.max())
+    mine = torch.full((longest,), -1, dtype=torch.int64, device=device)
+    mine[: len(values)] = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = torch.empty(world * longest, dtype=torch.int64, device=device)
+    _all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(world, longest).tolist()
+    return [row[: int(n)] for row, n in zip(rows, lengths.tolist(), strict=True)]
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device collectives on ``group`` expect (cuda for NCCL, cpu otherwise)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,171 @@
+"""State of a wrapped model as plain data: full state dicts and sharded views.
+
+The sharded views are what checkpointing consumes (DESIGN.md, "the engine/storage seam"): for
+each original parameter its name, global shape, dtype and the flat range ``(offset, length)``
+of its row-major flattened elements that this rank holds, with the local 1-D tensor. Nothing
+engine-specific crosses that seam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._collectives import all_gather_flat
+from ._unit import FlatParamUnit, ParamInfo
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """This rank's flat range of one tensor: elements ``[offset, offset + length)``.
+
+    ``local`` is 1-D with ``length`` elements and aliases the live storage (the parameter's
+    shard, or the optimizer's state tensor), so writing into it updates the model in place.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    length: int
+    local: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.local.dim() != 1 or self.local.numel() != self.length:
+            raise ValueError(
+                f"ShardView {self.name!r}: local must be 1-D with length={self.length} "
+                f"elements, got shape {tuple(self.local.shape)}"
+            )
+
+
+def param_index(units: list[FlatParamUnit], module: nn.Module) -> dict[str, ParamInfo]:
+    """Every name ``module.named_parameters(remove_duplicate=False)`` yields -> its ParamInfo."""
+    by_param = {id(info.sharded_param): info for unit in units for info in unit.infos}
+    index: dict[str, ParamInfo] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        info = by_param.get(id(p))
+        assert info is not None, f"{name} is not managed by a unit"
+        index[name] = info
+    return index
+
+
+def full_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state with exactly the unwrapped module's keys (a collective call)."""
+    full_params: dict[int, torch.Tensor] = {}
+    for unit in units:
+        if not unit.infos:
+            continue
+        gathered = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
+        all_gather_flat(gathered, unit.shard, unit.shard_group)
+        for info in unit.infos:
+            full = gathered[info.offset : info.offset + info.numel].view(info.shape).clone()
+            full_params[id(info.sharded_param)] = full
+    out: dict[str, torch.Tensor] = {}
+    index = param_index(units, module)
+    for key, value in module.state_dict(keep_vars=True).items():
+        info = index.get(key)
+        out[key] = full_params[id(info.sharded_param)] if info else value.detach()
+    return out
+
+
+def load_full_state_dict(
+    units: list[FlatParamUnit], module: nn.Module, state: dict[str, Any], strict: bool
+) -> tuple[list[str], list[str]]:
+    """Copy each rank's slice of full tensors into the shards; returns (missing, unexpected)."""
+    expected = module.state_dict(keep_vars=True)
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
+            "pass strict=False to load the keys that match"
+        )
+    index = param_index(units, module)
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source) pairs
+    for key, current in expected.items():
+        if key not in state:
+            continue
+        value = state[key]
+        info = index.get(key)
+        shape = info.shape if info else current.shape
+        if not isinstance(value, torch.Tensor) or value.shape != shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"load_state_dict: {key!r} has shape {got}, the model expects {tuple(shape)}"
+            )
+        if info is None:
+            plan.append((current, value))
+        else:
+            src = value.reshape(-1)[info.param_start : info.param_start + info.length]
+            plan.append((info.sharded_param, src))
+    with torch.no_grad():  # all checks passed: nothing is loaded half-way on a bad input
+        for dst, src in plan:
+            dst.copy_(src)
+    return missing, unexpected
+
+
+def sharded_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[str, ShardView]:
+    """Parameters (each once, under its first name) and persistent buffers as ShardViews."""
+    index = param_index(units, module)
+    out: dict[str, ShardView] = {}
+    seen: set[int] = set()
+    for key, value in module.state_dict(keep_vars=True).items():
+        info = index.get(key)
+        if info is None:
+            flat = value.detach().reshape(-1)
+            out[key] = ShardView(key, tuple(value.shape), value.dtype, 0, flat.numel(), flat)
+        elif id(info) not in seen:
+            seen.add(id(info))
+            out[key] = _view_of(key, info, info.sharded_param.detach())
+    return out
+
+
+def sharded_optim_state_dict(
+    units: list[FlatParamUnit], module: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name; state mirroring a parameter as ShardViews.
+
+    Returns ``{"state": {param_name: {key: ShardView | Tensor | value}}, "param_groups":
+    [{...hyper-parameters, "params": [param_name, ...]}]}``. A 1-D state tensor with the
+    parameter's local length (AdamW ``exp_avg``, ``exp_avg_sq``) is a ShardView over the same
+    range as the parameter; 0-dim tensors (``step``) and other values are replicated as is.
+    """
+    names: dict[int, tuple[str, ParamInfo]] = {}
+    for name, info in param_index(units, module).items():
+        names.setdefault(id(info.sharded_param), (name, info))
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        group_names = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not one of this model's; create "
+                    "the optimizer from model.parameters() after wrapping"
+                )
+            name, info = names[id(p)]
+            group_names.append(name)
+            entry: dict[str, Any] = {}
+            for key, value in optimizer.state.get(p, {}).items():
+                mirrors = isinstance(value, torch.Tensor) and value.dim() == 1
+                if mirrors and value.numel() == info.length:
+                    entry[key] = _view_of(f"{name}.{key}", info, value)
+                else:
+                    entry[key] = value
+            state[name] = entry
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})
+    return {"state": state, "param_groups": groups}
+
+
+def _view_of(name: str, info: ParamInfo, local: torch.Tensor) -> ShardView:
+    return ShardView(
+        name=name,
+        global_shape=tuple(info.shape),
+        dtype=local.dtype,
+        offset=info.param_start,
+        length=info.length,
+        local=local,
+    )

@@ -1,0 +1,314 @@
+"""One unit: its FlatParameter, the shard this rank keeps, and the original-parameter views.
+
+[Note: the unit lifecycle]
+
+::
+
+                 unshard(): all-gather into the full buffer
+       SHARDED  ------------------------------------------------>  UNSHARDED
+     (1-D local                                                  (full buffer allocated,
+      slices only)  <------------------------------------------    modules see views of it)
+                 reshard(): free the full buffer, point the
+                 modules back at the local slices
+
+    forward : pre-hook  unshard -> expose views  | module runs | post-hook reshard (FULL_SHARD)
+    backward: output-grad hook unshard | module backward | grad hook reduce-scatter,
+              then reshard once the unit's inputs have their gradients too
+    end of backward (autograd callback): wait for every reduction, reshard every unit
+
+Both transitions are idempotent: calling ``unshard()`` on an UNSHARDED unit does nothing.
+
+[Note: why a separate leaf aliases the full buffer]
+Autograd saves the parameter views used in forward (``linear`` keeps its weight for the input
+gradient) and checks their version counter in backward. The all-gather that refills the freed
+buffer before backward writes into ``_full``; if the views were views of ``_full`` that write
+would bump their version and autograd would refuse to run. So the views come from ``_leaf``, a
+tensor that shares ``_full``'s storage (``set_``) but has its own version counter. Freeing is
+``storage.resize_(0)``, which every alias sees, and refilling brings the same bytes back to the
+tensors autograd saved.
+
+[Note: one split per forward]
+The views are produced by one ``torch.split`` of the leaf, so backward assembles the unit's
+flat gradient in one ``SplitWithSizesBackward`` (no per-parameter full-size zero buffers), and
+the leaf's post-accumulate-grad hook fires once per backward with the whole flat gradient:
+that is when the unit's gradient is final and its reduce-scatter can start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._collectives import (
+    CommStats,
+    all_gather_flat,
+    all_reduce_flat,
+    broadcast_flat,
+    group_rank,
+    group_size,
+    reduce_scatter_flat,
+)
+from ._common import ShardingStrategy, UnitState
+from ._wrap import UnitPlan
+
+STALE_ATTR = "_ftsdp_stale"  # set on original parameters once their values moved into a shard
+SHARDED_ATTR = "_ftsdp_sharded"  # set on the 1-D local-slice parameters the optimizer sees
+
+
+@dataclass
+class ParamInfo:
+    """Where one original parameter sits in its unit's FlatParameter and in this rank's shard."""
+
+    fqn: str
+    refs: list[tuple[nn.Module, str]]
+    shape: torch.Size
+    offset: int  # first element in the (unpadded) flat parameter
+    numel: int
+    requires_grad: bool
+    # This rank's slice of the parameter: elements [param_start, param_start + length) of the
+    # flattened parameter, stored at [shard_start, shard_start + length) of the local shard.
+    param_start: int = 0
+    shard_start: int = 0
+    length: int = 0
+    sharded_param: nn.Parameter | None = field(default=None, repr=False)
+
+
+class FlatParamUnit:
+    """The FlatParameter of one unit and everything it needs to shard, gather and reduce."""
+
+    def __init__(
+        self,
+        plan: UnitPlan,
+        *,
+        strategy: ShardingStrategy,
+        shard_group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        broadcast_group: dist.ProcessGroup | None,
+        device: torch.device,
+        sync_module_states: bool,
+        stats: CommStats,
+    ) -> None:
+        self.module = plan.module
+        self.fqn = plan.fqn
+        self.strategy = strategy
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.stats = stats
+        self.factor = group_size(shard_group)  # F: how many ranks split this FlatParameter
+        self.rank = group_rank(shard_group)
+        self.data_parallel_size = self.factor * group_size(replicate_group)
+        self.state = UnitState.SHARDED
+
+        params = [pp.param for pp in plan.params]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{pp.fqn}: {pp.param.dtype}" for pp in plan.params)
+            raise ValueError(
+                f"unit {self.fqn or '<root>'!r} mixes parameter dtypes ({listing}); a "
+                "FlatParameter has one dtype: cast the module first, or wrap the differing "
+                "submodules as their own units"
+            )
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.infos: list[ParamInfo] = []
+        offset = 0
+        for pp in plan.params:
+            self.infos.append(
+                ParamInfo(
+                    fqn=pp.fqn,
+                    refs=pp.refs,
+                    shape=pp.param.shape,
+                    offset=offset,
+                    numel=pp.param.numel(),
+                    requires_grad=pp.param.requires_grad,
+                )
+            )
+            offset += pp.param.numel()
+        self.numel = offset
+        # [Note: padding] right-pad with at most F-1 zeros so the flat parameter splits into
+        # F equal shards: one all_gather_into_tensor / reduce_scatter_tensor per unit.
+        self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
+        self.padded_numel = self.shard_numel * self.factor
+        self.trainable = [info for info in self.infos if info.requires_grad]
+
+        self.shard = self._build_shard(params, device, sync_module_states, broadcast_group)
+        self._make_local_params(params)
+        self._make_full_buffer()
+        self.sharded_grad: torch.Tensor | None = None  # 1-D [shard_numel], grads are views
+        self._grad_views: list[torch.Tensor] = []
+        self._unsharded_grad: torch.Tensor | None = None  # 1-D [padded_numel] (no_sync)
+        self._pending: list[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = []
+
+    # ---------------------------------------------------------------- construction
+    def _build_shard(
+        self,
+        params: list[nn.Parameter],
+        device: torch.device,
+        sync_module_states: bool,
+        broadcast_group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)  # 1-D, padded
+        with torch.no_grad():
+            for info, p in zip(self.infos, params, strict=True):
+                flat[info.offset : info.offset + info.numel].copy_(p.reshape(-1))
+        if sync_module_states and self.numel:
+            broadcast_flat(flat, broadcast_group, stats=self.stats)
+        if self.factor == 1:
+            return flat
+        start = self.rank * self.shard_numel
+        return flat[start : start + self.shard_numel].clone()
+
+    def _make_local_params(self, params: list[nn.Parameter]) -> None:
+        """Give each original parameter its 1-D local slice; retire the original tensor."""
+        shard_lo = self.rank * self.shard_numel
+        shard_hi = shard_lo + self.shard_numel
+        for info, original in zip(self.infos, params, strict=True):
+            lo = min(max(info.offset, shard_lo), shard_hi)
+            hi = max(min(info.offset + info.numel, shard_hi), lo)
+            info.param_start = lo - info.offset if hi > lo else 0
+            info.shard_start = lo - shard_lo
+            info.length = hi - lo
+            local = nn.Parameter(
+                self.shard[info.shard_start : info.shard_start + info.length],
+                requires_grad=info.requires_grad,
+            )
+            setattr(local, SHARDED_ATTR, True)
+            info.sharded_param = local
+            for module, name in info.refs:
+                module._parameters[name] = local
+            # The original tensor's values now live in the shards; drop its storage so every
+            # rank really holds 1/F of the unit, and mark it so a stale optimizer is caught.
+            original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+            setattr(original, STALE_ATTR, True)
+
+    def _make_full_buffer(self) -> None:
+        # See [Note: why a separate leaf aliases the full buffer].
+        if self.factor == 1:
+            self._full = self.shard  # the shard is the whole (padded) flat parameter
+        else:
+            self._full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        self._leaf = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            self._full.untyped_storage(),
+            self._full.storage_offset(),
+            (self.padded_numel,),
+            (1,),
+        )
+        self._split_sizes = [info.numel for info in self.infos] + [self.padded_numel - self.numel]
+        if self.trainable:
+            self._leaf.requires_grad_(True)
+        if self.frees_memory:
+            self._full.untyped_storage().resize_(0)
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def frees_memory(self) -> bool:
+        """Whether resharding releases the full buffer (it is a separate allocation)."""
+        return self.factor > 1
+
+    @property
+    def leaf(self) -> torch.Tensor:
+        """The tensor whose gradient is the unit's flat (unsharded, padded) gradient."""
+        return self._leaf
+
+    def unsharded_bytes_allocated(self) -> int:
+        """Bytes the full buffer holds right now (0 while sharded, for F > 1)."""
+        if not self.frees_memory:
+            return 0
+        return self._full.untyped_storage().nbytes()
+
+    # ---------------------------------------------------------------- lifecycle
+    def unshard(self) -> None:
+        """SHARDED -> UNSHARDED: allocate the full buffer and all-gather into it."""
+        if self.state is UnitState.UNSHARDED:
+            return
+        if self.frees_memory:
+            self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
+            with torch.no_grad():
+                all_gather_flat(self._full, self.shard, self.shard_group, stats=self.stats)
+        self.state = UnitState.UNSHARDED
+
+    def expose_unsharded(self) -> None:
+        """Point every module at full-shape views of the unsharded parameter (per forward)."""
+        assert self.state is UnitState.UNSHARDED, self.fqn
+        if not self.infos:
+            return
+        chunks = torch.split(self._leaf, self._split_sizes)  # see [Note: one split per forward]
+        for info, chunk in zip(self.infos, chunks, strict=False):
+            view = chunk.view(info.shape)
+            if not info.requires_grad:
+                view = view.detach()
+            for module, name in info.refs:
+                module._parameters[name] = view
+
+    def reshard(self) -> None:
+        """UNSHARDED -> SHARDED: free the full buffer; modules see their 1-D local slices."""
+        if self.state is UnitState.SHARDED:
+            return
+        for info in self.infos:
+            for module, name in info.refs:
+                module._parameters[name] = info.sharded_param
+        if self.frees_memory:
+            self._full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    # ---------------------------------------------------------------- gradients
+    def add_unsharded_grad(self, grad: torch.Tensor) -> None:
+        """Keep a flat (padded) gradient until it is reduced; sums under ``no_sync``."""
+        if self._unsharded_grad is None:
+            self._unsharded_grad = grad
+        else:
+            self._unsharded_grad += grad
+
+    def has_unreduced_grad(self) -> bool:
+        return self._unsharded_grad is not None
+
+    def reduce_grad(self) -> None:
+        """Start reducing the kept flat gradient: reduce-scatter (sharded) or all-reduce."""
+        grad, self._unsharded_grad = self._unsharded_grad, None
+        assert grad is not None, self.fqn
+        if self.factor > 1:
+            out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
+            work = reduce_scatter_flat(out, grad, self.shard_group, async_op=True, stats=self.stats)
+        else:
+            out = grad
+            work = all_reduce_flat(out, self.replicate_group, async_op=True, stats=self.stats)
+        self._pending.append((work, out, grad))
+
+    def finish_reduction(self) -> None:
+        """Wait for this unit's reductions and accumulate them into the sharded gradient."""
+        for work, out, _keepalive in self._pending:
+            if work is not None:
+                work.wait()
+            out.div_(self.data_parallel_size)
+            self._accumulate_sharded_grad(out)
+        self._pending.clear()
+
+    def _accumulate_sharded_grad(self, new: torch.Tensor) -> None:
+        """Add ``new`` (1-D, shard_numel) to the gradients the optimizer sees."""
+        attached = self.sharded_grad is not None and all(
+            info.sharded_param.grad is view
+            for info, view in zip(self.trainable, self._grad_views, strict=True)
+        )
+        if attached:
+            self.sharded_grad += new
+            return
+        # The user cleared (zero_grad(set_to_none=True)) or replaced some gradients: start
+        # from what the parameters hold now, then re-point them at one flat buffer.
+        with torch.no_grad():
+            for info in self.trainable:
+                held = info.sharded_param.grad
+                if held is not None:
+                    new[info.shard_start : info.shard_start + info.length] += held.reshape(-1)
+        self.sharded_grad = new
+        self._grad_views = [
+            new[info.shard_start : info.shard_start + info.length] for info in self.trainable
+        ]
+        for info, view in zip(self.trainable, self._grad_views, strict=True):
+            info.sharded_param.grad = view

@@ -1,0 +1,352 @@
+"""The public wrapper: ``ftsdp.FullyShardedDataParallel`` (alias ``ftsdp.FSDP``).
+
+Wrapping plans the units (``_wrap``), builds one FlatParameter per unit and keeps this rank's
+shard (``_unit``), and installs the hooks that gather and reduce around each unit's forward and
+backward (``_runtime``). The wrapped module keeps its structure and parameter names: between
+iterations each original parameter is a 1-D ``nn.Parameter`` holding this rank's slice, which
+is what ``named_parameters()`` yields and what the optimizer updates in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._collectives import CommStats, all_gather_ints, all_reduce_flat, group_size
+from ._common import Phase, ShardingStrategy
+from ._runtime import Runtime
+from ._state_dict import (
+    ShardView,
+    full_state_dict,
+    load_full_state_dict,
+    sharded_optim_state_dict,
+    sharded_state_dict,
+)
+from ._unit import SHARDED_ATTR, STALE_ATTR, FlatParamUnit
+from ._wrap import Policy, plan_units
+
+_NOT_YET = {
+    "mixed_precision": "MixedPrecision",
+    "cpu_offload": "CPUOffload",
+}
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Fully sharded data parallel training of ``module`` (PyTorch FSDP paper, VLDB 2023).
+
+    Args:
+        module: the model. Its parameters move into per-unit FlatParameters; create the
+            optimizer afterwards from ``wrapped.parameters()``.
+        process_group: the ranks that train this model together (default: the world).
+        sharding_strategy: ``ShardingStrategy`` (or its name).
+        auto_wrap_policy: module classes (each instance becomes a unit, nested instances nest)
+            or a callable ``module -> bool``. ``None``: the whole model is one unit.
+        device_id: the CUDA device index (or ``torch.device``) the shards live on; default:
+            the device of the module's parameters.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding, so
+            ranks that initialised differently start identical.
+
+    Every rank must wrap the same model structure; it is checked once here.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy: Policy = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        mixed_precision: Any = None,
+        cpu_offload: Any = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+        _reject_wrapped(module)
+        strategy = ShardingStrategy.parse(sharding_strategy)
+        if strategy is ShardingStrategy.HYBRID_SHARD:
+            raise ValueError(
+                "sharding_strategy=HYBRID_SHARD is not supported yet; use FULL_SHARD, "
+                "SHARD_GRAD_OP or NO_SHARD"
+            )
+        for arg, value in (("mixed_precision", mixed_precision), ("cpu_offload", cpu_offload)):
+            if value is not None:
+                raise ValueError(f"{arg}= ({_NOT_YET[arg]}) is not supported yet; pass None")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                f"{type(process_group).__name__}"
+            )
+        if process_group is None and not dist.is_initialized() and sync_module_states:
+            raise ValueError("sync_module_states=True needs torch.distributed to be initialised")
+        device = _resolve_device(module, device_id)
+        if process_group is None and dist.is_initialized():
+            process_group = dist.group.WORLD
+
+        sharded = strategy is not ShardingStrategy.NO_SHARD
+        shard_group = process_group if sharded else None
+        replicate_group = None if sharded else process_group
+        module.to(device)
+        plans = plan_units(module, auto_wrap_policy)
+        _check_same_structure(plans, process_group)
+        self._comm_stats = CommStats()
+        units = [
+            FlatParamUnit(
+                plan,
+                strategy=strategy,
+                shard_group=shard_group,
+                replicate_group=replicate_group,
+                broadcast_group=process_group,
+                device=device,
+                sync_module_states=sync_module_states,
+                stats=self._comm_stats,
+            )
+            for plan in plans
+        ]
+        if sync_module_states:
+            for buffer in module.buffers():
+                dist.broadcast(
+                    buffer, src=dist.get_global_rank(process_group, 0), group=process_group
+                )
+        self.module = module
+        self._process_group = process_group
+        self._shard_group = shard_group
+        self._strategy = strategy
+        self._units = units
+        self._runtime = Runtime(units, strategy)
+        self._runtime.register_hooks()
+        _install_stale_optimizer_guard()
+
+    # ------------------------------------------------------------------ nn.Module surface
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (its hooks gather and free each unit around its use)."""
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self._modules.get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Original parameter names (no wrapper prefix), each rank's 1-D slice (maybe empty)."""
+        return self.module.named_parameters(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        )
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped module's buffers under their original names."""
+        return self.module.named_buffers(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The full, unsharded state with exactly the unwrapped module's keys.
+
+        A collective: every rank must call it. Each rank gets the whole state (on the device
+        the shards live on); for large models save the sharded view instead.
+        """
+        if args or kwargs:
+            raise ValueError(
+                "FSDP.state_dict() takes no arguments: it returns the full state with the "
+                "unwrapped module's keys"
+            )
+        self._require_idle("state_dict()")
+        return full_state_dict(self._units, self.module)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a full state dict (keys of the unwrapped module) into each rank's shards."""
+        if assign:
+            raise ValueError("FSDP.load_state_dict does not support assign=True")
+        self._require_idle("load_state_dict()")
+        missing, unexpected = load_full_state_dict(self._units, self.module, state_dict, strict)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    # ------------------------------------------------------------------ training helpers
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (unsharded) without communication.
+
+        The backward passes inside keep each unit's full flat gradient; the first backward
+        outside reduces the sum once. More memory, less traffic (see the paper, Section 3.3).
+        """
+        previous = self._runtime.no_sync
+        self._runtime.no_sync = True
+        try:
+            yield
+        finally:
+            self._runtime.no_sync = previous
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients in place by their global norm over all shards; returns that norm."""
+        self._require_idle("clip_grad_norm_()")
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        grads = [
+            info.sharded_param.grad
+            for unit in self._units
+            for info in unit.trainable
+            if info.sharded_param.grad is not None
+        ]
+        device = self._units[0].device
+        if norm_type == math.inf:
+            local = max((g.abs().max() for g in grads if g.numel()), default=None)
+            total = torch.zeros((), device=device) if local is None else local.float()
+            all_reduce_flat(total, self._shard_group, op=dist.ReduceOp.MAX)
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=device)
+            for g in grads:
+                total += g.float().abs().pow(norm_type).sum()
+            all_reduce_flat(total, self._shard_group)
+            total = total.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return total
+
+    # ------------------------------------------------------------------ sharded state
+    def sharded_state_dict(self) -> dict[str, ShardView]:
+        """This rank's flat range of every parameter and persistent buffer (no communication).
+
+        Tied parameters appear once, under their first name. The ``local`` tensors alias the
+        live shards: copying into them loads a checkpoint in place.
+        """
+        return sharded_state_dict(self._units, self.module)
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, parameter-shaped state as ShardViews."""
+        return sharded_optim_state_dict(self._units, self.module, optimizer)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._strategy
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Collective calls and per-rank bytes since wrapping (``.reset()`` to start over)."""
+        return self._comm_stats
+
+    def units(self) -> list[dict[str, Any]]:
+        """One dict per unit: its module name, numel, padded numel, shard numel, state."""
+        return [
+            {
+                "name": u.fqn,
+                "params": [info.fqn for info in u.infos],
+                "numel": u.numel,
+                "padded_numel": u.padded_numel,
+                "shard_numel": u.shard_numel,
+                "state": u.state.value,
+            }
+            for u in self._units
+        ]
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now: sharded params and grads, and full buffers allocated."""
+        return {
+            "sharded_param_bytes": sum(
+                u.shard.numel() * u.shard.element_size() for u in self._units
+            ),
+            "sharded_grad_bytes": sum(
+                u.sharded_grad.numel() * u.sharded_grad.element_size()
+                for u in self._units
+                if u.sharded_grad is not None
+            ),
+            "unsharded_param_bytes": sum(u.unsharded_bytes_allocated() for u in self._units),
+        }
+
+    def _require_idle(self, what: str) -> None:
+        if self._runtime.phase is not Phase.IDLE:
+            raise RuntimeError(f"{what} cannot run during {self._runtime.phase.value.lower()}")
+
+
+FSDP = FullyShardedDataParallel
+
+
+def _reject_wrapped(module: nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if isinstance(sub, FullyShardedDataParallel):
+            where = f"submodule {name!r}" if name else "the module"
+            raise ValueError(
+                f"{where} is already an ftsdp.FSDP wrapper; wrap the original module once "
+                "and use auto_wrap_policy for inner units"
+            )
+    for name, p in module.named_parameters():
+        if getattr(p, SHARDED_ATTR, False) or getattr(p, STALE_ATTR, False):
+            raise ValueError(
+                f"parameter {name!r} already belongs to an ftsdp.FSDP wrapper; a module can be "
+                "wrapped only once"
+            )
+
+
+def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
+    if device_id is None:
+        devices = {p.device for p in module.parameters()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"the module's parameters are on several devices {sorted(map(str, devices))}; "
+                "pass device_id= or move the module to one device first"
+            )
+        return devices.pop() if devices else torch.device("cpu")
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+    if not isinstance(device, torch.device):
+        raise ValueError(f"device_id must be an int or a torch.device, got {device_id!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device_id={device_id!r} names a CUDA device, but CUDA is not available")
+    return device
+
+
+def _check_same_structure(plans: list, group: dist.ProcessGroup | None) -> None:
+    """Compare unit count and flat sizes across ranks once; a mismatch would hang later."""
+    if group_size(group) == 1:
+        return
+    mine = [len(plans)] + [sum(pp.param.numel() for pp in plan.params) for plan in plans]
+    everyone = all_gather_ints(mine, group)
+    if all(row == everyone[0] for row in everyone):
+        return
+    differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
+    raise ValueError(
+        "the wrapped model differs across ranks (unit count and per-unit parameter counts: "
+        f"rank 0 has {everyone[0]}, "
+        + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
+        + "); build the same model on every rank before wrapping"
+    )
+
+
+_stale_guard: Any = None
+
+
+def _install_stale_optimizer_guard() -> None:
+    """Refuse ``optimizer.step()`` on parameters that wrapping retired (created too early)."""
+    global _stale_guard
+    if _stale_guard is None:
+        _stale_guard = register_optimizer_step_pre_hook(_reject_stale)
+
+
+def _reject_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, STALE_ATTR, False):
+                raise ValueError(
+                    f"{type(optimizer).__name__} was created before ftsdp.FSDP wrapped the "
+                    "model: it holds the original parameters, which no longer train. Create "
+                    "the optimizer after wrapping, from wrapped_model.parameters()"
+                )
