@@ -1,7 +1,7 @@
 """The engine's collectives, as free functions over flat 1-D tensors and a process group.
 
-Every function takes the process group explicitly (``None`` means "no distributed run": one
-rank, nothing to communicate) and an optional :class:`CommStats` that counts calls and bytes,
+Every function takes the process group explicitly; ``None`` means "no group": one rank,
+nothing to communicate (pass ``dist.group.WORLD`` for the default group) and an optional :class:`CommStats` that counts calls and bytes,
 so the traffic of a training step can be measured and compared with theory.
 
 Byte accounting follows the usual ring-algorithm cost per rank: an all-gather or a
@@ -42,15 +42,15 @@ class CommStats:
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
-    """World size of ``group``; 1 when torch.distributed is not initialised."""
-    if group is None and not dist.is_initialized():
+    """World size of ``group``; 1 for ``None`` (no group)."""
+    if group is None:
         return 1
     return dist.get_world_size(group)
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank inside ``group``; 0 when torch.distributed is not initialised."""
-    if group is None and not dist.is_initialized():
+    """This process's rank inside ``group``; 0 for ``None`` (no group)."""
+    if group is None:
         return 0
     return dist.get_rank(group)
 
@@ -126,7 +126,7 @@ def broadcast_flat(
         return
     if stats is not None:
         stats.record("broadcast", tensor.numel() * tensor.element_size())
-    src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
+    src = dist.get_global_rank(group, src_group_rank)
     dist.broadcast(tensor, src=src, group=group)
 
 
