@@ -1,0 +1,172 @@
+"""The engine in one process without torch.distributed: bad input, state dicts, parity.
+
+Without a process group the engine runs with a sharding factor of 1 (nothing to
+communicate), which is what inference and single-process debugging use.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ftsdp
+from ftsdp.model import GPT, MLP, Block, GPTConfig, param_groups
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=31, block_size=8, n_layer=2, n_head=2, n_embd=16))
+
+
+def tokens(batch: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.randint(0, 31, (batch, 9), generator=torch.Generator().manual_seed(seed))
+    return t[:, :-1], t[:, 1:]
+
+
+# ---------------------------------------------------------------- bad input
+def test_wrapping_twice_is_refused() -> None:
+    model = tiny_gpt()
+    wrapped = ftsdp.FSDP(model, auto_wrap_policy={Block})
+    with pytest.raises(ValueError, match="already belongs to an ftsdp.FSDP wrapper"):
+        ftsdp.FSDP(model)
+    with pytest.raises(ValueError, match="already an ftsdp.FSDP wrapper"):
+        ftsdp.FSDP(nn.Sequential(wrapped))
+
+
+def test_policy_that_matches_nothing_names_the_types_present() -> None:
+    with pytest.raises(ValueError, match=r"matched no module of GPT.*Block") as err:
+        ftsdp.FSDP(tiny_gpt(), auto_wrap_policy={nn.Conv2d})
+    assert "auto_wrap_policy={Conv2d}" in str(err.value)
+
+
+def test_policy_of_non_module_classes_is_refused() -> None:
+    with pytest.raises(ValueError, match="not an nn.Module class"):
+        ftsdp.FSDP(tiny_gpt(), auto_wrap_policy={int})
+    with pytest.raises(ValueError, match="must be a set of nn.Module classes"):
+        ftsdp.FSDP(tiny_gpt(), auto_wrap_policy=42)
+
+
+def test_optimizer_created_before_wrapping_fails_at_step() -> None:
+    model = tiny_gpt()
+    early = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped = ftsdp.FSDP(model, auto_wrap_policy={Block})
+    x, y = tokens()
+    wrapped(x, y)[1].backward()
+    with pytest.raises(ValueError, match="created before ftsdp.FSDP wrapped the model"):
+        early.step()
+    late = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    late.step()  # the right order works
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sharding_strategy": "HYBRID_SHARD"}, "HYBRID_SHARD is not supported yet"),
+        ({"sharding_strategy": "ZERO3"}, "sharding_strategy='ZERO3' is not one of"),
+        ({"mixed_precision": object()}, "mixed_precision= .* is not supported yet"),
+        ({"cpu_offload": object()}, "cpu_offload= .* is not supported yet"),
+        ({"process_group": "world"}, "process_group must be a torch.distributed.ProcessGroup"),
+        ({"device_id": "cuda:0"}, "device_id must be an int or a torch.device"),
+        ({"sync_module_states": True}, "sync_module_states=True needs torch.distributed"),
+    ],
+)
+def test_unsupported_arguments(kwargs: dict, message: str) -> None:
+    if kwargs.get("device_id") == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("CUDA present: the string is still refused, but the test targets CPU hosts")
+    with pytest.raises(ValueError, match=message):
+        ftsdp.FSDP(tiny_gpt(), **kwargs)
+
+
+def test_cuda_device_id_without_cuda_is_refused() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        ftsdp.FSDP(tiny_gpt(), device_id=0)
+
+
+def test_mixed_dtypes_in_one_unit_are_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    with pytest.raises(ValueError, match=r"mixes parameter dtypes .*float64"):
+        ftsdp.FSDP(model)
+
+
+def test_not_a_module_is_refused() -> None:
+    with pytest.raises(ValueError, match="wraps an nn.Module"):
+        ftsdp.FSDP(torch.zeros(3))
+
+
+# ---------------------------------------------------------------- state dicts
+def test_state_dict_round_trip_and_bad_loads_leave_the_model_untouched() -> None:
+    reference = tiny_gpt(seed=3)
+    wrapped = ftsdp.FSDP(tiny_gpt(seed=0), auto_wrap_policy={Block, MLP})
+    expected = reference.state_dict()
+    assert list(wrapped.state_dict()) == list(expected)
+
+    before = wrapped.state_dict()
+    bad_shape = dict(expected, **{"blocks.0.mlp.c_fc.weight": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match=r"'blocks.0.mlp.c_fc.weight' has shape \(2, 2\)"):
+        wrapped.load_state_dict(bad_shape)
+    missing = {k: v for k, v in expected.items() if k != "ln_f.bias"}
+    with pytest.raises(ValueError, match=r"missing keys \['ln_f.bias'\]"):
+        wrapped.load_state_dict(missing)
+    for key, value in wrapped.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed by a failed load"
+
+    result = wrapped.load_state_dict(dict(expected, extra=torch.zeros(1)), strict=False)
+    assert result.unexpected_keys == ["extra"] and result.missing_keys == []
+    for key, value in wrapped.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    x, y = tokens()
+    torch.testing.assert_close(wrapped(x, y)[1], reference(x, y)[1], rtol=0, atol=0)
+
+
+def test_tied_weight_stays_tied_and_appears_once_in_the_sharded_view() -> None:
+    wrapped = ftsdp.FSDP(tiny_gpt(), auto_wrap_policy={Block})
+    assert wrapped.module.lm_head.weight is wrapped.module.wte.weight
+    views = wrapped.sharded_state_dict()
+    assert "wte.weight" in views and "lm_head.weight" not in views
+    assert views["wte.weight"].global_shape == (31, 16)
+    assert "lm_head.weight" in wrapped.state_dict()
+
+
+def test_eval_forward_under_no_grad_matches_and_frees() -> None:
+    reference = tiny_gpt()
+    wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy={Block})
+    x, _ = tokens()
+    with torch.no_grad():
+        logits, _ = wrapped(x)
+    torch.testing.assert_close(logits, reference(x)[0], rtol=0, atol=0)
+    assert all(u["state"] == "SHARDED" for u in wrapped.units())
+
+
+def test_single_process_training_matches_unwrapped() -> None:
+    reference = tiny_gpt()
+    wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy={Block})
+    opt = torch.optim.AdamW(param_groups(wrapped, 0.1), lr=1e-3)
+    ref_opt = torch.optim.AdamW(param_groups(reference, 0.1), lr=1e-3)
+    for step in range(3):
+        x, y = tokens(seed=step)
+        loss = wrapped(x, y)[1]
+        loss.backward()
+        ref_loss = reference(x, y)[1]
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(
+            wrapped.clip_grad_norm_(1.0), nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        )
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(wrapped.state_dict()[key], value)
+
+
+def test_attribute_access_reaches_the_wrapped_module() -> None:
+    wrapped = ftsdp.FSDP(tiny_gpt(), auto_wrap_policy={Block})
+    assert wrapped.config.n_layer == 2  # GPT.config through the wrapper
+    with pytest.raises(AttributeError):
+        _ = wrapped.no_such_attribute
