@@ -1,0 +1,159 @@
+"""A deterministic synthetic language: sequences from a fixed, seeded, sparse Markov chain.
+
+Nothing is downloaded. The chain has ``vocab_size`` states (tokens); from each token the next one
+is drawn among ``branching`` fixed successors with fixed random probabilities. A model that
+learns the transition table predicts the next token with a mean cross-entropy equal to the
+chain's **entropy rate** ``H = sum_s pi(s) * H(P[s, :])`` (pi: the stationary distribution), far
+below the ``ln(vocab_size)`` of a model at init. ``H`` is the achievable loss:
+:attr:`MarkovChain.entropy_rate` reports it and the training log prints it.
+
+Sample ``i`` of a :class:`MarkovDataset` depends only on ``(seed, i)``: its first token is drawn
+from pi and the rest by walking the chain, all with a random stream seeded by ``(seed, i)``. So
+item ``i`` is the same in every process, for every world size and in any access order, which is
+what a global sample cursor needs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+# Distinct SeedSequence spawn keys keep the chain's stream and the samples' streams apart.
+_CHAIN_STREAM = 0
+_SAMPLE_STREAM = 1
+
+
+class MarkovChain:
+    """A random sparse transition table over ``vocab_size`` tokens, fixed by ``seed``."""
+
+    def __init__(self, vocab_size: int, *, branching: int = 4, seed: int = 0):
+        if vocab_size < 2:
+            raise ValueError(f"MarkovChain: vocab_size={vocab_size} must be >= 2")
+        if not 1 <= branching <= vocab_size:
+            raise ValueError(
+                f"MarkovChain: branching={branching} must be in [1, vocab_size={vocab_size}]"
+            )
+        self.vocab_size = vocab_size
+        self.branching = branching
+        rng = np.random.default_rng([seed, _CHAIN_STREAM])
+        # successors[s] holds the `branching` tokens that may follow token s, probs[s] their odds.
+        self.successors = np.stack(
+            [rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)]
+        )  # (V, K) int64
+        self.probs = rng.dirichlet(np.ones(branching), size=vocab_size)  # (V, K), rows sum to 1
+        self._cdf = np.cumsum(self.probs, axis=1)
+        self._cdf[:, -1] = 1.0  # exact, so a uniform draw in [0, 1) always lands in a bucket
+        self.stationary = self._stationary()
+        self._stationary_cdf = np.cumsum(self.stationary)
+        self._stationary_cdf[-1] = 1.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            row_entropy = -np.sum(np.where(self.probs > 0, self.probs * np.log(self.probs), 0), 1)
+        self.entropy_rate = float(self.stationary @ row_entropy)
+        # Plain lists: the per-token walk below is a Python loop, where bisect on lists is
+        # several times faster than numpy calls on scalars.
+        self._succ_rows = self.successors.tolist()
+        self._cdf_rows = self._cdf.tolist()
+        self._stationary_cdf_list = self._stationary_cdf.tolist()
+
+    def transition_matrix(self) -> np.ndarray:
+        """The dense (V, V) matrix ``P[s, t] = Pr(next = t | current = s)``."""
+        P = np.zeros((self.vocab_size, self.vocab_size))
+        np.put_along_axis(P, self.successors, self.probs, axis=1)
+        return P
+
+    def _stationary(self) -> np.ndarray:
+        # Power iteration on the lazy chain (I + P) / 2: it has the same stationary
+        # distributions as P and converges even where P is periodic.
+        P = self.transition_matrix()
+        pi = np.full(self.vocab_size, 1.0 / self.vocab_size)
+        for _ in range(10_000):
+            nxt = 0.5 * (pi + pi @ P)
+            if np.abs(nxt - pi).sum() < 1e-13:
+                break
+            pi = nxt
+        return nxt / nxt.sum()
+
+    def sample(self, length: int, rng: np.random.Generator) -> np.ndarray:
+        """A walk of ``length`` tokens starting from a stationary draw."""
+        u = rng.random(length).tolist()
+        last = self.vocab_size - 1
+        tok = min(bisect.bisect_right(self._stationary_cdf_list, u[0]), last)
+        walk = [tok]
+        for t in range(1, length):
+            k = bisect.bisect_right(self._cdf_rows[tok], u[t])
+            tok = self._succ_rows[tok][min(k, self.branching - 1)]
+            walk.append(tok)
+        return np.asarray(walk, dtype=np.int64)
+
+
+class MarkovDataset(Dataset):
+    """Map-style dataset: item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors with
+    ``target[t] = input[t + 1]`` of one walk of ``seq_len + 1`` tokens, fixed by ``(seed, i)``.
+
+    ``num_samples`` only bounds the index range (items are generated on access, not stored).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        *,
+        seed: int = 0,
+        branching: int = 4,
+        num_samples: int = 1 << 40,
+    ):
+        if seq_len < 1:
+            raise ValueError(f"MarkovDataset: seq_len={seq_len} must be >= 1")
+        if num_samples < 1:
+            raise ValueError(f"MarkovDataset: num_samples={num_samples} must be >= 1")
+        self.chain = MarkovChain(vocab_size, branching=branching, seed=seed)
+        self.seq_len = seq_len
+        self.seed = seed
+        self.num_samples = num_samples
+
+    @property
+    def entropy_rate(self) -> float:
+        """The achievable mean cross-entropy (nats per token) of a perfect model."""
+        return self.chain.entropy_rate
+
+    @property
+    def uniform_loss(self) -> float:
+        """``ln(vocab_size)``: the loss of a uniform prediction, about a fresh model's loss."""
+        return math.log(self.chain.vocab_size)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = int(i)
+        if i < 0:
+            i += self.num_samples
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"MarkovDataset index {i} out of range [0, {self.num_samples})")
+        rng = np.random.default_rng([self.seed, _SAMPLE_STREAM, i])
+        walk = torch.from_numpy(self.chain.sample(self.seq_len + 1, rng))
+        return walk[:-1], walk[1:]
+
+    def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
+        pairs = [self[i] for i in indices]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+
+def rank_sample_indices(
+    step: int, micro_step: int, *, rank: int, world_size: int, global_batch: int, micro_batch: int
+) -> range:
+    """Dataset indices of one micro-batch: step ``step`` uses samples
+    ``[step * global_batch, (step + 1) * global_batch)``; rank ``r`` takes the ``r``-th
+    contiguous ``global_batch / world_size`` of them, in micro-batches of ``micro_batch``.
+    The set of samples of a step is therefore the same for every world size."""
+    per_rank = global_batch // world_size
+    assert per_rank * world_size == global_batch and per_rank % micro_batch == 0, (
+        f"{global_batch=} {world_size=} {micro_batch=}: geometry must be validated by the caller"
+    )
+    start = step * global_batch + rank * per_rank + micro_step * micro_batch
+    return range(start, start + micro_batch)
