@@ -141,7 +141,11 @@ def train_in_lockstep(kind, strategy, wrap, mode, rank, world, label) -> None:
         if strategy == "FULL_SHARD" and step == 0:
             stats = wrapped.memory_stats()
             assert stats["unsharded_param_bytes"] == 0, (where, stats)
-            assert stats["sharded_grad_bytes"] == stats["sharded_param_bytes"], (where, stats)
+            trainable = {n for n, p in reference.named_parameters() if p.requires_grad}
+            grad_bytes = sum(  # one sharded gradient per unit that has a trainable parameter
+                4 * u["shard_numel"] for u in wrapped.units() if trainable & set(u["params"])
+            )
+            assert stats["sharded_grad_bytes"] == grad_bytes, (where, stats)
         if clip:
             norm = wrapped.clip_grad_norm_(0.05)
             ref_norm = nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
