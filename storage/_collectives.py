@@ -1,0 +1,68 @@
+"""The few collectives storage needs, on small JSON metadata (never pickled tensors)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_group(process_group: Any) -> Any:
+    """The group to use: the given one, the default group when initialised, else None (1 rank)."""
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def rank_world(group: Any) -> tuple[int, int]:
+    """``(rank, world_size)`` within ``group``; ``(0, 1)`` without a group."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_json(obj: Any, group: Any) -> list[Any]:
+    """Every rank's JSON-able ``obj``, in rank order (JSON bytes in uint8 tensors)."""
+    if group is None:
+        return [json.loads(json.dumps(obj))]
+    device, world = _device(group), dist.get_world_size(group)
+    data = json.dumps(obj).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(bufs, buf.to(device), group=group)
+    return [
+        json.loads(bytes(b[: int(s.item())].cpu().numpy()))
+        for b, s in zip(bufs, sizes, strict=True)
+    ]
+
+
+def broadcast_json(obj: Any, group: Any) -> Any:
+    """Group rank 0's JSON-able ``obj`` on every rank (others pass anything, e.g. None)."""
+    if group is None:
+        return obj
+    device, src = _device(group), dist.get_global_rank(group, 0)
+    data = json.dumps(obj).encode() if dist.get_rank(group) == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if data:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(device)
+    dist.broadcast(buf, src=src, group=group)
+    return json.loads(bytes(buf.cpu().numpy()))

@@ -1,0 +1,122 @@
+"""A tiny storage interface over ``str`` URLs (fsspec), with retries and atomic local writes.
+
+[Note: commit on filesystems vs object stores]
+On a local filesystem every object is written to a temporary name, fsynced and renamed, so a
+name that exists always holds complete bytes. Object stores have no rename, but a PUT (or a
+completed multipart upload) is atomic: an object is either absent or whole. Either way the
+manifest's existence is the commit of a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable
+from typing import IO, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from storage._options import IOOptions
+from storage._retry import retry
+
+
+class Store:
+    """An fsspec filesystem rooted at ``url``; every path argument is relative to the root."""
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None, io: IOOptions | None = None
+    ) -> None:
+        if not isinstance(url, (str, os.PathLike)):
+            raise TypeError(f"url must be a str or path, got {type(url).__name__}")
+        self.url = str(url).rstrip("/")
+        self.io = io or IOOptions()
+        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def with_io(self, io: IOOptions) -> Store:
+        """The same store with another I/O policy."""
+        other = object.__new__(Store)
+        other.__dict__.update(self.__dict__, io=io)
+        return other
+
+    def full(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def where(self, rel: str = "") -> str:
+        """A URL for messages."""
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def _retry(self, fn: Callable[[], Any]) -> Any:
+        return retry(self.io, fn)
+
+    def invalidate(self, rel: str = "") -> None:
+        """Drop cached listings (other processes write here too)."""
+        self.fs.invalidate_cache(self.full(rel))
+
+    def exists(self, rel: str = "") -> bool:
+        self.invalidate(rel)
+        return self._retry(lambda: self.fs.exists(self.full(rel)))
+
+    def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
+        """``{name: (type, size)}`` of the entries directly under ``rel``; {} when absent."""
+        self.invalidate(rel)
+        try:
+            entries = self._retry(lambda: self.fs.ls(self.full(rel), detail=True))
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for e in entries:
+            name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+            out[name] = (e.get("type", "file"), int(e.get("size") or 0))
+        return out
+
+    def read(self, rel: str) -> bytes:
+        return self._retry(lambda: self.fs.cat_file(self.full(rel)))
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        data = self._retry(lambda: self.fs.cat_file(self.full(rel), start=start, end=end))
+        if len(data) != end - start:
+            raise OSError(
+                f"short read of {self.where(rel)} bytes [{start}, {end}): got {len(data)}"
+            )
+        return data
+
+    def write(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
+        """Write an object whose bytes ``produce(f)`` writes to ``f``; atomic (see the note)."""
+        self._retry(lambda: self._write_once(rel, produce))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.write(rel, lambda f: f.write(data))
+
+    def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
+        path = self.full(rel)
+        if not self.local:
+            with self.fs.open(path, "wb", block_size=max(self.io.part_bytes, 5 << 20)) as f:
+                produce(f)
+            return
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                produce(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # make the rename itself durable
+        finally:
+            os.close(fd)
+
+    def remove(self, rel: str, recursive: bool = False) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._retry(lambda: self.fs.rm(self.full(rel), recursive=recursive))
+        self.invalidate(rel.rsplit("/", 1)[0] if "/" in rel else "")

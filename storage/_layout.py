@@ -1,0 +1,38 @@
+"""Names inside a checkpoint root (see docs/format.md)."""
+
+from __future__ import annotations
+
+import re
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``step-<N>`` directory name, or None for any other name."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
+
+
+def manifest_path(step: int) -> str:
+    return f"{step_dir(step)}/{MANIFEST}"
+
+
+def object_name(rank: int, index: int, attempt: str) -> str:
+    """A data object: rank, index among that rank's objects, and the save attempt's id."""
+    return f"rank{rank:05d}-{index:03d}-{attempt}.safetensors"
+
+
+def done_marker(step: int, attempt: str, rank: int) -> str:
+    """Written by rank ``rank`` (> 0) when its objects are durable: sizes and checksums (JSON)."""
+    return f"{step_dir(step)}/_done-{attempt}-rank{rank:05d}.json"
+
+
+def abort_marker(step: int, attempt: str) -> str:
+    """Written by rank 0 when an attempt fails, so the other ranks stop waiting for the commit."""
+    return f"{step_dir(step)}/_abort-{attempt}.json"

@@ -1,0 +1,59 @@
+"""Retry known-transient I/O errors with capped exponential backoff; everything else raises."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from storage._options import IOOptions
+
+T = TypeVar("T")
+
+_TRANSIENT_CODES = {
+    "Throttling",
+    "ThrottlingException",
+    "SlowDown",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "503",
+    "500",
+}
+
+
+def _botocore_transient(err: BaseException) -> bool:
+    try:
+        from botocore.exceptions import ClientError, ConnectionError, ReadTimeoutError
+    except ImportError:  # pragma: no cover - s3 extras not installed
+        return False
+    if isinstance(err, (ConnectionError, ReadTimeoutError)):
+        return True
+    if isinstance(err, ClientError):
+        return str(err.response.get("Error", {}).get("Code")) in _TRANSIENT_CODES
+    return False
+
+
+def is_transient(err: BaseException) -> bool:
+    """True for errors worth retrying: connection drops, timeouts, throttling, 5xx."""
+    seen = 0
+    while err is not None and seen < 5:  # s3fs wraps boto errors in OSError; look at the cause
+        if isinstance(err, (ConnectionError, TimeoutError)) or _botocore_transient(err):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def retry(io: IOOptions, fn: Callable[[], T], *, sleep: Callable[[float], None] = time.sleep) -> T:
+    """Call ``fn`` until it succeeds, a non-transient error occurs, or attempts run out."""
+    delay = io.backoff_s
+    for attempt in range(1, io.max_attempts + 1):
+        try:
+            return fn()
+        except Exception as e:
+            if attempt == io.max_attempts or not is_transient(e):
+                raise
+        sleep(delay)
+        delay = min(delay * 2, io.backoff_cap_s)
+    raise AssertionError("unreachable")

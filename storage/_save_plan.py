@@ -1,0 +1,159 @@
+"""Decide, from the metadata every rank gathered, which rank writes which bytes into which object.
+
+[Note: deterministic dedupe of replicated ranges]
+Every rank runs this on the same gathered metadata and gets the same plan, so no second round
+of communication is needed. A tensor's ranges from all ranks are cut into elementary segments;
+a segment held by one rank is written by it, a segment held by several (replicas) is written
+once: split evenly among its holders when large, otherwise given to the least-loaded holder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from storage._dtypes import itemsize, torch_dtype
+from storage._layout import object_name
+from storage._options import SaveOptions
+from storage._ranges import Range, check_range, segments
+from storage._safetensors import layout
+
+
+@dataclass(frozen=True)
+class PlannedPiece:
+    name: str
+    offset: int
+    length: int
+    dtype: torch.dtype
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.offset}"
+
+
+@dataclass
+class PlannedObject:
+    """One data object: its writer, pieces, and (derived) header and byte ranges."""
+
+    name: str
+    rank: int
+    pieces: list[PlannedPiece] = field(default_factory=list)
+    head: bytes = b""
+    byte_ranges: list[tuple[int, int]] = field(default_factory=list)
+    size: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.size - len(self.head)
+
+
+@dataclass
+class SavePlan:
+    attempt: str
+    shapes: dict[str, tuple[tuple[int, ...], str]]  # name -> (global shape, dtype name)
+    objects: list[PlannedObject]
+
+    def for_rank(self, rank: int) -> list[PlannedObject]:
+        return [o for o in self.objects if o.rank == rank]
+
+
+def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -> SavePlan:
+    """The plan for gathered per-rank metadata; ValueError (same on every rank) if inconsistent.
+
+    ``metas[r]["tensors"]`` lists ``[name, shape, dtype, offset, length]`` for rank r.
+    """
+    held: dict[str, dict[int, Range]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for rank, meta in enumerate(metas):
+        for name, shape, dtype, offset, length in meta["tensors"]:
+            shape = tuple(shape)
+            if name in shapes and shapes[name] != (shape, dtype):
+                first = min(held[name])
+                raise ValueError(
+                    f"tensor {name!r}: rank {rank} has shape={shape} dtype={dtype} but rank "
+                    f"{first} has shape={shapes[name][0]} dtype={shapes[name][1]}"
+                )
+            shapes[name] = (shape, dtype)
+            rng = Range(offset, length)
+            check_range(rng, math.prod(shape), f"tensor {name!r} on rank {rank}")
+            held.setdefault(name, {})[rank] = rng
+
+    load = [0] * len(metas)
+    per_rank: dict[int, list[PlannedPiece]] = {r: [] for r in range(len(metas))}
+    for name in sorted(held):
+        shape, dtype_s = shapes[name]
+        dtype = torch_dtype(dtype_s)
+        size = itemsize(dtype)
+        numel = math.prod(shape)
+        segs = segments(held[name].values())
+        covered = 0
+        for seg in segs:
+            if seg.offset != covered:
+                break
+            covered = seg.end
+        if covered != numel:
+            raise ValueError(
+                f"tensor {name!r} {shape=}: elements [{covered}, ...) are held by no rank; "
+                "the ranks' ranges must together cover the whole tensor"
+            )
+        for seg in segs:
+            holders = sorted(
+                r for r, rng in held[name].items() if rng.offset <= seg.offset < rng.end
+            )
+            if len(holders) > 1 and seg.length * size >= options.replica_split_bytes:
+                bounds = [
+                    seg.offset + seg.length * i // len(holders) for i in range(len(holders) + 1)
+                ]
+                parts = [(holders[i], bounds[i], bounds[i + 1]) for i in range(len(holders))]
+            else:
+                writer = min(holders, key=lambda r: (load[r], r))
+                parts = [(writer, seg.offset, seg.end)]
+            for writer, lo, hi in parts:
+                if hi == lo:
+                    continue
+                load[writer] += (hi - lo) * size
+                mine = per_rank[writer]
+                if mine and mine[-1].name == name and mine[-1].offset + mine[-1].length == lo:
+                    prev = mine.pop()  # contiguous with the previous piece: extend it
+                    lo = prev.offset
+                mine.append(PlannedPiece(name, lo, hi - lo, dtype))
+
+    objects: list[PlannedObject] = []
+    for rank, pieces in per_rank.items():
+        objects.extend(_pack(rank, pieces, attempt, options.object_bytes))
+    return SavePlan(attempt, shapes, objects)
+
+
+def _pack(rank: int, pieces: list[PlannedPiece], attempt: str, cap: int) -> list[PlannedObject]:
+    """Pack a rank's pieces into objects of at most ``cap`` payload bytes (splitting big ones)."""
+    objects: list[PlannedObject] = []
+    current: list[PlannedPiece] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal current, used
+        if current:
+            obj = PlannedObject(object_name(rank, len(objects), attempt), rank, current)
+            obj.head, obj.byte_ranges, obj.size = layout(
+                [(p.key, p.dtype, p.length) for p in current]
+            )
+            objects.append(obj)
+        current, used = [], 0
+
+    for piece in pieces:
+        size = itemsize(piece.dtype)
+        offset, left = piece.offset, piece.length
+        while left:
+            room = (cap - used) // size
+            if room <= 0 and current:
+                close()
+                continue
+            take = min(left, max(room, 1))  # an object holds at least one element
+            current.append(PlannedPiece(piece.name, offset, take, piece.dtype))
+            used += take * size
+            offset, left = offset + take, left - take
+    close()
+    return objects

@@ -1,0 +1,105 @@
+"""Flatten a nested state into dotted names: tensor leaves (with a flat range) and JSON values."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from storage._dtensor import dtensor_range, is_dtensor
+from storage._dtypes import dtype_name
+from storage._flat_shard import FlatShard
+from storage._ranges import Range
+
+
+@dataclass
+class TensorLeaf:
+    """One tensor of the state as this rank holds it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    range: Range  # the elements of the global tensor this rank holds
+    local: torch.Tensor  # numel == range.length, values in row-major order
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ValueLeaf:
+    """A JSON-able leaf and where it lives, so that ``load`` can replace it in place."""
+
+    name: str
+    value: Any
+    parent: MutableMapping | list
+    key: Any
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, FlatShard)):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
+    if isinstance(obj, FlatShard):
+        shape, rng, local = obj.global_shape, Range(obj.offset, obj.length), obj.local
+    elif is_dtensor(obj):
+        shape, rng, local = dtensor_range(name, obj)
+    else:
+        shape, rng, local = tuple(obj.shape), Range(0, obj.numel()), obj
+    dtype_name(local.dtype)  # raises for dtypes the format cannot hold
+    return TensorLeaf(name, tuple(int(d) for d in shape), local.dtype, rng, local)
+
+
+def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:
+    """Split ``state`` into tensor leaves and JSON value leaves keyed by dotted name.
+
+    Mappings (str or int keys) and lists holding tensors are walked; any other leaf must be a
+    tensor, a ``FlatShard``, a DTensor, or JSON-serialisable. Two paths that flatten to the same
+    dotted name raise ``ValueError``.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+    tensors: dict[str, TensorLeaf] = {}
+    values: dict[str, ValueLeaf] = {}
+
+    def visit(prefix: str, parent: Any, key: Any, obj: Any) -> None:
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if name in tensors or name in values:
+            raise ValueError(f"two entries of the state flatten to the same name {name!r}")
+        if isinstance(obj, (torch.Tensor, FlatShard)):
+            tensors[name] = _tensor_leaf(name, obj)
+        elif isinstance(obj, Mapping) or (isinstance(obj, list) and _has_tensor(obj)):
+            walk(name, obj)
+        elif isinstance(obj, tuple) and _has_tensor(obj):
+            raise TypeError(f"{name}: tuples holding tensors are not supported; use a list")
+        else:
+            try:
+                json.dumps(obj)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"{name}: value of type {type(obj).__name__} is neither a tensor nor "
+                    f"JSON-serialisable ({e}); convert it before saving"
+                ) from e
+            values[name] = ValueLeaf(name, obj, parent, key)
+
+    def walk(prefix: str, obj: Any) -> None:
+        items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+        for key, child in items:
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise TypeError(f"{prefix or '<root>'}: key {key!r} must be a str or int")
+            visit(prefix, obj, key, child)
+
+    walk("", state)
+    return tensors, values

@@ -1,0 +1,233 @@
+"""Multi-rank save / load on real gloo groups: N -> M resharding, replica dedupe, async, DTensor.
+
+One spawn of 4 ranks; sub-groups of the first N ranks play world sizes 1..4. Every loaded shard is
+compared bitwise with the slice of the unsharded reference that layout would hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import storage
+from tests._dist import run_ranks
+from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
+
+# Small checksum blocks so that bytes read stay within 5% of bytes needed for these sizes.
+OPTIONS = storage.SaveOptions(checksum_block_bytes=256, object_bytes=300_000)
+SHAPES = {"embed": (96, 64), "block.w": (64, 80), "block.b": (80,), "head": (80, 50)}
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def _flat_layout(world: int) -> list[list[tuple[int, int]]]:
+    """FSDP-style: all tensors concatenated, cut at uneven rank boundaries (weights 1, 2, ...).
+
+    Returns, per rank, each tensor's ``(offset, length)`` (possibly empty).
+    """
+    sizes = [torch.Size(s).numel() for s in SHAPES.values()]
+    total = sum(sizes)
+    weights = list(range(1, world + 1))
+    cuts = [total * sum(weights[:r]) // sum(weights) for r in range(world + 1)]
+    out = []
+    for r in range(world):
+        lo, hi, start, mine = cuts[r], cuts[r + 1], 0, []
+        for n in sizes:
+            a, b = max(lo, start), min(hi, start + n)
+            mine.append((a - start, max(b - a, 0)) if b > a else (0, 0))
+            start += n
+        out.append(mine)
+    return out
+
+
+def _state(rank: int, world: int, ref: dict[str, torch.Tensor], fill: float | None) -> dict:
+    """Model + AdamW-like state of rank ``rank`` in a world of ``world`` (``fill``: blank)."""
+    layout = _flat_layout(world)[rank]
+
+    def shard(scale: float) -> dict[str, storage.FlatShard]:
+        out = {}
+        for (name, t), (off, n) in zip(ref.items(), layout, strict=True):
+            local = (t * scale).reshape(-1)[off : off + n].clone()
+            if fill is not None:
+                local.fill_(fill)
+            out[name] = storage.FlatShard(t.shape, off, local)
+        return out
+
+    step = torch.tensor(0.0 if fill is not None else 42.0)
+    return {
+        "model": shard(1.0),
+        "optim": {"exp_avg": shard(0.5), "exp_avg_sq": shard(0.25), "step": step},
+        "trainer": {"step": 0 if fill is not None else 42, "cursor": [7, 3]},
+    }
+
+
+def _check(state: dict, ref: dict[str, torch.Tensor], case: str) -> None:
+    for group, scale in (("model", 1.0), ("exp_avg", 0.5), ("exp_avg_sq", 0.25)):
+        shards = state["model"] if group == "model" else state["optim"][group]
+        for name, s in shards.items():
+            want = (ref[name] * scale).reshape(-1)[s.offset : s.offset + s.length]
+            assert torch.equal(s.local, want), f"{case}: {group}.{name} differs"
+    assert state["optim"]["step"].item() == 42.0 and state["trainer"]["step"] == 42, case
+
+
+def _reshard_grid(
+    rank: int, groups: dict[int, Any], root: str, opts: dict | None, cases: tuple
+) -> None:
+    ref = _reference()
+    for n, m in cases:
+        case, url = f"{n}->{m}", f"{root}/reshard-{n}-{m}"
+        if rank < n:
+            storage.save(
+                _state(rank, n, ref, None),
+                url,
+                step=5,
+                process_group=groups[n],
+                storage_options=opts,
+                options=OPTIONS,
+            )
+        dist.barrier()
+        if rank < m:
+            target = _state(rank, m, ref, fill=float("nan"))
+            res = storage.load(target, url, process_group=groups[m], storage_options=opts)
+            _check(target, ref, case)
+            assert res.saved_world_size == n and res.step == 5
+            assert res.bytes_read <= 1.05 * res.bytes_needed, (case, res)
+        dist.barrier()
+
+
+def _failed_load_is_atomic(rank: int, groups: dict[int, Any], root: str) -> None:
+    """Corrupt bytes only rank 1 reads: every rank's load fails, rank 0's target is untouched."""
+    ref, url = _reference(), f"{root}/atomic"
+    if rank < 2:
+        storage.save(_state(rank, 2, ref, None), url, step=1, process_group=groups[2])
+    if rank == 0:
+        tail = storage.read_manifest(url).tensors["model.head"].pieces[-1]
+        path = f"{url}/step-1/{tail.object}"
+        with open(path, "r+b") as f:
+            f.seek(tail.byte_end - 1)
+            byte = f.read(1)[0]
+            f.seek(tail.byte_end - 1)
+            f.write(bytes([byte ^ 0xFF]))
+    dist.barrier()
+    if rank < 2:
+        target = _state(rank, 2, ref, fill=float("nan"))
+        expected = pytest.raises(storage.CorruptCheckpointError, match="model.head")
+        if rank == 0:
+            expected = pytest.raises(storage.CheckpointError, match=r"failed on rank\(s\) \[1\]")
+        with expected:
+            storage.load(target, url, process_group=groups[2])
+        for shards in (target["model"], target["optim"]["exp_avg"]):
+            for s in shards.values():
+                assert s.local.isnan().all(), "a failed load must not write anything"
+        assert target["trainer"]["step"] == 0
+    dist.barrier()
+
+
+def _dedupe_cases(rank: int, world: int, root: str) -> None:
+    """Replicas (hybrid: 2 groups of 2) and whole tensors on all ranks are written once."""
+    ref = _reference()
+    pair = _flat_layout(2)[rank % 2]  # ranks {0, 2} and {1, 3} hold the same ranges
+    state = {
+        "w": {
+            n: storage.FlatShard(t.shape, o, t.reshape(-1)[o : o + k].clone())
+            for (n, t), (o, k) in zip(ref.items(), pair, strict=True)
+        },
+        "table": ref["embed"].clone(),  # replicated on every rank
+    }
+    opts = storage.SaveOptions(checksum_block_bytes=256, replica_split_bytes=4096)
+    url = f"{root}/dedupe"
+    storage.save(state, url, step=1, options=opts)
+    manifest = storage.read_manifest(url)
+    payload = sum(p.length * 4 for t in manifest.tensors.values() for p in t.pieces)
+    assert payload == sum(t.numel() * 4 for t in ref.values()) + ref["embed"].numel() * 4
+    writers = {p.object[:9] for t in manifest.tensors.values() for p in t.pieces}
+    assert writers == {f"rank{r:05d}" for r in range(world)}, writers  # work is spread
+    table_writers = {p.object[:9] for p in manifest.tensors["table"].pieces}
+    assert len(table_writers) == world  # a big replicated tensor is split among its holders
+    full = storage.load_state_dict(url)
+    for n, t in ref.items():
+        assert torch.equal(full[f"w.{n}"], t)
+    assert torch.equal(full["table"], ref["embed"])
+
+
+def _async_cases(rank: int, world: int, root: str) -> None:
+    ref = _reference()
+    url = f"{root}/async"
+    state = _state(rank, world, ref, None)
+    h = storage.save(state, url, step=1, async_save=True, options=OPTIONS)
+    # Training goes on with collectives while the upload runs in the background.
+    x = torch.ones(4) * rank
+    for _ in range(3):
+        dist.all_reduce(x)
+    state["model"]["embed"].local.zero_()
+    h.wait()
+    assert h.done() and h.blocking_seconds > 0
+    target = _state(rank, world, ref, fill=float("nan"))
+    storage.load(target, url)
+    _check(target, ref, "async")
+
+    # A failure on one rank fails the save on every rank (nobody hangs) and commits nothing.
+    if rank == 2:
+        from storage._fs import Store
+
+        real = Store._write_once
+
+        def broken(self: Store, rel: str, produce: Any) -> None:
+            if rel.endswith(".safetensors"):
+                raise OSError("injected: disk full on rank 2")
+            real(self, rel, produce)
+
+        Store._write_once = broken
+    h = storage.save(_state(rank, world, ref, None), url, step=2, async_save=True, options=OPTIONS)
+    with pytest.raises((OSError, storage.CheckpointError)) as err:
+        h.wait()
+    assert "rank 2" in str(err.value), err.value
+    if rank == 2:
+        Store._write_once = real
+    dist.barrier()
+    assert storage.list_steps(url) == [1]
+    storage.save(_state(rank, world, ref, None), url, step=3, async_save=True).wait()
+    assert storage.list_steps(url) == [1, 3]
+
+
+def _dtensor_cases(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(3)
+    full = {"a": torch.randn(7, 6, generator=g), "b": torch.randn(9, generator=g)}
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    mesh1 = init_device_mesh("cpu", (world,))
+    saved = {k: distribute_tensor(v, mesh2, [Replicate(), Shard(0)]) for k, v in full.items()}
+    url = f"{root}/dtensor"
+    storage.save(saved, url, step=1)
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh1, [Shard(0)]) for k, v in full.items()}
+    storage.load(target, url)
+    for k, v in full.items():
+        assert torch.equal(target[k].full_tensor(), v)
+    full_sd = storage.load_state_dict(url)
+    for k, v in full.items():
+        assert torch.equal(full_sd[k], v)
+
+
+def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
+    groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
+    _reshard_grid(rank, groups, root, None, ((2, 1), (2, 3), (3, 2), (4, 3), (1, 4)))
+    _reshard_grid(rank, groups, s3_root, s3_opts, ((3, 2),))
+    _failed_load_is_atomic(rank, groups, root)
+    _dedupe_cases(rank, world, root)
+    _async_cases(rank, world, root)
+    _dtensor_cases(rank, world, root)
+    return "ok"
+
+
+@pytest.mark.timeout(240)
+def test_storage_multirank(tmp_path: Any, s3_bucket_url: str, s3_endpoint: dict) -> None:  # noqa: F811
+    results = run_ranks(_main, 4, str(tmp_path), s3_bucket_url, dict(s3_endpoint))
+    assert results == ["ok"] * 4
