@@ -130,6 +130,30 @@ def broadcast_flat(
     dist.broadcast(tensor, src=src, group=group)
 
 
+def all_gather_rows(
+    rows: torch.Tensor,
+    groups: list[dist.ProcessGroup],
+    *,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n] in rank order.
+
+    With two groups (shard, then replicate) the result is ordered by replica, then shard rank.
+    """
+    for group in groups:
+        world = group_size(group)
+        if world == 1:
+            continue
+        out = torch.empty(
+            (world * rows.shape[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device
+        )
+        if stats is not None:
+            stats.record("all_gather", (world - 1) * rows.numel() * rows.element_size())
+        _all_gather_single(out, rows.contiguous(), group=group)
+        rows = out
+    return rows
+
+
 def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
     """Every rank's list of ints (lists may differ in length). Used for wrap-time checks."""
     world = group_size(group)

@@ -2,8 +2,8 @@
 
 One :class:`Runtime` per wrapped model. It registers, on each unit's module:
 
-- a forward pre-hook: unshard, expose the full-shape views, and route the module's inputs
-  through :class:`_InputsGradHook` so we learn when the unit's backward has finished;
+- a forward pre-hook: unshard, expose the full-shape views, and hook the module's inputs'
+  gradients (``register_multi_grad_hook``) so we learn when the unit's backward has finished;
 - a forward hook: reshard (FULL_SHARD, except the root, which stays unsharded until its
   backward) and hook the outputs' gradients to unshard again before the unit's backward;
 
@@ -18,41 +18,36 @@ runs the same model on the same control flow (see FIELD.md: rank-divergent contr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
 
+from ._collectives import all_gather_ints, all_reduce_flat
 from ._common import Phase, ShardingStrategy
 from ._unit import FlatParamUnit
 
 
-class _InputsGradHook(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward tells the runtime their gradients are done."""
-
-    @staticmethod
-    def forward(ctx: Any, on_backward: Callable[[], None], *tensors: torch.Tensor) -> Any:
-        ctx.on_backward = on_backward
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.on_backward()
-        return (None, *grads)
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples / lists / dicts, keeping the structure."""
+def _tensors_in(value: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Every tensor in nested tuples, lists, dicts and dataclasses (model inputs/outputs)."""
+    out = [] if out is None else out
     if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_map_tensors(v, fn) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
-    return value
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors_in(v, out)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _tensors_in(v, out)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _tensors_in(getattr(value, f.name), out)
+    return out
 
 
 class _UnitRun:
@@ -69,8 +64,14 @@ class _UnitRun:
 class Runtime:
     """Owns the units of one wrapped model and the hooks that drive them."""
 
-    def __init__(self, units: list[FlatParamUnit], strategy: ShardingStrategy) -> None:
+    def __init__(
+        self,
+        units: list[FlatParamUnit],
+        strategy: ShardingStrategy,
+        group: dist.ProcessGroup | None,
+    ) -> None:
         self.units = units
+        self.group = group  # every data-parallel rank: agrees which parameters got gradients
         self.root = units[0]
         self.strategy = strategy
         self.phase = Phase.IDLE
@@ -88,7 +89,7 @@ class Runtime:
                 module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
             )
             self._handles.append(module.register_forward_hook(self._post_forward_hook(unit)))
-            if unit.trainable:
+            if unit.infos:
                 self._handles.append(
                     unit.leaf.register_post_accumulate_grad_hook(self._grad_hook(unit))
                 )
@@ -100,72 +101,92 @@ class Runtime:
 
     # ---------------------------------------------------------------- forward
     def _pre_forward_hook(self, unit: FlatParamUnit) -> Callable:
-        def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if unit is self.root and self.phase is not Phase.BACKWARD:
-                self.phase = Phase.FORWARD
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            recomputing = self.phase is Phase.BACKWARD  # activation checkpointing
+            if unit is self.root and not recomputing:
+                self._begin_forward()
             unit.unshard()
             unit.expose_unsharded()
-            if not torch.is_grad_enabled():
-                return args, kwargs
+            if recomputing or not torch.is_grad_enabled():
+                return
             run = self._runs[id(unit)]
             run.wants_grad = run.wants_grad or bool(unit.trainable)
-            return self._hook_inputs(unit, args, kwargs)
+            if unit is not self.root:
+                self._hook_inputs(unit, (args, kwargs))
 
         return hook
 
-    def _hook_inputs(self, unit: FlatParamUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        needing: list[torch.Tensor] = []
-        _map_tensors((args, kwargs), lambda t: needing.append(t) if t.requires_grad else None)
-        if not needing or unit is self.root:
-            return args, kwargs
+    def _begin_forward(self) -> None:
+        self.phase = Phase.FORWARD
+        for unit in self.units:
+            # Gathered before an optimizer step that no backward followed (a forward for
+            # metrics, say): the full buffer holds the old weights. Every rank runs the root's
+            # forward, so this local reshard keeps the ranks' collectives in step.
+            if unit.is_stale():
+                unit.reshard()
+
+    def _hook_inputs(self, unit: FlatParamUnit, inputs: Any) -> None:
+        needing = [t for t in _tensors_in(inputs) if t.requires_grad]
+        if not needing:
+            return
         self._runs[id(unit)].inputs_pending += 1
-        hooked = iter(_InputsGradHook.apply(lambda: self._inputs_grad_done(unit), *needing))
-        return _map_tensors((args, kwargs), lambda t: next(hooked) if t.requires_grad else t)
+        register_multi_grad_hook(needing, lambda grads: self._inputs_grad_done(unit), mode="all")
 
     def _post_forward_hook(self, unit: FlatParamUnit) -> Callable:
-        def hook(module: Any, args: tuple, output: Any) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:
             if self.phase is Phase.BACKWARD:
-                return output  # recomputation inside backward: reshard after backward
+                return  # recomputation inside backward: reshard after backward
             if not torch.is_grad_enabled():
                 unit.reshard()  # no backward will come (evaluation)
             else:
                 if unit is not self.root and self.strategy is ShardingStrategy.FULL_SHARD:
                     unit.reshard()
-                _map_tensors(output, self._output_hooker(unit))
+                hooked = 0
+                for t in _tensors_in(output):
+                    if t.requires_grad:
+                        t.register_hook(lambda grad: self._pre_backward(unit))
+                        hooked += 1
+                if unit is self.root and not hooked and any(u.trainable for u in self.units):
+                    warnings.warn(
+                        "ftsdp.FSDP: the forward ran with gradients enabled but returned no "
+                        "tensor that requires grad where ftsdp can see it (tensors inside "
+                        "tuples, lists, dicts and dataclasses are found); if a backward "
+                        "follows, the root's gradients are still reduced, but units are "
+                        "gathered late. Return tensors in one of those containers.",
+                        stacklevel=2,
+                    )
             if unit is self.root:
                 self.phase = Phase.IDLE
-            return output
 
         return hook
 
-    def _output_hooker(self, unit: FlatParamUnit) -> Callable[[torch.Tensor], None]:
-        def register(t: torch.Tensor) -> None:
-            if t.requires_grad:
-                t.register_hook(lambda grad: self._pre_backward(unit))
-
-        return register
-
     # ---------------------------------------------------------------- backward
-    def _pre_backward(self, unit: FlatParamUnit) -> None:
-        """Before the unit's backward: make sure its full parameters are there again."""
+    def _ensure_callback(self) -> None:
         if not self._callback_queued:
             self.phase = Phase.BACKWARD
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _pre_backward(self, unit: FlatParamUnit) -> None:
+        """Before the unit's backward: make sure its full parameters are there again."""
+        self._ensure_callback()
         unit.unshard()
+        unit.expose_unsharded()  # recomputation (activation checkpointing) reads the modules
 
     def _grad_hook(self, unit: FlatParamUnit) -> Callable[[torch.Tensor], None]:
         def hook(leaf: torch.Tensor) -> None:
+            self._ensure_callback()
             grad, leaf.grad = leaf.grad, None
             unit.add_unsharded_grad(grad)
-            if not self.no_sync:
-                unit.reduce_grad()
+            if not self.no_sync and not unit.deterministic:
+                unit.reduce_grad()  # deterministic reductions wait for the end of backward
             self._runs[id(unit)].grad_seen = True
             self._maybe_reshard_after_backward(unit)
 
         return hook
 
     def _inputs_grad_done(self, unit: FlatParamUnit) -> None:
+        self._ensure_callback()
         self._runs[id(unit)].inputs_pending -= 1
         self._maybe_reshard_after_backward(unit)
 
@@ -183,14 +204,43 @@ class Runtime:
         """Autograd engine callback: all of backward has run."""
         try:
             if not self.no_sync:
-                for unit in self.units:  # gradients kept under no_sync whose hook did not fire
+                self._check_contribution_counts()
+                for unit in self.units:  # kept under no_sync, or deterministic, or not yet hooked
                     if unit.has_unreduced_grad():
                         unit.reduce_grad()
-            for unit in self.units:
-                unit.finish_reduction()
+                used = self._agree_used_parameters()
+                for unit, mask in zip(self.units, used, strict=True):
+                    unit.finish_reduction(mask)
             for unit in self.units:
                 unit.reshard()
         finally:
             self._runs = {id(u): _UnitRun() for u in self.units}
             self._callback_queued = False
             self.phase = Phase.IDLE
+
+    def _agree_used_parameters(self) -> list[list[bool]]:
+        """Which parameters got a gradient on any rank (one small all-reduce per step)."""
+        masks = [unit.used_mask() for unit in self.units]
+        flat = [flag for mask in masks for flag in mask]
+        if flat and self.group is not None:
+            agreed = torch.tensor(flat, dtype=torch.uint8, device=self.root.device)
+            all_reduce_flat(agreed, self.group, op=dist.ReduceOp.MAX)
+            flat = [bool(v) for v in agreed.tolist()]
+        out, start = [], 0
+        for mask in masks:
+            out.append(flat[start : start + len(mask)])
+            start += len(mask)
+        return out
+
+    def _check_contribution_counts(self) -> None:
+        """Deterministic mode gathers equal numbers of micro-batch gradients from every rank."""
+        if not any(u.deterministic for u in self.units) or self.group is None:
+            return
+        counts = [u.contribution_count() for u in self.units]
+        everyone = all_gather_ints(counts, self.group)
+        if any(row != everyone[0] for row in everyone):
+            raise RuntimeError(
+                "deterministic mode: ranks ran different numbers of backward passes this step "
+                f"(per unit, by rank: {everyone}); every rank must run the same number of "
+                "micro-batches"
+            )

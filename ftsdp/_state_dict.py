@@ -41,18 +41,22 @@ class ShardView:
             )
 
 
-def param_index(units: list[FlatParamUnit], module: nn.Module) -> dict[str, ParamInfo]:
-    """Every name ``module.named_parameters(remove_duplicate=False)`` yields -> its ParamInfo."""
+def param_index(
+    units: list[FlatParamUnit], names: list[tuple[str, nn.Parameter]]
+) -> dict[str, ParamInfo]:
+    """Every parameter name (tied parameters under each of their names) -> its ParamInfo."""
     by_param = {id(info.sharded_param): info for unit in units for info in unit.infos}
     index: dict[str, ParamInfo] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
+    for name, p in names:
         info = by_param.get(id(p))
         assert info is not None, f"{name} is not managed by a unit"
         index[name] = info
     return index
 
 
-def full_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    units: list[FlatParamUnit], module: nn.Module, names: list[tuple[str, nn.Parameter]]
+) -> dict[str, torch.Tensor]:
     """The unsharded state with exactly the unwrapped module's keys (a collective call)."""
     full_params: dict[int, torch.Tensor] = {}
     for unit in units:
@@ -64,7 +68,7 @@ def full_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[str, 
             full = gathered[info.offset : info.offset + info.numel].view(info.shape).clone()
             full_params[id(info.sharded_param)] = full
     out: dict[str, torch.Tensor] = {}
-    index = param_index(units, module)
+    index = param_index(units, names)
     for key, value in module.state_dict(keep_vars=True).items():
         info = index.get(key)
         out[key] = full_params[id(info.sharded_param)] if info else value.detach()
@@ -72,7 +76,11 @@ def full_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[str, 
 
 
 def load_full_state_dict(
-    units: list[FlatParamUnit], module: nn.Module, state: dict[str, Any], strict: bool
+    units: list[FlatParamUnit],
+    module: nn.Module,
+    names: list[tuple[str, nn.Parameter]],
+    state: dict[str, Any],
+    strict: bool,
 ) -> tuple[list[str], list[str]]:
     """Copy each rank's slice of full tensors into the shards; returns (missing, unexpected)."""
     expected = module.state_dict(keep_vars=True)
@@ -83,7 +91,7 @@ def load_full_state_dict(
             f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
             "pass strict=False to load the keys that match"
         )
-    index = param_index(units, module)
+    index = param_index(units, names)
     plan: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source) pairs
     for key, current in expected.items():
         if key not in state:
@@ -107,9 +115,11 @@ def load_full_state_dict(
     return missing, unexpected
 
 
-def sharded_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[str, ShardView]:
+def sharded_state_dict(
+    units: list[FlatParamUnit], module: nn.Module, names: list[tuple[str, nn.Parameter]]
+) -> dict[str, ShardView]:
     """Parameters (each once, under its first name) and persistent buffers as ShardViews."""
-    index = param_index(units, module)
+    index = param_index(units, names)
     out: dict[str, ShardView] = {}
     seen: set[int] = set()
     for key, value in module.state_dict(keep_vars=True).items():
@@ -124,7 +134,9 @@ def sharded_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[st
 
 
 def sharded_optim_state_dict(
-    units: list[FlatParamUnit], module: nn.Module, optimizer: torch.optim.Optimizer
+    units: list[FlatParamUnit],
+    names: list[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
 ) -> dict[str, Any]:
     """Optimizer state keyed by parameter name; state mirroring a parameter as ShardViews.
 
@@ -133,20 +145,20 @@ def sharded_optim_state_dict(
     parameter's local length (AdamW ``exp_avg``, ``exp_avg_sq``) is a ShardView over the same
     range as the parameter; 0-dim tensors (``step``) and other values are replicated as is.
     """
-    names: dict[int, tuple[str, ParamInfo]] = {}
-    for name, info in param_index(units, module).items():
-        names.setdefault(id(info.sharded_param), (name, info))
+    by_param: dict[int, tuple[str, ParamInfo]] = {}
+    for name, info in param_index(units, names).items():
+        by_param.setdefault(id(info.sharded_param), (name, info))
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     for group in optimizer.param_groups:
         group_names = []
         for p in group["params"]:
-            if id(p) not in names:
+            if id(p) not in by_param:
                 raise ValueError(
                     "the optimizer holds a parameter that is not one of this model's; create "
                     "the optimizer from model.parameters() after wrapping"
                 )
-            name, info = names[id(p)]
+            name, info = by_param[id(p)]
             group_names.append(name)
             entry: dict[str, Any] = {}
             for key, value in optimizer.state.get(p, {}).items():

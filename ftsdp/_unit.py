@@ -37,7 +37,9 @@ that is when the unit's gradient is final and its reduce-scatter can start.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,7 @@ from torch import nn
 from ._collectives import (
     CommStats,
     all_gather_flat,
+    all_gather_rows,
     all_reduce_flat,
     broadcast_flat,
     group_rank,
@@ -91,8 +94,10 @@ class FlatParamUnit:
         device: torch.device,
         sync_module_states: bool,
         stats: CommStats,
+        deterministic: bool = False,
     ) -> None:
         self.module = plan.module
+        self.deterministic = deterministic
         self.fqn = plan.fqn
         self.strategy = strategy
         self.shard_group = shard_group
@@ -132,15 +137,19 @@ class FlatParamUnit:
         # F equal shards: one all_gather_into_tensor / reduce_scatter_tensor per unit.
         self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
         self.padded_numel = self.shard_numel * self.factor
-        self.trainable = [info for info in self.infos if info.requires_grad]
 
         self.shard = self._build_shard(params, device, sync_module_states, broadcast_group)
         self._make_local_params(params)
         self._make_full_buffer()
-        self.sharded_grad: torch.Tensor | None = None  # 1-D [shard_numel], grads are views
-        self._grad_views: list[torch.Tensor] = []
+        # The flat sharded gradient the parameters' .grad are views of. Held weakly: once the
+        # user drops the .grad views (zero_grad(set_to_none=True)), its memory is freed.
+        self._sharded_grad_ref: weakref.ref | None = None
         self._unsharded_grad: torch.Tensor | None = None  # 1-D [padded_numel] (no_sync)
-        self._pending: list[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = []
+        self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
+        self._used = [False] * len(self.infos)  # which parameters got a gradient
+        self._gathered_version = -1  # the shard's version when it was last all-gathered
+        # (work, output, divisor, keep-alive): reductions started, not yet accumulated
+        self._pending: list[tuple[dist.Work | None, torch.Tensor, int, torch.Tensor]] = []
 
     # ---------------------------------------------------------------- construction
     def _build_shard(
@@ -197,8 +206,8 @@ class FlatParamUnit:
             (1,),
         )
         self._split_sizes = [info.numel for info in self.infos] + [self.padded_numel - self.numel]
-        if self.trainable:
-            self._leaf.requires_grad_(True)
+        if self.infos:
+            self._leaf.requires_grad_(True)  # toggled per forward; see expose_unsharded()
         if self.frees_memory:
             self._full.untyped_storage().resize_(0)
 
@@ -211,6 +220,16 @@ class FlatParamUnit:
     def frees_memory(self) -> bool:
         """Whether resharding releases the full buffer (it is a separate allocation)."""
         return self.factor > 1
+
+    @property
+    def trainable(self) -> list[ParamInfo]:
+        """Parameters that train now (``requires_grad`` may change after wrapping)."""
+        return [info for info in self.infos if info.sharded_param.requires_grad]
+
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """The flat sharded gradient, while any parameter's ``.grad`` still refers to it."""
+        return None if self._sharded_grad_ref is None else self._sharded_grad_ref()
 
     @property
     def leaf(self) -> torch.Tensor:
@@ -232,20 +251,41 @@ class FlatParamUnit:
             self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
             with torch.no_grad():
                 all_gather_flat(self._full, self.shard, self.shard_group, stats=self.stats)
+        self._gathered_version = self.shard._version
         self.state = UnitState.UNSHARDED
 
+    def is_stale(self) -> bool:
+        """Unsharded, but the shard changed since (an optimizer step without a backward)."""
+        return (
+            self.frees_memory
+            and self.state is UnitState.UNSHARDED
+            and self.shard._version != self._gathered_version
+        )
+
     def expose_unsharded(self) -> None:
-        """Point every module at full-shape views of the unsharded parameter (per forward)."""
+        """Point every module at full-shape views of the unsharded parameter.
+
+        Called before every forward (and before backward, for recomputation). A view is
+        detached when its parameter is frozen now; a trainable view gets a hook recording that
+        the parameter received a gradient (unused parameters keep ``grad=None``).
+        """
         assert self.state is UnitState.UNSHARDED, self.fqn
         if not self.infos:
             return
+        trains = [info.sharded_param.requires_grad for info in self.infos]
+        self._leaf.requires_grad_(any(trains))
         chunks = torch.split(self._leaf, self._split_sizes)  # see [Note: one split per forward]
-        for info, chunk in zip(self.infos, chunks, strict=False):
+        for i, (info, chunk, train) in enumerate(zip(self.infos, chunks, trains, strict=False)):
             view = chunk.view(info.shape)
-            if not info.requires_grad:
+            if not train:
                 view = view.detach()
+            elif view.requires_grad:
+                view.register_hook(partial(self._mark_used, i))
             for module, name in info.refs:
                 module._parameters[name] = view
+
+    def _mark_used(self, index: int, grad: torch.Tensor) -> None:
+        self._used[index] = True
 
     def reshard(self) -> None:
         """UNSHARDED -> SHARDED: free the full buffer; modules see their 1-D local slices."""
@@ -260,17 +300,35 @@ class FlatParamUnit:
 
     # ---------------------------------------------------------------- gradients
     def add_unsharded_grad(self, grad: torch.Tensor) -> None:
-        """Keep a flat (padded) gradient until it is reduced; sums under ``no_sync``."""
-        if self._unsharded_grad is None:
+        """Keep one backward's flat (padded) gradient until it is reduced.
+
+        Summed under ``no_sync``; kept one by one in deterministic mode (see
+        [Note: deterministic reduction]).
+        """
+        if self.deterministic:
+            self._contributions.append(grad)
+        elif self._unsharded_grad is None:
             self._unsharded_grad = grad
         else:
             self._unsharded_grad += grad
 
     def has_unreduced_grad(self) -> bool:
-        return self._unsharded_grad is not None
+        return self._unsharded_grad is not None or bool(self._contributions)
+
+    def contribution_count(self) -> int:
+        return len(self._contributions)
+
+    def drop_unreduced_grad(self) -> None:
+        """Forget gradients kept for a later reduction (``model.zero_grad()``)."""
+        self._unsharded_grad = None
+        self._contributions.clear()
+        self._used = [False] * len(self.infos)
 
     def reduce_grad(self) -> None:
         """Start reducing the kept flat gradient: reduce-scatter (sharded) or all-reduce."""
+        if self.deterministic:
+            self._reduce_deterministic()
+            return
         grad, self._unsharded_grad = self._unsharded_grad, None
         assert grad is not None, self.fqn
         if self.factor > 1:
@@ -279,36 +337,70 @@ class FlatParamUnit:
         else:
             out = grad
             work = all_reduce_flat(out, self.replicate_group, async_op=True, stats=self.stats)
-        self._pending.append((work, out, grad))
+        self._pending.append((work, out, self.data_parallel_size, grad))
 
-    def finish_reduction(self) -> None:
-        """Wait for this unit's reductions and accumulate them into the sharded gradient."""
-        for work, out, _keepalive in self._pending:
+    def _reduce_deterministic(self) -> None:
+        """[Note: deterministic reduction]
+        Every rank holds k flat gradients, one per micro-batch, in order. Gathering them all
+        and summing in (rank, order) sequence gives, on every rank, the same left-to-right sum
+        of the same per-micro-batch gradients for ANY world size, provided rank r ran the
+        r-th contiguous block of micro-batches. Divided by the number of micro-batches, it is
+        the mean gradient, bitwise independent of the world size. Costs k x the traffic.
+        """
+        mine = torch.stack(self._contributions)  # [k, padded_numel]
+        self._contributions.clear()
+        rows = all_gather_rows(mine, self._dp_groups(), stats=self.stats)  # [W*k, padded]
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total += row
+        total /= rows.shape[0]
+        start = self.rank * self.shard_numel
+        out = total[start : start + self.shard_numel].clone()
+        self._pending.append((None, out, 1, mine))
+
+    def _dp_groups(self) -> list[dist.ProcessGroup]:
+        return [g for g in (self.shard_group, self.replicate_group) if g is not None]
+
+    def used_mask(self) -> list[bool]:
+        return list(self._used)
+
+    def finish_reduction(self, used: list[bool] | None = None) -> None:
+        """Wait for this unit's reductions and accumulate them into the sharded gradient.
+
+        ``used`` (per parameter, agreed across ranks) says which parameters got a gradient
+        on some rank; the others keep ``grad=None`` as in an unwrapped model.
+        """
+        used = self._used if used is None else used
+        for work, out, divisor, _keepalive in self._pending:
             if work is not None:
                 work.wait()
-            out.div_(self.data_parallel_size)
-            self._accumulate_sharded_grad(out)
+            if divisor != 1:
+                out.div_(divisor)
+            self._accumulate_sharded_grad(out, used)
         self._pending.clear()
+        self._used = [False] * len(self.infos)
 
-    def _accumulate_sharded_grad(self, new: torch.Tensor) -> None:
+    def _accumulate_sharded_grad(self, new: torch.Tensor, used: list[bool]) -> None:
         """Add ``new`` (1-D, shard_numel) to the gradients the optimizer sees."""
-        attached = self.sharded_grad is not None and all(
-            info.sharded_param.grad is view
-            for info, view in zip(self.trainable, self._grad_views, strict=True)
+        buffer = self.sharded_grad
+        trainable = [
+            (i, info) for i, info in enumerate(self.infos) if info.sharded_param.requires_grad
+        ]
+        attached = buffer is not None and all(
+            info.sharded_param.grad is not None and info.sharded_param.grad._base is buffer
+            for _, info in trainable
         )
         if attached:
-            self.sharded_grad += new
+            buffer += new
             return
-        # The user cleared (zero_grad(set_to_none=True)) or replaced some gradients: start
-        # from what the parameters hold now, then re-point them at one flat buffer.
+        # Some gradients were cleared (zero_grad(set_to_none=True)) or replaced: start from
+        # what the parameters hold now, then point them at views of one flat buffer.
         with torch.no_grad():
-            for info in self.trainable:
+            for _, info in trainable:
                 held = info.sharded_param.grad
                 if held is not None:
                     new[info.shard_start : info.shard_start + info.length] += held.reshape(-1)
-        self.sharded_grad = new
-        self._grad_views = [
-            new[info.shard_start : info.shard_start + info.length] for info in self.trainable
-        ]
-        for info, view in zip(self.trainable, self._grad_views, strict=True):
-            info.sharded_param.grad = view
+        self._sharded_grad_ref = weakref.ref(new)
+        for i, info in trainable:
+            if used[i] or info.sharded_param.grad is not None:
+                info.sharded_param.grad = new[info.shard_start : info.shard_start + info.length]

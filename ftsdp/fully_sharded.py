@@ -19,7 +19,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._collectives import CommStats, all_gather_ints, all_reduce_flat, group_size
+from ._collectives import (
+    CommStats,
+    all_gather_flat,
+    all_gather_ints,
+    all_reduce_flat,
+    group_size,
+)
 from ._common import Phase, ShardingStrategy
 from ._runtime import Runtime
 from ._state_dict import (
@@ -52,6 +58,12 @@ class FullyShardedDataParallel(nn.Module):
             the device of the module's parameters.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding, so
             ranks that initialised differently start identical.
+        deterministic: make gradients bitwise independent of the world size: each backward's
+            gradient is kept, all are gathered at the reducing backward and summed in a fixed
+            order, and the result is their MEAN (so do not divide the loss by the number of
+            micro-batches). Rank r must run the r-th contiguous block of the step's
+            micro-batches; every rank the same number. Costs k x the gradient traffic for k
+            micro-batches per rank. See [Note: deterministic reduction] in ``_unit.py``.
 
     Every rank must wrap the same model structure; it is checked once here.
     """
@@ -67,10 +79,13 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: bool = False,
         mixed_precision: Any = None,
         cpu_offload: Any = None,
+        deterministic: bool = False,
+        **unsupported: Any,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ValueError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+        _reject_unsupported(unsupported)
         _reject_wrapped(module)
         strategy = ShardingStrategy.parse(sharding_strategy)
         if strategy is ShardingStrategy.HYBRID_SHARD:
@@ -109,6 +124,7 @@ class FullyShardedDataParallel(nn.Module):
                 device=device,
                 sync_module_states=sync_module_states,
                 stats=self._comm_stats,
+                deterministic=deterministic,
             )
             for plan in plans
         ]
@@ -122,7 +138,14 @@ class FullyShardedDataParallel(nn.Module):
         self._shard_group = shard_group
         self._strategy = strategy
         self._units = units
-        self._runtime = Runtime(units, strategy)
+        self._deterministic = deterministic
+        self._sharded_params = {
+            (id(module), name): info.sharded_param
+            for unit in units
+            for info in unit.infos
+            for module, name in info.refs
+        }
+        self._runtime = Runtime(units, strategy, process_group)
         self._runtime.register_hooks()
         _install_stale_optimizer_guard()
 
@@ -143,10 +166,33 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Original parameter names (no wrapper prefix), each rank's 1-D slice (maybe empty)."""
-        return self.module.named_parameters(
-            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        """Original parameter names (no wrapper prefix), each rank's 1-D slice (maybe empty).
+
+        Always the local-slice parameters the optimizer updates, also while a unit is
+        gathered (between a forward and its backward).
+        """
+        modules = (
+            self.module.named_modules(prefix=prefix, remove_duplicate=remove_duplicate)
+            if recurse
+            else [(prefix, self.module)]
         )
+        seen: set[int] = set()
+        for module_prefix, module in modules:
+            for name, p in module._parameters.items():
+                if p is None:
+                    continue
+                p = self._sharded_params.get((id(module), name), p)
+                if remove_duplicate:
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                yield (f"{module_prefix}.{name}" if module_prefix else name), p
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients and any kept for a later reduction (``no_sync``)."""
+        for unit in self._units:
+            unit.drop_unreduced_grad()
+        super().zero_grad(set_to_none=set_to_none)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -168,7 +214,7 @@ class FullyShardedDataParallel(nn.Module):
                 "unwrapped module's keys"
             )
         self._require_idle("state_dict()")
-        return full_state_dict(self._units, self.module)
+        return full_state_dict(self._units, self.module, self._param_names())
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
@@ -177,7 +223,9 @@ class FullyShardedDataParallel(nn.Module):
         if assign:
             raise ValueError("FSDP.load_state_dict does not support assign=True")
         self._require_idle("load_state_dict()")
-        missing, unexpected = load_full_state_dict(self._units, self.module, state_dict, strict)
+        missing, unexpected = load_full_state_dict(
+            self._units, self.module, self._param_names(), state_dict, strict
+        )
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # ------------------------------------------------------------------ training helpers
@@ -207,7 +255,9 @@ class FullyShardedDataParallel(nn.Module):
             if info.sharded_param.grad is not None
         ]
         device = self._units[0].device
-        if norm_type == math.inf:
+        if self._deterministic and norm_type != math.inf:
+            total = self._deterministic_norm(norm_type)
+        elif norm_type == math.inf:
             local = max((g.abs().max() for g in grads if g.numel()), default=None)
             total = torch.zeros((), device=device) if local is None else local.float()
             all_reduce_flat(total, self._shard_group, op=dist.ReduceOp.MAX)
@@ -222,6 +272,20 @@ class FullyShardedDataParallel(nn.Module):
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return total
 
+    def _deterministic_norm(self, norm_type: float) -> torch.Tensor:
+        """The norm over each unit's full gradient in unit order: the same for any world size."""
+        total = torch.zeros((), dtype=torch.float64, device=self._units[0].device)
+        for unit in self._units:
+            if not unit.trainable or unit.sharded_grad is None:
+                continue
+            full = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
+            all_gather_flat(full, unit.sharded_grad, unit.shard_group)
+            mask = torch.zeros(unit.padded_numel, dtype=torch.bool, device=unit.device)
+            for info in unit.trainable:
+                mask[info.offset : info.offset + info.numel] = True
+            total += full[: unit.numel][mask[: unit.numel]].double().abs().pow(norm_type).sum()
+        return total.pow(1.0 / norm_type).float()
+
     # ------------------------------------------------------------------ sharded state
     def sharded_state_dict(self) -> dict[str, ShardView]:
         """This rank's flat range of every parameter and persistent buffer (no communication).
@@ -229,11 +293,11 @@ class FullyShardedDataParallel(nn.Module):
         Tied parameters appear once, under their first name. The ``local`` tensors alias the
         live shards: copying into them loads a checkpoint in place.
         """
-        return sharded_state_dict(self._units, self.module)
+        return sharded_state_dict(self._units, self.module, self._param_names())
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name, parameter-shaped state as ShardViews."""
-        return sharded_optim_state_dict(self._units, self.module, optimizer)
+        return sharded_optim_state_dict(self._units, self._param_names(), optimizer)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -266,12 +330,15 @@ class FullyShardedDataParallel(nn.Module):
                 u.shard.numel() * u.shard.element_size() for u in self._units
             ),
             "sharded_grad_bytes": sum(
-                u.sharded_grad.numel() * u.sharded_grad.element_size()
+                g.numel() * g.element_size()
                 for u in self._units
-                if u.sharded_grad is not None
+                if (g := u.sharded_grad) is not None
             ),
             "unsharded_param_bytes": sum(u.unsharded_bytes_allocated() for u in self._units),
         }
+
+    def _param_names(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.named_parameters(remove_duplicate=False))
 
     def _require_idle(self, what: str) -> None:
         if self._runtime.phase is not Phase.IDLE:
@@ -318,17 +385,50 @@ def _check_same_structure(plans: list, group: dist.ProcessGroup | None) -> None:
     """Compare unit count and flat sizes across ranks once; a mismatch would hang later."""
     if group_size(group) == 1:
         return
-    mine = [len(plans)] + [sum(pp.param.numel() for pp in plan.params) for plan in plans]
+    mine = [len(plans)]
+    for plan in plans:  # sizes, trainable sizes and dtypes: any difference hangs a collective
+        mine.append(sum(pp.param.numel() for pp in plan.params))
+        mine.append(sum(pp.param.numel() for pp in plan.params if pp.param.requires_grad))
+        mine.append(sum(_DTYPE_CODES.get(pp.param.dtype, 99) for pp in plan.params))
     everyone = all_gather_ints(mine, group)
     if all(row == everyone[0] for row in everyone):
         return
     differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
     raise ValueError(
-        "the wrapped model differs across ranks (unit count and per-unit parameter counts: "
+        "the wrapped model differs across ranks (unit count, then per unit: parameter count, "
+        "trainable count, dtype code sum: "
         f"rank 0 has {everyone[0]}, "
         + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
         + "); build the same model on every rank before wrapping"
     )
+
+
+_DTYPE_CODES = {
+    dtype: code
+    for code, dtype in enumerate(
+        [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+    )
+}
+
+# torch FSDP arguments a user may carry over; each gets a clear "not supported (yet)".
+_TORCH_FSDP_ARGS = {
+    "use_orig_params": "ftsdp always exposes the original parameters (as 1-D local slices)",
+    "backward_prefetch": "not supported yet (comes with the performance features)",
+    "forward_prefetch": "not supported yet (comes with the performance features)",
+    "limit_all_gathers": "not supported yet (comes with the performance features)",
+    "param_init_fn": "not supported yet (deferred initialisation comes later)",
+    "device_mesh": "not supported yet (HYBRID_SHARD comes later)",
+    "ignored_modules": "not supported: every parameter of the module is sharded",
+    "ignored_states": "not supported: every parameter of the module is sharded",
+}
+
+
+def _reject_unsupported(kwargs: dict[str, Any]) -> None:
+    for name in kwargs:
+        if name in _TORCH_FSDP_ARGS:
+            raise ValueError(f"FSDP argument {name}=: {_TORCH_FSDP_ARGS[name]}")
+    if kwargs:
+        raise TypeError(f"FSDP got unexpected keyword arguments {sorted(kwargs)}")
 
 
 _stale_guard: Any = None

@@ -170,3 +170,36 @@ def test_attribute_access_reaches_the_wrapped_module() -> None:
     assert wrapped.config.n_layer == 2  # GPT.config through the wrapper
     with pytest.raises(AttributeError):
         _ = wrapped.no_such_attribute
+
+
+@pytest.mark.parametrize("name", ["use_orig_params", "backward_prefetch", "ignored_modules"])
+def test_torch_fsdp_arguments_get_a_clear_error(name: str) -> None:
+    with pytest.raises(ValueError, match=f"FSDP argument {name}="):
+        ftsdp.FSDP(tiny_gpt(), **{name: None})
+    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+        ftsdp.FSDP(tiny_gpt(), no_such_option=1)
+
+
+def test_zero_grad_frees_the_sharded_gradient() -> None:
+    wrapped = ftsdp.FSDP(tiny_gpt(), auto_wrap_policy={Block})
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    x, y = tokens()
+    wrapped(x, y)[1].backward()
+    assert wrapped.memory_stats()["sharded_grad_bytes"] > 0
+    opt.zero_grad(set_to_none=True)
+    assert wrapped.memory_stats()["sharded_grad_bytes"] == 0
+
+
+def test_model_zero_grad_discards_gradients_kept_under_no_sync() -> None:
+    reference = tiny_gpt()
+    wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy={Block})
+    x, y = tokens(seed=5)
+    with wrapped.no_sync():
+        wrapped(x, y)[1].backward()  # a micro-batch the user decides to throw away
+    wrapped.zero_grad()
+    wrapped(x, y)[1].backward()
+    reference(x, y)[1].backward()
+    for (name, p), (_, q) in zip(
+        wrapped.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p.grad, q.grad.reshape(-1), msg=name)
