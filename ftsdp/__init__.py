@@ -1,14 +1,16 @@
 """ftsdp: checkpoint-centric, fault-tolerant fully sharded data parallel training for PyTorch."""
 
 from ._collectives import CommStats
-from ._common import ShardingStrategy
+from ._common import CPUOffload, MixedPrecision, ShardingStrategy
 from ._state_dict import ShardView
 from .fully_sharded import FSDP, FullyShardedDataParallel
 
 __all__ = [
     "FSDP",
+    "CPUOffload",
     "CommStats",
     "FullyShardedDataParallel",
+    "MixedPrecision",
     "ShardView",
     "ShardingStrategy",
 ]

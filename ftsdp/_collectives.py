@@ -24,21 +24,43 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Counts of collective calls and per-rank bytes moved, by collective kind."""
+    """Counts of collective calls and per-rank bytes moved, by collective kind.
+
+    ``copies`` counts host <-> device copy bytes (CPU offload) separately: they are not
+    network traffic. ``max_in_flight`` is the most all-gathers that were ever in flight at
+    once (the rate limiter keeps it at 2).
+    """
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    copies: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    max_in_flight: int = 0
 
     def record(self, kind: str, nbytes: int) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += int(nbytes)
 
+    def record_copy(self, kind: str, nbytes: int) -> None:
+        self.copies[kind] += int(nbytes)
+
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.copies.clear()
+        self.max_in_flight = 0
 
     def total_bytes(self) -> int:
+        """Collective bytes (copies excluded)."""
         return sum(self.bytes.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """Plain dicts, for logs and benchmarks."""
+        return {
+            "calls": dict(self.calls),
+            "bytes": dict(self.bytes),
+            "copies": dict(self.copies),
+            "max_in_flight": {"all_gather": self.max_in_flight},
+        }
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

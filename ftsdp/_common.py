@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+
+import torch
 
 
 class ShardingStrategy(enum.Enum):
@@ -36,6 +39,7 @@ class UnitState(enum.Enum):
     """Where a unit's parameters live right now. See the lifecycle note in ``_unit.py``."""
 
     SHARDED = "SHARDED"  # only this rank's shard is allocated; modules see 1-D local slices
+    GATHERING = "GATHERING"  # an asynchronous all-gather into the full buffer is in flight
     UNSHARDED = "UNSHARDED"  # the full flat parameter is allocated; modules see full views
 
 
@@ -45,3 +49,44 @@ class Phase(enum.Enum):
     IDLE = "IDLE"
     FORWARD = "FORWARD"
     BACKWARD = "BACKWARD"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """Low-precision compute and communication with fp32 master shards (paper, Section 4.4).
+
+    - ``param_dtype``: the unsharded parameters (and the all-gather) use this dtype; each
+      shard is cast right before its all-gather, so traffic and peak memory shrink with it.
+    - ``reduce_dtype``: gradients are reduced in this dtype (default: ``param_dtype``).
+    - ``buffer_dtype``: floating-point buffers are cast to this dtype at wrap time.
+    - ``cast_forward_inputs``: floating-point tensors passed to the root are cast to
+      ``param_dtype``.
+
+    The optimizer always steps on the fp32 (master dtype) shards and fp32 gradients.
+    fp16 would need a sharded gradient scaler, which ftsdp does not provide: prefer bf16.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise ValueError(f"MixedPrecision: {name}={value!r} must be a floating torch.dtype")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPUOffload:
+    """Keep the sharded parameters and gradients in host memory (paper, Section 3.2).
+
+    Each unit's shard is copied to the compute device right before its all-gather, and its
+    reduced gradient shard is copied back; the optimizer steps on the host. On a CUDA host the
+    shards are pinned so the copies can overlap.
+    """
+
+    offload_params: bool = False

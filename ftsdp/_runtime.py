@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
 from ._collectives import all_gather_ints, all_reduce_flat
-from ._common import Phase, ShardingStrategy
+from ._common import Phase, ShardingStrategy, UnitState
 from ._unit import FlatParamUnit
 
 
@@ -48,6 +49,35 @@ def _tensors_in(value: Any, out: list[torch.Tensor] | None = None) -> list[torch
         for f in dataclasses.fields(value):
             _tensors_in(getattr(value, f.name), out)
     return out
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in nested tuples / lists / dicts cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_cast_floats(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrefetchOptions:
+    """The paper's communication scheduling knobs (Section 3.3).
+
+    - ``backward``: issue the next unit's all-gather before the current unit's backward (and
+      so before its reduce-scatter), in the backward order recorded in the last iteration.
+    - ``forward``: issue the next unit's all-gather before the current unit's forward, in the
+      last iteration's forward order (static graphs only).
+    - ``limit_all_gathers``: at most two all-gathers in flight; a third waits for the oldest.
+    """
+
+    backward: bool = True
+    forward: bool = False
+    limit_all_gathers: bool = True
 
 
 class _UnitRun:
@@ -69,8 +99,17 @@ class Runtime:
         units: list[FlatParamUnit],
         strategy: ShardingStrategy,
         group: dist.ProcessGroup | None,
+        prefetch: PrefetchOptions | None = None,
+        cast_inputs_to: torch.dtype | None = None,
     ) -> None:
         self.units = units
+        self.prefetch = prefetch or PrefetchOptions()
+        self.cast_inputs_to = cast_inputs_to
+        self._gathering: deque[FlatParamUnit] = deque()  # prefetched, oldest first
+        self._forward_order: list[FlatParamUnit] = []  # this iteration's pre-forward order
+        self._backward_order: list[FlatParamUnit] = []  # this iteration's pre-backward order
+        self._last_forward: list[FlatParamUnit] = []
+        self._last_backward: list[FlatParamUnit] = []
         self.group = group  # every data-parallel rank: agrees which parameters got gradients
         self.root = units[0]
         self.strategy = strategy
@@ -101,29 +140,65 @@ class Runtime:
 
     # ---------------------------------------------------------------- forward
     def _pre_forward_hook(self, unit: FlatParamUnit) -> Callable:
-        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             recomputing = self.phase is Phase.BACKWARD  # activation checkpointing
             if unit is self.root and not recomputing:
                 self._begin_forward()
-            unit.unshard()
+            if not recomputing and unit not in self._forward_order:
+                self._forward_order.append(unit)
+            self._unshard(unit)
+            if self.prefetch.forward and not recomputing:
+                self._prefetch_after(unit, self._last_forward)
             unit.expose_unsharded()
-            if recomputing or not torch.is_grad_enabled():
-                return
-            run = self._runs[id(unit)]
-            run.wants_grad = run.wants_grad or bool(unit.trainable)
-            if unit is not self.root:
-                self._hook_inputs(unit, (args, kwargs))
+            if not recomputing and torch.is_grad_enabled():
+                run = self._runs[id(unit)]
+                run.wants_grad = run.wants_grad or bool(unit.trainable)
+                if unit is not self.root:
+                    self._hook_inputs(unit, (args, kwargs))
+            if unit is self.root and self.cast_inputs_to is not None:
+                return _cast_floats(args, self.cast_inputs_to), _cast_floats(
+                    kwargs, self.cast_inputs_to
+                )
+            return None
 
         return hook
 
     def _begin_forward(self) -> None:
         self.phase = Phase.FORWARD
+        if self._forward_order:
+            self._last_forward = self._forward_order
+        self._forward_order = []
         for unit in self.units:
             # Gathered before an optimizer step that no backward followed (a forward for
             # metrics, say): the full buffer holds the old weights. Every rank runs the root's
             # forward, so this local reshard keeps the ranks' collectives in step.
             if unit.is_stale():
+                self._unshard(unit)
                 unit.reshard()
+
+    # ---------------------------------------------------------------- gathering
+    def _unshard(self, unit: FlatParamUnit) -> None:
+        """Make ``unit`` unsharded now (waiting for its prefetched all-gather if any)."""
+        unit.unshard()
+        if unit in self._gathering:
+            self._gathering.remove(unit)
+
+    def _prefetch_after(self, unit: FlatParamUnit, order: list[FlatParamUnit]) -> None:
+        """Start the all-gather of the unit that follows ``unit`` in ``order``."""
+        if unit not in order:
+            return
+        index = order.index(unit) + 1
+        if index >= len(order) or order[index].state is not UnitState.SHARDED:
+            return
+        target = order[index]
+        if self.prefetch.limit_all_gathers:
+            while len(self._gathering) >= 2:  # the rate limiter: at most two in flight
+                self._unshard(self._gathering[0])
+        target.start_unshard()
+        if target.state is UnitState.GATHERING:
+            self._gathering.append(target)
+            stats = target.stats
+            stats.max_in_flight = max(stats.max_in_flight, len(self._gathering) + 1)
 
     def _hook_inputs(self, unit: FlatParamUnit, inputs: Any) -> None:
         needing = [t for t in _tensors_in(inputs) if t.requires_grad]
@@ -168,9 +243,17 @@ class Runtime:
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _pre_backward(self, unit: FlatParamUnit) -> None:
-        """Before the unit's backward: make sure its full parameters are there again."""
+        """Before the unit's backward: make sure its full parameters are there again, and
+        start gathering the unit whose backward comes next (before this unit's
+        reduce-scatter, which its gradient hook issues later)."""
         self._ensure_callback()
-        unit.unshard()
+        first_time = unit not in self._backward_order
+        if first_time:
+            self._backward_order.append(unit)
+        self._unshard(unit)
+        if first_time and self.prefetch.backward:
+            order = self._last_backward or [self.root, *reversed(self._forward_order[1:])]
+            self._prefetch_after(unit, order)
         unit.expose_unsharded()  # recomputation (activation checkpointing) reads the modules
 
     def _grad_hook(self, unit: FlatParamUnit) -> Callable[[torch.Tensor], None]:
@@ -214,6 +297,10 @@ class Runtime:
             for unit in self.units:
                 unit.reshard()
         finally:
+            self._gathering.clear()
+            if self._backward_order:
+                self._last_backward = self._backward_order  # re-recorded every iteration
+            self._backward_order = []
             self._runs = {id(u): _UnitRun() for u in self.units}
             self._callback_queued = False
             self.phase = Phase.IDLE

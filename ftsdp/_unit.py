@@ -58,8 +58,26 @@ from ._collectives import (
 from ._common import ShardingStrategy, UnitState
 from ._wrap import UnitPlan
 
+
+def _pinnable() -> bool:
+    return torch.cuda.is_available()
+
+
 STALE_ATTR = "_ftsdp_stale"  # set on original parameters once their values moved into a shard
 SHARDED_ATTR = "_ftsdp_sharded"  # set on the 1-D local-slice parameters the optimizer sees
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitOptions:
+    """What every unit of one wrapped model shares."""
+
+    strategy: ShardingStrategy
+    device: torch.device  # where compute (and the unsharded parameters) happen
+    param_dtype: torch.dtype | None = None  # None: the parameters' own dtype
+    reduce_dtype: torch.dtype | None = None  # None: param_dtype
+    offload: bool = False  # shards and sharded gradients live on the host
+    deterministic: bool = False
+    sync_module_states: bool = False
 
 
 @dataclass
@@ -86,20 +104,20 @@ class FlatParamUnit:
     def __init__(
         self,
         plan: UnitPlan,
+        options: UnitOptions,
         *,
-        strategy: ShardingStrategy,
         shard_group: dist.ProcessGroup | None,
         replicate_group: dist.ProcessGroup | None,
         broadcast_group: dist.ProcessGroup | None,
-        device: torch.device,
-        sync_module_states: bool,
         stats: CommStats,
-        deterministic: bool = False,
     ) -> None:
         self.module = plan.module
-        self.deterministic = deterministic
         self.fqn = plan.fqn
-        self.strategy = strategy
+        self.options = options
+        self.strategy = options.strategy
+        self.deterministic = options.deterministic
+        self.device = options.device
+        self.shard_device = torch.device("cpu") if options.offload else options.device
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.stats = stats
@@ -117,7 +135,9 @@ class FlatParamUnit:
                 "FlatParameter has one dtype: cast the module first, or wrap the differing "
                 "submodules as their own units"
             )
-        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.dtype = dtypes.pop() if dtypes else torch.float32  # the master (shard) dtype
+        self.param_dtype = options.param_dtype or self.dtype  # unsharded params, all-gather
+        self.reduce_dtype = options.reduce_dtype or self.param_dtype
         self.infos: list[ParamInfo] = []
         offset = 0
         for pp in plan.params:
@@ -138,7 +158,7 @@ class FlatParamUnit:
         self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
         self.padded_numel = self.shard_numel * self.factor
 
-        self.shard = self._build_shard(params, device, sync_module_states, broadcast_group)
+        self.shard = self._build_shard(params, options.sync_module_states, broadcast_group)
         self._make_local_params(params)
         self._make_full_buffer()
         # The flat sharded gradient the parameters' .grad are views of. Held weakly: once the
@@ -148,27 +168,28 @@ class FlatParamUnit:
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
         self._used = [False] * len(self.infos)  # which parameters got a gradient
         self._gathered_version = -1  # the shard's version when it was last all-gathered
-        # (work, output, divisor, keep-alive): reductions started, not yet accumulated
-        self._pending: list[tuple[dist.Work | None, torch.Tensor, int, torch.Tensor]] = []
+        self._gather: tuple[dist.Work | None, torch.Tensor] | None = None  # in flight
+        # (work, output, second stage needed, keep-alive): reductions not yet accumulated
+        self._pending: list[tuple[dist.Work | None, torch.Tensor, bool, torch.Tensor]] = []
 
     # ---------------------------------------------------------------- construction
     def _build_shard(
         self,
         params: list[nn.Parameter],
-        device: torch.device,
         sync_module_states: bool,
         broadcast_group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)  # 1-D, padded
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)  # 1-D
         with torch.no_grad():
             for info, p in zip(self.infos, params, strict=True):
                 flat[info.offset : info.offset + info.numel].copy_(p.reshape(-1))
         if sync_module_states and self.numel:
             broadcast_flat(flat, broadcast_group, stats=self.stats)
-        if self.factor == 1:
-            return flat
         start = self.rank * self.shard_numel
-        return flat[start : start + self.shard_numel].clone()
+        shard = flat if self.factor == 1 else flat[start : start + self.shard_numel]
+        if self.shard_device != self.device:  # CPU offload: the master shard lives on the host
+            return shard.to(self.shard_device).pin_memory() if _pinnable() else shard.cpu()
+        return shard if self.factor == 1 else shard.clone()
 
     def _make_local_params(self, params: list[nn.Parameter]) -> None:
         """Give each original parameter its 1-D local slice; retire the original tensor."""
@@ -195,11 +216,11 @@ class FlatParamUnit:
 
     def _make_full_buffer(self) -> None:
         # See [Note: why a separate leaf aliases the full buffer].
-        if self.factor == 1:
+        if self.aliases_shard:
             self._full = self.shard  # the shard is the whole (padded) flat parameter
         else:
-            self._full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        self._leaf = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            self._full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.device)
+        self._leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
             self._full.untyped_storage(),
             self._full.storage_offset(),
             (self.padded_numel,),
@@ -213,13 +234,17 @@ class FlatParamUnit:
 
     # ---------------------------------------------------------------- properties
     @property
-    def device(self) -> torch.device:
-        return self.shard.device
+    def aliases_shard(self) -> bool:
+        """One rank holds everything in the compute dtype on the compute device: the full
+        parameter is the shard itself (NO_SHARD, or a single rank, without MP/offload)."""
+        return (
+            self.factor == 1 and self.param_dtype == self.dtype and self.shard_device == self.device
+        )
 
     @property
     def frees_memory(self) -> bool:
         """Whether resharding releases the full buffer (it is a separate allocation)."""
-        return self.factor > 1
+        return not self.aliases_shard
 
     @property
     def trainable(self) -> list[ParamInfo]:
@@ -243,22 +268,47 @@ class FlatParamUnit:
         return self._full.untyped_storage().nbytes()
 
     # ---------------------------------------------------------------- lifecycle
-    def unshard(self) -> None:
-        """SHARDED -> UNSHARDED: allocate the full buffer and all-gather into it."""
-        if self.state is UnitState.UNSHARDED:
+    def start_unshard(self) -> None:
+        """SHARDED -> GATHERING: allocate the full buffer and start the all-gather.
+
+        The shard is moved to the compute device (CPU offload) and cast to ``param_dtype``
+        (mixed precision) first, so the collective itself moves low-precision bytes.
+        """
+        if self.state is not UnitState.SHARDED:
             return
-        if self.frees_memory:
-            self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
-            with torch.no_grad():
-                all_gather_flat(self._full, self.shard, self.shard_group, stats=self.stats)
+        if self.aliases_shard:
+            self.state = UnitState.UNSHARDED
+            return
+        self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
+        with torch.no_grad():
+            source = self.shard
+            if self.shard_device != self.device:
+                self.stats.record_copy("h2d", source.numel() * source.element_size())
+                source = source.to(self.device, non_blocking=True)
+            source = source.to(self.param_dtype)
+            work = all_gather_flat(
+                self._full, source, self.shard_group, async_op=True, stats=self.stats
+            )
+        self._gather = (work, source)
         self._gathered_version = self.shard._version
-        self.state = UnitState.UNSHARDED
+        self.state = UnitState.GATHERING
+
+    def unshard(self) -> None:
+        """-> UNSHARDED: the full parameter is ready (waits for a prefetched all-gather)."""
+        if self.state is UnitState.SHARDED:
+            self.start_unshard()
+        if self.state is UnitState.GATHERING:
+            work, _source = self._gather
+            if work is not None:
+                work.wait()
+            self._gather = None
+            self.state = UnitState.UNSHARDED
 
     def is_stale(self) -> bool:
-        """Unsharded, but the shard changed since (an optimizer step without a backward)."""
+        """Gathered, but the shard changed since (an optimizer step without a backward)."""
         return (
             self.frees_memory
-            and self.state is UnitState.UNSHARDED
+            and self.state is not UnitState.SHARDED
             and self.shard._version != self._gathered_version
         )
 
@@ -291,6 +341,7 @@ class FlatParamUnit:
         """UNSHARDED -> SHARDED: free the full buffer; modules see their 1-D local slices."""
         if self.state is UnitState.SHARDED:
             return
+        self.unshard()  # never free a buffer an all-gather is still writing
         for info in self.infos:
             for module, name in info.refs:
                 module._parameters[name] = info.sharded_param
@@ -325,19 +376,26 @@ class FlatParamUnit:
         self._used = [False] * len(self.infos)
 
     def reduce_grad(self) -> None:
-        """Start reducing the kept flat gradient: reduce-scatter (sharded) or all-reduce."""
+        """Start reducing the kept flat gradient, in ``reduce_dtype``.
+
+        Sharded: reduce-scatter in the shard group (then, HYBRID_SHARD, all-reduce the shard
+        in the replicate group when it arrives). Replicated: all-reduce.
+        """
         if self.deterministic:
             self._reduce_deterministic()
             return
         grad, self._unsharded_grad = self._unsharded_grad, None
         assert grad is not None, self.fqn
+        grad = grad.to(self.reduce_dtype)
         if self.factor > 1:
             out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
             work = reduce_scatter_flat(out, grad, self.shard_group, async_op=True, stats=self.stats)
+            second_stage = self.replicate_group is not None
         else:
             out = grad
             work = all_reduce_flat(out, self.replicate_group, async_op=True, stats=self.stats)
-        self._pending.append((work, out, self.data_parallel_size, grad))
+            second_stage = False
+        self._pending.append((work, out, second_stage, grad))
 
     def _reduce_deterministic(self) -> None:
         """[Note: deterministic reduction]
@@ -350,13 +408,13 @@ class FlatParamUnit:
         mine = torch.stack(self._contributions)  # [k, padded_numel]
         self._contributions.clear()
         rows = all_gather_rows(mine, self._dp_groups(), stats=self.stats)  # [W*k, padded]
-        total = rows[0].clone()
+        total = rows[0].to(self.dtype, copy=True)
         for row in rows[1:]:
             total += row
         total /= rows.shape[0]
         start = self.rank * self.shard_numel
         out = total[start : start + self.shard_numel].clone()
-        self._pending.append((None, out, 1, mine))
+        self._pending.append((None, out, False, mine))
 
     def _dp_groups(self) -> list[dist.ProcessGroup]:
         return [g for g in (self.shard_group, self.replicate_group) if g is not None]
@@ -371,11 +429,17 @@ class FlatParamUnit:
         on some rank; the others keep ``grad=None`` as in an unwrapped model.
         """
         used = self._used if used is None else used
-        for work, out, divisor, _keepalive in self._pending:
+        for work, out, second_stage, _keepalive in self._pending:
             if work is not None:
                 work.wait()
-            if divisor != 1:
-                out.div_(divisor)
+            if second_stage:
+                all_reduce_flat(out, self.replicate_group, stats=self.stats)
+            out = out.to(self.dtype)  # fp32 gradients for the fp32 master shards
+            if not self.deterministic:  # deterministic reductions are averaged already
+                out.div_(self.data_parallel_size)
+            if self.shard_device != out.device:
+                self.stats.record_copy("d2h", out.numel() * out.element_size())
+                out = out.to(self.shard_device)
             self._accumulate_sharded_grad(out, used)
         self._pending.clear()
         self._used = [False] * len(self.infos)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,12 +22,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ._collectives import (
     CommStats,
     all_gather_flat,
-    all_gather_ints,
     all_reduce_flat,
-    group_size,
+    broadcast_flat,
 )
-from ._common import Phase, ShardingStrategy
-from ._runtime import Runtime
+from ._common import CPUOffload, MixedPrecision, Phase, ShardingStrategy
+from ._init import build_units, check_same_structure, resolve_device, resolve_groups
+from ._runtime import PrefetchOptions, Runtime
 from ._state_dict import (
     ShardView,
     full_state_dict,
@@ -35,13 +35,8 @@ from ._state_dict import (
     sharded_optim_state_dict,
     sharded_state_dict,
 )
-from ._unit import SHARDED_ATTR, STALE_ATTR, FlatParamUnit
+from ._unit import SHARDED_ATTR, STALE_ATTR, UnitOptions
 from ._wrap import Policy, plan_units
-
-_NOT_YET = {
-    "mixed_precision": "MixedPrecision",
-    "cpu_offload": "CPUOffload",
-}
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -72,13 +67,18 @@ class FullyShardedDataParallel(nn.Module):
         self,
         module: nn.Module,
         *,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | tuple | None = None,
         sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
         auto_wrap_policy: Policy = None,
         device_id: int | torch.device | None = None,
         sync_module_states: bool = False,
-        mixed_precision: Any = None,
-        cpu_offload: Any = None,
+        mixed_precision: MixedPrecision | None = None,
+        cpu_offload: CPUOffload | None = None,
+        backward_prefetch: bool = True,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_mesh: Any = None,
         deterministic: bool = False,
         **unsupported: Any,
     ) -> None:
@@ -88,54 +88,36 @@ class FullyShardedDataParallel(nn.Module):
         _reject_unsupported(unsupported)
         _reject_wrapped(module)
         strategy = ShardingStrategy.parse(sharding_strategy)
-        if strategy is ShardingStrategy.HYBRID_SHARD:
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise ValueError(
-                "sharding_strategy=HYBRID_SHARD is not supported yet; use FULL_SHARD, "
-                "SHARD_GRAD_OP or NO_SHARD"
+                f"mixed_precision must be an ftsdp.MixedPrecision, got {mixed_precision!r}"
             )
-        for arg, value in (("mixed_precision", mixed_precision), ("cpu_offload", cpu_offload)):
-            if value is not None:
-                raise ValueError(f"{arg}= ({_NOT_YET[arg]}) is not supported yet; pass None")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ValueError(
-                f"process_group must be a torch.distributed.ProcessGroup or None, got "
-                f"{type(process_group).__name__}"
-            )
-        if process_group is None and not dist.is_initialized() and sync_module_states:
+        if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+            raise ValueError(f"cpu_offload must be an ftsdp.CPUOffload, got {cpu_offload!r}")
+        groups = resolve_groups(strategy, process_group, device_mesh)
+        if groups.world is None and sync_module_states:
             raise ValueError("sync_module_states=True needs torch.distributed to be initialised")
-        device = _resolve_device(module, device_id)
-        if process_group is None and dist.is_initialized():
-            process_group = dist.group.WORLD
-
-        sharded = strategy is not ShardingStrategy.NO_SHARD
-        shard_group = process_group if sharded else None
-        replicate_group = None if sharded else process_group
-        module.to(device)
+        mp = mixed_precision or MixedPrecision()
+        options = UnitOptions(
+            strategy=strategy,
+            device=resolve_device(module, device_id),
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            offload=bool(cpu_offload and cpu_offload.offload_params),
+            deterministic=deterministic,
+            sync_module_states=sync_module_states,
+        )
         plans = plan_units(module, auto_wrap_policy)
-        _check_same_structure(plans, process_group)
+        check_same_structure(plans, groups.world)
         self._comm_stats = CommStats()
-        units = [
-            FlatParamUnit(
-                plan,
-                strategy=strategy,
-                shard_group=shard_group,
-                replicate_group=replicate_group,
-                broadcast_group=process_group,
-                device=device,
-                sync_module_states=sync_module_states,
-                stats=self._comm_stats,
-                deterministic=deterministic,
-            )
-            for plan in plans
-        ]
-        if sync_module_states:
-            for buffer in module.buffers():
-                dist.broadcast(
-                    buffer, src=dist.get_global_rank(process_group, 0), group=process_group
-                )
+        units = build_units(module, plans, options, groups, self._comm_stats, param_init_fn)
+        for buffer in module.buffers():
+            if sync_module_states:
+                broadcast_flat(buffer, groups.world)
+            if mp.buffer_dtype is not None and buffer.is_floating_point():
+                buffer.data = buffer.data.to(mp.buffer_dtype)
         self.module = module
-        self._process_group = process_group
-        self._shard_group = shard_group
+        self._groups = groups
         self._strategy = strategy
         self._units = units
         self._deterministic = deterministic
@@ -145,7 +127,13 @@ class FullyShardedDataParallel(nn.Module):
             for info in unit.infos
             for module, name in info.refs
         }
-        self._runtime = Runtime(units, strategy, process_group)
+        prefetch = PrefetchOptions(
+            backward=backward_prefetch,
+            forward=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+        )
+        cast_to = mp.param_dtype if mp.cast_forward_inputs else None
+        self._runtime = Runtime(units, strategy, groups.world, prefetch, cast_to)
         self._runtime.register_hooks()
         _install_stale_optimizer_guard()
 
@@ -260,12 +248,12 @@ class FullyShardedDataParallel(nn.Module):
         elif norm_type == math.inf:
             local = max((g.abs().max() for g in grads if g.numel()), default=None)
             total = torch.zeros((), device=device) if local is None else local.float()
-            all_reduce_flat(total, self._shard_group, op=dist.ReduceOp.MAX)
+            all_reduce_flat(total, self._groups.shard, op=dist.ReduceOp.MAX)
         else:
             total = torch.zeros((), dtype=torch.float32, device=device)
             for g in grads:
                 total += g.float().abs().pow(norm_type).sum()
-            all_reduce_flat(total, self._shard_group)
+            all_reduce_flat(total, self._groups.shard)
             total = total.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
@@ -364,60 +352,9 @@ def _reject_wrapped(module: nn.Module) -> None:
             )
 
 
-def _resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
-    if device_id is None:
-        devices = {p.device for p in module.parameters()}
-        if len(devices) > 1:
-            raise ValueError(
-                f"the module's parameters are on several devices {sorted(map(str, devices))}; "
-                "pass device_id= or move the module to one device first"
-            )
-        return devices.pop() if devices else torch.device("cpu")
-    device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
-    if not isinstance(device, torch.device):
-        raise ValueError(f"device_id must be an int or a torch.device, got {device_id!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device_id={device_id!r} names a CUDA device, but CUDA is not available")
-    return device
-
-
-def _check_same_structure(plans: list, group: dist.ProcessGroup | None) -> None:
-    """Compare unit count and flat sizes across ranks once; a mismatch would hang later."""
-    if group_size(group) == 1:
-        return
-    mine = [len(plans)]
-    for plan in plans:  # sizes, trainable sizes and dtypes: any difference hangs a collective
-        mine.append(sum(pp.param.numel() for pp in plan.params))
-        mine.append(sum(pp.param.numel() for pp in plan.params if pp.param.requires_grad))
-        mine.append(sum(_DTYPE_CODES.get(pp.param.dtype, 99) for pp in plan.params))
-    everyone = all_gather_ints(mine, group)
-    if all(row == everyone[0] for row in everyone):
-        return
-    differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
-    raise ValueError(
-        "the wrapped model differs across ranks (unit count, then per unit: parameter count, "
-        "trainable count, dtype code sum: "
-        f"rank 0 has {everyone[0]}, "
-        + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
-        + "); build the same model on every rank before wrapping"
-    )
-
-
-_DTYPE_CODES = {
-    dtype: code
-    for code, dtype in enumerate(
-        [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-    )
-}
-
 # torch FSDP arguments a user may carry over; each gets a clear "not supported (yet)".
 _TORCH_FSDP_ARGS = {
     "use_orig_params": "ftsdp always exposes the original parameters (as 1-D local slices)",
-    "backward_prefetch": "not supported yet (comes with the performance features)",
-    "forward_prefetch": "not supported yet (comes with the performance features)",
-    "limit_all_gathers": "not supported yet (comes with the performance features)",
-    "param_init_fn": "not supported yet (deferred initialisation comes later)",
-    "device_mesh": "not supported yet (HYBRID_SHARD comes later)",
     "ignored_modules": "not supported: every parameter of the module is sharded",
     "ignored_states": "not supported: every parameter of the module is sharded",
 }

@@ -64,10 +64,11 @@ def test_optimizer_created_before_wrapping_fails_at_step() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"sharding_strategy": "HYBRID_SHARD"}, "HYBRID_SHARD is not supported yet"),
+        ({"sharding_strategy": "HYBRID_SHARD"}, "HYBRID_SHARD needs torch.distributed"),
         ({"sharding_strategy": "ZERO3"}, "sharding_strategy='ZERO3' is not one of"),
-        ({"mixed_precision": object()}, "mixed_precision= .* is not supported yet"),
-        ({"cpu_offload": object()}, "cpu_offload= .* is not supported yet"),
+        ({"mixed_precision": object()}, "mixed_precision must be an ftsdp.MixedPrecision"),
+        ({"cpu_offload": object()}, "cpu_offload must be an ftsdp.CPUOffload"),
+        ({"param_init_fn": lambda m: None}, "param_init_fn= is for a model built on the meta"),
         ({"process_group": "world"}, "process_group must be a torch.distributed.ProcessGroup"),
         ({"device_id": "cuda:0"}, "device_id must be an int or a torch.device"),
         ({"sync_module_states": True}, "sync_module_states=True needs torch.distributed"),
@@ -172,7 +173,7 @@ def test_attribute_access_reaches_the_wrapped_module() -> None:
         _ = wrapped.no_such_attribute
 
 
-@pytest.mark.parametrize("name", ["use_orig_params", "backward_prefetch", "ignored_modules"])
+@pytest.mark.parametrize("name", ["use_orig_params", "ignored_modules", "ignored_states"])
 def test_torch_fsdp_arguments_get_a_clear_error(name: str) -> None:
     with pytest.raises(ValueError, match=f"FSDP argument {name}="):
         ftsdp.FSDP(tiny_gpt(), **{name: None})

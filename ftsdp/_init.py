@@ -1,0 +1,239 @@
+"""Building a wrapped model's units: device, process groups, deferred initialisation.
+
+[Note: deferred initialisation]
+A model built on the meta device (``with torch.device("meta"): model = GPT(cfg)``) holds no
+memory. Wrapping walks its modules in ``modules()`` order; the first time a module of a unit
+is met, that unit's parameters are allocated on the target device (tied parameters stay tied:
+one tensor is assigned to every module that shares it), and each module is initialised in
+order by ``param_init_fn(module)`` or its own ``reset_parameters()``. As soon as the walk has
+passed the last module of a unit, the unit is flattened and sharded and its full parameters are
+freed. Peak memory is about the root unit plus one other unit unsharded, plus the shards.
+Because modules are initialised in ``modules()`` order, the same seed gives the same weights as
+an eager build whose modules initialise themselves in that order (as ``ftsdp.model.GPT`` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._collectives import CommStats, all_gather_ints, group_size
+from ._common import ShardingStrategy
+from ._unit import STALE_ATTR, FlatParamUnit, UnitOptions
+from ._wrap import UnitPlan
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups a wrapped model uses."""
+
+    shard: dist.ProcessGroup | None  # ranks that split a FlatParameter (None: F = 1)
+    replicate: dist.ProcessGroup | None  # ranks holding the same shard (None: no replicas)
+    world: dist.ProcessGroup | None  # every data-parallel rank (None: not distributed)
+
+
+def resolve_groups(strategy: ShardingStrategy, process_group: Any, device_mesh: Any) -> Groups:
+    """Shard / replicate / world groups from ``process_group`` or a ``DeviceMesh``."""
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group= or device_mesh=, not both")
+        if device_mesh.ndim == 2:
+            if strategy is not ShardingStrategy.HYBRID_SHARD:
+                raise ValueError(
+                    f"a 2-D device_mesh means HYBRID_SHARD (replicate x shard); got "
+                    f"sharding_strategy={strategy.name}"
+                )
+            return Groups(device_mesh.get_group(1), device_mesh.get_group(0), dist.group.WORLD)
+        if device_mesh.ndim != 1:
+            raise ValueError(f"device_mesh must be 1-D or 2-D, got {device_mesh.ndim}-D")
+        process_group = device_mesh.get_group()
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if isinstance(process_group, tuple):
+            if len(process_group) != 2 or not all(
+                isinstance(g, dist.ProcessGroup) for g in process_group
+            ):
+                raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group)")
+            return Groups(process_group[0], process_group[1], dist.group.WORLD)
+        if process_group is not None:
+            raise ValueError(
+                "HYBRID_SHARD needs a 2-D device_mesh=, a (shard_group, replicate_group) "
+                "tuple, or nothing (shard within each node of LOCAL_WORLD_SIZE ranks)"
+            )
+        return _node_groups()
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise ValueError(
+            f"process_group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(process_group).__name__}"
+        )
+    if process_group is None and dist.is_initialized():
+        process_group = dist.group.WORLD
+    if strategy is ShardingStrategy.NO_SHARD:
+        return Groups(None, process_group, process_group)
+    return Groups(process_group, None, process_group)
+
+
+def _node_groups() -> Groups:
+    """HYBRID_SHARD's default: shard inside each node, replicate across nodes."""
+    import os
+
+    if not dist.is_initialized():
+        raise ValueError("HYBRID_SHARD needs torch.distributed to be initialised")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local:
+        raise ValueError(f"HYBRID_SHARD: world size {world} is not a multiple of {local=}")
+    shard = replicate = None
+    for start in range(0, world, local):  # every rank creates every group, in order
+        group = dist.new_group(list(range(start, start + local)))
+        if start <= rank < start + local:
+            shard = group
+    for offset in range(local):
+        group = dist.new_group(list(range(offset, world, local)))
+        if rank % local == offset:
+            replicate = group
+    return Groups(shard, replicate, dist.group.WORLD)
+
+
+def resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
+    """The device the shards and compute live on."""
+    if device_id is None:
+        devices = {p.device for p in module.parameters() if not p.is_meta}
+        if len(devices) > 1:
+            raise ValueError(
+                f"the module's parameters are on several devices {sorted(map(str, devices))}; "
+                "pass device_id= or move the module to one device first"
+            )
+        return devices.pop() if devices else torch.device("cpu")
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+    if not isinstance(device, torch.device):
+        raise ValueError(f"device_id must be an int or a torch.device, got {device_id!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device_id={device_id!r} names a CUDA device, but CUDA is not available")
+    return device
+
+
+_DTYPE_CODES = {
+    dtype: code
+    for code, dtype in enumerate(
+        [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+    )
+}
+
+
+def check_same_structure(plans: list[UnitPlan], group: dist.ProcessGroup | None) -> None:
+    """Compare unit count, sizes, trainable sizes and dtypes across ranks once: any
+    difference would hang a collective later."""
+    if group_size(group) == 1:
+        return
+    mine = [len(plans)]
+    for plan in plans:
+        mine.append(sum(pp.param.numel() for pp in plan.params))
+        mine.append(sum(pp.param.numel() for pp in plan.params if pp.param.requires_grad))
+        mine.append(sum(_DTYPE_CODES.get(pp.param.dtype, 99) for pp in plan.params))
+    everyone = all_gather_ints(mine, group)
+    if all(row == everyone[0] for row in everyone):
+        return
+    differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
+    raise ValueError(
+        "the wrapped model differs across ranks (unit count, then per unit: parameter count, "
+        f"trainable count, dtype code sum: rank 0 has {everyone[0]}, "
+        + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
+        + "); build the same model on every rank before wrapping"
+    )
+
+
+def build_units(
+    module: nn.Module,
+    plans: list[UnitPlan],
+    options: UnitOptions,
+    groups: Groups,
+    stats: CommStats,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> list[FlatParamUnit]:
+    """One FlatParamUnit per plan; a meta-device model is materialised unit by unit."""
+
+    def build(plan: UnitPlan) -> FlatParamUnit:
+        return FlatParamUnit(
+            plan,
+            options,
+            shard_group=groups.shard,
+            replicate_group=groups.replicate,
+            broadcast_group=groups.world,
+            stats=stats,
+        )
+
+    deferred = any(pp.param.is_meta for plan in plans for pp in plan.params)
+    if not deferred:
+        if param_init_fn is not None:
+            raise ValueError("param_init_fn= is for a model built on the meta device")
+        module.to(options.device)
+        return [build(plan) for plan in plans]
+    return _build_deferred(module, plans, options.device, param_init_fn, build)
+
+
+def _build_deferred(
+    module: nn.Module,
+    plans: list[UnitPlan],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    build: Callable[[UnitPlan], FlatParamUnit],
+) -> list[FlatParamUnit]:
+    """See [Note: deferred initialisation]."""
+    unit_of = {id(pp.param): i for i, plan in enumerate(plans) for pp in plan.params}
+    modules = list(module.modules())
+    last_module: dict[int, int] = {}
+    for index, m in enumerate(modules):
+        for p in m._parameters.values():
+            if p is not None:
+                last_module[unit_of[id(p)]] = index
+    units: list[FlatParamUnit | None] = [None] * len(plans)
+    materialized: set[int] = set()
+    for index, m in enumerate(modules):
+        owners = sorted({unit_of[id(p)] for p in m._parameters.values() if p is not None})
+        for u in owners:
+            if u not in materialized:
+                for real in _materialize(plans[u], device):
+                    unit_of[id(real)] = u
+                materialized.add(u)
+        _materialize_buffers(m, device)
+        if owners:
+            with torch.no_grad():
+                if param_init_fn is not None:
+                    param_init_fn(m)
+                elif hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        for u in owners:
+            if last_module[u] == index:
+                units[u] = build(plans[u])
+    return [
+        unit if unit is not None else build(plan) for unit, plan in zip(units, plans, strict=True)
+    ]
+
+
+def _materialize(plan: UnitPlan, device: torch.device) -> list[nn.Parameter]:
+    """Allocate the plan's parameters on ``device`` (uninitialised), keeping ties."""
+    out = []
+    for pp in plan.params:
+        meta = pp.param
+        real = nn.Parameter(
+            torch.empty(meta.shape, dtype=meta.dtype, device=device),
+            requires_grad=meta.requires_grad,
+        )
+        for owner, name in pp.refs:
+            owner._parameters[name] = real
+        setattr(meta, STALE_ATTR, True)
+        pp.param = real
+        out.append(real)
+    return out
+
+
+def _materialize_buffers(module: nn.Module, device: torch.device) -> None:
+    """Meta buffers become zeros on ``device`` (``reset_parameters`` may fill them)."""
+    for name, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
