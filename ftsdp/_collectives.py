@@ -35,10 +35,13 @@ class CommStats:
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     copies: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     max_in_flight: int = 0
+    trace: list[str] | None = None  # set to [] to record the order of collectives
 
-    def record(self, kind: str, nbytes: int) -> None:
+    def record(self, kind: str, nbytes: int, tag: str = "") -> None:
         self.calls[kind] += 1
         self.bytes[kind] += int(nbytes)
+        if self.trace is not None:
+            self.trace.append(f"{kind}:{tag}" if tag else kind)
 
     def record_copy(self, kind: str, nbytes: int) -> None:
         self.copies[kind] += int(nbytes)
@@ -84,6 +87,7 @@ def all_gather_flat(
     *,
     async_op: bool = False,
     stats: CommStats | None = None,
+    tag: str = "",
 ) -> dist.Work | None:
     """Gather equal 1-D shards from every rank into ``output`` (``W * shard.numel()``)."""
     world = group_size(group)
@@ -92,7 +96,7 @@ def all_gather_flat(
         output.copy_(shard)
         return None
     if stats is not None:
-        stats.record("all_gather", (world - 1) * shard.numel() * shard.element_size())
+        stats.record("all_gather", (world - 1) * shard.numel() * shard.element_size(), tag)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
@@ -103,6 +107,7 @@ def reduce_scatter_flat(
     *,
     async_op: bool = False,
     stats: CommStats | None = None,
+    tag: str = "",
 ) -> dist.Work | None:
     """Sum ``full`` (``W * output.numel()``) over ranks; rank ``r`` keeps chunk ``r``."""
     world = group_size(group)
@@ -111,7 +116,7 @@ def reduce_scatter_flat(
         output.copy_(full)
         return None
     if stats is not None:
-        stats.record("reduce_scatter", (world - 1) * output.numel() * output.element_size())
+        stats.record("reduce_scatter", (world - 1) * output.numel() * output.element_size(), tag)
     return _reduce_scatter_single(
         output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op
     )
@@ -124,6 +129,7 @@ def all_reduce_flat(
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     async_op: bool = False,
     stats: CommStats | None = None,
+    tag: str = "",
 ) -> dist.Work | None:
     """All-reduce ``tensor`` in place."""
     world = group_size(group)
@@ -131,7 +137,7 @@ def all_reduce_flat(
         return None
     if stats is not None:
         nbytes = 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
-        stats.record("all_reduce", nbytes)
+        stats.record("all_reduce", nbytes, tag)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 

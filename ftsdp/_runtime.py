@@ -110,6 +110,7 @@ class Runtime:
         self._backward_order: list[FlatParamUnit] = []  # this iteration's pre-backward order
         self._last_forward: list[FlatParamUnit] = []
         self._last_backward: list[FlatParamUnit] = []
+        self.peak_unsharded_bytes = 0  # the most full-buffer bytes allocated at once
         self.group = group  # every data-parallel rank: agrees which parameters got gradients
         self.root = units[0]
         self.strategy = strategy
@@ -180,8 +181,13 @@ class Runtime:
     def _unshard(self, unit: FlatParamUnit) -> None:
         """Make ``unit`` unsharded now (waiting for its prefetched all-gather if any)."""
         unit.unshard()
+        self._note_unsharded_bytes()
         if unit in self._gathering:
             self._gathering.remove(unit)
+
+    def _note_unsharded_bytes(self) -> None:
+        now = sum(u.unsharded_bytes_allocated() for u in self.units)
+        self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, now)
 
     def _prefetch_after(self, unit: FlatParamUnit, order: list[FlatParamUnit]) -> None:
         """Start the all-gather of the unit that follows ``unit`` in ``order``."""
@@ -195,6 +201,7 @@ class Runtime:
             while len(self._gathering) >= 2:  # the rate limiter: at most two in flight
                 self._unshard(self._gathering[0])
         target.start_unshard()
+        self._note_unsharded_bytes()
         if target.state is UnitState.GATHERING:
             self._gathering.append(target)
             stats = target.stats
@@ -219,7 +226,7 @@ class Runtime:
                 hooked = 0
                 for t in _tensors_in(output):
                     if t.requires_grad:
-                        t.register_hook(lambda grad: self._pre_backward(unit))
+                        self._hook_output(unit, t)
                         hooked += 1
                 if unit is self.root and not hooked and any(u.trainable for u in self.units):
                     warnings.warn(
@@ -234,6 +241,16 @@ class Runtime:
                 self.phase = Phase.IDLE
 
         return hook
+
+    def _hook_output(self, unit: FlatParamUnit, t: torch.Tensor) -> None:
+        # A pre-hook on the node that produced the output, not a hook on the tensor: node
+        # pre-hooks run after the tensor hooks on the same gradient, so the next unit's
+        # inputs hook (a tensor hook: that unit's backward is done, free it) runs before
+        # this unit gathers. Otherwise two units would be gathered at that moment.
+        if t.grad_fn is not None:
+            t.grad_fn.register_prehook(lambda grads: self._pre_backward(unit))
+        else:
+            t.register_hook(lambda grad: self._pre_backward(unit))
 
     # ---------------------------------------------------------------- backward
     def _ensure_callback(self) -> None:

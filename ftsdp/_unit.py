@@ -187,7 +187,7 @@ class FlatParamUnit:
             broadcast_flat(flat, broadcast_group, stats=self.stats)
         start = self.rank * self.shard_numel
         shard = flat if self.factor == 1 else flat[start : start + self.shard_numel]
-        if self.shard_device != self.device:  # CPU offload: the master shard lives on the host
+        if self.options.offload:  # CPU offload: the master shard lives on the host
             return shard.to(self.shard_device).pin_memory() if _pinnable() else shard.cpu()
         return shard if self.factor == 1 else shard.clone()
 
@@ -282,12 +282,12 @@ class FlatParamUnit:
         self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
         with torch.no_grad():
             source = self.shard
-            if self.shard_device != self.device:
+            if self.options.offload:  # host -> device (a real copy even on a CPU-only host)
                 self.stats.record_copy("h2d", source.numel() * source.element_size())
-                source = source.to(self.device, non_blocking=True)
+                source = source.to(self.device, non_blocking=True, copy=True)
             source = source.to(self.param_dtype)
             work = all_gather_flat(
-                self._full, source, self.shard_group, async_op=True, stats=self.stats
+                self._full, source, self.shard_group, async_op=True, stats=self.stats, tag=self.fqn
             )
         self._gather = (work, source)
         self._gathered_version = self.shard._version
@@ -389,11 +389,15 @@ class FlatParamUnit:
         grad = grad.to(self.reduce_dtype)
         if self.factor > 1:
             out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-            work = reduce_scatter_flat(out, grad, self.shard_group, async_op=True, stats=self.stats)
+            work = reduce_scatter_flat(
+                out, grad, self.shard_group, async_op=True, stats=self.stats, tag=self.fqn
+            )
             second_stage = self.replicate_group is not None
         else:
             out = grad
-            work = all_reduce_flat(out, self.replicate_group, async_op=True, stats=self.stats)
+            work = all_reduce_flat(
+                out, self.replicate_group, async_op=True, stats=self.stats, tag=self.fqn
+            )
             second_stage = False
         self._pending.append((work, out, second_stage, grad))
 
@@ -433,13 +437,13 @@ class FlatParamUnit:
             if work is not None:
                 work.wait()
             if second_stage:
-                all_reduce_flat(out, self.replicate_group, stats=self.stats)
+                all_reduce_flat(out, self.replicate_group, stats=self.stats, tag=self.fqn)
             out = out.to(self.dtype)  # fp32 gradients for the fp32 master shards
             if not self.deterministic:  # deterministic reductions are averaged already
                 out.div_(self.data_parallel_size)
-            if self.shard_device != out.device:
+            if self.options.offload:  # device -> host
                 self.stats.record_copy("d2h", out.numel() * out.element_size())
-                out = out.to(self.shard_device)
+                out = out.to(self.shard_device, copy=True)
             self._accumulate_sharded_grad(out, used)
         self._pending.clear()
         self._used = [False] * len(self.infos)

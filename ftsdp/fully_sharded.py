@@ -311,9 +311,16 @@ class FullyShardedDataParallel(nn.Module):
             for u in self._units
         ]
 
-    def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds now: sharded params and grads, and full buffers allocated."""
-        return {
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds (the accounting the logs and the benchmark use).
+
+        ``sharded_param_bytes`` / ``sharded_grad_bytes``: the shards and sharded gradients;
+        ``optimizer_state_bytes``: tensors in ``optimizer.state`` for this model's parameters
+        (when an optimizer is given); ``unsharded_param_bytes``: full buffers allocated now;
+        ``peak_unsharded_param_bytes``: the most allocated at once since wrapping;
+        ``largest_unit_bytes``: the biggest unit's full buffer.
+        """
+        stats = {
             "sharded_param_bytes": sum(
                 u.shard.numel() * u.shard.element_size() for u in self._units
             ),
@@ -323,7 +330,21 @@ class FullyShardedDataParallel(nn.Module):
                 if (g := u.sharded_grad) is not None
             ),
             "unsharded_param_bytes": sum(u.unsharded_bytes_allocated() for u in self._units),
+            "peak_unsharded_param_bytes": self._runtime.peak_unsharded_bytes,
+            "largest_unit_bytes": max(
+                (u.padded_numel * _itemsize(u.param_dtype) for u in self._units), default=0
+            ),
         }
+        if optimizer is not None:
+            mine = {id(p) for _, p in self.named_parameters()}
+            stats["optimizer_state_bytes"] = sum(
+                v.numel() * v.element_size()
+                for p, state in optimizer.state.items()
+                if id(p) in mine
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            )
+        return stats
 
     def _param_names(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.named_parameters(remove_duplicate=False))
@@ -334,6 +355,10 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _reject_wrapped(module: nn.Module) -> None:
