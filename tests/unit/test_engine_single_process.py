@@ -204,3 +204,27 @@ def test_model_zero_grad_discards_gradients_kept_under_no_sync() -> None:
         wrapped.named_parameters(), reference.named_parameters(), strict=True
     ):
         torch.testing.assert_close(p.grad, q.grad.reshape(-1), msg=name)
+
+
+def test_mixed_precision_and_offload_validate_their_fields() -> None:
+    with pytest.raises(ValueError, match="param_dtype=torch.int32 must be a floating torch.dtype"):
+        ftsdp.MixedPrecision(param_dtype=torch.int32)
+    with pytest.raises(ValueError, match="device_mesh must be 1-D or 2-D|pass either"):
+        ftsdp.FSDP(tiny_gpt(), device_mesh=object(), process_group=object())
+
+
+def test_single_process_bf16_and_offload_train() -> None:
+    """Without a process group: bf16 compute with fp32 masters, and offloaded shards."""
+    reference = tiny_gpt()
+    for kwargs in (
+        {"mixed_precision": ftsdp.MixedPrecision(param_dtype=torch.bfloat16)},
+        {"cpu_offload": ftsdp.CPUOffload(offload_params=True)},
+    ):
+        wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy={Block}, **kwargs)
+        x, y = tokens()
+        loss = wrapped(x, y)[1]
+        loss.backward()
+        torch.testing.assert_close(loss, reference(x, y)[1], rtol=0, atol=0.02)
+        assert all(
+            p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in wrapped.parameters()
+        )
