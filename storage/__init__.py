@@ -5,11 +5,16 @@ h = storage.save(state, url, step=100, async_save=True)  # h.wait(), h.done(), h
 storage.load(state, url)                                 # in place, newest committed step
 storage.list_steps(url)                                  # committed steps, ascending
 storage.load_state_dict(url, keys=None, dtype=None)      # full tensors in one process
+storage.load_into(module, url)                           # also a module on the meta device
+storage.LazyStateDict(url)                               # tensors read on first access
+storage.convert(src, dst, to="hf")                       # ftsdp / hf / torch / dcp, streamed
 ```
 Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's flat range) or
 JSON-able values. ``storage`` never imports ``ftsdp``.
 """
 
+from storage._checks import VerifyReport, diff, inspect_checkpoint, verify
+from storage._convert import ConvertResult, convert, reshard
 from storage._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -19,20 +24,30 @@ from storage._errors import (
     StateMismatchError,
 )
 from storage._flat_shard import FlatShard
-from storage._load import LoadResult, load, load_into, load_state_dict
+from storage._gc import GcReport, collect_garbage
+from storage._inference import LazyStateDict, LoadIntoResult, load_into, load_state_dict
+from storage._load import LoadResult, load
 from storage._manifest import FORMAT_VERSION, Manifest
 from storage._options import IOOptions, LoadOptions, SaveOptions
 from storage._save import SaveHandle, save
+from storage._sources import FORMATS, detect_format
 from storage._steps import apply_retention, list_steps, read_manifest
+from storage._streaming import DEFAULT_MAX_MEMORY
 
 __all__ = [
+    "DEFAULT_MAX_MEMORY",
+    "FORMATS",
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "ConvertResult",
     "CorruptCheckpointError",
     "FlatShard",
+    "GcReport",
     "IOOptions",
     "IncompleteCheckpointError",
+    "LazyStateDict",
+    "LoadIntoResult",
     "LoadOptions",
     "LoadResult",
     "Manifest",
@@ -40,11 +55,19 @@ __all__ = [
     "SaveHandle",
     "SaveOptions",
     "StateMismatchError",
+    "VerifyReport",
     "apply_retention",
+    "collect_garbage",
+    "convert",
+    "detect_format",
+    "diff",
+    "inspect_checkpoint",
     "list_steps",
     "load",
     "load_into",
     "load_state_dict",
     "read_manifest",
+    "reshard",
     "save",
+    "verify",
 ]

@@ -19,7 +19,7 @@ from storage._manifest import Manifest
 from storage._options import LoadOptions
 from storage._ranges import Range
 from storage._read_plan import Want, make_want, plan_reads
-from storage._reader import execute
+from storage._reader import deliver, execute, fetch
 from storage._state import TensorLeaf, flatten_state
 from storage._steps import resolve_manifest
 
@@ -154,7 +154,7 @@ def load(
                 f"mismatched={result.mismatched} (strict=False loads the rest and reports these)"
             )
         spans = plan_reads(wants, manifest.checksum_block_bytes, options.coalesce_gap_bytes)
-        bytes_read = execute(store, manifest.step, manifest.checksum_block_bytes, spans)
+        segments, bytes_read = fetch(store, manifest.step, manifest.checksum_block_bytes, spans)
     except Exception as e:
         error = e
     if group is not None:
@@ -172,9 +172,7 @@ def load(
     if error is not None:
         raise error
 
-    with torch.no_grad():
-        for want, leaf in zip(wants, targets, strict=True):
-            leaf.local.copy_(want.staging.view(leaf.local.shape))
+    deliver(wants, [leaf.local for leaf in targets], segments, options.io.threads)
     for name, value in restored.items():
         leaf = values[name]
         leaf.parent[leaf.key] = value

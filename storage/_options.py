@@ -42,6 +42,7 @@ class SaveOptions:
     checksum_block_bytes: int = 1 * MiB  # one crc32 per block; bounds read amplification
     replica_split_bytes: int = 16 * MiB  # replicated ranges this big are split among holders
     staging_budget_bytes: int = 4096 * MiB  # host memory async save may hold at once
+    reuse_staging: bool = True  # keep async save's staging buffers (<= budget) for the next one
     commit_timeout_s: float = 600.0  # how long rank 0 waits for the other ranks' objects
     io: IOOptions = field(default_factory=IOOptions)
 

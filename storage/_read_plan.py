@@ -32,6 +32,7 @@ class Copy:
     nbytes: int
     dst: torch.Tensor  # uint8 view of a staging tensor
     dst_byte: int
+    want: int = -1  # index of the Want it fills
 
 
 @dataclass
@@ -53,7 +54,7 @@ def make_want(name: str, entry: TensorEntry, rng: Range) -> Want:
 def plan_reads(wants: list[Want], block: int, gap: int = 0) -> list[Span]:
     """The coalesced ranged reads that fill every ``Want`` (each read within one object)."""
     requests: dict[str, list[tuple[int, int, list, Copy]]] = {}
-    for w in wants:
+    for index, w in enumerate(wants):
         size = itemsize(w.staging.dtype)
         dst = w.staging.view(torch.uint8)
         pieces = w.entry.pieces
@@ -68,7 +69,9 @@ def plan_reads(wants: list[Want], block: int, gap: int = 0) -> list[Span]:
             b1 = b0 + inter.length * size
             a0, a1 = b0 // block * block, min(-(-b1 // block) * block, p.length * size)
             blocks = [(w.name, p, k) for k in range(a0 // block, -(-a1 // block))]
-            copy = Copy(p.byte_start + b0, b1 - b0, dst, (inter.offset - w.range.offset) * size)
+            copy = Copy(
+                p.byte_start + b0, b1 - b0, dst, (inter.offset - w.range.offset) * size, index
+            )
             requests.setdefault(p.object, []).append(
                 (p.byte_start + a0, p.byte_start + a1, blocks, copy)
             )

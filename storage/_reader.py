@@ -1,66 +1,175 @@
-"""Execute a read plan: concurrent ranged reads, checksum verification, copies into staging."""
+"""Execute a read plan: concurrent ranged reads verified per part, then one copy into place.
+
+[Note: fetch, then deliver]
+Each span is cut into parts of about ``part_bytes`` at checksum-block boundaries, so a part holds
+whole blocks only and a worker thread reads it and verifies its blocks on its own (CRC-32, the
+reads and numpy's copies release the GIL; the caller's thread only waits). ``fetch`` returns,
+for every planned copy, verified source bytes: a view of the page cache for a local file (see
+[Note: reading local files through the page cache] in _fs.py), the response body for an object
+store. Nothing has been written anywhere yet, so a load can still fail cleanly. ``deliver`` then
+copies the sources straight into the targets (one copy), going through the staging tensors only
+where a target needs a conversion (another dtype, device or memory layout); ``execute`` fills
+the staging tensors (``load_state_dict`` returns them).
+"""
 
 from __future__ import annotations
 
-import zlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from storage._errors import CorruptCheckpointError
 from storage._fs import Store
 from storage._layout import step_dir
-from storage._ranges import split
-from storage._read_plan import Span
+from storage._manifest import Piece
+from storage._read_plan import Copy, Span, Want
+from storage._safetensors import crc32
+
+_COPY_CHUNK = 16 << 20  # bytes per copy task, so that one large tensor uses every thread
+
+# (copy, byte offset inside the copy, verified source bytes): a copy may span several parts
+Segment = tuple[Copy, int, np.ndarray]
 
 
-def _verify_and_copy(store: Store, step: int, block: int, span: Span, buf: bytearray) -> None:
-    mv = memoryview(buf)
-    for name, piece, k in span.blocks.values():
-        start = piece.byte_start + k * block
-        end = min(start + block, piece.byte_end)
-        if zlib.crc32(mv[start - span.start : end - span.start]) != piece.crc32[k]:
+@dataclass
+class _Part:
+    """Bytes ``[start, end)`` of ``span.object`` holding whole checksum blocks."""
+
+    span: Span
+    start: int
+    end: int
+    blocks: list[tuple[int, int, str, Piece, int]]  # (byte start, byte end, name, piece, k)
+
+
+def _parts(span: Span, block: int, part_bytes: int) -> list[_Part]:
+    """Cut ``span`` at block boundaries into parts of at least ``part_bytes`` (but the last)."""
+    blocks = sorted(
+        (p.byte_start + k * block, min(p.byte_start + (k + 1) * block, p.byte_end), name, p, k)
+        for name, p, k in span.blocks.values()
+    )
+    parts: list[_Part] = []
+    current: list[tuple[int, int, str, Piece, int]] = []
+    start = span.start
+    for b in blocks:
+        current.append(b)
+        if b[1] - start >= part_bytes:
+            parts.append(_Part(span, start, b[1], current))
+            start, current = b[1], []
+    if start < span.end or not parts:
+        parts.append(_Part(span, start, span.end, current))
+    else:
+        parts[-1].blocks.extend(current)
+    return parts
+
+
+def _fetch_part(store: Store, step: int, part: _Part) -> list[Segment]:
+    rel = f"{step_dir(step)}/{part.span.object}"
+    if store.local:
+        data = store._retry(lambda: store.map_range(rel, part.start, part.end))
+    else:
+        data = np.frombuffer(store.read_range(rel, part.start, part.end), dtype=np.uint8)
+    for lo, hi, name, piece, k in part.blocks:
+        if crc32(data[lo - part.start : hi - part.start]) != piece.crc32[k]:
             raise CorruptCheckpointError(
                 f"checksum mismatch in tensor {name!r} (step {step}, object "
-                f"{store.where(f'{step_dir(step)}/{piece.object}')}, bytes [{start}, {end})); "
-                "the checkpoint is corrupt, load another step"
+                f"{store.where(rel)}, bytes [{lo}, {hi})); the checkpoint is corrupt, "
+                "load another step"
             )
-    for c in span.copies:
-        src = torch.frombuffer(buf, dtype=torch.uint8, count=c.nbytes, offset=c.src - span.start)
-        c.dst[c.dst_byte : c.dst_byte + c.nbytes].copy_(src)
+    out = []
+    for c in part.span.copies:
+        lo, hi = max(c.src, part.start), min(c.src + c.nbytes, part.end)
+        if hi > lo:
+            out.append((c, lo - c.src, data[lo - part.start : hi - part.start]))
+    return out
 
 
-def execute(store: Store, step: int, block: int, spans: list[Span]) -> int:
-    """Read every span (parts of ``store.io.part_bytes`` in flight concurrently); bytes read."""
-    if not spans:
-        return 0
-    bufs = [bytearray(s.end - s.start) for s in spans]
-    left = [0] * len(spans)
-    jobs = []
-    for i, s in enumerate(spans):
-        for a, b in split(s.start, s.end, store.io.part_bytes):
-            jobs.append((i, a, b))
-            left[i] += 1
+def _run(threads: int, tasks: Sequence[Callable[[], object]]) -> list:
+    """Run ``tasks`` on up to ``threads`` threads; the first error cancels the rest and raises."""
+    if len(tasks) <= 1 or threads <= 1:
+        return [t() for t in tasks]
+    results: list = [None] * len(tasks)
 
-    def fetch(i: int, a: int, b: int) -> int:
-        s = spans[i]
-        data = store.read_range(f"{step_dir(step)}/{s.object}", a, b)
-        bufs[i][a - s.start : b - s.start] = data
-        return i
+    def call(i: int) -> None:
+        results[i] = tasks[i]()
 
-    with ThreadPoolExecutor(store.io.threads, "storage-read") as pool:
-        pending = {pool.submit(fetch, *job) for job in jobs}
+    with ThreadPoolExecutor(min(threads, len(tasks)), "storage-read") as pool:
+        pending = {pool.submit(call, i) for i in range(len(tasks))}
         try:
             while pending:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for fut in done:
-                    i = fut.result()
-                    left[i] -= 1
-                    if left[i] == 0:
-                        _verify_and_copy(store, step, block, spans[i], bufs[i])
-                        bufs[i] = bytearray()  # free it
+                    fut.result()
         except BaseException:
             for fut in pending:
                 fut.cancel()
             raise
-    return sum(s.end - s.start for s in spans)
+    return results
+
+
+def fetch(store: Store, step: int, block: int, spans: list[Span]) -> tuple[list[Segment], int]:
+    """Read and verify every span; the source bytes of every copy and the bytes read."""
+    parts = [p for s in spans for p in _parts(s, block, store.io.part_bytes)]
+    results = _run(store.io.threads, [lambda p=p: _fetch_part(store, step, p) for p in parts])
+    return [seg for r in results for seg in r], sum(s.end - s.start for s in spans)
+
+
+def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], None]]:
+    """Tasks copying ``src`` into bytes ``[at, at + len(src))`` of the uint8 tensor ``dst``."""
+    if dst.device.type != "cpu":
+        # not a hot path (staging is on the CPU); torch wants a writable source
+        return [lambda: dst[at : at + len(src)].copy_(torch.from_numpy(src.copy()))]
+    out = dst.detach().numpy()
+    return [
+        lambda a=a: np.copyto(
+            out[at + a : at + min(a + _COPY_CHUNK, len(src))], src[a : a + _COPY_CHUNK]
+        )
+        for a in range(0, len(src), _COPY_CHUNK)
+    ]
+
+
+def _fill_staging(segments: list[Segment]) -> list[Callable[[], None]]:
+    return [t for c, off, src in segments for t in _copy_tasks(c.dst, c.dst_byte + off, src)]
+
+
+def _direct(want: Want, target: torch.Tensor) -> bool:
+    """True when the saved bytes can be copied into ``target`` as they are."""
+    return (
+        target.device.type == "cpu"
+        and target.dtype == want.staging.dtype
+        and target.is_contiguous()
+    )
+
+
+def deliver(
+    wants: list[Want], targets: list[torch.Tensor], segments: list[Segment], threads: int
+) -> None:
+    """Copy fetched bytes into each ``targets[i]`` (the tensor ``wants[i]`` describes)."""
+    direct = [_direct(w, t) for w, t in zip(wants, targets, strict=True)]
+    tasks: list[Callable[[], None]] = []
+    for c, off, src in segments:
+        if direct[c.want]:
+            dst = targets[c.want].detach().reshape(-1).view(torch.uint8)
+            tasks.extend(_copy_tasks(dst, c.dst_byte + off, src))
+        else:
+            tasks.extend(_copy_tasks(c.dst, c.dst_byte + off, src))
+    _run(threads, tasks)
+    for t, d in zip(targets, direct, strict=True):
+        if d:  # written through numpy: tell autograd, as an in-place copy_ would have
+            torch.autograd.graph.increment_version(t)
+    converts = [  # detach: grad mode is per thread, and these may be parameters
+        lambda w=w, t=t: t.detach().copy_(w.staging.view(t.shape))
+        for w, t, d in zip(wants, targets, direct, strict=True)
+        if not d
+    ]
+    _run(threads, converts)
+
+
+def execute(store: Store, step: int, block: int, spans: list[Span]) -> int:
+    """Read every span (parts of ``store.io.part_bytes``, ``store.io.threads`` in flight), verify
+    every block read, fill the staging tensors; the number of bytes read."""
+    segments, nbytes = fetch(store, step, block, spans)
+    _run(store.io.threads, _fill_staging(segments))
+    return nbytes

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from collections.abc import Sequence
 from typing import IO
 
 import torch
 
 from storage._dtypes import itemsize, safetensors_code
+
+try:  # the same CRC-32 as zlib's, about 3x faster (ISA-L); optional: ``pip install isal``
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    from zlib import crc32
 
 _WRITE_CHUNK = 8 << 20  # bytes handed to the file object at once
 
@@ -66,7 +70,7 @@ def write_object(
         blocks = []
         for start in range(0, len(mv), block_bytes):
             block = mv[start : start + block_bytes]
-            blocks.append(zlib.crc32(block))
+            blocks.append(crc32(block))
             for off in range(0, len(block), _WRITE_CHUNK):
                 f.write(block[off : off + _WRITE_CHUNK])
         crcs.append(blocks)

@@ -34,12 +34,13 @@ from storage._manifest import Manifest, Piece, TensorEntry
 from storage._options import SaveOptions
 from storage._safetensors import write_object
 from storage._save_plan import PlannedObject, SavePlan, make_plan
-from storage._staging import StagingBudget, stage
+from storage._staging import StagingBudget, StagingPool, stage
 from storage._state import TensorLeaf, flatten_state
 from storage._steps import committed_steps, retain
 
 _lock = threading.Lock()
 _previous: SaveHandle | None = None
+_staging_pool = StagingPool()  # async saves of this process, one at a time
 
 
 class SaveHandle:
@@ -213,22 +214,31 @@ class _SaveJob:
     def start(self, handle: SaveHandle) -> None:
         """Stage within the budget (blocking), upload and commit in the background."""
         budget = StagingBudget(self.options.staging_budget_bytes)
+        reuse = self.options.reuse_staging
+        if not reuse:
+            _staging_pool.clear()
         pool = ThreadPoolExecutor(self.options.io.threads, "storage-save")
         futures: list[Future] = []
         error: BaseException | None = None
 
-        def upload(obj: PlannedObject, staged: list[torch.Tensor]) -> list[list[int]]:
+        def upload(obj: PlannedObject, staged: list[torch.Tensor], buf: torch.Tensor) -> Any:
             try:
                 return self._write(obj, staged)
             finally:
                 budget.release(obj.payload_bytes)
+                if reuse:
+                    _staging_pool.give(buf, self.options.staging_budget_bytes)
 
+        kinds = set()
         try:
             for obj in self.mine:
                 budget.acquire(obj.payload_bytes)
-                futures.append(pool.submit(upload, obj, stage(self._payloads(obj))))
+                staged, buf = stage(self._payloads(obj), _staging_pool if reuse else None)
+                kinds.add((buf.numel(), buf.is_pinned()))
+                futures.append(pool.submit(upload, obj, staged, buf))
         except BaseException as e:  # still take part in the commit protocol, as a failure
             error = e
+        _staging_pool.clear(keep=kinds)  # buffers of earlier, other states: free them
         handle.staging_peak_bytes = budget.peak
 
         def background() -> None:

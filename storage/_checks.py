@@ -1,0 +1,298 @@
+"""Looking at checkpoints without loading them: ``inspect_checkpoint``, ``verify``, ``diff``.
+
+All three stream (see [Note: the memory budget] in ``storage/_streaming.py``). ``verify`` reports
+every problem it finds instead of stopping at the first; the others raise like the loaders.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from storage._errors import CheckpointError
+from storage._fs import Store
+from storage._layout import manifest_path, parse_step, step_dir
+from storage._manifest import Manifest
+from storage._sources import Source, detect_format, open_source, read_safetensors_header
+from storage._steps import committed_steps, resolve_manifest
+from storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, chunk_bytes, split_request
+
+
+def _step_dirs(store: Store) -> tuple[list[int], list[int]]:
+    """(committed, torn) steps under a root."""
+    committed = committed_steps(store)
+    torn = sorted(
+        s for s in map(parse_step, store.listdir()) if s is not None and s not in committed
+    )
+    return committed, torn
+
+
+def inspect_checkpoint(
+    url: str, step: int | None = None, *, storage_options: dict | None = None
+) -> dict[str, Any]:
+    """A JSON-able description: format, steps (committed and torn), world size, tensors with
+    shape, dtype and bytes, totals and the non-tensor state's keys. Reads metadata only."""
+    fmt = detect_format(url, storage_options)
+    info: dict[str, Any] = {"url": url, "format": fmt}
+    if fmt == "ftsdp":
+        committed, torn = _step_dirs(Store(url, storage_options))
+        info.update(committed_steps=committed, torn_steps=torn)
+        if not committed:
+            info.update(step=None, tensors=[], total_tensors=0, total_bytes=0, values=[])
+            return info
+    source = open_source(url, fmt, step, storage_options)
+    try:
+        tensors = [
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "bytes": t.nbytes,
+            }
+            for t in sorted(source.tensors.values(), key=lambda t: t.name)
+        ]
+        info.update(
+            step=source.step,
+            world_size=source.world_size,
+            tensors=tensors,
+            total_tensors=len(tensors),
+            total_bytes=sum(t["bytes"] for t in tensors),
+            values=sorted(source.values),
+            dropped=list(source.dropped),
+        )
+        return info
+    finally:
+        source.close()
+
+
+@dataclass
+class VerifyReport:
+    """Problems found, per step checked (ftsdp) or under ``None`` (other formats)."""
+
+    url: str
+    format: str
+    checked: list[int | None] = field(default_factory=list)
+    torn_steps: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _verify_step(store: Store, step: int, chunk: int, meter: Meter, problems: list[str]) -> None:
+    where = store.where(manifest_path(step))
+    try:
+        manifest = Manifest.from_json(store.read(manifest_path(step)), where=where)
+    except CheckpointError as e:
+        problems.append(f"step {step}: {e}")
+        return
+    listing = store.listdir(step_dir(step))
+    block = manifest.checksum_block_bytes
+    bad_objects = set()
+    for name, size in sorted(manifest.objects.items()):
+        url = store.where(f"{step_dir(step)}/{name}")
+        if name not in listing:
+            problems.append(f"step {step}: object {url} is missing")
+            bad_objects.add(name)
+        elif listing[name][1] != size:
+            problems.append(
+                f"step {step}: object {url} has {listing[name][1]} bytes, the manifest lists {size}"
+            )
+            bad_objects.add(name)
+        else:
+            try:
+                header, base = read_safetensors_header(
+                    store.fs, store.full(f"{step_dir(step)}/{name}")
+                )
+            except CheckpointError as e:
+                problems.append(f"step {step}: {e}")
+                bad_objects.add(name)
+                continue
+            for tname, t in manifest.tensors.items():
+                for p in t.pieces:
+                    entry = header.get(p.key) if p.object == name else None
+                    if p.object == name and (
+                        entry is None
+                        or [base + o for o in entry["data_offsets"]] != [p.byte_start, p.byte_end]
+                    ):
+                        problems.append(
+                            f"step {step}: object {url}: piece {p.key!r} of tensor {tname} is not where the manifest says"
+                        )
+    for tname, t in sorted(manifest.tensors.items()):
+        for p in t.pieces:
+            if p.object in bad_objects:
+                continue
+            rel = f"{step_dir(step)}/{p.object}"
+            per = max(block, chunk // block * block)
+            for start in range(p.byte_start, p.byte_end, per):
+                end = min(start + per, p.byte_end)
+                data = store.read_range(rel, start, end)
+                meter.add(len(data))
+                mv = memoryview(data)
+                for k0 in range(0, end - start, block):
+                    k = (start - p.byte_start + k0) // block
+                    if zlib.crc32(mv[k0 : k0 + block]) != p.crc32[k]:
+                        a = start + k0
+                        problems.append(
+                            f"step {step}: tensor {tname}: checksum mismatch in {store.where(rel)} "
+                            f"bytes [{a}, {min(a + block, p.byte_end)})"
+                        )
+
+
+def _verify_source(source: Source, chunk: int, meter: Meter, problems: list[str]) -> None:
+    for name, info in sorted(source.tensors.items()):
+        try:
+            for r in split_request(name, 0, info.numel, info.itemsize, chunk):
+                out = torch.empty(r.length, dtype=info.dtype)
+                source.read_into([(name, r.offset, out)])
+                meter.add(out.numel() * info.itemsize)
+        except (CheckpointError, OSError, ValueError, RuntimeError) as e:
+            problems.append(f"tensor {name}: {e}")
+
+
+def verify(
+    url: str,
+    step: int | None = None,
+    *,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    storage_options: dict | None = None,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """Read every byte of a checkpoint and report each problem (missing or short objects, bad
+    manifests, misplaced pieces, checksum mismatches). For ftsdp, every committed step is checked
+    (or only ``step``); torn steps are listed, not counted as problems."""
+    chunk = chunk_bytes(max_memory)
+    fmt = detect_format(url, storage_options)
+    report = VerifyReport(url, fmt)
+    if fmt != "ftsdp":
+        if step is not None:
+            raise ValueError(
+                f"a step was given but {url} is a {fmt} checkpoint, which has no steps"
+            )
+        source = open_source(url, fmt, None, storage_options, chunk)
+        try:
+            meter = Meter(sum(t.nbytes for t in source.tensors.values()), progress)
+            report.checked = [None]
+            _verify_source(source, chunk, meter, report.problems)
+            report.problems.extend(f"{d}: not checked" for d in source.dropped)
+        finally:
+            source.close()
+        report.bytes_read = meter.done
+        return report
+    store = Store(url, storage_options)
+    committed, report.torn_steps = _step_dirs(store)
+    if step is not None and step not in committed:
+        resolve_manifest(store, step)  # raises the right CheckpointNotFoundError
+    report.checked = [step] if step is not None else committed
+    if not report.checked:
+        report.problems.append(f"no committed step under {url} (torn steps: {report.torn_steps})")
+        return report
+    total = 0
+    for s in report.checked:
+        try:
+            m = Manifest.from_json(
+                store.read(manifest_path(s)), where=store.where(manifest_path(s))
+            )
+            total += sum(p.byte_end - p.byte_start for t in m.tensors.values() for p in t.pieces)
+        except CheckpointError:
+            pass
+    meter = Meter(total, progress)
+    for s in report.checked:
+        _verify_step(store, s, chunk, meter, report.problems)
+    report.bytes_read = meter.done
+    return report
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    """(elements that differ, max abs difference) of two equal-length 1-D chunks."""
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        ne = a.to(torch.int8) != b.to(torch.int8)
+        return int(ne.sum()), float(ne.any())
+    a64 = a.to(torch.complex128 if a.is_complex() else torch.float64)
+    b64 = b.to(a64.dtype)
+    same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))
+    if bool(same.all()):
+        return 0, 0.0
+    d = (a64 - b64).abs()
+    d = torch.where(same, torch.zeros_like(d), d)
+    d = torch.nan_to_num(d, nan=float("inf"))
+    return int((~same).sum()), float(d.max())
+
+
+def diff(
+    url_a: str,
+    step_a: int | None,
+    url_b: str,
+    step_b: int | None,
+    *,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    storage_options: dict | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Compare two checkpoints (two steps of one root, or any two) tensor by tensor, streaming.
+
+    Returns ``{"tensors": [{"name", "status", "changed", "max_abs_diff"}...], "values": [...]}``
+    where status is ``same``, ``changed``, ``only_a``, ``only_b`` or ``shape`` (not compared);
+    a dtype change is compared in float64 and flagged ``dtype``.
+    """
+    chunk = chunk_bytes(max_memory) // 4  # two chunks and their float64 copies in flight
+    a = open_source(url_a, None, step_a, storage_options, chunk)
+    try:
+        b = open_source(url_b, None, step_b, storage_options, chunk)
+    except BaseException:
+        a.close()
+        raise
+    try:
+        common = sorted(set(a.tensors) & set(b.tensors))
+        rows: list[dict[str, Any]] = []
+        rows += [{"name": n, "status": "only_a"} for n in sorted(set(a.tensors) - set(b.tensors))]
+        rows += [{"name": n, "status": "only_b"} for n in sorted(set(b.tensors) - set(a.tensors))]
+        meter = Meter(sum(a.tensors[n].nbytes + b.tensors[n].nbytes for n in common), progress)
+        for n in common:
+            ta, tb = a.tensors[n], b.tensors[n]
+            if ta.shape != tb.shape:
+                rows.append(
+                    {"name": n, "status": "shape", "a": list(ta.shape), "b": list(tb.shape)}
+                )
+                continue
+            changed, worst = 0, 0.0
+            for r in split_request(n, 0, ta.numel, 8, chunk):
+                xa, xb = (
+                    torch.empty(r.length, dtype=ta.dtype),
+                    torch.empty(r.length, dtype=tb.dtype),
+                )
+                a.read_into([(n, r.offset, xa)])
+                b.read_into([(n, r.offset, xb)])
+                meter.add(r.length * (ta.itemsize + tb.itemsize))
+                c, w = _compare(xa, xb)
+                changed, worst = changed + c, max(worst, w)
+            status = "dtype" if ta.dtype != tb.dtype else ("changed" if changed else "same")
+            rows.append(
+                {
+                    "name": n,
+                    "status": status,
+                    "changed": changed,
+                    "numel": ta.numel,
+                    "max_abs_diff": worst,
+                }
+            )
+        rows.sort(key=lambda r: r["name"])
+        values = [
+            {"name": k, "a": a.values.get(k), "b": b.values.get(k)}
+            for k in sorted(set(a.values) | set(b.values))
+            if a.values.get(k) != b.values.get(k) or (k in a.values) != (k in b.values)
+        ]
+        return {
+            "a": {"url": url_a, "step": a.step},
+            "b": {"url": url_b, "step": b.step},
+            "tensors": rows,
+            "values": values,
+        }
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,347 @@
+"""``torch.distributed.checkpoint`` (DCP) directories as a source and a destination.
+
+DCP's ``.metadata`` is a pickle (DCP's own format): only convert DCP checkpoints you trust. Tensor
+items are read with ``weights_only=True``; non-tensor items too (DCP itself unpickles them fully),
+and one that needs more is dropped and named. Both directions run in one process without a process
+group (``no_dist=True``).
+
+[Note: streaming DCP]
+Reading: when every saved chunk of a tensor is a row block stored as a plain ``torch.save`` item
+(what FSDP2, ``Shard(0)`` and our writer produce), each item's structure is loaded on the meta
+device, which gives the byte offset of its data, and flat ranges are read straight from the files.
+Other layouts are read whole through ``dcp.load`` (a few tensors at a time within the chunk; one
+tensor when it alone is larger) and served from that cache: their memory is the largest tensor. Writing: a
+planner lists each tensor as row blocks of at most the chunk size (several chunks of one tensor,
+as a sharded save would) and resolves each block only when the writer asks for it, with one file
+per item (``single_file_per_rank=False``), so the writer holds one block at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    SavePlan,
+    TensorProperties,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from storage._errors import CheckpointNotFoundError, CorruptCheckpointError
+from storage._sources import Source
+from storage._streaming import TensorInfo, is_local, read_range_into, url_to_fs
+
+_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+    torch.bool, torch.complex64,
+}  # fmt: skip
+
+
+def _reader(url: str, storage_options: dict | None) -> Any:
+    fs, path = url_to_fs(url, storage_options)
+    if is_local(fs):
+        return dcp.FileSystemReader(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(url, **(storage_options or {}))
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """Loads non-tensor items with ``weights_only=True`` and records those that need more."""
+
+    def __init__(self, failed: list[str]) -> None:
+        super().__init__(
+            flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True
+        )
+        self.failed = failed
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            self.state_dict[fqn] = torch.load(value, weights_only=True)
+        except Exception:
+            self.failed.append(fqn)
+
+
+class DcpSource(Source):
+    """A DCP checkpoint directory (any world size, any chunking)."""
+
+    format = "dcp"
+
+    def __init__(self, url: str, storage_options: dict | None, chunk: int = 32 << 20) -> None:
+        super().__init__(url)
+        self._options, self._chunk = storage_options, chunk
+        try:
+            self._meta = _reader(url, storage_options).read_metadata()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"DCP checkpoint {url} has no .metadata") from None
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"DCP checkpoint {url}: cannot read .metadata ({e})"
+            ) from None
+        self._cache: dict[str, torch.Tensor] = {}
+        self._layouts: dict[str, list[tuple[int, int, str, int]] | None] = {}
+        self._fs, self._path = url_to_fs(url, storage_options)
+        value_keys = []
+        for fqn, md in self._meta.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                if md.properties.dtype not in _DTYPES:
+                    self.dropped.append(f"{fqn} (dtype {md.properties.dtype} unsupported)")
+                    continue
+                self.tensors[fqn] = TensorInfo(fqn, tuple(md.size), md.properties.dtype)
+            elif isinstance(md, BytesStorageMetadata):
+                value_keys.append(fqn)
+        if value_keys:
+            self._load_values(value_keys)
+        self.order = list(self.tensors)
+
+    def _load(self, state: dict[str, Any], failed: list[str]) -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
+                dcp.load(
+                    state,
+                    storage_reader=_reader(self.url, self._options),
+                    planner=_SafeLoadPlanner(failed),
+                    no_dist=True,
+                )
+        except Exception as e:
+            cause = _unwrap(e)
+            if not isinstance(cause, Exception):
+                raise cause from None
+            raise CorruptCheckpointError(
+                f"DCP checkpoint {self.url}: read failed ({cause})"
+            ) from None
+
+    def _load_values(self, keys: list[str]) -> None:
+        state: dict[str, Any] = dict.fromkeys(keys)
+        failed: list[str] = []
+        self._load(state, failed)
+        for key in keys:
+            if key in failed:
+                self.dropped.append(f"{key} (not loadable with weights_only=True)")
+                continue
+            value = state[key]
+            if isinstance(value, tuple):
+                value = list(value)
+            try:
+                self.values[key] = json.loads(json.dumps(value))
+            except (TypeError, ValueError):
+                self.dropped.append(f"{key} ({type(value).__name__} is not JSON)")
+
+    def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
+        """``(flat offset, length, file, byte offset)`` of each saved chunk of ``name`` when every
+        chunk is a row block stored as a plain ``torch.save`` item (what FSDP2 and ``Shard(0)``
+        write); None otherwise (the tensor is then read whole through ``dcp.load``)."""
+        if name in self._layouts:
+            return self._layouts[name]
+        self._layouts[name] = None
+        md = self._meta.state_dict_metadata[name]
+        shape = tuple(md.size)
+        row = math.prod(shape[1:]) if shape else 1
+        out = []
+        for c in md.chunks:
+            if shape and (any(c.offsets[1:]) or tuple(c.sizes[1:]) != shape[1:]):
+                return None
+            info = self._meta.storage_data.get(MetadataIndex(name, c.offsets))
+            if info is None or getattr(info, "transform_descriptors", None):
+                return None
+            path = f"{self._path}/{info.relative_path}"
+            with self._fs.open(path, "rb") as f:
+                view = _FileView(f, info.offset, info.length)
+                if view.read(4) != b"PK\x03\x04":
+                    return None
+                view.seek(0)
+                t = torch.load(view, map_location="meta", weights_only=True)
+            numel = math.prod(c.sizes)
+            if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() != numel:
+                return None
+            start = t.untyped_storage()._checkpoint_offset + t.storage_offset() * t.element_size()
+            out.append(((c.offsets[0] if shape else 0) * row, numel, path, info.offset + start))
+        out.sort()
+        pos = 0
+        for flat, numel, _, _ in out:  # the chunks must tile the tensor
+            if flat != pos:
+                return None
+            pos += numel
+        if pos != math.prod(shape):
+            return None
+        self._layouts[name] = out
+        return out
+
+    def _fill_cache(self, name: str) -> None:
+        """Load ``name`` and the tensors after it in ``order`` while they fit in one chunk."""
+        self._cache.clear()
+        start = self.order.index(name) if name in self.order else 0
+        batch, used = [name], self.tensors[name].nbytes
+        for other in self.order[start + 1 :]:
+            nbytes = self.tensors[other].nbytes
+            if used + nbytes > self._chunk or self._layout(other) is not None:
+                break
+            batch.append(other)
+            used += nbytes
+        state = {n: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in batch}
+        self._load(state, [])
+        self._cache = {n: t.view(-1) for n, t in state.items()}
+
+    def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        for name, offset, out in requests:
+            layout = self._layout(name)
+            if layout is None:
+                if name not in self._cache:
+                    self._fill_cache(name)
+                out.copy_(self._cache[name][offset : offset + out.numel()])
+                continue
+            end = offset + out.numel()
+            for flat, numel, path, byte in layout:
+                lo, hi = max(offset, flat), min(end, flat + numel)
+                if lo < hi:
+                    read_range_into(
+                        self._fs,
+                        path,
+                        byte + (lo - flat) * out.element_size(),
+                        out[lo - offset : hi - offset],
+                    )
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+class _FileView(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable file of their own."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, min(self.length, base + pos))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.offset + self.pos)
+        data = self.f.read(n)
+        memoryview(b)[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+class _StreamingSavePlanner(dcp.DefaultSavePlanner):
+    """Plans row blocks of tensors known only by shape and dtype; resolves each on demand."""
+
+    def __init__(
+        self,
+        tensors: list[TensorInfo],
+        values: dict[str, Any],
+        block: Callable[[TensorInfo, int, int], torch.Tensor],
+        chunk: int,
+    ) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._tensors, self._values, self._block, self._chunk = tensors, values, block, chunk
+        self._by_name = {t.name: t for t in tensors}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for t in self._tensors:
+            shape = torch.Size(t.shape)
+            props = TensorProperties(dtype=t.dtype)
+            rows = shape[0] if shape else 1
+            row_bytes = max(1, t.nbytes // rows) if rows else 1
+            step = max(1, self._chunk // row_bytes)
+            for r0 in range(0, max(rows, 1), step):
+                n = min(step, rows - r0) if shape else 1
+                offsets = torch.Size([r0, *[0] * (len(shape) - 1)]) if shape else torch.Size([])
+                sizes = torch.Size([n, *shape[1:]]) if shape else torch.Size([])
+                whole = n == rows or not shape
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(t.name, offsets),
+                        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            ChunkStorageMetadata(offsets, sizes), props, shape
+                        ),
+                    )
+                )
+        for name in self._values:
+            items.append(WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        name = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(self._values[name], buf)
+            buf.seek(0)
+            return buf
+        info = self._by_name[name]
+        chunk = write_item.tensor_data.chunk
+        row = math.prod(info.shape[1:]) if info.shape else 1
+        first = chunk.offsets[0] if info.shape else 0
+        n = math.prod(chunk.sizes)
+        return self._block(info, first * row, n).view(chunk.sizes)
+
+
+def write_dcp(
+    url: str,
+    storage_options: dict | None,
+    tensors: list[TensorInfo],
+    values: dict[str, Any],
+    block: Callable[[TensorInfo, int, int], torch.Tensor],
+    chunk: int,
+) -> None:
+    """Write a DCP checkpoint at ``url``; ``block(info, offset, length)`` gives flat elements.
+
+    ``.metadata`` is written last (DCP's commit), so an interrupted write never looks complete.
+    """
+    fs, path = url_to_fs(url, storage_options)
+    if is_local(fs):
+        writer = dcp.FileSystemWriter(path, single_file_per_rank=False, thread_count=1)
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        writer = FsspecWriter(
+            url, single_file_per_rank=False, thread_count=1, **(storage_options or {})
+        )
+    planner = _StreamingSavePlanner(tensors, values, block, chunk)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    except CheckpointException as e:
+        raise _unwrap(e) from None
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The original error inside DCP's ``CheckpointException`` (which wraps even ^C)."""
+    if isinstance(error, CheckpointException):
+        for failure in error.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                return inner
+    return error

@@ -1,0 +1,218 @@
+"""``ftsdp-ckpt`` in process: inspect, verify (clean and damaged), diff, gc, and every bad input
+named by the issue getting one line ``ftsdp-ckpt: error: ...`` and exit code 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+
+import pytest
+import torch
+
+import storage
+from tools.ckpt import main
+
+SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=4000)
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(20, 30, generator=g)
+    w[0, : step - 1] += 0.5  # steps differ in a few elements
+    return {
+        "model": {"w": w, "b": torch.zeros(30, dtype=torch.bfloat16), "n": torch.arange(4)},
+        "optim": {"m": torch.ones(20, 30) * step},
+        "trainer": {"step": step},
+    }
+
+
+@pytest.fixture
+def root(tmp_path: pathlib.Path) -> pathlib.Path:
+    for step in (1, 2, 3, 4):
+        storage.save(_state(step), str(tmp_path / "ckpt"), step=step, options=SMALL)
+    torn = tmp_path / "ckpt" / "step-0"  # an attempt that never committed, older than step 4
+    torn.mkdir()
+    (torn / "rank00000-000-deadbeef.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "ckpt" / "step-9").mkdir()  # newer than the newest commit: maybe in progress
+    return tmp_path / "ckpt"
+
+
+def test_inspect_text_and_json(root: pathlib.Path) -> None:
+    code, out, _ = _cli("inspect", str(root))
+    assert code == 0
+    assert "committed steps: [1, 2, 3, 4]" in out and "torn steps: [0, 9]" in out
+    assert "step 4, saved at world size 1" in out and "values: trainer.step" in out
+    assert "model.w" in out and "[20, 30]" in out and "float32" in out
+    code, out, _ = _cli("inspect", str(root), "--step", "2", "--json")
+    info = json.loads(out)
+    assert info["step"] == 2 and info["world_size"] == 1 and info["torn_steps"] == [0, 9]
+    by_name = {t["name"]: t for t in info["tensors"]}
+    assert by_name["model.b"] == {
+        "name": "model.b",
+        "shape": [30],
+        "dtype": "bfloat16",
+        "bytes": 60,
+    }
+    assert info["total_bytes"] == sum(t["bytes"] for t in info["tensors"]) == 2400 + 60 + 32 + 2400
+
+
+def test_verify_clean_and_damaged(root: pathlib.Path) -> None:
+    code, out, _ = _cli("verify", str(root))
+    assert code == 0 and out.startswith("OK") and "step(s) 1, 2, 3, 4" in out
+    m3 = storage.read_manifest(str(root), 3)
+    piece = m3.tensors["model.w"].pieces[0]
+    obj = root / "step-3" / piece.object
+    data = bytearray(obj.read_bytes())
+    data[piece.byte_start + 100] ^= 0xFF  # flip a byte inside block 1 of the piece
+    obj.write_bytes(bytes(data))
+    m2 = storage.read_manifest(str(root), 2)
+    (root / "step-2" / m2.tensors["optim.m"].pieces[0].object).unlink()
+    code, out, _ = _cli("verify", str(root))
+    problems = [line for line in out.splitlines() if line.startswith("PROBLEM")]
+    assert code == 1 and out.splitlines()[-1].startswith("FAILED (2 problems)")
+    assert any(
+        "step 3: tensor model.w: checksum mismatch" in p and "bytes [" in p for p in problems
+    )
+    assert any("step 2: object" in p and "is missing" in p for p in problems)
+    code, out, _ = _cli("verify", str(root), "--step", "4", "--json")
+    assert code == 0 and json.loads(out)["checked"] == [4]
+
+
+def test_diff_names_changed_tensors(root: pathlib.Path) -> None:
+    code, out, _ = _cli("diff", str(root), "1", "3")
+    assert code == 0
+    assert "changed  model.w 2/600 elements, max abs diff 0.5" in out
+    assert "changed  optim.m 600/600 elements, max abs diff 2" in out
+    assert "value    trainer.step: 1 -> 3" in out
+    assert out.splitlines()[-1] == "step 1 -> 3: 2 changed, 2 same; 1 values differ"
+    rows = {
+        r["name"]: r for r in json.loads(_cli("diff", str(root), "2", "2", "--json")[1])["tensors"]
+    }
+    assert {r["status"] for r in rows.values()} == {"same"}
+
+
+def test_gc_dry_run_then_real(root: pathlib.Path) -> None:
+    code, out, _ = _cli("gc", str(root), "--keep-last", "2", "--dry-run")
+    assert code == 0 and "would remove steps [0, 1, 2]" in out and "kept steps [3, 4]" in out
+    assert "kept torn steps [9]" in out
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-0", "step-1", "step-2", "step-3", "step-4", "step-9",
+    ]  # fmt: skip
+    code, out, _ = _cli("gc", str(root), "--keep-last", "2")
+    assert code == 0 and "removed steps [0, 1, 2]" in out
+    assert storage.list_steps(str(root)) == [3, 4]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-3",
+        "step-4",
+        "step-9",
+    ]
+    code, out, _ = _cli("gc", str(root))  # nothing left to collect
+    assert code == 0 and "removed steps none" in out
+
+
+BAD = {
+    "unknown format": (["convert", "{root}", "{tmp}/o", "--to", "onnx"], "unknown format 'onnx'"),
+    "unknown source format": (
+        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--from", "x"],
+        "unknown format 'x'",
+    ),
+    "missing step": (
+        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--step", "7"],
+        "step 7 is not committed",
+    ),
+    "missing step (inspect)": (["inspect", "{root}", "--step", "7"], "step 7 is not committed"),
+    "missing source": (["convert", "{tmp}/nope", "{tmp}/o", "--to", "hf"], "does not exist"),
+    "not a checkpoint": (["inspect", "{tmp}/empty"], "no checkpoint found"),
+    "dst holds one": (
+        ["convert", "{root}", "{tmp}/taken", "--to", "hf"],
+        "already holds a hf checkpoint; pass overwrite",
+    ),
+    "world size with hf": (
+        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--world-size", "2"],
+        "conflicts with --to hf",
+    ),
+    "shard size with torch": (
+        ["convert", "{root}", "{tmp}/o.pt", "--to", "torch", "--max-shard-size", "1MB"],
+        "conflicts with --to torch",
+    ),
+    "same src and dst": (["convert", "{root}", "{root}", "--to", "ftsdp"], "same location"),
+    "step of a non-ftsdp source": (
+        ["convert", "{tmp}/taken", "{tmp}/o", "--to", "ftsdp", "--step", "1"],
+        "has no steps",
+    ),
+    "verify a missing root": (["verify", "{tmp}/nope"], "does not exist"),
+    "gc a missing root": (["gc", "{tmp}/nope", "--dry-run"], "does not exist"),
+    "diff a missing step": (["diff", "{root}", "1", "5"], "step 5 is not committed"),
+    "bad dtype": (
+        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--dtype", "int8"],
+        "unknown dtype 'int8'",
+    ),
+    "bad rename": (
+        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--rename", "model."],
+        "must be OLD=NEW",
+    ),
+    "rename collision": (
+        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--rename", "optim.m=model.w"],
+        "both become 'model.w'",
+    ),
+    "tiny budget": (
+        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--max-memory", "1MB"],
+        "max_memory=1000000 is too small",
+    ),
+    "corrupt source": (
+        ["convert", "{tmp}/corrupt", "{tmp}/o", "--to", "hf"],
+        "checksum mismatch in tensor 'model.w'",
+    ),
+    "corrupt manifest": (
+        ["convert", "{tmp}/badjson", "{tmp}/o", "--to", "hf"],
+        "manifest is not valid JSON",
+    ),
+    "truncated hf": (["inspect", "{tmp}/trunc.safetensors"], "truncated or corrupt"),
+    "reshard without world size": (["reshard", "{root}", "{tmp}/o"], "required: --world-size"),
+    "no command": ([], "required: command"),
+}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A good root, an hf destination that is taken, damaged sources, an empty directory."""
+    tmp = tmp_path_factory.mktemp("bad")
+    for step in (1, 2):
+        storage.save(_state(step), str(tmp / "root"), step=step, options=SMALL)
+    storage.convert(str(tmp / "root"), str(tmp / "taken"), to="hf")
+    storage.save(_state(1), str(tmp / "corrupt"), step=1, options=SMALL)
+    piece = storage.read_manifest(str(tmp / "corrupt")).tensors["model.w"].pieces[0]
+    obj = tmp / "corrupt" / "step-1" / piece.object
+    data = bytearray(obj.read_bytes())
+    data[piece.byte_start] ^= 1
+    obj.write_bytes(bytes(data))
+    storage.save(_state(1), str(tmp / "badjson"), step=1)
+    (tmp / "badjson" / "step-1" / "manifest.json").write_text("{nope")
+    hf = (tmp / "taken" / "model.safetensors").read_bytes()
+    (tmp / "trunc.safetensors").write_bytes(hf[: len(hf) // 2])
+    (tmp / "empty").mkdir()
+    return tmp
+
+
+def _files(folder: pathlib.Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_and_exit_2(inputs: pathlib.Path, case: str) -> None:
+    argv, message = BAD[case]
+    argv = [a.format(root=inputs / "root", tmp=inputs) for a in argv]
+    before = _files(inputs)
+    code, out, err = _cli(*argv)
+    assert code == 2, (out, err)
+    assert err.count("\n") == 1 and err.startswith("ftsdp-ckpt: error: "), err
+    assert message in err, err
+    assert out == ""
+    assert _files(inputs) == before  # nothing was written, nothing removed

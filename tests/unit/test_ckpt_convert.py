@@ -1,0 +1,203 @@
+"""``ftsdp-ckpt convert`` / ``reshard`` in process: bitwise round trips through every format, the
+hf index, dtype / model-only / rename, S3 on both ends, and interrupted conversions."""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import storage
+from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
+from tools.ckpt import main
+
+SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=6000)
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {
+            "w": torch.randn(40, 30, generator=g),
+            "b": torch.randn(30, generator=g).to(torch.bfloat16),
+            "idx": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+            "mask": torch.rand(5, generator=g) > 0.5,
+            "empty": torch.zeros(0, 3),
+            "scale": torch.tensor(3.5),
+        },
+        "optim": {"exp_avg": torch.randn(40, 30, generator=g), "step": torch.tensor(17.0)},
+        "trainer": {"step": 17, "tags": ["a", None]},
+    }
+
+
+def _flat(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        name = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict):
+            out.update(_flat(v, name))
+        elif isinstance(v, torch.Tensor):
+            out[name] = v
+    return out
+
+
+def _same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(ref)
+    for k, t in ref.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert torch.equal(got[k], t), k
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def src(tmp_path: pathlib.Path) -> str:
+    url = str(tmp_path / "src")
+    storage.save(_state(), url, step=17, options=SMALL)
+    return url
+
+
+@pytest.mark.parametrize("fmt", ["hf", "dcp", "torch"])
+def test_round_trip_is_bitwise(src: str, tmp_path: pathlib.Path, fmt: str) -> None:
+    mid = str(tmp_path / ("mid.pt" if fmt == "torch" else "mid"))
+    assert _cli("convert", src, mid, "--to", fmt, "-q")[0] == 0
+    assert storage.detect_format(mid) == fmt
+    back = str(tmp_path / "back")
+    code, out, _ = _cli("convert", mid, back, "--to", "ftsdp", "--dst-step", "17")
+    assert code == 0 and f"from a {fmt} checkpoint" in out
+    _same(storage.load_state_dict(back), _flat(_state()))
+    assert storage.read_manifest(back).values == {"trainer.step": 17, "trainer.tags": ["a", None]}
+    if fmt == "torch":  # a plain torch.save file of the flat state dict
+        _same(
+            {
+                k: v
+                for k, v in torch.load(mid, weights_only=True).items()
+                if isinstance(v, torch.Tensor)
+            },
+            _flat(_state()),
+        )
+    if fmt == "dcp":  # dcp.load reads it into a nested state dict
+        import torch.distributed.checkpoint as dcp
+
+        target = {"model": {"w": torch.zeros(40, 30)}, "optim": {"exp_avg": torch.zeros(40, 30)}}
+        dcp.load(target, checkpoint_id=mid, no_dist=True)
+        assert torch.equal(target["model"]["w"], _state()["model"]["w"])
+
+
+def test_hf_shards_and_index(src: str, tmp_path: pathlib.Path) -> None:
+    dst = tmp_path / "hf"
+    assert _cli("convert", src, str(dst), "--to", "hf", "--max-shard-size", "5000", "-q")[0] == 0
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    ref = _flat(_state())
+    assert sorted(index["weight_map"]) == sorted(ref)  # every tensor exactly once (a dict)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and sorted(p.name for p in dst.glob("*.safetensors")) == files
+    loaded: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = load_file(str(dst / f))
+        assert not set(part) & set(loaded)
+        loaded.update(part)
+    _same(loaded, ref)
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in ref.values()
+    )
+    # One file when no size is given.
+    assert _cli("convert", src, str(tmp_path / "one"), "--to", "hf", "-q")[0] == 0
+    _same(load_file(str(tmp_path / "one" / "model.safetensors")), ref)
+
+
+def test_dtype_model_only_rename(src: str, tmp_path: pathlib.Path) -> None:
+    dst = tmp_path / "bf16"
+    argv = [
+        "convert",
+        src,
+        str(dst),
+        "--to",
+        "hf",
+        "--dtype",
+        "bf16",
+        "--model-only",
+        "--rename",
+        "model.=",
+    ]
+    assert _cli(*argv, "-q")[0] == 0
+    got = load_file(str(dst / "model.safetensors"))
+    model = _state()["model"]
+    assert sorted(got) == sorted(model)  # optimizer state dropped, prefix stripped
+    assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], model["w"].bfloat16())
+    assert got["idx"].dtype == torch.int64 and got["mask"].dtype == torch.bool  # only floats cast
+    assert storage.LazyStateDict(str(dst)).values == {}  # --model-only drops non-tensor values
+
+
+def test_reshard_lays_out_for_world_size(src: str, tmp_path: pathlib.Path) -> None:
+    dst = str(tmp_path / "w3")
+    code, out, _ = _cli("reshard", src, dst, "--world-size", "3", "-q")
+    assert code == 0 and "world size 3" in out
+    manifest = storage.read_manifest(dst)
+    assert manifest.world_size == 3 and manifest.step == 17
+    w = manifest.tensors["model.w"]
+    assert sorted(p.offset for p in w.pieces) == [0, 400, 800]
+    assert len({p.object.split("-")[0] for p in w.pieces}) == 3  # one writer per rank
+    _same(storage.load_state_dict(dst), _flat(_state()))
+    # Loaded as two ranks' flat ranges, straight from the 3-rank layout.
+    half = storage.FlatShard((40, 30), 600, torch.zeros(600))
+    storage.load({"model": {"w": half}}, dst, strict=False)
+    assert torch.equal(half.local, _state()["model"]["w"].reshape(-1)[600:])
+
+
+def test_s3_source_and_destination(
+    src: str, tmp_path: pathlib.Path, request: pytest.FixtureRequest
+) -> None:
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = request.getfixturevalue("s3_bucket_url")
+    opts = [f"--storage-option={k}={v}" for k, v in endpoint.items()]
+    assert _cli("convert", src, bucket, "--to", "ftsdp", *opts, "-q")[0] == 0
+    hf_url = bucket.replace("/ckpt", "/hf")
+    assert (
+        _cli("convert", bucket, hf_url, "--to", "hf", "--max-shard-size", "6000", *opts, "-q")[0]
+        == 0
+    )
+    assert _cli("convert", hf_url, str(tmp_path / "back"), "--to", "ftsdp", *opts, "-q")[0] == 0
+    _same(storage.load_state_dict(str(tmp_path / "back")), _flat(_state()))
+    code, out, _ = _cli("verify", bucket, *opts)
+    assert code == 0 and out.startswith("OK")
+
+
+@pytest.mark.parametrize("fmt", ["ftsdp", "hf", "torch", "dcp"])
+def test_interrupted_convert_never_looks_complete(
+    src: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The feed stops after a few tensors (deterministically, as ^C would): the destination must
+    not read as a checkpoint, and a later convert into it succeeds without --overwrite."""
+    from storage._feed import Feed
+
+    real, served = Feed.stream, []
+
+    def failing(self: Any, requests: Any) -> Any:
+        for chunk in real(self, requests):
+            served.append(1)
+            if len(served) == 4:
+                raise KeyboardInterrupt
+            yield chunk
+
+    monkeypatch.setattr(Feed, "stream", failing)
+    dst = str(tmp_path / ("out.pt" if fmt == "torch" else "out"))
+    argv = ["convert", src, dst, "--to", fmt, "--max-memory", "8MiB", "-q"]
+    if fmt == "hf":
+        argv += ["--max-shard-size", "3000"]
+    code, _, err = _cli(*argv)
+    assert code == 130 and "interrupted" in err
+    with pytest.raises((storage.CheckpointError, ValueError)):
+        storage.load_state_dict(dst)
+    monkeypatch.setattr(Feed, "stream", real)
+    assert _cli(*argv)[0] == 0
+    _same(storage.load_state_dict(dst), _flat(_state()))

@@ -1,0 +1,1 @@
+"""Command-line tools built on the public APIs of ``ftsdp`` and ``storage``."""

@@ -1,0 +1,40 @@
+"""``ftsdp-ckpt``: inspect, verify, convert, reshard, diff and garbage-collect checkpoints.
+
+Exit codes: 0 success, 1 ``verify`` found problems, 2 a user error (bad arguments, missing or
+corrupt source, a destination that already holds a checkpoint, ...: one line on stderr), 130
+interrupted. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from storage import CheckpointError
+from tools.ckpt._args import PROG, UsageError, parse
+from tools.ckpt._commands import COMMANDS
+
+# Errors that describe the input, not a bug here: one line and exit code 2.
+USER_ERRORS = (CheckpointError, UsageError, OSError, ValueError, KeyError, NotImplementedError)
+
+
+def _one_line(error: BaseException) -> str:
+    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    text = " ".join(str(text).split()) or type(error).__name__
+    return text
+
+
+def main(
+    argv: list[str] | None = None, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """Run one command: parse -> build -> run -> close. Returns the exit code."""
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        args = parse(argv)
+        return COMMANDS[args.command](args, out)
+    except KeyboardInterrupt:
+        err.write(f"{PROG}: interrupted; nothing unfinished was committed\n")
+        return 130
+    except USER_ERRORS as e:
+        err.write(f"{PROG}: error: {_one_line(e)}\n")
+        return 2

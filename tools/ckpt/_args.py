@@ -1,0 +1,176 @@
+"""The ``ftsdp-ckpt`` command line: subcommands, options and their value parsers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any, NoReturn
+
+import torch
+
+import storage
+
+PROG = "ftsdp-ckpt"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.I)
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}  # fmt: skip
+
+
+class UsageError(ValueError):
+    """A bad command line (exit code 2, one line)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864, ``"5GB"`` -> 5000000000, ``"1024"`` -> 1024."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 1048576, 64MiB, 5GB)")
+    number, unit, binary = float(m.group(1)), m.group(2).lower(), bool(m.group(3))
+    power = "kmgt".index(unit) + 1 if unit else 0
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    try:
+        return _DTYPES[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; choose one of {', '.join(sorted(_DTYPES))}"
+        ) from None
+
+
+def parse_rename(text: str) -> tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep or not old:
+        raise argparse.ArgumentTypeError(
+            f"rename {text!r} must be OLD=NEW with a non-empty OLD prefix"
+        )
+    return old, new
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"storage option {text!r} must be KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def parse_step(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"step {text!r} must be a non-negative integer")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand."""
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--max-memory", type=parse_size, default=storage.DEFAULT_MAX_MEMORY, metavar="SIZE",
+        help="memory budget for data in flight (default 256MiB; e.g. 64MiB, 2GB)",
+    )  # fmt: skip
+    common.add_argument(
+        "-o", "--storage-option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
+        help="fsspec option for every URL (e.g. endpoint_url=http://...); repeatable",
+    )  # fmt: skip
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    parser = _Parser(
+        prog=PROG, description="Inspect, verify, convert, reshard, diff and clean checkpoints."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("inspect", parents=[common], help="steps, tensors, sizes and state keys")
+    p.add_argument("url")
+    p.add_argument("--step", type=parse_step)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser(
+        "verify", parents=[common], help="read every byte and check checksums and sizes"
+    )
+    p.add_argument("url")
+    p.add_argument("--step", type=parse_step, help="only this step (default: every committed step)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("convert", parents=[common], help="convert between ftsdp, hf, torch and dcp")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument(
+        "--to", required=True, metavar="FORMAT", help=f"one of {', '.join(storage.FORMATS)}"
+    )
+    p.add_argument(
+        "--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)"
+    )
+    _write_options(p)
+    p.add_argument(
+        "--world-size", type=int, help="ftsdp output: lay the step out for this many ranks"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="hf output: split into files of at most SIZE",
+    )
+
+    p = sub.add_parser(
+        "reshard", parents=[common], help="rewrite an ftsdp checkpoint for another world size"
+    )
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--world-size", type=int, required=True)
+    _write_options(p)
+
+    p = sub.add_parser("diff", parents=[common], help="which tensors changed between two steps")
+    p.add_argument("url")
+    p.add_argument("step_a", type=parse_step)
+    p.add_argument("step_b", type=parse_step)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("gc", parents=[common], help="remove torn attempts and steps past retention")
+    p.add_argument("url")
+    p.add_argument("--keep-last", type=int, help="keep the newest K committed steps (default: all)")
+    p.add_argument("--keep-every", type=int, help="also keep every step divisible by E")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    return parser
+
+
+def _write_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step", type=parse_step, help="ftsdp source step (default: the newest)")
+    p.add_argument(
+        "--dst-step", type=parse_step, help="ftsdp output step (default: the source's, else 0)"
+    )
+    p.add_argument(
+        "--dtype", type=parse_dtype, help="cast floating tensors (bf16, fp16, fp32, fp64)"
+    )
+    p.add_argument(
+        "--model-only", action="store_true", help="drop optimizer state and non-tensor values"
+    )
+    p.add_argument(
+        "--rename", type=parse_rename, action="append", default=[], metavar="OLD=NEW",
+        help="replace the name prefix OLD by NEW (first match wins); repeatable",
+    )  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; ``UsageError`` (one line) for anything wrong with it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert" and args.src_format and args.src_format not in storage.FORMATS:
+        raise UsageError(
+            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(storage.FORMATS)}"
+        )
+    args.storage_options = dict(args.storage_option) or None
+    return args

@@ -1,0 +1,175 @@
+"""The subcommands: each calls one ``storage`` function and prints its result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import storage
+from tools.ckpt._progress import human_bytes, progress_for
+
+
+def _emit(out: TextIO, obj: Any) -> None:
+    out.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _with_progress(
+    args: argparse.Namespace, label: str, fn: Callable[..., Any], **kwargs: Any
+) -> Any:
+    bar = progress_for(label, not args.quiet)
+    try:
+        return fn(progress=bar, **kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
+    info = storage.inspect_checkpoint(args.url, args.step, storage_options=args.storage_options)
+    if args.json:
+        _emit(out, info)
+        return 0
+    out.write(f"{info['format']} checkpoint {info['url']}\n")
+    if info["format"] == "ftsdp":
+        out.write(f"committed steps: {info['committed_steps'] or 'none'}\n")
+        out.write(f"torn steps: {info['torn_steps'] or 'none'}\n")
+        if info["step"] is None:
+            return 0
+        out.write(f"step {info['step']}, saved at world size {info['world_size']}\n")
+    width = max([len(t["name"]) for t in info["tensors"]] + [4])
+    out.write(f"{'name':<{width}}  {'shape':<20} {'dtype':<14} {'bytes':>12}\n")
+    for t in info["tensors"]:
+        out.write(f"{t['name']:<{width}}  {t['shape']!s:<20} {t['dtype']:<14} {t['bytes']:>12}\n")
+    out.write(
+        f"total: {info['total_tensors']} tensors, {human_bytes(info['total_bytes'])} ({info['total_bytes']} bytes)\n"
+    )
+    out.write(f"values: {', '.join(info['values']) or 'none'}\n")
+    for d in info.get("dropped", []):
+        out.write(f"not representable: {d}\n")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
+    report = _with_progress(
+        args, "verify", storage.verify, url=args.url, step=args.step,
+        max_memory=args.max_memory, storage_options=args.storage_options,
+    )  # fmt: skip
+    if args.json:
+        _emit(out, {**report.__dict__, "ok": report.ok})
+        return 0 if report.ok else 1
+    for problem in report.problems:
+        out.write(f"PROBLEM: {problem}\n")
+    steps = ", ".join("all" if s is None else str(s) for s in report.checked) or "none"
+    torn = f"; torn steps (ignored by readers): {report.torn_steps}" if report.torn_steps else ""
+    verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
+    out.write(
+        f"{verdict}: {report.format} {report.url} step(s) {steps}, {human_bytes(report.bytes_read)} read{torn}\n"
+    )
+    return 0 if report.ok else 1
+
+
+def _convert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "step": args.step,
+        "dst_step": args.dst_step,
+        "dtype": args.dtype,
+        "model_only": args.model_only,
+        "rename": args.rename,
+        "overwrite": args.overwrite,
+        "max_memory": args.max_memory,
+        "storage_options": args.storage_options,
+    }
+
+
+def _report_convert(result: storage.ConvertResult, out: TextIO) -> None:
+    where = (
+        f" step {result.step} for world size {result.world_size}" if result.step is not None else ""
+    )
+    out.write(
+        f"wrote {result.dest_format}{where}: {result.tensors} tensors, "
+        f"{human_bytes(result.bytes_read)} from a {result.source_format} checkpoint\n"
+    )
+    for path in result.written:
+        out.write(f"  {path}\n")
+    for d in result.dropped:
+        out.write(f"dropped: {d}\n")
+
+
+def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
+    result = _with_progress(
+        args, "convert", storage.convert, src=args.src, dst=args.dst, to=args.to,
+        src_format=args.src_format, world_size=args.world_size,
+        max_shard_bytes=args.max_shard_size, **_convert_kwargs(args),
+    )  # fmt: skip
+    _report_convert(result, out)
+    return 0
+
+
+def cmd_reshard(args: argparse.Namespace, out: TextIO) -> int:
+    result = _with_progress(
+        args, "reshard", storage.reshard, src=args.src, dst=args.dst, world_size=args.world_size,
+        **_convert_kwargs(args),
+    )  # fmt: skip
+    _report_convert(result, out)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
+    result = _with_progress(
+        args, "diff", storage.diff, url_a=args.url, step_a=args.step_a, url_b=args.url,
+        step_b=args.step_b, max_memory=args.max_memory, storage_options=args.storage_options,
+    )  # fmt: skip
+    if args.json:
+        _emit(out, result)
+        return 0
+    counts: dict[str, int] = {}
+    for row in result["tensors"]:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+        if row["status"] == "same":
+            continue
+        detail = ""
+        if "max_abs_diff" in row:
+            detail = (
+                f"{row['changed']}/{row['numel']} elements, max abs diff {row['max_abs_diff']:.6g}"
+            )
+        elif row["status"] == "shape":
+            detail = f"{row['a']} -> {row['b']}"
+        out.write(f"{row['status']:<8} {row['name']} {detail}\n")
+    for v in result["values"]:
+        out.write(f"value    {v['name']}: {v['a']!r} -> {v['b']!r}\n")
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no tensors"
+    out.write(
+        f"step {args.step_a} -> {args.step_b}: {summary}; {len(result['values'])} values differ\n"
+    )
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
+    report = storage.collect_garbage(
+        args.url, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run,
+        storage_options=args.storage_options,
+    )  # fmt: skip
+    verb = "would remove" if report.dry_run else "removed"
+    for path in report.removed_paths:
+        out.write(f"{verb} {path}\n")
+    out.write(
+        f"{verb} steps {report.removed_steps or 'none'} and {len(report.removed_paths)} paths, "
+        f"{human_bytes(report.bytes)}; kept steps {report.kept_steps or 'none'}\n"
+    )
+    if report.in_progress:
+        out.write(
+            f"kept torn steps {report.in_progress}: newer than the newest commit (a save may be running)\n"
+        )
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
+    "inspect": cmd_inspect,
+    "verify": cmd_verify,
+    "convert": cmd_convert,
+    "reshard": cmd_reshard,
+    "diff": cmd_diff,
+    "gc": cmd_gc,
+}
