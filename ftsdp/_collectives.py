@@ -27,13 +27,15 @@ class CommStats:
     """Counts of collective calls and per-rank bytes moved, by collective kind.
 
     ``copies`` counts host <-> device copy bytes (CPU offload) separately: they are not
-    network traffic. ``max_in_flight`` is the most all-gathers that were ever in flight at
+    network traffic. ``control`` counts the bytes of small bookkeeping collectives (which
+    parameters were used this step), kept apart from the gradient and parameter traffic. ``max_in_flight`` is the most all-gathers that were ever in flight at
     once (the rate limiter keeps it at 2).
     """
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     copies: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    control: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     max_in_flight: int = 0
     trace: list[str] | None = None  # set to [] to record the order of collectives
 
@@ -46,10 +48,14 @@ class CommStats:
     def record_copy(self, kind: str, nbytes: int) -> None:
         self.copies[kind] += int(nbytes)
 
+    def record_control(self, kind: str, nbytes: int) -> None:
+        self.control[kind] += int(nbytes)
+
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
         self.copies.clear()
+        self.control.clear()
         self.max_in_flight = 0
 
     def total_bytes(self) -> int:
@@ -62,6 +68,7 @@ class CommStats:
             "calls": dict(self.calls),
             "bytes": dict(self.bytes),
             "copies": dict(self.copies),
+            "control": dict(self.control),
             "max_in_flight": {"all_gather": self.max_in_flight},
         }
 

@@ -64,6 +64,10 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+# HYBRID_SHARD is FULL_SHARD inside each shard group (the paper's hybrid), so it frees too.
+_FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefetchOptions:
     """The paper's communication scheduling knobs (Section 3.3).
@@ -106,6 +110,7 @@ class Runtime:
         self.prefetch = prefetch or PrefetchOptions()
         self.cast_inputs_to = cast_inputs_to
         self._gathering: deque[FlatParamUnit] = deque()  # prefetched, oldest first
+        self._reducing: deque[FlatParamUnit] = deque()  # reductions in flight, oldest first
         self._forward_order: list[FlatParamUnit] = []  # this iteration's pre-forward order
         self._backward_order: list[FlatParamUnit] = []  # this iteration's pre-backward order
         self._last_forward: list[FlatParamUnit] = []
@@ -221,7 +226,7 @@ class Runtime:
             if not torch.is_grad_enabled():
                 unit.reshard()  # no backward will come (evaluation)
             else:
-                if unit is not self.root and self.strategy is ShardingStrategy.FULL_SHARD:
+                if unit is not self.root and self.strategy in _FREE_AFTER_FORWARD:
                     unit.reshard()
                 hooked = 0
                 for t in _tensors_in(output):
@@ -280,6 +285,9 @@ class Runtime:
             unit.add_unsharded_grad(grad)
             if not self.no_sync and not unit.deterministic:
                 unit.reduce_grad()  # deterministic reductions wait for the end of backward
+                self._reducing.append(unit)
+                while len(self._reducing) > 2:  # bound the full-size gradients kept alive
+                    self._reducing.popleft().complete_reductions()
             self._runs[id(unit)].grad_seen = True
             self._maybe_reshard_after_backward(unit)
 
@@ -315,6 +323,7 @@ class Runtime:
                 unit.reshard()
         finally:
             self._gathering.clear()
+            self._reducing.clear()
             if self._backward_order:
                 self._last_backward = self._backward_order  # re-recorded every iteration
             self._backward_order = []
@@ -328,7 +337,9 @@ class Runtime:
         flat = [flag for mask in masks for flag in mask]
         if flat and self.group is not None:
             agreed = torch.tensor(flat, dtype=torch.uint8, device=self.root.device)
+            # Counted apart from gradient traffic (stats.control): a few bytes per step.
             all_reduce_flat(agreed, self.group, op=dist.ReduceOp.MAX)
+            self.root.stats.record_control("agree_used", agreed.numel())
             flat = [bool(v) for v in agreed.tolist()]
         out, start = [], 0
         for mask in masks:

@@ -171,6 +171,7 @@ class FlatParamUnit:
         self._gather: tuple[dist.Work | None, torch.Tensor] | None = None  # in flight
         # (work, output, second stage needed, keep-alive): reductions not yet accumulated
         self._pending: list[tuple[dist.Work | None, torch.Tensor, bool, torch.Tensor]] = []
+        self._reduced: list[torch.Tensor] = []  # completed sharded gradients, not yet added
 
     # ---------------------------------------------------------------- construction
     def _build_shard(
@@ -426,13 +427,12 @@ class FlatParamUnit:
     def used_mask(self) -> list[bool]:
         return list(self._used)
 
-    def finish_reduction(self, used: list[bool] | None = None) -> None:
-        """Wait for this unit's reductions and accumulate them into the sharded gradient.
+    def complete_reductions(self) -> None:
+        """Wait for the reductions in flight and keep their (small) sharded results.
 
-        ``used`` (per parameter, agreed across ranks) says which parameters got a gradient
-        on some rank; the others keep ``grad=None`` as in an unwrapped model.
+        Drops the unsharded flat gradients they read from, so at most the reductions the
+        runtime lets run at once hold full-size gradient memory.
         """
-        used = self._used if used is None else used
         for work, out, second_stage, _keepalive in self._pending:
             if work is not None:
                 work.wait()
@@ -444,8 +444,20 @@ class FlatParamUnit:
             if self.options.offload:  # device -> host
                 self.stats.record_copy("d2h", out.numel() * out.element_size())
                 out = out.to(self.shard_device, copy=True)
-            self._accumulate_sharded_grad(out, used)
+            self._reduced.append(out)
         self._pending.clear()
+
+    def finish_reduction(self, used: list[bool] | None = None) -> None:
+        """Accumulate this unit's reduced gradients into the sharded gradient.
+
+        ``used`` (per parameter, agreed across ranks) says which parameters got a gradient
+        on some rank; the others keep ``grad=None`` as in an unwrapped model.
+        """
+        used = self._used if used is None else used
+        self.complete_reductions()
+        for out in self._reduced:
+            self._accumulate_sharded_grad(out, used)
+        self._reduced.clear()
         self._used = [False] * len(self.infos)
 
     def _accumulate_sharded_grad(self, new: torch.Tensor, used: list[bool]) -> None:
