@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from storage import _errors
 from storage._collectives import all_gather_json, broadcast_json, rank_world, resolve_group
@@ -17,9 +14,8 @@ from storage._fs import Store
 from storage._layout import manifest_path
 from storage._manifest import Manifest
 from storage._options import LoadOptions
-from storage._ranges import Range
 from storage._read_plan import Want, make_want, plan_reads
-from storage._reader import deliver, execute, fetch
+from storage._reader import deliver, fetch
 from storage._state import TensorLeaf, flatten_state
 from storage._steps import resolve_manifest
 
@@ -177,61 +173,3 @@ def load(
         leaf = values[name]
         leaf.parent[leaf.key] = value
     return LoadResult(**{**result.__dict__, "bytes_read": bytes_read})
-
-
-def load_state_dict(
-    url: str,
-    step: int | None = None,
-    keys: Iterable[str] | None = None,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    options: LoadOptions | None = None,
-) -> dict[str, torch.Tensor]:
-    """Whole tensors ``{dotted name: tensor}`` of a step in one process (no process group).
-
-    ``keys`` limits the tensors read (an unknown key raises ``KeyError``); ``dtype`` converts.
-    """
-    options = options or LoadOptions()
-    store = Store(url, storage_options, options.io)
-    manifest = resolve_manifest(store, step)
-    names = sorted(manifest.tensors) if keys is None else list(keys)
-    unknown = [n for n in names if n not in manifest.tensors]
-    if unknown:
-        raise KeyError(f"step {manifest.step} at {store.where()} has no tensor(s) {unknown}")
-    wants = [
-        make_want(n, manifest.tensors[n], Range(0, math.prod(manifest.tensors[n].shape)))
-        for n in names
-    ]
-    spans = plan_reads(wants, manifest.checksum_block_bytes, options.coalesce_gap_bytes)
-    execute(store, manifest.step, manifest.checksum_block_bytes, spans)
-    out = {}
-    for w in wants:
-        t = w.staging.view(w.entry.shape)
-        out[w.name] = t.to(device=device, dtype=dtype or t.dtype)
-    return out
-
-
-def load_into(
-    module: torch.nn.Module,
-    url: str,
-    step: int | None = None,
-    *,
-    prefix: str = "",
-    strict: bool = True,
-    storage_options: dict[str, Any] | None = None,
-) -> None:
-    """Load ``module``'s state dict (names under ``prefix``) from a checkpoint, in one process.
-
-    Works for a module built on the meta device: tensors are then assigned, not copied.
-    """
-    own = module.state_dict()
-    store = Store(url, storage_options)
-    manifest = resolve_manifest(store, step)
-    names = [prefix + k for k in own if strict or prefix + k in manifest.tensors]
-    full = load_state_dict(url, manifest.step, keys=names, storage_options=storage_options)
-    meta = any(t.is_meta for t in own.values())
-    module.load_state_dict(
-        {k[len(prefix) :]: v for k, v in full.items()}, strict=strict, assign=meta
-    )
