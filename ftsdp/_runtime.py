@@ -286,7 +286,10 @@ class Runtime:
             if not self.no_sync and not unit.deterministic:
                 unit.reduce_grad()  # deterministic reductions wait for the end of backward
                 self._reducing.append(unit)
-                while len(self._reducing) > 2:  # bound the full-size gradients kept alive
+                # One reduction in flight while the next unit's backward computes: it has
+                # overlapped by the time the next one starts, and only two full-size flat
+                # gradients (the one reducing, the one being computed) are alive at once.
+                while len(self._reducing) > 1:
                     self._reducing.popleft().complete_reductions()
             self._runs[id(unit)].grad_seen = True
             self._maybe_reshard_after_backward(unit)
