@@ -16,6 +16,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ftsdp.elastic import BatchGeometry
 from ftsdp.model import GPTConfig
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -52,14 +53,51 @@ class TrainConfig:
     device: str = _opt("auto", "auto: cuda if available, else cpu", choices=DEVICES)
     log_every: int = _opt(10, "print one log line every N steps (and at the last step)")
     metrics: str | None = _opt(None, "append one JSON record per log line to this path (rank 0)")
+    ledger: str | None = _opt(
+        None, "append the dataset indices of every global step to this JSONL path (rank 0)"
+    )
+    shuffle: bool = _opt(True, "shuffle the global sample order per epoch (seeded)")
+    deterministic: bool = _opt(
+        False,
+        "bitwise-reproducible training at any world size: fixed micro-batch decomposition, "
+        "gradients summed in a fixed order, one torch thread per rank",
+    )
+    # checkpoints (storage options for remote URLs: FTSDP_STORAGE_OPTIONS, a JSON object)
+    checkpoint_url: str | None = _opt(
+        None, "checkpoint root (a directory or fsspec URL); resume from its newest step"
+    )
+    checkpoint_every: int = _opt(50, "save every N steps (0: only at the end and on preemption)")
+    checkpoint_every_s: float = _opt(0.0, "also save every T seconds (0: off)")
+    keep_last: int = _opt(3, "keep the newest N committed checkpoints")
+    async_save: bool = _opt(True, "upload checkpoints in the background")
+    # elastic runtime
+    pg_timeout_s: float = _opt(300.0, "timeout of every collective (seconds)")
+    heartbeat_timeout_s: float = _opt(
+        30.0, "a rank without heartbeat this long is stalled: the job restarts (0: no watchdog)"
+    )
+    progress_timeout_s: float = _opt(
+        0.0, "no rank finishing a step this long (yet all alive) is a stall (0: off)"
+    )
+    preempt_grace_s: float = _opt(
+        20.0, "after SIGTERM/SIGUSR1: save and exit within this many seconds"
+    )
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
                 raise ValueError(f"TrainConfig: {name}={getattr(self, name)!r} {rule}")
 
-        for name in ("global_batch", "micro_batch", "steps", "log_every"):
+        for name in ("global_batch", "micro_batch", "steps", "log_every", "keep_last"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in (
+            "checkpoint_every",
+            "checkpoint_every_s",
+            "heartbeat_timeout_s",
+            "progress_timeout_s",
+        ):
+            need(getattr(self, name) >= 0, name, "must be >= 0 (0 disables it)")
+        for name in ("pg_timeout_s", "preempt_grace_s"):
+            need(getattr(self, name) > 0, name, "must be > 0")
         need(self.seed >= 0, "seed", "must be >= 0")
         need(self.lr > 0, "lr", "must be > 0")
         need(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
@@ -89,19 +127,15 @@ class TrainConfig:
             n_embd=self.n_embd,
         )
 
+    def geometry(self, world_size: int) -> BatchGeometry:
+        """The batch geometry at ``world_size``; a ValueError lists the world sizes that work."""
+        return BatchGeometry(
+            global_batch=self.global_batch, micro_batch=self.micro_batch, world_size=world_size
+        )
+
     def accum_steps(self, world_size: int) -> int:
         """Micro-batches per rank per step: ``global_batch / (micro_batch * world_size)``."""
-        per_step = self.micro_batch * world_size
-        if self.global_batch % per_step:
-            n = self.global_batch // self.micro_batch
-            works = [w for w in range(1, n + 1) if n % w == 0]
-            raise ValueError(
-                f"global_batch={self.global_batch} is not divisible by micro_batch="
-                f"{self.micro_batch} * world_size={world_size}: the global batch must split "
-                f"into whole micro-batches on every rank. World sizes that work: {works}; "
-                "or change --micro-batch / --global-batch"
-            )
-        return self.global_batch // per_step
+        return self.geometry(world_size).accum_steps
 
 
 def _flag_type(hint: object) -> type:

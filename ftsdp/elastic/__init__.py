@@ -1,0 +1,43 @@
+"""ftsdp.elastic: the rank manager that lets a torchrun job survive node loss, preemption and
+hangs, and continue on another world size (DESIGN.md, "Elastic training"; docs/elastic.md).
+
+- :class:`RankManager` reads torchrun's environment, joins the process group with a timeout,
+  agrees on the incarnation, and agrees on flags at step boundaries.
+- :class:`BatchGeometry` keeps the global batch constant whatever the world size.
+- :class:`GlobalSampler` orders samples by a seed and a global cursor, world-size independent.
+- :class:`PreemptionHandler` turns SIGTERM / SIGUSR1 into a coordinated save within a grace period.
+- :class:`Watchdog` publishes heartbeats in the c10d store and exits on a stalled peer.
+
+The engine never imports this package and this package never imports the engine.
+"""
+
+from ftsdp.elastic._faults import EXIT_INJECTED, Fault, FaultInjector, parse_faults
+from ftsdp.elastic._geometry import BatchGeometry, valid_world_sizes
+from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device
+from ftsdp.elastic._sampler import GlobalSampler, RankBatchSampler
+from ftsdp.elastic._signals import EXIT_GRACE_EXCEEDED, PreemptionHandler
+from ftsdp.elastic._watchdog import EXIT_STALL, Stall, Watchdog
+
+EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL: a peer was preempted; restart me (docs/elastic.md)
+
+__all__ = [
+    "EXIT_GRACE_EXCEEDED",
+    "EXIT_INJECTED",
+    "EXIT_PEER_PREEMPTED",
+    "EXIT_STALL",
+    "BatchGeometry",
+    "Fault",
+    "FaultInjector",
+    "GlobalSampler",
+    "Peer",
+    "PreemptionHandler",
+    "RankBatchSampler",
+    "RankInfo",
+    "RankManager",
+    "Stall",
+    "Watchdog",
+    "parse_faults",
+    "read_env",
+    "resolve_device",
+    "valid_world_sizes",
+]

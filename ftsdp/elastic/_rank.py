@@ -1,0 +1,284 @@
+"""The rank manager: where this process sits in the (elastic) job, and its process group.
+
+torchrun (torch.distributed.elastic) describes a worker by environment variables; a plain
+``python`` process has none of them and runs as a world of one. :func:`read_env` parses them
+(pure, testable); :meth:`RankManager.init` also joins the process group (gloo on CPU, NCCL on
+CUDA) with a configurable timeout and agrees on the incarnation of the worker group.
+
+[Note: generation and incarnation]
+``generation`` is the largest ``TORCHELASTIC_RESTART_COUNT`` over the ranks: how many times a
+surviving agent has restarted its workers (a node that joins later starts at 0, so the maximum
+is what the job has been through). It is informational. ``incarnation`` is a random token that
+rank 0 draws and every rank agrees on before the process group exists (``_join.handshake``); it
+is unique per start of the worker group and namespaces the process group's and the watchdog's
+keys in the c10d store, so nothing leaks from a previous incarnation into the next.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftsdp.elastic._join import client_store, handshake
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInfo:
+    """This worker's place in the job, from torchrun's environment (or a world of one)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0  # the agent (node) index in this rendezvous round
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT of this worker's agent
+    max_restarts: int = 0
+    run_id: str = "local"
+    master_addr: str | None = None
+    master_port: int | None = None
+    torchrun: bool = False  # launched by torch.distributed.elastic
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"WORLD_SIZE={self.world_size} must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RANK={self.rank} must be in [0, WORLD_SIZE={self.world_size})")
+        if not 0 <= self.local_rank < max(1, self.local_world_size):
+            raise ValueError(
+                f"LOCAL_RANK={self.local_rank} must be in [0, LOCAL_WORLD_SIZE="
+                f"{self.local_world_size})"
+            )
+        if self.world_size > 1 and (self.master_addr is None or self.master_port is None):
+            raise ValueError(
+                f"WORLD_SIZE={self.world_size} but MASTER_ADDR/MASTER_PORT are not set: "
+                "launch with torchrun"
+            )
+
+
+def read_env(env: Mapping[str, str] | None = None) -> RankInfo:
+    """Parse torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+    TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, MASTER_ADDR,
+    MASTER_PORT); absent ones default to a world of one."""
+    env = os.environ if env is None else env
+    world = _int(env, "WORLD_SIZE", 1)
+    port = env.get("MASTER_PORT")
+    return RankInfo(
+        rank=_int(env, "RANK", 0),
+        world_size=world,
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
+        group_rank=_int(env, "GROUP_RANK", 0),
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+        run_id=env.get("TORCHELASTIC_RUN_ID") or "local",
+        master_addr=env.get("MASTER_ADDR") or None,
+        master_port=_int(env, "MASTER_PORT", 0) if port else None,
+        torchrun="TORCHELASTIC_RUN_ID" in env,
+    )
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """``auto`` -> cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False; use cpu")
+        return torch.device("cuda", local_rank)
+    if device != "cpu":
+        raise ValueError(f"device={device!r} must be 'auto', 'cpu' or 'cuda'")
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Peer:
+    """What every rank knows about every other after ``init`` (for logs and the watchdog)."""
+
+    rank: int
+    host: str
+    pid: int
+    restart_count: int
+
+
+@dataclass(kw_only=True)
+class RankManager:
+    """This process's rank, world size, device and process group, and the job's generation.
+
+    Build it with :meth:`init`; ``close()`` destroys the process group if ``init`` created it.
+    """
+
+    info: RankInfo
+    device: torch.device
+    generation: int = 0
+    incarnation: str = ""
+    peers: list[Peer] = field(default_factory=list)
+    timeout_s: float = 600.0
+    _owns_group: bool = False
+    _store: Any = None
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def init(
+        cls,
+        *,
+        device: str = "auto",
+        timeout_s: float = 600.0,
+        threads: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> RankManager:
+        """Join the process group torchrun describes, or form a world of one.
+
+        ``timeout_s`` bounds every collective (a dead peer's collective fails after it).
+        ``threads``: torch CPU threads for this rank (default: the host's cores divided among
+        the local ranks).
+        """
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        info = read_env(env)
+        dev = resolve_device(device, info.local_rank)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        else:
+            if threads is None:
+                # Ranks on one host share its cores: oversubscribing them slows every rank.
+                cores = (
+                    len(os.sched_getaffinity(0))
+                    if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count()
+                )
+                threads = max(1, (cores or 1) // max(1, info.local_world_size))
+            torch.set_num_threads(threads)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        owns = False
+        token = ""
+        if not dist.is_initialized():
+            timeout = timedelta(seconds=timeout_s)
+            if info.master_addr is not None and info.master_port is not None:
+                # A fresh store namespace per incarnation: see [Note: stale keys across restarts].
+                base = client_store(
+                    info.master_addr, info.master_port, info.rank, info.world_size, timeout_s
+                )
+                join = dist.PrefixStore(f"ftsdp/{info.run_id}/join/", base)
+                token = handshake(join, info.rank, info.world_size, timeout_s)
+                dist.init_process_group(
+                    backend,
+                    store=dist.PrefixStore(f"ftsdp/{info.run_id}/{token}/pg/", base),
+                    rank=info.rank,
+                    world_size=info.world_size,
+                    timeout=timeout,
+                )
+            else:
+                # A plain `python -m ...`: an in-memory store is enough for one rank, so the
+                # engine and the loop run the same code path as under torchrun.
+                dist.init_process_group(
+                    backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                )
+            owns = True
+        elif dist.get_world_size() != info.world_size or dist.get_rank() != info.rank:
+            raise ValueError(
+                f"the process group already initialised has rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, the environment says {info.rank} of {info.world_size}"
+            )
+        manager = cls(info=info, device=dev, timeout_s=timeout_s, _owns_group=owns)
+        try:
+            manager._agree_on_incarnation(token)
+        except BaseException:
+            manager.close()
+            raise
+        return manager
+
+    def _agree_on_incarnation(self, token: str) -> None:
+        me = Peer(
+            rank=self.rank,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            restart_count=self.info.restart_count,
+        )
+        if self.rank == 0 and not token:
+            token = uuid.uuid4().hex[:12]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (me, token))
+        self.peers = [p for p, _ in gathered]
+        self.incarnation = gathered[0][1]
+        self.generation = max(p.restart_count for p in self.peers)
+
+    # -- the usual accessors ----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.info.local_world_size
+
+    # -- agreement ------------------------------------------------------------------------------
+    def agree_any(self, *flags: bool) -> tuple[bool, ...]:
+        """For each flag: True on every rank if it is True on any rank (one all_reduce(MAX)).
+
+        Every rank must call it at the same point (a step boundary)."""
+        if self.world_size == 1:
+            return tuple(bool(f) for f in flags)
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return tuple(bool(v) for v in t.tolist())
+
+    def store(self, prefix: str = "", timeout_s: float | None = None) -> Any:
+        """A client of the job's c10d store (torchrun's), keys under this incarnation + prefix.
+
+        A separate TCP connection, so a background thread (the watchdog) never shares a socket
+        with the process group. None for a world of one without a master address.
+        """
+        if self.info.master_addr is None or self.info.master_port is None:
+            return None
+        if self._store is None:
+            self._store = dist.TCPStore(
+                self.info.master_addr,
+                self.info.master_port,
+                is_master=False,
+                timeout=timedelta(seconds=timeout_s or self.timeout_s),
+                wait_for_workers=False,
+            )
+        return dist.PrefixStore(
+            f"ftsdp/{self.info.run_id}/{self.incarnation}/{prefix}", self._store
+        )
+
+    def describe(self) -> str:
+        hosts = sorted({p.host for p in self.peers})
+        return (
+            f"rank {self.rank}/{self.world_size} (local {self.local_rank}/"
+            f"{self.local_world_size}, node {self.info.group_rank}) on {self.device}, "
+            f"{len(hosts)} host(s), generation {self.generation}, incarnation {self.incarnation}"
+        )
+
+    def close(self) -> None:
+        """Destroy the process group if :meth:`init` created it (idempotent)."""
+        self._store = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False

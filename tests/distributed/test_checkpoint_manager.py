@@ -1,0 +1,169 @@
+"""CheckpointManager on real gloo ranks: save at world size 2, resume at 3 and at 1.
+
+The resumed state must equal the saved one bitwise (model, optimizer moments and steps, scheduler,
+trainer values), checked by saving it again from the new world size and comparing the two
+checkpoints tensor by tensor; training then continues exactly like the uninterrupted run: the
+engine's deterministic mode averages the gradients of the same micro-batches in the same order
+at every world size, so losses and weights are bitwise equal. The rank
+manager's pieces that need a real job run here too: ``RankManager.init`` inside an existing
+process group, ``agree_any``, and a watchdog on the real c10d TCPStore.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import storage
+from tests._dist import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+GLOBAL_BATCH, MICRO = 12, 1
+
+
+def _build(seed: int):
+    import ftsdp
+    from ftsdp.model import GPT, Block, GPTConfig, param_groups
+
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    model = ftsdp.FSDP(GPT(cfg), auto_wrap_policy={Block}, deterministic=True)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    return model, opt, sched
+
+
+def _train(model, opt, sched, rank: int, world: int, trainer: dict, steps: int) -> list[float]:
+    """Steps of the real loop's shape: the global sampler, no_sync accumulation, mean loss."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from ftsdp.data import MarkovDataset
+    from ftsdp.elastic import BatchGeometry, GlobalSampler
+
+    ds = MarkovDataset(64, 16, seed=0)
+    sampler = GlobalSampler(len(ds), seed=0)
+    g = BatchGeometry(global_batch=GLOBAL_BATCH, micro_batch=MICRO, world_size=world)
+    losses = []
+    for _ in range(steps):
+        total = torch.zeros(())
+        for micro in range(g.accum_steps):
+            x, y = ds.batch(sampler.micro_batch(trainer["cursor"], g, rank, micro))
+            ctx = contextlib.nullcontext() if micro == g.accum_steps - 1 else model.no_sync()
+            with ctx:
+                _, loss = model(x, y)
+                loss.backward()  # deterministic mode: the engine averages all micro-batches
+            total += loss.detach()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        gathered = [total]
+        if world > 1:
+            gathered = [torch.zeros(()) for _ in range(world)]
+            dist.all_gather(gathered, total)
+        losses.append(sum(t.item() for t in gathered))  # rank sums, added in rank order
+        trainer["step"] += 1
+        trainer["cursor"] += GLOBAL_BATCH
+    return losses
+
+
+def _np(state: dict) -> dict:
+    # numpy, not tensors: a tensor crosses the result queue as shared memory that vanishes when
+    # the rank's process exits before the test reads it.
+    return {k: v.detach().numpy().copy() for k, v in state.items()}
+
+
+def _save_phase(rank: int, world: int, url: str) -> dict:
+    import time
+
+    from ftsdp.checkpoint import CheckpointManager
+    from ftsdp.elastic import RankManager, Watchdog
+
+    rm = RankManager.init(device="cpu", timeout_s=60)
+    assert (rm.rank, rm.world_size) == (rank, world) and len(rm.incarnation) == 12
+    assert [p.rank for p in rm.peers] == list(range(world))
+    assert rm.agree_any(rank == 1, False, True) == (True, False, True)
+    stalls: list = []
+    dog = Watchdog(
+        rm.store("wd"), rank, world, interval_s=0.1, heartbeat_timeout_s=2.0, on_stall=stalls.extend
+    ).start()
+
+    model, opt, sched = _build(0)
+    ckpt = CheckpointManager(url, model, opt, lr_scheduler=sched, every_steps=3)
+    trainer = {"step": 0, "cursor": 0, "tag": f"saved at {world}"}
+    _train(model, opt, sched, rank, world, trainer, 3)
+    dog.beat(3)
+    assert ckpt.due(3)
+    ckpt.save(3, trainer)  # async: training continues while it uploads
+    _train(model, opt, sched, rank, world, trainer, 2)
+    ckpt.save(5, trainer, block=True)
+    ckpt.close()
+    full_at_5 = model.state_dict()
+    continued = _train(model, opt, sched, rank, world, trainer, 3)
+    time.sleep(0.5)  # a few heartbeats while everybody is alive and progressing
+    dog.close()
+    assert stalls == [] and dog.error is None
+    return {"full_at_5": _np(full_at_5), "continued": continued, "final": _np(model.state_dict())}
+
+
+def _resume_phase(rank: int, world: int, url: str, again: str) -> dict:
+    from ftsdp.checkpoint import CheckpointManager
+
+    model, opt, sched = _build(1)  # a different init: everything must come from the checkpoint
+    ckpt = CheckpointManager(url, model, opt, lr_scheduler=sched, async_save=False)
+    trainer = {"step": 0, "cursor": 0, "tag": ""}
+    info = ckpt.resume(trainer)
+    assert info is not None and info.step == 5 and info.saved_world_size == 2
+    assert not info.rng_restored  # another world size: RNGs reseeded per rank
+    assert trainer == {"step": 5, "cursor": 60, "tag": "saved at 2"}
+    assert sched.last_epoch == 5
+    CheckpointManager(again, model, opt, lr_scheduler=sched, async_save=False).save(5, trainer)
+    full_at_5 = model.state_dict()
+    continued = _train(model, opt, sched, rank, world, trainer, 3)
+    return {"full_at_5": _np(full_at_5), "continued": continued, "final": _np(model.state_dict())}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("ckpt") / "run")
+    return url, run_ranks(_save_phase, 2, url)[0]
+
+
+@pytest.mark.parametrize("world", [3, 1])
+def test_resume_at_another_world_size(saved, tmp_path, world: int) -> None:
+    url, ref = saved
+    assert storage.list_steps(url) == [3, 5]
+    again = str(tmp_path / "again")
+    if world == 1:  # a world of one needs no process group: resume in this process
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # like every rank: CPU reductions depend on the thread count
+        try:
+            out = _resume_phase(0, 1, url, again)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        out = run_ranks(_resume_phase, world, url, again)[0]
+
+    # The state loaded at the new world size is the saved state, bit for bit.
+    original, resaved = storage.load_state_dict(url, 5), storage.load_state_dict(again, 5)
+    assert original.keys() == resaved.keys()
+    assert any(k.endswith(".exp_avg_sq") for k in original)
+    for key in original:
+        assert torch.equal(original[key], resaved[key]), key
+    a, b = storage.read_manifest(url, 5), storage.read_manifest(again, 5)
+    assert a.world_size == 2 and b.world_size == world
+    assert a.values["optim.param_groups"] == b.values["optim.param_groups"]
+    assert a.values["scheduler"] == b.values["scheduler"]
+    for key, value in ref["full_at_5"].items():
+        value = torch.from_numpy(value)
+        assert torch.equal(value, torch.from_numpy(out["full_at_5"][key])), key
+        if f"model.{key}" in original:  # a tied weight is saved once, under its first name
+            assert torch.equal(value, original[f"model.{key}"]), key
+
+    # Training goes on exactly as the uninterrupted world-size-2 run did.
+    for key, value in ref["final"].items():
+        assert torch.equal(torch.from_numpy(out["final"][key]), torch.from_numpy(value)), key
+    if world == 1:  # one rank sums all micro-batch losses in the same order as two ranks do
+        assert out["continued"] == pytest.approx(ref["continued"], rel=1e-6)

@@ -1,0 +1,350 @@
+"""The rank manager's single-process pieces: torchrun environment, preemption signals, the
+heartbeat watchdog (on an in-memory c10d store), fault specs and the faulty filesystem."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import storage
+from ftsdp.elastic import (
+    FaultInjector,
+    PreemptionHandler,
+    RankInfo,
+    Watchdog,
+    _faulty_fs,
+    parse_faults,
+    read_env,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- torchrun environment ------------------------------------------------------------------------
+
+
+def test_read_env_parses_torchrun_variables() -> None:
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_RUN_ID": "job7",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    info = read_env(env)
+    assert info == RankInfo(
+        rank=3,
+        world_size=4,
+        local_rank=1,
+        local_world_size=2,
+        group_rank=1,
+        restart_count=2,
+        max_restarts=3,
+        run_id="job7",
+        master_addr="10.0.0.1",
+        master_port=29500,
+        torchrun=True,
+    )
+
+
+def test_read_env_without_torchrun_is_a_world_of_one() -> None:
+    info = read_env({})
+    assert (info.rank, info.world_size, info.local_world_size, info.torchrun) == (0, 1, 1, False)
+    assert info.master_addr is None and info.run_id == "local"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "x"}, "RANK='x' must be an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2"),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR/MASTER_PORT are not set"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+        ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=3"),
+    ],
+)
+def test_read_env_rejects_bad_values(env: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        read_env(env)
+
+
+# -- preemption ---------------------------------------------------------------------------------
+
+
+def _wait_for(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_sigusr1_sets_the_flag_and_close_restores_handlers() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    lines: list[str] = []
+    with PreemptionHandler(grace_s=30, log=lines.append) as h:
+        assert not h.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert _wait_for(lambda: h.requested)
+        assert h.signal_name == "SIGUSR1" and h.received_at is not None
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal changes nothing, kills nothing
+        time.sleep(0.05)
+        assert h.signal_name == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert len(lines) == 1 and "SIGUSR1 received" in lines[0]
+
+
+def test_the_grace_period_expires_from_the_watcher_thread() -> None:
+    expired: list[str] = []
+    h = PreemptionHandler(grace_s=0.2, log=lambda _: None, on_expired=expired.append).install()
+    try:
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert _wait_for(lambda: expired, timeout=5)
+        assert 0.15 < time.monotonic() - t0 < 3
+        assert "grace period of 0.2s exceeded (SIGTERM)" in expired[0]
+    finally:
+        h.close()
+
+
+def test_arm_without_a_signal_and_close_cancels() -> None:
+    expired: list[str] = []
+    h = PreemptionHandler(grace_s=0.1, on_expired=expired.append).install()
+    h.arm()
+    assert _wait_for(lambda: expired)
+    assert "peer preemption" in expired[0] and not h.requested
+    h.close()
+    h.close()  # idempotent
+    h2 = PreemptionHandler(grace_s=0.2, on_expired=expired.append).install()
+    h2.arm()
+    h2.close()  # before the deadline: nothing fires
+    time.sleep(0.4)
+    assert len(expired) == 1
+    with pytest.raises(ValueError, match="grace_s=0"):
+        PreemptionHandler(grace_s=0)
+
+
+# -- watchdog -----------------------------------------------------------------------------------
+
+
+def _pair(store, **kw):
+    found: dict[int, list] = {0: [], 1: []}
+    dogs = [
+        Watchdog(store, r, 2, interval_s=0.05, on_stall=found[r].extend, log=lambda _: None, **kw)
+        for r in (0, 1)
+    ]
+    return dogs, found
+
+
+def test_a_rank_that_stops_beating_is_named_within_the_bound() -> None:
+    dogs, found = _pair(dist.HashStore(), heartbeat_timeout_s=0.5)
+    for d in dogs:
+        d.start()
+    dogs[0].beat(4)
+    dogs[1].beat(7)
+    time.sleep(0.3)
+    dogs[1]._stop.set()  # rank 1 freezes (as under SIGSTOP): no heartbeat, no "closed"
+    dogs[1]._thread.join()
+    t0 = time.monotonic()
+    assert _wait_for(lambda: found[0], timeout=5)
+    took = time.monotonic() - t0
+    (stall,) = found[0]
+    assert (stall.rank, stall.step, stall.kind) == (1, 7, "heartbeat")
+    assert 0.3 < took < 2.0, took
+    assert str(stall).startswith("rank 1 stalled at step 7 for ")
+    dogs[0].close()
+
+
+def test_a_closed_rank_is_not_a_stall() -> None:
+    dogs, found = _pair(dist.HashStore(), heartbeat_timeout_s=0.3)
+    for d in dogs:
+        d.start()
+    time.sleep(0.2)
+    dogs[1].close()
+    time.sleep(0.8)
+    assert found[0] == [] and dogs[0].error is None
+    dogs[0].close()
+
+
+def test_alive_ranks_without_progress_name_the_ones_behind() -> None:
+    dogs, found = _pair(dist.HashStore(), heartbeat_timeout_s=5, progress_timeout_s=0.4)
+    for d in dogs:
+        d.start()
+    dogs[0].beat(5)
+    dogs[1].beat(3)  # rank 1 hangs at step 3 (alive: it keeps beating)
+    assert _wait_for(lambda: found[0], timeout=5)
+    assert [(s.rank, s.step, s.kind) for s in found[0]] == [(1, 3, "progress")]
+    for d in dogs:
+        d.close()
+
+
+class _DeadStore:
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.dead = False
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            if self.dead:
+                raise RuntimeError("connection refused")
+            return getattr(self.inner, name)(*args, **kwargs)
+
+        return call
+
+
+def test_an_unreachable_store_and_a_peer_that_never_appears() -> None:
+    store = _DeadStore()
+    found: list = []
+    w = Watchdog(store, 0, 1, interval_s=0.05, heartbeat_timeout_s=0.3, on_stall=found.extend)
+    w.start()
+    time.sleep(0.15)
+    store.dead = True
+    assert _wait_for(lambda: found)
+    assert found[0].kind == "store" and "c10d store unreachable" in str(found[0])
+    w.close()
+
+    found.clear()
+    lonely = Watchdog(
+        dist.HashStore(), 0, 3, interval_s=0.05, heartbeat_timeout_s=0.3, on_stall=found.extend
+    )
+    lonely.start()
+    assert _wait_for(lambda: found)
+    assert sorted(s.rank for s in found) == [1, 2]
+    lonely.close()
+    with pytest.raises(ValueError, match="interval_s"):
+        Watchdog(store, 0, 1, interval_s=1, heartbeat_timeout_s=1)
+
+
+# -- fault specs --------------------------------------------------------------------------------
+
+
+def test_fault_specs_parse_and_filter_by_rank_and_restart() -> None:
+    faults = parse_faults(
+        "kill:rank=1:step=7; term:step=5:target=agent;"
+        "crash_in_save:point=after_data:n=2:step=4:restart=1;stop:step=3:restart=any"
+    )
+    assert [f.kind for f in faults] == ["kill", "term", "crash_in_save", "stop"]
+    assert faults[1].when == "after_save" and faults[0].when == "before_save"
+    assert faults[2].n == 2 and faults[2].restart == 1 and faults[3].restart is None
+    kinds = lambda inj: [f.kind for f in inj.faults]  # noqa: E731
+    assert kinds(FaultInjector(faults, rank=1, restart_count=0)) == ["kill", "term", "stop"]
+    assert kinds(FaultInjector(faults, rank=0, restart_count=1)) == ["crash_in_save", "stop"]
+    assert FaultInjector.from_env(0, 0, env={}).faults == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("explode:step=1", "unknown fault kind 'explode'"),
+        ("kill:rank=1", "needs step=N"),
+        ("kill:step", "must be key=value"),
+        ("kill:step=1:colour=red", "unknown key 'colour'"),
+        ("crash_in_save:step=1", "needs point="),
+        ("term:step=1:target=moon", "target="),
+        ("kill:step=1:when=never", "when="),
+    ],
+)
+def test_bad_fault_specs(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_faults(spec)
+
+
+# -- the faulty filesystem ------------------------------------------------------------------------
+
+
+class _Crash(BaseException):
+    pass
+
+
+@pytest.fixture
+def crash_instead_of_exit(monkeypatch):
+    def crash(fault, path):
+        raise _Crash(f"{fault.point} {path}")
+
+    monkeypatch.setattr(_faulty_fs, "_crash", crash)
+
+
+def _state(value: float) -> dict:
+    return {"w": torch.full((6,), value), "meta": {"step": int(value)}}
+
+
+def test_faulty_fs_passes_through_when_nothing_fires(tmp_path) -> None:
+    url = _faulty_fs.arm(
+        str(tmp_path / "ck"), parse_faults("crash_in_save:point=before_manifest:step=99"), 0
+    )
+    assert url.startswith("faulty:///")
+    storage.save(_state(1.0), url, step=1)
+    storage.save(_state(2.0), url, step=2)
+    assert storage.list_steps(url) == [1, 2] == storage.list_steps(str(tmp_path / "ck"))
+    target = _state(0.0)
+    storage.load(target, url, step=1)
+    assert torch.equal(target["w"], torch.ones(6)) and target["meta"]["step"] == 1
+    assert (tmp_path / "ck" / "latest").read_text() == "2\n"
+    with pytest.raises(ValueError, match="local checkpoint directory"):
+        _faulty_fs.arm("s3://bucket/x", [], 0)
+
+
+@pytest.mark.parametrize("point", ["after_data", "before_manifest", "before_latest"])
+def test_faulty_fs_crashes_at_each_point_of_the_commit(tmp_path, point, crash_instead_of_exit):
+    root = tmp_path / "ck"
+    url = _faulty_fs.arm(str(root), parse_faults(f"crash_in_save:point={point}:step=2"), 0)
+    storage.save(_state(1.0), url, step=1)
+    with warnings.catch_warnings(record=True), pytest.raises(_Crash, match=point):
+        storage.save(_state(2.0), url, step=2)
+    committed = storage.list_steps(str(root))
+    data = [p.name for p in (root / "step-2").iterdir() if p.suffix == ".safetensors"]
+    if point == "after_data":
+        assert committed == [1] and len(data) == 1
+    elif point == "before_manifest":
+        assert committed == [1] and not (root / "step-2" / "manifest.json").exists()
+    else:
+        assert committed == [1, 2] and (root / "latest").read_text() == "1\n"
+    for step in committed:  # every committed step stays readable
+        target = _state(0.0)
+        storage.load(target, str(root), step=step)
+        assert torch.equal(target["w"], torch.full((6,), float(step)))
+    assert json.loads((root / "step-1" / "manifest.json").read_text())["step"] == 1
+
+
+# -- joining a fresh store namespace ---------------------------------------------------------------
+
+
+def test_the_join_handshake_ignores_keys_left_by_a_previous_incarnation() -> None:
+    import threading
+
+    from ftsdp.elastic._join import handshake
+
+    store = dist.HashStore()
+    for r in (1, 2):  # what the previous incarnation left behind
+        store.set(f"req/{r}", "old-nonce")
+        store.set(f"ack/{r}", "oldtoken old-nonce")
+        store.set(f"ok/{r}", "oldtoken")
+    tokens: dict[int, str] = {}
+
+    def join(rank: int, delay: float) -> None:
+        time.sleep(delay)
+        tokens[rank] = handshake(store, rank, 3, timeout_s=10)
+
+    # Rank 0 comes last, so the others see only stale answers for a while.
+    threads = [threading.Thread(target=join, args=(r, d)) for r, d in ((1, 0), (2, 0.05), (0, 0.2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=15)
+    assert len(tokens) == 3 and len(set(tokens.values())) == 1
+    assert tokens[0] != "oldtoken"
+    with pytest.raises(TimeoutError, match="rank 0: no answer from ranks \\[1\\]"):
+        handshake(dist.HashStore(), 0, 2, timeout_s=0.1)
