@@ -216,3 +216,23 @@ def test_bad_input_is_one_line_and_exit_2(inputs: pathlib.Path, case: str) -> No
     assert message in err, err
     assert out == ""
     assert _files(inputs) == before  # nothing was written, nothing removed
+
+
+@pytest.mark.timeout(120)
+def test_closed_pipe_ends_quietly(tmp_path) -> None:
+    """`ftsdp-ckpt inspect URL | head -1`: no traceback, no error line, exit 0."""
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "many")
+    storage.save({f"t{i:05d}": torch.zeros(1) for i in range(4000)}, url, step=1)  # > pipe buffer
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.ckpt", "inspect", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=pathlib.Path(__file__).resolve().parents[2],
+    )
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=100) == 0
+    assert proc.stderr.read() == b""

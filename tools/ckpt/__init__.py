@@ -7,6 +7,8 @@ interrupted. See docs/cli.md.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from typing import TextIO
 
@@ -35,6 +37,11 @@ def main(
     except KeyboardInterrupt:
         err.write(f"{PROG}: interrupted; nothing unfinished was committed\n")
         return 130
+    except BrokenPipeError:
+        # The reader went away (`ftsdp-ckpt inspect URL | head`): stop quietly, as cat does.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return 0
     except USER_ERRORS as e:
         err.write(f"{PROG}: error: {_one_line(e)}\n")
         return 2
