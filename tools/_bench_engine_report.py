@@ -11,6 +11,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from tools._markdown import replace_section
+
 MB = 1e6
 FP32 = 4
 
@@ -370,18 +372,4 @@ def environment(runs: list[Run], load_start: tuple, load_end: tuple) -> str:
 
 def write_section(path: str, text: str, title: str = "## Engine") -> None:
     """Replace (or append) the ``title`` section of the Markdown file ``path``; keep the rest."""
-    old = "# Benchmarks\n"
-    if os.path.exists(path):
-        with open(path) as f:
-            old = f.read()
-    lines = old.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == title), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        new = "\n".join([*lines[:start], text.rstrip("\n"), "", *lines[end:]])
-    with open(path, "w") as f:
-        f.write(new.rstrip("\n") + "\n")
+    replace_section(path, text, title)

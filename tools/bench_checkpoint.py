@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from tools import _bench_ranks as ranks
+from tools._markdown import replace_section
 
 GB = 1e9
 
@@ -238,21 +239,7 @@ def table(args: argparse.Namespace, res: dict[str, Any]) -> tuple[str, list[str]
 
 def write_section(path: str, text: str) -> None:
     """Replace (or append) the ``## Checkpoint`` section of the Markdown file ``path``."""
-    old = "# Benchmarks\n"
-    if os.path.exists(path):
-        with open(path) as f:
-            old = f.read()
-    lines = old.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == "## Checkpoint"), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        new = "\n".join([*lines[:start], text.rstrip("\n"), "", *lines[end:]])
-    with open(path, "w") as f:
-        f.write(new.rstrip("\n") + "\n")
+    replace_section(path, text, "## Checkpoint")
 
 
 def environment() -> str:
