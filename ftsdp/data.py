@@ -142,18 +142,3 @@ class MarkovDataset(Dataset):
         """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
         pairs = [self[i] for i in indices]
         return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
-
-
-def rank_sample_indices(
-    step: int, micro_step: int, *, rank: int, world_size: int, global_batch: int, micro_batch: int
-) -> range:
-    """Dataset indices of one micro-batch: step ``step`` uses samples
-    ``[step * global_batch, (step + 1) * global_batch)``; rank ``r`` takes the ``r``-th
-    contiguous ``global_batch / world_size`` of them, in micro-batches of ``micro_batch``.
-    The set of samples of a step is therefore the same for every world size."""
-    per_rank = global_batch // world_size
-    assert per_rank * world_size == global_batch and per_rank % micro_batch == 0, (
-        f"{global_batch=} {world_size=} {micro_batch=}: geometry must be validated by the caller"
-    )
-    start = step * global_batch + rank * per_rank + micro_step * micro_batch
-    return range(start, start + micro_batch)

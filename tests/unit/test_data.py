@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ftsdp.data import MarkovChain, MarkovDataset, rank_sample_indices
+from ftsdp.data import MarkovChain, MarkovDataset
 
 
 @pytest.fixture(scope="module")
@@ -75,24 +75,3 @@ def test_bad_arguments_are_rejected() -> None:
         MarkovChain(8, branching=9)
     with pytest.raises(ValueError, match="seq_len=0"):
         MarkovDataset(8, 0)
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_rank_slices_cover_the_step_independently_of_world_size(world_size: int) -> None:
-    global_batch, micro = 16, 2
-    accum = global_batch // (micro * world_size)
-    for step in (0, 3):
-        seen = [
-            i
-            for rank in range(world_size)
-            for m in range(accum)
-            for i in rank_sample_indices(
-                step,
-                m,
-                rank=rank,
-                world_size=world_size,
-                global_batch=global_batch,
-                micro_batch=micro,
-            )
-        ]
-        assert seen == list(range(step * global_batch, (step + 1) * global_batch))
