@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -27,7 +26,6 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-import ftsdp
 from ftsdp._train_config import TrainConfig
 from ftsdp.checkpoint import CheckpointManager
 from ftsdp.data import MarkovDataset
@@ -49,11 +47,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(1, cfg.steps - cfg.warmup)
     progress = min(1.0, (step - cfg.warmup) / span)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-
-
-def engine_has_deterministic() -> bool:
-    """Whether this engine offers ``FSDP(..., deterministic=True)``."""
-    return "deterministic" in inspect.signature(ftsdp.FSDP.__init__).parameters
 
 
 class MetricsLog:

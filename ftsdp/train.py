@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -25,7 +24,6 @@ from ftsdp._train_config import TrainConfig, parse_args
 from ftsdp._train_loop import (
     Job,
     Session,
-    engine_has_deterministic,
     lr_at,
     run,
     start_record,
@@ -47,21 +45,12 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     torch.manual_seed(cfg.seed)  # same init on every rank
     module = GPT(cfg.model_config())
     n_params = module.num_parameters()
-    deterministic = cfg.deterministic and engine_has_deterministic()
-    if cfg.deterministic and not deterministic:
-        warnings.warn(
-            "--deterministic: this engine has no FSDP(deterministic=True); results are "
-            "reproducible at a fixed world size but equal across world sizes only within "
-            "floating-point tolerance",
-            stacklevel=1,
-        )
-    extra = {"deterministic": True} if deterministic else {}
     model = ftsdp.FSDP(
         module.to(rm.device),
         auto_wrap_policy={Block},
         sharding_strategy=ftsdp.ShardingStrategy[cfg.sharding_strategy],
         device_id=rm.device if rm.device.type == "cuda" else None,
-        **extra,
+        deterministic=cfg.deterministic,
     )
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95)
@@ -94,7 +83,7 @@ def build(cfg: TrainConfig, session: Session) -> Job:
         geometry=geometry,
         n_params=n_params,
         ckpt=ckpt,
-        deterministic_engine=deterministic,
+        deterministic_engine=cfg.deterministic,
         clip=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
     )
 
