@@ -24,7 +24,7 @@ from torch import nn
 
 from ._collectives import CommStats, all_gather_ints, group_size
 from ._common import ShardingStrategy
-from ._unit import STALE_ATTR, FlatParamUnit, UnitOptions
+from ._unit import STALE_ATTR, FlatParamUnit, MemoryGauge, UnitOptions
 from ._wrap import UnitPlan
 
 
@@ -154,6 +154,7 @@ def build_units(
     groups: Groups,
     stats: CommStats,
     param_init_fn: Callable[[nn.Module], None] | None,
+    gauge: MemoryGauge,
 ) -> list[FlatParamUnit]:
     """One FlatParamUnit per plan; a meta-device model is materialised unit by unit."""
 
@@ -165,6 +166,7 @@ def build_units(
             replicate_group=groups.replicate,
             broadcast_group=groups.world,
             stats=stats,
+            gauge=gauge,
         )
 
     deferred = any(pp.param.is_meta for plan in plans for pp in plan.params)

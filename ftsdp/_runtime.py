@@ -115,7 +115,6 @@ class Runtime:
         self._backward_order: list[FlatParamUnit] = []  # this iteration's pre-backward order
         self._last_forward: list[FlatParamUnit] = []
         self._last_backward: list[FlatParamUnit] = []
-        self.peak_unsharded_bytes = 0  # the most full-buffer bytes allocated at once
         self.group = group  # every data-parallel rank: agrees which parameters got gradients
         self.root = units[0]
         self.strategy = strategy
@@ -186,13 +185,8 @@ class Runtime:
     def _unshard(self, unit: FlatParamUnit) -> None:
         """Make ``unit`` unsharded now (waiting for its prefetched all-gather if any)."""
         unit.unshard()
-        self._note_unsharded_bytes()
         if unit in self._gathering:
             self._gathering.remove(unit)
-
-    def _note_unsharded_bytes(self) -> None:
-        now = sum(u.unsharded_bytes_allocated() for u in self.units)
-        self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, now)
 
     def _prefetch_after(self, unit: FlatParamUnit, order: list[FlatParamUnit]) -> None:
         """Start the all-gather of the unit that follows ``unit`` in ``order``."""
@@ -206,7 +200,6 @@ class Runtime:
             while len(self._gathering) >= 2:  # the rate limiter: at most two in flight
                 self._unshard(self._gathering[0])
         target.start_unshard()
-        self._note_unsharded_bytes()
         if target.state is UnitState.GATHERING:
             self._gathering.append(target)
             stats = target.stats

@@ -67,6 +67,22 @@ STALE_ATTR = "_ftsdp_stale"  # set on original parameters once their values move
 SHARDED_ATTR = "_ftsdp_sharded"  # set on the 1-D local-slice parameters the optimizer sees
 
 
+@dataclass
+class MemoryGauge:
+    """Bytes of full (unsharded) buffers allocated now across a model's units, and the peak.
+
+    Units add on every allocation and subtract on every free, so reading it costs nothing on
+    the hot path.
+    """
+
+    now: int = 0
+    peak: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+
 @dataclass(frozen=True, kw_only=True)
 class UnitOptions:
     """What every unit of one wrapped model shares."""
@@ -110,8 +126,10 @@ class FlatParamUnit:
         replicate_group: dist.ProcessGroup | None,
         broadcast_group: dist.ProcessGroup | None,
         stats: CommStats,
+        gauge: MemoryGauge | None = None,
     ) -> None:
         self.module = plan.module
+        self.gauge = gauge or MemoryGauge()
         self.fqn = plan.fqn
         self.options = options
         self.strategy = options.strategy
@@ -262,11 +280,10 @@ class FlatParamUnit:
         """The tensor whose gradient is the unit's flat (unsharded, padded) gradient."""
         return self._leaf
 
-    def unsharded_bytes_allocated(self) -> int:
-        """Bytes the full buffer holds right now (0 while sharded, for F > 1)."""
-        if not self.frees_memory:
-            return 0
-        return self._full.untyped_storage().nbytes()
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the full (padded, ``param_dtype``) buffer while it is allocated."""
+        return self.padded_numel * self._full.element_size()
 
     # ---------------------------------------------------------------- lifecycle
     def start_unshard(self) -> None:
@@ -280,7 +297,8 @@ class FlatParamUnit:
         if self.aliases_shard:
             self.state = UnitState.UNSHARDED
             return
-        self._full.untyped_storage().resize_(self.padded_numel * self._full.element_size())
+        self._full.untyped_storage().resize_(self.full_bytes)
+        self.gauge.add(self.full_bytes)
         with torch.no_grad():
             source = self.shard
             if self.options.offload:  # host -> device (a real copy even on a CPU-only host)
@@ -348,6 +366,7 @@ class FlatParamUnit:
                 module._parameters[name] = info.sharded_param
         if self.frees_memory:
             self._full.untyped_storage().resize_(0)
+            self.gauge.add(-self.full_bytes)
         self.state = UnitState.SHARDED
 
     # ---------------------------------------------------------------- gradients

@@ -35,7 +35,7 @@ from ._state_dict import (
     sharded_optim_state_dict,
     sharded_state_dict,
 )
-from ._unit import SHARDED_ATTR, STALE_ATTR, UnitOptions
+from ._unit import SHARDED_ATTR, STALE_ATTR, MemoryGauge, UnitOptions
 from ._wrap import Policy, plan_units
 
 
@@ -110,7 +110,10 @@ class FullyShardedDataParallel(nn.Module):
         plans = plan_units(module, auto_wrap_policy)
         check_same_structure(plans, groups.world)
         self._comm_stats = CommStats()
-        units = build_units(module, plans, options, groups, self._comm_stats, param_init_fn)
+        self._gauge = MemoryGauge()
+        units = build_units(
+            module, plans, options, groups, self._comm_stats, param_init_fn, self._gauge
+        )
         for buffer in module.buffers():
             if sync_module_states:
                 broadcast_flat(buffer, groups.world)
@@ -329,8 +332,8 @@ class FullyShardedDataParallel(nn.Module):
                 for u in self._units
                 if (g := u.sharded_grad) is not None
             ),
-            "unsharded_param_bytes": sum(u.unsharded_bytes_allocated() for u in self._units),
-            "peak_unsharded_param_bytes": self._runtime.peak_unsharded_bytes,
+            "unsharded_param_bytes": self._gauge.now,
+            "peak_unsharded_param_bytes": self._gauge.peak,
             "largest_unit_bytes": max(
                 (u.padded_numel * _itemsize(u.param_dtype) for u in self._units), default=0
             ),
