@@ -159,6 +159,13 @@ def _safetensors_head(infos: list, values: dict[str, Any] | None) -> tuple[bytes
     return len(text).to_bytes(8, "little") + text, pos
 
 
+def _remove_all(sink: HfSink | DcpSink) -> None:
+    """Delete the files a sink found at its destination (``--overwrite``)."""
+    for p in sink._existing():
+        sink.fs.rm(p)
+    sink.fs.invalidate_cache(sink.path)
+
+
 class HfSink:
     """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``."""
 
@@ -187,9 +194,7 @@ class HfSink:
         return any(p.endswith(("/" + HF_INDEX, "/" + HF_SINGLE)) for p in self._existing())
 
     def clear(self) -> None:
-        for p in self._existing():
-            self.fs.rm(p)
-        self.fs.invalidate_cache(self.path)
+        _remove_all(self)
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int, chunk: int
@@ -318,9 +323,7 @@ class DcpSink:
         return any(p.endswith(".metadata") for p in self._existing())  # DCP's commit
 
     def clear(self) -> None:
-        for p in self._existing():
-            self.fs.rm(p)
-        self.fs.invalidate_cache(self.path)
+        _remove_all(self)
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int, chunk: int
