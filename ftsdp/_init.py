@@ -24,6 +24,7 @@ from torch import nn
 
 from ._collectives import CommStats, all_gather_ints, group_size
 from ._common import ShardingStrategy
+from ._streams import Schedule
 from ._unit import STALE_ATTR, FlatParamUnit, MemoryGauge, UnitOptions
 from ._wrap import UnitPlan
 
@@ -155,6 +156,7 @@ def build_units(
     stats: CommStats,
     param_init_fn: Callable[[nn.Module], None] | None,
     gauge: MemoryGauge,
+    schedule: Schedule,
 ) -> list[FlatParamUnit]:
     """One FlatParamUnit per plan; a meta-device model is materialised unit by unit."""
 
@@ -167,6 +169,7 @@ def build_units(
             broadcast_group=groups.world,
             stats=stats,
             gauge=gauge,
+            schedule=schedule,
         )
 
     deferred = any(pp.param.is_meta for plan in plans for pp in plan.params)

@@ -56,6 +56,7 @@ from ._collectives import (
     reduce_scatter_flat,
 )
 from ._common import ShardingStrategy, UnitState
+from ._streams import HostSchedule, Schedule
 from ._wrap import UnitPlan
 
 
@@ -127,9 +128,11 @@ class FlatParamUnit:
         broadcast_group: dist.ProcessGroup | None,
         stats: CommStats,
         gauge: MemoryGauge | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         self.module = plan.module
         self.gauge = gauge or MemoryGauge()
+        self.schedule = schedule or HostSchedule()  # see [Note: streams]
         self.fqn = plan.fqn
         self.options = options
         self.strategy = options.strategy
@@ -186,9 +189,9 @@ class FlatParamUnit:
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
         self._used = [False] * len(self.infos)  # which parameters got a gradient
         self._gathered_version = -1  # the shard's version when it was last all-gathered
-        self._gather: tuple[dist.Work | None, torch.Tensor] | None = None  # in flight
-        # (work, output, second stage needed, keep-alive): reductions not yet accumulated
-        self._pending: list[tuple[dist.Work | None, torch.Tensor, bool, torch.Tensor]] = []
+        self._gather: tuple[object, torch.Tensor | None] | None = None  # (token, source)
+        # (token, output, second stage needed, keep-alive): reductions not yet accumulated
+        self._pending: list[tuple[object, torch.Tensor, bool, object]] = []
         self._reduced: list[torch.Tensor] = []  # completed sharded gradients, not yet added
 
     # ---------------------------------------------------------------- construction
@@ -297,18 +300,31 @@ class FlatParamUnit:
         if self.aliases_shard:
             self.state = UnitState.UNSHARDED
             return
-        self._full.untyped_storage().resize_(self.full_bytes)
+        source: torch.Tensor | None = None
+
+        def issue() -> dist.Work | None:
+            nonlocal source
+            # Allocated here, inside the schedule: on CUDA the block belongs to the gather
+            # stream (see [Note: streams]).
+            self._full.untyped_storage().resize_(self.full_bytes)
+            with torch.no_grad():
+                source = self.shard
+                if self.options.offload:  # host -> device (a real copy even on a CPU host)
+                    self.stats.record_copy("h2d", source.numel() * source.element_size())
+                    source = source.to(self.device, non_blocking=True, copy=True)
+                source = source.to(self.param_dtype)
+                return all_gather_flat(
+                    self._full,
+                    source,
+                    self.shard_group,
+                    async_op=True,
+                    stats=self.stats,
+                    tag=self.fqn,
+                )
+
+        token = self.schedule.gather(issue, self.fqn)
         self.gauge.add(self.full_bytes)
-        with torch.no_grad():
-            source = self.shard
-            if self.options.offload:  # host -> device (a real copy even on a CPU-only host)
-                self.stats.record_copy("h2d", source.numel() * source.element_size())
-                source = source.to(self.device, non_blocking=True, copy=True)
-            source = source.to(self.param_dtype)
-            work = all_gather_flat(
-                self._full, source, self.shard_group, async_op=True, stats=self.stats, tag=self.fqn
-            )
-        self._gather = (work, source)
+        self._gather = (token, source)
         self._gathered_version = self.shard._version
         self.state = UnitState.GATHERING
 
@@ -317,9 +333,8 @@ class FlatParamUnit:
         if self.state is UnitState.SHARDED:
             self.start_unshard()
         if self.state is UnitState.GATHERING:
-            work, _source = self._gather
-            if work is not None:
-                work.wait()
+            token, _source = self._gather
+            self.schedule.wait(token)
             self._gather = None
             self.state = UnitState.UNSHARDED
 
@@ -367,6 +382,7 @@ class FlatParamUnit:
         if self.frees_memory:
             self._full.untyped_storage().resize_(0)
             self.gauge.add(-self.full_bytes)
+            self.schedule.freed()
         self.state = UnitState.SHARDED
 
     # ---------------------------------------------------------------- gradients
@@ -406,20 +422,26 @@ class FlatParamUnit:
             return
         grad, self._unsharded_grad = self._unsharded_grad, None
         assert grad is not None, self.fqn
-        grad = grad.to(self.reduce_dtype)
-        if self.factor > 1:
-            out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-            work = reduce_scatter_flat(
-                out, grad, self.shard_group, async_op=True, stats=self.stats, tag=self.fqn
-            )
-            second_stage = self.replicate_group is not None
-        else:
-            out = grad
-            work = all_reduce_flat(
+        out: torch.Tensor | None = None
+        cast: torch.Tensor | None = None
+
+        def issue() -> dist.Work | None:
+            nonlocal out, cast
+            cast = grad.to(self.reduce_dtype)
+            if self.factor > 1:
+                out = torch.empty(self.shard_numel, dtype=cast.dtype, device=cast.device)
+                return reduce_scatter_flat(
+                    out, cast, self.shard_group, async_op=True, stats=self.stats, tag=self.fqn
+                )
+            out = cast
+            return all_reduce_flat(
                 out, self.replicate_group, async_op=True, stats=self.stats, tag=self.fqn
             )
-            second_stage = False
-        self._pending.append((work, out, second_stage, grad))
+
+        token = self.schedule.reduce(issue, self.fqn)
+        second_stage = self.factor > 1 and self.replicate_group is not None
+        # The gradient stays referenced until the reduction is waited for (see [Note: streams]).
+        self._pending.append((token, out, second_stage, (grad, cast)))
 
     def _reduce_deterministic(self) -> None:
         """[Note: deterministic reduction]
@@ -452,9 +474,8 @@ class FlatParamUnit:
         Drops the unsharded flat gradients they read from, so at most the reductions the
         runtime lets run at once hold full-size gradient memory.
         """
-        for work, out, second_stage, _keepalive in self._pending:
-            if work is not None:
-                work.wait()
+        for token, out, second_stage, _keepalive in self._pending:
+            self.schedule.wait(token)
             if second_stage:
                 all_reduce_flat(out, self.replicate_group, stats=self.stats, tag=self.fqn)
             out = out.to(self.dtype)  # fp32 gradients for the fp32 master shards

@@ -35,6 +35,7 @@ from ._state_dict import (
     sharded_optim_state_dict,
     sharded_state_dict,
 )
+from ._streams import schedule_for
 from ._unit import SHARDED_ATTR, STALE_ATTR, MemoryGauge, UnitOptions
 from ._wrap import Policy, plan_units
 
@@ -111,8 +112,9 @@ class FullyShardedDataParallel(nn.Module):
         check_same_structure(plans, groups.world)
         self._comm_stats = CommStats()
         self._gauge = MemoryGauge()
+        schedule = schedule_for(options.device, limit_all_gathers=limit_all_gathers)
         units = build_units(
-            module, plans, options, groups, self._comm_stats, param_init_fn, self._gauge
+            module, plans, options, groups, self._comm_stats, param_init_fn, self._gauge, schedule
         )
         for buffer in module.buffers():
             if sync_module_states:
