@@ -2,6 +2,7 @@
 
 from ._collectives import CommStats
 from ._common import CPUOffload, MixedPrecision, ShardingStrategy
+from ._grad_scaler import ShardedGradScaler
 from ._state_dict import ShardView
 from .checkpoint import CheckpointManager, ResumeInfo
 from .fully_sharded import FSDP, FullyShardedDataParallel
@@ -15,5 +16,6 @@ __all__ = [
     "MixedPrecision",
     "ResumeInfo",
     "ShardView",
+    "ShardedGradScaler",
     "ShardingStrategy",
 ]

@@ -194,7 +194,7 @@ def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[
     world = group_size(group)
     if world == 1:
         return [list(values)]
-    device = _comm_device(group)
+    device = comm_device(group)
     length = torch.tensor([len(values)], dtype=torch.int64, device=device)
     lengths = torch.empty(world, dtype=torch.int64, device=device)
     _all_gather_single(lengths, length, group=group)
@@ -207,7 +207,7 @@ def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[
     return [row[: int(n)] for row, n in zip(rows, lengths.tolist(), strict=True)]
 
 
-def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+def comm_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device collectives on ``group`` expect (cuda for NCCL, cpu otherwise)."""
     backend = dist.get_backend(group)
     if backend == "nccl":

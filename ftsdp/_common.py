@@ -62,8 +62,9 @@ class MixedPrecision:
     - ``cast_forward_inputs``: floating-point tensors passed to the root are cast to
       ``param_dtype``.
 
-    The optimizer always steps on the fp32 (master dtype) shards and fp32 gradients.
-    fp16 would need a sharded gradient scaler, which ftsdp does not provide: prefer bf16.
+    The optimizer always steps on the fp32 (master dtype) shards and fp32 gradients. With
+    fp16, scale the loss with ``ftsdp.ShardedGradScaler`` (a plain ``GradScaler`` would let
+    ranks disagree about skipping a step); bf16 needs no scaling.
     """
 
     param_dtype: torch.dtype | None = None

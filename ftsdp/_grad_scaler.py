@@ -1,0 +1,70 @@
+"""Loss scaling for fp16 training with sharded gradients.
+
+[Note: why a sharded gradient scaler]
+``torch.amp.GradScaler`` skips the optimizer step when the gradients it unscales hold an inf
+or a NaN. Under ftsdp each rank unscales only its shard, and an overflow lands in the shard
+of whichever rank owns those elements: one rank would skip the step and lower its scale while
+the others step, and the replicas would silently drift apart. :class:`ShardedGradScaler`
+takes the MAX of the "found inf" flag over the data-parallel ranks before anyone decides, so
+every rank skips together and keeps the same scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._collectives import comm_device, group_size
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose skip decision is agreed by every rank.
+
+    Use it exactly like ``GradScaler`` (``scale(loss).backward()``, ``unscale_``,
+    ``step``, ``update``) with an optimizer over an ``ftsdp.FSDP`` model's parameters.
+
+    Args:
+        device: where the gradients live (``"cuda"`` or ``"cpu"``).
+        process_group: the model's data-parallel ranks (default: the world, when
+            ``torch.distributed`` is initialised; otherwise it acts as ``GradScaler``).
+        **kwargs: ``init_scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``, ``enabled``, as for ``GradScaler``.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(device, **kwargs)
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.process_group = process_group
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        # fp16 gradients are allowed: a model kept in fp16 without MixedPrecision has them.
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+        if group_size(self.process_group) == 1:
+            return per_device
+        # One flag for the whole rank, on the device the group communicates on. A rank with
+        # no gradient at all (every shard empty) still takes part, or the others would hang.
+        comm = comm_device(self.process_group)
+        flag = torch.zeros(1, dtype=torch.float32, device=comm)
+        for value in per_device.values():
+            flag = torch.maximum(flag, value.to(comm, torch.float32).reshape(1))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        if not per_device:
+            per_device[found_inf.device] = found_inf
+        for device, value in per_device.items():
+            value.copy_(flag.to(device).reshape(value.shape))
+        return per_device
