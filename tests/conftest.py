@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-_TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e"}
+_TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e", "gpu": "gpu"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -51,7 +51,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "installed ftsdp cannot build is listed as skipped, with the reason)",
     )
     p.add_argument("--schedule", choices=("interleaved", "blocked"), default="interleaved")
-    p.add_argument("--cuda", choices=("auto", "off"), default="auto", help="1 GPU/NCCL run")
+    p.add_argument(
+        "--cuda",
+        choices=("auto", "off", "only"),
+        default="auto",
+        help="the 1 GPU/NCCL run: after the CPU runs when a GPU is there (auto), never, or "
+        "alone (only)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -109,7 +115,7 @@ def run(args: argparse.Namespace) -> list[report.Run]:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-    plan = [(w, "cpu") for w in args.world_sizes]
+    plan = [(1, "cuda")] if args.cuda == "only" else [(w, "cpu") for w in args.world_sizes]
     runs: list[report.Run] = []
     while plan:
         world, device = plan.pop(0)
