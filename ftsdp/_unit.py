@@ -322,7 +322,10 @@ class FlatParamUnit:
                     tag=self.fqn,
                 )
 
-        token = self.schedule.gather(issue, self.fqn)
+        # Named for profiles: the full buffer and the collective's own staging show up as
+        # "ftsdp::all_gather <unit>" instead of as the autograd node whose hook ran this.
+        with torch.profiler.record_function(f"ftsdp::all_gather {self.fqn or '<root>'}"):
+            token = self.schedule.gather(issue, self.fqn)
         self.gauge.add(self.full_bytes)
         self._gather = (token, source)
         self._gathered_version = self.shard._version
@@ -438,7 +441,8 @@ class FlatParamUnit:
                 out, self.replicate_group, async_op=True, stats=self.stats, tag=self.fqn
             )
 
-        token = self.schedule.reduce(issue, self.fqn)
+        with torch.profiler.record_function(f"ftsdp::reduce {self.fqn or '<root>'}"):
+            token = self.schedule.reduce(issue, self.fqn)
         second_stage = self.factor > 1 and self.replicate_group is not None
         # The gradient stays referenced until the reduction is waited for (see [Note: streams]).
         self._pending.append((token, out, second_stage, (grad, cast)))

@@ -360,7 +360,18 @@ def _peak_delta(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, 
     return peak, running, _live_at_peak(prof)
 
 
-def _live_at_peak(prof: Any, top: int = 6) -> list[tuple[int, int, str]]:
+def _label(chain: tuple[str, ...]) -> tuple[str, ...]:
+    """The innermost three ops of an allocation's call chain, plus the innermost engine label
+    (``ftsdp::...`` / ``FSDP::...``) when it sits further out: it says which unit and which
+    phase the memory belongs to."""
+    label = chain[-3:]
+    engine = next((n for n in reversed(chain) if n.startswith(("ftsdp::", "FSDP::"))), None)
+    if engine is not None and engine not in label:
+        label = (engine, *label)
+    return label
+
+
+def _live_at_peak(prof: Any, top: int = 16) -> list[tuple[int, int, str]]:
     """Allocations live at the peak, grouped by the ops that made them: ``[(bytes, count,
     "op < caller < caller's caller")]``, largest first. Reads the profiler's event tree (a
     private API): on any change there it returns ``[]`` and the tables go without it."""
@@ -373,7 +384,7 @@ def _live_at_peak(prof: Any, top: int = 6) -> list[tuple[int, int, str]]:
             node, chain = stack.pop()
             if node.tag == _EventType.Allocation:
                 f = node.extra_fields
-                allocs.append((node.start_time_ns, f.ptr, f.alloc_size, chain[-3:]))
+                allocs.append((node.start_time_ns, f.ptr, f.alloc_size, _label(chain)))
                 continue
             stack.extend((c, (*chain, node.name)) for c in node.children)
         allocs.sort(key=lambda a: a[0])

@@ -254,6 +254,28 @@ def _live(rows: list[tuple[int, int, str]], top: int = 4) -> str:
     )
 
 
+# What an allocation live at the peak is for, from its call chain (first match wins).
+_ROLES = [
+    ("gloo's staging copies", ("gloo:", "c10d::_reduce_scatter_base_", "c10d::_allgather_base_")),
+    ("full parameters", ("ftsdp::all_gather",)),
+    ("gradient shards (inside 16ψ/W)", ("ftsdp::reduce",)),
+    ("flat gradients (being built or reducing)", ("SplitWithSizesBackward",)),
+    ("per-parameter gradients before the flatten", ("Backward",)),
+]
+
+
+def roles(rows: list[tuple[int, int, str]], unit: int) -> str:
+    """Bytes live at the peak by role, in multiples of the largest unit's size."""
+    totals: dict[str, int] = {}
+    for nbytes, _count, where in rows:
+        role = next((r for r, keys in _ROLES if any(k in where for k in keys)), "other")
+        totals[role] = totals.get(role, 0) + nbytes
+    return ", ".join(
+        f"{role} {nbytes / unit:.1f}"
+        for role, nbytes in sorted(totals.items(), key=lambda kv: -kv[1])
+    )
+
+
 def live_detail(runs: list[Run]) -> str:
     """What was live at the model-state peak (forward + backward), ftsdp and FSDP2."""
     return "\n".join(
@@ -327,12 +349,18 @@ def verdicts(runs: list[Run]) -> list[str]:
             run.live_at_peak("ftsdp")
         )
         acc = run.accounting()
-        if acc.get("peak_unsharded_param_bytes") and largest:
-            gathered = acc["peak_unsharded_param_bytes"]
+        if largest and run.live_at_peak("ftsdp"):
             why += (
-                f". Unsharded parameters alone peaked at {_mb(gathered)} MB = "
-                f"{gathered / largest:.1f} x the largest unit (prefetch keeps the next unit "
-                "gathered while one computes)"
+                ". By role, in largest units ("
+                + _mb(largest)
+                + " MB): "
+                + roles(run.live_at_peak("ftsdp"), largest)
+                + ". The target leaves room for one unit above the sharded state, but an "
+                "overlapped schedule holds at least four while a unit's backward computes: its "
+                "parameters and its flat gradient, the next unit's prefetched parameters, and "
+                "the previous unit's gradient still reducing; flattening the gradient briefly "
+                "holds it twice, and gloo stages a copy of each collective in flight (NCCL does "
+                "not)"
             )
         if "fsdp2" in run.engines:
             fsdp2 = run.mem("fsdp2", "peak_state_fwd_bwd")
