@@ -19,6 +19,7 @@ runs the same model on the same control flow (see FIELD.md: rank-divergent contr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -87,12 +88,19 @@ class PrefetchOptions:
 class _UnitRun:
     """Per-backward bookkeeping of one unit (reset at the end of every backward)."""
 
-    __slots__ = ("grad_seen", "inputs_pending", "wants_grad")
+    __slots__ = ("active", "grad_seen", "pending", "ticket", "wants_grad")
 
     def __init__(self) -> None:
         self.wants_grad = False  # a forward under grad mode used trainable parameters
         self.grad_seen = False  # the leaf's gradient arrived in this backward
-        self.inputs_pending = 0  # forwards whose inputs' gradients have not arrived yet
+        # [Note: forward tickets] Each forward of the unit under grad mode takes a ticket.
+        # ``pending``: tickets whose inputs' gradients have not arrived; ``active``: tickets
+        # whose outputs' gradients arrived in this backward. A forward whose graph was dropped
+        # (no backward) stays pending forever; counting only the active tickets keeps it from
+        # holding the unit gathered through the next backward.
+        self.pending: set[int] = set()
+        self.active: set[int] = set()
+        self.ticket: int | None = None  # the ticket of the forward running now
 
 
 class Runtime:
@@ -122,6 +130,7 @@ class Runtime:
         self.no_sync = False
         self._callback_queued = False
         self._runs = {id(u): _UnitRun() for u in units}
+        self._tickets = itertools.count()
         self._handles: list[Any] = []
 
     def register_hooks(self) -> None:
@@ -206,11 +215,16 @@ class Runtime:
             stats.max_in_flight = max(stats.max_in_flight, len(self._gathering) + 1)
 
     def _hook_inputs(self, unit: FlatParamUnit, inputs: Any) -> None:
+        run = self._runs[id(unit)]
+        run.ticket = None
         needing = [t for t in _tensors_in(inputs) if t.requires_grad]
         if not needing:
             return
-        self._runs[id(unit)].inputs_pending += 1
-        register_multi_grad_hook(needing, lambda grads: self._inputs_grad_done(unit), mode="all")
+        ticket = run.ticket = next(self._tickets)  # see [Note: forward tickets]
+        run.pending.add(ticket)
+        register_multi_grad_hook(
+            needing, lambda grads: self._inputs_grad_done(unit, ticket), mode="all"
+        )
 
     def _post_forward_hook(self, unit: FlatParamUnit) -> Callable:
         def hook(module: Any, args: tuple, output: Any) -> None:
@@ -222,9 +236,10 @@ class Runtime:
                 if unit is not self.root and self.strategy in _FREE_AFTER_FORWARD:
                     unit.reshard()
                 hooked = 0
+                ticket = self._runs[id(unit)].ticket
                 for t in _tensors_in(output):
                     if t.requires_grad:
-                        self._hook_output(unit, t)
+                        self._hook_output(unit, t, ticket)
                         hooked += 1
                 if unit is self.root and not hooked and any(u.trainable for u in self.units):
                     warnings.warn(
@@ -240,15 +255,15 @@ class Runtime:
 
         return hook
 
-    def _hook_output(self, unit: FlatParamUnit, t: torch.Tensor) -> None:
+    def _hook_output(self, unit: FlatParamUnit, t: torch.Tensor, ticket: int | None) -> None:
         # A pre-hook on the node that produced the output, not a hook on the tensor: node
         # pre-hooks run after the tensor hooks on the same gradient, so the next unit's
         # inputs hook (a tensor hook: that unit's backward is done, free it) runs before
         # this unit gathers. Otherwise two units would be gathered at that moment.
         if t.grad_fn is not None:
-            t.grad_fn.register_prehook(lambda grads: self._pre_backward(unit))
+            t.grad_fn.register_prehook(lambda grads: self._pre_backward(unit, ticket))
         else:
-            t.register_hook(lambda grad: self._pre_backward(unit))
+            t.register_hook(lambda grad: self._pre_backward(unit, ticket))
 
     # ---------------------------------------------------------------- backward
     def _ensure_callback(self) -> None:
@@ -257,11 +272,13 @@ class Runtime:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _pre_backward(self, unit: FlatParamUnit) -> None:
+    def _pre_backward(self, unit: FlatParamUnit, ticket: int | None = None) -> None:
         """Before the unit's backward: make sure its full parameters are there again, and
         start gathering the unit whose backward comes next (before this unit's
         reduce-scatter, which its gradient hook issues later)."""
         self._ensure_callback()
+        if ticket is not None:
+            self._runs[id(unit)].active.add(ticket)
         first_time = unit not in self._backward_order
         if first_time:
             self._backward_order.append(unit)
@@ -289,9 +306,9 @@ class Runtime:
 
         return hook
 
-    def _inputs_grad_done(self, unit: FlatParamUnit) -> None:
+    def _inputs_grad_done(self, unit: FlatParamUnit, ticket: int) -> None:
         self._ensure_callback()
-        self._runs[id(unit)].inputs_pending -= 1
+        self._runs[id(unit)].pending.discard(ticket)
         self._maybe_reshard_after_backward(unit)
 
     def _maybe_reshard_after_backward(self, unit: FlatParamUnit) -> None:
@@ -300,7 +317,8 @@ class Runtime:
         # their gradients (every op between the unit's inputs and outputs ran, including
         # ops on frozen parameters). The root waits for the end-of-backward callback.
         run = self._runs[id(unit)]
-        if unit is self.root or run.inputs_pending > 0 or (run.wants_grad and not run.grad_seen):
+        waiting = run.pending & run.active if run.active else run.pending
+        if unit is self.root or waiting or (run.wants_grad and not run.grad_seen):
             return
         unit.reshard()
 

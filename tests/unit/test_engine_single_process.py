@@ -225,3 +225,30 @@ def test_single_process_bf16_and_offload_train() -> None:
         assert all(
             p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in wrapped.parameters()
         )
+
+
+def test_a_dropped_forward_does_not_keep_units_gathered_through_the_next_backward() -> None:
+    """A forward under grad mode whose graph is dropped never gets its inputs' gradients;
+    the next backward must still free each unit after its backward (see [Note: forward
+    tickets]), not hold every unit gathered to the end. bf16 parameters make the full
+    buffers separate allocations even on one rank."""
+    cfg = GPTConfig(vocab_size=31, block_size=8, n_layer=4, n_head=2, n_embd=16)
+    mp = ftsdp.MixedPrecision(param_dtype=torch.bfloat16)
+    x, y = tokens()
+    grads, peaks = [], []
+    for dropped in (False, True):
+        torch.manual_seed(0)
+        model = ftsdp.FSDP(GPT(cfg), auto_wrap_policy={Block}, mixed_precision=mp)
+        if dropped:
+            model(x, y)  # gradients enabled, no backward: its graph is dropped
+        model(x, y)[1].backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        units = model.units()
+        largest = max(u["padded_numel"] for u in units[1:]) * 2  # bf16 bytes
+        root = units[0]["padded_numel"] * 2
+        peaks.append(model.memory_stats()["peak_unsharded_param_bytes"])
+        # the root, the unit computing and the one prefetched: never all four blocks
+        assert peaks[-1] <= root + 2 * largest, (dropped, peaks[-1], root, largest)
+    assert peaks[0] == peaks[1]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
