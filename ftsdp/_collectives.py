@@ -12,6 +12,7 @@ all-reduce of ``n`` elements ``2 * (W - 1) / W * n``.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,7 +105,60 @@ def all_gather_flat(
         return None
     if stats is not None:
         stats.record("all_gather", (world - 1) * shard.numel() * shard.element_size(), tag)
+    if output.device.type == "cpu" and _backend(group) == "gloo":
+        return _gather_by_broadcasts(output, shard, group, world, async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+class _Works:
+    """Several async collectives waited for as one (and what to do once they are done)."""
+
+    def __init__(self, works: list[dist.Work], then: Callable[[], object] | None = None) -> None:
+        self.works = works
+        self.then = then
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        if self.then is not None:
+            self.then()
+            self.then = None
+        return True
+
+
+def _gather_by_broadcasts(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    world: int,
+    async_op: bool,
+) -> _Works | None:
+    """[Note: gloo all-gather without staging]
+    gloo's all-gather receives into a staging buffer the size of the whole output and copies
+    it out afterwards: one more full unit of memory per all-gather in flight. One broadcast
+    per rank, each straight into that rank's slice of ``output``, moves the same bytes
+    ((W - 1) * shard per rank on average) with no staging at all."""
+    size = shard.numel()
+    mine = dist.get_rank(group)
+    output[mine * size : (mine + 1) * size].copy_(shard)
+    works = [
+        dist.broadcast(
+            output[r * size : (r + 1) * size],
+            src=dist.get_global_rank(group, r),
+            group=group,
+            async_op=True,
+        )
+        for r in range(world)
+    ]
+    gathered = _Works(works)
+    if async_op:
+        return gathered
+    gathered.wait()
+    return None
+
+
+def _backend(group: dist.ProcessGroup) -> str:
+    return dist.get_backend(group)  # a dictionary lookup; groups can be destroyed and remade
 
 
 def reduce_scatter_flat(
@@ -115,8 +169,14 @@ def reduce_scatter_flat(
     async_op: bool = False,
     stats: CommStats | None = None,
     tag: str = "",
-) -> dist.Work | None:
-    """Sum ``full`` (``W * output.numel()``) over ranks; rank ``r`` keeps chunk ``r``."""
+    consume_input: bool = False,
+) -> dist.Work | _Works | None:
+    """Sum ``full`` (``W * output.numel()``) over ranks; rank ``r`` keeps chunk ``r``.
+
+    ``consume_input=True`` lets the collective overwrite ``full`` (the engine passes a flat
+    gradient it drops afterwards); on gloo that saves a full-size copy (see
+    [Note: gloo reduce-scatter in place]).
+    """
     world = group_size(group)
     assert full.numel() == world * output.numel(), (full.numel(), world, output.numel())
     if world == 1:
@@ -124,9 +184,29 @@ def reduce_scatter_flat(
         return None
     if stats is not None:
         stats.record("reduce_scatter", (world - 1) * output.numel() * output.element_size(), tag)
+    if consume_input and full.device.type == "cpu" and _backend(group) == "gloo":
+        return _reduce_scatter_in_place(output, full, group, async_op)
     return _reduce_scatter_single(
         output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op
     )
+
+
+def _reduce_scatter_in_place(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> _Works | None:
+    """[Note: gloo reduce-scatter in place]
+    torch's gloo backend implements ``reduce_scatter_tensor`` as an all-reduce of a *copy* of
+    the input followed by a copy of this rank's chunk (``ProcessGroupGloo.cpp``, torch 2.x),
+    so it holds one more full-size buffer while it runs. When the caller gives up the input,
+    the same all-reduce runs on the input itself: the same traffic, no copy."""
+    size = output.numel()
+    start = dist.get_rank(group) * size
+    work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    done = _Works([work], then=lambda: output.copy_(full[start : start + size]))
+    if async_op:
+        return done
+    done.wait()
+    return None
 
 
 def all_reduce_flat(

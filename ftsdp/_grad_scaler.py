@@ -41,9 +41,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
         **kwargs: Any,
     ) -> None:
         super().__init__(device, **kwargs)
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
-        self.process_group = process_group
+        self._group = process_group
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The ranks that agree; the world unless given, looked up at each step (a scaler
+        built before ``init_process_group`` still agrees with the other ranks)."""
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return self._group
 
     def _unscale_grads_(
         self,
@@ -54,15 +60,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
     ) -> dict[torch.device, torch.Tensor]:
         # fp16 gradients are allowed: a model kept in fp16 without MixedPrecision has them.
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
-        if group_size(self.process_group) == 1:
+        group = self.process_group
+        if group_size(group) == 1:
             return per_device
         # One flag for the whole rank, on the device the group communicates on. A rank with
         # no gradient at all (every shard empty) still takes part, or the others would hang.
-        comm = comm_device(self.process_group)
+        comm = comm_device(group)
         flag = torch.zeros(1, dtype=torch.float32, device=comm)
         for value in per_device.values():
             flag = torch.maximum(flag, value.to(comm, torch.float32).reshape(1))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if not per_device:
             per_device[found_inf.device] = found_inf
         for device, value in per_device.items():

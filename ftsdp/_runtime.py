@@ -331,6 +331,10 @@ class Runtime:
                     if unit.has_unreduced_grad():
                         unit.reduce_grad()
                 used = self._agree_used_parameters()
+                if any(unit.options.offload for unit in self.units):
+                    for unit in self.units:
+                        unit.complete_reductions()
+                    self.root.schedule.synchronize()  # offloaded gradients are on the host
                 for unit, mask in zip(self.units, used, strict=True):
                     unit.finish_reduction(mask)
             for unit in self.units:

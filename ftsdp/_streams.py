@@ -22,6 +22,11 @@ which one it has.
   * the reduce stream waits for the compute stream before each reduce-scatter: the unit's
     flat gradient is complete. The gradient stays referenced until the compute stream has
     waited on the reduction's event, so its block is not reused while the reduction reads it;
+  * every side-stream allocation (full buffer, cast shard, gradient cast, reduce output)
+    happens inside ``issue``, after that wait: a unit must not allocate for a side stream
+    anywhere else;
+  * CPU offload copies each reduced gradient shard to pinned host memory without blocking;
+    the runtime synchronizes once at the end of backward, before the optimizer can read them;
   * the rate limiter (``limit_all_gathers``): the CPU runs ahead of the GPU, and without a
     bound it would allocate the full buffers of many future units before the GPU frees any.
     Each reshard records an event on the compute stream; before a new all-gather allocates,
@@ -59,6 +64,9 @@ class Schedule(Protocol):
     def freed(self) -> None:
         """A unit's full buffer was just freed (the rate limiter counts these)."""
 
+    def synchronize(self) -> None:
+        """Block the CPU until the computation queued so far is done (host copies landed)."""
+
 
 class HostSchedule:
     """Async work handles; waiting blocks the caller (CPU / gloo)."""
@@ -74,6 +82,9 @@ class HostSchedule:
             token.wait()
 
     def freed(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
         pass
 
 
@@ -125,6 +136,9 @@ class StreamSchedule:
     def freed(self) -> None:
         if self.limit is not None:
             self._frees.append(self._compute().record_event())
+
+    def synchronize(self) -> None:
+        self._compute().synchronize()
 
 
 def schedule_for(device: torch.device, *, limit_all_gathers: bool = True) -> Schedule:

@@ -189,7 +189,7 @@ class FlatParamUnit:
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
         self._used = [False] * len(self.infos)  # which parameters got a gradient
         self._gathered_version = -1  # the shard's version when it was last all-gathered
-        self._gather: tuple[object, torch.Tensor | None] | None = None  # (token, source)
+        self._gather_token: object = None  # the all-gather in flight (see [Note: streams])
         # (token, output, second stage needed, keep-alive): reductions not yet accumulated
         self._pending: list[tuple[object, torch.Tensor, bool, object]] = []
         self._reduced: list[torch.Tensor] = []  # completed sharded gradients, not yet added
@@ -300,10 +300,8 @@ class FlatParamUnit:
         if self.aliases_shard:
             self.state = UnitState.UNSHARDED
             return
-        source: torch.Tensor | None = None
 
         def issue() -> dist.Work | None:
-            nonlocal source
             # Allocated here, inside the schedule: on CUDA the block belongs to the gather
             # stream (see [Note: streams]).
             self._full.untyped_storage().resize_(self.full_bytes)
@@ -327,7 +325,9 @@ class FlatParamUnit:
         with torch.profiler.record_function(f"ftsdp::all_gather {self.fqn or '<root>'}"):
             token = self.schedule.gather(issue, self.fqn)
         self.gauge.add(self.full_bytes)
-        self._gather = (token, source)
+        # The cast/copied shard need not outlive the call: gloo's work holds its inputs, NCCL
+        # records their streams, and on the gather stream a block is reused in stream order.
+        self._gather_token = token
         self._gathered_version = self.shard._version
         self.state = UnitState.GATHERING
 
@@ -336,9 +336,8 @@ class FlatParamUnit:
         if self.state is UnitState.SHARDED:
             self.start_unshard()
         if self.state is UnitState.GATHERING:
-            token, _source = self._gather
+            token, self._gather_token = self._gather_token, None
             self.schedule.wait(token)
-            self._gather = None
             self.state = UnitState.UNSHARDED
 
     def is_stale(self) -> bool:
@@ -434,7 +433,13 @@ class FlatParamUnit:
             if self.factor > 1:
                 out = torch.empty(self.shard_numel, dtype=cast.dtype, device=cast.device)
                 return reduce_scatter_flat(
-                    out, cast, self.shard_group, async_op=True, stats=self.stats, tag=self.fqn
+                    out,
+                    cast,
+                    self.shard_group,
+                    async_op=True,
+                    stats=self.stats,
+                    tag=self.fqn,
+                    consume_input=True,  # the flat gradient is dropped once reduced
                 )
             out = cast
             return all_reduce_flat(
@@ -485,9 +490,12 @@ class FlatParamUnit:
             out = out.to(self.dtype)  # fp32 gradients for the fp32 master shards
             if not self.deterministic:  # deterministic reductions are averaged already
                 out.div_(self.data_parallel_size)
-            if self.options.offload:  # device -> host
+            if self.options.offload:  # device -> host, not blocking: see [Note: streams]
                 self.stats.record_copy("d2h", out.numel() * out.element_size())
-                out = out.to(self.shard_device, copy=True)
+                host = torch.empty(
+                    out.shape, dtype=out.dtype, device=self.shard_device, pin_memory=_pinnable()
+                )
+                out = host.copy_(out, non_blocking=True)
             self._reduced.append(out)
         self._pending.clear()
 

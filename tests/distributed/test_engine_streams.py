@@ -6,9 +6,9 @@ On two ranks, for the default settings, bf16 mixed precision, CPU offload and ``
 - training under the stream schedule is bitwise identical to the host schedule;
 - every all-gather runs on the gather stream and every reduce-scatter on the reduce stream,
   each right after that stream waited for the compute stream;
-- the compute stream waits for a unit's gather event before any of the unit's modules runs
-  (forward pre-hooks on the inner modules check it as it happens), and for every reduction's
-  event before ``backward()`` returns;
+- the compute stream waits for a unit's latest gather event before any of the unit's modules
+  runs, forward or backward (module pre-hooks log each use), and for every reduction's event
+  before ``backward()`` returns; with CPU offload the CPU synchronizes once per backward;
 - the rate limiter never lets a gather start with ``max_pending_frees`` frees outstanding,
   and it does block (synchronize) in a 4-unit model with prefetching.
 """
@@ -53,6 +53,9 @@ class _Stream:
 
     def wait_event(self, event: _Event) -> None:
         self.api.log.append(("wait_event", self.name, event.id))
+
+    def synchronize(self) -> None:
+        self.api.log.append(("sync_stream", self.name))
 
 
 class FakeCuda:
@@ -105,12 +108,16 @@ def _install(api: FakeCuda | None) -> None:
 
 
 def _watch_uses(model: ftsdp.FSDP, api: FakeCuda) -> None:
-    """Log ("use", unit) as each module holding a unit's parameters starts its forward."""
+    """Log ("use", unit) as each module holding a unit's parameters starts its forward or
+    its backward."""
     for unit in model._units:
         for info in unit.infos:
             for module, _name in info.refs:
                 module.register_forward_pre_hook(
                     lambda m, a, fqn=unit.fqn: api.log.append(("use", fqn))
+                )
+                module.register_full_backward_pre_hook(
+                    lambda m, g, fqn=unit.fqn: api.log.append(("use", fqn))
                 )
 
 
@@ -122,7 +129,7 @@ def check_log(log: list[tuple], limit: int) -> dict[str, int]:
     reduce_events: set[int] = set()
     waited: set[int] = set()
     outstanding_frees: list[int] = []
-    counts = {"all_gather": 0, "reduce": 0, "sync": 0, "use": 0}
+    counts = {"all_gather": 0, "reduce": 0, "sync": 0, "use": 0, "sync_stream": 0}
     for entry in log:
         kind = entry[0]
         if kind == "wait_stream":
@@ -155,6 +162,9 @@ def check_log(log: list[tuple], limit: int) -> dict[str, int]:
             if entry[1] in gather_event:  # units that alias their shard never gather
                 assert gather_event[entry[1]] in waited, f"{entry[1]!r} used before its gather"
             counts["use"] += 1
+        elif kind == "sync_stream":
+            assert entry[1] == "compute", entry
+            counts["sync_stream"] += 1
         elif kind == "backward_done":
             assert reduce_events <= waited, "backward returned before a reduction was waited"
     return counts
@@ -222,6 +232,8 @@ def test_stream_schedule_trains_like_the_host_schedule_and_orders_its_streams(re
         assert counts["all_gather"] >= 3 * 4, (rank, counts)
         assert counts["reduce"] == 3 * 4, (rank, counts)
         assert counts["use"] > 0, (rank, counts)
+        # offload: one CPU synchronisation per backward, before its gradients are read
+        assert counts["sync_stream"] == (3 if case == "offload" else 0), (rank, counts)
         if case == "no_limit":
             assert counts["sync"] == 0, (rank, counts)
         else:

