@@ -207,7 +207,12 @@ NOTES = """How it is measured:
   FSDP2 by wrapping `torch.distributed.all_gather_single` / `reduce_scatter_single` /
   `all_reduce` for one step, DDP by a comm hook that all-reduces each bucket. Collectives ftsdp
   issues through `torch.distributed` but does not record in `comm_stats` are listed ("not in
-  comm_stats") and left out of the totals.
+  comm_stats") and left out of the totals. That is the traffic of the collective as NCCL runs
+  it. gloo runs some differently: torch's gloo `reduce_scatter_tensor` is an all-reduce of a copy
+  of the input, so on the wire both FSDP engines move all-reduce bytes for their gradients here;
+  ftsdp, on gloo, runs that same all-reduce on the flat gradient it drops afterwards (no copy)
+  and gathers with one in-place broadcast per rank instead of gloo's all-gather, which stages
+  the whole output (see the notes in `ftsdp/_collectives.py`). Both engines are counted alike.
 - Memory on CPU comes from the profiler's allocator events (`profile_memory=True`): the bytes
   held at the start of a step (parameters and AdamW state, from the tensors themselves) plus the
   running peak of allocations minus frees during it. "Peak model state" runs forward + backward
