@@ -359,8 +359,8 @@ def verdicts(runs: list[Run]) -> list[str]:
                 "overlapped schedule holds at least four while a unit's backward computes: its "
                 "parameters and its flat gradient, the next unit's prefetched parameters, and "
                 "the previous unit's gradient still reducing; flattening the gradient briefly "
-                "holds it twice (per-parameter pieces and the flat copy). Without prefetching "
-                "and overlap (ftsdp+no_prefetch) it is about two fewer"
+                "holds it twice (per-parameter pieces and the flat copy). ftsdp+no_prefetch "
+                "gives up the prefetched unit (and its overlap); the reduction in flight stays"
             )
         if "fsdp2" in run.engines:
             fsdp2 = run.mem("fsdp2", "peak_state_fwd_bwd")
