@@ -6,7 +6,9 @@
   all-gather per unit for forward, one more per non-root unit for backward (the root stays
   unsharded), and one reduce-scatter per unit — i.e. 3·psi·(W−1)/W minus the root's re-gather;
 - several forwards before one backward, and a unit whose parameters go unused, still train
-  like the unsharded model.
+  like the unsharded model;
+- the flat collectives (gloo: broadcasts for the all-gather, an in-place all-reduce for a
+  reduce-scatter that may consume its input) give exactly their definitions.
 """
 
 from __future__ import annotations
@@ -122,9 +124,40 @@ def check_two_forwards_and_unused(rank: int) -> None:
     assert wrapped.memory_stats()["unsharded_param_bytes"] == 0
 
 
+def check_collectives(rank: int) -> None:
+    """The flat collectives against their definitions, sync and async, on gloo (where the
+    all-gather is broadcasts and a consuming reduce-scatter is an in-place all-reduce)."""
+    from ftsdp._collectives import all_gather_flat, reduce_scatter_flat
+
+    group = dist.group.WORLD
+    for n, dtype in ((5, torch.float32), (1, torch.float32), (4, torch.bfloat16)):
+        shards = [torch.arange(n, dtype=dtype) + 10 * r for r in range(WORLD)]
+        for async_op in (False, True):
+            out = torch.full((WORLD * n,), -1.0, dtype=dtype)
+            work = all_gather_flat(out, shards[rank].clone(), group, async_op=async_op)
+            if work is not None:
+                work.wait()
+            assert torch.equal(out, torch.cat(shards)), (n, dtype, async_op, out)
+        fulls = [torch.arange(WORLD * n, dtype=dtype) * (r + 1) for r in range(WORLD)]
+        expected = sum(fulls)[rank * n : (rank + 1) * n]
+        for consume in (False, True):
+            for async_op in (False, True):
+                mine = fulls[rank].clone()
+                out = torch.empty(n, dtype=dtype)
+                work = reduce_scatter_flat(
+                    out, mine, group, async_op=async_op, consume_input=consume
+                )
+                if work is not None:
+                    work.wait()
+                assert torch.equal(out, expected), (n, dtype, consume, async_op, out)
+                if not consume:
+                    assert torch.equal(mine, fulls[rank])  # the input is left alone
+
+
 def behaviour(rank: int, world: int) -> list[str]:
     done = []
     for check in (
+        check_collectives,
         check_mismatch_refused,
         check_sync_module_states,
         check_communication,
@@ -139,4 +172,4 @@ def behaviour(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(240)
 def test_engine_behaviour() -> None:
     results = run_ranks(behaviour, WORLD)
-    assert all(len(r) == 4 for r in results), results
+    assert all(len(r) == 5 for r in results), results
