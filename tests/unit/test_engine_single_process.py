@@ -252,3 +252,40 @@ def test_a_dropped_forward_does_not_keep_units_gathered_through_the_next_backwar
     assert peaks[0] == peaks[1]
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_units_whose_inputs_need_no_gradient_still_get_theirs() -> None:
+    """A unit fed a tensor that needs no gradient has no inputs' hook to say its backward is
+    done: its flat gradient is reduced at the end of backward instead (and a frozen unit in
+    front of it changes nothing). Gradients equal the unwrapped model's."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(Pair(), Pair(), nn.Linear(8, 3)).double()
+    for p in reference[0].parameters():
+        p.requires_grad_(False)  # unit 0 frozen: unit 1's input needs no gradient either
+    mp = ftsdp.MixedPrecision(param_dtype=torch.float64)  # fp32 masters: separate buffers
+    wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy={Pair})
+    wrapped_mp = ftsdp.FSDP(
+        copy.deepcopy(reference).float(), auto_wrap_policy={Pair}, mixed_precision=mp
+    )
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    reference(x).square().sum().backward()
+    for model in (wrapped, wrapped_mp):
+        model(x).square().sum().backward()
+        grads = dict(model.named_parameters())
+        for name, p in reference.named_parameters():
+            if p.grad is None:
+                assert grads[name].grad is None, name
+            else:
+                got = grads[name].grad.double()
+                torch.testing.assert_close(got, p.grad.reshape(-1), rtol=1e-6, atol=1e-6)
+        assert model.memory_stats()["unsharded_param_bytes"] == 0
