@@ -3,14 +3,13 @@
 One :class:`Runtime` per wrapped model. It registers, on each unit's module:
 
 - a forward pre-hook: unshard, expose the full-shape views, and hook the module's inputs'
-  gradients (``register_multi_grad_hook``) so we learn when the unit's backward has finished:
-  its flat gradient (built as each parameter's gradient arrives) is then final, its
-  reduction starts and the unit is freed;
+  gradients (``register_multi_grad_hook``) so we learn when the unit's backward has finished;
 - a forward hook: reshard (FULL_SHARD, except the root, which stays unsharded until its
-  backward) and hook the outputs' gradients to unshard again before the unit's backward.
+  backward) and hook the outputs' gradients to unshard again before the unit's backward;
 
-The first backward hook queues an autograd engine callback that runs when the whole backward
-is done: it reduces what is left (the root's gradient), waits for every reduction (so
+and on each unit's leaf a post-accumulate-grad hook that starts the gradient reduction the
+moment the unit's flat gradient is final. The first backward hook queues an autograd engine
+callback that runs when the whole backward is done: it waits for every reduction (so
 ``loss.backward()`` returns with the sharded gradients in place) and reshards every unit.
 
 The order of collectives is the autograd order, identical on every rank as long as every rank
@@ -66,6 +65,13 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def _inside_backward() -> bool:
+    """Whether autograd is running a backward on this thread now (recomputation for
+    activation checkpointing happens inside one)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return True if task_id is None else task_id() != -1
+
+
 # HYBRID_SHARD is FULL_SHARD inside each shard group (the paper's hybrid), so it frees too.
 _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
@@ -89,9 +95,11 @@ class PrefetchOptions:
 class _UnitRun:
     """Per-backward bookkeeping of one unit (reset at the end of every backward)."""
 
-    __slots__ = ("active", "pending", "ticket")
+    __slots__ = ("active", "grad_seen", "pending", "ticket", "wants_grad")
 
     def __init__(self) -> None:
+        self.wants_grad = False  # a forward under grad mode used trainable parameters
+        self.grad_seen = False  # the leaf's gradient arrived in this backward
         # [Note: forward tickets] Each forward of the unit under grad mode takes a ticket.
         # ``pending``: tickets whose inputs' gradients have not arrived; ``active``: tickets
         # whose outputs' gradients arrived in this backward. A forward whose graph was dropped
@@ -141,11 +149,12 @@ class Runtime:
                 module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
             )
             self._handles.append(module.register_forward_hook(self._post_forward_hook(unit)))
-            unit.grad_listener = self._ensure_callback
+            if unit.infos:
+                self._handles.append(
+                    unit.leaf.register_post_accumulate_grad_hook(self._grad_hook(unit))
+                )
 
     def remove_hooks(self) -> None:
-        for unit in self.units:
-            unit.grad_listener = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -153,6 +162,8 @@ class Runtime:
     # ---------------------------------------------------------------- forward
     def _pre_forward_hook(self, unit: FlatParamUnit) -> Callable:
         def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if self.phase is Phase.BACKWARD and not _inside_backward():
+                self._abandon_backward()  # the last backward raised before it finished
             recomputing = self.phase is Phase.BACKWARD  # activation checkpointing
             if unit is self.root and not recomputing:
                 self._begin_forward()
@@ -162,8 +173,11 @@ class Runtime:
             if self.prefetch.forward and not recomputing:
                 self._prefetch_after(unit, self._last_forward)
             unit.expose_unsharded()
-            if not recomputing and torch.is_grad_enabled() and unit is not self.root:
-                self._hook_inputs(unit, (args, kwargs))
+            if not recomputing and torch.is_grad_enabled():
+                run = self._runs[id(unit)]
+                run.wants_grad = run.wants_grad or bool(unit.trainable)
+                if unit is not self.root:
+                    self._hook_inputs(unit, (args, kwargs))
             if unit is self.root and self.cast_inputs_to is not None:
                 return _cast_floats(args, self.cast_inputs_to), _cast_floats(
                     kwargs, self.cast_inputs_to
@@ -184,6 +198,26 @@ class Runtime:
             if unit.is_stale():
                 self._unshard(unit)
                 unit.reshard()
+
+    def _abandon_backward(self) -> None:
+        """A backward raised before its end-of-backward callback ran: finish its collectives,
+        drop its partial gradients and start clean (otherwise the next forward would look
+        like a recomputation and the next backward would produce no gradients)."""
+        warnings.warn(
+            "ftsdp.FSDP: the previous backward did not finish (it raised); its partial "
+            "gradients were discarded and every unit resharded",
+            stacklevel=3,
+        )
+        for unit in self.units:
+            unit.complete_reductions()  # collectives already issued must still complete
+            unit.drop_unreduced_grad()
+            unit.reshard()
+        self._gathering.clear()
+        self._reducing.clear()
+        self._backward_order = []
+        self._runs = {id(u): _UnitRun() for u in self.units}
+        self._callback_queued = False
+        self.phase = Phase.IDLE
 
     # ---------------------------------------------------------------- gathering
     def _unshard(self, unit: FlatParamUnit) -> None:
@@ -283,41 +317,43 @@ class Runtime:
             self._prefetch_after(unit, order)
         unit.expose_unsharded()  # recomputation (activation checkpointing) reads the modules
 
+    def _grad_hook(self, unit: FlatParamUnit) -> Callable[[torch.Tensor], None]:
+        def hook(leaf: torch.Tensor) -> None:
+            self._ensure_callback()
+            grad, leaf.grad = leaf.grad, None
+            unit.add_unsharded_grad(grad)
+            if not self.no_sync and not unit.deterministic:
+                unit.reduce_grad()  # deterministic reductions wait for the end of backward
+                self._reducing.append(unit)
+                # One reduction in flight while the next unit's backward computes: it has
+                # overlapped by the time the next one starts, and only two full-size flat
+                # gradients (the one reducing, the one being computed) are alive at once.
+                while len(self._reducing) > 1:
+                    self._reducing.popleft().complete_reductions()
+            self._runs[id(unit)].grad_seen = True
+            self._maybe_reshard_after_backward(unit)
+
+        return hook
+
     def _inputs_grad_done(self, unit: FlatParamUnit, ticket: int) -> None:
         self._ensure_callback()
-        run = self._runs[id(unit)]
-        run.pending.discard(ticket)
-        # Free a unit once nothing in this backward can still read its parameters: the
-        # inputs of every forward this backward reached have their gradients, so every node
-        # between them and the unit's outputs ran (see [Note: gradients straight into the
-        # flat buffer]); its flat gradient is then final too. The root waits for the end.
-        waiting = run.pending & run.active if run.active else run.pending
-        if unit is self.root or waiting:
-            return
-        if unit.has_partial_grad():
-            self._reduce(unit)
-        unit.reshard()
+        self._runs[id(unit)].pending.discard(ticket)
+        self._maybe_reshard_after_backward(unit)
 
-    def _reduce(self, unit: FlatParamUnit) -> None:
-        """Take the unit's flat gradient and start its reduction (kept under ``no_sync``;
-        deterministic reductions wait for the end of backward)."""
-        unit.add_unsharded_grad(unit.take_flat_grad())
-        if self.no_sync or unit.deterministic:
+    def _maybe_reshard_after_backward(self, unit: FlatParamUnit) -> None:
+        # Free a unit only when nothing in backward can still read its parameters: its leaf
+        # gradient is final (every op that used a trainable view ran) and its inputs have
+        # their gradients (every op between the unit's inputs and outputs ran, including
+        # ops on frozen parameters). The root waits for the end-of-backward callback.
+        run = self._runs[id(unit)]
+        waiting = run.pending & run.active if run.active else run.pending
+        if unit is self.root or waiting or (run.wants_grad and not run.grad_seen):
             return
-        unit.reduce_grad()
-        self._reducing.append(unit)
-        # One reduction in flight while the next unit's backward computes: it has overlapped
-        # by the time the next one starts, and only two full-size flat gradients (the one
-        # reducing, the one being built) are alive at once.
-        while len(self._reducing) > 1:
-            self._reducing.popleft().complete_reductions()
+        unit.reshard()
 
     def _finish_backward(self) -> None:
         """Autograd engine callback: all of backward has run."""
         try:
-            for unit in self.units:  # the root, units without a ticket, late gradients
-                if unit.has_partial_grad():
-                    unit.add_unsharded_grad(unit.take_flat_grad())
             if not self.no_sync:
                 self._check_contribution_counts()
                 for unit in self.units:  # kept under no_sync, or deterministic, or not yet hooked

@@ -18,34 +18,26 @@
 
 Both transitions are idempotent: calling ``unshard()`` on an UNSHARDED unit does nothing.
 
-[Note: why a separate alias of the full buffer]
+[Note: why a separate leaf aliases the full buffer]
 Autograd saves the parameter views used in forward (``linear`` keeps its weight for the input
 gradient) and checks their version counter in backward. The all-gather that refills the freed
 buffer before backward writes into ``_full``; if the views were views of ``_full`` that write
-would bump their version and autograd would refuse to run. So the views come from ``_alias``, a
+would bump their version and autograd would refuse to run. So the views come from ``_leaf``, a
 tensor that shares ``_full``'s storage (``set_``) but has its own version counter. Freeing is
 ``storage.resize_(0)``, which every alias sees, and refilling brings the same bytes back to the
 tensors autograd saved.
 
-[Note: gradients straight into the flat buffer]
-Each trainable parameter is exposed as a fresh *leaf* view of the gathered buffer. Autograd
-runs a leaf's gradient accumulation as soon as the gradient is computed (accumulation nodes
-have the highest priority), and the leaf's post-accumulate-grad hook copies it into the unit's
-flat gradient (allocated at the first one) and lets it go: at most one parameter's gradient
-exists apart from the flat buffer. (A ``torch.split`` of one flat leaf would give the flat
-gradient too, but its backward node runs after the unit's other nodes and concatenates: every
-per-parameter gradient and their concatenation would be alive at once.) The flat gradient is
-final when the unit's inputs have their gradients (the runtime's forward tickets): every node
-between the unit's inputs and outputs ran, and nodes reached only from the unit's outputs
-were created after its inputs, so autograd's priority order ran them first. A gradient that
-still arrives later starts a new flat buffer, reduced at the end of backward.
+[Note: one split per forward]
+The views are produced by one ``torch.split`` of the leaf, so backward assembles the unit's
+flat gradient in one ``SplitWithSizesBackward`` (no per-parameter full-size zero buffers), and
+the leaf's post-accumulate-grad hook fires once per backward with the whole flat gradient:
+that is when the unit's gradient is final and its reduce-scatter can start.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -196,9 +188,6 @@ class FlatParamUnit:
         self._unsharded_grad: torch.Tensor | None = None  # 1-D [padded_numel] (no_sync)
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
         self._used = [False] * len(self.infos)  # which parameters got a gradient
-        self._building: torch.Tensor | None = None  # this backward's flat gradient, so far
-        self._written: list[bool] = []  # which of its parameter slices hold a gradient
-        self.grad_listener: Callable[[], None] | None = None  # told of every gradient
         self._gathered_version = -1  # the shard's version when it was last all-gathered
         self._gather_token: object = None  # the all-gather in flight (see [Note: streams])
         # (token, output, second stage needed, keep-alive): reductions not yet accumulated
@@ -248,17 +237,20 @@ class FlatParamUnit:
             setattr(original, STALE_ATTR, True)
 
     def _make_full_buffer(self) -> None:
-        # See [Note: why a separate alias of the full buffer].
+        # See [Note: why a separate leaf aliases the full buffer].
         if self.aliases_shard:
             self._full = self.shard  # the shard is the whole (padded) flat parameter
         else:
             self._full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.device)
-        self._alias = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+        self._leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
             self._full.untyped_storage(),
             self._full.storage_offset(),
             (self.padded_numel,),
             (1,),
         )
+        self._split_sizes = [info.numel for info in self.infos] + [self.padded_numel - self.numel]
+        if self.infos:
+            self._leaf.requires_grad_(True)  # toggled per forward; see expose_unsharded()
         if self.frees_memory:
             self._full.untyped_storage().resize_(0)
 
@@ -285,6 +277,11 @@ class FlatParamUnit:
     def sharded_grad(self) -> torch.Tensor | None:
         """The flat sharded gradient, while any parameter's ``.grad`` still refers to it."""
         return None if self._sharded_grad_ref is None else self._sharded_grad_ref()
+
+    @property
+    def leaf(self) -> torch.Tensor:
+        """The tensor whose gradient is the unit's flat (unsharded, padded) gradient."""
+        return self._leaf
 
     @property
     def full_bytes(self) -> int:
@@ -354,54 +351,27 @@ class FlatParamUnit:
     def expose_unsharded(self) -> None:
         """Point every module at full-shape views of the unsharded parameter.
 
-        Called before every forward (and before backward, for recomputation). A trainable
-        parameter's view is a fresh leaf whose gradient goes straight into the unit's flat
-        gradient (see [Note: gradients straight into the flat buffer]); a frozen one's is a
-        plain view. Unused parameters keep ``grad=None``.
+        Called before every forward (and before backward, for recomputation). A view is
+        detached when its parameter is frozen now; a trainable view gets a hook recording that
+        the parameter received a gradient (unused parameters keep ``grad=None``).
         """
         assert self.state is UnitState.UNSHARDED, self.fqn
-        differentiable = not torch.is_inference_mode_enabled()
-        for i, info in enumerate(self.infos):
-            view = self._alias.narrow(0, info.offset, info.numel).view(info.shape)
-            if differentiable and info.sharded_param.requires_grad:
-                view = view.detach().requires_grad_(True)
-                view.register_post_accumulate_grad_hook(partial(self._param_grad, i))
+        if not self.infos:
+            return
+        trains = [info.sharded_param.requires_grad for info in self.infos]
+        self._leaf.requires_grad_(any(trains))
+        chunks = torch.split(self._leaf, self._split_sizes)  # see [Note: one split per forward]
+        for i, (info, chunk, train) in enumerate(zip(self.infos, chunks, trains, strict=False)):
+            view = chunk.view(info.shape)
+            if not train:
+                view = view.detach()
+            elif view.requires_grad:
+                view.register_hook(partial(self._mark_used, i))
             for module, name in info.refs:
                 module._parameters[name] = view
 
-    def _param_grad(self, index: int, view: torch.Tensor) -> None:
-        grad, view.grad = view.grad, None
-        info = self.infos[index]
-        if self._building is None:
-            with torch.profiler.record_function(f"ftsdp::flat_grad {self.fqn or '<root>'}"):
-                self._building = torch.empty(
-                    self.padded_numel, dtype=grad.dtype, device=grad.device
-                )
-            self._written = [False] * len(self.infos)
-        target = self._building.narrow(0, info.offset, info.numel)
-        if self._written[index]:  # a second use of the parameter (two forwards, one backward)
-            target.add_(grad.reshape(-1))
-        else:
-            target.copy_(grad.reshape(-1))
-            self._written[index] = True
+    def _mark_used(self, index: int, grad: torch.Tensor) -> None:
         self._used[index] = True
-        if self.grad_listener is not None:
-            self.grad_listener()
-
-    def has_partial_grad(self) -> bool:
-        """Parameter gradients arrived that are not yet in a flat gradient to reduce."""
-        return self._building is not None
-
-    def take_flat_grad(self) -> torch.Tensor:
-        """The flat gradient built so far (padded); parameters without one and the padding
-        read zero."""
-        flat, self._building = self._building, None
-        assert flat is not None, self.fqn
-        for info, written in zip(self.infos, self._written, strict=True):
-            if not written:
-                flat.narrow(0, info.offset, info.numel).zero_()
-        flat.narrow(0, self.numel, self.padded_numel - self.numel).zero_()
-        return flat
 
     def reshard(self) -> None:
         """UNSHARDED -> SHARDED: free the full buffer; modules see their 1-D local slices."""
@@ -438,9 +408,10 @@ class FlatParamUnit:
         return len(self._contributions)
 
     def drop_unreduced_grad(self) -> None:
-        """Forget gradients kept for a later reduction (``model.zero_grad()``)."""
+        """Forget gradients kept for a later reduction (``model.zero_grad()``), and reduced
+        ones not yet added to the sharded gradient."""
         self._unsharded_grad = None
-        self._building = None
+        self._reduced.clear()
         self._contributions.clear()
         self._used = [False] * len(self.infos)
 

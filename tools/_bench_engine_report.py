@@ -259,8 +259,8 @@ _ROLES = [
     ("gloo's staging copies", ("gloo:", "c10d::_reduce_scatter_base_", "c10d::_allgather_base_")),
     ("full parameters", ("ftsdp::all_gather",)),
     ("gradient shards (inside 16ψ/W)", ("ftsdp::reduce",)),
-    ("flat gradients (being built or reducing)", ("ftsdp::flat_grad", "SplitWithSizesBackward")),
-    ("per-parameter gradients not yet in a flat one", ("Backward",)),
+    ("flat gradients (being built or reducing)", ("SplitWithSizesBackward",)),
+    ("per-parameter gradients before the flatten", ("Backward",)),
 ]
 
 
@@ -358,8 +358,8 @@ def verdicts(runs: list[Run]) -> list[str]:
                 + ". The target leaves room for one unit above the sharded state, but an "
                 "overlapped schedule holds at least four while a unit's backward computes: its "
                 "parameters and its flat gradient, the next unit's prefetched parameters, and "
-                "the previous unit's gradient still reducing (each parameter's gradient goes "
-                "into the flat one as it arrives, so no more than that). ftsdp+no_prefetch "
+                "the previous unit's gradient still reducing; flattening the gradient briefly "
+                "holds it twice (per-parameter pieces and the flat copy). ftsdp+no_prefetch "
                 "gives up the prefetched unit (and its overlap); the reduction in flight stays"
             )
         if "fsdp2" in run.engines:

@@ -289,3 +289,36 @@ def test_units_whose_inputs_need_no_gradient_still_get_theirs() -> None:
                 got = grads[name].grad.double()
                 torch.testing.assert_close(got, p.grad.reshape(-1), rtol=1e-6, atol=1e-6)
         assert model.memory_stats()["unsharded_param_bytes"] == 0
+
+
+def test_a_backward_that_raises_does_not_break_the_next_step() -> None:
+    """A backward that raises never runs its end-of-backward callback (a caught OOM, a hook
+    that raises). The next forward must start clean, with a warning, and the next backward
+    must give the same gradients as the unwrapped model (before the fix: none at all)."""
+    mp = ftsdp.MixedPrecision(param_dtype=torch.float64)  # separate full buffers on one rank
+    reference = tiny_gpt().double()
+    wrapped = ftsdp.FSDP(tiny_gpt(), auto_wrap_policy={Block}, mixed_precision=mp)
+    x, y = tokens()
+
+    def explode(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in backward")
+
+    # raise half-way: once the last block's backward ran, at the first block's output
+    def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(explode)
+
+    handle = wrapped.module.blocks[0].register_forward_hook(hook_output)
+    _, loss = wrapped(x, y)
+    handle.remove()
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        loss.backward()
+    wrapped.zero_grad()
+    with pytest.warns(UserWarning, match="previous backward did not finish"):
+        _, loss = wrapped(x, y)
+    loss.backward()
+    reference(x, y)[1].backward()
+    grads = dict(wrapped.named_parameters())
+    for name, p in reference.named_parameters():
+        assert grads[name].grad is not None, name
+        torch.testing.assert_close(grads[name].grad.double(), p.grad.reshape(-1))
+    assert wrapped.memory_stats()["unsharded_param_bytes"] == 0
