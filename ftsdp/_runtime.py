@@ -315,7 +315,11 @@ class Runtime:
         if first_time and self.prefetch.backward:
             order = self._last_backward or [self.root, *reversed(self._forward_order[1:])]
             self._prefetch_after(unit, order)
-        unit.expose_unsharded()  # recomputation (activation checkpointing) reads the modules
+        # Recomputation (activation checkpointing) reads the modules. With gradients on, so
+        # the views stay connected to the FlatParameter: a reentrant checkpoint runs its own
+        # backward through the recomputed ops, and its gradients must reach the unit.
+        with torch.enable_grad():
+            unit.expose_unsharded()
 
     def _grad_hook(self, unit: FlatParamUnit) -> Callable[[torch.Tensor], None]:
         def hook(leaf: torch.Tensor) -> None:

@@ -1,10 +1,10 @@
 """Edge cases users hit, each against the unwrapped model, on one spawn of 4 gloo ranks.
 
-Activation checkpointing inside and around units, parameters a forward does not use,
-freezing after wrapping, a forward with no backward before an optimizer step, outputs in a
-dataclass, in-place ops on a unit's input, rank-divergent freezing (refused at wrap time), and
-deterministic mode: bitwise the same weights at world sizes 1, 2, 3 and 4 (sub-groups of the
-one spawn).
+Activation checkpointing (reentrant or not) inside and around units, parameters a forward
+does not use, freezing after wrapping, a forward with no backward before an optimizer step,
+outputs in a dataclass, in-place ops on a unit's input, rank-divergent freezing (refused at
+wrap time), and deterministic mode: bitwise the same weights at world sizes 1, 2, 3 and 4
+(sub-groups of the one spawn).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ class Inner(nn.Module):
         self.b = nn.Linear(d, d)
         self.spare = nn.Linear(d, d)  # used only when ``use_spare``
 
-    def forward(self, x: torch.Tensor, use_spare: bool = False, ckpt: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use_spare: bool = False, ckpt: str = "") -> torch.Tensor:
         h = torch.relu(x)  # in place below when asked: a unit modifying its input
-        h = checkpoint(self.a, h, use_reentrant=False) if ckpt else self.a(h)
+        h = checkpoint(self.a, h, use_reentrant=(ckpt == "reentrant")) if ckpt else self.a(h)
         h = self.b(torch.tanh(h))
         return self.spare(h) if use_spare else h
 
@@ -59,10 +59,12 @@ class Net(nn.Module):
             if self.inplace:
                 h = h * 1.0  # a fresh tensor the unit may modify in place
                 torch.relu_(h)
-            if mode == "ckpt_around":
-                h = checkpoint(unit, h, use_reentrant=False)
+            if mode.startswith("ckpt_around"):
+                h = checkpoint(unit, h, use_reentrant=mode.endswith("reentrant"))
             else:
-                h = unit(h, use_spare=(mode == "spare" and i != 1), ckpt=(mode == "ckpt_inside"))
+                ckpt = mode.removeprefix("ckpt_inside").strip("_") or "plain"
+                ckpt = ckpt if mode.startswith("ckpt_inside") else ""
+                h = unit(h, use_spare=(mode == "spare" and i != 1), ckpt=ckpt)
         return Out(self.out(h))
 
 
@@ -173,6 +175,8 @@ def edge_cases(rank: int, world: int) -> int:
         lambda: train_pair(rank, "plain"),
         lambda: train_pair(rank, "ckpt_inside"),
         lambda: train_pair(rank, "ckpt_around"),
+        lambda: train_pair(rank, "ckpt_inside_reentrant"),
+        lambda: train_pair(rank, "ckpt_around_reentrant"),
         lambda: train_pair(rank, "spare"),
         lambda: train_pair(rank, "stale"),
         lambda: train_pair(rank, "plain", freeze_after=True),
@@ -188,4 +192,4 @@ def edge_cases(rank: int, world: int) -> int:
 
 @pytest.mark.timeout(240)
 def test_engine_edge_cases() -> None:
-    assert run_ranks(edge_cases, WORLD) == [9] * WORLD
+    assert run_ranks(edge_cases, WORLD) == [11] * WORLD
