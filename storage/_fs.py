@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import uuid
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -31,6 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from storage._options import IOOptions
 from storage._retry import retry
+from storage._streaming import atomic_write
 
 
 class Store:
@@ -46,12 +46,6 @@ class Store:
         self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
-
-    def with_io(self, io: IOOptions) -> Store:
-        """The same store with another I/O policy."""
-        other = object.__new__(Store)
-        other.__dict__.update(self.__dict__, io=io)
-        return other
 
     def full(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -128,29 +122,8 @@ class Store:
         self.write(rel, lambda f: f.write(data))
 
     def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
-        path = self.full(rel)
-        if not self.local:
-            with self.fs.open(path, "wb", block_size=max(self.io.part_bytes, 5 << 20)) as f:
-                produce(f)
-            return
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                produce(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # make the rename itself durable
-        finally:
-            os.close(fd)
+        with atomic_write(self.fs, self.full(rel), self.io.part_bytes) as f:
+            produce(f)
 
     def remove(self, rel: str, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -158,14 +158,22 @@ def atomic_write(fs: Any, path: str, block_size: int = 8 * MiB) -> Iterator[IO[b
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)  # make the rename itself durable
+        finally:
+            os.close(fd)
         return
     f = fs.open(path, "wb", block_size=max(block_size, 5 * MiB))
     try:
         yield f
     except BaseException:
-        # Closing would complete the upload and publish a partial object.
+        # Closing would complete the upload and publish a partial object: abort it, and mark
+        # the file closed so that its finalizer does not try to finish it either.
         with contextlib.suppress(Exception):
-            f.discard() if hasattr(f, "discard") else None
+            if hasattr(f, "discard"):
+                f.discard()
+                f.closed = True
         raise
     f.close()
 

@@ -225,3 +225,35 @@ def test_async_save(backend: tuple[str, dict | None]) -> None:
     target = _zeros_like(ref)
     storage.load(target, url, storage_options=opts)
     _assert_same(target, ref)
+
+
+@pytest.fixture(params=["local", "s3"])
+def durable_backend(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict | None]:
+    """The backends where an interrupted write can be undone (memory:// publishes a file the
+    moment it is opened, so it has no such guarantee to test)."""
+    if request.param == "local":
+        return str(tmp_path / "ckpt"), None
+    opts = request.getfixturevalue("s3_endpoint")
+    return request.getfixturevalue("s3_bucket_url"), dict(opts)
+
+
+def test_a_write_that_fails_half_way_leaves_no_object(
+    durable_backend: tuple[str, dict | None],
+) -> None:
+    """On an object store, closing an upload completes it: a write that raises must discard
+    the upload, or a partial manifest would look like a committed step."""
+    from storage._fs import Store
+
+    url, opts = durable_backend
+    store = Store(url, opts, storage.IOOptions(max_attempts=1))
+
+    def produce(f: Any) -> None:
+        f.write(b"half of it")
+        raise RuntimeError("the writer died")
+
+    with pytest.raises(RuntimeError, match="the writer died"):
+        store.write("step-1/manifest.json", produce)
+    fs, root = _fs(url, opts)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/step-1/manifest.json")
+    assert storage.list_steps(url, storage_options=opts) == []
