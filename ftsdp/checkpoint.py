@@ -115,8 +115,6 @@ class CheckpointManager:
         self._pending: storage.SaveHandle | None = None
         self._last_save = time.monotonic()
         self.last_saved_step: int | None = None
-        self.last_blocking_s = 0.0  # time the training loop spent inside the last save()
-        self.saves = 0
 
     # -- the state ------------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
@@ -156,7 +154,6 @@ class CheckpointManager:
             return 0.0
         start = time.perf_counter()
         self.wait()  # one save at a time; surfaces the previous one's error
-        rank, _ = self._rank_world()
         handle = storage.save(
             self._state({**trainer}),
             self.url,
@@ -164,16 +161,14 @@ class CheckpointManager:
             process_group=self.process_group,
             async_save=self.async_save and not block,
             storage_options=self.storage_options,
-            keep_last=self.keep_last if rank == 0 else None,
+            keep_last=self.keep_last,  # applied by the committing rank only
             keep_every=self.keep_every,
             options=self.save_options,
         )
         self._pending = None if handle.done() else handle
         self._last_save = time.monotonic()
         self.last_saved_step = step
-        self.saves += 1
-        self.last_blocking_s = time.perf_counter() - start
-        return self.last_blocking_s
+        return time.perf_counter() - start
 
     def in_flight(self) -> bool:
         """True while an async save is uploading or committing."""
@@ -241,6 +236,8 @@ class CheckpointManager:
                 error, code = e, _FATAL
             except (storage.CheckpointError, OSError) as e:
                 error, code = e, _FALLBACK
+            except Exception as e:  # still reach the agreement, or the other ranks would hang
+                error, code = e, _FATAL
             agreed = self._agree(code)
             if agreed == _OK:
                 break

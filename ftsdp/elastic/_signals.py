@@ -85,7 +85,9 @@ class PreemptionHandler:
         return self
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        self._record(signum)
+        # Nothing to do here: the watcher thread records the signal from the wakeup fd. Taking
+        # the lock in a handler could deadlock the main thread if it holds it (in ``arm``).
+        pass
 
     def _record(self, signum: int) -> None:
         with self._lock:

@@ -167,3 +167,30 @@ def test_resume_at_another_world_size(saved, tmp_path, world: int) -> None:
         assert torch.equal(torch.from_numpy(out["final"][key]), torch.from_numpy(value)), key
     if world == 1:  # one rank sums all micro-batch losses in the same order as two ranks do
         assert out["continued"] == pytest.approx(ref["continued"], rel=1e-6)
+
+
+def _unexpected_error_phase(rank: int, world: int, url: str) -> str:
+    from ftsdp.checkpoint import CheckpointManager
+
+    model, opt, sched = _build(1)
+    if rank == 1:  # a bug-like error on one rank only, after the load's own collectives
+        real = storage.load
+
+        def broken(*args, **kwargs):
+            real(*args, **kwargs)
+            raise RuntimeError("unexpected on rank 1")
+
+        storage.load = broken
+    ckpt = CheckpointManager(url, model, opt, lr_scheduler=sched, async_save=False)
+    try:
+        ckpt.resume({"step": 0, "cursor": 0, "tag": ""})
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "resumed"
+
+
+def test_an_unexpected_error_on_one_rank_fails_every_rank_instead_of_hanging(saved) -> None:
+    url, _ = saved
+    out = run_ranks(_unexpected_error_phase, 2, url, timeout=60)
+    assert out[1] == "RuntimeError: unexpected on rank 1", out
+    assert out[0].startswith("StateMismatchError") and "another rank" in out[0], out
