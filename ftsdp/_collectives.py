@@ -29,8 +29,9 @@ class CommStats:
 
     ``copies`` counts host <-> device copy bytes (CPU offload) separately: they are not
     network traffic. ``control`` counts the bytes of small bookkeeping collectives (which
-    parameters were used this step), kept apart from the gradient and parameter traffic. ``max_in_flight`` is the most all-gathers that were ever in flight at
-    once (the rate limiter keeps it at 2).
+    parameters were used this step), kept apart from the gradient and parameter traffic.
+    ``max_in_flight`` is the most prefetched all-gathers that were ever outstanding at once
+    (one with a repeated order; the rate limiter keeps it at most 2).
     """
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))

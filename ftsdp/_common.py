@@ -16,7 +16,7 @@ class ShardingStrategy(enum.Enum):
     - ``SHARD_GRAD_OP``: as FULL_SHARD, but the unsharded parameters stay from forward to
       backward (one all-gather per step instead of two, more memory).
     - ``NO_SHARD``: every rank holds everything; gradients are all-reduced (DDP-like).
-    - ``HYBRID_SHARD``: shard inside a group, replicate across groups (not implemented yet).
+    - ``HYBRID_SHARD``: shard inside a group, replicate across groups .
     """
 
     FULL_SHARD = "FULL_SHARD"

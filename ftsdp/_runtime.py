@@ -138,26 +138,16 @@ class Runtime:
         self._callback_queued = False
         self._runs = {id(u): _UnitRun() for u in units}
         self._tickets = itertools.count()
-        self._handles: list[Any] = []
 
     def register_hooks(self) -> None:
         for unit in self.units:
             if unit is not self.root and not unit.infos:
                 continue  # a unit with no parameters of its own has nothing to gather
             module = unit.module
-            self._handles.append(
-                module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
-            )
-            self._handles.append(module.register_forward_hook(self._post_forward_hook(unit)))
+            module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook(unit))
             if unit.infos:
-                self._handles.append(
-                    unit.leaf.register_post_accumulate_grad_hook(self._grad_hook(unit))
-                )
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+                unit.leaf.register_post_accumulate_grad_hook(self._grad_hook(unit))
 
     # ---------------------------------------------------------------- forward
     def _pre_forward_hook(self, unit: FlatParamUnit) -> Callable:
@@ -235,13 +225,16 @@ class Runtime:
             return
         target = order[index]
         if self.prefetch.limit_all_gathers:
-            while len(self._gathering) >= 2:  # the rate limiter: at most two in flight
+            # The rate limiter: at most two prefetched all-gathers outstanding. One-ahead
+            # prefetch in a repeated order keeps one; prefetches the order no longer uses
+            # (the graph changed) would otherwise pile up.
+            while len(self._gathering) >= 2:
                 self._unshard(self._gathering[0])
         target.start_unshard()
         if target.state is UnitState.GATHERING:
             self._gathering.append(target)
             stats = target.stats
-            stats.max_in_flight = max(stats.max_in_flight, len(self._gathering) + 1)
+            stats.max_in_flight = max(stats.max_in_flight, len(self._gathering))
 
     def _hook_inputs(self, unit: FlatParamUnit, inputs: Any) -> None:
         run = self._runs[id(unit)]
@@ -364,7 +357,7 @@ class Runtime:
                     if unit.has_unreduced_grad():
                         unit.reduce_grad()
                 used = self._agree_used_parameters()
-                if any(unit.options.offload for unit in self.units):
+                if self.root.options.offload:  # one setting for every unit
                     for unit in self.units:
                         unit.complete_reductions()
                     self.root.schedule.synchronize()  # offloaded gradients are on the host

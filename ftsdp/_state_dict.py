@@ -63,7 +63,7 @@ def full_state_dict(
         if not unit.infos:
             continue
         gathered = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
-        all_gather_flat(gathered, unit.shard, unit.shard_group)
+        all_gather_flat(gathered, unit.on_device(unit.shard), unit.shard_group)
         for info in unit.infos:
             full = gathered[info.offset : info.offset + info.numel].view(info.shape).clone()
             full_params[id(info.sharded_param)] = full

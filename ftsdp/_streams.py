@@ -52,10 +52,10 @@ Issue = Callable[[], "dist.Work | None"]  # allocates, casts, and starts one col
 class Schedule(Protocol):
     """How a unit runs its collectives (see [Note: streams])."""
 
-    def gather(self, issue: Issue, tag: str = "") -> Any:
+    def gather(self, issue: Issue) -> Any:
         """Run ``issue`` (allocate the full buffer, cast, start the all-gather); a token."""
 
-    def reduce(self, issue: Issue, tag: str = "") -> Any:
+    def reduce(self, issue: Issue) -> Any:
         """Run ``issue`` (cast the gradient, start its reduction); a token."""
 
     def wait(self, token: Any) -> None:
@@ -71,10 +71,10 @@ class Schedule(Protocol):
 class HostSchedule:
     """Async work handles; waiting blocks the caller (CPU / gloo)."""
 
-    def gather(self, issue: Issue, tag: str = "") -> Any:
+    def gather(self, issue: Issue) -> Any:
         return issue()
 
-    def reduce(self, issue: Issue, tag: str = "") -> Any:
+    def reduce(self, issue: Issue) -> Any:
         return issue()
 
     def wait(self, token: Any) -> None:
@@ -120,13 +120,13 @@ class StreamSchedule:
                 work.wait()  # the side stream (not the CPU) waits for the collective
             return stream.record_event()
 
-    def gather(self, issue: Issue, tag: str = "") -> Any:
+    def gather(self, issue: Issue) -> Any:
         if self.limit is not None:
             while len(self._frees) >= self.limit:
                 self._frees.popleft().synchronize()
         return self._run_on(self.gather_stream, issue)
 
-    def reduce(self, issue: Issue, tag: str = "") -> Any:
+    def reduce(self, issue: Issue) -> Any:
         return self._run_on(self.reduce_stream, issue)
 
     def wait(self, token: Any) -> None:

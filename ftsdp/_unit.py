@@ -55,7 +55,7 @@ from ._collectives import (
     group_size,
     reduce_scatter_flat,
 )
-from ._common import ShardingStrategy, UnitState
+from ._common import UnitState
 from ._streams import HostSchedule, Schedule
 from ._wrap import UnitPlan
 
@@ -88,7 +88,6 @@ class MemoryGauge:
 class UnitOptions:
     """What every unit of one wrapped model shares."""
 
-    strategy: ShardingStrategy
     device: torch.device  # where compute (and the unsharded parameters) happen
     param_dtype: torch.dtype | None = None  # None: the parameters' own dtype
     reduce_dtype: torch.dtype | None = None  # None: param_dtype
@@ -135,7 +134,6 @@ class FlatParamUnit:
         self.schedule = schedule or HostSchedule()  # see [Note: streams]
         self.fqn = plan.fqn
         self.options = options
-        self.strategy = options.strategy
         self.deterministic = options.deterministic
         self.device = options.device
         self.shard_device = torch.device("cpu") if options.offload else options.device
@@ -306,11 +304,7 @@ class FlatParamUnit:
             # stream (see [Note: streams]).
             self._full.untyped_storage().resize_(self.full_bytes)
             with torch.no_grad():
-                source = self.shard
-                if self.options.offload:  # host -> device (a real copy even on a CPU host)
-                    self.stats.record_copy("h2d", source.numel() * source.element_size())
-                    source = source.to(self.device, non_blocking=True, copy=True)
-                source = source.to(self.param_dtype)
+                source = self.on_device(self.shard, count=True).to(self.param_dtype)
                 return all_gather_flat(
                     self._full,
                     source,
@@ -323,7 +317,7 @@ class FlatParamUnit:
         # Named for profiles: the full buffer and the collective's own staging show up as
         # "ftsdp::all_gather <unit>" instead of as the autograd node whose hook ran this.
         with torch.profiler.record_function(f"ftsdp::all_gather {self.fqn or '<root>'}"):
-            token = self.schedule.gather(issue, self.fqn)
+            token = self.schedule.gather(issue)
         self.gauge.add(self.full_bytes)
         # The cast/copied shard need not outlive the call: gloo's work holds its inputs, NCCL
         # records their streams, and on the gather stream a block is reused in stream order.
@@ -347,6 +341,16 @@ class FlatParamUnit:
             and self.state is not UnitState.SHARDED
             and self.shard._version != self._gathered_version
         )
+
+    def on_device(self, host: torch.Tensor, count: bool = False) -> torch.Tensor:
+        """A shard-side tensor (the shard, the sharded gradient) on the compute device, where
+        collectives need it: under CPU offload a copy from the host (counted in
+        ``comm_stats.copies`` when ``count``), otherwise the tensor itself."""
+        if not self.options.offload:
+            return host
+        if count:
+            self.stats.record_copy("h2d", host.numel() * host.element_size())
+        return host.to(self.device, non_blocking=True, copy=True)
 
     def expose_unsharded(self) -> None:
         """Point every module at full-shape views of the unsharded parameter.
@@ -449,7 +453,7 @@ class FlatParamUnit:
             )
 
         with torch.profiler.record_function(f"ftsdp::reduce {self.fqn or '<root>'}"):
-            token = self.schedule.reduce(issue, self.fqn)
+            token = self.schedule.reduce(issue)
         second_stage = self.factor > 1 and self.replicate_group is not None
         # The gradient stays referenced until the reduction is waited for (see [Note: streams]).
         self._pending.append((token, out, second_stage, (grad, cast)))

@@ -100,7 +100,6 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("sync_module_states=True needs torch.distributed to be initialised")
         mp = mixed_precision or MixedPrecision()
         options = UnitOptions(
-            strategy=strategy,
             device=resolve_device(module, device_id),
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype,
@@ -272,7 +271,7 @@ class FullyShardedDataParallel(nn.Module):
             if not unit.trainable or unit.sharded_grad is None:
                 continue
             full = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
-            all_gather_flat(full, unit.sharded_grad, unit.shard_group)
+            all_gather_flat(full, unit.on_device(unit.sharded_grad), unit.shard_group)
             mask = torch.zeros(unit.padded_numel, dtype=torch.bool, device=unit.device)
             for info in unit.trainable:
                 mask[info.offset : info.offset + info.numel] = True
@@ -336,9 +335,7 @@ class FullyShardedDataParallel(nn.Module):
             ),
             "unsharded_param_bytes": self._gauge.now,
             "peak_unsharded_param_bytes": self._gauge.peak,
-            "largest_unit_bytes": max(
-                (u.padded_numel * _itemsize(u.param_dtype) for u in self._units), default=0
-            ),
+            "largest_unit_bytes": max((u.full_bytes for u in self._units), default=0),
         }
         if optimizer is not None:
             mine = {id(p) for _, p in self.named_parameters()}
@@ -360,10 +357,6 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _reject_wrapped(module: nn.Module) -> None:

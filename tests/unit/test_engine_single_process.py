@@ -206,22 +206,24 @@ def test_model_zero_grad_discards_gradients_kept_under_no_sync() -> None:
 def test_mixed_precision_and_offload_validate_their_fields() -> None:
     with pytest.raises(ValueError, match="param_dtype=torch.int32 must be a floating torch.dtype"):
         ftsdp.MixedPrecision(param_dtype=torch.int32)
-    with pytest.raises(ValueError, match="device_mesh must be 1-D or 2-D|pass either"):
+    with pytest.raises(ValueError, match="pass either"):
         ftsdp.FSDP(tiny_gpt(), device_mesh=object(), process_group=object())
+    with pytest.raises(ValueError, match="cpu_offload must be an ftsdp.CPUOffload"):
+        ftsdp.FSDP(tiny_gpt(), cpu_offload=True)
 
 
 def test_single_process_bf16_and_offload_train() -> None:
     """Without a process group: bf16 compute with fp32 masters, and offloaded shards."""
     reference = tiny_gpt()
-    for kwargs in (
-        {"mixed_precision": ftsdp.MixedPrecision(param_dtype=torch.bfloat16)},
-        {"cpu_offload": ftsdp.CPUOffload(offload_params=True)},
+    for kwargs, atol in (
+        ({"mixed_precision": ftsdp.MixedPrecision(param_dtype=torch.bfloat16)}, 0.02),
+        ({"cpu_offload": ftsdp.CPUOffload(offload_params=True)}, 0.0),  # the same arithmetic
     ):
         wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy={Block}, **kwargs)
         x, y = tokens()
         loss = wrapped(x, y)[1]
         loss.backward()
-        torch.testing.assert_close(loss, reference(x, y)[1], rtol=0, atol=0.02)
+        torch.testing.assert_close(loss, reference(x, y)[1], rtol=0, atol=atol)
         assert all(
             p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in wrapped.parameters()
         )
@@ -322,3 +324,44 @@ def test_a_backward_that_raises_does_not_break_the_next_step() -> None:
         assert grads[name].grad is not None, name
         torch.testing.assert_close(grads[name].grad.double(), p.grad.reshape(-1))
     assert wrapped.memory_stats()["unsharded_param_bytes"] == 0
+
+
+class Reorderable(nn.Module):
+    """Six units whose order flips between iterations: the recorded backward order is wrong
+    for the next backward, so its prefetches go unused and would pile up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(Pair() for _ in range(6))
+        self.flip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in reversed(self.units) if self.flip else self.units:
+            x = unit(x)
+        return x
+
+
+def test_the_rate_limiter_bounds_prefetches_the_order_no_longer_uses() -> None:
+    mp = ftsdp.MixedPrecision(param_dtype=torch.float64)  # separate full buffers on one rank
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+    outstanding = {}
+    for limit in (True, False):
+        torch.manual_seed(0)
+        reference = Reorderable()
+        wrapped = ftsdp.FSDP(
+            copy.deepcopy(reference),
+            auto_wrap_policy={Pair},
+            mixed_precision=mp,
+            limit_all_gathers=limit,
+        )
+        for flip in (False, True):  # the second backward runs in the other order
+            wrapped.module.flip = reference.flip = flip
+            wrapped(x).square().sum().backward()
+            reference(x).square().sum().backward()
+        outstanding[limit] = wrapped.comm_stats.max_in_flight
+        grads = dict(wrapped.named_parameters())
+        for name, p in reference.named_parameters():  # wasted prefetches change nothing
+            torch.testing.assert_close(grads[name].grad, p.grad.reshape(-1))
+        assert wrapped.memory_stats()["unsharded_param_bytes"] == 0
+    assert outstanding[True] == 2, outstanding  # the limiter acted...
+    assert outstanding[False] > 2, outstanding  # ...where prefetches would pile up
