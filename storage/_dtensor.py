@@ -31,7 +31,7 @@ def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Ten
 
     for p in dt.placements:
         if not isinstance(p, (Shard, Replicate)):
-            raise NotImplementedError(
+            raise ValueError(
                 f"{name}: DTensor placement {p} is not supported; redistribute to Shard(0) or "
                 "Replicate() before saving"
             )
@@ -46,7 +46,7 @@ def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Ten
     # Contiguous iff every dim after the last partial one is full and every dim before it is 1.
     partial = [i for i, (s, g) in enumerate(zip(local_shape, shape, strict=True)) if s != g]
     if partial and any(local_shape[i] != 1 for i in range(partial[-1])):
-        raise NotImplementedError(
+        raise ValueError(
             f"{name}: DTensor shard of shape {tuple(local_shape)} at {tuple(offsets)} of "
             f"{shape} is not contiguous in row-major order; use Shard(0)"
         )

@@ -10,6 +10,7 @@ data, and fills caller-owned 1-D buffers with flat ranges of its tensors (``read
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import struct
@@ -41,7 +42,7 @@ VALUES_KEY = "ftsdp.values"  # safetensors __metadata__ key holding non-tensor v
 _BY_CODE = {code: dt for dt, code in _TABLE.values()}
 
 
-class Source:
+class Source(abc.ABC):
     """A checkpoint opened for reading (see the module docstring)."""
 
     format: str = ""
@@ -55,12 +56,12 @@ class Source:
         self.rank_values: list[dict[str, Any]] = []
         self.dropped: list[str] = []  # entries that cannot be represented (named in reports)
 
+    @abc.abstractmethod
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype) with elements
         ``[offset, offset + out.numel())`` of tensor ``name``."""
-        raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the reader holds (files, caches)."""
 
 

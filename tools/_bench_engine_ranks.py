@@ -28,7 +28,6 @@ from __future__ import annotations
 import cProfile
 import inspect
 import os
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -326,11 +325,8 @@ def state_bytes(engine: Engine) -> dict[str, int]:
 
 
 def engine_accounting(engine: Engine) -> dict[str, int]:
-    """ftsdp's own ``memory_stats`` (with the optimizer where it takes one), for comparison."""
-    try:
-        return dict(engine.model.memory_stats(engine.opt))
-    except TypeError:  # an ftsdp whose memory_stats() takes no optimizer
-        return dict(engine.model.memory_stats())
+    """ftsdp's own ``memory_stats`` (with the optimizer), for comparison."""
+    return dict(engine.model.memory_stats(engine.opt))
 
 
 def _peak_delta(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, list]:
@@ -487,9 +483,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "torch": torch.__version__,
         "ftsdp_defaults": ftsdp_defaults(),
         "max_in_flight": {
-            e.name: getattr(e.model.comm_stats, "max_in_flight", None)
-            for e in engines
-            if e.kind == "ftsdp"
+            e.name: e.model.comm_stats.max_in_flight for e in engines if e.kind == "ftsdp"
         },
         "cuda_available": torch.cuda.is_available(),
     }
@@ -505,7 +499,3 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _comm_device(device: torch.device) -> torch.device:
     return device if device.type == "cuda" else torch.device("cpu")
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")

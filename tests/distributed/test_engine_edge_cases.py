@@ -9,6 +9,7 @@ wrap time), and deterministic mode: bitwise the same weights at world sizes 1, 2
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -138,7 +139,7 @@ def deterministic_run(rank: int, group: dist.ProcessGroup) -> dict[str, torch.Te
         tokens = torch.randint(0, 23, (MICROBATCHES, MICRO, 9), generator=g)
         mine = tokens[rank * per_rank : (rank + 1) * per_rank]
         for i, micro in enumerate(mine):
-            with wrapped.no_sync() if i < per_rank - 1 else _null():
+            with wrapped.no_sync() if i < per_rank - 1 else contextlib.nullcontext():
                 wrapped(micro[:, :-1], micro[:, 1:])[
                     1
                 ].backward()  # no 1/accum: the engine averages
@@ -146,14 +147,6 @@ def deterministic_run(rank: int, group: dist.ProcessGroup) -> dict[str, torch.Te
         opt.step()
         opt.zero_grad()
     return wrapped.state_dict()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def check_deterministic_across_world_sizes(rank: int) -> None:

@@ -51,6 +51,7 @@ def test_inspect_text_and_json(root: pathlib.Path) -> None:
     assert "step 4, saved at world size 1" in out and "values: trainer.step" in out
     assert "model.w" in out and "[20, 30]" in out and "float32" in out
     code, out, _ = _cli("inspect", str(root), "--step", "2", "--json")
+    assert code == 0
     info = json.loads(out)
     assert info["step"] == 2 and info["world_size"] == 1 and info["torn_steps"] == [0, 9]
     by_name = {t["name"]: t for t in info["tensors"]}
@@ -92,6 +93,11 @@ def test_diff_names_changed_tensors(root: pathlib.Path) -> None:
     assert "changed  optim.m 600/600 elements, max abs diff 2" in out
     assert "value    trainer.step: 1 -> 3" in out
     assert out.splitlines()[-1] == "step 1 -> 3: 2 changed, 2 same; 1 values differ"
+    code, out, _ = _cli("diff", str(root), "1", "3", "--json")
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads(out)["tensors"]}
+    assert rows["model.w"]["status"] == "changed" and rows["optim.m"]["status"] == "changed"
+    assert {r["status"] for r in rows.values()} == {"changed", "same"}
     rows = {
         r["name"]: r for r in json.loads(_cli("diff", str(root), "2", "2", "--json")[1])["tensors"]
     }

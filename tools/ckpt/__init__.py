@@ -17,7 +17,7 @@ from tools.ckpt._args import PROG, UsageError, parse
 from tools.ckpt._commands import COMMANDS
 
 # Errors that describe the input, not a bug here: one line and exit code 2.
-USER_ERRORS = (CheckpointError, UsageError, OSError, ValueError, KeyError, NotImplementedError)
+USER_ERRORS = (CheckpointError, UsageError, OSError, ValueError, KeyError)
 
 
 def _one_line(error: BaseException) -> str:
