@@ -6,7 +6,6 @@ every problem it finds instead of stopping at the first; the others raise like t
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ from storage._errors import CheckpointError
 from storage._fs import Store
 from storage._layout import manifest_path, parse_step, step_dir
 from storage._manifest import Manifest
+from storage._safetensors import crc32
 from storage._sources import Source, detect_format, open_source, read_safetensors_header
 from storage._steps import committed_steps, resolve_manifest
 from storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, chunk_bytes, split_request
@@ -136,7 +136,7 @@ def _verify_step(store: Store, step: int, chunk: int, meter: Meter, problems: li
                 mv = memoryview(data)
                 for k0 in range(0, end - start, block):
                     k = (start - p.byte_start + k0) // block
-                    if zlib.crc32(mv[k0 : k0 + block]) != p.crc32[k]:
+                    if crc32(mv[k0 : k0 + block]) != p.crc32[k]:
                         a = start + k0
                         problems.append(
                             f"step {step}: tensor {tname}: checksum mismatch in {store.where(rel)} "

@@ -39,15 +39,10 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from storage._dtypes import SUPPORTED
 from storage._errors import CheckpointNotFoundError, CorruptCheckpointError
 from storage._sources import Source
 from storage._streaming import TensorInfo, is_local, read_range_into, url_to_fs
-
-_DTYPES = {
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-    torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-    torch.bool, torch.complex64,
-}  # fmt: skip
 
 
 def _reader(url: str, storage_options: dict | None) -> Any:
@@ -98,7 +93,7 @@ class DcpSource(Source):
         value_keys = []
         for fqn, md in self._meta.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
-                if md.properties.dtype not in _DTYPES:
+                if md.properties.dtype not in SUPPORTED:
                     self.dropped.append(f"{fqn} (dtype {md.properties.dtype} unsupported)")
                     continue
                 self.tensors[fqn] = TensorInfo(fqn, tuple(md.size), md.properties.dtype)

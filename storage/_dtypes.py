@@ -21,6 +21,8 @@ _TABLE: dict[str, tuple[torch.dtype, str]] = {
     "complex64": (torch.complex64, "C64"),
 }
 _BY_TORCH = {dt: name for name, (dt, _) in _TABLE.items()}
+SUPPORTED = frozenset(_BY_TORCH)  # torch dtypes the format stores
+BY_SAFETENSORS_CODE = {code: dt for dt, code in _TABLE.values()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -67,8 +67,3 @@ def coalesce(spans: Iterable[tuple[int, int]], gap: int = 0) -> list[tuple[int, 
         else:
             out.append((start, end))
     return out
-
-
-def split(start: int, end: int, part: int) -> list[tuple[int, int]]:
-    """Cut ``[start, end)`` into consecutive spans of at most ``part``."""
-    return [(s, min(s + part, end)) for s in range(start, end, part)]

@@ -18,7 +18,7 @@ import torch
 from storage._dtypes import itemsize, torch_dtype
 from storage._layout import object_name
 from storage._options import SaveOptions
-from storage._ranges import Range, check_range, segments
+from storage._ranges import Range, check_disjoint_cover, check_range, segments
 from storage._safetensors import layout
 
 
@@ -89,16 +89,12 @@ def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -
         size = itemsize(dtype)
         numel = math.prod(shape)
         segs = segments(held[name].values())
-        covered = 0
-        for seg in segs:
-            if seg.offset != covered:
-                break
-            covered = seg.end
-        if covered != numel:
+        try:
+            check_disjoint_cover(segs, numel, f"tensor {name!r} {shape=}")
+        except ValueError as e:
             raise ValueError(
-                f"tensor {name!r} {shape=}: elements [{covered}, ...) are held by no rank; "
-                "the ranks' ranges must together cover the whole tensor"
-            )
+                f"{e} (held by no rank); the ranks' ranges must together cover the whole tensor"
+            ) from None
         for seg in segs:
             holders = sorted(
                 r for r, rng in held[name].items() if rng.offset <= seg.offset < rng.end

@@ -19,7 +19,6 @@ import json
 import os
 import tempfile
 import uuid
-import zlib
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from storage._fs import Store
 from storage._layout import LATEST, manifest_path, parse_step, step_dir
 from storage._manifest import Manifest, Piece, TensorEntry
 from storage._options import SaveOptions
+from storage._safetensors import crc32
 from storage._save_plan import make_plan
 from storage._sources import HF_INDEX, HF_SINGLE, SHARD_NAME, VALUES_KEY
 from storage._steps import committed_steps, remove_step
@@ -46,7 +46,7 @@ class _BlockCrc:
         pos = 0
         while pos < len(mv):
             take = min(self.block - self._n, len(mv) - pos)
-            self._crc = zlib.crc32(mv[pos : pos + take], self._crc)
+            self._crc = crc32(mv[pos : pos + take], self._crc)
             self._n += take
             pos += take
             if self._n == self.block:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from storage._dtypes import _TABLE, torch_dtype
+from storage._dtypes import BY_SAFETENSORS_CODE, torch_dtype
 from storage._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -39,7 +39,6 @@ HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 SHARD_NAME = re.compile(r"^model-\d+-of-\d+\.safetensors$")  # hf shards (need the index)
 VALUES_KEY = "ftsdp.values"  # safetensors __metadata__ key holding non-tensor values (JSON)
-_BY_CODE = {code: dt for dt, code in _TABLE.values()}
 
 
 class Source(abc.ABC):
@@ -164,12 +163,12 @@ class HfSource(Source):
             if isinstance(meta.get(VALUES_KEY), str):
                 self.values.update(json.loads(meta[VALUES_KEY]))
             for name, entry in header.items():
-                if entry.get("dtype") not in _BY_CODE:
+                if entry.get("dtype") not in BY_SAFETENSORS_CODE:
                     self.dropped.append(
                         f"{name} (safetensors dtype {entry.get('dtype')} unsupported)"
                     )
                     continue
-                info = TensorInfo(name, tuple(entry["shape"]), _BY_CODE[entry["dtype"]])
+                info = TensorInfo(name, tuple(entry["shape"]), BY_SAFETENSORS_CODE[entry["dtype"]])
                 start, end = entry["data_offsets"]
                 if end - start != info.nbytes:
                     raise CorruptCheckpointError(
@@ -217,7 +216,7 @@ class TorchSource(Source):
         for key, value in items:
             name = f"{prefix}.{key}" if prefix else str(key)
             if isinstance(value, torch.Tensor):
-                if value.dtype not in _BY_CODE.values():
+                if value.dtype not in BY_SAFETENSORS_CODE.values():
                     self.dropped.append(f"{name} (dtype {value.dtype} unsupported)")
                     continue
                 self._meta[name] = value

@@ -229,14 +229,6 @@ class RankManager:
     def world_size(self) -> int:
         return self.info.world_size
 
-    @property
-    def local_rank(self) -> int:
-        return self.info.local_rank
-
-    @property
-    def local_world_size(self) -> int:
-        return self.info.local_world_size
-
     # -- agreement ------------------------------------------------------------------------------
     def agree_any(self, *flags: bool) -> tuple[bool, ...]:
         """For each flag: True on every rank if it is True on any rank (one all_reduce(MAX)).
@@ -266,14 +258,6 @@ class RankManager:
             )
         return dist.PrefixStore(
             f"ftsdp/{self.info.run_id}/{self.incarnation}/{prefix}", self._store
-        )
-
-    def describe(self) -> str:
-        hosts = sorted({p.host for p in self.peers})
-        return (
-            f"rank {self.rank}/{self.world_size} (local {self.local_rank}/"
-            f"{self.local_world_size}, node {self.info.group_rank}) on {self.device}, "
-            f"{len(hosts)} host(s), generation {self.generation}, incarnation {self.incarnation}"
         )
 
     def close(self) -> None:

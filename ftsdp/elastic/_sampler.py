@@ -75,9 +75,6 @@ class GlobalSampler:
         self.shuffle = shuffle
         self._perms: dict[int, _Permutation] = {}
 
-    def epoch_of(self, position: int) -> int:
-        return position // self.num_samples
-
     def _perm(self, epoch: int) -> _Permutation:
         perm = self._perms.get(epoch)
         if perm is None:

@@ -6,7 +6,7 @@ import pytest
 
 from storage import SaveOptions
 from storage._manifest import Piece, TensorEntry
-from storage._ranges import Range, check_disjoint_cover, coalesce, intersect, segments, split
+from storage._ranges import Range, check_disjoint_cover, coalesce, intersect, segments
 from storage._read_plan import make_want, plan_reads
 from storage._save_plan import make_plan
 
@@ -22,7 +22,6 @@ def test_range_arithmetic() -> None:
     ]
     assert coalesce([(10, 20), (0, 10), (25, 30)]) == [(0, 20), (25, 30)]
     assert coalesce([(10, 20), (0, 8), (25, 30)], gap=5) == [(0, 30)]
-    assert split(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
     check_disjoint_cover([Range(0, 4), Range(4, 6)], 10, "t")
     with pytest.raises(ValueError, match="overlap at element 3"):
         check_disjoint_cover([Range(0, 4), Range(3, 7)], 10, "t")
@@ -83,7 +82,9 @@ def test_plan_rejects_inconsistent_metadata() -> None:
             "a",
             SaveOptions(),
         )
-    with pytest.raises(ValueError, match=r"'w'.*elements \[6, \.\.\.\) are held by no rank"):
+    with pytest.raises(
+        ValueError, match=r"'w'.*elements \[6, 10\) are not covered \(held by no rank\)"
+    ):
         make_plan(
             [_meta(("w", [10], "float32", 0, 3)), _meta(("w", [10], "float32", 3, 3))],
             "a",
