@@ -84,12 +84,16 @@ class VerifyReport:
         return not self.problems
 
 
-def _verify_step(store: Store, step: int, chunk: int, meter: Meter, problems: list[str]) -> None:
-    where = store.where(manifest_path(step))
-    try:
-        manifest = Manifest.from_json(store.read(manifest_path(step)), where=where)
-    except CheckpointError as e:
-        problems.append(f"step {step}: {e}")
+def _verify_step(
+    store: Store,
+    step: int,
+    manifest: Manifest | CheckpointError,
+    chunk: int,
+    meter: Meter,
+    problems: list[str],
+) -> None:
+    if isinstance(manifest, CheckpointError):
+        problems.append(f"step {step}: {manifest}")
         return
     listing = store.listdir(step_dir(step))
     block = manifest.checksum_block_bytes
@@ -192,18 +196,24 @@ def verify(
     if not report.checked:
         report.problems.append(f"no committed step under {url} (torn steps: {report.torn_steps})")
         return report
-    total = 0
-    for s in report.checked:
+    manifests: dict[int, Manifest | CheckpointError] = {}
+    for s in report.checked:  # read and parsed once: for the total, then for the checks
         try:
-            m = Manifest.from_json(
+            manifests[s] = Manifest.from_json(
                 store.read(manifest_path(s)), where=store.where(manifest_path(s))
             )
-            total += sum(p.byte_end - p.byte_start for t in m.tensors.values() for p in t.pieces)
-        except CheckpointError:
-            pass
+        except CheckpointError as e:
+            manifests[s] = e
+    total = sum(
+        p.byte_end - p.byte_start
+        for m in manifests.values()
+        if isinstance(m, Manifest)
+        for t in m.tensors.values()
+        for p in t.pieces
+    )
     meter = Meter(total, progress)
     for s in report.checked:
-        _verify_step(store, s, chunk, meter, report.problems)
+        _verify_step(store, s, manifests[s], chunk, meter, report.problems)
     report.bytes_read = meter.done
     return report
 
