@@ -222,7 +222,7 @@ def comm_detail(runs: list[Run]) -> str:
         if defaults:
             calls += "; defaults " + ", ".join(f"{k}={v}" for k, v in defaults.items())
         if in_flight is not None:
-            calls += f"; at most {in_flight} all-gathers in flight"
+            calls += f"; prefetched all-gathers outstanding at once: at most {in_flight}"
         out.append(
             f"- {run.label}: 3·ψ·(W−1)/W·4 B = 3·{psi:,}·{w - 1}/{w}·4 = {th['formula']:,.0f} B; "
             f"the root unit ({run.units()[0]['numel']:,} elements) stays unsharded from forward "
