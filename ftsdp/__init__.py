@@ -1,13 +1,32 @@
-"""ftsdp: checkpoint-centric, fault-tolerant fully sharded data parallel training for PyTorch."""
+"""ftsdp: checkpoint-centric, fault-tolerant fully sharded data parallel training for PyTorch.
 
-from ._collectives import CommStats
-from ._common import CPUOffload, MixedPrecision, ShardingStrategy
-from ._grad_scaler import ShardedGradScaler
-from ._state_dict import ShardView
-from .checkpoint import CheckpointManager, ResumeInfo
-from .fully_sharded import FSDP, FullyShardedDataParallel
+The public names below are loaded on first use, so ``import ftsdp.storage`` (checkpoints for
+inference, the CLI) does not load the engine or the trainer. Subpackages: ``ftsdp.fsdp`` (the
+engine), ``ftsdp.elastic`` (the rank manager), ``ftsdp.storage`` (checkpoint format and I/O),
+``ftsdp.trainer`` (CheckpointManager, the training entry's pieces), ``ftsdp.tools`` (CLIs and
+benchmarks). See docs/design.md.
+"""
 
-__all__ = [
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "FSDP": "ftsdp.fsdp",
+    "CPUOffload": "ftsdp.fsdp",
+    "CommStats": "ftsdp.fsdp",
+    "FullyShardedDataParallel": "ftsdp.fsdp",
+    "MixedPrecision": "ftsdp.fsdp",
+    "ShardView": "ftsdp.fsdp",
+    "ShardedGradScaler": "ftsdp.fsdp",
+    "ShardingStrategy": "ftsdp.fsdp",
+    "CheckpointManager": "ftsdp.trainer",
+    "ResumeInfo": "ftsdp.trainer",
+}
+
+__all__ = [  # the keys of _EXPORTS (tests/unit/test_layout.py checks)
     "FSDP",
     "CPUOffload",
     "CheckpointManager",
@@ -19,3 +38,30 @@ __all__ = [
     "ShardedGradScaler",
     "ShardingStrategy",
 ]
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on first use
+    from ftsdp.fsdp import (
+        FSDP,
+        CommStats,
+        CPUOffload,
+        FullyShardedDataParallel,
+        MixedPrecision,
+        ShardedGradScaler,
+        ShardingStrategy,
+        ShardView,
+    )
+    from ftsdp.trainer import CheckpointManager, ResumeInfo
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        # Not an export: let ``from ftsdp import storage`` fall back to importing the submodule.
+        raise AttributeError(f"module 'ftsdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -6,9 +6,9 @@
     python -m ftsdp.train            # one process, world size 1
     ftsdp-train --help               # every flag, generated from TrainConfig
 
-parse -> build -> run -> close; the logic lives in ``ftsdp._train_config`` (flags, validation),
-``ftsdp._train_loop`` (session, step loop, logs), ``ftsdp.elastic`` (rank manager, sampler,
-signals, watchdog) and ``ftsdp.checkpoint`` (CheckpointManager). See docs/elastic.md.
+parse -> build -> run -> close; the logic lives in ``ftsdp.trainer._config`` (flags, validation),
+``ftsdp.trainer._loop`` (session, step loop, logs), ``ftsdp.elastic`` (rank manager, sampler,
+signals, watchdog) and ``ftsdp.trainer._checkpoint`` (CheckpointManager). See docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from collections.abc import Sequence
 import torch
 
 import ftsdp
-from ftsdp._train_config import TrainConfig, parse_args
-from ftsdp._train_loop import (
+from ftsdp.elastic import GlobalSampler
+from ftsdp.trainer._checkpoint import CheckpointManager
+from ftsdp.trainer._config import TrainConfig, parse_args
+from ftsdp.trainer._loop import (
     Job,
     Session,
     lr_at,
@@ -29,10 +31,8 @@ from ftsdp._train_loop import (
     start_record,
     storage_options_from_env,
 )
-from ftsdp.checkpoint import CheckpointManager
-from ftsdp.data import MarkovDataset
-from ftsdp.elastic import GlobalSampler
-from ftsdp.model import GPT, Block, param_groups
+from ftsdp.trainer.data import MarkovDataset
+from ftsdp.trainer.model import GPT, Block, param_groups
 
 
 def build(cfg: TrainConfig, session: Session) -> Job:

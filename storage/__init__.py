@@ -13,9 +13,9 @@ Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's 
 JSON-able values. ``storage`` never imports ``ftsdp``.
 """
 
-from storage._checks import VerifyReport, diff, inspect_checkpoint, verify
-from storage._convert import ConvertResult, convert, reshard
-from storage._errors import (
+from ftsdp.storage._checks import VerifyReport, diff, inspect_checkpoint, verify
+from ftsdp.storage._convert import ConvertResult, convert, reshard
+from ftsdp.storage._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -23,16 +23,16 @@ from storage._errors import (
     NewerFormatError,
     StateMismatchError,
 )
-from storage._flat_shard import FlatShard
-from storage._gc import GcReport, collect_garbage
-from storage._inference import LazyStateDict, LoadIntoResult, load_into, load_state_dict
-from storage._load import LoadResult, load
-from storage._manifest import FORMAT_VERSION, Manifest
-from storage._options import IOOptions, LoadOptions, SaveOptions
-from storage._save import SaveHandle, save
-from storage._sources import FORMATS, detect_format
-from storage._steps import apply_retention, list_steps, read_manifest
-from storage._streaming import DEFAULT_MAX_MEMORY
+from ftsdp.storage._flat_shard import FlatShard
+from ftsdp.storage._gc import GcReport, collect_garbage
+from ftsdp.storage._inference import LazyStateDict, LoadIntoResult, load_into, load_state_dict
+from ftsdp.storage._load import LoadResult, load
+from ftsdp.storage._manifest import FORMAT_VERSION, Manifest
+from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
+from ftsdp.storage._save import SaveHandle, save
+from ftsdp.storage._sources import FORMATS, detect_format
+from ftsdp.storage._steps import apply_retention, list_steps, read_manifest
+from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY
 
 __all__ = [
     "DEFAULT_MAX_MEMORY",

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from storage._errors import CheckpointError
-from storage._fs import Store
-from storage._layout import manifest_path, parse_step, step_dir
-from storage._manifest import Manifest
-from storage._safetensors import crc32
-from storage._sources import Source, detect_format, open_source, read_safetensors_header
-from storage._steps import committed_steps, resolve_manifest
-from storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, chunk_bytes, split_request
+from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import manifest_path, parse_step, step_dir
+from ftsdp.storage._manifest import Manifest
+from ftsdp.storage._safetensors import crc32
+from ftsdp.storage._sources import Source, detect_format, open_source, read_safetensors_header
+from ftsdp.storage._steps import committed_steps, resolve_manifest
+from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, chunk_bytes, split_request
 
 
 def _step_dirs(store: Store) -> tuple[list[int], list[int]]:

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from storage._feed import Feed, OutTensor
-from storage._sinks import make_sink
-from storage._sources import FORMATS, Source, open_source
-from storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, TensorInfo, chunk_bytes
+from ftsdp.storage._feed import Feed, OutTensor
+from ftsdp.storage._sinks import make_sink
+from ftsdp.storage._sources import FORMATS, Source, open_source
+from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, TensorInfo, chunk_bytes
 
 # First components of names that hold optimizer state (dropped by ``model_only``).
 OPTIMIZER_ROOTS = frozenset(

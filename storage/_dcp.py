@@ -39,10 +39,10 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from storage._dtypes import SUPPORTED
-from storage._errors import CheckpointNotFoundError, CorruptCheckpointError
-from storage._sources import Source
-from storage._streaming import TensorInfo, is_local, read_range_into, url_to_fs
+from ftsdp.storage._dtypes import SUPPORTED
+from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ftsdp.storage._sources import Source
+from ftsdp.storage._streaming import TensorInfo, is_local, read_range_into, url_to_fs
 
 
 def _reader(url: str, storage_options: dict | None) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from storage._ranges import Range
+from ftsdp.storage._ranges import Range
 
 
 def is_dtensor(obj: Any) -> bool:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from storage._sources import Source
-from storage._streaming import Meter, Request, TensorInfo, group_requests, split_request
+from ftsdp.storage._sources import Source
+from ftsdp.storage._streaming import Meter, Request, TensorInfo, group_requests, split_request
 
 
 @dataclass(frozen=True)

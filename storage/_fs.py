@@ -28,9 +28,9 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from storage._options import IOOptions
-from storage._retry import retry
-from storage._streaming import atomic_write
+from ftsdp.storage._options import IOOptions
+from ftsdp.storage._retry import retry
+from ftsdp.storage._streaming import atomic_write
 
 
 class Store:

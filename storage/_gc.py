@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage._errors import CheckpointNotFoundError
-from storage._fs import Store
-from storage._layout import parse_step
-from storage._steps import committed_steps, retain
+from ftsdp.storage._errors import CheckpointNotFoundError
+from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import parse_step
+from ftsdp.storage._steps import committed_steps, retain
 
 
 class _RecordingStore(Store):

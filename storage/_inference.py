@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from storage._errors import StateMismatchError
-from storage._options import LoadOptions
-from storage._sources import FtsdpSource, Source, detect_format, open_source
-from storage._streaming import MiB, TensorInfo
+from ftsdp.storage._errors import StateMismatchError
+from ftsdp.storage._options import LoadOptions
+from ftsdp.storage._sources import FtsdpSource, Source, detect_format, open_source
+from ftsdp.storage._streaming import MiB, TensorInfo
 
 DEFAULT_CHUNK = 8 * MiB
 

@@ -6,18 +6,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage import _errors
-from storage._collectives import all_gather_json, broadcast_json, rank_world, resolve_group
-from storage._dtypes import dtype_name, itemsize
-from storage._errors import CheckpointError, StateMismatchError
-from storage._fs import Store
-from storage._layout import manifest_path
-from storage._manifest import Manifest
-from storage._options import LoadOptions
-from storage._read_plan import Want, make_want, plan_reads
-from storage._reader import deliver, fetch
-from storage._state import TensorLeaf, flatten_state
-from storage._steps import resolve_manifest
+from ftsdp.storage import _errors
+from ftsdp.storage._collectives import all_gather_json, broadcast_json, rank_world, resolve_group
+from ftsdp.storage._dtypes import dtype_name, itemsize
+from ftsdp.storage._errors import CheckpointError, StateMismatchError
+from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import manifest_path
+from ftsdp.storage._manifest import Manifest
+from ftsdp.storage._options import LoadOptions
+from ftsdp.storage._read_plan import Want, make_want, plan_reads
+from ftsdp.storage._reader import deliver, fetch
+from ftsdp.storage._state import TensorLeaf, flatten_state
+from ftsdp.storage._steps import resolve_manifest
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage._dtypes import itemsize, torch_dtype
-from storage._errors import CorruptCheckpointError, NewerFormatError
-from storage._ranges import Range, check_disjoint_cover
+from ftsdp.storage._dtypes import itemsize, torch_dtype
+from ftsdp.storage._errors import CorruptCheckpointError, NewerFormatError
+from ftsdp.storage._ranges import Range, check_disjoint_cover
 
 FORMAT_NAME = "ftsdp.storage"
 FORMAT_VERSION = 1

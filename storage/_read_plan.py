@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from storage._dtypes import itemsize, torch_dtype
-from storage._manifest import Piece, TensorEntry
-from storage._ranges import Range, coalesce, intersect
+from ftsdp.storage._dtypes import itemsize, torch_dtype
+from ftsdp.storage._manifest import Piece, TensorEntry
+from ftsdp.storage._ranges import Range, coalesce, intersect
 
 
 @dataclass

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from storage._errors import CorruptCheckpointError
-from storage._fs import Store
-from storage._layout import step_dir
-from storage._manifest import Piece
-from storage._read_plan import Copy, Span, Want
-from storage._safetensors import crc32
+from ftsdp.storage._errors import CorruptCheckpointError
+from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import step_dir
+from ftsdp.storage._manifest import Piece
+from ftsdp.storage._read_plan import Copy, Span, Want
+from ftsdp.storage._safetensors import crc32
 
 _COPY_CHUNK = 16 << 20  # bytes per copy task, so that one large tensor uses every thread
 

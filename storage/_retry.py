@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from storage._options import IOOptions
+from ftsdp.storage._options import IOOptions
 
 T = TypeVar("T")
 

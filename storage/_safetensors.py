@@ -15,7 +15,7 @@ from typing import IO
 
 import torch
 
-from storage._dtypes import itemsize, safetensors_code
+from ftsdp.storage._dtypes import itemsize, safetensors_code
 
 try:  # the same CRC-32 as zlib's, about 3x faster (ISA-L); optional: ``pip install isal``
     from isal.isal_zlib import crc32

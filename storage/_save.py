@@ -25,18 +25,18 @@ from typing import Any
 
 import torch
 
-from storage._collectives import all_gather_json, rank_world, resolve_group
-from storage._dtypes import dtype_name
-from storage._errors import CheckpointError
-from storage._fs import Store
-from storage._layout import LATEST, abort_marker, done_marker, manifest_path, step_dir
-from storage._manifest import Manifest, Piece, TensorEntry
-from storage._options import SaveOptions
-from storage._safetensors import write_object
-from storage._save_plan import PlannedObject, SavePlan, make_plan
-from storage._staging import StagingBudget, StagingPool, stage
-from storage._state import TensorLeaf, flatten_state
-from storage._steps import committed_steps, retain
+from ftsdp.storage._collectives import all_gather_json, rank_world, resolve_group
+from ftsdp.storage._dtypes import dtype_name
+from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import LATEST, abort_marker, done_marker, manifest_path, step_dir
+from ftsdp.storage._manifest import Manifest, Piece, TensorEntry
+from ftsdp.storage._options import SaveOptions
+from ftsdp.storage._safetensors import write_object
+from ftsdp.storage._save_plan import PlannedObject, SavePlan, make_plan
+from ftsdp.storage._staging import StagingBudget, StagingPool, stage
+from ftsdp.storage._state import TensorLeaf, flatten_state
+from ftsdp.storage._steps import committed_steps, retain
 
 _lock = threading.Lock()
 _previous: SaveHandle | None = None

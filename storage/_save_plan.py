@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from storage._dtypes import itemsize, torch_dtype
-from storage._layout import object_name
-from storage._options import SaveOptions
-from storage._ranges import Range, check_disjoint_cover, check_range, segments
-from storage._safetensors import layout
+from ftsdp.storage._dtypes import itemsize, torch_dtype
+from ftsdp.storage._layout import object_name
+from ftsdp.storage._options import SaveOptions
+from ftsdp.storage._ranges import Range, check_disjoint_cover, check_range, segments
+from ftsdp.storage._safetensors import layout
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from storage._dtypes import dtype_name, safetensors_code
-from storage._feed import Feed
-from storage._fs import Store
-from storage._layout import LATEST, manifest_path, parse_step, step_dir
-from storage._manifest import Manifest, Piece, TensorEntry
-from storage._options import SaveOptions
-from storage._safetensors import crc32
-from storage._save_plan import make_plan
-from storage._sources import HF_INDEX, HF_SINGLE, SHARD_NAME, VALUES_KEY
-from storage._steps import committed_steps, remove_step
-from storage._streaming import Request, atomic_write, is_local, tensor_bytes, url_to_fs
+from ftsdp.storage._dtypes import dtype_name, safetensors_code
+from ftsdp.storage._feed import Feed
+from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import LATEST, manifest_path, parse_step, step_dir
+from ftsdp.storage._manifest import Manifest, Piece, TensorEntry
+from ftsdp.storage._options import SaveOptions
+from ftsdp.storage._safetensors import crc32
+from ftsdp.storage._save_plan import make_plan
+from ftsdp.storage._sources import HF_INDEX, HF_SINGLE, SHARD_NAME, VALUES_KEY
+from ftsdp.storage._steps import committed_steps, remove_step
+from ftsdp.storage._streaming import Request, atomic_write, is_local, tensor_bytes, url_to_fs
 
 
 class _BlockCrc:
@@ -328,7 +328,7 @@ class DcpSink:
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int, chunk: int
     ) -> list[str]:
-        from storage._dcp import write_dcp
+        from ftsdp.storage._dcp import write_dcp
 
         write_dcp(self.url, self.options, feed.infos, values, feed.block, chunk)
         return [self.url]

@@ -19,20 +19,20 @@ from typing import Any
 
 import torch
 
-from storage._dtypes import BY_SAFETENSORS_CODE, torch_dtype
-from storage._errors import (
+from ftsdp.storage._dtypes import BY_SAFETENSORS_CODE, torch_dtype
+from ftsdp.storage._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from storage._fs import Store
-from storage._layout import LATEST, parse_step
-from storage._options import IOOptions
-from storage._ranges import Range
-from storage._read_plan import Want, plan_reads
-from storage._reader import execute
-from storage._steps import resolve_manifest
-from storage._streaming import TensorInfo, read_range_into, url_to_fs
+from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import LATEST, parse_step
+from ftsdp.storage._options import IOOptions
+from ftsdp.storage._ranges import Range
+from ftsdp.storage._read_plan import Want, plan_reads
+from ftsdp.storage._reader import execute
+from ftsdp.storage._steps import resolve_manifest
+from ftsdp.storage._streaming import TensorInfo, read_range_into, url_to_fs
 
 FORMATS = ("ftsdp", "hf", "torch", "dcp")
 HF_INDEX = "model.safetensors.index.json"
@@ -309,6 +309,6 @@ def open_source(
         return HfSource(url, storage_options)
     if fmt == "torch":
         return TorchSource(url, storage_options)
-    from storage._dcp import DcpSource  # imports torch.distributed.checkpoint (a second)
+    from ftsdp.storage._dcp import DcpSource  # imports torch.distributed.checkpoint (a second)
 
     return DcpSource(url, storage_options, chunk)

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from storage._dtensor import dtensor_range, is_dtensor
-from storage._dtypes import dtype_name
-from storage._flat_shard import FlatShard
-from storage._ranges import Range
+from ftsdp.storage._dtensor import dtensor_range, is_dtensor
+from ftsdp.storage._dtypes import dtype_name
+from ftsdp.storage._flat_shard import FlatShard
+from ftsdp.storage._ranges import Range
 
 
 @dataclass

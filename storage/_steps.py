@@ -5,14 +5,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from storage._errors import (
+from ftsdp.storage._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from storage._fs import Store
-from storage._layout import MANIFEST, manifest_path, parse_step, step_dir
-from storage._manifest import Manifest
+from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import MANIFEST, manifest_path, parse_step, step_dir
+from ftsdp.storage._manifest import Manifest
 
 
 def committed_steps(store: Store) -> list[int]:

@@ -7,7 +7,7 @@ A failure on any rank is re-raised in the test with that rank's traceback; a ran
 finish within ``timeout`` seconds fails the test instead of hanging it.
 
 Spawning costs a couple of seconds per process (importing torch), so a test module spawns once
-and runs its grid of cases inside ``fn`` (see STYLE.md, "one spawn per test module").
+and runs its grid of cases inside ``fn``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-import storage
+from ftsdp import storage
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "storage_v1"
 STEP = 7

@@ -1,7 +1,7 @@
 """Tables and verdicts of ``tools/bench_engine.py`` from the per-rank results of each run.
 
 Every number printed comes from the ranks' measurements or from the formulas here (ZeRO's
-model-state and communication formulas, see FIELD.md); nothing is typed in by hand.
+model-state and communication formulas, see docs/design.md, "The engine"); nothing is typed in by hand.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from tools._markdown import replace_section
+from ftsdp.tools._markdown import replace_section
 
 MB = 1e6
 FP32 = 4

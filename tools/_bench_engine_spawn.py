@@ -17,7 +17,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-RANK_MAIN = "tools._bench_engine_ranks:rank_main"
+RANK_MAIN = "ftsdp.tools._bench_engine_ranks:rank_main"
 
 
 def _entry(rank: int, world: int, port: int, cfg: dict, q: Any, target: str) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import storage
+from ftsdp import storage
 
 # -- the state ------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Checkpoint benchmark: ``storage`` vs ``torch.distributed.checkpoint`` on local disk, and S3.
 
-    python -m tools.bench_checkpoint --size-mb 400 --ranks 2 --out docs/benchmarks.md
+    python -m ftsdp.tools.bench_checkpoint --size-mb 400 --ranks 2 --out docs/benchmarks.md
 
 One run saves an FSDP2-style model + AdamW state (DTensor ``Shard(0)``, see the note in
 ``tools/_bench_ranks.py``) with ``--ranks`` gloo CPU ranks, with ``storage`` and with DCP (sync and
@@ -23,8 +23,8 @@ import tempfile
 import time
 from typing import Any
 
-from tools import _bench_ranks as ranks
-from tools._markdown import replace_section
+from ftsdp.tools import _bench_ranks as ranks
+from ftsdp.tools._markdown import replace_section
 
 GB = 1e9
 
@@ -258,7 +258,9 @@ def environment() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    command = "python -m tools.bench_checkpoint " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m ftsdp.tools.bench_checkpoint " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     env = environment()
     res = run(args)
     tab, verdicts = table(args, res)

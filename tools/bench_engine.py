@@ -1,6 +1,6 @@
 """Engine benchmark: ftsdp FULL_SHARD vs torch FSDP2 (``fully_shard``) vs torch DDP, side by side.
 
-    python -m tools.bench_engine --out docs/benchmarks.md
+    python -m ftsdp.tools.bench_engine --out docs/benchmarks.md
 
 For each world size (CPU ranks on gloo; plus 1 GPU on NCCL when CUDA is available) one spawned
 process group builds the same GPT from the same seed once per engine, feeds every engine the same
@@ -20,8 +20,8 @@ import pstats
 import sys
 import time
 
-from tools import _bench_engine_report as report
-from tools import _bench_engine_spawn
+from ftsdp.tools import _bench_engine_report as report
+from ftsdp.tools import _bench_engine_spawn
 
 ENGINES = ("ftsdp", "fsdp2", "ddp")
 VARIANTS = (
@@ -32,7 +32,7 @@ VARIANTS = (
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    m = p.add_argument_group("model (GPT from ftsdp.model)")
+    m = p.add_argument_group("model (GPT from ftsdp.trainer.model)")
     m.add_argument("--n-layer", type=int, default=4)
     m.add_argument("--n-embd", type=int, default=256)
     m.add_argument("--n-head", type=int, default=4)
@@ -150,7 +150,9 @@ def profile_notes(runs: list[report.Run], top: int = 12) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    command = "python -m tools.bench_engine " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m ftsdp.tools.bench_engine " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     load_start = os.getloadavg()
     runs = run(args)
     env = report.environment(runs, load_start, os.getloadavg())

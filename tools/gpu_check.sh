@@ -12,7 +12,7 @@ python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0)
 python3 -m pytest -p no:cacheprovider -o addopts="-ra" -q tests/gpu 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 cp docs/benchmarks.md "$out/benchmarks.md"
-timeout 300 python3 -m tools.bench_engine --cuda only --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log"
+timeout 300 python -m ftsdp.tools.bench_engine --cuda only --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
 echo "gpu tests exit $tests, benchmark exit $bench"
 exit $(( tests || bench ))

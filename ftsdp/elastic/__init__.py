@@ -1,5 +1,5 @@
 """ftsdp.elastic: the rank manager that lets a torchrun job survive node loss, preemption and
-hangs, and continue on another world size (DESIGN.md, "Elastic training"; docs/elastic.md).
+hangs, and continue on another world size (docs/design.md, "Elastic guarantees"; docs/elastic.md).
 
 - :class:`RankManager` reads torchrun's environment, joins the process group with a timeout,
   agrees on the incarnation, and agrees on flags at step boundaries.
@@ -11,7 +11,6 @@ hangs, and continue on another world size (DESIGN.md, "Elastic training"; docs/e
 The engine never imports this package and this package never imports the engine.
 """
 
-from ftsdp.elastic._faults import EXIT_INJECTED, Fault, FaultInjector, parse_faults
 from ftsdp.elastic._geometry import BatchGeometry, valid_world_sizes
 from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device
 from ftsdp.elastic._sampler import GlobalSampler, RankBatchSampler
@@ -22,12 +21,9 @@ EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL: a peer was preempted; restart me (docs/
 
 __all__ = [
     "EXIT_GRACE_EXCEEDED",
-    "EXIT_INJECTED",
     "EXIT_PEER_PREEMPTED",
     "EXIT_STALL",
     "BatchGeometry",
-    "Fault",
-    "FaultInjector",
     "GlobalSampler",
     "Peer",
     "PreemptionHandler",
@@ -36,7 +32,6 @@ __all__ = [
     "RankManager",
     "Stall",
     "Watchdog",
-    "parse_faults",
     "read_env",
     "resolve_device",
     "valid_world_sizes",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import storage
+from ftsdp import storage
 from tests._dist import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -23,7 +23,7 @@ GLOBAL_BATCH, MICRO = 12, 1
 
 def _build(seed: int):
     import ftsdp
-    from ftsdp.model import GPT, Block, GPTConfig, param_groups
+    from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -39,8 +39,8 @@ def _train(model, opt, sched, rank: int, world: int, trainer: dict, steps: int) 
 
     import torch.distributed as dist
 
-    from ftsdp.data import MarkovDataset
     from ftsdp.elastic import BatchGeometry, GlobalSampler
+    from ftsdp.trainer.data import MarkovDataset
 
     ds = MarkovDataset(64, 16, seed=0)
     sampler = GlobalSampler(len(ds), seed=0)
@@ -78,8 +78,8 @@ def _np(state: dict) -> dict:
 def _save_phase(rank: int, world: int, url: str) -> dict:
     import time
 
-    from ftsdp.checkpoint import CheckpointManager
     from ftsdp.elastic import RankManager, Watchdog
+    from ftsdp.trainer._checkpoint import CheckpointManager
 
     rm = RankManager.init(device="cpu", timeout_s=60)
     assert (rm.rank, rm.world_size) == (rank, world) and len(rm.incarnation) == 12
@@ -109,7 +109,7 @@ def _save_phase(rank: int, world: int, url: str) -> dict:
 
 
 def _resume_phase(rank: int, world: int, url: str, again: str) -> dict:
-    from ftsdp.checkpoint import CheckpointManager
+    from ftsdp.trainer._checkpoint import CheckpointManager
 
     model, opt, sched = _build(1)  # a different init: everything must come from the checkpoint
     ckpt = CheckpointManager(url, model, opt, lr_scheduler=sched, async_save=False)
@@ -170,7 +170,7 @@ def test_resume_at_another_world_size(saved, tmp_path, world: int) -> None:
 
 
 def _unexpected_error_phase(rank: int, world: int, url: str) -> str:
-    from ftsdp.checkpoint import CheckpointManager
+    from ftsdp.trainer._checkpoint import CheckpointManager
 
     model, opt, sched = _build(1)
     if rank == 1:  # a bug-like error on one rank only, after the load's own collectives

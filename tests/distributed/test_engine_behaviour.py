@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ftsdp
-from ftsdp.model import GPT, Block, GPTConfig
+from ftsdp.trainer.model import GPT, Block, GPTConfig
 from tests._dist import run_ranks
 
 WORLD = 3
@@ -127,7 +127,7 @@ def check_two_forwards_and_unused(rank: int) -> None:
 def check_collectives(rank: int) -> None:
     """The flat collectives against their definitions, sync and async, on gloo (where the
     all-gather is broadcasts and a consuming reduce-scatter is an in-place all-reduce)."""
-    from ftsdp._collectives import all_gather_flat, reduce_scatter_flat
+    from ftsdp.fsdp._collectives import all_gather_flat, reduce_scatter_flat
 
     group = dist.group.WORLD
     for n, dtype in ((5, torch.float32), (1, torch.float32), (4, torch.bfloat16)):

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ftsdp
-from ftsdp.model import GPT, Block, GPTConfig, param_groups
+from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 from tests._dist import run_ranks
 
 WORLD = 4

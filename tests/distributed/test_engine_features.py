@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ftsdp
-from ftsdp.model import GPT, Block, GPTConfig, param_groups
+from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 from tests._dist import run_ranks
 
 WORLD = 4

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ftsdp
-from ftsdp.model import GPT, Block, GPTConfig, param_groups
+from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 from tests._dist import run_ranks
 
 WORLD = 2

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import ftsdp
-from ftsdp import _streams, _unit, fully_sharded
-from ftsdp.model import GPT, Block, GPTConfig, param_groups
+from ftsdp.fsdp import _fully_sharded, _streams, _unit
+from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 from tests._dist import run_ranks
 
 WORLD = 2
@@ -87,7 +87,7 @@ def _install(api: FakeCuda | None) -> None:
     """Make every new FSDP use the stream schedule over ``api`` (None: the host schedule),
     and log each collective with the stream current when it is issued."""
     if api is None:
-        fully_sharded.schedule_for = _streams.schedule_for
+        _fully_sharded.schedule_for = _streams.schedule_for
         for name in ("all_gather_flat", "reduce_scatter_flat"):
             setattr(_unit, name, getattr(_unit, f"_orig_{name}", getattr(_unit, name)))
         return
@@ -95,7 +95,7 @@ def _install(api: FakeCuda | None) -> None:
     def schedule_for(device, *, limit_all_gathers=True):
         return _streams.StreamSchedule(device, api=api, limit_all_gathers=limit_all_gathers)
 
-    fully_sharded.schedule_for = schedule_for
+    _fully_sharded.schedule_for = schedule_for
     for name, kind in (("all_gather_flat", "all_gather"), ("reduce_scatter_flat", "reduce")):
         original = getattr(_unit, f"_orig_{name}", None) or getattr(_unit, name)
         setattr(_unit, f"_orig_{name}", original)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import storage
+from ftsdp import storage
 from tests._dist import run_ranks
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
@@ -174,7 +174,7 @@ def _async_cases(rank: int, world: int, root: str) -> None:
 
     # A failure on one rank fails the save on every rank (nobody hangs) and commits nothing.
     if rank == 2:
-        from storage._fs import Store
+        from ftsdp.storage._fs import Store
 
         real = Store._write_once
 

@@ -1,4 +1,4 @@
-"""Smoke test of the engine benchmark: ``python -m tools.bench_engine`` at the tiniest size, 2 steps,
+"""Smoke test of the engine benchmark: ``python -m ftsdp.tools.bench_engine`` at the tiniest size, 2 steps,
 world size 2; it must print its tables and one MET / MISSED line per target, and write its
 section of the Markdown file without touching anyone else's."""
 
@@ -28,7 +28,7 @@ def test_tiny_run_prints_tables_and_verdicts_and_writes_only_its_section(tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.bench_engine", *TINY, "--out", str(out)],
+        [sys.executable, "-m", "ftsdp.tools.bench_engine", *TINY, "--out", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -57,12 +57,12 @@ def test_tiny_run_prints_tables_and_verdicts_and_writes_only_its_section(tmp_pat
     text = out.read_text()
     assert text.startswith(OTHERS.rstrip("\n")), text[:400]  # their sections, untouched
     assert text.count("## Engine") == 1
-    assert "`python -m tools.bench_engine " in text and "--out " in text
+    assert "`python -m ftsdp.tools.bench_engine " in text and "--out " in text
     assert "| W=2 CPU/gloo | ftsdp |" in text
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path) -> None:
-    from tools._bench_engine_report import write_section
+    from ftsdp.tools._bench_engine_report import write_section
 
     path = tmp_path / "b.md"
     path.write_text(OTHERS)

@@ -45,7 +45,7 @@ def _fsdp2(rank: int, world: int, url: str, group) -> list[float]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from ftsdp.model import GPT, Block, GPTConfig
+    from ftsdp.trainer.model import GPT, Block, GPTConfig
 
     mesh = DeviceMesh.from_group(group, "cpu")
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def _both(rank: int, world: int, tmp: str) -> tuple[list[float], list[float]]:
     """FSDP2 on ranks 0 and 1 (rank 2 waits), the conversion on rank 0, ftsdp on all three."""
     import torch.distributed as dist
 
-    from tools.ckpt import main
+    from ftsdp.tools.ckpt import main
 
     group = dist.new_group([0, 1])
     expected = _fsdp2(rank, 2, f"{tmp}/fsdp2-dcp", group) if rank < 2 else []
@@ -79,8 +79,8 @@ def _both(rank: int, world: int, tmp: str) -> tuple[list[float], list[float]]:
 
 def _ftsdp(rank: int, world: int, url: str) -> list[float]:
     import ftsdp
-    import storage
-    from ftsdp.model import GPT, Block, GPTConfig
+    from ftsdp import storage
+    from ftsdp.trainer.model import GPT, Block, GPTConfig
 
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
     model = ftsdp.FSDP(GPT(GPTConfig(**CONFIG)), auto_wrap_policy={Block})

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-import storage
+from ftsdp import storage
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -100,7 +100,7 @@ def test_progress_on_a_terminal_only(tmp_path: pathlib.Path) -> None:
     master, slave = pty.openpty()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "tools.ckpt", "convert", src, str(tmp_path / "o"), "--to", "hf"],
+            [sys.executable, "-m", "ftsdp.tools.ckpt", "convert", src, str(tmp_path / "o"), "--to", "hf"],
             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=slave, timeout=60,
         )  # fmt: skip
         os.close(slave)

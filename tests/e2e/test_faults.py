@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-import storage
+from ftsdp import storage
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 12

@@ -10,8 +10,8 @@ import pathlib
 import pytest
 import torch
 
-import storage
-from tools.ckpt import main
+from ftsdp import storage
+from ftsdp.tools.ckpt import main
 
 SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=4000)
 
@@ -233,7 +233,7 @@ def test_closed_pipe_ends_quietly(tmp_path) -> None:
     url = str(tmp_path / "many")
     storage.save({f"t{i:05d}": torch.zeros(1) for i in range(4000)}, url, step=1)  # > pipe buffer
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.ckpt", "inspect", url],
+        [sys.executable, "-m", "ftsdp.tools.ckpt", "inspect", url],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=pathlib.Path(__file__).resolve().parents[2],

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import storage
+from ftsdp import storage
+from ftsdp.tools.ckpt import main
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
-from tools.ckpt import main
 
 SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=6000)
 
@@ -178,7 +178,7 @@ def test_interrupted_convert_never_looks_complete(
 ) -> None:
     """The feed stops after a few tensors (deterministically, as ^C would): the destination must
     not read as a checkpoint, and a later convert into it succeeds without --overwrite."""
-    from storage._feed import Feed
+    from ftsdp.storage._feed import Feed
 
     real, served = Feed.stream, []
 

@@ -13,16 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import storage
-from ftsdp.elastic import (
-    FaultInjector,
-    PreemptionHandler,
-    RankInfo,
-    Watchdog,
-    _faulty_fs,
-    parse_faults,
-    read_env,
-)
+from ftsdp import storage
+from ftsdp.elastic import PreemptionHandler, RankInfo, Watchdog, read_env
+from ftsdp.testing import _faulty_fs
+from ftsdp.testing._faults import FaultInjector, parse_faults
 
 pytestmark = pytest.mark.timeout(60)
 

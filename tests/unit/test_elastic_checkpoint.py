@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ftsdp
-import storage
-from ftsdp.checkpoint import CheckpointManager
-from ftsdp.model import GPT, Block, GPTConfig, param_groups
+from ftsdp import storage
+from ftsdp.trainer._checkpoint import CheckpointManager
+from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 
 pytestmark = pytest.mark.timeout(120)
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)

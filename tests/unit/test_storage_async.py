@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-import storage
-from storage._fs import Store
+from ftsdp import storage
+from ftsdp.storage._fs import Store
 
 
 @pytest.fixture

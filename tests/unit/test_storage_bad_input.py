@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-import storage
+from ftsdp import storage
 
 OPTS = storage.SaveOptions(object_bytes=64, checksum_block_bytes=32)  # 'w' spans 3 objects
 

@@ -14,7 +14,7 @@ import fsspec
 import pytest
 import torch
 
-import storage
+from ftsdp import storage
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 SMALL_BLOCKS = storage.SaveOptions(checksum_block_bytes=64, object_bytes=6000)
@@ -242,7 +242,7 @@ def test_a_write_that_fails_half_way_leaves_no_object(
 ) -> None:
     """On an object store, closing an upload completes it: a write that raises must discard
     the upload, or a partial manifest would look like a committed step."""
-    from storage._fs import Store
+    from ftsdp.storage._fs import Store
 
     url, opts = durable_backend
     store = Store(url, opts, storage.IOOptions(max_attempts=1))

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import storage
-from storage import _save
-from storage._fs import Store
+from ftsdp import storage
+from ftsdp.storage import _save
+from ftsdp.storage._fs import Store
 
 # Tiny blocks, objects and parts so that copies span several parts, pieces and objects.
 SAVE = storage.SaveOptions(checksum_block_bytes=64, object_bytes=1000)

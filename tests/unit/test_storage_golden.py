@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-import storage
+from ftsdp import storage
 from tests.make_storage_golden import GOLDEN, OPTIONS, STEP, golden_state
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-import storage
-from storage._sources import Source
+from ftsdp import storage
+from ftsdp.storage._sources import Source
 
 SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=5000)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from storage import SaveOptions
-from storage._manifest import Piece, TensorEntry
-from storage._ranges import Range, check_disjoint_cover, coalesce, intersect, segments
-from storage._read_plan import make_want, plan_reads
-from storage._save_plan import make_plan
+from ftsdp.storage import SaveOptions
+from ftsdp.storage._manifest import Piece, TensorEntry
+from ftsdp.storage._ranges import Range, check_disjoint_cover, coalesce, intersect, segments
+from ftsdp.storage._read_plan import make_want, plan_reads
+from ftsdp.storage._save_plan import make_plan
 
 
 def test_range_arithmetic() -> None:

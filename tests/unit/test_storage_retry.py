@@ -10,9 +10,9 @@ import torch
 from botocore.exceptions import ClientError
 from fsspec.implementations.memory import MemoryFileSystem
 
-import storage
-from storage._fs import Store
-from storage._retry import is_transient, retry
+from ftsdp import storage
+from ftsdp.storage._fs import Store
+from ftsdp.storage._retry import is_transient, retry
 
 
 def _client_error(code: str) -> ClientError:

@@ -12,9 +12,9 @@ import os
 import sys
 from typing import TextIO
 
-from storage import CheckpointError
-from tools.ckpt._args import PROG, UsageError, parse
-from tools.ckpt._commands import COMMANDS
+from ftsdp.storage import CheckpointError
+from ftsdp.tools.ckpt._args import PROG, UsageError, parse
+from ftsdp.tools.ckpt._commands import COMMANDS
 
 # Errors that describe the input, not a bug here: one line and exit code 2.
 USER_ERRORS = (CheckpointError, UsageError, OSError, ValueError, KeyError)

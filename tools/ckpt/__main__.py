@@ -1,7 +1,7 @@
-"""``python -m tools.ckpt ...``: the same as the ``ftsdp-ckpt`` console script."""
+"""``python -m ftsdp.tools.ckpt ...``: the same as the ``ftsdp-ckpt`` console script."""
 
 import sys
 
-from tools.ckpt import main
+from ftsdp.tools.ckpt import main
 
 sys.exit(main())

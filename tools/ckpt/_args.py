@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 
 import torch
 
-import storage
+from ftsdp import storage
 
 PROG = "ftsdp-ckpt"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.I)

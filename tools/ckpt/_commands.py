@@ -7,8 +7,8 @@ import json
 from collections.abc import Callable
 from typing import Any, TextIO
 
-import storage
-from tools.ckpt._progress import human_bytes, progress_for
+from ftsdp import storage
+from ftsdp.tools.ckpt._progress import human_bytes, progress_for
 
 
 def _emit(out: TextIO, obj: Any) -> None:

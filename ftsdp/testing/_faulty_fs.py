@@ -26,7 +26,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
-from ftsdp.elastic._faults import EXIT_INJECTED, Fault, log_fault
+from ftsdp.testing._faults import EXIT_INJECTED, Fault, log_fault
 
 PROTOCOL = "faulty"
 _DATA = re.compile(r"(?:^|/)step-(\d+)/rank\d+-\d+-[0-9a-f]+\.safetensors$")

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import storage
-from ftsdp import _checkpoint_state as cs
+from ftsdp import storage
+from ftsdp.trainer import _checkpoint_state as cs
 
 _OK, _FALLBACK, _FATAL = 0, 1, 2
 

@@ -1,6 +1,6 @@
 """The checkpoint state of a wrapped model and its optimizer, as storage leaves.
 
-The engine hands out ``ShardView``s (DESIGN.md, "the engine/storage seam"); each becomes a
+The engine hands out ``ShardView``s (docs/design.md, "The engine/storage seam"); each becomes a
 ``storage.FlatShard`` over the same live tensor, so ``storage.save`` reads the shards and
 ``storage.load`` fills them in place. Everything that is not a tensor (param group
 hyper-parameters, LR scheduler, RNG states) is one JSON string per entry, so a checkpoint's key
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-import storage
+from ftsdp import storage
 
 
 def _flat(view: Any) -> storage.FlatShard:

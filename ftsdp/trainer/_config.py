@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ftsdp.elastic import BatchGeometry
-from ftsdp.model import GPTConfig
+from ftsdp.trainer.model import GPTConfig
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 DEVICES = ("auto", "cpu", "cuda")

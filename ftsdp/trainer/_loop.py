@@ -8,7 +8,7 @@ The engine is used only through its public wrapper (``model(idx, targets)``, ``n
 After every optimizer step the ranks run one ``all_reduce(MAX)`` over two flags: "a rank was
 preempted" and "a time-based checkpoint is due on some rank". Every rank therefore takes the
 same decision at the same step (save, stop), and a rank that was not signalled still saves
-with the others. Faults of the suite fire at the same boundaries (``ftsdp.elastic._faults``).
+with the others. Faults of the suite fire at the same boundaries (``ftsdp.testing._faults``).
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from ftsdp._train_config import TrainConfig
-from ftsdp.checkpoint import CheckpointManager
-from ftsdp.data import MarkovDataset
 from ftsdp.elastic import (
     EXIT_PEER_PREEMPTED,
     BatchGeometry,
-    FaultInjector,
     GlobalSampler,
     PreemptionHandler,
     RankManager,
     Watchdog,
 )
+from ftsdp.testing._faults import FaultInjector
+from ftsdp.trainer._checkpoint import CheckpointManager
+from ftsdp.trainer._config import TrainConfig
+from ftsdp.trainer.data import MarkovDataset
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -13,7 +13,7 @@ callback that runs when the whole backward is done: it waits for every reduction
 ``loss.backward()`` returns with the sharded gradients in place) and reshards every unit.
 
 The order of collectives is the autograd order, identical on every rank as long as every rank
-runs the same model on the same control flow (see FIELD.md: rank-divergent control flow hangs).
+runs the same model on the same control flow (docs/design.md, "The engine": rank-divergent control flow hangs).
 """
 
 from __future__ import annotations

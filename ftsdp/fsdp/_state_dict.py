@@ -1,6 +1,6 @@
 """State of a wrapped model as plain data: full state dicts and sharded views.
 
-The sharded views are what checkpointing consumes (DESIGN.md, "the engine/storage seam"): for
+The sharded views are what checkpointing consumes (docs/design.md, "The engine/storage seam"): for
 each original parameter its name, global shape, dtype and the flat range ``(offset, length)``
 of its row-major flattened elements that this rank holds, with the local 1-D tensor. Nothing
 engine-specific crosses that seam.

@@ -169,7 +169,7 @@ class FaultInjector:
         saves = [f for f in self.faults if f.kind == "crash_in_save"]
         if not saves:
             return url
-        from ftsdp.elastic import _faulty_fs
+        from ftsdp.testing import _faulty_fs
 
         return _faulty_fs.arm(url, saves, self.rank)
 

@@ -1,0 +1,14 @@
+"""ftsdp.trainer: what composes the engine, the rank manager and storage into a training job.
+
+- :class:`CheckpointManager` saves and resumes a wrapped model, its optimizer and the caller's
+  state at any world size (``_checkpoint``, ``_checkpoint_state``).
+- :class:`TrainConfig` and ``parse_args`` are the training entry's flags (``_config``); the
+  session, the step loop and the logs are in ``_loop``; ``python -m ftsdp.train`` runs them.
+- ``ftsdp.trainer.model`` (a small GPT) and ``ftsdp.trainer.data`` (a synthetic language) are the
+  example the main job trains.
+"""
+
+from ftsdp.trainer._checkpoint import CheckpointManager, ResumeInfo
+from ftsdp.trainer._config import TrainConfig, parse_args
+
+__all__ = ["CheckpointManager", "ResumeInfo", "TrainConfig", "parse_args"]

@@ -1,0 +1,183 @@
+"""The package layout: one installed namespace, the import rules between its parts, no cycles.
+
+Read from the source tree (no imports of the product), so a violation names the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+import tomllib
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+# repository folder -> the package it installs as (pyproject.toml's package-dir)
+ROOTS = {"ftsdp": "ftsdp", "storage": "ftsdp.storage", "tools": "ftsdp.tools"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the product by its installed dotted name."""
+    out = {}
+    for folder, package in ROOTS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = path.relative_to(REPO / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in a file, relative ones resolved; an imported name
+    that is itself a module (``from ftsdp import storage``) counts as that module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.append((node.lineno, sub if sub in MODULES else base))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the product modules it imports (a submodule import also runs its packages)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        deps = set()
+        for _, target in _imports(name, path):
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                # importing a package's submodule runs the package's __init__ first, but a
+                # module importing its own package's __init__ is the import system's own order
+                if dep in MODULES and dep != name and not name.startswith(dep + "."):
+                    deps.add(dep)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def _violations(prefix: str, allowed) -> list[str]:
+    bad = []
+    for name, path in MODULES.items():
+        if name == prefix or name.startswith(prefix + "."):
+            for line, target in _imports(name, path):
+                if target.split(".")[0] == "ftsdp" and not allowed(target):
+                    bad.append(f"{path.relative_to(REPO)}:{line} imports {target}")
+    return bad
+
+
+def _within(*packages: str):
+    return lambda target: any(target == p or target.startswith(p + ".") for p in packages)
+
+
+def test_storage_imports_nothing_else_of_ftsdp() -> None:
+    assert _violations("ftsdp.storage", _within("ftsdp.storage")) == []
+
+
+def test_engine_and_elastic_do_not_import_each_other_or_the_trainer() -> None:
+    assert _violations("ftsdp.fsdp", _within("ftsdp.fsdp")) == []
+    assert _violations("ftsdp.elastic", _within("ftsdp.elastic")) == []
+
+
+def test_tools_use_public_names_only() -> None:
+    def public(target: str) -> bool:
+        if target.startswith("ftsdp.tools"):
+            return True
+        return not any(part.startswith("_") for part in target.split(".")[1:])
+
+    assert _violations("ftsdp.tools", public) == []
+
+
+def test_no_code_imports_the_old_top_level_names() -> None:
+    pattern = re.compile(r"^\s*(import|from)\s+(storage|tools)\b", re.M)
+    bad = [
+        str(p.relative_to(REPO))
+        for folder in (*ROOTS, "tests")
+        for p in (REPO / folder).rglob("*.py")
+        if pattern.search(p.read_text())
+    ]
+    assert bad == []
+
+
+def test_pyproject_lists_every_package_with_its_folder() -> None:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"] == {v: k for k, v in ROOTS.items()}
+    packages = sorted(n for n, p in MODULES.items() if p.name == "__init__.py")
+    assert sorted(config["packages"]) == packages
+
+
+def test_top_level_exports_are_listed_once_and_resolve() -> None:
+    import ftsdp
+
+    assert sorted(ftsdp.__all__) == sorted(ftsdp._EXPORTS)
+    for name in ftsdp.__all__:
+        assert getattr(ftsdp, name).__name__ in (name, "FullyShardedDataParallel")
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        ftsdp.nope  # noqa: B018
+
+
+def test_the_repository_speaks_for_itself() -> None:
+    """No code or doc points to design files outside the repository."""
+    pattern = re.compile(r"\b(DESIGN|FIELD|STYLE)\.md\b|\.\./shared\b")
+    files = [p for folder in (*ROOTS, "tests", "docs") for p in (REPO / folder).rglob("*.*")]
+    files += [REPO / "README.md", REPO / "pyproject.toml"]
+    bad = [
+        str(p.relative_to(REPO))
+        for p in files
+        if p.suffix in (".py", ".md", ".toml", ".sh") and pattern.search(p.read_text())
+    ]
+    assert bad == []
