@@ -21,24 +21,29 @@ loop may start at that step boundary; ``term`` and ``usr1`` default to ``after_s
 async save is in flight when the signal lands, the others to ``before_save``).
 
 Before firing, a fault appends ``{"event": "fault", ...}`` with the wall time to the JSONL file
-named by ``FTSDP_FAULT_LOG`` (and to stderr), which is how the suite measures detection and
-recovery times. Faults fire at step boundaries (after step ``step`` completed), never on a timer.
+named by ``FTSDP_FAULT_LOG`` (and a warning to this module's logger, which Python prints on
+stderr when nothing is configured), which is how the suite measures detection and recovery
+times. Faults fire at step boundaries (after step ``step`` completed), never on a timer.
+
+This module parses, logs and fires; it imports nothing else of ``ftsdp``. ``_faulty_fs``
+(crash_in_save) imports it, and ``_hook`` composes both into the trainer's step hook.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
-import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 KINDS = ("kill", "stop", "term", "usr1", "exit", "hang", "kill_node", "crash_in_save")
 SAVE_POINTS = ("after_data", "before_manifest", "before_latest")
 EXIT_INJECTED = 91  # the exit status of crash_in_save and of exit without code=
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -94,11 +99,11 @@ def parse_faults(spec: str) -> list[Fault]:
     return faults
 
 
-_incarnation = ""  # set by FaultInjector.bind: which start of the worker group fired a fault
+def log_fault(fault: Fault, rank: int, incarnation: str = "", **extra: object) -> None:
+    """Record the fault (wall time) in ``FTSDP_FAULT_LOG`` and on the log before it fires.
 
-
-def log_fault(fault: Fault, rank: int, **extra: object) -> None:
-    """Record the fault (wall time) in ``FTSDP_FAULT_LOG`` and on stderr before it fires."""
+    ``incarnation`` names the start of the worker group that fired it, so a report can tell
+    restarts apart."""
     record = {
         "event": "fault",
         "kind": fault.kind,
@@ -106,11 +111,11 @@ def log_fault(fault: Fault, rank: int, **extra: object) -> None:
         "rank": rank,
         "step": fault.step,
         "pid": os.getpid(),
-        "incarnation": _incarnation,
+        "incarnation": incarnation,
         "time": time.time(),
         **extra,
     }
-    print(f"ftsdp: injecting fault {fault.describe()} on rank {rank}", file=sys.stderr, flush=True)
+    logger.warning("ftsdp: injecting fault %s on rank %d", fault.describe(), rank)
     path = os.environ.get("FTSDP_FAULT_LOG")
     if path:
         with open(path, "a", encoding="utf-8") as f:
@@ -139,71 +144,38 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-class FaultInjector:
-    """The faults of ``FTSDP_FAULT`` that apply to this rank and restart count."""
+def applicable(faults: list[Fault], rank: int, restart_count: int) -> list[Fault]:
+    """The faults that apply to ``rank`` in the restart ``restart_count``."""
+    return [
+        f
+        for f in faults
+        if (f.rank is None or f.rank == rank) and (f.restart is None or f.restart == restart_count)
+    ]
 
-    def __init__(self, faults: list[Fault], rank: int, restart_count: int) -> None:
-        self.rank = rank
-        self.faults = [
-            f
-            for f in faults
-            if (f.rank is None or f.rank == rank)
-            and (f.restart is None or f.restart == restart_count)
-        ]
 
-    @classmethod
-    def from_env(
-        cls, rank: int, restart_count: int, env: Mapping[str, str] | None = None
-    ) -> FaultInjector:
-        env = os.environ if env is None else env
-        return cls(parse_faults(env.get("FTSDP_FAULT", "")), rank, restart_count)
-
-    def bind(self, incarnation: str) -> FaultInjector:
-        """Name the incarnation in the fault records (so a report can tell restarts apart)."""
-        global _incarnation
-        _incarnation = incarnation
-        return self
-
-    def checkpoint_url(self, url: str) -> str:
-        """``url`` rewritten to the faulty filesystem when a crash_in_save fault applies here."""
-        saves = [f for f in self.faults if f.kind == "crash_in_save"]
-        if not saves:
-            return url
-        from ftsdp.testing import _faulty_fs
-
-        return _faulty_fs.arm(url, saves, self.rank)
-
-    def at_step_end(self, step: int) -> None:
-        """Fire the ``before_save`` faults of ``step``."""
-        self._fire(step, "before_save")
-
-    def after_save(self, step: int) -> None:
-        """Fire the ``after_save`` faults of ``step``."""
-        self._fire(step, "after_save")
-
-    def _fire(self, step: int, when: str) -> None:
-        for f in self.faults:
-            if f.step != step or f.when != when or f.kind == "crash_in_save":
-                continue
-            log_fault(f, self.rank)
-            if f.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif f.kind == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            elif f.kind in ("term", "usr1"):
-                sig = signal.SIGTERM if f.kind == "term" else signal.SIGUSR1
-                os.kill(os.getppid() if f.target == "agent" else os.getpid(), sig)
-            elif f.kind == "exit":
-                os._exit(f.code)
-            elif f.kind == "hang":
-                while True:
-                    time.sleep(3600)
-            elif f.kind == "kill_node":
-                agent = os.getppid()
-                siblings = _children(agent)
-                os.kill(agent, signal.SIGKILL)
-                for pid in siblings:
-                    if pid != os.getpid():
-                        with contextlib.suppress(OSError):
-                            os.kill(pid, signal.SIGKILL)
-                os.kill(os.getpid(), signal.SIGKILL)
+def fire(fault: Fault, rank: int, incarnation: str = "") -> None:
+    """Log ``fault``, then do it to this process (a step-boundary fault, not crash_in_save)."""
+    if fault.kind == "crash_in_save":
+        raise ValueError("crash_in_save fires inside a checkpoint write (faulty://), not here")
+    log_fault(fault, rank, incarnation)
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.kind in ("term", "usr1"):
+        sig = signal.SIGTERM if fault.kind == "term" else signal.SIGUSR1
+        os.kill(os.getppid() if fault.target == "agent" else os.getpid(), sig)
+    elif fault.kind == "exit":
+        os._exit(fault.code)
+    elif fault.kind == "hang":
+        while True:
+            time.sleep(3600)
+    elif fault.kind == "kill_node":
+        agent = os.getppid()
+        siblings = _children(agent)
+        os.kill(agent, signal.SIGKILL)
+        for pid in siblings:
+            if pid != os.getpid():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)

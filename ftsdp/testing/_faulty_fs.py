@@ -11,6 +11,8 @@ protocol of ``storage.save`` (docs/format.md), so storage itself stays untouched
 
 Because storage treats a non-local filesystem as an object store, the writes go through this
 class; everything else (listing, ranged reads, removal) is passed through.
+
+It imports ``_faults`` (the specs and the log) and nothing else of ``ftsdp``; ``_hook`` arms it.
 """
 
 from __future__ import annotations
@@ -34,24 +36,27 @@ _MANIFEST = re.compile(r"(?:^|/)step-(\d+)/manifest\.json$")
 
 _armed: list[Fault] = []
 _rank = 0
+_incarnation = ""
 _written: dict[int, int] = {}  # step -> data objects written by this process
 _lock = threading.Lock()
 
 
-def arm(url: str, faults: list[Fault], rank: int) -> str:
-    """Register the filesystem, arm ``faults`` for ``rank`` and return ``url`` as faulty://."""
-    global _armed, _rank
+def arm(url: str, faults: list[Fault], rank: int, incarnation: str = "") -> str:
+    """Register the filesystem, arm ``faults`` for ``rank`` and return ``url`` as faulty://.
+
+    ``incarnation`` goes into the fault records (see ``_faults.log_fault``)."""
+    global _armed, _rank, _incarnation
     if "://" in url and not url.startswith(("file://", f"{PROTOCOL}://")):
         raise ValueError(f"crash_in_save faults need a local checkpoint directory, got {url!r}")
     fsspec.register_implementation(PROTOCOL, FaultyFileSystem, clobber=True)
-    _armed, _rank = list(faults), rank
+    _armed, _rank, _incarnation = list(faults), rank, incarnation
     _written.clear()
     path = url.split("://", 1)[1] if "://" in url else url
     return f"{PROTOCOL}://{os.path.abspath(path)}"
 
 
 def _crash(fault: Fault, path: str) -> None:
-    log_fault(fault, _rank, path=path)
+    log_fault(fault, _rank, _incarnation, path=path)
     os._exit(EXIT_INJECTED)
 
 

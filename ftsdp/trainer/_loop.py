@@ -1,5 +1,5 @@
-"""The training entry's runtime: the elastic session around the job, the learning-rate schedule,
-the step loop with gradient accumulation and checkpoints, and rank 0's logs (stdout + JSONL).
+"""The training entry's step loop: resume, gradient accumulation, the step boundary (agreement,
+checkpoints, the step hook), and rank 0's log lines.
 
 The engine is used only through its public wrapper (``model(idx, targets)``, ``no_sync()``,
 ``clip_grad_norm_``, the sharded state dicts); nothing here knows about flat parameters.
@@ -8,7 +8,9 @@ The engine is used only through its public wrapper (``model(idx, targets)``, ``n
 After every optimizer step the ranks run one ``all_reduce(MAX)`` over two flags: "a rank was
 preempted" and "a time-based checkpoint is due on some rank". Every rank therefore takes the
 same decision at the same step (save, stop), and a rank that was not signalled still saves
-with the others. Faults of the suite fire at the same boundaries (``ftsdp.testing._faults``).
+with the others. The step hook (``_hooks``) is called at the same boundary: ``at_step_end``
+just before the agreement, ``after_save`` after the checkpoint and its log line; the fault
+suite fires its faults there and measures recovery from them.
 """
 
 from __future__ import annotations
@@ -17,168 +19,18 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
-import sys
 import time
-from dataclasses import dataclass, field
-from typing import IO, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ftsdp.elastic import (
-    EXIT_PEER_PREEMPTED,
-    BatchGeometry,
-    GlobalSampler,
-    PreemptionHandler,
-    RankManager,
-    Watchdog,
-)
-from ftsdp.testing._faults import FaultInjector
+from ftsdp.elastic import EXIT_PEER_PREEMPTED, RankManager
 from ftsdp.trainer._checkpoint import CheckpointManager
 from ftsdp.trainer._config import TrainConfig
-from ftsdp.trainer.data import MarkovDataset
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr``."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - cfg.warmup)
-    progress = min(1.0, (step - cfg.warmup) / span)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
-
-
-class MetricsLog:
-    """Rank 0's log: one line per interval on stdout, and optionally one JSON record each.
-
-    ``event`` records (errors, faults seen, resumes) may come from any rank: each is one
-    ``write`` of one line to a file opened for appending, so ranks do not interleave.
-    """
-
-    def __init__(self, path: str | None, enabled: bool, rank: int = 0):
-        self.enabled = enabled
-        self.rank = rank
-        self._file: IO[str] | None = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-
-    def write(self, line: str, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        print(line, flush=True)
-        self._append(record)
-
-    def event(self, record: dict[str, Any], line: str | None = None) -> None:
-        """A record from any rank (stamped with rank and wall time); ``line`` goes to stderr."""
-        if line:
-            print(line, file=sys.stderr, flush=True)
-        self._append({**record, "rank": self.rank, "time": time.time()})
-
-    def _append(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-@dataclass
-class Session:
-    """The elastic runtime around one worker: rank manager, logs, signals, watchdog, faults.
-
-    ``open`` builds it in order; ``close`` always works, even half-built, and closes in reverse.
-    """
-
-    cfg: TrainConfig
-    rm: RankManager | None = None
-    log: MetricsLog = field(default_factory=lambda: MetricsLog(None, False))
-    faults: FaultInjector | None = None
-    preempt: PreemptionHandler | None = None
-    watchdog: Watchdog | None = None
-    ledger: IO[str] | None = None
-
-    @classmethod
-    def open(cls, cfg: TrainConfig) -> Session:
-        s = cls(cfg)
-        try:
-            s.rm = RankManager.init(
-                device=cfg.device,
-                timeout_s=cfg.pg_timeout_s,
-                threads=1 if cfg.deterministic else None,
-            )
-            rank = s.rm.rank
-            s.log = MetricsLog(cfg.metrics, enabled=rank == 0, rank=rank)
-            s.faults = FaultInjector.from_env(rank, s.rm.info.restart_count).bind(s.rm.incarnation)
-            s.preempt = PreemptionHandler(grace_s=cfg.preempt_grace_s).install()
-            if s.rm.world_size > 1 and cfg.heartbeat_timeout_s > 0:
-                store = s.rm.store("watchdog", timeout_s=cfg.heartbeat_timeout_s)
-                s.watchdog = Watchdog(
-                    store,
-                    rank,
-                    s.rm.world_size,
-                    interval_s=min(1.0, cfg.heartbeat_timeout_s / 4),
-                    heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                    progress_timeout_s=cfg.progress_timeout_s or None,
-                    peers=[(p.host, p.pid) for p in s.rm.peers],
-                    log=lambda line: s.log.event({"event": "stall", "message": line}, line),
-                ).start()
-            if cfg.ledger and rank == 0:
-                os.makedirs(os.path.dirname(os.path.abspath(cfg.ledger)), exist_ok=True)
-                s.ledger = open(cfg.ledger, "a", encoding="utf-8")  # noqa: SIM115 - close()
-        except BaseException:
-            s.close()
-            raise
-        return s
-
-    def close(self) -> None:
-        for closer in (
-            self.watchdog and self.watchdog.close,
-            self.preempt and self.preempt.close,
-            self.ledger and self.ledger.close,
-            self.log.close,
-            self.rm and self.rm.close,
-        ):
-            if closer:
-                with contextlib.suppress(Exception):
-                    closer()
-
-
-@dataclass
-class Job:
-    """What one training run works on, built by ``ftsdp.train.build``."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    dataset: MarkovDataset
-    sampler: GlobalSampler
-    geometry: BatchGeometry
-    n_params: int
-    ckpt: CheckpointManager | None = None
-    deterministic_engine: bool = False
-    clip: float = math.inf  # max gradient norm; inf only measures it
-
-
-def storage_options_from_env() -> dict[str, Any] | None:
-    """``FTSDP_STORAGE_OPTIONS`` (a JSON object, e.g. endpoint_url/key/secret), or None.
-
-    Read from the environment, not a flag: the config is saved in every checkpoint, and
-    secrets do not belong there (nor in ``ps`` output)."""
-    raw = os.environ.get("FTSDP_STORAGE_OPTIONS")
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"FTSDP_STORAGE_OPTIONS must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("FTSDP_STORAGE_OPTIONS must be a JSON object")
-    return value
+from ftsdp.trainer._job import Job
+from ftsdp.trainer._session import MetricsLog, Session
 
 
 def _config_json(cfg: TrainConfig) -> str:
@@ -197,11 +49,12 @@ class Outcome:
     preempted: bool = False
 
 
-def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any]) -> None:
+def _resume(
+    cfg: TrainConfig, session: Session, ckpt: CheckpointManager, trainer: dict[str, Any]
+) -> None:
     """Load the newest usable checkpoint into the job and ``trainer``; log it."""
     rm, log = session.rm, session.log
-    assert rm is not None and job.ckpt is not None
-    resumed = job.ckpt.resume(trainer)
+    resumed = ckpt.resume(trainer)
     if resumed is None:
         return
     saved = json.loads(trainer["config"])
@@ -259,10 +112,40 @@ def _step(job: Job, rm: RankManager, cursor: int, scale: float) -> tuple[torch.T
     return losses, grad_norm
 
 
-def run(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
+def run(cfg: TrainConfig, session: Session, job: Job) -> int:
+    """Log the start, train (:func:`train`), log the end; the worker's exit status."""
+    rm, log, g = session.rm, session.log, job.geometry
+    log.write(
+        f"ftsdp.train | world {rm.world_size} | {rm.device} | {cfg.sharding_strategy} | "
+        f"{job.n_params / 1e6:.2f}M params | global batch {cfg.global_batch} = micro "
+        f"{cfg.micro_batch} x accum {g.accum_steps} x ranks {rm.world_size} | "
+        f"loss at init ~ ln(V) = {job.dataset.uniform_loss:.3f}, "
+        f"achievable ~ {job.dataset.entropy_rate:.3f} (chain entropy rate) | "
+        f"generation {rm.generation}",
+        start_record(cfg, rm, job),
+    )
+    t0 = time.perf_counter()
+    out = train(cfg, session, job)
+    wall = time.perf_counter() - t0
+    if not out.preempted:
+        log.write(
+            f"done | {cfg.steps} steps in {wall:.1f}s | final loss {out.loss:.4f}",
+            {
+                "event": "done",
+                "steps": cfg.steps,
+                "wall_s": wall,
+                "loss": out.loss,
+                "time": time.time(),
+            },
+        )
+    if out.exit_code or out.preempted:
+        return out.exit_code
+    return 0 if math.isfinite(out.loss) or out.steps_run == 0 else 1
+
+
+def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     """Resume if there is a checkpoint, then train up to ``cfg.steps``; see the module note."""
-    rm, log, faults, preempt = session.rm, session.log, session.faults, session.preempt
-    assert rm is not None and faults is not None and preempt is not None
+    rm, log, hook, preempt = session.rm, session.log, session.hook, session.preempt
     trainer: dict[str, Any] = {
         "step": 0,
         "cursor": 0,
@@ -271,7 +154,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         "config": _config_json(cfg),
     }
     if job.ckpt is not None:
-        _resume(cfg, session, job, trainer)
+        _resume(cfg, session, job.ckpt, trainer)
     step, cursor = trainer["step"], trainer["cursor"]
     if session.watchdog is not None:
         session.watchdog.beat(step)
@@ -304,7 +187,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         window.append(losses)
 
         # The step boundary: see [Note: one agreement per step boundary].
-        faults.at_step_end(step)
+        hook.at_step_end(step)
         due = job.ckpt is not None and job.ckpt.due(step)
         stop, save_due = rm.agree_any(preempt.requested, due)
         last = step == cfg.steps
@@ -322,7 +205,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
                 cfg, rm, log, window, step, lr, grad_norm, blocking, trainer, elapsed
             )
             window, blocking, t_window = [], 0.0, time.perf_counter()
-        faults.after_save(step)
+        hook.after_save(step)
         if stop:
             signalled = preempt.requested
             if not signalled:

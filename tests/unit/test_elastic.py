@@ -1,5 +1,6 @@
 """The rank manager's single-process pieces: torchrun environment, preemption signals, the
-heartbeat watchdog (on an in-memory c10d store), fault specs and the faulty filesystem."""
+heartbeat watchdog (on an in-memory c10d store), fault specs, the fault hook and the
+faulty filesystem."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch.distributed as dist
 
 from ftsdp import storage
 from ftsdp.elastic import PreemptionHandler, RankInfo, Watchdog, read_env
-from ftsdp.testing import _faulty_fs
-from ftsdp.testing._faults import FaultInjector, parse_faults
+from ftsdp.testing import FaultHook, _faulty_fs, _hook, fault_hook_from_env, parse_faults
+from ftsdp.testing._faults import fire, log_fault
+from ftsdp.trainer._hooks import StepHook
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -233,10 +235,10 @@ def test_fault_specs_parse_and_filter_by_rank_and_restart() -> None:
     assert [f.kind for f in faults] == ["kill", "term", "crash_in_save", "stop"]
     assert faults[1].when == "after_save" and faults[0].when == "before_save"
     assert faults[2].n == 2 and faults[2].restart == 1 and faults[3].restart is None
-    kinds = lambda inj: [f.kind for f in inj.faults]  # noqa: E731
-    assert kinds(FaultInjector(faults, rank=1, restart_count=0)) == ["kill", "term", "stop"]
-    assert kinds(FaultInjector(faults, rank=0, restart_count=1)) == ["crash_in_save", "stop"]
-    assert FaultInjector.from_env(0, 0, env={}).faults == []
+    kinds = lambda hook: [f.kind for f in hook.faults]  # noqa: E731
+    assert kinds(FaultHook(faults, rank=1, restart_count=0)) == ["kill", "term", "stop"]
+    assert kinds(FaultHook(faults, rank=0, restart_count=1)) == ["crash_in_save", "stop"]
+    assert fault_hook_from_env(rank=0, restart_count=0, env={}).faults == []
 
 
 @pytest.mark.parametrize(
@@ -254,6 +256,44 @@ def test_fault_specs_parse_and_filter_by_rank_and_restart() -> None:
 def test_bad_fault_specs(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_faults(spec)
+
+
+def test_the_fault_hook_is_the_trainers_step_hook_and_fires_at_its_boundary(
+    tmp_path, monkeypatch
+) -> None:
+    fired = []
+    monkeypatch.setattr(_hook, "fire", lambda f, rank, inc: fired.append((f.kind, rank, inc)))
+    spec = "kill:step=3; term:step=3:target=agent; crash_in_save:point=after_data:step=3"
+    hook = fault_hook_from_env(
+        rank=1, restart_count=0, incarnation="inc7", env={"FTSDP_FAULT": spec}
+    )
+    assert isinstance(hook, StepHook)
+    hook.at_step_end(2)
+    hook.after_save(2)
+    assert fired == []
+    hook.at_step_end(3)  # before_save: kill
+    assert fired == [("kill", 1, "inc7")]
+    hook.after_save(3)  # term defaults to after_save; crash_in_save never fires here
+    assert fired == [("kill", 1, "inc7"), ("term", 1, "inc7")]
+    local = str(tmp_path / "ck")
+    assert hook.checkpoint_url(local) == f"faulty://{local}"  # crash_in_save applies
+    assert (
+        FaultHook(parse_faults("kill:step=3"), rank=1, restart_count=0).checkpoint_url(local)
+        == local
+    )
+
+
+def test_a_fault_is_logged_with_its_incarnation_before_it_fires(tmp_path, monkeypatch) -> None:
+    log = tmp_path / "faults.jsonl"
+    monkeypatch.setenv("FTSDP_FAULT_LOG", str(log))
+    (fault,) = parse_faults("exit:rank=1:step=4:code=3")
+    log_fault(fault, 1, "inc7", path="x")
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["event"] == "fault" and record["kind"] == "exit" and record["step"] == 4
+    assert record["rank"] == 1 and record["incarnation"] == "inc7" and record["path"] == "x"
+    assert record["pid"] == os.getpid() and abs(record["time"] - time.time()) < 60
+    with pytest.raises(ValueError, match="faulty://"):
+        fire(parse_faults("crash_in_save:point=before_latest:step=1")[0], 0)
 
 
 # -- the faulty filesystem ------------------------------------------------------------------------

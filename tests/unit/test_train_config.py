@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from ftsdp.trainer._config import TrainConfig, build_parser, parse_args
-from ftsdp.trainer._loop import lr_at
+from ftsdp.trainer._job import lr_at
 
 
 def test_defaults_are_valid_and_split_over_two_ranks() -> None:

@@ -1,0 +1,60 @@
+"""The fault suite's step hook: ``FTSDP_FAULT`` faults fired at the training loop's step
+boundaries, and crash_in_save faults armed on the checkpoint URL (``faulty://``).
+
+It implements the trainer's ``StepHook`` (``ftsdp/trainer/_hooks.py``) by its shape alone, so
+this package imports nothing of the trainer. The training entry plugs it in only when
+``FTSDP_FAULT`` is set (docs/design.md, "Import rules").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ftsdp.testing import _faulty_fs
+from ftsdp.testing._faults import Fault, applicable, fire, parse_faults
+
+
+class FaultHook:
+    """The faults that apply to this rank and restart count, fired where the loop calls in."""
+
+    def __init__(
+        self, faults: list[Fault], *, rank: int, restart_count: int, incarnation: str = ""
+    ) -> None:
+        self.rank = rank
+        self.incarnation = incarnation
+        self.faults = applicable(faults, rank, restart_count)
+
+    def checkpoint_url(self, url: str) -> str:
+        """``url`` rewritten to the faulty filesystem when a crash_in_save fault applies here."""
+        saves = [f for f in self.faults if f.kind == "crash_in_save"]
+        if not saves:
+            return url
+        return _faulty_fs.arm(url, saves, self.rank, self.incarnation)
+
+    def at_step_end(self, step: int) -> None:
+        """Fire the ``before_save`` faults of ``step``."""
+        self._fire(step, "before_save")
+
+    def after_save(self, step: int) -> None:
+        """Fire the ``after_save`` faults of ``step``."""
+        self._fire(step, "after_save")
+
+    def _fire(self, step: int, when: str) -> None:
+        for f in self.faults:
+            if f.step == step and f.when == when and f.kind != "crash_in_save":
+                fire(f, self.rank, self.incarnation)
+
+
+def fault_hook_from_env(
+    *, rank: int, restart_count: int, incarnation: str = "", env: Mapping[str, str] | None = None
+) -> FaultHook:
+    """The hook of ``FTSDP_FAULT`` (from ``env``, default ``os.environ``) for this rank; a
+    malformed spec raises ``ValueError``."""
+    env = os.environ if env is None else env
+    return FaultHook(
+        parse_faults(env.get("FTSDP_FAULT", "")),
+        rank=rank,
+        restart_count=restart_count,
+        incarnation=incarnation,
+    )
