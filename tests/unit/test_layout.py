@@ -181,3 +181,27 @@ def test_the_repository_speaks_for_itself() -> None:
         if p.suffix in (".py", ".md", ".toml", ".sh") and pattern.search(p.read_text())
     ]
     assert bad == []
+
+
+def test_the_product_imports_testing_only_where_the_entry_plugs_the_fault_hook_in() -> None:
+    """``ftsdp.testing`` is imported by tests, by itself and by the benchmarks (its gloo rank
+    spawner); by the product only in ``ftsdp/train.py``, once, inside a function (the branch
+    taken when ``FTSDP_FAULT`` is set)."""
+
+    def not_testing(target: str) -> bool:
+        return not _within("ftsdp.testing")(target)
+
+    allowed = ("ftsdp/testing/", "tools/bench_", "tools/_bench_")
+    bad = [v for v in _violations("ftsdp", not_testing) if not v.startswith(allowed)]
+    entry = MODULES["ftsdp.train"]
+    assert len(bad) == 1 and bad[0].startswith(f"{entry.relative_to(REPO)}:"), bad
+    line = int(bad[0].split(":")[1].split()[0])
+    tree = ast.parse(entry.read_text())
+    top_level = {n.lineno for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)}
+    assert line not in top_level, "import ftsdp.testing lazily, only when FTSDP_FAULT is set"
+    plug_in = next(
+        f
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef) and f.lineno <= line <= (f.end_lineno or 0)
+    )
+    assert "FTSDP_FAULT" in ast.get_source_segment(entry.read_text(), plug_in)
