@@ -24,13 +24,13 @@ from ftsdp.storage._errors import (
     StateMismatchError,
 )
 from ftsdp.storage._flat_shard import FlatShard
+from ftsdp.storage._formats import FORMATS, detect_format
 from ftsdp.storage._gc import GcReport, collect_garbage
 from ftsdp.storage._inference import LazyStateDict, LoadIntoResult, load_into, load_state_dict
 from ftsdp.storage._load import LoadResult, load
 from ftsdp.storage._manifest import FORMAT_VERSION, Manifest
 from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
 from ftsdp.storage._save import SaveHandle, save
-from ftsdp.storage._sources import FORMATS, detect_format
 from ftsdp.storage._steps import apply_retention, list_steps, read_manifest
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY
 

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage._formats import detect_format, open_source
 from ftsdp.storage._fs import Store
+from ftsdp.storage._interfaces import Source
 from ftsdp.storage._layout import manifest_path, parse_step, step_dir
 from ftsdp.storage._manifest import Manifest
-from ftsdp.storage._safetensors import crc32
-from ftsdp.storage._sources import Source, detect_format, open_source, read_safetensors_header
+from ftsdp.storage._safetensors import crc32, read_header
 from ftsdp.storage._steps import committed_steps, resolve_manifest
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, chunk_bytes, split_request
 
@@ -110,9 +111,7 @@ def _verify_step(
             bad_objects.add(name)
         else:
             try:
-                header, base = read_safetensors_header(
-                    store.fs, store.full(f"{step_dir(step)}/{name}")
-                )
+                header, base = read_header(store, f"{step_dir(step)}/{name}")
             except CheckpointError as e:
                 problems.append(f"step {step}: {e}")
                 bad_objects.add(name)

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from ftsdp.storage._feed import Feed, OutTensor
-from ftsdp.storage._sinks import make_sink
-from ftsdp.storage._sources import FORMATS, Source, open_source
+from ftsdp.storage._formats import FORMATS, has_steps, make_sink, open_source
+from ftsdp.storage._interfaces import Feed, OutTensor, Source
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, TensorInfo, chunk_bytes
 
 # First components of names that hold optimizer state (dropped by ``model_only``).
@@ -172,7 +171,7 @@ def convert(
         outputs, values = select(source, model_only=model_only, rename=rename, dtype=dtype)
         sink = make_sink(
             to, dst, storage_options, world_size=world_size,
-            max_shard_bytes=max_shard_bytes, object_bytes=object_bytes,
+            max_shard_bytes=max_shard_bytes, object_bytes=object_bytes, chunk=chunk,
         )  # fmt: skip
         if sink.holds_checkpoint():
             if not overwrite:
@@ -187,12 +186,12 @@ def convert(
             source.order = sorted(o.source_name for o in outputs)
         out_step = dst_step if dst_step is not None else (source.step or 0)
         rank_values = source.rank_values if not model_only else []
-        written = sink.write(feed, values, rank_values, out_step, chunk)
+        written = sink.write(feed, values, rank_values, out_step)
         return ConvertResult(
             source_format=source.format,
             dest_format=to,
-            step=out_step if to == "ftsdp" else None,
-            world_size=(world_size or 1) if to == "ftsdp" else None,
+            step=out_step if has_steps(to) else None,
+            world_size=(world_size or 1) if has_steps(to) else None,
             tensors=len(outputs),
             bytes_read=meter.done,
             written=written,

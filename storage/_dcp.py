@@ -1,9 +1,12 @@
 """``torch.distributed.checkpoint`` (DCP) directories as a source and a destination.
 
-DCP's ``.metadata`` is a pickle (DCP's own format): only convert DCP checkpoints you trust. Tensor
-items are read with ``weights_only=True``; non-tensor items too (DCP itself unpickles them fully),
-and one that needs more is dropped and named. Both directions run in one process without a process
-group (``no_dist=True``).
+DCP's ``.metadata`` is a pickle (DCP's own format): only convert DCP checkpoints you trust (see
+[Note: DCP's metadata is a pickle] in ``storage/_dcp_store.py``). Tensor items are read with
+``weights_only=True``; non-tensor items too (DCP itself unpickles them fully), and one that needs
+more is dropped and named. Both directions run in one process without a process group
+(``no_dist=True``), and every file is read and written through the ``Store``
+(``storage/_dcp_store.py``). This module imports ``torch.distributed.checkpoint`` (about a second),
+so ``storage/_formats.py`` imports it only when a DCP checkpoint is opened or written.
 
 [Note: streaming DCP]
 Reading: when every saved chunk of a tensor is a row block stored as a plain ``torch.save`` item
@@ -39,19 +42,13 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from ftsdp.storage._dcp_store import StoreReader, StoreWriter, open_item
 from ftsdp.storage._dtypes import SUPPORTED
 from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError
-from ftsdp.storage._sources import Source
-from ftsdp.storage._streaming import TensorInfo, is_local, read_range_into, url_to_fs
-
-
-def _reader(url: str, storage_options: dict | None) -> Any:
-    fs, path = url_to_fs(url, storage_options)
-    if is_local(fs):
-        return dcp.FileSystemReader(path)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(url, **(storage_options or {}))
+from ftsdp.storage._fs import Store
+from ftsdp.storage._interfaces import Feed, Sink, Source
+from ftsdp.storage._layout import DCP_METADATA
+from ftsdp.storage._streaming import TensorInfo, tensor_bytes
 
 
 class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
@@ -76,20 +73,19 @@ class DcpSource(Source):
 
     format = "dcp"
 
-    def __init__(self, url: str, storage_options: dict | None, chunk: int = 32 << 20) -> None:
-        super().__init__(url)
-        self._options, self._chunk = storage_options, chunk
+    def __init__(self, store: Store, chunk: int = 32 << 20) -> None:
+        super().__init__(store)
+        self._chunk = chunk
         try:
-            self._meta = _reader(url, storage_options).read_metadata()
+            self._meta = StoreReader(store).read_metadata()
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"DCP checkpoint {url} has no .metadata") from None
+            raise CheckpointNotFoundError(f"DCP checkpoint {self.url} has no .metadata") from None
         except Exception as e:
             raise CorruptCheckpointError(
-                f"DCP checkpoint {url}: cannot read .metadata ({e})"
+                f"DCP checkpoint {self.url}: cannot read .metadata ({e})"
             ) from None
         self._cache: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, list[tuple[int, int, str, int]] | None] = {}
-        self._fs, self._path = url_to_fs(url, storage_options)
         value_keys = []
         for fqn, md in self._meta.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
@@ -109,7 +105,7 @@ class DcpSource(Source):
                 warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
                 dcp.load(
                     state,
-                    storage_reader=_reader(self.url, self._options),
+                    storage_reader=StoreReader(self.store, self._meta),
                     planner=_SafeLoadPlanner(failed),
                     no_dist=True,
                 )
@@ -154,18 +150,17 @@ class DcpSource(Source):
             info = self._meta.storage_data.get(MetadataIndex(name, c.offsets))
             if info is None or getattr(info, "transform_descriptors", None):
                 return None
-            path = f"{self._path}/{info.relative_path}"
-            with self._fs.open(path, "rb") as f:
-                view = _FileView(f, info.offset, info.length)
-                if view.read(4) != b"PK\x03\x04":
+            with open_item(self.store, info) as f:
+                if f.read(4) != b"PK\x03\x04":
                     return None
-                view.seek(0)
-                t = torch.load(view, map_location="meta", weights_only=True)
+                f.seek(0)
+                t = torch.load(f, map_location="meta", weights_only=True)
             numel = math.prod(c.sizes)
             if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() != numel:
                 return None
             start = t.untyped_storage()._checkpoint_offset + t.storage_offset() * t.element_size()
-            out.append(((c.offsets[0] if shape else 0) * row, numel, path, info.offset + start))
+            flat = (c.offsets[0] if shape else 0) * row
+            out.append((flat, numel, info.relative_path, info.offset + start))
         out.sort()
         pos = 0
         for flat, numel, _, _ in out:  # the chunks must tile the tensor
@@ -204,46 +199,11 @@ class DcpSource(Source):
             for flat, numel, path, byte in layout:
                 lo, hi = max(offset, flat), min(end, flat + numel)
                 if lo < hi:
-                    read_range_into(
-                        self._fs,
-                        path,
-                        byte + (lo - flat) * out.element_size(),
-                        out[lo - offset : hi - offset],
-                    )
+                    at = byte + (lo - flat) * out.element_size()
+                    self.store.read_into(path, at, tensor_bytes(out[lo - offset : hi - offset]))
 
     def close(self) -> None:
         self._cache.clear()
-
-
-class _FileView(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file as a seekable file of their own."""
-
-    def __init__(self, f: Any, offset: int, length: int) -> None:
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = max(0, min(self.length, base + pos))
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), self.length - self.pos)
-        if n <= 0:
-            return 0
-        self.f.seek(self.offset + self.pos)
-        data = self.f.read(n)
-        memoryview(b)[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
 
 
 class _StreamingSavePlanner(dcp.DefaultSavePlanner):
@@ -303,33 +263,46 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
 
 
 def write_dcp(
-    url: str,
-    storage_options: dict | None,
+    store: Store,
     tensors: list[TensorInfo],
     values: dict[str, Any],
     block: Callable[[TensorInfo, int, int], torch.Tensor],
     chunk: int,
 ) -> None:
-    """Write a DCP checkpoint at ``url``; ``block(info, offset, length)`` gives flat elements.
-
-    ``.metadata`` is written last (DCP's commit), so an interrupted write never looks complete.
-    """
-    fs, path = url_to_fs(url, storage_options)
-    if is_local(fs):
-        writer = dcp.FileSystemWriter(path, single_file_per_rank=False, thread_count=1)
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        writer = FsspecWriter(
-            url, single_file_per_rank=False, thread_count=1, **(storage_options or {})
-        )
+    """Write a DCP checkpoint at the store's root; ``block(info, offset, length)`` gives flat
+    elements. ``.metadata`` is written last (DCP's commit), so an interrupted write never looks
+    complete."""
     planner = _StreamingSavePlanner(tensors, values, block, chunk)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+            dcp.save({}, storage_writer=StoreWriter(store), planner=planner, no_dist=True)
     except CheckpointException as e:
         raise _unwrap(e) from None
+
+
+class DcpSink(Sink):
+    """A ``torch.distributed.checkpoint`` directory."""
+
+    def _existing(self) -> list[str]:
+        """The files of a DCP checkpoint at the destination, ``.metadata`` (the commit) first."""
+        if not self.store.isdir():
+            return []
+        names = [n for n in self.store.listdir() if n.endswith((DCP_METADATA, ".distcp"))]
+        return sorted(names, key=lambda n: n != DCP_METADATA)
+
+    def holds_checkpoint(self) -> bool:
+        return DCP_METADATA in self._existing()
+
+    def clear(self) -> None:
+        for name in self._existing():
+            self.store.remove(name)
+
+    def write(
+        self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
+    ) -> list[str]:
+        write_dcp(self.store, feed.infos, values, feed.block, feed.chunk)
+        return [self.store.url]
 
 
 def _unwrap(error: BaseException) -> BaseException:

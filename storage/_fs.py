@@ -1,4 +1,10 @@
-"""A tiny storage interface over ``str`` URLs (fsspec), with retries and atomic local writes.
+"""The one store layer: every read and write of every format goes through a ``Store``.
+
+A ``Store`` is an fsspec filesystem rooted at a URL; every path argument is relative to the root,
+and ``""`` is the root itself, which may be a directory (a checkpoint root, an hf or DCP folder)
+or a single file (a ``.safetensors`` or ``torch.save`` file). Each operation retries
+known-transient errors (``_retry.py``), writes are atomic (see the note), and ranged reads are
+memory-mapped for local files. This is the only module that touches fsspec.
 
 [Note: commit on filesystems vs object stores]
 On a local filesystem every object is written to a temporary name, fsynced and renamed, so a
@@ -19,9 +25,11 @@ instead of faulting.
 from __future__ import annotations
 
 import contextlib
+import io
 import mmap
 import os
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import fsspec
@@ -30,7 +38,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ftsdp.storage._options import IOOptions
 from ftsdp.storage._retry import retry
-from ftsdp.storage._streaming import atomic_write
+
+MiB = 1 << 20
+_READ_AHEAD = 64 << 10  # what a small read of an opened object fetches (see RangeFile)
 
 
 class Store:
@@ -61,9 +71,27 @@ class Store:
         """Drop cached listings (other processes write here too)."""
         self.fs.invalidate_cache(self.full(rel))
 
+    # -- metadata ---------------------------------------------------------------------------------
+
     def exists(self, rel: str = "") -> bool:
         self.invalidate(rel)
         return self._retry(lambda: self.fs.exists(self.full(rel)))
+
+    def isfile(self, rel: str = "") -> bool:
+        self.invalidate(rel)
+        return self._retry(lambda: self.fs.isfile(self.full(rel)))
+
+    def isdir(self, rel: str = "") -> bool:
+        self.invalidate(rel)
+        return self._retry(lambda: self.fs.isdir(self.full(rel)))
+
+    def size(self, rel: str = "") -> int:
+        """The size of an object in bytes; FileNotFoundError when it does not exist."""
+        return int(self._retry(lambda: self.fs.size(self.full(rel))))
+
+    def disk_usage(self, rel: str = "") -> int:
+        """Bytes held by an object, or by everything under a directory."""
+        return int(self._retry(lambda: self.fs.du(self.full(rel))))
 
     def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
         """``{name: (type, size)}`` of the entries directly under ``rel``; {} when absent."""
@@ -78,7 +106,9 @@ class Store:
             out[name] = (e.get("type", "file"), int(e.get("size") or 0))
         return out
 
-    def read(self, rel: str) -> bytes:
+    # -- reading ----------------------------------------------------------------------------------
+
+    def read(self, rel: str = "") -> bytes:
         return self._retry(lambda: self.fs.cat_file(self.full(rel)))
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
@@ -88,6 +118,36 @@ class Store:
                 f"short read of {self.where(rel)} bytes [{start}, {end}): got {len(data)}"
             )
         return data
+
+    def read_into(self, rel: str, start: int, out: Any) -> None:
+        """Fill the writable buffer ``out`` (a memoryview, a numpy array, ...) with the bytes of
+        ``rel`` from ``start`` on; local files are read straight into it (no second copy)."""
+        view = memoryview(out).cast("B")
+        if len(view):
+            self._retry(lambda: self._read_into_once(rel, start, view))
+
+    def _read_into_once(self, rel: str, start: int, view: memoryview) -> None:
+        end = start + len(view)
+        if self.local:
+            with open(self.full(rel), "rb") as f:
+                f.seek(start)
+                got = f.readinto(view)
+        else:
+            data = self.fs.cat_file(self.full(rel), start=start, end=end)
+            got = len(data)
+            view[:got] = data
+        if got != end - start:
+            raise OSError(
+                f"short read of {self.where(rel)} bytes [{start}, {end}): got {got}; the file "
+                "is truncated"
+            )
+
+    def open(self, rel: str = "", start: int = 0, end: int | None = None) -> RangeFile:
+        """Bytes ``[start, end)`` of ``rel`` (``end``: its size) as a seekable read-only file, for
+        readers that want a file object (``torch.load``). FileNotFoundError when absent."""
+        if end is None:
+            end = self.size(rel)
+        return RangeFile(self, rel, start, end - start)
 
     def map_range(self, rel: str, start: int, end: int) -> np.ndarray:
         """Bytes ``[start, end)`` of a local file as a read-only uint8 array over a memory map
@@ -114,18 +174,112 @@ class Store:
             os.close(fd)
         return np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start - base)
 
+    # -- writing ----------------------------------------------------------------------------------
+
     def write(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
-        """Write an object whose bytes ``produce(f)`` writes to ``f``; atomic (see the note)."""
+        """Write an object whose bytes ``produce(f)`` writes to ``f``, atomically (see the note).
+
+        A transient error retries the whole object, so ``produce`` must be able to run again
+        from the start (it writes a new file each time); ``io.part_bytes`` is the upload buffer.
+        """
         self._retry(lambda: self._write_once(rel, produce))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         self.write(rel, lambda f: f.write(data))
 
     def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
-        with atomic_write(self.fs, self.full(rel), self.io.part_bytes) as f:
+        with self._atomic_write(self.full(rel)) as f:
             produce(f)
+
+    @contextlib.contextmanager
+    def _atomic_write(self, path: str) -> Iterator[IO[bytes]]:
+        """``path`` exists only complete: a temporary name renamed on a local disk, an upload
+        that is discarded (never completed) on an object store when the body raises."""
+        if self.local:
+            folder = os.path.dirname(path) or "."
+            os.makedirs(folder, exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "wb") as f:
+                    yield f
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # make the rename itself durable
+            finally:
+                os.close(fd)
+            return
+        f = self.fs.open(path, "wb", block_size=max(self.io.part_bytes, 5 * MiB))
+        try:
+            yield f
+        except BaseException:
+            # Closing would complete the upload and publish a partial object: abort it, and mark
+            # the file closed so that its finalizer does not try to finish it either.
+            with contextlib.suppress(Exception):
+                if hasattr(f, "discard"):
+                    f.discard()
+                    f.closed = True
+            raise
+        f.close()
 
     def remove(self, rel: str, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: self.fs.rm(self.full(rel), recursive=recursive))
         self.invalidate(rel.rsplit("/", 1)[0] if "/" in rel else "")
+
+
+class RangeFile(io.RawIOBase):
+    """A byte range of an object as a seekable read-only file (``Store.open``).
+
+    Every read is a retried ranged read of the store. A small read fetches up to ``_READ_AHEAD``
+    bytes and serves the next small reads from them: ``torch.load`` reads a zip file's directory
+    in dozens of tiny reads near its end, which would otherwise be as many requests to an object
+    store. A large read goes straight into the caller's buffer.
+    """
+
+    def __init__(self, store: Store, rel: str, start: int, length: int) -> None:
+        super().__init__()
+        self.store, self.rel, self.start, self.length, self.pos = store, rel, start, length, 0
+        self._ahead, self._ahead_at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, min(self.length, base + pos))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readall(self) -> bytes:
+        out = bytearray(self.length - self.pos)
+        self.readinto(out)
+        return bytes(out)
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = min(len(view), self.length - self.pos)
+        if n <= 0:
+            return 0
+        lo = self.pos - self._ahead_at
+        if 0 <= lo and lo + n <= len(self._ahead):
+            view[:n] = self._ahead[lo : lo + n]
+        elif n < _READ_AHEAD:
+            take = min(_READ_AHEAD, self.length - self.pos)
+            at = self.start + self.pos
+            self._ahead, self._ahead_at = self.store.read_range(self.rel, at, at + take), self.pos
+            view[:n] = self._ahead[:n]
+        else:
+            self.store.read_into(self.rel, self.start + self.pos, view[:n])
+        self.pos += n
+        return n

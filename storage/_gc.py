@@ -64,13 +64,12 @@ def collect_garbage(
     report.kept_steps = [s for s in committed if s not in steps]
     seen = set()
     for rel, _ in recorder.removed:
-        path = store.full(rel)
-        if rel in seen or not store.fs.exists(path):
+        if rel in seen or not store.exists(rel):
             continue
         seen.add(rel)
         report.removed_paths.append(store.where(rel))
         if not rel.endswith("manifest.json") or rel.count("/") != 1:
-            report.bytes += int(store.fs.du(path))
+            report.bytes += store.disk_usage(rel)
     if not dry_run:
         for rel, recursive in recorder.removed:
             store.remove(rel, recursive=recursive)

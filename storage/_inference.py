@@ -5,7 +5,7 @@ Tensors are read straight into their final buffers (a module's own parameters wh
 new tensors otherwise) in chunks of at most ``chunk`` bytes, so the memory needed is the tensors
 asked for plus one chunk of staging, never a second copy of the model. Only the requested tensors
 are read: the model weights of a checkpoint that also holds optimizer state cost the weights.
-Works for checkpoints of any format and saved at any world size (``storage/_sources.py``).
+Works for checkpoints of any format and saved at any world size (``storage/_formats.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from ftsdp.storage._errors import StateMismatchError
+from ftsdp.storage._formats import open_source
+from ftsdp.storage._interfaces import Source
 from ftsdp.storage._options import LoadOptions
-from ftsdp.storage._sources import FtsdpSource, Source, detect_format, open_source
 from ftsdp.storage._streaming import MiB, TensorInfo
 
 DEFAULT_CHUNK = 8 * MiB
@@ -27,10 +28,7 @@ DEFAULT_CHUNK = 8 * MiB
 def _open(
     url: str, step: int | None, storage_options: dict | None, options: LoadOptions | None
 ) -> Source:
-    fmt = detect_format(url, storage_options)
-    if fmt == "ftsdp":
-        return FtsdpSource(url, step, storage_options, (options or LoadOptions()).io)
-    return open_source(url, fmt, step, storage_options)
+    return open_source(url, None, step, storage_options, io=(options or LoadOptions()).io)
 
 
 def fill(

@@ -1,4 +1,5 @@
-"""Names inside a checkpoint root (see docs/format.md)."""
+"""Names inside checkpoints: a root of the native format (see docs/format.md), and the file names
+the other formats read and write."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import re
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")
+
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+HF_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")  # hf shards (need the index)
+HF_VALUES_KEY = "ftsdp.values"  # safetensors __metadata__ key holding non-tensor values (JSON)
+DCP_METADATA = ".metadata"  # DCP's commit: present <=> the checkpoint is complete
 
 
 def step_dir(step: int) -> str:

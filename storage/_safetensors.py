@@ -1,4 +1,5 @@
-"""Write safetensors objects piece by piece, checksumming each block as its bytes go out.
+"""Safetensors objects: written piece by piece, checksumming each block as its bytes go out, and
+their headers read and checked.
 
 An object is a standard safetensors file (readable by ``safetensors.torch.load``): an 8-byte
 little-endian header length, a JSON header padded with spaces to 8 bytes, then the data. Every
@@ -10,12 +11,15 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
-from typing import IO
+from collections.abc import Iterable, Sequence
+from typing import IO, Any
 
 import torch
 
 from ftsdp.storage._dtypes import itemsize, safetensors_code
+from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ftsdp.storage._fs import Store
+from ftsdp.storage._streaming import tensor_bytes
 
 try:  # the same CRC-32 as zlib's, about 3x faster (ISA-L); optional: ``pip install isal``
     from isal.isal_zlib import crc32
@@ -51,27 +55,83 @@ def layout(
     return head, [(base + s, base + e) for s, e in rel], base + pos
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a 1-D CPU tensor, without copying when it is contiguous."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+class BlockCrc:
+    """CRC-32 per ``block`` bytes of a byte stream fed in arbitrary pieces."""
+
+    def __init__(self, block: int) -> None:
+        self.block, self.crcs, self._crc, self._n = block, [], 0, 0
+
+    def update(self, mv: memoryview) -> None:
+        pos = 0
+        while pos < len(mv):
+            take = min(self.block - self._n, len(mv) - pos)
+            self._crc = crc32(mv[pos : pos + take], self._crc)
+            self._n += take
+            pos += take
+            if self._n == self.block:
+                self.crcs.append(self._crc)
+                self._crc, self._n = 0, 0
+
+    def finish(self) -> list[int]:
+        if self._n:
+            self.crcs.append(self._crc)
+        return self.crcs
 
 
 def write_object(
-    f: IO[bytes], head: bytes, payloads: Sequence[torch.Tensor], block_bytes: int
+    f: IO[bytes],
+    head: bytes,
+    pieces: int,
+    chunks: Iterable[tuple[int, torch.Tensor]],
+    block_bytes: int,
 ) -> list[list[int]]:
-    """Write ``head`` then each payload's bytes; return each payload's per-block crc32 list."""
+    """Write ``head``, then the bytes of ``chunks``: ``(piece index, 1-D tensor)`` in the order of
+    the object's ``pieces`` pieces, a piece whole or in several consecutive chunks. Returns each
+    piece's per-block crc32 list."""
     f.write(head)
-    crcs = []
-    for t in payloads:
+    crcs = [BlockCrc(block_bytes) for _ in range(pieces)]
+    for i, t in chunks:
         mv = tensor_bytes(t)
-        blocks = []
-        for start in range(0, len(mv), block_bytes):
-            block = mv[start : start + block_bytes]
-            blocks.append(crc32(block))
-            for off in range(0, len(block), _WRITE_CHUNK):
-                f.write(block[off : off + _WRITE_CHUNK])
-        crcs.append(blocks)
-    return crcs
+        for off in range(0, len(mv), _WRITE_CHUNK):
+            part = mv[off : off + _WRITE_CHUNK]
+            crcs[i].update(part)
+            f.write(part)
+    return [c.finish() for c in crcs]
+
+
+def read_header(store: Store, rel: str) -> tuple[dict[str, Any], int]:
+    """The JSON header of the safetensors file ``rel`` and the byte offset where its data starts;
+    CorruptCheckpointError unless every tensor's data lies inside the file."""
+    where = f"safetensors file {store.where(rel)}"
+    try:
+        size = store.size(rel)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{where} does not exist") from None
+    if size < 8:
+        raise CorruptCheckpointError(f"{where} is shorter than 8 bytes: not a safetensors file")
+    (n,) = struct.unpack("<Q", store.read_range(rel, 0, 8))
+    if n > min(size - 8, 100 << 20):
+        raise CorruptCheckpointError(
+            f"{where}: header length {n} is past the end of the file ({size} bytes)"
+        )
+    try:
+        header = json.loads(store.read_range(rel, 8, 8 + n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{where}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{where}: header is not a JSON object")
+    data_len = size - 8 - n
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and 0 <= offsets[0] <= offsets[1] <= data_len
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} has data_offsets {offsets} outside the {data_len} data "
+                "bytes (truncated or corrupt file)"
+            )
+    return header, 8 + n

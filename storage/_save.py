@@ -1,24 +1,14 @@
 """``save``: plan collectively, write this rank's objects, commit (see docs/format.md).
 
-[Note: commit without collectives in the background]
-After the planning all-gather (on the caller's thread, where every rank calls ``save`` in the
-same order) no collective is used: a rank > 0 writes its objects, then a small done-marker
-object with its sizes and checksums; rank 0 waits for every marker, writes the manifest (the
-commit) and the ``latest`` marker. A failure becomes an error marker (rank > 0) or an abort
-marker (rank 0), so every rank fails the same save instead of hanging; a silent rank is a
-timeout. This works the same whether the upload runs inline or in a background thread, so
-async save cannot deadlock with the training loop's collectives.
+This module plans, stages and writes this rank's objects and owns the async handle; the commit
+itself (done and abort markers, the manifest, ``latest``, retention) is ``storage/_commit.py``'s
+(see [Note: commit without collectives in the background] there).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import re
 import threading
 import time
-import uuid
-import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,17 +16,16 @@ from typing import Any
 import torch
 
 from ftsdp.storage._collectives import all_gather_json, rank_world, resolve_group
+from ftsdp.storage._commit import finish, new_attempt
 from ftsdp.storage._dtypes import dtype_name
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._fs import Store
-from ftsdp.storage._layout import LATEST, abort_marker, done_marker, manifest_path, step_dir
-from ftsdp.storage._manifest import Manifest, Piece, TensorEntry
+from ftsdp.storage._layout import step_dir
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage._safetensors import write_object
 from ftsdp.storage._save_plan import PlannedObject, SavePlan, make_plan
 from ftsdp.storage._staging import StagingBudget, StagingPool, stage
 from ftsdp.storage._state import TensorLeaf, flatten_state
-from ftsdp.storage._steps import committed_steps, retain
 
 _lock = threading.Lock()
 _previous: SaveHandle | None = None
@@ -114,7 +103,7 @@ def save(
         raise ValueError(f"keep_last={keep_last} must be >= 1 or None")
     _wait_previous()
     group = resolve_group(process_group)
-    rank, world = rank_world(group)
+    rank, _ = rank_world(group)
     store = Store(url, storage_options, options.io)
 
     # Every rank reaches the gather even when its own state is bad, so errors never hang.
@@ -128,12 +117,7 @@ def save(
         ]
         meta["values"] = {n: v.value for n, v in values.items()}
         if rank == 0:
-            meta["attempt"] = uuid.uuid4().hex[:8]
-            if store.exists(manifest_path(step)):
-                raise FileExistsError(
-                    f"step {step} is already committed at {store.where(step_dir(step))}; "
-                    "save under another step or delete that one first"
-                )
+            meta["attempt"] = new_attempt(store, step)
     except Exception as e:
         local_error, meta["error"] = e, f"{type(e).__name__}: {e}"
     metas = all_gather_json(meta, group)
@@ -147,7 +131,7 @@ def save(
     handle = SaveHandle(step, store.where())
     with _lock:
         _previous = handle
-    job = _SaveJob(store, step, rank, world, plan, metas, tensors, options, keep_last, keep_every)
+    job = _SaveJob(store, step, rank, plan, metas, tensors, options, keep_last, keep_every)
     if async_save:
         job.start(handle)
     else:
@@ -168,7 +152,6 @@ class _SaveJob:
         store: Store,
         step: int,
         rank: int,
-        world: int,
         plan: SavePlan,
         metas: list[dict[str, Any]],
         tensors: dict[str, TensorLeaf],
@@ -176,7 +159,7 @@ class _SaveJob:
         keep_last: int | None,
         keep_every: int | None,
     ) -> None:
-        self.store, self.step, self.rank, self.world = store, step, rank, world
+        self.store, self.step, self.rank = store, step, rank
         self.plan, self.metas, self.tensors, self.options = plan, metas, tensors, options
         self.keep_last, self.keep_every = keep_last, keep_every
         self.mine = plan.for_rank(rank)
@@ -195,7 +178,9 @@ class _SaveJob:
         result: list[list[int]] = []
 
         def produce(f: Any) -> None:
-            result[:] = write_object(f, obj.head, payloads, self.options.checksum_block_bytes)
+            result[:] = write_object(
+                f, obj.head, len(payloads), enumerate(payloads), self.options.checksum_block_bytes
+            )
 
         self.store.write(f"{step_dir(self.step)}/{obj.name}", produce)
         return result
@@ -253,7 +238,7 @@ class _SaveJob:
 
         threading.Thread(target=background, name=f"storage-save-{self.step}", daemon=True).start()
 
-    # -- commit protocol (see the note at the top) ------------------------------------------------
+    # -- the commit (storage/_commit.py) ---------------------------------------------------------
 
     def _finish_and_commit(self, futures: list[Future], error: BaseException | None) -> None:
         crcs: dict[str, list[list[int]]] = {}
@@ -262,137 +247,16 @@ class _SaveJob:
                 crcs[obj.name] = fut.result()
             except BaseException as e:
                 error = error or e
-        if self.rank != 0:
-            self._report_and_wait(crcs, error)
-            return
-        if error is None:
-            try:
-                crcs.update(self._collect_markers())
-                self._commit(crcs)
-                return
-            except BaseException as e:
-                error = e
-        self._abort(error)
-        raise error
-
-    def _report_and_wait(
-        self, crcs: dict[str, list[list[int]]], error: BaseException | None
-    ) -> None:
-        marker = {
-            "rank": self.rank,
-            "error": None if error is None else f"{type(error).__name__}: {error}",
-            "objects": {o.name: {"size": o.size, "crc32": crcs.get(o.name)} for o in self.mine},
-        }
-        self.store.write_bytes(
-            done_marker(self.step, self.plan.attempt, self.rank), json.dumps(marker).encode()
-        )
-        if error is not None:
-            raise error
-        abort = abort_marker(self.step, self.plan.attempt)
-        for _ in _poll(self.options.commit_timeout_s):
-            if self.store.exists(manifest_path(self.step)):
-                return
-            if self.store.exists(abort):
-                reason = json.loads(self.store.read(abort)).get("error")
-                raise CheckpointError(
-                    f"save of step {self.step} to {self.store.where()} was aborted by rank 0: {reason}"
-                )
-        raise TimeoutError(
-            f"rank {self.rank}: step {self.step} at {self.store.where()} was not committed within "
-            f"{self.options.commit_timeout_s}s (is rank 0 alive?)"
-        )
-
-    def _collect_markers(self) -> dict[str, list[list[int]]]:
-        crcs: dict[str, list[list[int]]] = {}
-        waiting = set(range(1, self.world))
-        pattern = re.compile(rf"^_done-{self.plan.attempt}-rank(\d+)\.json$")  # not temp files
-        for _ in _poll(self.options.commit_timeout_s):
-            listing = self.store.listdir(step_dir(self.step)) if waiting else {}
-            for name in sorted(listing):
-                m = pattern.match(name)
-                if m is None or int(m.group(1)) not in waiting:
-                    continue
-                rank = int(m.group(1))
-                marker = json.loads(
-                    self.store.read(done_marker(self.step, self.plan.attempt, rank))
-                )
-                if marker["error"]:
-                    raise CheckpointError(
-                        f"rank {rank} failed to write step {self.step}: {marker['error']}"
-                    )
-                for obj in self.plan.for_rank(rank):
-                    got = marker["objects"].get(obj.name, {})
-                    if got.get("size") != obj.size or got.get("crc32") is None:
-                        raise CheckpointError(
-                            f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
-                            f"the plan says {obj.size}"
-                        )
-                    crcs[obj.name] = got["crc32"]
-                waiting.discard(rank)
-            if not waiting:
-                return crcs
-        raise TimeoutError(
-            f"step {self.step} at {self.store.where()}: ranks {sorted(waiting)} did not finish "
-            f"writing within {self.options.commit_timeout_s}s"
-        )
-
-    def _commit(self, crcs: dict[str, list[list[int]]]) -> None:
-        pieces: dict[str, list[Piece]] = {name: [] for name in self.plan.shapes}
-        for obj in self.plan.objects:
-            for p, (start, end), crc in zip(
-                obj.pieces, obj.byte_ranges, crcs[obj.name], strict=True
-            ):
-                pieces[p.name].append(
-                    Piece(obj.name, p.key, p.offset, p.length, start, end, tuple(crc))
-                )
-        values = self.metas[0]["values"]
-        manifest = Manifest(
-            step=self.step,
-            world_size=self.world,
-            attempt=self.plan.attempt,
+        finish(
+            self.store,
+            self.step,
+            self.plan,
+            self.rank,
+            crcs,
+            error,
+            rank_values=[m["values"] for m in self.metas],
             checksum_block_bytes=self.options.checksum_block_bytes,
-            objects={o.name: o.size for o in self.plan.objects},
-            tensors={
-                name: TensorEntry(shape, dtype, tuple(sorted(pieces[name], key=lambda p: p.offset)))
-                for name, (shape, dtype) in self.plan.shapes.items()
-            },
-            values=values,
-            rank_values=[
-                {k: v for k, v in m["values"].items() if k not in values or values[k] != v}
-                for m in self.metas
-            ],
+            timeout_s=self.options.commit_timeout_s,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
         )
-        self.store.write_bytes(manifest_path(self.step), manifest.to_json())  # the commit
-        try:  # after the commit: failures here are warnings, the step is saved
-            steps = committed_steps(self.store)
-            if steps and steps[-1] == self.step:
-                self.store.write_bytes(LATEST, f"{self.step}\n".encode())
-            for rank in range(1, self.world):
-                self.store.remove(done_marker(self.step, self.plan.attempt, rank))
-            if self.keep_last is not None:
-                retain(self.store, self.keep_last, self.keep_every)
-        except Exception as e:
-            warnings.warn(
-                f"step {self.step} committed at {self.store.where()}, but updating 'latest' or "
-                f"retention failed: {type(e).__name__}: {e}",
-                stacklevel=1,
-            )
-
-    def _abort(self, error: BaseException) -> None:
-        # Best effort: the original error is what the caller needs to see.
-        with contextlib.suppress(Exception):
-            self.store.write_bytes(
-                abort_marker(self.step, self.plan.attempt),
-                json.dumps({"error": f"{type(error).__name__}: {error}"}).encode(),
-            )
-
-
-def _poll(timeout: float):
-    """Yield until ``timeout`` seconds have passed, sleeping a little longer each time."""
-    deadline, delay, n = time.monotonic() + timeout, 0.005, 0
-    while True:
-        yield n
-        if time.monotonic() > deadline:
-            return
-        time.sleep(delay)
-        delay, n = min(delay * 1.5, 0.25), n + 1

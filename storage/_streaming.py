@@ -1,4 +1,4 @@
-"""Streaming under a memory budget: chunk sizes, chunked requests, progress, atomic writes.
+"""Streaming under a memory budget: chunk sizes, chunked requests, progress.
 
 [Note: the memory budget]
 Conversions, verification and diffs never hold a whole checkpoint: work is cut into requests of at
@@ -11,16 +11,10 @@ non-contiguous tensor in a torch file) needs the largest such item on top.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, Any
 
-import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
 MiB = 1 << 20
 DEFAULT_MAX_MEMORY = 256 * MiB
@@ -112,74 +106,12 @@ class Meter:
             self._progress(self.done, self.total)
 
 
-def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    """``(filesystem, path)`` of a URL (fsspec); the path without a trailing slash."""
-    fs, path = fsspec.core.url_to_fs(str(url), **(storage_options or {}))
-    return fs, path.rstrip("/") or path
-
-
-def is_local(fs: Any) -> bool:
-    return isinstance(fs, LocalFileSystem)
-
-
-def read_range_into(fs: Any, path: str, start: int, out: torch.Tensor) -> None:
-    """Fill the contiguous CPU tensor ``out`` with the bytes of ``path`` from ``start`` on."""
-    view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
-    end = start + len(view)
-    if not len(view):
-        return
-    if is_local(fs):
-        with open(path, "rb") as f:
-            f.seek(start)
-            got = f.readinto(view)
-    else:
-        data = fs.cat_file(path, start=start, end=end)
-        got = len(data)
-        view[:got] = data
-    if got != end - start:
-        raise OSError(
-            f"short read of {path} bytes [{start}, {end}): got {got}; the file is truncated"
-        )
-
-
-@contextlib.contextmanager
-def atomic_write(fs: Any, path: str, block_size: int = 8 * MiB) -> Iterator[IO[bytes]]:
-    """Write ``path`` so that it exists only complete: a temporary name renamed on a local disk,
-    an upload that is discarded (never completed) on an object store when the body raises."""
-    if is_local(fs):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)  # make the rename itself durable
-        finally:
-            os.close(fd)
-        return
-    f = fs.open(path, "wb", block_size=max(block_size, 5 * MiB))
-    try:
-        yield f
-    except BaseException:
-        # Closing would complete the upload and publish a partial object: abort it, and mark
-        # the file closed so that its finalizer does not try to finish it either.
-        with contextlib.suppress(Exception):
-            if hasattr(f, "discard"):
-                f.discard()
-                f.closed = True
-        raise
-    f.close()
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor (no copy)."""
+    """The raw bytes of a tensor, without copying a contiguous CPU one. Writing into them fills
+    the tensor (readers pass their contiguous CPU targets)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")

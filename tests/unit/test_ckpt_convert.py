@@ -178,7 +178,7 @@ def test_interrupted_convert_never_looks_complete(
 ) -> None:
     """The feed stops after a few tensors (deterministically, as ^C would): the destination must
     not read as a checkpoint, and a later convert into it succeeds without --overwrite."""
-    from ftsdp.storage._feed import Feed
+    from ftsdp.storage._interfaces import Feed
 
     real, served = Feed.stream, []
 

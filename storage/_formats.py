@@ -1,0 +1,180 @@
+"""The format table: each format's name, its source, its sink and its detector, in one place.
+
+``open_source``, ``make_sink``, ``detect_format`` and ``FORMATS`` all derive from ``_TABLE``; no
+other code chooses what to run by a format's name. Adding a format is adding a row.
+
+``storage/_dcp.py`` imports ``torch.distributed.checkpoint``, about a second, so the dcp row
+imports it only when a DCP checkpoint is opened or written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ftsdp.storage._errors import CheckpointNotFoundError
+from ftsdp.storage._fs import Store
+from ftsdp.storage._interfaces import Sink, Source
+from ftsdp.storage._layout import DCP_METADATA, HF_INDEX, LATEST, MANIFEST, parse_step
+from ftsdp.storage._options import IOOptions
+from ftsdp.storage._sinks import FtsdpSink, HfSink, TorchSink
+from ftsdp.storage._sources import FtsdpSource, HfSource, TorchSource
+
+_ZIP_MAGIC = b"PK\x03\x04"  # a torch.save file is a zip file
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What lies at a URL, as much as the detectors look at: one listing, or a file's first bytes."""
+
+    url: str
+    is_file: bool
+    names: frozenset[str]  # a directory's entries (empty for a file)
+    magic: bytes  # a file's first 4 bytes (empty for a directory)
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    """What a conversion asks of its destination; each sink takes what applies to its format."""
+
+    world_size: int | None
+    max_shard_bytes: int | None
+    object_bytes: int
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    open: Callable[[Store, int | None, int], Source]  # (store, step, chunk)
+    sink: Callable[[Store, SinkOptions], Sink]
+    detect: Callable[[Probe], bool]
+    steps: bool = False  # a checkpoint holds several steps (``step`` picks one)
+
+
+def _open_dcp(store: Store, step: int | None, chunk: int) -> Source:
+    from ftsdp.storage._dcp import DcpSource
+
+    return DcpSource(store, chunk)
+
+
+def _dcp_sink(store: Store, options: SinkOptions) -> Sink:
+    from ftsdp.storage._dcp import DcpSink
+
+    return DcpSink(store)
+
+
+_TABLE = {
+    f.name: f
+    for f in (
+        Format(
+            "ftsdp",
+            open=lambda store, step, chunk: FtsdpSource(store, step),
+            sink=lambda store, o: FtsdpSink(store, o.world_size or 1, o.object_bytes),
+            detect=lambda p: (
+                not p.is_file
+                and (LATEST in p.names or any(parse_step(n) is not None for n in p.names))
+            ),
+            steps=True,
+        ),
+        Format(
+            "hf",
+            open=lambda store, step, chunk: HfSource(store),
+            sink=lambda store, o: HfSink(store, o.max_shard_bytes),
+            detect=lambda p: (
+                p.url.endswith(".safetensors")
+                if p.is_file
+                else HF_INDEX in p.names or any(n.endswith(".safetensors") for n in p.names)
+            ),
+        ),
+        Format(
+            "torch",
+            open=lambda store, step, chunk: TorchSource(store),
+            sink=lambda store, o: TorchSink(store),
+            detect=lambda p: p.is_file and p.magic == _ZIP_MAGIC,
+        ),
+        Format(
+            "dcp",
+            open=_open_dcp,
+            sink=_dcp_sink,
+            detect=lambda p: not p.is_file and DCP_METADATA in p.names,
+        ),
+    )
+}
+FORMATS = tuple(_TABLE)
+# The first format whose detector accepts wins: a torch zip file named .safetensors is torch, a
+# directory with DCP's .metadata is DCP whatever else it holds, and hf, the loosest test, is last.
+_DETECTION_ORDER = ("torch", "dcp", "ftsdp", "hf")
+
+
+def get_format(name: str) -> Format:
+    """The table's row of ``name``; ValueError for an unknown format."""
+    if name not in _TABLE:
+        raise ValueError(f"unknown format {name!r}; known: {', '.join(FORMATS)}")
+    return _TABLE[name]
+
+
+def detect_format(url: str, storage_options: dict | None = None) -> str:
+    """``ftsdp``, ``hf``, ``torch`` or ``dcp`` for what lies at ``url`` (ValueError when none)."""
+    store = Store(url, storage_options)
+    if not store.exists():
+        raise CheckpointNotFoundError(f"no checkpoint at {url}: it does not exist")
+    if store.isfile():
+        head = store.read_range("", 0, 4) if store.size() >= 4 else b""
+        probe = Probe(store.url, True, frozenset(), head)
+    else:
+        probe = Probe(store.url, False, frozenset(store.listdir()), b"")
+    for name in _DETECTION_ORDER:
+        if _TABLE[name].detect(probe):
+            return name
+    if probe.is_file:
+        raise ValueError(
+            f"cannot tell the format of the file {url}: not a torch.save zip file nor .safetensors "
+            "(legacy non-zip torch files are not supported; re-save them with torch.save)"
+        )
+    if MANIFEST in probe.names:
+        raise ValueError(
+            f"{url} is a step directory; pass its parent (the checkpoint root) and --step"
+        )
+    raise ValueError(
+        f"no checkpoint found at {url}: expected step-<N>/ dirs (ftsdp), .metadata (dcp), "
+        "*.safetensors (hf) or a torch.save file"
+    )
+
+
+def open_source(
+    url: str,
+    fmt: str | None = None,
+    step: int | None = None,
+    storage_options: dict | None = None,
+    chunk: int = 32 << 20,
+    io: IOOptions | None = None,
+) -> Source:
+    """Open ``url`` as format ``fmt`` (None: detected); ``step`` applies to formats with steps
+    (ftsdp); ``chunk`` bounds what a source that reads whole items may hold at once; ``io`` is
+    the store's I/O policy (threads, part size, retries)."""
+    f = get_format(fmt or detect_format(url, storage_options))
+    if step is not None and not f.steps:
+        raise ValueError(f"a step was given but {url} is a {f.name} checkpoint, which has no steps")
+    return f.open(Store(url, storage_options, io), step, chunk)
+
+
+def make_sink(
+    fmt: str,
+    url: str,
+    storage_options: dict | None,
+    *,
+    world_size: int | None,
+    max_shard_bytes: int | None,
+    object_bytes: int,
+    chunk: int,
+) -> Sink:
+    """The writer of format ``fmt`` at ``url``; its uploads buffer at most ``chunk`` bytes (the
+    writer's share of the memory budget, see [Note: the memory budget])."""
+    store = Store(url, storage_options, IOOptions(part_bytes=chunk))
+    options = SinkOptions(world_size, max_shard_bytes, object_bytes)
+    return get_format(fmt).sink(store, options)
+
+
+def has_steps(fmt: str) -> bool:
+    """Whether a checkpoint of ``fmt`` holds several steps (only ``ftsdp``)."""
+    return get_format(fmt).steps
