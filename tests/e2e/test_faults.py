@@ -1,5 +1,5 @@
 """The fault-injection suite: real torchrun jobs of ``ftsdp.train`` on gloo, faults injected
-deterministically at step boundaries (``FTSDP_FAULT``, see ``ftsdp/elastic/_faults.py``).
+deterministically at step boundaries (``FTSDP_FAULT``, see ``ftsdp/testing/_faults.py``).
 
 Every scenario is compared with one uninterrupted single-process run of the same configuration
 (deterministic mode makes it valid for every world size): final weights and optimizer state
