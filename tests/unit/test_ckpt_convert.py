@@ -201,3 +201,40 @@ def test_interrupted_convert_never_looks_complete(
     monkeypatch.setattr(Feed, "stream", real)
     assert _cli(*argv)[0] == 0
     _same(storage.load_state_dict(dst), _flat(_state()))
+
+
+@pytest.mark.parametrize("writer", ["save", "convert"])
+def test_convert_commits_through_the_save_protocol(
+    src: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """``save`` and the converter's ftsdp output commit through the same code: a failure writing
+    the manifest leaves no committed step and no ``latest``; a failure after it (``latest``) is a
+    warning and the step is committed."""
+    from ftsdp.storage._fs import Store
+
+    real, fail = Store._write_once, {"name": "manifest.json"}
+
+    def write(self: Store, rel: str, produce: Any) -> None:
+        if rel.rsplit("/", 1)[-1] == fail["name"]:
+            raise PermissionError(f"injected: cannot write {rel}")
+        real(self, rel, produce)
+
+    monkeypatch.setattr(Store, "_write_once", write)
+    dst = tmp_path / "dst"
+
+    def run() -> None:
+        if writer == "save":
+            storage.save(_state(), str(dst), step=17, options=SMALL)
+        else:
+            storage.convert(src, str(dst), to="ftsdp", world_size=2, object_bytes=6000)
+
+    with pytest.raises(PermissionError, match="manifest.json"):
+        run()
+    assert storage.list_steps(str(dst)) == [] and not (dst / "latest").exists()
+    assert any(dst.glob("step-17/*.safetensors"))  # a torn attempt, which readers ignore
+    fail["name"] = "latest"
+    with pytest.warns(UserWarning, match="step 17 committed at .*, but updating 'latest'"):
+        run()
+    assert storage.list_steps(str(dst)) == [17] and not (dst / "latest").exists()
+    assert not list(dst.glob("step-17/_done-*"))
+    _same(storage.load_state_dict(str(dst)), _flat(_state()))

@@ -87,3 +87,46 @@ def test_transient_failures_are_retried_end_to_end(monkeypatch: pytest.MonkeyPat
     storage.load(target, url, options=storage.LoadOptions(io=fast))
     assert failures == {"write": 0, "read": 0}
     assert torch.equal(target["w"], ref["w"])
+
+
+@pytest.mark.parametrize("fmt", ["ftsdp", "hf", "torch", "dcp"])
+def test_every_format_retries_transient_errors(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """Every format reads and writes through the store: a convert into ``fmt`` whose uploads fail
+    once each after sending every byte, and a read back whose ranged reads fail, both succeed
+    (each object is written again from the start, each read tried again)."""
+    root = f"memory://retry-{uuid.uuid4().hex[:8]}"
+    ref = {"w": torch.randn(300), "b": torch.randn(3, 4).bfloat16(), "step": 7}
+    storage.save(ref, f"{root}/src", step=1)
+    dst = f"{root}/out.pt" if fmt == "torch" else f"{root}/out"
+    failed: dict[str, Any] = {"write": set(), "reads": 0, "read": 0}
+    real_write, real_cat = Store._write_once, MemoryFileSystem.cat_file
+
+    def write(self: Store, rel: str, produce: Any) -> None:
+        path = self.full(rel)
+        if "/out" not in path or path in failed["write"]:
+            return real_write(self, rel, produce)
+        failed["write"].add(path)
+
+        def upload_fails_at_the_end(f: Any) -> None:
+            produce(f)
+            raise TimeoutError("injected: the upload timed out")
+
+        return real_write(self, rel, upload_fails_at_the_end)
+
+    def cat_file(self: Any, path: str, start: Any = None, end: Any = None, **kw: Any) -> bytes:
+        if "/out" in path:
+            failed["reads"] += 1
+            if failed["reads"] % 2:  # every other read of the destination: each read once
+                failed["read"] += 1
+                raise ConnectionResetError("injected")
+        return real_cat(self, path, start=start, end=end, **kw)
+
+    monkeypatch.setattr(Store, "_write_once", write)
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", cat_file)
+    storage.convert(f"{root}/src", dst, to=fmt)
+    written = {p.rsplit("/", 1)[-1] for p in failed["write"]}
+    commit_file = {"ftsdp": "manifest.json", "hf": "model.safetensors", "dcp": ".metadata"}
+    assert commit_file.get(fmt, "out.pt") in written, written
+    got = storage.load_state_dict(dst)
+    assert failed["read"] >= 2, failed
+    assert torch.equal(got["w"], ref["w"]) and torch.equal(got["b"], ref["b"])

@@ -1,0 +1,111 @@
+"""The format table (storage/_formats.py) is the only place a format's name chooses code: every
+entry point (convert, detection, the loaders, verify, inspect, diff) goes through its rows, the
+detection order is the table's, and DCP's module is imported only for DCP checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from ftsdp import storage
+from ftsdp.storage import _formats
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(8, 5, generator=g), "b": torch.randn(5, generator=g), "step": 3}
+
+
+@pytest.fixture
+def src(tmp_path: pathlib.Path) -> str:
+    url = str(tmp_path / "src")
+    storage.save(_state(), url, step=1)
+    return url
+
+
+def test_every_entry_point_dispatches_through_the_table(
+    src: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    row = _formats._TABLE["torch"]
+
+    def spy(what: str, fn: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            calls.append(what)
+            return fn(*args)
+
+        return wrapped
+
+    monkeypatch.setitem(
+        _formats._TABLE,
+        "torch",
+        dataclasses.replace(
+            row,
+            open=spy("open", row.open),
+            sink=spy("sink", row.sink),
+            detect=spy("detect", row.detect),
+        ),
+    )
+    dst = str(tmp_path / "out.pt")
+    storage.convert(src, dst, to="torch")
+    assert calls == ["detect", "sink"]  # the source's detection asks torch's detector first
+    calls.clear()
+    assert storage.detect_format(dst) == "torch"
+    got = storage.load_state_dict(dst)
+    assert torch.equal(got["w"], _state()["w"])
+    assert storage.verify(dst).ok
+    assert storage.inspect_checkpoint(dst)["format"] == "torch"
+    assert all(r["status"] == "same" for r in storage.diff(src, None, dst, None)["tensors"])
+    assert calls.count("open") == 4 and calls.count("detect") >= 5, calls
+    # Without its row's detector nothing else recognises the file.
+    monkeypatch.setitem(
+        _formats._TABLE, "torch", dataclasses.replace(row, detect=lambda probe: False)
+    )
+    with pytest.raises(ValueError, match="cannot tell the format of the file"):
+        storage.detect_format(dst)
+
+
+def test_detection_order(src: str, tmp_path: pathlib.Path) -> None:
+    """A torch zip named .safetensors is torch; DCP's .metadata wins in a directory; step dirs
+    make an ftsdp root even next to .safetensors files; hf is the fallback."""
+    pt = tmp_path / "model.safetensors"
+    torch.save({"w": torch.zeros(2)}, pt)
+    assert storage.detect_format(str(pt)) == "torch"
+    root = pathlib.Path(src)
+    (root / "model.safetensors").write_bytes(b"")
+    assert storage.detect_format(src) == "ftsdp"
+    (root / ".metadata").write_bytes(b"")
+    assert storage.detect_format(src) == "dcp"
+    assert storage.FORMATS == ("ftsdp", "hf", "torch", "dcp")
+    with pytest.raises(ValueError, match="unknown format 'npz'; known: ftsdp, hf, torch, dcp"):
+        _formats.open_source(src, "npz")
+
+
+@pytest.mark.timeout(120)
+def test_dcp_is_imported_only_for_dcp(src: str, tmp_path: pathlib.Path) -> None:
+    code = (
+        "import sys\n"
+        "from ftsdp import storage\n"
+        "src, out = sys.argv[1:]\n"
+        "for fmt in ('hf', 'torch', 'ftsdp'):\n"
+        "    dst = f'{out}/{fmt}' + ('.pt' if fmt == 'torch' else '')\n"
+        "    storage.convert(src, dst, to=fmt)\n"
+        "    assert storage.detect_format(dst) == fmt\n"
+        "    storage.load_state_dict(dst)\n"
+        "assert 'torch.distributed.checkpoint' not in sys.modules\n"
+        "storage.convert(src, f'{out}/dcp', to='dcp')\n"
+        "assert 'torch.distributed.checkpoint' in sys.modules\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, src, str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,151 @@
+"""The one store layer (storage/_fs.py): a store rooted at a single file, ranged views for
+``torch.load``, and the rules that keep every format on it (only _fs.py touches fsspec; DCP's
+pickle is loaded in one function)."""
+
+from __future__ import annotations
+
+import ast
+import io
+import pathlib
+import random
+import uuid
+from typing import Any
+
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from ftsdp import storage
+from ftsdp.storage._fs import Store
+
+STORAGE = pathlib.Path(__file__).resolve().parents[2] / "storage"
+
+
+def test_a_store_rooted_at_a_file(tmp_path: pathlib.Path) -> None:
+    data = bytes(range(256)) * 40
+    (tmp_path / "f.bin").write_bytes(data)
+    store = Store(str(tmp_path / "f.bin"), None)
+    assert store.exists() and store.isfile() and not store.isdir()
+    assert store.size() == len(data) and store.read() == data
+    assert store.read_range("", 100, 110) == data[100:110]
+    out = torch.empty(64, dtype=torch.uint8)
+    store.read_into("", 1000, out.numpy())
+    assert bytes(out.numpy()) == data[1000:1064]
+    with pytest.raises(OSError, match="truncated"):
+        store.read_into("", len(data) - 10, bytearray(20))
+    store.write("", lambda f: f.write(b"new"))  # atomic replace of the file itself
+    assert (tmp_path / "f.bin").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]  # no temporary left
+    missing = Store(str(tmp_path / "nope.bin"), None)
+    assert not missing.exists()
+    with pytest.raises(FileNotFoundError):
+        missing.open()
+
+
+def test_a_ranged_view_reads_like_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Store.open`` behaves as a file over its range whatever the reads and seeks, and serves
+    the many small reads of ``torch.load`` from a few requests."""
+    url = f"memory://view-{uuid.uuid4().hex[:8]}"
+    data = bytes(random.Random(0).randbytes(300_000))
+    store = Store(url, None)
+    store.write_bytes("obj", data)
+    rng = random.Random(1)
+    view, ref = store.open("obj", 1000, 250_000), io.BytesIO(data[1000:250_000])
+    for _ in range(300):
+        op = rng.choice(["read", "read", "seek", "seek_end"])
+        if op == "read":
+            n = rng.choice([1, 7, 100, 5000, 100_000, -1])
+            assert view.read(n) == ref.read(n)
+        elif op == "seek":
+            pos = rng.randrange(0, 260_000)
+            assert view.seek(pos) == ref.seek(min(pos, 249_000))
+        else:
+            back = rng.randrange(0, 3000)
+            assert view.seek(-back, io.SEEK_END) == ref.seek(-back, io.SEEK_END)
+        assert view.tell() == ref.tell()
+
+    requests: list[Any] = []
+    real = MemoryFileSystem.cat_file
+
+    def cat_file(self: Any, path: str, start: Any = None, end: Any = None, **kw: Any) -> bytes:
+        requests.append((start, end))
+        return real(self, path, start=start, end=end, **kw)
+
+    buf = io.BytesIO()
+    torch.save({f"t{i}": torch.full((10,), float(i)) for i in range(20)}, buf)
+    store.write_bytes("state.pt", buf.getvalue())
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", cat_file)
+    with store.open("state.pt") as f:
+        meta = torch.load(f, map_location="meta", weights_only=True)
+    assert len(meta) == 20
+    assert len(requests) <= 3, requests  # dozens of small reads, one read-ahead window
+
+
+def test_every_format_reads_single_file_checkpoints_through_the_store(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hf and torch single files open and read through ``Store`` (no other I/O path)."""
+    state = {"w": torch.randn(50), "b": torch.arange(6).reshape(2, 3)}
+    storage.save(state, str(tmp_path / "src"), step=1)
+    for name, fmt in (("m.safetensors", "hf"), ("m.pt", "torch")):
+        storage.convert(str(tmp_path / "src"), str(tmp_path / name), to=fmt)
+    reads: list[str] = []
+    real = Store._read_into_once
+
+    def spy(self: Store, rel: str, start: int, view: memoryview) -> None:
+        reads.append(self.where(rel))
+        real(self, rel, start, view)
+
+    monkeypatch.setattr(Store, "_read_into_once", spy)
+    for name in ("m.safetensors", "m.pt"):
+        got = storage.load_state_dict(str(tmp_path / name))
+        assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+        assert reads and set(reads) == {str(tmp_path / name)}
+        reads.clear()
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_only_the_store_touches_fsspec() -> None:
+    users = sorted(p.name for p in STORAGE.glob("*.py") if "fsspec" in _imports(p))
+    assert users == ["_fs.py"]
+
+
+def test_dcp_metadata_is_unpickled_in_one_function(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pickle`` is loaded only in ``unpickle_metadata``, and every DCP read goes through it:
+    replacing it (as a restricted unpickler will) changes how every DCP checkpoint opens."""
+    loads = [
+        (p.name, node.lineno)
+        for p in STORAGE.glob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("load", "loads", "Unpickler")
+        and isinstance(node.value, ast.Name) and node.value.id == "pickle"
+    ]  # fmt: skip
+    assert len(loads) == 1 and loads[0][0] == "_dcp_store.py", loads
+    from ftsdp.storage import _dcp_store
+
+    storage.save({"w": torch.randn(30), "step": 2}, str(tmp_path / "src"), step=1)
+    storage.convert(str(tmp_path / "src"), str(tmp_path / "dcp"), to="dcp")
+    seen: list[int] = []
+    real = _dcp_store.unpickle_metadata
+
+    def spy(data: bytes) -> Any:
+        seen.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(_dcp_store, "unpickle_metadata", spy)
+    assert storage.load_state_dict(str(tmp_path / "dcp"))["w"].numel() == 30
+    assert seen
+    monkeypatch.setattr(_dcp_store, "unpickle_metadata", lambda data: 1 / 0)
+    with pytest.raises(storage.CorruptCheckpointError, match="cannot read .metadata"):
+        storage.load_state_dict(str(tmp_path / "dcp"))
