@@ -138,8 +138,14 @@ def finish(
     checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
     every rank when it is not. ``rank_values`` holds every rank's values (its length is the
     world size)."""
-    if rank != 0:
-        _report_and_wait(store, step, plan, rank, crcs, error, timeout_s)
+    if rank != 0:  # report, then wait for rank 0's verdict
+        objects = {o.name: {"size": o.size, "crc32": crcs.get(o.name)} for o in plan.for_rank(rank)}
+        _write_marker(
+            store, done_marker(step, plan.attempt, rank), error, rank=rank, objects=objects
+        )
+        if error is not None:
+            raise error
+        _wait_for_commit(store, step, plan.attempt, rank, timeout_s)
         return
     if error is None:
         try:
@@ -158,35 +164,20 @@ def finish(
         except BaseException as e:
             error = e
     with contextlib.suppress(Exception):  # best effort: the original error is what matters
-        store.write_bytes(
-            abort_marker(step, plan.attempt),
-            json.dumps({"error": f"{type(error).__name__}: {error}"}).encode(),
-        )
+        _write_marker(store, abort_marker(step, plan.attempt), error)
     raise error
 
 
-def _report_and_wait(
-    store: Store,
-    step: int,
-    plan: SavePlan,
-    rank: int,
-    crcs: Crcs,
-    error: BaseException | None,
-    timeout_s: float,
-) -> None:
-    """Rank > 0: write the done marker (sizes and checksums, or the error), then wait for the
-    manifest or rank 0's abort marker."""
-    marker = {
-        "rank": rank,
-        "error": None if error is None else f"{type(error).__name__}: {error}",
-        "objects": {
-            o.name: {"size": o.size, "crc32": crcs.get(o.name)} for o in plan.for_rank(rank)
-        },
-    }
-    store.write_bytes(done_marker(step, plan.attempt, rank), json.dumps(marker).encode())
-    if error is not None:
-        raise error
-    abort = abort_marker(step, plan.attempt)
+def _write_marker(store: Store, rel: str, error: BaseException | None, **fields: Any) -> None:
+    """A done marker (rank > 0: its objects' sizes and checksums, or its error) or an abort
+    marker (rank 0: the error), as JSON."""
+    doc = {**fields, "error": None if error is None else f"{type(error).__name__}: {error}"}
+    store.write_bytes(rel, json.dumps(doc).encode())
+
+
+def _wait_for_commit(store: Store, step: int, attempt: str, rank: int, timeout_s: float) -> None:
+    """Rank > 0: wait for the manifest, or for rank 0's abort marker (raised)."""
+    abort = abort_marker(step, attempt)
     for _ in _poll(timeout_s):
         if store.exists(manifest_path(step)):
             return

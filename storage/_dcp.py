@@ -284,19 +284,14 @@ def write_dcp(
 class DcpSink(Sink):
     """A ``torch.distributed.checkpoint`` directory."""
 
-    def _existing(self) -> list[str]:
-        """The files of a DCP checkpoint at the destination, ``.metadata`` (the commit) first."""
+    def existing(self) -> list[str]:
         if not self.store.isdir():
             return []
         names = [n for n in self.store.listdir() if n.endswith((DCP_METADATA, ".distcp"))]
         return sorted(names, key=lambda n: n != DCP_METADATA)
 
     def holds_checkpoint(self) -> bool:
-        return DCP_METADATA in self._existing()
-
-    def clear(self) -> None:
-        for name in self._existing():
-            self.store.remove(name)
+        return DCP_METADATA in self.existing()
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int

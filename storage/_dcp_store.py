@@ -62,16 +62,12 @@ def _done(value: Any = None) -> Future:
     return fut
 
 
-class StoreReader(StorageReader):
-    """Reads a DCP checkpoint at the store's root: ``.metadata`` whole, each item as a byte range
-    (a seekable view ``torch.load`` reads from; a large tensor's bytes go straight into it)."""
+class _OnStore:
+    """What the reader and the writer share: the store, and its URL as DCP's checkpoint id."""
 
-    def __init__(self, store: Store, metadata: Metadata | None = None) -> None:
+    def __init__(self, store: Store) -> None:
         super().__init__()
-        self.store, self._metadata = store, metadata  # metadata: already read, not read again
-        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
-        self.load_id = uuid.uuid4().hex
-        self.transforms = _StorageReaderTransforms()  # torch's, for items written with extensions
+        self.store = store
 
     @property
     def checkpoint_id(self) -> str:
@@ -80,6 +76,18 @@ class StoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False  # never picked by DCP's own guessing: it is passed explicitly
+
+
+class StoreReader(_OnStore, StorageReader):
+    """Reads a DCP checkpoint at the store's root: ``.metadata`` whole, each item as a byte range
+    (a seekable view ``torch.load`` reads from; a large tensor's bytes go straight into it)."""
+
+    def __init__(self, store: Store, metadata: Metadata | None = None) -> None:
+        super().__init__(store)
+        self._metadata = metadata  # already read: not read again
+        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self.load_id = uuid.uuid4().hex
+        self.transforms = _StorageReaderTransforms()  # torch's, for items written with extensions
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data, self.load_id = {}, uuid.uuid4().hex
@@ -133,23 +141,14 @@ class StoreReader(StorageReader):
         return _done()
 
 
-class StoreWriter(StorageWriter):
+class StoreWriter(_OnStore, StorageWriter):
     """Writes a DCP checkpoint at the store's root: one file per item, ``.metadata`` last (DCP's
     commit), each file atomic and retried by the store. Items are resolved one at a time, so the
     writer holds one item (see [Note: streaming DCP] in ``storage/_dcp.py``)."""
 
     def __init__(self, store: Store) -> None:
-        super().__init__()
-        self.store = store
+        super().__init__(store)
         self.save_id = uuid.uuid4().hex
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.store.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False  # never picked by DCP's own guessing: it is passed explicitly
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.save_id = uuid.uuid4().hex

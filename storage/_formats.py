@@ -44,6 +44,9 @@ class SinkOptions:
 
 @dataclass(frozen=True)
 class Format:
+    """A row of the table: how to open a checkpoint of this format, make a destination of it,
+    and recognise it."""
+
     name: str
     open: Callable[[Store, int | None, int], Source]  # (store, step, chunk)
     sink: Callable[[Store, SinkOptions], Sink]
@@ -51,6 +54,7 @@ class Format:
     steps: bool = False  # a checkpoint holds several steps (``step`` picks one)
 
 
+# The dcp row's functions import storage/_dcp.py (and torch.distributed.checkpoint) when called.
 def _open_dcp(store: Store, step: int | None, chunk: int) -> Source:
     from ftsdp.storage._dcp import DcpSource
 

@@ -121,9 +121,15 @@ class Sink(abc.ABC):
     def holds_checkpoint(self) -> bool:
         """True when the destination already holds a checkpoint of this format."""
 
-    @abc.abstractmethod
+    def existing(self) -> list[str]:
+        """The files of this format at the destination (relative to the store), the commit file
+        first; what ``clear`` removes."""
+        return []
+
     def clear(self) -> None:
         """Remove the checkpoint there (``overwrite``), its commit file first."""
+        for name in self.existing():
+            self.store.remove(name)
 
     @abc.abstractmethod
     def write(

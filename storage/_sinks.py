@@ -131,8 +131,7 @@ class HfSink(Sink):
         self.single_file = store.url.endswith(".safetensors")  # the store is rooted at the file
         self.max_shard_bytes = max_shard_bytes
 
-    def _existing(self) -> list[str]:
-        """The files of an hf checkpoint at the destination, the index first."""
+    def existing(self) -> list[str]:
         if self.single_file:
             return [""] if self.store.exists() else []
         if not self.store.isdir():
@@ -145,11 +144,7 @@ class HfSink(Sink):
         an index are what an interrupted write leaves (removed before writing)."""
         if self.single_file:
             return self.store.exists()
-        return any(n in (HF_INDEX, HF_SINGLE) for n in self._existing())
-
-    def clear(self) -> None:
-        for name in self._existing():
-            self.store.remove(name)
+        return any(n in (HF_INDEX, HF_SINGLE) for n in self.existing())
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
@@ -175,7 +170,7 @@ class HfSink(Sink):
             if n == 1
             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
-        for name in self._existing():  # leftovers of an interrupted write (no index: no checkpoint)
+        for name in self.existing():  # leftovers of an interrupted write (no index: no checkpoint)
             if HF_SHARD.match(name):
                 self.store.remove(name)
         for i, (shard, name) in enumerate(zip(shards, names, strict=True)):
