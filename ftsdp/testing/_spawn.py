@@ -1,0 +1,170 @@
+"""The one rank spawner of the tests and the benchmarks.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (the ``spawn`` start
+method), initialises a process group in each (a fresh TCP rendezvous on 127.0.0.1), calls
+``fn(rank, world_size, *args)`` and returns the per-rank return values in rank order. A failure
+on any rank raises ``RuntimeError`` with every failed rank's traceback; ranks that do not report
+within ``timeout`` seconds raise it too, naming them and their exit codes, instead of hanging.
+The processes are always reaped: whatever is still alive at the end is killed.
+
+The parent never imports torch (a few seconds on a loaded machine), so a benchmark that only
+plans runs and prints tables stays light: ``fn`` may be a ``"module:function"`` string, resolved
+in the rank. A callable is pickled by reference here and loaded in the rank too, after the
+rank's environment (``OMP_NUM_THREADS`` and the rest) is set. Results travel by value (plain
+pickle), so they must be picklable: tensors, numbers, dicts; an unpicklable one fails its rank.
+
+Spawning costs a couple of seconds per process (importing torch), so a test module spawns once
+and runs its grid of cases inside ``fn``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+GRACE_S = 5.0  # after a rank fails, how long the others get to report their own errors
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(target: str | bytes) -> Callable:
+    """The rank function, from ``"module:function"`` or a pickle of it."""
+    if isinstance(target, bytes):
+        return pickle.loads(target)
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _rank_entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    threads: int,
+    env: dict[str, str],
+    target: str | bytes,
+    args: bytes,
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS=str(threads),
+    )
+    os.environ.update(env)
+    dist = None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        fn = _resolve(target)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        result = fn(rank, world_size, *pickle.loads(args))
+        results.put((rank, True, pickle.dumps(result)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable | str,
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 240.0,
+    threads: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh ranks; their results.
+
+    ``fn``: a picklable callable, or ``"module:function"`` (resolved in each rank).
+    ``backend``: of the process group (``"nccl"`` for GPU ranks; ``LOCAL_RANK`` is the rank).
+    ``timeout``: seconds for the whole run, and the process group's timeout.
+    ``threads``: ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` in each rank.
+    ``env``: more environment variables for the ranks (set last: they may override).
+    """
+    target = fn if isinstance(fn, str) else pickle.dumps(fn)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    spec = (port, backend, timeout, threads, dict(env or {}), target, pickle.dumps(args), results)
+    procs = [
+        ctx.Process(target=_rank_entry, args=(r, world_size, *spec), name=f"rank{r}")
+        for r in range(world_size)
+    ]
+    got: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    codes: dict[int, int | None] = {}  # exit codes as the wait ended (None: still running)
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(got) + len(failures) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                if any(p.is_alive() for p in procs):
+                    continue
+                # every rank has exited: take what they left in the pipe, then stop
+                deadline = min(deadline, time.monotonic() + 0.5)
+                continue
+            if ok:
+                got[rank] = payload
+            else:
+                failures[rank] = payload
+                # The other ranks are likely stuck in a collective with the failed one: give
+                # them a moment to report their own errors, then stop waiting.
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+    finally:
+        # Ranks that reported exit on their own; wait a little (all together), then kill.
+        settle = time.monotonic() + (GRACE_S if len(got) == world_size else 0.5)
+        for r, p in enumerate(procs):
+            if p.pid is not None:
+                p.join(timeout=max(settle - time.monotonic(), 0.0))
+                codes[r] = p.exitcode
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results.close()
+    missing = sorted(set(range(world_size)) - set(got) - set(failures))
+    if failures or missing:
+        lines = [f"run_ranks: {world_size} {backend} rank(s) of {_name(fn)}"]
+        if failures:
+            lines.append(f"rank(s) {sorted(failures)} raised")
+        if missing:
+            exits = {r: codes.get(r) for r in missing}
+            lines.append(
+                f"rank(s) {missing} did not report within {timeout:g}s, or {GRACE_S:g}s after "
+                f"a failure (exit codes {exits}; None: still running, killed): a hang or a crash"
+            )
+        for r in sorted(failures):
+            lines.append(f"--- rank {r} ---\n{failures[r]}")
+        raise RuntimeError("\n".join(lines))
+    return [pickle.loads(got[r]) for r in range(world_size)]
+
+
+def _name(fn: Callable | str) -> str:
+    return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
