@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ftsdp import storage
-from tests._dist import run_ranks
+from ftsdp.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 GLOBAL_BATCH, MICRO = 12, 1

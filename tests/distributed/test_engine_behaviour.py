@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ftsdp
+from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig
-from tests._dist import run_ranks
 
 WORLD = 3
 

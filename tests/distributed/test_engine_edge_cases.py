@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ftsdp
+from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
-from tests._dist import run_ranks
 
 WORLD = 4
 TOL = dict(rtol=1e-5, atol=1e-6)

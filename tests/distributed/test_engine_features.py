@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ftsdp
+from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
-from tests._dist import run_ranks
 
 WORLD = 4
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import ftsdp
+from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
-from tests._dist import run_ranks
 
 WORLD = 2
 CONFIG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16)

@@ -23,8 +23,8 @@ import torch
 
 import ftsdp
 from ftsdp.fsdp import _fully_sharded, _streams, _unit
+from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
-from tests._dist import run_ranks
 
 WORLD = 2
 CONFIG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ftsdp import storage
-from tests._dist import run_ranks
+from ftsdp.testing import run_ranks
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 # Small checksum blocks so that bytes read stay within 5% of bytes needed for these sizes.

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import torch
 
-from tests._dist import run_ranks
+from ftsdp.testing import run_ranks
 
 CONFIG = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 GLOBAL_BATCH = 6  # divisible by 2 and 3
