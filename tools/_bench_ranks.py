@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import math
 import os
-import queue as queue_mod
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ftsdp import storage
 
@@ -330,50 +326,3 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
             for t in target["model"].values():
                 t.to_local().zero_()
     return out
-
-
-# -- spawning ----------------------------------------------------------------------------------------
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable, cfg: dict, results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
-        results.put((rank, True, fn(rank, world, cfg)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(fn: Callable, world: int, cfg: dict[str, Any], port: int, timeout: float) -> Any:
-    """Run ``fn(rank, world, cfg)`` on ``world`` gloo ranks (processes); rank 0's result."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, cfg, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + timeout
-        while len(got) < world:
-            try:
-                rank, ok, payload = results.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue_mod.Empty:
-                raise TimeoutError(f"{fn.__name__}: ranks did not finish in {timeout}s") from None
-            if not ok:
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{payload}")
-            got[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return got[0]

@@ -23,6 +23,7 @@ import tempfile
 import time
 from typing import Any
 
+from ftsdp.testing import free_port, run_ranks
 from ftsdp.tools import _bench_ranks as ranks
 from ftsdp.tools._markdown import replace_section
 
@@ -60,14 +61,11 @@ class S3Server:
 
     def __init__(self) -> None:
         import logging
-        import socket
 
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         self.server.start()
         self.options = {
@@ -82,14 +80,6 @@ class S3Server:
 
     def close(self) -> None:
         self.server.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,11 +106,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         print(f"state: {nbytes / GB:.3f} GB in {len(shape_map)} params x 3; data in {root}")
         t0 = time.perf_counter()
-        results["save"] = ranks.spawn(ranks.save_phase, args.ranks, cfg, _free_port(), args.timeout)
+        results["save"] = run_ranks(ranks.save_phase, args.ranks, cfg, timeout=args.timeout)[0]
         print(f"save phase done in {time.perf_counter() - t0:.0f}s")
         for w in args.load_ranks:
             t0 = time.perf_counter()
-            results[f"load{w}"] = ranks.spawn(ranks.load_phase, w, cfg, _free_port(), args.timeout)
+            results[f"load{w}"] = run_ranks(ranks.load_phase, w, cfg, timeout=args.timeout)[0]
             print(f"load phase {args.ranks} -> {w} done in {time.perf_counter() - t0:.0f}s")
         return results
     finally:

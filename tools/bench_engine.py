@@ -20,10 +20,11 @@ import pstats
 import sys
 import time
 
+from ftsdp.testing import run_ranks
 from ftsdp.tools import _bench_engine_report as report
-from ftsdp.tools import _bench_engine_spawn
 
 ENGINES = ("ftsdp", "fsdp2", "ddp")
+RANK_MAIN = "ftsdp.tools._bench_engine_ranks:rank_main"  # by name: this process never imports torch
 VARIANTS = (
     *("no_prefetch", "prefetch", "forward_prefetch", "no_limit", "limit"),
     *("mp", "offload", "hybrid", "grad_op", "no_shard"),
@@ -100,10 +101,8 @@ def config(args: argparse.Namespace, device: str) -> dict:
         "engines": args.engines,
         "variants": args.variants,
         "schedule": args.schedule,
-        "threads": args.threads,
         "profile_dir": args.profile,
         "profile_steps": args.profile_steps,
-        "timeout": args.timeout,
         "device": device,
     }
 
@@ -112,7 +111,6 @@ def run(args: argparse.Namespace) -> list[report.Run]:
     # Quiet the profiler's start/stop lines and its "allocated before profiling" warning.
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     plan = [(1, "cuda")] if args.cuda == "only" else [(w, "cpu") for w in args.world_sizes]
@@ -120,7 +118,14 @@ def run(args: argparse.Namespace) -> list[report.Run]:
     while plan:
         world, device = plan.pop(0)
         t0 = time.perf_counter()
-        results = _bench_engine_spawn.spawn(world, config(args, device))
+        results = run_ranks(
+            RANK_MAIN,
+            world,
+            config(args, device),
+            backend="nccl" if device == "cuda" else "gloo",
+            timeout=args.timeout,
+            threads=args.threads,
+        )
         runs.append(report.Run(world, device, results))
         print(
             f"{runs[-1].label}: done in {time.perf_counter() - t0:.0f}s"
