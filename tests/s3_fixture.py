@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests._dist import free_port
+from ftsdp.testing import free_port
 
 
 @pytest.fixture(scope="session")

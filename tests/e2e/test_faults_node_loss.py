@@ -20,7 +20,7 @@ import time
 import pytest
 
 from ftsdp import storage
-from tests._dist import free_port
+from ftsdp.testing import free_port
 from tests.e2e.test_faults import STEPS, Run, check_against_reference, measure, reference
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
