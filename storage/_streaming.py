@@ -5,8 +5,9 @@ Conversions, verification and diffs never hold a whole checkpoint: work is cut i
 most ``chunk_bytes`` (a budget's eighth, see ``chunk_bytes``) and read, cast and written one group
 of requests at a time. In flight at once: the read buffers of one group (its bytes plus at most
 two checksum blocks per piece), the staging tensors of the group, their cast copies (up to 2x when
-a cast widens), and the writer's buffer. A source that can only read whole items (a DCP item, a
-non-contiguous tensor in a torch file) needs the largest such item on top.
+a cast widens), and the writer's buffer (an object store upload's part: one chunk, see
+``make_sink``). A source that can only read whole items (a DCP item, a non-contiguous tensor in a
+torch file) needs the largest such item on top.
 """
 
 from __future__ import annotations
