@@ -223,6 +223,8 @@ class TorchSink(Sink):
         infos = feed.infos
         skeleton: dict[str, Any] = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in infos}
         skeleton.update((k, v) for k, v in values.items() if k not in skeleton)
+        # Local scratch, not checkpoint I/O (the file goes out through the store below): torch.save
+        # needs a real file to seek over the tensors' bytes without writing them (see the note).
         fd, scratch = tempfile.mkstemp(prefix=".ftsdp-ckpt-", suffix=".pt.skeleton")
         os.close(fd)
         try:
