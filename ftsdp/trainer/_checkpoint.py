@@ -165,7 +165,7 @@ class CheckpointManager:
             keep_every=self.keep_every,
             options=self.save_options,
         )
-        self._pending = None if handle.done() else handle
+        self._pending = handle  # even when already done: a failed save must still surface
         self._last_save = time.monotonic()
         self.last_saved_step = step
         return time.perf_counter() - start

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import time
 
 import numpy as np
 import pytest
@@ -149,6 +150,27 @@ def test_async_save_errors_surface(tmp_path):
         ckpt.save(1, {"step": 1})
         ckpt.close()
     ckpt.close()  # close after a failure works
+
+
+def test_an_async_save_that_failed_before_save_returned_still_surfaces(tmp_path, monkeypatch):
+    """The race of test_async_save_errors_surface made certain: the background save has
+    already failed when ``save`` looks at its handle."""
+    real = storage.save
+
+    def save_and_let_it_finish(*args, **kwargs):
+        handle = real(*args, **kwargs)
+        while not handle.done():
+            time.sleep(0.01)
+        return handle
+
+    monkeypatch.setattr(storage, "save", save_and_let_it_finish)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    ckpt = _manager(blocker / "ck", *_build(0))
+    assert ckpt.save(1, {"step": 1}) >= 0  # async: the error is not raised here
+    with pytest.raises(Exception):  # noqa: B017 - the backend's error, whichever it is
+        ckpt.close()
+    ckpt.close()  # raised once; closing again is fine
 
 
 def test_time_based_saves_and_bad_arguments(tmp_path):
