@@ -1,11 +1,35 @@
 """Loading a checkpoint into one process for inference: whole tensors, a module, a lazy mapping.
 
 [Note: the model's size in memory]
-Tensors are read straight into their final buffers (a module's own parameters when they are real,
-new tensors otherwise) in chunks of at most ``chunk`` bytes, so the memory needed is the tensors
-asked for plus one chunk of staging, never a second copy of the model. Only the requested tensors
-are read: the model weights of a checkpoint that also holds optimizer state cost the weights.
-Works for checkpoints of any format and saved at any world size (``storage/_formats.py``).
+New tensors (``load_state_dict``, ``LazyStateDict``, a meta-device module in ``load_into``) are
+read straight into their final buffers in chunks of at most ``chunk`` bytes, so the memory needed
+is the tensors asked for plus one chunk. Only the requested tensors are read: the model weights
+of a checkpoint that also holds optimizer state cost the weights. Works for checkpoints of any
+format and saved at any world size (``storage/_formats.py``).
+
+[Note: load_into is all or nothing]
+A real module's own tensors are written only after every byte it gets has been read and verified
+(the ftsdp source checks checksums as it reads; the other formats fail on short reads and bad
+headers), so a failed load leaves the module as it was. Phase one reads into staging: the new
+tensors a meta module (or one moved by ``device`` / ``dtype``) gets anyway, and, for tensors filled
+in place, CPU tensors of the narrower of the saved and the module's dtype: extra memory of those
+tensors' bytes once (``LoadIntoResult.staged_bytes``) plus one chunk. Phase two copies staging
+into the module a chunk at a time (a device copy never needs a whole-tensor temporary) and swaps
+in the new tensors. When ``staged_bytes`` would exceed ``max_staging_bytes``, phase one only
+reads and verifies the in-place tensors (nothing kept: a chunk read and dropped), and phase two
+reads them again straight into the module, verified again: twice the reads for about two chunks of
+extra memory (the chunk read, the reader's own chunk). Phase two can then fail only if the
+checkpoint changed (or could no longer be read) in between; the error says that the module is
+partly overwritten.
+
+[Note: the cast rule]
+``_cast_ok`` is the one rule for every loader: a saved dtype becomes the target dtype implicitly
+only when every saved value is a value of the target (same kind, not narrower: bf16 -> fp32,
+int32 -> int64, bool -> bool). Anything else (float <-> int, bool <-> number, real <-> complex,
+fp32 -> bf16, int64 -> int32) needs ``dtype=``, which applies to the tensors of its own kind and
+is the caller's request for that cast. ``load_state_dict`` and ``LazyStateDict`` only ever cast to
+``dtype``; ``load_into`` also casts to the module's own dtype, the implicit case that is checked.
+A refused cast raises ``StateMismatchError`` before anything is read.
 """
 
 from __future__ import annotations
@@ -16,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ftsdp.storage._dtypes import itemsize
 from ftsdp.storage._errors import StateMismatchError
 from ftsdp.storage._formats import open_source
 from ftsdp.storage._interfaces import Source
@@ -25,6 +50,52 @@ from ftsdp.storage._streaming import MiB, TensorInfo
 DEFAULT_CHUNK = 8 * MiB
 
 
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "int"
+
+
+def _cast_ok(saved: torch.dtype, target: torch.dtype) -> bool:
+    """True when every value of ``saved`` is a value of ``target``: an implicit cast is allowed
+    (see [Note: the cast rule])."""
+    if saved == target:
+        return True
+    kind = _kind(saved)
+    if kind != _kind(target) or kind == "bool":
+        return False
+    if kind == "int":
+        s, t = torch.iinfo(saved), torch.iinfo(target)
+        return t.min <= s.min and t.max >= s.max
+    f, g = torch.finfo(saved), torch.finfo(target)  # of the parts, for complex
+    return g.max >= f.max and g.eps <= f.eps and g.smallest_normal <= f.smallest_normal
+
+
+def _target_dtype(dtype: torch.dtype | None, current: torch.dtype) -> tuple[torch.dtype, bool]:
+    """The dtype a tensor of dtype ``current`` gets, and whether ``dtype`` asked for it: ``dtype``
+    applies to the tensors of its own kind (a floating dtype to floating tensors)."""
+    if dtype is not None and _kind(dtype) == _kind(current):
+        return dtype, True
+    return current, False
+
+
+def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bool]]) -> None:
+    """Raise ``StateMismatchError`` for the casts ``(name, saved, target, explicit)`` that the
+    cast rule refuses; nothing has been read or written yet."""
+    refused = [(n, s, t) for n, s, t, explicit in casts if not explicit and not _cast_ok(s, t)]
+    if refused:
+        listed = ", ".join(f"{n!r} (saved {s}, target {t})" for n, s, t in refused[:10])
+        more = f" and {len(refused) - 10} more" if len(refused) > 10 else ""
+        asks = " or ".join(f"dtype={t}" for t in sorted({str(t) for _, _, t in refused}))
+        raise StateMismatchError(
+            f"{where}: refusing to cast {listed}{more}: a cast across kinds (float, int, bool, "
+            f"complex) or to a narrower dtype happens only when asked for; pass {asks} (it applies "
+            "to the tensors of its kind) to cast explicitly"
+        )
+
+
 def _open(
     url: str, step: int | None, storage_options: dict | None, options: LoadOptions | None
 ) -> Source:
@@ -32,22 +103,23 @@ def _open(
 
 
 def fill(
-    source: Source, targets: list[tuple[str, torch.Tensor]], chunk: int = DEFAULT_CHUNK
+    source: Source, targets: list[tuple[str, torch.Tensor | None]], chunk: int = DEFAULT_CHUNK
 ) -> None:
     """Fill each contiguous target (any dtype, any device) with the whole source tensor of that name.
 
     CPU targets of the saved dtype are read into directly; others through one chunk of staging.
+    A target of None is read (and verified, where the format has checksums) but not kept.
     Consecutive small requests share one read.
     """
-    jobs: list[tuple[str, int, int, torch.Tensor]] = []  # name, offset, length, target
+    jobs: list[tuple[str, int, int, torch.Tensor | None]] = []  # name, offset, length, target
     for name, target in targets:
-        assert target.is_contiguous(), name
+        assert target is None or target.is_contiguous(), name
         info = source.tensors[name]
         step = max(1, chunk // info.itemsize)
         jobs.extend(
             (name, o, min(step, info.numel - o), target) for o in range(0, info.numel, step)
         )
-    group: list[tuple[str, int, int, torch.Tensor]] = []
+    group: list[tuple[str, int, int, torch.Tensor | None]] = []
     used = 0
     for job in jobs:
         size = job[2] * source.tensors[job[0]].itemsize
@@ -60,11 +132,14 @@ def fill(
         _read_group(source, group)
 
 
-def _read_group(source: Source, group: list[tuple[str, int, int, torch.Tensor]]) -> None:
+def _read_group(source: Source, group: list[tuple[str, int, int, torch.Tensor | None]]) -> None:
     requests, staged = [], []
     for name, off, n, target in group:
-        flat = target.detach().view(-1)[off : off + n]
         saved = source.tensors[name].dtype
+        if target is None:  # verify only
+            requests.append((name, off, torch.empty(n, dtype=saved)))
+            continue
+        flat = target.detach().view(-1)[off : off + n]
         if target.device.type == "cpu" and target.dtype == saved:
             requests.append((name, off, flat))  # straight into the final buffer
         else:
@@ -74,6 +149,15 @@ def _read_group(source: Source, group: list[tuple[str, int, int, torch.Tensor]])
     source.read_into(requests)
     for flat, buf in staged:
         flat.copy_(buf)
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
+    """Copy ``src`` (CPU, contiguous, ``dst``'s shape) into the contiguous ``dst`` (any dtype and
+    device) a chunk at a time: a copy across devices and dtypes needs a temporary per chunk."""
+    d, s = dst.detach().view(-1), src.view(-1)
+    step = max(1, chunk // max(d.element_size(), s.element_size()))
+    for a in range(0, d.numel(), step):
+        d[a : a + step].copy_(s[a : a + step])
 
 
 def load_state_dict(
@@ -89,8 +173,10 @@ def load_state_dict(
     """Whole tensors ``{dotted name: tensor}`` of a checkpoint, in one process (no process group).
 
     Any format (ftsdp at any world size, hf, torch, dcp); ``step`` picks an ftsdp step (newest by
-    default). Reads only ``keys`` (an unknown key raises ``KeyError``); ``dtype`` casts floating
-    tensors; tensors are created on ``device``. Needs the requested tensors' size plus one chunk.
+    default). Reads only ``keys`` (an unknown key raises ``KeyError``); ``dtype`` casts the
+    tensors of its kind (a floating dtype: floating tensors; see [Note: the cast rule]), the others
+    keep their saved dtype; tensors are created on ``device``. Needs the requested tensors' size
+    plus one chunk.
     """
     source = _open(url, step, storage_options, options)
     try:
@@ -100,10 +186,13 @@ def load_state_dict(
             where = f"step {source.step} at {url}" if source.step is not None else url
             raise KeyError(f"{where} has no tensor(s) {unknown}")
         out: dict[str, torch.Tensor] = {}
+        casts = []
         for n in names:
             info = source.tensors[n]
-            cast = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+            cast, explicit = _target_dtype(dtype, info.dtype)
+            casts.append((n, info.dtype, cast, explicit))
             out[n] = torch.empty(info.shape, dtype=cast, device=device)
+        _check_casts(f"checkpoint {url}", casts)
         fill(source, list(out.items()))
         return out
     finally:
@@ -118,6 +207,8 @@ class LoadIntoResult:
     missing: list[str] = field(default_factory=list)  # in the module, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the module
     still_meta: list[str] = field(default_factory=list)  # module tensors left on the meta device
+    # bytes of staging held on top of the module's tensors (see load_into's peak memory)
+    staged_bytes: int = 0
 
 
 def load_into(
@@ -129,16 +220,34 @@ def load_into(
     strict: bool = True,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
+    max_staging_bytes: int | None = None,
     storage_options: dict[str, Any] | None = None,
     options: LoadOptions | None = None,
 ) -> LoadIntoResult:
     """Fill ``module``'s parameters and persistent buffers from checkpoint names ``prefix + key``.
 
     A module built on the meta device gets new tensors on ``device`` (default: cpu); a real one is
-    filled in place (or moved to ``device`` / cast to ``dtype`` when given). Floating tensors take
-    ``dtype``, else the module's own dtype. Tied parameters stay tied and are satisfied by any of
-    their names. Missing and unexpected keys raise ``StateMismatchError`` before anything is read
-    when ``strict``, else are reported in the result; a shape mismatch always raises.
+    filled in place (or moved to ``device`` / cast to ``dtype`` when given). The tensors of
+    ``dtype``'s kind take ``dtype`` (a floating dtype: floating tensors), the others keep the
+    module's own dtype. Tied parameters stay tied and are satisfied by any of their names.
+    Missing and unexpected keys raise ``StateMismatchError`` before anything is read when
+    ``strict``, else are reported in the result; a shape mismatch always raises.
+
+    Casts: saved -> module dtype is implicit only when no value can change (same kind, not
+    narrower: bf16 -> fp32, int32 -> int64); float <-> int, bool <-> number, real <-> complex and
+    narrowing (fp32 -> bf16, int64 -> int32) need ``dtype=`` naming the target. A refused cast
+    raises ``StateMismatchError`` before anything is read (see [Note: the cast rule]).
+
+    All or nothing: the module is written only after every byte it gets has been read and
+    verified; any error leaves it as it was (see [Note: load_into is all or nothing]). Peak memory
+    on top of the module: a meta module, or tensors moved by ``device`` / ``dtype``, need only the
+    new tensors (the result) plus one 8 MiB chunk; tensors filled in place are staged on the CPU
+    in the narrower of the saved and the module's dtype, so ``staged_bytes`` (their bytes, once)
+    plus one chunk. When ``staged_bytes`` would exceed ``max_staging_bytes`` (default None: no
+    bound), those tensors are read twice instead, a verify-only pass and then straight into the
+    module (checksums verified again), for about two chunks of extra memory; the second pass can
+    only fail if the checkpoint changes or becomes unreadable in between, and that error carries
+    a note that the module is partly overwritten.
     """
     source = _open(url, step, storage_options, options)
     try:
@@ -169,12 +278,17 @@ def load_into(
                 f"unexpected={unexpected} shape mismatches={bad}"
                 + ("" if bad else " (strict=False loads the rest and reports these)")
             )
-        targets: list[tuple[str, torch.Tensor]] = []
-        replace: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+        casts = []
         for tid, hit in plan:
+            want_dtype, explicit = _target_dtype(dtype, tensors[tid].dtype)
+            casts.append((prefix + hit, source.tensors[prefix + hit].dtype, want_dtype, explicit))
+        _check_casts(f"checkpoint {url} (prefix {prefix!r})", casts)
+        # Phase one reads and verifies; nothing of the module is written.
+        reads: list[tuple[str, torch.Tensor | None]] = []  # new tensors: the result
+        replace: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+        in_place: list[tuple[str, torch.Tensor, torch.dtype]] = []  # (name, tensor, staging dtype)
+        for (tid, _), (name, saved_dtype, want_dtype, _) in zip(plan, casts, strict=True):
             old = tensors[tid]
-            info = source.tensors[prefix + hit]
-            want_dtype = dtype if dtype is not None and old.dtype.is_floating_point else old.dtype
             want_device = (
                 torch.device(device)
                 if device is not None
@@ -186,12 +300,32 @@ def load_into(
                 or old.dtype != want_dtype
                 or not old.is_contiguous()
             ):
-                new = torch.empty(info.shape, dtype=want_dtype, device=want_device)
+                new = torch.empty(old.shape, dtype=want_dtype, device=want_device)
                 replace.append((groups[tid], old, new))
-                targets.append((prefix + hit, new))
+                reads.append((name, new))
             else:
-                targets.append((prefix + hit, old))
-        fill(source, targets)
+                narrower = min(saved_dtype, old.dtype, key=itemsize)
+                in_place.append((name, old, narrower))
+        staged_bytes = sum(t.numel() * itemsize(d) for _, t, d in in_place)
+        if max_staging_bytes is None or staged_bytes <= max_staging_bytes:
+            staging = [torch.empty(t.shape, dtype=d) for _, t, d in in_place]
+            fill(source, reads + [(n, b) for (n, _, _), b in zip(in_place, staging, strict=True)])
+            # Phase two writes the module.
+            for (_, t, _), buf in zip(in_place, staging, strict=True):
+                _copy_in(t, buf)
+            del staging
+        else:  # over the bound: verify only, then read again straight into the module
+            staged_bytes = 0
+            fill(source, reads + [(name, None) for name, _, _ in in_place])
+            try:
+                fill(source, [(name, t) for name, t, _ in in_place])
+            except Exception as e:
+                e.add_note(
+                    f"load_into: every byte of {url} had been read and verified once, so the "
+                    "checkpoint changed or became unreadable since; the module is partly "
+                    "overwritten: load it again"
+                )
+                raise
         for keys, old, new in replace:
             value = (
                 torch.nn.Parameter(new, requires_grad=old.requires_grad)
@@ -206,7 +340,7 @@ def load_into(
         still_meta = [
             n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta
         ]
-        return LoadIntoResult(source.step, missing, unexpected, still_meta)
+        return LoadIntoResult(source.step, missing, unexpected, still_meta, staged_bytes)
     finally:
         source.close()
 
@@ -221,6 +355,9 @@ class LazyStateDict(Mapping):
         w = ckpt["model.w"]                       # reads this tensor only
         rows = ckpt.read("model.w", 0, 1024)      # a flat range, not cached
     ```
+
+    ``dtype`` casts the tensors of its kind, as in ``load_state_dict``; ``read`` keeps the saved
+    dtype.
     """
 
     def __init__(
@@ -259,7 +396,8 @@ class LazyStateDict(Mapping):
         if name in self._cache:
             return self._cache[name]
         info = self._source.tensors[name]  # KeyError for unknown names
-        cast = self.dtype if self.dtype is not None and info.dtype.is_floating_point else info.dtype
+        cast, explicit = _target_dtype(self.dtype, info.dtype)
+        _check_casts(f"checkpoint {self.url}", [(name, info.dtype, cast, explicit)])
         t = torch.empty(info.shape, dtype=cast, device=self.device)
         fill(self._source, [(name, t)])
         if self.cache:
