@@ -28,6 +28,8 @@ import contextlib
 import io
 import mmap
 import os
+import posixpath
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any
@@ -41,6 +43,22 @@ from ftsdp.storage._retry import retry
 
 MiB = 1 << 20
 _READ_AHEAD = 64 << 10  # what a small read of an opened object fetches (see RangeFile)
+
+
+_PLAIN_NAME = re.compile(r"[^/\\:\x00-\x1f\x7f]{1,255}")
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is one file name inside a checkpoint's folder, as every pointer inside a
+    checkpoint must be (an hf index's files, DCP's ``relative_path``): a str of 1 to 255
+    characters without ``/``, ``\\``, ``:`` (a scheme or drive), control characters (NUL, newline)
+    or surrounding whitespace, and not ``.`` or ``..``."""
+    return (
+        isinstance(name, str)
+        and _PLAIN_NAME.fullmatch(name) is not None
+        and name == name.strip()
+        and name not in (".", "..")
+    )
 
 
 class Store:
@@ -70,6 +88,43 @@ class Store:
     def invalidate(self, rel: str = "") -> None:
         """Drop cached listings (other processes write here too)."""
         self.fs.invalidate_cache(self.full(rel))
+
+    # -- identity: where the root is, whatever URL names it ----------------------------------------
+
+    def location(self) -> tuple[str, str]:
+        """``(filesystem, absolute path)`` of the root, one spelling per place: ``file://``, relative
+        paths and symlinks resolve to one local real path; fsspec's aliases of one filesystem
+        (``s3``/``s3a``, ``gs``/``gcs``) are one filesystem (its class); an object store's
+        ``bucket/key`` is normalised (``//``, ``.``, ``..``); caching wrappers are seen through."""
+        fs, root = self.fs, self.root
+        inner = getattr(fs, "fs", None)
+        while isinstance(inner, fsspec.AbstractFileSystem) and inner is not fs:  # a wrapper
+            root = fs._join(root) if hasattr(fs, "_join") else root  # DirFileSystem's prefix
+            fs, inner = inner, getattr(inner, "fs", None)
+        if isinstance(fs, LocalFileSystem):
+            return "file", os.path.realpath(root)
+        return f"{type(fs).__module__}.{type(fs).__qualname__}", posixpath.normpath(
+            "/" + root.lstrip("/")
+        )
+
+    def contains(self, other: Store) -> bool:
+        """Whether ``other``'s root is this root or lies inside it (see ``location``). Local paths
+        are also compared by identity (``os.path.samefile``), which sees through bind mounts and
+        case-insensitive filesystems."""
+        (kind, mine), (other_kind, path) = self.location(), other.location()
+        if kind != other_kind:
+            return False
+        if path == mine or path.startswith(mine.rstrip("/") + "/"):
+            return True
+        if kind != "file" or not os.path.exists(mine):
+            return False
+        while True:  # an existing ancestor of ``other`` (or itself) that is this root
+            if os.path.exists(path) and os.path.samefile(path, mine):
+                return True
+            parent = os.path.dirname(path)
+            if parent == path:
+                return False
+            path = parent
 
     # -- metadata ---------------------------------------------------------------------------------
 
