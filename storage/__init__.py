@@ -22,6 +22,7 @@ from ftsdp.storage._errors import (
     IncompleteCheckpointError,
     NewerFormatError,
     StateMismatchError,
+    UnsafeCheckpointError,
 )
 from ftsdp.storage._flat_shard import FlatShard
 from ftsdp.storage._formats import FORMATS, detect_format
@@ -55,6 +56,7 @@ __all__ = [
     "SaveHandle",
     "SaveOptions",
     "StateMismatchError",
+    "UnsafeCheckpointError",
     "VerifyReport",
     "apply_retention",
     "collect_garbage",

@@ -1,6 +1,7 @@
 """Looking at checkpoints without loading them: ``inspect_checkpoint``, ``verify``, ``diff``.
 
-All three stream (see [Note: the memory budget] in ``storage/_streaming.py``). ``verify`` reports
+All three stream (see [Note: the memory budget] in ``storage/_streaming.py``), and take
+``trust_pickle`` (DCP's ``.metadata`` unpickled fully; see ``open_source``). ``verify`` reports
 every problem it finds instead of stopping at the first; the others raise like the loaders.
 """
 
@@ -32,7 +33,11 @@ def _step_dirs(store: Store) -> tuple[list[int], list[int]]:
 
 
 def inspect_checkpoint(
-    url: str, step: int | None = None, *, storage_options: dict | None = None
+    url: str,
+    step: int | None = None,
+    *,
+    storage_options: dict | None = None,
+    trust_pickle: bool = False,
 ) -> dict[str, Any]:
     """A JSON-able description: format, steps (committed and torn), world size, tensors with
     shape, dtype and bytes, totals and the non-tensor state's keys. Reads metadata only."""
@@ -44,7 +49,7 @@ def inspect_checkpoint(
         if not committed:
             info.update(step=None, tensors=[], total_tensors=0, total_bytes=0, values=[])
             return info
-    source = open_source(url, fmt, step, storage_options)
+    source = open_source(url, fmt, step, storage_options, trust_pickle=trust_pickle)
     try:
         tensors = [
             {
@@ -165,6 +170,7 @@ def verify(
     max_memory: int = DEFAULT_MAX_MEMORY,
     storage_options: dict | None = None,
     progress: Progress | None = None,
+    trust_pickle: bool = False,
 ) -> VerifyReport:
     """Read every byte of a checkpoint and report each problem (missing or short objects, bad
     manifests, misplaced pieces, checksum mismatches). For ftsdp, every committed step is checked
@@ -177,7 +183,7 @@ def verify(
             raise ValueError(
                 f"a step was given but {url} is a {fmt} checkpoint, which has no steps"
             )
-        source = open_source(url, fmt, None, storage_options, chunk)
+        source = open_source(url, fmt, None, storage_options, chunk, trust_pickle=trust_pickle)
         try:
             meter = Meter(sum(t.nbytes for t in source.tensors.values()), progress)
             report.checked = [None]
@@ -242,6 +248,7 @@ def diff(
     max_memory: int = DEFAULT_MAX_MEMORY,
     storage_options: dict | None = None,
     progress: Progress | None = None,
+    trust_pickle: bool = False,
 ) -> dict[str, Any]:
     """Compare two checkpoints (two steps of one root, or any two) tensor by tensor, streaming.
 
@@ -250,9 +257,9 @@ def diff(
     a dtype change is compared in float64 and flagged ``dtype``.
     """
     chunk = chunk_bytes(max_memory) // 4  # two chunks and their float64 copies in flight
-    a = open_source(url_a, None, step_a, storage_options, chunk)
+    a = open_source(url_a, None, step_a, storage_options, chunk, trust_pickle=trust_pickle)
     try:
-        b = open_source(url_b, None, step_b, storage_options, chunk)
+        b = open_source(url_b, None, step_b, storage_options, chunk, trust_pickle=trust_pickle)
     except BaseException:
         a.close()
         raise

@@ -3,12 +3,13 @@
 Options are checked before anything is opened, the source is opened (and validated) before the
 destination is touched, and the destination is cleared (``overwrite``) commit-file first, so a
 failure at any point leaves either the old destination, nothing that looks complete, or the new
-one.
+one. The source and the destination must not overlap, however their URLs spell them (see
+``Store.location``): the same place, or either inside the other, is refused before anything is
+opened, so a conversion can never clear or overwrite its own source.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from ftsdp.storage._formats import FORMATS, has_steps, make_sink, open_source
+from ftsdp.storage._fs import Store
 from ftsdp.storage._interfaces import Feed, OutTensor, Source
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, TensorInfo, chunk_bytes
 
@@ -48,10 +50,22 @@ class ConvertResult:
     dropped: list[str] = field(default_factory=list)  # source entries that could not be carried
 
 
-def _same_location(a: str, b: str) -> bool:
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.realpath(a) == os.path.realpath(b)
+def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) -> None:
+    """ValueError when ``src`` and ``dst`` are one place or either lies inside the other, however
+    spelled (``file://``, relative paths, symlinks, ``s3``/``s3a``: see ``Store.location``)."""
+    a, b = Store(src, storage_options), Store(dst, storage_options)
+    if a.contains(b) and b.contains(a):
+        raise ValueError(f"source and destination are the same location ({src}); write elsewhere")
+    if a.contains(b):
+        raise ValueError(
+            f"the destination {dst} lies inside the source {src} (same location underneath); "
+            "write elsewhere"
+        )
+    if b.contains(a):
+        raise ValueError(
+            f"the source {src} lies inside the destination {dst} (same location underneath); "
+            "write elsewhere"
+        )
 
 
 def check_options(
@@ -64,8 +78,10 @@ def check_options(
     world_size: int | None,
     max_shard_bytes: int | None,
     max_memory: int,
+    storage_options: dict[str, Any] | None = None,
 ) -> int:
-    """ValueError for conflicting or invalid options; returns the chunk size of the budget."""
+    """ValueError for conflicting or invalid options, or overlapping locations; returns the chunk
+    size of the budget."""
     if to not in FORMATS:
         raise ValueError(f"unknown format {to!r}; choose one of {', '.join(FORMATS)}")
     if world_size is not None and (to != "ftsdp" or world_size < 1):
@@ -82,8 +98,7 @@ def check_options(
     for old, new in rename:
         if not old:
             raise ValueError(f"rename {old!r}={new!r}: the old prefix must not be empty")
-    if _same_location(src, dst):
-        raise ValueError(f"source and destination are the same location ({src}); write elsewhere")
+    check_locations(src, dst, storage_options)
     return chunk_bytes(max_memory)
 
 
@@ -152,6 +167,7 @@ def convert(
     object_bytes: int = 256 << 20,
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    trust_pickle: bool = False,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` (format detected unless ``src_format``) to ``to`` at ``dst``.
 
@@ -160,18 +176,22 @@ def convert(
     0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp destination out for that
     many ranks; ``max_shard_bytes`` splits hf output. Raises ``FileExistsError`` when ``dst``
     already holds a checkpoint unless ``overwrite``. Memory in flight stays within ``max_memory``
-    (see docs/cli.md). ``progress(done, total)`` is called with bytes read.
+    (see docs/cli.md). ``progress(done, total)`` is called with bytes read. ``src`` and ``dst``
+    must not overlap (ValueError). With ``overwrite`` the sink removes only the checkpoint at
+    ``dst`` (the files its commit file lists) and replaces files of the names it writes.
+    ``trust_pickle`` unpickles a DCP source's ``.metadata`` fully: only for checkpoints you trust.
     """
     chunk = check_options(
         src, dst, to, dtype=dtype, rename=rename, world_size=world_size,
-        max_shard_bytes=max_shard_bytes, max_memory=max_memory,
+        max_shard_bytes=max_shard_bytes, max_memory=max_memory, storage_options=storage_options,
     )  # fmt: skip
-    source = open_source(src, src_format, step, storage_options, chunk)
+    source = open_source(src, src_format, step, storage_options, chunk, trust_pickle=trust_pickle)
     try:
         outputs, values = select(source, model_only=model_only, rename=rename, dtype=dtype)
         sink = make_sink(
             to, dst, storage_options, world_size=world_size,
             max_shard_bytes=max_shard_bytes, object_bytes=object_bytes, chunk=chunk,
+            overwrite=overwrite,
         )  # fmt: skip
         if sink.holds_checkpoint():
             if not overwrite:

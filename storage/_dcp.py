@@ -1,9 +1,9 @@
 """``torch.distributed.checkpoint`` (DCP) directories as a source and a destination.
 
-DCP's ``.metadata`` is a pickle (DCP's own format): only convert DCP checkpoints you trust (see
-[Note: DCP's metadata is a pickle] in ``storage/_dcp_store.py``). Tensor items are read with
-``weights_only=True``; non-tensor items too (DCP itself unpickles them fully), and one that needs
-more is dropped and named. Both directions run in one process without a process group
+DCP's ``.metadata`` is a pickle (DCP's own format), read by a restricted unpickler that admits
+only DCP's metadata classes unless ``trust_pickle`` (see [Note: DCP's metadata is a pickle] in
+``storage/_dcp_store.py``). Tensor items are read with ``weights_only=True``; non-tensor items too
+(DCP itself unpickles them fully), and one that needs more is dropped and named. Both directions run in one process without a process group
 (``no_dist=True``), and every file is read and written through the ``Store``
 (``storage/_dcp_store.py``). This module imports ``torch.distributed.checkpoint`` (about a second),
 so ``storage/_formats.py`` imports it only when a DCP checkpoint is opened or written.
@@ -21,6 +21,7 @@ per item (``single_file_per_rank=False``), so the writer holds one block at a ti
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -42,12 +43,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ftsdp.storage._dcp_store import StoreReader, StoreWriter, open_item
+from ftsdp.storage._dcp_store import StoreReader, StoreWriter, open_item, read_metadata
 from ftsdp.storage._dtypes import SUPPORTED
-from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError
+from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ftsdp.storage._fs import Store
 from ftsdp.storage._interfaces import Feed, Sink, Source
 from ftsdp.storage._layout import DCP_METADATA
+from ftsdp.storage._sinks import DCP_ITEM, Pending
+from ftsdp.storage._sources import check_torch_storages
 from ftsdp.storage._streaming import TensorInfo, tensor_bytes
 
 
@@ -69,17 +72,20 @@ class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
 
 class DcpSource(Source):
-    """A DCP checkpoint directory (any world size, any chunking)."""
+    """A DCP checkpoint directory (any world size, any chunking). ``trust_pickle`` unpickles its
+    ``.metadata`` fully (see [Note: DCP's metadata is a pickle])."""
 
     format = "dcp"
 
-    def __init__(self, store: Store, chunk: int = 32 << 20) -> None:
+    def __init__(self, store: Store, chunk: int = 32 << 20, trust_pickle: bool = False) -> None:
         super().__init__(store)
         self._chunk = chunk
         try:
-            self._meta = StoreReader(store).read_metadata()
+            self._meta = StoreReader(store, trust_pickle=trust_pickle).read_metadata()
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"DCP checkpoint {self.url} has no .metadata") from None
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CorruptCheckpointError(
                 f"DCP checkpoint {self.url}: cannot read .metadata ({e})"
@@ -155,9 +161,11 @@ class DcpSource(Source):
                     return None
                 f.seek(0)
                 t = torch.load(f, map_location="meta", weights_only=True)
-            numel = math.prod(c.sizes)
-            if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() != numel:
-                return None
+                numel = math.prod(c.sizes)
+                if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() != numel:
+                    return None
+                where = f"DCP checkpoint {self.url}: item {info.relative_path!r}"
+                check_torch_storages(f, info.length, [(name, t)], where)
             start = t.untyped_storage()._checkpoint_offset + t.storage_offset() * t.element_size()
             flat = (c.offsets[0] if shape else 0) * row
             out.append((flat, numel, info.relative_path, info.offset + start))
@@ -268,35 +276,55 @@ def write_dcp(
     values: dict[str, Any],
     block: Callable[[TensorInfo, int, int], torch.Tensor],
     chunk: int,
+    claim: Callable[[list[str]], None] | None = None,
 ) -> None:
     """Write a DCP checkpoint at the store's root; ``block(info, offset, length)`` gives flat
-    elements. ``.metadata`` is written last (DCP's commit), so an interrupted write never looks
-    complete."""
+    elements; ``claim(names)`` is told the item files before the first is written. ``.metadata``
+    is written last (DCP's commit), so an interrupted write never looks complete."""
     planner = _StreamingSavePlanner(tensors, values, block, chunk)
+    writer = StoreWriter(store, claim)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
-            dcp.save({}, storage_writer=StoreWriter(store), planner=planner, no_dist=True)
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
     except CheckpointException as e:
         raise _unwrap(e) from None
 
 
 class DcpSink(Sink):
-    """A ``torch.distributed.checkpoint`` directory."""
+    """A ``torch.distributed.checkpoint`` directory. ``overwrite`` removes the checkpoint there:
+    ``.metadata`` and the files it lists (read by the restricted unpickler; only ``.metadata``
+    when it cannot be read so), never other files (see [Note: a sink deletes only what it
+    wrote] in ``storage/_sinks.py``)."""
+
+    def __init__(self, store: Store, overwrite: bool = False) -> None:
+        super().__init__(store)
+        self.overwrite = overwrite
 
     def existing(self) -> list[str]:
+        """``.metadata`` first, then the files it lists."""
         if not self.store.isdir():
             return []
-        names = [n for n in self.store.listdir() if n.endswith((DCP_METADATA, ".distcp"))]
-        return sorted(names, key=lambda n: n != DCP_METADATA)
+        listing = self.store.listdir()
+        if DCP_METADATA not in listing:
+            return []
+        try:
+            metadata = read_metadata(self.store)
+        except (CheckpointError, OSError):
+            return [DCP_METADATA]
+        files = {info.relative_path for info in metadata.storage_data.values()}
+        return [DCP_METADATA, *sorted(f for f in files if f in listing and f != DCP_METADATA)]
 
     def holds_checkpoint(self) -> bool:
-        return DCP_METADATA in self.existing()
+        return self.store.exists(DCP_METADATA)
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
     ) -> list[str]:
-        write_dcp(self.store, feed.infos, values, feed.block, feed.chunk)
+        pending = Pending(self.store, DCP_ITEM)
+        claim = functools.partial(pending.claim, overwrite=self.overwrite)
+        write_dcp(self.store, feed.infos, values, feed.block, feed.chunk, claim)
+        pending.release()
         return [self.store.url]
 
 

@@ -8,17 +8,29 @@ what torch's writer writes with ``single_file_per_rank=False`` and ``thread_coun
 ``.metadata``, written last), so torch's own readers read them and ours read torch's.
 
 [Note: DCP's metadata is a pickle]
-``.metadata`` is a pickled ``Metadata`` (DCP's own format) and unpickling it can run code from
-the checkpoint, as torch's own readers do (docs/design.md, "Trust model": open). It is loaded in
-one place, ``unpickle_metadata``, so that a restricted unpickler can replace it there.
+``.metadata`` is a pickled ``Metadata`` (DCP's own format), and a plain ``pickle.load`` (what
+torch's own readers do) runs whatever code the file names. It is unpickled in one place,
+``unpickle_metadata``, by a restricted unpickler: it admits only the classes DCP's metadata is
+made of (DCP's metadata dataclasses and ``_StorageInfo``, ``torch.Size``, dtypes, layouts by name,
+``pathlib`` paths, plain containers), listed in ``_admitted``, and refuses any other with
+``UnsafeCheckpointError`` before anything is called. Nothing it admits calls code of the file's
+choosing: constructing those classes only stores values, and a layout is looked up by name in
+torch's own table. ``trust_pickle=True`` (``--trust-pickle``) unpickles fully, for checkpoints the
+user trusts (a custom planner's or storage's classes). Either way the result is then checked:
+the types of its fields, and every ``relative_path`` a plain file name in the checkpoint's folder
+(docs/format.md, "Threat model").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
+import pathlib
 import pickle
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +40,16 @@ from torch.distributed.checkpoint.filesystem import (
     _StoragePrefix,
     _StorageReaderTransforms,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -41,19 +62,164 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ftsdp.storage._fs import RangeFile, Store
+from ftsdp.storage._errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ftsdp.storage._fs import RangeFile, Store, is_plain_name
 from ftsdp.storage._layout import DCP_METADATA
 
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
-def unpickle_metadata(data: bytes) -> Metadata:
-    """DCP's ``.metadata`` from its bytes: a plain ``pickle.loads``, exactly as trusting as
-    torch's readers (see [Note: DCP's metadata is a pickle])."""
-    return pickle.loads(data)
+
+def _layout(name: str) -> torch.layout:
+    """A layout by its name, as pickles of layouts call ``torch.serialization._get_layout``."""
+    if name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
+    return _LAYOUTS[name]
+
+
+@functools.cache
+def _admitted() -> dict[tuple[str, str], Any]:
+    """``(module, name)`` -> object: everything a pickle of DCP's ``Metadata`` may name (see
+    [Note: DCP's metadata is a pickle]). Checked against what torch writes by
+    tests/unit/test_storage_trust.py."""
+    dcp_classes = (
+        Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata, BytesStorageMetadata,
+        ChunkStorageMetadata, TensorProperties, _MEM_FORMAT_ENCODING,
+    )  # fmt: skip
+    out: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", c.__name__): c for c in dcp_classes
+    }
+    out[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    try:  # where older torch's DCP took TensorProperties from
+        from torch.distributed._shard.sharded_tensor import metadata as legacy
+
+        for name in ("TensorProperties", "MEM_FORMAT_ENCODING"):
+            out[(legacy.__name__, name)] = getattr(legacy, name)
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the torch version
+        pass
+    out[("torch", "Size")] = torch.Size
+    out.update((("torch", n), v) for n, v in vars(torch).items() if isinstance(v, torch.dtype))
+    out[("torch.serialization", "_get_layout")] = _layout
+    for module in ("pathlib", "pathlib._local"):  # a checkpoint id saved as a Path
+        for cls in (pathlib.PurePosixPath, pathlib.PosixPath):
+            out[(module, cls.__name__)] = cls
+    out.update((("builtins", c.__name__), c) for c in (dict, list, tuple, set, frozenset))
+    out[("collections", "OrderedDict")] = OrderedDict
+    return out
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what ``_admitted`` lists, unless ``trust`` (see the note)."""
+
+    def __init__(self, data: bytes, where: str, trust: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where, self.trust = where, trust
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.trust:
+            return super().find_class(module, name)
+        admitted = _admitted().get((module, name))
+        if admitted is None:
+            raise UnsafeCheckpointError(
+                f"{self.where}: refusing to unpickle {module}.{name}, which DCP's metadata is not "
+                "made of (unpickling it could run code from the checkpoint). If you trust this "
+                "checkpoint, open it with trust_pickle=True (ftsdp-ckpt --trust-pickle)"
+            )
+        return admitted
+
+
+def unpickle_metadata(
+    data: bytes, where: str = ".metadata", trust_pickle: bool = False
+) -> Metadata:
+    """DCP's ``.metadata`` from its bytes, unpickled by the restricted unpickler (everything when
+    ``trust_pickle``) and checked (see [Note: DCP's metadata is a pickle]). ``where`` names the
+    file in errors: ``UnsafeCheckpointError`` for what is refused, ``CorruptCheckpointError`` for
+    anything else wrong."""
+    try:
+        metadata = _MetadataUnpickler(data, where, trust_pickle).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # the unpickler's errors are many and unrelated to each other
+        raise CorruptCheckpointError(f"{where}: not a valid DCP metadata pickle ({e!r})") from None
+    check_metadata(metadata, where)
+    return metadata
+
+
+def _sizes(value: Any, rank: int | None = None) -> bool:
+    """A sequence of non-negative ints (of ``rank`` entries when given)."""
+    return (
+        isinstance(value, (torch.Size, tuple, list))
+        and (rank is None or len(value) == rank)
+        and all(type(v) is int and v >= 0 for v in value)
+    )
+
+
+def check_metadata(metadata: Any, where: str) -> None:
+    """CorruptCheckpointError unless ``metadata`` is a DCP ``Metadata`` whose fields have their
+    types, whose chunks lie inside their tensors and whose ``storage_data`` points only at plain
+    file names in the checkpoint's folder, by non-negative byte ranges."""
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {what}")
+
+    if not isinstance(metadata, Metadata):
+        raise bad(f"holds a {type(metadata).__name__}, not DCP's Metadata")
+    if not isinstance(metadata.state_dict_metadata, dict):
+        raise bad("state_dict_metadata is not a dict")
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise bad(f"item name {fqn!r} is not a str")
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise bad(f"item {fqn!r} has metadata of type {type(md).__name__}")
+        if not (
+            isinstance(getattr(md.properties, "dtype", None), torch.dtype)
+            and _sizes(md.size)
+            and isinstance(md.chunks, list)
+        ):
+            raise bad(f"tensor {fqn!r}: malformed properties, size or chunks")
+        for c in md.chunks:
+            if not (
+                isinstance(c, ChunkStorageMetadata)
+                and _sizes(c.offsets, len(md.size))
+                and _sizes(c.sizes, len(md.size))
+                and all(o + n <= d for o, n, d in zip(c.offsets, c.sizes, md.size, strict=True))
+            ):
+                raise bad(f"tensor {fqn!r}: a chunk is malformed or outside {list(md.size)}")
+    if not isinstance(metadata.storage_data, dict):
+        raise bad("storage_data is not a dict (not written by DCP's file system storage)")
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad(f"storage_data entry {index!r}: not a MetadataIndex -> _StorageInfo")
+        if not is_plain_name(info.relative_path):
+            raise bad(
+                f"item {index.fqn!r} points to {info.relative_path!r}, not a plain file name in "
+                "the checkpoint's folder; refusing to read outside it"
+            )
+        if not _sizes([info.offset, info.length]):
+            raise bad(f"item {index.fqn!r}: byte range {info.offset!r}+{info.length!r}")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (
+            isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors)
+        ):
+            raise bad(f"item {index.fqn!r}: transform_descriptors are not strings")
 
 
 def open_item(store: Store, info: _StorageInfo) -> RangeFile:
-    """The bytes of one saved item (its ``storage_data`` entry) as a seekable file."""
+    """The bytes of one saved item (its ``storage_data`` entry) as a seekable file; the entry's
+    file must be a plain name in the checkpoint's folder."""
+    if not is_plain_name(info.relative_path):
+        raise CorruptCheckpointError(
+            f"DCP checkpoint {store.url}: item file {info.relative_path!r} is not a plain file "
+            "name in the checkpoint's folder"
+        )
     return store.open(info.relative_path, info.offset, info.offset + info.length)
+
+
+def read_metadata(store: Store, trust_pickle: bool = False) -> Metadata:
+    """The checked ``.metadata`` of the DCP checkpoint at the store's root (FileNotFoundError
+    when absent)."""
+    return unpickle_metadata(store.read(DCP_METADATA), store.where(DCP_METADATA), trust_pickle)
 
 
 def _done(value: Any = None) -> Future:
@@ -82,9 +248,12 @@ class StoreReader(_OnStore, StorageReader):
     """Reads a DCP checkpoint at the store's root: ``.metadata`` whole, each item as a byte range
     (a seekable view ``torch.load`` reads from; a large tensor's bytes go straight into it)."""
 
-    def __init__(self, store: Store, metadata: Metadata | None = None) -> None:
+    def __init__(
+        self, store: Store, metadata: Metadata | None = None, trust_pickle: bool = False
+    ) -> None:
         super().__init__(store)
         self._metadata = metadata  # already read: not read again
+        self.trust_pickle = trust_pickle
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.load_id = uuid.uuid4().hex
         self.transforms = _StorageReaderTransforms()  # torch's, for items written with extensions
@@ -93,7 +262,7 @@ class StoreReader(_OnStore, StorageReader):
         self.storage_data, self.load_id = {}, uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = self._metadata or unpickle_metadata(self.store.read(DCP_METADATA))
+        metadata = self._metadata or read_metadata(self.store, self.trust_pickle)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -146,9 +315,10 @@ class StoreWriter(_OnStore, StorageWriter):
     commit), each file atomic and retried by the store. Items are resolved one at a time, so the
     writer holds one item (see [Note: streaming DCP] in ``storage/_dcp.py``)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, claim: Callable[[list[str]], None] | None = None) -> None:
         super().__init__(store)
         self.save_id = uuid.uuid4().hex
+        self.claim = claim  # told every item file's name before the first is written
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.save_id = uuid.uuid4().hex
@@ -169,9 +339,11 @@ class StoreWriter(_OnStore, StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        names = [f"{plan.storage_data.prefix}{n}.distcp" for n in range(len(plan.items))]
+        if self.claim is not None:
+            self.claim(names)
         results = []
-        for n, item in enumerate(plan.items):
-            name = f"{plan.storage_data.prefix}{n}.distcp"
+        for name, item in zip(names, plan.items, strict=True):
             length = self._write_item(name, item, planner.resolve_data(item))
             results.append(WriteResult(item.index, length, _StorageInfo(name, 0, length)))
         return _done(results)

@@ -9,6 +9,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "NewerFormatError",
     "StateMismatchError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -26,6 +27,12 @@ class IncompleteCheckpointError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError, ValueError):
     """Bytes or metadata that fail validation: checksum mismatch, malformed or unsafe manifest."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """Reading the checkpoint would need trust it was not given: a pickle that names something
+    other than the plain data its format is made of (reading it could run code). Opening it with
+    ``trust_pickle=True`` (``--trust-pickle``) unpickles it fully: only for checkpoints you trust."""
 
 
 class NewerFormatError(CheckpointError):

@@ -31,6 +31,7 @@ class Probe:
     is_file: bool
     names: frozenset[str]  # a directory's entries (empty for a file)
     magic: bytes  # a file's first 4 bytes (empty for a directory)
+    dirs: frozenset[str] = frozenset()  # the entries that are directories (key prefixes)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SinkOptions:
     world_size: int | None
     max_shard_bytes: int | None
     object_bytes: int
+    overwrite: bool = False  # replace what is there (see [Note: a sink deletes only what it wrote])
 
 
 @dataclass(frozen=True)
@@ -48,23 +50,30 @@ class Format:
     and recognise it."""
 
     name: str
-    open: Callable[[Store, int | None, int], Source]  # (store, step, chunk)
+    open: Callable[[Store, int | None, int, bool], Source]  # (store, step, chunk, trust_pickle)
     sink: Callable[[Store, SinkOptions], Sink]
     detect: Callable[[Probe], bool]
     steps: bool = False  # a checkpoint holds several steps (``step`` picks one)
 
 
 # The dcp row's functions import storage/_dcp.py (and torch.distributed.checkpoint) when called.
-def _open_dcp(store: Store, step: int | None, chunk: int) -> Source:
+def _open_dcp(store: Store, step: int | None, chunk: int, trust_pickle: bool) -> Source:
     from ftsdp.storage._dcp import DcpSource
 
-    return DcpSource(store, chunk)
+    return DcpSource(store, chunk, trust_pickle)
 
 
 def _dcp_sink(store: Store, options: SinkOptions) -> Sink:
     from ftsdp.storage._dcp import DcpSink
 
-    return DcpSink(store)
+    return DcpSink(store, options.overwrite)
+
+
+def _is_ftsdp_root(p: Probe) -> bool:
+    """A directory with ``latest`` or a ``step-<N>`` directory: the markers only this format
+    writes. Whatever else lies there (a ``.metadata``, ``.safetensors`` files), it is an ftsdp
+    root, and nothing else in it is read (docs/format.md, "Threat model")."""
+    return not p.is_file and (LATEST in p.names or any(parse_step(n) is not None for n in p.dirs))
 
 
 _TABLE = {
@@ -72,18 +81,15 @@ _TABLE = {
     for f in (
         Format(
             "ftsdp",
-            open=lambda store, step, chunk: FtsdpSource(store, step),
+            open=lambda store, step, chunk, trust: FtsdpSource(store, step),
             sink=lambda store, o: FtsdpSink(store, o.world_size or 1, o.object_bytes),
-            detect=lambda p: (
-                not p.is_file
-                and (LATEST in p.names or any(parse_step(n) is not None for n in p.names))
-            ),
+            detect=_is_ftsdp_root,
             steps=True,
         ),
         Format(
             "hf",
-            open=lambda store, step, chunk: HfSource(store),
-            sink=lambda store, o: HfSink(store, o.max_shard_bytes),
+            open=lambda store, step, chunk, trust: HfSource(store),
+            sink=lambda store, o: HfSink(store, o.max_shard_bytes, o.overwrite),
             detect=lambda p: (
                 p.url.endswith(".safetensors")
                 if p.is_file
@@ -92,7 +98,7 @@ _TABLE = {
         ),
         Format(
             "torch",
-            open=lambda store, step, chunk: TorchSource(store),
+            open=lambda store, step, chunk, trust: TorchSource(store),
             sink=lambda store, o: TorchSink(store),
             detect=lambda p: p.is_file and p.magic == _ZIP_MAGIC,
         ),
@@ -105,9 +111,10 @@ _TABLE = {
     )
 }
 FORMATS = tuple(_TABLE)
-# The first format whose detector accepts wins: a torch zip file named .safetensors is torch, a
-# directory with DCP's .metadata is DCP whatever else it holds, and hf, the loosest test, is last.
-_DETECTION_ORDER = ("torch", "dcp", "ftsdp", "hf")
+# The first format whose detector accepts wins: a torch zip file named .safetensors is torch; a
+# directory with step dirs or ``latest`` is an ftsdp root whatever else it holds (its .metadata
+# is never read); then DCP's .metadata; hf, the loosest test, is last.
+_DETECTION_ORDER = ("torch", "ftsdp", "dcp", "hf")
 
 
 def get_format(name: str) -> Format:
@@ -126,7 +133,9 @@ def detect_format(url: str, storage_options: dict | None = None) -> str:
         head = store.read_range("", 0, 4) if store.size() >= 4 else b""
         probe = Probe(store.url, True, frozenset(), head)
     else:
-        probe = Probe(store.url, False, frozenset(store.listdir()), b"")
+        listing = store.listdir()
+        dirs = frozenset(n for n, (kind, _) in listing.items() if kind == "directory")
+        probe = Probe(store.url, False, frozenset(listing), b"", dirs)
     for name in _DETECTION_ORDER:
         if _TABLE[name].detect(probe):
             return name
@@ -152,14 +161,18 @@ def open_source(
     storage_options: dict | None = None,
     chunk: int = 32 << 20,
     io: IOOptions | None = None,
+    trust_pickle: bool = False,
 ) -> Source:
     """Open ``url`` as format ``fmt`` (None: detected); ``step`` applies to formats with steps
     (ftsdp); ``chunk`` bounds what a source that reads whole items may hold at once; ``io`` is
-    the store's I/O policy (threads, part size, retries)."""
+    the store's I/O policy (threads, part size, retries). ``trust_pickle`` unpickles DCP's
+    ``.metadata`` fully, which can run code from the checkpoint: only for checkpoints you trust
+    (by default a restricted unpickler refuses anything but DCP's metadata classes with
+    ``UnsafeCheckpointError``)."""
     f = get_format(fmt or detect_format(url, storage_options))
     if step is not None and not f.steps:
         raise ValueError(f"a step was given but {url} is a {f.name} checkpoint, which has no steps")
-    return f.open(Store(url, storage_options, io), step, chunk)
+    return f.open(Store(url, storage_options, io), step, chunk, trust_pickle)
 
 
 def make_sink(
@@ -171,11 +184,13 @@ def make_sink(
     max_shard_bytes: int | None,
     object_bytes: int,
     chunk: int,
+    overwrite: bool = False,
 ) -> Sink:
     """The writer of format ``fmt`` at ``url``; its uploads buffer at most ``chunk`` bytes (the
-    writer's share of the memory budget, see [Note: the memory budget])."""
+    writer's share of the memory budget, see [Note: the memory budget]); ``overwrite`` lets it
+    replace files it did not write (see [Note: a sink deletes only what it wrote])."""
     store = Store(url, storage_options, IOOptions(part_bytes=chunk))
-    options = SinkOptions(world_size, max_shard_bytes, object_bytes)
+    options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite)
     return get_format(fmt).sink(store, options)
 
 

@@ -97,9 +97,14 @@ def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bo
 
 
 def _open(
-    url: str, step: int | None, storage_options: dict | None, options: LoadOptions | None
+    url: str,
+    step: int | None,
+    storage_options: dict | None,
+    options: LoadOptions | None,
+    trust_pickle: bool = False,
 ) -> Source:
-    return open_source(url, None, step, storage_options, io=(options or LoadOptions()).io)
+    io = (options or LoadOptions()).io
+    return open_source(url, None, step, storage_options, io=io, trust_pickle=trust_pickle)
 
 
 def fill(
@@ -169,6 +174,7 @@ def load_state_dict(
     *,
     storage_options: dict[str, Any] | None = None,
     options: LoadOptions | None = None,
+    trust_pickle: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Whole tensors ``{dotted name: tensor}`` of a checkpoint, in one process (no process group).
 
@@ -178,7 +184,7 @@ def load_state_dict(
     keep their saved dtype; tensors are created on ``device``. Needs the requested tensors' size
     plus one chunk.
     """
-    source = _open(url, step, storage_options, options)
+    source = _open(url, step, storage_options, options, trust_pickle)
     try:
         names = sorted(source.tensors) if keys is None else list(keys)
         unknown = [n for n in names if n not in source.tensors]
@@ -223,6 +229,7 @@ def load_into(
     max_staging_bytes: int | None = None,
     storage_options: dict[str, Any] | None = None,
     options: LoadOptions | None = None,
+    trust_pickle: bool = False,
 ) -> LoadIntoResult:
     """Fill ``module``'s parameters and persistent buffers from checkpoint names ``prefix + key``.
 
@@ -249,7 +256,7 @@ def load_into(
     only fail if the checkpoint changes or becomes unreadable in between, and that error carries
     a note that the module is partly overwritten.
     """
-    source = _open(url, step, storage_options, options)
+    source = _open(url, step, storage_options, options, trust_pickle)
     try:
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
@@ -370,8 +377,9 @@ class LazyStateDict(Mapping):
         cache: bool = True,
         storage_options: dict[str, Any] | None = None,
         options: LoadOptions | None = None,
+        trust_pickle: bool = False,
     ) -> None:
-        self._source = _open(url, step, storage_options, options)
+        self._source = _open(url, step, storage_options, options, trust_pickle)
         self.url, self.device, self.dtype, self.cache = url, device, dtype, cache
         self._cache: dict[str, torch.Tensor] = {}
 

@@ -8,12 +8,24 @@ file last (see ``Sink`` in ``storage/_interfaces.py``).
 - ``hf``: safetensors files of at most ``max_shard_bytes`` each (one ``model.safetensors`` when
   everything fits), then ``model.safetensors.index.json`` when there are several.
 - ``torch``: one ``torch.save`` file, written whole or not at all.
+
+[Note: a sink deletes only what it wrote]
+A destination folder may hold anything: the user's own files, another tool's. A sink deletes only
+the files of the checkpoint it replaces (``overwrite``), named by that checkpoint's commit file
+(an hf index's files, DCP's ``.metadata``'s, a step's manifest's), and the commit file itself. A
+file it is about to write that exists and is neither of those is refused unless ``overwrite``
+(then the atomic write replaces it). Before the first data file of a folder format, the sink
+writes ``.ftsdp-writing.json`` listing the files it is about to write, and removes it after the
+commit: the files an interrupted write left are then known to be its own, so a later write
+replaces them, or deletes them when it no longer writes those names, without ``overwrite``. Only
+names of the format's own scheme (hf shards, DCP items) are ever taken from that record.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from typing import IO, Any
 
@@ -21,7 +33,7 @@ import torch
 
 from ftsdp.storage._commit import build_manifest, commit, new_attempt
 from ftsdp.storage._dtypes import dtype_name, safetensors_code
-from ftsdp.storage._fs import Store
+from ftsdp.storage._fs import Store, is_plain_name
 from ftsdp.storage._interfaces import Feed, Sink
 from ftsdp.storage._layout import (
     HF_INDEX,
@@ -123,28 +135,99 @@ def _safetensors_head(infos: list, values: dict[str, Any] | None) -> tuple[bytes
     return len(text).to_bytes(8, "little") + text, pos
 
 
-class HfSink(Sink):
-    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``."""
+PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)
+DCP_ITEM = re.compile(r"__\d+_\d+\.distcp")  # what our DCP writer names its files
 
-    def __init__(self, store: Store, max_shard_bytes: int | None) -> None:
+
+class Pending:
+    """The record of a folder sink's write in progress (see [Note: a sink deletes only what it
+    wrote]); ``scheme`` matches the file names the sink writes, the only ones taken from it."""
+
+    def __init__(self, store: Store, scheme: re.Pattern) -> None:
+        self.store, self.scheme = store, scheme
+        self.leftovers: list[str] = []
+        self.recorded = False
+
+    def _earlier(self) -> list[str] | None:
+        """The files an interrupted write recorded; None when the record is there but is not
+        one (someone else's file)."""
+        try:
+            record = json.loads(self.store.read(PENDING))
+        except FileNotFoundError:
+            return []
+        except ValueError:
+            return None
+        files = record.get("files") if isinstance(record, dict) else None
+        if not isinstance(files, list):
+            return None
+        self.recorded = True
+        return [f for f in files if is_plain_name(f) and self.scheme.fullmatch(f)]
+
+    def claim(self, names: list[str], overwrite: bool, record: bool = True) -> None:
+        """Before writing the files ``names``: FileExistsError for one that exists and is not
+        the sink's own unless ``overwrite``; then record ``names`` (unless not ``record``: a
+        single file that is its own commit leaves nothing behind when interrupted)."""
+        listing = self.store.listdir()
+        earlier = self._earlier()
+        foreign = sorted(n for n in names if n in listing and n not in (earlier or ()))
+        if earlier is None and PENDING in listing:
+            foreign.append(PENDING)
+        if foreign and not overwrite:
+            raise FileExistsError(
+                f"{self.store.url} already holds {foreign}, which this tool did not write; pass "
+                "overwrite (--overwrite) to replace them"
+            )
+        earlier = earlier or []
+        self.leftovers = [n for n in earlier if n not in names and n in listing]
+        if record:
+            files = sorted(set(names) | set(earlier))
+            self.store.write_bytes(PENDING, json.dumps({"files": files}).encode())
+            self.recorded = True
+
+    def release(self) -> None:
+        """After the commit: delete an interrupted write's leftovers, then the record."""
+        for name in self.leftovers:
+            self.store.remove(name)
+        if self.recorded:
+            self.store.remove(PENDING)
+
+
+class HfSink(Sink):
+    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``.
+
+    ``overwrite`` removes the checkpoint there: the index and the files it lists, or
+    ``model.safetensors`` (see [Note: a sink deletes only what it wrote]); a single-file
+    destination is replaced whole by the atomic write."""
+
+    def __init__(self, store: Store, max_shard_bytes: int | None, overwrite: bool = False) -> None:
         super().__init__(store)
         self.single_file = store.url.endswith(".safetensors")  # the store is rooted at the file
-        self.max_shard_bytes = max_shard_bytes
+        self.max_shard_bytes, self.overwrite = max_shard_bytes, overwrite
+
+    def _indexed(self) -> list[str]:
+        """The plain file names the index there lists ([] when it is unreadable)."""
+        try:
+            weight_map = json.loads(self.store.read(HF_INDEX))["weight_map"]
+            files = set(weight_map.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return []
+        return sorted(f for f in files if is_plain_name(f) and f != HF_INDEX)
 
     def existing(self) -> list[str]:
-        if self.single_file:
-            return [""] if self.store.exists() else []
-        if not self.store.isdir():
+        """The checkpoint there: the index first, then the files it lists, or the single file."""
+        if self.single_file or not self.store.isdir():
             return []
-        names = [n for n in self.store.listdir() if n.endswith((".safetensors", HF_INDEX))]
-        return sorted(names, key=lambda n: n != HF_INDEX)
+        listing = self.store.listdir()
+        out = [HF_INDEX, *self._indexed()] if HF_INDEX in listing else []
+        out += [HF_SINGLE] if HF_SINGLE not in out else []
+        return [n for n in out if n in listing]
 
     def holds_checkpoint(self) -> bool:
         """A single file, or a directory with an index or ``model.safetensors``; shards without
-        an index are what an interrupted write leaves (removed before writing)."""
+        an index are what an interrupted write leaves."""
         if self.single_file:
             return self.store.exists()
-        return any(n in (HF_INDEX, HF_SINGLE) for n in self.existing())
+        return bool(self.existing())
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
@@ -170,9 +253,9 @@ class HfSink(Sink):
             if n == 1
             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
-        for name in self.existing():  # leftovers of an interrupted write (no index: no checkpoint)
-            if HF_SHARD.match(name):
-                self.store.remove(name)
+        pending = None if self.single_file else Pending(self.store, HF_SHARD)
+        if pending is not None:  # one model.safetensors is its own commit: nothing to record
+            pending.claim(names, self.overwrite, record=n > 1)
         for i, (shard, name) in enumerate(zip(shards, names, strict=True)):
             head, _ = _safetensors_head(shard, values if i == 0 else None)
             requests = [r for t in shard for r in feed.requests(t.name, 0, t.numel)]
@@ -183,13 +266,17 @@ class HfSink(Sink):
                     f.write(tensor_bytes(data))
 
             self.store.write("" if self.single_file else name, produce)
+        if self.single_file:
+            return [url]
+        if n > 1:
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for t in infos)},
+                "weight_map": {t.name: names[i] for i, shard in enumerate(shards) for t in shard},
+            }
+            self.store.write_bytes(HF_INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+        pending.release()
         if n == 1:
-            return [url if self.single_file else f"{url}/{names[0]}"]
-        index = {
-            "metadata": {"total_size": sum(t.nbytes for t in infos)},
-            "weight_map": {t.name: names[i] for i, shard in enumerate(shards) for t in shard},
-        }
-        self.store.write_bytes(HF_INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+            return [f"{url}/{names[0]}"]
         return [f"{url}/{HF_INDEX}", *(f"{url}/{name}" for name in names)]
 
 

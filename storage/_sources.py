@@ -3,14 +3,16 @@
 ``ftsdp`` is this package's format (checksums verified); ``hf`` is safetensors files, optionally
 with a ``model.safetensors.index.json``; ``torch`` is a ``torch.save`` zip file, opened with
 ``weights_only=True``, whose tensor bytes are read at their offsets, never unpickled as data.
-Every byte is read through the source's ``Store``.
+Every byte is read through the source's ``Store``, and every pointer a checkpoint holds is checked
+to stay inside it before anything is read through it: an index's file names are plain names in
+its folder, a torch file's storages lie inside their own records (docs/format.md, "Threat model").
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import IO, Any
 
 import torch
 
@@ -20,15 +22,48 @@ from ftsdp.storage._errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ftsdp.storage._fs import Store
+from ftsdp.storage._fs import Store, is_plain_name
 from ftsdp.storage._interfaces import Source
-from ftsdp.storage._layout import HF_INDEX, HF_SHARD, HF_VALUES_KEY
+from ftsdp.storage._layout import HF_INDEX, HF_SHARD, HF_SINGLE, HF_VALUES_KEY
 from ftsdp.storage._ranges import Range
 from ftsdp.storage._read_plan import Want, plan_reads
 from ftsdp.storage._reader import execute
 from ftsdp.storage._safetensors import read_header
 from ftsdp.storage._steps import resolve_manifest
 from ftsdp.storage._streaming import TensorInfo, tensor_bytes
+
+
+def check_torch_storages(
+    f: IO[bytes], size: int, tensors: Iterable[tuple[str, torch.Tensor]], where: str
+) -> None:
+    """CorruptCheckpointError unless each tensor, loaded on the meta device from the ``torch.save``
+    zip file ``f`` of ``size`` bytes, lies inside its storage, and each storage's bytes (read at
+    ``_checkpoint_offset``) lie inside the file's own record of it (``data/<key>``, the name
+    torch gives it), which lies inside the file: a crafted pickle may claim any storage size."""
+    f.seek(0)
+    reader = torch._C.PyTorchFileReader(f)
+    records = {}  # data offset -> size of each storage record
+    for name in reader.get_all_records():
+        if name.startswith("data/"):
+            records[reader.get_record_offset(name)] = reader.get_record_size(name)
+    for name, t in tensors:
+        storage = t.untyped_storage()
+        base, nbytes = storage._checkpoint_offset, storage.nbytes()
+        record = records.get(base) if isinstance(base, int) else None
+        extent = t.storage_offset() + sum(
+            (n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)
+        )
+        if (
+            record is None
+            or not nbytes <= record <= size - base
+            or t.storage_offset() < 0
+            or (t.numel() and (extent + 1) * t.element_size() > nbytes)
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {name!r} (shape {list(t.shape)}, storage offset "
+                f"{t.storage_offset()}, {nbytes} storage bytes at {base}) does not lie inside "
+                "its storage record"
+            )
 
 
 class FtsdpSource(Source):
@@ -58,7 +93,8 @@ class FtsdpSource(Source):
 
 
 class HfSource(Source):
-    """Safetensors: one file, a directory with one file, or shards listed by an index."""
+    """Safetensors: one file, a directory with an index and the shards it lists, else its
+    ``model.safetensors``, else its ``.safetensors`` files."""
 
     format = "hf"
 
@@ -75,6 +111,14 @@ class HfSource(Source):
                 raise CorruptCheckpointError(
                     f"{url}/{HF_INDEX}: not a valid index ({e!r})"
                 ) from None
+            outside = [f for f in files if not is_plain_name(f)]
+            if outside:
+                raise CorruptCheckpointError(
+                    f"{url}/{HF_INDEX} lists {outside}: not plain file names in the checkpoint's "
+                    "folder; refusing to read outside it"
+                )
+        elif store.exists(HF_SINGLE):  # the checkpoint, whatever else lies beside it
+            files = [HF_SINGLE]
         else:
             files = sorted(n for n in store.listdir() if n.endswith(".safetensors"))
             if any(HF_SHARD.match(f) for f in files):
@@ -126,6 +170,7 @@ class TorchSource(Source):
         try:
             with store.open() as f:  # the store is rooted at the file itself
                 obj = torch.load(f, map_location="meta", weights_only=True)
+                size = f.length
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"torch file {url} does not exist") from None
         except Exception as e:  # the unpickler's errors are many and unrelated to each other
@@ -139,6 +184,8 @@ class TorchSource(Source):
         self._meta: dict[str, torch.Tensor] = {}
         self._cache: tuple[str, torch.Tensor] | None = None
         self._walk("", obj)
+        with store.open() as f:
+            check_torch_storages(f, size, self._meta.items(), f"torch file {url}")
 
     def _walk(self, prefix: str, obj: Any) -> None:
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)

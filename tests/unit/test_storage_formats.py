@@ -74,8 +74,9 @@ def test_every_entry_point_dispatches_through_the_table(
 
 
 def test_detection_order(src: str, tmp_path: pathlib.Path) -> None:
-    """A torch zip named .safetensors is torch; DCP's .metadata wins in a directory; step dirs
-    make an ftsdp root even next to .safetensors files; hf is the fallback."""
+    """A torch zip named .safetensors is torch; step dirs make an ftsdp root even next to
+    .safetensors files and DCP's .metadata (never read there); DCP's .metadata wins in any other
+    directory; hf is the fallback."""
     pt = tmp_path / "model.safetensors"
     torch.save({"w": torch.zeros(2)}, pt)
     assert storage.detect_format(str(pt)) == "torch"
@@ -83,7 +84,11 @@ def test_detection_order(src: str, tmp_path: pathlib.Path) -> None:
     (root / "model.safetensors").write_bytes(b"")
     assert storage.detect_format(src) == "ftsdp"
     (root / ".metadata").write_bytes(b"")
-    assert storage.detect_format(src) == "dcp"
+    assert storage.detect_format(src) == "ftsdp"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "other" / ".metadata").write_bytes(b"")
+    assert storage.detect_format(str(tmp_path / "other")) == "dcp"
     assert storage.FORMATS == ("ftsdp", "hf", "torch", "dcp")
     with pytest.raises(ValueError, match="unknown format 'npz'; known: ftsdp, hf, torch, dcp"):
         _formats.open_source(src, "npz")

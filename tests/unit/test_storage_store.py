@@ -139,13 +139,13 @@ def test_dcp_metadata_is_unpickled_in_one_function(
     seen: list[int] = []
     real = _dcp_store.unpickle_metadata
 
-    def spy(data: bytes) -> Any:
+    def spy(data: bytes, *args: Any) -> Any:
         seen.append(len(data))
-        return real(data)
+        return real(data, *args)
 
     monkeypatch.setattr(_dcp_store, "unpickle_metadata", spy)
     assert storage.load_state_dict(str(tmp_path / "dcp"))["w"].numel() == 30
     assert seen
-    monkeypatch.setattr(_dcp_store, "unpickle_metadata", lambda data: 1 / 0)
+    monkeypatch.setattr(_dcp_store, "unpickle_metadata", lambda data, *args: 1 / 0)
     with pytest.raises(storage.CorruptCheckpointError, match="cannot read .metadata"):
         storage.load_state_dict(str(tmp_path / "dcp"))

@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url")
     p.add_argument("--step", type=parse_step)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _trust_option(p)
 
     p = sub.add_parser(
         "verify", parents=[common], help="read every byte and check checksums and sizes"
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("url")
     p.add_argument("--step", type=parse_step, help="only this step (default: every committed step)")
     p.add_argument("--json", action="store_true")
+    _trust_option(p)
 
     p = sub.add_parser("convert", parents=[common], help="convert between ftsdp, hf, torch and dcp")
     p.add_argument("src")
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step_a", type=parse_step)
     p.add_argument("step_b", type=parse_step)
     p.add_argument("--json", action="store_true")
+    _trust_option(p)
 
     p = sub.add_parser("gc", parents=[common], help="remove torn attempts and steps past retention")
     p.add_argument("url")
@@ -162,6 +165,15 @@ def _write_options(p: argparse.ArgumentParser) -> None:
         help="replace the name prefix OLD by NEW (first match wins); repeatable",
     )  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
+    _trust_option(p)
+
+
+def _trust_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-pickle", action="store_true",
+        help="unpickle a DCP source's .metadata fully, which can run code from it: only for "
+        "checkpoints you trust (default: only DCP's metadata classes are admitted)",
+    )  # fmt: skip
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

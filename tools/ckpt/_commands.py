@@ -27,7 +27,9 @@ def _with_progress(
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
-    info = storage.inspect_checkpoint(args.url, args.step, storage_options=args.storage_options)
+    info = storage.inspect_checkpoint(
+        args.url, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
+    )
     if args.json:
         _emit(out, info)
         return 0
@@ -55,6 +57,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     report = _with_progress(
         args, "verify", storage.verify, url=args.url, step=args.step,
         max_memory=args.max_memory, storage_options=args.storage_options,
+        trust_pickle=args.trust_pickle,
     )  # fmt: skip
     if args.json:
         _emit(out, {**report.__dict__, "ok": report.ok})
@@ -80,6 +83,7 @@ def _convert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "overwrite": args.overwrite,
         "max_memory": args.max_memory,
         "storage_options": args.storage_options,
+        "trust_pickle": args.trust_pickle,
     }
 
 
@@ -120,6 +124,7 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     result = _with_progress(
         args, "diff", storage.diff, url_a=args.url, step_a=args.step_a, url_b=args.url,
         step_b=args.step_b, max_memory=args.max_memory, storage_options=args.storage_options,
+        trust_pickle=args.trust_pickle,
     )  # fmt: skip
     if args.json:
         _emit(out, result)
