@@ -25,11 +25,13 @@ instead of faulting.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import mmap
 import os
 import posixpath
 import re
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any
@@ -37,12 +39,14 @@ from typing import IO, Any
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ftsdp.storage._options import IOOptions
 from ftsdp.storage._retry import retry
 
 MiB = 1 << 20
 _READ_AHEAD = 64 << 10  # what a small read of an opened object fetches (see RangeFile)
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
 
 
 _PLAIN_NAME = re.compile(r"[^/\\:\x00-\x1f\x7f]{1,255}")
@@ -243,13 +247,14 @@ class Store:
         self.write(rel, lambda f: f.write(data))
 
     def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
-        with self._atomic_write(self.full(rel)) as f:
+        with self._atomic_write(self.full(rel), isinstance(produce, _CreateOnly)) as f:
             produce(f)
 
     @contextlib.contextmanager
-    def _atomic_write(self, path: str) -> Iterator[IO[bytes]]:
+    def _atomic_write(self, path: str, exclusive: bool = False) -> Iterator[IO[bytes]]:
         """``path`` exists only complete: a temporary name renamed on a local disk, an upload
-        that is discarded (never completed) on an object store when the body raises."""
+        that is discarded (never completed) on an object store when the body raises. With
+        ``exclusive``, only if ``path`` does not exist yet (see ``write_exclusive``)."""
         if self.local:
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
@@ -259,7 +264,10 @@ class Store:
                     yield f
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, path)
+                if exclusive:
+                    _link_exclusive(tmp, path)
+                else:
+                    os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
@@ -269,7 +277,11 @@ class Store:
             finally:
                 os.close(fd)
             return
-        f = self.fs.open(path, "wb", block_size=max(self.io.part_bytes, 5 * MiB))
+        native = exclusive and self._creates_exclusively()
+        if exclusive and not native and self.fs.exists(path):
+            raise FileExistsError(f"{path} already exists")
+        mode = "xb" if native else "wb"  # "xb": FileExistsError on close (a 412 from S3)
+        f = self.fs.open(path, mode, block_size=max(self.io.part_bytes, 5 * MiB))
         try:
             yield f
         except BaseException:
@@ -286,6 +298,89 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: self.fs.rm(self.full(rel), recursive=recursive))
         self.invalidate(rel.rsplit("/", 1)[0] if "/" in rel else "")
+
+    # -- exclusive creation and ownership checks (the commit; deleting only what is ours) --------
+
+    def write_exclusive(self, rel: str, data: bytes) -> None:
+        """Create ``rel`` holding ``data`` only if no object of that name exists; otherwise
+        FileExistsError and nothing is written. Local disk: the temporary file is hard-linked to
+        the name (``os.link`` fails when it exists; ``O_EXCL`` where the file system has no hard
+        links) instead of renamed. S3 and memory://: an ``"xb"`` open, which s3fs sends as
+        ``If-None-Match: *``. Any other store: an existence check, then the ordinary atomic
+        write, which is not exclusive against a concurrent writer."""
+        self._retry(lambda: self._write_once(rel, _CreateOnly(data)))
+
+    def _creates_exclusively(self) -> bool:
+        """Whether this object store honours an ``"xb"`` open (create only if absent)."""
+        proto = self.fs.protocol
+        protocols = {proto} if isinstance(proto, str) else set(proto)
+        return isinstance(self.fs, MemoryFileSystem) or bool(protocols & {"s3", "s3a"})
+
+    def is_link(self, rel: str) -> bool:
+        """Whether ``rel`` is a symbolic link (only local disks have them)."""
+        return self.local and os.path.islink(self.full(rel))
+
+    def inside_root(self, rel: str) -> bool:
+        """Whether ``rel`` resolves (links followed) to a path inside the root's own resolved
+        path; always True on stores without links."""
+        if not self.local:
+            return True
+        root = os.path.realpath(self.root)
+        return os.path.commonpath([root, os.path.realpath(self.full(rel))]) == root
+
+    def remove_empty_dir(self, rel: str) -> bool:
+        """Remove the directory ``rel`` if it is empty (never its contents); True if it is gone.
+        Object stores have no empty directories: there it is gone once nothing is under it."""
+        if self.local:
+            try:
+                os.rmdir(self.full(rel))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+            self.invalidate(rel.rsplit("/", 1)[0] if "/" in rel else "")
+            return True
+        if self.listdir(rel):
+            return False
+        with contextlib.suppress(OSError):  # absent already, or a prefix that is no directory
+            self.fs.rmdir(self.full(rel))
+        return True
+
+
+class _CreateOnly:
+    """The producer of ``write_exclusive``: fixed bytes whose object is created only if absent.
+    The flag rides on the producer so that every write, exclusive or not, goes through
+    ``_write_once`` (one place where writes can be watched or failed in tests)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __call__(self, f: IO[bytes]) -> None:
+        f.write(self.data)
+
+
+def _link_exclusive(tmp: str, path: str) -> None:
+    """Publish the complete file ``tmp`` as ``path`` unless ``path`` exists (FileExistsError):
+    a hard link, or where the file system has none, a copy into a file created with
+    ``O_EXCL`` (removed again if the copy fails)."""
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as dst, open(tmp, "rb") as src:
+            shutil.copyfileobj(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
 
 
 class RangeFile(io.RawIOBase):
