@@ -1,4 +1,9 @@
-"""``collect_garbage``: what retention and torn attempts leave behind, removed or only listed."""
+"""``collect_garbage``: what retention and torn attempts leave behind, removed or only listed.
+
+It deletes exactly what retention would (``plan_retention`` in ``storage/_steps.py``), so only
+what is provably ours (see [Note: deleting only what is ours] there); everything it leaves alone
+on purpose (unreadable manifests, links, files this format does not write) is reported.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,8 @@ from typing import Any
 
 from ftsdp.storage._errors import CheckpointNotFoundError
 from ftsdp.storage._fs import Store
-from ftsdp.storage._layout import parse_step
-from ftsdp.storage._steps import committed_steps, retain
-
-
-class _RecordingStore(Store):
-    """A store whose removals are recorded instead of performed (the dry run of ``retain``)."""
-
-    removed: list[tuple[str, bool]]
-
-    def remove(self, rel: str, recursive: bool = False) -> None:
-        self.removed.append((rel, recursive))
+from ftsdp.storage._layout import step_dir
+from ftsdp.storage._steps import execute, plan_retention
 
 
 @dataclass
@@ -33,6 +29,7 @@ class GcReport:
     kept_steps: list[int] = field(default_factory=list)
     in_progress: list[int] = field(default_factory=list)  # torn but newer than the newest commit
     bytes: int = 0
+    left_alone: list[str] = field(default_factory=list)  # not provably ours: untouched, and why
 
 
 def collect_garbage(
@@ -44,33 +41,32 @@ def collect_garbage(
     storage_options: dict[str, Any] | None = None,
 ) -> GcReport:
     """Remove torn attempts and the steps retention would remove (``keep_last`` newest committed
-    steps and every ``keep_every``-th; default: keep every committed step). Exactly what
-    ``apply_retention`` removes, computed by running it against a recording store first. Torn
-    steps newer than the newest committed one may be a save in progress and are kept."""
+    steps and every ``keep_every``-th; ``keep_last=None``: keep every committed step, and
+    ``keep_last < 1`` is a ValueError). Exactly what ``apply_retention`` removes. Torn steps
+    newer than the newest committed one may be a save in progress and are kept."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(
+            f"keep_last={keep_last} must be >= 1 (the newest committed step is always kept); "
+            "leave it out to keep every committed step"
+        )
     store = Store(url, storage_options)
     if not store.exists():
         raise CheckpointNotFoundError(f"checkpoint root {store.where()} does not exist")
-    committed = committed_steps(store)
-    recorder = object.__new__(_RecordingStore)
-    recorder.__dict__.update(store.__dict__, removed=[])
-    steps = retain(recorder, keep_last or len(committed), keep_every) if committed else []
-    report = GcReport(store.where(), dry_run, removed_steps=steps)
-    newest = committed[-1] if committed else -1
-    report.in_progress = sorted(
-        s
-        for s in map(parse_step, store.listdir())
-        if s is not None and s > newest and s not in committed
+    plan = plan_retention(store, keep_last, keep_every)
+    report = GcReport(
+        store.where(),
+        dry_run,
+        removed_steps=plan.removed_steps,
+        kept_steps=plan.kept,
+        in_progress=plan.in_progress,
+        left_alone=plan.notes,
     )
-    report.kept_steps = [s for s in committed if s not in steps]
-    seen = set()
-    for rel, _ in recorder.removed:
-        if rel in seen or not store.exists(rel):
-            continue
-        seen.add(rel)
-        report.removed_paths.append(store.where(rel))
-        if not rel.endswith("manifest.json") or rel.count("/") != 1:
-            report.bytes += store.disk_usage(rel)
+    for removal in plan.removals + plan.strays:
+        report.removed_paths += [store.where(rel) for rel, _ in removal.files]
+        if removal.whole and not removal.left:
+            report.removed_paths.append(store.where(step_dir(removal.step)))
+        report.bytes += removal.bytes
     if not dry_run:
-        for rel, recursive in recorder.removed:
-            store.remove(rel, recursive=recursive)
+        for removal in plan.removals + plan.strays:
+            execute(store, removal)
     return report

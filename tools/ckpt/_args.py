@@ -74,6 +74,13 @@ def parse_step(text: str) -> int:
     return int(text)
 
 
+def parse_positive(text: str) -> int:
+    """A count of at least 1 (``gc --keep-last 0`` would delete every committed step)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand."""
     common = _Parser(add_help=False)
@@ -143,8 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gc", parents=[common], help="remove torn attempts and steps past retention")
     p.add_argument("url")
-    p.add_argument("--keep-last", type=int, help="keep the newest K committed steps (default: all)")
-    p.add_argument("--keep-every", type=int, help="also keep every step divisible by E")
+    p.add_argument(
+        "--keep-last", type=parse_positive, metavar="K",
+        help="keep the newest K >= 1 committed steps (default: all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--keep-every", type=parse_positive, metavar="E",
+        help="also keep every step divisible by E >= 1",
+    )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     return parser
 

@@ -159,6 +159,8 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
     verb = "would remove" if report.dry_run else "removed"
     for path in report.removed_paths:
         out.write(f"{verb} {path}\n")
+    for why in report.left_alone:  # not provably this format's: never deleted
+        out.write(f"left alone: {why}\n")
     out.write(
         f"{verb} steps {report.removed_steps or 'none'} and {len(report.removed_paths)} paths, "
         f"{human_bytes(report.bytes)}; kept steps {report.kept_steps or 'none'}\n"
