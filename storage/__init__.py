@@ -14,6 +14,7 @@ JSON-able values. ``storage`` never imports ``ftsdp``.
 """
 
 from ftsdp.storage._checks import VerifyReport, diff, inspect_checkpoint, verify
+from ftsdp.storage._commit import CommitConflictError
 from ftsdp.storage._convert import ConvertResult, convert, reshard
 from ftsdp.storage._errors import (
     CheckpointError,
@@ -41,6 +42,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CommitConflictError",
     "ConvertResult",
     "CorruptCheckpointError",
     "FlatShard",

@@ -17,6 +17,28 @@ commit) and the ``latest`` marker. A failure becomes an error marker (rank > 0) 
 marker (rank 0), so every rank fails the same save instead of hanging; a silent rank is a
 timeout. This works the same whether the upload runs inline or in a background thread, so
 async save cannot deadlock with the training loop's collectives.
+
+[Note: one writer per step, one timeline]
+Two writers can meet on one root: two jobs given the same URL, or a rank of a stale incarnation
+(SIGSTOPped, resumed after torchrun restarted the job) that finishes a save the new incarnation
+has already moved past. Neither may silently replace or outrun the other:
+
+- The manifest is created exclusively (``Store.write_exclusive``: a hard link on a local disk,
+  ``If-None-Match: *`` on S3). Of two commits of one step exactly one succeeds; the other gets
+  ``CommitConflictError`` naming the winner's attempt and removes its own objects and markers
+  (their names carry its attempt id).
+- Rank 0 remembers which steps had a manifest when it planned the save (``Lineage.seen``). Just
+  before the commit it lists them again; a step that appeared meanwhile means another writer is
+  active, and the save is abandoned (``CommitConflictError``). Right after the commit it lists
+  them once more and backs its own commit out when a step appeared in between, so of two writers
+  whose commits overlap at most one keeps its step. What stays open: in that last case ranks > 0
+  of the writer that backs out may already have returned (rank 0 raises), and a reader may have
+  seen the step for that moment.
+- A save never goes behind a newer committed step (``plan_lineage``): the newer steps would
+  stay the newest, so a resume would load them and retention would keep them over the new one.
+  It is refused before anything is written, unless ``discard_newer`` says the newer steps are
+  an abandoned timeline: then they (and an earlier commit of the same step) are deleted once
+  the new step is committed, and the newest step a resume sees is the one just saved.
 """
 
 from __future__ import annotations
@@ -28,6 +50,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftsdp.storage._errors import CheckpointError
@@ -35,20 +58,78 @@ from ftsdp.storage._fs import Store
 from ftsdp.storage._layout import LATEST, abort_marker, done_marker, manifest_path, step_dir
 from ftsdp.storage._manifest import Manifest, Piece, TensorEntry
 from ftsdp.storage._save_plan import SavePlan
-from ftsdp.storage._steps import committed_steps, retain
+from ftsdp.storage._steps import committed_steps, remove_attempt, remove_step, retain, scan_root
 
 Crcs = dict[str, list[list[int]]]  # object name -> per piece, its per-block crc32 list
 _DONE = re.compile(r"^_done-([0-9a-f]+)-rank(\d+)\.json$")  # not the temporary files of a write
+_ATTEMPT = re.compile(rb'"attempt"\s*:\s*"([0-9a-f]{1,64})"')  # in a manifest's first bytes
+_HEAD_BYTES = 4096
+
+
+class CommitConflictError(CheckpointError, FileExistsError):
+    """Another writer committed this step first, or committed other steps under the root while
+    this save was in progress (a stale or concurrent writer): this save is not committed."""
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What rank 0 found under the root when it planned a save of ``step`` (``plan_lineage``)."""
+
+    step: int
+    seen: frozenset[int]  # steps whose manifest existed (valid or not)
+    discard: dict[int, str] = field(default_factory=dict)  # newer committed steps -> attempt
+    replaces: str | None = None  # the attempt of an earlier commit of ``step`` being replaced
+
+
+def plan_lineage(store: Store, step: int, discard_newer: bool = False) -> Lineage:
+    """Check that a save of ``step`` may go ahead, before anything is written: ``step`` is not
+    committed and no committed step is newer, unless ``discard_newer`` (then those are deleted
+    once ``step`` is committed; see [Note: one writer per step, one timeline]). Raises
+    FileExistsError (``step`` committed, or holding a manifest that is not ours) or
+    CheckpointError (newer committed steps)."""
+    if store.is_link(step_dir(step)):
+        raise FileExistsError(
+            f"{store.where(step_dir(step))} is a link; a step is never written through a link"
+        )
+    scan = scan_root(store, read=lambda s: s >= step)  # reads only these manifests
+    newer = {s: d.manifest.attempt for s, d in scan.dirs.items() if d.manifest and s > step}
+    own = scan.dirs.get(step)
+    replaces = None
+    if own is not None and own.has_manifest:
+        if own.manifest is None:
+            raise FileExistsError(
+                f"{store.where(manifest_path(step))} exists but is not a committed step of this "
+                f"format ({own.problem}); it is never overwritten or deleted: move it away or "
+                "save under another step"
+            )
+        if not discard_newer:
+            raise FileExistsError(
+                f"step {step} is already committed at {store.where(step_dir(step))}; save under "
+                "another step or delete that one first (discard_newer=True replaces it when it "
+                "belongs to an abandoned timeline)"
+            )
+        replaces = own.manifest.attempt
+    if newer and not discard_newer:
+        raise CheckpointError(
+            f"refusing to save step {step} under {store.where()}: committed steps newer than it "
+            f"exist: {sorted(newer)}. They would stay the newest (a resume would load them, "
+            "retention would keep them over this step). Pass discard_newer=True to delete them "
+            f"once step {step} is committed (CheckpointManager does when its resume fell back "
+            "past them), resume from the newest step instead, or delete them first"
+        )
+    return Lineage(step, frozenset(scan.with_manifest), newer, replaces)
 
 
 def new_attempt(store: Store, step: int) -> str:
-    """A fresh attempt id for a save of ``step``; FileExistsError when it is already committed
-    (a committed step is never overwritten)."""
-    if store.exists(manifest_path(step)):
-        raise FileExistsError(
-            f"step {step} is already committed at {store.where(step_dir(step))}; "
-            "save under another step or delete that one first"
-        )
+    """A fresh attempt id for a save of ``step`` after ``plan_lineage``'s checks: FileExistsError
+    when it is already committed (a committed step is never overwritten), CheckpointError when a
+    newer step is."""
+    plan_lineage(store, step)
+    return fresh_attempt()
+
+
+def fresh_attempt() -> str:
+    """A new attempt id: 8 hex digits (object and marker names carry it)."""
     return uuid.uuid4().hex[:8]
 
 
@@ -92,29 +173,132 @@ def build_manifest(
 
 
 def commit(
-    store: Store, manifest: Manifest, *, keep_last: int | None = None, keep_every: int | None = None
+    store: Store,
+    manifest: Manifest,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    lineage: Lineage | None = None,
 ) -> None:
-    """Write the manifest: the commit. Then, as a best effort (the step is saved; a failure is a
-    warning): ``latest`` when this is the newest committed step, removal of the attempt's done
-    markers, and retention when ``keep_last`` is given."""
-    step = manifest.step
-    store.write_bytes(manifest_path(step), manifest.to_json())  # the commit
+    """Create the manifest exclusively: the commit. With ``lineage`` (from ``plan_lineage`` when
+    the save was planned) first check that no other writer committed a step meanwhile, and back
+    out if one did right before the create (see [Note: one writer per step, one timeline]); on
+    a conflict this attempt's objects and markers are removed and ``CommitConflictError`` is
+    raised. Then, as a best effort (the step is saved; a failure is a warning): the steps
+    ``lineage`` discards, ``latest`` when this is the newest committed step, removal of the
+    attempt's done markers, and retention when ``keep_last`` is given (never of this step)."""
+    step, attempt = manifest.step, manifest.attempt
+    rel, data = manifest_path(step), manifest.to_json()
+    if lineage is not None:
+        _check_no_other_writer(store, lineage, attempt, committed=False)
+        # An earlier commit of this step that is being replaced: take it down first.
+        if lineage.replaces is not None and _attempt_at(store, step) == lineage.replaces:
+            store.remove(rel)
+    listing = store.listdir(step_dir(step))
+    gone = sorted(n for n, size in manifest.objects.items() if listing.get(n, ("", -1))[1] != size)
+    if gone:  # a manifest exists only over complete objects (deleted meanwhile: a concurrent gc?)
+        raise CheckpointError(
+            f"step {step} at {store.where(step_dir(step))}: objects of this save are missing or "
+            f"have another size before the commit ({', '.join(gone[:3])}"
+            f"{', ...' if len(gone) > 3 else ''}); not committed"
+        )
     try:
-        steps = committed_steps(store)
+        store.write_exclusive(rel, data)  # the commit
+    except FileExistsError as e:
+        winner = _attempt_at(store, step)
+        if winner != attempt:  # not our own create whose reply was lost and was retried
+            _abandon(store, step, attempt)
+            raise CommitConflictError(
+                f"step {step} at {store.where(step_dir(step))} was committed by another writer "
+                f"(attempt {winner}) while this save (attempt {attempt}) was in progress; the "
+                "committed step is the other writer's, and this save's objects were removed"
+            ) from e
+    steps = committed_steps(store)
+    if lineage is not None:
+        _check_no_other_writer(store, lineage, attempt, committed=True, steps=steps, data=data)
+    try:
+        if lineage is not None:
+            for newer, newer_attempt in sorted(lineage.discard.items()):
+                left = remove_step(store, newer, attempt=newer_attempt)
+                if left:
+                    warnings.warn(f"discarding step {newer}: {'; '.join(left)}", stacklevel=2)
+            if lineage.replaces is not None:
+                remove_attempt(store, step, lineage.replaces)
+            steps = [s for s in steps if s not in lineage.discard]
         if steps and steps[-1] == step:
             store.write_bytes(LATEST, f"{step}\n".encode())
         for name in store.listdir(step_dir(step)):  # a single writer has none
             m = _DONE.match(name)
-            if m is not None and m.group(1) == manifest.attempt:
+            if m is not None and m.group(1) == attempt:
                 store.remove(f"{step_dir(step)}/{name}")
         if keep_last is not None:
-            retain(store, keep_last, keep_every)
+            retain(store, keep_last, keep_every, protect=step)
     except Exception as e:
         warnings.warn(
-            f"step {step} committed at {store.where()}, but updating 'latest' or retention "
-            f"failed: {type(e).__name__}: {e}",
+            f"step {step} committed at {store.where()}, but updating 'latest', discarding "
+            f"newer steps or retention failed: {type(e).__name__}: {e}",
             stacklevel=2,
         )
+
+
+def _check_no_other_writer(
+    store: Store,
+    lineage: Lineage,
+    attempt: str,
+    *,
+    committed: bool,
+    steps: list[int] | None = None,
+    data: bytes = b"",
+) -> None:
+    """Raise CommitConflictError (after removing this attempt's files, and with ``committed``
+    its manifest ``data`` too) when a step other than this one was committed under the root
+    since the save was planned: another writer is active."""
+    step = lineage.step
+    appeared = sorted(
+        set(committed_steps(store) if steps is None else steps) - lineage.seen - {step}
+    )
+    if not appeared:
+        return
+    if committed:  # back our commit out: of two overlapping writers at most one keeps its step
+        with contextlib.suppress(Exception):
+            if store.read(manifest_path(step)) == data:
+                store.remove(manifest_path(step))
+    _abandon(store, step, attempt)
+    raise CommitConflictError(
+        f"steps {appeared} were committed under {store.where()} by another writer while this "
+        f"save of step {step} (attempt {attempt}) was in progress: this writer is stale (e.g. a "
+        "rank of an earlier incarnation of the job, stopped and resumed) or another job uses "
+        f"the same root. Step {step} was not committed by this save; its objects were removed"
+    )
+
+
+def _abandon(store: Store, step: int, attempt: str) -> None:
+    """Best effort: remove every file of ``attempt`` in ``step`` (objects, markers)."""
+    try:
+        remove_attempt(store, step, attempt)
+    except Exception as e:
+        warnings.warn(
+            f"could not remove the objects of attempt {attempt} of step {step} at "
+            f"{store.where()}: {type(e).__name__}: {e}",
+            stacklevel=3,
+        )
+
+
+def _attempt_at(store: Store, step: int) -> str | None:
+    """The attempt named by the manifest of ``step`` now; None when there is none (or it cannot
+    be read as JSON). Every rank > 0 asks this at each commit, so it reads the manifest's first
+    4 KiB, where this format puts ``attempt`` (before the tensors and values), and the whole
+    manifest only when it is not there."""
+    rel = manifest_path(step)
+    try:
+        head = store.read_range(rel, 0, min(store.size(rel), _HEAD_BYTES))
+        m = _ATTEMPT.search(head)
+        if m is not None:
+            return m.group(1).decode()
+        doc = json.loads(store.read(rel))
+    except Exception:
+        return None
+    return str(doc.get("attempt")) if isinstance(doc, dict) else None
 
 
 # -- several ranks ------------------------------------------------------------------------------
@@ -133,11 +317,14 @@ def finish(
     timeout_s: float,
     keep_last: int | None = None,
     keep_every: int | None = None,
+    lineage: Lineage | None = None,
+    replaces: str | None = None,
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
     checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
     every rank when it is not. ``rank_values`` holds every rank's values (its length is the
-    world size)."""
+    world size). ``lineage``: rank 0's ``plan_lineage`` of this save; ``replaces``: the attempt
+    of an earlier commit of this step that it replaces (every rank knows it from the plan)."""
     if rank != 0:  # report, then wait for rank 0's verdict
         objects = {o.name: {"size": o.size, "crc32": crcs.get(o.name)} for o in plan.for_rank(rank)}
         _write_marker(
@@ -145,7 +332,7 @@ def finish(
         )
         if error is not None:
             raise error
-        _wait_for_commit(store, step, plan.attempt, rank, timeout_s)
+        _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces)
         return
     if error is None:
         try:
@@ -159,12 +346,15 @@ def finish(
                 values=rank_values[0],
                 rank_values=rank_values,
             )
-            commit(store, manifest, keep_last=keep_last, keep_every=keep_every)
+            commit(store, manifest, keep_last=keep_last, keep_every=keep_every, lineage=lineage)
             return
         except BaseException as e:
             error = e
-    with contextlib.suppress(Exception):  # best effort: the original error is what matters
-        _write_marker(store, abort_marker(step, plan.attempt), error)
+    # Ranks > 0 stop waiting at the abort marker, or at another writer's manifest of this step
+    # (then no marker is left in that writer's step). A single rank needs none.
+    if len(rank_values) > 1 and _attempt_at(store, step) in (None, plan.attempt, replaces):
+        with contextlib.suppress(Exception):  # best effort: the original error is what matters
+            _write_marker(store, abort_marker(step, plan.attempt), error)
     raise error
 
 
@@ -175,17 +365,28 @@ def _write_marker(store: Store, rel: str, error: BaseException | None, **fields:
     store.write_bytes(rel, json.dumps(doc).encode())
 
 
-def _wait_for_commit(store: Store, step: int, attempt: str, rank: int, timeout_s: float) -> None:
-    """Rank > 0: wait for the manifest, or for rank 0's abort marker (raised)."""
+def _wait_for_commit(
+    store: Store, step: int, attempt: str, rank: int, timeout_s: float, replaces: str | None
+) -> None:
+    """Rank > 0: wait for this attempt's manifest, or for rank 0's abort marker or another
+    writer's manifest of the step (raised). The manifest of the commit this save replaces is
+    waited past."""
     abort = abort_marker(step, attempt)
     for _ in _poll(timeout_s):
-        if store.exists(manifest_path(step)):
-            return
         if store.exists(abort):
             reason = json.loads(store.read(abort)).get("error")
             raise CheckpointError(
                 f"save of step {step} to {store.where()} was aborted by rank 0: {reason}"
             )
+        if store.exists(manifest_path(step)):
+            winner = _attempt_at(store, step)
+            if winner == attempt:
+                return
+            if winner is not None and winner != replaces:
+                raise CommitConflictError(
+                    f"rank {rank}: step {step} at {store.where(step_dir(step))} was committed by "
+                    f"another writer (attempt {winner}), not by this save (attempt {attempt})"
+                )
     raise TimeoutError(
         f"rank {rank}: step {step} at {store.where()} was not committed within {timeout_s}s "
         "(is rank 0 alive?)"

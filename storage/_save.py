@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ftsdp.storage._collectives import all_gather_json, rank_world, resolve_group
-from ftsdp.storage._commit import finish, new_attempt
+from ftsdp.storage._commit import Lineage, finish, fresh_attempt, plan_lineage
 from ftsdp.storage._dtypes import dtype_name
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._fs import Store
@@ -86,13 +86,23 @@ def save(
     keep_last: int | None = None,
     keep_every: int | None = None,
     options: SaveOptions | None = None,
+    discard_newer: bool = False,
 ) -> SaveHandle:
     """Save ``state`` as step ``step`` under ``url``; collective over ``process_group``.
 
     Leaves of ``state`` are tensors (whole, identical on every rank that holds them), DTensors,
     ``FlatShard``s or JSON-able values. Returns when committed, or with ``async_save=True`` as
     soon as this rank's pieces are staged in host memory (``handle.wait()`` for the commit).
-    With ``keep_last`` rank 0 applies retention after the commit (see ``apply_retention``).
+    With ``keep_last`` rank 0 applies retention after the commit (see ``apply_retention``); it
+    never removes the step just saved.
+
+    A committed ``step`` is never overwritten (FileExistsError), and a save behind newer
+    committed steps is refused (CheckpointError naming them), both on every rank before anything
+    is written: after a save, the newest committed step is the one just saved. When those steps
+    belong to an abandoned timeline (a resume fell back past them), ``discard_newer=True``
+    deletes them, and an earlier commit of ``step`` itself, once this step is committed. A
+    concurrent or stale writer on the same root loses with ``CommitConflictError`` (see
+    [Note: one writer per step, one timeline] in ``storage/_commit.py``).
     """
     global _previous
     start = time.perf_counter()
@@ -109,6 +119,7 @@ def save(
     # Every rank reaches the gather even when its own state is bad, so errors never hang.
     meta: dict[str, Any] = {"error": None}
     local_error: Exception | None = None
+    lineage: Lineage | None = None
     try:
         tensors, values = flatten_state(state)
         meta["tensors"] = [
@@ -116,8 +127,9 @@ def save(
             for n, t in sorted(tensors.items())
         ]
         meta["values"] = {n: v.value for n, v in values.items()}
-        if rank == 0:
-            meta["attempt"] = new_attempt(store, step)
+        if rank == 0:  # decides for every rank, before anything is written
+            lineage = plan_lineage(store, step, discard_newer)
+            meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
     except Exception as e:
         local_error, meta["error"] = e, f"{type(e).__name__}: {e}"
     metas = all_gather_json(meta, group)
@@ -132,6 +144,7 @@ def save(
     with _lock:
         _previous = handle
     job = _SaveJob(store, step, rank, plan, metas, tensors, options, keep_last, keep_every)
+    job.lineage, job.replaces = lineage, metas[0].get("replaces")
     if async_save:
         job.start(handle)
     else:
@@ -163,6 +176,8 @@ class _SaveJob:
         self.plan, self.metas, self.tensors, self.options = plan, metas, tensors, options
         self.keep_last, self.keep_every = keep_last, keep_every
         self.mine = plan.for_rank(rank)
+        self.lineage: Lineage | None = None  # rank 0's view of the root when it planned
+        self.replaces: str | None = None
 
     # -- writing this rank's objects ------------------------------------------------------------
 
@@ -259,4 +274,6 @@ class _SaveJob:
             timeout_s=self.options.commit_timeout_s,
             keep_last=self.keep_last,
             keep_every=self.keep_every,
+            lineage=self.lineage,
+            replaces=self.replaces,
         )

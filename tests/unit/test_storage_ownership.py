@@ -1,15 +1,25 @@
-"""Safety of deletion (docs/format.md, "Threat model"): gc and retention delete only what is
-provably ours: never a folder that merely looks like a root, never a step whose manifest is
-unreadable, nothing behind a link; ``--keep-last 0`` is refused.
+"""Safety of deletion, lineage and commit (docs/format.md, "Threat model"):
+
+- gc and retention delete only what is provably ours: never a folder that merely looks like a
+  root, never a step whose manifest is unreadable, nothing behind a link; ``--keep-last 0`` is
+  refused;
+- a save never goes behind newer committed steps (refused up front, or ``discard_newer``), so it
+  never deletes itself and the newest step a resume sees is the one just saved;
+- one writer per step: the manifest is created exclusively; of two writers exactly one commits,
+  the other fails and removes its objects; a stale writer cannot commit past a newer step.
 
 Local directory and S3 (moto) where the store matters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import pathlib
+import threading
+import uuid
 from typing import Any
 
 import fsspec
@@ -17,6 +27,8 @@ import pytest
 import torch
 
 from ftsdp import storage
+from ftsdp.storage._commit import CommitConflictError, _wait_for_commit
+from ftsdp.storage._fs import Store
 from ftsdp.tools.ckpt import main as cli
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
@@ -176,6 +188,8 @@ def test_nothing_behind_a_link_is_touched(tmp_path: pathlib.Path) -> None:
     assert [p.name for p in (tmp_path / "ckpt/step-1").iterdir()] == [
         "rank00000-000-dddddddd.safetensors"
     ]
+    with pytest.raises(FileExistsError, match="is a link"):
+        storage.save(_state(9), str(tmp_path / "ckpt"), step=0, options=SMALL)
 
 
 def test_keep_last_0_is_refused(tmp_path: pathlib.Path) -> None:
@@ -189,3 +203,199 @@ def test_keep_last_0_is_refused(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ValueError, match="keep_last=0"):
         storage.apply_retention(url, keep_last=0)
     assert storage.list_steps(url) == [1, 2]
+
+
+# -- 3. lineage: a save never goes behind newer committed steps ----------------------------------
+
+
+def test_a_save_behind_newer_steps_is_refused_or_discards_them(backend) -> None:
+    """100, 200, 300 committed; a run resumed from 100 saves 250 with keep_last=1. The old save
+    reported success and retention deleted 250; the next resume loaded 300."""
+    url, opts = backend
+    for step in (100, 200, 300):
+        storage.save(_state(step), url, step=step, storage_options=opts, options=SMALL)
+    before = _tree(url, opts)
+    with pytest.raises(storage.CheckpointError, match=r"newer than it exist: \[300\]") as e:
+        storage.save(_state(250), url, step=250, keep_last=1, storage_options=opts)
+    assert "discard_newer=True" in str(e.value)
+    assert _tree(url, opts) == before  # refused before anything was written
+    with pytest.raises(FileExistsError, match="step 200 is already committed"):
+        storage.save(_state(250), url, step=200, storage_options=opts)
+
+    storage.save(_state(250), url, step=250, keep_last=1, discard_newer=True, storage_options=opts)
+    assert storage.list_steps(url, storage_options=opts) == [250]
+    _same(_load(url, opts), _state(250))
+    assert _fs(url, opts)[0].cat_file(f"{_fs(url, opts)[1]}/latest") == b"250\n"
+    assert sorted({p.split("/")[0] for p in _tree(url, opts)}) == ["latest", "step-250"]
+
+
+def test_discard_newer_replaces_an_abandoned_commit_of_the_same_step(backend) -> None:
+    url, opts = backend
+    for step in (1, 2, 3):
+        storage.save(_state(step), url, step=step, storage_options=opts, options=SMALL)
+    storage.save(_state(20), url, step=2, discard_newer=True, storage_options=opts, options=SMALL)
+    assert storage.list_steps(url, storage_options=opts) == [1, 2]
+    _same(_load(url, opts, 2), _state(20))
+    manifest = storage.read_manifest(url, 2, storage_options=opts)
+    names = sorted(p.rsplit("/", 1)[-1] for p in _tree(url, opts) if p.startswith("step-2/"))
+    assert names == sorted(["manifest.json", *manifest.objects])  # old objects gone
+
+
+# -- 4. one writer per step ----------------------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def any_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Store:
+    if request.param == "local":
+        return Store(str(tmp_path / "root"), None)
+    if request.param == "memory":
+        return Store(f"memory://excl-{uuid.uuid4().hex[:8]}", None)
+    s3 = dict(request.getfixturevalue("s3_endpoint"))
+    return Store(request.getfixturevalue("s3_bucket_url"), s3)
+
+
+def test_write_exclusive_creates_only_once(any_store: Store) -> None:
+    """Local: a hard link; S3: ``If-None-Match: *`` (moto answers the second create with 412)."""
+    any_store.write_exclusive("step-1/manifest.json", b"first")
+    with pytest.raises(FileExistsError):
+        any_store.write_exclusive("step-1/manifest.json", b"second")
+    assert any_store.read("step-1/manifest.json") == b"first"
+    assert list(any_store.listdir("step-1")) == ["manifest.json"]  # no temporary file left
+    # 11 MiB in 5 MiB parts: a multipart upload on S3, the condition sits on its completion.
+    parts = Store(
+        any_store.url, any_store.fs.storage_options, storage.IOOptions(part_bytes=5 << 20)
+    )
+    big = os.urandom(11 << 20)
+    parts.write_exclusive("big", big)
+    with pytest.raises(FileExistsError):
+        parts.write_exclusive("big", b"x" * (11 << 20))
+    assert parts.read("big") == big
+
+
+def _writer(url: str, opts: dict | None, value: float, barrier: Any, out: Any) -> None:
+    """One of two processes saving step 5: both pass every check, then meet right before
+    creating the manifest, so that the exclusive create decides."""
+    real = getattr(Store, "write_exclusive", None)  # (code without it: both just save)
+
+    def meet_then_create(self: Store, rel: str, data: bytes) -> None:
+        if rel.endswith("manifest.json"):
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(60)
+        real(self, rel, data)
+
+    if real is not None:
+        Store.write_exclusive = meet_then_create  # type: ignore[method-assign]
+    try:
+        barrier.wait(60)  # start together
+        storage.save(_state(value, 20000), url, step=5, storage_options=opts, options=SMALL)
+        out.put((value, "ok"))
+    except Exception as e:
+        out.put((value, f"{type(e).__name__}: {e}"))
+
+
+def test_two_writers_of_one_step_exactly_one_wins(backend) -> None:
+    """Two processes save step 5 to one root at once. The old code let both report success and
+    kept whichever manifest was written last (the other's state silently lost)."""
+    url, opts = backend
+    storage.save(_state(1, 20000), url, step=1, storage_options=opts, options=SMALL)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(url, opts, v, barrier, out)) for v in (10, 20)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    winners = [v for v, r in results.items() if r == "ok"]
+    assert len(winners) == 1, results
+    (loser,) = set(results) - set(winners)
+    assert results[loser].startswith("CommitConflictError") and "another writer" in results[loser]
+    _same(_load(url, opts, 5, 20000), _state(winners[0], 20000))
+    manifest = storage.read_manifest(url, 5, storage_options=opts)
+    names = sorted(p.rsplit("/", 1)[-1] for p in _tree(url, opts) if p.startswith("step-5/"))
+    assert names == sorted(["manifest.json", *manifest.objects])  # the loser's objects went
+
+
+def test_a_rank_of_the_losing_writer_does_not_report_success(tmp_path: pathlib.Path) -> None:
+    """Ranks > 0 used to return as soon as any manifest existed: another writer's too."""
+    store = Store(str(tmp_path), None)
+    store.write_bytes("step-5/manifest.json", json.dumps({"attempt": "aaaaaaaa"}).encode())
+    with pytest.raises(CommitConflictError, match="attempt aaaaaaaa"):
+        _wait_for_commit(store, 5, "bbbbbbbb", 1, 5.0, None)
+    _wait_for_commit(store, 5, "aaaaaaaa", 1, 5.0, None)  # its own: committed
+
+
+def _copy_step(src: str, dst: str, opts: dict | None, step: int) -> None:
+    """Put a committed step of root ``src`` into root ``dst`` as another writer would: its
+    objects, then its manifest."""
+    fs, a = _fs(src, opts)
+    b = _fs(dst, opts)[1]
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{a}/step-{step}", detail=False))
+    fs.makedirs(f"{b}/step-{step}", exist_ok=True)
+    for name in sorted(names, key=lambda n: n == "manifest.json"):
+        fs.pipe_file(f"{b}/step-{step}/{name}", fs.cat_file(f"{a}/step-{step}/{name}"))
+    fs.invalidate_cache()
+
+
+@pytest.mark.parametrize("meanwhile", [[6], [8], [6, 8]])
+def test_a_stale_writer_cannot_commit_past_the_new_timeline(
+    backend, monkeypatch: pytest.MonkeyPatch, meanwhile: list[int]
+) -> None:
+    """A rank of an earlier incarnation planned step 6, then stopped; the restarted job
+    committed ``meanwhile``; the stale rank resumes and tries to commit. The old code let it
+    overwrite step 6's manifest, or commit 6 next to a newer timeline."""
+    url, opts = backend
+    other = url + "-new"
+    for step in (2, 4):
+        storage.save(_state(step), url, step=step, storage_options=opts, options=SMALL)
+    for step in meanwhile:  # the new incarnation's steps, written elsewhere first
+        storage.save(_state(step + 100), other, step=step, storage_options=opts, options=SMALL)
+    gate, real = threading.Event(), Store._write_once
+
+    def gated(self: Store, rel: str, produce: Any) -> None:
+        if rel.startswith("step-6/") and rel.endswith(".safetensors"):
+            assert gate.wait(60)
+        real(self, rel, produce)
+
+    monkeypatch.setattr(Store, "_write_once", gated)
+    stale = storage.save(
+        _state(6), url, step=6, async_save=True, storage_options=opts, options=SMALL
+    )
+    for step in meanwhile:
+        _copy_step(other, url, opts, step)
+    gate.set()
+    with pytest.raises(CommitConflictError, match="another writer"):
+        stale.wait()
+    assert storage.list_steps(url, storage_options=opts) == sorted([2, 4, *meanwhile])
+    for step in meanwhile:
+        _same(_load(url, opts, step), _state(step + 100))
+    attempt = None
+    tree = _tree(url, opts)
+    if 6 in meanwhile:
+        manifest = storage.read_manifest(url, 6, storage_options=opts)
+        attempt = manifest.attempt
+    leftovers = [p for p in tree if p.startswith("step-6/") and p != "step-6/manifest.json"]
+    assert all(attempt and attempt in p for p in leftovers), leftovers  # only the winner's
+
+
+def test_a_writer_that_committed_next_to_a_newer_commit_backs_out(
+    backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer commits step 8 between this save's last check and its create of step 6's
+    manifest: this save sees it right after and takes its commit back."""
+    url, opts = backend
+    other = url + "-new"
+    storage.save(_state(4), url, step=4, storage_options=opts, options=SMALL)
+    storage.save(_state(108), other, step=8, storage_options=opts, options=SMALL)
+    real = Store.write_exclusive
+
+    def create_after_the_other(self: Store, rel: str, data: bytes) -> None:
+        if rel == "step-6/manifest.json":
+            _copy_step(other, url, opts, 8)
+        real(self, rel, data)
+
+    monkeypatch.setattr(Store, "write_exclusive", create_after_the_other)
+    with pytest.raises(CommitConflictError, match=r"steps \[8\] were committed"):
+        storage.save(_state(6), url, step=6, storage_options=opts, options=SMALL)
+    assert storage.list_steps(url, storage_options=opts) == [4, 8]
+    assert not any(p.startswith("step-6/") for p in _tree(url, opts))
