@@ -25,6 +25,17 @@ same order. ``storage.load`` is collective and all-or-nothing (every rank reads 
 before any rank writes into its target). After each attempt the ranks agree (all_reduce MAX) on
 the outcome: loaded; unusable (corrupt, incomplete, I/O error: log loudly and try the previous
 committed step); or a mismatch with this model/optimizer (raise: an older step would not help).
+
+[Note: continuing after a fallback]
+The steps a resume fell back past are newer than the one it loaded. ``storage.save`` refuses to
+save behind newer committed steps (they would stay the newest: the next resume would load them
+again, retention would keep them over the new saves), so the first save after such a resume
+passes ``discard_newer=True``: once that step is committed, the committed steps newer than it
+(the abandoned timeline, including an earlier commit of the same step number) are deleted.
+Steps whose manifest is not even readable are not provably ours and stay; a later resume tries
+them first, logs them as unusable again, and falls back to the newest save. Without a fallback
+a newer committed step means another writer (a second job on the same root): the save's error
+surfaces.
 """
 
 from __future__ import annotations
@@ -115,6 +126,7 @@ class CheckpointManager:
         self._pending: storage.SaveHandle | None = None
         self._last_save = time.monotonic()
         self.last_saved_step: int | None = None
+        self._discard_newer = False  # the resume fell back: see [Note: continuing after a fallback]
 
     # -- the state ------------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
@@ -147,7 +159,9 @@ class CheckpointManager:
     def save(self, step: int, trainer: Mapping[str, Any], *, block: bool = False) -> float:
         """Save ``step`` (collective). ``block`` (or ``async_save=False``) returns only once it
         is committed. A previous async save's error is raised here. Returns the seconds this
-        call blocked the caller. Saving the step saved last is a no-op."""
+        call blocked the caller. Saving the step saved last is a no-op. The first save after a
+        resume that fell back past unusable steps deletes the committed steps newer than it
+        (see [Note: continuing after a fallback])."""
         if step == self.last_saved_step:
             if block:
                 self.wait()
@@ -164,7 +178,9 @@ class CheckpointManager:
             keep_last=self.keep_last,  # applied by the committing rank only
             keep_every=self.keep_every,
             options=self.save_options,
+            discard_newer=self._discard_newer,
         )
+        self._discard_newer = False  # once: after this save the newer steps are gone
         self._pending = handle  # even when already done: a failed save must still surface
         self._last_save = time.monotonic()
         self.last_saved_step = step
@@ -274,6 +290,7 @@ class CheckpointManager:
             cs.reseed(self.seed, step, rank)
         self.last_saved_step = step
         self._last_save = time.monotonic()
+        self._discard_newer = bool(skipped)  # newer than ``step``: an abandoned timeline
         return ResumeInfo(
             step=step,
             saved_world_size=result.saved_world_size,

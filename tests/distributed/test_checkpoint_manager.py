@@ -194,3 +194,48 @@ def test_an_unexpected_error_on_one_rank_fails_every_rank_instead_of_hanging(sav
     out = run_ranks(_unexpected_error_phase, 2, url, timeout=60)
     assert out[1] == "RuntimeError: unexpected on rank 1", out
     assert out[0].startswith("StateMismatchError") and "another rank" in out[0], out
+
+
+def _fallback_phase(rank: int, world: int, url: str) -> dict:
+    from ftsdp.trainer._checkpoint import CheckpointManager
+
+    model, opt, sched = _build(1)
+    ckpt = CheckpointManager(url, model, opt, lr_scheduler=sched, async_save=False)
+    trainer = {"step": 0, "cursor": 0, "tag": ""}
+    info = ckpt.resume(trainer)
+    out: dict = {"resumed": info.step, "skipped": [s for s, _ in info.skipped]}
+    try:  # behind the newer step 5 without the fallback's discard: refused on every rank
+        storage.save({"x": torch.zeros(4)}, url, step=4)
+        out["behind"] = "saved"
+    except Exception as e:
+        out["behind"] = f"{type(e).__name__}: {e}"
+    _train(model, opt, sched, rank, world, trainer, 2)
+    ckpt.save(5, trainer)  # the step it fell back past: discarded and saved again
+    ckpt.close()
+    out["steps"] = storage.list_steps(url)
+    return out
+
+
+def test_after_a_fallback_every_rank_saves_the_skipped_step_again(saved, tmp_path) -> None:
+    """Step 5 is corrupt: the resume falls back to 3. A save behind 5 is refused on every rank;
+    the manager's save of step 5 replaces the abandoned one (the old code failed it with
+    FileExistsError on every rank), and training from 3 reaches the same step-5 state."""
+    import shutil
+
+    url, ref = saved
+    run = tmp_path / "run"
+    shutil.copytree(url, run)
+    obj = max((run / "step-5").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(obj.read_bytes())
+    data[-5] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    out = run_ranks(_fallback_phase, 2, str(run))
+    for r in out:
+        assert r["resumed"] == 3 and r["skipped"] == [5], r
+        assert "newer than it exist: [5]" in r["behind"] and "discard_newer" in r["behind"], r
+        assert r["steps"] == [3, 5], r
+    assert not (run / "step-4").exists()  # refused before anything was written
+    resaved = storage.load_state_dict(str(run), 5)
+    for key, value in ref["full_at_5"].items():
+        if f"model.{key}" in resaved:
+            assert torch.equal(resaved[f"model.{key}"], torch.from_numpy(value)), key

@@ -194,3 +194,56 @@ def test_time_based_saves_and_bad_arguments(tmp_path):
     sgd = torch.optim.SGD(m[0].parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="got SGD"):
         _manager(tmp_path / "ck", m[0], sgd, None).resume({"step": 0})
+
+
+def test_after_falling_back_the_job_saves_again_on_one_timeline(tmp_path):
+    """Resume fell back past steps 2 and 3 (corrupt) to 1. The old code then refused the
+    re-save of step 2 (FileExistsError: already committed); and with a new step number,
+    retention could delete the new save while it kept the abandoned step 3. Now the first save
+    after the fallback discards the newer steps once it is committed, and resume then loads it."""
+    url = tmp_path / "ck"
+    a = _build(0)
+    ckpt = _manager(url, *a, async_save=False, keep_last=3)
+    for step in (1, 2, 3):
+        _train(*a, steps=1)
+        ckpt.save(step, {"step": step})
+    _corrupt_newest(url, 3)
+    _corrupt_newest(url, 2)
+
+    b = _build(5)
+    lines: list[str] = []
+    resumed = _manager(url, *b, keep_last=2, log=lines.append)
+    info = resumed.resume({"step": 0})
+    assert info.step == 1 and [s for s, _ in info.skipped] == [3, 2] and len(lines) == 2
+    _train(*b, steps=1, seed=7)
+    resumed.save(2, {"step": 2})  # async: the same step number as the abandoned one
+    resumed.close()
+    assert storage.list_steps(str(url)) == [1, 2]  # 3 discarded, 2 replaced
+    saved = {k: v.clone() for k, v in b[0].state_dict().items()}
+    _train(*b, steps=1, seed=8)
+    resumed.save(3, {"step": 3}, block=True)  # no longer behind anything
+    assert storage.list_steps(str(url)) == [2, 3]
+
+    c = _build(9)
+    template = {"step": 0}
+    again = _manager(url, *c).resume(template)
+    assert again.step == 3 and again.skipped == [] and template == {"step": 3}
+    two = storage.load_state_dict(str(url), 2)  # the new save of 2, not the abandoned one
+    assert all(torch.equal(two[f"model.{k}"], v) for k, v in saved.items() if k != "lm_head.weight")
+
+
+def test_a_newer_step_without_a_fallback_is_an_error(tmp_path):
+    """A newer committed step that the resume did not fall back past (another writer's) makes
+    the save fail with an error that names it, instead of saving behind it."""
+    url = tmp_path / "ck"
+    a = _build(0)
+    ckpt = _manager(url, *a, async_save=False)
+    _train(*a, steps=1)
+    ckpt.save(1, {"step": 1})
+    b = _build(1)
+    other = _manager(url, *b, async_save=False)
+    assert other.resume({"step": 0}).step == 1
+    ckpt.save(5, {"step": 5})  # e.g. a second job on the same root
+    with pytest.raises(storage.CheckpointError, match=r"newer than it exist: \[5\]"):
+        other.save(2, {"step": 2})
+    assert storage.list_steps(str(url)) == [1, 5]
