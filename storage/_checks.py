@@ -12,15 +12,19 @@ from typing import Any
 
 import torch
 
+from ftsdp.storage._dtypes import safetensors_code, torch_dtype
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._formats import detect_format, open_source
 from ftsdp.storage._fs import Store
 from ftsdp.storage._interfaces import Source
-from ftsdp.storage._layout import manifest_path, parse_step, step_dir
-from ftsdp.storage._manifest import Manifest
+from ftsdp.storage._layout import MANIFEST, manifest_path, parse_step, step_dir
+from ftsdp.storage._manifest import Manifest, Piece, read_manifest_file
 from ftsdp.storage._safetensors import crc32, read_header
 from ftsdp.storage._steps import committed_steps, resolve_manifest
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, chunk_bytes, split_request
+
+OBJECT_METADATA = {"format": "ftsdp.storage"}  # every data object's header (docs/format.md)
+_FORMAT_MARK = b'"ftsdp.storage"'  # a manifest's first 64 bytes hold its format (as written)
 
 
 def _step_dirs(store: Store) -> tuple[list[int], list[int]]:
@@ -32,6 +36,32 @@ def _step_dirs(store: Store) -> tuple[list[int], list[int]]:
     return committed, torn
 
 
+def _step_directory(
+    url: str, step: int | None, storage_options: dict | None
+) -> tuple[str, int | None]:
+    """``(root, step)`` for a step directory (``ROOT/step-N``, which holds ``manifest.json``):
+    the root and N, so that it is checked as that ftsdp step and never detected as an hf
+    directory of loose ``.safetensors`` objects; ``(url, step)`` for anything else. ValueError
+    for a ``step`` other than N, and for a directory not named ``step-<N>`` whose
+    ``manifest.json`` is this format's (a step directory copied elsewhere)."""
+    store = Store(url, storage_options)
+    if not store.isdir() or MANIFEST not in store.listdir():
+        return url, step
+    parent, _, name = store.url.rpartition("/")
+    own = parse_step(name)
+    if own is None or parent.endswith(":/") or (not parent and "://" in store.url):
+        size = store.size(MANIFEST)
+        if _FORMAT_MARK not in store.read_range(MANIFEST, 0, min(size, 64)):
+            return url, step  # someone else's manifest.json: detect the format as usual
+        raise ValueError(
+            f"{url} holds a step's {MANIFEST} but is not a step-<N> directory of a checkpoint "
+            "root; pass the checkpoint root (and --step)"
+        )
+    if step is not None and step != own:
+        raise ValueError(f"{url} is the directory of step {own}, but step {step} was asked for")
+    return parent or ("/" if store.url.startswith("/") else "."), own
+
+
 def inspect_checkpoint(
     url: str,
     step: int | None = None,
@@ -40,7 +70,9 @@ def inspect_checkpoint(
     trust_pickle: bool = False,
 ) -> dict[str, Any]:
     """A JSON-able description: format, steps (committed and torn), world size, tensors with
-    shape, dtype and bytes, totals and the non-tensor state's keys. Reads metadata only."""
+    shape, dtype and bytes, totals and the non-tensor state's keys. Reads metadata only. A step
+    directory (``ROOT/step-N``) is that step of its root."""
+    url, step = _step_directory(url, step, storage_options)
     fmt = detect_format(url, storage_options)
     info: dict[str, Any] = {"url": url, "format": fmt}
     if fmt == "ftsdp":
@@ -90,6 +122,46 @@ class VerifyReport:
         return not self.problems
 
 
+def _check_header(
+    store: Store, step: int, name: str, pieces: list[tuple[str, str, Piece]], problems: list[str]
+) -> bool:
+    """Check object ``name``'s safetensors header against its pieces in the manifest (place,
+    dtype, shape); False when the header cannot be read at all."""
+    rel = f"{step_dir(step)}/{name}"
+    url = store.where(rel)
+    try:
+        header, base = read_header(store, rel)
+    except CheckpointError as e:
+        problems.append(f"step {step}: {e}")
+        return False
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # a header read_header misreads
+        problems.append(f"step {step}: object {url}: malformed safetensors header ({e})")
+        return False
+    if header.get("__metadata__") != OBJECT_METADATA:
+        problems.append(
+            f"step {step}: object {url}: safetensors __metadata__ is "
+            f"{str(header.get('__metadata__'))[:200]}, not {OBJECT_METADATA}"
+        )
+    for tname, dtype, p in pieces:
+        entry = header.get(p.key)
+        if not isinstance(entry, dict) or [
+            base + o if type(o) is int else None for o in entry.get("data_offsets", ())
+        ] != [p.byte_start, p.byte_end]:
+            problems.append(
+                f"step {step}: object {url}: piece {p.key!r} of tensor {tname} is not where the "
+                "manifest says"
+            )
+            continue
+        code = safetensors_code(torch_dtype(dtype))
+        if entry.get("dtype") != code or entry.get("shape") != [p.length]:
+            problems.append(
+                f"step {step}: object {url}: piece {p.key!r} of tensor {tname} is "
+                f"{entry.get('dtype')!r} of shape {entry.get('shape')!r} in the object, but "
+                f"{code!r} of shape {[p.length]} ({dtype}) in the manifest"
+            )
+    return True
+
+
 def _verify_step(
     store: Store,
     step: int,
@@ -101,8 +173,17 @@ def _verify_step(
     if isinstance(manifest, CheckpointError):
         problems.append(f"step {step}: {manifest}")
         return
+    if manifest.step != step:
+        problems.append(
+            f"step {step}: {store.where(manifest_path(step))} says step {manifest.step}: it "
+            "belongs to another step (loaders refuse it)"
+        )
     listing = store.listdir(step_dir(step))
     block = manifest.checksum_block_bytes
+    by_object: dict[str, list[tuple[str, str, Piece]]] = {n: [] for n in manifest.objects}
+    for tname, t in manifest.tensors.items():
+        for p in t.pieces:
+            by_object[p.object].append((tname, t.dtype, p))
     bad_objects = set()
     for name, size in sorted(manifest.objects.items()):
         url = store.where(f"{step_dir(step)}/{name}")
@@ -114,23 +195,8 @@ def _verify_step(
                 f"step {step}: object {url} has {listing[name][1]} bytes, the manifest lists {size}"
             )
             bad_objects.add(name)
-        else:
-            try:
-                header, base = read_header(store, f"{step_dir(step)}/{name}")
-            except CheckpointError as e:
-                problems.append(f"step {step}: {e}")
-                bad_objects.add(name)
-                continue
-            for tname, t in manifest.tensors.items():
-                for p in t.pieces:
-                    entry = header.get(p.key) if p.object == name else None
-                    if p.object == name and (
-                        entry is None
-                        or [base + o for o in entry["data_offsets"]] != [p.byte_start, p.byte_end]
-                    ):
-                        problems.append(
-                            f"step {step}: object {url}: piece {p.key!r} of tensor {tname} is not where the manifest says"
-                        )
+        elif not _check_header(store, step, name, by_object[name], problems):
+            bad_objects.add(name)
     for tname, t in sorted(manifest.tensors.items()):
         for p in t.pieces:
             if p.object in bad_objects:
@@ -173,11 +239,15 @@ def verify(
     trust_pickle: bool = False,
 ) -> VerifyReport:
     """Read every byte of a checkpoint and report each problem (missing or short objects, bad
-    manifests, misplaced pieces, checksum mismatches). For ftsdp, every committed step is checked
-    (or only ``step``); torn steps are listed, not counted as problems."""
+    manifests, a manifest of another step, pieces misplaced or of another dtype than their
+    object's header says, checksum mismatches). For ftsdp, every committed step is checked (or
+    only ``step``); torn steps are listed, not counted as problems. A step directory
+    (``ROOT/step-N``) is checked as step N of its root."""
     chunk = chunk_bytes(max_memory)
+    given = url
+    url, step = _step_directory(url, step, storage_options)
     fmt = detect_format(url, storage_options)
-    report = VerifyReport(url, fmt)
+    report = VerifyReport(given, fmt)
     if fmt != "ftsdp":
         if step is not None:
             raise ValueError(
@@ -204,9 +274,7 @@ def verify(
     manifests: dict[int, Manifest | CheckpointError] = {}
     for s in report.checked:  # read and parsed once: for the total, then for the checks
         try:
-            manifests[s] = Manifest.from_json(
-                store.read(manifest_path(s)), where=store.where(manifest_path(s))
-            )
+            manifests[s] = read_manifest_file(store, manifest_path(s))
         except CheckpointError as e:
             manifests[s] = e
     total = sum(

@@ -47,14 +47,14 @@ _ERRORS = {
 }
 
 
-def _shared_manifest(store: Store, step: int | None, group: Any) -> Manifest:
+def _shared_manifest(store: Store, step: int | None, group: Any, options: LoadOptions) -> Manifest:
     """Rank 0 resolves and validates the manifest; every rank gets it (or the same error)."""
     rank, _ = rank_world(group)
     msg: dict[str, Any] = {}
     manifest = None
     if rank == 0:
         try:
-            manifest = resolve_manifest(store, step)
+            manifest = resolve_manifest(store, step, options)
             msg = {"manifest": manifest.to_json().decode()}
         except Exception as e:
             if group is None:
@@ -65,7 +65,12 @@ def _shared_manifest(store: Store, step: int | None, group: Any) -> Manifest:
         raise _ERRORS.get(msg["error"][0], CheckpointError)(msg["error"][1])
     if manifest is None:
         where = store.where(manifest_path(step if step is not None else -1))
-        manifest = Manifest.from_json(msg["manifest"].encode(), where=where)
+        manifest = Manifest.from_json(
+            msg["manifest"].encode(),
+            where=where,
+            max_bytes=options.max_manifest_bytes,
+            max_depth=options.max_json_depth,
+        )
     return manifest
 
 
@@ -136,7 +141,7 @@ def load(
     group = resolve_group(process_group)
     rank, _ = rank_world(group)
     store = Store(url, storage_options, options.io)
-    manifest = _shared_manifest(store, step, group)
+    manifest = _shared_manifest(store, step, group, options)
 
     error: Exception | None = None
     try:

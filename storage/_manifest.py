@@ -1,28 +1,102 @@
-"""The versioned manifest (format version 1, see docs/format.md): encode, decode, validate.
+"""The versioned manifest (format version 2, see docs/format.md): encode, decode, validate.
 
 Everything a reader trusts comes from here, so ``Manifest.from_json`` validates the whole document
-before any byte is read: unknown versions, unsafe object names, ranges that overlap, leave gaps or
-disagree with the shape and dtype, and byte ranges past an object's end all raise.
+before any byte is read: its size, nesting and own checksum first (see [Note: hostile
+manifests]), then unknown versions, unsafe object names, ranges that overlap, leave gaps or
+disagree with the shape and dtype, and byte ranges past an object's end. Every failure is a
+``CheckpointError`` (``CorruptCheckpointError`` or ``NewerFormatError``), never another exception.
+
+[Note: hostile manifests]
+A manifest is input from outside (docs/format.md, "Threat model"). Decoding one must end in a
+``Manifest`` or a ``CheckpointError``, whatever its bytes: its size is checked before it is read
+(``read_manifest_file``), a JSON decoder that runs out of stack or meets an integer longer than
+Python's int-string limit is turned into ``CorruptCheckpointError``, the nesting of arrays and
+objects is capped (walked iteratively), every integer the format uses is bounded by 2**63 - 1
+(so products and messages stay small), and messages show foreign values through a bounded repr.
+The manifest checksum (``manifest_checksum``: CRC-32 of the document's canonical encoding,
+without that field) then catches a manifest that was corrupted or edited by hand, including
+edits that stay self-consistent, such as relabelling a float32 tensor int32. It detects damage,
+not tampering: whoever can write the manifest can recompute it. It is required from version 2
+on: were it optional, one damaged byte in its key would switch the check off (the fuzz test
+found two bit flips that did); a version 1 manifest has none, or one that is checked.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+import reprlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from ftsdp.storage._dtypes import itemsize, torch_dtype
-from ftsdp.storage._errors import CorruptCheckpointError, NewerFormatError
+from ftsdp.storage._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NewerFormatError,
+)
+from ftsdp.storage._fs import Store
+from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage._ranges import Range, check_disjoint_cover
+from ftsdp.storage._safetensors import crc32
 
 FORMAT_NAME = "ftsdp.storage"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the required manifest checksum; version 1 manifests still load
 CHECKSUM_ALGORITHM = "crc32"
+SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": CHECKSUM_ALGORITHM, "value": uint32}
+MAX_INT = 2**63 - 1  # the largest integer the format uses anywhere (sizes, offsets, steps)
 
-# An object name is one path component inside the step prefix: no separators, no "..", no scheme.
-_OBJECT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+# An object name is one path component inside the step prefix: no separators, no "..", no scheme,
+# no control characters (fullmatch: "$" would also accept a trailing newline).
+_OBJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_CONTAINERS = frozenset({dict, list})  # what json.loads nests
+_SHOW = reprlib.Repr()  # bounded: nesting, lengths and big numbers are elided
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 80, 80, 40
+
+
+def _show(x: Any) -> str:
+    """A short repr of a value from a manifest, safe for any nesting or size."""
+    try:
+        return _SHOW.repr(x)
+    except (RecursionError, ValueError):  # pragma: no cover - reprlib bounds both
+        return f"<{type(x).__name__}>"
+
+
+def canonical_json(doc: dict[str, Any]) -> bytes:
+    """The bytes the manifest checksum covers: ``doc`` without its checksum field, as compact
+    JSON with sorted keys and ASCII escapes (floats as Python's shortest round-trip repr)."""
+    body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(doc: dict[str, Any]) -> dict[str, Any]:
+    """Set ``doc``'s manifest checksum to match its content (in place); returns ``doc``."""
+    doc[SELF_CHECKSUM] = {"algorithm": CHECKSUM_ALGORITHM, "value": crc32(canonical_json(doc))}
+    return doc
+
+
+def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = None) -> Manifest:
+    """Read and decode the manifest at ``rel`` of ``store`` within ``options``' limits: its size
+    is checked first and only that many bytes are read (a link to an endless device reads none)."""
+    options = options or LoadOptions()
+    max_bytes, max_depth = options.max_manifest_bytes, options.max_json_depth
+    where = store.where(rel)
+    try:
+        size = store.size(rel)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{where} does not exist (removed meanwhile?)") from None
+    if size > max_bytes:
+        raise CorruptCheckpointError(
+            f"{where}: manifest of {size} bytes is larger than max_manifest_bytes={max_bytes} "
+            "(LoadOptions); refusing to read it"
+        )
+    try:
+        data = store.read_range(rel, 0, size) if size else b""
+    except (IsADirectoryError, NotADirectoryError):
+        raise CorruptCheckpointError(f"{where}: the manifest is not a file") from None
+    return Manifest.from_json(data, where=where, max_bytes=max_bytes, max_depth=max_depth)
 
 
 @dataclass(frozen=True)
@@ -71,7 +145,7 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest document as UTF-8 JSON bytes."""
-        doc = {
+        doc: dict[str, Any] = {
             "format": FORMAT_NAME,
             "version": self.version,
             "step": self.step,
@@ -100,81 +174,197 @@ class Manifest:
             "values": self.values,
             "rank_values": self.rank_values,
         }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        user = {"values": self.values, "rank_values": self.rank_values}  # at the same depth
+        if _too_deep(user, MAX_JSON_DEPTH):  # readers would refuse it: fail the save instead
+            raise ValueError(
+                f"the non-tensor values of step {self.step} nest deeper than a manifest may "
+                f"({MAX_JSON_DEPTH} levels of JSON arrays and objects); flatten them"
+            )
+        return json.dumps(seal(doc), separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str) -> Manifest:
-        """Decode and validate a manifest; ``where`` (a URL) goes into every error message."""
+    def from_json(
+        cls,
+        data: bytes,
+        *,
+        where: str,
+        max_bytes: int = MAX_MANIFEST_BYTES,
+        max_depth: int = MAX_JSON_DEPTH,
+    ) -> Manifest:
+        """Decode and validate a manifest; ``where`` (a URL) goes into every error message.
+
+        Raises ``CorruptCheckpointError`` (or ``NewerFormatError``) for any document that is not a
+        valid manifest of a version this code reads: see [Note: hostile manifests].
+        """
+        if len(data) > max_bytes:
+            raise CorruptCheckpointError(
+                f"{where}: manifest of {len(data)} bytes is larger than "
+                f"max_manifest_bytes={max_bytes} (LoadOptions)"
+            )
         try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from e
+            text = data.decode()  # UTF-8 only (json.loads would also guess UTF-16 and UTF-32)
+        except UnicodeDecodeError as e:
+            raise CorruptCheckpointError(f"{where}: manifest is not UTF-8 ({e})") from None
+        try:
+            doc = json.loads(text)
+        except RecursionError:  # the decoder's stack ran out (nesting past ~1000 levels)
+            raise CorruptCheckpointError(
+                f"{where}: manifest nests JSON arrays or objects too deeply to decode "
+                f"(max_json_depth={max_depth})"
+            ) from None
+        except ValueError as e:  # JSONDecodeError; an integer longer than Python's str limit
+            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
+        if _too_deep(doc, max_depth):
+            raise CorruptCheckpointError(
+                f"{where}: manifest nests JSON arrays or objects deeper than "
+                f"max_json_depth={max_depth} (LoadOptions) levels"
+            )
+        _check_version(doc, where)  # first: a newer version may checksum differently
+        _check_self_checksum(doc, where)
         return _decode(doc, where)
 
 
+def _too_deep(doc: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels in ``doc``: iteratively, one
+    level at a time (a list comprehension per level, not a Python call per node)."""
+    level = [doc] if type(doc) in _CONTAINERS else []
+    for _ in range(limit):
+        level = [
+            c
+            for x in level
+            for c in (x.values() if type(x) is dict else x)
+            if type(c) in _CONTAINERS
+        ]
+        if not level:
+            return False
+    return bool(level)
+
+
+def _check_self_checksum(doc: Any, where: str) -> None:
+    """CorruptCheckpointError unless ``doc``'s manifest checksum matches its content (version 1:
+    when it has one)."""
+    if SELF_CHECKSUM not in doc:
+        if doc["version"] == 1:
+            return  # written before the field existed
+        raise CorruptCheckpointError(
+            f"{where}: a version {doc['version']} manifest must carry {SELF_CHECKSUM}: it is "
+            "corrupt"
+        )
+    field_ = doc[SELF_CHECKSUM]
+    if not (
+        isinstance(field_, dict)
+        and field_.get("algorithm") == CHECKSUM_ALGORITHM
+        and _is_int(field_.get("value"))
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: {SELF_CHECKSUM} must be {{'algorithm': {CHECKSUM_ALGORITHM!r}, 'value': "
+            f"unsigned int}}, got {_show(field_)}"
+        )
+    actual = crc32(canonical_json(doc))
+    if actual != field_["value"]:
+        raise CorruptCheckpointError(
+            f"{where}: manifest checksum mismatch (stored {_show(field_['value'])}, content "
+            f"{actual}): the manifest is corrupt or was edited; load another step"
+        )
+
+
 def _is_int(x: Any, minimum: int = 0) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= minimum
+    return type(x) is int and minimum <= x <= MAX_INT
 
 
-def _decode(doc: Any, where: str) -> Manifest:
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise CorruptCheckpointError(f"{where}: {msg}")
+def _numel(shape: list[int]) -> int:
+    """The product of ``shape``, or ``MAX_INT + 1`` as soon as it passes ``MAX_INT``."""
+    n = 1
+    for d in shape:
+        n *= d
+        if n > MAX_INT:
+            return MAX_INT + 1 if 0 not in shape else 0
+    return n
 
-    need(isinstance(doc, dict), "manifest is not a JSON object")
-    need(doc.get("format") == FORMAT_NAME, f"format is {doc.get('format')!r}, not {FORMAT_NAME!r}")
+
+def _check_version(doc: Any, where: str) -> None:
+    """A JSON object of this format, of a version this code reads (else NewerFormatError)."""
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}: manifest is not a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(
+            f"{where}: format is {_show(doc.get('format'))}, not {FORMAT_NAME!r}"
+        )
     version = doc.get("version")
-    need(_is_int(version, 1), f"version {version!r} is not a positive integer")
+    if not _is_int(version, 1):
+        raise CorruptCheckpointError(f"{where}: version {_show(version)} is not a positive integer")
     if version > FORMAT_VERSION:
         raise NewerFormatError(
             f"{where}: manifest format version {version} is newer than this code reads "
             f"({FORMAT_VERSION}); upgrade the storage package"
         )
+
+
+def _decode(doc: Any, where: str) -> Manifest:
+    def fail(msg: str) -> NoReturn:
+        raise CorruptCheckpointError(f"{where}: {msg}")
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            fail(msg)
+
+    _check_version(doc, where)
+    version = doc["version"]
     for key in ("step", "world_size"):
-        need(_is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={doc.get(key)!r} invalid")
+        need(
+            _is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={_show(doc.get(key))} invalid"
+        )
+    attempt = doc.get("attempt", "")
+    need(isinstance(attempt, str), f"attempt={_show(attempt)} is not a string")
     checksum = doc.get("checksum")
     need(
         isinstance(checksum, dict) and checksum.get("algorithm") == CHECKSUM_ALGORITHM,
-        f"checksum algorithm must be {CHECKSUM_ALGORITHM!r}, got {checksum!r}",
+        f"checksum algorithm must be {CHECKSUM_ALGORITHM!r}, got {_show(checksum)}",
     )
     block = checksum.get("block_bytes")
-    need(_is_int(block, 1), f"checksum block_bytes={block!r} invalid")
+    need(_is_int(block, 1), f"checksum block_bytes={_show(block)} invalid")
 
     objects: dict[str, int] = {}
     need(isinstance(doc.get("objects"), dict), "objects is not a JSON object")
     for name, meta in doc["objects"].items():
-        need(
-            bool(_OBJECT_NAME.match(name)) and ".." not in name,
-            f"object name {name!r} escapes the step prefix (only a plain file name is allowed)",
-        )
+        if not (_OBJECT_NAME.fullmatch(name) and ".." not in name):
+            fail(
+                f"object name {_show(name)} escapes the step prefix (only a plain file name is "
+                "allowed)"
+            )
         need(isinstance(meta, dict) and _is_int(meta.get("size")), f"object {name}: bad size")
         objects[name] = meta["size"]
 
     tensors: dict[str, TensorEntry] = {}
     need(isinstance(doc.get("tensors"), dict), "tensors is not a JSON object")
     for name, t in doc["tensors"].items():
-        need(isinstance(t, dict), f"tensor {name}: not a JSON object")
+        what = f"tensor {_show(name)}"
+        need(isinstance(t, dict), f"{what}: not a JSON object")
         shape = t.get("shape")
-        need(
-            isinstance(shape, list) and all(_is_int(d) for d in shape),
-            f"tensor {name}: shape={shape!r} must be a list of non-negative integers",
-        )
+        if not (isinstance(shape, list) and all(_is_int(d) for d in shape)):
+            fail(f"{what}: shape={_show(shape)} must be a list of non-negative integers")
+        numel = _numel(shape)
+        if numel > MAX_INT:
+            fail(f"{what}: shape={_show(shape)} has more than 2**63-1 elements")
+        dtype = t.get("dtype")
         try:
-            size = itemsize(torch_dtype(t.get("dtype")))
-        except (KeyError, TypeError) as e:
-            raise CorruptCheckpointError(f"{where}: tensor {name}: {e}") from None
-        need(isinstance(t.get("pieces"), list), f"tensor {name}: pieces is not a list")
+            size = itemsize(torch_dtype(dtype))
+        except (KeyError, TypeError):
+            raise CorruptCheckpointError(
+                f"{where}: {what}: unknown dtype {_show(dtype)} in manifest"
+            ) from None
+        need(isinstance(t.get("pieces"), list), f"{what}: pieces is not a list")
         pieces = []
         for p in t["pieces"]:
-            pieces.append(_decode_piece(p, name, size, block, objects, need))
+            pieces.append(_decode_piece(p, what, size, block, objects, fail))
         pieces.sort(key=lambda p: p.offset)
-        numel = math.prod(shape)
         try:
-            check_disjoint_cover([p.range for p in pieces], numel, f"tensor {name} {shape=}")
+            check_disjoint_cover([p.range for p in pieces], numel, what)
         except ValueError as e:
-            raise CorruptCheckpointError(f"{where}: {e}") from None
-        tensors[name] = TensorEntry(tuple(shape), t["dtype"], tuple(pieces))
+            raise CorruptCheckpointError(f"{where}: {e} (shape {_show(shape)})") from None
+        tensors[name] = TensorEntry(tuple(shape), dtype, tuple(pieces))
 
+    _check_disjoint_bytes(tensors, fail)
     values = doc.get("values", {})
     rank_values = doc.get("rank_values", [])
     need(isinstance(values, dict), "values is not a JSON object")
@@ -185,7 +375,7 @@ def _decode(doc: Any, where: str) -> Manifest:
     return Manifest(
         step=doc["step"],
         world_size=doc["world_size"],
-        attempt=str(doc.get("attempt", "")),
+        attempt=attempt,
         checksum_block_bytes=block,
         objects=objects,
         tensors=tensors,
@@ -195,30 +385,53 @@ def _decode(doc: Any, where: str) -> Manifest:
     )
 
 
-def _decode_piece(p: Any, name: str, size: int, block: int, objects: dict, need: Any) -> Piece:
-    need(isinstance(p, dict), f"tensor {name}: piece is not a JSON object")
-    obj, br, crc = p.get("object"), p.get("byte_range"), p.get("crc32")
-    what = f"tensor {name} piece at offset {p.get('offset')!r}"
-    need(obj in objects, f"{what}: object {obj!r} is not listed in objects")
-    need(_is_int(p.get("offset")), f"{what}: offset must be a non-negative integer")
-    need(_is_int(p.get("length"), 1), f"{what}: length={p.get('length')!r} must be positive")
-    need(
-        isinstance(br, list) and len(br) == 2 and all(_is_int(b) for b in br),
-        f"{what}: byte_range={br!r} must be [start, end] with non-negative integers",
-    )
+def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Any) -> None:
+    """No two pieces share a byte of an object (each block is verified against one checksum)."""
+    by_object: dict[str, list[tuple[int, int, str]]] = {}
+    for name, t in tensors.items():
+        for p in t.pieces:
+            by_object.setdefault(p.object, []).append((p.byte_start, p.byte_end, name))
+    for obj, spans in by_object.items():
+        spans.sort()
+        for a, b in itertools.pairwise(spans):
+            if b[0] < a[1]:
+                fail(
+                    f"pieces of tensors {_show(a[2])} and {_show(b[2])} overlap in object {obj} "
+                    f"(bytes [{a[0]}, {a[1]}) and [{b[0]}, {b[1]}))"
+                )
+
+
+def _decode_piece(p: Any, what: str, size: int, block: int, objects: dict, fail: Any) -> Piece:
+    """One piece, validated (messages are built only on failure: this runs once per piece)."""
+    if not isinstance(p, dict):
+        fail(f"{what}: piece is not a JSON object")
+    obj, br, crc, length = p.get("object"), p.get("byte_range"), p.get("crc32"), p.get("length")
+
+    def at() -> str:
+        return f"{what} piece at offset {_show(p.get('offset'))}"
+
+    if not (isinstance(obj, str) and obj in objects):
+        fail(f"{at()}: object {_show(obj)} is not listed in objects")
+    if not _is_int(p.get("offset")):
+        fail(f"{at()}: offset must be a non-negative integer")
+    if not _is_int(length, 1):
+        fail(f"{at()}: length={_show(length)} must be positive")
+    if not (isinstance(br, list) and len(br) == 2 and _is_int(br[0]) and _is_int(br[1])):
+        fail(f"{at()}: byte_range={_show(br)} must be [start, end] with non-negative integers")
     nbytes = br[1] - br[0]
-    need(
-        nbytes == p["length"] * size,
-        f"{what}: byte_range {br} holds {nbytes} bytes but length={p['length']} needs "
-        f"{p['length'] * size}",
-    )
-    need(
-        br[1] <= objects[obj],
-        f"{what}: byte_range {br} is past the end of {obj} ({objects[obj]} bytes)",
-    )
-    need(
-        isinstance(crc, list) and len(crc) == -(-nbytes // block) and all(_is_int(c) for c in crc),
-        f"{what}: crc32 must list one checksum per {block}-byte block",
-    )
-    need(isinstance(p.get("key"), str), f"{what}: key must be a string")
-    return Piece(obj, p["key"], p["offset"], p["length"], br[0], br[1], tuple(crc))
+    if nbytes != length * size:
+        fail(
+            f"{at()}: byte_range {br} holds {nbytes} bytes but length={length} needs "
+            f"{length * size}"
+        )
+    if br[1] > objects[obj]:
+        fail(f"{at()}: byte_range {br} is past the end of {obj} ({objects[obj]} bytes)")
+    if not (
+        isinstance(crc, list)
+        and len(crc) == -(-nbytes // block)
+        and all(type(c) is int and 0 <= c <= 0xFFFFFFFF for c in crc)
+    ):
+        fail(f"{at()}: crc32 must list one checksum per {block}-byte block (unsigned 32-bit)")
+    if not isinstance(p.get("key"), str):
+        fail(f"{at()}: key must be a string")
+    return Piece(obj, p["key"], p["offset"], length, br[0], br[1], tuple(crc))

@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
+GiB = 1 << 30
+
+# [Note: manifest limits]
+# A manifest is read whole and decoded before anything is checked, so its size and nesting are
+# capped first. A piece costs about 170 bytes of manifest (plus 11 per checksum block): a 70B
+# model with Adam state saved by 512 ranks with FSDP2 (every tensor cut into 512 pieces) has
+# about a million pieces, ~200 MB. 1 GiB leaves room for five times that and still refuses a
+# manifest that would take tens of GiB to decode. The format's own structure nests 6 levels; the
+# rest of ``MAX_JSON_DEPTH`` is for the non-tensor values a user saves (lists inside lists).
+MAX_MANIFEST_BYTES = 1 * GiB
+MAX_JSON_DEPTH = 64
 
 
 def _positive(owner: str, **fields: float) -> None:
@@ -64,9 +75,13 @@ class SaveOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
-    """How ``load`` reads: gaps up to ``coalesce_gap_bytes`` between ranged reads are merged."""
+    """How ``load`` reads: gaps up to ``coalesce_gap_bytes`` between ranged reads are merged; a
+    manifest larger than ``max_manifest_bytes`` or nested deeper than ``max_json_depth`` levels
+    of JSON arrays and objects is refused unread (see [Note: manifest limits])."""
 
     coalesce_gap_bytes: int = 0
+    max_manifest_bytes: int = MAX_MANIFEST_BYTES
+    max_json_depth: int = MAX_JSON_DEPTH
     io: IOOptions = field(default_factory=IOOptions)
 
     def __post_init__(self) -> None:
@@ -74,3 +89,8 @@ class LoadOptions:
             raise ValueError(
                 f"LoadOptions: coalesce_gap_bytes={self.coalesce_gap_bytes} must be >= 0"
             )
+        _positive(
+            "LoadOptions",
+            max_manifest_bytes=self.max_manifest_bytes,
+            max_json_depth=self.max_json_depth,
+        )

@@ -49,7 +49,7 @@ def _parts(span: Span, block: int, part_bytes: int) -> list[_Part]:
     blocks = sorted(
         (p.byte_start + k * block, min(p.byte_start + (k + 1) * block, p.byte_end), name, p, k)
         for name, p, k in span.blocks.values()
-    )
+    )  # disjoint: the manifest's pieces share no byte (checked when it is decoded)
     parts: list[_Part] = []
     current: list[tuple[int, int, str, Piece, int]] = []
     start = span.start

@@ -22,7 +22,8 @@ from ftsdp.storage._layout import (
     parse_step,
     step_dir,
 )
-from ftsdp.storage._manifest import Manifest
+from ftsdp.storage._manifest import Manifest, read_manifest_file
+from ftsdp.storage._options import LoadOptions
 
 
 def committed_steps(store: Store) -> list[int]:
@@ -40,7 +41,9 @@ def list_steps(url: str, *, storage_options: dict[str, Any] | None = None) -> li
     return committed_steps(Store(url, storage_options))
 
 
-def resolve_manifest(store: Store, step: int | None) -> Manifest:
+def resolve_manifest(
+    store: Store, step: int | None, options: LoadOptions | None = None
+) -> Manifest:
     """The validated manifest of ``step`` (None: the newest committed), its objects checked.
 
     Raises CheckpointNotFoundError (no root, nothing committed, step not committed),
@@ -66,7 +69,7 @@ def resolve_manifest(store: Store, step: int | None) -> Manifest:
             f"committed steps: {committed_steps(store)}"
         )
     where = store.where(manifest_path(step))
-    manifest = Manifest.from_json(store.read(manifest_path(step)), where=where)
+    manifest = read_manifest_file(store, manifest_path(step), options)  # size-capped, validated
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}")
     listing = store.listdir(step_dir(step))

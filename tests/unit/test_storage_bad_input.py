@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from ftsdp import storage
+from ftsdp.storage._fs import Store
+from ftsdp.storage._manifest import SELF_CHECKSUM, seal
 
 OPTS = storage.SaveOptions(object_bytes=64, checksum_block_bytes=32)  # 'w' spans 3 objects
 
@@ -34,11 +37,13 @@ def ckpt(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _edit(root: Path, fn: Callable[[dict], None]) -> None:
+def _edit(root: Path, fn: Callable[[dict], None], reseal: bool = True) -> None:
+    """Edit the manifest; ``reseal`` recomputes its checksum, so that the edit reaches the
+    structural checks (without it, the checksum catches every edit first)."""
     path = root / "step-1" / "manifest.json"
     doc = json.loads(path.read_text())
     fn(doc)
-    path.write_text(json.dumps(doc))
+    path.write_text(json.dumps(seal(doc) if reseal else doc))
 
 
 def _w(doc: dict) -> list[dict]:
@@ -59,7 +64,11 @@ def _rename(doc: dict, new: str) -> None:
 
 
 CASES = {
-    "newer version": (lambda d: d.update(version=2), storage.NewerFormatError, "newer"),
+    "newer version": (
+        lambda d: d.update(version=storage.FORMAT_VERSION + 1),
+        storage.NewerFormatError,
+        "newer",
+    ),
     "other format": (lambda d: d.update(format="dcp"), storage.CorruptCheckpointError, "format"),
     "dotdot": (lambda d: _rename(d, "..x"), storage.CorruptCheckpointError, "escapes"),
     "parent": (lambda d: _rename(d, "../step-0/x"), storage.CorruptCheckpointError, "escapes"),
@@ -110,13 +119,39 @@ CASES = {
         storage.CorruptCheckpointError,
         "bad size",
     ),
+    # hostile metadata: each was a crash, a wrong exception or a pass before the bounds
+    "name ends in a newline": (
+        lambda d: _rename(d, _w(d)[0]["object"] + "\n"),
+        storage.CorruptCheckpointError,
+        "escapes",
+    ),
+    "huge shape": (
+        lambda d: d["tensors"]["w"].update(shape=[2**62] * 300),
+        storage.CorruptCheckpointError,
+        "more than 2\\*\\*63-1 elements",
+    ),
+    "offset past 2**63": (
+        lambda d: _w(d)[0].update(offset=2**64),
+        storage.CorruptCheckpointError,
+        "offset must be a non-negative",
+    ),
+    "attempt not a string": (
+        lambda d: d.update(attempt={"x": [1]}),
+        storage.CorruptCheckpointError,
+        "attempt=.* is not a string",
+    ),
+    "checksum field malformed": (
+        lambda d: d.update({SELF_CHECKSUM: "crc"}),
+        storage.CorruptCheckpointError,
+        "manifest_checksum must be",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_manifest(ckpt: Path, case: str) -> None:
     edit, error, match = CASES[case]
-    _edit(ckpt, edit)
+    _edit(ckpt, edit, reseal=case != "checksum field malformed")
     target = _blank()
     with pytest.raises(error, match=match) as err:
         storage.load(target, str(ckpt))
@@ -127,6 +162,142 @@ def test_bad_manifest(ckpt: Path, case: str) -> None:
 def test_manifest_not_json(ckpt: Path) -> None:
     (ckpt / "step-1" / "manifest.json").write_text("{not json")
     with pytest.raises(storage.CorruptCheckpointError, match="not valid JSON"):
+        storage.load(_blank(), str(ckpt))
+
+
+def _raw(root: Path, fn: Callable[[str], str]) -> None:
+    """Edit the manifest's text (JSON a decoder cannot always hold), then seal it."""
+    path = root / "step-1" / "manifest.json"
+    path.write_text(fn(path.read_text()))
+
+
+def test_deeply_nested_manifest(ckpt: Path) -> None:
+    """100,000 nested arrays: the JSON decoder's RecursionError is a CorruptCheckpointError."""
+    deep = "[" * 100_000 + "]" * 100_000
+    _raw(ckpt, lambda t: t.replace('"values":{', f'"values":{{"deep":{deep},'))
+    target = _blank()
+    with pytest.raises(storage.CorruptCheckpointError, match="too deeply"):
+        storage.load(target, str(ckpt))
+    _untouched(target)
+    with pytest.raises(storage.CorruptCheckpointError, match="too deeply"):
+        storage.load_state_dict(str(ckpt))
+
+
+def test_nesting_cap_is_configurable(ckpt: Path) -> None:
+    """Nesting the decoder can hold but past max_json_depth is refused; the cap is an option."""
+    storage.save({**_ref(), "cfg": [[[[[1]]]]]}, str(ckpt), step=2, options=OPTS)
+    target = {**_blank(), "cfg": None}
+    with pytest.raises(storage.CorruptCheckpointError, match="max_json_depth=6"):
+        storage.load(target, str(ckpt), options=storage.LoadOptions(max_json_depth=6))
+    _untouched(target)
+    storage.load(target, str(ckpt))
+    assert target["cfg"] == [[[[[1]]]]]
+    for depth in (100, 500):  # deeper than the default, each decodable: refused by the walk
+        value = "[" * depth + "]" * depth
+        _raw(ckpt, lambda t, v=value: t.replace('"values":{', f'"values":{{"d":{v},'))
+        with pytest.raises(storage.CorruptCheckpointError, match="deeper than max_json_depth=64"):
+            storage.load_state_dict(str(ckpt), step=1)
+    nested: list = []
+    for _ in range(70):
+        nested = [nested]
+    with pytest.raises(ValueError, match="nest deeper than a manifest may"):  # never written
+        storage.save({"a": torch.zeros(1), "v": nested}, str(ckpt), step=3)
+    assert storage.list_steps(str(ckpt)) == [1, 2]
+
+
+def test_huge_integer_in_manifest(ckpt: Path) -> None:
+    """A 5,000-digit integer (past Python's int-string limit) is a CorruptCheckpointError."""
+    _raw(ckpt, lambda t: t.replace('"values":{', f'"values":{{"n":{"9" * 5000},'))
+    target = _blank()
+    with pytest.raises(storage.CorruptCheckpointError, match="not valid JSON"):
+        storage.load(target, str(ckpt))
+    _untouched(target)
+
+
+def test_manifest_size_is_capped_before_reading(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An oversized manifest is refused from its size, without reading it."""
+    size = (ckpt / "step-1" / "manifest.json").stat().st_size
+    reads: list[str] = []
+    real_read, real_range = Store.read, Store.read_range
+    monkeypatch.setattr(Store, "read", lambda s, rel="": reads.append(rel) or real_read(s, rel))
+    monkeypatch.setattr(
+        Store, "read_range", lambda s, rel, a, b: reads.append(rel) or real_range(s, rel, a, b)
+    )
+    target = _blank()
+    small = storage.LoadOptions(max_manifest_bytes=size - 1)
+    with pytest.raises(storage.CorruptCheckpointError, match="larger than max_manifest_bytes"):
+        storage.load(target, str(ckpt), options=small)
+    _untouched(target)
+    assert not [r for r in reads if r.endswith("manifest.json")]
+    storage.load(target, str(ckpt), options=storage.LoadOptions(max_manifest_bytes=size))
+    assert target["step"] == 3
+    # The default cap (1 GiB): a store that reports a 2 GiB manifest is refused unread.
+    real_size = Store.size
+    monkeypatch.setattr(
+        Store,
+        "size",
+        lambda s, rel="": 2 << 30 if rel.endswith("manifest.json") else real_size(s, rel),
+    )
+    reads.clear()
+    with pytest.raises(storage.CorruptCheckpointError, match="2147483648 bytes is larger"):
+        storage.load(_blank(), str(ckpt))
+    with pytest.raises(storage.CorruptCheckpointError, match="2147483648 bytes is larger"):
+        storage.load_state_dict(str(ckpt))
+    assert not [r for r in reads if r.endswith("manifest.json")]
+
+
+def test_manifest_checksum_catches_edits(ckpt: Path) -> None:
+    """Edits that leave a consistent manifest (a float32 tensor relabelled int32, a changed
+    value) are caught by the manifest's checksum of its own content: load, load_state_dict and
+    verify refuse; the same edit resealed is what a deliberate editor could write."""
+    doc = json.loads((ckpt / "step-1" / "manifest.json").read_text())
+    assert doc[SELF_CHECKSUM]["algorithm"] == "crc32"
+    for edit in (
+        lambda d: d["tensors"]["w"].update(dtype="int32"),
+        lambda d: d["values"].update(step=4),
+        lambda d: _w(d)[0]["crc32"].__setitem__(0, _w(d)[0]["crc32"][0] ^ 1),
+    ):
+        storage.save(_ref(), str(ckpt / "c"), step=1, options=OPTS)
+        _edit(ckpt / "c", edit, reseal=False)
+        target = _blank()
+        with pytest.raises(storage.CorruptCheckpointError, match="manifest checksum mismatch"):
+            storage.load(target, str(ckpt / "c"))
+        _untouched(target)
+        with pytest.raises(storage.CorruptCheckpointError, match="manifest checksum mismatch"):
+            storage.load_state_dict(str(ckpt / "c"))
+        report = storage.verify(str(ckpt / "c"))
+        assert not report.ok and "manifest checksum mismatch" in report.problems[0]
+        shutil.rmtree(ckpt / "c")
+
+
+def test_verify_checks_dtype_against_object_headers(ckpt: Path) -> None:
+    """A resealed relabel (same item size, F32 -> I32) passes the manifest's own checks, but
+    verify compares every piece with its object's safetensors header."""
+    _edit(ckpt, lambda d: d["tensors"]["w"].update(dtype="int32"))
+    report = storage.verify(str(ckpt))
+    assert not report.ok
+    assert any("'F32' of shape" in p and "'I32'" in p and "(int32)" in p for p in report.problems)
+    assert storage.verify(str(ckpt), 1).problems == report.problems
+
+
+def test_manifest_checksum_is_required_from_version_2(ckpt: Path) -> None:
+    """Version 2 manifests must carry the checksum (else one damaged byte in its key would
+    switch the check off); version 1 manifests, written before it, load without one."""
+    assert json.loads((ckpt / "step-1" / "manifest.json").read_text())["version"] == 2
+    _edit(ckpt, lambda d: d.update(manifest_chesksum=d.pop(SELF_CHECKSUM)), reseal=False)
+    target = _blank()
+    with pytest.raises(storage.CorruptCheckpointError, match="must carry manifest_checksum"):
+        storage.load(target, str(ckpt))
+    _untouched(target)
+    assert "must carry manifest_checksum" in storage.verify(str(ckpt)).problems[0]
+    _edit(ckpt, lambda d: d.update(version=1), reseal=False)  # as a version 1 writer wrote it
+    storage.load(target, str(ckpt))
+    assert torch.equal(target["w"], _ref()["w"]) and storage.verify(str(ckpt)).ok
+    _edit(ckpt, lambda d: d["values"].update(step=4), reseal=True)  # present: checked in v1 too
+    _edit(ckpt, lambda d: d["values"].update(step=5), reseal=False)
+    with pytest.raises(storage.CorruptCheckpointError, match="manifest checksum mismatch"):
         storage.load(_blank(), str(ckpt))
 
 
