@@ -242,3 +242,66 @@ def test_closed_pipe_ends_quietly(tmp_path) -> None:
     proc.stdout.close()
     assert proc.wait(timeout=100) == 0
     assert proc.stderr.read() == b""
+
+
+def test_verify_a_step_directory(root: pathlib.Path) -> None:
+    """`verify ROOT/step-N` checks step N of the ftsdp root (it used to be taken for an hf
+    directory of loose .safetensors files, whose data has no checksums, and pass)."""
+    code, out, _ = _cli("verify", str(root / "step-3"))
+    assert code == 0 and out.startswith("OK: ftsdp") and "step(s) 3," in out
+    code, out, _ = _cli("inspect", str(root / "step-3"), "--json")
+    assert code == 0 and json.loads(out)["format"] == "ftsdp" and json.loads(out)["step"] == 3
+    piece = storage.read_manifest(str(root), 3).tensors["model.w"].pieces[0]
+    obj = root / "step-3" / piece.object
+    data = bytearray(obj.read_bytes())
+    data[piece.byte_start] ^= 1
+    obj.write_bytes(bytes(data))
+    code, out, _ = _cli("verify", str(root / "step-3"))
+    assert code == 1 and "step 3: tensor model.w: checksum mismatch" in out
+    assert out.splitlines()[-1].startswith("FAILED (1 problems): ftsdp")
+    code, out, err = _cli("verify", str(root / "step-3"), "--step", "2")
+    assert code == 2 and "is the directory of step 3, but step 2" in err and out == ""
+    odd = root.parent / "odd"  # a manifest in a directory that is not step-<N>
+    odd.mkdir()
+    (odd / "manifest.json").write_bytes((root / "step-1" / "manifest.json").read_bytes())
+    code, out, err = _cli("verify", str(odd))
+    assert code == 2 and "is not a step-<N> directory" in err and err.count("\n") == 1
+    (odd / "manifest.json").write_text('{"name": "not ours"}')  # someone else's manifest.json
+    code, out, err = _cli("verify", str(odd))
+    assert code == 2 and "is a step directory; pass its parent" in err
+
+
+def test_verify_a_manifest_of_another_step(root: pathlib.Path) -> None:
+    """A manifest whose step is not its directory's is a problem (loaders refuse it)."""
+    from ftsdp.storage._manifest import seal
+
+    path = root / "step-2" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["step"] = 5
+    path.write_text(json.dumps(seal(doc)))
+    code, out, _ = _cli("verify", str(root))
+    assert code == 1 and "PROBLEM: step 2:" in out and "says step 5" in out
+    with pytest.raises(storage.CorruptCheckpointError, match="manifest says step 5"):
+        storage.load_state_dict(str(root), step=2)
+
+
+def test_exit_codes_are_distinct(root: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0 ok, 1 problems found, 2 bad usage or input, 3 internal error (one line, and the
+    traceback only with --debug)."""
+    assert _cli("verify", str(root))[0] == 0
+    assert _cli("verify", str(root), "--bogus")[0] == 2
+    assert _cli("verify", str(root / "nope"))[0] == 2
+
+    def broken(**kwargs: object) -> None:
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(storage, "verify", broken)
+    code, out, err = _cli("verify", str(root))
+    assert code == 3 and out == "" and err.count("\n") == 1
+    assert err.startswith("ftsdp-ckpt: internal error: RuntimeError: boom second line")
+    assert "--debug" in err and "report" in err and "Traceback" not in err
+    code, out, err = _cli("verify", str(root), "--debug")
+    assert code == 3 and "Traceback (most recent call last)" in err and "in broken" in err
+    assert err.splitlines()[-1].startswith("ftsdp-ckpt: internal error: RuntimeError: boom")
+    monkeypatch.setattr(storage, "verify", lambda **kw: (_ for _ in ()).throw(RecursionError()))
+    assert _cli("verify", str(root))[0] == 3  # not the 1 of "problems found"

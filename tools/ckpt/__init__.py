@@ -1,8 +1,9 @@
 """``ftsdp-ckpt``: inspect, verify, convert, reshard, diff and garbage-collect checkpoints.
 
-Exit codes: 0 success, 1 ``verify`` found problems, 2 a user error (bad arguments, missing or
-corrupt source, a destination that already holds a checkpoint, ...: one line on stderr), 130
-interrupted. See docs/cli.md.
+Exit codes: 0 success, 1 ``verify`` found problems, 2 bad usage or input (bad arguments, missing
+or corrupt source, a destination that already holds a checkpoint, ...: one line on stderr), 3 an
+internal error (a bug here: one line, and the traceback with ``--debug``), 130 interrupted. See
+docs/cli.md.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 from typing import TextIO
 
 from ftsdp.storage import CheckpointError
@@ -18,6 +20,7 @@ from ftsdp.tools.ckpt._commands import COMMANDS
 
 # Errors that describe the input, not a bug here: one line and exit code 2.
 USER_ERRORS = (CheckpointError, UsageError, OSError, ValueError, KeyError)
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def _one_line(error: BaseException) -> str:
@@ -31,12 +34,13 @@ def main(
 ) -> int:
     """Run one command: parse -> build -> run -> close. Returns the exit code."""
     out, err = out or sys.stdout, err or sys.stderr
+    argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse(argv)
         return COMMANDS[args.command](args, out)
     except KeyboardInterrupt:
         err.write(f"{PROG}: interrupted; nothing unfinished was committed\n")
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`ftsdp-ckpt inspect URL | head`): stop quietly, as cat does.
         with contextlib.suppress(OSError):
@@ -44,4 +48,14 @@ def main(
         return 0
     except USER_ERRORS as e:
         err.write(f"{PROG}: error: {_one_line(e)}\n")
-        return 2
+        return EXIT_USAGE
+    except Exception as e:  # a bug here, not bad input: say so, and how to see the traceback
+        if "--debug" in argv:
+            traceback.print_exception(e, file=err)
+        hint = "" if "--debug" in argv else "; rerun with --debug for the traceback"
+        err.write(
+            f"{PROG}: internal error: {type(e).__name__}: {_one_line(e)}{hint}. This is a bug "
+            f"in {PROG}: please report it to the ftsdp maintainers with the command line and "
+            "that traceback\n"
+        )
+        return EXIT_INTERNAL

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsspec option for every URL (e.g. endpoint_url=http://...); repeatable",
     )  # fmt: skip
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    common.add_argument(
+        "--debug", action="store_true", help="print the traceback of an internal error (exit 3)"
+    )
 
     parser = _Parser(
         prog=PROG, description="Inspect, verify, convert, reshard, diff and clean checkpoints."
