@@ -57,6 +57,7 @@ from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._fs import Store
 from ftsdp.storage._layout import LATEST, abort_marker, done_marker, manifest_path, step_dir
 from ftsdp.storage._manifest import Manifest, Piece, TensorEntry
+from ftsdp.storage._options import MAX_MANIFEST_BYTES
 from ftsdp.storage._save_plan import SavePlan
 from ftsdp.storage._steps import committed_steps, remove_attempt, remove_step, retain, scan_root
 
@@ -261,7 +262,7 @@ def _check_no_other_writer(
         return
     if committed:  # back our commit out: of two overlapping writers at most one keeps its step
         with contextlib.suppress(Exception):
-            if store.read(manifest_path(step)) == data:
+            if store.read_bounded(manifest_path(step), MAX_MANIFEST_BYTES) == data:
                 store.remove(manifest_path(step))
     _abandon(store, step, attempt)
     raise CommitConflictError(
@@ -295,7 +296,7 @@ def _attempt_at(store: Store, step: int) -> str | None:
         m = _ATTEMPT.search(head)
         if m is not None:
             return m.group(1).decode()
-        doc = json.loads(store.read(rel))
+        doc = json.loads(store.read_bounded(rel, MAX_MANIFEST_BYTES))
     except Exception:
         return None
     return str(doc.get("attempt")) if isinstance(doc, dict) else None
@@ -374,7 +375,7 @@ def _wait_for_commit(
     abort = abort_marker(step, attempt)
     for _ in _poll(timeout_s):
         if store.exists(abort):
-            reason = json.loads(store.read(abort)).get("error")
+            reason = json.loads(store.read_bounded(abort, MAX_MANIFEST_BYTES)).get("error")
             raise CheckpointError(
                 f"save of step {step} to {store.where()} was aborted by rank 0: {reason}"
             )
@@ -405,7 +406,9 @@ def _collect_markers(store: Store, step: int, plan: SavePlan, world: int, timeou
             if m is None or m.group(1) != plan.attempt or int(m.group(2)) not in waiting:
                 continue
             rank = int(m.group(2))
-            marker = json.loads(store.read(done_marker(step, plan.attempt, rank)))
+            marker = json.loads(
+                store.read_bounded(done_marker(step, plan.attempt, rank), MAX_MANIFEST_BYTES)
+            )
             if marker["error"]:
                 raise CheckpointError(f"rank {rank} failed to write step {step}: {marker['error']}")
             for obj in plan.for_rank(rank):

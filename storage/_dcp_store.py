@@ -65,6 +65,7 @@ from torch.futures import Future
 from ftsdp.storage._errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ftsdp.storage._fs import RangeFile, Store, is_plain_name
 from ftsdp.storage._layout import DCP_METADATA
+from ftsdp.storage._options import MAX_MANIFEST_BYTES
 
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
@@ -219,7 +220,11 @@ def open_item(store: Store, info: _StorageInfo) -> RangeFile:
 def read_metadata(store: Store, trust_pickle: bool = False) -> Metadata:
     """The checked ``.metadata`` of the DCP checkpoint at the store's root (FileNotFoundError
     when absent)."""
-    return unpickle_metadata(store.read(DCP_METADATA), store.where(DCP_METADATA), trust_pickle)
+    return unpickle_metadata(
+        store.read_bounded(DCP_METADATA, MAX_MANIFEST_BYTES),
+        store.where(DCP_METADATA),
+        trust_pickle,
+    )
 
 
 def _done(value: Any = None) -> Future:

@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ftsdp.storage._errors import CheckpointNotFoundError
+from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError
 from ftsdp.storage._fs import Store
 from ftsdp.storage._interfaces import Sink, Source
 from ftsdp.storage._layout import DCP_METADATA, HF_INDEX, LATEST, MANIFEST, parse_step
-from ftsdp.storage._options import IOOptions
+from ftsdp.storage._manifest import read_manifest_file
+from ftsdp.storage._options import IOOptions, LoadOptions
 from ftsdp.storage._sinks import FtsdpSink, HfSink, TorchSink
 from ftsdp.storage._sources import FtsdpSource, HfSource, TorchSource
 
@@ -50,14 +51,17 @@ class Format:
     and recognise it."""
 
     name: str
-    open: Callable[[Store, int | None, int, bool], Source]  # (store, step, chunk, trust_pickle)
+    # (store, step, chunk, trust_pickle, options)
+    open: Callable[[Store, int | None, int, bool, LoadOptions], Source]
     sink: Callable[[Store, SinkOptions], Sink]
     detect: Callable[[Probe], bool]
     steps: bool = False  # a checkpoint holds several steps (``step`` picks one)
 
 
 # The dcp row's functions import storage/_dcp.py (and torch.distributed.checkpoint) when called.
-def _open_dcp(store: Store, step: int | None, chunk: int, trust_pickle: bool) -> Source:
+def _open_dcp(
+    store: Store, step: int | None, chunk: int, trust_pickle: bool, options: LoadOptions
+) -> Source:
     from ftsdp.storage._dcp import DcpSource
 
     return DcpSource(store, chunk, trust_pickle)
@@ -81,14 +85,14 @@ _TABLE = {
     for f in (
         Format(
             "ftsdp",
-            open=lambda store, step, chunk, trust: FtsdpSource(store, step),
+            open=lambda store, step, chunk, trust, options: FtsdpSource(store, step, options),
             sink=lambda store, o: FtsdpSink(store, o.world_size or 1, o.object_bytes),
             detect=_is_ftsdp_root,
             steps=True,
         ),
         Format(
             "hf",
-            open=lambda store, step, chunk, trust: HfSource(store),
+            open=lambda store, step, chunk, trust, options: HfSource(store),
             sink=lambda store, o: HfSink(store, o.max_shard_bytes, o.overwrite),
             detect=lambda p: (
                 p.url.endswith(".safetensors")
@@ -98,7 +102,7 @@ _TABLE = {
         ),
         Format(
             "torch",
-            open=lambda store, step, chunk, trust: TorchSource(store),
+            open=lambda store, step, chunk, trust, options: TorchSource(store),
             sink=lambda store, o: TorchSink(store),
             detect=lambda p: p.is_file and p.magic == _ZIP_MAGIC,
         ),
@@ -136,6 +140,13 @@ def detect_format(url: str, storage_options: dict | None = None) -> str:
         listing = store.listdir()
         dirs = frozenset(n for n, (kind, _) in listing.items() if kind == "directory")
         probe = Probe(store.url, False, frozenset(listing), b"", dirs)
+    if MANIFEST in probe.names and _holds_own_manifest(store):
+        # A step directory: its objects are safetensors files, but reading them as hf would skip
+        # the manifest and its checksums.
+        raise ValueError(
+            f"{url} is a step directory of an ftsdp checkpoint; pass its parent (the checkpoint "
+            "root) and the step (step=N, --step N)"
+        )
     for name in _DETECTION_ORDER:
         if _TABLE[name].detect(probe):
             return name
@@ -144,14 +155,19 @@ def detect_format(url: str, storage_options: dict | None = None) -> str:
             f"cannot tell the format of the file {url}: not a torch.save zip file nor .safetensors "
             "(legacy non-zip torch files are not supported; re-save them with torch.save)"
         )
-    if MANIFEST in probe.names:
-        raise ValueError(
-            f"{url} is a step directory; pass its parent (the checkpoint root) and --step"
-        )
     raise ValueError(
         f"no checkpoint found at {url}: expected step-<N>/ dirs (ftsdp), .metadata (dcp), "
         "*.safetensors (hf) or a torch.save file"
     )
+
+
+def _holds_own_manifest(store: Store) -> bool:
+    """Whether the directory's ``manifest.json`` is a manifest of this format (bounded read)."""
+    try:
+        read_manifest_file(store, MANIFEST)
+    except CheckpointError:
+        return False
+    return True
 
 
 def open_source(
@@ -160,19 +176,21 @@ def open_source(
     step: int | None = None,
     storage_options: dict | None = None,
     chunk: int = 32 << 20,
-    io: IOOptions | None = None,
+    options: LoadOptions | None = None,
     trust_pickle: bool = False,
 ) -> Source:
     """Open ``url`` as format ``fmt`` (None: detected); ``step`` applies to formats with steps
-    (ftsdp); ``chunk`` bounds what a source that reads whole items may hold at once; ``io`` is
-    the store's I/O policy (threads, part size, retries). ``trust_pickle`` unpickles DCP's
+    (ftsdp); ``chunk`` bounds what a source that reads whole items may hold at once; ``options``
+    gives the store's I/O policy (threads, part size, retries) and the metadata bounds
+    (``LoadOptions``). ``trust_pickle`` unpickles DCP's
     ``.metadata`` fully, which can run code from the checkpoint: only for checkpoints you trust
     (by default a restricted unpickler refuses anything but DCP's metadata classes with
     ``UnsafeCheckpointError``)."""
     f = get_format(fmt or detect_format(url, storage_options))
     if step is not None and not f.steps:
         raise ValueError(f"a step was given but {url} is a {f.name} checkpoint, which has no steps")
-    return f.open(Store(url, storage_options, io), step, chunk, trust_pickle)
+    options = options or LoadOptions()
+    return f.open(Store(url, storage_options, options.io), step, chunk, trust_pickle, options)
 
 
 def make_sink(

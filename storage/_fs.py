@@ -41,6 +41,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
+from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage._options import IOOptions
 from ftsdp.storage._retry import retry
 
@@ -169,6 +170,21 @@ class Store:
 
     def read(self, rel: str = "") -> bytes:
         return self._retry(lambda: self.fs.cat_file(self.full(rel)))
+
+    def read_bounded(self, rel: str, max_bytes: int) -> bytes:
+        """A whole metadata file (an index, a marker, DCP's ``.metadata``) of at most
+        ``max_bytes``: the size is asked first and only that many bytes are read, so a huge file
+        or a link to an endless device is refused instead of read (CorruptCheckpointError)."""
+        size = self.size(rel)
+        if size > max_bytes:
+            raise CorruptCheckpointError(
+                f"{self.where(rel)} has {size} bytes, more than the {max_bytes} allowed for "
+                "metadata; refusing to read it"
+            )
+        try:
+            return self.read_range(rel, 0, size) if size else b""
+        except (IsADirectoryError, NotADirectoryError):
+            raise CorruptCheckpointError(f"{self.where(rel)} is not a file") from None
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         data = self._retry(lambda: self.fs.cat_file(self.full(rel), start=start, end=end))

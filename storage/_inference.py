@@ -103,8 +103,7 @@ def _open(
     options: LoadOptions | None,
     trust_pickle: bool = False,
 ) -> Source:
-    io = (options or LoadOptions()).io
-    return open_source(url, None, step, storage_options, io=io, trust_pickle=trust_pickle)
+    return open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
 
 
 def fill(

@@ -131,6 +131,7 @@ def read_header(store: Store, rel: str) -> tuple[dict[str, Any], int]:
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise CorruptCheckpointError(

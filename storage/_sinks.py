@@ -44,7 +44,7 @@ from ftsdp.storage._layout import (
     parse_step,
     step_dir,
 )
-from ftsdp.storage._options import SaveOptions
+from ftsdp.storage._options import MAX_MANIFEST_BYTES, SaveOptions
 from ftsdp.storage._safetensors import write_object
 from ftsdp.storage._save_plan import PlannedObject, make_plan
 from ftsdp.storage._steps import committed_steps, remove_step
@@ -152,7 +152,7 @@ class Pending:
         """The files an interrupted write recorded; None when the record is there but is not
         one (someone else's file)."""
         try:
-            record = json.loads(self.store.read(PENDING))
+            record = json.loads(self.store.read_bounded(PENDING, MAX_MANIFEST_BYTES))
         except FileNotFoundError:
             return []
         except ValueError:
@@ -207,7 +207,9 @@ class HfSink(Sink):
     def _indexed(self) -> list[str]:
         """The plain file names the index there lists ([] when it is unreadable)."""
         try:
-            weight_map = json.loads(self.store.read(HF_INDEX))["weight_map"]
+            weight_map = json.loads(self.store.read_bounded(HF_INDEX, MAX_MANIFEST_BYTES))[
+                "weight_map"
+            ]
             files = set(weight_map.values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return []

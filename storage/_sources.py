@@ -25,6 +25,7 @@ from ftsdp.storage._errors import (
 from ftsdp.storage._fs import Store, is_plain_name
 from ftsdp.storage._interfaces import Source
 from ftsdp.storage._layout import HF_INDEX, HF_SHARD, HF_SINGLE, HF_VALUES_KEY
+from ftsdp.storage._options import MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage._ranges import Range
 from ftsdp.storage._read_plan import Want, plan_reads
 from ftsdp.storage._reader import execute
@@ -72,9 +73,9 @@ class FtsdpSource(Source):
 
     format = "ftsdp"
 
-    def __init__(self, store: Store, step: int | None) -> None:
+    def __init__(self, store: Store, step: int | None, options: LoadOptions | None = None) -> None:
         super().__init__(store)
-        self.manifest = resolve_manifest(store, step)
+        self.manifest = resolve_manifest(store, step, options)
         m = self.manifest
         self.step, self.world_size = m.step, m.world_size
         self.values, self.rank_values = dict(m.values), [dict(v) for v in m.rank_values]
@@ -105,7 +106,7 @@ class HfSource(Source):
             files = [""]  # the store is rooted at the file itself
         elif store.exists(HF_INDEX):
             try:
-                index = json.loads(store.read(HF_INDEX))
+                index = json.loads(store.read_bounded(HF_INDEX, MAX_MANIFEST_BYTES))
                 files = sorted(set(index["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CorruptCheckpointError(

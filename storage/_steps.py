@@ -176,7 +176,7 @@ def own_manifest(store: Store, step: int) -> tuple[Manifest | None, str | None]:
     if store.is_link(rel) or not store.inside_root(rel):
         return None, "manifest.json is a link"
     try:
-        manifest = Manifest.from_json(store.read(rel), where=store.where(rel))
+        manifest = read_manifest_file(store, rel)
     except FileNotFoundError:
         return None, "manifest.json vanished"
     except Exception as e:  # whatever the bytes: not ours

@@ -268,7 +268,7 @@ def test_verify_a_step_directory(root: pathlib.Path) -> None:
     assert code == 2 and "is not a step-<N> directory" in err and err.count("\n") == 1
     (odd / "manifest.json").write_text('{"name": "not ours"}')  # someone else's manifest.json
     code, out, err = _cli("verify", str(odd))
-    assert code == 2 and "is a step directory; pass its parent" in err
+    assert code == 2 and "no checkpoint found" in err  # not taken for a step directory
 
 
 def test_verify_a_manifest_of_another_step(root: pathlib.Path) -> None:

@@ -114,3 +114,48 @@ def test_dcp_is_imported_only_for_dcp(src: str, tmp_path: pathlib.Path) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_step_directory_is_refused_by_every_reader(tmp_path) -> None:
+    """Its objects are safetensors files, but read as hf they would skip the manifest and its
+    checksums: every reader refuses the step directory and names the way to read it."""
+    root = tmp_path / "ck"
+    storage.save({"w": torch.arange(6.0)}, str(root), step=3)
+    step_dir = str(root / "step-3")
+    for read in (
+        lambda: storage.load_state_dict(step_dir),
+        lambda: storage.LazyStateDict(step_dir),
+        lambda: storage.convert(step_dir, str(tmp_path / "out"), to="hf"),
+        lambda: storage.diff(step_dir, None, str(root), 3),
+    ):
+        with pytest.raises(ValueError, match="is a step directory of an ftsdp checkpoint"):
+            read()
+    assert not (tmp_path / "out").exists()
+
+
+def test_metadata_files_are_read_within_bounds(tmp_path) -> None:
+    """An hf index or DCP ``.metadata`` that is a FIFO (or anything whose size is not its
+    content) is never read past its size: the reader fails instead of blocking forever."""
+    import os
+    import threading
+
+    for name, extra in (("model.safetensors.index.json", "x.safetensors"), (".metadata", None)):
+        folder = tmp_path / name.strip(".")
+        folder.mkdir()
+        os.mkfifo(folder / name)
+        if extra:
+            (folder / extra).write_bytes(b"")
+        outcome: list[BaseException | None] = []
+
+        def read(folder=folder, outcome=outcome) -> None:
+            try:
+                storage.load_state_dict(str(folder))
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=20)
+        assert outcome, f"reading {name} blocked on a FIFO"
+        assert isinstance(outcome[0], storage.CheckpointError), outcome
