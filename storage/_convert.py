@@ -6,19 +6,28 @@ failure at any point leaves either the old destination, nothing that looks compl
 one. The source and the destination must not overlap, however their URLs spell them (see
 ``Store.location``): the same place, or either inside the other, is refused before anything is
 opened, so a conversion can never clear or overwrite its own source.
+
+An hf folder destination may also receive files that are not tensors (``extra_files``: bytes
+given by the caller, such as a ``config.json``; ``copy_files``: named files copied from a
+directory, such as a tokenizer's), written through the sink's store before its commit file. Which
+names a training checkpoint keeps and which files it records is the caller's convention, not the
+format's: ``ftsdp-ckpt convert --to hf`` (``ftsdp.tools.ckpt``) reads the trainer's record and
+passes these options (docs/cli.md, "The Hugging Face export").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from ftsdp.storage._formats import FORMATS, has_steps, make_sink, open_source
-from ftsdp.storage._fs import Store
+from ftsdp.storage._fs import Store, is_plain_name
 from ftsdp.storage._interfaces import Feed, OutTensor, Source
+from ftsdp.storage._layout import HF_INDEX, HF_SHARD, HF_SINGLE
+from ftsdp.storage._sinks import PENDING
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, TensorInfo, chunk_bytes
 
 # First components of names that hold optimizer state (dropped by ``model_only``).
@@ -48,6 +57,7 @@ class ConvertResult:
     bytes_read: int
     written: list[str] = field(default_factory=list)  # URLs of what was written
     dropped: list[str] = field(default_factory=list)  # source entries that could not be carried
+    extra: list[str] = field(default_factory=list)  # names of the extra and copied files written
 
 
 def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) -> None:
@@ -79,9 +89,11 @@ def check_options(
     max_shard_bytes: int | None,
     max_memory: int,
     storage_options: dict[str, Any] | None = None,
+    strip_prefix: str | None = None,
+    extra_names: Sequence[str] = (),
 ) -> int:
     """ValueError for conflicting or invalid options, or overlapping locations; returns the chunk
-    size of the budget."""
+    size of the budget. ``extra_names`` are the names of the extra and copied files asked for."""
     if to not in FORMATS:
         raise ValueError(f"unknown format {to!r}; choose one of {', '.join(FORMATS)}")
     if world_size is not None and (to != "ftsdp" or world_size < 1):
@@ -98,8 +110,64 @@ def check_options(
     for old, new in rename:
         if not old:
             raise ValueError(f"rename {old!r}={new!r}: the old prefix must not be empty")
+    if strip_prefix is not None and not strip_prefix:
+        raise ValueError("strip_prefix='' strips nothing; pass None or a prefix such as 'model.'")
+    _check_extra_names(dst, to, extra_names)
     check_locations(src, dst, storage_options)
     return chunk_bytes(max_memory)
+
+
+def _check_extra_names(dst: str, to: str, names: Sequence[str]) -> None:
+    """ValueError for extra files where they cannot go: another format than an hf folder, a name
+    that is not one plain file name, one of the hf checkpoint's own names, or twice the same."""
+    if not names:
+        return
+    if to != "hf" or dst.rstrip("/").endswith(".safetensors"):
+        raise ValueError(
+            f"extra files {sorted(names)} go into an hf folder destination only (--to hf, a "
+            f"directory), not {dst} as {to}"
+        )
+    for name in names:
+        if not is_plain_name(name):
+            raise ValueError(f"extra file name {name!r} must be one plain file name (no path)")
+        if name in (HF_INDEX, HF_SINGLE, PENDING) or HF_SHARD.fullmatch(name):
+            raise ValueError(f"extra file name {name!r} is a name the hf checkpoint itself uses")
+    if len(set(names)) != len(names):
+        raise ValueError(f"extra file names {sorted(names)} name a file twice")
+
+
+def _extra_writers(
+    extra_files: Mapping[str, bytes],
+    copy_files: Sequence[str],
+    copy_files_from: str | None,
+    storage_options: dict[str, Any] | None,
+    chunk: int,
+) -> list[tuple[str, Callable[[IO[bytes]], None]]]:
+    """(name, produce) for each extra file: the given bytes, then each of ``copy_files`` found
+    as a file in the directory ``copy_files_from`` (absent ones, or an absent directory, are
+    skipped), streamed through the store ``chunk`` bytes at a time."""
+    out: list[tuple[str, Callable[[IO[bytes]], None]]] = []
+    for name, data in extra_files.items():
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"extra file {name!r}: expected bytes, got {type(data).__name__}")
+        out.append((name, lambda f, data=bytes(data): f.write(data)))
+    if not copy_files or copy_files_from is None:
+        return out
+    src = Store(copy_files_from, storage_options)
+    if not src.isdir():
+        return out
+    listing = src.listdir()
+    for name in copy_files:
+        if name not in listing or not src.isfile(name):
+            continue
+
+        def produce(f: IO[bytes], name: str = name) -> None:
+            size = src.size(name)
+            for start in range(0, size, chunk):
+                f.write(src.read_range(name, start, min(start + chunk, size)))
+
+        out.append((name, produce))
+    return out
 
 
 def _is_model_state(name: str, has_model_root: bool) -> bool:
@@ -114,16 +182,22 @@ def select(
     model_only: bool,
     rename: Sequence[tuple[str, str]],
     dtype: torch.dtype | None,
+    strip_prefix: str | None = None,
+    exclude: Collection[str] = (),
 ) -> tuple[list[OutTensor], dict[str, Any]]:
     """Output tensors (renamed, cast) and values for a source; ValueError when names collide.
 
     ``model_only`` keeps the names under ``model.`` when there are any, otherwise drops names
     whose first component is an optimizer root (``optim``, ``optimizer``, ...), and drops all
-    non-tensor values. ``rename`` maps prefixes (first match wins).
+    non-tensor values. ``rename`` maps prefixes (first match wins); ``strip_prefix`` removes that
+    prefix from the names no ``rename`` rule matched (a last rule ``strip_prefix=``). The source
+    tensors named in ``exclude`` are left out.
     """
+    exclude = frozenset(exclude)
+    rules = [*rename, (strip_prefix, "")] if strip_prefix else list(rename)
 
     def renamed(name: str) -> str:
-        for old, new in rename:
+        for old, new in rules:
             if name.startswith(old):
                 return new + name[len(old) :]
         return name
@@ -131,7 +205,7 @@ def select(
     has_model_root = any(n.startswith("model.") for n in source.tensors)
     outputs: dict[str, OutTensor] = {}
     for name, info in sorted(source.tensors.items()):
-        if model_only and not _is_model_state(name, has_model_root):
+        if name in exclude or (model_only and not _is_model_state(name, has_model_root)):
             continue
         out = renamed(name)
         if not out:
@@ -168,6 +242,11 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
     trust_pickle: bool = False,
+    strip_prefix: str | None = None,
+    exclude: Collection[str] = (),
+    extra_files: Mapping[str, bytes] | None = None,
+    copy_files: Sequence[str] = (),
+    copy_files_from: str | None = None,
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` (format detected unless ``src_format``) to ``to`` at ``dst``.
 
@@ -180,18 +259,31 @@ def convert(
     must not overlap (ValueError). With ``overwrite`` the sink removes only the checkpoint at
     ``dst`` (the files its commit file lists) and replaces files of the names it writes.
     ``trust_pickle`` unpickles a DCP source's ``.metadata`` fully: only for checkpoints you trust.
+
+    ``strip_prefix`` (e.g. ``"model."``) removes that prefix from every name no ``rename`` rule
+    matched; ``exclude`` names source tensors to leave out (e.g. a tied copy). Into an hf folder destination only: ``extra_files`` (plain name -> bytes, e.g.
+    ``{"config.json": ...}``) are written as given, and each of the plain names ``copy_files``
+    found as a file in the directory URL ``copy_files_from`` is copied (absent ones are skipped);
+    both before the commit file, through the destination's store. ``ConvertResult.extra`` names
+    the ones written.
     """
+    extra_files = dict(extra_files or {})
     chunk = check_options(
         src, dst, to, dtype=dtype, rename=rename, world_size=world_size,
         max_shard_bytes=max_shard_bytes, max_memory=max_memory, storage_options=storage_options,
+        strip_prefix=strip_prefix, extra_names=[*extra_files, *copy_files],
     )  # fmt: skip
     source = open_source(src, src_format, step, storage_options, chunk, trust_pickle=trust_pickle)
     try:
-        outputs, values = select(source, model_only=model_only, rename=rename, dtype=dtype)
+        outputs, values = select(
+            source, model_only=model_only, rename=rename, dtype=dtype,
+            strip_prefix=strip_prefix, exclude=exclude,
+        )  # fmt: skip
+        extra = _extra_writers(extra_files, copy_files, copy_files_from, storage_options, chunk)
         sink = make_sink(
             to, dst, storage_options, world_size=world_size,
             max_shard_bytes=max_shard_bytes, object_bytes=object_bytes, chunk=chunk,
-            overwrite=overwrite,
+            overwrite=overwrite, extra=extra,
         )  # fmt: skip
         if sink.holds_checkpoint():
             if not overwrite:
@@ -216,6 +308,7 @@ def convert(
             bytes_read=meter.done,
             written=written,
             dropped=list(source.dropped),
+            extra=[name for name, _ in extra],
         )
     finally:
         source.close()

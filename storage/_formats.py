@@ -9,7 +9,7 @@ imports it only when a DCP checkpoint is opened or written.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError
@@ -43,6 +43,7 @@ class SinkOptions:
     max_shard_bytes: int | None
     object_bytes: int
     overwrite: bool = False  # replace what is there (see [Note: a sink deletes only what it wrote])
+    extra: tuple = ()  # (plain name, produce) of files beside an hf folder's tensors (HfSink)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ _TABLE = {
         Format(
             "hf",
             open=lambda store, step, chunk, trust, options: HfSource(store),
-            sink=lambda store, o: HfSink(store, o.max_shard_bytes, o.overwrite),
+            sink=lambda store, o: HfSink(store, o.max_shard_bytes, o.overwrite, o.extra),
             detect=lambda p: (
                 p.url.endswith(".safetensors")
                 if p.is_file
@@ -203,12 +204,14 @@ def make_sink(
     object_bytes: int,
     chunk: int,
     overwrite: bool = False,
+    extra: Sequence[tuple[str, Callable]] = (),
 ) -> Sink:
     """The writer of format ``fmt`` at ``url``; its uploads buffer at most ``chunk`` bytes (the
     writer's share of the memory budget, see [Note: the memory budget]); ``overwrite`` lets it
-    replace files it did not write (see [Note: a sink deletes only what it wrote])."""
+    replace files it did not write (see [Note: a sink deletes only what it wrote]); ``extra``:
+    (plain name, produce) of further files an hf folder receives before its commit file."""
     store = Store(url, storage_options, IOOptions(part_bytes=chunk))
-    options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite)
+    options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
     return get_format(fmt).sink(store, options)
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import torch
@@ -197,12 +198,27 @@ class HfSink(Sink):
 
     ``overwrite`` removes the checkpoint there: the index and the files it lists, or
     ``model.safetensors`` (see [Note: a sink deletes only what it wrote]); a single-file
-    destination is replaced whole by the atomic write."""
+    destination is replaced whole by the atomic write. ``extra``: (plain name, produce) of files
+    written into a folder destination before the tensors (a ``config.json``, tokenizer files),
+    recorded in the write-in-progress record with them; they are not part of the checkpoint's
+    commit file, so ``overwrite`` replaces them but never deletes them."""
 
-    def __init__(self, store: Store, max_shard_bytes: int | None, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        store: Store,
+        max_shard_bytes: int | None,
+        overwrite: bool = False,
+        extra: Sequence[tuple[str, Callable[[IO[bytes]], None]]] = (),
+    ) -> None:
         super().__init__(store)
         self.single_file = store.url.endswith(".safetensors")  # the store is rooted at the file
         self.max_shard_bytes, self.overwrite = max_shard_bytes, overwrite
+        self.extra = list(extra)
+        if self.extra and self.single_file:
+            raise ValueError(
+                f"{store.url} is one .safetensors file: the files {[n for n, _ in self.extra]} "
+                "need a directory as destination"
+            )
 
     def _indexed(self) -> list[str]:
         """The plain file names the index there lists ([] when it is unreadable)."""
@@ -255,9 +271,15 @@ class HfSink(Sink):
             if n == 1
             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
-        pending = None if self.single_file else Pending(self.store, HF_SHARD)
+        extra_names = [name for name, _ in self.extra]
+        scheme = HF_SHARD
+        if extra_names:  # an interrupted write's extra files are its own too
+            scheme = re.compile("|".join([HF_SHARD.pattern, *map(re.escape, extra_names)]))
+        pending = None if self.single_file else Pending(self.store, scheme)
         if pending is not None:  # one model.safetensors is its own commit: nothing to record
-            pending.claim(names, self.overwrite, record=n > 1)
+            pending.claim([*extra_names, *names], self.overwrite, record=n > 1 or bool(extra_names))
+        for name, produce_extra in self.extra:  # before the tensors: a complete look has them
+            self.store.write(name, produce_extra)
         for i, (shard, name) in enumerate(zip(shards, names, strict=True)):
             head, _ = _safetensors_head(shard, values if i == 0 else None)
             requests = [r for t in shard for r in feed.requests(t.name, 0, t.numel)]
@@ -277,9 +299,10 @@ class HfSink(Sink):
             }
             self.store.write_bytes(HF_INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
         pending.release()
+        extras = [f"{url}/{name}" for name in extra_names]
         if n == 1:
-            return [f"{url}/{names[0]}"]
-        return [f"{url}/{HF_INDEX}", *(f"{url}/{name}" for name in names)]
+            return [f"{url}/{names[0]}", *extras]
+        return [f"{url}/{HF_INDEX}", *(f"{url}/{name}" for name in names), *extras]
 
 
 class TorchSink(Sink):
