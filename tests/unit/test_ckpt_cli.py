@@ -165,8 +165,8 @@ BAD = {
         "must be OLD=NEW",
     ),
     "rename collision": (
-        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--rename", "optim.m=model.w"],
-        "both become 'model.w'",
+        ["convert", "{root}", "{tmp}/o", "--to", "hf", "--rename", "model.b=w"],  # model.w -> w
+        "both become 'w'",
     ),
     "tiny budget": (
         ["convert", "{root}", "{tmp}/o", "--to", "hf", "--max-memory", "1MB"],

@@ -53,6 +53,10 @@ def _same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
         assert torch.equal(got[k], t), k
 
 
+# hf output is a model export by default (docs/cli.md); these flags keep everything as saved.
+_AS_SAVED = {"hf": ["--include-optimizer", "--keep-names"]}
+
+
 def _cli(*argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = main(list(argv), out=out, err=err)
@@ -69,7 +73,7 @@ def src(tmp_path: pathlib.Path) -> str:
 @pytest.mark.parametrize("fmt", ["hf", "dcp", "torch"])
 def test_round_trip_is_bitwise(src: str, tmp_path: pathlib.Path, fmt: str) -> None:
     mid = str(tmp_path / ("mid.pt" if fmt == "torch" else "mid"))
-    assert _cli("convert", src, mid, "--to", fmt, "-q")[0] == 0
+    assert _cli("convert", src, mid, "--to", fmt, *_AS_SAVED.get(fmt, []), "-q")[0] == 0
     assert storage.detect_format(mid) == fmt
     back = str(tmp_path / "back")
     code, out, _ = _cli("convert", mid, back, "--to", "ftsdp", "--dst-step", "17")
@@ -95,7 +99,8 @@ def test_round_trip_is_bitwise(src: str, tmp_path: pathlib.Path, fmt: str) -> No
 
 def test_hf_shards_and_index(src: str, tmp_path: pathlib.Path) -> None:
     dst = tmp_path / "hf"
-    assert _cli("convert", src, str(dst), "--to", "hf", "--max-shard-size", "5000", "-q")[0] == 0
+    argv = ["convert", src, str(dst), "--to", "hf", *_AS_SAVED["hf"], "--max-shard-size", "5000"]
+    assert _cli(*argv, "-q")[0] == 0
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     ref = _flat(_state())
     assert sorted(index["weight_map"]) == sorted(ref)  # every tensor exactly once (a dict)
@@ -111,7 +116,7 @@ def test_hf_shards_and_index(src: str, tmp_path: pathlib.Path) -> None:
         t.numel() * t.element_size() for t in ref.values()
     )
     # One file when no size is given.
-    assert _cli("convert", src, str(tmp_path / "one"), "--to", "hf", "-q")[0] == 0
+    assert _cli("convert", src, str(tmp_path / "one"), "--to", "hf", *_AS_SAVED["hf"], "-q")[0] == 0
     _same(load_file(str(tmp_path / "one" / "model.safetensors")), ref)
 
 
@@ -136,6 +141,19 @@ def test_dtype_model_only_rename(src: str, tmp_path: pathlib.Path) -> None:
     assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], model["w"].bfloat16())
     assert got["idx"].dtype == torch.int64 and got["mask"].dtype == torch.bool  # only floats cast
     assert storage.LazyStateDict(str(dst)).values == {}  # --model-only drops non-tensor values
+
+
+def test_hf_default_is_the_model_weights(src: str, tmp_path: pathlib.Path) -> None:
+    """No flag: the tensors under ``model.`` without the prefix, no values, and a note that
+    there is no recorded config; a --rename rule comes before the prefix strip."""
+    code, out, _ = _cli("convert", src, str(tmp_path / "hf"), "--to", "hf", "-q")
+    assert code == 0 and "note: " in out and "no config.json" in out
+    _same(load_file(str(tmp_path / "hf" / "model.safetensors")), _state()["model"])
+    assert storage.LazyStateDict(str(tmp_path / "hf")).values == {}
+    argv = ["convert", src, str(tmp_path / "r"), "--to", "hf", "--rename", "model.w=model.w2", "-q"]
+    assert _cli(*argv)[0] == 0
+    got = load_file(str(tmp_path / "r" / "model.safetensors"))
+    assert sorted(got) == sorted({*_state()["model"], "model.w2"} - {"w"})
 
 
 def test_reshard_lays_out_for_world_size(src: str, tmp_path: pathlib.Path) -> None:
@@ -163,7 +181,18 @@ def test_s3_source_and_destination(
     assert _cli("convert", src, bucket, "--to", "ftsdp", *opts, "-q")[0] == 0
     hf_url = bucket.replace("/ckpt", "/hf")
     assert (
-        _cli("convert", bucket, hf_url, "--to", "hf", "--max-shard-size", "6000", *opts, "-q")[0]
+        _cli(
+            "convert",
+            bucket,
+            hf_url,
+            "--to",
+            "hf",
+            *_AS_SAVED["hf"],
+            "--max-shard-size",
+            "6000",
+            *opts,
+            "-q",
+        )[0]
         == 0
     )
     assert _cli("convert", hf_url, str(tmp_path / "back"), "--to", "ftsdp", *opts, "-q")[0] == 0
@@ -193,7 +222,7 @@ def test_interrupted_convert_never_looks_complete(
     dst = str(tmp_path / ("out.pt" if fmt == "torch" else "out"))
     argv = ["convert", src, dst, "--to", fmt, "--max-memory", "8MiB", "-q"]
     if fmt == "hf":
-        argv += ["--max-shard-size", "3000"]
+        argv += ["--max-shard-size", "3000", *_AS_SAVED["hf"]]
     code, _, err = _cli(*argv)
     assert code == 130 and "interrupted" in err
     with pytest.raises((storage.CheckpointError, ValueError)):

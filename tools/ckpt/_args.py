@@ -135,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="hf output: split into files of at most SIZE",
     )
+    p.add_argument(
+        "--include-optimizer", action="store_true",
+        help="hf output: also write the optimizer state (under its saved names) and the "
+        "non-tensor values (default: model weights only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--keep-names", action="store_true",
+        help="hf output: keep every name as saved (no 'model.' strip, no config.json nor "
+        "tokenizer files): a dump that converts back as it was",
+    )  # fmt: skip
 
     p = sub.add_parser(
         "reshard", parents=[common], help="rewrite an ftsdp checkpoint for another world size"
@@ -200,5 +210,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(
             f"unknown format {args.src_format!r} for --from; choose one of {', '.join(storage.FORMATS)}"
         )
+    if args.command == "convert":
+        _check_hf_flags(args)
     args.storage_options = dict(args.storage_option) or None
     return args
+
+
+def _check_hf_flags(args: argparse.Namespace) -> None:
+    """``--include-optimizer`` and ``--keep-names`` shape the hf export only; the model-only
+    export's flag contradicts the first."""
+    for flag, on in (
+        ("--include-optimizer", args.include_optimizer),
+        ("--keep-names", args.keep_names),
+    ):
+        if on and args.to != "hf":
+            raise UsageError(
+                f"{flag} applies to --to hf only (the {args.to} format keeps every tensor and "
+                "value unless --model-only)"
+            )
+    if args.include_optimizer and args.model_only:
+        raise UsageError("--include-optimizer contradicts --model-only; pass one of them")

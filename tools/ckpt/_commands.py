@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ftsdp import storage
+from ftsdp.tools.ckpt._hf_export import hf_export
 from ftsdp.tools.ckpt._progress import human_bytes, progress_for
 
 
@@ -102,12 +103,18 @@ def _report_convert(result: storage.ConvertResult, out: TextIO) -> None:
 
 
 def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
+    kwargs, notes = _convert_kwargs(args), None
+    if args.to == "hf":  # a Hugging Face model folder (see _hf_export.py, docs/cli.md)
+        export, notes = hf_export(args)
+        kwargs.update(export)
     result = _with_progress(
         args, "convert", storage.convert, src=args.src, dst=args.dst, to=args.to,
         src_format=args.src_format, world_size=args.world_size,
-        max_shard_bytes=args.max_shard_size, **_convert_kwargs(args),
+        max_shard_bytes=args.max_shard_size, **kwargs,
     )  # fmt: skip
     _report_convert(result, out)
+    for note in notes(result) if notes else []:
+        out.write(f"note: {note}\n")
     return 0
 
 

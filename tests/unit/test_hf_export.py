@@ -1,0 +1,280 @@
+"""``ftsdp-ckpt convert --to hf`` of a training checkpoint is a Hugging Face model folder:
+``AutoModelForCausalLM.from_pretrained`` loads it with no missing or unexpected keys and gives the
+trained model's logits; the tokenizer comes along; ``--include-optimizer`` adds the optimizer
+state; the built-in GPT's export is what docs/cli.md says.
+
+The checkpoint is made as a run of the main job makes it: an HF GPT-2 wrapped by ``ftsdp.FSDP``,
+one AdamW step, saved by ``CheckpointManager`` with the ``trainer.model`` record.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import ftsdp
+from ftsdp import storage
+from ftsdp.tools.ckpt import main
+
+transformers = pytest.importorskip("transformers")
+
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _keys(path: pathlib.Path) -> set[str]:
+    with safe_open(str(path), "pt") as f:
+        return set(f.keys())
+
+
+def _tokenizer(folder: pathlib.Path) -> Any:
+    """A byte-level tokenizer of 256 ids (no merges), saved as transformers saves one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny GPT-2 (tied embeddings) trained one AdamW step under ftsdp.FSDP and saved by
+    CheckpointManager with the model record; its logits on a fixed batch after the step."""
+    tmp = tmp_path_factory.mktemp("hfexport")
+    config_dir = tmp / "gpt2-tiny"
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    config.save_pretrained(str(config_dir))
+    tokenizer = _tokenizer(config_dir)
+    torch.manual_seed(0)
+    model = ftsdp.FSDP(
+        transformers.GPT2LMHeadModel(config),
+        auto_wrap_policy={transformers.models.gpt2.modeling_gpt2.GPT2Block},
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (2, 16), generator=g)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    batch = torch.randint(0, 256, (3, 20), generator=g)
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits
+    record = {"spec": f"hf:{config_dir}", "hf_config": config.to_dict()}
+    record["tokenizer_dir"] = str(config_dir)
+    ckpt = ftsdp.CheckpointManager(str(tmp / "run"), model, opt, async_save=False)
+    ckpt.save(1, {"model": json.dumps(record, sort_keys=True), "step": 1})  # as the job records it
+    ckpt.close()
+    names = set(storage.read_manifest(str(tmp / "run")).tensors)
+    # The same model as a torch engine's state dict holds it (FSDP2, DDP, a plain module): the
+    # tied weight under both of its names.
+    plain = transformers.GPT2LMHeadModel(config)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    plain.tie_weights()
+    full = plain.state_dict()
+    assert "lm_head.weight" in full and "transformer.wte.weight" in full
+    storage.save({"model": full, "trainer": {"model": json.dumps(record)}}, str(tmp / "both"), 1)
+    return {
+        "url": str(tmp / "run"), "tmp": tmp, "batch": batch, "logits": logits, "names": names,
+        "tokenizer": tokenizer, "both": str(tmp / "both"),
+    }  # fmt: skip
+
+
+def _load(folder: pathlib.Path, **kwargs: Any) -> tuple[Any, dict[str, list]]:
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), output_loading_info=True, **kwargs
+    )
+    return model.eval(), info
+
+
+def test_export_loads_with_from_pretrained(run: dict[str, Any]) -> None:
+    out = run["tmp"] / "hf"
+    code, text, err = _cli("convert", run["url"], str(out), "--to", "hf", "-q")
+    assert code == 0, err
+    assert "note:" not in text
+    files = {p.name for p in out.iterdir()}
+    assert files == {"model.safetensors", "config.json", *TOKENIZER}, files
+    model_names = {n.removeprefix("model.") for n in run["names"] if n.startswith("model.")}
+    assert _keys(out / "model.safetensors") == model_names  # weights only, no prefix
+    assert "transformer.wte.weight" in model_names and "lm_head.weight" not in model_names  # once
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    model, info = _load(out)
+    assert {k: v for k, v in info.items() if v} == {}, info  # no missing/unexpected/mismatched
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied again by transformers
+    with torch.no_grad():
+        got = model(input_ids=run["batch"]).logits
+    torch.testing.assert_close(got, run["logits"], atol=1e-6, rtol=0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    text_in = "hello, world"
+    assert tokenizer(text_in)["input_ids"] == run["tokenizer"](text_in)["input_ids"]
+
+
+def test_a_tied_weight_saved_under_both_names_is_written_once(run: dict[str, Any]) -> None:
+    out = run["tmp"] / "hf-both"
+    code, text, err = _cli("convert", run["both"], str(out), "--to", "hf", "-q")
+    assert code == 0 and "note:" not in text, (text, err)
+    keys = _keys(out / "model.safetensors")
+    assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys
+    model, info = _load(out)
+    assert {k: v for k, v in info.items() if v} == {}, info
+    with torch.no_grad():
+        got = model(input_ids=run["batch"]).logits
+    torch.testing.assert_close(got, run["logits"], atol=1e-6, rtol=0)
+    # Names the model ties but whose bytes differ are both written, with a note.
+    state = storage.load_state_dict(run["both"])
+    state["model.lm_head.weight"] = state["model.lm_head.weight"] + 1
+    values = storage.read_manifest(run["both"]).values
+    untied = str(run["tmp"] / "untied")
+    storage.save({**state, **values}, untied, 1)
+    code, text, _ = _cli("convert", untied, str(run["tmp"] / "hf-untied"), "--to", "hf", "-q")
+    assert code == 0 and "model.lm_head.weight differs from model.transformer.wte.weight" in text
+    assert "lm_head.weight" in _keys(run["tmp"] / "hf-untied" / "model.safetensors")
+
+
+def test_bf16_shards_set_the_config_dtype(run: dict[str, Any]) -> None:
+    out = run["tmp"] / "hf-bf16"
+    argv = ["convert", run["url"], str(out), "--to", "hf", "--dtype", "bf16"]
+    assert _cli(*argv, "--max-shard-size", "40KB", "-q")[0] == 0
+    assert (out / "model.safetensors.index.json").exists()
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model, info = _load(out)
+    assert {k: v for k, v in info.items() if v} == {}, info
+    assert model.transformer.wte.weight.dtype == torch.bfloat16
+
+
+def test_include_optimizer_keeps_optimizer_state_and_values(run: dict[str, Any]) -> None:
+    out = run["tmp"] / "hf-optim"
+    argv = ["convert", run["url"], str(out), "--to", "hf", "--include-optimizer", "-q"]
+    assert _cli(*argv)[0] == 0
+    optim = {n for n in run["names"] if n.startswith("optim.")}
+    assert len(optim) == 3 * len(run["names"] - optim) and optim  # exp_avg, exp_avg_sq, step
+    model_names = {n.removeprefix("model.") for n in run["names"] - optim}
+    assert _keys(out / "model.safetensors") == model_names | optim
+    lazy = storage.LazyStateDict(str(out))
+    assert lazy.values["trainer.step"] == 1 and "optim.param_groups" in lazy.values
+    src = storage.LazyStateDict(run["url"])
+    some = sorted(optim)[0]
+    assert torch.equal(lazy[some], src[some])
+    model, info = _load(out)  # still a model folder; the optimizer state is unexpected to it
+    assert not info["missing_keys"] and set(info["unexpected_keys"]) <= optim
+    with torch.no_grad():
+        got = model(input_ids=run["batch"]).logits
+    torch.testing.assert_close(got, run["logits"], atol=1e-6, rtol=0)
+    # --keep-names: every name as saved, converting back to the training checkpoint bitwise.
+    dump, back = run["tmp"] / "dump", run["tmp"] / "back"
+    assert _cli("convert", run["url"], str(dump), "--to", "hf", "--include-optimizer",
+                "--keep-names", "-q")[0] == 0  # fmt: skip
+    assert not (dump / "config.json").exists()
+    assert _cli("convert", str(dump), str(back), "--to", "ftsdp", "--dst-step", "1", "-q")[0] == 0
+    a, b = storage.load_state_dict(run["url"]), storage.load_state_dict(str(back))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert storage.read_manifest(str(back)).values == storage.read_manifest(run["url"]).values
+
+
+def test_builtin_gpt_export_is_what_the_docs_say(tmp_path: pathlib.Path) -> None:
+    """docs/cli.md: no record, so the weights without the ``model.`` prefix (the tied head once,
+    as ``wte.weight``), no config.json, and a one-line note."""
+    from ftsdp.trainer.model import GPT, Block, GPTConfig
+
+    config = GPTConfig(vocab_size=31, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    gpt = GPT(config)
+    expected = set(gpt.state_dict()) - {"lm_head.weight"}
+    model = ftsdp.FSDP(gpt, auto_wrap_policy={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ckpt = ftsdp.CheckpointManager(str(tmp_path / "run"), model, opt, async_save=False)
+    ckpt.save(3, {"step": 3})
+    out = tmp_path / "hf"
+    code, text, _ = _cli("convert", str(tmp_path / "run"), str(out), "--to", "hf", "-q")
+    assert code == 0
+    assert {p.name for p in out.iterdir()} == {"model.safetensors"}
+    assert _keys(out / "model.safetensors") == expected
+    notes = [line for line in text.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "no config.json" in notes[0], text
+    with torch.device("meta"):
+        loaded = GPT(config)
+    result = storage.load_into(loaded, str(out))  # as the docs say to load it
+    assert not result.missing and not result.unexpected
+    x = torch.randint(0, 31, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x)[0], model(x)[0], atol=1e-6, rtol=0)
+
+
+def test_the_record_is_read_flattened_or_as_json_text() -> None:
+    from ftsdp.tools.ckpt._hf_export import read_record
+
+    config = {"n_layer": 2, "label2id": {"a.b": 0}, "rope_scaling": {}}
+    whole = {"trainer.model": {"spec": "hf:x", "hf_config": json.dumps(config)}}
+    assert read_record(whole, "src")["hf_config"] == config  # exact, as JSON text
+    flat = {
+        "trainer.model.spec": "hf:x",
+        "trainer.model.hf_config.n_layer": 2,
+        "trainer.model.hf_config.id2label.0": "L0",
+        "trainer.model.tokenizer_dir": None,
+        "trainer.step": 5,
+    }
+    record = read_record(flat, "src")
+    assert record == {
+        "spec": "hf:x", "hf_config": {"n_layer": 2, "id2label": {"0": "L0"}}, "tokenizer_dir": None
+    }  # fmt: skip
+    assert read_record({"trainer.step": 5}, "src") is None
+    with pytest.raises(ValueError, match="hf_config is not a JSON object"):
+        read_record({"trainer.model.hf_config": [1]}, "src")
+
+
+def test_bad_flags_and_extra_files_where_they_cannot_go(run: dict[str, Any]) -> None:
+    tmp = run["tmp"]
+    for argv, message in (
+        (["--to", "ftsdp", "--include-optimizer"], "--include-optimizer applies to --to hf only"),
+        (["--to", "torch", "--keep-names"], "--keep-names applies to --to hf only"),
+        (["--to", "hf", "--include-optimizer", "--model-only"], "contradicts --model-only"),
+    ):
+        code, _, err = _cli("convert", run["url"], str(tmp / "x"), *argv)
+        assert code == 2 and message in err, err
+    # One file: the weights only, and a note that config.json has no folder to go into.
+    code, text, _ = _cli("convert", run["url"], str(tmp / "one.safetensors"), "--to", "hf", "-q")
+    assert code == 0 and "config.json and tokenizer files not written" in text
+    with pytest.raises(ValueError, match="hf folder destination only"):
+        storage.convert(run["url"], str(tmp / "y.pt"), to="torch", extra_files={"a.json": b"{}"})
+    with pytest.raises(ValueError, match="a name the hf checkpoint itself uses"):
+        storage.convert(run["url"], str(tmp / "y"), to="hf", extra_files={"model.safetensors": b""})
+    assert not (tmp / "y").exists() and not (tmp / "y.pt").exists()
+
+
+def test_interrupted_export_is_resumed_without_overwrite(
+    run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """config.json and the tokenizer files are written first and recorded as the export's own:
+    an interrupted export leaves no checkpoint, and the next one replaces them."""
+    from ftsdp.storage._interfaces import Feed
+
+    def failing(self: Any, requests: Any) -> Any:
+        raise KeyboardInterrupt
+        yield
+
+    real = Feed.stream
+    monkeypatch.setattr(Feed, "stream", failing)
+    out = run["tmp"] / "hf-interrupted"
+    argv = ["convert", run["url"], str(out), "--to", "hf", "-q"]
+    assert _cli(*argv)[0] == 130
+    assert (out / "config.json").exists() and not (out / "model.safetensors").exists()
+    monkeypatch.setattr(Feed, "stream", real)
+    assert _cli(*argv)[0] == 0
+    assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json", *TOKENIZER}

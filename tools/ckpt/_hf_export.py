@@ -1,0 +1,246 @@
+"""What ``ftsdp-ckpt convert --to hf`` makes of a training checkpoint: a Hugging Face model folder.
+
+A training checkpoint follows the trainer's convention (``CheckpointManager``'s layout, see
+``ftsdp/trainer/_checkpoint.py``): model tensors under ``model.<name in the unwrapped module>``,
+optimizer state under ``optim.``, and, when the main job trained a Hugging Face model, its record
+under ``trainer.model``::
+
+    {"spec": "<--model>", "hf_config": <the config's to_dict() or null>,
+     "tokenizer_dir": "<the hf: directory when it holds tokenizer files, or null>"}
+
+Storage knows nothing of this convention (it must not depend on the trainer): this module reads
+the record and turns it into storage's generic options (``model_only``, ``strip_prefix``,
+``extra_files``, ``copy_files``). The export, unless ``--keep-names``:
+
+- the model weights only (``--include-optimizer``: also the optimizer state under its saved names
+  and the non-tensor values), without the ``model.`` prefix;
+- a tied parameter once, under its first name in the module (GPT-2's ``transformer.wte.weight``,
+  not ``lm_head.weight``), as ``save_pretrained`` writes it and ``from_pretrained`` ties it
+  again: ``ftsdp.FSDP`` saves it once already; a torch engine's state dict (FSDP2, DDP, a plain
+  module) holds it under every name, and the copies are left out when ``transformers`` says the
+  model ties them and their bytes are equal (see :func:`tied_copies`);
+- ``config.json`` from ``trainer.model.hf_config``, its ``dtype`` set to the weights' dtype;
+- the known tokenizer files found in ``trainer.model.tokenizer_dir``.
+
+The record is stored as nested JSON values, which storage flattens to dotted names
+(``trainer.model.hf_config.n_layer``); it is read back from either form, and an ``hf_config``
+stored as JSON text is read exactly (a flattened config loses empty objects and splits keys that
+hold a dot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ftsdp import storage
+
+MODEL_PREFIX = "model."
+RECORD = "trainer.model"
+# Files of a Hugging Face model folder that are not weights nor config.json: the tokenizer's (every
+# kind transformers writes) and the generation defaults. Only these plain names are copied.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+DOCS = "docs/cli.md, 'The Hugging Face export'"
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1, "a.c": 2}`` -> ``{"a": {"b": 1, "c": 2}}``."""
+    out: dict[str, Any] = {}
+    for name, value in sorted(flat.items()):
+        *parents, leaf = name.split(".")
+        node = out
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{RECORD}: {name!r} lies under the value {part!r}")
+            node = child
+        node[leaf] = value
+    return out
+
+
+def read_record(values: Mapping[str, Any], src: str) -> dict[str, Any] | None:
+    """The ``trainer.model`` record of a checkpoint's values (whole, as JSON text, or flattened to
+    dotted names), with ``hf_config`` parsed; None when there is none. ValueError when it is not
+    the documented shape."""
+    if RECORD in values:
+        record = values[RECORD]
+    else:
+        prefix = RECORD + "."
+        record = _unflatten(
+            {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
+        )
+    if record is None or record == {}:
+        return None
+    try:
+        record = json.loads(record) if isinstance(record, str) else record
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        config = record.get("hf_config")
+        config = json.loads(config) if isinstance(config, str) else config
+        if config is not None and not isinstance(config, dict):
+            raise ValueError("hf_config is not a JSON object")
+        tokenizer_dir = record.get("tokenizer_dir")
+        if tokenizer_dir is not None and not isinstance(tokenizer_dir, str):
+            raise ValueError("tokenizer_dir is not a string")
+    except ValueError as e:
+        raise ValueError(
+            f"the model record {RECORD} in {src} is not {{'spec', 'hf_config', 'tokenizer_dir'}} "
+            f"({e}); pass --keep-names to convert without it"
+        ) from e
+    return {**record, "hf_config": config}
+
+
+def _weights_dtype(ckpt: storage.LazyStateDict, dtype: torch.dtype | None) -> str | None:
+    """The dtype name the exported floating model weights have (None when they mix dtypes)."""
+    if dtype is not None:
+        return str(dtype).removeprefix("torch.")
+    kinds = {
+        ckpt.info(n).dtype
+        for n in ckpt
+        if n.startswith(MODEL_PREFIX) and ckpt.info(n).dtype.is_floating_point
+    }
+    return str(kinds.pop()).removeprefix("torch.") if len(kinds) == 1 else None
+
+
+def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
+    """``config.json`` of the recorded config, its dtype (``dtype``, and ``torch_dtype`` when the
+    config has that older key) set to the weights' as ``save_pretrained`` would."""
+    config = dict(config)
+    if dtype is not None:
+        config["dtype"] = dtype
+        if "torch_dtype" in config:
+            config["torch_dtype"] = dtype
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _tied_groups(config: dict[str, Any]) -> list[list[str]]:
+    """The names of each parameter the model of ``config`` ties (several names, in module
+    order), from ``transformers`` itself: the model is built on the meta device (no memory, no
+    download, no code from the checkpoint). ImportError / ValueError when it cannot be."""
+    import transformers  # only here: importing a model's code takes seconds
+
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(config.get("model_type"), **rest)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _equal(ckpt: storage.LazyStateDict, a: str, b: str, chunk_bytes: int) -> bool:
+    """Whether tensors ``a`` and ``b`` hold the same bytes, compared a chunk at a time."""
+    ia, ib = ckpt.info(a), ckpt.info(b)
+    if ia.shape != ib.shape or ia.dtype != ib.dtype:
+        return False
+    step = max(1, chunk_bytes // max(1, ia.dtype.itemsize))
+    for offset in range(0, ia.numel, step):
+        n = min(step, ia.numel - offset)
+        if not torch.equal(ckpt.read(a, offset, n), ckpt.read(b, offset, n)):
+            return False
+    return True
+
+
+def tied_copies(
+    ckpt: storage.LazyStateDict, config: dict[str, Any], chunk_bytes: int
+) -> tuple[list[str], list[str]]:
+    """The checkpoint's names that hold a copy of a tied parameter saved under an earlier name
+    (left out of the export), and notes. Looked up only when the config ties the word embeddings
+    and two model tensors of one shape have ``vocab_size`` in it (so a checkpoint that holds a
+    tied weight once, as ``ftsdp.FSDP`` saves it, costs nothing)."""
+    if not config.get("tie_word_embeddings"):
+        return [], []
+    vocab = config.get("vocab_size")
+    shapes: dict[tuple, int] = {}
+    for name in ckpt:
+        shape = tuple(ckpt.info(name).shape)
+        if name.startswith(MODEL_PREFIX) and vocab in shape:
+            shapes[shape] = shapes.get(shape, 0) + 1
+    if max(shapes.values(), default=0) < 2:
+        return [], []
+    try:
+        groups = _tied_groups(config)
+    except Exception as e:  # transformers missing, or a model it cannot build from the config
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return [], [
+            f"tied weights not looked up ({why}): every model tensor is written, a tied one "
+            "under each of its names (from_pretrained loads them)"
+        ]
+    drop: list[str] = []
+    notes: list[str] = []
+    for group in groups:
+        present = [MODEL_PREFIX + n for n in group if MODEL_PREFIX + n in ckpt]
+        for copy in present[1:]:
+            if _equal(ckpt, present[0], copy, chunk_bytes):
+                drop.append(copy)
+            else:
+                notes.append(
+                    f"{copy} differs from {present[0]}, which the model ties it to: both written"
+                )
+    return drop, notes
+
+
+def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any], list[str]]]:
+    """``storage.convert`` keyword arguments for ``convert --to hf`` and a function giving the
+    one-line notes on its result."""
+    if args.keep_names:  # the names as saved, nothing added
+        return {"model_only": args.model_only or not args.include_optimizer}, lambda r: []
+    with storage.LazyStateDict(
+        args.src, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
+    ) as ckpt:
+        record = read_record(ckpt.values, args.src)
+        dtype = _weights_dtype(ckpt, args.dtype)
+        step = ckpt.step  # pinned: a job committing meanwhile does not change what is exported
+        config = record and record.get("hf_config")
+        tied, tie_notes = tied_copies(ckpt, config, args.max_memory // 8) if config else ([], [])
+    kwargs: dict[str, Any] = {
+        "model_only": not args.include_optimizer,
+        "strip_prefix": MODEL_PREFIX,
+        "step": step if args.step is None else args.step,
+        "exclude": tied,
+    }
+    one_file = args.dst.rstrip("/").endswith(".safetensors")
+    if not config:
+        note = (
+            f"{args.src} records no Hugging Face config ({RECORD}.hf_config): wrote the weights "
+            f"without the '{MODEL_PREFIX}' prefix and no config.json ({DOCS})"
+        )
+        return kwargs, lambda r: [note]
+    if one_file:
+        note = f"{args.dst} is one file: config.json and tokenizer files not written ({DOCS})"
+        return kwargs, lambda r: [*tie_notes, note]
+    kwargs["extra_files"] = {"config.json": config_json(config, dtype)}
+    tokenizer_dir = record.get("tokenizer_dir")
+    if tokenizer_dir:
+        kwargs.update(copy_files=TOKENIZER_FILES, copy_files_from=tokenizer_dir)
+
+    def notes(result: Any) -> list[str]:
+        if tokenizer_dir and not set(result.extra) & set(TOKENIZER_FILES):
+            return [
+                *tie_notes,
+                f"no tokenizer files copied: the recorded tokenizer_dir {tokenizer_dir} is not "
+                "there or holds none of the known tokenizer files; copy them into "
+                f"{args.dst} yourself",
+            ]
+        return tie_notes
+
+    return kwargs, notes
