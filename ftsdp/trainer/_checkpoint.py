@@ -10,10 +10,15 @@ for step in ...:
 ckpt.close()                            # waits for the last save; raises its error
 ```
 
-The checkpoint of a step is one ``storage`` state (docs/format.md)::
+The model may be an ``ftsdp.FSDP``, a torch FSDP2 (``fully_shard``) or other DTensor model, a
+``DistributedDataParallel``, or a plain module; the optimizer any element-wise torch optimizer
+(AdamW, SGD with momentum, Adagrad, ...). ``_engines.py`` has one adapter per kind of model. The
+checkpoint of a step is one ``storage`` state (docs/format.md), the same for every kind::
 
-    model.<param>                      FlatShard of every parameter / persistent buffer
-    optim.state.<param>.<key>          FlatShard (exp_avg, exp_avg_sq) or whole tensor (step)
+    model.<param>                      the parameter / persistent buffer: FlatShard (ftsdp.FSDP),
+                                       DTensor (FSDP2) or whole tensor (DDP, plain module)
+    optim.state.<param>.<key>          sharded like its parameter (exp_avg, momentum_buffer, sum),
+                                       whole when 0-dim (step), JSON when not a tensor
     optim.param_groups                 JSON: hyper-parameters and parameter names per group
     scheduler                          JSON: lr_scheduler.state_dict() (when given)
     rng                                JSON per rank: torch CPU, numpy and Python RNG states
@@ -25,6 +30,14 @@ same order. ``storage.load`` is collective and all-or-nothing (every rank reads 
 before any rank writes into its target). After each attempt the ranks agree (all_reduce MAX) on
 the outcome: loaded; unusable (corrupt, incomplete, I/O error: log loudly and try the previous
 committed step); or a mismatch with this model/optimizer (raise: an older step would not help).
+
+[Note: the optimizer state to load into]
+``storage.load`` fills a template in place, so the optimizer's state must exist first: a fresh
+optimizer takes one step with zero gradients and lr 0 (``init_optimizer_state``). A parameter
+that had no state when the step was saved (a save before the first step, a parameter no step
+reached) must end without state again: rank 0 reads the step's manifest and broadcasts the
+names of its optimizer state; a template entry of a parameter with no saved state is left out of
+the load and the parameter's state is dropped afterwards.
 
 [Note: continuing after a fallback]
 The steps a resume fell back past are newer than the one it loaded. ``storage.save`` refuses to
@@ -41,7 +54,7 @@ surfaces.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -52,7 +65,9 @@ import torch.distributed as dist
 
 from ftsdp import storage
 from ftsdp.trainer import _checkpoint_state as cs
+from ftsdp.trainer import _engines
 
+logger = logging.getLogger(__name__)
 _OK, _FALLBACK, _FATAL = 0, 1, 2
 
 
@@ -68,17 +83,24 @@ class ResumeInfo:
 
 
 class CheckpointManager:
-    """Saves and restores a wrapped model (``sharded_state_dict`` /
-    ``sharded_optim_state_dict``), its optimizer, an optional LR scheduler, the RNG states and
-    the caller's trainer values under ``url`` (any fsspec URL).
+    """Saves and restores a model, its optimizer, an optional LR scheduler, the RNG states and
+    the caller's trainer values under ``url`` (any fsspec URL), and resumes them at any world
+    size.
 
     Args:
+        model: an ``ftsdp.FSDP``, a torch FSDP2 (``fully_shard``) or other DTensor model, a
+            ``DistributedDataParallel``, or a plain module (one process, or replicated by hand:
+            identical on every rank, saved once). torch FSDP1 is refused.
+        optimizer: any element-wise torch optimizer over the model's parameters (created after
+            wrapping): state tensors shaped like their parameter's shard, 0-dim tensors, JSON
+            values. A state tensor that cannot be resharded is refused when saving, naming it.
         every_steps / every_seconds: when :meth:`due` says a save is due (either may be None).
         keep_last / keep_every: retention after each commit (``storage.apply_retention``).
         async_save: :meth:`save` returns once the shards are staged; the upload and commit run
             in the background (errors surface at the next save, :meth:`wait` or :meth:`close`).
         seed: reseeds the RNGs per rank when the world size changed since the save.
-        log: one-line messages (default: stderr); fallbacks are logged here, loudly.
+        log: one-line messages (default: the ``ftsdp.trainer._checkpoint`` logger, at WARNING);
+            fallbacks are logged here, loudly.
     """
 
     def __init__(
@@ -107,12 +129,7 @@ class CheckpointManager:
                 raise ValueError(f"CheckpointManager: {name}={value} must be >= 1 or None")
         if every_seconds is not None and every_seconds <= 0:
             raise ValueError(f"CheckpointManager: every_seconds={every_seconds} must be > 0")
-        for method in ("sharded_state_dict", "sharded_optim_state_dict"):
-            if not hasattr(model, method):
-                raise ValueError(
-                    f"CheckpointManager needs a model with {method}() (an ftsdp.FSDP), got "
-                    f"{type(model).__name__}"
-                )
+        self.engine = _engines.engine_for(model, optimizer)
         self.url = url
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.every_steps, self.every_seconds = every_steps, every_seconds
@@ -122,7 +139,7 @@ class CheckpointManager:
         self.process_group = process_group
         self.save_options, self.load_options = save_options, load_options
         self.seed = seed
-        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._log = log or logger.warning
         self._pending: storage.SaveHandle | None = None
         self._last_save = time.monotonic()
         self.last_saved_step: int | None = None
@@ -136,8 +153,8 @@ class CheckpointManager:
 
     def _state(self, trainer: Mapping[str, Any]) -> dict[str, Any]:
         state: dict[str, Any] = {
-            "model": cs.model_state(self.model),
-            "optim": cs.optim_state(self.model, self.optimizer),
+            "model": self.engine.model_state(),
+            "optim": self.engine.optim_state(),
             "rng": cs.rng_state(),
             "trainer": dict(trainer),
         }
@@ -197,23 +214,43 @@ class CheckpointManager:
             pending.wait()
 
     # -- resuming -------------------------------------------------------------------------------
-    def _agreed_steps(self) -> list[int]:
+    def _from_rank0(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` on rank 0, its result on every rank (rank 0 must not raise)."""
         rank, world = self._rank_world()
-        msg: list[Any] = [None]
-        if rank == 0:
-            try:
-                msg = [("ok", storage.list_steps(self.url, storage_options=self.storage_options))]
-            except Exception as e:
-                msg = [("error", f"{type(e).__name__}: {e}")]
+        msg: list[Any] = [compute() if rank == 0 else None]
         if world > 1:
             src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
             dist.broadcast_object_list(msg, src=src, group=self.process_group)
-        kind, value = msg[0]
+        return msg[0]
+
+    def _agreed_steps(self) -> list[int]:
+        def listing() -> tuple[str, Any]:
+            try:
+                return "ok", storage.list_steps(self.url, storage_options=self.storage_options)
+            except Exception as e:
+                return "error", f"{type(e).__name__}: {e}"
+
+        kind, value = self._from_rank0(listing)
         if kind == "error":
             raise storage.CheckpointError(
                 f"listing the checkpoints under {self.url} failed on rank 0: {value}"
             )
         return list(value)
+
+    def _saved_optim_names(self, step: int) -> set[str] | None:
+        """The names of step ``step``'s optimizer state, read by rank 0 (None when its manifest
+        cannot be read: the load reports why). See [Note: the optimizer state to load into]."""
+
+        def names() -> list[str] | None:
+            try:
+                m = storage.read_manifest(self.url, step, storage_options=self.storage_options)
+            except Exception:
+                return None
+            found = {*m.tensors, *m.values, *(k for values in m.rank_values for k in values)}
+            return sorted(n for n in found if n.startswith("optim.state."))
+
+        found = self._from_rank0(names)
+        return None if found is None else set(found)
 
     def _agree(self, code: int) -> int:
         if self._rank_world()[1] == 1:
@@ -232,14 +269,16 @@ class CheckpointManager:
         steps = self._agreed_steps()
         if not steps:
             return None
-        cs.ensure_optimizer_state(self.optimizer)
+        cs.init_optimizer_state(self.optimizer)
         rank, world = self._rank_world()
         skipped: list[tuple[int, str]] = []
         for i, step in enumerate(reversed(steps)):
-            target = self._state(trainer)
+            saved = self._saved_optim_names(step)
             error: BaseException | None = None
             code = _OK
             try:
+                target = self._state(trainer)
+                stateless = _leave_out_stateless(target["optim"]["state"], saved)
                 result = storage.load(
                     target,
                     self.url,
@@ -276,10 +315,14 @@ class CheckpointManager:
                 f"({skipped[0][1]})"
             )
         trainer.update(target["trainer"])
+        self.engine.load(target["model"], target["optim"])
+        params = self.engine.params_by_name()
+        for name in stateless:  # no state when saved: none now either
+            self.optimizer.state.pop(params[name], None)
         cs.restore_param_groups(
             self.optimizer,
             target["optim"]["param_groups"],
-            cs.optim_state(self.model, self.optimizer)["param_groups"],
+            self.engine.optim_state()["param_groups"],
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(json.loads(target["scheduler"]))
@@ -308,3 +351,21 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | None) -> list[str]:
+    """Remove from the template ``state`` (``{param: {key: leaf}}``) the parameters that have no
+    optimizer state in the checkpoint (``saved``: its ``optim.state.*`` names; None: unknown,
+    keep all); returns their names. A parameter with some of its keys saved stays, so that a
+    missing key is a mismatch. (A parameter's name is never another's name plus a dot: one is
+    a module attribute, the other would need that attribute to be a module.)"""
+    if saved is None:
+        return []
+    heads = set()  # every dotted prefix of every saved name, after "optim.state."
+    for n in saved:
+        parts = n.split(".")[2:]
+        heads.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    gone = [name for name, entry in state.items() if entry and name not in heads]
+    for name in gone:
+        del state[name]
+    return gone

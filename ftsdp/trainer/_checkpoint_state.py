@@ -1,10 +1,9 @@
-"""The checkpoint state of a wrapped model and its optimizer, as storage leaves.
+"""What a checkpoint holds besides the engine's tensors: optimizer set-up, param groups, RNG.
 
-The engine hands out ``ShardView``s (docs/design.md, "The engine/storage seam"); each becomes a
-``storage.FlatShard`` over the same live tensor, so ``storage.save`` reads the shards and
-``storage.load`` fills them in place. Everything that is not a tensor (param group
-hyper-parameters, LR scheduler, RNG states) is one JSON string per entry, so a checkpoint's key
-set does not change when torch adds a field to a scheduler's state dict.
+The model's and the optimizer's tensors come from the engine adapters (``_engines.py``).
+Everything that is not a tensor (param group hyper-parameters, LR scheduler, RNG states) is one
+JSON string per entry, so a checkpoint's key set does not change when torch adds a field to a
+scheduler's state dict.
 """
 
 from __future__ import annotations
@@ -20,79 +19,77 @@ import torch
 from ftsdp import storage
 
 
-def _flat(view: Any) -> storage.FlatShard:
-    return storage.FlatShard(tuple(view.global_shape), view.offset, view.local)
-
-
-def model_state(model: torch.nn.Module) -> dict[str, Any]:
-    """``{name: FlatShard}`` aliasing the live shards (parameters and persistent buffers)."""
-    return {name: _flat(view) for name, view in model.sharded_state_dict().items()}
-
-
-def optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"state": {param: {key: FlatShard | tensor}}, "param_groups": json}``, aliasing the
-    optimizer's live state tensors (``step`` stays a whole 0-dim tensor, the same on every
-    rank, which storage writes once)."""
-    sd = model.sharded_optim_state_dict(optimizer)
-    state = {
-        name: {
-            key: _flat(v) if hasattr(v, "global_shape") else v
-            for key, v in entry.items()
-            if isinstance(v, torch.Tensor) or hasattr(v, "global_shape")
-        }
-        for name, entry in sd["state"].items()
-    }
-    return {"state": state, "param_groups": json.dumps(sd["param_groups"], sort_keys=True)}
-
-
-_ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the state a fresh Adam/AdamW would have after its first step (zeros, step 0), so
-    that a checkpoint can be loaded into it in place. Does nothing when state exists already."""
-    if not isinstance(optimizer, _ADAM_LIKE):
-        if any(p.requires_grad for g in optimizer.param_groups for p in g["params"]) and not (
-            isinstance(optimizer, torch.optim.SGD)
-            and all(g.get("momentum", 0) == 0 for g in optimizer.param_groups)
-        ):
-            raise ValueError(
-                f"CheckpointManager can resume {', '.join(c.__name__ for c in _ADAM_LIKE)} and "
-                f"SGD without momentum; got {type(optimizer).__name__}"
-            )
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state a fresh optimizer would have after one step, so that a checkpoint can be
+    loaded into it in place: one ``step()`` with zero gradients and every group's ``lr`` at 0
+    (what ``torch.distributed.checkpoint`` does too). The parameters may change for an optimizer
+    that moves them even then; the load overwrites them. Gradients and learning rates are put
+    back. Does nothing when every trainable parameter has state already."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if all(optimizer.state.get(p) for p in params):
         return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not p.requires_grad or optimizer.state.get(p):
-                continue
-            state = {
-                "step": torch.zeros(
-                    (),
-                    dtype=torch.float32,
-                    device=p.device if group.get("capturable") or group.get("fused") else "cpu",
-                ),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            optimizer.state[p] = state
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            if lr is not None:
+                group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        optimizer.step()
+    except Exception as e:
+        raise ValueError(
+            f"CheckpointManager cannot create the state of {type(optimizer).__name__} to load a "
+            f"checkpoint into: one step() with zero gradients and lr=0 failed ({type(e).__name__}: "
+            f"{e}). Optimizers that need a closure (LBFGS) are not supported"
+        ) from e
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            if lr is not None:
+                group["lr"] = lr
 
 
 def restore_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, current: str) -> None:
-    """Set the saved hyper-parameters on the optimizer's groups (same parameters required)."""
+    """Set the saved hyper-parameters on the optimizer's groups (the same parameter names in the
+    same groups required). A tensor-valued hyper-parameter (e.g. a tensor ``lr``) is filled in
+    place; a tuple stays a tuple."""
     saved, mine = json.loads(saved_json), json.loads(current)
     if [g["params"] for g in saved] != [g["params"] for g in mine]:
         raise storage.StateMismatchError(
             "the optimizer's param groups hold other parameters than the checkpoint's: saved "
             f"{[len(g['params']) for g in saved]} parameters per group, now "
             f"{[len(g['params']) for g in mine]}"
+            + _first_difference([g["params"] for g in saved], [g["params"] for g in mine])
         )
     for group, values in zip(optimizer.param_groups, saved, strict=True):
         for key, value in values.items():
             if key == "params" or key not in group:
                 continue
-            group[key] = tuple(value) if isinstance(group[key], tuple) else value
+            now = group[key]
+            if isinstance(now, torch.Tensor):
+                with torch.no_grad():
+                    now.copy_(torch.as_tensor(value, dtype=now.dtype))
+            elif isinstance(now, tuple):
+                group[key] = tuple(
+                    n.new_tensor(v) if isinstance(n, torch.Tensor) else v
+                    for n, v in zip(now, value, strict=True)
+                )
+            else:
+                group[key] = value
+
+
+def _first_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
+    for i, (a, b) in enumerate(zip(saved, mine, strict=False)):
+        if a != b:
+            only_saved = sorted(set(a) - set(b))[:3]
+            only_mine = sorted(set(b) - set(a))[:3]
+            return (
+                f"; group {i}: only in the checkpoint {only_saved}, only in the optimizer "
+                f"{only_mine}"
+            )
+    return ""
 
 
 # -- RNG states ---------------------------------------------------------------------------------

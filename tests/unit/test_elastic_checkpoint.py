@@ -189,11 +189,13 @@ def test_time_based_saves_and_bad_arguments(tmp_path):
         _manager(tmp_path, *m, every_seconds=-1)
     with pytest.raises(ValueError, match="url=''"):
         CheckpointManager("", m[0], m[1])
-    with pytest.raises(ValueError, match="sharded_state_dict"):
+    with pytest.raises(ValueError, match="not one of the model's"):
         CheckpointManager(str(tmp_path), torch.nn.Linear(2, 2), m[1])
-    sgd = torch.optim.SGD(m[0].parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(ValueError, match="got SGD"):
-        _manager(tmp_path / "ck", m[0], sgd, None).resume({"step": 0})
+    with pytest.raises(TypeError, match="must be an nn.Module"):
+        CheckpointManager(str(tmp_path), object(), m[1])
+    lbfgs = torch.optim.LBFGS(m[0].parameters())  # needs a closure: no state to load into
+    with pytest.raises(ValueError, match="cannot create the state of LBFGS"):
+        _manager(tmp_path / "ck", m[0], lbfgs, None).resume({"step": 0})
 
 
 def test_after_falling_back_the_job_saves_again_on_one_timeline(tmp_path):
@@ -247,3 +249,175 @@ def test_a_newer_step_without_a_fallback_is_an_error(tmp_path):
     with pytest.raises(storage.CheckpointError, match=r"newer than it exist: \[5\]"):
         other.save(2, {"step": 2})
     assert storage.list_steps(str(url)) == [1, 5]
+
+
+# -- any engine, any element-wise optimizer (one process: ftsdp.FSDP and a plain module) ------
+
+
+class _Tiny(torch.nn.Module):
+    """Two layers and a parameter no step reaches (it never gets optimizer state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+_OPTIMIZERS = {
+    "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True),
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.05, lr_decay=0.01),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=0.01, momentum=0.5, centered=True),
+    "adamw-amsgrad": lambda groups: torch.optim.AdamW(groups, lr=0.01, amsgrad=True),
+}
+
+
+def _tiny(engine: str, optimizer: str, seed: int):
+    torch.manual_seed(seed)
+    model = _Tiny()
+    if engine == "ftsdp":
+        model = ftsdp.FSDP(model)
+    named = list(model.named_parameters())
+    groups = [  # two groups: names must map back to the right group
+        {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.01},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
+    ]
+    return model, _OPTIMIZERS[optimizer](groups)
+
+
+def _tiny_steps(model, opt, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(6, 8, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _snapshot(model, opt) -> tuple[dict, list]:
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    state = [
+        {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+        if p in opt.state
+        else None
+        for g in opt.param_groups
+        for p in g["params"]
+    ]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return sd, [state, groups]
+
+
+def _assert_snapshots_equal(a, b) -> None:
+    (sda, (sta, ga)), (sdb, (stb, gb)) = a, b
+    assert sda.keys() == sdb.keys()
+    for k in sda:
+        assert torch.equal(sda[k], sdb[k]), k
+    assert [s is None for s in sta] == [s is None for s in stb]
+    for x, y in zip(sta, stb, strict=True):
+        if x is not None:
+            assert x.keys() == y.keys()
+            for k in x:
+                assert torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k]
+    assert ga == gb
+
+
+@pytest.mark.parametrize("engine", ["ftsdp", "module"])
+@pytest.mark.parametrize("optimizer", sorted(_OPTIMIZERS))
+def test_any_elementwise_optimizer_round_trips_bitwise(tmp_path, engine, optimizer):
+    """SGD with momentum, Adagrad, RMSprop and AdamW with amsgrad, on ftsdp.FSDP and on a plain
+    module: the resumed state is the saved one bit for bit (a parameter no step reached has no
+    state, before and after; the param groups' hyper-parameters come back), and training goes on
+    exactly like the uninterrupted run. The old code refused all but Adam, AdamW and plain SGD,
+    and any model without sharded_state_dict()."""
+    url = str(tmp_path / "ck")
+    model, opt = _tiny(engine, optimizer, 0)
+    _tiny_steps(model, opt, 3, seed=1)
+    opt.param_groups[1]["lr"] = 0.0123  # changed after construction: must come from the save
+    ckpt = CheckpointManager(url, model, opt, keep_last=1)
+    ckpt.save(3, {"step": 3})
+    ckpt.close()
+    saved = _snapshot(model, opt)
+    # unused.bias has no state (Adagrad creates its state up front)
+    assert (saved[1][0][-1] is None) == (optimizer != "adagrad")
+    _tiny_steps(model, opt, 2, seed=2)
+    expected = _snapshot(model, opt)
+
+    model2, opt2 = _tiny(engine, optimizer, 7)
+    resumed = CheckpointManager(url, model2, opt2)
+    assert resumed.engine.kind == engine
+    assert resumed.resume({"step": 0}).step == 3
+    _assert_snapshots_equal(_snapshot(model2, opt2), saved)
+    _tiny_steps(model2, opt2, 2, seed=2)
+    _assert_snapshots_equal(_snapshot(model2, opt2), expected)
+
+
+@pytest.mark.parametrize("engine", ["ftsdp", "module"])
+def test_a_save_before_the_first_step_resumes_without_optimizer_state(tmp_path, engine):
+    """A save before any step (no optimizer state yet) resumes to no state, so Adam's first step
+    is still its first (the old code created zero state with step 0 and then failed: the
+    checkpoint had no optimizer state to load into it). Saving does not create state either."""
+    url = str(tmp_path / "ck")
+    model, opt = _tiny(engine, "adamw-amsgrad", 0)
+    CheckpointManager(url, model, opt, async_save=False).save(0, {"step": 0})
+    assert not opt.state
+    saved = _snapshot(model, opt)
+    _tiny_steps(model, opt, 2, seed=2)
+    expected = _snapshot(model, opt)
+
+    model2, opt2 = _tiny(engine, "adamw-amsgrad", 7)
+    assert CheckpointManager(url, model2, opt2).resume({"step": 0}).step == 0
+    assert not opt2.state
+    _assert_snapshots_equal(_snapshot(model2, opt2), saved)
+    _tiny_steps(model2, opt2, 2, seed=2)
+    _assert_snapshots_equal(_snapshot(model2, opt2), expected)
+
+
+class _Custom(torch.optim.Optimizer):
+    """Element-wise, with a Python value in its state, and optionally a tensor of its own size
+    (like a factored moment: not a per-element range of the parameter)."""
+
+    def __init__(self, params, lr: float = 0.1, odd: bool = False) -> None:
+        super().__init__(params, {"lr": lr, "odd": odd})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["avg"], st["step"], st["seen"] = torch.zeros_like(p), torch.zeros(()), 0
+                    if group["odd"]:
+                        st["odd"] = torch.zeros(3)
+                st["avg"].mul_(0.5).add_(p.grad)
+                st["step"] += 1
+                st["seen"] += 1
+                p.add_(st["avg"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("engine", ["ftsdp", "module"])
+def test_json_optimizer_state_round_trips_and_unreshardable_state_is_refused(tmp_path, engine):
+    model, opt = _tiny(engine, "adagrad", 0)
+    opt = _Custom(model.parameters())
+    _tiny_steps(model, opt, 2, seed=1)
+    CheckpointManager(str(tmp_path / "ck"), model, opt, async_save=False).save(2, {"step": 2})
+    saved = _snapshot(model, opt)
+    model2, _ = _tiny(engine, "adagrad", 3)
+    opt2 = _Custom(model2.parameters())
+    CheckpointManager(str(tmp_path / "ck"), model2, opt2).resume({"step": 0})
+    _assert_snapshots_equal(_snapshot(model2, opt2), saved)
+    assert opt2.state[next(iter(model2.parameters()))]["seen"] == 2
+
+    odd = _Custom(model.parameters(), odd=True)
+    _tiny_steps(model, odd, 1, seed=1)
+    ckpt = CheckpointManager(str(tmp_path / "odd"), model, odd, async_save=False)
+    if engine == "module":  # whole tensors: nothing to reshard
+        ckpt.save(1, {"step": 1})
+    else:
+        with pytest.raises(
+            ValueError, match=r"optimizer state a\.weight\.odd .* cannot be resharded"
+        ):
+            ckpt.save(1, {"step": 1})

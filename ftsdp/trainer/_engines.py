@@ -1,0 +1,283 @@
+"""Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them.
+
+``CheckpointManager`` talks to one small interface, :class:`Engine`; :func:`engine_for` picks
+the adapter for a model:
+
+==========  ==============================================  ===================================
+kind        model                                           leaves handed to ``storage``
+==========  ==============================================  ===================================
+``ftsdp``   ``ftsdp.FSDP``                                  ``FlatShard`` per parameter and per
+                                                            optimizer state tensor that mirrors
+                                                            one (``sharded_state_dict`` /
+                                                            ``sharded_optim_state_dict``)
+``dtensor`` torch FSDP2 (``fully_shard``) or any model      DTensors as they are (storage places
+            whose parameters are DTensors                   them by their placements)
+``ddp``     ``DistributedDataParallel``                     whole tensors, identical on every
+                                                            rank: written once
+``module``  any other ``nn.Module`` (one process, or        whole tensors
+            replicated by hand)
+==========  ==============================================  ===================================
+
+The last three go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``,
+``get_optimizer_state_dict`` and their ``set_`` counterparts): canonical names (no ``module.`` or
+``_orig_mod.`` prefixes), and torch's own handling of each parallelism.
+
+Every adapter gives the same layout: ``model.<name>``, ``optim.state.<name>.<key>`` and
+``optim.param_groups`` (JSON: hyper-parameters and parameter names per group). Any element-wise
+optimizer works (AdamW, SGD with momentum, Adagrad, RMSprop, ...): a state tensor shaped like its
+parameter's shard is sharded like the parameter, a 0-dim tensor (``step``) is whole (the same on
+every rank), a non-tensor value is JSON. What cannot be resharded (a state tensor of another
+size on a sharded parameter, e.g. a factored second moment on ``ftsdp.FSDP``'s flat shards) is
+refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from ftsdp import storage
+
+
+class Engine:
+    """How one kind of model hands its state to storage and takes it back.
+
+    ``model_state()`` and ``optim_state()`` return nested dicts of storage leaves that alias the
+    live tensors where the engine allows it (``storage.load`` fills them in place); after a load,
+    :meth:`load` puts everything, including what could not be aliased (JSON values, copies), back
+    into the model and the optimizer.
+    """
+
+    kind = "module"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    # -- to be provided by each adapter -----------------------------------------------------------
+    def model_state(self) -> dict[str, Any]:
+        """``{name: leaf}`` for every parameter and persistent buffer."""
+        raise NotImplementedError
+
+    def _raw_optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        """``(state by parameter name, param groups naming their parameters)``."""
+        raise NotImplementedError
+
+    def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
+        """The storage leaf of one optimizer state value of ``param`` (or raise: it cannot be
+        resharded)."""
+        raise NotImplementedError
+
+    def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+        """Put the loaded ``model_state`` / ``optim_state`` (as filled by ``storage.load``) into
+        the live model and optimizer."""
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------------
+    def optim_state(self) -> dict[str, Any]:
+        """``{"state": {param: {key: leaf}}, "param_groups": json}``."""
+        state, groups = self._raw_optim()
+        params = self._params(groups)
+        leaves = {
+            name: {key: self._leaf(name, key, value, params[name]) for key, value in entry.items()}
+            for name, entry in state.items()
+        }
+        return {"state": leaves, "param_groups": groups_json(groups)}
+
+    def params_by_name(self) -> dict[str, torch.Tensor]:
+        """The optimizer's parameters under the names its state is saved with."""
+        return self._params(self._raw_optim()[1])
+
+    def _params(self, groups: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for saved, group in zip(groups, self.optimizer.param_groups, strict=True):
+            out.update(zip(saved["params"], group["params"], strict=True))
+        return out
+
+    def _set_json_values(self, optim_state: dict[str, Any]) -> None:
+        params = self.params_by_name()
+        for name, entry in optim_state["state"].items():
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor | storage.FlatShard):
+                    self.optimizer.state[params[name]][key] = value
+
+
+def _json_value(what: str, value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"CheckpointManager: {what} is a {type(value).__name__}, neither a tensor nor "
+            f"JSON-serialisable ({e}); only tensors and JSON values can be checkpointed"
+        ) from e
+    return value
+
+
+def groups_json(groups: list[dict[str, Any]]) -> str:
+    """Param groups as one JSON string: tensors become numbers (or lists), tuples lists."""
+
+    def plain(key: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu().tolist()
+        if isinstance(value, tuple | list):
+            return [plain(key, v) for v in value]
+        return _json_value(f"param group value {key!r}", value)
+
+    return json.dumps(
+        [{k: (v if k == "params" else plain(k, v)) for k, v in g.items()} for g in groups],
+        sort_keys=True,
+    )
+
+
+def _not_reshardable(name: str, key: str, value: torch.Tensor, expected: str) -> ValueError:
+    return ValueError(
+        f"CheckpointManager: optimizer state {name}.{key} is a tensor of shape "
+        f"{tuple(value.shape)}, neither 0-dim nor {expected}, so it cannot be resharded to "
+        "another world size. Only element-wise optimizers (state per element of the parameter, "
+        "or scalars) can be checkpointed with this engine"
+    )
+
+
+# -- ftsdp.FSDP ---------------------------------------------------------------------------------
+
+
+class FtsdpEngine(Engine):
+    """``ftsdp.FSDP``: every view of the engine's flat shards becomes a ``FlatShard``."""
+
+    kind = "ftsdp"
+
+    def model_state(self) -> dict[str, Any]:
+        return {name: _flat(view) for name, view in self.model.sharded_state_dict().items()}
+
+    def _raw_optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        sd = self.model.sharded_optim_state_dict(self.optimizer)
+        return sd["state"], sd["param_groups"]
+
+    def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
+        if hasattr(value, "global_shape"):  # a ShardView: the parameter's range
+            return _flat(value)
+        if isinstance(value, torch.Tensor):
+            # 0-dim, or shaped like a parameter the engine does not shard (ignored_modules):
+            # whole, like that parameter in model_state
+            if value.dim() == 0 or value.shape == param.shape:
+                return value
+            raise _not_reshardable(name, key, value, "1-D with the parameter's local numel")
+        return _json_value(f"optimizer state {name}.{key}", value)
+
+    def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+        self._set_json_values(optim_state)  # every tensor was loaded in place
+
+
+def _flat(view: Any) -> storage.FlatShard:
+    return storage.FlatShard(tuple(view.global_shape), view.offset, view.local)
+
+
+# -- torch.distributed.checkpoint.state_dict: FSDP2 / DTensor, DDP, a plain module --------------
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+class TorchEngine(Engine):
+    """FSDP2 / DTensor models, DDP and plain modules, through
+    ``torch.distributed.checkpoint.state_dict``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, kind: str) -> None:
+        super().__init__(model, optimizer)
+        self.kind = kind
+        from torch.distributed.checkpoint import state_dict as dsd
+
+        self._dsd = dsd
+
+    def model_state(self) -> dict[str, Any]:
+        state = self._dsd.get_model_state_dict(self.model)
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                _check_tensor(f"model.{name}", value)
+            else:
+                _json_value(f"model state {name}", value)
+        return state
+
+    def _raw_optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        # get_optimizer_state_dict creates the state when there is none (one step with zero
+        # gradients and lr 0): a save must not change the optimizer, so undo it then.
+        empty = not self.optimizer.state
+        sd = self._dsd.get_optimizer_state_dict(self.model, self.optimizer)
+        if empty and self.optimizer.state:
+            self.optimizer.state.clear()
+            return {}, sd["param_groups"]
+        return sd["state"], sd["param_groups"]
+
+    def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
+        if isinstance(value, torch.Tensor):
+            if _is_dtensor(param) and not _is_dtensor(value) and value.dim() > 0:
+                raise _not_reshardable(name, key, value, "a DTensor like its parameter")
+            return _check_tensor(f"optim.state.{name}.{key}", value)
+        return _json_value(f"optimizer state {name}.{key}", value)
+
+    def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+        dsd = self._dsd
+        dsd.set_model_state_dict(self.model, model_state)
+        groups = dsd.get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        dsd.set_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            {"state": optim_state["state"], "param_groups": groups},
+            # the names were checked against the checkpoint by storage.load already; a parameter
+            # without saved state (no step had reached it) stays without state
+            options=dsd.StateDictOptions(strict=False),
+        )
+
+
+def _check_tensor(name: str, value: torch.Tensor) -> torch.Tensor:
+    if not _is_dtensor(value) and hasattr(value, "local_shards"):
+        raise TypeError(
+            f"CheckpointManager: {name} is a {type(value).__name__}; only plain tensors and "
+            "DTensors can be checkpointed (torch FSDP1's ShardedTensor is not supported: use "
+            "FSDP2's fully_shard or ftsdp.FSDP)"
+        )
+    return value
+
+
+# -- choosing the adapter -----------------------------------------------------------------------
+
+
+def engine_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Engine:
+    """The adapter for ``model`` (see the module docstring for the kinds); raises for what no
+    adapter handles, naming it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"CheckpointManager: model must be an nn.Module, got {type(model).__name__}"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "CheckpointManager: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    if hasattr(model, "sharded_state_dict") and hasattr(model, "sharded_optim_state_dict"):
+        return FtsdpEngine(model, optimizer)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            "CheckpointManager does not support torch FSDP1 (FullyShardedDataParallel): use "
+            "FSDP2 (torch.distributed.fsdp.fully_shard) or ftsdp.FSDP"
+        )
+    mine = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in mine:
+                raise ValueError(
+                    "CheckpointManager: the optimizer holds a parameter that is not one of the "
+                    "model's; create the optimizer from model.parameters() after wrapping"
+                )
+    if any(_is_dtensor(p) for p in model.parameters()):
+        return TorchEngine(model, optimizer, "dtensor")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return TorchEngine(model, optimizer, "ddp")
+    return TorchEngine(model, optimizer, "module")
