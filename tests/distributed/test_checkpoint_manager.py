@@ -11,6 +11,8 @@ process group, ``agree_any``, and a watchdog on the real c10d TCPStore.
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -173,8 +175,8 @@ def _unexpected_error_phase(rank: int, world: int, url: str) -> str:
     from ftsdp.trainer._checkpoint import CheckpointManager
 
     model, opt, sched = _build(1)
+    real = storage.load
     if rank == 1:  # a bug-like error on one rank only, after the load's own collectives
-        real = storage.load
 
         def broken(*args, **kwargs):
             real(*args, **kwargs)
@@ -186,14 +188,9 @@ def _unexpected_error_phase(rank: int, world: int, url: str) -> str:
         ckpt.resume({"step": 0, "cursor": 0, "tag": ""})
     except Exception as e:
         return f"{type(e).__name__}: {e}"
+    finally:
+        storage.load = real
     return "resumed"
-
-
-def test_an_unexpected_error_on_one_rank_fails_every_rank_instead_of_hanging(saved) -> None:
-    url, _ = saved
-    out = run_ranks(_unexpected_error_phase, 2, url, timeout=60)
-    assert out[1] == "RuntimeError: unexpected on rank 1", out
-    assert out[0].startswith("StateMismatchError") and "another rank" in out[0], out
 
 
 def _fallback_phase(rank: int, world: int, url: str) -> dict:
@@ -216,21 +213,42 @@ def _fallback_phase(rank: int, world: int, url: str) -> dict:
     return out
 
 
-def test_after_a_fallback_every_rank_saves_the_skipped_step_again(saved, tmp_path) -> None:
-    """Step 5 is corrupt: the resume falls back to 3. A save behind 5 is refused on every rank;
-    the manager's save of step 5 replaces the abandoned one (the old code failed it with
-    FileExistsError on every rank), and training from 3 reaches the same step-5 state."""
+def _followups(rank: int, world: int, url: str, corrupt: str) -> dict:
+    """Both follow-up phases in one spawn (each spawn costs seconds)."""
+    return {
+        "unexpected": _unexpected_error_phase(rank, world, url),
+        "fallback": _fallback_phase(rank, world, corrupt),
+    }
+
+
+@pytest.fixture(scope="module")
+def followups(saved, tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
+    """Step 5 of a copy of the saved run is corrupt; one W=2 spawn runs both follow-ups."""
     import shutil
 
-    url, ref = saved
-    run = tmp_path / "run"
+    url, _ = saved
+    run = tmp_path_factory.mktemp("fallback") / "run"
     shutil.copytree(url, run)
     obj = max((run / "step-5").glob("*.safetensors"), key=lambda p: p.stat().st_size)
     data = bytearray(obj.read_bytes())
     data[-5] ^= 0xFF
     obj.write_bytes(bytes(data))
-    out = run_ranks(_fallback_phase, 2, str(run))
-    for r in out:
+    return run, run_ranks(_followups, 2, url, str(run), timeout=120)
+
+
+def test_an_unexpected_error_on_one_rank_fails_every_rank_instead_of_hanging(followups) -> None:
+    out = [r["unexpected"] for r in followups[1]]
+    assert out[1] == "RuntimeError: unexpected on rank 1", out
+    assert out[0].startswith("StateMismatchError") and "another rank" in out[0], out
+
+
+def test_after_a_fallback_every_rank_saves_the_skipped_step_again(saved, followups) -> None:
+    """Step 5 is corrupt: the resume falls back to 3. A save behind 5 is refused on every rank;
+    the manager's save of step 5 replaces the abandoned one (the old code failed it with
+    FileExistsError on every rank), and training from 3 reaches the same step-5 state."""
+    _, ref = saved
+    run, outs = followups
+    for r in (o["fallback"] for o in outs):
         assert r["resumed"] == 3 and r["skipped"] == [5], r
         assert "newer than it exist: [5]" in r["behind"] and "discard_newer" in r["behind"], r
         assert r["steps"] == [3, 5], r
