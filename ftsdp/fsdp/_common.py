@@ -26,9 +26,17 @@ class ShardingStrategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        """Accept the enum or its name (case-insensitive); a clear ValueError otherwise."""
+        """Accept the enum, torch FSDP's enum of the same name, or its name (case-insensitive);
+        a clear ValueError otherwise."""
         if isinstance(value, cls):
             return value
+        if isinstance(value, enum.Enum) and type(value).__name__ == cls.__name__:
+            value = value.name  # torch.distributed.fsdp.ShardingStrategy
+            if value == "_HYBRID_SHARD_ZERO2":
+                raise ValueError(
+                    "sharding_strategy=_HYBRID_SHARD_ZERO2 is not supported by ftsdp; use "
+                    "HYBRID_SHARD (shard inside a group, replicate across groups)"
+                )
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
         valid = ", ".join(cls.__members__)
@@ -61,6 +69,10 @@ class MixedPrecision:
     - ``buffer_dtype``: floating-point buffers are cast to this dtype at wrap time.
     - ``cast_forward_inputs``: floating-point tensors passed to the root are cast to
       ``param_dtype``.
+    - ``cast_root_forward_inputs`` (torch FSDP's name): the root's inputs are cast only when
+      both this and ``cast_forward_inputs`` are true (both default to true).
+    - ``keep_low_precision_grads`` (torch FSDP's): only ``False`` is supported; gradients are
+      always handed to the optimizer in the master dtype.
 
     The optimizer always steps on the fp32 (master dtype) shards and fp32 gradients. With
     fp16, scale the loss with ``ftsdp.ShardedGradScaler`` (a plain ``GradScaler`` would let
@@ -71,8 +83,15 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    cast_root_forward_inputs: bool = True
+    keep_low_precision_grads: bool = False
 
     def __post_init__(self) -> None:
+        if self.keep_low_precision_grads:
+            raise ValueError(
+                "MixedPrecision(keep_low_precision_grads=True) is not supported by ftsdp: the "
+                "optimizer always steps on fp32 master shards with fp32 gradients; drop it"
+            )
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             value = getattr(self, name)
             if value is not None and not (
@@ -91,3 +110,32 @@ class CPUOffload:
     """
 
     offload_params: bool = False
+
+
+def as_mixed_precision(value: object) -> MixedPrecision | None:
+    """``mixed_precision=`` as ftsdp's ``MixedPrecision``: ftsdp's, or torch FSDP's (copied:
+    the root's inputs are cast when its ``cast_root_forward_inputs`` or
+    ``cast_forward_inputs`` is set; ``_module_classes_to_ignore`` is not honoured)."""
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    if type(value).__name__ == "MixedPrecision" and hasattr(value, "param_dtype"):
+        return MixedPrecision(
+            param_dtype=value.param_dtype,
+            reduce_dtype=value.reduce_dtype,
+            buffer_dtype=value.buffer_dtype,
+            keep_low_precision_grads=getattr(value, "keep_low_precision_grads", False),
+            cast_forward_inputs=bool(
+                getattr(value, "cast_root_forward_inputs", True)
+                or getattr(value, "cast_forward_inputs", False)
+            ),
+        )
+    raise ValueError(f"mixed_precision must be an ftsdp.MixedPrecision, got {value!r}")
+
+
+def as_cpu_offload(value: object) -> CPUOffload | None:
+    """``cpu_offload=`` as ftsdp's ``CPUOffload`` (torch FSDP's is copied)."""
+    if value is None or isinstance(value, CPUOffload):
+        return value
+    if type(value).__name__ == "CPUOffload" and hasattr(value, "offload_params"):
+        return CPUOffload(offload_params=bool(value.offload_params))
+    raise ValueError(f"cpu_offload must be an ftsdp.CPUOffload, got {value!r}")

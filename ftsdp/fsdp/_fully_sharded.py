@@ -5,13 +5,17 @@ shard (``_unit``), and installs the hooks that gather and reduce around each uni
 backward (``_runtime``). The wrapped module keeps its structure and parameter names: between
 iterations each original parameter is a 1-D ``nn.Parameter`` holding this rank's slice, which
 is what ``named_parameters()`` yields and what the optimizer updates in place.
+
+torch FSDP1's arguments and methods are accepted where ftsdp can honour them (``_api`` holds
+its enums and configs, ``_fsdp1`` its state APIs); docs/migrating.md lists each one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,13 +23,34 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import _fsdp1
+from ._api import (
+    CONFIG_TYPES,
+    BackwardPrefetch,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    OptimStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+    as_backward_prefetch,
+    as_config,
+    as_state_dict_type,
+)
 from ._collectives import (
     CommStats,
     all_gather_flat,
     all_reduce_flat,
     broadcast_flat,
 )
-from ._common import CPUOffload, MixedPrecision, Phase, ShardingStrategy
+from ._common import (
+    CPUOffload,
+    MixedPrecision,
+    Phase,
+    ShardingStrategy,
+    as_cpu_offload,
+    as_mixed_precision,
+)
 from ._init import build_units, check_same_structure, resolve_device, resolve_groups
 from ._runtime import PrefetchOptions, Runtime
 from ._state_dict import (
@@ -37,7 +62,9 @@ from ._state_dict import (
 )
 from ._streams import schedule_for
 from ._unit import SHARDED_ATTR, STALE_ATTR, MemoryGauge, UnitOptions
-from ._wrap import Policy, plan_units
+from ._wrap import Ignored, Policy, plan_units
+
+logger = logging.getLogger(__name__)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -47,13 +74,29 @@ class FullyShardedDataParallel(nn.Module):
         module: the model. Its parameters move into per-unit FlatParameters; create the
             optimizer afterwards from ``wrapped.parameters()``.
         process_group: the ranks that train this model together (default: the world).
-        sharding_strategy: ``ShardingStrategy`` (or its name).
+        sharding_strategy: ``ShardingStrategy`` (or its name, or torch FSDP's enum).
         auto_wrap_policy: module classes (each instance becomes a unit, nested instances nest)
-            or a callable ``module -> bool``. ``None``: the whole model is one unit.
+            or a callable ``module -> bool``; or a torch FSDP policy: ``ModuleWrapPolicy``,
+            ``CustomPolicy``, or a callable ``(module, recurse, nonwrapped_numel)`` such as
+            ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={...})``
+            (the modules torch would wrap become units). ``None``: the whole model is one unit.
         device_id: the CUDA device index (or ``torch.device``) the shards live on; default:
             the device of the module's parameters.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding, so
-            ranks that initialised differently start identical.
+            ranks that initialised differently start identical (also when only rank 0 holds
+            real weights and the others built the model on the meta device).
+        mixed_precision, cpu_offload: ``MixedPrecision`` / ``CPUOffload`` (ftsdp's or torch
+            FSDP's).
+        backward_prefetch: ``True`` or ``BackwardPrefetch.BACKWARD_PRE`` (default) start the
+            next unit's all-gather before the current unit's backward; ``False`` / ``None``
+            do not prefetch. ``BACKWARD_POST`` is refused.
+        forward_prefetch, limit_all_gathers: see docs/engine.md.
+        param_init_fn: initialises a meta-device model's modules (ignored for real tensors).
+        use_orig_params: accepted for torch FSDP scripts; ftsdp always exposes the original
+            parameters (as 1-D local slices), which is what ``True`` means there.
+        ignored_modules, ignored_states: modules (with their descendants) or parameters no
+            unit manages: they stay whole on every rank, are not sharded, and their
+            gradients are not reduced (as in torch FSDP).
         deterministic: make gradients bitwise independent of the world size: each backward's
             gradient is kept, all are gathered at the reducing backward and summed in a fixed
             order, and the result is their MEAN (so do not divide the loss by the number of
@@ -75,12 +118,15 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: bool = False,
         mixed_precision: MixedPrecision | None = None,
         cpu_offload: CPUOffload | None = None,
-        backward_prefetch: bool = True,
+        backward_prefetch: bool | BackwardPrefetch | None = True,
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         device_mesh: Any = None,
         deterministic: bool = False,
+        use_orig_params: bool = True,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        ignored_states: Iterable[nn.Parameter | nn.Module] | None = None,
         **unsupported: Any,
     ) -> None:
         super().__init__()
@@ -88,13 +134,35 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
         _reject_unsupported(unsupported)
         _reject_wrapped(module)
+        # What torch FSDP would hand every auto-wrapped unit: a CustomPolicy may not differ.
+        root_kwargs = {
+            "process_group": process_group,
+            "sharding_strategy": sharding_strategy,
+            "cpu_offload": cpu_offload,
+            "backward_prefetch": backward_prefetch,
+            "mixed_precision": mixed_precision,
+            "param_init_fn": param_init_fn,
+            "device_id": device_id,
+            "sync_module_states": sync_module_states,
+            "forward_prefetch": forward_prefetch,
+            "limit_all_gathers": limit_all_gathers,
+            "use_orig_params": use_orig_params,
+            "ignored_states": ignored_states,
+            "device_mesh": device_mesh,
+            "deterministic": deterministic,
+        }
         strategy = ShardingStrategy.parse(sharding_strategy)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise ValueError(
-                f"mixed_precision must be an ftsdp.MixedPrecision, got {mixed_precision!r}"
+        mixed_precision = as_mixed_precision(mixed_precision)
+        cpu_offload = as_cpu_offload(cpu_offload)
+        backward_prefetch = as_backward_prefetch(backward_prefetch)
+        if not use_orig_params:
+            logger.warning(
+                "FSDP(use_orig_params=False): ftsdp always exposes the original parameters "
+                "(named_parameters() yields each parameter's 1-D local slice under its own "
+                "name; there is no FlatParameter to optimise), as use_orig_params=True does "
+                "in torch FSDP; training is the same"
             )
-        if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-            raise ValueError(f"cpu_offload must be an ftsdp.CPUOffload, got {cpu_offload!r}")
+        ignored = Ignored.build(module, ignored_modules, ignored_states)
         groups = resolve_groups(strategy, process_group, device_mesh)
         if groups.world is None and sync_module_states:
             raise ValueError("sync_module_states=True needs torch.distributed to be initialised")
@@ -107,7 +175,7 @@ class FullyShardedDataParallel(nn.Module):
             deterministic=deterministic,
             sync_module_states=sync_module_states,
         )
-        plans = plan_units(module, auto_wrap_policy)
+        plans = plan_units(module, auto_wrap_policy, ignored, root_kwargs)
         check_same_structure(plans, groups.world)
         self._comm_stats = CommStats()
         self._gauge = MemoryGauge()
@@ -121,6 +189,12 @@ class FullyShardedDataParallel(nn.Module):
             if mp.buffer_dtype is not None and buffer.is_floating_point():
                 buffer.data = buffer.data.to(mp.buffer_dtype)
         self.module = module
+        self._ignored = ignored
+        self._summoned = False  # inside summon_full_params: modules hold full parameters
+        self._sd_settings = StateDictSettings(
+            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+        )
+        self._dtensor_mesh: Any = None  # SHARDED_STATE_DICT's mesh, made on first use
         self._groups = groups
         self._strategy = strategy
         self._units = units
@@ -144,6 +218,10 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ nn.Module surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (its hooks gather and free each unit around its use)."""
+        if self._summoned:
+            raise RuntimeError(
+                "FSDP forward cannot run inside summon_full_params(); leave the context first"
+            )
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -161,8 +239,14 @@ class FullyShardedDataParallel(nn.Module):
         """Original parameter names (no wrapper prefix), each rank's 1-D slice (maybe empty).
 
         Always the local-slice parameters the optimizer updates, also while a unit is
-        gathered (between a forward and its backward).
+        gathered (between a forward and its backward); inside ``summon_full_params`` the full
+        parameters instead. Ignored parameters (``ignored_modules``) are whole.
         """
+        return self._named_params(prefix, recurse, remove_duplicate, sharded=not self._summoned)
+
+    def _named_params(
+        self, prefix: str, recurse: bool, remove_duplicate: bool, sharded: bool
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         modules = (
             self.module.named_modules(prefix=prefix, remove_duplicate=remove_duplicate)
             if recurse
@@ -173,7 +257,8 @@ class FullyShardedDataParallel(nn.Module):
             for name, p in module._parameters.items():
                 if p is None:
                     continue
-                p = self._sharded_params.get((id(module), name), p)
+                if sharded:
+                    p = self._sharded_params.get((id(module), name), p)
                 if remove_duplicate:
                     if id(p) in seen:
                         continue
@@ -194,24 +279,37 @@ class FullyShardedDataParallel(nn.Module):
             prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
         )
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The full, unsharded state with exactly the unwrapped module's keys.
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The state with exactly the unwrapped module's keys, as ``state_dict_type`` says.
 
-        A collective: every rank must call it. Each rank gets the whole state (on the device
-        the shards live on); for large models save the sharded view instead.
+        A collective: every rank must call it. By default (``FULL_STATE_DICT``) each rank
+        gets the whole unsharded state (on the device the shards live on); inside
+        ``FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=True, rank0_only=True))`` only rank 0 does, on the
+        CPU. ``SHARDED_STATE_DICT``: one ``DTensor`` (``Shard(0)``) per parameter, for
+        ``torch.distributed.checkpoint``. ftsdp's own checkpoint view: ``sharded_state_dict()``.
         """
         if args or kwargs:
             raise ValueError(
-                "FSDP.state_dict() takes no arguments: it returns the full state with the "
-                "unwrapped module's keys"
+                "FSDP.state_dict() takes no arguments: it returns the state with the "
+                "unwrapped module's keys (choose its form with FSDP.state_dict_type)"
             )
         self._require_idle("state_dict()")
-        return full_state_dict(self._units, self.module, self._param_names())
+        if self._sd_settings.state_dict_type is StateDictType.FULL_STATE_DICT and (
+            self._sd_settings.state_dict_config == FullStateDictConfig()
+        ):
+            return full_state_dict(self._units, self.module, self._param_names())
+        return _fsdp1.model_state_dict(self)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load a full state dict (keys of the unwrapped module) into each rank's shards."""
+        """Load a state dict (keys of the unwrapped module) into each rank's shards.
+
+        Values are full tensors (every rank passes them), or DTensors of them (what
+        ``state_dict()`` returns under ``SHARDED_STATE_DICT``, after
+        ``torch.distributed.checkpoint.load``): collective then, all ranks call it.
+        """
         if assign:
             raise ValueError("FSDP.load_state_dict does not support assign=True")
         self._require_idle("load_state_dict()")
@@ -237,7 +335,11 @@ class FullyShardedDataParallel(nn.Module):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients in place by their global norm over all shards; returns that norm."""
+        """Clip gradients in place by their global norm over all shards; returns that norm.
+
+        Ignored parameters' gradients (``ignored_modules``) count once, from this rank, as in
+        torch FSDP.
+        """
         self._require_idle("clip_grad_norm_()")
         max_norm, norm_type = float(max_norm), float(norm_type)
         grads = [
@@ -259,10 +361,30 @@ class FullyShardedDataParallel(nn.Module):
                 total += g.float().abs().pow(norm_type).sum()
             all_reduce_flat(total, self._groups.shard)
             total = total.pow(1.0 / norm_type)
+        unmanaged = self._ignored_grads()
+        if unmanaged:  # not sharded, not reduced: this rank's own, added after the reduction
+            local = torch.stack([g.detach().float().norm(norm_type) for g in unmanaged])
+            local = local.to(total.device).norm(norm_type)
+            if norm_type == math.inf:
+                total = torch.maximum(total, local)
+            else:
+                total = (total.pow(norm_type) + local.pow(norm_type)).pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        for g in unmanaged:
+            g.mul_(coef.to(g.device, g.dtype))
         return total
+
+    def _ignored_grads(self) -> list[torch.Tensor]:
+        if not self._ignored.params:
+            return []
+        managed = set(self._sharded_params.values())
+        return [
+            p.grad
+            for _, p in self._named_params("", True, True, sharded=True)
+            if p not in managed and p.grad is not None
+        ]
 
     def _deterministic_norm(self, norm_type: float) -> torch.Tensor:
         """The norm over each unit's full gradient in unit order: the same for any world size."""
@@ -349,11 +471,199 @@ class FullyShardedDataParallel(nn.Module):
         return stats
 
     def _param_names(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.named_parameters(remove_duplicate=False))
+        return list(self._named_params("", True, False, sharded=True))
 
     def _require_idle(self, what: str) -> None:
         if self._runtime.phase is not Phase.IDLE:
             raise RuntimeError(f"{what} cannot run during {self._runtime.phase.value.lower()}")
+        if self._summoned:
+            raise RuntimeError(f"{what} cannot run inside summon_full_params()")
+
+    # ------------------------------------------------------------------ torch FSDP1 API
+    def __getitem__(self, key: int) -> Any:
+        """Index the wrapped module (an ``nn.Sequential``), as torch FSDP does."""
+        return self.module[key]  # type: ignore[index]
+
+    def check_is_root(self) -> bool:
+        """Always ``True``: an ftsdp wrapper is the root of its units (torch FSDP's method)."""
+        return True
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """The ftsdp wrappers in ``module`` (itself included). ftsdp has one wrapper per
+        model, however many units, so ``root_only`` makes no difference."""
+        return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Choose what ``state_dict()`` and ``FSDP.optim_state_dict`` return for the wrappers
+        in ``module``, as torch FSDP's method does; returns the previous settings.
+
+        ``FULL_STATE_DICT`` (``FullStateDictConfig(offload_to_cpu, rank0_only)``) or
+        ``SHARDED_STATE_DICT`` (``ShardedStateDictConfig(offload_to_cpu)``); the configs may
+        be ftsdp's or torch's, ``None`` for the defaults. ``LOCAL_STATE_DICT`` raises.
+        """
+        kind = as_state_dict_type(state_dict_type)
+        if kind is StateDictType.LOCAL_STATE_DICT:
+            raise ValueError(
+                "StateDictType.LOCAL_STATE_DICT (torch FSDP's FlatParameter shards) is not "
+                "supported by ftsdp: use StateDictType.SHARDED_STATE_DICT (one DTensor per "
+                "parameter, savable with torch.distributed.checkpoint and loadable at any "
+                "world size) or model.sharded_state_dict()"
+            )
+        model_cls, optim_cls = CONFIG_TYPES[kind]
+        settings = StateDictSettings(
+            kind,
+            as_config(state_dict_config, model_cls),
+            as_config(optim_state_dict_config, optim_cls),
+        )
+        wrappers = _wrappers_in(module, "set_state_dict_type")
+        previous = wrappers[0]._sd_settings
+        for wrapper in wrappers:
+            wrapper._sd_settings = settings
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict settings of the wrappers in ``module``."""
+        return _wrappers_in(module, "get_state_dict_type")[0]._sd_settings
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Iterator[None]:
+        """``set_state_dict_type`` for the duration of a ``with`` block::
+
+        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+            state = model.state_dict()  # rank 0: full CPU tensors; other ranks: {}
+        """
+        previous = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            for wrapper in _wrappers_in(module, "state_dict_type"):
+                wrapper._sd_settings = previous
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, as torch FSDP's method returns it.
+
+        ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [name, ...]}]}``.
+        Under ``FULL_STATE_DICT`` (the default) tensors mirroring a parameter (AdamW
+        ``exp_avg``) are unsharded (``FullOptimStateDictConfig(rank0_only=True)``: other
+        ranks get ``{}``); under ``SHARDED_STATE_DICT`` they are DTensors like the
+        parameters. ``offload_to_cpu`` (default ``True``) copies them to the CPU.
+        ``optim_state_dict``: an ``optim.state_dict()`` to convert instead of ``optim``'s
+        live state. A collective: every rank calls it.
+        """
+        wrapper = _wrappers_in(model, "optim_state_dict")[0]
+        wrapper._require_idle("optim_state_dict()")
+        return _fsdp1.optim_state_dict(wrapper, optim, optim_state_dict)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """What ``optim.load_state_dict`` takes, from a state dict ``optim_state_dict``
+        returned: this rank's slices of full tensors or DTensors. Under
+        ``FullOptimStateDictConfig(rank0_only=True)`` only rank 0's input is read and sent to
+        the others. ``load_directly=True`` also loads it. A collective."""
+        if is_named_optimizer:
+            raise ValueError(
+                "optim_state_dict_to_load(is_named_optimizer=True) is not supported by ftsdp; "
+                "use a torch.optim optimizer"
+            )
+        wrapper = _wrappers_in(model, "optim_state_dict_to_load")[0]
+        wrapper._require_idle("optim_state_dict_to_load()")
+        result = _fsdp1.optim_state_dict_to_load(wrapper, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Inside the block the modules hold full ``nn.Parameter``s (and, ``with_grads``,
+        their full gradients); on exit each rank's slice of any in-place edit is written
+        back (``writeback``) and the shards are restored. ``rank0_only``: only rank 0 gets
+        them (needs ``writeback=False``). ``recurse=False``: only the root unit's parameters.
+        Forward, backward and ``state_dict()`` cannot run inside. A collective.
+        """
+        with contextlib.ExitStack() as stack:
+            for wrapper in _wrappers_in(module, "summon_full_params"):
+                stack.enter_context(
+                    _fsdp1.summon_full_params(
+                        wrapper, recurse, writeback, rank0_only, offload_to_cpu, with_grads
+                    )
+                )
+            yield
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
+        """``fn`` on every submodule with full parameters (inside ``summon_full_params``), so
+        an initialisation function sees the original shapes, as in torch FSDP."""
+        with FullyShardedDataParallel.summon_full_params(self):
+            super().apply(fn)
+        return self
+
+    def full_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # torch's deprecated API
+        """Not supported: use ``FSDP.optim_state_dict`` (its replacement in torch too)."""
+        raise _deprecated("full_optim_state_dict", "FSDP.optim_state_dict(model, optim)")
+
+    def shard_full_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: use ``FSDP.optim_state_dict_to_load``."""
+        raise _deprecated("shard_full_optim_state_dict", "FSDP.optim_state_dict_to_load")
+
+    def scatter_full_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: use ``FSDP.optim_state_dict_to_load`` with rank0_only."""
+        raise _deprecated(
+            "scatter_full_optim_state_dict",
+            "FSDP.optim_state_dict_to_load under FullOptimStateDictConfig(rank0_only=True)",
+        )
+
+    def flatten_sharded_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: use ``FSDP.optim_state_dict_to_load``."""
+        raise _deprecated("flatten_sharded_optim_state_dict", "FSDP.optim_state_dict_to_load")
+
+    def rekey_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: ``FSDP.optim_state_dict`` is keyed by parameter name already."""
+        raise _deprecated("rekey_optim_state_dict", "FSDP.optim_state_dict (keyed by name)")
+
+    def register_comm_hook(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported: ftsdp's collectives are fixed (see docs/engine.md)."""
+        raise NotImplementedError(
+            "FSDP.register_comm_hook is not supported by ftsdp; gradient compression is not "
+            "available, use mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16) to "
+            "halve the reduce-scatter traffic"
+        )
 
 
 FSDP = FullyShardedDataParallel
@@ -375,20 +685,28 @@ def _reject_wrapped(module: nn.Module) -> None:
             )
 
 
-# torch FSDP arguments a user may carry over; each gets a clear "not supported (yet)".
-_TORCH_FSDP_ARGS = {
-    "use_orig_params": "ftsdp always exposes the original parameters (as 1-D local slices)",
-    "ignored_modules": "not supported: every parameter of the module is sharded",
-    "ignored_states": "not supported: every parameter of the module is sharded",
-}
-
-
 def _reject_unsupported(kwargs: dict[str, Any]) -> None:
-    for name in kwargs:
-        if name in _TORCH_FSDP_ARGS:
-            raise ValueError(f"FSDP argument {name}=: {_TORCH_FSDP_ARGS[name]}")
     if kwargs:
-        raise TypeError(f"FSDP got unexpected keyword arguments {sorted(kwargs)}")
+        raise TypeError(
+            f"FSDP got unexpected keyword arguments {sorted(kwargs)}; docs/migrating.md lists "
+            "the arguments ftsdp takes, torch FSDP's among them"
+        )
+
+
+def _wrappers_in(module: nn.Module, what: str) -> list[FullyShardedDataParallel]:
+    wrappers = FullyShardedDataParallel.fsdp_modules(module)
+    if not wrappers:
+        raise ValueError(
+            f"FSDP.{what}: {type(module).__name__} holds no ftsdp.FSDP wrapper; pass the "
+            "wrapped model (or a module containing it)"
+        )
+    return wrappers
+
+
+def _deprecated(name: str, alternative: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"FSDP.{name} (deprecated in torch FSDP) is not supported by ftsdp; use {alternative}"
+    )
 
 
 _stale_guard: Any = None

@@ -174,11 +174,32 @@ def build_units(
 
     deferred = any(pp.param.is_meta for plan in plans for pp in plan.params)
     if not deferred:
-        if param_init_fn is not None:
-            raise ValueError("param_init_fn= is for a model built on the meta device")
+        # param_init_fn only initialises meta parameters (as in torch FSDP, which ignores it
+        # otherwise): rank 0 may hold real weights while the others build on the meta device
+        # and receive rank 0's values through sync_module_states.
         module.to(options.device)
-        return [build(plan) for plan in plans]
+        built: list[FlatParamUnit | None] = [None] * len(plans)
+        for u in build_order(module, plans):  # the order deferred ranks build in
+            built[u] = build(plans[u])
+        return built  # type: ignore[return-value]
     return _build_deferred(module, plans, options.device, param_init_fn, build)
+
+
+def build_order(module: nn.Module, plans: list[UnitPlan]) -> list[int]:
+    """The order units are built (and, with ``sync_module_states``, broadcast) in.
+
+    A meta-device model builds each unit as soon as the ``modules()`` walk has passed its last
+    module (see [Note: deferred initialisation]); an eager one builds in the same order, so
+    ranks that differ in which device their model was built on still pair their broadcasts.
+    """
+    unit_of = {id(pp.param): i for i, plan in enumerate(plans) for pp in plan.params}
+    last_module: dict[int, int] = {}
+    for index, m in enumerate(module.modules()):
+        for p in m._parameters.values():
+            if p is not None and id(p) in unit_of:
+                last_module[unit_of[id(p)]] = index
+    with_params = sorted(last_module, key=lambda u: (last_module[u], u))
+    return with_params + [u for u in range(len(plans)) if u not in last_module]
 
 
 def _build_deferred(
@@ -194,12 +215,14 @@ def _build_deferred(
     last_module: dict[int, int] = {}
     for index, m in enumerate(modules):
         for p in m._parameters.values():
-            if p is not None:
+            if p is not None and id(p) in unit_of:  # not an ignored parameter
                 last_module[unit_of[id(p)]] = index
     units: list[FlatParamUnit | None] = [None] * len(plans)
     materialized: set[int] = set()
     for index, m in enumerate(modules):
-        owners = sorted({unit_of[id(p)] for p in m._parameters.values() if p is not None})
+        owners = sorted(
+            {unit_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in unit_of}
+        )
         for u in owners:
             if u not in materialized:
                 for real in _materialize(plans[u], device):

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ._collectives import all_gather_flat
+from ._collectives import all_gather_flat, comm_device
 from ._unit import FlatParamUnit, ParamInfo
 
 
@@ -41,16 +42,39 @@ class ShardView:
             )
 
 
+def is_distributed(value: Any) -> bool:
+    """A DTensor or a ShardedTensor (what torch FSDP1's sharded state dicts hold)."""
+    return hasattr(value, "full_tensor") or (
+        hasattr(value, "local_shards") and hasattr(value, "metadata")
+    )
+
+
+def full_tensor(value: Any) -> torch.Tensor:
+    """The whole tensor a DTensor or ShardedTensor describes (a collective over its group)."""
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor()
+    group = value._process_group
+    full = torch.zeros(value.shape, dtype=value.dtype, device=comm_device(group))
+    for shard in value.local_shards():
+        meta = shard.metadata
+        where = tuple(
+            slice(o, o + n) for o, n in zip(meta.shard_offsets, meta.shard_sizes, strict=True)
+        )
+        full[where] = shard.tensor
+    dist.all_reduce(full, group=group)  # every element is held by exactly one rank
+    return full
+
+
 def param_index(
     units: list[FlatParamUnit], names: list[tuple[str, nn.Parameter]]
 ) -> dict[str, ParamInfo]:
-    """Every parameter name (tied parameters under each of their names) -> its ParamInfo."""
+    """Every managed parameter name (tied ones under each of their names) -> its ParamInfo."""
     by_param = {id(info.sharded_param): info for unit in units for info in unit.infos}
     index: dict[str, ParamInfo] = {}
     for name, p in names:
         info = by_param.get(id(p))
-        assert info is not None, f"{name} is not managed by a unit"
-        index[name] = info
+        if info is not None:  # None: an ignored parameter (ignored_modules / ignored_states)
+            index[name] = info
     return index
 
 
@@ -82,7 +106,12 @@ def load_full_state_dict(
     state: dict[str, Any],
     strict: bool,
 ) -> tuple[list[str], list[str]]:
-    """Copy each rank's slice of full tensors into the shards; returns (missing, unexpected)."""
+    """Copy each rank's slice of full tensors into the shards; returns (missing, unexpected).
+
+    A value may also be a DTensor of the full tensor (``SHARDED_STATE_DICT``, any layout): it
+    is all-gathered, one tensor at a time in the module's key order (the same on every rank),
+    and only this rank's slice is kept. Every check runs before anything is written.
+    """
     expected = module.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
@@ -92,7 +121,6 @@ def load_full_state_dict(
             "pass strict=False to load the keys that match"
         )
     index = param_index(units, names)
-    plan: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source) pairs
     for key, current in expected.items():
         if key not in state:
             continue
@@ -104,11 +132,20 @@ def load_full_state_dict(
             raise ValueError(
                 f"load_state_dict: {key!r} has shape {got}, the model expects {tuple(shape)}"
             )
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source) pairs
+    for key, current in expected.items():
+        if key not in state:
+            continue
+        value = state[key]
+        distributed = is_distributed(value)  # a DTensor or ShardedTensor: gather it
+        if distributed:
+            value = full_tensor(value)
+        info = index.get(key)
         if info is None:
             plan.append((current, value))
         else:
             src = value.reshape(-1)[info.param_start : info.param_start + info.length]
-            plan.append((info.sharded_param, src))
+            plan.append((info.sharded_param, src.clone() if distributed else src))
     with torch.no_grad():  # all checks passed: nothing is loaded half-way on a bad input
         for dst, src in plan:
             dst.copy_(src)
@@ -145,9 +182,10 @@ def sharded_optim_state_dict(
     parameter's local length (AdamW ``exp_avg``, ``exp_avg_sq``) is a ShardView over the same
     range as the parameter; 0-dim tensors (``step``) and other values are replicated as is.
     """
-    by_param: dict[int, tuple[str, ParamInfo]] = {}
-    for name, info in param_index(units, names).items():
-        by_param.setdefault(id(info.sharded_param), (name, info))
+    index = param_index(units, names)
+    by_param: dict[int, tuple[str, ParamInfo | None]] = {}
+    for name, p in names:  # an ignored parameter has no ParamInfo: its state passes whole
+        by_param.setdefault(id(p), (name, index.get(name)))
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     for group in optimizer.param_groups:
@@ -163,7 +201,7 @@ def sharded_optim_state_dict(
             entry: dict[str, Any] = {}
             for key, value in optimizer.state.get(p, {}).items():
                 mirrors = isinstance(value, torch.Tensor) and value.dim() == 1
-                if mirrors and value.numel() == info.length:
+                if mirrors and info is not None and value.numel() == info.length:
                     entry[key] = _view_of(f"{name}.{key}", info, value)
                 else:
                     entry[key] = value

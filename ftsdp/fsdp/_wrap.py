@@ -1,24 +1,50 @@
 """Wrap planning: which modules become units, and which unit owns each parameter.
 
 The root module is always a unit (it takes the parameters no other unit claims). The
-``auto_wrap_policy`` picks more units: a set of module classes (every instance becomes its own
-unit, nested instances nest) or a callable ``policy(module) -> bool``.
+``auto_wrap_policy`` picks more units. ftsdp's own forms: a set of module classes (every
+instance becomes its own unit, nested instances nest) or a callable ``policy(module) -> bool``.
+torch FSDP's forms (see [Note: torch wrap policies]): a ``ModuleWrapPolicy`` / ``CustomPolicy``
+(anything with ``_run_policy``), or a callable ``policy(module, recurse, nonwrapped_numel)``
+such as ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`` or
+``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``.
 
 [Note: shared parameters live in the lowest common ancestor unit]
 A parameter used by modules of several units (a token embedding tied to the output head) must
 be unsharded whenever any of those modules runs. The unit that is the lowest common ancestor
 of all its users is unsharded for the whole time its descendants run, so the parameter is put
 there. For GPT with ``auto_wrap_policy={Block}`` the tied weight lands in the root unit.
+
+[Note: torch wrap policies]
+torch FSDP1 applies a policy by nesting FSDP instances; ftsdp has one wrapper with many units,
+so a torch policy is reduced to the set of modules torch would wrap, and those become units:
+
+- a ``_Policy`` (``ModuleWrapPolicy``, ``CustomPolicy``): its own ``_run_policy(root,
+  ignored_modules, root_kwargs)`` names the modules and their FSDP arguments. ftsdp applies one
+  set of arguments to the whole model, so a module whose arguments differ from the root's
+  (``CustomPolicy`` returning ``{"sharding_strategy": ...}``) is refused with its name.
+- a callable with ``recurse`` and ``nonwrapped_numel``: torch's ``_recursive_wrap`` is
+  replayed: post-order, ``policy(module=m, recurse=True, nonwrapped_numel=n)`` decides whether
+  to descend (``n``: the numel of ``m``'s parameters), then, children done,
+  ``policy(module=m, recurse=False, nonwrapped_numel=n - wrapped)`` whether ``m`` is wrapped
+  (``wrapped``: the numel already claimed by wrapped descendants). The root is never asked.
+
+A torch policy that selects no module leaves one unit, as in torch (logged). ftsdp's own forms
+raise instead, listing the module types present: there a miss is almost always a typo.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
-Policy = Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None
+logger = logging.getLogger(__name__)
+
+Policy = Iterable[type[nn.Module]] | Callable[..., Any] | None
 
 
 @dataclass
@@ -40,18 +66,80 @@ class UnitPlan:
     params: list[ParamPlan] = field(default_factory=list)
 
 
-def policy_predicate(policy: Policy) -> Callable[[nn.Module], bool]:
-    """Turn an ``auto_wrap_policy`` into ``module -> bool``, rejecting malformed policies."""
+@dataclass(frozen=True)
+class Ignored:
+    """Modules (with all their descendants) and parameters that no unit manages
+    (``ignored_modules`` / ``ignored_states``): they stay whole on every rank, their gradients
+    are not reduced, as in torch FSDP."""
+
+    modules: frozenset[nn.Module] = frozenset()
+    params: frozenset[nn.Parameter] = frozenset()
+
+    @classmethod
+    def build(cls, root: nn.Module, ignored_modules: Any, ignored_states: Any) -> Ignored:
+        """From FSDP's ``ignored_modules`` (modules) and ``ignored_states`` (modules or
+        parameters); a module's descendants and parameters are ignored with it."""
+        modules: set[nn.Module] = set()
+        params: set[nn.Parameter] = set()
+        for arg, items in (
+            ("ignored_modules", ignored_modules),
+            ("ignored_states", ignored_states),
+        ):
+            if items is None:
+                continue
+            if isinstance(items, (nn.Module, nn.Parameter)):
+                items = [items]
+            for item in items:
+                if isinstance(item, nn.Parameter):
+                    if arg == "ignored_modules":
+                        raise ValueError(
+                            "ignored_modules= takes modules; pass parameters as ignored_states="
+                        )
+                    params.add(item)
+                elif isinstance(item, nn.Module):
+                    if item is root:
+                        raise ValueError(
+                            f"{arg}= contains the wrapped module itself; ignore submodules, or "
+                            "do not wrap the model"
+                        )
+                    for sub in item.modules():
+                        modules.add(sub)
+                        params.update(sub.parameters(recurse=False))
+                else:
+                    raise ValueError(
+                        f"{arg}= must hold nn.Module or nn.Parameter objects, got "
+                        f"{type(item).__name__}"
+                    )
+        return cls(frozenset(modules), frozenset(params))
+
+
+def policy_predicate(
+    policy: Policy,
+    root: nn.Module | None = None,
+    ignored: Ignored | None = None,
+    root_kwargs: dict[str, Any] | None = None,
+) -> Callable[[nn.Module], bool]:
+    """Turn an ``auto_wrap_policy`` into ``module -> bool``, rejecting malformed policies.
+
+    torch's policies (see [Note: torch wrap policies]) are evaluated on ``root`` here, once.
+    """
     if policy is None:
         return lambda module: False
     if isinstance(policy, type):
         policy = {policy}
+    if hasattr(policy, "_run_policy") or is_torch_callable_policy(policy):
+        if root is None:
+            raise ValueError("a torch FSDP wrap policy needs the root module to be evaluated")
+        targets = torch_policy_targets(policy, root, ignored or Ignored(), root_kwargs or {})
+        return lambda module: id(module) in targets
     if callable(policy) and not isinstance(policy, (set, frozenset, list, tuple)):
         return policy
     if not isinstance(policy, (set, frozenset, list, tuple)):
         raise ValueError(
-            f"auto_wrap_policy={policy!r} must be a set of nn.Module classes or a callable "
-            "module -> bool"
+            f"auto_wrap_policy={policy!r} must be a set of nn.Module classes, a callable "
+            "module -> bool, or a torch FSDP policy (ModuleWrapPolicy, CustomPolicy, or a "
+            "callable (module, recurse, nonwrapped_numel) such as "
+            "functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))"
         )
     classes = tuple(policy)
     for cls in classes:
@@ -63,9 +151,112 @@ def policy_predicate(policy: Policy) -> Callable[[nn.Module], bool]:
     return lambda module: isinstance(module, classes)
 
 
-def plan_units(root: nn.Module, policy: Policy) -> list[UnitPlan]:
-    """Units in pre-order (root first) with their parameters, shared ones at the LCA unit."""
-    wants_unit = policy_predicate(policy)
+def is_torch_policy(policy: Policy) -> bool:
+    """Whether ``policy`` is one of torch FSDP's forms (a ``_Policy`` or a recursive callable)."""
+    return hasattr(policy, "_run_policy") or is_torch_callable_policy(policy)
+
+
+def is_torch_callable_policy(policy: Any) -> bool:
+    """A callable that takes torch's ``(module, recurse, nonwrapped_numel)`` keywords."""
+    if not callable(policy) or isinstance(policy, type):
+        return False
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(module=None, recurse=True, nonwrapped_numel=0)
+    except TypeError:
+        return False
+    return True
+
+
+def torch_policy_targets(
+    policy: Any, root: nn.Module, ignored: Ignored, root_kwargs: dict[str, Any]
+) -> set[int]:
+    """ids of the modules (never ``root``) torch FSDP would wrap with ``policy``."""
+    if hasattr(policy, "_run_policy"):
+        chosen = policy._run_policy(root, set(ignored.modules), dict(root_kwargs))
+        names = {id(m): name for name, m in root.named_modules()}
+        for module, kwargs in chosen.items():
+            if module is root:
+                continue
+            _check_same_kwargs(names.get(id(module), "?"), kwargs or {}, root_kwargs)
+        return {id(m) for m in chosen if m is not root}
+    targets: set[int] = set()
+
+    def numel(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters() if p not in ignored.params)
+
+    def visit(module: nn.Module, only_children: bool) -> int:
+        """torch's ``_recursive_wrap``: returns the numel wrapped in ``module``'s subtree."""
+        total = numel(module)
+        if not policy(module=module, recurse=True, nonwrapped_numel=total):
+            return 0
+        wrapped = 0
+        for child in module.children():
+            if child not in ignored.modules:
+                wrapped += visit(child, False)
+        if not only_children and policy(
+            module=module, recurse=False, nonwrapped_numel=total - wrapped
+        ):
+            targets.add(id(module))
+            return total
+        return wrapped
+
+    visit(root, True)
+    return targets
+
+
+def _normal(key: str, value: Any) -> Any:
+    """An FSDP argument in ftsdp's form, so torch's and ftsdp's spellings compare equal."""
+    from ._api import as_backward_prefetch
+    from ._common import ShardingStrategy, as_cpu_offload, as_mixed_precision
+
+    convert = {
+        "sharding_strategy": ShardingStrategy.parse,
+        "mixed_precision": as_mixed_precision,
+        "cpu_offload": as_cpu_offload,
+        "backward_prefetch": as_backward_prefetch,
+    }.get(key)
+    return value if convert is None else convert(value)
+
+
+def _check_same_kwargs(name: str, kwargs: dict[str, Any], root_kwargs: dict[str, Any]) -> None:
+    differing = []
+    for key, value in kwargs.items():
+        if key not in root_kwargs:
+            differing.append(f"{key}={value!r} (not an FSDP argument ftsdp knows)")
+            continue
+        base = root_kwargs[key]
+        try:
+            same = value is base or bool(_normal(key, value) == _normal(key, base))
+        except Exception:  # e.g. tensors, whose == is elementwise
+            same = False
+        if not same:
+            differing.append(f"{key}={value!r} (the root has {base!r})")
+    if differing:
+        raise ValueError(
+            f"auto_wrap_policy asks for module {name!r} to be wrapped with its own FSDP "
+            f"arguments: {', '.join(differing)}. ftsdp applies one set of arguments to every "
+            "unit of a model: return True (the root's arguments) for this module, or pass "
+            "the argument to FSDP(...) for the whole model"
+        )
+
+
+def plan_units(
+    root: nn.Module,
+    policy: Policy,
+    ignored: Ignored | None = None,
+    root_kwargs: dict[str, Any] | None = None,
+) -> list[UnitPlan]:
+    """Units in pre-order (root first) with their parameters, shared ones at the LCA unit.
+
+    ``ignored`` modules are not descended into and ``ignored`` parameters belong to no unit.
+    ``root_kwargs``: the FSDP arguments, which a torch ``CustomPolicy`` may not change.
+    """
+    ignored = ignored or Ignored()
+    wants_unit = policy_predicate(policy, root, ignored, root_kwargs)
     units: list[UnitPlan] = [UnitPlan(module=root, fqn="", parent=None)]
     unit_of_module: dict[int, int] = {id(root): 0}
     params: dict[int, ParamPlan] = {}
@@ -74,7 +265,7 @@ def plan_units(root: nn.Module, policy: Policy) -> list[UnitPlan]:
 
     def visit(module: nn.Module, path: str, owner: int) -> None:
         for name, p in module._parameters.items():
-            if p is None:
+            if p is None or p in ignored.params:
                 continue
             fqn = f"{path}.{name}" if path else name
             plan = params.setdefault(id(p), ParamPlan(fqn=fqn, param=p))
@@ -83,7 +274,7 @@ def plan_units(root: nn.Module, policy: Policy) -> list[UnitPlan]:
                 seen_refs.add((id(module), name))
                 plan.refs.append((module, name))
         for child_name, child in module._modules.items():
-            if child is None:
+            if child is None or child in ignored.modules:
                 continue
             child_path = f"{path}.{child_name}" if path else child_name
             child_owner = owner
@@ -95,7 +286,14 @@ def plan_units(root: nn.Module, policy: Policy) -> list[UnitPlan]:
             visit(child, child_path, child_owner)
 
     visit(root, "", 0)
-    if policy is not None and len(units) == 1 and not wants_unit(root):
+    if policy is not None and len(units) == 1 and is_torch_policy(policy):
+        logger.warning(
+            "auto_wrap_policy=%s selected no submodule of %s: the whole model is one unit, "
+            "gathered whole for every forward (as torch FSDP does with this policy)",
+            _describe(policy),
+            type(root).__name__,
+        )
+    elif policy is not None and len(units) == 1 and not wants_unit(root):
         kinds = sorted({type(m).__name__ for m in root.modules()})
         raise ValueError(
             f"auto_wrap_policy={_describe(policy)} matched no module of "
