@@ -15,6 +15,7 @@ from ftsdp.elastic._geometry import BatchGeometry, valid_world_sizes
 from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device
 from ftsdp.elastic._sampler import GlobalSampler, RankBatchSampler
 from ftsdp.elastic._signals import EXIT_GRACE_EXCEEDED, PreemptionHandler
+from ftsdp.elastic._teardown import CloseReport
 from ftsdp.elastic._watchdog import EXIT_STALL, Stall, Watchdog
 
 EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL: a peer was preempted; restart me (docs/elastic.md)
@@ -24,6 +25,7 @@ __all__ = [
     "EXIT_PEER_PREEMPTED",
     "EXIT_STALL",
     "BatchGeometry",
+    "CloseReport",
     "GlobalSampler",
     "Peer",
     "PreemptionHandler",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ftsdp.elastic._join import client_store, handshake
+from ftsdp.elastic._teardown import CloseReport, close_process_groups
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -122,7 +124,8 @@ class Peer:
 class RankManager:
     """This process's rank, world size, device and process group, and the job's generation.
 
-    Build it with :meth:`init`; ``close()`` destroys the process group if ``init`` created it.
+    Build it with :meth:`init`; ``close()`` leaves the job: a barrier, then every process group
+    destroyed if ``init`` created it, safely for the interpreter's exit.
     """
 
     info: RankInfo
@@ -201,7 +204,7 @@ class RankManager:
         try:
             manager._agree_on_incarnation(token)
         except BaseException:
-            manager.close()
+            manager.close(barrier=False)
             raise
         return manager
 
@@ -260,9 +263,29 @@ class RankManager:
             f"ftsdp/{self.info.run_id}/{self.incarnation}/{prefix}", self._store
         )
 
-    def close(self) -> None:
-        """Destroy the process group if :meth:`init` created it (idempotent)."""
-        self._store = None
+    def close(self, *, barrier: bool | None = None, barrier_timeout_s: float = 60.0) -> CloseReport:
+        """Leave the job: destroy the process groups if :meth:`init` created them (idempotent).
+
+        Every rank calls it at the same point (the end of training). It waits for the other
+        ranks (a barrier bounded by ``barrier_timeout_s``: a peer that is gone or late is
+        logged, not waited for), destroys every process group, subgroups first, and returns
+        once no worker thread of a group still held by a model can touch Python at exit
+        (docs/elastic.md, "Teardown"; [Note: why a finished job aborted at exit] in
+        ``_teardown.py``).
+
+        ``barrier``: None (the default) waits for the peers unless an exception is propagating
+        (``close()`` from a ``finally``, an ``except`` or a ``with`` that is leaving on an
+        error): after an error peers may be stuck in a collective or gone, so it only destroys
+        the groups. True or False decides explicitly. Returns what it did (a
+        :class:`CloseReport`).
+        """
+        if barrier is None:
+            barrier = sys.exc_info()[1] is None
+        self._store = None  # our client of the job's store; the groups hold their own
+        report = CloseReport()
         if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            report = close_process_groups(
+                self.device, barrier=barrier, barrier_timeout_s=barrier_timeout_s
+            )
         self._owns_group = False
+        return report

@@ -1,0 +1,233 @@
+"""Leaving the process group at the end of a job without aborting the process at exit.
+
+[Note: why a finished job aborted at exit]
+Symptom: every rank trains to the end and closes the rank manager, then one of them dies with
+SIGABRT, "terminate called without an active exception", and torchrun reports the job failed.
+A core dump of such a rank (torch 2.13, gloo) shows the main thread in ``Py_FinalizeEx`` and a
+gloo worker thread (``pt_gloo_runloop``) in ``ProcessGroupGloo::runLoop`` destroying the last
+reference to a finished ``AsyncBroadcastWork``: its tensors are Python tensors, so dropping
+them decrefs their ``PyObject``, which needs the GIL; during interpreter finalization a thread
+that asks for the GIL is ended by ``pthread_exit``, whose forced unwinding runs into a
+``noexcept`` destructor, and ``std::terminate`` aborts the process.
+
+Why a worker thread holds a finished work at all: a gloo worker marks the work complete (which
+wakes the caller's ``wait()``) and only afterwards, at the end of its loop iteration, drops its
+own reference. When the caller has already dropped the Python ``Work``, the worker's drop is the
+last one. Normally that is harmless (the worker takes the GIL for a moment), but on a busy host
+the worker can be descheduled between the two for longer than the main thread needs to close
+the manager, return and start finalizing.
+
+Why ``destroy_process_group`` did not prevent it: it unregisters the groups, and gloo's
+``shutdown()`` does nothing; only the ``ProcessGroupGloo`` destructor stops and joins its
+worker threads, and it runs when the last reference to the group goes. A wrapped model holds
+its groups (``ftsdp.FSDP``'s units, torch FSDP2's mesh info), so the threads outlive ``close()``
+and the interpreter starts finalizing while one of them may still hold a finished work. (Init, an
+all_reduce and close alone did not abort: nothing else held the group, so ``destroy`` joined the
+threads while the interpreter was alive.)
+
+What :func:`close_process_groups` does, in order:
+
+1. **Leave together.** One barrier on every group this rank is in (world first, then in
+   creation order), all within one timeout (gloo's own ``BarrierOptions.timeout``, so a missing
+   peer fails it instead of hanging; on CUDA after a device synchronize). A gloo barrier also
+   waits for every collective issued on its group before it, so nothing is in flight afterwards;
+   and no rank tears down a store (rank 0 may host it) while a peer still uses it. A peer that is
+   gone or late is logged, and the close goes on.
+2. **Destroy** the subgroups in reverse order of creation, then the world group, as torch's own
+   ``destroy_process_group`` orders them (NCCL's abort was collective in some versions).
+3. **Collect garbage**, so a group held only by unreachable objects is destroyed (its worker
+   threads joined) now, while the interpreter is alive.
+4. **Wait for the worker threads of groups still referenced** (by a live model) to be idle:
+   blocked, not running nor runnable, for several samples spanning several GIL switch
+   intervals while this thread sleeps without the GIL (``/proc/self/task``, Linux). An idle
+   worker holds no work, and no new work can reach an unregistered group, so nothing is left
+   for it to drop at exit. Bounded; a timeout is logged.
+
+After an error (``barrier=False``) steps 1 and 3 are skipped: peers may be stuck in a collective
+or gone (a barrier could even pair with a peer's pending collective of the same tag), waiting for
+them would delay the restart, and collecting a group whose worker is stuck in a collective would
+block in its destructor. Step 4 stays: a worker blocked in a collective counts as idle, so it
+costs little, and the failing rank then exits with its own error code rather than SIGABRT.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+WORKER_THREAD_NAMES = ("pt_gloo_runloop",)  # ProcessGroupGloo's worker threads (torch >= 2.6)
+_TASKS = "/proc/self/task"
+_SAMPLE_S = 0.005
+_QUIET_S = 0.03  # idle this long (6 GIL switch intervals) counts as idle
+
+
+@dataclass
+class CloseReport:
+    """What :func:`close_process_groups` did (for logs and tests)."""
+
+    barrier_s: float | None = None  # seconds in the barrier; None: skipped
+    barrier_error: str | None = None  # why the barrier failed (a peer gone or late)
+    destroyed: int = 0  # process groups destroyed (world included)
+    still_referenced: int = 0  # of those, still alive after gc (held by a model)
+    idle_wait_s: float = 0.0  # waiting for their worker threads to be idle
+    idle: bool = True  # False: a worker thread was still busy at the deadline
+    busy_threads: list[str] = field(default_factory=list)
+
+
+def _registered_groups() -> list[Any]:
+    """Every process group this process is a member of, in creation order (world first)."""
+    world = dist.group.WORLD
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    groups = [pg for pg in (names or {}) if pg is not world]
+    return [world, *groups] if world is not None else groups
+
+
+def _leave_together(device: torch.device, timeout_s: float) -> None:
+    """One barrier per process group this rank is in, in creation order (the same on every
+    rank, so members of several groups cannot wait on each other in a cycle), all within one
+    deadline. On gloo a barrier also waits for the collectives issued on its group before it."""
+    deadline = time.monotonic() + timeout_s
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    for pg in _registered_groups():
+        if pg.size() == 1:
+            continue
+        left = max(deadline - time.monotonic(), 0.001)
+        opts = dist.BarrierOptions()
+        opts.timeout = timedelta(seconds=left)  # gloo's barrier ends at it by itself
+        if cuda:
+            opts.device_ids = [device.index if device.index is not None else 0]
+        pg.barrier(opts).wait(timedelta(seconds=left + 5.0))
+    if cuda:
+        torch.cuda.synchronize(device)
+
+
+def _thread_states(names: tuple[str, ...]) -> dict[str, str] | None:
+    """``{"tid name": state}`` of this process's threads with one of ``names``; None where
+    ``/proc`` is not available."""
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return None
+    states: dict[str, str] = {}
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/stat", encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        if name.startswith(names):
+            states[f"{tid} {name}"] = stat[stat.rfind(")") + 2 :].split(" ", 1)[0]
+    return states
+
+
+def wait_for_idle_workers(
+    timeout_s: float = 5.0, names: tuple[str, ...] = WORKER_THREAD_NAMES
+) -> tuple[bool, float, list[str]]:
+    """Sleep (without the GIL) until every thread named in ``names`` has been blocked (state
+    ``S``) for ``_QUIET_S`` in a row; see [Note: why a finished job aborted at exit].
+
+    Returns ``(idle, seconds waited, busy threads at the deadline)`` at once when there is no
+    such thread. Without ``/proc`` (or with a torch that does not name its threads) it cannot
+    look: it sleeps ``_QUIET_S`` once and returns True; the tail of a finished work takes
+    microseconds once its thread runs.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    quiet_since: float | None = None
+    while True:
+        states = _thread_states(names)
+        now = time.monotonic()
+        if states is None:
+            time.sleep(_QUIET_S)
+            return True, time.monotonic() - start, []
+        if not states:
+            return True, now - start, []
+        busy = sorted(t for t, s in states.items() if s != "S")
+        if busy:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= _QUIET_S:
+            return True, now - start, []
+        if now >= deadline:
+            return False, now - start, [f"{t} ({states[t]})" for t in busy]
+        time.sleep(_SAMPLE_S)
+
+
+def _destroy_all() -> list[weakref.ref]:
+    """Destroy the subgroups (newest first), then the world group; weak references to them.
+
+    A function of its own, so that no reference of ours outlives it: a group nothing else
+    holds is destroyed (its worker threads joined) here."""
+    groups = _registered_groups()
+    refs = [weakref.ref(pg) for pg in groups]
+    for subgroup in reversed(groups[1:]):
+        dist.destroy_process_group(subgroup)
+    dist.destroy_process_group()
+    return refs
+
+
+def close_process_groups(
+    device: torch.device,
+    *,
+    barrier: bool = True,
+    barrier_timeout_s: float = 60.0,
+    idle_timeout_s: float = 5.0,
+) -> CloseReport:
+    """Leave together, destroy every process group, and make sure no worker thread of a group
+    that is still referenced holds a work when the interpreter exits (see the note above).
+
+    Every rank must call it at the same point when ``barrier`` is True. ``barrier=False``
+    after an error: no barrier and no garbage collection (see the note).
+    """
+    report = CloseReport()
+    if not dist.is_initialized():
+        return report
+    if barrier and dist.get_world_size() > 1:
+        t0 = time.monotonic()
+        try:
+            _leave_together(device, barrier_timeout_s)
+        except Exception as e:  # a peer gone or late: go on closing, say so
+            report.barrier_error = f"{type(e).__name__}: {e}"
+            logger.warning(
+                "rank %d: not every rank reached close() within %.0f s (%s); closing without "
+                "them. A peer that failed or hung is the likely cause (see its log).",
+                dist.get_rank(),
+                barrier_timeout_s,
+                report.barrier_error.splitlines()[0][:300],
+            )
+        report.barrier_s = time.monotonic() - t0
+    rank = dist.get_rank()
+    refs = _destroy_all()
+    report.destroyed = len(refs)
+    if barrier:
+        gc.collect()
+    report.still_referenced = sum(ref() is not None for ref in refs)
+    report.idle, report.idle_wait_s, report.busy_threads = wait_for_idle_workers(idle_timeout_s)
+    if not report.idle:
+        logger.warning(
+            "rank %d: close() destroyed the process groups, but %d of them are still "
+            "referenced (by a model?) and their worker threads %s were still busy after "
+            "%.1f s: the process may abort at exit. Call close() when no collective is in "
+            "flight (after the last one was waited for).",
+            rank,
+            report.still_referenced,
+            report.busy_threads,
+            idle_timeout_s,
+        )
+    logger.debug("close_process_groups: %s", report)
+    return report
