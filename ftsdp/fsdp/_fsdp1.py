@@ -37,7 +37,7 @@ from torch import nn
 from ._api import StateDictType
 from ._collectives import all_gather_flat, all_reduce_flat
 from ._common import ShardingStrategy
-from ._state_dict import full_tensor, is_distributed, param_index
+from ._state_dict import full_tensor, is_distributed, param_index, state_index
 from ._unit import FlatParamUnit, ParamInfo
 
 # The wrapper (``_fully_sharded.FullyShardedDataParallel``), which imports this module.
@@ -131,7 +131,8 @@ def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
 def _sharded_model_state(
     model: FullyShardedDataParallel, names: list[tuple[str, nn.Parameter]], cpu: bool
 ) -> dict[str, Any]:
-    index = param_index(model._units, names)
+    state = model.module.state_dict(keep_vars=True)
+    index = state_index(model._units, state)
     full_params: dict[int, torch.Tensor] = {}
     for unit in model._units:
         if not unit.infos:
@@ -142,7 +143,7 @@ def _sharded_model_state(
             full_params[id(info)] = _to_dtensor(model, full, cpu)
         del flat
     out: dict[str, Any] = {}
-    for key, value in model.module.state_dict(keep_vars=True).items():
+    for key, value in state.items():
         info = index.get(key)
         out[key] = full_params[id(info)] if info else _to_cpu(value.detach().clone(), cpu)
     return out
@@ -181,8 +182,15 @@ def _optim_params(
                 )
             name = name_of[id(p)]
             state = osd["state"].get(ids[i], {}) if osd is not None else optim.state.get(p, {})
-            out.append((g, name, p, index.get(name), state))
+            out.append((g, clean_name(name), p, index.get(name), state))
     return out
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as torch FSDP's state dicts spell it: without the
+    ``_checkpoint_wrapped_module.`` parts activation checkpointing's wrapper adds (its own
+    state-dict hooks drop them from ``state_dict()`` keys too)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def _mirrors(value: Any, info: ParamInfo | None) -> bool:

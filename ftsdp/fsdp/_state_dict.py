@@ -78,6 +78,15 @@ def param_index(
     return index
 
 
+def state_index(units: list[FlatParamUnit], state: dict[str, Any]) -> dict[str, ParamInfo]:
+    """Every key of ``module.state_dict(keep_vars=True)`` whose value is a managed parameter
+    -> its ParamInfo. Matched by identity, not by name, so keys that state-dict hooks rename
+    (activation checkpointing's wrapper drops its ``_checkpoint_wrapped_module.`` part) are
+    found too."""
+    by_param = {id(info.sharded_param): info for unit in units for info in unit.infos}
+    return {key: by_param[id(v)] for key, v in state.items() if id(v) in by_param}
+
+
 def full_state_dict(
     units: list[FlatParamUnit], module: nn.Module, names: list[tuple[str, nn.Parameter]]
 ) -> dict[str, torch.Tensor]:
@@ -92,8 +101,9 @@ def full_state_dict(
             full = gathered[info.offset : info.offset + info.numel].view(info.shape).clone()
             full_params[id(info.sharded_param)] = full
     out: dict[str, torch.Tensor] = {}
-    index = param_index(units, names)
-    for key, value in module.state_dict(keep_vars=True).items():
+    state = module.state_dict(keep_vars=True)
+    index = state_index(units, state)
+    for key, value in state.items():
         info = index.get(key)
         out[key] = full_params[id(info.sharded_param)] if info else value.detach()
     return out
@@ -120,7 +130,7 @@ def load_full_state_dict(
             f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
             "pass strict=False to load the keys that match"
         )
-    index = param_index(units, names)
+    index = state_index(units, expected)
     for key, current in expected.items():
         if key not in state:
             continue
@@ -156,10 +166,11 @@ def sharded_state_dict(
     units: list[FlatParamUnit], module: nn.Module, names: list[tuple[str, nn.Parameter]]
 ) -> dict[str, ShardView]:
     """Parameters (each once, under its first name) and persistent buffers as ShardViews."""
-    index = param_index(units, names)
+    state = module.state_dict(keep_vars=True)
+    index = state_index(units, state)
     out: dict[str, ShardView] = {}
     seen: set[int] = set()
-    for key, value in module.state_dict(keep_vars=True).items():
+    for key, value in state.items():
         info = index.get(key)
         if info is None:
             flat = value.detach().reshape(-1)

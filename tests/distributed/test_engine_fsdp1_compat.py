@@ -18,6 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 
 from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, MLP, Block, GPTConfig
@@ -116,7 +121,8 @@ def namespaces(engine: str):
 # ---------------------------------------------------------------------- the scripts
 def script_transformer(F, W, data, offload: bool = True) -> tuple[list, dict]:
     """The FSDP advanced tutorial (T5 / transformer): transformer_auto_wrap_policy, the usual
-    keyword arguments, clip_grad_norm_, then a full state dict on rank 0 on the CPU."""
+    keyword arguments, activation checkpointing, clip_grad_norm_, then a full state dict on
+    rank 0 on the CPU."""
     model = gpt()
     policy = functools.partial(W.transformer_auto_wrap_policy, transformer_layer_cls={Block})
     model = F.FullyShardedDataParallel(
@@ -128,6 +134,13 @@ def script_transformer(F, W, data, offload: bool = True) -> tuple[list, dict]:
         limit_all_gathers=True,
         use_orig_params=True,
         device_id=CPU,
+    )
+    apply_activation_checkpointing(  # the tutorial's non-reentrant activation checkpointing
+        model,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda submodule: isinstance(submodule, Block),
     )
     opt = adamw(model.parameters())
     steps = train(model, opt, data, clip=0.5)

@@ -299,3 +299,48 @@ def test_exports_match_torch_fsdp1_names() -> None:
         elif hasattr(theirs, "__members__"):
             public = {m for m in theirs.__members__ if not m.startswith("_")}
             assert public <= set(ours.__members__), name
+
+
+def test_activation_checkpointing_after_wrapping_keeps_clean_state_dict_keys() -> None:
+    """The FSDP tutorials' ``apply_activation_checkpointing`` on the wrapped model: training
+    as unwrapped, and state dicts (model and optimizer) keyed without the wrapper's
+    ``_checkpoint_wrapped_module.`` parts, as torch FSDP keys them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    reference = gpt()
+    wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy=POLICIES["transformer"])
+    apply_activation_checkpointing(
+        wrapped,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda m: isinstance(m, Block),
+    )
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    x = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=torch.Generator())
+    for _ in range(2):
+        torch.testing.assert_close(wrapped(x, x)[1], reference(x, x)[1])
+        wrapped(x, x)[1].backward()
+        reference(x, x)[1].backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    want = reference.state_dict()
+    state = wrapped.state_dict()
+    assert list(state) == list(want)
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, msg=key)
+    names = dict(reference.named_parameters())
+    osd = ftsdp.FSDP.optim_state_dict(wrapped, opt)
+    assert sorted(osd["state"]) == sorted(names)
+    for name, p in names.items():
+        torch.testing.assert_close(osd["state"][name]["exp_avg"], ref_opt.state[p]["exp_avg"])
+    with torch.no_grad():
+        for p in wrapped.parameters():
+            p.zero_()
+    wrapped.load_state_dict(want)  # and back, through the renamed keys
+    for key, value in wrapped.state_dict().items():
+        torch.testing.assert_close(value, want[key], msg=key)
