@@ -1,16 +1,20 @@
 """The training entry's configuration: one keyword-only dataclass, and its command line.
 
-Every field of :class:`TrainConfig` is a CLI flag (``n_layer`` -> ``--n-layer``) whose type,
-default and help come from the field itself, so the two never drift. The defaults are the main
-job: a ~0.8M-parameter GPT on the synthetic Markov language that finishes in about a minute on
-two CPU cores with two ranks, the loss falling from ~ln(256) = 5.5 towards the chain's entropy
-rate (~1.1).
+Every field of :class:`TrainConfig` is a CLI flag (``n_layer`` -> ``--n-layer``, also spelled
+``--n_layer``) whose type, default and help come from the field itself, so the two never drift.
+``--config FILE.toml`` sets flags from a TOML file whose keys are the flag names (dashes or
+underscores); flags on the command line override it. The defaults are the main job: a
+~0.8M-parameter GPT on the synthetic Markov language that finishes in about a minute on two CPU
+cores with two ranks, the loss falling from ~ln(256) = 5.5 towards the chain's entropy rate
+(~1.1). docs/training.md describes every flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -21,6 +25,40 @@ from ftsdp.trainer.model import GPTConfig
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 DEVICES = ("auto", "cpu", "cuda")
+DATA_DTYPES = ("uint16", "uint32")
+MIXED_PRECISION = ("none", "bf16", "fp16")
+GPT_SPEC = "gpt"
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed ``--model``: ``kind`` is ``gpt``, ``hf`` (``arg``: the directory) or ``py``
+    (``arg``: ``MODULE:FUNCTION``)."""
+
+    kind: str
+    arg: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> ModelSpec:
+        """ValueError (one line, with the accepted forms) for anything else."""
+        if spec == GPT_SPEC:
+            return cls("gpt")
+        kind, _, rest = spec.partition(":")
+        if kind == "hf" and rest:
+            return cls("hf", rest)
+        if kind == "py":
+            parts = rest.split(":")
+            if (
+                len(parts) == 2
+                and all(_IDENT.fullmatch(p) for p in parts[0].split("."))
+                and _IDENT.fullmatch(parts[1])
+            ):
+                return cls("py", rest)
+        raise ValueError(
+            f"model={spec!r} must be gpt, hf:DIR (a local Hugging Face config directory) or "
+            "py:MODULE:FUNCTION (a factory returning an nn.Module)"
+        )
 
 
 def _opt(default, help: str, **kw):
@@ -29,12 +67,36 @@ def _opt(default, help: str, **kw):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    # model
-    vocab_size: int = _opt(256, "vocabulary size of the model and the synthetic language")
-    block_size: int = _opt(64, "tokens per sample (context length)")
-    n_layer: int = _opt(4, "transformer blocks (each one FSDP unit)")
-    n_head: int = _opt(4, "attention heads per block")
-    n_embd: int = _opt(128, "embedding width (divisible by n_head)")
+    # what is trained, on what (docs/training.md)
+    model: str = _opt(
+        "gpt",
+        "gpt (the built-in GPT, shaped by the flags below), hf:DIR (a Hugging Face causal LM "
+        "from the config.json in a local directory) or py:MODULE:FUNCTION (FUNCTION(cfg) returns "
+        "an nn.Module, or (module, auto_wrap_policy))",
+    )
+    data: str = _opt(
+        "markov",
+        "markov (the built-in synthetic language), FILE.bin (a flat token file, memory-mapped) "
+        "or a UTF-8 text file (its bytes are the tokens)",
+    )
+    data_dtype: str = _opt("uint16", "token dtype of a .bin data file", choices=DATA_DTYPES)
+    init_from: str | None = _opt(
+        None,
+        "start from the weights of this checkpoint (a Hugging Face directory, a torch.save file, "
+        "DCP or an ftsdp root) before step 0; a resume from --checkpoint-url wins over it",
+    )
+    mixed_precision: str = _opt(
+        "none",
+        "compute and all-gather in bf16 or fp16 (fp32 master weights, fp32 gradient reduction; "
+        "fp16 scales the loss with ftsdp.ShardedGradScaler)",
+        choices=MIXED_PRECISION,
+    )
+    # the built-in GPT's shape (vocab_size also sizes the synthetic language)
+    vocab_size: int = _opt(256, "vocabulary size of the GPT and the synthetic language")
+    block_size: int = _opt(64, "tokens per sample (context length), for every model")
+    n_layer: int = _opt(4, "transformer blocks of the GPT (each one FSDP unit)")
+    n_head: int = _opt(4, "attention heads per block of the GPT")
+    n_embd: int = _opt(128, "embedding width of the GPT (divisible by n_head)")
     # batch geometry
     global_batch: int = _opt(32, "samples per optimizer step, over all ranks")
     micro_batch: int = _opt(8, "samples per forward/backward on one rank")
@@ -116,7 +178,23 @@ class TrainConfig:
             f"must be one of {SHARDING_STRATEGIES}",
         )
         need(self.device in DEVICES, "device", f"must be one of {DEVICES}")
-        self.model_config()  # GPTConfig validates the model shape
+        need(self.data_dtype in DATA_DTYPES, "data_dtype", f"must be one of {DATA_DTYPES}")
+        need(
+            self.mixed_precision in MIXED_PRECISION,
+            "mixed_precision",
+            f"must be one of {MIXED_PRECISION}",
+        )
+        need(bool(self.data), "data", "must be markov or a file")
+        need(self.init_from != "", "init_from", "must be a checkpoint URL (or not given)")
+        try:
+            ModelSpec.parse(self.model)
+        except ValueError as e:  # names the accepted forms
+            raise ValueError(f"TrainConfig: {e}") from None
+        if self.model == "gpt":
+            self.model_config()  # GPTConfig validates the model shape
+        else:
+            need(self.block_size >= 1, "block_size", "must be >= 1")
+            need(self.vocab_size >= 2, "vocab_size", "must be >= 2")
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(
@@ -147,12 +225,21 @@ def _flag_type(hint: object) -> type:
 
 
 def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
-    """An argparse parser with one ``--flag`` per field of the dataclass ``cls``."""
+    """An argparse parser with one ``--flag`` per field of the dataclass ``cls``, and
+    ``--config FILE.toml`` (see :func:`parse_args`)."""
     parser = argparse.ArgumentParser(
         prog="ftsdp-train",
-        description="Train a small GPT with the ftsdp FSDP engine "
-        "(torchrun --standalone --nproc-per-node=2 -m ftsdp.train).",
+        description="Train a model with the ftsdp FSDP engine, elastically "
+        "(torchrun --standalone --nproc-per-node=2 -m ftsdp.train). Every --flag-name is also "
+        "accepted as --flag_name.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help="read flags from this TOML file (keys: flag names, with dashes or underscores); "
+        "flags on the command line override it",
     )
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -166,12 +253,98 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """CLI -> validated :class:`TrainConfig`; a bad value exits with argparse's usage error."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def normalise_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``--flag_name`` (and ``--flag_name=value``) -> ``--flag-name`` for the parser's flags;
+    anything else, and everything after ``--``, unchanged."""
+    known = parser._option_string_actions
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            out.extend(argv[i:])
+            break
+        name, eq, value = arg.partition("=")
+        if name.startswith("--") and "_" in name:
+            dashed = "--" + name[2:].replace("_", "-")
+            if dashed in known:
+                arg = dashed + eq + value
+        out.append(arg)
+    return out
+
+
+def _read_toml(path: str) -> dict[str, typing.Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ValueError(
+                f"--config {path}: reading TOML needs Python 3.11+ or `pip install tomli`"
+            ) from None
     try:
-        return TrainConfig(**vars(args))
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+
+
+def config_defaults(path: str, cls: type = TrainConfig) -> dict[str, typing.Any]:
+    """The fields set by the TOML file at ``path``: ``{field name: value}``, its keys being flag
+    names (``global-batch`` or ``global_batch``). Unknown keys and values of the wrong type raise
+    ValueError naming them."""
+    table = _read_toml(path)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in table if k.replace("-", "_") not in fields]
+    if unknown:
+        raise ValueError(
+            f"--config {path}: unknown key(s) {unknown}; keys are the flag names "
+            "(ftsdp-train --help), e.g. global-batch = 32"
+        )
+    values: dict[str, typing.Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name in values:
+            raise ValueError(f"--config {path}: {name} is set twice (as - and _ spellings)")
+        kind = _flag_type(hints[name])
+        ok = (
+            isinstance(value, bool)
+            if kind is bool
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if kind is float
+            else isinstance(value, kind) and not isinstance(value, bool)
+        )
+        if not ok:
+            raise ValueError(
+                f"--config {path}: {key} = {value!r} must be a TOML {kind.__name__}"
+                + (" (a quoted string)" if kind is str else "")
+            )
+        values[name] = float(value) if kind is float else value
+        choices = fields[name].metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"--config {path}: {key} = {value!r} must be one of {choices}")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """CLI (and ``--config FILE.toml``) -> validated :class:`TrainConfig`; a bad value exits with
+    argparse's usage error (status 2)."""
+    parser = build_parser()
+    argv = normalise_flags(sys.argv[1:] if argv is None else list(argv), parser)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(argv)[0].config
+    if path:
+        try:
+            parser.set_defaults(**config_defaults(path))
+        except ValueError as e:
+            parser.error(str(e))
+    values = vars(parser.parse_args(argv))
+    values.pop("config")
+    try:
+        return TrainConfig(**values)
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits

@@ -1,26 +1,55 @@
-"""What one training run works on: data, the wrapped model, its optimizer and learning-rate
-schedule, the checkpoints; :func:`build` makes it inside an open session.
+"""What one training run works on: data, the wrapped model, its loss adapter, optimizer and
+learning-rate schedule, the checkpoints; :func:`build` makes it inside an open session.
 
 The engine is used only through its public wrapper; nothing here knows about flat parameters.
+The model and data come from ``--model`` / ``--data`` (``_models``, ``_datasets``); before the
+model is built, a checkpoint root with committed steps is checked to be this run's
+(``_records``, [Note: refusing another run's checkpoint before loading it]).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 import ftsdp
-from ftsdp.elastic import BatchGeometry, GlobalSampler
+from ftsdp.elastic import BatchGeometry, GlobalSampler, RankManager
 from ftsdp.trainer._checkpoint import CheckpointManager
 from ftsdp.trainer._config import TrainConfig
+from ftsdp.trainer._datasets import open_data
+from ftsdp.trainer._errors import JobError
+from ftsdp.trainer._models import (
+    BuiltModel,
+    LossFn,
+    build_model,
+    gpt_loss,
+    has_dropout,
+    init_weights,
+    model_positions,
+    model_vocab,
+    plan_model,
+)
+from ftsdp.trainer._records import SavedRun, mismatch, peek, refusal
 from ftsdp.trainer._session import Session
-from ftsdp.trainer.data import MarkovDataset
-from ftsdp.trainer.model import GPT, Block, param_groups
+from ftsdp.trainer.data import MarkovDataset, TokenDataset
+from ftsdp.trainer.model import param_groups
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# --mixed-precision: fp32 master weights and fp32 gradient reduction in every case.
+MIXED_PRECISION = {
+    "none": None,
+    "bf16": ftsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "fp16": ftsdp.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -56,39 +85,112 @@ class Job:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    dataset: MarkovDataset
+    dataset: MarkovDataset | TokenDataset
     sampler: GlobalSampler
     geometry: BatchGeometry
     n_params: int
+    loss: LossFn = gpt_loss  # (model, x, y) -> mean loss: see [Note: the model adapter]
     ckpt: CheckpointManager | None = None  # None without --checkpoint-url
     deterministic_engine: bool = False
     clip: float = math.inf  # max gradient norm; inf only measures it
+    scaler: ftsdp.ShardedGradScaler | None = None  # --mixed-precision fp16
+    # trainer values that say what is trained: "model" and "data", JSON strings (_records)
+    records: dict[str, str] = field(default_factory=dict)
+    saved: SavedRun | None = None  # the newest committed step's trainer values, when resuming
+    data_description: str = ""
+
+
+def on_every_rank(rm: RankManager, fn: Callable[[], T]) -> T:
+    """``fn()`` on every rank; when it raises :class:`JobError` on any rank, every rank raises
+    (instead of the others waiting in the next collective). Only rank 0 reports an error it met
+    itself (the others presumably met the same); a rank that alone met one reports it."""
+    error: JobError | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except JobError as e:
+        error = e
+    failed, rank0_failed = rm.agree_any(error is not None, rm.rank == 0 and error is not None)
+    if not failed:
+        return result
+    if error is None:
+        raise JobError("the job could not be built on another rank (see its message)", report=False)
+    error.report = rm.rank == 0 or not rank0_failed
+    if error.report and rm.rank != 0:
+        error.args = (f"rank {rm.rank}: {error}",)
+    raise error
 
 
 def build(cfg: TrainConfig, session: Session) -> Job:
-    """Data, the wrapped model, its optimizer (after wrapping) and schedule, the checkpoints."""
+    """Data, the model (checked against the checkpoint root first), wrapped; its optimizer
+    (after wrapping) and schedule, the checkpoints."""
     rm = session.rm
     geometry = cfg.geometry(rm.world_size)  # fails fast on a world size that cannot work
-    dataset = MarkovDataset(cfg.vocab_size, cfg.block_size, seed=cfg.seed)
-    sampler = GlobalSampler(len(dataset), seed=cfg.seed, shuffle=cfg.shuffle)
-    torch.manual_seed(cfg.seed)  # same init on every rank
-    module = GPT(cfg.model_config())
-    n_params = module.num_parameters()
+    data, plan = on_every_rank(rm, lambda: (open_data(cfg), plan_model(cfg)))
+    url = session.hook.checkpoint_url(cfg.checkpoint_url) if cfg.checkpoint_url else None
+    storage_options = storage_options_from_env()
+    saved = None
+    if url is not None:
+        saved = peek(url, storage_options=storage_options, rank=rm.rank, world_size=rm.world_size)
+    if saved is not None:
+        diffs = mismatch(saved, cfg, plan.record, data.record)
+        if diffs:  # every rank got the same values from rank 0
+            raise JobError(refusal(cfg.checkpoint_url, saved.step, diffs), report=rm.rank == 0)
+
+    def make_model() -> BuiltModel:
+        torch.manual_seed(cfg.seed)  # same init on every rank
+        built = build_model(cfg, plan)
+        module = built.module
+        vocab = model_vocab(module)
+        if vocab is not None and data.max_token >= vocab:
+            raise JobError(
+                f"--data {cfg.data} holds token id {data.max_token} but the model embeds only "
+                f"{vocab} ids; use a model with a vocabulary of at least {data.max_token + 1}"
+                + (f" (--vocab-size {data.max_token + 1})" if plan.spec.kind == "gpt" else "")
+            )
+        positions = model_positions(module)
+        if positions is not None and cfg.block_size > positions:
+            raise JobError(
+                f"--block-size {cfg.block_size} is longer than the {positions} positions the "
+                f"model {cfg.model} is configured for; pass --block-size {positions} or less"
+            )
+        if cfg.deterministic and has_dropout(module):
+            logger.warning(
+                "ftsdp.train: the model has dropout (p > 0): its masks come from each rank's "
+                "RNG, so --deterministic results depend on the world size; set dropout to 0 "
+                "for bitwise reproducibility"
+            )
+        if cfg.init_from and saved is not None:
+            session.log.write(
+                f"--init-from {cfg.init_from} ignored: resuming from {cfg.checkpoint_url} "
+                f"(step {saved.step})",
+                {"event": "init_from", "url": cfg.init_from, "ignored": True},
+            )
+        elif cfg.init_from:
+            line = init_weights(module, cfg.init_from, storage_options=storage_options)
+            session.log.write(line, {"event": "init_from", "url": cfg.init_from, "ignored": False})
+        return built
+
+    built = on_every_rank(rm, make_model)
+    module = built.module
+    n_params = sum(p.numel() for p in module.parameters())  # a tied weight counts once
     model = ftsdp.FSDP(
         module.to(rm.device),
-        auto_wrap_policy={Block},
+        auto_wrap_policy=built.policy,
         sharding_strategy=ftsdp.ShardingStrategy[cfg.sharding_strategy],
         device_id=rm.device if rm.device.type == "cuda" else None,
+        mixed_precision=MIXED_PRECISION[cfg.mixed_precision],
         deterministic=cfg.deterministic,
     )
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95)
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
+    scaler = ftsdp.ShardedGradScaler(rm.device.type) if cfg.mixed_precision == "fp16" else None
     ckpt = None
-    if cfg.checkpoint_url:
+    if url is not None:
         ckpt = CheckpointManager(
-            session.hook.checkpoint_url(cfg.checkpoint_url),
+            url,
             model,
             optimizer,
             lr_scheduler=scheduler,
@@ -96,7 +198,7 @@ def build(cfg: TrainConfig, session: Session) -> Job:
             every_seconds=cfg.checkpoint_every_s or None,
             keep_last=cfg.keep_last,
             async_save=cfg.async_save,
-            storage_options=storage_options_from_env(),
+            storage_options=storage_options,
             seed=cfg.seed,
             log=lambda line: session.log.event(
                 {"event": "checkpoint_warning", "message": line}, line
@@ -106,11 +208,19 @@ def build(cfg: TrainConfig, session: Session) -> Job:
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        dataset=dataset,
-        sampler=sampler,
+        dataset=data.dataset,
+        sampler=GlobalSampler(len(data.dataset), seed=cfg.seed, shuffle=cfg.shuffle),
         geometry=geometry,
         n_params=n_params,
+        loss=built.loss,
         ckpt=ckpt,
         deterministic_engine=cfg.deterministic,
         clip=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
+        scaler=scaler,
+        records={
+            "model": json.dumps(plan.record, sort_keys=True),
+            "data": json.dumps(data.record, sort_keys=True),
+        },
+        saved=saved,
+        data_description=data.description,
     )

@@ -1,8 +1,10 @@
 """The training entry's step loop: resume, gradient accumulation, the step boundary (agreement,
 checkpoints, the step hook), and rank 0's log lines.
 
-The engine is used only through its public wrapper (``model(idx, targets)``, ``no_sync()``,
-``clip_grad_norm_``, the sharded state dicts); nothing here knows about flat parameters.
+The engine is used only through its public wrapper (the model's forward through the job's loss
+adapter, ``no_sync()``, ``clip_grad_norm_``, the sharded state dicts); nothing here knows about
+flat parameters. With ``--mixed-precision fp16`` the loss is scaled by the job's
+``ShardedGradScaler``, whose state is saved with the trainer values (``grad_scaler``).
 
 [Note: one agreement per step boundary]
 After every optimizer step the ranks run one ``all_reduce(MAX)`` over two flags: "a rank was
@@ -26,19 +28,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftsdp import storage
 from ftsdp.elastic import EXIT_PEER_PREEMPTED, RankManager
-from ftsdp.trainer._checkpoint import CheckpointManager
 from ftsdp.trainer._config import TrainConfig
+from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._job import Job
+from ftsdp.trainer._records import SavedRun, mismatch, refusal
 from ftsdp.trainer._session import MetricsLog, Session
 
 
 def _config_json(cfg: TrainConfig) -> str:
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-
-
-# Fields that change what is trained: a resume with other values is refused.
-_MUST_MATCH = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "seed", "global_batch")
 
 
 @dataclass
@@ -49,27 +49,40 @@ class Outcome:
     preempted: bool = False
 
 
-def _resume(
-    cfg: TrainConfig, session: Session, ckpt: CheckpointManager, trainer: dict[str, Any]
-) -> None:
-    """Load the newest usable checkpoint into the job and ``trainer``; log it."""
-    rm, log = session.rm, session.log
-    resumed = ckpt.resume(trainer)
+def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any]) -> None:
+    """Load the newest usable checkpoint into the job and ``trainer``; log it.
+
+    The template handed to the checkpoint has exactly the trainer keys the newest step saved
+    (peeked when the job was built), so a checkpoint without ``model``/``data`` records or
+    with a grad scaler's state still loads; what it recorded is checked again here, in case
+    the resume fell back to an older step."""
+    rm, log, ckpt = session.rm, session.log, job.ckpt
+    assert ckpt is not None
+    template: dict[str, Any] = (
+        dict(trainer) if job.saved is None else {k: None for k in job.saved.values}
+    )
+    try:
+        resumed = ckpt.resume(template)
+    except storage.StateMismatchError as e:  # e.g. a py: factory that changed the model
+        first = str(e).splitlines()[0]
+        raise JobError(
+            f"the checkpoint at {cfg.checkpoint_url} does not match this model or optimizer: "
+            f"{first[:400]}{'...' if len(first) > 400 else ''}; use another --checkpoint-url",
+            report=rm.rank == 0,
+        ) from None
     if resumed is None:
         return
-    saved = json.loads(trainer["config"])
-    bad = [
-        f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}"
-        for k in _MUST_MATCH
-        if saved.get(k) != getattr(cfg, k)
-    ]
-    if bad:
-        raise ValueError(
-            f"the checkpoint at {cfg.checkpoint_url} (step {resumed.step}) was trained with "
-            f"another configuration: {'; '.join(bad)}; use another --checkpoint-url"
-        )
+    saved = SavedRun(resumed.step, template)
+    diffs = mismatch(saved, cfg, json.loads(job.records["model"]), json.loads(job.records["data"]))
+    if diffs:
+        raise JobError(refusal(cfg.checkpoint_url or "", resumed.step, diffs), report=rm.rank == 0)
+    if job.scaler is not None and isinstance(template.get("grad_scaler"), str):
+        job.scaler.load_state_dict(json.loads(template["grad_scaler"]))
     trainer.update(
-        restarts=trainer["restarts"] + 1, world_size=rm.world_size, config=_config_json(cfg)
+        step=template["step"],
+        cursor=template["cursor"],
+        restarts=template["restarts"] + 1,
+        world_size=rm.world_size,
     )
     skipped = [s for s, _ in resumed.skipped]
     log.write(
@@ -102,11 +115,18 @@ def _step(job: Job, rm: RankManager, cursor: int, scale: float) -> tuple[torch.T
         # Gradients reduce across ranks only on the last micro-batch of the step.
         sync = contextlib.nullcontext() if micro == accum - 1 else job.model.no_sync()
         with sync:
-            _, loss = job.model(x, y)
-            (loss * scale).backward()
+            loss = job.loss(job.model, x, y)
+            scaled = loss * scale
+            (scaled if job.scaler is None else job.scaler.scale(scaled)).backward()
         losses[micro] = loss.detach().double()
+    if job.scaler is not None:
+        job.scaler.unscale_(job.optimizer)  # the norm and the clip see the true gradients
     grad_norm = job.model.clip_grad_norm_(job.clip)
-    job.optimizer.step()
+    if job.scaler is None:
+        job.optimizer.step()
+    else:  # skipped on every rank when any rank's gradients overflowed
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     return losses, grad_norm
@@ -119,9 +139,9 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
         f"ftsdp.train | world {rm.world_size} | {rm.device} | {cfg.sharding_strategy} | "
         f"{job.n_params / 1e6:.2f}M params | global batch {cfg.global_batch} = micro "
         f"{cfg.micro_batch} x accum {g.accum_steps} x ranks {rm.world_size} | "
-        f"loss at init ~ ln(V) = {job.dataset.uniform_loss:.3f}, "
-        f"achievable ~ {job.dataset.entropy_rate:.3f} (chain entropy rate) | "
-        f"generation {rm.generation}",
+        f"model {cfg.model}"
+        + (f" ({cfg.mixed_precision})" if cfg.mixed_precision != "none" else "")
+        + f" | {job.data_description} | generation {rm.generation}",
         start_record(cfg, rm, job),
     )
     t0 = time.perf_counter()
@@ -152,9 +172,10 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         "restarts": 0,
         "world_size": rm.world_size,
         "config": _config_json(cfg),
+        **job.records,  # model, data: what is trained (_records)
     }
     if job.ckpt is not None:
-        _resume(cfg, session, job.ckpt, trainer)
+        _resume(cfg, session, job, trainer)
     step, cursor = trainer["step"], trainer["cursor"]
     if session.watchdog is not None:
         session.watchdog.beat(step)
@@ -192,6 +213,8 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         stop, save_due = rm.agree_any(preempt.requested, due)
         last = step == cfg.steps
         if job.ckpt is not None and (save_due or stop or last):
+            if job.scaler is not None:
+                trainer["grad_scaler"] = json.dumps(job.scaler.state_dict(), sort_keys=True)
             seconds = job.ckpt.save(step, trainer, block=stop or last)
             blocking += seconds
             log.write(
@@ -278,8 +301,10 @@ def start_record(cfg: TrainConfig, rm: RankManager, job: Job) -> dict:
         "device": str(rm.device),
         "accum_steps": job.geometry.accum_steps,
         "n_params": job.n_params,
-        "loss_floor": job.dataset.entropy_rate,
-        "loss_uniform": job.dataset.uniform_loss,
+        "loss_floor": getattr(job.dataset, "entropy_rate", None),  # markov only
+        "loss_uniform": getattr(job.dataset, "uniform_loss", None),
+        "model": cfg.model,
+        "data": cfg.data,
         "generation": rm.generation,
         "restart_count": rm.info.restart_count,
         "incarnation": rm.incarnation,

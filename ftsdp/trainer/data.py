@@ -1,4 +1,7 @@
-"""A deterministic synthetic language: sequences from a fixed, seeded, sparse Markov chain.
+"""The main job's data: a deterministic synthetic language (:class:`MarkovDataset`, the default)
+and windows over a flat array of tokens (:class:`TokenDataset`: a token file, a text file's bytes).
+
+The synthetic language: sequences from a fixed, seeded, sparse Markov chain.
 
 Nothing is downloaded. The chain has ``vocab_size`` states (tokens); from each token the next one
 is drawn among ``branching`` fixed successors with fixed random probabilities. A model that
@@ -137,6 +140,55 @@ class MarkovDataset(Dataset):
         rng = np.random.default_rng([self.seed, _SAMPLE_STREAM, i])
         walk = torch.from_numpy(self.chain.sample(self.seq_len + 1, rng))
         return walk[:-1], walk[1:]
+
+    def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
+        pairs = [self[i] for i in indices]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+
+class TokenDataset(Dataset):
+    """Map-style dataset over a flat 1-D array of token ids (a memory-mapped token file, or a
+    text file's bytes): item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors from the
+    window ``tokens[i * seq_len : (i + 1) * seq_len + 1]`` (``target[t] = input[t + 1]``).
+
+    Windows are consecutive and do not overlap except for the one token a window's target shares
+    with the next window's input, so an epoch of a global sampler sees every token once:
+    ``len = (len(tokens) - 1) // seq_len``. Item ``i`` depends only on the array and ``i``, the
+    same in every process, which is what a global sample cursor needs. Reading an item copies
+    its ``seq_len + 1`` tokens out of the array (a memory map is read only where it is used).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if tokens.ndim != 1:
+            raise ValueError(f"TokenDataset: tokens must be 1-D, got shape {tokens.shape}")
+        if seq_len < 1:
+            raise ValueError(f"TokenDataset: seq_len={seq_len} must be >= 1")
+        if len(tokens) < seq_len + 1:
+            raise ValueError(
+                f"TokenDataset: {len(tokens)} tokens are fewer than one window of seq_len + 1 = "
+                f"{seq_len + 1}; use more data or a smaller block size"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_samples = (len(tokens) - 1) // seq_len
+
+    def max_token(self, chunk: int = 1 << 26) -> int:
+        """The largest token id in the array (read once, ``chunk`` tokens at a time)."""
+        return max(int(self.tokens[a : a + chunk].max()) for a in range(0, len(self.tokens), chunk))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = int(i)
+        if i < 0:
+            i += self.num_samples
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"TokenDataset index {i} out of range [0, {self.num_samples})")
+        start = i * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
 
     def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
         """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from ftsdp.trainer._config import TrainConfig, build_parser, parse_args
+from ftsdp.trainer._config import TrainConfig, build_parser, normalise_flags, parse_args
 from ftsdp.trainer._job import lr_at
 
 
@@ -35,6 +35,14 @@ def test_defaults_are_valid_and_split_over_two_ranks() -> None:
         ({"device": "tpu"}, "device='tpu' must be one of"),
         ({"n_embd": 130}, "n_embd=130 must be divisible by n_head=4"),
         ({"vocab_size": 0}, "vocab_size=0 must be a positive int"),
+        ({"model": "hf:"}, "model='hf:' must be gpt, hf:DIR .* or py:MODULE:FUNCTION"),
+        ({"model": "py:mod"}, "model='py:mod' must be gpt, hf:DIR"),
+        ({"model": "py:a-b:f"}, "model='py:a-b:f' must be"),
+        ({"model": "llama"}, "model='llama' must be"),
+        ({"data": ""}, "data='' must be markov or a file"),
+        ({"data_dtype": "int8"}, "data_dtype='int8' must be one of"),
+        ({"mixed_precision": "fp8"}, "mixed_precision='fp8' must be one of"),
+        ({"init_from": ""}, "init_from='' must be a checkpoint URL"),
     ],
 )
 def test_bad_values_raise_naming_the_value_and_rule(overrides: dict, message: str) -> None:
@@ -58,7 +66,7 @@ def test_accum_steps_lists_the_world_sizes_that_work() -> None:
 
 def test_every_field_is_a_flag_with_its_default() -> None:
     parser = build_parser()
-    dests = {a.dest for a in parser._actions} - {"help"}
+    dests = {a.dest for a in parser._actions} - {"help", "config", "version"}
     assert dests == {f.name for f in dataclasses.fields(TrainConfig)}
     assert parse_args([]) == TrainConfig()
 
@@ -124,3 +132,85 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
     assert lr_at(0, TrainConfig(warmup=0, lr=0.5, min_lr=0.0)) == pytest.approx(0.5)
     short = TrainConfig(steps=5, warmup=10, lr=1.0)  # warm-up longer than the run: ramp only
     assert [lr_at(s, short) for s in range(5)] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+
+
+def test_model_specs_parse() -> None:
+    from ftsdp.trainer._config import ModelSpec
+
+    assert ModelSpec.parse("gpt") == ModelSpec("gpt")
+    assert ModelSpec.parse("hf:./a:b") == ModelSpec("hf", "./a:b")  # a path may hold ':'
+    assert ModelSpec.parse("py:pkg.mod:make_model") == ModelSpec("py", "pkg.mod:make_model")
+    # the GPT's shape flags are not checked for another model (they do not apply)
+    assert TrainConfig(model="hf:/x", n_embd=130).model == "hf:/x"
+
+
+def test_underscore_spellings_of_every_flag_are_accepted() -> None:
+    argv = ["--checkpoint_every", "5", "--global_batch=16", "--micro_batch", "4", "--no-async_save"]
+    cfg = parse_args([*argv, "--checkpoint_url", "/c", "--mixed_precision", "bf16"])
+    assert (cfg.checkpoint_every, cfg.global_batch, cfg.micro_batch) == (5, 16, 4)
+    assert cfg.async_save is False and cfg.checkpoint_url == "/c"
+    assert cfg.mixed_precision == "bf16"
+    parser = build_parser()
+    for f in dataclasses.fields(TrainConfig):  # every flag, both spellings (and --no-x)
+        dashed = "--" + f.name.replace("_", "-")
+        assert normalise_flags([f"--{f.name}", "v"], parser) == [dashed, "v"]
+        assert normalise_flags([f"--{f.name}=a_b"], parser) == [f"{dashed}=a_b"]
+        if f.type == "bool":
+            assert normalise_flags([f"--no-{f.name}"], parser) == ["--no" + dashed[1:]]
+    assert normalise_flags(["--", "--global_batch"], parser) == ["--", "--global_batch"]
+    # Not a flag, or after "--": left alone (argparse reports it).
+    with pytest.raises(SystemExit):
+        parse_args(["--no_such_flag", "1"])
+
+
+def _toml(tmp_path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_toml_config_sets_flags_and_the_command_line_overrides_it(tmp_path) -> None:
+    path = _toml(
+        tmp_path,
+        'model = "hf:./tiny"\ndata = "train.bin"\nglobal-batch = 16\nmicro_batch = 4\n'
+        'lr = 1\ndeterministic = true\nsharding-strategy = "NO_SHARD"\n',
+    )
+    cfg = parse_args(["--config", path])
+    assert (cfg.model, cfg.data, cfg.global_batch, cfg.micro_batch) == (
+        "hf:./tiny",
+        "train.bin",
+        16,
+        4,
+    )
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.deterministic
+    assert cfg.sharding_strategy == "NO_SHARD"
+    cfg = parse_args([f"--config={path}", "--global-batch", "8", "--no-deterministic"])
+    assert (cfg.global_batch, cfg.micro_batch, cfg.deterministic) == (8, 4, False)
+    assert parse_args(["--micro_batch", "2", "--config", path]).micro_batch == 2  # any order
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stepz = 3\nglobal_batch = 8\nwarmpu = 1\n", "unknown key(s) ['stepz', 'warmpu']"),
+        ('steps = "ten"\n', "steps = 'ten' must be a TOML int"),
+        ("steps = true\n", "steps = True must be a TOML int"),
+        ("deterministic = 1\n", "deterministic = 1 must be a TOML bool"),
+        ("model = 3\n", "model = 3 must be a TOML str (a quoted string)"),
+        ('device = "tpu"\n', "device = 'tpu' must be one of"),
+        ("steps = 1\nsteps = 2\n", "not valid TOML"),
+        ("global-batch = 8\nglobal_batch = 8\n", "global_batch is set twice"),
+        ("micro_batch = 5\n", "global_batch=32 must be a multiple of micro_batch=5"),
+    ],
+)
+def test_bad_toml_configs_exit_with_usage_naming_the_key(tmp_path, capsys, text, message) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", _toml(tmp_path, text)])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_toml_config_is_a_usage_error(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(tmp_path / "nope.toml")])
+    assert "--config" in capsys.readouterr().err

@@ -1,0 +1,230 @@
+"""``--model py:MODULE:FUNCTION``, ``--init-from``, ``--mixed-precision`` and the one-line refusals
+of the main job, run in this process (world 1) through ``ftsdp.train.main``; ``--model hf:`` under
+torchrun is tests/e2e/test_train_hf.py.
+
+References: the factory's unwrapped module computes the first step's loss on the same samples;
+``--init-from`` must give exactly the source checkpoint's tensors, in every format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+from ftsdp import storage
+from ftsdp.train import main
+from ftsdp.trainer._errors import JobError
+from ftsdp.trainer._models import init_weights
+from ftsdp.trainer.data import TokenDataset
+from ftsdp.trainer.model import GPT, GPTConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+FACTORY = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h):
+        return h + F.gelu(self.fc(h))
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(Layer(width) for _ in range(2))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def make(cfg):
+    return Tiny(256, 16), {Layer}
+
+
+def make_plain(cfg):
+    return Tiny(256, cfg.block_size)
+
+
+def make_nothing(cfg):
+    return "not a module"
+"""
+
+
+@pytest.fixture
+def world_of_one(monkeypatch, tmp_path):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FTSDP_FAULT"):
+        monkeypatch.delenv(key, raising=False)
+    (tmp_path / "byo_factory.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("byo_factory", None)
+
+
+def _text(tmp_path) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    return str(path)
+
+
+BASE = ["--block-size", "8", "--global-batch", "4", "--micro-batch", "2", "--steps", "2"]
+BASE += ["--warmup", "1", "--log-every", "1", "--device", "cpu", "--heartbeat-timeout-s", "0"]
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_py_factory_trains_on_a_text_file_and_its_first_loss_is_the_unwrapped_one(
+    world_of_one,
+) -> None:
+    tmp = world_of_one
+    data, metrics, ledger = _text(tmp), tmp / "m.jsonl", tmp / "l.jsonl"
+    argv = [*BASE, "--model", "py:byo_factory:make", "--data", data, "--seed", "3"]
+    assert main([*argv, "--metrics", str(metrics), "--ledger", str(ledger)]) == 0
+    steps = [r for r in _records(metrics) if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2] and steps[1]["loss"] < steps[0]["loss"]
+    # The reference: the factory's module, unwrapped, on the first step's samples.
+    import byo_factory
+
+    torch.manual_seed(3)
+    module, _ = byo_factory.make(None)
+    ids = _records(ledger)[0]["ids"]
+    ds = TokenDataset(np.fromfile(data, dtype=np.uint8), 8)
+    x, y = ds.batch(ids)
+    with torch.no_grad():
+        expected = (module(x[:2], y[:2]).item() + module(x[2:], y[2:]).item()) / 2
+    assert steps[0]["loss"] == pytest.approx(expected, abs=1e-6)
+    # Without a policy: one unit.
+    assert (
+        main([*BASE, "--model", "py:byo_factory:make_plain", "--data", data, "--steps", "1"]) == 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "py:byo_factory:nope"], "byo_factory has no function nope"),
+        (["--model", "py:no_such_module_x:f"], "cannot import no_such_module_x"),
+        (["--model", "py:byo_factory:make_nothing"], "returned str; it must return an nn.Module"),
+        (["--vocab-size", "64"], "holds token id 122 but the model embeds only 64 ids"),
+        (["--model", "hf:/no/such/dir"], "no config.json in /no/such/dir"),
+        (["--init-from", "/no/such/ckpt"], "--init-from /no/such/ckpt: cannot read it"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(world_of_one, capsys, caplog, argv, message) -> None:
+    with caplog.at_level(logging.ERROR, logger="ftsdp.train"):
+        assert main([*BASE, "--data", _text(world_of_one), *argv]) == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "ftsdp.train"]
+    assert len(lines) == 1 and message in lines[0] and "\n" not in lines[0], lines
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_resuming_another_models_checkpoint_is_refused_in_one_line(world_of_one, capsys, caplog):
+    url = str(world_of_one / "ckpt")
+    gpt = [*BASE, "--vocab-size", "32", "--n-layer", "1", "--n-head", "2", "--n-embd", "16"]
+    assert main([*gpt, "--checkpoint-url", url, "--steps", "1"]) == 0
+    with caplog.at_level(logging.ERROR, logger="ftsdp.train"):
+        assert main([*gpt, "--checkpoint-url", url, "--n-layer", "2"]) == 2
+        assert main([*gpt, "--checkpoint-url", url, "--data", _text(world_of_one)]) == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "ftsdp.train"]
+    assert lines == [
+        f"ftsdp.train: error: the checkpoint at {url} (step 1) was trained with another "
+        f"configuration: {diff}; resume it with its own flags or use another --checkpoint-url"
+        for diff in ("n_layer: 1 -> 2", f"data 'markov' -> '{world_of_one / 'corpus.txt'}'")
+    ]
+    assert "Traceback" not in capsys.readouterr().err
+    assert storage.list_steps(url) == [1]  # nothing was written
+    # --init-from is ignored when resuming, and says so.
+    metrics = world_of_one / "m.jsonl"
+    argv = [*gpt, "--checkpoint-url", url, "--init-from", "/x", "--metrics", str(metrics)]
+    assert main(argv) == 0
+    events = _records(metrics)
+    assert {"event": "init_from", "url": "/x", "ignored": True} in events
+    assert [r["step"] for r in events if r["event"] == "resume"] == [1]
+
+
+def _gpt(seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_init_from_reads_every_format_with_or_without_the_model_prefix(tmp_path) -> None:
+    source = _gpt(1).state_dict()
+    bare = {k: v for k, v in source.items() if k != "lm_head.weight"}  # tied: saved once
+    h = storage.save({"model": bare, "optim": {"x": torch.ones(2)}}, str(tmp_path / "run"), 6)
+    h.wait()
+    (tmp_path / "hf").mkdir()
+    save_file({k: v.contiguous() for k, v in bare.items()}, str(tmp_path / "hf/model.safetensors"))
+    torch.save({"model": source}, tmp_path / "model.pt")
+    dcp.save({"model": bare}, checkpoint_id=str(tmp_path / "dcp"))
+    for name, fmt in [
+        ("run", "ftsdp, step 6"),
+        ("hf", "hf"),
+        ("model.pt", "torch"),
+        ("dcp", "dcp"),
+    ]:
+        module = _gpt(2)
+        line = init_weights(module, str(tmp_path / name))
+        assert line == f"initialised from {tmp_path / name} ({fmt})"
+        got = module.state_dict()
+        assert all(torch.equal(got[k], source[k]) for k in source), name
+        assert module.lm_head.weight is module.wte.weight  # still tied
+
+
+def test_init_from_another_model_is_refused_in_one_line_and_changes_nothing(tmp_path) -> None:
+    other = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    torch.save(other.state_dict(), tmp_path / "other.pt")
+    module = _gpt(2)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(JobError, match=r"does not match the model: 0 missing, 12 unexpected"):
+        init_weights(module, str(tmp_path / "other.pt"))
+    wider = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    torch.save(wider.state_dict(), tmp_path / "wider.pt")
+    with pytest.raises(JobError, match=r"other shapes than the model .*wpe.weight \[16, 16\]"):
+        init_weights(module, str(tmp_path / "wider.pt"))
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_close_to_fp32_and_fp16_resumes_its_scaler(
+    world_of_one, precision
+) -> None:
+    tmp = world_of_one
+    gpt = [*BASE, "--vocab-size", "32", "--n-layer", "1", "--n-head", "2", "--n-embd", "16"]
+    losses = {}
+    for mp in ("none", precision):
+        metrics = tmp / f"{mp}.jsonl"
+        argv = [*gpt, "--mixed-precision", mp, "--metrics", str(metrics)]
+        url = str(tmp / f"ckpt-{mp}")
+        assert main([*argv, "--checkpoint-url", url]) == 0
+        losses[mp] = [r["loss"] for r in _records(metrics) if r["event"] == "step"]
+    assert losses[precision] == pytest.approx(losses["none"], abs=0.05)
+    assert losses[precision] != losses["none"]  # it did compute in low precision
+    values = storage.read_manifest(url).values
+    if precision == "fp16":
+        scaler = json.loads(values["trainer.grad_scaler"])
+        assert scaler["scale"] == 65536.0 and scaler["_growth_tracker"] == 2
+        assert main([*argv, "--checkpoint-url", url, "--steps", "3"]) == 0
+        resumed = json.loads(storage.read_manifest(url).values["trainer.grad_scaler"])
+        assert resumed["_growth_tracker"] == 3  # continued from the saved state
+    else:
+        assert "trainer.grad_scaler" not in values
