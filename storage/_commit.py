@@ -45,10 +45,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import time
 import uuid
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +65,8 @@ Crcs = dict[str, list[list[int]]]  # object name -> per piece, its per-block crc
 _DONE = re.compile(r"^_done-([0-9a-f]+)-rank(\d+)\.json$")  # not the temporary files of a write
 _ATTEMPT = re.compile(rb'"attempt"\s*:\s*"([0-9a-f]{1,64})"')  # in a manifest's first bytes
 _HEAD_BYTES = 4096
+
+logger = logging.getLogger(__name__)
 
 
 class CommitConflictError(CheckpointError, FileExistsError):
@@ -222,7 +224,7 @@ def commit(
             for newer, newer_attempt in sorted(lineage.discard.items()):
                 left = remove_step(store, newer, attempt=newer_attempt)
                 if left:
-                    warnings.warn(f"discarding step {newer}: {'; '.join(left)}", stacklevel=2)
+                    logger.warning("discarding step %d: %s", newer, "; ".join(left))
             if lineage.replaces is not None:
                 remove_attempt(store, step, lineage.replaces)
             steps = [s for s in steps if s not in lineage.discard]
@@ -235,10 +237,13 @@ def commit(
         if keep_last is not None:
             retain(store, keep_last, keep_every, protect=step)
     except Exception as e:
-        warnings.warn(
-            f"step {step} committed at {store.where()}, but updating 'latest', discarding "
-            f"newer steps or retention failed: {type(e).__name__}: {e}",
-            stacklevel=2,
+        logger.warning(
+            "step %d committed at %s, but updating 'latest', discarding newer steps or "
+            "retention failed: %s: %s",
+            step,
+            store.where(),
+            type(e).__name__,
+            e,
         )
 
 
@@ -278,10 +283,13 @@ def _abandon(store: Store, step: int, attempt: str) -> None:
     try:
         remove_attempt(store, step, attempt)
     except Exception as e:
-        warnings.warn(
-            f"could not remove the objects of attempt {attempt} of step {step} at "
-            f"{store.where()}: {type(e).__name__}: {e}",
-            stacklevel=3,
+        logger.warning(
+            "could not remove the objects of attempt %s of step %d at %s: %s: %s",
+            attempt,
+            step,
+            store.where(),
+            type(e).__name__,
+            e,
         )
 
 

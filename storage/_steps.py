@@ -3,7 +3,7 @@ deleting them (retention, garbage collection, discarding an abandoned timeline).
 
 from __future__ import annotations
 
-import warnings
+import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +24,8 @@ from ftsdp.storage._layout import (
 )
 from ftsdp.storage._manifest import Manifest, read_manifest_file
 from ftsdp.storage._options import LoadOptions
+
+logger = logging.getLogger(__name__)
 
 
 def committed_steps(store: Store) -> list[int]:
@@ -359,14 +361,15 @@ def retain(
     store: Store, keep_last: int, keep_every: int | None, protect: int | None = None
 ) -> list[int]:
     """Apply retention under ``store`` (see ``plan_retention``); return the removed steps
-    (committed and torn), ascending. What was left alone is reported as a warning."""
+    (committed and torn), ascending. What was left alone is logged (WARNING, logger
+    ``ftsdp.storage._steps``)."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     plan = plan_retention(store, keep_last, keep_every, protect)
     for removal in plan.removals + plan.strays:
         execute(store, removal)
     if plan.notes:
-        warnings.warn("retention left alone: " + "; ".join(plan.notes), stacklevel=2)
+        logger.warning("retention left alone: %s", "; ".join(plan.notes))
     return plan.removed_steps
 
 

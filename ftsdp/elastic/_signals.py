@@ -13,16 +13,18 @@ only keep the default action (termination) from happening.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 EXIT_GRACE_EXCEEDED = 87
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+logger = logging.getLogger(__name__)
 
 
 class PreemptionHandler:
@@ -31,7 +33,8 @@ class PreemptionHandler:
     ``requested`` turns True when a signal arrives; the training loop agrees on it across ranks
     at its next step boundary (``RankManager.agree_any``), saves and exits. ``grace_s`` after the
     signal (or after :meth:`arm`), the process exits with ``EXIT_GRACE_EXCEEDED`` no matter what
-    (``on_expired`` replaces that, for tests).
+    (``on_expired`` replaces that, for tests). ``log``: one-line messages (default: the
+    ``ftsdp.elastic._signals`` logger, at WARNING).
     """
 
     def __init__(
@@ -48,7 +51,7 @@ class PreemptionHandler:
         self.signals = tuple(signals)
         self.signal_name: str | None = None
         self.received_at: float | None = None  # time.time() of the first signal
-        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._log = log or logger.warning
         self._on_expired = on_expired
         self._deadline: float | None = None  # time.monotonic()
         self._previous: dict[int, object] = {}

@@ -23,10 +23,10 @@ silence afterwards is not a stall. The store itself being unreachable for
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +36,8 @@ from typing import Any
 
 EXIT_STALL = 86
 _CLOSED = b"closed"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Watchdog:
     ``store``: a c10d store shared by the ranks (``RankManager.store("watchdog")``); keys are
     ``hb/<rank>``. ``peers``: optional ``(host, pid)`` per rank, to SIGKILL a stalled peer on
     this host. ``on_stall(stalls)`` replaces the default action (log, kill, ``os._exit``).
+    ``log``: one-line messages (default: the ``ftsdp.elastic._watchdog`` logger, at ERROR).
     """
 
     def __init__(
@@ -90,7 +93,7 @@ class Watchdog:
         self.progress_timeout_s = progress_timeout_s
         self.peers = list(peers) if peers is not None else None
         self._on_stall = on_stall
-        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._log = log or logger.error
         self._step = 0
         self._beats = 0
         self._stop = threading.Event()
