@@ -5,6 +5,12 @@ inference, the CLI) does not load the engine or the trainer. Subpackages: ``ftsd
 engine), ``ftsdp.elastic`` (the rank manager), ``ftsdp.storage`` (checkpoint format and I/O),
 ``ftsdp.trainer`` (CheckpointManager, the training entry's pieces), ``ftsdp.tools`` (CLIs and
 benchmarks). See docs/design.md.
+
+``ftsdp.__version__`` is the installed distribution's version. Output goes through
+:mod:`logging` (loggers ``ftsdp`` and its children, one per module), never ``print``: the
+library adds no handler, so a program that configures no logging sees warnings and errors on
+stderr (Python's last-resort handler) and nothing else; ``ftsdp-train`` configures one handler
+(``--log-level``).
 """
 
 from __future__ import annotations
@@ -86,8 +92,23 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on f
     )
     from ftsdp.trainer import CheckpointManager, ResumeInfo
 
+    __version__: str
+
+
+def _version() -> str:
+    """The installed distribution's version; ``0+unknown`` for a source tree not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ftsdp")
+    except PackageNotFoundError:
+        return "0+unknown"
+
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read from the metadata on first use, not at every import
+        value = globals()["__version__"] = _version()
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         # Not an export: let ``from ftsdp import storage`` fall back to importing the submodule.
@@ -98,4 +119,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted({*globals(), *_EXPORTS, "__version__"})

@@ -88,7 +88,7 @@ def test_editable_install_beside_the_users_packages(user_dir: pathlib.Path) -> N
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """A wheel built from a copy of the repository's package sources (no network)."""
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, src / name)
     for name in ("ftsdp", "storage", "tools"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -118,6 +118,11 @@ def test_the_wheel_holds_one_top_level_package(wheel: pathlib.Path) -> None:
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "ftsdp-ckpt = ftsdp.tools.ckpt:main" in text
+    assert "ftsdp/py.typed" in names  # PEP 561
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    meta = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "License-Expression: BSD-3-Clause" in meta and "License-File: LICENSE" in meta, meta
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
 
 
 def test_regular_install_beside_the_users_packages(

@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 
 import torch
 
+import ftsdp
 from ftsdp import storage
 
 PROG = "ftsdp-ckpt"
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG, description="Inspect, verify, convert, reshard, diff and clean checkpoints."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {ftsdp.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("inspect", parents=[common], help="steps, tensors, sizes and state keys")
