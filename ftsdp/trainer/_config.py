@@ -20,12 +20,14 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import ftsdp
 from ftsdp.elastic import BatchGeometry
 from ftsdp.trainer.model import GPTConfig
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_DTYPES = ("uint16", "uint32")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MIXED_PRECISION = ("none", "bf16", "fp16")
 GPT_SPEC = "gpt"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -115,6 +117,12 @@ class TrainConfig:
     device: str = _opt("auto", "auto: cuda if available, else cpu", choices=DEVICES)
     log_every: int = _opt(10, "print one log line every N steps (and at the last step)")
     metrics: str | None = _opt(None, "append one JSON record per log line to this path (rank 0)")
+    log_level: str = _opt(
+        "INFO",
+        "INFO: rank 0's progress lines on stdout, warnings and errors of every rank on stderr; "
+        "WARNING: only those; DEBUG: everything, from every rank",
+        choices=LOG_LEVELS,
+    )
     ledger: str | None = _opt(
         None, "append the dataset indices of every global step to this JSONL path (rank 0)"
     )
@@ -241,6 +249,7 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
         help="read flags from this TOML file (keys: flag names, with dashes or underscores); "
         "flags on the command line override it",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {ftsdp.__version__}")
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = _flag_type(hints[f.name])

@@ -10,6 +10,14 @@ chained), and logs the later ones. It is idempotent. Used as a context manager, 
 ends with an error records it (an ``error`` event, from any rank) and, if closing fails too,
 logs that and lets the original error propagate.
 
+[Note: the console log]
+The session's first part is the console log (:func:`console_logging`): one handler on the
+``ftsdp`` logger, ``TIME rank R LEVEL LOGGER: message``, INFO and below on stdout (rank 0's
+progress lines: the e2e tests and users read them there), WARNING and above on stderr. Rank 0
+shows ``--log-level`` and up; the other ranks WARNING and up (DEBUG: every rank), so a line is
+not repeated once per rank. It is removed last, so closing errors are still shown. The library
+itself only logs; this handler is the entry's, as a user's own program would configure its own.
+
 The job's ``CheckpointManager`` is not closed here: the loop closes it when training ends, and
 after an error the in-flight async save is abandoned (its thread is a daemon). Waiting for it
 could block on the done marker of a peer that died; the step is then simply not committed.
@@ -33,10 +41,56 @@ from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._hooks import HookFactory, NoStepHook, StepHook
 
 logger = logging.getLogger(__name__)
+progress = logging.getLogger("ftsdp.train")  # the entry's lines: progress, events, errors
+
+FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
+
+
+class ConsoleHandler(logging.Handler):
+    """INFO and below to ``sys.stdout``, WARNING and above to ``sys.stderr`` (looked up at each
+    record, so a replaced stream, e.g. pytest's capture, is followed), each record flushed.
+    Every record is stamped with ``rank`` for :data:`FORMAT`."""
+
+    def __init__(self, rank: int, level: int = logging.NOTSET):
+        super().__init__(level)
+        self.rank = rank
+        self.setFormatter(logging.Formatter(FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            record.rank = self.rank
+            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def console_logging(level: str, rank: int) -> Callable[[], None]:
+    """Install one :class:`ConsoleHandler` on the ``ftsdp`` logger (see [Note: the console
+    log]); returns the function that removes it and restores the logger's level."""
+    root = logging.getLogger("ftsdp")
+    wanted = logging.getLevelName(level.upper())
+    if not isinstance(wanted, int):
+        raise ValueError(f"log level {level!r}: use DEBUG, INFO, WARNING or ERROR")
+    shown = wanted if rank == 0 or wanted <= logging.DEBUG else max(wanted, logging.WARNING)
+    handler = ConsoleHandler(rank, shown)
+    before = root.level
+    for old in [h for h in root.handlers if isinstance(h, ConsoleHandler)]:
+        root.removeHandler(old)  # one handler, even after a session that was never closed
+    root.addHandler(handler)
+    root.setLevel(shown)
+
+    def remove() -> None:
+        root.removeHandler(handler)
+        root.setLevel(before)
+
+    return remove
 
 
 class MetricsLog:
-    """Rank 0's log: one line per interval on stdout, and optionally one JSON record each.
+    """Rank 0's log: one line per interval through the ``ftsdp.train`` logger (INFO; on stdout
+    with the entry's handler), and optionally one JSON record each.
 
     ``event`` records (errors, faults seen, resumes) may come from any rank: each is one
     ``write`` of one line to a file opened for appending, so ranks do not interleave.
@@ -51,15 +105,19 @@ class MetricsLog:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, line: str, record: dict[str, Any]) -> None:
+        """Rank 0's progress ``line`` (logged at INFO) and its JSON ``record``."""
         if not self.enabled:
             return
-        print(line, flush=True)
+        progress.info("%s", line)
         self._append(record)
 
-    def event(self, record: dict[str, Any], line: str | None = None) -> None:
-        """A record from any rank (stamped with rank and wall time); ``line`` goes to stderr."""
+    def event(
+        self, record: dict[str, Any], line: str | None = None, level: int = logging.WARNING
+    ) -> None:
+        """A record from any rank (stamped with rank and wall time); ``line`` is logged at
+        ``level`` (default WARNING: shown on stderr by every rank)."""
         if line:
-            print(line, file=sys.stderr, flush=True)
+            progress.log(level, "%s", line)
         self._append({**record, "rank": self.rank, "time": time.time()})
 
     def _append(self, record: dict[str, Any]) -> None:
@@ -126,6 +184,8 @@ class Session:
         """Open the parts in order; ``hook`` makes the step hook (default: :class:`NoStepHook`)."""
         closers = Closers()
         try:
+            # torchrun sets RANK before the process starts; RankManager.init may log already.
+            closers.push(console_logging(cfg.log_level, int(os.environ.get("RANK", "0") or 0)))
             rm = RankManager.init(
                 device=cfg.device,
                 timeout_s=cfg.pg_timeout_s,
@@ -154,7 +214,9 @@ class Session:
                     heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                     progress_timeout_s=cfg.progress_timeout_s or None,
                     peers=[(p.host, p.pid) for p in rm.peers],
-                    log=lambda line: log.event({"event": "stall", "message": line}, line),
+                    log=lambda line: log.event(
+                        {"event": "stall", "message": line}, line, logging.ERROR
+                    ),
                 ).start()
                 closers.push(watchdog.close)
             ledger = _open_ledger(cfg.ledger) if cfg.ledger and rank == 0 else None
@@ -198,10 +260,14 @@ class Session:
         if exc is None:
             self.close()
             return
-        self.log.event(
-            {"event": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]},
-            f"ftsdp.train rank {self.rm.rank}: {type(exc).__name__}: {exc}",
-        )
+        try:
+            self.log.event(
+                {"event": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]},
+                f"{type(exc).__name__}: {exc}",  # the handler's prefix names the rank
+                logging.ERROR,
+            )
+        except Exception as recording:  # the parts are closed all the same
+            logger.warning("could not record %s: %r", type(exc).__name__, recording)
         try:
             self.close()
         except BaseException as closing:

@@ -19,8 +19,10 @@ TINY = [
     *["--n-embd", "64", "--global-batch", "16", "--micro-batch", "4", "--steps", "30"],
     *["--lr", "1e-2", "--warmup", "5", "--min-lr", "1e-3", "--log-every", "5", "--device", "cpu"],
 ]
+# The entry's handler prefixes each line: time, rank, level, logger (ftsdp.trainer._session).
 LINE = re.compile(
-    r"^step (\d+)/30 \| loss ([\d.]+) \| tokens/s (\d+) \| s/step ([\d.]+) \| grad_norm ([\d.]+)",
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} rank 0 INFO ftsdp\.train: "
+    r"step (\d+)/30 \| loss ([\d.]+) \| tokens/s (\d+) \| s/step ([\d.]+) \| grad_norm ([\d.]+)",
     re.M,
 )
 

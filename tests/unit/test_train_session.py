@@ -67,7 +67,7 @@ def fakes(monkeypatch) -> _Fakes:
             f.part("log")
             super().__init__("log", f.closed, f.fail_close)
 
-        def event(self, record, line=None):
+        def event(self, record, line=None, level=None):
             f.events.append(record)
 
     class PreemptionHandler(_Part):
