@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except JobError as e:  # the user's to fix: one line, no traceback
             session.log.event({"event": "error", "error": f"JobError: {e}"[:2000]})
             if e.report:
-                logger.error("ftsdp.train: error: %s", e)
+                logger.error("error: %s", e)  # the console prefix names the logger and rank
             return EXIT_USER_ERROR
 
 

@@ -150,7 +150,7 @@ def test_resuming_another_models_checkpoint_is_refused_in_one_line(world_of_one,
         if r.name == "ftsdp.train" and r.levelno >= logging.ERROR  # not the progress lines
     ]
     assert lines == [
-        f"ftsdp.train: error: the checkpoint at {url} (step 1) was trained with another "
+        f"error: the checkpoint at {url} (step 1) was trained with another "
         f"configuration: {diff}; resume it with its own flags or use another --checkpoint-url"
         for diff in ("n_layer: 1 -> 2", f"data 'markov' -> '{world_of_one / 'corpus.txt'}'")
     ]
