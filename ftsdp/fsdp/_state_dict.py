@@ -82,8 +82,16 @@ def state_index(units: list[FlatParamUnit], state: dict[str, Any]) -> dict[str, 
     """Every key of ``module.state_dict(keep_vars=True)`` whose value is a managed parameter
     -> its ParamInfo. Matched by identity, not by name, so keys that state-dict hooks rename
     (activation checkpointing's wrapper drops its ``_checkpoint_wrapped_module.`` part) are
-    found too."""
-    by_param = {id(info.sharded_param): info for unit in units for info in unit.infos}
+    found too. A unit left gathered (a forward without backward) exposes its full
+    parameters in the modules: those are matched as well."""
+    by_param: dict[int, ParamInfo] = {}
+    for unit in units:
+        for info in unit.infos:
+            by_param[id(info.sharded_param)] = info
+            for module, name in info.refs:
+                current = module._parameters.get(name)
+                if current is not None:
+                    by_param.setdefault(id(current), info)
     return {key: by_param[id(v)] for key, v in state.items() if id(v) in by_param}
 
 
