@@ -90,7 +90,7 @@ def flags(tmp_path_factory) -> list[str]:
     tokens.tofile(data)
     return [
         *["--model", f"hf:{model_dir}", "--data", str(data), "--block-size", "16"],
-        *["--global-batch", "12", "--micro-batch", "1", "--steps", str(STEPS)],
+        *["--global-batch", "4", "--micro-batch", "1", "--steps", str(STEPS)],
         *["--lr", "1e-2", "--warmup", "2", "--min-lr", "1e-3", "--log-every", "1"],
         *["--device", "cpu", "--deterministic", "--checkpoint-every", "2", "--keep-last", "20"],
         *["--heartbeat-timeout-s", "10", "--pg-timeout-s", "60"],
