@@ -382,3 +382,71 @@ def test_the_join_handshake_ignores_keys_left_by_a_previous_incarnation() -> Non
     assert tokens[0] != "oldtoken"
     with pytest.raises(TimeoutError, match="rank 0: no answer from ranks \\[1\\]"):
         handshake(dist.HashStore(), 0, 2, timeout_s=0.1)
+
+
+# -- teardown: close() leaves nothing for the interpreter's exit -----------------------------------
+
+
+def _named_thread(name: str, stop, busy: bool):
+    """A thread whose OS name is ``name`` (as gloo names its workers): spinning or blocked."""
+    import ctypes
+    import threading
+
+    def body() -> None:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+        while not stop.is_set():
+            if not busy:
+                stop.wait()
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc/self/task")
+def test_close_waits_for_busy_worker_threads_and_gives_up_at_its_bound() -> None:
+    import threading
+
+    from ftsdp.elastic._teardown import wait_for_idle_workers
+
+    stop = threading.Event()
+    idle_thread = _named_thread("ftsdp_idle", stop, busy=False)
+    busy_thread = _named_thread("ftsdp_busy", stop, busy=True)
+    try:
+        time.sleep(0.05)
+        idle, waited, busy = wait_for_idle_workers(timeout_s=5.0, names=("ftsdp_idle",))
+        assert idle and busy == [] and waited < 1.0
+        idle, waited, busy = wait_for_idle_workers(timeout_s=0.3, names=("ftsdp_busy",))
+        assert not idle and waited >= 0.3 and len(busy) == 1 and "ftsdp_busy (R)" in busy[0]
+        threading.Timer(0.2, stop.set).start()  # the work ends: the wait returns soon after
+        idle, waited, busy = wait_for_idle_workers(timeout_s=5.0, names=("ftsdp_busy",))
+        assert idle and 0.1 < waited < 3.0
+    finally:
+        stop.set()
+        idle_thread.join(5)
+        busy_thread.join(5)
+
+
+def test_close_destroys_every_group_and_reports_the_ones_still_held() -> None:
+    from ftsdp.elastic import CloseReport, RankManager
+
+    rm = RankManager.init(device="cpu", timeout_s=30, env={})
+    try:
+        held = dist.new_group([0])  # as a model holds its groups past close()
+        dropped = dist.new_group([0])
+        del dropped
+        dist.all_reduce(torch.ones(4), group=held)
+        report = rm.close()
+        assert isinstance(report, CloseReport)
+        assert not dist.is_initialized()
+        # a world of one: no barrier; the world and 2 subgroups destroyed; the world group and
+        # the dropped subgroup are freed by close(), the held one is not (its workers were idle
+        # when close() returned)
+        assert report.barrier_s is None and report.destroyed == 3
+        assert report.still_referenced == 1 and report.idle and report.busy_threads == []
+        assert rm.close() == CloseReport()  # idempotent
+        del held
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
