@@ -466,6 +466,7 @@ def grid(rank: int, world: int, tmp: str) -> dict:
     out["full/torch"] = check_full_checkpoint(rank, tmp, "torch")
     out["layout/ftsdp"] = check_sharded_checkpoint(rank, tmp, "ftsdp", "ftsdp")
     out["layout/torch"] = check_sharded_checkpoint(rank, tmp, "torch", "ftsdp")
+    check_sharded_checkpoint(rank, tmp, "ftsdp", "torch")  # and back: torch FSDP1 resumes ours
     check_summon_full_params(rank)
     check_meta_on_other_ranks(rank)
     return out
