@@ -67,7 +67,8 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
         first = str(e).splitlines()[0]
         raise JobError(
             f"the checkpoint at {cfg.checkpoint_url} does not match this model or optimizer: "
-            f"{first[:400]}{'...' if len(first) > 400 else ''}; use another --checkpoint-url",
+            f"{first[:400]}{'...' if len(first) > 400 else ''}; resume it with the model it was "
+            "trained with or use another --checkpoint-url",
             report=rm.rank == 0,
         ) from None
     if resumed is None:

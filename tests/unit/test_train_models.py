@@ -65,6 +65,12 @@ def make_plain(cfg):
 
 def make_nothing(cfg):
     return "not a module"
+
+
+def make_sized(cfg):  # the same spec, another model: a width from the environment
+    import os
+
+    return Tiny(256, int(os.environ.get("BYO_WIDTH", "16"))), {Layer}
 """
 
 
@@ -163,6 +169,24 @@ def test_resuming_another_models_checkpoint_is_refused_in_one_line(world_of_one,
     events = _records(metrics)
     assert {"event": "init_from", "url": "/x", "ignored": True} in events
     assert [r["step"] for r in events if r["event"] == "resume"] == [1]
+
+
+def test_a_py_model_that_changed_under_the_same_spec_is_refused_in_one_line(
+    world_of_one, capsys, caplog, monkeypatch
+) -> None:
+    # The records cannot tell (same spec, data and flags): the load does, and says so in one line.
+    url, data = str(world_of_one / "ckpt"), _text(world_of_one)
+    argv = [*BASE, "--model", "py:byo_factory:make_sized", "--data", data, "--checkpoint-url", url]
+    assert main([*argv, "--steps", "1"]) == 0
+    monkeypatch.setenv("BYO_WIDTH", "8")
+    with caplog.at_level(logging.ERROR, logger="ftsdp.train"):
+        assert main(argv) == 2
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "\n" not in lines[0] and len(lines[0]) < 700, lines
+    assert f"the checkpoint at {url} does not match this model or optimizer" in lines[0]
+    assert lines[0].endswith("with the model it was trained with or use another --checkpoint-url")
+    assert "Traceback" not in capsys.readouterr().err
+    assert storage.list_steps(url) == [1]
 
 
 def _gpt(seed: int) -> GPT:
