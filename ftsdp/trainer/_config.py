@@ -122,6 +122,7 @@ class TrainConfig:
         "INFO: rank 0's progress lines on stdout, warnings and errors of every rank on stderr; "
         "WARNING: only those; DEBUG: everything, from every rank",
         choices=LOG_LEVELS,
+        normalise=str.upper,  # --log-level debug works too
     )
     ledger: str | None = _opt(
         None, "append the dataset indices of every global step to this JSONL path (rank 0)"
@@ -258,6 +259,7 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:
+            kind = f.metadata.get("normalise", kind)
             parser.add_argument(flag, type=kind, choices=f.metadata.get("choices"), **kw)
     return parser
 
@@ -330,6 +332,7 @@ def config_defaults(path: str, cls: type = TrainConfig) -> dict[str, typing.Any]
                 f"--config {path}: {key} = {value!r} must be a TOML {kind.__name__}"
                 + (" (a quoted string)" if kind is str else "")
             )
+        value = fields[name].metadata.get("normalise", lambda v: v)(value)
         values[name] = float(value) if kind is float else value
         choices = fields[name].metadata.get("choices")
         if choices and value not in choices:
