@@ -20,9 +20,11 @@ the export check anyway):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -30,9 +32,11 @@ import numpy as np
 import pytest
 import torch
 
+from ftsdp import storage
 from ftsdp.tools.ckpt import main as ckpt_main
 from ftsdp.train import main as train_main
 from tests.e2e.test_faults import REPO, STEPS, Run, check_against_reference
+from tests.unit.test_hf_export import _tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,6 +86,7 @@ def flags(tmp_path_factory) -> list[str]:
     model_dir = base / "gpt2-tiny"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(HF_CONFIG))
+    _tokenizer(model_dir)  # a byte-level tokenizer of 256 ids: recorded, and exported
     # A token file with structure to learn: a repeating pattern with noise, ids < 256.
     rng = np.random.default_rng(0)
     tokens = (np.arange(4096) * 7 % 251).astype(np.uint16)
@@ -129,7 +134,25 @@ def test_kill9_and_a_world_size_change_equal_the_uninterrupted_run(
     assert [r["world_size"] for r in start] == [2, 1]
     assert start[-1]["model"] == flags[1] and start[-1]["data"] == flags[3]
     check_against_reference(run, ref)
+    check_the_records(run)
     check_the_export_loads_in_transformers(run, ref, flags[1].removeprefix("hf:"), tmp_path)
+
+
+def check_the_records(run: HFRun) -> None:
+    """What the checkpoint says was trained (the contract with the hf export, docs/training.md)."""
+    values = storage.read_manifest(run.url).values
+    model, data = json.loads(values["trainer.model"]), json.loads(values["trainer.data"])
+    model_dir = run.flags[run.flags.index("--model") + 1].removeprefix("hf:")
+    assert model["spec"] == f"hf:{model_dir}" and model["tokenizer_dir"] == model_dir
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    assert model["hf_config"] == json.loads(config.to_json_string(use_diff=False))
+    raw = pathlib.Path(flags_data(run)).read_bytes()
+    assert data == {
+        "spec": flags_data(run),
+        "dtype": "uint16",
+        "head_sha256": hashlib.sha256(raw[: 1 << 20]).hexdigest(),
+        "tokens": len(raw) // 2,
+    }
 
 
 def check_the_export_loads_in_transformers(run: HFRun, ref: HFRun, config_dir: str, tmp) -> None:
@@ -137,7 +160,12 @@ def check_the_export_loads_in_transformers(run: HFRun, ref: HFRun, config_dir: s
     assert ckpt_main(["convert", run.url, str(tmp / "hf"), "--to", "hf", "-q"], out, err) == 0, (
         err.getvalue()
     )
-    assert "config.json" in os.listdir(tmp / "hf")
+    files = set(os.listdir(tmp / "hf"))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files, files
+    text = "hello, world"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp / "hf"))
+    source = transformers.AutoTokenizer.from_pretrained(config_dir)
+    assert tokenizer(text)["input_ids"] == source(text)["input_ids"]
     exported, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp / "hf"), output_loading_info=True
     )
