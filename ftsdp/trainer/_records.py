@@ -65,6 +65,7 @@ class SavedRun:
         return markov_record()
 
     def config(self) -> dict[str, Any]:
+        """The saved ``TrainConfig`` as a dict (``trainer.config``); empty when unreadable."""
         try:
             value = json.loads(self.values.get("config") or "{}")
         except (TypeError, json.JSONDecodeError):
