@@ -10,6 +10,7 @@ processes that exits through the interpreter's normal shutdown (as a user's scri
 - ``ftsdp``: ``RankManager.init()``, the built-in GPT wrapped by
   ``ftsdp.FSDP(..., auto_wrap_policy={Block})``, one AdamW step, the full ``state_dict()``,
   ``rm.close()``, and the model still referenced when the interpreter exits;
+- ``wrap``: only ``RankManager.init()``, the wrap and ``rm.close()`` (the issue's reproduction);
 - ``fsdp2``: the same with torch's ``fully_shard`` on every block and the root, and the full
   state dict from ``torch.distributed.checkpoint.state_dict.get_model_state_dict``;
 - ``train``: ``python -m ftsdp.train`` (a tiny GPT, 2 steps, an async checkpoint every step):
@@ -48,7 +49,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-VARIANTS = ("ftsdp", "fsdp2", "train")
+VARIANTS = ("ftsdp", "wrap", "fsdp2", "train")
 _ABORT_CODES = (-signal.SIGABRT, 128 + signal.SIGABRT)
 # torchrun's failure report: one block per failed rank ("rank : 1 (local_rank: 1)" then
 # "exitcode : -6 (pid: ...)").
@@ -117,10 +118,14 @@ def worker(variant: str, provoke: bool = False) -> None:
 
     rm = RankManager.init(device="cpu", timeout_s=60)
     model, config = _tiny_gpt()
-    if variant == "ftsdp":
+    if variant in ("ftsdp", "wrap"):
         import ftsdp
 
         model = ftsdp.FSDP(model, auto_wrap_policy={Block})
+        if variant == "wrap":  # the shortest sequence reported to abort: wrap, then close
+            rm.close()
+            _KEEP.append(model)
+            return
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -232,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.runs < 1 or args.nproc < 1:
         parser.error("--runs and --nproc must be >= 1")
-    if args.provoke and args.variant == "train":
+    if args.provoke and args.variant in ("train", "wrap"):
         parser.error("--provoke works with --variant ftsdp or fsdp2")
     runs: list[Run] = []
     t0 = time.monotonic()
