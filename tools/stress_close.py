@@ -25,7 +25,7 @@ tensor), and keeps the GIL until it blocks (``sys.setswitchinterval(1000)``); ra
 second late. On rank 0 the collective then finishes at once, while the main thread keeps the GIL
 through ``close()``: unless ``close()`` lets the worker drop the finished work before the
 interpreter finalizes, the worker asks for the GIL during finalization and the rank aborts. On
-the code before the teardown fix 7 of 11 such runs at W=3 aborted (always rank 0), none of 16
+the code before the teardown fix 7 of 12 such runs at W=3 aborted (always rank 0), none of 18
 after it.
 
 A worker that aborts at exit ("terminate called without an active exception") dies with SIGABRT:
