@@ -75,17 +75,15 @@ def console_logging(level: str, rank: int) -> Callable[[], None]:
         raise ValueError(f"log level {level!r}: use DEBUG, INFO, WARNING or ERROR")
     shown = wanted if rank == 0 or wanted <= logging.DEBUG else max(wanted, logging.WARNING)
     handler = ConsoleHandler(rank, shown)
-    before = root.level, root.propagate
+    before = root.level
     for old in [h for h in root.handlers if isinstance(h, ConsoleHandler)]:
         root.removeHandler(old)  # one handler, even after a session that was never closed
     root.addHandler(handler)
     root.setLevel(shown)
-    root.propagate = False  # a program that configured the root logger would see every line twice
 
     def remove() -> None:
         root.removeHandler(handler)
-        root.setLevel(before[0])
-        root.propagate = before[1]
+        root.setLevel(before)
 
     return remove
 
