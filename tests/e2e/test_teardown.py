@@ -6,9 +6,9 @@ exception"; [Note: why a finished job aborted at exit] in ``ftsdp/elastic/_teard
 on the host's load, so one plain run proves little. This runs the stress tool's ``--provoke``
 variant, which makes it likely: a subgroup that outlives ``close()`` with a collective still in
 flight on it, and the main thread keeping the GIL. On the code before the teardown fix 7 of 12
-such runs aborted one at a time; run two side by side (as here), the old code aborted in 3 of 3
-tests; with the fix none of 18 single runs and none of 4 such tests did. The long versions are in docs/elastic.md, "Teardown" (``python -m
-ftsdp.tools.stress_close``)."""
+such runs aborted one at a time; with two side by side (as here) the old code aborted in 3 of 3
+tests, and with the fix none of 18 single runs and none of 4 such tests did. The long versions
+are in docs/elastic.md, "Teardown" (``python -m ftsdp.tools.stress_close``)."""
 
 from __future__ import annotations
 
