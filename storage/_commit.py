@@ -61,7 +61,7 @@ from ftsdp.storage._options import MAX_MANIFEST_BYTES
 from ftsdp.storage._save_plan import SavePlan
 from ftsdp.storage._steps import committed_steps, remove_attempt, remove_step, retain, scan_root
 
-Crcs = dict[str, list[list[int]]]  # object name -> per piece, its per-block crc32 list
+Crcs = dict[str, list[list[int]]]  # object name -> per piece, its per-block checksums
 _DONE = re.compile(r"^_done-([0-9a-f]+)-rank(\d+)\.json$")  # not the temporary files of a write
 _ATTEMPT = re.compile(rb'"attempt"\s*:\s*"([0-9a-f]{1,64})"')  # in a manifest's first bytes
 _HEAD_BYTES = 4096
@@ -335,7 +335,9 @@ def finish(
     world size). ``lineage``: rank 0's ``plan_lineage`` of this save; ``replaces``: the attempt
     of an earlier commit of this step that it replaces (every rank knows it from the plan)."""
     if rank != 0:  # report, then wait for rank 0's verdict
-        objects = {o.name: {"size": o.size, "crc32": crcs.get(o.name)} for o in plan.for_rank(rank)}
+        objects = {
+            o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.for_rank(rank)
+        }
         _write_marker(
             store, done_marker(step, plan.attempt, rank), error, rank=rank, objects=objects
         )
@@ -421,12 +423,12 @@ def _collect_markers(store: Store, step: int, plan: SavePlan, world: int, timeou
                 raise CheckpointError(f"rank {rank} failed to write step {step}: {marker['error']}")
             for obj in plan.for_rank(rank):
                 got = marker["objects"].get(obj.name, {})
-                if got.get("size") != obj.size or got.get("crc32") is None:
+                if got.get("size") != obj.size or got.get("checksums") is None:
                     raise CheckpointError(
                         f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
                         f"the plan says {obj.size}"
                     )
-                crcs[obj.name] = got["crc32"]
+                crcs[obj.name] = got["checksums"]
             waiting.discard(rank)
         if not waiting:
             return crcs

@@ -155,7 +155,7 @@ def load(
                 f"mismatched={result.mismatched} (strict=False loads the rest and reports these)"
             )
         spans = plan_reads(wants, manifest.checksum_block_bytes, options.coalesce_gap_bytes)
-        segments, bytes_read = fetch(store, manifest.step, manifest.checksum_block_bytes, spans)
+        segments, bytes_read = fetch(store, manifest, spans)
     except Exception as e:
         error = e
     if group is not None:

@@ -1,4 +1,4 @@
-"""The versioned manifest (format version 2, see docs/format.md): encode, decode, validate.
+"""The versioned manifest (format version 3, see docs/format.md): encode, decode, validate.
 
 Everything a reader trusts comes from here, so ``Manifest.from_json`` validates the whole document
 before any byte is read: its size, nesting and own checksum first (see [Note: hostile
@@ -13,7 +13,8 @@ A manifest is input from outside (docs/format.md, "Threat model"). Decoding one 
 Python's int-string limit is turned into ``CorruptCheckpointError``, the nesting of arrays and
 objects is capped (walked iteratively), every integer the format uses is bounded by 2**63 - 1
 (so products and messages stay small), and messages show foreign values through a bounded repr.
-The manifest checksum (``manifest_checksum``: CRC-32 of the document's canonical encoding,
+The manifest checksum (``manifest_checksum``: CRC-32C, CRC-32 before version 3, of the
+document's canonical encoding,
 without that field) then catches a manifest that was corrupted or edited by hand, including
 edits that stay self-consistent, such as relabelling a float32 tensor int32. It detects damage,
 not tampering: whoever can write the manifest can recompute it. It is required from version 2
@@ -31,6 +32,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from ftsdp.storage._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
 from ftsdp.storage._dtypes import itemsize, torch_dtype
 from ftsdp.storage._errors import (
     CheckpointNotFoundError,
@@ -40,12 +42,12 @@ from ftsdp.storage._errors import (
 from ftsdp.storage._fs import Store
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage._ranges import Range, check_disjoint_cover
-from ftsdp.storage._safetensors import crc32
 
 FORMAT_NAME = "ftsdp.storage"
-FORMAT_VERSION = 2  # 2 added the required manifest checksum; version 1 manifests still load
-CHECKSUM_ALGORITHM = "crc32"
-SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": CHECKSUM_ALGORITHM, "value": uint32}
+# 2 added the required manifest checksum, 3 made every checksum CRC-32C (was CRC-32); versions 1
+# and 2 still load (tests/golden/).
+FORMAT_VERSION = 3
+SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
 MAX_INT = 2**63 - 1  # the largest integer the format uses anywhere (sizes, offsets, steps)
 
 # An object name is one path component inside the step prefix: no separators, no "..", no scheme,
@@ -72,8 +74,12 @@ def canonical_json(doc: dict[str, Any]) -> bytes:
 
 
 def seal(doc: dict[str, Any]) -> dict[str, Any]:
-    """Set ``doc``'s manifest checksum to match its content (in place); returns ``doc``."""
-    doc[SELF_CHECKSUM] = {"algorithm": CHECKSUM_ALGORITHM, "value": crc32(canonical_json(doc))}
+    """Set ``doc``'s manifest checksum to match its content (in place), with the algorithm of
+    ``doc["version"]`` (of the version written, for a version this code does not know);
+    returns ``doc``."""
+    algorithm = ALGORITHM_OF_VERSION.get(doc.get("version"), WRITTEN)
+    value = checksum_function(algorithm)(canonical_json(doc), 0)
+    doc[SELF_CHECKSUM] = {"algorithm": algorithm, "value": value}
     return doc
 
 
@@ -109,7 +115,9 @@ class Piece:
     length: int
     byte_start: int
     byte_end: int
-    crc32: tuple[int, ...]  # one per checksum block of the piece's bytes
+    checksums: tuple[
+        int, ...
+    ]  # one per checksum block of the piece's bytes (the manifest's algorithm)
 
     @property
     def range(self) -> Range:
@@ -143,6 +151,11 @@ class Manifest:
     rank_values: list[dict[str, Any]] = field(default_factory=list)
     version: int = FORMAT_VERSION
 
+    @property
+    def checksum_algorithm(self) -> str:
+        """The algorithm of every checksum of this manifest (storage/_checksum.py)."""
+        return ALGORITHM_OF_VERSION[self.version]
+
     def to_json(self) -> bytes:
         """The manifest document as UTF-8 JSON bytes."""
         doc: dict[str, Any] = {
@@ -151,7 +164,10 @@ class Manifest:
             "step": self.step,
             "world_size": self.world_size,
             "attempt": self.attempt,
-            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": self.checksum_block_bytes},
+            "checksum": {
+                "algorithm": self.checksum_algorithm,
+                "block_bytes": self.checksum_block_bytes,
+            },
             "objects": {name: {"size": size} for name, size in sorted(self.objects.items())},
             "tensors": {
                 name: {
@@ -164,7 +180,7 @@ class Manifest:
                             "offset": p.offset,
                             "length": p.length,
                             "byte_range": [p.byte_start, p.byte_end],
-                            "crc32": list(p.crc32),
+                            self.checksum_algorithm: list(p.checksums),
                         }
                         for p in t.pieces
                     ],
@@ -251,16 +267,17 @@ def _check_self_checksum(doc: Any, where: str) -> None:
             "corrupt"
         )
     field_ = doc[SELF_CHECKSUM]
+    algorithm = ALGORITHM_OF_VERSION[doc["version"]]
     if not (
         isinstance(field_, dict)
-        and field_.get("algorithm") == CHECKSUM_ALGORITHM
+        and field_.get("algorithm") == algorithm
         and _is_int(field_.get("value"))
     ):
         raise CorruptCheckpointError(
-            f"{where}: {SELF_CHECKSUM} must be {{'algorithm': {CHECKSUM_ALGORITHM!r}, 'value': "
+            f"{where}: {SELF_CHECKSUM} must be {{'algorithm': {algorithm!r}, 'value': "
             f"unsigned int}}, got {_show(field_)}"
         )
-    actual = crc32(canonical_json(doc))
+    actual = checksum_function(algorithm)(canonical_json(doc), 0)
     if actual != field_["value"]:
         raise CorruptCheckpointError(
             f"{where}: manifest checksum mismatch (stored {_show(field_['value'])}, content "
@@ -317,9 +334,11 @@ def _decode(doc: Any, where: str) -> Manifest:
     attempt = doc.get("attempt", "")
     need(isinstance(attempt, str), f"attempt={_show(attempt)} is not a string")
     checksum = doc.get("checksum")
+    algorithm = ALGORITHM_OF_VERSION[version]
     need(
-        isinstance(checksum, dict) and checksum.get("algorithm") == CHECKSUM_ALGORITHM,
-        f"checksum algorithm must be {CHECKSUM_ALGORITHM!r}, got {_show(checksum)}",
+        isinstance(checksum, dict) and checksum.get("algorithm") == algorithm,
+        f"checksum algorithm must be {algorithm!r} (format version {version}), got "
+        f"{_show(checksum)}",
     )
     block = checksum.get("block_bytes")
     need(_is_int(block, 1), f"checksum block_bytes={_show(block)} invalid")
@@ -356,7 +375,7 @@ def _decode(doc: Any, where: str) -> Manifest:
         need(isinstance(t.get("pieces"), list), f"{what}: pieces is not a list")
         pieces = []
         for p in t["pieces"]:
-            pieces.append(_decode_piece(p, what, size, block, objects, fail))
+            pieces.append(_decode_piece(p, what, size, block, algorithm, objects, fail))
         pieces.sort(key=lambda p: p.offset)
         try:
             check_disjoint_cover([p.range for p in pieces], numel, what)
@@ -401,11 +420,14 @@ def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Any) -> None:
                 )
 
 
-def _decode_piece(p: Any, what: str, size: int, block: int, objects: dict, fail: Any) -> Piece:
-    """One piece, validated (messages are built only on failure: this runs once per piece)."""
+def _decode_piece(
+    p: Any, what: str, size: int, block: int, algorithm: str, objects: dict, fail: Any
+) -> Piece:
+    """One piece, validated (messages are built only on failure: this runs once per piece). Its
+    checksums are listed under the name of the manifest's ``algorithm``."""
     if not isinstance(p, dict):
         fail(f"{what}: piece is not a JSON object")
-    obj, br, crc, length = p.get("object"), p.get("byte_range"), p.get("crc32"), p.get("length")
+    obj, br, crc, length = p.get("object"), p.get("byte_range"), p.get(algorithm), p.get("length")
 
     def at() -> str:
         return f"{what} piece at offset {_show(p.get('offset'))}"
@@ -431,7 +453,7 @@ def _decode_piece(p: Any, what: str, size: int, block: int, objects: dict, fail:
         and len(crc) == -(-nbytes // block)
         and all(type(c) is int and 0 <= c <= 0xFFFFFFFF for c in crc)
     ):
-        fail(f"{at()}: crc32 must list one checksum per {block}-byte block (unsigned 32-bit)")
+        fail(f"{at()}: {algorithm} must list one checksum per {block}-byte block (unsigned 32-bit)")
     if not isinstance(p.get("key"), str):
         fail(f"{at()}: key must be a string")
     return Piece(obj, p["key"], p["offset"], length, br[0], br[1], tuple(crc))

@@ -50,7 +50,7 @@ class SaveOptions:
     """How ``save`` lays out and writes a step."""
 
     object_bytes: int = 256 * MiB  # a data object holds at most this many payload bytes
-    checksum_block_bytes: int = 1 * MiB  # one crc32 per block; bounds read amplification
+    checksum_block_bytes: int = 1 * MiB  # one checksum per block; bounds read amplification
     replica_split_bytes: int = 16 * MiB  # replicated ranges this big are split among holders
     staging_budget_bytes: int = 4096 * MiB  # host memory async save may hold at once
     reuse_staging: bool = True  # keep async save's staging buffers (<= budget) for the next one

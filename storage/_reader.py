@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ftsdp.storage._checksum import Checksum, checksum_function
 from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage._fs import Store
 from ftsdp.storage._layout import step_dir
-from ftsdp.storage._manifest import Piece
+from ftsdp.storage._manifest import Manifest, Piece
 from ftsdp.storage._read_plan import Copy, Span, Want
-from ftsdp.storage._safetensors import crc32
 
 _COPY_CHUNK = 16 << 20  # bytes per copy task, so that one large tensor uses every thread
 
@@ -65,14 +65,14 @@ def _parts(span: Span, block: int, part_bytes: int) -> list[_Part]:
     return parts
 
 
-def _fetch_part(store: Store, step: int, part: _Part) -> list[Segment]:
+def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[Segment]:
     rel = f"{step_dir(step)}/{part.span.object}"
     if store.local:
         data = store._retry(lambda: store.map_range(rel, part.start, part.end))
     else:
         data = np.frombuffer(store.read_range(rel, part.start, part.end), dtype=np.uint8)
     for lo, hi, name, piece, k in part.blocks:
-        if crc32(data[lo - part.start : hi - part.start]) != piece.crc32[k]:
+        if check(data[lo - part.start : hi - part.start], 0) != piece.checksums[k]:
             raise CorruptCheckpointError(
                 f"checksum mismatch in tensor {name!r} (step {step}, object "
                 f"{store.where(rel)}, bytes [{lo}, {hi})); the checkpoint is corrupt, "
@@ -109,10 +109,14 @@ def _run(threads: int, tasks: Sequence[Callable[[], object]]) -> list:
     return results
 
 
-def fetch(store: Store, step: int, block: int, spans: list[Span]) -> tuple[list[Segment], int]:
-    """Read and verify every span; the source bytes of every copy and the bytes read."""
+def fetch(store: Store, manifest: Manifest, spans: list[Span]) -> tuple[list[Segment], int]:
+    """Read ``spans`` of ``manifest``'s step and verify every block against the manifest's
+    checksums; the source bytes of every copy and the bytes read."""
+    step, block = manifest.step, manifest.checksum_block_bytes
+    check = checksum_function(manifest.checksum_algorithm)
     parts = [p for s in spans for p in _parts(s, block, store.io.part_bytes)]
-    results = _run(store.io.threads, [lambda p=p: _fetch_part(store, step, p) for p in parts])
+    tasks = [lambda p=p: _fetch_part(store, step, check, p) for p in parts]
+    results = _run(store.io.threads, tasks)
     return [seg for r in results for seg in r], sum(s.end - s.start for s in spans)
 
 
@@ -167,9 +171,9 @@ def deliver(
     _run(threads, converts)
 
 
-def execute(store: Store, step: int, block: int, spans: list[Span]) -> int:
+def execute(store: Store, manifest: Manifest, spans: list[Span]) -> int:
     """Read every span (parts of ``store.io.part_bytes``, ``store.io.threads`` in flight), verify
     every block read, fill the staging tensors; the number of bytes read."""
-    segments, nbytes = fetch(store, step, block, spans)
+    segments, nbytes = fetch(store, manifest, spans)
     _run(store.io.threads, _fill_staging(segments))
     return nbytes

@@ -16,15 +16,11 @@ from typing import IO, Any
 
 import torch
 
+from ftsdp.storage._checksum import WRITTEN, checksum_function
 from ftsdp.storage._dtypes import itemsize, safetensors_code
 from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError
 from ftsdp.storage._fs import Store
 from ftsdp.storage._streaming import tensor_bytes
-
-try:  # the same CRC-32 as zlib's, about 3x faster (ISA-L); optional: ``pip install isal``
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    from zlib import crc32
 
 _WRITE_CHUNK = 8 << 20  # bytes handed to the file object at once
 
@@ -56,16 +52,18 @@ def layout(
 
 
 class BlockCrc:
-    """CRC-32 per ``block`` bytes of a byte stream fed in arbitrary pieces."""
+    """One checksum (``algorithm``: storage/_checksum.py) per ``block`` bytes of a byte stream fed
+    in arbitrary pieces."""
 
-    def __init__(self, block: int) -> None:
+    def __init__(self, block: int, algorithm: str = WRITTEN) -> None:
         self.block, self.crcs, self._crc, self._n = block, [], 0, 0
+        self._f = checksum_function(algorithm)
 
     def update(self, mv: memoryview) -> None:
         pos = 0
         while pos < len(mv):
             take = min(self.block - self._n, len(mv) - pos)
-            self._crc = crc32(mv[pos : pos + take], self._crc)
+            self._crc = self._f(mv[pos : pos + take], self._crc)
             self._n += take
             pos += take
             if self._n == self.block:
@@ -87,7 +85,7 @@ def write_object(
 ) -> list[list[int]]:
     """Write ``head``, then the bytes of ``chunks``: ``(piece index, 1-D tensor)`` in the order of
     the object's ``pieces`` pieces, a piece whole or in several consecutive chunks. Returns each
-    piece's per-block crc32 list."""
+    piece's per-block checksum list (CRC-32C)."""
     f.write(head)
     crcs = [BlockCrc(block_bytes) for _ in range(pieces)]
     # Each part is checksummed and written while its bytes are still in the CPU cache: a part

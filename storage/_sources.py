@@ -90,7 +90,7 @@ class FtsdpSource(Source):
             if out.numel()
         ]
         block = self.manifest.checksum_block_bytes
-        execute(self.store, self.manifest.step, block, plan_reads(wants, block))
+        execute(self.store, self.manifest, plan_reads(wants, block))
 
 
 class HfSource(Source):

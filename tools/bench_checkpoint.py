@@ -233,16 +233,13 @@ def write_section(path: str, text: str) -> None:
 
 
 def environment() -> str:
-    """What the numbers depend on besides the code: CPUs, their load, the CRC-32 in use."""
-    import importlib.util
-
+    """What the numbers depend on besides the code: CPUs, their load, the checksum in use."""
     import torch
 
-    crc = "isal" if importlib.util.find_spec("isal") else "zlib"
     load = os.getloadavg()[0]
     return (
         f"torch {torch.__version__}, {os.cpu_count()} CPUs (1-minute load average {load:.1f} "
-        f"at the start: other work shares them), CRC-32 from {crc}"
+        "at the start: other work shares them), checksums CRC-32C (format version 3)"
     )
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch
 
 from ftsdp import storage
@@ -125,10 +126,13 @@ class Case:
 
 def seal(doc: dict[str, Any]) -> dict[str, Any]:
     """Give an edited manifest a matching checksum, computed as docs/format.md specifies it
-    (independently of the reader's code): CRC-32 of the canonical JSON without the field."""
+    (independently of the reader's code): CRC-32C (CRC-32 before version 3) of the canonical JSON
+    without the field."""
     body = {k: v for k, v in doc.items() if k != "manifest_checksum"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    doc["manifest_checksum"] = {"algorithm": "crc32", "value": zlib.crc32(text)}
+    old = isinstance(doc.get("version"), int) and doc["version"] < 3
+    algorithm, value = ("crc32", zlib.crc32(text)) if old else ("crc32c", crc32c.crc32c(text))
+    doc["manifest_checksum"] = {"algorithm": algorithm, "value": value}
     return doc
 
 
@@ -265,7 +269,7 @@ class Mutator:
         elif edit == "swap":  # two pieces trade a field
             pieces = [p for t in doc["tensors"].values() for p in t["pieces"]]
             a, b = r.sample(pieces, 2)
-            f = r.choice(["object", "offset", "length", "byte_range", "crc32", "key"])
+            f = r.choice(["object", "offset", "length", "byte_range", "crc32c", "key"])
             a[f], b[f] = b[f], a[f]
             detail = f"swap {f} of pieces {a['key']} and {b['key']}"
             semantic = f == "key"  # load does not read keys: only verify notices

@@ -14,6 +14,7 @@ import torch
 from ftsdp import storage
 from ftsdp.storage._fs import Store
 from ftsdp.storage._manifest import SELF_CHECKSUM, seal
+from tests.make_storage_golden import GOLDEN, STEP
 
 OPTS = storage.SaveOptions(object_bytes=64, checksum_block_bytes=32)  # 'w' spans 3 objects
 
@@ -105,7 +106,7 @@ CASES = {
         r"\[40, 41\) are not covered",
     ),
     "crc count": (
-        lambda d: _w(d)[0].update(crc32=[]),
+        lambda d: _w(d)[0].update(crc32c=[]),
         storage.CorruptCheckpointError,
         "one checksum per",
     ),
@@ -253,11 +254,11 @@ def test_manifest_checksum_catches_edits(ckpt: Path) -> None:
     value) are caught by the manifest's checksum of its own content: load, load_state_dict and
     verify refuse; the same edit resealed is what a deliberate editor could write."""
     doc = json.loads((ckpt / "step-1" / "manifest.json").read_text())
-    assert doc[SELF_CHECKSUM]["algorithm"] == "crc32"
+    assert doc[SELF_CHECKSUM]["algorithm"] == "crc32c"
     for edit in (
         lambda d: d["tensors"]["w"].update(dtype="int32"),
         lambda d: d["values"].update(step=4),
-        lambda d: _w(d)[0]["crc32"].__setitem__(0, _w(d)[0]["crc32"][0] ^ 1),
+        lambda d: _w(d)[0]["crc32c"].__setitem__(0, _w(d)[0]["crc32c"][0] ^ 1),
     ):
         storage.save(_ref(), str(ckpt / "c"), step=1, options=OPTS)
         _edit(ckpt / "c", edit, reseal=False)
@@ -282,23 +283,31 @@ def test_verify_checks_dtype_against_object_headers(ckpt: Path) -> None:
     assert storage.verify(str(ckpt), 1).problems == report.problems
 
 
-def test_manifest_checksum_is_required_from_version_2(ckpt: Path) -> None:
-    """Version 2 manifests must carry the checksum (else one damaged byte in its key would
-    switch the check off); version 1 manifests, written before it, load without one."""
-    assert json.loads((ckpt / "step-1" / "manifest.json").read_text())["version"] == 2
+def test_manifest_checksum_is_required_from_version_2(ckpt: Path, tmp_path: Path) -> None:
+    """Manifests of version 2 on must carry the checksum (else one damaged byte in its key would
+    switch the check off); version 1 manifests, written before it, load without one, and one
+    that has it is checked."""
+    assert json.loads((ckpt / "step-1" / "manifest.json").read_text())["version"] == 3
     _edit(ckpt, lambda d: d.update(manifest_chesksum=d.pop(SELF_CHECKSUM)), reseal=False)
     target = _blank()
     with pytest.raises(storage.CorruptCheckpointError, match="must carry manifest_checksum"):
         storage.load(target, str(ckpt))
     _untouched(target)
     assert "must carry manifest_checksum" in storage.verify(str(ckpt)).problems[0]
-    _edit(ckpt, lambda d: d.update(version=1), reseal=False)  # as a version 1 writer wrote it
-    storage.load(target, str(ckpt))
-    assert torch.equal(target["w"], _ref()["w"]) and storage.verify(str(ckpt)).ok
-    _edit(ckpt, lambda d: d["values"].update(step=4), reseal=True)  # present: checked in v1 too
-    _edit(ckpt, lambda d: d["values"].update(step=5), reseal=False)
+    # Version 1, as its writer wrote it (tests/golden/storage_v1: no manifest checksum).
+    v1 = tmp_path / "v1"
+    shutil.copytree(GOLDEN, v1)
+    path = v1 / f"step-{STEP}" / "manifest.json"
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 1 and SELF_CHECKSUM not in doc
+    assert storage.verify(str(v1)).ok
+    path.write_text(json.dumps(seal({**doc, "values": {**doc["values"], "x": 4}})))
+    assert storage.verify(str(v1)).ok  # present: checked in version 1 too
+    doc = json.loads(path.read_text())
+    doc["values"]["x"] = 5
+    path.write_text(json.dumps(doc))
     with pytest.raises(storage.CorruptCheckpointError, match="manifest checksum mismatch"):
-        storage.load(_blank(), str(ckpt))
+        storage.load_state_dict(str(v1))
 
 
 def test_missing_root_and_no_commit(tmp_path: Path) -> None:

@@ -1,19 +1,26 @@
-"""The golden checkpoint (format version 1, tests/golden/storage_v1) reads to the exact tensors."""
+"""The golden checkpoints of format versions 1 and 2 (tests/golden/storage_v1, storage_v2: CRC-32
+checksums) read to the exact tensors, and today's writer (version 3, CRC-32C) writes the same
+objects and the same manifest but for the version and the checksums."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import shutil
+import zlib
 from typing import Any
 
+import crc32c
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from ftsdp import storage
 from ftsdp.storage._manifest import SELF_CHECKSUM, canonical_json
-from ftsdp.storage._safetensors import crc32
 from tests.make_storage_golden import GOLDEN, OPTIONS, STEP, golden_state
+
+# Written by the version 2 writer (the same state and options as GOLDEN); never regenerated.
+GOLDEN_V2 = GOLDEN.parent / "storage_v2"
 
 
 def _blank(state: Any) -> Any:
@@ -24,13 +31,15 @@ def _blank(state: Any) -> Any:
     return None
 
 
-def test_golden_reads_exactly(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_golden_reads_exactly(tmp_path: pathlib.Path, version: int) -> None:
     root = tmp_path / "golden"
-    shutil.copytree(GOLDEN, root)  # never touch the checked-in copy
+    shutil.copytree(GOLDEN if version == 1 else GOLDEN_V2, root)  # never touch the checked-in copy
     expected = golden_state()
     assert storage.list_steps(str(root)) == [STEP]
     manifest = storage.read_manifest(str(root))
-    assert manifest.version == 1 and manifest.world_size == 1
+    assert manifest.version == version and manifest.world_size == 1
+    assert manifest.checksum_algorithm == "crc32"
     assert len(manifest.tensors["model.big"].pieces) > 1  # spans several objects
 
     target = _blank(expected)
@@ -46,7 +55,20 @@ def test_golden_reads_exactly(tmp_path: pathlib.Path) -> None:
     assert torch.equal(full["model.w"], expected["model"]["w"])
     assert full["model.w"].tolist()[2] == [2.0, 2.25, 2.5, 2.75]
 
-    assert storage.verify(str(root)).ok  # no manifest checksum to check: verify says OK
+    assert storage.verify(str(root)).ok
+
+    # A flipped byte in a data object is found with the old algorithm too.
+    obj = manifest.tensors["model.big"].pieces[0]
+    path = root / f"step-{STEP}" / obj.object
+    original = path.read_bytes()
+    data = bytearray(original)
+    data[obj.byte_start] ^= 0x40
+    path.write_bytes(bytes(data))
+    report = storage.verify(str(root))
+    assert not report.ok and any("checksum mismatch" in p for p in report.problems), report
+    with pytest.raises(storage.CorruptCheckpointError, match="checksum mismatch"):
+        storage.load_state_dict(str(root))
+    path.write_bytes(original)
 
     # Each data object is a plain safetensors file of 1-D pieces.
     obj = manifest.tensors["model.w"].pieces[0]
@@ -54,15 +76,45 @@ def test_golden_reads_exactly(tmp_path: pathlib.Path) -> None:
     assert torch.equal(pieces[obj.key], expected["model"]["w"].reshape(-1)[: obj.length])
 
 
-def test_writer_still_produces_golden_bytes(tmp_path: pathlib.Path) -> None:
+def _block_checksums(data: bytes, start: int, end: int, block: int, f: Any) -> list[int]:
+    return [f(data[a : min(a + block, end)]) for a in range(start, end, block)]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_writer_still_produces_golden_bytes(tmp_path: pathlib.Path, version: int) -> None:
     """The same state saved today gives byte-identical objects (names aside) and the golden
-    manifest, but for the version (2) and the manifest checksum that version 2 added."""
+    manifest, but for the version (3), its CRC-32C checksums (computed here with the crc32c
+    package over the same bytes the golden's CRC-32s cover) and the manifest checksum (required
+    from version 2 on; CRC-32C from 3)."""
+    golden = GOLDEN if version == 1 else GOLDEN_V2
     storage.save(golden_state(), str(tmp_path), step=STEP, options=OPTIONS)
     new = json.loads((tmp_path / f"step-{STEP}" / "manifest.json").read_text())
-    old = json.loads((GOLDEN / f"step-{STEP}" / "manifest.json").read_text())
-    # Version 2 adds the manifest checksum (required); the golden is version 1, without it.
-    assert new.pop(SELF_CHECKSUM) == {"algorithm": "crc32", "value": crc32(canonical_json(new))}
-    assert SELF_CHECKSUM not in old and (old.pop("version"), new.pop("version")) == (1, 2)
+    old = json.loads((golden / f"step-{STEP}" / "manifest.json").read_text())
+    assert new.pop(SELF_CHECKSUM) == {
+        "algorithm": "crc32c",
+        "value": crc32c.crc32c(canonical_json(new)),
+    }
+    if version == 1:
+        assert SELF_CHECKSUM not in old
+    else:
+        assert old.pop(SELF_CHECKSUM) == {
+            "algorithm": "crc32",
+            "value": zlib.crc32(canonical_json(old)),
+        }
+    assert (old.pop("version"), new.pop("version")) == (version, 3)
+    assert (old["checksum"].pop("algorithm"), new["checksum"].pop("algorithm")) == (
+        "crc32",
+        "crc32c",
+    )
+    block = new["checksum"]["block_bytes"]
+    for doc, key, f, root in (
+        (new, "crc32c", crc32c.crc32c, tmp_path),
+        (old, "crc32", zlib.crc32, golden),
+    ):
+        for t in doc["tensors"].values():
+            for p in t["pieces"]:
+                data = (root / f"step-{STEP}" / p["object"]).read_bytes()
+                assert p.pop(key) == _block_checksums(data, *p["byte_range"], block, f)
     for doc in (new, old):
         attempt = doc.pop("attempt")
         doc["objects"] = {k.replace(attempt, "*"): v for k, v in doc["objects"].items()}
@@ -71,7 +123,7 @@ def test_writer_still_produces_golden_bytes(tmp_path: pathlib.Path) -> None:
                 p["object"] = p["object"].replace(attempt, "*")
     assert new == old
     new_objs = sorted((tmp_path / f"step-{STEP}").glob("*.safetensors"))
-    old_objs = sorted((GOLDEN / f"step-{STEP}").glob("*.safetensors"))
+    old_objs = sorted((golden / f"step-{STEP}").glob("*.safetensors"))
     assert [p.read_bytes() for p in new_objs] == [p.read_bytes() for p in old_objs]
 
 
@@ -85,4 +137,5 @@ def test_manifest_checksum_encoding_is_pinned() -> None:
     }
     text = b'{"values":{"a":[1,"\\u00e9\\n",null,true,-0.0,1e-07],"b":0.1},"version":2}'
     assert canonical_json(doc) == text
-    assert crc32(text) == 1474384153
+    assert zlib.crc32(text) == 1474384153  # versions 1 and 2
+    assert crc32c.crc32c(b"123456789") == 0xE3069283  # CRC-32C's check value (version 3)
