@@ -26,6 +26,7 @@ from ftsdp.storage._safetensors import read_header
 from ftsdp.storage._steps import committed_steps, resolve_manifest
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, chunk_bytes, split_request
 
+_THREADED_BYTES = 16 << 20  # a step's data below this is checked on the calling thread
 OBJECT_METADATA = {"format": "ftsdp.storage"}  # every data object's header (docs/format.md)
 _FORMAT_MARK = b'"ftsdp.storage"'  # a manifest's first 64 bytes hold its format (as written)
 
@@ -233,7 +234,12 @@ def _verify_step(
                 )
         return end - start, found
 
-    with ThreadPoolExecutor(threads) as pool:
+    if sum(end - start for *_, start, end in parts) < _THREADED_BYTES:  # not worth the threads
+        for nbytes, found in map(check_part, parts):
+            meter.add(nbytes)
+            problems.extend(found)
+        return
+    with ThreadPoolExecutor(min(threads, len(parts))) as pool:
         for nbytes, found in pool.map(check_part, parts):
             meter.add(nbytes)
             problems.extend(found)
