@@ -33,6 +33,7 @@ refused with an error naming it.
 
 from __future__ import annotations
 
+import abc
 import json
 from typing import Any
 
@@ -42,7 +43,7 @@ from torch import nn
 from ftsdp import storage
 
 
-class Engine:
+class Engine(abc.ABC):
     """How one kind of model hands its state to storage and takes it back.
 
     ``model_state()`` and ``optim_state()`` return nested dicts of storage leaves that alias the
@@ -57,23 +58,27 @@ class Engine:
         self.model, self.optimizer = model, optimizer
 
     # -- to be provided by each adapter -----------------------------------------------------------
+    @abc.abstractmethod
     def model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _raw_optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
         """``(state by parameter name, param groups naming their parameters)``."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
         """The storage leaf of one optimizer state value of ``param`` (or raise: it cannot be
         resharded)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
         """Put the loaded ``model_state`` / ``optim_state`` (as filled by ``storage.load``) into
         the live model and optimizer."""
-        raise NotImplementedError
+        ...
 
     # -- shared -----------------------------------------------------------------------------------
     def optim_state(self) -> dict[str, Any]:

@@ -30,6 +30,16 @@ _CHAIN_STREAM = 0
 _SAMPLE_STREAM = 1
 
 
+def _sample_index(i: int, n: int, what: str) -> int:
+    """``i`` as an index into ``n`` samples (negative from the end); IndexError outside."""
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"{what} index {i} out of range [0, {n})")
+    return i
+
+
 class MarkovChain:
     """A random sparse transition table over ``vocab_size`` tokens, fixed by ``seed``."""
 
@@ -132,11 +142,7 @@ class MarkovDataset(Dataset):
         return self.num_samples
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = int(i)
-        if i < 0:
-            i += self.num_samples
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"MarkovDataset index {i} out of range [0, {self.num_samples})")
+        i = _sample_index(i, self.num_samples, "MarkovDataset")
         rng = np.random.default_rng([self.seed, _SAMPLE_STREAM, i])
         walk = torch.from_numpy(self.chain.sample(self.seq_len + 1, rng))
         return walk[:-1], walk[1:]
@@ -181,11 +187,7 @@ class TokenDataset(Dataset):
         return self.num_samples
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = int(i)
-        if i < 0:
-            i += self.num_samples
-        if not 0 <= i < self.num_samples:
-            raise IndexError(f"TokenDataset index {i} out of range [0, {self.num_samples})")
+        i = _sample_index(i, self.num_samples, "TokenDataset")
         start = i * self.seq_len
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
