@@ -264,12 +264,18 @@ _ROLES = [
 ]
 
 
-def roles(rows: list[tuple[int, int, str]], unit: int) -> str:
-    """Bytes live at the peak by role, in multiples of the largest unit's size."""
+def role_bytes(rows: list[tuple[int, int, str]]) -> dict[str, int]:
+    """Bytes live at the peak by role (``other`` for a call chain no role names)."""
     totals: dict[str, int] = {}
     for nbytes, _count, where in rows:
         role = next((r for r, keys in _ROLES if any(k in where for k in keys)), "other")
         totals[role] = totals.get(role, 0) + nbytes
+    return totals
+
+
+def roles(rows: list[tuple[int, int, str]], unit: int) -> str:
+    """Bytes live at the peak by role, in multiples of the largest unit's size."""
+    totals = role_bytes(rows)
     return ", ".join(
         f"{role} {nbytes / unit:.1f}"
         for role, nbytes in sorted(totals.items(), key=lambda kv: -kv[1])
@@ -386,6 +392,47 @@ def verdicts(runs: list[Run]) -> list[str]:
             why + ".",
         )
     return out
+
+
+def json_entry(runs: list[Run]) -> dict[str, Any]:
+    """The ``engine`` entry of the JSON results: per run and engine, the step time (median and
+    IQR, ms), bytes per step, and memory in bytes on the rank with the highest model-state peak:
+    what it held at the step's start (parameters, AdamW state), the peak of forward + backward,
+    what was live at that peak above the start by role (``role_bytes``; empty on CUDA, where the
+    profiler's breakdown is not taken), the ZeRO target (16ψ/W + the largest unit), the optimizer
+    step's and the real step's peaks."""
+    out = []
+    for run in runs:
+        engines: dict[str, Any] = {}
+        for e in run.engines:
+            top = max(run.ranks, key=lambda r: r["memory"][e]["peak_state_fwd_bwd"])
+            mem = top["memory"][e]
+            lo, hi = run.iqr_ms(e)
+            engines[e] = {
+                "step_ms": run.median_ms(e),
+                "step_ms_iqr": [lo, hi],
+                "bytes_per_step": sum(run.comm(e).values()),
+                "memory": {
+                    "start": mem["start_bytes"],
+                    "params": mem["rest_params"],
+                    "optim": mem["rest_optim"],
+                    "peak_fwd_bwd": mem["peak_state_fwd_bwd"],
+                    "above_start_by_role": role_bytes(mem.get("live_at_peak", [])),
+                    "zero_target": sum(allowance(run, e)),
+                    "peak_opt_step": run.mem(e, "peak_state_opt_step"),
+                    "peak_step": run.mem(e, "peak_step_alloc"),
+                },
+            }
+        out.append(
+            {
+                "label": run.label,
+                "world": run.world,
+                "device": run.device,
+                "psi": run.psi,
+                "engines": engines,
+            }
+        )
+    return {"runs": out}
 
 
 def environment(runs: list[Run], load_start: tuple, load_end: tuple) -> str:

@@ -235,7 +235,8 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
 
     def storage_async(step: int) -> tuple[float, float]:
         t0 = time.perf_counter()
-        h = storage.save(state, f"{root}/storage", step, async_save=True)
+        # a root of its own: one timeline each (a save behind a newer committed step is refused)
+        h = storage.save(state, f"{root}/storage-async", step, async_save=True)
         blocking = time.perf_counter() - t0
         h.wait()
         return blocking, h.blocking_seconds

@@ -8,7 +8,9 @@ async), and with ``storage`` on a local moto S3 server; then loads it resharded 
 ``--load-ranks`` world sizes with every library, each load after dropping the checkpoint files from
 the page cache. The raw sequential write (with fsync) and cold read bandwidth of the same disk,
 measured in the same run, is the ceiling. Prints a table; ``--out FILE`` also writes it into the
-"Checkpoint" section of FILE. All data lives in a temporary directory that is removed at the end.
+"Checkpoint" section of FILE, ``--json FILE`` its numbers into the ``checkpoint`` entry of a JSON
+results file (``ftsdp-report --bench`` charts it). All data lives in a temporary directory that
+is removed at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from typing import Any
 
 from ftsdp.testing import free_port, run_ranks
+from ftsdp.tools import _bench_json
 from ftsdp.tools import _bench_ranks as ranks
 from ftsdp.tools._markdown import replace_section
 
@@ -44,6 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--dir", default=None, help="parent of the temporary data directory")
     p.add_argument("--out", default=None, help="Markdown file whose Checkpoint section to write")
+    p.add_argument("--json", default=None, help="JSON results file whose checkpoint entry to write")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per spawned phase")
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -122,8 +126,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 # -- the table --------------------------------------------------------------------------------------
 
 
-def table(args: argparse.Namespace, res: dict[str, Any]) -> tuple[str, list[str]]:
-    """The Markdown table and the verdict lines (MET / MISSED, with the reason)."""
+Row = tuple[str, float | None, float | None, float | None, str, str]
+
+
+def measurements(
+    args: argparse.Namespace, res: dict[str, Any]
+) -> tuple[list[Row], list[str], float | None, float | None]:
+    """The table's rows ``(measurement, storage, DCP, S3, target, format)``, the verdict lines
+    (MET / MISSED, with the reason) and the raw disk's write and read GB/s."""
     nbytes, save = res["bytes"], res["save"]
 
     def med(d: dict[str, list[float]], key: str, sl: slice = slice(None)) -> float | None:
@@ -134,7 +144,7 @@ def table(args: argparse.Namespace, res: dict[str, Any]) -> tuple[str, list[str]
         return None if seconds is None else nbytes / seconds / GB
 
     raw_w, raw_r = med(save, "raw.write"), med(save, "raw.read")
-    rows: list[tuple[str, float | None, float | None, float | None, str, str]] = []
+    rows: list[Row] = []
     verdicts: list[str] = []
 
     def judge(what: str, ok: bool, detail: str, reason: str = "see the notes.") -> None:
@@ -207,6 +217,12 @@ def table(args: argparse.Namespace, res: dict[str, Any]) -> tuple[str, list[str]
     for label, (st, dc) in (("later saves", later), ("first save", first)):
         if st and dc:
             judge(f"async blocking <= 0.5x DCP, {label}", st <= 0.5 * dc, f"{st / dc:.2f}x")
+    return rows, verdicts, raw_w, raw_r
+
+
+def table(args: argparse.Namespace, res: dict[str, Any]) -> tuple[str, list[str]]:
+    """The Markdown table and the verdict lines (MET / MISSED, with the reason)."""
+    rows, verdicts, raw_w, raw_r = measurements(args, res)
 
     def fmt(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)
@@ -225,6 +241,23 @@ def table(args: argparse.Namespace, res: dict[str, Any]) -> tuple[str, list[str]
         f"{fmt(raw_w, '.2f')} / {fmt(raw_r, '.2f')} | | | | ceiling |"
     )
     return "\n".join(lines), verdicts
+
+
+def json_entry(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    """The ``checkpoint`` entry of the JSON results: the table's rows (GB/s, ratios, seconds;
+    null where not measured), the raw disk's GB/s and the verdicts."""
+    rows, verdicts, raw_w, raw_r = measurements(args, res)
+    return {
+        "bytes": res["bytes"],
+        "ranks": args.ranks,
+        "repeats": args.repeats,
+        "rows": [
+            {"measurement": name, "storage": st, "dcp": dc, "s3": s3v, "target": target}
+            for name, st, dc, s3v, target, _ in rows
+        ],
+        "raw_disk_gbps": {"write": raw_w, "read": raw_r},
+        "verdicts": verdicts,
+    }
 
 
 def write_section(path: str, text: str) -> None:
@@ -262,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         write_section(args.out, body)
         print(f"wrote the Checkpoint section of {args.out}")
+    if args.json:
+        _bench_json.write_entry(args.json, "checkpoint", json_entry(args, res), command, env)
+        print(f"wrote the checkpoint entry of {args.json}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ checkpoint of that size saved by ``storage.save`` in one process: warm (its file
 cache, or in ``/dev/shm``) and, on a disk, cold (each file dropped from the page cache first,
 ``posix_fadvise(DONTNEED)``). Rates are the best of ``--repeat`` runs; the verdict line compares
 the warm verify with the copy (target: at least 0.8x). Prints a table; ``--out FILE`` also writes
-it into the "Checksums" section of FILE. The checkpoint lives in a temporary directory that is
-removed at the end.
+it into the "Checksums" section of FILE, ``--json FILE`` its numbers into the ``checksum``
+entry of a JSON results file (``ftsdp-report --bench`` charts it). The checkpoint lives in a
+temporary directory that is removed at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from ftsdp import storage
+from ftsdp.tools import _bench_json
 from ftsdp.tools._bench_ranks import drop_cache
 from ftsdp.tools._markdown import replace_section
 
@@ -43,6 +45,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5, help="runs per measurement (best is kept)")
     p.add_argument("--dir", default=None, help="parent of the checkpoint (default: a temp dir)")
     p.add_argument("--out", default=None, help="Markdown file whose Checksums section to write")
+    p.add_argument("--json", default=None, help="JSON results file whose checksum entry to write")
     return p.parse_args(argv)
 
 
@@ -155,6 +158,34 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(text)
     if args.out:
         replace_section(args.out, text, "## Checksums")
+    if args.json:
+        command = "python -m ftsdp.tools.bench_checksum " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        _bench_json.write_entry(
+            args.json, "checksum", json_entry(rates, warm, cold), command, environment(where)
+        )
+
+
+def environment(where: str) -> str:
+    """What the rates depend on besides the code."""
+    load = os.getloadavg()[0]
+    return (
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1-minute load average {load:.1f}; "
+        f"checkpoint in {where}"
+    )
+
+
+def json_entry(rates: dict[str, float], warm: float, cold: float | None) -> dict:
+    """The ``checksum`` entry of the JSON results: every rate in GB/s, and the verdict."""
+    copy = rates["memory copy (numpy copyto)"]
+    return {
+        "rates_gbps": {name: rate / GB for name, rate in rates.items()},
+        "verify_warm_gbps": warm / GB,
+        "verify_cold_gbps": None if cold is None else cold / GB,
+        "target_vs_copy": TARGET,
+        "met": warm / copy >= TARGET,
+    }
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ batches, warms up, and times forward + backward + AdamW step in rounds (one step
 per round, order rotating, so load from other processes falls on all alike). Reports the median
 step time and ftsdp / FSDP2, bytes communicated per step per rank next to ZeRO's formulas, and
 model-state memory per rank next to 16·ψ/W + the largest unit. Prints Markdown tables and one
-MET / MISSED line per target; ``--out FILE`` also writes them into FILE's "Engine" section.
+MET / MISSED line per target; ``--out FILE`` also writes them into FILE's "Engine" section,
+``--json FILE`` the numbers into the ``engine`` entry of a JSON results file (``ftsdp-report
+--bench`` charts them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 
 from ftsdp.testing import run_ranks
 from ftsdp.tools import _bench_engine_report as report
+from ftsdp.tools import _bench_json
 
 ENGINES = ("ftsdp", "fsdp2", "ddp")
 RANK_MAIN = "ftsdp.tools._bench_engine_ranks:rank_main"  # by name: this process never imports torch
@@ -65,6 +68,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, help="directory for per-rank cProfile dumps")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--out", default=None, help="Markdown file whose Engine section to write")
+    p.add_argument("--json", default=None, help="JSON results file whose engine entry to write")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per spawned run")
     args = p.parse_args(argv)
     args.world_sizes = [int(x) for x in args.world_sizes.split(",") if x.strip()]
@@ -201,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         report.write_section(args.out, body)
         print(f"wrote the Engine section of {args.out}")
+    if args.json:
+        _bench_json.write_entry(args.json, "engine", report.json_entry(runs), command, env)
+        print(f"wrote the engine entry of {args.json}")
 
 
 NOTES = """How it is measured:

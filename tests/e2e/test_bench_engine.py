@@ -4,6 +4,7 @@ section of the Markdown file without touching anyone else's."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -27,8 +28,9 @@ def test_tiny_run_prints_tables_and_verdicts_and_writes_only_its_section(tmp_pat
     out.write_text(OTHERS)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    results = ["--json", str(tmp_path / "benchmarks.json")]
     proc = subprocess.run(
-        [sys.executable, "-m", "ftsdp.tools.bench_engine", *TINY, "--out", str(out)],
+        [sys.executable, "-m", "ftsdp.tools.bench_engine", *TINY, "--out", str(out), *results],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -59,6 +61,18 @@ def test_tiny_run_prints_tables_and_verdicts_and_writes_only_its_section(tmp_pat
     assert text.count("## Engine") == 1
     assert "`python -m ftsdp.tools.bench_engine " in text and "--out " in text
     assert "| W=2 CPU/gloo | ftsdp |" in text
+
+    # The JSON entry (ftsdp-report --bench) holds the tables' numbers.
+    (run,) = json.loads((tmp_path / "benchmarks.json").read_text())["engine"]["runs"]
+    assert list(run["engines"]) == ["ftsdp", "fsdp2", "ddp"]  # the tables' order
+    for engine, v in run["engines"].items():
+        assert f"| W=2 CPU/gloo | {engine} | {v['step_ms']:.1f} |" in text, engine
+        peak = v["memory"]["peak_fwd_bwd"]
+        assert re.search(
+            rf"^\| W=2 CPU/gloo \| {engine} \| [^|]+ \| {peak / 1e6:.2f} \|", text, re.M
+        )
+        held = v["memory"]["params"] + v["memory"]["optim"]
+        assert held <= v["memory"]["start"] <= peak
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path) -> None:
