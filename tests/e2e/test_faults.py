@@ -187,6 +187,18 @@ def check_committed_steps_readable(run: Run) -> list[int]:
 
 
 def measure(run: Run, scenario: str, command: str, fault_index: int = 0) -> dict[str, Any]:
+    """Times and steps lost of one fault (:func:`timings`), printed and appended to
+    ``$FTSDP_FAULT_REPORT`` when set."""
+    result = {"scenario": scenario, **timings(run, fault_index), "command": command}
+    print(json.dumps(result))
+    report = os.environ.get("FTSDP_FAULT_REPORT")
+    if report:
+        with open(report, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+def timings(run: Run, fault_index: int = 0) -> dict[str, Any]:
     """Times and steps lost of one fault, from the fault log, ledger and metrics."""
     fault = run.faults()[fault_index]
     t = fault["time"]
@@ -207,8 +219,7 @@ def measure(run: Run, scenario: str, command: str, fault_index: int = 0) -> dict
     done_before = max(
         (r["step"] for r in run.ledger() if r["incarnation"] == fault["incarnation"]), default=0
     )
-    result = {
-        "scenario": scenario,
+    return {
         "fault": f"{fault['kind']}{':' + fault['point'] if fault.get('point') else ''}"
         f" rank {fault['rank']} step {fault['step']}",
         "detection_s": None if detected is None else round(detected["time"] - t, 2),
@@ -218,14 +229,7 @@ def measure(run: Run, scenario: str, command: str, fault_index: int = 0) -> dict
         "resumed_step": None if resumed is None else resumed["step"],
         "world_sizes": f"{resumed and resumed['saved_world_size']} -> "
         f"{resumed and resumed['world_size']}",
-        "command": command,
     }
-    print(json.dumps(result))
-    report = os.environ.get("FTSDP_FAULT_REPORT")
-    if report:
-        with open(report, "a") as f:
-            f.write(json.dumps(result) + "\n")
-    return result
 
 
 # -- scenarios ----------------------------------------------------------------------------------
@@ -303,6 +307,55 @@ def test_a_stopped_rank_is_detected_named_and_the_job_recovers(restarts: Run) ->
 
 def _resumes(run: Run) -> list[dict]:
     return [r for r in run.metrics() if r["event"] == "resume"]
+
+
+@pytest.mark.timeout(420)
+def test_the_report_of_the_job_marks_each_restart_at_its_step(restarts: Run) -> None:
+    """``ftsdp-report`` on job A's metrics and fault log (no new job): the panels hold the run's
+    records, one restart marker per restart at the step it resumed from (the kill -9 at step 3:
+    one marker, at step 2), and each fault table row is the suite's own measurement."""
+    from ftsdp.tools.report import build_report
+
+    report = build_report([restarts.root / "metrics.jsonl", restarts.root / "faults.jsonl"])
+    assert report.skipped == []
+    assert {"loss", "tokens_per_s", "s_per_step", "world_size", "checkpoint", "faults"} <= set(
+        report.axes
+    )
+    loss = report.axes["loss"]
+    (line,) = [ln for ln in loss.lines if ln.get_gid() is None]
+    steps = sorted(_steps(restarts), key=lambda r: r["time"])
+    points = [(x, y) for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True) if x == x]
+    assert points == [(r["step"], r["loss"]) for r in steps]
+    (world,) = [ln for ln in report.axes["world_size"].lines if ln.get_gid() is None]
+    assert {y for y in world.get_ydata() if y == y} == {2.0}
+    saves = [r["blocking_s"] for r in restarts.metrics() if r["event"] == "checkpoint"]
+    assert [b.get_height() for b in report.axes["checkpoint"].patches] == saves
+
+    resumes, faults = _resumes(restarts), restarts.faults()
+    markers = [ln for ln in loss.lines if ln.get_gid()]
+    assert [ln.get_gid() for ln in markers] == ["marker:restart"] * len(RESTART_FAULTS)
+    assert [ln.get_xdata()[0] for ln in markers] == [r["step"] for r in resumes] == [2, 2, 4, 8, 8]
+    assert [ln.get_label() for ln in markers] == [
+        f"restart {r['restarts']}: from step {r['step']} (world 2)" for r in resumes
+    ]
+    rows = report.faults
+    assert [(r.kind, r.step) for r in rows] == [
+        (f["kind"] + (f":{f['point']}" if f["point"] else ""), f["step"]) for f in faults
+    ]
+    assert (rows[0].kind, rows[0].step, rows[0].resumed_from) == ("kill", 3, 2)
+    for i, row in enumerate(rows):
+        suite = timings(restarts, i)
+        assert row.origin == "fault log" and row.detected_by == suite["detected_by"]
+        assert row.detection_s == pytest.approx(suite["detection_s"], abs=0.006)
+        assert row.resumed_from == suite["resumed_step"]
+        # the suite's first new step is the ledger's record of it, the report's the metrics'
+        assert abs(row.first_new_step_s - suite["fault_to_first_new_step_s"]) < 1.0
+        # The ledger may hold one step more than the metrics when a crash inside an async save
+        # lands after the next step's collectives; a fault at a step boundary is exact.
+        lost = suite["steps_lost"]
+        assert row.steps_lost == lost or (
+            row.kind.startswith("crash") and row.steps_lost == lost - 1
+        )
 
 
 # (world size, faults, max restarts) of each stage of the resize job.

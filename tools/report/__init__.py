@@ -1,0 +1,308 @@
+"""``ftsdp-report``: a run's metrics, fault logs and the fault suite's report as one page of
+plots; the benchmarks' JSON results as bar charts.
+
+    ftsdp-report run/metrics.jsonl [run/faults.jsonl ...] -o report.html   # or -o report.png
+    ftsdp-report --bench docs/benchmarks.json -o benchmarks.png
+
+Inputs are JSONL files, each line classified by itself: ``ftsdp.train --metrics`` records, fault
+log records (``FTSDP_FAULT_LOG``) and rows of the fault suite's report (``FTSDP_FAULT_REPORT``);
+files may be mixed and several runs overlay with a legend. A truncated line, an unknown record or
+a record without a field the report needs is skipped, counted and named (line numbers) on stderr;
+the rest still renders. The HTML output is one self-contained file (the figure as an embedded
+PNG, the fault table as HTML); the PNG output is the same figure.
+
+matplotlib is an optional dependency (``pip install 'ftsdp[report]'``), imported only here and
+only when a figure is made. Exit codes: 0 written, 2 bad usage or input, or matplotlib missing
+(one line on stderr). docs/report.md describes every panel; ``build_report`` and
+``build_bench`` are the library entry points (tests read the figure's data from them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ftsdp.tools.report._bench import BenchFileError, bench_figure, read_bench
+from ftsdp.tools.report._figure import (
+    MissingExtraError,
+    fault_columns,
+    fault_origin,
+    run_figure,
+)
+from ftsdp.tools.report._records import (
+    FaultRow,
+    Marker,
+    Run,
+    Skipped,
+    Source,
+    fault_rows,
+    group_runs,
+    markers,
+    read_source,
+    summarise,
+)
+
+__all__ = [
+    "BenchFileError",
+    "FaultRow",
+    "Marker",
+    "MissingExtraError",
+    "Report",
+    "Skipped",
+    "build_bench",
+    "build_report",
+    "main",
+]
+
+PROG = "ftsdp-report"
+EXIT_OK, EXIT_USAGE = 0, 2
+logger = logging.getLogger(__name__)
+
+
+class NothingToPlotError(ValueError):
+    """No input file held a record the report can use."""
+
+
+@dataclass
+class Report:
+    """A built report: the matplotlib ``figure``, its panels by name (``axes``), the fault
+    table's rows (``faults``), the restart markers, the fault suite's rows (``suite``) and the
+    input lines that were skipped (``skipped``, also summarised by :meth:`skipped_summary`)."""
+
+    figure: Any
+    axes: dict[str, Any]
+    title: str
+    inputs: list[str]
+    faults: list[FaultRow] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+    suite: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def skipped_summary(self) -> str:
+        """One line per input file with skipped lines (empty when none were)."""
+        return summarise(self.skipped)
+
+    def png(self) -> bytes:
+        """The figure as PNG bytes (at the figure's dpi)."""
+        buf = io.BytesIO()
+        self.figure.savefig(buf, format="png")
+        return buf.getvalue()
+
+    def html(self) -> str:
+        """One self-contained HTML page: the figure (an embedded PNG), the fault table, the
+        fault suite's rows and the skipped lines, all as text."""
+        png = base64.b64encode(self.png()).decode("ascii")
+        esc = html.escape
+        parts = [
+            "<!DOCTYPE html>",
+            '<html lang="en"><head><meta charset="utf-8">',
+            f"<title>{esc(self.title)}</title>",
+            "<style>body{font-family:sans-serif;margin:1.5em;max-width:1100px}"
+            "table{border-collapse:collapse;font-size:0.9em}"
+            "td,th{border:1px solid #bbb;padding:0.2em 0.6em;text-align:right}"
+            "th{background:#eee}td:first-child,th:first-child{text-align:left}"
+            "img{max-width:100%}</style></head><body>",
+            f"<h1>{esc(self.title)}</h1>",
+            "<p>Inputs: " + ", ".join(f"<code>{esc(p)}</code>" for p in self.inputs) + "</p>",
+            f'<img alt="{esc(self.title)}" src="data:image/png;base64,{png}">',
+        ]
+        if self.runs:
+            parts.append(f"<h2>Faults ({len(self.faults)})</h2>")
+            if self.faults:
+                header, cells = fault_columns(self.faults, len(self.runs) > 1)
+                parts.append(f"<p>{esc(fault_origin(self.faults))}</p>")
+                parts.append(_table(header, cells))
+            else:
+                parts.append("<p>None: every incarnation ended with <code>done</code>.</p>")
+        if self.suite:
+            keys = [k for k in self.suite[0] if not k.startswith("_")]
+            parts.append("<h2>Fault suite</h2>")
+            parts.append(_table(keys, [[_cell(r.get(k)) for k in keys] for r in self.suite]))
+        if self.skipped:
+            parts.append(f"<h2>Skipped lines ({len(self.skipped)})</h2><ul>")
+            parts += [f"<li>{esc(line)}</li>" for line in self.skipped_summary().splitlines()]
+            parts.append("</ul>")
+        parts.append("</body></html>")
+        return "\n".join(parts) + "\n"
+
+    def save(self, path: str) -> None:
+        """Write the report to ``path``: ``.html``/``.htm`` the page, ``.png`` the figure."""
+        kind = output_kind(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        if kind == "png":
+            with open(path, "wb") as f:
+                f.write(self.png())
+        else:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(self.html())
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "-" if value is None else str(value)
+
+
+def _table(header: list[str], cells: list[list[str]]) -> str:
+    esc = html.escape
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in cells)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def output_kind(path: str) -> str:
+    """``html`` or ``png`` from the output path's suffix; ValueError otherwise."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in (".html", ".htm"):
+        return "html"
+    if suffix == ".png":
+        return "png"
+    raise ValueError(f"-o {path}: the output must end in .html or .png")
+
+
+def build_report(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    title: str | None = None,
+    dpi: int = 80,
+    warn_skipped: bool = True,
+) -> Report:
+    """Read the JSONL files at ``paths`` and build the report's figure.
+
+    Lines that cannot be used are skipped and listed in ``Report.skipped`` (and, with
+    ``warn_skipped``, logged as one WARNING of this module's logger). Raises OSError for a file
+    that cannot be read, :class:`NothingToPlotError` when no file holds a usable record, and
+    :class:`MissingExtraError` when matplotlib is not installed."""
+    names = [os.fspath(p) for p in paths]
+    if not names:
+        raise NothingToPlotError("no input files: give one or more metrics JSONL files")
+    labels = _labels(names)
+    sources: list[Source] = []
+    skipped: list[Skipped] = []
+    for name in names:
+        source, lost = read_source(name, labels[name])
+        sources.append(source)
+        skipped += lost
+    if not any(s.events or s.suite for s in sources):
+        raise NothingToPlotError(
+            f"nothing to plot in {', '.join(names)}: no ftsdp.train --metrics record and no "
+            "fault-suite report row" + (f" ({summarise(skipped)})" if skipped else "")
+        )
+    if skipped and warn_skipped:
+        logger.warning("%s", summarise(skipped))
+    runs = group_runs(sources)
+    marks = [m for run in runs for m in markers(run)]
+    rows = [r for run in runs for r in fault_rows(run)]
+    suite = [r for s in sources for r in s.suite]
+    title = title or _title(runs, suite)
+    figure, axes = run_figure(runs, sources, marks, rows, suite, title, dpi=dpi)
+    return Report(
+        figure=figure,
+        axes=axes,
+        title=title,
+        inputs=names,
+        faults=rows,
+        markers=marks,
+        suite=suite,
+        runs=runs,
+        skipped=skipped,
+    )
+
+
+def build_bench(path: str | os.PathLike[str], *, title: str | None = None, dpi: int = 80) -> Report:
+    """The bar charts of the benchmarks' JSON results at ``path`` (see ``_bench``)."""
+    name = os.fspath(path)
+    data = read_bench(name)
+    title = title or f"ftsdp benchmarks ({os.path.basename(name)})"
+    figure, axes = bench_figure(data, title, dpi=dpi)
+    return Report(figure=figure, axes=axes, title=title, inputs=[name])
+
+
+def _labels(names: list[str]) -> dict[str, str]:
+    """Each file's legend label: its name, or enough of its path to tell it apart."""
+    base = {n: os.path.basename(n) for n in names}
+    out = {}
+    for n in names:
+        if sum(1 for m in names if base[m] == base[n]) > 1:
+            parent = os.path.basename(os.path.dirname(os.path.abspath(n)))
+            out[n] = f"{parent}/{base[n]}"
+        else:
+            out[n] = base[n]
+    return out
+
+
+def _title(runs: list[Run], suite: list[dict[str, Any]]) -> str:
+    if runs:
+        return "ftsdp run report: " + ", ".join(r.label for r in runs)
+    return f"ftsdp fault suite: {len(suite)} scenarios"
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line; argparse exits with status 2 on a usage error."""
+    from ftsdp import __version__
+
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Plot a run's metrics (ftsdp.train --metrics), fault logs and the fault "
+        "suite's report as one page, or the benchmarks' JSON results as bar charts.",
+    )
+    p.add_argument("files", nargs="*", metavar="FILE.jsonl", help="metrics, fault logs, reports")
+    p.add_argument("-o", "--output", default="report.html", help="report.html or report.png")
+    p.add_argument(
+        "--bench", metavar="FILE.json", default=None, help="chart the benchmarks' JSON results"
+    )
+    p.add_argument("--title", default=None, help="the page's title")
+    p.add_argument("--dpi", type=int, default=80, help="resolution of the figure")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    args = p.parse_args(argv)
+    if args.bench and args.files:
+        p.error("give either --bench FILE.json or metrics files, not both")
+    if not args.bench and not args.files:
+        p.error("give one or more metrics JSONL files (or --bench FILE.json)")
+    if args.dpi < 10:
+        p.error(f"--dpi {args.dpi}: use 10 or more")
+    return args
+
+
+def main(
+    argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """The ``ftsdp-report`` command; returns its exit code (argparse's usage errors exit 2)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    args = parse(sys.argv[1:] if argv is None else list(argv))
+    try:
+        output_kind(args.output)
+        if args.bench:
+            report = build_bench(args.bench, title=args.title, dpi=args.dpi)
+        else:
+            report = build_report(args.files, title=args.title, dpi=args.dpi, warn_skipped=False)
+        if report.skipped:
+            err.write(report.skipped_summary() + "\n")
+        report.save(args.output)
+    except (MissingExtraError, NothingToPlotError, BenchFileError, ValueError) as e:
+        err.write(f"{PROG}: error: {e}\n")
+        return EXIT_USAGE
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        err.write(f"{PROG}: error:{where}: {e.strerror or e}\n")
+        return EXIT_USAGE
+    size = os.path.getsize(args.output)
+    parts = []
+    if report.runs:
+        parts.append(f"{len(report.runs)} run{'s' if len(report.runs) > 1 else ''}")
+        parts.append(f"{len(report.faults)} fault{'s' if len(report.faults) != 1 else ''}")
+    if report.suite:
+        parts.append(f"{len(report.suite)} fault-suite scenarios")
+    what = "benchmark charts" if args.bench else ", ".join(parts)
+    out.write(f"wrote {args.output} ({size / 1e3:.0f} kB; {what})\n")
+    return EXIT_OK

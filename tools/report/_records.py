@@ -1,0 +1,447 @@
+"""Reading the report's inputs: metrics JSONL, fault logs, the fault suite's JSONL report; and
+what they say: the series to plot, the restart markers, the fault table. No matplotlib here.
+
+[Note: what a run is, and its incarnations]
+``ftsdp.train --metrics PATH`` appends JSON records (docs/elastic.md, "The training entry"):
+``start`` when a worker group starts training (every incarnation: each torchrun restart, each new
+launch), ``resume`` when it loaded a checkpoint, ``step`` per log line, ``checkpoint`` per save,
+``preempted``, ``done``; ``error`` and ``stall`` from any rank. Files whose ``start`` records
+name the same ``--checkpoint-url`` are one *run* (attempts written to several files, or one file
+appended to by every attempt); a file without a checkpoint URL is a run of its own. A run's
+records, in wall-time order, split at each ``start`` into *incarnations*. An incarnation that
+ends in ``error``, ``stall`` or ``preempted``, or without ``done`` before the next one starts, is
+an *interruption*: one row of the fault table, measured as the fault suite measures it
+(``tests/e2e/test_faults.py``, ``measure``):
+
+- *fault time*: the injected fault's wall time when a fault log (``FTSDP_FAULT_LOG``) is among
+  the inputs, else the time of the incarnation's last progress record before it was detected
+  (the fault struck after that: an upper bound of the true time, so the durations are lower
+  bounds);
+- *detection*: fault time to the first ``error``/``stall``/``preempted`` record;
+- *to first new step*: fault time to the first ``step`` record of the next incarnation;
+- *steps lost*: the furthest step the interrupted incarnation completed (recorded, or the fault's
+  step: a fault fires after its step) minus the step the next one resumed from.
+
+A restart marker stands at the step each ``resume`` loaded (where the next incarnation's curve
+begins): ``restart`` at the same world size, ``resize`` at another; a ``preempted`` record adds a
+marker at its step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+# Records of ``ftsdp.train --metrics`` this report reads, with the fields each must have.
+RUN_EVENTS: dict[str, tuple[str, ...]] = {
+    "start": ("time", "world_size"),
+    "resume": ("time", "step", "world_size", "saved_world_size"),
+    "step": ("time", "step", "loss"),
+    "checkpoint": ("time", "step", "blocking_s"),
+    "preempted": ("time", "step"),
+    "done": ("time",),
+    "error": ("time",),
+    "stall": ("time",),
+}
+# Known records that carry nothing to plot (read and left alone, not counted as skipped).
+QUIET_EVENTS = ("checkpoint_warning", "init_from", "phases")
+FAULT_FIELDS = ("time", "kind", "step")  # a fault log record (FTSDP_FAULT_LOG)
+SUITE_FIELDS = ("scenario", "detection_s", "fault_to_first_new_step_s", "steps_lost")
+DETECTION = ("error", "stall", "preempted")
+PROGRESS = ("start", "resume", "step", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One input line the report could not use, and why."""
+
+    path: str
+    line: int
+    reason: str
+
+
+@dataclass
+class Source:
+    """One input file: its usable records by kind (each record keeps its ``_line``)."""
+
+    path: str
+    label: str
+    events: list[dict[str, Any]] = field(default_factory=list)  # ftsdp.train --metrics
+    faults: list[dict[str, Any]] = field(default_factory=list)  # FTSDP_FAULT_LOG
+    suite: list[dict[str, Any]] = field(default_factory=list)  # FTSDP_FAULT_REPORT rows
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A vertical marker on the loss panel: ``kind`` is restart, resize or preempted."""
+
+    run: str
+    kind: str
+    step: int
+    time: float
+    label: str
+
+
+@dataclass(frozen=True)
+class FaultRow:
+    """One interruption of a run (see [Note: what a run is, and its incarnations]).
+
+    ``origin`` says where ``fault_time`` comes from: ``fault log`` or ``last record``;
+    ``back_time`` is the wall time of the first new step (None when the run did not come back).
+    """
+
+    run: str
+    kind: str
+    step: int | None
+    detected_by: str | None
+    detection_s: float | None
+    first_new_step_s: float | None
+    steps_lost: int | None
+    resumed_from: int | None
+    world: str
+    origin: str
+    fault_time: float
+    back_time: float | None
+
+
+@dataclass
+class Incarnation:
+    """A run's records from one ``start`` to the next (``start`` is None for records before
+    the first ``start``)."""
+
+    start: dict[str, Any] | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def t0(self) -> float:
+        """Wall time of its ``start`` (of its first record without one)."""
+        first = self.start if self.start is not None else self.records[0]
+        return float(first["time"])
+
+    def first(self, *events: str) -> dict[str, Any] | None:
+        """Its first record of one of ``events``, or None."""
+        return next((r for r in self.records if r["event"] in events), None)
+
+    def last_step(self) -> int | None:
+        """The furthest step its records show completed, or None."""
+        steps = [r["step"] for r in self.records if r["event"] in ("step", "checkpoint", "resume")]
+        steps += [r["step"] for r in self.records if r["event"] == "preempted"]
+        return max(steps, default=None)
+
+
+@dataclass
+class Run:
+    """The sources of one run (see the module note), its incarnations and what they add up to."""
+
+    label: str
+    sources: list[Source]
+    incarnations: list[Incarnation] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)  # fault-log records in its span
+    t0: float = 0.0  # its first record's wall time: the time panels count from here
+
+    def span(self) -> tuple[float, float]:
+        """Wall times of its first and last metrics records."""
+        times = [r["time"] for s in self.sources for r in s.events]
+        return min(times), max(times)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(record: dict[str, Any], fields: Iterable[str]) -> str | None:
+    """The first problem with ``record``'s fields, or None."""
+    for name in fields:
+        if name not in record:
+            return f"without {name!r}"
+        value = record[name]
+        finite = _number(value) and math.isfinite(value)
+        if name in ("time", "step", "world_size", "saved_world_size", "blocking_s") and not finite:
+            return f"{name}={value!r} is not a finite number"
+        if name == "loss" and not _number(value):
+            return f"loss={value!r} is not a number"
+    return None
+
+
+def read_source(path: str, label: str | None = None) -> tuple[Source, list[Skipped]]:
+    """Read one JSONL file: its records by kind, and the lines it skipped (a truncated or
+    malformed line, an unknown record, a known record without a field the report needs).
+
+    OSError if the file cannot be read; every problem inside it is a :class:`Skipped`."""
+    source = Source(path=path, label=label or os.path.basename(path))
+    skipped: list[Skipped] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().splitlines()
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+
+        def skip(reason: str, number: int = number) -> None:
+            skipped.append(Skipped(path, number, reason))
+
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            last = number == len(lines)
+            skip("not JSON (truncated: the writer stopped mid-line)" if last else "not JSON")
+            continue
+        if not isinstance(record, dict):
+            skip(f"a JSON {type(record).__name__}, not an object")
+            continue
+        event = record.get("event")
+        if event in RUN_EVENTS:
+            problem = _check(record, RUN_EVENTS[event])
+            if problem:
+                skip(f"{event} record {problem}")
+                continue
+            source.events.append({**record, "_line": number})
+        elif event == "fault":
+            problem = _check(record, FAULT_FIELDS)
+            if problem:
+                skip(f"fault record {problem}")
+                continue
+            source.faults.append({**record, "_line": number})
+        elif event in QUIET_EVENTS:
+            continue
+        elif event is None and all(k in record for k in SUITE_FIELDS):
+            source.suite.append({**record, "_line": number})
+        elif event is None:
+            skip("no 'event' field, and not a fault-suite report row")
+        else:
+            skip(f"unknown event {event!r}")
+    return source, skipped
+
+
+def summarise(skipped: list[Skipped]) -> str:
+    """One line per file: how many lines were skipped, grouped by reason, with line numbers."""
+    out = []
+    by_path: dict[str, list[Skipped]] = {}
+    for s in skipped:
+        by_path.setdefault(s.path, []).append(s)
+    for path, items in by_path.items():
+        reasons: dict[str, list[int]] = {}
+        for s in items:
+            reasons.setdefault(s.reason, []).append(s.line)
+        parts = []
+        for reason, numbers in reasons.items():
+            shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+            parts.append(f"{len(numbers)} {reason} (line{'s' if len(numbers) > 1 else ''} {shown})")
+        out.append(
+            f"skipped {len(items)} line{'s' if len(items) > 1 else ''} of {path}: "
+            + "; ".join(parts)
+        )
+    return "\n".join(out)
+
+
+def _run_key(source: Source) -> str:
+    """The ``--checkpoint-url`` of the file's first ``start`` record, else the file itself."""
+    for r in source.events:
+        if r["event"] == "start":
+            url = (r.get("config") or {}).get("checkpoint_url")
+            if url:
+                return f"url:{url}"
+            break
+    return f"file:{source.path}"
+
+
+def group_runs(sources: list[Source]) -> list[Run]:
+    """Sources with metrics records, grouped into runs (see the module note), each split into
+    incarnations; the fault-log records go to the run whose time span holds them."""
+    groups: dict[str, list[Source]] = {}
+    for s in sources:
+        if s.events:
+            groups.setdefault(_run_key(s), []).append(s)
+    runs = []
+    for members in groups.values():
+        label = members[0].label if len(members) == 1 else " + ".join(m.label for m in members)
+        run = Run(label=label, sources=members)
+        records = sorted((r for s in members for r in s.events), key=lambda r: r["time"])
+        current = Incarnation(start=None)
+        for r in records:
+            if r["event"] == "start":
+                if current.start is not None or current.records:
+                    run.incarnations.append(current)
+                current = Incarnation(start=r)
+            else:
+                current.records.append(r)
+        run.incarnations.append(current)
+        runs.append(run)
+    faults = sorted((f for s in sources for f in s.faults), key=lambda f: f["time"])
+    for f in faults:
+        # the run whose span holds it; else the last run that started before it
+        holders = [r for r in runs if r.span()[0] <= f["time"] <= r.span()[1]]
+        before = [r for r in runs if r.span()[0] <= f["time"]]
+        target = holders[0] if holders else (before[-1] if before else None)
+        if target is not None:
+            target.faults.append(f)
+    for run in runs:
+        run.t0 = min([run.span()[0], *(f["time"] for f in run.faults)])
+    labels = Counter(r.label for r in runs)
+    for i, run in enumerate(runs):  # two runs from files of the same name
+        if labels[run.label] > 1:
+            run.label = f"{run.label} ({i + 1})"
+    return runs
+
+
+def markers(run: Run) -> list[Marker]:
+    """The run's restart, resize and preemption markers, in time order."""
+    out = []
+    for inc in run.incarnations:
+        for r in inc.records:
+            if r["event"] == "resume":
+                a, b = int(r["saved_world_size"]), int(r["world_size"])
+                kind = "restart" if a == b else "resize"
+                n = r.get("restarts")
+                what = f"restart {n}" if kind == "restart" and n is not None else kind
+                world = f"world {a}" if a == b else f"world {a}→{b}"
+                label = f"{what}: from step {r['step']} ({world})"
+                out.append(Marker(run.label, kind, int(r["step"]), r["time"], label))
+            elif r["event"] == "preempted":
+                label = f"preempted at step {r['step']}"
+                out.append(Marker(run.label, "preempted", int(r["step"]), r["time"], label))
+    return out
+
+
+def fault_rows(run: Run) -> list[FaultRow]:
+    """The run's interruptions, measured as the module note says."""
+    rows = []
+    incs = run.incarnations
+    for i, inc in enumerate(incs):
+        nxt = incs[i + 1] if i + 1 < len(incs) else None
+        detected = inc.first(*DETECTION)
+        done = inc.first("done")
+        if detected is None and (done is not None or nxt is None):
+            continue  # a clean end, or the last incarnation still going (or silent)
+        end = nxt.t0 if nxt is not None else math.inf
+        fault = next((f for f in run.faults if inc.t0 <= f["time"] < end), None)
+        last_step = inc.last_step()
+        if fault is not None:
+            t_fault, origin = float(fault["time"]), "fault log"
+            kind = str(fault["kind"]) + (f":{fault['point']}" if fault.get("point") else "")
+            step: int | None = int(fault["step"])
+        else:
+            limit = detected["time"] if detected is not None else end
+            progress = [r for r in inc.records if r["event"] in PROGRESS and r["time"] <= limit]
+            t_fault = progress[-1]["time"] if progress else inc.t0
+            origin = "last record"
+            kind = detected["event"] if detected is not None else "ended without a record"
+            step = last_step
+        resume = nxt.first("resume") if nxt is not None else None
+        first_new = None
+        if nxt is not None:
+            first_new = _first_new_step(
+                run, nxt, resume, incs[i + 2].t0 if i + 2 < len(incs) else math.inf
+            )
+        completed = max(last_step or 0, step or 0)
+        if resume is not None:
+            world = f"{resume['saved_world_size']} → {resume['world_size']}"
+        else:
+            size = inc.start["world_size"] if inc.start is not None else "?"
+            world = f"{size} → " + ("(started over)" if nxt is not None else "(ended)")
+        rows.append(
+            FaultRow(
+                run=run.label,
+                kind=kind,
+                step=step,
+                detected_by=None if detected is None else detected["event"],
+                detection_s=None if detected is None else detected["time"] - t_fault,
+                first_new_step_s=None if first_new is None else first_new["time"] - t_fault,
+                steps_lost=None if resume is None else completed - int(resume["step"]),
+                resumed_from=None if resume is None else int(resume["step"]),
+                world=world,
+                origin=origin,
+                fault_time=t_fault,
+                back_time=None if first_new is None else float(first_new["time"]),
+            )
+        )
+    return rows
+
+
+def _first_new_step(
+    run: Run, nxt: Incarnation, resume: dict[str, Any] | None, end: float
+) -> dict[str, Any] | None:
+    """The earliest record showing that ``nxt`` completed a step: its first ``step`` or
+    ``checkpoint`` record past the step it resumed from, or a fault of the fault log that fired
+    in it past that step (a fault fires after its step completed; the step's own record may
+    never be written when the fault stops the job at that step's boundary)."""
+    after = resume["time"] if resume is not None else nxt.t0
+    base = int(resume["step"]) if resume is not None else 0
+    seen = [
+        r
+        for r in nxt.records
+        if r["event"] in ("step", "checkpoint") and r["time"] >= after and r["step"] > base
+    ]
+    seen += [f for f in run.faults if nxt.t0 <= f["time"] < end and f["step"] > base]
+    return min(seen, key=lambda r: r["time"], default=None)
+
+
+NAN = float("nan")
+
+
+def by_incarnation(source: Source) -> list[list[dict[str, Any]]]:
+    """The file's records split at each ``start``, in wall-time order."""
+    out: list[list[dict[str, Any]]] = [[]]
+    for r in sorted(source.events, key=lambda r: r["time"]):
+        if r["event"] == "start" and out[-1]:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def joined(parts: list[list[tuple[float, float]]]) -> tuple[list[float], list[float]]:
+    """Points of several pieces as one line's data, a NaN between pieces (a gap, not a jump)."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for part in filter(None, parts):
+        if xs:
+            xs.append(NAN)
+            ys.append(NAN)
+        xs += [p[0] for p in part]
+        ys += [p[1] for p in part]
+    return xs, ys
+
+
+def series(
+    source: Source, t0: float, key: str, by: str = "time"
+) -> tuple[list[float], list[float]]:
+    """``key`` of the file's ``step`` records against ``by`` (``time``: seconds from ``t0``, or
+    ``step``), one piece per incarnation."""
+    parts = []
+    for inc in by_incarnation(source):
+        part = []
+        for r in inc:
+            if r["event"] == "step" and _number(r.get(key)):
+                x = r["time"] - t0 if by == "time" else r["step"]
+                part.append((float(x), float(r[key])))
+        parts.append(part)
+    return joined(parts)
+
+
+def world_series(source: Source, t0: float) -> tuple[list[float], list[float]]:
+    """World size against seconds from ``t0``: from each incarnation's start to its last
+    record, one piece per incarnation."""
+    parts = []
+    for inc in by_incarnation(source):
+        part = []
+        for r in inc:
+            size = r.get("world_size")
+            if r["event"] in ("start", "resume", "step") and _number(size):
+                part.append((r["time"] - t0, float(size)))
+        if part and inc[-1]["time"] - t0 > part[-1][0]:
+            part.append((inc[-1]["time"] - t0, part[-1][1]))
+        parts.append(part)
+    return joined(parts)
+
+
+def saves(source: Source) -> list[tuple[int, float]]:
+    """``(step, blocking seconds)`` of each ``checkpoint`` record, in time order."""
+    return [
+        (int(r["step"]), float(r["blocking_s"]))
+        for r in sorted(source.events, key=lambda r: r["time"])
+        if r["event"] == "checkpoint"
+    ]
