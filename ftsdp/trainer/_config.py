@@ -117,6 +117,11 @@ class TrainConfig:
     device: str = _opt("auto", "auto: cuda if available, else cpu", choices=DEVICES)
     log_every: int = _opt(10, "print one log line every N steps (and at the last step)")
     metrics: str | None = _opt(None, "append one JSON record per log line to this path (rank 0)")
+    tensorboard: str | None = _opt(
+        None,
+        "also write the metrics as TensorBoard scalars into this directory (rank 0; needs "
+        "pip install 'ftsdp[tensorboard]')",
+    )
     log_level: str = _opt(
         "INFO",
         "INFO: rank 0's progress lines on stdout, warnings and errors of every rank on stderr; "
@@ -195,6 +200,7 @@ class TrainConfig:
         )
         need(bool(self.data), "data", "must be markov or a file")
         need(self.init_from != "", "init_from", "must be a checkpoint URL (or not given)")
+        need(self.tensorboard != "", "tensorboard", "must be a directory (or not given)")
         try:
             ModelSpec.parse(self.model)
         except ValueError as e:  # names the accepted forms

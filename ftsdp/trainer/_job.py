@@ -38,6 +38,7 @@ from ftsdp.trainer._models import (
 )
 from ftsdp.trainer._records import SavedRun, mismatch, peek, refusal
 from ftsdp.trainer._session import Session
+from ftsdp.trainer._tensorboard import open_tensorboard
 from ftsdp.trainer.data import MarkovDataset, TokenDataset
 from ftsdp.trainer.model import param_groups
 
@@ -126,6 +127,12 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     (after wrapping) and schedule, the checkpoints."""
     rm = session.rm
     geometry = cfg.geometry(rm.world_size)  # fails fast on a world size that cannot work
+    if cfg.tensorboard:  # rank 0 writes; a missing package stops every rank before training
+        tensorboard = on_every_rank(
+            rm, lambda: open_tensorboard(cfg.tensorboard) if rm.rank == 0 else None
+        )
+        if tensorboard is not None:
+            session.log.attach(tensorboard)
     data, plan = on_every_rank(rm, lambda: (open_data(cfg), plan_model(cfg)))
     url = session.hook.checkpoint_url(cfg.checkpoint_url) if cfg.checkpoint_url else None
     storage_options = storage_options_from_env()

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ftsdp.elastic import PreemptionHandler, RankManager, Watchdog
 from ftsdp.trainer._config import TrainConfig
@@ -88,18 +88,29 @@ def console_logging(level: str, rank: int) -> Callable[[], None]:
     return remove
 
 
+class RecordSink(Protocol):
+    """Where :class:`MetricsLog` also sends its records (``--tensorboard``)."""
+
+    def record(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsLog:
     """Rank 0's log: one line per interval through the ``ftsdp.train`` logger (INFO; on stdout
     with the entry's handler), and optionally one JSON record each.
 
     ``event`` records (errors, faults seen, resumes) may come from any rank: each is one
     ``write`` of one line to a file opened for appending, so ranks do not interleave.
+    A sink attached with :meth:`attach` (``--tensorboard``: ``_tensorboard``) gets every record
+    too, and is closed with the log.
     """
 
     def __init__(self, path: str | None, enabled: bool, rank: int = 0):
         self.enabled = enabled
         self.rank = rank
         self._file: IO[str] | None = None
+        self._sink: RecordSink | None = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -120,15 +131,26 @@ class MetricsLog:
             progress.log(level, "%s", line)
         self._append({**record, "rank": self.rank, "time": time.time()})
 
+    def attach(self, sink: RecordSink) -> None:
+        """Send every later record to ``sink`` as well (one sink; closed by :meth:`close`)."""
+        self._sink = sink
+
     def _append(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._sink is not None:
+            self._sink.record(record)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        sink, self._sink = self._sink, None
+        try:
+            if sink is not None:
+                sink.close()
+        finally:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 class Closers:
