@@ -2,6 +2,8 @@
 
 ```python
 h = storage.save(state, url, step=100, async_save=True)  # h.wait(), h.done(), h.blocking_seconds
+h = storage.save(state, url, 100, async_save=True, defer_copy=True)  # copies in the background:
+storage.snapshot_fence(optimizer)                        # ... step() waits for that copy
 storage.load(state, url)                                 # in place, newest committed step
 storage.list_steps(url)                                  # committed steps, ascending
 storage.load_state_dict(url, keys=None, dtype=None)      # full tensors in one process
@@ -32,7 +34,13 @@ from ftsdp.storage._inference import LazyStateDict, LoadIntoResult, load_into, l
 from ftsdp.storage._load import LoadResult, load
 from ftsdp.storage._manifest import FORMAT_VERSION, Manifest
 from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
-from ftsdp.storage._save import SaveHandle, save
+from ftsdp.storage._save import (
+    SaveHandle,
+    prepare_save,
+    save,
+    snapshot_fence,
+    wait_snapshot,
+)
 from ftsdp.storage._steps import apply_retention, list_steps, read_manifest
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY
 
@@ -70,8 +78,11 @@ __all__ = [
     "load",
     "load_into",
     "load_state_dict",
+    "prepare_save",
     "read_manifest",
     "reshard",
     "save",
+    "snapshot_fence",
     "verify",
+    "wait_snapshot",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import torch
@@ -66,3 +67,44 @@ def broadcast_json(obj: Any, group: Any) -> Any:
     buf = buf.to(device)
     dist.broadcast(buf, src=src, group=group)
     return json.loads(bytes(buf.cpu().numpy()))
+
+
+# [Note: storage's own process group]
+# A deferred save gathers its metadata on a background thread while the training loop goes on
+# issuing its own collectives. Collectives of one group must be issued in the same order on
+# every rank, which two threads sharing a group cannot promise, so that gather runs on a gloo
+# group of storage's own over the same ranks (on CPU even when training uses NCCL: no device
+# stream is touched from the background). It is made on first use, once, and again if the
+# process group it was made in has been destroyed since, only for a save over every rank of the
+# job: ``new_group`` is a collective of all ranks. For a subgroup the ranks outside it would
+# have to take part, and torch's ``use_local_synchronization=True`` (members only) hangs in
+# torch 2.13 once another subgroup that leaves out some ranks exists, so a deferred save over a
+# subgroup exchanges its metadata on the caller's thread instead (see ``own_group``).
+_own_groups: dict[tuple[int, ...], Any] = {}
+_own_lock = threading.Lock()
+
+
+def own_group(group: Any) -> Any:
+    """Storage's own gloo group for a save over ``group`` when that is every rank of the job
+    (creating it the first time is a collective of all ranks); None without a process group or
+    for a subgroup (see [Note: storage's own process group])."""
+    if group is None:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks != tuple(range(dist.get_world_size())):
+        return None
+    with _own_lock:
+        cached = _own_groups.get(ranks)
+        if cached is not None and _alive(cached):
+            return cached
+        made = dist.new_group(backend="gloo")
+        _own_groups[ranks] = made
+        return made
+
+
+def _alive(group: Any) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True

@@ -26,6 +26,27 @@ def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Ten
     Supports any mix of ``Replicate()`` and ``Shard(d)`` whose local chunk is contiguous in the
     row-major flattening (``Shard(0)`` always is); ``Partial`` and non-contiguous chunks raise.
     """
+    shape = tuple(dt.shape)
+    key = (shape, tuple(dt.placements), dt.device_mesh)
+    found = _RANGES.get(key)
+    if found is not None:
+        return shape, found, dt.to_local()
+    rng = _range(name, dt)
+    if len(_RANGES) >= _MAX_CACHED:
+        _RANGES.clear()
+    _RANGES[key] = rng
+    return shape, rng, dt.to_local()
+
+
+# A save of a DTensor state computes the same ranges at every save; torch's computation of a
+# shard's shape and offset takes about 0.3 ms per tensor (60 ms for a small FSDP2 model with
+# its AdamW state), so the results are kept, keyed by global shape, placements and mesh (which
+# fix this rank's shard).
+_RANGES: dict[tuple[Any, ...], Range] = {}
+_MAX_CACHED = 65536
+
+
+def _range(name: str, dt: Any) -> Range:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -36,13 +57,12 @@ def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Ten
                 "Replicate() before saving"
             )
     shape = tuple(dt.shape)
-    local = dt.to_local()
     local_shape, offsets = compute_local_shape_and_global_offset(
         shape, dt.device_mesh, dt.placements
     )
     numel = math.prod(local_shape)
     if numel == 0:
-        return shape, Range(0, 0), local
+        return Range(0, 0)
     # Contiguous iff every dim after the last partial one is full and every dim before it is 1.
     partial = [i for i, (s, g) in enumerate(zip(local_shape, shape, strict=True)) if s != g]
     if partial and any(local_shape[i] != 1 for i in range(partial[-1])):
@@ -52,4 +72,4 @@ def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Ten
         )
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     start = sum(o * s for o, s in zip(offsets, strides, strict=True))
-    return shape, Range(start, numel), local
+    return Range(start, numel)

@@ -7,15 +7,17 @@ itself (done and abort markers, the manifest, ``latest``, retention) is ``storag
 
 from __future__ import annotations
 
+import json
+import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from ftsdp.storage._collectives import all_gather_json, rank_world, resolve_group
+from ftsdp.storage._collectives import all_gather_json, own_group, rank_world, resolve_group
 from ftsdp.storage._commit import Lineage, finish, fresh_attempt, plan_lineage
 from ftsdp.storage._dtypes import dtype_name
 from ftsdp.storage._errors import CheckpointError
@@ -24,25 +26,79 @@ from ftsdp.storage._layout import step_dir
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage._safetensors import write_object
 from ftsdp.storage._save_plan import PlannedObject, SavePlan, make_plan
-from ftsdp.storage._staging import StagingBudget, StagingPool, stage
+from ftsdp.storage._staging import (
+    SnapshotArena,
+    StagingBudget,
+    StagingPool,
+    aligned_bytes,
+    copy_into,
+    stage,
+)
 from ftsdp.storage._state import TensorLeaf, flatten_state
 
 _lock = threading.Lock()
 _previous: SaveHandle | None = None
 _staging_pool = StagingPool()  # async saves of this process, one at a time
+_arena = SnapshotArena()  # deferred saves of this process, one at a time
+
+
+class _Worker:
+    """The thread that runs deferred saves, one after the other; started on first use (and
+    again in a forked child, where it does not exist). Handing a save to a running thread costs
+    the caller a queue put, where starting a thread would cost a hand-shake with it."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="storage-snapshot", daemon=True
+                )
+                self._thread.start()
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            self._jobs.get()()  # a job handles its own errors (into its SaveHandle)
+
+
+_worker = _Worker()
 
 
 class SaveHandle:
-    """A save in progress or finished: ``wait()`` blocks and raises its error, ``done()`` polls."""
+    """A save in progress or finished: ``wait()`` blocks and raises its error, ``done()`` polls;
+    ``wait_snapshot()`` blocks until the saved tensors may be modified again."""
 
     def __init__(self, step: int, url: str) -> None:
         self.step = step
         self.url = url
         self.blocking_seconds = 0.0  # time the caller spent inside save()
+        self.snapshot_seconds = 0.0  # time from save() to the copy of this rank's share done
+        self.fence_wait_seconds = 0.0  # time wait_snapshot() blocked, in total
         self.staging_peak_bytes = 0
         self._done = threading.Event()
+        self._snapshot = threading.Event()
         self._error: BaseException | None = None
         self._observed = False
+
+    def snapshot_taken(self) -> bool:
+        """True once this rank's share of the state has been copied (or the save failed)."""
+        return self._snapshot.is_set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until this rank's share of the saved state has been copied: from then on the
+        tensors passed to ``save`` may be modified. Does not raise the save's own error (see
+        :meth:`wait`); raises TimeoutError after ``timeout`` seconds."""
+        if self._snapshot.is_set():
+            return
+        t0 = time.perf_counter()
+        if not self._snapshot.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} not taken after {timeout}s")
+        self.fence_wait_seconds += time.perf_counter() - t0
 
     def done(self) -> bool:
         """True once the save has committed or failed."""
@@ -58,7 +114,34 @@ class SaveHandle:
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
+        self._snapshot.set()
         self._done.set()
+
+    def _snapshot_done(self, start: float) -> None:
+        self.snapshot_seconds = time.perf_counter() - start
+        self._snapshot.set()
+
+
+def wait_snapshot(timeout: float | None = None) -> None:
+    """Block until the latest save of this process has copied this rank's share of its state
+    (at once when there is none): the fence a training loop puts before the first in-place
+    change of saved tensors after a ``save(..., defer_copy=True)``. See
+    :func:`snapshot_fence` for an optimizer hook that calls it."""
+    with _lock:
+        prev = _previous
+    if prev is not None:
+        prev.wait_snapshot(timeout)
+
+
+def snapshot_fence(optimizer: torch.optim.Optimizer) -> Any:
+    """Make ``optimizer.step()`` wait for the latest deferred save's snapshot before it changes
+    anything; returns the hook's handle (``.remove()`` takes the fence away).
+
+    A step pre-hook that calls :func:`wait_snapshot`: free when no snapshot is being copied.
+    Install it on every optimizer whose state or parameters are saved with ``defer_copy``; any
+    other in-place change of saved tensors needs an explicit :func:`wait_snapshot` first.
+    """
+    return optimizer.register_step_pre_hook(lambda *_: wait_snapshot())
 
 
 def _wait_previous() -> None:
@@ -87,6 +170,7 @@ def save(
     keep_every: int | None = None,
     options: SaveOptions | None = None,
     discard_newer: bool = False,
+    defer_copy: bool = False,
 ) -> SaveHandle:
     """Save ``state`` as step ``step`` under ``url``; collective over ``process_group``.
 
@@ -96,6 +180,14 @@ def save(
     With ``keep_last`` rank 0 applies retention after the commit (see ``apply_retention``); it
     never removes the step just saved.
 
+    ``defer_copy=True`` (with ``async_save``) returns as soon as the state is recorded: which
+    tensors, their shapes and the JSON values (copied now). The tensors' bytes are copied by a
+    background thread, after a metadata exchange on a process group of storage's own; the
+    caller must not change a saved tensor in place until ``handle.wait_snapshot()`` (or
+    :func:`wait_snapshot`) returns — :func:`snapshot_fence` puts that wait in front of an
+    optimizer's ``step()``. See [Note: deferred snapshots]. :func:`prepare_save` ahead of the
+    first such save creates that group and the host staging memory.
+
     A committed ``step`` is never overwritten (FileExistsError), and a save behind newer
     committed steps is refused (CheckpointError naming them), both on every rank before anything
     is written: after a save, the newest committed step is the one just saved. When those steps
@@ -104,29 +196,30 @@ def save(
     concurrent or stale writer on the same root loses with ``CommitConflictError`` (see
     [Note: one writer per step, one timeline] in ``storage/_commit.py``).
     """
-    global _previous
     start = time.perf_counter()
     options = options or SaveOptions()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 or None")
+    if defer_copy and not async_save:
+        raise ValueError("defer_copy=True needs async_save=True (a sync save copies as it writes)")
     _wait_previous()
     group = resolve_group(process_group)
     rank, _ = rank_world(group)
     store = Store(url, storage_options, options.io)
+    if defer_copy:
+        job = _DeferredSave(store, step, rank, group, options)
+        handle = job.begin(state, keep_last, keep_every, discard_newer)
+        handle.blocking_seconds = time.perf_counter() - start
+        return handle
 
     # Every rank reaches the gather even when its own state is bad, so errors never hang.
     meta: dict[str, Any] = {"error": None}
     local_error: Exception | None = None
     lineage: Lineage | None = None
     try:
-        tensors, values = flatten_state(state)
-        meta["tensors"] = [
-            [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length]
-            for n, t in sorted(tensors.items())
-        ]
-        meta["values"] = {n: v.value for n, v in values.items()}
+        tensors, meta = _describe(state)
         if rank == 0:  # decides for every rank, before anything is written
             lineage = plan_lineage(store, step, discard_newer)
             meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
@@ -140,9 +233,7 @@ def save(
             raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
     plan = make_plan(metas, metas[0]["attempt"], options)
 
-    handle = SaveHandle(step, store.where())
-    with _lock:
-        _previous = handle
+    handle = _register(SaveHandle(step, store.where()))
     job = _SaveJob(store, step, rank, plan, metas, tensors, options, keep_last, keep_every)
     job.lineage, job.replaces = lineage, metas[0].get("replaces")
     if async_save:
@@ -155,8 +246,60 @@ def save(
             handle._finish(e)
             raise
         handle._finish(None)
+    handle._snapshot_done(start)
     handle.blocking_seconds = time.perf_counter() - start
     return handle
+
+
+def prepare_save(
+    state: Mapping[str, Any] | None = None,
+    *,
+    process_group: Any = None,
+    options: SaveOptions | None = None,
+) -> int:
+    """Get ready for ``save(..., async_save=True, defer_copy=True)``; collective over
+    ``process_group`` the first time. Returns the bytes of host memory reserved.
+
+    Creates storage's own process group over the group's ranks (the deferred saves exchange
+    their metadata on it, off the caller's thread) and, given the ``state`` to be saved,
+    allocates the snapshot memory for this rank's share and maps its pages (a rank's share is
+    at most the bytes of its tensors: that much is reserved, when it fits in
+    ``options.staging_budget_bytes``). Without this call the first deferred save does both;
+    the caller then waits for the group, and the first copy into fresh memory takes longer.
+    """
+    options = options or SaveOptions()
+    own_group(resolve_group(process_group))
+    if state is None:
+        return 0
+    tensors, _ = flatten_state(state)
+    local = [t.local for t in tensors.values()]
+    total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
+    if total > options.staging_budget_bytes:
+        return 0
+    _arena.reserve(total, any(t.device.type == "cuda" for t in local))
+    return total
+
+
+def _register(handle: SaveHandle) -> SaveHandle:
+    global _previous
+    with _lock:
+        _previous = handle
+    return handle
+
+
+def _describe(
+    state: Mapping[str, Any],
+) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
+    tensors, values = flatten_state(state)
+    meta = {
+        "error": None,
+        "tensors": [
+            [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length]
+            for n, t in sorted(tensors.items())
+        ],
+        "values": {n: v.value for n, v in values.items()},
+    }
+    return tensors, meta
 
 
 class _SaveJob:
@@ -213,33 +356,8 @@ class _SaveJob:
 
     def start(self, handle: SaveHandle) -> None:
         """Stage within the budget (blocking), upload and commit in the background."""
-        budget = StagingBudget(self.options.staging_budget_bytes)
-        reuse = self.options.reuse_staging
-        if not reuse:
-            _staging_pool.clear()
         pool = ThreadPoolExecutor(self.options.io.threads, "storage-save")
-        futures: list[Future] = []
-        error: BaseException | None = None
-
-        def upload(obj: PlannedObject, staged: list[torch.Tensor], buf: torch.Tensor) -> Any:
-            try:
-                return self._write(obj, staged)
-            finally:
-                budget.release(obj.payload_bytes)
-                if reuse:
-                    _staging_pool.give(buf, self.options.staging_budget_bytes)
-
-        kinds = set()
-        try:
-            for obj in self.mine:
-                budget.acquire(obj.payload_bytes)
-                staged, buf = stage(self._payloads(obj), _staging_pool if reuse else None)
-                kinds.add((buf.numel(), buf.is_pinned()))
-                futures.append(pool.submit(upload, obj, staged, buf))
-        except BaseException as e:  # still take part in the commit protocol, as a failure
-            error = e
-        _staging_pool.clear(keep=kinds)  # buffers of earlier, other states: free them
-        handle.staging_peak_bytes = budget.peak
+        futures, error = self.stage_and_submit(pool, handle)
 
         def background() -> None:
             try:
@@ -252,6 +370,70 @@ class _SaveJob:
                 pool.shutdown(wait=False)
 
         threading.Thread(target=background, name=f"storage-save-{self.step}", daemon=True).start()
+
+    def stage_and_submit(
+        self,
+        pool: ThreadPoolExecutor,
+        handle: SaveHandle,
+        deferred: bool = False,
+        stream: Any = None,
+    ) -> tuple[list[Future], BaseException | None]:
+        """Copy this rank's pieces to host memory and hand each object to ``pool`` to upload.
+
+        A deferred save (CUDA copies on ``stream``) puts everything into the snapshot arena when it fits
+        in the staging budget; otherwise objects are staged one by one within the budget, into
+        buffers kept for the next save. Returns the uploads and the first error (the commit
+        protocol still runs, as a failure)."""
+        futures: list[Future] = []
+        try:
+            payloads = [self._payloads(obj) for obj in self.mine]
+            sizes = [sum(aligned_bytes(t.numel() * t.element_size()) for t in p) for p in payloads]
+            if deferred and sum(sizes) <= self.options.staging_budget_bytes:
+                cuda = any(t.device.type == "cuda" for p in payloads for t in p)
+                arena, off = _arena.take(sum(sizes), cuda), 0
+                for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
+                    staged = copy_into(tensors, arena[off : off + size], stream)
+                    futures.append(pool.submit(self._write, obj, staged))
+                    off += size
+                handle.staging_peak_bytes = sum(sizes)
+                return futures, None
+            return self._stage_in_budget(pool, handle, payloads, futures)
+        except BaseException as e:
+            return futures, e
+
+    def _stage_in_budget(
+        self,
+        pool: ThreadPoolExecutor,
+        handle: SaveHandle,
+        payloads: list[list[torch.Tensor]],
+        futures: list[Future],
+    ) -> tuple[list[Future], BaseException | None]:
+        budget = StagingBudget(self.options.staging_budget_bytes)
+        reuse = self.options.reuse_staging
+        if not reuse:
+            _staging_pool.clear()
+
+        def upload(obj: PlannedObject, staged: list[torch.Tensor], buf: torch.Tensor) -> Any:
+            try:
+                return self._write(obj, staged)
+            finally:
+                budget.release(obj.payload_bytes)
+                if reuse:
+                    _staging_pool.give(buf, self.options.staging_budget_bytes)
+
+        kinds = set()
+        error: BaseException | None = None
+        try:
+            for obj, tensors in zip(self.mine, payloads, strict=True):
+                budget.acquire(obj.payload_bytes)
+                staged, buf = stage(tensors, _staging_pool if reuse else None)
+                kinds.add((buf.numel(), buf.is_pinned()))
+                futures.append(pool.submit(upload, obj, staged, buf))
+        except BaseException as e:  # still take part in the commit protocol, as a failure
+            error = e
+        _staging_pool.clear(keep=kinds)  # buffers of earlier, other states: free them
+        handle.staging_peak_bytes = budget.peak
+        return futures, error
 
     # -- the commit (storage/_commit.py) ---------------------------------------------------------
 
@@ -277,3 +459,140 @@ class _SaveJob:
             lineage=self.lineage,
             replaces=self.replaces,
         )
+
+
+# [Note: deferred snapshots]
+# Training changes the saved state only in the optimizer step (and in loads), so a save does not
+# need to copy anything before it returns: it records which tensors to save (the state's
+# structure is walked and its JSON values copied on the caller's thread, a few microseconds per
+# leaf) and a background thread does the rest while the next forward and backward run:
+#   1. rank 0 checks the root (``plan_lineage``); every rank exchanges its metadata on storage's
+#      own process group (see [Note: storage's own process group] in _collectives.py), and the
+#      plan is made, as a synchronous save would;
+#   2. this rank's pieces are copied into the snapshot arena, one host buffer kept from save to
+#      save (CUDA tensors on a side stream that first waits for the work queued before save());
+#      then the handle's snapshot event is set: the live tensors may change from here on;
+#   3. the objects are written from the arena and committed as any async save.
+# The contract for the caller is the fence: nothing saved may change in place until
+# ``wait_snapshot()``. ``snapshot_fence(optimizer)`` installs it as a step pre-hook, where it
+# costs nothing once the copy is done, which it usually is long before the step: the copy runs at
+# memory speed during a forward and backward. A failure anywhere sets the snapshot event too
+# (nothing is being read any more) and is raised by ``wait()`` or the next save.
+
+
+class _DeferredSave:
+    """One ``save(..., defer_copy=True)``: records on the caller's thread, works on its own."""
+
+    def __init__(
+        self, store: Store, step: int, rank: int, group: Any, options: SaveOptions
+    ) -> None:
+        self.store, self.step, self.rank, self.options = store, step, rank, options
+        self.own = own_group(group)  # None: the exchange runs here, on the caller's group
+        self.group = group if self.own is None else self.own
+
+    def begin(
+        self,
+        state: Mapping[str, Any],
+        keep_last: int | None,
+        keep_every: int | None,
+        discard_newer: bool,
+    ) -> SaveHandle:
+        start = time.perf_counter()
+        handle = _register(SaveHandle(self.step, self.store.where()))
+        local_error: Exception | None = None
+        tensors: dict[str, TensorLeaf] = {}
+        try:
+            tensors, meta = _describe(state)
+            meta["values"] = json.loads(json.dumps(meta["values"]))  # the caller may change them
+        except Exception as e:  # the peers still learn of it in the exchange: nobody hangs
+            local_error, meta = e, {"error": f"{type(e).__name__}: {e}"}
+        ready = _queued_work_event(tensors)
+        planned: list[_SaveJob] = []  # the job, when planned on this thread
+        if self.own is None and self.group is not None:  # a subgroup: exchange on this thread
+            try:
+                planned.append(self._plan(meta, tensors, keep_last, keep_every, discard_newer))
+            except BaseException as e:
+                handle._observed = True  # raised here, not again by the next save
+                handle._finish(e)
+                raise local_error or e from None
+            if local_error is not None:
+                raise local_error
+
+        def run() -> None:
+            pool = ThreadPoolExecutor(self.options.io.threads, "storage-save")
+            try:
+                if planned:
+                    job = planned[0]
+                else:
+                    job = self._plan(meta, tensors, keep_last, keep_every, discard_newer)
+                stream = _side_stream(ready)
+                futures, error = job.stage_and_submit(pool, handle, deferred=True, stream=stream)
+                handle._snapshot_done(start)
+                job._finish_and_commit(futures, error)
+            except BaseException as e:
+                handle._finish(e)
+            else:
+                handle._finish(None)
+            finally:
+                pool.shutdown(wait=False)
+
+        _worker.submit(run)
+        if local_error is not None:
+            handle._observed = True  # raised here, not again by the next save
+            raise local_error
+        return handle
+
+    def _plan(
+        self,
+        meta: dict[str, Any],
+        tensors: dict[str, TensorLeaf],
+        keep_last: int | None,
+        keep_every: int | None,
+        discard_newer: bool,
+    ) -> _SaveJob:
+        lineage: Lineage | None = None
+        if self.rank == 0 and meta["error"] is None:  # decides for every rank
+            try:
+                lineage = plan_lineage(self.store, self.step, discard_newer)
+                meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
+            except Exception as e:
+                meta["error"] = f"{type(e).__name__}: {e}"
+        metas = all_gather_json(meta, self.group)
+        for r, m in enumerate(metas):
+            if m["error"]:
+                raise CheckpointError(f"save of step {self.step} failed on rank {r}: {m['error']}")
+        plan = make_plan(metas, metas[0]["attempt"], self.options)
+        job = _SaveJob(
+            self.store,
+            self.step,
+            self.rank,
+            plan,
+            metas,
+            tensors,
+            self.options,
+            keep_last,
+            keep_every,
+        )
+        job.lineage, job.replaces = lineage, metas[0].get("replaces")
+        return job
+
+
+def _queued_work_event(tensors: dict[str, TensorLeaf]) -> Any:
+    """A CUDA event after the work queued so far on the caller's current stream, when a saved
+    tensor lives on CUDA (the copy must not start before the values are computed); else None."""
+    if any(t.local.device.type == "cuda" for t in tensors.values()):
+        event = torch.cuda.Event()
+        event.record()
+        return event, torch.cuda.current_device()
+    return None
+
+
+def _side_stream(ready: Any) -> Any:
+    """A CUDA stream on the caller's device for the snapshot copies, waiting for the event of
+    :func:`_queued_work_event`; None without CUDA."""
+    if ready is None:
+        return None
+    event, device = ready
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_event(event)
+    return stream

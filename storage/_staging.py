@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,25 +82,90 @@ def stage(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:  # (1D copies, the uint8 buffer holding them)
     """Host copies of 1-D tensors, packed into one uint8 buffer (pinned when a tensor lives on
     CUDA; from ``pool`` when given), complete when this returns: the copies and the buffer."""
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    total = sum(aligned_bytes(t.numel() * t.element_size()) for t in tensors)
     cuda = any(t.device.type == "cuda" for t in tensors)
     buf = pool.take(total, cuda) if pool is not None else None
     if buf is None:
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
-    out = []
-    for t, off in zip(tensors, offsets, strict=True):
-        t = t.detach()
-        nbytes = t.numel() * t.element_size()
-        view = buf[off : off + nbytes].view(t.dtype)  # 1D
-        if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-            # a plain memcpy: about 1.5x faster than torch's elementwise copy kernel
-            np.copyto(buf[off : off + nbytes].numpy(), t.view(torch.uint8).numpy())
-        else:
-            view.copy_(t, non_blocking=cuda)
-        out.append(view)
+    out = copy_into(tensors, buf)
     if cuda:
         torch.cuda.synchronize()
     return out, buf
+
+
+class SnapshotArena:
+    """One host buffer per kind (pinned or not) that deferred snapshots pack a rank's pieces into.
+
+    A deferred save copies the whole share of a rank at once (it must be complete before the
+    next optimizer step), so it takes one buffer of at least that size and keeps it for the next
+    save: periodic saves of the same state then copy into memory that is already mapped.
+    :meth:`reserve` allocates ahead of the first save and touches every page, so that the first
+    snapshot is as fast as the later ones. One save uses the arena at a time (``save`` waits
+    for the previous one to commit before it starts).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[bool, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A uint8 buffer of exactly ``nbytes`` (a view of the kept one when it is big enough)."""
+        with self._lock:
+            buf = self._bufs.get(pinned)
+            if buf is None or buf.numel() < nbytes:
+                self._bufs.pop(pinned, None)  # free the small one before allocating
+                buf = _touched(nbytes, pinned)
+                self._bufs[pinned] = buf
+            return buf[:nbytes]
+
+    def reserve(self, nbytes: int, pinned: bool) -> None:
+        """Make sure the kept buffer of this kind holds at least ``nbytes``, pages touched."""
+        self.take(nbytes, pinned)
+
+    def held_bytes(self) -> int:
+        """Bytes kept, all kinds."""
+        with self._lock:
+            return sum(b.numel() for b in self._bufs.values())
+
+    def clear(self) -> None:
+        """Drop the kept buffers."""
+        with self._lock:
+            self._bufs.clear()
+
+
+def _touched(nbytes: int, pinned: bool) -> torch.Tensor:
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    if not pinned:  # pinned memory is resident already; fresh pageable memory is not
+        buf.numpy()[::4096] = 0  # one write per page maps it
+    return buf
+
+
+def aligned_bytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to the staging alignment."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def copy_into(
+    tensors: list[torch.Tensor], buf: torch.Tensor, stream: Any = None
+) -> list[torch.Tensor]:
+    """Copy 1-D ``tensors`` into ``buf`` packed at aligned offsets; returns the views.
+
+    CUDA tensors are copied on ``stream`` when given (a ``torch.cuda.Stream``, non-blocking),
+    which is synchronised before this returns; CPU tensors by a plain memcpy where possible.
+    """
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        out, off = [], 0
+        for t in tensors:
+            t = t.detach()
+            nbytes = t.numel() * t.element_size()
+            view = buf[off : off + nbytes].view(t.dtype)
+            if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+                # a plain memcpy: about 1.5x faster than torch's elementwise copy kernel
+                np.copyto(buf[off : off + nbytes].numpy(), t.view(torch.uint8).numpy())
+            else:
+                view.copy_(t, non_blocking=t.device.type == "cuda")
+            out.append(view)
+            off += aligned_bytes(nbytes)
+    if stream is not None:
+        stream.synchronize()
+    return out

@@ -6,7 +6,7 @@ resumed = ckpt.resume(trainer)          # newest committed step, resharded; None
 for step in ...:
     ...
     if ckpt.due(step):                  # agree on it across ranks when it is time-based
-        ckpt.save(step, trainer)        # async by default: returns once the shards are staged
+        ckpt.save(step, trainer)        # returns at once; optimizer.step() waits for the copy
 ckpt.close()                            # waits for the last save; raises its error
 ```
 
@@ -98,6 +98,12 @@ class CheckpointManager:
         keep_last / keep_every: retention after each commit (``storage.apply_retention``).
         async_save: :meth:`save` returns once the shards are staged; the upload and commit run
             in the background (errors surface at the next save, :meth:`wait` or :meth:`close`).
+        defer_copy: with ``async_save``, :meth:`save` returns before the shards are even copied
+            (milliseconds): a background thread copies them while the next forward and backward
+            run, and the optimizer's ``step()`` waits for that copy (a step pre-hook installed
+            here). Change saved tensors in place outside ``optimizer.step()`` (an EMA, weight
+            clipping) only after :meth:`wait_snapshot`. See [Note: deferred snapshots] in
+            ``storage/_save.py``.
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages (default: the ``ftsdp.trainer._checkpoint`` logger, at WARNING);
             fallbacks are logged here, loudly.
@@ -115,6 +121,7 @@ class CheckpointManager:
         keep_last: int | None = 3,
         keep_every: int | None = None,
         async_save: bool = True,
+        defer_copy: bool = True,
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
         save_options: storage.SaveOptions | None = None,
@@ -135,6 +142,9 @@ class CheckpointManager:
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save = async_save
+        self.defer_copy = async_save and defer_copy
+        # the fence: optimizer.step() waits until the latest deferred save has copied the state
+        self._fence = storage.snapshot_fence(optimizer) if self.defer_copy else None
         self.storage_options = storage_options
         self.process_group = process_group
         self.save_options, self.load_options = save_options, load_options
@@ -191,6 +201,7 @@ class CheckpointManager:
             step,
             process_group=self.process_group,
             async_save=self.async_save and not block,
+            defer_copy=self.defer_copy and not block,
             storage_options=self.storage_options,
             keep_last=self.keep_last,  # applied by the committing rank only
             keep_every=self.keep_every,
@@ -206,6 +217,23 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         """True while an async save is uploading or committing."""
         return self._pending is not None and not self._pending.done()
+
+    def wait_snapshot(self) -> None:
+        """Block until the latest save has copied this rank's state: needed before changing a
+        saved tensor in place outside ``optimizer.step()`` (which waits by itself)."""
+        storage.wait_snapshot()
+
+    def prepare(self, trainer: Mapping[str, Any]) -> None:
+        """Get the deferred saves ready (collective, once): storage's own process group and the
+        host memory of this rank's share of the state as it is now (after a resume: all of it;
+        on a fresh start the optimizer's state does not exist yet, and the first save adds it).
+        :meth:`resume` calls it; without either, the first save does it."""
+        if self.defer_copy:
+            storage.prepare_save(
+                self._state({**trainer}),
+                process_group=self.process_group,
+                options=self.save_options,
+            )
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its error."""
@@ -266,8 +294,10 @@ class CheckpointManager:
         resharded to the current world size; fill ``trainer`` (a template with the same keys the
         saves used) in place. Returns None when nothing is committed yet (a fresh start)."""
         start = time.perf_counter()
+        self.wait()  # the load writes into the saved tensors: no save may be reading them
         steps = self._agreed_steps()
         if not steps:
+            self.prepare(trainer)
             return None
         cs.init_optimizer_state(self.optimizer)
         rank, world = self._rank_world()
@@ -334,6 +364,7 @@ class CheckpointManager:
         self.last_saved_step = step
         self._last_save = time.monotonic()
         self._discard_newer = bool(skipped)  # newer than ``step``: an abandoned timeline
+        self.prepare(trainer)
         return ResumeInfo(
             step=step,
             saved_world_size=result.saved_world_size,
@@ -343,8 +374,14 @@ class CheckpointManager:
         )
 
     def close(self) -> None:
-        """Wait for the in-flight save and raise its error (idempotent)."""
-        self.wait()
+        """Wait for the in-flight save and raise its error (idempotent); takes the fence off
+        the optimizer."""
+        try:
+            self.wait()
+        finally:
+            if self._fence is not None:
+                self._fence.remove()
+                self._fence = None
 
     def __enter__(self) -> CheckpointManager:
         return self

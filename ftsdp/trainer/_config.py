@@ -146,6 +146,9 @@ class TrainConfig:
     checkpoint_every_s: float = _opt(0.0, "also save every T seconds (0: off)")
     keep_last: int = _opt(3, "keep the newest N committed checkpoints")
     async_save: bool = _opt(True, "upload checkpoints in the background")
+    defer_copy: bool = _opt(
+        True, "async saves copy the state in the background too (the optimizer step waits)"
+    )
     # elastic runtime
     pg_timeout_s: float = _opt(300.0, "timeout of every collective (seconds)")
     heartbeat_timeout_s: float = _opt(

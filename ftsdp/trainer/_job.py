@@ -205,6 +205,7 @@ def build(cfg: TrainConfig, session: Session) -> Job:
             every_seconds=cfg.checkpoint_every_s or None,
             keep_last=cfg.keep_last,
             async_save=cfg.async_save,
+            defer_copy=cfg.defer_copy,
             storage_options=storage_options,
             seed=cfg.seed,
             log=lambda line: session.log.event(

@@ -196,6 +196,82 @@ def _async_cases(rank: int, world: int, root: str) -> None:
     assert storage.list_steps(url) == [1, 3]
 
 
+def _deferred_cases(rank: int, world: int, root: str, pair: Any) -> None:
+    """save(defer_copy=True) returns before copying; the loop changes every saved tensor at once
+    (an optimizer step behind the fence, collectives on the default group in between), yet the
+    checkpoint holds the values of the moment of the save."""
+    ref = _reference()
+    url = f"{root}/deferred"
+    state = _state(rank, world, ref, None)
+    leaves = [
+        *state["model"].values(),
+        *state["optim"]["exp_avg"].values(),
+        *state["optim"]["exp_avg_sq"].values(),
+    ]
+    live = [s.local for s in leaves if s.length] + [state["optim"]["step"]]
+    for t in live:
+        t.grad = torch.ones_like(t)
+    opt = torch.optim.SGD(live, lr=1000.0)
+    fence = storage.snapshot_fence(opt)
+    assert storage.prepare_save(state) > 0  # the own group and this rank's snapshot memory
+    for step in (1, 2):
+        expected = [t.clone() for t in live]
+        cursor = list(state["trainer"]["cursor"])
+        h = storage.save(state, url, step, async_save=True, defer_copy=True, options=OPTIONS)
+        state["trainer"]["cursor"].append(step)  # JSON values are copied by save() itself
+        x = torch.ones(4)
+        dist.all_reduce(x)  # the loop's own collectives while the save exchanges its metadata
+        opt.step()  # every saved tensor changes in place, right after save() returned
+        assert not torch.equal(live[0], expected[0])
+        h.wait()
+        assert h.snapshot_seconds > 0 and h.done()
+        target = _state(rank, world, ref, fill=float("nan"))
+        storage.load(target, url, step)
+        got = [
+            *target["model"].values(),
+            *target["optim"]["exp_avg"].values(),
+            *target["optim"]["exp_avg_sq"].values(),
+        ]
+        got = [g.local for g, s in zip(got, leaves, strict=True) if s.length]
+        for g, want in zip([*got, target["optim"]["step"]], expected, strict=True):
+            assert torch.equal(g, want), f"deferred save of step {step} holds later values"
+        assert target["trainer"]["cursor"] == cursor
+        if step == 1:
+            _check(target, ref, "deferred")
+    fence.remove()
+
+    # A bad state on one rank: that rank raises at once, the others from wait(); none hangs.
+    state = _state(rank, world, ref, None)
+    if rank == 1:
+        state["trainer"]["bad"] = object()
+        with pytest.raises(TypeError, match="trainer.bad"):
+            storage.save(state, url, 5, async_save=True, defer_copy=True)
+    else:
+        h = storage.save(state, url, 5, async_save=True, defer_copy=True)
+        with pytest.raises(storage.CheckpointError, match="rank 1"):
+            h.wait()
+    dist.barrier()
+    assert storage.list_steps(url) == [1, 2]
+
+    # Over a subgroup (ranks 0 and 1) the metadata exchange runs on the caller's thread; the
+    # copy is still deferred behind the fence.
+    if rank < 2:
+        state = _state(rank, 2, ref, None)
+        moment = {n: s.local.clone() for n, s in state["model"].items()}
+        h = storage.save(
+            state, f"{url}-pair", 1, process_group=pair, async_save=True, defer_copy=True
+        )
+        storage.wait_snapshot()
+        for s in state["model"].values():
+            s.local.zero_()
+        h.wait()
+        target = _state(rank, 2, ref, fill=float("nan"))
+        storage.load(target, f"{url}-pair", process_group=pair)
+        for n, s in target["model"].items():
+            assert torch.equal(s.local, moment[n])
+    dist.barrier()
+
+
 def _dtensor_cases(rank: int, world: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -223,6 +299,7 @@ def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     _failed_load_is_atomic(rank, groups, root)
     _dedupe_cases(rank, world, root)
     _async_cases(rank, world, root)
+    _deferred_cases(rank, world, root, groups[2])
     _dtensor_cases(rank, world, root)
     return "ok"
 

@@ -1,0 +1,152 @@
+"""Deferred snapshots in one process: ``save`` returns before copying, the fence keeps the
+optimizer from changing what is being copied, and the engines' reused state dicts stay exact.
+
+The reference is the state itself, cloned at the moment of the save."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ftsdp import storage
+from ftsdp.storage import _save
+from ftsdp.trainer import CheckpointManager
+from ftsdp.trainer._engines import engine_for
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    return model, opt
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.fixture
+def slow_copies(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every deferred snapshot copy until the test releases it (set the event)."""
+    release = threading.Event()
+    real = _save.copy_into
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(30), "the test never released the snapshot copy"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "copy_into", held)
+    return release
+
+
+def test_save_returns_before_copying_and_the_step_waits_for_the_copy(
+    tmp_path: Any, slow_copies: threading.Event
+) -> None:
+    model, opt = _model()
+    ckpt = CheckpointManager(str(tmp_path / "ckpt"), model, opt)
+    assert ckpt.resume({"step": 0}) is None  # a fresh start; prepares the deferred saves
+    moment = {k: v.clone() for k, v in model.state_dict().items()}
+    moment_avg = {id(p): s["exp_avg"].clone() for p, s in opt.state.items()}
+    blocked = ckpt.save(1, {"step": 1})
+    assert not ckpt._pending.snapshot_taken()  # returned with nothing copied yet
+    assert blocked < 5  # (generous: the copy is held, the call must not wait for it)
+
+    stepped = threading.Event()
+
+    def step() -> None:
+        _train(model, opt)  # optimizer.step() must wait for the snapshot
+        stepped.set()
+
+    t = threading.Thread(target=step)
+    t.start()
+    time.sleep(0.3)
+    assert not stepped.is_set(), "optimizer.step() ran while the snapshot was being taken"
+    slow_copies.set()
+    t.join(30)
+    assert stepped.is_set()
+    ckpt.close()
+
+    saved = storage.load_state_dict(str(tmp_path / "ckpt"))
+    for k, v in moment.items():
+        assert torch.equal(saved[f"model.{k}"], v), k
+        assert not torch.equal(model.state_dict()[k], v)  # the step did change it afterwards
+    names = {id(p): n for n, p in model.named_parameters()}
+    for pid, avg in moment_avg.items():
+        assert torch.equal(saved[f"optim.state.{names[pid]}.exp_avg"], avg)
+
+
+def test_close_takes_the_fence_off_and_sync_saves_have_none(tmp_path: Any) -> None:
+    model, opt = _model()
+    ckpt = CheckpointManager(str(tmp_path / "a"), model, opt)
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    ckpt.close()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+    CheckpointManager(str(tmp_path / "b"), model, opt, async_save=False)
+    CheckpointManager(str(tmp_path / "c"), model, opt, defer_copy=False)
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
+def test_a_bad_state_raises_at_once_and_the_next_save_works(tmp_path: Any) -> None:
+    url = str(tmp_path / "s")
+    with pytest.raises(TypeError, match="bad"):
+        storage.save({"bad": object()}, url, 1, async_save=True, defer_copy=True)
+    storage.wait_snapshot(5)  # nothing left holding the fence
+    h = storage.save({"x": torch.arange(4.0)}, url, 2, async_save=True, defer_copy=True)
+    h.wait(30)
+    assert storage.list_steps(url) == [2]
+    with pytest.raises(ValueError, match="async_save"):
+        storage.save({"x": torch.zeros(1)}, url, 3, defer_copy=True)
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+def test_the_copy_is_exact_whatever_the_staging(tmp_path: Any, budget: int | None) -> None:
+    """Arena (everything fits) or one object at a time within a tiny budget: same bytes."""
+    g = torch.Generator().manual_seed(1)
+    state = {
+        "a": torch.randn(1000, generator=g),
+        "b": torch.randint(0, 100, (7, 3), generator=g, dtype=torch.int64),
+        "c": torch.randn(5, generator=g).to(torch.bfloat16),
+        "t": torch.randn(8, 8, generator=g).t(),  # not contiguous
+    }
+    want = {k: v.clone() for k, v in state.items()}
+    options = storage.SaveOptions(staging_budget_bytes=budget or 1 << 30, object_bytes=2048)
+    h = storage.save(state, str(tmp_path), 1, async_save=True, defer_copy=True, options=options)
+    h.wait_snapshot(30)
+    for v in state.values():
+        v.zero_()
+    h.wait(30)
+    got = storage.load_state_dict(str(tmp_path))
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_reused_state_dicts_follow_replaced_tensors_and_the_current_lr() -> None:
+    model, opt = _model()
+    engine = engine_for(model, opt)
+    first = engine.optim_state()
+    again = engine.optim_state()
+    name = next(iter(first["state"]))
+    assert again["state"][name]["exp_avg"] is first["state"][name]["exp_avg"]  # reused
+
+    for group in opt.param_groups:
+        group["lr"] = 0.5
+    assert '"lr": 0.5' in engine.optim_state()["param_groups"]
+
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors, same values
+    fresh = engine.optim_state()["state"][name]["exp_avg"]
+    live = opt.state[dict(model.named_parameters())[name]]["exp_avg"]
+    assert fresh.data_ptr() == live.data_ptr() != first["state"][name]["exp_avg"].data_ptr()
+
+    before = engine.model_state()["0.weight"]
+    model[0].weight = nn.Parameter(torch.ones(64, 64))  # a replaced parameter
+    after = engine.model_state()["0.weight"]
+    assert after.data_ptr() == model[0].weight.data_ptr() != before.data_ptr()

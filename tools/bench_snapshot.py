@@ -1,0 +1,354 @@
+"""Snapshot benchmark: what checkpointing every 2 steps costs a training loop, side by side.
+
+    python -m ftsdp.tools.bench_snapshot --out docs/benchmarks.md
+
+The built-in GPT (the main job's default shape) trains on ``--world`` CPU ranks (gloo) with
+AdamW, in one spawned run, under each engine and way of checkpointing:
+
+- ``ftsdp.FSDP`` without saving, and with ``CheckpointManager`` saving every ``--every`` steps:
+  deferred copy (the default: ``save`` returns before copying, ``optimizer.step()`` waits for the
+  background copy) and staged copy (``defer_copy=False``: ``save`` copies before it returns);
+- torch FSDP2 (``fully_shard``) without saving, with ``dcp.async_save`` every ``--every`` steps
+  (on a gloo group of its own, as DCP recommends; a save waits for the previous one's future,
+  as a loop must), and with ``CheckpointManager`` (deferred copy).
+
+Checkpoints go to ``--dir`` (default ``/dev/shm``: memory, so the figures are the saves' CPU cost,
+not a disk's). Every configuration runs ``--steps`` steps per round, ``--rounds`` rounds, the
+order of configurations rotating per round; a round is timed barrier to barrier (the slowest
+rank) and ends after its last save has committed, so background work is not left to the next
+configuration. Step time is the median over rounds; overhead is against the same engine without
+saving. Blocking is the time ``save`` / ``async_save`` kept the caller, the first save apart
+(``CheckpointManager.resume`` prepared the deferred saves before it: storage's own group and the
+snapshot memory; DCP has no such call). ``fence wait`` is the time ``optimizer.step()`` waited
+for a snapshot, per save. Prints a table; ``--out FILE`` writes it into FILE's "Snapshots"
+section, ``--json FILE`` its numbers into the ``snapshot`` entry of a JSON results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftsdp.tools import _bench_json
+from ftsdp.tools._markdown import replace_section
+
+CONFIGS = (
+    ("ftsdp", "none"),
+    ("ftsdp", "storage"),
+    ("ftsdp", "storage-staged"),
+    ("fsdp2", "none"),
+    ("fsdp2", "dcp"),
+    ("fsdp2", "storage"),
+)
+LABEL = {
+    "none": "no saves",
+    "storage": "CheckpointManager (deferred copy)",
+    "storage-staged": "CheckpointManager (staged copy)",
+    "dcp": "dcp.async_save",
+}
+OVERHEAD_TARGET = 0.05  # ftsdp + CheckpointManager: at most 5% over not saving
+BLOCKING_TARGET = 0.1  # blocking at most 0.1x dcp.async_save's, first and later saves
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2, help="CPU ranks (gloo)")
+    p.add_argument("--every", type=int, default=2, help="save every N steps")
+    p.add_argument("--steps", type=int, default=8, help="steps per round and configuration")
+    p.add_argument("--rounds", type=int, default=5, help="rounds (median of their step times)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward")
+    p.add_argument("--micro-steps", type=int, default=2, help="forward/backward per step")
+    p.add_argument("--dir", default="/dev/shm", help="parent of the checkpoints")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--out", default=None, help="Markdown file whose Snapshots section to write")
+    p.add_argument("--json", default=None, help="JSON results file whose snapshot entry to write")
+    return p.parse_args(argv)
+
+
+# -- per rank ---------------------------------------------------------------------------------------
+
+
+class _Run:
+    """One engine with one way of checkpointing: its model, optimizer and saver."""
+
+    def __init__(self, engine: str, mode: str, cfg: dict[str, Any], root: str) -> None:
+        from ftsdp.trainer import CheckpointManager
+        from ftsdp.trainer.model import GPT, GPTConfig, param_groups
+
+        torch.manual_seed(cfg["seed"])
+        model = GPT(GPTConfig(**cfg["model"]))
+        if engine == "ftsdp":
+            import ftsdp
+            from ftsdp.trainer.model import Block
+
+            model = ftsdp.FSDP(model, auto_wrap_policy={Block})
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        self.engine, self.mode, self.cfg = engine, mode, cfg
+        self.model = model
+        self.opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-3)
+        self.url = os.path.join(root, f"{engine}-{mode}")
+        self.step = 0
+        self.times: list[float] = []  # seconds per step, one per round
+        self.blocking: list[float] = []  # per save, in order
+        self.fence: list[float] = []  # per save
+        self.ckpt: Any = None
+        self.dcp_group: Any = None
+        self.dcp_future: Any = None
+        for _ in range(cfg["warmup"]):  # optimizer state exists before the first save
+            self.train_step()
+        if mode.startswith("storage"):
+            self.ckpt = CheckpointManager(
+                self.url,
+                model,
+                self.opt,
+                every_steps=cfg["every"],
+                keep_last=2,
+                defer_copy=mode == "storage",
+            )
+            self.ckpt.resume({"step": 0})  # a fresh root: prepares the deferred saves
+        elif mode == "dcp":
+            self.dcp_group = dist.new_group(backend="gloo")
+
+    def train_step(self) -> None:
+        cfg = self.cfg
+        self.step += 1
+        rank = dist.get_rank()
+        for micro in range(cfg["micro_steps"]):
+            g = torch.Generator().manual_seed(self.step * 1009 + rank * 101 + micro)
+            tokens = torch.randint(
+                cfg["model"]["vocab_size"],
+                (cfg["micro_batch"], cfg["model"]["block_size"] + 1),
+                generator=g,
+            )
+            _, loss = self.model(tokens[:, :-1], tokens[:, 1:])
+            (loss / cfg["micro_steps"]).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def save_if_due(self) -> None:
+        if self.mode == "none" or self.step % self.cfg["every"]:
+            return
+        if self.ckpt is not None:
+            pending = self.ckpt._pending
+            if pending is not None:
+                self.fence.append(pending.fence_wait_seconds)
+            self.blocking.append(self.ckpt.save(self.step, {"step": self.step}))
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        t0 = time.perf_counter()
+        if self.dcp_future is not None:
+            self.dcp_future.result()  # one save at a time, as a loop must
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        self.dcp_future = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=f"{self.url}/step-{self.step}",
+            process_group=self.dcp_group,
+        )
+        self.blocking.append(time.perf_counter() - t0)
+
+    def finish_saves(self) -> None:
+        """Wait until the last save committed; drop DCP's older checkpoints (not timed)."""
+        if self.ckpt is not None:
+            pending = self.ckpt._pending
+            self.ckpt.wait()
+            if pending is not None:
+                self.fence.append(pending.fence_wait_seconds)
+        if self.dcp_future is not None:
+            self.dcp_future.result()
+            self.dcp_future = None
+
+    def prune_dcp(self) -> None:
+        if self.mode == "dcp" and dist.get_rank() == 0 and os.path.isdir(self.url):
+            for name in sorted(os.listdir(self.url))[:-2]:
+                shutil.rmtree(os.path.join(self.url, name), ignore_errors=True)
+
+    def round(self) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(self.cfg["steps"]):
+            self.train_step()
+            self.save_if_due()
+        self.finish_saves()
+        dist.barrier()
+        self.times.append((time.perf_counter() - t0) / self.cfg["steps"])
+        self.prune_dcp()
+
+
+def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Build every configuration, run the rounds, return the slowest rank's view (rank 0's
+    times are barrier to barrier, so they are the slowest rank's)."""
+    runs = [_Run(engine, mode, cfg, cfg["root"]) for engine, mode in CONFIGS]
+    for r in range(cfg["rounds"]):
+        shift = r % len(runs)
+        for run in runs[shift:] + runs[:shift]:
+            run.round()
+    out = {}
+    for run in runs:
+        if run.ckpt is not None:
+            run.ckpt.close()
+        out[f"{run.engine}/{run.mode}"] = {
+            "times": run.times,
+            "blocking": run.blocking,
+            "fence": run.fence,
+        }
+    return out
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per configuration: median step time, overhead, first and later blocking (the slowest
+    rank per save), fence wait per save (mean over ranks and saves)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for key in results[0]:
+        times = results[0][key]["times"]
+        per_save = [
+            max(r[key]["blocking"][i] for r in results)
+            for i in range(len(results[0][key]["blocking"]))
+        ]
+        fences = [f for r in results for f in r[key]["fence"]]
+        out[key] = {
+            "step_s": statistics.median(times),
+            "first_blocking_s": per_save[0] if per_save else None,
+            "later_blocking_s": statistics.median(per_save[1:]) if len(per_save) > 1 else None,
+            "fence_s": statistics.mean(fences) if fences else None,
+            "saves": len(per_save),
+        }
+    for key, row in out.items():
+        engine = key.split("/")[0]
+        row["overhead"] = row["step_s"] / out[f"{engine}/none"]["step_s"] - 1  # type: ignore[operator]
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f}"
+
+
+def table(rows: dict[str, dict[str, Any]], command: str, header: str, every: int) -> str:
+    """The Markdown section: the table and the verdicts."""
+    lines = [
+        "## Snapshots",
+        "",
+        f"`{command}` ({datetime.date.today().isoformat()}; {header})",
+        "",
+        "| engine | checkpointing | step ms | overhead | blocking ms, first save "
+        "| blocking ms, later saves | fence wait ms per save | saves |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, row in rows.items():
+        engine, mode = key.split("/")
+        overhead = "-" if mode == "none" else f"{row['overhead'] * 100:+.1f}%"
+        lines.append(
+            f"| {engine} | {LABEL[mode]} | {row['step_s'] * 1e3:.1f} | {overhead} "
+            f"| {_ms(row['first_blocking_s'])} | {_ms(row['later_blocking_s'])} "
+            f"| {_ms(row['fence_s'])} | {row['saves']} |"
+        )
+    lines += ["", *verdicts(rows, every)]
+    return "\n".join(lines) + "\n"
+
+
+def verdicts(rows: dict[str, dict[str, Any]], every: int) -> list[str]:
+    """One line per target, MET or MISSED, from the figures of this run."""
+    ours, theirs = rows["ftsdp/storage"], rows["fsdp2/dcp"]
+    same = rows["fsdp2/storage"]
+    out = []
+    ok = ours["overhead"] <= OVERHEAD_TARGET
+    out.append(
+        f"- saving every {every} steps adds <= {OVERHEAD_TARGET:.0%} to ftsdp's step: "
+        f"{'MET' if ok else 'MISSED'} ({ours['overhead'] * 100:+.1f}%)"
+    )
+    ok = ours["overhead"] < theirs["overhead"]
+    out.append(
+        f"- ... and less than DCP adds to FSDP2: {'MET' if ok else 'MISSED'} "
+        f"({ours['overhead'] * 100:+.1f}% against {theirs['overhead'] * 100:+.1f}%)"
+    )
+    for which in ("first", "later"):
+        mine, dcp = same[f"{which}_blocking_s"], theirs[f"{which}_blocking_s"]
+        if mine is None or dcp is None:
+            continue
+        ratio = mine / dcp
+        ok = ratio <= BLOCKING_TARGET
+        out.append(
+            f"- blocking of the {which} save <= {BLOCKING_TARGET}x dcp.async_save's (same FSDP2 "
+            f"state): {'MET' if ok else 'MISSED'} ({ratio:.3f}x: {mine * 1e3:.2f} ms against "
+            f"{dcp * 1e3:.2f} ms)"
+        )
+    return out
+
+
+def environment(args: argparse.Namespace) -> str:
+    """What the figures depend on besides the code."""
+    load = os.getloadavg()[0]
+    return (
+        f"W={args.world} gloo ranks, {args.threads} torch thread each, GPT {args.n_layer} layers "
+        f"x {args.n_embd}, {args.micro_steps} x {args.micro_batch} x {args.block_size} tokens per "
+        f"step and rank, a save every {args.every} steps to {args.dir}; torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs, 1-minute load average {load:.1f} at the start"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ftsdp.testing import run_ranks
+
+    args = parse(argv)
+    command = "python -m ftsdp.tools.bench_snapshot " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    header = environment(args)
+    root = tempfile.mkdtemp(prefix="bench_snapshot-", dir=args.dir)
+    cfg = {
+        "model": {
+            "vocab_size": args.vocab_size,
+            "block_size": args.block_size,
+            "n_layer": args.n_layer,
+            "n_head": args.n_head,
+            "n_embd": args.n_embd,
+        },
+        "seed": 0,
+        "every": args.every,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "micro_batch": args.micro_batch,
+        "micro_steps": args.micro_steps,
+        "root": root,
+    }
+    try:
+        results = run_ranks(rank_main, args.world, cfg, threads=args.threads, timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = summarize(results)
+    text = table(rows, command, header, args.every)
+    sys.stdout.write(text)
+    if args.out:
+        replace_section(args.out, text, "## Snapshots")
+    if args.json:
+        _bench_json.write_entry(args.json, "snapshot", rows, command, header)
+
+
+if __name__ == "__main__":
+    main()
