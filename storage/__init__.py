@@ -41,7 +41,7 @@ from ftsdp.storage._save import (
     snapshot_fence,
     wait_snapshot,
 )
-from ftsdp.storage._steps import apply_retention, list_steps, read_manifest
+from ftsdp.storage._steps import apply_retention, clear_steps, list_steps, read_manifest
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "VerifyReport",
     "apply_retention",
+    "clear_steps",
     "collect_garbage",
     "convert",
     "detect_format",

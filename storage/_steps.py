@@ -3,6 +3,7 @@ deleting them (retention, garbage collection, discarding an abandoned timeline).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from ftsdp.storage._errors import (
 )
 from ftsdp.storage._fs import Store
 from ftsdp.storage._layout import (
+    LATEST,
     MANIFEST,
     attempt_of,
     is_own_name,
@@ -396,3 +398,28 @@ def read_manifest(
 ) -> Manifest:
     """The validated manifest of a committed step (None: the newest), its objects checked."""
     return resolve_manifest(Store(url, storage_options), step)
+
+
+def clear_steps(url: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Delete every step under ``url`` that is provably ours, committed or torn, then ``latest``
+    and the root directory itself when nothing else is left in it; returns the removed steps.
+
+    For roots that are caches of a run (``CheckpointManager``'s memory tier, cleared at a clean
+    exit): unlike retention it keeps nothing. Like every deletion it never touches a file this
+    format did not write, a step whose manifest is not this format's, or a link.
+    """
+    store = Store(url, storage_options)
+    scan = scan_root(store)
+    removed = []
+    for step in sorted(scan.dirs, reverse=True):
+        left = remove_step(store, step)
+        if not left:
+            removed.append(step)
+        else:
+            logger.warning("clearing %s left alone: %s", store.where(), "; ".join(left))
+    if not scan.skipped and not [s for s in scan.dirs if s not in removed]:
+        with contextlib.suppress(FileNotFoundError):
+            if store.listdir().keys() <= {LATEST} and not store.is_link(LATEST):
+                store.remove(LATEST)
+        store.remove_empty_dir("")
+    return sorted(removed)

@@ -49,12 +49,28 @@ Steps whose manifest is not even readable are not provably ours and stay; a late
 them first, logs them as unusable again, and falls back to the newest save. Without a fallback
 a newer committed step means another writer (a second job on the same root): the save's error
 surfaces.
+
+[Note: the memory tier]
+Durable saves cost an upload and are periodic; a worker killed between two of them loses the
+steps since the last one. With ``memory_url`` (host shared memory, ``/dev/shm``: it outlives the
+worker process, not the machine) the manager also saves every ``memory_every`` steps there,
+with the same format, plan, checksums and commit as a durable save (the root is just another
+storage root), keeping ``memory_keep`` steps. A restart on the same machine resumes from the
+newest usable step of either tier (memory first at equal steps) and falls back across tiers
+like within one. A memory save is skipped when any rank still has a save in flight (one
+all-reduce agrees on it), so a slow durable upload never stalls training; the first memory save
+after a resume discards newer memory steps (an abandoned timeline). The tier needs every rank
+to see the same shared memory: resume compares the ranks' machines (host name and boot id) and
+turns the tier off when they differ (a replica of a peer machine's shards, to survive a lost
+machine, is not implemented). ``close`` (the end of a run, or a preemption after its durable
+save) clears the tier; a failed run leaves it for its restart.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,6 +98,16 @@ class ResumeInfo:
     rng_restored: bool = True  # False: world size changed, RNGs reseeded per rank
 
 
+def _machine() -> str:
+    """This machine, as far as shared memory goes: host name and boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 class CheckpointManager:
     """Saves and restores a model, its optimizer, an optional LR scheduler, the RNG states and
     the caller's trainer values under ``url`` (any fsspec URL), and resumes them at any world
@@ -104,6 +130,11 @@ class CheckpointManager:
             here). Change saved tensors in place outside ``optimizer.step()`` (an EMA, weight
             clipping) only after :meth:`wait_snapshot`. See [Note: deferred snapshots] in
             ``storage/_save.py``.
+        memory_url / memory_every / memory_keep: a second, fast tier (see [Note: the memory
+            tier]): :meth:`save_to_memory` saves every ``memory_every`` steps under
+            ``memory_url`` (host shared memory, e.g. ``/dev/shm/...``), keeping the newest
+            ``memory_keep`` steps; :meth:`resume` takes the newest usable step of either tier;
+            :meth:`close` clears the tier. Used only when every rank is on the same machine.
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages (default: the ``ftsdp.trainer._checkpoint`` logger, at WARNING);
             fallbacks are logged here, loudly.
@@ -122,6 +153,9 @@ class CheckpointManager:
         keep_every: int | None = None,
         async_save: bool = True,
         defer_copy: bool = True,
+        memory_url: str | None = None,
+        memory_every: int | None = None,
+        memory_keep: int = 2,
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
         save_options: storage.SaveOptions | None = None,
@@ -141,7 +175,19 @@ class CheckpointManager:
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.keep_last, self.keep_every = keep_last, keep_every
+        if memory_every is not None and memory_every < 1:
+            raise ValueError(f"CheckpointManager: memory_every={memory_every} must be >= 1")
+        if memory_keep < 1:
+            raise ValueError(f"CheckpointManager: memory_keep={memory_keep} must be >= 1")
         self.async_save = async_save
+        self.memory_url = memory_url
+        self.memory_every = (memory_every or 1) if memory_url else None
+        self.memory_keep = memory_keep
+        self._memory_on = memory_url is not None  # off once resume() finds ranks on 2 machines
+        self._memory_discard_newer = True  # the tier follows this run's timeline
+        self.last_memory_step: int | None = None
+        self.resumed_from: str | None = None  # the root the last resume loaded from
+        self._pending_tier = "durable"  # of self._pending
         self.defer_copy = async_save and defer_copy
         # the fence: optimizer.step() waits until the latest deferred save has copied the state
         self._fence = storage.snapshot_fence(optimizer) if self.defer_copy else None
@@ -210,8 +256,45 @@ class CheckpointManager:
         )
         self._discard_newer = False  # once: after this save the newer steps are gone
         self._pending = handle  # even when already done: a failed save must still surface
+        self._pending_tier = "durable"
         self._last_save = time.monotonic()
         self.last_saved_step = step
+        return time.perf_counter() - start
+
+    # -- the memory tier ------------------------------------------------------------------------
+    def memory_due(self, step: int) -> bool:
+        """Whether a memory-tier save is due at ``step`` (the same answer on every rank)."""
+        return self._memory_on and self.memory_every is not None and step % self.memory_every == 0
+
+    def save_to_memory(self, step: int, trainer: Mapping[str, Any]) -> float:
+        """Save ``step`` to the memory tier if it is due there (collective: every rank calls it
+        at every step). Skipped, on every rank, while a durable save of any rank is still in
+        flight (the tier never waits for an upload), and for a step saved already; waits for the
+        previous memory save (to shared memory: milliseconds). Returns the seconds the caller
+        was blocked."""
+        if not self.memory_due(step):
+            return 0.0
+        start = time.perf_counter()
+        uploading = self.in_flight() and self._pending_tier == "durable"
+        busy = uploading or step in (self.last_saved_step, self.last_memory_step)
+        if self._agree(_FALLBACK if busy else _OK) != _OK:
+            return time.perf_counter() - start
+        self.wait()  # done already: raises its error, if any
+        assert self.memory_url is not None
+        self._pending = storage.save(
+            self._state({**trainer}),
+            self.memory_url,
+            step,
+            process_group=self.process_group,
+            async_save=True,
+            defer_copy=self.defer_copy,
+            keep_last=self.memory_keep,
+            options=self.save_options,
+            discard_newer=self._memory_discard_newer,
+        )
+        self._memory_discard_newer = False
+        self._pending_tier = "memory"
+        self.last_memory_step = step
         return time.perf_counter() - start
 
     def in_flight(self) -> bool:
@@ -251,27 +334,50 @@ class CheckpointManager:
             dist.broadcast_object_list(msg, src=src, group=self.process_group)
         return msg[0]
 
-    def _agreed_steps(self) -> list[int]:
+    def _agreed_steps(self, memory: bool = False) -> list[int]:
+        url = self.memory_url if memory else self.url
+        options = None if memory else self.storage_options
+
         def listing() -> tuple[str, Any]:
             try:
-                return "ok", storage.list_steps(self.url, storage_options=self.storage_options)
+                return "ok", storage.list_steps(url, storage_options=options)
+            except FileNotFoundError:
+                return "ok", []
             except Exception as e:
                 return "error", f"{type(e).__name__}: {e}"
 
         kind, value = self._from_rank0(listing)
         if kind == "error":
+            if memory:  # a cache: without it, the durable steps
+                self._log(f"ftsdp: listing the memory tier {url} failed on rank 0: {value}")
+                return []
             raise storage.CheckpointError(
-                f"listing the checkpoints under {self.url} failed on rank 0: {value}"
+                f"listing the checkpoints under {url} failed on rank 0: {value}"
             )
         return list(value)
 
-    def _saved_optim_names(self, step: int) -> set[str] | None:
+    def _memory_shared(self) -> bool:
+        """Whether every rank sees rank 0's memory tier (the same machine: host name and boot
+        id); if not, the tier is turned off (see [Note: the memory tier])."""
+        here = _machine()
+        same = self._from_rank0(lambda: here) == here
+        if self._agree(_OK if same else _FALLBACK) != _OK:
+            if self._memory_on:
+                self._log(
+                    f"ftsdp: the memory tier {self.memory_url} is off: the ranks are on more "
+                    "than one machine (only durable checkpoints are used)"
+                )
+            self._memory_on = False
+        return self._memory_on
+
+    def _saved_optim_names(self, step: int, url: str) -> set[str] | None:
         """The names of step ``step``'s optimizer state, read by rank 0 (None when its manifest
         cannot be read: the load reports why). See [Note: the optimizer state to load into]."""
 
         def names() -> list[str] | None:
             try:
-                m = storage.read_manifest(self.url, step, storage_options=self.storage_options)
+                options = self.storage_options if url == self.url else None
+                m = storage.read_manifest(url, step, storage_options=options)
             except Exception:
                 return None
             found = {*m.tensors, *m.values, *(k for values in m.rank_values for k in values)}
@@ -295,15 +401,19 @@ class CheckpointManager:
         saves used) in place. Returns None when nothing is committed yet (a fresh start)."""
         start = time.perf_counter()
         self.wait()  # the load writes into the saved tensors: no save may be reading them
-        steps = self._agreed_steps()
-        if not steps:
+        candidates = [(step, self.url) for step in self._agreed_steps()]
+        if self.memory_url is not None and self._memory_shared():
+            candidates += [(step, self.memory_url) for step in self._agreed_steps(memory=True)]
+        # newest first; at equal steps memory first (faster to read)
+        candidates.sort(key=lambda c: (c[0], c[1] == self.memory_url), reverse=True)
+        if not candidates:
             self.prepare(trainer)
             return None
         cs.init_optimizer_state(self.optimizer)
         rank, world = self._rank_world()
         skipped: list[tuple[int, str]] = []
-        for i, step in enumerate(reversed(steps)):
-            saved = self._saved_optim_names(step)
+        for i, (step, url) in enumerate(candidates):
+            saved = self._saved_optim_names(step, url)
             error: BaseException | None = None
             code = _OK
             try:
@@ -311,10 +421,10 @@ class CheckpointManager:
                 stateless = _leave_out_stateless(target["optim"]["state"], saved)
                 result = storage.load(
                     target,
-                    self.url,
+                    url,
                     step,
                     process_group=self.process_group,
-                    storage_options=self.storage_options,
+                    storage_options=self.storage_options if url == self.url else None,
                     options=self.load_options,
                 )
             except (storage.StateMismatchError, storage.NewerFormatError) as e:
@@ -331,19 +441,26 @@ class CheckpointManager:
                 if error is not None:
                     raise error
                 raise storage.StateMismatchError(
-                    f"loading step {step} from {self.url} failed on another rank (state mismatch)"
+                    f"loading step {step} from {url} failed on another rank (state mismatch)"
                 )
-            skipped.append((step, why))
-            older = list(reversed(steps))[i + 1 : i + 2]
+            if url == self.url:
+                skipped.append((step, why))
+            older = candidates[i + 1 : i + 2]
             self._log(
-                f"ftsdp: CHECKPOINT STEP {step} AT {self.url} IS UNUSABLE on rank {rank}: {why}; "
-                + (f"falling back to step {older[0]}" if older else "no older committed step")
+                f"ftsdp: CHECKPOINT STEP {step} AT {url} IS UNUSABLE on rank {rank}: {why}; "
+                + (
+                    f"falling back to step {older[0][0]} at {older[0][1]}"
+                    if older
+                    else "no older committed step"
+                )
             )
         else:
             raise storage.CheckpointError(
-                f"no usable checkpoint under {self.url}: committed steps {steps} all failed "
-                f"({skipped[0][1]})"
+                f"no usable checkpoint under {self.url}"
+                + (f" or {self.memory_url}" if self.memory_url else "")
+                + f": committed steps {sorted({c[0] for c in candidates})} all failed"
             )
+        self.resumed_from = url
         trainer.update(target["trainer"])
         self.engine.load(target["model"], target["optim"])
         params = self.engine.params_by_name()
@@ -361,7 +478,8 @@ class CheckpointManager:
             cs.set_rng_state(target["rng"])
         else:
             cs.reseed(self.seed, step, rank)
-        self.last_saved_step = step
+        durable = [c[0] for c in candidates if c[1] == self.url and c[0] <= step]
+        self.last_saved_step = step if url == self.url else (max(durable) if durable else None)
         self._last_save = time.monotonic()
         self._discard_newer = bool(skipped)  # newer than ``step``: an abandoned timeline
         self.prepare(trainer)
@@ -375,13 +493,25 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the in-flight save and raise its error (idempotent); takes the fence off
-        the optimizer."""
+        the optimizer and clears the memory tier (collective when there is one: every rank
+        has finished its saves before rank 0 deletes them). Not called when a job fails, so
+        that its restart finds the memory tier."""
         try:
             self.wait()
         finally:
             if self._fence is not None:
                 self._fence.remove()
                 self._fence = None
+        if self.memory_url is not None and self._memory_on:
+            rank, world = self._rank_world()
+            if world > 1:
+                dist.barrier(group=self.process_group)
+            if rank == 0:
+                try:
+                    storage.clear_steps(self.memory_url)
+                except OSError as e:
+                    self._log(f"ftsdp: clearing the memory tier {self.memory_url} failed: {e}")
+            self._memory_on = False
 
     def __enter__(self) -> CheckpointManager:
         return self

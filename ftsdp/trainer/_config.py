@@ -149,6 +149,12 @@ class TrainConfig:
     defer_copy: bool = _opt(
         True, "async saves copy the state in the background too (the optimizer step waits)"
     )
+    memory_every: int = _opt(
+        0, "also save every N steps to host shared memory, for restarts on this machine (0: off)"
+    )
+    memory_url: str | None = _opt(
+        None, "root of those saves (default: /dev/shm/ftsdp-<hash of the checkpoint root>)"
+    )
     # elastic runtime
     pg_timeout_s: float = _opt(300.0, "timeout of every collective (seconds)")
     heartbeat_timeout_s: float = _opt(
@@ -170,6 +176,7 @@ class TrainConfig:
             need(getattr(self, name) >= 1, name, "must be >= 1")
         for name in (
             "checkpoint_every",
+            "memory_every",
             "checkpoint_every_s",
             "heartbeat_timeout_s",
             "progress_timeout_s",

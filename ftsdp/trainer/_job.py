@@ -9,6 +9,7 @@ model is built, a checkpoint root with committed steps is checked to be this run
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -122,6 +123,15 @@ def on_every_rank(rm: RankManager, fn: Callable[[], T]) -> T:
     raise error
 
 
+def memory_root(cfg: TrainConfig, url: str) -> str:
+    """``--memory-url``, else ``/dev/shm/ftsdp-<16 hex digits of the checkpoint root's hash>``:
+    the same for every incarnation of the job, different for another checkpoint root."""
+    if cfg.memory_url:
+        return cfg.memory_url
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    return os.path.join("/dev/shm", f"ftsdp-{digest}")
+
+
 def build(cfg: TrainConfig, session: Session) -> Job:
     """Data, the model (checked against the checkpoint root first), wrapped; its optimizer
     (after wrapping) and schedule, the checkpoints."""
@@ -206,6 +216,8 @@ def build(cfg: TrainConfig, session: Session) -> Job:
             keep_last=cfg.keep_last,
             async_save=cfg.async_save,
             defer_copy=cfg.defer_copy,
+            memory_url=memory_root(cfg, url) if cfg.memory_every else None,
+            memory_every=cfg.memory_every or None,
             storage_options=storage_options,
             seed=cfg.seed,
             log=lambda line: session.log.event(

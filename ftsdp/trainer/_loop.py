@@ -213,9 +213,11 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         due = job.ckpt is not None and job.ckpt.due(step)
         stop, save_due = rm.agree_any(preempt.requested, due)
         last = step == cfg.steps
+        if job.ckpt is not None and job.scaler is not None:
+            trainer["grad_scaler"] = json.dumps(job.scaler.state_dict(), sort_keys=True)
+        if job.ckpt is not None and not (save_due or stop or last):
+            blocking += job.ckpt.save_to_memory(step, trainer)  # when the memory tier is on
         if job.ckpt is not None and (save_due or stop or last):
-            if job.scaler is not None:
-                trainer["grad_scaler"] = json.dumps(job.scaler.state_dict(), sort_keys=True)
             seconds = job.ckpt.save(step, trainer, block=stop or last)
             blocking += seconds
             log.write(

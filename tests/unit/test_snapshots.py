@@ -150,3 +150,81 @@ def test_reused_state_dicts_follow_replaced_tensors_and_the_current_lr() -> None
     model[0].weight = nn.Parameter(torch.ones(64, 64))  # a replaced parameter
     after = engine.model_state()["0.weight"]
     assert after.data_ptr() == model[0].weight.data_ptr() != before.data_ptr()
+
+
+# -- the memory tier ----------------------------------------------------------------------------
+
+
+def _run(tmp_path: Any, steps: int, **kw: Any) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """Train ``steps`` steps with a durable save every 4 steps and a memory save every step;
+    the manager is not closed (a crash)."""
+    model, opt = _model()
+    ckpt = CheckpointManager(
+        str(tmp_path / "durable"), model, opt, memory_url=str(tmp_path / "shm"), **kw
+    )
+    start = ckpt.resume({"step": 0})
+    for step in range((start.step if start else 0) + 1, steps + 1):
+        _train(model, opt)
+        if step % 4 == 0:
+            ckpt.save(step, {"step": step})
+            ckpt.wait()  # a step is longer than an upload here
+        else:
+            ckpt.save_to_memory(step, {"step": step})
+    ckpt.wait()
+    return model, opt, ckpt
+
+
+def test_a_restart_resumes_from_the_memory_tier_and_falls_back_to_durable(tmp_path: Any) -> None:
+    model, _, _ = _run(tmp_path, 6)
+    assert storage.list_steps(str(tmp_path / "durable")) == [4]
+    assert storage.list_steps(str(tmp_path / "shm")) == [5, 6]  # memory_keep=2
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh, fresh_opt = _model()
+    again = CheckpointManager(
+        str(tmp_path / "durable"), fresh, fresh_opt, memory_url=str(tmp_path / "shm")
+    )
+    trainer: dict[str, Any] = {"step": 0}
+    info = again.resume(trainer)
+    assert info is not None and info.step == 6 and trainer["step"] == 6
+    assert again.resumed_from == str(tmp_path / "shm")
+    assert again.last_saved_step == 4  # the durable tier's newest: step 6 is not there yet
+    for k, v in want.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    again.close()  # a clean end clears the memory tier, and only it
+    assert not (tmp_path / "shm").exists()
+    assert storage.list_steps(str(tmp_path / "durable")) == [4]
+
+
+def test_a_damaged_memory_step_falls_back_to_the_next_one(tmp_path: Any) -> None:
+    _run(tmp_path, 6)
+    data = next((tmp_path / "shm" / "step-6").glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    model, opt = _model()
+    again = CheckpointManager(
+        str(tmp_path / "durable"), model, opt, memory_url=str(tmp_path / "shm")
+    )
+    info = again.resume({"step": 0})
+    assert info is not None and info.step == 5 and again.resumed_from == str(tmp_path / "shm")
+    # the next memory save starts a new timeline there: step 6 (damaged) is replaced
+    _train(model, opt)
+    again.save_to_memory(6, {"step": 6})
+    again.wait()
+    assert storage.list_steps(str(tmp_path / "shm")) == [5, 6]
+    assert storage.verify(str(tmp_path / "shm"), 6).ok
+
+
+def test_a_memory_save_is_skipped_while_a_save_is_in_flight(tmp_path: Any) -> None:
+    model, opt = _model()
+    ckpt = CheckpointManager(
+        str(tmp_path / "durable"), model, opt, memory_url=str(tmp_path / "shm")
+    )
+    ckpt.resume({"step": 0})
+    ckpt.in_flight = lambda: True  # type: ignore[method-assign]  # a slow durable upload
+    ckpt._pending_tier = "durable"
+    assert ckpt.save_to_memory(1, {"step": 1}) < 5
+    assert not (tmp_path / "shm").exists() or storage.list_steps(str(tmp_path / "shm")) == []
+    with pytest.raises(ValueError, match="memory_every"):
+        CheckpointManager(str(tmp_path / "x"), model, opt, memory_url="m", memory_every=0)
