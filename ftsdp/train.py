@@ -7,6 +7,8 @@ small GPT on a synthetic language; ``--model hf:DIR`` / ``py:MODULE:FUNCTION`` a
         --data train.bin --block-size 256 --config run.toml
     torchrun --nnodes=1:2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --max-restarts=3 \\
         -m ftsdp.train --checkpoint-url s3://bucket/run --deterministic
+    python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=3 -- \\
+        --checkpoint-url ./ckpt      # torchrun's agent, workers forked with imports done
     python -m ftsdp.train            # one process, world size 1
     ftsdp-train --help               # every flag, generated from TrainConfig
 
@@ -19,16 +21,47 @@ fit the data, another run's checkpoint) is one line on stderr and exit status 2,
 
 from __future__ import annotations
 
-import logging
-import os
-from collections.abc import Sequence
+import contextlib
+import gc
+import time
 
-from ftsdp.trainer._config import parse_args
-from ftsdp.trainer._errors import JobError
-from ftsdp.trainer._hooks import HookFactory
-from ftsdp.trainer._job import build
-from ftsdp.trainer._loop import run
-from ftsdp.trainer._session import Session
+# [Note: a worker's imports]
+# A restarted worker spends most of its start importing: torch, then torch._dynamo (torch.optim
+# imports it at an optimizer's first use; it pulls in sympy and torch.fx: about as long as torch
+# itself), then ftsdp. They are imported here, timed (the first marks of [Note: the phases of a
+# worker's start], ``_phases``), with the cyclic garbage collector paused: imports allocate
+# millions of objects and no garbage cycles, and the collections they would trigger cost about
+# 0.45 s per worker on a 2-core machine (docs/elastic.md, "Recovery time"). Run as a program
+# (a worker), the entry then freezes what the imports made (``gc.freeze()``): later collections
+# skip those objects, and a worker forked from a process that did the imports
+# (``ftsdp.launch``) neither walks nor copies its parent's pages when it first collects (0.5 s
+# otherwise). Imported as a library (tests, ``from ftsdp.train import main``) it freezes nothing.
+_ENTRY = time.time()
+_GC_WAS_ENABLED = gc.isenabled()
+gc.disable()
+try:
+    import torch
+
+    with contextlib.suppress(ImportError):  # a torch without it: nothing to import early
+        import torch._dynamo  # noqa: F401
+    _TORCH_IMPORTED = time.time()
+    import logging
+    import os
+    from collections.abc import Sequence
+
+    from ftsdp.trainer._config import parse_args
+    from ftsdp.trainer._errors import JobError
+    from ftsdp.trainer._hooks import HookFactory
+    from ftsdp.trainer._job import build
+    from ftsdp.trainer._loop import run
+    from ftsdp.trainer._phases import Phases, process_start_time
+    from ftsdp.trainer._session import Session
+finally:
+    if __name__ == "__main__":  # a worker, not a library import: see the note
+        gc.freeze()
+    if _GC_WAS_ENABLED:
+        gc.enable()
+_FTSDP_IMPORTED = time.time()
 
 
 def fault_hook() -> HookFactory | None:
@@ -47,11 +80,26 @@ logger = logging.getLogger("ftsdp.train")
 EXIT_USER_ERROR = 2  # as argparse's usage errors
 
 
+def start_marks() -> Phases:
+    """This process's start and the entry's import marks (taken when this module ran)."""
+    phases = Phases()
+    started = process_start_time()
+    if started is not None:
+        phases.mark("process_start", started)
+    phases.mark("entry", _ENTRY)
+    phases.mark("torch_imported", _TORCH_IMPORTED)
+    phases.mark("ftsdp_imported", _FTSDP_IMPORTED)
+    return phases
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
-    with Session.open(cfg, hook=fault_hook()) as session:  # closed (in reverse) on the way out
+    phases = start_marks()
+    # The session is closed (in reverse) on the way out.
+    with Session.open(cfg, hook=fault_hook(), phases=phases) as session:
         try:
             job = build(cfg, session)
+            phases.mark("built")
             return run(cfg, session, job)
         except JobError as e:  # the user's to fix: one line, no traceback
             session.log.event({"event": "error", "error": f"JobError: {e}"[:2000]})

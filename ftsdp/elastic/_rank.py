@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -125,7 +126,10 @@ class RankManager:
     """This process's rank, world size, device and process group, and the job's generation.
 
     Build it with :meth:`init`; ``close()`` leaves the job: a barrier, then every process group
-    destroyed if ``init`` created it, safely for the interpreter's exit.
+    destroyed if ``init`` created it, safely for the interpreter's exit. ``marks``: wall times
+    (``time.time()``) at which ``init`` connected to the store (``store_connected``), finished
+    the join handshake (``joined``; both only under torchrun) and had its process group
+    (``process_group``); the training entry reports them (docs/elastic.md, "Recovery time").
     """
 
     info: RankInfo
@@ -134,6 +138,7 @@ class RankManager:
     incarnation: str = ""
     peers: list[Peer] = field(default_factory=list)
     timeout_s: float = 600.0
+    marks: dict[str, float] = field(default_factory=dict)
     _owns_group: bool = False
     _store: Any = None
 
@@ -172,6 +177,7 @@ class RankManager:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         owns = False
         token = ""
+        marks: dict[str, float] = {}
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
             if info.master_addr is not None and info.master_port is not None:
@@ -179,8 +185,10 @@ class RankManager:
                 base = client_store(
                     info.master_addr, info.master_port, info.rank, info.world_size, timeout_s
                 )
+                marks["store_connected"] = time.time()
                 join = dist.PrefixStore(f"ftsdp/{info.run_id}/join/", base)
                 token = handshake(join, info.rank, info.world_size, timeout_s)
+                marks["joined"] = time.time()
                 dist.init_process_group(
                     backend,
                     store=dist.PrefixStore(f"ftsdp/{info.run_id}/{token}/pg/", base),
@@ -200,12 +208,13 @@ class RankManager:
                 f"the process group already initialised has rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, the environment says {info.rank} of {info.world_size}"
             )
-        manager = cls(info=info, device=dev, timeout_s=timeout_s, _owns_group=owns)
+        manager = cls(info=info, device=dev, timeout_s=timeout_s, marks=marks, _owns_group=owns)
         try:
             manager._agree_on_incarnation(token)
         except BaseException:
             manager.close(barrier=False)
             raise
+        marks["process_group"] = time.time()
         return manager
 
     def _agree_on_incarnation(self, token: str) -> None:

@@ -49,8 +49,9 @@ class Outcome:
     preempted: bool = False
 
 
-def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any]) -> None:
-    """Load the newest usable checkpoint into the job and ``trainer``; log it.
+def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any]) -> int | None:
+    """Load the newest usable checkpoint into the job and ``trainer``; log it. The step it
+    resumed from, None when there was none.
 
     The template handed to the checkpoint has exactly the trainer keys the newest step saved
     (peeked when the job was built), so a checkpoint without ``model``/``data`` records or
@@ -72,7 +73,7 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
             report=rm.rank == 0,
         ) from None
     if resumed is None:
-        return
+        return None
     saved = SavedRun(resumed.step, template)
     diffs = mismatch(saved, cfg, json.loads(job.records["model"]), json.loads(job.records["data"]))
     if diffs:
@@ -103,6 +104,7 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
             "time": time.time(),
         },
     )
+    return resumed.step
 
 
 def _step(job: Job, rm: RankManager, cursor: int, scale: float) -> tuple[torch.Tensor, Any]:
@@ -175,8 +177,8 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         "config": _config_json(cfg),
         **job.records,  # model, data: what is trained (_records)
     }
-    if job.ckpt is not None:
-        _resume(cfg, session, job, trainer)
+    resumed_from = None if job.ckpt is None else _resume(cfg, session, job, trainer)
+    session.phases.mark("resumed")
     step, cursor = trainer["step"], trainer["cursor"]
     if session.watchdog is not None:
         session.watchdog.beat(step)
@@ -190,6 +192,8 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     while step < cfg.steps:
         lr = job.scheduler.get_last_lr()[0]
         losses, grad_norm = _step(job, rm, cursor, scale)
+        if out.steps_run == 0:  # [Note: the phases of a worker's start] (_phases)
+            _log_phases(session, resumed_from)
         if session.ledger is not None:
             record = {
                 "step": step + 1,
@@ -246,6 +250,20 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     if job.ckpt is not None:
         job.ckpt.close()
     return out
+
+
+def _log_phases(session: Session, resumed_from: int | None) -> None:
+    """Mark the first step and write the ``phases`` record (ftsdp.trainer._phases)."""
+    phases, rm = session.phases, session.rm
+    phases.mark("first_step")
+    record = phases.record(
+        restart_count=rm.info.restart_count,
+        generation=rm.generation,
+        incarnation=rm.incarnation,
+        world_size=rm.world_size,
+        resumed_step=resumed_from,
+    )
+    session.log.write(phases.line(), record)
 
 
 def _log_window(

@@ -39,6 +39,7 @@ from typing import IO, Any, Protocol
 from ftsdp.elastic import PreemptionHandler, RankManager, Watchdog
 from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._hooks import HookFactory, NoStepHook, StepHook
+from ftsdp.trainer._phases import Phases
 
 logger = logging.getLogger(__name__)
 progress = logging.getLogger("ftsdp.train")  # the entry's lines: progress, events, errors
@@ -190,6 +191,8 @@ class Session:
 
     Every field is set once, when the session is built. ``watchdog`` is None for a world of one
     or with ``--heartbeat-timeout-s 0``; ``ledger`` is None without ``--ledger`` or off rank 0.
+    ``phases`` collects the worker's start marks (``ftsdp.trainer._phases``): the entry's, the
+    rank manager's, ``session_open``; the entry and the loop add the rest.
     """
 
     cfg: TrainConfig
@@ -199,12 +202,17 @@ class Session:
     preempt: PreemptionHandler
     watchdog: Watchdog | None
     ledger: IO[str] | None
+    phases: Phases = field(default_factory=Phases)
     _closers: Closers = field(repr=False)
 
     @classmethod
-    def open(cls, cfg: TrainConfig, hook: HookFactory | None = None) -> Session:
-        """Open the parts in order; ``hook`` makes the step hook (default: :class:`NoStepHook`)."""
+    def open(
+        cls, cfg: TrainConfig, hook: HookFactory | None = None, phases: Phases | None = None
+    ) -> Session:
+        """Open the parts in order; ``hook`` makes the step hook (default: :class:`NoStepHook`);
+        ``phases``: the marks taken before (the entry's), to which the session adds its own."""
         closers = Closers()
+        phases = Phases() if phases is None else phases
         try:
             # torchrun sets RANK before the process starts; RankManager.init may log already.
             closers.push(console_logging(cfg.log_level, int(os.environ.get("RANK", "0") or 0)))
@@ -214,6 +222,7 @@ class Session:
                 threads=1 if cfg.deterministic else None,
             )
             closers.push(rm.close)
+            phases.marks.update(rm.marks)
             rank = rm.rank
             log = MetricsLog(cfg.metrics, enabled=rank == 0, rank=rank)
             closers.push(log.close)
@@ -255,6 +264,7 @@ class Session:
                     closing,
                 )
             raise
+        phases.mark("session_open")
         return cls(
             cfg=cfg,
             rm=rm,
@@ -263,6 +273,7 @@ class Session:
             preempt=preempt,
             watchdog=watchdog,
             ledger=ledger,
+            phases=phases,
             _closers=closers,
         )
 

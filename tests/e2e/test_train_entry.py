@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from ftsdp.trainer._phases import MARKS, PHASES
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
     *["--vocab-size", "64", "--block-size", "32", "--n-layer", "2", "--n-head", "2"],
@@ -59,7 +61,7 @@ def test_torchrun_two_ranks_logs_and_the_loss_falls(two_ranks) -> None:
     assert all(int(tps) > 0 and float(sps) > 0 for _, _, tps, sps, _ in lines)
     assert "done | 30 steps" in stdout
 
-    start, *steps, done = records
+    start, *steps, done = [r for r in records if r["event"] != "phases"]
     assert start["event"] == "start" and start["world_size"] == 2 and start["accum_steps"] == 2
     assert [r["step"] for r in steps] == [5, 10, 15, 20, 25, 30] and done["event"] == "done"
     for (_, loss, *_), rec in zip(lines, steps, strict=True):
@@ -68,6 +70,26 @@ def test_torchrun_two_ranks_logs_and_the_loss_falls(two_ranks) -> None:
     uniform, floor = start["loss_uniform"], start["loss_floor"]
     assert first > uniform - 0.6, (first, uniform)  # starts near ln(V)
     assert last < first - 1.5 and last < floor + 1.0, (first, last, floor)
+
+
+@pytest.mark.timeout(180)
+def test_the_first_step_records_where_the_worker_start_went(two_ranks) -> None:
+    """One ``phases`` record (ftsdp/trainer/_phases.py): every mark from the kernel's process
+    start to the first step, in order, around the start record written between them; the
+    phases add up; one progress line says it."""
+    stdout, records = two_ranks
+    (phases,) = [r for r in records if r["event"] == "phases"]
+    start = next(r for r in records if r["event"] == "start")
+    marks = phases["marks"]
+    assert list(marks) == list(MARKS)
+    assert list(marks.values()) == sorted(marks.values())
+    assert marks["built"] <= start["time"] <= marks["resumed"]  # run() logs the start between
+    assert 0 <= marks["entry"] - marks["process_start"] < 5  # the kernel's clock and ours agree
+    assert list(phases["seconds"]) == [name for name, _ in PHASES]
+    assert sum(phases["seconds"].values()) == pytest.approx(phases["total_s"], abs=1e-3)
+    assert (phases["world_size"], phases["restart_count"], phases["resumed_step"]) == (2, 0, None)
+    (line,) = re.findall(r"rank 0 INFO ftsdp\.train: first step ([\d.]+)s after process", stdout)
+    assert float(line) == pytest.approx(phases["total_s"], abs=0.006)
 
 
 @pytest.mark.timeout(180)

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+from typing import ClassVar
 
 import pytest
 
@@ -52,6 +53,7 @@ def fakes(monkeypatch) -> _Fakes:
 
     class RankManager(_Part):
         rank, world_size, incarnation, peers = 0, 2, "inc0", []
+        marks: ClassVar[dict[str, float]] = {}  # init's stage times (none here)
         info = dataclasses.make_dataclass("Info", [("restart_count", int, 3)])()
 
         @classmethod
@@ -231,9 +233,9 @@ def test_the_loop_calls_the_hook_at_the_step_boundaries(tmp_path, monkeypatch) -
         assert run(cfg, session, build(cfg, session)) == 0
     assert calls == [
         ("checkpoint_url", url),
-        ("at_step_end", 1, [], ("start", None)),
-        ("after_save", 1, [], ("start", None)),
-        ("at_step_end", 2, [], ("start", None)),  # before the save of step 2 and its log line
+        ("at_step_end", 1, [], ("phases", None)),  # the first step wrote its phases record
+        ("after_save", 1, [], ("phases", None)),
+        ("at_step_end", 2, [], ("phases", None)),  # before the save of step 2 and its log line
         ("after_save", 2, [2], ("step", 2)),  # after the checkpoint and the log line
         ("at_step_end", 3, [2], ("step", 2)),
         ("after_save", 3, [2], ("step", 2)),

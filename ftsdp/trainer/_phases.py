@@ -1,0 +1,115 @@
+"""Where a worker's time goes from its process start to its first step: the ``phases`` record.
+
+[Note: the phases of a worker's start]
+A restarted job spends its recovery time in the new workers before their first step. The entry
+(``ftsdp/train.py``) and the rank manager take wall-clock marks (``time.time()``) on the way, in
+this order (a mark that does not apply is absent, e.g. the store marks in a world of one):
+
+- ``process_start``: the kernel's start time of this process (Linux ``/proc/self/stat``), so the
+  interpreter's own start is covered;
+- ``entry``: the first statement of ``ftsdp/train.py`` (the interpreter and ``site`` are up);
+- ``torch_imported``, ``ftsdp_imported``: after ``import torch``, after ftsdp's own modules;
+- ``store_connected``: a client of torchrun's c10d store (``RankManager.init``);
+- ``joined``: every rank of this incarnation answered the join handshake (``_join``): on rank 0
+  it waits for the slowest peer's start, so that peer's imports show here;
+- ``process_group``: ``init_process_group`` returned and the ranks agreed on the incarnation;
+- ``session_open``: logs, step hook, signal handlers, watchdog and ledger are open;
+- ``built``: model, wrapper, optimizer, checkpoint peek (``ftsdp.trainer._job.build``);
+- ``resumed``: ``CheckpointManager.resume`` returned (the same as ``built`` without a checkpoint);
+- ``first_step``: the first optimizer step of this incarnation completed.
+
+A phase is named after the mark that ends it and lasts from the previous mark present
+(:data:`PHASES`). Rank 0 writes one record per incarnation to ``--metrics`` right after its first
+step (before that step's boundary, so a fault there does not lose it)::
+
+    {"event": "phases", "marks": {MARK: wall time, ...}, "seconds": {PHASE: seconds, ...},
+     "total_s": first_step - process_start, "restart_count": N, "generation": N,
+     "incarnation": "...", "world_size": W, "resumed_step": S or null, "time": wall time}
+
+The fault that caused a restart and its detection are in the fault log and in the ``error`` and
+``stall`` records; ``python -m ftsdp.tools.bench_recovery`` joins them (docs/elastic.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# (phase, the mark that ends it), in order; a phase starts at the previous mark present.
+PHASES = (
+    ("interpreter", "entry"),
+    ("import_torch", "torch_imported"),
+    ("import_ftsdp", "ftsdp_imported"),
+    ("connect", "store_connected"),
+    ("rendezvous", "joined"),
+    ("process_group", "process_group"),
+    ("session", "session_open"),
+    ("build", "built"),
+    ("load", "resumed"),
+    ("first_step", "first_step"),
+)
+MARKS = ("process_start", *(mark for _, mark in PHASES))
+
+
+def process_start_time() -> float | None:
+    """The wall time this process started, from the kernel (``/proc/self/stat``'s start time in
+    clock ticks since boot, plus the wall time of the boot); None where that is not available.
+    Resolution: one clock tick (10 ms on Linux)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces
+        ticks = int(fields[19])  # field 22, starttime; the fields after ")" begin at field 3
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+@dataclass
+class Phases:
+    """Wall-clock marks of one worker's start (see [Note: the phases of a worker's start])."""
+
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str, when: float | None = None) -> None:
+        """Record mark ``name`` (one of :data:`MARKS`) at ``when`` (default: now)."""
+        if name not in MARKS:
+            raise ValueError(f"unknown phase mark {name!r}: one of {MARKS}")
+        self.marks[name] = time.time() if when is None else when
+
+    def seconds(self) -> dict[str, float]:
+        """Each phase whose end mark is present: seconds since the previous mark present."""
+        out: dict[str, float] = {}
+        last = self.marks.get("process_start")
+        for phase, mark in PHASES:
+            if mark not in self.marks:
+                continue
+            if last is not None:
+                out[phase] = self.marks[mark] - last
+            last = self.marks[mark]
+        return out
+
+    def total(self) -> float | None:
+        """From the first mark to the last, in seconds; None with fewer than two marks."""
+        present = [self.marks[m] for m in MARKS if m in self.marks]
+        return present[-1] - present[0] if len(present) > 1 else None
+
+    def record(self, **extra: Any) -> dict[str, Any]:
+        """The ``phases`` metrics record: marks in order, phase durations, ``extra`` fields."""
+        return {
+            "event": "phases",
+            "marks": {m: self.marks[m] for m in MARKS if m in self.marks},
+            "seconds": {k: round(v, 4) for k, v in self.seconds().items()},
+            "total_s": None if self.total() is None else round(self.total() or 0.0, 4),
+            **extra,
+            "time": time.time(),
+        }
+
+    def line(self) -> str:
+        """One progress line: the total and every phase that took at least 5 ms."""
+        shown = " | ".join(f"{k} {v:.2f}s" for k, v in self.seconds().items() if v >= 0.005)
+        total = self.total()
+        head = "first step" + ("" if total is None else f" {total:.2f}s after process start")
+        return head + (f" | {shown}" if shown else "")
