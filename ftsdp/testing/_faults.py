@@ -16,9 +16,11 @@
 
 Common keys: ``rank`` (default: any rank), ``restart`` (fire only when
 ``TORCHELASTIC_RESTART_COUNT`` equals it; default 0, so a restarted worker does not fail again;
-``restart=any`` always fires), ``when=before_save|after_save`` (relative to the checkpoint the
-loop may start at that step boundary; ``term`` and ``usr1`` default to ``after_save`` so an
-async save is in flight when the signal lands, the others to ``before_save``).
+``restart=any`` always fires), ``when=before_save|after_save|after_commit`` (relative to the
+checkpoint the loop may start at that step boundary; ``after_commit``: once that save, or the
+memory-tier save, has committed, as a kill landing during the next step would find it; ``term``
+and ``usr1`` default to ``after_save`` so an async save is in flight when the signal lands, the
+others to ``before_save``).
 
 Before firing, a fault appends ``{"event": "fault", ...}`` with the wall time to the JSONL file
 named by ``FTSDP_FAULT_LOG`` (and a warning to this module's logger, which Python prints on
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 
 KINDS = ("kill", "stop", "term", "usr1", "exit", "hang", "kill_node", "crash_in_save")
 SAVE_POINTS = ("after_data", "before_manifest", "before_latest")
+WHEN = ("before_save", "after_save", "after_commit")
 EXIT_INJECTED = 91  # the exit status of crash_in_save and of exit without code=
 
 logger = logging.getLogger(__name__)
@@ -91,8 +94,8 @@ def parse_faults(spec: str) -> list[Fault]:
             kw.setdefault("when", "after_save")
         if kind == "crash_in_save" and kw.get("point") not in SAVE_POINTS:
             raise ValueError(f"FTSDP_FAULT: {part!r} needs point= one of {SAVE_POINTS}")
-        if kw.get("when", "before_save") not in ("before_save", "after_save"):
-            raise ValueError(f"FTSDP_FAULT: when= in {part!r} must be before_save or after_save")
+        if kw.get("when", "before_save") not in WHEN:
+            raise ValueError(f"FTSDP_FAULT: when= in {part!r} must be one of {', '.join(WHEN)}")
         if kw.get("target", "self") not in ("self", "agent"):
             raise ValueError(f"FTSDP_FAULT: target= in {part!r} must be self or agent")
         faults.append(Fault(kind, **kw))  # type: ignore[arg-type]

@@ -40,6 +40,15 @@ class FaultHook:
         """Fire the ``after_save`` faults of ``step``."""
         self._fire(step, "after_save")
 
+    def needs_commit(self, step: int) -> bool:
+        """Whether an ``after_commit`` fault of ``step`` applies here: the loop then waits for
+        the save it started at ``step`` to commit and calls :meth:`after_commit`."""
+        return any(f.step == step and f.when == "after_commit" for f in self.faults)
+
+    def after_commit(self, step: int) -> None:
+        """Fire the ``after_commit`` faults of ``step``."""
+        self._fire(step, "after_commit")
+
     def _fire(self, step: int, when: str) -> None:
         for f in self.faults:
             if f.step == step and f.when == when and f.kind != "crash_in_save":

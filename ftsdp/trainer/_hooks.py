@@ -27,6 +27,10 @@ class StepHook(Protocol):
 
     def after_save(self, step: int) -> None: ...
 
+    # Optional: ``needs_commit(step) -> bool`` and ``after_commit(step)``. When a hook has them
+    # and ``needs_commit(step)`` is true, the loop waits for the save it started at ``step`` to
+    # commit, then calls ``after_commit(step)`` (the fault suite's ``when=after_commit``).
+
 
 class HookFactory(Protocol):
     """Makes the hook of one worker once its rank, restart count and incarnation are known."""

@@ -87,13 +87,16 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
         world_size=rm.world_size,
     )
     skipped = [s for s, _ in resumed.skipped]
+    tier = "memory" if ckpt.memory_url and ckpt.resumed_from == ckpt.memory_url else "durable"
     log.write(
         f"resumed step {resumed.step} (saved at world {resumed.saved_world_size}, now "
         f"{rm.world_size}) in {resumed.seconds:.2f}s | restart {trainer['restarts']}"
+        + (" | from the memory tier" if tier == "memory" else "")
         + (f" | skipped unusable steps {skipped}" if skipped else ""),
         {
             "event": "resume",
             "step": resumed.step,
+            "tier": tier,
             "saved_world_size": resumed.saved_world_size,
             "world_size": rm.world_size,
             "seconds": resumed.seconds,
@@ -236,6 +239,10 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
             )
             window, blocking, t_window = [], 0.0, time.perf_counter()
         hook.after_save(step)
+        if getattr(hook, "needs_commit", lambda _: False)(step):  # optional (_hooks)
+            if job.ckpt is not None:
+                job.ckpt.wait()
+            hook.after_commit(step)  # type: ignore[attr-defined]
         if stop:
             signalled = preempt.requested
             if not signalled:
