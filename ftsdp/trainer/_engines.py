@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import json
+import sys
 from typing import Any
 
 import torch
@@ -214,9 +215,9 @@ def _flat(view: Any) -> storage.FlatShard:
 
 
 def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
+    # No DTensor exists before its module is imported: no import here (it runs per tensor).
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 class TorchEngine(Engine):
