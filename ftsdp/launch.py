@@ -10,23 +10,25 @@ starts workers differs. See [Note: preloaded workers].
 
 [Note: preloaded workers]
 A worker started by ``torchrun -m ftsdp.train`` is a new interpreter that imports torch,
-torch._dynamo (torch.optim imports it) and ftsdp before it can join its group: 2.5-7 s of the
-3-10 s from a worker's kill -9 to the group's first new step on a 2-core machine, depending on its
-load (docs/elastic.md, "Recovery time"). Here the agent starts its workers with the ``forkserver`` start method
-(torchrun's ``--start-method``, with ``--run-path`` so the training entry runs as a function in
-the worker): one server process, started with the first workers, imports ``ftsdp.train`` once
-(:data:`PRELOAD`), and every worker, first or restarted, is a fork of it. The server only imports
-(no Python thread, no process group, no CUDA initialised), so forking it is safe; each worker runs
-``ftsdp/train.py`` as its main program and finds its imports done. The entry first freezes the
-objects it finds (``gc.freeze()``, [Note: a worker's imports] in ``ftsdp/train.py``), so the
-worker's collections neither walk nor copy the server's pages (without it, the first collection
-of a forked worker cost 0.5 s).
+torch._dynamo (torch.optim imports it) and ftsdp before it can join its group: 2.5-7 s of the 3-10 s
+from a worker's kill -9 to the group's first new step on a 2-core machine, depending on its load
+(docs/elastic.md, "Recovery time"). Here the agent starts its workers with the ``forkserver`` start
+method (torchrun's ``--start-method``, with ``--run-path`` so the training entry runs as a function
+in the worker): one server process, started at once, imports ``ftsdp.train`` once (:data:`PRELOAD`),
+and every worker, first or restarted, is a fork of it. The server only imports (no Python thread, no
+process group, no CUDA initialised), so forking it is safe; each worker runs ``ftsdp/train.py`` as
+its main program and finds its imports done. The entry first freezes the objects it finds
+(``gc.freeze()``, [Note: a worker's imports] in ``ftsdp/train.py``), so the worker's collections
+neither walk nor copy the server's pages (without it, the first collection of a forked worker cost
+0.5 s).
 
-The agent learns of a failed worker by an exception that it logs, and torch's log formatter
-imports torch._dynamo to format the first one: 2-6 s on the recovery path. The launcher imports
-it in the agent when it starts, while the fork server, started at once, imports in parallel (a
-background thread of the agent would not do: torch's modules are not safe to import from two
-threads at once).
+The agent learns of a failed worker by an exception that it logs (with function workers), and
+torch's log formatter imports torch._dynamo to format an exception: 1.5-4 s of the agent's time
+on the recovery path, measured. The launcher's agent formats those tracebacks itself, with the
+standard library's formatter, before torch's handlers see the record (:class:`PlainTracebacks`),
+so the formatter has nothing to import for. (Importing torch._dynamo in the agent up front costs
+its start 2-4 s; from a background thread it is not safe: torch's modules must not be imported
+from two threads at once, and doing so aborted the agent.)
 
 What changes for the job: the workers' parent process is the fork server, not the agent (the
 agent still watches, signals and restarts them; the fault suite's faults that signal the agent,
@@ -38,8 +40,8 @@ gives torchrun's behaviour back).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -97,6 +99,27 @@ def start_method(ours: Sequence[str]) -> str | None:
     return os.environ.get("PET_START_METHOD") or None
 
 
+class PlainTracebacks(logging.Filter):
+    """A handler filter that renders a record's exception into its message with the standard
+    library's formatter and drops ``exc_info``: torch's formatter would import torch._dynamo to
+    format it (see the module note). The text is the same traceback either way."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info or record.exc_text:
+            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.msg, record.args = f"{record.getMessage()}\n{text}", None
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def plain_tracebacks(*loggers: str) -> None:
+    """Install :class:`PlainTracebacks` on every handler of ``loggers`` (torch's, once imported)."""
+    for name in loggers:
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, PlainTracebacks) for f in handler.filters):
+                handler.addFilter(PlainTracebacks())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run torchrun's agent over ``ftsdp.train`` with preloaded workers (see the module note)."""
     try:
@@ -113,10 +136,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if start_method(ours) in (None, "forkserver"):
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()  # preloads while this process imports
-    with contextlib.suppress(Exception):  # see the note; torch's formatter would meet it too
-        import torch._dynamo  # noqa: F401
     from torch.distributed import run as torchrun
 
+    plain_tracebacks("torch", "torch.distributed")  # the handlers torch's import installed
     torchrun.main(command)
 
 

@@ -283,7 +283,12 @@ def table(
     return lines
 
 
-def report(args: argparse.Namespace, results: dict[str, list[dict]], load: float) -> str:
+def report(
+    args: argparse.Namespace,
+    results: dict[str, list[dict]],
+    load: float,
+    load_end: float | None = None,
+) -> str:
     import torch  # the version in the header only
 
     pyc = "off (PYTHONDONTWRITEBYTECODE=1)" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "on"
@@ -293,8 +298,9 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], load: float
         f"`python -m ftsdp.tools.bench_recovery --runs {args.runs} --setups "
         f"{','.join(args.setups)} --out docs/benchmarks.md` ({datetime.date.today()}; "
         f"{args.runs} jobs per setup, taking turns; torch {torch.__version__}, "
-        f"{os.cpu_count()} CPUs, 1-minute load average {load:.1f} at the start; Python's "
-        f"bytecode cache {pyc})",
+        f"{os.cpu_count()} CPUs, 1-minute load average {load:.1f} at the start"
+        + ("" if load_end is None else f", {load_end:.1f} at the end")
+        + f"; Python's bytecode cache {pyc})",
         "",
         "Job: the fault suite's (2 ranks, `--nproc-per-node=2 --max-restarts=1 "
         f"--monitor-interval=0.1`), `FTSDP_FAULT=kill:rank=1:step={FAULT_STEP}`: rank 1 is "
@@ -349,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
     finally:
         shutil.rmtree(parent, ignore_errors=True)
-    text = report(args, results, load)
+    text = report(args, results, load, os.getloadavg()[0])
     sys.stdout.write(text)
     if args.out:
         replace_section(args.out, text, "## Recovery")
