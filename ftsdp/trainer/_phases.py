@@ -16,7 +16,8 @@ this order (a mark that does not apply is absent, e.g. the store marks in a worl
 - ``session_open``: logs, step hook, signal handlers, watchdog and ledger are open;
 - ``built``: model, wrapper, optimizer, checkpoint peek (``ftsdp.trainer._job.build``);
 - ``resumed``: ``CheckpointManager.resume`` returned (the same as ``built`` without a checkpoint);
-- ``first_step``: the first optimizer step of this incarnation completed.
+- ``first_step``: the first optimizer step of this incarnation completed (on the host: on CUDA
+  its kernels may still be running, no device sync is added for the mark).
 
 A phase is named after the mark that ends it and lasts from the previous mark present
 (:data:`PHASES`). Rank 0 writes one record per incarnation to ``--metrics`` right after its first
