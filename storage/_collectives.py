@@ -79,26 +79,28 @@ def broadcast_json(obj: Any, group: Any) -> Any:
 # job: ``new_group`` is a collective of all ranks. For a subgroup the ranks outside it would
 # have to take part, and torch's ``use_local_synchronization=True`` (members only) hangs in
 # torch 2.13 once another subgroup that leaves out some ranks exists, so a deferred save over a
-# subgroup exchanges its metadata on the caller's thread instead (see ``own_group``).
-_own_groups: dict[tuple[int, ...], Any] = {}
+# subgroup exchanges its metadata on the caller's thread instead (see ``own_group``). Saves to
+# different roots may run at once (see [Note: one lane per root] in _save.py): each root gets
+# its own group, so that two background threads never share one.
+_own_groups: dict[tuple[tuple[int, ...], str], Any] = {}
 _own_lock = threading.Lock()
 
 
-def own_group(group: Any) -> Any:
-    """Storage's own gloo group for a save over ``group`` when that is every rank of the job
-    (creating it the first time is a collective of all ranks); None without a process group or
-    for a subgroup (see [Note: storage's own process group])."""
+def own_group(group: Any, lane: str = "") -> Any:
+    """Storage's own gloo group for the saves of ``lane`` (a root) over ``group`` when that is
+    every rank of the job (creating it the first time is a collective of all ranks); None
+    without a process group or for a subgroup (see [Note: storage's own process group])."""
     if group is None:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks != tuple(range(dist.get_world_size())):
         return None
     with _own_lock:
-        cached = _own_groups.get(ranks)
+        cached = _own_groups.get((ranks, lane))
         if cached is not None and _alive(cached):
             return cached
         made = dist.new_group(backend="gloo")
-        _own_groups[ranks] = made
+        _own_groups[(ranks, lane)] = made
         return made
 
 

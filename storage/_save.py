@@ -37,9 +37,7 @@ from ftsdp.storage._staging import (
 from ftsdp.storage._state import TensorLeaf, flatten_state
 
 _lock = threading.Lock()
-_previous: SaveHandle | None = None
-_staging_pool = StagingPool()  # async saves of this process, one at a time
-_arena = SnapshotArena()  # deferred saves of this process, one at a time
+_staging_pool = StagingPool()  # async saves of this process (thread-safe)
 
 
 class _Worker:
@@ -66,7 +64,35 @@ class _Worker:
             self._jobs.get()()  # a job handles its own errors (into its SaveHandle)
 
 
-_worker = _Worker()
+class _Lane:
+    """The saves of this process to one root, one after the other (see [Note: one lane per
+    root]): the latest save's handle, the snapshot memory and the thread of deferred saves."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.previous: SaveHandle | None = None
+        self.arena = SnapshotArena()
+        self.worker = _Worker()
+
+
+# [Note: one lane per root]
+# Saves to one root follow each other: a new one waits for the previous one to commit (errors
+# surface in order, and a step never races its predecessor's retention). Saves to different
+# roots are independent: a training job's fast tier (shared memory, every step) must not wait
+# for its durable tier's upload, which may take minutes. So each root (``Store.where()``) has
+# a lane of its own: its latest handle, its snapshot arena, its worker thread and, for deferred
+# saves, its own process group (created by the first deferred save to that root, a collective
+# all ranks reach in the same order because they save in the same order). ``wait_snapshot``
+# waits for the latest snapshot of every lane.
+_lanes: dict[str, _Lane] = {}
+
+
+def _lane(key: str) -> _Lane:
+    with _lock:
+        lane = _lanes.get(key)
+        if lane is None:
+            lane = _lanes[key] = _Lane(key)
+        return lane
 
 
 class SaveHandle:
@@ -128,8 +154,8 @@ def wait_snapshot(timeout: float | None = None) -> None:
     change of saved tensors after a ``save(..., defer_copy=True)``. See
     :func:`snapshot_fence` for an optimizer hook that calls it."""
     with _lock:
-        prev = _previous
-    if prev is not None:
+        latest = [lane.previous for lane in _lanes.values() if lane.previous is not None]
+    for prev in latest:
         prev.wait_snapshot(timeout)
 
 
@@ -144,10 +170,11 @@ def snapshot_fence(optimizer: torch.optim.Optimizer) -> Any:
     return optimizer.register_step_pre_hook(lambda *_: wait_snapshot())
 
 
-def _wait_previous() -> None:
-    """A new save waits for the previous one; an error nobody has seen is raised here."""
+def _wait_previous(lane: _Lane) -> None:
+    """A new save waits for the previous one to the same root; an error nobody has seen is
+    raised here."""
     with _lock:
-        prev = _previous
+        prev = lane.previous
     if prev is None:
         return
     prev._done.wait()
@@ -204,12 +231,13 @@ def save(
         raise ValueError(f"keep_last={keep_last} must be >= 1 or None")
     if defer_copy and not async_save:
         raise ValueError("defer_copy=True needs async_save=True (a sync save copies as it writes)")
-    _wait_previous()
+    store = Store(url, storage_options, options.io)
+    lane = _lane(store.where())
+    _wait_previous(lane)
     group = resolve_group(process_group)
     rank, _ = rank_world(group)
-    store = Store(url, storage_options, options.io)
     if defer_copy:
-        job = _DeferredSave(store, step, rank, group, options)
+        job = _DeferredSave(store, step, rank, group, options, lane)
         handle = job.begin(state, keep_last, keep_every, discard_newer)
         handle.blocking_seconds = time.perf_counter() - start
         return handle
@@ -233,7 +261,7 @@ def save(
             raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
     plan = make_plan(metas, metas[0]["attempt"], options)
 
-    handle = _register(SaveHandle(step, store.where()))
+    handle = _register(SaveHandle(step, store.where()), lane)
     job = _SaveJob(store, step, rank, plan, metas, tensors, options, keep_last, keep_every)
     job.lineage, job.replaces = lineage, metas[0].get("replaces")
     if async_save:
@@ -252,23 +280,27 @@ def save(
 
 
 def prepare_save(
-    state: Mapping[str, Any] | None = None,
+    state: Mapping[str, Any] | None,
+    url: str,
     *,
     process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
 ) -> int:
-    """Get ready for ``save(..., async_save=True, defer_copy=True)``; collective over
+    """Get ready for ``save(..., async_save=True, defer_copy=True)`` to ``url``; collective over
     ``process_group`` the first time. Returns the bytes of host memory reserved.
 
-    Creates storage's own process group over the group's ranks (the deferred saves exchange
-    their metadata on it, off the caller's thread) and, given the ``state`` to be saved,
-    allocates the snapshot memory for this rank's share and maps its pages (a rank's share is
-    at most the bytes of its tensors: that much is reserved, when it fits in
-    ``options.staging_budget_bytes``). Without this call the first deferred save does both;
-    the caller then waits for the group, and the first copy into fresh memory takes longer.
+    Creates storage's own process group for the saves to ``url`` (the deferred saves exchange
+    their metadata on it, off the caller's thread; see [Note: one lane per root]) and, given
+    the ``state`` to be saved, allocates the snapshot memory for this rank's share and maps its
+    pages (a rank's share is at most the bytes of its tensors: that much is reserved, when it
+    fits in ``options.staging_budget_bytes``). Without this call the first deferred save does
+    both; the caller then waits for the group, and the first copy into fresh memory takes
+    longer.
     """
     options = options or SaveOptions()
-    own_group(resolve_group(process_group))
+    lane = _lane(Store(url, storage_options, options.io).where())
+    own_group(resolve_group(process_group), lane.key)
     if state is None:
         return 0
     tensors, _ = flatten_state(state)
@@ -276,14 +308,13 @@ def prepare_save(
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
     if total > options.staging_budget_bytes:
         return 0
-    _arena.reserve(total, any(t.device.type == "cuda" for t in local))
+    lane.arena.reserve(total, any(t.device.type == "cuda" for t in local))
     return total
 
 
-def _register(handle: SaveHandle) -> SaveHandle:
-    global _previous
+def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
     with _lock:
-        _previous = handle
+        lane.previous = handle
     return handle
 
 
@@ -375,24 +406,24 @@ class _SaveJob:
         self,
         pool: ThreadPoolExecutor,
         handle: SaveHandle,
-        deferred: bool = False,
+        arena: SnapshotArena | None = None,
         stream: Any = None,
     ) -> tuple[list[Future], BaseException | None]:
         """Copy this rank's pieces to host memory and hand each object to ``pool`` to upload.
 
-        A deferred save (CUDA copies on ``stream``) puts everything into the snapshot arena when it fits
-        in the staging budget; otherwise objects are staged one by one within the budget, into
+        A deferred save (CUDA copies on ``stream``) puts everything into its lane's ``arena``
+        when it fits in the staging budget; otherwise objects are staged one by one within the budget, into
         buffers kept for the next save. Returns the uploads and the first error (the commit
         protocol still runs, as a failure)."""
         futures: list[Future] = []
         try:
             payloads = [self._payloads(obj) for obj in self.mine]
             sizes = [sum(aligned_bytes(t.numel() * t.element_size()) for t in p) for p in payloads]
-            if deferred and sum(sizes) <= self.options.staging_budget_bytes:
+            if arena is not None and sum(sizes) <= self.options.staging_budget_bytes:
                 cuda = any(t.device.type == "cuda" for p in payloads for t in p)
-                arena, off = _arena.take(sum(sizes), cuda), 0
+                buf, off = arena.take(sum(sizes), cuda), 0
                 for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
-                    staged = copy_into(tensors, arena[off : off + size], stream)
+                    staged = copy_into(tensors, buf[off : off + size], stream)
                     futures.append(pool.submit(self._write, obj, staged))
                     off += size
                 handle.staging_peak_bytes = sum(sizes)
@@ -484,10 +515,11 @@ class _DeferredSave:
     """One ``save(..., defer_copy=True)``: records on the caller's thread, works on its own."""
 
     def __init__(
-        self, store: Store, step: int, rank: int, group: Any, options: SaveOptions
+        self, store: Store, step: int, rank: int, group: Any, options: SaveOptions, lane: _Lane
     ) -> None:
         self.store, self.step, self.rank, self.options = store, step, rank, options
-        self.own = own_group(group)  # None: the exchange runs here, on the caller's group
+        self.lane = lane
+        self.own = own_group(group, lane.key)  # None: exchange here, on the caller's group
         self.group = group if self.own is None else self.own
 
     def begin(
@@ -498,7 +530,7 @@ class _DeferredSave:
         discard_newer: bool,
     ) -> SaveHandle:
         start = time.perf_counter()
-        handle = _register(SaveHandle(self.step, self.store.where()))
+        handle = _register(SaveHandle(self.step, self.store.where()), self.lane)
         local_error: Exception | None = None
         tensors: dict[str, TensorLeaf] = {}
         try:
@@ -526,7 +558,7 @@ class _DeferredSave:
                 else:
                     job = self._plan(meta, tensors, keep_last, keep_every, discard_newer)
                 stream = _side_stream(ready)
-                futures, error = job.stage_and_submit(pool, handle, deferred=True, stream=stream)
+                futures, error = job.stage_and_submit(pool, handle, self.lane.arena, stream)
                 handle._snapshot_done(start)
                 job._finish_and_commit(futures, error)
             except BaseException as e:
@@ -536,7 +568,7 @@ class _DeferredSave:
             finally:
                 pool.shutdown(wait=False)
 
-        _worker.submit(run)
+        self.lane.worker.submit(run)
         if local_error is not None:
             handle._observed = True  # raised here, not again by the next save
             raise local_error

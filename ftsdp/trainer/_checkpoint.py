@@ -187,7 +187,7 @@ class CheckpointManager:
         self._memory_discard_newer = True  # the tier follows this run's timeline
         self.last_memory_step: int | None = None
         self.resumed_from: str | None = None  # the root the last resume loaded from
-        self._pending_tier = "durable"  # of self._pending
+        self._pending_memory: storage.SaveHandle | None = None  # the memory tier's lane
         self.defer_copy = async_save and defer_copy
         # the fence: optimizer.step() waits until the latest deferred save has copied the state
         self._fence = storage.snapshot_fence(optimizer) if self.defer_copy else None
@@ -240,7 +240,7 @@ class CheckpointManager:
                 self.wait()
             return 0.0
         start = time.perf_counter()
-        self.wait()  # one save at a time; surfaces the previous one's error
+        self._wait_durable()  # one durable save at a time; surfaces the previous one's error
         handle = storage.save(
             self._state({**trainer}),
             self.url,
@@ -256,7 +256,6 @@ class CheckpointManager:
         )
         self._discard_newer = False  # once: after this save the newer steps are gone
         self._pending = handle  # even when already done: a failed save must still surface
-        self._pending_tier = "durable"
         self._last_save = time.monotonic()
         self.last_saved_step = step
         return time.perf_counter() - start
@@ -267,39 +266,46 @@ class CheckpointManager:
         return self._memory_on and self.memory_every is not None and step % self.memory_every == 0
 
     def save_to_memory(self, step: int, trainer: Mapping[str, Any]) -> float:
-        """Save ``step`` to the memory tier if it is due there (collective: every rank calls it
-        at every step). Skipped, on every rank, while a durable save of any rank is still in
-        flight (the tier never waits for an upload), and for a step saved already; waits for the
-        previous memory save (to shared memory: milliseconds). Returns the seconds the caller
-        was blocked."""
-        if not self.memory_due(step):
+        """Save ``step`` to the memory tier if it is due there and not saved already (collective:
+        every rank calls it at every step). It runs beside a durable upload still in flight
+        (another root: storage's lanes) and waits only for the previous memory save (to shared
+        memory: milliseconds). A memory save that fails is logged, not raised: the tier is a
+        cache, the durable saves go on. Returns the seconds the caller was blocked."""
+        if not self.memory_due(step) or step in (self.last_saved_step, self.last_memory_step):
             return 0.0
         start = time.perf_counter()
-        uploading = self.in_flight() and self._pending_tier == "durable"
-        busy = uploading or step in (self.last_saved_step, self.last_memory_step)
-        if self._agree(_FALLBACK if busy else _OK) != _OK:
-            return time.perf_counter() - start
-        self.wait()  # done already: raises its error, if any
+        self._wait_memory()
         assert self.memory_url is not None
-        self._pending = storage.save(
-            self._state({**trainer}),
-            self.memory_url,
-            step,
-            process_group=self.process_group,
-            async_save=True,
-            defer_copy=self.defer_copy,
-            keep_last=self.memory_keep,
-            options=self.save_options,
-            discard_newer=self._memory_discard_newer,
-        )
+        try:
+            self._pending_memory = storage.save(
+                self._state({**trainer}),
+                self.memory_url,
+                step,
+                process_group=self.process_group,
+                async_save=True,
+                defer_copy=self.defer_copy,
+                keep_last=self.memory_keep,
+                options=self.save_options,
+                discard_newer=self._memory_discard_newer,
+            )
+        except storage.CheckpointError as e:  # the previous one's error, seen by storage
+            self._log(f"ftsdp: a save to the memory tier {self.memory_url} failed: {e}")
         self._memory_discard_newer = False
-        self._pending_tier = "memory"
         self.last_memory_step = step
         return time.perf_counter() - start
 
+    def _wait_memory(self) -> None:
+        pending, self._pending_memory = self._pending_memory, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except Exception as e:
+            self._log(f"ftsdp: a save to the memory tier {self.memory_url} failed: {e}")
+
     def in_flight(self) -> bool:
-        """True while an async save is uploading or committing."""
-        return self._pending is not None and not self._pending.done()
+        """True while an async save (durable or memory) is uploading or committing."""
+        return any(p is not None and not p.done() for p in (self._pending, self._pending_memory))
 
     def wait_snapshot(self) -> None:
         """Block until the latest save has copied this rank's state: needed before changing a
@@ -311,15 +317,28 @@ class CheckpointManager:
         host memory of this rank's share of the state as it is now (after a resume: all of it;
         on a fresh start the optimizer's state does not exist yet, and the first save adds it).
         :meth:`resume` calls it; without either, the first save does it."""
-        if self.defer_copy:
+        if not self.defer_copy:
+            return
+        state = self._state({**trainer})
+        roots = [(self.url, self.storage_options)]
+        if self.memory_url is not None and self._memory_on:
+            roots.append((self.memory_url, None))
+        for url, options in roots:  # each root has its own group and memory (storage's lanes)
             storage.prepare_save(
-                self._state({**trainer}),
+                state,
+                url,
                 process_group=self.process_group,
+                storage_options=options,
                 options=self.save_options,
             )
 
     def wait(self) -> None:
-        """Block until the in-flight save (if any) is committed; raise its error."""
+        """Block until the in-flight saves (durable and memory) are committed; raise the durable
+        one's error (a memory save's is logged)."""
+        self._wait_memory()
+        self._wait_durable()
+
+    def _wait_durable(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()

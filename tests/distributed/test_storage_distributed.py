@@ -213,7 +213,7 @@ def _deferred_cases(rank: int, world: int, root: str, pair: Any) -> None:
         t.grad = torch.ones_like(t)
     opt = torch.optim.SGD(live, lr=1000.0)
     fence = storage.snapshot_fence(opt)
-    assert storage.prepare_save(state) > 0  # the own group and this rank's snapshot memory
+    assert storage.prepare_save(state, url) > 0  # the own group and this rank's snapshot memory
     for step in (1, 2):
         expected = [t.clone() for t in live]
         cursor = list(state["trainer"]["cursor"])

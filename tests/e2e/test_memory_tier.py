@@ -1,6 +1,7 @@
-"""The memory tier under torchrun: a worker killed with SIGKILL right after step 4's memory save
-committed comes back from that step (no step lost), and the run ends bitwise equal to an
-uninterrupted single-process run of the same job (``--deterministic``)."""
+"""The memory tier under an elastic agent (``python -m ftsdp.launch``, torchrun's agent with
+forked workers): a worker killed with SIGKILL right after step 4's memory save committed comes
+back from that step (no step lost), and the run ends bitwise equal to an uninterrupted
+single-process run of the same job (``--deterministic``)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def _jsonl(path: pathlib.Path) -> list[dict]:
 @pytest.mark.timeout(240)
 def test_kill9_resumes_from_the_memory_tier_without_losing_a_step(tmp_path: pathlib.Path) -> None:
     shm = tmp_path / "shm"
-    cmd = [
-        *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
-        *["--max-restarts=1", "-m", "ftsdp.train", *TINY],
+    cmd = [  # ftsdp.launch: torchrun's agent, workers forked with their imports done
+        *[sys.executable, "-m", "ftsdp.launch", "--standalone", "--nproc-per-node=2"],
+        *["--max-restarts=1", "--", *TINY],
         *["--checkpoint-url", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "m.jsonl")],
         *["--memory-every", "1", "--memory-url", str(shm)],
     ]

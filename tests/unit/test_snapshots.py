@@ -216,15 +216,35 @@ def test_a_damaged_memory_step_falls_back_to_the_next_one(tmp_path: Any) -> None
     assert storage.verify(str(tmp_path / "shm"), 6).ok
 
 
-def test_a_memory_save_is_skipped_while_a_save_is_in_flight(tmp_path: Any) -> None:
+def test_memory_saves_go_on_while_a_durable_upload_is_stuck(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each root has its own lane: a durable upload that does not finish (a slow object store)
+    holds neither the memory tier's saves nor the optimizer's fence."""
+    from ftsdp.storage._fs import Store
+
+    release = threading.Event()
+    real = Store._write_once
+    durable = str(tmp_path / "durable")
+
+    def slow(self: Store, rel: str, produce: Any) -> None:
+        if self.where().startswith(durable) and rel.endswith(".safetensors"):
+            assert release.wait(30)
+        real(self, rel, produce)
+
+    monkeypatch.setattr(Store, "_write_once", slow)
     model, opt = _model()
-    ckpt = CheckpointManager(
-        str(tmp_path / "durable"), model, opt, memory_url=str(tmp_path / "shm")
-    )
+    ckpt = CheckpointManager(durable, model, opt, memory_url=str(tmp_path / "shm"))
     ckpt.resume({"step": 0})
-    ckpt.in_flight = lambda: True  # type: ignore[method-assign]  # a slow durable upload
-    ckpt._pending_tier = "durable"
-    assert ckpt.save_to_memory(1, {"step": 1}) < 5
-    assert not (tmp_path / "shm").exists() or storage.list_steps(str(tmp_path / "shm")) == []
+    ckpt.save(1, {"step": 1})  # its upload hangs until released
+    for step in (2, 3):
+        _train(model, opt)  # the fence: the durable snapshot is taken, the upload may hang
+        ckpt.save_to_memory(step, {"step": step})
+        ckpt._wait_memory()
+    assert storage.list_steps(str(tmp_path / "shm")) == [2, 3]
+    assert ckpt.in_flight() and storage.list_steps(durable) == []
+    release.set()
+    ckpt.close()
+    assert storage.list_steps(durable) == [1] and not (tmp_path / "shm").exists()
     with pytest.raises(ValueError, match="memory_every"):
         CheckpointManager(str(tmp_path / "x"), model, opt, memory_url="m", memory_every=0)
