@@ -57,9 +57,10 @@ worker process, not the machine) the manager also saves every ``memory_every`` s
 with the same format, plan, checksums and commit as a durable save (the root is just another
 storage root), keeping ``memory_keep`` steps. A restart on the same machine resumes from the
 newest usable step of either tier (memory first at equal steps) and falls back across tiers
-like within one. A memory save is skipped when any rank still has a save in flight (one
-all-reduce agrees on it), so a slow durable upload never stalls training; the first memory save
-after a resume discards newer memory steps (an abandoned timeline). The tier needs every rank
+like within one. Memory saves go to another root than the durable ones, so storage runs them
+in a lane of their own (see [Note: one lane per root] in storage/_save.py): a slow durable
+upload holds neither them nor the optimizer's fence. The first memory save after a resume
+discards newer memory steps (an abandoned timeline). A failed memory save is logged, not raised. The tier needs every rank
 to see the same shared memory: resume compares the ranks' machines (host name and boot id) and
 turns the tier off when they differ (a replica of a peer machine's shards, to survive a lost
 machine, is not implemented). ``close`` (the end of a run, or a preemption after its durable
