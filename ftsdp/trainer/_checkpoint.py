@@ -57,7 +57,9 @@ worker process, not the machine) the manager also saves every ``memory_every`` s
 with the same format, plan, checksums and commit as a durable save (the root is just another
 storage root), keeping ``memory_keep`` steps. A restart on the same machine resumes from the
 newest usable step of either tier (memory first at equal steps) and falls back across tiers
-like within one. Memory saves go to another root than the durable ones, so storage runs them
+like within one; a memory step that does not match this model (another run's tier, left by a job
+killed before ``close``) is passed over like an unusable one, and when nothing durable is left
+the run starts from scratch. Memory saves go to another root than the durable ones, so storage runs them
 in a lane of their own (see [Note: one lane per root] in storage/_save.py): a slow durable
 upload holds neither them nor the optimizer's fence. The first memory save after a resume
 discards newer memory steps (an abandoned timeline). A failed memory save is logged, not raised. The tier needs every rank
@@ -71,6 +73,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -128,9 +131,10 @@ class CheckpointManager:
         defer_copy: with ``async_save``, :meth:`save` returns before the shards are even copied
             (milliseconds): a background thread copies them while the next forward and backward
             run, and the optimizer's ``step()`` waits for that copy (a step pre-hook installed
-            here). Change saved tensors in place outside ``optimizer.step()`` (an EMA, weight
-            clipping) only after :meth:`wait_snapshot`. See [Note: deferred snapshots] in
-            ``storage/_save.py``.
+            here). The model's buffers, which forward may change in place (BatchNorm), are
+            copied before :meth:`save` returns. Change saved tensors in place outside
+            ``optimizer.step()`` (an EMA, weight clipping) only after :meth:`wait_snapshot`. See
+            [Note: deferred snapshots] in ``storage/_save.py``.
         memory_url / memory_every / memory_keep: a second, fast tier (see [Note: the memory
             tier]): :meth:`save_to_memory` saves every ``memory_every`` steps under
             ``memory_url`` (host shared memory, e.g. ``/dev/shm/...``), keeping the newest
@@ -171,6 +175,13 @@ class CheckpointManager:
                 raise ValueError(f"CheckpointManager: {name}={value} must be >= 1 or None")
         if every_seconds is not None and every_seconds <= 0:
             raise ValueError(f"CheckpointManager: every_seconds={every_seconds} must be > 0")
+        if memory_url is not None and _place(memory_url) == _place(url):
+            raise ValueError(
+                f"CheckpointManager: memory_url={memory_url!r} is the checkpoint root itself "
+                f"({url!r}): the memory tier keeps only memory_keep steps and close() clears it, "
+                "which would delete the durable checkpoints; give it a root of its own (e.g. "
+                "under /dev/shm)"
+            )
         self.engine = _engines.engine_for(model, optimizer)
         self.url = url
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
@@ -208,9 +219,13 @@ class CheckpointManager:
             return 0, 1
         return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
 
-    def _state(self, trainer: Mapping[str, Any]) -> dict[str, Any]:
+    def _state(self, trainer: Mapping[str, Any], *, target: bool = False) -> dict[str, Any]:
+        """The state to save, or with ``target`` the one to load into (aliasing everything)."""
+        model = self.engine.model_state()
+        if self.defer_copy and not target:  # see [Note: buffers change in forward] (_engines)
+            model = self.engine.copy_buffers(model)
         state: dict[str, Any] = {
-            "model": self.engine.model_state(),
+            "model": model,
             "optim": self.engine.optim_state(),
             "rng": cs.rng_state(),
             "trainer": dict(trainer),
@@ -429,6 +444,7 @@ class CheckpointManager:
         if not candidates:
             self.prepare(trainer)
             return None
+        had_state = {id(p) for p, entry in self.optimizer.state.items() if entry}
         cs.init_optimizer_state(self.optimizer)
         rank, world = self._rank_world()
         skipped: list[tuple[int, str]] = []
@@ -437,7 +453,7 @@ class CheckpointManager:
             error: BaseException | None = None
             code = _OK
             try:
-                target = self._state(trainer)
+                target = self._state(trainer, target=True)
                 stateless = _leave_out_stateless(target["optim"]["state"], saved)
                 result = storage.load(
                     target,
@@ -453,6 +469,8 @@ class CheckpointManager:
                 error, code = e, _FALLBACK
             except Exception as e:  # still reach the agreement, or the other ranks would hang
                 error, code = e, _FATAL
+            if url == self.memory_url:  # a cache (another run's, an older format): never fatal
+                code = min(code, _FALLBACK)
             agreed = self._agree(code)
             if agreed == _OK:
                 break
@@ -475,6 +493,17 @@ class CheckpointManager:
                 )
             )
         else:
+            if all(c[1] == self.memory_url for c in candidates):
+                # nothing durable, and the memory tier's steps are not this run's: a fresh start
+                self._log(
+                    f"ftsdp: no committed step under {self.url} and none usable in the memory "
+                    f"tier {self.memory_url}: starting from scratch"
+                )
+                for p in list(self.optimizer.state):  # undo init_optimizer_state
+                    if id(p) not in had_state:
+                        del self.optimizer.state[p]
+                self.prepare(trainer)
+                return None
             raise storage.CheckpointError(
                 f"no usable checkpoint under {self.url}"
                 + (f" or {self.memory_url}" if self.memory_url else "")
@@ -538,6 +567,15 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _place(url: str) -> str:
+    """Where a root is, for telling two roots apart: a local path (plain or ``file://``)
+    resolved, any other URL as written without a trailing slash."""
+    path = url[len("file://") :] if url.startswith("file://") else url
+    if "://" in path:
+        return url.rstrip("/")
+    return os.path.realpath(path)
 
 
 def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | None) -> list[str]:

@@ -98,6 +98,27 @@ class Engine(abc.ABC):
         self._model_cache = (key, state) if reusable else None
         return dict(state)
 
+    def copy_buffers(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (as :meth:`model_state` gives it) with every leaf that holds one of the
+        model's buffers replaced by a copy taken now; the parameters stay aliased. See [Note:
+        buffers change in forward]."""
+        buffers = {
+            getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
+            for b in self.model.buffers()
+            if b.numel()
+        }
+        out = dict(state)
+        for name, leaf in state.items():
+            local = leaf.local if isinstance(leaf, storage.FlatShard) else leaf
+            if not isinstance(local, torch.Tensor) or not local.numel():
+                continue
+            if getattr(local, "_local_tensor", local).untyped_storage().data_ptr() in buffers:
+                if isinstance(leaf, storage.FlatShard):
+                    out[name] = storage.FlatShard(leaf.global_shape, leaf.offset, local.clone())
+                else:
+                    out[name] = leaf.detach().clone()
+        return out
+
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
         """``_raw_optim()``, reused from the previous call while no state was replaced; the
         groups' hyper-parameters are always the optimizer's current ones."""
@@ -282,6 +303,16 @@ class TorchEngine(Engine):
 # optimizer state values (compared by ``repr``). The param groups' hyper-parameters (the
 # learning rate changes every step) are read from the optimizer at every call. A model state
 # with non-tensor entries (a module's extra state) is never reused.
+
+
+# [Note: buffers change in forward]
+# A deferred save copies the state while the next forward and backward run, and the fence holds
+# back only ``optimizer.step()``. Parameters and optimizer state change nowhere else, but buffers
+# may change in place in forward: BatchNorm's running statistics and ``num_batches_tracked``,
+# spectral norm's power-iteration vectors, the buffers DDP broadcasts from rank 0 at every
+# forward. So the manager copies the buffers when ``save`` is called (``copy_buffers``: they are
+# small next to the parameters and their optimizer state) and leaves only the rest to the
+# background copy.
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:

@@ -125,10 +125,13 @@ def on_every_rank(rm: RankManager, fn: Callable[[], T]) -> T:
 
 def memory_root(cfg: TrainConfig, url: str) -> str:
     """``--memory-url``, else ``/dev/shm/ftsdp-<16 hex digits of the checkpoint root's hash>``:
-    the same for every incarnation of the job, different for another checkpoint root."""
+    the same for every incarnation of the job, different for another checkpoint root. A local
+    root is hashed as an absolute path: ``./ckpt`` of two jobs in two folders are two roots."""
     if cfg.memory_url:
         return cfg.memory_url
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    path = url[len("file://") :] if url.startswith("file://") else url
+    where = url if "://" in path else os.path.abspath(path)
+    digest = hashlib.sha256(where.encode()).hexdigest()[:16]
     return os.path.join("/dev/shm", f"ftsdp-{digest}")
 
 

@@ -1,0 +1,128 @@
+"""Edges of deferred snapshots and of the memory tier, in one process: buffers that forward
+changes in place, a memory tier left by another run, a memory root that is the checkpoint root,
+the default memory root of two jobs.
+
+References: the state cloned at the moment of the save, and a fresh optimizer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ftsdp import storage
+from ftsdp.storage import _save
+from ftsdp.trainer import CheckpointManager
+from ftsdp.trainer._job import memory_root
+
+
+def _model(width: int = 8) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.Linear(width, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_buffers_changed_in_place_by_forward_are_saved_as_they_were_at_the_save(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BatchNorm updates its running statistics in place in forward, which the optimizer's fence
+    does not hold back: the next forward ran while the copy was held, and the step still holds
+    the statistics of the moment of the save."""
+    model, opt = _model()
+    ckpt = CheckpointManager(str(tmp_path / "ckpt"), model, opt)
+    assert ckpt.resume({"step": 0}) is None
+    _train(model, opt)
+    release, real = threading.Event(), _save.copy_into
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(30), "the test never released the snapshot copy"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "copy_into", held)
+    ckpt.save(1, {"step": 1})
+    moment = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = model(torch.randn(16, 4)).sum()  # the next step's forward, during the copy
+    assert not torch.equal(model[1].running_mean, moment["1.running_mean"])
+    release.set()
+    loss.backward()
+    opt.step()
+    ckpt.close()
+    saved = storage.load_state_dict(str(tmp_path / "ckpt"))
+    for k, v in moment.items():
+        assert torch.equal(saved[f"model.{k}"], v), k
+
+
+def test_a_memory_tier_left_by_another_model_never_stops_a_resume(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run killed without close() leaves its memory tier; a new run of a wider model on a new
+    checkpoint root (the default memory root is derived from it, so a reused root name meets
+    it) starts afresh, then resumes its own durable step; its first memory save replaces the
+    stale step."""
+    durable, shm = str(tmp_path / "ckpt"), str(tmp_path / "shm")
+    model, opt = _model(8)
+    old = CheckpointManager(str(tmp_path / "old"), model, opt, memory_url=shm)
+    _train(model, opt)
+    old.save_to_memory(5, {"step": 5})
+    old.wait()  # killed: no close()
+
+    model, opt = _model(16)
+    fresh_model = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = CheckpointManager(durable, model, opt, memory_url=shm)
+    with caplog.at_level(logging.WARNING, logger="ftsdp.trainer._checkpoint"):
+        assert ckpt.resume({"step": 0}) is None  # was: StateMismatchError, on every restart
+    assert "UNUSABLE" in caplog.text and "starting from scratch" in caplog.text
+    assert not opt.state  # as fresh as it was: no state from the attempt to load
+    for k, v in fresh_model.items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+    _train(model, opt)
+    ckpt.save(1, {"step": 1}, block=True)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    model, opt = _model(16)
+    again = CheckpointManager(durable, model, opt, memory_url=shm)
+    info = again.resume({"step": 0})  # memory step 5 (stale) first, then the durable step 1
+    assert info is not None and info.step == 1 and again.resumed_from == durable
+    for k, v in want.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    _train(model, opt)
+    again.save_to_memory(2, {"step": 2})
+    again.wait()
+    assert storage.list_steps(shm) == [2]  # the stale step 5 is gone
+
+
+def test_a_memory_root_that_is_the_checkpoint_root_is_refused(tmp_path: Any) -> None:
+    """close() clears the memory tier: at the checkpoint root it deleted every durable step."""
+    model, opt = _model()
+    root = tmp_path / "ckpt"
+    for spelling in (str(root), f"file://{root}", f"{root}/", str(tmp_path / "x" / ".." / "ckpt")):
+        with pytest.raises(ValueError, match="checkpoint root itself"):
+            CheckpointManager(str(root), model, opt, memory_url=spelling)
+    opt._optimizer_step_pre_hooks.clear()  # the refused managers' fences
+
+
+def test_the_default_memory_root_is_one_per_checkpoint_root(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs with ``--checkpoint-url ./ckpt`` in two folders have two checkpoint roots: they
+    must not share a memory tier (the second resumed the first's steps)."""
+    cfg = types.SimpleNamespace(memory_url=None)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    in_a = memory_root(cfg, "ckpt")  # type: ignore[arg-type]
+    assert in_a == memory_root(cfg, str(tmp_path / "a" / "ckpt"))  # type: ignore[arg-type]
+    monkeypatch.chdir(tmp_path / "b")
+    assert memory_root(cfg, "ckpt") != in_a  # type: ignore[arg-type]
+    assert memory_root(cfg, "s3://bucket/ckpt") == memory_root(cfg, "s3://bucket/ckpt")  # type: ignore[arg-type]
