@@ -17,10 +17,11 @@
 Common keys: ``rank`` (default: any rank), ``restart`` (fire only when
 ``TORCHELASTIC_RESTART_COUNT`` equals it; default 0, so a restarted worker does not fail again;
 ``restart=any`` always fires), ``when=before_save|after_save|after_commit`` (relative to the
-checkpoint the loop may start at that step boundary; ``after_commit``: once that save, or the
-memory-tier save, has committed, as a kill landing during the next step would find it; ``term``
-and ``usr1`` default to ``after_save`` so an async save is in flight when the signal lands, the
-others to ``before_save``).
+checkpoint the loop may start at that step boundary; ``after_commit``: once the save in flight
+there has committed, the one started at that boundary (durable or memory tier) or, at a step
+without one, the async save of an earlier step still uploading, as a kill landing during the
+next step would find it; ``term`` and ``usr1`` default to ``after_save`` so an async save is in
+flight when the signal lands, the others to ``before_save``).
 
 Before firing, a fault appends ``{"event": "fault", ...}`` with the wall time to the JSONL file
 named by ``FTSDP_FAULT_LOG`` (and a warning to this module's logger, which Python prints on

@@ -42,7 +42,8 @@ class FaultHook:
 
     def needs_commit(self, step: int) -> bool:
         """Whether an ``after_commit`` fault of ``step`` applies here: the loop then waits for
-        the save it started at ``step`` to commit and calls :meth:`after_commit`."""
+        the save in flight (started at ``step`` or earlier) to commit and calls
+        :meth:`after_commit`."""
         return any(f.step == step and f.when == "after_commit" for f in self.faults)
 
     def after_commit(self, step: int) -> None:

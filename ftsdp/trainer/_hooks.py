@@ -28,8 +28,9 @@ class StepHook(Protocol):
     def after_save(self, step: int) -> None: ...
 
     # Optional: ``needs_commit(step) -> bool`` and ``after_commit(step)``. When a hook has them
-    # and ``needs_commit(step)`` is true, the loop waits for the save it started at ``step`` to
-    # commit, then calls ``after_commit(step)`` (the fault suite's ``when=after_commit``).
+    # and ``needs_commit(step)`` is true, the loop waits for the save in flight (the one it
+    # started at ``step``, else an earlier one still uploading) to commit, then calls
+    # ``after_commit(step)`` (the fault suite's ``when=after_commit``).
 
 
 class HookFactory(Protocol):

@@ -1,10 +1,15 @@
 """Node loss: two torchrun agents on 127.0.0.1 (``--nnodes=1:2``, c10d rendezvous), one
 process per agent. At a step boundary the second agent's worker SIGKILLs its agent, its sibling
-workers and itself (``FTSDP_FAULT=kill_node:step=5`` in that agent's environment only: the whole
-node is gone at once, deterministically). The survivor's worker fails its next collective, its
-agent re-rendezvouses alone (world size 1), the new worker resumes from the newest committed
-step resharded, and the job ends equal to the uninterrupted run. Once with the checkpoints in a
-local directory, once on a local S3 endpoint (moto).
+workers and itself (``FTSDP_FAULT=kill_node:step=5:when=after_commit`` in that agent's
+environment only: the whole node is gone at once, deterministically). The survivor's worker
+fails its next collective, its agent re-rendezvouses alone (world size 1), the new worker
+resumes from the newest committed step resharded, and the job ends equal to the uninterrupted
+run. Once with the checkpoints in a local directory, once on a local S3 endpoint (moto).
+
+The scenario is a node lost after step 5 with step 4's checkpoint committed. ``when=after_commit``
+makes the doomed worker wait for the async save still in flight (step 4's) to commit before it
+fires. Without it the kill raced the upload: on S3 under load step 4 had often not committed
+0.2-0.4 s after it started, and the job (rightly) resumed from step 2 instead.
 
 The first agent hosts the rendezvous store (``is_host=1``): the store of a c10d rendezvous lives
 in one agent, and losing that one ends the job (docs/elastic.md).
@@ -24,6 +29,7 @@ from ftsdp.testing import free_port
 from tests.e2e.test_faults import STEPS, Run, check_against_reference, measure, reference
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
+FAULT = "kill_node:step=5:when=after_commit"  # see the module docstring
 RDZV = "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
@@ -59,7 +65,7 @@ def _agent(run: Run, port: int, *, host: bool, env: dict[str, str], name: str):
 def node_loss(run: Run, extra_env: dict[str, str] | None = None) -> dict:
     port = free_port()
     # The doomed agent first: it waits for the store host, so both join the first round together.
-    doomed = _agent(run, port, host=False, env=run.env("kill_node:step=5", extra_env), name="b")
+    doomed = _agent(run, port, host=False, env=run.env(FAULT, extra_env), name="b")
     time.sleep(0.5)
     survivor = _agent(run, port, host=True, env=run.env("", extra_env), name="a")
     try:
@@ -89,7 +95,7 @@ def test_node_loss_survivor_continues_at_the_smaller_world_size(ref, tmp_path) -
         run,
         "node loss (2 agents -> 1), local directory",
         "2 x torchrun --nnodes=1:2 --rdzv-backend=c10d --max-restarts=3, "
-        "FTSDP_FAULT=kill_node:step=5 on the second",
+        f"FTSDP_FAULT={FAULT} on the second",
     )
     assert m["steps_lost"] == 1 and m["world_sizes"] == "2 -> 1"
 
@@ -105,6 +111,6 @@ def test_node_loss_with_checkpoints_on_s3(ref, tmp_path, s3_endpoint, s3_bucket_
         run,
         "node loss (2 agents -> 1), S3 (moto)",
         "2 x torchrun --nnodes=1:2 --rdzv-backend=c10d --max-restarts=3, "
-        "--checkpoint-url s3://..., FTSDP_FAULT=kill_node:step=5 on the second",
+        f"--checkpoint-url s3://..., FTSDP_FAULT={FAULT} on the second",
     )
     assert m["steps_lost"] == 1
