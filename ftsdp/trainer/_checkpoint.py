@@ -23,6 +23,7 @@ checkpoint of a step is one ``storage`` state (docs/format.md), the same for eve
     scheduler                          JSON: lr_scheduler.state_dict() (when given)
     rng                                JSON per rank: torch CPU, numpy and Python RNG states
     trainer.<key>                      the caller's JSON values (step, data cursor, ...)
+    memory_tier.durable_step           memory tier only: see [Note: whose memory tier]
 
 [Note: resume agreement and fallback]
 Rank 0 lists the committed steps and broadcasts them, so every rank tries the same steps in the
@@ -67,6 +68,18 @@ to see the same shared memory: resume compares the ranks' machines (host name an
 turns the tier off when they differ (a replica of a peer machine's shards, to survive a lost
 machine, is not implemented). ``close`` (the end of a run, or a preemption after its durable
 save) clears the tier; a failed run leaves it for its restart.
+
+[Note: whose memory tier]
+The memory tier outlives the processes that wrote it, so a start may find another run's steps
+there: a job killed before ``close`` (kill -9, a lost allocation) leaves them, and ftsdp.train's
+default memory root is derived from the checkpoint root's path, so a run started over on a
+re-created root meets them. A step of another model does not load and is passed over. One of the
+same model would load, silently continuing the deleted run; so each memory save records the
+newest durable step known to be committed when it was taken (``memory_tier.durable_step``, -1
+before the first), and resume passes over a memory step that followed a durable step later than
+every step under the checkpoint root. A memory step taken before any durable commit cannot be
+told apart and is used. The first memory save of a run discards the memory steps newer than it,
+so stale steps are met only before it.
 """
 
 from __future__ import annotations
@@ -209,6 +222,7 @@ class CheckpointManager:
         self.seed = seed
         self._log = log or logger.warning
         self._pending: storage.SaveHandle | None = None
+        self._durable_base: int | None = None  # the newest durable step known to be committed
         self._last_save = time.monotonic()
         self.last_saved_step: int | None = None
         self._discard_newer = False  # the resume fell back: see [Note: continuing after a fallback]
@@ -219,8 +233,11 @@ class CheckpointManager:
             return 0, 1
         return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
 
-    def _state(self, trainer: Mapping[str, Any], *, target: bool = False) -> dict[str, Any]:
-        """The state to save, or with ``target`` the one to load into (aliasing everything)."""
+    def _state(
+        self, trainer: Mapping[str, Any], *, target: bool = False, memory: bool = False
+    ) -> dict[str, Any]:
+        """The state to save, or with ``target`` the one to load into (aliasing everything);
+        ``memory``: of the memory tier (see [Note: whose memory tier])."""
         model = self.engine.model_state()
         if self.defer_copy and not target:  # see [Note: buffers change in forward] (_engines)
             model = self.engine.copy_buffers(model)
@@ -232,6 +249,9 @@ class CheckpointManager:
         }
         if self.lr_scheduler is not None:
             state["scheduler"] = json.dumps(self.lr_scheduler.state_dict(), sort_keys=True)
+        if memory:
+            base = self._durable_base
+            state["memory_tier"] = {"durable_step": -1 if base is None else base}
         return state
 
     # -- saving ---------------------------------------------------------------------------------
@@ -293,8 +313,9 @@ class CheckpointManager:
         self._wait_memory()
         assert self.memory_url is not None
         try:
+            self._durable_committed()
             self._pending_memory = storage.save(
-                self._state({**trainer}),
+                self._state({**trainer}, memory=True),
                 self.memory_url,
                 step,
                 process_group=self.process_group,
@@ -358,6 +379,18 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()
+            self._durable_base = pending.step
+
+    def _durable_committed(self) -> None:
+        """Note the durable step that is committed by now, if the latest one is (its error, if
+        any, is raised later by :meth:`wait`)."""
+        pending = self._pending
+        if pending is not None and pending.done():
+            try:
+                pending.wait(0)
+            except Exception:
+                return
+            self._durable_base = pending.step
 
     # -- resuming -------------------------------------------------------------------------------
     def _from_rank0(self, compute: Callable[[], Any]) -> Any:
@@ -405,21 +438,42 @@ class CheckpointManager:
             self._memory_on = False
         return self._memory_on
 
-    def _saved_optim_names(self, step: int, url: str) -> set[str] | None:
-        """The names of step ``step``'s optimizer state, read by rank 0 (None when its manifest
-        cannot be read: the load reports why). See [Note: the optimizer state to load into]."""
+    def _peek(self, step: int, url: str) -> tuple[set[str] | None, Any]:
+        """Read by rank 0 from step ``step``'s manifest: the names of its optimizer state (None
+        when the manifest cannot be read: the load reports why; see [Note: the optimizer state
+        to load into]) and, for a memory step, the durable step it followed (see [Note: whose
+        memory tier])."""
 
-        def names() -> list[str] | None:
+        def peek() -> tuple[list[str] | None, Any]:
             try:
                 options = self.storage_options if url == self.url else None
                 m = storage.read_manifest(url, step, storage_options=options)
             except Exception:
-                return None
+                return None, None
             found = {*m.tensors, *m.values, *(k for values in m.rank_values for k in values)}
-            return sorted(n for n in found if n.startswith("optim.state."))
+            names = sorted(n for n in found if n.startswith("optim.state."))
+            return names, m.values.get("memory_tier.durable_step")
 
-        found = self._from_rank0(names)
-        return None if found is None else set(found)
+        names, base = self._from_rank0(peek)
+        return (None if names is None else set(names)), base
+
+    def _another_runs(self, step: int, base: Any, candidates: list[tuple[int, str]]) -> bool:
+        """Whether memory step ``step``, saved after durable step ``base`` had committed, is
+        another run's: the checkpoint root holds no step that late (see [Note: whose memory
+        tier]). Logs why; the same answer on every rank (``base`` and ``candidates`` are rank
+        0's)."""
+        if not isinstance(base, int) or base < 0:
+            return False  # saved before any durable commit (or by an older version)
+        durable = [s for s, url in candidates if url == self.url]
+        if durable and max(durable) >= base:
+            return False
+        self._log(
+            f"ftsdp: CHECKPOINT STEP {step} AT {self.memory_url} IS ANOTHER RUN'S: it was saved "
+            f"after durable step {base}, and {self.url} holds "
+            + (f"only steps up to {max(durable)}" if durable else "no step")
+            + " (the checkpoint root was replaced); passing it over"
+        )
+        return True
 
     def _agree(self, code: int) -> int:
         if self._rank_world()[1] == 1:
@@ -449,11 +503,13 @@ class CheckpointManager:
         rank, world = self._rank_world()
         skipped: list[tuple[int, str]] = []
         for i, (step, url) in enumerate(candidates):
-            saved = self._saved_optim_names(step, url)
+            saved, base = self._peek(step, url)
+            if url == self.memory_url and self._another_runs(step, base, candidates):
+                continue
             error: BaseException | None = None
             code = _OK
             try:
-                target = self._state(trainer, target=True)
+                target = self._state(trainer, target=True, memory=url == self.memory_url)
                 stateless = _leave_out_stateless(target["optim"]["state"], saved)
                 result = storage.load(
                     target,
@@ -529,6 +585,7 @@ class CheckpointManager:
             cs.reseed(self.seed, step, rank)
         durable = [c[0] for c in candidates if c[1] == self.url and c[0] <= step]
         self.last_saved_step = step if url == self.url else (max(durable) if durable else None)
+        self._durable_base = self.last_saved_step
         self._last_save = time.monotonic()
         self._discard_newer = bool(skipped)  # newer than ``step``: an abandoned timeline
         self.prepare(trainer)

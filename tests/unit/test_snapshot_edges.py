@@ -126,3 +126,44 @@ def test_the_default_memory_root_is_one_per_checkpoint_root(
     monkeypatch.chdir(tmp_path / "b")
     assert memory_root(cfg, "ckpt") != in_a  # type: ignore[arg-type]
     assert memory_root(cfg, "s3://bucket/ckpt") == memory_root(cfg, "s3://bucket/ckpt")  # type: ignore[arg-type]
+
+
+def test_the_memory_tier_of_a_deleted_checkpoint_root_is_not_resumed(tmp_path: Any) -> None:
+    """``rm -rf ckpt`` and the same command again: the killed run's memory tier (same model,
+    same root name, so the same default memory root) must not be resumed; a memory step saved
+    before any durable commit still is (nothing tells it apart, and it is the common case)."""
+    import shutil
+
+    durable, shm = str(tmp_path / "ckpt"), str(tmp_path / "shm")
+    model, opt = _model()
+    ckpt = CheckpointManager(durable, model, opt, memory_url=shm)
+    assert ckpt.resume({"step": 0}) is None
+    _train(model, opt)
+    ckpt.save_to_memory(1, {"step": 1})  # before any durable commit
+    _train(model, opt)
+    ckpt.save(2, {"step": 2}, block=True)
+    for step in (3, 4):
+        _train(model, opt)
+        ckpt.save_to_memory(step, {"step": step})
+    ckpt.wait()  # killed: no close()
+    model, opt = _model()
+    again = CheckpointManager(durable, model, opt, memory_url=shm)
+    info = again.resume({"step": 0})
+    assert info is not None and info.step == 4 and again.resumed_from == shm  # its own run
+
+    shutil.rmtree(durable)  # started over: the memory tier is the deleted run's
+    model, opt = _model()
+    fresh = CheckpointManager(durable, model, opt, memory_url=shm)
+    assert fresh.resume({"step": 0}) is None  # was: step 4 of the deleted run
+    assert not opt.state
+
+    shutil.rmtree(shm)
+    model, opt = _model()
+    first = CheckpointManager(durable, model, opt, memory_url=shm)
+    first.resume({"step": 0})
+    _train(model, opt)
+    first.save_to_memory(1, {"step": 1})
+    first.wait()
+    model, opt = _model()
+    info = CheckpointManager(durable, model, opt, memory_url=shm).resume({"step": 0})
+    assert info is not None and info.step == 1  # before any durable commit: used
