@@ -7,7 +7,10 @@ itself (done and abort markers, the manifest, ``latest``, retention) is ``storag
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
+import os
 import queue
 import threading
 import time
@@ -36,6 +39,7 @@ from ftsdp.storage._staging import (
 )
 from ftsdp.storage._state import TensorLeaf, flatten_state
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _staging_pool = StagingPool()  # async saves of this process (thread-safe)
 
@@ -93,6 +97,38 @@ def _lane(key: str) -> _Lane:
         if lane is None:
             lane = _lanes[key] = _Lane(key)
         return lane
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: the saves in flight belong to the parent, whose
+    threads copy and commit them; the child has none of those threads, so a fence or a save
+    there would wait forever for a handle nothing sets. The child starts with no lanes (and
+    fresh locks: a parent's thread may have held one at the fork)."""
+    global _lock, _lanes, _staging_pool
+    _lock = threading.Lock()
+    _lanes = {}
+    _staging_pool = StagingPool()
+
+
+def _warn_in_flight_at_exit() -> None:
+    """At interpreter exit: a save still in flight dies with the process (its threads are
+    daemons, so that a save waiting on a dead peer never holds a failing job up) and is not
+    committed; say so, rather than exit as if it were saved."""
+    with _lock:
+        pending = [lane.previous for lane in _lanes.values() if lane.previous is not None]
+    for handle in pending:
+        if not handle.done():
+            logger.warning(
+                "storage: the save of step %d to %s was still in flight at exit and is not "
+                "committed; wait for it before exiting (handle.wait(), or the "
+                "CheckpointManager's close())",
+                handle.step,
+                handle.url,
+            )
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+atexit.register(_warn_in_flight_at_exit)
 
 
 class SaveHandle:
@@ -203,7 +239,8 @@ def save(
 
     Leaves of ``state`` are tensors (whole, identical on every rank that holds them), DTensors,
     ``FlatShard``s or JSON-able values. Returns when committed, or with ``async_save=True`` as
-    soon as this rank's pieces are staged in host memory (``handle.wait()`` for the commit).
+    soon as this rank's pieces are staged in host memory (``handle.wait()`` for the commit; a
+    save still in flight when the interpreter exits is lost, with a warning).
     With ``keep_last`` rank 0 applies retention after the commit (see ``apply_retention``); it
     never removes the step just saved.
 

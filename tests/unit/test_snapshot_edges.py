@@ -167,3 +167,69 @@ def test_the_memory_tier_of_a_deleted_checkpoint_root_is_not_resumed(tmp_path: A
     model, opt = _model()
     info = CheckpointManager(durable, model, opt, memory_url=shm).resume({"step": 0})
     assert info is not None and info.step == 1  # before any durable commit: used
+
+
+@pytest.fixture
+def held_copy(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold this process's deferred snapshot copies until the event is set (not a forked
+    child's: its own saves run freely)."""
+    import os
+
+    release, real, parent = threading.Event(), _save.copy_into, os.getpid()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if os.getpid() == parent:
+            assert release.wait(30), "the test never released the snapshot copy"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "copy_into", held)
+    return release
+
+
+def test_a_child_forked_during_a_save_is_not_fenced_by_it(
+    tmp_path: Any, held_copy: threading.Event
+) -> None:
+    """The parent's save in flight is no business of a forked child: the child's fence (an
+    optimizer step there) passed only when its timeout ran out, since nothing in the child sets
+    the parent's handle; and the child's own saves work."""
+    import os
+    import signal
+
+    h = storage.save(
+        {"x": torch.arange(8.0)}, str(tmp_path / "a"), 1, async_save=True, defer_copy=True
+    )
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if nothing hangs
+        signal.alarm(20)
+        code = 1
+        try:
+            storage.wait_snapshot(5)
+            mine = storage.save(
+                {"x": torch.ones(2)}, str(tmp_path / "b"), 2, async_save=True, defer_copy=True
+            )
+            mine.wait(10)
+            code = 0
+        finally:
+            os._exit(code)
+    held_copy.set()
+    _, status = os.waitpid(pid, 0)
+    h.wait(30)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert storage.list_steps(str(tmp_path / "a")) == [1]
+    assert storage.list_steps(str(tmp_path / "b")) == [2]
+
+
+def test_a_save_in_flight_at_exit_is_reported(
+    tmp_path: Any, held_copy: threading.Event, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its threads are daemons: a save still in flight when the interpreter exits is lost, and
+    exit says so instead of looking like a clean save."""
+    h = storage.save({"x": torch.arange(4.0)}, str(tmp_path), 3, async_save=True, defer_copy=True)
+    with caplog.at_level(logging.WARNING, logger="ftsdp.storage._save"):
+        _save._warn_in_flight_at_exit()  # what atexit runs
+    assert f"step 3 to {tmp_path}" in caplog.text and "not committed" in caplog.text
+    held_copy.set()
+    h.wait(30)
+    caplog.clear()
+    _save._warn_in_flight_at_exit()
+    assert not caplog.text
