@@ -210,6 +210,14 @@ class TrainConfig:
         )
         need(bool(self.data), "data", "must be markov or a file")
         need(self.init_from != "", "init_from", "must be a checkpoint URL (or not given)")
+        need(  # flags that would do nothing: refused, not ignored
+            not self.memory_every or bool(self.checkpoint_url),
+            "memory_every",
+            "needs --checkpoint-url (the memory tier keeps the steps between its checkpoints)",
+        )
+        need(
+            self.memory_url is None or self.memory_every > 0, "memory_url", "needs --memory-every N"
+        )
         need(self.tensorboard != "", "tensorboard", "must be a directory (or not given)")
         try:
             ModelSpec.parse(self.model)

@@ -43,6 +43,8 @@ def test_defaults_are_valid_and_split_over_two_ranks() -> None:
         ({"data_dtype": "int8"}, "data_dtype='int8' must be one of"),
         ({"mixed_precision": "fp8"}, "mixed_precision='fp8' must be one of"),
         ({"init_from": ""}, "init_from='' must be a checkpoint URL"),
+        ({"memory_every": 1}, "memory_every=1 needs --checkpoint-url"),
+        ({"memory_url": "/dev/shm/x", "checkpoint_url": "c"}, "memory_url=.* needs --memory-every"),
     ],
 )
 def test_bad_values_raise_naming_the_value_and_rule(overrides: dict, message: str) -> None:
