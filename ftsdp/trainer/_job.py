@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 import ftsdp
+from ftsdp import storage
 from ftsdp.elastic import BatchGeometry, GlobalSampler, RankManager
 from ftsdp.trainer._checkpoint import CheckpointManager
 from ftsdp.trainer._config import TrainConfig
@@ -135,6 +136,31 @@ def memory_root(cfg: TrainConfig, url: str) -> str:
     return os.path.join("/dev/shm", f"ftsdp-{digest}")
 
 
+def drop_another_runs_memory(
+    root: str, cfg: TrainConfig, model: dict[str, Any], data: dict[str, Any], rm: RankManager
+) -> None:
+    """Clear the memory tier at ``root`` when its newest step is another run's (another seed,
+    data, global batch or model than ``cfg``: a job killed before its first durable save, then
+    started again with other flags on the same checkpoint root). Its steps cannot be resumed by
+    this run, whose first memory saves would replace them anyway; left there, the resume would
+    load one and refuse it, at every restart. Collective (rank 0 reads and clears)."""
+    saved = peek(root, rank=rm.rank, world_size=rm.world_size)
+    if saved is None:
+        return
+    diffs = mismatch(saved, cfg, model, data)
+    if diffs and rm.rank == 0:
+        logger.warning(
+            "ftsdp.train: the memory tier %s holds step %d of another run (%s); clearing it",
+            root,
+            saved.step,
+            "; ".join(diffs[:3]),
+        )
+        try:
+            storage.clear_steps(root)
+        except OSError as e:  # the resume then passes its steps over, or refuses them
+            logger.warning("ftsdp.train: clearing the memory tier %s failed: %s", root, e)
+
+
 def build(cfg: TrainConfig, session: Session) -> Job:
     """Data, the model (checked against the checkpoint root first), wrapped; its optimizer
     (after wrapping) and schedule, the checkpoints."""
@@ -156,6 +182,8 @@ def build(cfg: TrainConfig, session: Session) -> Job:
         diffs = mismatch(saved, cfg, plan.record, data.record)
         if diffs:  # every rank got the same values from rank 0
             raise JobError(refusal(cfg.checkpoint_url, saved.step, diffs), report=rm.rank == 0)
+    if url is not None and cfg.memory_every:
+        drop_another_runs_memory(memory_root(cfg, url), cfg, plan.record, data.record, rm)
 
     def make_model() -> BuiltModel:
         torch.manual_seed(cfg.seed)  # same init on every rank

@@ -233,3 +233,36 @@ def test_a_save_in_flight_at_exit_is_reported(
     caplog.clear()
     _save._warn_in_flight_at_exit()
     assert not caplog.text
+
+
+def test_ftsdp_train_clears_a_memory_tier_of_another_configuration(tmp_path: Any) -> None:
+    """A job killed before its first durable save leaves its memory tier; the same checkpoint
+    root with another seed resumed that step, then refused it as another configuration's, at
+    every restart and naming an empty checkpoint root. ``build`` now clears such a tier first;
+    the tier of the same configuration stays."""
+    import dataclasses
+    import json
+
+    from ftsdp.trainer._config import TrainConfig
+    from ftsdp.trainer._datasets import open_data
+    from ftsdp.trainer._job import drop_another_runs_memory
+    from ftsdp.trainer._models import plan_model
+
+    url, shm = str(tmp_path / "ckpt"), str(tmp_path / "shm")
+    cfg = TrainConfig(
+        vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, global_batch=4,
+        micro_batch=2, device="cpu", checkpoint_url=url, memory_every=1, memory_url=shm,
+    )  # fmt: skip
+    plan, data = plan_model(cfg), open_data(cfg)
+    trainer = {  # what ftsdp.train saves (_loop.train)
+        "step": 2,
+        "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True),
+        "model": json.dumps(plan.record),
+        "data": json.dumps(data.record),
+    }
+    storage.save({"trainer": trainer, "w": torch.zeros(3)}, shm, 2)
+    rm: Any = types.SimpleNamespace(rank=0, world_size=1)
+    drop_another_runs_memory(shm, cfg, plan.record, data.record, rm)
+    assert storage.list_steps(shm) == [2]  # this run's own: kept
+    drop_another_runs_memory(shm, dataclasses.replace(cfg, seed=1), plan.record, data.record, rm)
+    assert storage.list_steps(shm) == []
