@@ -290,12 +290,11 @@ def save(
             meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
     except Exception as e:
         local_error, meta["error"] = e, f"{type(e).__name__}: {e}"
+    meta["step"] = step
     metas = all_gather_json(meta, group)
     if local_error is not None:
         raise local_error
-    for r, m in enumerate(metas):
-        if m["error"]:
-            raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
+    _check_exchange(metas, step)
     plan = make_plan(metas, metas[0]["attempt"], options)
 
     handle = _register(SaveHandle(step, store.where()), lane)
@@ -347,6 +346,21 @@ def prepare_save(
         return 0
     lane.arena.reserve(total, any(t.device.type == "cuda" for t in local))
     return total
+
+
+def _check_exchange(metas: list[dict[str, Any]], step: int) -> None:
+    """Raise, on every rank alike, when a rank failed to describe its state or the ranks are not
+    saving the same step (a loop that went on after a save failed on some ranks only: every
+    later exchange would pair different saves)."""
+    for r, m in enumerate(metas):
+        if m["error"]:
+            raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
+    steps = [m.get("step") for m in metas]
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"the ranks are not saving the same step (steps by rank: {steps}): a save failed on "
+            "some ranks only and the loop went on; restart the job from its last checkpoint"
+        )
 
 
 def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
@@ -626,10 +640,9 @@ class _DeferredSave:
                 meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
             except Exception as e:
                 meta["error"] = f"{type(e).__name__}: {e}"
+        meta["step"] = self.step
         metas = all_gather_json(meta, self.group)
-        for r, m in enumerate(metas):
-            if m["error"]:
-                raise CheckpointError(f"save of step {self.step} failed on rank {r}: {m['error']}")
+        _check_exchange(metas, self.step)
         plan = make_plan(metas, metas[0]["attempt"], self.options)
         job = _SaveJob(
             self.store,

@@ -253,6 +253,15 @@ def _deferred_cases(rank: int, world: int, root: str, pair: Any) -> None:
     dist.barrier()
     assert storage.list_steps(url) == [1, 2]
 
+    # Ranks that save different steps (a loop that went on after a save failed on one rank)
+    # are told so at once, on every rank, deferred or not, and nothing is committed.
+    good = _state(rank, world, ref, None)
+    for defer in (True, False):
+        step = 7 if rank == 1 else 8
+        with pytest.raises(storage.CheckpointError, match="not saving the same step"):
+            storage.save(good, url, step, async_save=defer, defer_copy=defer).wait()
+    assert storage.list_steps(url) == [1, 2]
+
     # Over a subgroup (ranks 0 and 1) the metadata exchange runs on the caller's thread; the
     # copy is still deferred behind the fence.
     if rank < 2:
