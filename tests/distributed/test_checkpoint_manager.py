@@ -7,6 +7,9 @@ engine's deterministic mode averages the gradients of the same micro-batches in 
 at every world size, so losses and weights are bitwise equal. The rank
 manager's pieces that need a real job run here too: ``RankManager.init`` inside an existing
 process group, ``agree_any``, and a watchdog on the real c10d TCPStore.
+
+The W=2 save, its follow-ups and the W=3 resume run in the spawns this module shares with
+``test_checkpoint_manager_engines.py`` (``checkpoint_spawns`` in this folder's conftest.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 GLOBAL_BATCH, MICRO = 12, 1
@@ -128,13 +130,12 @@ def _resume_phase(rank: int, world: int, url: str, again: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    url = str(tmp_path_factory.mktemp("ckpt") / "run")
-    return url, run_ranks(_save_phase, 2, url)[0]
+def saved(checkpoint_spawns):
+    return checkpoint_spawns.saved()  # _save_phase at W=2
 
 
 @pytest.mark.parametrize("world", [3, 1])
-def test_resume_at_another_world_size(saved, tmp_path, world: int) -> None:
+def test_resume_at_another_world_size(saved, checkpoint_spawns, tmp_path, world: int) -> None:
     url, ref = saved
     assert storage.list_steps(url) == [3, 5]
     again = str(tmp_path / "again")
@@ -145,8 +146,8 @@ def test_resume_at_another_world_size(saved, tmp_path, world: int) -> None:
             out = _resume_phase(0, 1, url, again)
         finally:
             torch.set_num_threads(threads)
-    else:
-        out = run_ranks(_resume_phase, world, url, again)[0]
+    else:  # _resume_phase at W=3, in the shared spawn
+        again, out = checkpoint_spawns.resumed_at_3()
 
     # The state loaded at the new world size is the saved state, bit for bit.
     original, resaved = storage.load_state_dict(url, 5), storage.load_state_dict(again, 5)
@@ -214,26 +215,35 @@ def _fallback_phase(rank: int, world: int, url: str) -> dict:
 
 
 def _followups(rank: int, world: int, url: str, corrupt: str) -> dict:
-    """Both follow-up phases in one spawn (each spawn costs seconds)."""
+    """Both follow-up phases, after the save in the same W=2 spawn (each spawn costs seconds)."""
     return {
         "unexpected": _unexpected_error_phase(rank, world, url),
         "fallback": _fallback_phase(rank, world, corrupt),
     }
 
 
-@pytest.fixture(scope="module")
-def followups(saved, tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
-    """Step 5 of a copy of the saved run is corrupt; one W=2 spawn runs both follow-ups."""
+def _corrupt_copy_phase(rank: int, world: int, url: str, corrupt: str) -> None:
+    """Rank 0 copies the saved run to ``corrupt`` and flips a byte of step 5's largest object;
+    every rank waits for it."""
     import shutil
 
-    url, _ = saved
-    run = tmp_path_factory.mktemp("fallback") / "run"
-    shutil.copytree(url, run)
-    obj = max((run / "step-5").glob("*.safetensors"), key=lambda p: p.stat().st_size)
-    data = bytearray(obj.read_bytes())
-    data[-5] ^= 0xFF
-    obj.write_bytes(bytes(data))
-    return run, run_ranks(_followups, 2, url, str(run), timeout=120)
+    import torch.distributed as dist
+
+    if rank == 0:
+        run = pathlib.Path(corrupt)
+        shutil.copytree(url, run)
+        obj = max((run / "step-5").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+        data = bytearray(obj.read_bytes())
+        data[-5] ^= 0xFF
+        obj.write_bytes(bytes(data))
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def followups(saved, checkpoint_spawns) -> tuple[pathlib.Path, list[dict]]:
+    """Step 5 of a copy of the saved run is corrupt; the shared W=2 spawn ran both follow-ups
+    after the save (``_corrupt_copy_phase``, ``_followups``)."""
+    return checkpoint_spawns.followups()
 
 
 def test_an_unexpected_error_on_one_rank_fails_every_rank_instead_of_hanging(followups) -> None:

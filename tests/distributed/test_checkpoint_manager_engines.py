@@ -16,11 +16,15 @@ model in this process that loaded the saved full state with ``set_state_dict``.
   before the resume, which falls back to the previous one and then saves at W=3 again.
 - The names are the unwrapped model's, so the FSDP2 and DDP checkpoints also resume into a plain
   module in this process (bitwise).
+
+The W=2 grid and the W=3 grid run in the spawns this module shares with
+``test_checkpoint_manager.py`` (``checkpoint_spawns`` in this folder's conftest.py).
 """
 
 from __future__ import annotations
 
 import json
+import pathlib
 import random
 import shutil
 
@@ -29,7 +33,6 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 GLOBAL = 12  # samples per step, split evenly over the ranks
@@ -191,10 +194,9 @@ def _resume_grid(rank: int, world: int, root: str) -> dict:
     return out if rank == 0 else {}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engines")
-    saved = run_ranks(_save_grid, 2, str(root))[0]
+def _damage_and_keep(root: pathlib.Path) -> tuple[pathlib.Path, dict[str, torch.Tensor]]:
+    """After the W=2 grid saved under ``root``, before the W=3 grid resumes: corrupt the newest
+    step of fsdp2-adamw (its original returned) and keep a copy of ``root`` as saved."""
     run = root / "fsdp2-adamw"
     assert storage.list_steps(str(run)) == [2, 3]  # async saves, keep_last=2
     original_3 = storage.load_state_dict(str(run), 3)
@@ -203,8 +205,14 @@ def runs(tmp_path_factory):
     data[-5] ^= 0xFF  # inside the payload: its checksum catches it
     obj.write_bytes(bytes(data))
     shutil.copytree(root, root.parent / "as_saved")  # before the W=3 run adds its saves
-    resumed = run_ranks(_resume_grid, 3, str(root))[0]
-    return root, root.parent / "as_saved", saved, resumed, original_3
+    return root.parent / "as_saved", original_3
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint_spawns):
+    """_save_grid at W=2, _damage_and_keep, _resume_grid at W=3 (the shared spawns): the root,
+    its copy as saved, rank 0's saved and resumed records, step 3 before the damage."""
+    return checkpoint_spawns.engine_runs()
 
 
 def _assert_equal(a: dict, b: dict, what: str) -> None:
