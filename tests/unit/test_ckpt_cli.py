@@ -305,3 +305,19 @@ def test_exit_codes_are_distinct(root: pathlib.Path, monkeypatch: pytest.MonkeyP
     assert err.splitlines()[-1].startswith("ftsdp-ckpt: internal error: RuntimeError: boom")
     monkeypatch.setattr(storage, "verify", lambda **kw: (_ for _ in ()).throw(RecursionError()))
     assert _cli("verify", str(root))[0] == 3  # not the 1 of "problems found"
+
+
+def test_one_parser_serves_every_call_and_keeps_no_state(root: pathlib.Path) -> None:
+    """``main`` builds its parser once per process (the fuzz tool calls it once per case); a
+    call's options do not leak into the next: an ``-o`` given once is gone the next time, and a
+    bad line between two good ones changes neither."""
+    from ftsdp.tools.ckpt._args import _parser, parse
+
+    first = parse(["verify", str(root), "-o", "anon=true"])
+    assert first.storage_options == {"anon": True}
+    assert _cli("verify", str(root), "--no-such-flag")[0] == 2
+    again = parse(["verify", str(root)])
+    assert again.storage_option == [] and again.storage_options is None
+    assert _parser() is _parser()
+    code, out, _ = _cli("verify", str(root))
+    assert code == 0 and "step(s) 1, 2, 3, 4" in out
