@@ -35,14 +35,21 @@ def s3_endpoint() -> Iterator[dict[str, Any]]:
         server.stop()
 
 
+def new_bucket_url(storage_options: dict[str, Any]) -> str:
+    """``s3://<fresh bucket>/ckpt`` on the endpoint of ``storage_options`` (for a fixture of
+    a wider scope than ``s3_bucket_url``'s)."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**storage_options).mkdir(bucket)
+    return f"s3://{bucket}/ckpt"
+
+
 @pytest.fixture
 def s3_bucket_url(s3_endpoint: dict[str, Any]) -> Iterator[str]:
     """``s3://<fresh bucket>/ckpt`` on the session's endpoint."""
     import s3fs
 
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem(**s3_endpoint)
-    bucket = f"test-{uuid.uuid4().hex[:12]}"
-    fs.mkdir(bucket)
-    yield f"s3://{bucket}/ckpt"
+    yield new_bucket_url(s3_endpoint)
     s3fs.S3FileSystem.clear_instance_cache()
