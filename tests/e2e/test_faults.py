@@ -8,6 +8,10 @@ losses, and the sample ledger (the dataset indices of every global step: identic
 lost, nothing repeated; a step re-run after a restart must see the same samples). Measured
 times (fault -> detection, fault -> first new step) and steps lost are printed and appended to
 ``$FTSDP_FAULT_REPORT`` when set (docs/elastic.md has the table).
+
+Independent jobs run side by side (:class:`Background`): the reference run and job B (the
+resize job) start with job A, whose restarts leave the cores idle for seconds at a time. When
+the suite measures (``$FTSDP_FAULT_REPORT`` set) every job runs alone, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -130,17 +137,58 @@ class Run:
         return storage.load_state_dict(self.url, step=STEPS, storage_options=self.storage_options)
 
 
-_REFERENCE: dict[str, Run] = {}
+def side_by_side() -> bool:
+    """Whether independent jobs may run at once: not while the suite measures
+    (``$FTSDP_FAULT_REPORT`` set), so that each measured time is one job's alone."""
+    return not os.environ.get("FTSDP_FAULT_REPORT")
+
+
+class Background:
+    """``fn(*args)`` in a thread of its own, started now when ``start`` (default:
+    :func:`side_by_side`), else run by the first :meth:`result` call."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, start: bool | None = None) -> None:
+        self._fn, self._args = fn, args
+        self._future: Future = Future()
+        self._thread: threading.Thread | None = None
+        if side_by_side() if start is None else start:
+            self._thread = threading.Thread(target=self._run, name=fn.__name__)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._future.set_result(self._fn(*self._args))
+        except BaseException as e:
+            self._future.set_exception(e)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """``fn``'s return value (its exception re-raised), waiting up to ``timeout`` s."""
+        if self._thread is None and not self._future.done():
+            self._run()
+        return self._future.result(timeout)
+
+
+_REFERENCE: dict[str, Background] = {}
+
+
+def _reference_run(tmp_root: pathlib.Path) -> Run:
+    run = Run(tmp_root / "reference")
+    rc = run.run([sys.executable, "-m", "ftsdp.train"], run.env(), "python", timeout=120)
+    assert rc == 0, run.output()[-4000:]
+    return run
+
+
+def start_reference(tmp_root: pathlib.Path) -> None:
+    """Start the uninterrupted run beside what comes next (once per session; see
+    :class:`Background`)."""
+    if "ref" not in _REFERENCE:
+        _REFERENCE["ref"] = Background(_reference_run, tmp_root)
 
 
 def reference(tmp_root: pathlib.Path) -> Run:
     """The uninterrupted run, one plain process (world size 1), shared by every scenario."""
-    if "ref" not in _REFERENCE:
-        run = Run(tmp_root / "reference")
-        rc = run.run([sys.executable, "-m", "ftsdp.train"], run.env(), "python", timeout=120)
-        assert rc == 0, run.output()[-4000:]
-        _REFERENCE["ref"] = run
-    return _REFERENCE["ref"]
+    start_reference(tmp_root)
+    return _REFERENCE["ref"].result(timeout=150)
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +306,9 @@ RESTARTS_COMMAND = (
 
 
 @pytest.fixture(scope="module")
-def restarts(tmp_path_factory) -> Run:
+def restarts(tmp_path_factory, resize: Background) -> Run:
+    """Job A. ``resize`` (job B) and the reference run are started first, to run beside it."""
+    start_reference(tmp_path_factory.getbasetemp())
     run = Run(tmp_path_factory.mktemp("restarts") / "job")
     rc = run.torchrun(2, faults=";".join(RESTART_FAULTS), max_restarts=5, timeout=400, launch=True)
     assert rc == 0, run.output()[-8000:]
@@ -401,13 +451,9 @@ RESIZE_STAGES = [
 ]
 
 
-@pytest.mark.timeout(360)
-def test_sigterm_preemption_and_world_size_changes_4_2_3_1(ref, tmp_path) -> None:
-    """Each stage ends by SIGTERM to its torchrun agent (the first while the async save of that
-    step is in flight) and the next stage resumes at another world size. At world size 2 one
-    worker is SIGTERMed alone first: both save, the signalled one exits 0, its peer exits 75 so
-    torchrun restarts the group at the same size."""
-    run = Run(tmp_path / "resize")
+def _resize_job(root: pathlib.Path) -> Run:
+    """Job B: the stages of RESIZE_STAGES in turn, each ending as the resize test expects."""
+    run = Run(root)
     for world, faults, restarts in RESIZE_STAGES:
         rc = run.torchrun(world, faults=faults, max_restarts=restarts)
         assert run.last_log is not None
@@ -420,6 +466,28 @@ def test_sigterm_preemption_and_world_size_changes_4_2_3_1(ref, tmp_path) -> Non
         assert "SignalException" in out, out[-6000:]
         codes = sorted(set(re.findall(r"exitcode: (-?\d+)", out)))
         assert codes == (["75"] if restarts else []), (codes, out[-6000:])
+    return run
+
+
+RESIZE_TEST = "test_sigterm_preemption_and_world_size_changes_4_2_3_1"
+
+
+@pytest.fixture(scope="module")
+def resize(request, tmp_path_factory) -> Background:
+    """Job B, started at once (beside job A, see the module docstring) when its test is among
+    the selected ones and jobs may run side by side; else run when the test asks for it."""
+    selected = any(item.name == RESIZE_TEST for item in request.session.items)
+    root = tmp_path_factory.mktemp("resize") / "job"
+    return Background(_resize_job, root, start=side_by_side() and selected)
+
+
+@pytest.mark.timeout(360)
+def test_sigterm_preemption_and_world_size_changes_4_2_3_1(resize: Background, ref) -> None:
+    """Each stage ends by SIGTERM to its torchrun agent (the first while the async save of that
+    step is in flight) and the next stage resumes at another world size. At world size 2 one
+    worker is SIGTERMed alone first: both save, the signalled one exits 0, its peer exits 75 so
+    torchrun restarts the group at the same size."""
+    run = resize.result(timeout=340)
     resumes = _resumes(run)
     assert [(r["saved_world_size"], r["world_size"], r["step"]) for r in resumes] == [
         (4, 2, 5),

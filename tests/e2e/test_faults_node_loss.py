@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -36,7 +35,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from ftsdp import storage
-from tests.e2e.test_faults import STEPS, Run, check_against_reference, measure, reference
+from tests.e2e.test_faults import (
+    STEPS,
+    Run,
+    check_against_reference,
+    measure,
+    reference,
+    side_by_side,
+)
 from tests.s3_fixture import new_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 FAULT = "kill_node:step=5:when=after_commit"  # see the module docstring
@@ -141,8 +147,9 @@ def jobs(tmp_path_factory, s3_endpoint) -> Iterator[dict[str, tuple[Run, Future]
     s3 = Run(root / "node-loss-s3", url=new_bucket_url(s3_endpoint))
     s3_env = {"FTSDP_STORAGE_OPTIONS": json.dumps(s3_endpoint)}
     port_local, port_s3 = _ports(2)
-    side_by_side = not os.environ.get("FTSDP_FAULT_REPORT")
-    with ThreadPoolExecutor(2 if side_by_side else 1, thread_name_prefix="node-loss") as pool:
+    if not side_by_side():  # measuring: the reference first, then one job after the other
+        reference(tmp_path_factory.getbasetemp())
+    with ThreadPoolExecutor(2 if side_by_side() else 1, thread_name_prefix="node-loss") as pool:
         yield {
             "local": (local, pool.submit(node_loss, local, port_local)),
             "s3": (s3, pool.submit(node_loss, s3, port_s3, s3_env)),
