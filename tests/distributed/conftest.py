@@ -1,16 +1,31 @@
-"""Rank-group spawns shared by several modules of this folder: a spawn costs seconds (every rank
-imports torch), so modules that need ranks of the same world size share one.
+"""Rank groups shared by the modules of this folder: one spawn per world size.
 
-``checkpoint_spawns`` (session-scoped): CheckpointManager saved at world size 2 and resumed at 3,
-for ``test_checkpoint_manager.py`` and ``test_checkpoint_manager_engines.py``. One W=2 spawn runs
-both modules' save phases and the first module's follow-ups (its saved run copied with step 5
-corrupted), then one W=3 spawn runs both modules' resume phases: two spawns where there were
-five. The phases run one after the other in the same processes; each phase's result (or its
-traceback) is kept apart, so a phase that fails fails only the tests that use it.
+A spawn costs seconds (every rank imports torch and joins a process group: 5-9 s for a group
+of 2-4 on the 2 loaded cores), so the modules below do not spawn their own groups: the session
+fixture ``spawns`` runs, at its first use for a world size, one group of that size in which
+every *phase* of the selected modules runs in turn (``in_turn``), and keeps each phase's result
+per rank. A phase that raises fails only the tests that use it (``phase_results`` raises its
+traceback); a phase that hangs or kills its rank fails every test of that spawn.
+
+- W=2: ``test_checkpoint_manager.py`` (save, corrupt copy, follow-ups),
+  ``test_checkpoint_manager_engines.py`` (the save grid), ``test_engine_streams.py``,
+  ``test_engine_grad_scaler.py``, ``test_engine_parity.py``;
+- W=3: the two CheckpointManager modules' resumes (after the W=2 spawn, and after
+  ``_damage_and_keep`` between the two), ``test_engine_behaviour.py``,
+  ``test_engine_parity.py``;
+- W=4: ``test_engine_features.py`` first (its memory checks read this process's RSS; its
+  ``MALLOC_MMAP_THRESHOLD_`` is in the environment of the whole spawn), then
+  ``test_engine_edge_cases.py`` and ``test_engine_parity.py``.
+
+Only the phases of modules that have a selected test run, so running one module alone still
+costs one spawn per world size it uses.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+import pathlib
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +35,23 @@ import pytest
 from ftsdp.testing import run_ranks
 
 Phase = tuple[Callable[..., Any], tuple[Any, ...]]
+PKG = "tests.distributed."
+# world size -> (module, rank function) of the engine modules' phases, in the order they run
+ENGINE_PHASES: dict[int, list[tuple[str, str]]] = {
+    2: [
+        ("test_engine_streams", "rank_main"),
+        ("test_engine_grad_scaler", "rank_main"),
+        ("test_engine_parity", "parity_grid"),
+    ],
+    3: [("test_engine_behaviour", "behaviour"), ("test_engine_parity", "parity_grid")],
+    4: [
+        ("test_engine_features", "features"),
+        ("test_engine_edge_cases", "edge_cases"),
+        ("test_engine_parity", "parity_grid"),
+    ],
+}
+SPAWN_ENV = {4: {"MALLOC_MMAP_THRESHOLD_": "65536"}}  # test_engine_features: see its test
+TIMEOUT_S = 600  # a whole spawn, every phase of it
 
 
 def in_turn(rank: int, world: int, phases: list[Phase]) -> list[tuple[bool, Any]]:
@@ -46,68 +78,109 @@ def phase_results(per_rank: list[list[tuple[bool, Any]]], index: int) -> list[An
     return [res[index][1] for res in per_rank]
 
 
-class CheckpointSpawns:
-    """What the two spawns left, per module; each accessor raises if its phases failed."""
+class SharedSpawns:
+    """The spawns of this folder (see the module docstring) and what their phases returned."""
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, modules: set[str]) -> None:
+        self.modules = modules  # short names of the modules with a selected test
+        self.checkpoints = bool(
+            {"test_checkpoint_manager", "test_checkpoint_manager_engines"} & modules
+        )
+        if self.checkpoints:
+            self.url = str(tmp_path_factory.mktemp("ckpt") / "run")
+            self.corrupt = tmp_path_factory.mktemp("fallback") / "run"
+            self.again = str(tmp_path_factory.mktemp("again") / "again")
+            self.root = tmp_path_factory.mktemp("engines")
+        self.damaged: Any = None
+        self._names: dict[int, list[str]] = {}  # per world size, the phase names in order
+        self._results: dict[int, list[list[tuple[bool, Any]]]] = {}
+
+    def _phases(self, world: int) -> list[tuple[str, Phase]]:
         from tests.distributed import test_checkpoint_manager as manager
         from tests.distributed import test_checkpoint_manager_engines as engines
 
-        self.url = str(tmp_path_factory.mktemp("ckpt") / "run")
-        self.corrupt = tmp_path_factory.mktemp("fallback") / "run"
-        self.again = str(tmp_path_factory.mktemp("again") / "again")
-        self.root = tmp_path_factory.mktemp("engines")
-        self.w2 = run_ranks(
-            in_turn,
-            2,
-            [
-                (manager._save_phase, (self.url,)),
-                (manager._corrupt_copy_phase, (self.url, str(self.corrupt))),
-                (manager._followups, (self.url, str(self.corrupt))),
-                (engines._save_grid, (str(self.root),)),
-            ],
-        )
-        self.damaged: Any = None  # between the saves and the resumes: the engines' fallback
+        phases: list[tuple[str, Phase]] = []
+        if self.checkpoints and world == 2:
+            phases += [
+                ("manager.save", (manager._save_phase, (self.url,))),
+                ("manager.corrupt", (manager._corrupt_copy_phase, (self.url, str(self.corrupt)))),
+                ("manager.followups", (manager._followups, (self.url, str(self.corrupt)))),
+                ("engines.save", (engines._save_grid, (str(self.root),))),
+            ]
+        if self.checkpoints and world == 3:
+            phases += [
+                ("manager.resume", (manager._resume_phase, (self.url, self.again))),
+                ("engines.resume", (engines._resume_grid, (str(self.root),))),
+            ]
+        for module, fn in ENGINE_PHASES.get(world, []):
+            if module in self.modules:
+                target = getattr(importlib.import_module(PKG + module), fn)
+                phases.append((f"{module}.{fn}", (target, ())))
+        return phases
+
+    def _spawn(self, world: int) -> None:
+        if world in self._results:
+            return
+        if world == 3 and self.checkpoints:  # the resumes read what the W=2 saves wrote
+            self._spawn(2)
+            from tests.distributed import test_checkpoint_manager_engines as engines
+
+            try:
+                self.damaged = engines._damage_and_keep(self.root)
+            except Exception as e:  # raised by engine_runs()
+                self.damaged = e
+        phases = self._phases(world)
+        self._names[world] = [name for name, _ in phases]
+        saved = {k: os.environ.get(k) for k in SPAWN_ENV.get(world, {})}
+        os.environ.update(SPAWN_ENV.get(world, {}))  # read by the ranks' allocator at start
         try:
-            self.damaged = engines._damage_and_keep(self.root)
-        except Exception as e:
-            self.damaged = e
-        self.w3 = run_ranks(
-            in_turn,
-            3,
-            [
-                (manager._resume_phase, (self.url, self.again)),
-                (engines._resume_grid, (str(self.root),)),
-            ],
-        )
+            self._results[world] = run_ranks(
+                in_turn, world, [p for _, p in phases], timeout=TIMEOUT_S
+            )
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def result(self, world: int, name: str) -> list[Any]:
+        """Every rank's result of phase ``name`` of the W=``world`` spawn (run at first use)."""
+        self._spawn(world)
+        return phase_results(self._results[world], self._names[world].index(name))
 
     # test_checkpoint_manager.py
     def saved(self) -> tuple[str, dict]:
         """The W=2 run's URL and rank 0's record of it."""
-        return self.url, phase_results(self.w2, 0)[0]
+        return self.url, self.result(2, "manager.save")[0]
 
-    def followups(self) -> tuple[Any, list[dict]]:
+    def followups(self) -> tuple[pathlib.Path, list[dict]]:
         """The corrupted copy and every rank's follow-up results."""
-        phase_results(self.w2, 1)
-        return self.corrupt, phase_results(self.w2, 2)
+        self.result(2, "manager.corrupt")
+        return self.corrupt, self.result(2, "manager.followups")
 
     def resumed_at_3(self) -> tuple[str, dict]:
         """Where the W=3 resume saved step 5 again, and rank 0's record of it."""
-        return self.again, phase_results(self.w3, 0)[0]
+        return self.again, self.result(3, "manager.resume")[0]
 
     # test_checkpoint_manager_engines.py
     def engine_runs(self) -> tuple[Any, Any, dict, dict, Any]:
         """The grid's root, its copy as saved, rank 0's saved and resumed records, and the
         original step 3 of fsdp2-adamw (before it was corrupted)."""
-        saved = phase_results(self.w2, 3)[0]
+        saved = self.result(2, "engines.save")[0]
+        resumed = self.result(3, "engines.resume")[0]
         if isinstance(self.damaged, Exception):
             raise self.damaged
         as_saved, original_3 = self.damaged
-        return self.root, as_saved, saved, phase_results(self.w3, 1)[0], original_3
+        return self.root, as_saved, saved, resumed, original_3
 
 
 @pytest.fixture(scope="session")
-def checkpoint_spawns(tmp_path_factory: pytest.TempPathFactory) -> CheckpointSpawns:
-    """Both CheckpointManager modules' W=2 and W=3 phases, one spawn per world size (see the
-    module docstring)."""
-    return CheckpointSpawns(tmp_path_factory)
+def spawns(request: pytest.FixtureRequest, tmp_path_factory) -> SharedSpawns:
+    """This folder's shared spawns (see the module docstring)."""
+    modules = {
+        item.module.__name__.rpartition(".")[2]
+        for item in request.session.items
+        if getattr(item, "module", None) is not None
+    }
+    return SharedSpawns(tmp_path_factory, modules)

@@ -9,7 +9,7 @@ manager's pieces that need a real job run here too: ``RankManager.init`` inside 
 process group, ``agree_any``, and a watchdog on the real c10d TCPStore.
 
 The W=2 save, its follow-ups and the W=3 resume run in the spawns this module shares with
-``test_checkpoint_manager_engines.py`` (``checkpoint_spawns`` in this folder's conftest.py).
+``test_checkpoint_manager_engines.py`` (``spawns`` in this folder's conftest.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from ftsdp import storage
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(600)  # the first test runs the shared spawns (conftest.py)
 GLOBAL_BATCH, MICRO = 12, 1
 
 
@@ -130,12 +130,12 @@ def _resume_phase(rank: int, world: int, url: str, again: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved(checkpoint_spawns):
-    return checkpoint_spawns.saved()  # _save_phase at W=2
+def saved(spawns):
+    return spawns.saved()  # _save_phase at W=2
 
 
 @pytest.mark.parametrize("world", [3, 1])
-def test_resume_at_another_world_size(saved, checkpoint_spawns, tmp_path, world: int) -> None:
+def test_resume_at_another_world_size(saved, spawns, tmp_path, world: int) -> None:
     url, ref = saved
     assert storage.list_steps(url) == [3, 5]
     again = str(tmp_path / "again")
@@ -147,7 +147,7 @@ def test_resume_at_another_world_size(saved, checkpoint_spawns, tmp_path, world:
         finally:
             torch.set_num_threads(threads)
     else:  # _resume_phase at W=3, in the shared spawn
-        again, out = checkpoint_spawns.resumed_at_3()
+        again, out = spawns.resumed_at_3()
 
     # The state loaded at the new world size is the saved state, bit for bit.
     original, resaved = storage.load_state_dict(url, 5), storage.load_state_dict(again, 5)
@@ -240,10 +240,10 @@ def _corrupt_copy_phase(rank: int, world: int, url: str, corrupt: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def followups(saved, checkpoint_spawns) -> tuple[pathlib.Path, list[dict]]:
+def followups(saved, spawns) -> tuple[pathlib.Path, list[dict]]:
     """Step 5 of a copy of the saved run is corrupt; the shared W=2 spawn ran both follow-ups
     after the save (``_corrupt_copy_phase``, ``_followups``)."""
-    return checkpoint_spawns.followups()
+    return spawns.followups()
 
 
 def test_an_unexpected_error_on_one_rank_fails_every_rank_instead_of_hanging(followups) -> None:

@@ -18,7 +18,7 @@ model in this process that loaded the saved full state with ``set_state_dict``.
   module in this process (bitwise).
 
 The W=2 grid and the W=3 grid run in the spawns this module shares with
-``test_checkpoint_manager.py`` (``checkpoint_spawns`` in this folder's conftest.py).
+``test_checkpoint_manager.py`` (``spawns`` in this folder's conftest.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from ftsdp import storage
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(600)  # the first test runs the shared spawns (conftest.py)
 GLOBAL = 12  # samples per step, split evenly over the ranks
 CASES = {  # name: (engine, optimizer, steps saved)
     "fsdp2-adamw": ("fsdp2", "adamw", [1, 2, 3]),  # async, keep_last=2, fallback at W=3
@@ -209,10 +209,10 @@ def _damage_and_keep(root: pathlib.Path) -> tuple[pathlib.Path, dict[str, torch.
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint_spawns):
+def runs(spawns):
     """_save_grid at W=2, _damage_and_keep, _resume_grid at W=3 (the shared spawns): the root,
     its copy as saved, rank 0's saved and resumed records, step 3 before the damage."""
-    return checkpoint_spawns.engine_runs()
+    return spawns.engine_runs()
 
 
 def _assert_equal(a: dict, b: dict, what: str) -> None:

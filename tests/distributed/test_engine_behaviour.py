@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 
 import ftsdp
-from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig
 
 WORLD = 3
@@ -169,7 +168,7 @@ def behaviour(rank: int, world: int) -> list[str]:
     return done
 
 
-@pytest.mark.timeout(240)
-def test_engine_behaviour() -> None:
-    results = run_ranks(behaviour, WORLD)
+@pytest.mark.timeout(600)
+def test_engine_behaviour(spawns) -> None:
+    results = spawns.result(WORLD, "test_engine_behaviour.behaviour")  # behaviour at W=3
     assert all(len(r) == 5 for r in results), results

@@ -20,7 +20,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ftsdp
-from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 
 WORLD = 4
@@ -183,6 +182,6 @@ def edge_cases(rank: int, world: int) -> int:
     return len(checks)
 
 
-@pytest.mark.timeout(240)
-def test_engine_edge_cases() -> None:
-    assert run_ranks(edge_cases, WORLD) == [11] * WORLD
+@pytest.mark.timeout(600)
+def test_engine_edge_cases(spawns) -> None:
+    assert spawns.result(WORLD, "test_engine_edge_cases.edge_cases") == [11] * WORLD

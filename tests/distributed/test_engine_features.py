@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ftsdp
-from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 
 WORLD = 4
@@ -264,10 +263,11 @@ def features(rank: int, world: int) -> int:
     return len(checks)
 
 
-@pytest.mark.timeout(300)
-def test_engine_features(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A fixed mmap threshold: large tensors come from mmap and go back to the OS when freed,
-    # so the RSS high-water mark follows the real allocations (glibc otherwise raises the
-    # threshold after the first free and keeps freed blocks in the heap).
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert run_ranks(features, WORLD) == [7] * WORLD
+@pytest.mark.timeout(600)
+def test_engine_features(spawns) -> None:
+    # features runs first in the shared W=4 spawn, whose ranks start with a fixed mmap
+    # threshold (MALLOC_MMAP_THRESHOLD_=65536, conftest.SPAWN_ENV): large tensors come from
+    # mmap and go back to the OS when freed, so the RSS high-water mark follows the real
+    # allocations (glibc otherwise raises the threshold after the first free and keeps freed
+    # blocks in the heap).
+    assert spawns.result(WORLD, "test_engine_features.features") == [7] * WORLD

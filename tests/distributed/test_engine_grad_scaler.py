@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 import ftsdp
-from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 
 WORLD = 2
@@ -90,11 +89,11 @@ def rank_main(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_ranks(rank_main, WORLD)
+def results(spawns) -> list[dict]:
+    return spawns.result(WORLD, "test_engine_grad_scaler.rank_main")  # rank_main at W=2
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)  # the first test runs the shared spawn (conftest.py)
 def test_every_rank_skips_an_overflow_only_one_rank_saw(results):
     sharded = [r["sharded"] for r in results]
     assert [s["stepped"] for s in sharded] == [False, False], sharded
@@ -104,7 +103,7 @@ def test_every_rank_skips_an_overflow_only_one_rank_saw(results):
     assert plain[0]["scale"] != plain[1]["scale"], plain
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)  # the first test runs the shared spawn (conftest.py)
 def test_fp16_training_skips_together_and_follows_fp32(results):
     runs = [r["training"] for r in results]
     assert runs[0]["scales"] == runs[1]["scales"], runs

@@ -23,7 +23,6 @@ import torch
 
 import ftsdp
 from ftsdp.fsdp import _fully_sharded, _streams, _unit
-from ftsdp.testing import run_ranks
 from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 
 WORLD = 2
@@ -219,11 +218,11 @@ def rank_main(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_ranks(rank_main, WORLD)
+def results(spawns) -> list[dict[str, Any]]:
+    return spawns.result(WORLD, "test_engine_streams.rank_main")  # rank_main at W=2
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)  # the first test runs the shared spawn (conftest.py)
 @pytest.mark.parametrize("case", list(CASES))
 def test_stream_schedule_trains_like_the_host_schedule_and_orders_its_streams(results, case):
     for rank, by_case in enumerate(results):
