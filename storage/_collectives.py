@@ -69,6 +69,68 @@ def broadcast_json(obj: Any, group: Any) -> Any:
     return json.loads(bytes(buf.cpu().numpy()))
 
 
+def _to_bytes(buf: torch.Tensor, n: int) -> bytes:
+    return bytes(buf[:n].cpu().numpy())
+
+
+def gather_json(obj: Any, group: Any) -> list[Any] | None:
+    """Every rank's JSON-able ``obj`` in rank order on group rank 0, None on the others."""
+    if group is None:
+        return [json.loads(json.dumps(obj))]
+    device, world, me = _device(group), dist.get_world_size(group), dist.get_rank(group)
+    dst = dist.get_global_rank(group, 0)
+    data = json.dumps(obj).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)] if me == 0 else None
+    dist.gather(size, sizes, dst=dst, group=group)
+    longest = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    buf = torch.zeros(int(longest.item()), dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros_like(buf, device=device) for _ in range(world)] if me == 0 else None
+    dist.gather(buf.to(device), bufs, dst=dst, group=group)
+    if bufs is None or sizes is None:
+        return None
+    return [json.loads(_to_bytes(b, int(n.item()))) for b, n in zip(bufs, sizes, strict=True)]
+
+
+def scatter_json(objs: list[Any] | None, group: Any) -> Any:
+    """Group rank 0 passes one JSON-able object per rank; each rank gets its own."""
+    if group is None:
+        assert objs is not None
+        return json.loads(json.dumps(objs[0]))
+    device, _world, me = _device(group), dist.get_world_size(group), dist.get_rank(group)
+    src = dist.get_global_rank(group, 0)
+    datas = [json.dumps(o).encode() for o in objs] if me == 0 and objs is not None else []
+    head = torch.tensor([max(map(len, datas), default=0)], dtype=torch.int64, device=device)
+    dist.broadcast(head, src=src, group=group)
+    longest = int(head.item())
+    sizes = [torch.tensor([len(d)], dtype=torch.int64, device=device) for d in datas]
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.scatter(size, sizes or None, src=src, group=group)
+    bufs = None
+    if me == 0:
+        bufs = []
+        for d in datas:
+            b = torch.zeros(longest, dtype=torch.uint8)
+            if d:
+                b[: len(d)] = torch.frombuffer(bytearray(d), dtype=torch.uint8)
+            bufs.append(b.to(device))
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    dist.scatter(buf, bufs, src=src, group=group)
+    return json.loads(_to_bytes(buf, int(size.item())))
+
+
+def all_reduce_max(values: list[int], group: Any) -> list[int]:
+    """The element-wise maximum over the group of ``values`` (int64)."""
+    if group is None:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.cpu().tolist()]
+
+
 # [Note: storage's own process group]
 # A deferred save gathers its metadata on a background thread while the training loop goes on
 # issuing its own collectives. Collectives of one group must be issued in the same order on

@@ -43,10 +43,12 @@ has already moved past. Neither may silently replace or outrun the other:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
 import re
+import struct
 import time
 import uuid
 from collections.abc import Iterator
@@ -55,8 +57,15 @@ from typing import Any
 
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._fs import Store
-from ftsdp.storage._layout import LATEST, abort_marker, done_marker, manifest_path, step_dir
-from ftsdp.storage._manifest import Manifest, Piece, TensorEntry
+from ftsdp.storage._layout import (
+    LATEST,
+    abort_marker,
+    done_marker,
+    manifest_path,
+    object_name,
+    step_dir,
+)
+from ftsdp.storage._manifest import FORMAT_VERSION, Manifest, Piece, RegularIndex, TensorEntry
 from ftsdp.storage._options import MAX_MANIFEST_BYTES
 from ftsdp.storage._save_plan import SavePlan
 from ftsdp.storage._steps import committed_steps, remove_attempt, remove_step, retain, scan_root
@@ -145,11 +154,14 @@ def build_manifest(
     checksum_block_bytes: int,
     values: dict[str, Any],
     rank_values: list[dict[str, Any]],
+    regular: tuple[list[int], dict[str, int]] | None = None,
 ) -> Manifest:
     """The manifest of a step written by ``plan``, given every object's checksums.
 
     ``rank_values[r]`` are rank r's values; only those that differ from ``values`` are kept, for
-    the ``world_size`` ranks of the layout (missing ranks have none).
+    the ``world_size`` ranks of the layout (missing ranks have none). With a regular layout
+    (``plan.regular``), ``regular`` is ``(counts, sizes)``: each rank's number of regular
+    objects and their sizes; the manifest is then version 4.
     """
     pieces: dict[str, list[Piece]] = {name: [] for name in plan.shapes}
     for obj in plan.objects:
@@ -158,20 +170,48 @@ def build_manifest(
                 Piece(obj.name, p.key, p.offset, p.length, start, end, tuple(crc))
             )
     ranks = [dict(rank_values[r]) if r < len(rank_values) else {} for r in range(world_size)]
+    objects = {o.name: o.size for o in plan.objects}
+    tensors = {
+        name: TensorEntry(shape, dtype, tuple(sorted(pieces[name], key=lambda p: p.offset)))
+        for name, (shape, dtype) in plan.shapes.items()
+    }
+    index = None
+    if plan.regular is not None and regular is not None:
+        counts, sizes = regular
+        objects.update(sizes)
+        blobs = []
+        for rank, count in enumerate(counts):
+            flat = [
+                c
+                for i in range(count)
+                for piece in crcs[object_name(rank, i, plan.attempt)]
+                for c in piece
+            ]
+            blobs.append(base64.b64encode(struct.pack(f"<{len(flat)}I", *flat)).decode())
+        index = RegularIndex(
+            plan.regular,
+            tuple(counts),
+            tuple(blobs),
+            attempt=plan.attempt,
+            step=step,
+            block=checksum_block_bytes,
+            objects=objects,
+        )
+        for name, shape, dtype, rule in plan.regular.entries:
+            tensors[name] = TensorEntry(shape, dtype, (), rule, name, index)
     return Manifest(
         step=step,
         world_size=world_size,
         attempt=plan.attempt,
         checksum_block_bytes=checksum_block_bytes,
-        objects={o.name: o.size for o in plan.objects},
-        tensors={
-            name: TensorEntry(shape, dtype, tuple(sorted(pieces[name], key=lambda p: p.offset)))
-            for name, (shape, dtype) in plan.shapes.items()
-        },
+        objects=objects,
+        tensors=tensors,
         values=values,
         rank_values=[
             {k: v for k, v in r.items() if k not in values or values[k] != v} for r in ranks
         ],
+        version=FORMAT_VERSION if index is not None else Manifest.version,
+        regular=index,
     )
 
 
@@ -322,6 +362,7 @@ def finish(
     error: BaseException | None,
     *,
     rank_values: list[dict[str, Any]],
+    world_size: int,
     checksum_block_bytes: int,
     timeout_s: float,
     keep_last: int | None = None,
@@ -331,15 +372,19 @@ def finish(
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
     checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
-    every rank when it is not. ``rank_values`` holds every rank's values (its length is the
-    world size). ``lineage``: rank 0's ``plan_lineage`` of this save; ``replaces``: the attempt
+    every rank when it is not. On rank 0, ``rank_values`` holds every rank's values and
+    ``world_size`` is the number of ranks (others: unused). ``lineage``: rank 0's ``plan_lineage`` of this save; ``replaces``: the attempt
     of an earlier commit of this step that it replaces (every rank knows it from the plan)."""
     if rank != 0:  # report, then wait for rank 0's verdict
-        objects = {
-            o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.for_rank(rank)
-        }
+        objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
+        regular = _regular_count(plan, rank)
         _write_marker(
-            store, done_marker(step, plan.attempt, rank), error, rank=rank, objects=objects
+            store,
+            done_marker(step, plan.attempt, rank),
+            error,
+            rank=rank,
+            objects=objects,
+            regular=regular,
         )
         if error is not None:
             raise error
@@ -347,15 +392,20 @@ def finish(
         return
     if error is None:
         try:
-            crcs = {**crcs, **_collect_markers(store, step, plan, len(rank_values), timeout_s)}
+            theirs, sizes, counts = _collect_markers(store, step, plan, world_size, timeout_s)
+            crcs = {**crcs, **theirs}
+            if plan.regular is not None:
+                counts[0] = _regular_count(plan, 0)
+                sizes.update((o.name, o.size) for o in plan.own(0)[: counts[0]])
             manifest = build_manifest(
                 plan,
                 crcs,
                 step=step,
-                world_size=len(rank_values),
+                world_size=world_size,
                 checksum_block_bytes=checksum_block_bytes,
                 values=rank_values[0],
                 rank_values=rank_values,
+                regular=(counts, sizes) if plan.regular is not None else None,
             )
             commit(store, manifest, keep_last=keep_last, keep_every=keep_every, lineage=lineage)
             return
@@ -363,7 +413,7 @@ def finish(
             error = e
     # Ranks > 0 stop waiting at the abort marker, or at another writer's manifest of this step
     # (then no marker is left in that writer's step). A single rank needs none.
-    if len(rank_values) > 1 and _attempt_at(store, step) in (None, plan.attempt, replaces):
+    if world_size > 1 and _attempt_at(store, step) in (None, plan.attempt, replaces):
         with contextlib.suppress(Exception):  # best effort: the original error is what matters
             _write_marker(store, abort_marker(step, plan.attempt), error)
     raise error
@@ -404,10 +454,21 @@ def _wait_for_commit(
     )
 
 
-def _collect_markers(store: Store, step: int, plan: SavePlan, world: int, timeout_s: float) -> Crcs:
-    """Rank 0: every other rank's checksums, from its done marker, each size checked against the
-    plan; raises a rank's reported error, or TimeoutError."""
+def _regular_count(plan: SavePlan, rank: int) -> int:
+    """How many of ``rank``'s own objects are regular ones (they come first)."""
+    return len(plan.own(rank)) - len(plan.for_rank(rank)) if plan.regular is not None else 0
+
+
+def _collect_markers(
+    store: Store, step: int, plan: SavePlan, world: int, timeout_s: float
+) -> tuple[Crcs, dict[str, int], list[int]]:
+    """Rank 0: every other rank's checksums, from its done marker, each listed object's size
+    checked against the plan; with a regular layout also each rank's regular objects (their
+    number and sizes, as the rank reports them: see [Note: regular layouts] in
+    storage/_regular.py). Raises a rank's reported error, or TimeoutError."""
     crcs: Crcs = {}
+    sizes: dict[str, int] = {}
+    counts = [0] * world
     waiting = set(range(1, world))
     for _ in _poll(timeout_s):
         listing = store.listdir(step_dir(step)) if waiting else {}
@@ -429,13 +490,32 @@ def _collect_markers(store: Store, step: int, plan: SavePlan, world: int, timeou
                         f"the plan says {obj.size}"
                     )
                 crcs[obj.name] = got["checksums"]
+            if plan.regular is not None:
+                counts[rank] = _reported_regular(marker, rank, step, plan.attempt, crcs, sizes)
             waiting.discard(rank)
         if not waiting:
-            return crcs
+            return crcs, sizes, counts
     raise TimeoutError(
         f"step {step} at {store.where()}: ranks {sorted(waiting)} did not finish writing within "
         f"{timeout_s}s"
     )
+
+
+def _reported_regular(
+    marker: dict[str, Any], rank: int, step: int, attempt: str, crcs: Crcs, sizes: dict[str, int]
+) -> int:
+    """The number of regular objects a rank's done marker reports, their checksums and sizes
+    taken into ``crcs`` and ``sizes``."""
+    count = marker.get("regular")
+    if type(count) is not int or count < 0:
+        raise CheckpointError(f"rank {rank}'s done marker of step {step} has no regular count")
+    for i in range(count):
+        name = object_name(rank, i, attempt)
+        got = marker["objects"].get(name, {})
+        if type(got.get("size")) is not int or not isinstance(got.get("checksums"), list):
+            raise CheckpointError(f"rank {rank} did not report its regular object {name}")
+        crcs[name], sizes[name] = got["checksums"], got["size"]
+    return count
 
 
 def _poll(timeout: float) -> Iterator[int]:

@@ -24,12 +24,16 @@ found two bit flips that did); a version 1 manifest has none, or one that is che
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
 import json
 import math
 import re
 import reprlib
+import struct
 import threading
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -41,13 +45,17 @@ from ftsdp.storage._errors import (
     NewerFormatError,
 )
 from ftsdp.storage._fs import Store
+from ftsdp.storage._layout import object_name
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage._ranges import Range, check_disjoint_cover
+from ftsdp.storage._regular import RegularLayout, Rule, rule_from_json
 
 FORMAT_NAME = "ftsdp.storage"
-# 2 added the required manifest checksum, 3 made every checksum CRC-32C (was CRC-32); versions 1
-# and 2 still load (tests/golden/).
-FORMAT_VERSION = 3
+# 2 added the required manifest checksum, 3 made every checksum CRC-32C (was CRC-32), 4 added
+# tensors described by a layout rule (storage/_regular.py); versions 1 to 3 still load
+# (tests/golden/). A manifest without rule tensors is still written as version 3.
+FORMAT_VERSION = 4
+PLAIN_VERSION = 3  # the version of a manifest that lists every piece
 SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
 MAX_INT = 2**63 - 1  # the largest integer the format uses anywhere (sizes, offsets, steps)
 
@@ -144,17 +152,125 @@ class Piece:
         return Range(self.offset, self.length)
 
 
+class RegularIndex:
+    """The regular objects of a manifest (version 4): per rank, how many objects its rule
+    tensors fill and the checksums of their blocks, in order; a rank's pieces are derived from
+    the layout on first use and checked against the object sizes and the checksum count (see
+    [Note: regular layouts] in storage/_regular.py)."""
+
+    def __init__(
+        self,
+        layout: RegularLayout,
+        counts: tuple[int, ...],
+        checksums: tuple[str, ...],
+        *,
+        attempt: str,
+        step: int,
+        block: int,
+        objects: dict[str, int],
+    ) -> None:
+        self.layout, self.counts, self.checksums = layout, counts, checksums
+        self.attempt, self.step, self.block, self.objects = attempt, step, block, objects
+        self._ranks: dict[int, dict[str, list[Piece]]] = {}
+        self._lock = threading.Lock()
+
+    def names(self, rank: int) -> list[str]:
+        """The names of rank ``rank``'s regular objects."""
+        return [object_name(rank, i, self.attempt) for i in range(self.counts[rank])]
+
+    def rank(self, rank: int) -> dict[str, list[Piece]]:
+        """``tensor name -> pieces`` that rank ``rank`` wrote; CorruptCheckpointError when the
+        derived layout disagrees with the manifest."""
+        with self._lock:
+            hit = self._ranks.get(rank)
+        if hit is not None:
+            return hit
+        out = self._derive(rank)
+        with self._lock:
+            self._ranks[rank] = out
+        return out
+
+    def _derive(self, rank: int) -> dict[str, list[Piece]]:
+        def corrupt(msg: str) -> NoReturn:
+            raise CorruptCheckpointError(f"step {self.step}: rank {rank}'s regular objects: {msg}")
+
+        objects = self.layout.rank_objects(rank, self.attempt)
+        if len(objects) != self.counts[rank]:
+            corrupt(f"the layout gives {len(objects)} objects, the manifest {self.counts[rank]}")
+        try:
+            raw = base64.b64decode(self.checksums[rank], validate=True)
+        except (binascii.Error, ValueError):
+            corrupt("the checksums are not base64")
+        if len(raw) % 4:
+            corrupt(f"{len(raw)} bytes of checksums is not a whole number of 32-bit values")
+        crcs = struct.unpack(f"<{len(raw) // 4}I", raw)
+        out: dict[str, list[Piece]] = {}
+        pos = 0
+        for obj in objects:
+            if self.objects.get(obj.name) != obj.size:
+                corrupt(
+                    f"{obj.name} is listed with {self.objects.get(obj.name)} bytes, the layout "
+                    f"gives {obj.size}"
+                )
+            for p, (b0, b1) in zip(obj.pieces, obj.byte_ranges, strict=True):
+                n = -(-(b1 - b0) // self.block)
+                piece = Piece(obj.name, p.key, p.offset, p.length, b0, b1, crcs[pos : pos + n])
+                out.setdefault(p.name, []).append(piece)
+                pos += n
+        if pos != len(crcs):
+            corrupt(f"the layout has {pos} checksum blocks, the manifest lists {len(crcs)}")
+        return out
+
+
 @dataclass(frozen=True)
 class TensorEntry:
-    """Global shape, dtype and the pieces (sorted by offset, tiling the tensor) of one tensor."""
+    """Global shape, dtype and the pieces (sorted by offset, tiling the tensor) of one tensor.
+
+    The pieces are listed (``explicit``) or, for a tensor saved under a layout rule (``rule``,
+    format version 4), derived per rank from the manifest's ``RegularIndex`` when read.
+    """
 
     shape: tuple[int, ...]
     dtype: str
-    pieces: tuple[Piece, ...]
+    explicit: tuple[Piece, ...] = ()
+    rule: Rule | None = None
+    name: str = ""
+    regular: RegularIndex | None = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """Every piece, sorted by offset (derived for every rank holding some, for a rule)."""
+        if self.rule is None:
+            return self.explicit
+        return tuple(self.pieces_in(0, self.numel))
+
+    def pieces_in(self, lo: int, hi: int) -> list[Piece]:
+        """The pieces holding any element of ``[lo, hi)``, sorted by offset: the pieces of the
+        ranks the rule names, or a search of the listed ones (never every piece)."""
+        if self.rule is None:
+            pieces = self.explicit
+            offsets = self.__dict__.get("_offsets")
+            if offsets is None:
+                offsets = [p.offset for p in pieces]
+                object.__setattr__(self, "_offsets", offsets)
+            out = []
+            for p in pieces[max(bisect_right(offsets, lo) - 1, 0) :]:
+                if p.offset >= hi:
+                    break
+                if p.offset + p.length > lo:
+                    out.append(p)
+            return out
+        assert self.regular is not None
+        return [
+            p
+            for r in self.rule.ranks_for(lo, hi)
+            for p in self.regular.rank(r).get(self.name, ())
+            if p.offset < hi and p.offset + p.length > lo
+        ]
 
 
 @dataclass(frozen=True)
@@ -169,7 +285,8 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     values: dict[str, Any] = field(default_factory=dict)
     rank_values: list[dict[str, Any]] = field(default_factory=list)
-    version: int = FORMAT_VERSION
+    version: int = PLAIN_VERSION
+    regular: RegularIndex | None = field(default=None, compare=False, repr=False)
 
     @property
     def checksum_algorithm(self) -> str:
@@ -189,27 +306,17 @@ class Manifest:
                 "block_bytes": self.checksum_block_bytes,
             },
             "objects": {name: {"size": size} for name, size in sorted(self.objects.items())},
-            "tensors": {
-                name: {
-                    "shape": list(t.shape),
-                    "dtype": t.dtype,
-                    "pieces": [
-                        {
-                            "object": p.object,
-                            "key": p.key,
-                            "offset": p.offset,
-                            "length": p.length,
-                            "byte_range": [p.byte_start, p.byte_end],
-                            self.checksum_algorithm: list(p.checksums),
-                        }
-                        for p in t.pieces
-                    ],
-                }
-                for name, t in sorted(self.tensors.items())
-            },
+            "tensors": {name: self._tensor_json(t) for name, t in sorted(self.tensors.items())},
             "values": self.values,
             "rank_values": self.rank_values,
         }
+        if self.regular is not None:
+            doc["regular"] = {
+                "object_bytes": self.regular.layout.object_bytes,
+                "ranks": [
+                    [k, c] for k, c in zip(self.regular.counts, self.regular.checksums, strict=True)
+                ],
+            }
         user = {"values": self.values, "rank_values": self.rank_values}  # at the same depth
         if _too_deep(user, MAX_JSON_DEPTH):  # readers would refuse it: fail the save instead
             raise ValueError(
@@ -217,6 +324,24 @@ class Manifest:
                 f"({MAX_JSON_DEPTH} levels of JSON arrays and objects); flatten them"
             )
         return json.dumps(seal(doc), separators=(",", ":")).encode()
+
+    def _tensor_json(self, t: TensorEntry) -> dict[str, Any]:
+        doc: dict[str, Any] = {"shape": list(t.shape), "dtype": t.dtype}
+        if t.rule is not None:
+            doc[t.rule.kind] = t.rule.as_json()[1:]
+            return doc
+        doc["pieces"] = [
+            {
+                "object": p.object,
+                "key": p.key,
+                "offset": p.offset,
+                "length": p.length,
+                "byte_range": [p.byte_start, p.byte_end],
+                self.checksum_algorithm: list(p.checksums),
+            }
+            for p in t.explicit
+        ]
+        return doc
 
     @classmethod
     def from_json(
@@ -375,6 +500,7 @@ def _decode(doc: Any, where: str) -> Manifest:
         objects[name] = meta["size"]
 
     tensors: dict[str, TensorEntry] = {}
+    rules: dict[str, tuple[tuple[int, ...], str, Rule]] = {}
     need(isinstance(doc.get("tensors"), dict), "tensors is not a JSON object")
     for name, t in doc["tensors"].items():
         what = f"tensor {_show(name)}"
@@ -392,6 +518,10 @@ def _decode(doc: Any, where: str) -> Manifest:
             raise CorruptCheckpointError(
                 f"{where}: {what}: unknown dtype {_show(dtype)} in manifest"
             ) from None
+        rule = _decode_rule(t, version, doc["world_size"], numel, what, fail)
+        if rule is not None:
+            rules[name] = (tuple(shape), dtype, rule)
+            continue
         need(isinstance(t.get("pieces"), list), f"{what}: pieces is not a list")
         pieces = []
         for p in t["pieces"]:
@@ -404,6 +534,9 @@ def _decode(doc: Any, where: str) -> Manifest:
         tensors[name] = TensorEntry(tuple(shape), dtype, tuple(pieces))
 
     _check_disjoint_bytes(tensors, fail)
+    regular = _decode_regular(doc, rules, attempt, block, objects, tensors, fail)
+    for name, (shape, dtype, rule) in rules.items():
+        tensors[name] = TensorEntry(shape, dtype, (), rule, name, regular)
     values = doc.get("values", {})
     rank_values = doc.get("rank_values", [])
     need(isinstance(values, dict), "values is not a JSON object")
@@ -421,7 +554,89 @@ def _decode(doc: Any, where: str) -> Manifest:
         values=values,
         rank_values=rank_values,
         version=version,
+        regular=regular,
     )
+
+
+def _decode_rule(
+    t: dict[str, Any], version: int, world: int, numel: int, what: str, fail: Any
+) -> Rule | None:
+    """The layout rule of a tensor entry (version 4: ``even: [start, chunk]`` or ``writer:
+    [rank]``), validated against the world size; None for an entry that lists its pieces."""
+    kinds = [k for k in ("even", "writer") if k in t]
+    if not kinds:
+        return None
+    if version < 4 or len(kinds) > 1 or "pieces" in t:
+        fail(f"{what}: a version {version} manifest entry cannot hold {[*kinds, 'pieces']}")
+    args = t[kinds[0]]
+    if not (isinstance(args, list) and all(_is_int(a) for a in args)):
+        fail(f"{what}: {kinds[0]}={_show(args)} must be a list of non-negative integers")
+    try:
+        rule = rule_from_json([kinds[0], *args])
+    except ValueError:
+        fail(f"{what}: {kinds[0]}={_show(args)} has the wrong number of arguments")
+    if rule.kind == "writer" and rule.writer >= world:
+        fail(f"{what}: writer rank {rule.writer} is not below world_size={world}")
+    if rule.kind == "even" and (rule.chunk < 1 or rule.start + numel > world * rule.chunk):
+        fail(
+            f"{what}: even={args} does not cover its {numel} elements with {world} chunks "
+            "(every element must fall in the chunk of some rank)"
+        )
+    return rule
+
+
+def _decode_regular(
+    doc: dict[str, Any],
+    rules: dict[str, tuple[tuple[int, ...], str, Rule]],
+    attempt: str,
+    block: int,
+    objects: dict[str, int],
+    tensors: dict[str, TensorEntry],
+    fail: Any,
+) -> RegularIndex | None:
+    """The ``regular`` section: present exactly when some tensor has a rule; one ``[objects,
+    base64 checksums]`` per rank; its objects listed, and holding no listed piece."""
+    section = doc.get("regular")
+    if not rules:
+        if section is not None:
+            fail("regular is present but no tensor has a layout rule")
+        return None
+    world = doc["world_size"]
+    if not (isinstance(section, dict) and _is_int(section.get("object_bytes"), 1)):
+        fail(f"regular={_show(section)} must be an object with object_bytes >= 1")
+    ranks = section.get("ranks")
+    if not (
+        isinstance(ranks, list)
+        and len(ranks) == world
+        and all(
+            isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and isinstance(r[1], str)
+            for r in ranks
+        )
+    ):
+        fail(f"regular.ranks must list [object count, base64 checksums] for each of {world} ranks")
+    layout = RegularLayout(
+        world, section["object_bytes"], tuple((n, *rules[n]) for n in sorted(rules))
+    )
+    index = RegularIndex(
+        layout,
+        tuple(r[0] for r in ranks),
+        tuple(r[1] for r in ranks),
+        attempt=attempt,
+        step=doc["step"],
+        block=block,
+        objects=objects,
+    )
+    owned = set()
+    for rank in range(world):
+        for name in index.names(rank):
+            if name not in objects:
+                fail(f"regular object {name} of rank {rank} is not listed in objects")
+            owned.add(name)
+    for name, t in tensors.items():
+        for p in t.explicit:
+            if p.object in owned:
+                fail(f"tensor {_show(name)}: a listed piece is in regular object {p.object}")
+    return index
 
 
 def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Any) -> None:

@@ -20,15 +20,16 @@ from typing import Any
 
 import torch
 
-from ftsdp.storage._collectives import all_gather_json, own_group, rank_world, resolve_group
+from ftsdp.storage._collectives import own_group, rank_world, resolve_group
 from ftsdp.storage._commit import Lineage, finish, fresh_attempt, plan_lineage
 from ftsdp.storage._dtypes import dtype_name
 from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage._exchange import exchange
 from ftsdp.storage._fs import Store
 from ftsdp.storage._layout import step_dir
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage._safetensors import write_object
-from ftsdp.storage._save_plan import PlannedObject, SavePlan, make_plan
+from ftsdp.storage._save_plan import PlannedObject, SavePlan
 from ftsdp.storage._staging import (
     SnapshotArena,
     StagingBudget,
@@ -283,6 +284,7 @@ def save(
     meta: dict[str, Any] = {"error": None}
     local_error: Exception | None = None
     lineage: Lineage | None = None
+    tensors: dict[str, TensorLeaf] = {}
     try:
         tensors, meta = _describe(state)
         if rank == 0:  # decides for every rank, before anything is written
@@ -290,16 +292,16 @@ def save(
             meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
     except Exception as e:
         local_error, meta["error"] = e, f"{type(e).__name__}: {e}"
-    meta["step"] = step
-    metas = all_gather_json(meta, group)
-    if local_error is not None:
-        raise local_error
-    _check_exchange(metas, step)
-    plan = make_plan(metas, metas[0]["attempt"], options)
+    try:
+        plan, rank_values = exchange(tensors, meta, group, step, options)
+    except CheckpointError:
+        if local_error is not None:
+            raise local_error from None
+        raise
 
     handle = _register(SaveHandle(step, store.where()), lane)
-    job = _SaveJob(store, step, rank, plan, metas, tensors, options, keep_last, keep_every)
-    job.lineage, job.replaces = lineage, metas[0].get("replaces")
+    job = _SaveJob(store, step, rank, plan, rank_values, tensors, options, keep_last, keep_every)
+    job.lineage, job.replaces = lineage, plan.replaces
     if async_save:
         job.start(handle)
     else:
@@ -348,21 +350,6 @@ def prepare_save(
     return total
 
 
-def _check_exchange(metas: list[dict[str, Any]], step: int) -> None:
-    """Raise, on every rank alike, when a rank failed to describe its state or the ranks are not
-    saving the same step (a loop that went on after a save failed on some ranks only: every
-    later exchange would pair different saves)."""
-    for r, m in enumerate(metas):
-        if m["error"]:
-            raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
-    steps = [m.get("step") for m in metas]
-    if len(set(steps)) > 1:
-        raise CheckpointError(
-            f"the ranks are not saving the same step (steps by rank: {steps}): a save failed on "
-            "some ranks only and the loop went on; restart the job from its last checkpoint"
-        )
-
-
 def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
     with _lock:
         lane.previous = handle
@@ -391,16 +378,22 @@ class _SaveJob:
         step: int,
         rank: int,
         plan: SavePlan,
-        metas: list[dict[str, Any]],
+        rank_values: list[dict[str, Any]],
         tensors: dict[str, TensorLeaf],
         options: SaveOptions,
         keep_last: int | None,
         keep_every: int | None,
     ) -> None:
         self.store, self.step, self.rank = store, step, rank
-        self.plan, self.metas, self.tensors, self.options = plan, metas, tensors, options
+        self.plan, self.rank_values, self.tensors, self.options = (
+            plan,
+            rank_values,
+            tensors,
+            options,
+        )
         self.keep_last, self.keep_every = keep_last, keep_every
-        self.mine = plan.for_rank(rank)
+        self.mine = plan.own(rank)
+        self.world_size = len(rank_values) if rank == 0 else 0  # only rank 0 needs it
         self.lineage: Lineage | None = None  # rank 0's view of the root when it planned
         self.replaces: str | None = None
 
@@ -533,7 +526,8 @@ class _SaveJob:
             self.rank,
             crcs,
             error,
-            rank_values=[m["values"] for m in self.metas],
+            rank_values=self.rank_values,
+            world_size=self.world_size,
             checksum_block_bytes=self.options.checksum_block_bytes,
             timeout_s=self.options.commit_timeout_s,
             keep_last=self.keep_last,
@@ -640,22 +634,19 @@ class _DeferredSave:
                 meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
             except Exception as e:
                 meta["error"] = f"{type(e).__name__}: {e}"
-        meta["step"] = self.step
-        metas = all_gather_json(meta, self.group)
-        _check_exchange(metas, self.step)
-        plan = make_plan(metas, metas[0]["attempt"], self.options)
+        plan, rank_values = exchange(tensors, meta, self.group, self.step, self.options)
         job = _SaveJob(
             self.store,
             self.step,
             self.rank,
             plan,
-            metas,
+            rank_values,
             tensors,
             self.options,
             keep_last,
             keep_every,
         )
-        job.lineage, job.replaces = lineage, metas[0].get("replaces")
+        job.lineage, job.replaces = lineage, plan.replaces
         return job
 
 

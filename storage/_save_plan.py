@@ -53,12 +53,24 @@ class PlannedObject:
 
 @dataclass
 class SavePlan:
+    """Which rank writes what. ``objects``: the listed (explicitly planned) objects this rank
+    knows, every rank's on the coordinator; ``regular``: the ``RegularLayout`` of the rule
+    tensors (storage/_regular.py), whose objects every rank derives; ``mine``: this rank's
+    objects when they are not all in ``objects`` (its regular ones first)."""
+
     attempt: str
     shapes: dict[str, tuple[tuple[int, ...], str]]  # name -> (global shape, dtype name)
     objects: list[PlannedObject]
+    regular: Any = None
+    mine: list[PlannedObject] | None = None
 
     def for_rank(self, rank: int) -> list[PlannedObject]:
+        """Rank ``rank``'s listed objects."""
         return [o for o in self.objects if o.rank == rank]
+
+    def own(self, rank: int) -> list[PlannedObject]:
+        """Every object this rank (``rank``) writes."""
+        return self.for_rank(rank) if self.mine is None else self.mine
 
 
 def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -> SavePlan:
@@ -76,13 +88,13 @@ def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -
     with _plans_lock:
         kept = _plans.get(key)
     if kept is not None:
-        return SavePlan(attempt, kept.shapes, _renamed(kept.objects, attempt))
+        return SavePlan(attempt, kept.shapes, renamed(kept.objects, attempt))
     plan = _make_plan(metas, attempt, options)
     with _plans_lock:
         if len(_plans) >= 8:
             _plans.pop(next(iter(_plans)))
         _plans[key] = plan
-    return SavePlan(attempt, plan.shapes, _renamed(plan.objects, attempt))
+    return SavePlan(attempt, plan.shapes, renamed(plan.objects, attempt))
 
 
 # [Note: plans are kept]
@@ -96,9 +108,13 @@ _plans: dict[tuple[Any, ...], SavePlan] = {}
 _plans_lock = threading.Lock()
 
 
-def _renamed(objects: list[PlannedObject], attempt: str) -> list[PlannedObject]:
+def renamed(
+    objects: list[PlannedObject], attempt: str, first: dict[int, int] | None = None
+) -> list[PlannedObject]:
+    """``objects`` (same pieces and layout) named for ``attempt``; a rank's objects are numbered
+    from ``first[rank]`` (default 0) in order."""
     out: list[PlannedObject] = []
-    index: dict[int, int] = {}
+    index = {r: i - 1 for r, i in (first or {}).items()}
     for o in objects:
         i = index[o.rank] = index.get(o.rank, -1) + 1
         out.append(
@@ -169,11 +185,11 @@ def _make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) 
 
     objects: list[PlannedObject] = []
     for rank, pieces in per_rank.items():
-        objects.extend(_pack(rank, pieces, attempt, options.object_bytes))
+        objects.extend(pack(rank, pieces, attempt, options.object_bytes))
     return SavePlan(attempt, shapes, objects)
 
 
-def _pack(rank: int, pieces: list[PlannedPiece], attempt: str, cap: int) -> list[PlannedObject]:
+def pack(rank: int, pieces: list[PlannedPiece], attempt: str, cap: int) -> list[PlannedObject]:
     """Pack a rank's pieces into objects of at most ``cap`` payload bytes (splitting big ones)."""
     objects: list[PlannedObject] = []
     current: list[PlannedPiece] = []

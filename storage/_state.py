@@ -25,6 +25,7 @@ class TensorLeaf:
     dtype: torch.dtype
     range: Range  # the elements of the global tensor this rank holds
     local: torch.Tensor  # numel == range.length, values in row-major order
+    layout: tuple[int, int] | None = None  # FlatShard.layout: (start, chunk) of an even split
 
     @property
     def numel(self) -> int:
@@ -52,14 +53,16 @@ def _has_tensor(obj: Any) -> bool:
 
 
 def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
+    hint = None
     if isinstance(obj, FlatShard):
         shape, rng, local = obj.global_shape, Range(obj.offset, obj.length), obj.local
+        hint = obj.layout
     elif is_dtensor(obj):
         shape, rng, local = dtensor_range(name, obj)
     else:
         shape, rng, local = tuple(obj.shape), Range(0, obj.numel()), obj
     dtype_name(local.dtype)  # raises for dtypes the format cannot hold
-    return TensorLeaf(name, tuple(int(d) for d in shape), local.dtype, rng, local)
+    return TensorLeaf(name, tuple(int(d) for d in shape), local.dtype, rng, local, hint)
 
 
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:

@@ -6,6 +6,9 @@ compared bitwise with the slice of the unsharded reference that layout would hol
 
 from __future__ import annotations
 
+import base64
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ftsdp import storage
+from ftsdp.storage._manifest import seal as storage_seal
 from ftsdp.testing import run_ranks
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
@@ -301,6 +305,116 @@ def _dtensor_cases(rank: int, world: int, root: str) -> None:
         assert torch.equal(full_sd[k], v)
 
 
+def _even_state(rank: int, world: int, ref: dict[str, torch.Tensor], fill: float | None) -> dict:
+    """What FSDP holds: the tensors concatenated and cut into ``world`` equal chunks (each leaf
+    says where it sits: ``FlatShard.layout``), a ``Shard(0)``-like row split, and replicas."""
+    sizes = {n: t.numel() for n, t in ref.items()}
+    chunk = -(-sum(sizes.values()) // world)
+    flat, start = {}, 0
+    for name, t in ref.items():
+        lo = min(max(rank * chunk - start, 0), t.numel())
+        hi = min(max((rank + 1) * chunk - start, 0), t.numel())
+        local = t.reshape(-1)[lo:hi].clone()
+        if fill is not None:
+            local.fill_(fill)
+        flat[name] = storage.FlatShard(t.shape, lo, local, layout=(start, chunk))
+        start += t.numel()
+    rows = -(-ref["embed"].shape[0] // world)
+    part = ref["embed"][rank * rows : (rank + 1) * rows].reshape(-1).clone()
+    if fill is not None:
+        part.fill_(fill)
+    row = ref["embed"].shape[1]
+    return {
+        "flat": flat,
+        "rows": storage.FlatShard(ref["embed"].shape, rank * rows * row, part),
+        "small": ref["block.b"].clone() if fill is None else torch.zeros(80),
+        "big": ref["head"].clone() if fill is None else torch.zeros(80, 50),
+        "uneven": _state(rank, world, ref, fill)["model"]["head"],  # no rule: the coordinator's
+    }
+
+
+def _one_checksum_less(blob: str) -> str:
+    return base64.b64encode(base64.b64decode(blob)[:-4]).decode()
+
+
+def _regular_cases(rank: int, groups: dict[int, Any], root: str) -> None:
+    """Rule-described layouts (docs/format.md, version 4): saved without exchanging ranges,
+    described by their rule in the manifest, loaded at another world size bitwise; the
+    manifest is smaller than listing every piece; a damaged rule table is refused."""
+    ref = _reference()
+    opts = storage.SaveOptions(checksum_block_bytes=256, replica_split_bytes=8000)
+    url = f"{root}/regular"
+    if rank < 4:
+        storage.save(
+            _even_state(rank, 4, ref, None), url, step=3, process_group=groups[4], options=opts
+        )
+    dist.barrier()
+    manifest = storage.read_manifest(url)
+    assert manifest.version == 4 and manifest.regular is not None
+    rules = {n: (t.rule.kind if t.rule else None) for n, t in manifest.tensors.items()}
+    assert rules == {
+        **{f"flat.{n}": "even" for n in ref},
+        "rows": "even",
+        "small": "writer",
+        "big": "even",  # replicated and >= replica_split_bytes: split over the ranks
+        "uneven": None,
+    }, rules
+    assert sum(manifest.regular.counts) >= 4  # every rank wrote its own regular object
+    for m in (3, 2, 1):  # reshard 4 -> m, the same rule on the new world
+        if rank < m:
+            target = _even_state(rank, m, ref, fill=float("nan"))
+            res = storage.load(target, url, process_group=groups[m])
+            want = _even_state(rank, m, ref, None)
+            for name in target["flat"]:
+                assert torch.equal(target["flat"][name].local, want["flat"][name].local), (m, name)
+            for key in ("rows", "uneven"):
+                assert torch.equal(target[key].local, want[key].local), (m, key)
+            assert torch.equal(target["small"], ref["block.b"]) and torch.equal(
+                target["big"], ref["head"]
+            )
+            assert res.bytes_read <= 1.05 * res.bytes_needed + 4 * 256, res
+        dist.barrier()
+    if rank == 0:
+        full = storage.load_state_dict(url)
+        for n, t in ref.items():
+            assert torch.equal(full[f"flat.{n}"], t), n
+        assert torch.equal(full["rows"], ref["embed"]) and torch.equal(full["uneven"], ref["head"])
+        assert storage.verify(url).ok
+        doc = json.loads((Path(url) / "step-3" / "manifest.json").read_bytes())
+        assert "pieces" not in doc["tensors"]["flat.embed"]  # the rule, not 4 pieces
+        bad = Path(root) / "regular-bad" / "step-3"
+        bad.mkdir(parents=True)
+        for f in (Path(url) / "step-3").iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        edits = {  # each resealed: self-consistent edits that only the layout rule can catch
+            "one more object than the rule gives": (0, lambda k: k + 1, "not listed in objects"),
+            "a checksum short": (1, _one_checksum_less, "rank 1's regular objects: the layout has"),
+        }
+        for what, (field, edit, match) in edits.items():
+            changed = json.loads(json.dumps(doc))
+            changed["regular"]["ranks"][1][field] = edit(changed["regular"]["ranks"][1][field])
+            (bad / "manifest.json").write_bytes(json.dumps(storage_seal(changed)).encode())
+            with pytest.raises(storage.CorruptCheckpointError, match=match):
+                storage.load_state_dict(str(bad.parent))
+            print(what, "refused")
+    dist.barrier()
+    # Tables that differ between ranks (a tensor only rank 0 has) go to the coordinator whole.
+    url = f"{root}/regular-differ"
+    if rank < 2:
+        state = _even_state(rank, 2, ref, None)
+        if rank == 0:
+            state["only0"] = ref["block.w"].clone()
+        storage.save(state, url, step=1, process_group=groups[2], options=opts)
+        assert storage.read_manifest(url).regular is None
+    dist.barrier()
+    if rank == 0:
+        full = storage.load_state_dict(url)
+        assert torch.equal(full["only0"], ref["block.w"]) and torch.equal(
+            full["rows"], ref["embed"]
+        )
+    dist.barrier()
+
+
 def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
     _reshard_grid(rank, groups, root, None, ((2, 1), (2, 3), (3, 2), (4, 3), (1, 4)))
@@ -310,6 +424,7 @@ def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     _async_cases(rank, world, root)
     _deferred_cases(rank, world, root, groups[2])
     _dtensor_cases(rank, world, root)
+    _regular_cases(rank, groups, root)
     return "ok"
 
 

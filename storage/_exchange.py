@@ -1,0 +1,218 @@
+"""The metadata exchange of a save, and its plan: small and independent of the world size for
+regular layouts, gathered to one coordinator for the rest.
+
+[Note: the save exchange]
+Every rank of a save, on the same group and in the same order:
+  1. an all-reduce (max) of five integers: whether it failed to describe its state, the step
+     (and its negation: min and max together), and the digest of its tensors' names, shapes
+     and dtypes (and its negation). A failure or differing steps turn into one all-gather of
+     the errors, so that every rank raises the same message. When the tensors are the same
+     everywhere, a second all-reduce of one digest per tensor's rule (and its negation) finds
+     the rules every rank agrees on; a tensor whose rule differs somewhere (a rank holding
+     it whole where the others hold parts) has none. That is 16 bytes per tensor;
+  2. a broadcast from rank 0 of the attempt id, the step it replaces and its JSON values;
+  3. a gather to rank 0 of each rank's values that differ from rank 0's and, only when some
+     tensors follow no rule (or the tables differ), those tensors' ranges and the number of
+     regular objects the rank writes;
+  4. only in that case, a scatter from rank 0 of each rank's share of the plan of those tensors.
+With agreed rules a rank plans its regular objects from the table alone (see [Note: regular
+layouts] in _regular.py), which is kept between saves: a repeated save costs the table's
+digest and these few small collectives. Nothing here grows with the world size on a rank
+other than rank 0, and rank 0 receives only values and the irregular ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from ftsdp.storage._collectives import (
+    all_gather_json,
+    all_reduce_max,
+    broadcast_json,
+    gather_json,
+    rank_world,
+    scatter_json,
+)
+from ftsdp.storage._dtypes import dtype_name
+from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage._layout import object_name
+from ftsdp.storage._options import SaveOptions
+from ftsdp.storage._regular import RegularLayout, infer_rule, resolve, table_digest
+from ftsdp.storage._safetensors import layout as safetensors_layout
+from ftsdp.storage._save_plan import PlannedObject, PlannedPiece, SavePlan, make_plan, renamed
+from ftsdp.storage._state import TensorLeaf
+
+_IRREGULAR = ["irregular"]
+_MISSING = object()
+
+
+def rule_table(leaves: dict[str, TensorLeaf], rank: int, world: int) -> list[list[Any]]:
+    """This rank's rule table: ``[name, shape, dtype, rule]`` per tensor in name order (every
+    rule ``irregular`` for a single rank: nothing to gain there)."""
+    rows = []
+    for name, leaf in sorted(leaves.items()):
+        if world < 2:
+            rule = _IRREGULAR
+        else:
+            rule = infer_rule(leaf.shape, leaf.range, rank, world, leaf.layout).as_json()
+        rows.append([name, list(leaf.shape), dtype_name(leaf.dtype), rule])
+    return rows
+
+
+def exchange(
+    leaves: dict[str, TensorLeaf],
+    meta: dict[str, Any],
+    group: Any,
+    step: int,
+    options: SaveOptions,
+) -> tuple[SavePlan, list[dict[str, Any]]]:
+    """Agree on and plan the save of ``step``; collective over ``group``.
+
+    ``meta``: this rank's ``error`` (or None), ``tensors`` rows ``[name, shape, dtype, offset,
+    length]``, JSON ``values`` and, on rank 0, ``attempt`` and ``replaces``. Returns the plan
+    and, on rank 0, every rank's values (others: ``[]``). Raises the same error on every rank
+    when a rank failed, the ranks save different steps, or the ranges do not fit together.
+    """
+    rank, world = rank_world(group)
+    error = meta.get("error")
+    table, names, rules = local_rules(leaves, rank, world) if error is None else ([], 0, [])
+    top = all_reduce_max([1 if error else 0, step, -step, names, -names], group)
+    if top[0] or top[1] != -top[2]:
+        check_exchange(all_gather_json({"error": error, "step": step}, group), step)
+    agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
+    if agreed and world > 1:
+        both = all_reduce_max([*rules, *(-d for d in rules)], group)
+        table = keep_agreed(table, [both[i] == -both[len(rules) + i] for i in range(len(rules))])
+    own_values = json.loads(json.dumps(meta["values"]))
+    head = broadcast_json(
+        {"attempt": meta["attempt"], "replaces": meta.get("replaces"), "values": own_values}
+        if rank == 0
+        else None,
+        group,
+    )
+    attempt = head["attempt"]
+    regular, mine = regular_share(table, world, options, rank, attempt) if agreed else (None, [])
+    irregular = {row[0] for row in table if row[3] == _IRREGULAR} if agreed else set(leaves)
+    send: dict[str, Any] = {
+        "values": {k: v for k, v in own_values.items() if head["values"].get(k, _MISSING) != v}
+    }
+    if irregular:
+        send["tensors"] = [row for row in meta["tensors"] if row[0] in irregular]
+        send["first"] = len(mine)
+    gathered = gather_json(send, group)
+    rank_values: list[dict[str, Any]] = []
+    listed: list[PlannedObject] = []
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    shares: list[Any] | None = None
+    if gathered is not None:
+        rank_values = [head["values"], *(g["values"] for g in gathered[1:])]
+        if irregular:
+            listed, shapes, shares = _coordinate(gathered, attempt, options, world)
+    if irregular:
+        share = scatter_json(shares, group)
+        if isinstance(share, dict):
+            raise ValueError(share["error"])
+        if gathered is None:
+            listed = _objects(rank, len(mine), attempt, share, leaves)
+        mine = mine + [o for o in listed if o.rank == rank]
+    plan = SavePlan(attempt, shapes, listed, regular=regular, mine=mine)
+    plan.replaces = head["replaces"]  # type: ignore[attr-defined]
+    return plan, rank_values
+
+
+def local_rules(
+    leaves: dict[str, TensorLeaf], rank: int, world: int
+) -> tuple[list[list[Any]], int, list[int]]:
+    """What a rank computes before the exchange: its rule table, the digest of its tensors'
+    names, shapes and dtypes, and one digest per rule."""
+    table = rule_table(leaves, rank, world)
+    names = table_digest([row[:3] for row in table], world)
+    return table, names, [table_digest(row[3], world) for row in table]
+
+
+def keep_agreed(table: list[list[Any]], agreed: list[bool]) -> list[list[Any]]:
+    """``table`` with the rules not every rank agreed on (``agreed[i]`` false) made irregular."""
+    return [row if ok else [*row[:3], _IRREGULAR] for row, ok in zip(table, agreed, strict=True)]
+
+
+def regular_share(
+    table: list[list[Any]], world: int, options: SaveOptions, rank: int, attempt: str
+) -> tuple[RegularLayout | None, list[PlannedObject]]:
+    """The layout of an agreed table (None when no tensor has a rule) and ``rank``'s regular
+    objects, from the table alone (kept between saves of the same table)."""
+    regular = _layout(table, world, table_digest(table, world), options)
+    if not regular.entries:
+        return None, []
+    return regular, regular.rank_objects(rank, attempt)
+
+
+def check_exchange(metas: list[dict[str, Any]], step: int) -> None:
+    """Raise, on every rank alike, when a rank failed to describe its state or the ranks are not
+    saving the same step (a loop that went on after a save failed on some ranks only: every
+    later exchange would pair different saves)."""
+    for r, m in enumerate(metas):
+        if m["error"]:
+            raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
+    steps = [m.get("step") for m in metas]
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"the ranks are not saving the same step (steps by rank: {steps}): a save failed on "
+            "some ranks only and the loop went on; restart the job from its last checkpoint"
+        )
+
+
+def _coordinate(
+    gathered: list[dict[str, Any]], attempt: str, options: SaveOptions, world: int
+) -> tuple[list[PlannedObject], dict[str, tuple[tuple[int, ...], str]], list[Any]]:
+    """Rank 0: the plan of the irregular tensors (numbered after each rank's regular objects)
+    and each rank's share of it, or the same error for every rank."""
+    try:
+        plan = make_plan([{"tensors": g["tensors"]} for g in gathered], attempt, options)
+    except ValueError as e:
+        return [], {}, [{"error": str(e)}] * world
+    first = {r: g["first"] for r, g in enumerate(gathered)}
+    listed = renamed(plan.objects, attempt, first)
+    shares: list[list[Any]] = [[] for _ in range(world)]
+    for o in listed:
+        shares[o.rank].append([[p.name, p.offset, p.length] for p in o.pieces])
+    return listed, plan.shapes, shares
+
+
+def _objects(
+    rank: int, first: int, attempt: str, share: list[Any], leaves: dict[str, TensorLeaf]
+) -> list[PlannedObject]:
+    """This rank's listed objects from its share of the coordinator's plan."""
+    out = []
+    for i, pieces in enumerate(share):
+        obj = PlannedObject(
+            object_name(rank, first + i, attempt),
+            rank,
+            [PlannedPiece(n, o, ln, leaves[n].dtype) for n, o, ln in pieces],
+        )
+        obj.head, obj.byte_ranges, obj.size = safetensors_layout(
+            [(p.key, p.dtype, p.length) for p in obj.pieces]
+        )
+        out.append(obj)
+    return out
+
+
+# The layouts of the last tables: a training job saves the same table at every step, and a rank's
+# objects are kept in its layout (RegularLayout.rank_objects).
+_layouts: dict[tuple[Any, ...], tuple[list[list[Any]], RegularLayout]] = {}
+_layouts_lock = threading.Lock()
+
+
+def _layout(table: list[list[Any]], world: int, digest: int, options: SaveOptions) -> RegularLayout:
+    key = (digest, world, options.object_bytes, options.replica_split_bytes)
+    with _layouts_lock:
+        hit = _layouts.get(key)
+    if hit is not None and hit[0] == table:
+        return hit[1]
+    made = resolve(table, world, options.object_bytes, options.replica_split_bytes)
+    with _layouts_lock:
+        if len(_layouts) >= 8:
+            _layouts.pop(next(iter(_layouts)))
+        _layouts[key] = (table, made)
+    return made
