@@ -7,9 +7,10 @@ Every rank of a save, on the same group and in the same order:
      (and its negation: min and max together), and the digest of its tensors' names, shapes
      and dtypes (and its negation). A failure or differing steps turn into one all-gather of
      the errors, so that every rank raises the same message. When the tensors are the same
-     everywhere, a second all-reduce of one digest per tensor's rule (and its negation) finds
-     the rules every rank agrees on; a tensor whose rule differs somewhere (a rank holding
-     it whole where the others hold parts) has none. That is 16 bytes per tensor;
+     everywhere, a second all-reduce of each tensor's rule as three integers (and their
+     negations) finds the rules every rank agrees on, compared exactly; a tensor whose rule
+     differs somewhere (a rank holding it whole where the others hold parts) has none. That
+     is 48 bytes per tensor;
   2. a broadcast from rank 0 of the attempt id, the step it replaces and its JSON values;
   3. a gather to rank 0 of each rank's values that differ from rank 0's and, only when some
      tensors follow no rule (or the tables differ), those tensors' ranges and the number of
@@ -17,7 +18,7 @@ Every rank of a save, on the same group and in the same order:
   4. only in that case, a scatter from rank 0 of each rank's share of the plan of those tensors.
 With agreed rules a rank plans its regular objects from the table alone (see [Note: regular
 layouts] in _regular.py), which is kept between saves: a repeated save costs the table's
-digest and these few small collectives. Nothing here grows with the world size on a rank
+key and these few small collectives. Nothing here grows with the world size on a rank
 other than rank 0, and rank 0 receives only values and the irregular ranges.
 """
 
@@ -83,8 +84,10 @@ def exchange(
         check_exchange(all_gather_json({"error": error, "step": step}, group), step)
     agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
     if agreed and world > 1:
-        both = all_reduce_max([*rules, *(-d for d in rules)], group)
-        table = keep_agreed(table, [both[i] == -both[len(rules) + i] for i in range(len(rules))])
+        both = all_reduce_max([*rules, *(-v for v in rules)], group)
+        n = len(rules)
+        same = [both[i] == -both[n + i] for i in range(n)]
+        table = keep_agreed(table, [all(same[3 * i : 3 * i + 3]) for i in range(len(table))])
     own_values = json.loads(json.dumps(meta["values"]))
     head = broadcast_json(
         {"attempt": meta["attempt"], "replaces": meta.get("replaces"), "values": own_values}
@@ -122,19 +125,58 @@ def exchange(
     return plan, rank_values
 
 
+_KINDS = {"irregular": 0, "whole": 1, "even": 2}
+
+
 def local_rules(
     leaves: dict[str, TensorLeaf], rank: int, world: int
 ) -> tuple[list[list[Any]], int, list[int]]:
     """What a rank computes before the exchange: its rule table, the digest of its tensors'
-    names, shapes and dtypes, and one digest per rule."""
+    names, shapes and dtypes, and each rule as three integers (kind, start, chunk), compared
+    exactly by the exchange. Kept for the last few states: a training job saves the same
+    ranges at every step."""
+    key = (
+        rank,
+        world,
+        tuple(
+            (n, leaf.shape, leaf.dtype, leaf.range.offset, leaf.range.length, leaf.layout)
+            for n, leaf in sorted(leaves.items())
+        ),
+    )
+    with _layouts_lock:
+        hit = _tables.get(key)
+    if hit is not None:
+        return hit
     table = rule_table(leaves, rank, world)
     names = table_digest([row[:3] for row in table], world)
-    return table, names, [table_digest(row[3], world) for row in table]
+    ints = []
+    for row in table:
+        rule = row[3]
+        ints += [_KINDS[rule[0]], *(rule[1:] if rule[0] == "even" else (0, 0))]
+    made = (table, names, ints)
+    with _layouts_lock:
+        if len(_tables) >= 8:
+            _tables.pop(next(iter(_tables)))
+        _tables[key] = made
+    return made
 
 
 def keep_agreed(table: list[list[Any]], agreed: list[bool]) -> list[list[Any]]:
-    """``table`` with the rules not every rank agreed on (``agreed[i]`` false) made irregular."""
-    return [row if ok else [*row[:3], _IRREGULAR] for row, ok in zip(table, agreed, strict=True)]
+    """``table`` with the rules not every rank agreed on (``agreed[i]`` false) made irregular
+    (``table`` itself when every rule is agreed)."""
+    if all(agreed):
+        return table
+    key = (id(table), tuple(agreed))
+    with _layouts_lock:
+        hit = _agreed.get(key)
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    made = [row if ok else [*row[:3], _IRREGULAR] for row, ok in zip(table, agreed, strict=True)]
+    with _layouts_lock:
+        if len(_agreed) >= 8:
+            _agreed.pop(next(iter(_agreed)))
+        _agreed[key] = (table, made)
+    return made
 
 
 def regular_share(
@@ -142,7 +184,7 @@ def regular_share(
 ) -> tuple[RegularLayout | None, list[PlannedObject]]:
     """The layout of an agreed table (None when no tensor has a rule) and ``rank``'s regular
     objects, from the table alone (kept between saves of the same table)."""
-    regular = _layout(table, world, table_digest(table, world), options)
+    regular = _layout(table, world, options)
     if not regular.entries:
         return None, []
     return regular, regular.rank_objects(rank, attempt)
@@ -201,18 +243,20 @@ def _objects(
 # The layouts of the last tables: a training job saves the same table at every step, and a rank's
 # objects are kept in its layout (RegularLayout.rank_objects).
 _layouts: dict[tuple[Any, ...], tuple[list[list[Any]], RegularLayout]] = {}
+_tables: dict[tuple[Any, ...], tuple[list[list[Any]], int, list[int]]] = {}
+_agreed: dict[tuple[Any, ...], tuple[list[list[Any]], list[list[Any]]]] = {}
 _layouts_lock = threading.Lock()
 
 
-def _layout(table: list[list[Any]], world: int, digest: int, options: SaveOptions) -> RegularLayout:
-    key = (digest, world, options.object_bytes, options.replica_split_bytes)
+def _layout(table: list[list[Any]], world: int, options: SaveOptions) -> RegularLayout:
+    key = (id(table), world, options.object_bytes, options.replica_split_bytes)
     with _layouts_lock:
         hit = _layouts.get(key)
-    if hit is not None and hit[0] == table:
+    if hit is not None and hit[0] is table:  # the very table kept by local_rules
         return hit[1]
     made = resolve(table, world, options.object_bytes, options.replica_split_bytes)
     with _layouts_lock:
         if len(_layouts) >= 8:
             _layouts.pop(next(iter(_layouts)))
-        _layouts[key] = (table, made)
+        _layouts[key] = (table, made)  # holds the table: its id stays unique while kept
     return made

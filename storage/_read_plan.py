@@ -57,11 +57,7 @@ def plan_reads(wants: list[Want], block: int, gap: int = 0) -> list[Span]:
     for index, w in enumerate(wants):
         size = itemsize(w.staging.dtype)
         dst = w.staging.view(torch.uint8)
-        pieces = w.entry.pieces
-        i = max(bisect_right([p.offset for p in pieces], w.range.offset) - 1, 0)
-        for p in pieces[i:]:
-            if p.offset >= w.range.end:
-                break
+        for p in w.entry.pieces_in(w.range.offset, w.range.end):
             inter = intersect(p.range, w.range)
             if inter is None:
                 continue

@@ -33,6 +33,7 @@ class ShardView:
     offset: int
     length: int
     local: torch.Tensor
+    layout: tuple[int, int] | None = None  # (start, chunk) in the unit's flat buffer, if sharded
 
     def __post_init__(self) -> None:
         if self.local.dim() != 1 or self.local.numel() != self.length:
@@ -237,4 +238,5 @@ def _view_of(name: str, info: ParamInfo, local: torch.Tensor) -> ShardView:
         offset=info.param_start,
         length=info.length,
         local=local,
+        layout=(info.offset, info.chunk) if info.chunk else None,
     )

@@ -111,6 +111,11 @@ class ParamInfo:
     param_start: int = 0
     shard_start: int = 0
     length: int = 0
+    # The unit's shard size when the unit is sharded (factor > 1), else 0: the parameter is
+    # elements [offset, offset + numel) of a flat buffer whose chunk r of `chunk` elements
+    # shard rank r holds (FlatShard.layout: lets a checkpoint be planned without exchanging
+    # every rank's ranges).
+    chunk: int = 0
     sharded_param: nn.Parameter | None = field(default=None, repr=False)
 
 
@@ -221,6 +226,7 @@ class FlatParamUnit:
             info.param_start = lo - info.offset if hi > lo else 0
             info.shard_start = lo - shard_lo
             info.length = hi - lo
+            info.chunk = self.shard_numel if self.factor > 1 else 0
             local = nn.Parameter(
                 self.shard[info.shard_start : info.shard_start + info.length],
                 requires_grad=info.requires_grad,

@@ -114,7 +114,9 @@ class Engine(abc.ABC):
                 continue
             if getattr(local, "_local_tensor", local).untyped_storage().data_ptr() in buffers:
                 if isinstance(leaf, storage.FlatShard):
-                    out[name] = storage.FlatShard(leaf.global_shape, leaf.offset, local.clone())
+                    out[name] = storage.FlatShard(
+                        leaf.global_shape, leaf.offset, local.clone(), leaf.layout
+                    )
                 else:
                     out[name] = leaf.detach().clone()
         return out
@@ -229,7 +231,9 @@ class FtsdpEngine(Engine):
 
 
 def _flat(view: Any) -> storage.FlatShard:
-    return storage.FlatShard(tuple(view.global_shape), view.offset, view.local)
+    return storage.FlatShard(
+        tuple(view.global_shape), view.offset, view.local, getattr(view, "layout", None)
+    )
 
 
 # -- torch.distributed.checkpoint.state_dict: FSDP2 / DTensor, DDP, a plain module --------------

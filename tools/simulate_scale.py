@@ -1,0 +1,345 @@
+"""Simulate a save, a resume and the heartbeats of thousands of ranks in one process.
+
+``python -m ftsdp.tools.simulate_scale --worlds 8 64 512 2048 8192 --tensors 600`` runs the real
+code of each step for W synthetic ranks, without process groups or data, and prints what one
+rank pays, for two layouts of the same T tensors:
+
+- ``flat``: ftsdp's own, the tensors grouped into units of 6 whose concatenation is cut into W
+  equal chunks (``FlatShard.layout`` says where each tensor sits);
+- ``shard0``: per-parameter sharding (DTensor ``Shard(0)``, what FSDP2 states hold).
+
+Columns:
+
+- planning, first save: a rank's work before and after the save's collectives: its rule
+  table and digests (``storage._exchange.local_rules``), the table made irregular where
+  needed, the layout, and its own objects (``regular_share``), with every cache emptied; a
+  sample of ranks (first, middle, last) is timed and the slowest reported;
+- planning, later save: the same with the caches of the first (what every later save of a
+  training job costs the caller);
+- exchanged: the bytes one rank sends and receives in the save's collectives (see [Note: the
+  save exchange] in storage/_exchange.py; the all-reduces count in and out, rank 0's gather of
+  values is not counted: the synthetic state has none);
+- before: the same rank's cost in the protocol this replaced, every rank's metadata
+  all-gathered to every rank and planned there (``make_plan``), up to ``--old-max-world``;
+- manifest: its size once every rank's done marker is in (``build_manifest``, the real commit
+  code, fed each rank's objects and checksums), the time to encode it, and the time every
+  resuming rank takes to decode and validate it;
+- load planning: a rank of a world of W/2 planning its reads (``_match`` and ``plan_reads``,
+  the code of ``storage.load``) against that manifest, slowest of a sample;
+- heartbeats: store operations per interval of the watchdog of W ranks, all ranks together
+  (``ftsdp.elastic._watchdog.simulate_heartbeats``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ftsdp.storage import _exchange
+from ftsdp.storage._commit import build_manifest
+from ftsdp.storage._load import _match
+from ftsdp.storage._manifest import Manifest
+from ftsdp.storage._options import SaveOptions
+from ftsdp.storage._ranges import Range
+from ftsdp.storage._read_plan import plan_reads
+from ftsdp.storage._save_plan import SavePlan, _plans, make_plan
+from ftsdp.storage._state import TensorLeaf
+from ftsdp.tools import _bench_json
+from ftsdp.tools._markdown import replace_section
+
+# A transformer block's shapes, cycled: attention and MLP weights, a norm, a bias.
+SHAPES = [(1024, 1024), (1024,), (2816, 1024), (1024, 2816), (1024, 1024), (2816,)]
+UNIT = len(SHAPES)  # tensors per FlatParameter unit (ftsdp's flat layout)
+ATTEMPT = "0123abcd"
+TARGETS = {
+    "plan_s": 0.050,
+    "repeat_s": 0.005,
+    "exchanged": 1_000_000,
+    "manifest": 50e6,
+    "decode_s": 1.0,
+    "load_s": 0.100,
+}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 2048, 8192])
+    p.add_argument("--tensors", type=int, default=600)
+    p.add_argument("--layouts", nargs="+", default=["flat", "shard0"], choices=["flat", "shard0"])
+    p.add_argument(
+        "--old-max-world",
+        type=int,
+        default=64,
+        help="run the all-gather protocol this replaced up to this world size",
+    )
+    p.add_argument("--sample", type=int, default=3, help="ranks timed per world size")
+    p.add_argument("--out", help="replace the '## Scale (simulated)' section of this Markdown file")
+    p.add_argument("--json", help="write the results as the 'scale' entry of this JSON file")
+    return p.parse_args(argv)
+
+
+def shapes(tensors: int) -> dict[str, tuple[int, ...]]:
+    """T tensor names and shapes, in units of ``UNIT`` (name order is unit order)."""
+    return {f"u{i // UNIT:04d}.t{i % UNIT}": SHAPES[i % UNIT] for i in range(tensors)}
+
+
+def leaves(layout: str, world: int, rank: int, tensors: int) -> dict[str, TensorLeaf]:
+    """Rank ``rank``'s tensors under ``layout`` (``meta`` tensors: no data)."""
+    out = {}
+    names = shapes(tensors)
+    units: dict[str, list[str]] = {}
+    for name in names:
+        units.setdefault(name.split(".")[0], []).append(name)
+    for members in units.values():
+        total = sum(math.prod(names[n]) for n in members)
+        chunk = -(-total // world)
+        start = 0
+        for name in members:
+            shape = names[name]
+            numel = math.prod(shape)
+            if layout == "flat":
+                hint: tuple[int, int] | None = (start, chunk)
+                lo = min(max(rank * chunk - start, 0), numel)
+                hi = min(max((rank + 1) * chunk - start, 0), numel)
+            else:
+                hint, row = None, numel // shape[0]
+                rows = -(-shape[0] // world)
+                lo = min(rank * rows, shape[0]) * row
+                hi = min((rank + 1) * rows, shape[0]) * row
+            local = torch.empty(hi - lo, device="meta")
+            out[name] = TensorLeaf(name, shape, torch.float32, Range(lo, hi - lo), local, hint)
+            start += numel
+    return out
+
+
+def sample_ranks(world: int, n: int) -> list[int]:
+    return sorted({round(i * (world - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def clear_caches() -> None:
+    _exchange._layouts.clear()
+    _exchange._tables.clear()
+    _exchange._agreed.clear()
+    _plans.clear()
+
+
+def plan_rank(held: dict[str, TensorLeaf], world: int, rank: int, options: SaveOptions) -> Any:
+    """One rank's planning of a save of ``held`` (no collectives: every rank's table agrees
+    here)."""
+    table, _, rules = _exchange.local_rules(held, rank, world)
+    table = _exchange.keep_agreed(table, [True] * len(rules))
+    return _exchange.regular_share(table, world, options, rank, ATTEMPT)
+
+
+def exchanged_bytes(tensors: int) -> int:
+    """Payload one rank sends and receives in the save's collectives (see _exchange.py): two
+    all-reduces (5 and 6T int64s, in and out), the broadcast header (~100 bytes) and the
+    gather of its values (empty here: ~20 bytes)."""
+    return 2 * 8 * (5 + 6 * tensors) + 100 + 20
+
+
+def old_planning(layout: str, world: int, tensors: int, options: SaveOptions) -> tuple[float, int]:
+    """The replaced protocol: every rank's metadata all-gathered to every rank and planned."""
+    metas = []
+    for r in range(world):
+        rows = [
+            [n, list(t.shape), "float32", t.range.offset, t.range.length]
+            for n, t in sorted(leaves(layout, world, r, tensors).items())
+        ]
+        metas.append({"tensors": rows})
+    gathered = sum(len(json.dumps(m)) for m in metas)
+    clear_caches()
+    start = time.perf_counter()
+    make_plan(metas, ATTEMPT, options)
+    return time.perf_counter() - start, gathered
+
+
+def markers(layout: str, world: int, tensors: int, options: SaveOptions) -> tuple[Any, ...]:
+    """What rank 0 holds once every rank's done marker is in: the plan, every regular object's
+    checksums (made up), each rank's object count and their sizes."""
+    regular, _ = plan_rank(leaves(layout, world, 0, tensors), world, 0, options)
+    counts, sizes, crcs = [], {}, {}
+    for rank in range(world):
+        objects = regular.rank_objects(rank, ATTEMPT)
+        counts.append(len(objects))
+        for obj in objects:
+            sizes[obj.name] = obj.size
+            crcs[obj.name] = [
+                [(rank * 7919 + i) & 0xFFFFFFFF] * -(-(e - s) // options.checksum_block_bytes)
+                for i, (s, e) in enumerate(obj.byte_ranges)
+            ]
+    return SavePlan(ATTEMPT, {}, [], regular=regular), crcs, counts, sizes
+
+
+def commit_manifest(inputs: tuple[Any, ...], world: int, options: SaveOptions) -> Manifest:
+    """Rank 0's commit: the manifest from every rank's done marker (``markers``)."""
+    plan, crcs, counts, sizes = inputs
+    return build_manifest(
+        plan,
+        crcs,
+        step=1,
+        world_size=world,
+        checksum_block_bytes=options.checksum_block_bytes,
+        values={},
+        rank_values=[{}] * world,
+        regular=(counts, sizes),
+    )
+
+
+def load_planning(found: Manifest, layout: str, world: int, rank: int, tensors: int) -> float:
+    """Rank ``rank`` of ``world`` planning its reads of ``found`` (fresh derivations)."""
+    target = leaves(layout, world, rank, tensors)
+    for name, leaf in target.items():  # _match stages into real tensors of the saved dtype
+        target[name] = TensorLeaf(name, leaf.shape, leaf.dtype, leaf.range, torch.empty(0))
+    start = time.perf_counter()
+    wants, _, _, _ = _match(found, target, {}, rank, cast=False)
+    plan_reads(wants, found.checksum_block_bytes)
+    return time.perf_counter() - start
+
+
+def heartbeats(world: int) -> dict[str, Any] | None:
+    try:
+        from ftsdp.elastic._watchdog import simulate_heartbeats
+    except ImportError:
+        return None
+    return simulate_heartbeats(world)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    options = SaveOptions()
+    rows = []
+    for layout in args.layouts:
+        for world in args.worlds:
+            row: dict[str, Any] = {"layout": layout, "world": world, "tensors": args.tensors}
+            first = repeat = 0.0
+            for rank in sample_ranks(world, args.sample):
+                held = leaves(layout, world, rank, args.tensors)
+                clear_caches()
+                gc.collect()  # not a collection triggered by building the synthetic state
+                t0 = time.perf_counter()
+                plan_rank(held, world, rank, options)
+                t1 = time.perf_counter()
+                plan_rank(held, world, rank, options)
+                t2 = time.perf_counter()
+                first, repeat = max(first, t1 - t0), max(repeat, t2 - t1)
+            row.update(plan_s=first, repeat_s=repeat, exchanged=exchanged_bytes(args.tensors))
+            if world <= args.old_max_world:
+                row["old_plan_s"], row["old_exchanged"] = old_planning(
+                    layout, world, args.tensors, options
+                )
+            inputs = markers(layout, world, args.tensors, options)
+            gc.collect()
+            t0 = time.perf_counter()
+            data = commit_manifest(inputs, world, options).to_json()
+            t1 = time.perf_counter()
+            decoded = Manifest.from_json(data, where="simulated")
+            t2 = time.perf_counter()
+            row.update(manifest=len(data), encode_s=t1 - t0, decode_s=t2 - t1)
+            new_world = max(world // 2, 1)
+            gc.collect()
+            row["load_s"] = max(
+                load_planning(decoded, layout, new_world, r, args.tensors)
+                for r in sample_ranks(new_world, args.sample)
+            )
+            beats = heartbeats(world)
+            if beats is not None:
+                row["heartbeat_ops"] = beats["ops_per_interval"]
+            rows.append(row)
+            print(_line(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def _line(row: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
+def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    def ms(x: float | None) -> str:
+        return "—" if x is None else f"{x * 1000:.1f} ms"
+
+    def size(x: float | None) -> str:
+        return "—" if x is None else f"{x / 1e6:.2f} MB" if x >= 1e5 else f"{x / 1e3:.1f} kB"
+
+    command = "python -m ftsdp.tools.simulate_scale " + " ".join(sys.argv[1:])
+    lines = [
+        "## Scale (simulated)",
+        "",
+        f"`{command}` ({environment()}). The real planning, manifest, read-planning and "
+        "heartbeat code for W synthetic ranks in one process (no data, no process groups); "
+        f"T={args.tensors} tensors; per rank, slowest of {args.sample} sampled ranks. "
+        "`before`: every rank's metadata all-gathered and planned on every rank, the "
+        "protocol this replaced. Load planning: a rank of W/2 ranks reading this checkpoint.",
+        "",
+        "| layout | W | planning, first save | later saves | exchanged per rank | before: "
+        "planning / gathered | manifest | encode | decode | load planning (W→W/2) | "
+        "heartbeat ops per interval |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        before = f"{ms(r['old_plan_s'])} / {size(r['old_exchanged'])}" if "old_plan_s" in r else "—"
+        beats = r.get("heartbeat_ops")
+        ops = "—" if beats is None else f"{beats} ({beats / r['world']:.1f} W)"
+        lines.append(
+            f"| {r['layout']} | {r['world']} | {ms(r['plan_s'])} | {ms(r['repeat_s'])} | "
+            f"{size(r['exchanged'])} | {before} | {size(r['manifest'])} | {ms(r['encode_s'])} | "
+            f"{ms(r['decode_s'])} | {ms(r['load_s'])} | {ops} |"
+        )
+    lines += ["", *verdicts(rows), ""]
+    return "\n".join(lines) + "\n"
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per target, judged at the largest world simulated."""
+    out = []
+    top = max(r["world"] for r in rows)
+    at = [r for r in rows if r["world"] == top]
+    names = {
+        "plan_s": "save planning per rank <= 50 ms",
+        "repeat_s": "a later save's planning <= 5 ms",
+        "exchanged": "metadata exchanged per rank <= 1 MB",
+        "manifest": "manifest <= 50 MB",
+        "decode_s": "manifest decoded in <= 1 s",
+        "load_s": "load planning per rank <= 100 ms",
+    }
+    for key, what in names.items():
+        worst = max(r[key] for r in at)
+        ok = worst <= TARGETS[key]
+        out.append(f"- {'MET' if ok else 'MISSED'} at W={top}: {what} (worst layout: {worst:.4g}).")
+    beats = [r for r in at if "heartbeat_ops" in r]
+    if beats:
+        ops = beats[0]["heartbeat_ops"]
+        verdict = "MET" if ops <= 4 * top else "MISSED"
+        out.append(
+            f"- {verdict} at W={top}: heartbeat store operations per interval <= 4 W ({ops})."
+        )
+    return out
+
+
+def environment() -> str:
+    return f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    rows = run(args)
+    text = table(args, rows)
+    sys.stdout.write(text)
+    if args.out:
+        replace_section(args.out, text, "## Scale (simulated)")
+    if args.json:
+        command = "python -m ftsdp.tools.simulate_scale " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        _bench_json.write_entry(args.json, "scale", {"rows": rows}, command, environment())
+
+
+if __name__ == "__main__":
+    main()
