@@ -6,7 +6,8 @@ hangs, and continue on another world size (docs/design.md, "Elastic guarantees";
 - :class:`BatchGeometry` keeps the global batch constant whatever the world size.
 - :class:`GlobalSampler` orders samples by a seed and a global cursor, world-size independent.
 - :class:`PreemptionHandler` turns SIGTERM / SIGUSR1 into a coordinated save within a grace period.
-- :class:`Watchdog` publishes heartbeats in the c10d store and exits on a stalled peer.
+- :class:`Watchdog` publishes heartbeats in the c10d store and exits on a stalled peer;
+  :func:`simulate_heartbeats` counts its store calls for thousands of ranks in one process.
 
 The engine never imports this package and this package never imports the engine.
 """
@@ -16,7 +17,7 @@ from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_d
 from ftsdp.elastic._sampler import GlobalSampler, RankBatchSampler
 from ftsdp.elastic._signals import EXIT_GRACE_EXCEEDED, PreemptionHandler
 from ftsdp.elastic._teardown import CloseReport
-from ftsdp.elastic._watchdog import EXIT_STALL, Stall, Watchdog
+from ftsdp.elastic._watchdog import EXIT_STALL, Stall, Watchdog, simulate_heartbeats
 
 EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL: a peer was preempted; restart me (docs/elastic.md)
 
@@ -36,5 +37,6 @@ __all__ = [
     "Watchdog",
     "read_env",
     "resolve_device",
+    "simulate_heartbeats",
     "valid_world_sizes",
 ]

@@ -1,14 +1,14 @@
 """Hang and silent-rank detection through heartbeats in the c10d store.
 
 [Note: heartbeat vs progress]
-Every rank's watchdog thread writes ``"<beats> <step>"`` under its rank's key every
-``interval_s`` and reads every peer's key. Two different failures show up differently:
+Every rank's watchdog thread writes ``"<beats> <step>"`` under its rank's key ``hb/<rank>``
+every ``interval_s``. Two different failures show up differently:
 
 - a rank that is **stopped or gone** (SIGSTOP, kill -9, a lost node) stops beating: its
   ``beats`` does not change for ``heartbeat_timeout_s``;
-- a rank that is **alive but stuck** (a hung collective, an endless loop) keeps beating, but the
-  job's progress (the largest ``step``) does not change for ``progress_timeout_s``; the ranks at
-  the lowest step are named (all of them, if every rank shows the same step).
+- a rank that is **alive but stuck** (a hung collective, an endless loop) keeps beating, but no
+  rank finishes a step for ``progress_timeout_s``; the ranks at the lowest step are named (all of
+  them, if every rank shows the same step).
 
 Staleness is measured on the observer's own monotonic clock from the moment it last saw the
 value change, so hosts need no synchronised clocks. On detection the watchdog logs one line per
@@ -18,36 +18,83 @@ and exits the process with ``EXIT_STALL`` so that torchrun restarts the group, i
 survivor waiting for the collective timeout. A rank that finishes writes ``closed`` so its
 silence afterwards is not a stall. The store itself being unreachable for
 ``heartbeat_timeout_s`` counts as a failure too (the agent hosting it is gone).
+
+[Note: a few watched peers and one shared counter]
+All ranks talk to one TCPStore, so what each rank does per interval is multiplied by the world
+size W. Reading every peer's key, as this watchdog first did, cost W + W² keys per interval
+(67 million at W = 8192). Now each rank, per interval, makes three calls that touch four keys:
+
+1. ``set hb/<rank>``: its own heartbeat;
+2. ``multi_get`` of the two ranks it **watches**: the next two ranks on a ring that visits the
+   hosts in turn (the first rank of every host, then the second of every host, ...), so a
+   rank's watchers sit on other hosts whenever there are several, and with hosts of equal size
+   a lost node's ranks are each still watched by a live rank (by two with three hosts or more),
+   so all of them are named. The ring is built from ``peers``' host names, else from
+   ``local_world_size`` (ranks of a host contiguous, as torchrun numbers them), else it is rank
+   order: then a lost node holding contiguous ranks is still detected, at the same time, through
+   its first two ranks (watched from the node before), but only those two are named. When a
+   watched rank writes ``closed``, its watcher takes the next rank along the ring instead (and
+   measures its silence from then on), so the live ranks stay watched;
+3. ``add hb/sum <delta>``: one counter for the whole job. Each rank adds the change of its own
+   step, so the counter holds the sum of the ranks' steps, and the value ``add`` returns tells
+   the rank whether any rank finished a step (progress). A watcher that finds a stall appends
+   one line per stalled rank to ``hb/alarm`` and adds ``_ALARM`` (2**44) to the counter: every
+   other rank sees the alarm in the value its next ``add`` returns, reads ``hb/alarm`` once and
+   acts on the ranks named there (logs them, SIGKILLs those on its host, exits). The sum of
+   the steps must stay below 2**44 (1.7e13; W = 8192 ranks at two billion steps each).
+
+So detection keeps the bound of a watchdog that reads every peer (a watcher sees the last beat
+change and fires once it is more than ``heartbeat_timeout_s`` old), and every other rank acts
+one interval later at most. A progress stall
+is seen by every rank at the same time; the first to ``add hb/claim 1`` (one call per rank, once)
+reads every rank's key (once) to name the ranks at the lowest step, and raises the alarm. At
+startup each rank waits for its watched ranks' first heartbeat only; a rank that never appears
+is named by its watchers. The keys must be fresh for each start of the ranks (an alarm left in
+``hb/sum`` would fire at once): ``RankManager.store`` gives each incarnation its own namespace.
+``simulate_heartbeats`` runs the per-interval code of W watchdogs in one process on a counting
+in-memory store to measure all this without threads or sockets.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 EXIT_STALL = 86
 _CLOSED = b"closed"
+_WATCHED = 2  # peers each rank reads per interval (see [Note: a few watched peers ...])
+_SUM = "hb/sum"  # sum of the ranks' steps + _ALARM x alarms raised
+_ALARM_KEY = "hb/alarm"  # one line per stalled rank: "rank step seconds kind seen_by"
+_CLAIM = "hb/claim"  # the first rank to see a progress stall names the ranks behind
+_ALARM = 1 << 44
+_KINDS = ("heartbeat", "progress", "store")
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Stall:
-    """One stalled rank as a watchdog saw it."""
+    """One stalled rank as a watchdog saw it.
+
+    ``seen_by``: the rank whose watchdog found it (None where unknown); a rank that learns of
+    a stall through the shared alarm reports the watcher's rank and measurement.
+    """
 
     rank: int
     step: int
     seconds: float
     kind: str  # "heartbeat" (stopped or gone), "progress" (alive, no step) or "store"
+    seen_by: int | None = None
 
     def __str__(self) -> str:
         what = {
@@ -58,13 +105,57 @@ class Stall:
         return f"rank {self.rank} stalled at step {self.step} for {self.seconds:.1f} s ({what})"
 
 
+@functools.lru_cache(maxsize=8)
+def _ring_of(hosts: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The watch ring for ranks on ``hosts`` (one entry per rank) and each rank's position in
+    it: the first rank of every host (hosts in order of their lowest rank), then the second of
+    every host, and so on."""
+    first: dict[Any, int] = {}
+    index: list[int] = []
+    seen: dict[Any, int] = {}
+    for h in hosts:
+        first.setdefault(h, len(first))
+        index.append(seen.get(h, 0))
+        seen[h] = index[-1] + 1
+    ring = tuple(sorted(range(len(hosts)), key=lambda r: (index[r], first[hosts[r]])))
+    pos = [0] * len(ring)
+    for p, r in enumerate(ring):
+        pos[r] = p
+    return ring, tuple(pos)
+
+
+def _hosts(
+    world_size: int, peers: Sequence[tuple[str, int]] | None, local_world_size: int | None
+) -> tuple[Any, ...]:
+    if peers is not None and len(peers) == world_size:
+        return tuple(h for h, _ in peers)
+    return _numbered_hosts(world_size, local_world_size or 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _numbered_hosts(world_size: int, local_world_size: int) -> tuple[int, ...]:
+    """Host numbers of torchrun's contiguous ranks (each rank alone for 1: rank order)."""
+    return tuple(r // local_world_size for r in range(world_size))
+
+
+def _step_of(value: bytes) -> int:
+    try:
+        return int(value.split()[1])
+    except (IndexError, ValueError):
+        return 0
+
+
 class Watchdog:
-    """A daemon thread publishing this rank's heartbeat and checking its peers'.
+    """A daemon thread publishing this rank's heartbeat and checking a few peers'.
 
     ``store``: a c10d store shared by the ranks (``RankManager.store("watchdog")``); keys are
-    ``hb/<rank>``. ``peers``: optional ``(host, pid)`` per rank, to SIGKILL a stalled peer on
-    this host. ``on_stall(stalls)`` replaces the default action (log, kill, ``os._exit``).
-    ``log``: one-line messages (default: the ``ftsdp.elastic._watchdog`` logger, at ERROR).
+    ``hb/<rank>``, ``hb/sum``, ``hb/alarm`` and ``hb/claim``. ``peers``: optional ``(host, pid)``
+    per rank, to choose watched peers on other hosts and to SIGKILL a stalled peer on this host.
+    ``local_world_size``: ranks per host, used to choose watched peers when ``peers`` is not
+    given (torchrun's contiguous numbering). ``on_stall(stalls)`` replaces the default action
+    (log, kill, ``os._exit``). ``log``: one-line messages (default: the
+    ``ftsdp.elastic._watchdog`` logger, at ERROR). Each rank makes three store calls per
+    interval whatever the world size ([Note: a few watched peers and one shared counter]).
     """
 
     def __init__(
@@ -79,6 +170,7 @@ class Watchdog:
         peers: Sequence[tuple[str, int]] | None = None,
         on_stall: Callable[[list[Stall]], None] | None = None,
         log: Callable[[str], None] | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         if interval_s <= 0 or heartbeat_timeout_s <= interval_s:
             raise ValueError(
@@ -87,6 +179,10 @@ class Watchdog:
             )
         if progress_timeout_s is not None and progress_timeout_s <= 0:
             raise ValueError(f"Watchdog: progress_timeout_s={progress_timeout_s} must be > 0")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"Watchdog: rank={rank} must be in [0, world_size={world_size})")
+        if local_world_size is not None and local_world_size < 1:
+            raise ValueError(f"Watchdog: local_world_size={local_world_size} must be >= 1")
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval_s = interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -100,9 +196,39 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # an unexpected failure of the thread itself
         self.stalls: list[Stall] = []
+        self._ring, pos = _ring_of(_hosts(world_size, self.peers, local_world_size))
+        self._pos = pos[rank]
+        self._reach = 0  # ring positions ahead of this rank already taken as targets
+        self._targets: list[int] = []
+        for _ in range(min(_WATCHED, world_size - 1)):
+            self._adopt()
+        # per-interval state (set by _begin): when each target's value last changed, etc.
+        self._t0: float | None = None
+        self._store_ok = 0.0
+        self._seen: dict[int, tuple[bytes | None, float]] = {}
+        self._steps: dict[int, int] = {}
+        self._progress: tuple[int | None, float] = (None, 0.0)
+        self._reported = 0  # this rank's step as already added to hb/sum
+        self._claimed = False  # the progress stall is another rank's (or nobody's) to name
+        self._claim_won = False
+        self._detail = ""
+
+    @property
+    def watching(self) -> list[int]:
+        """The ranks whose heartbeats this watchdog reads now (see the module's Note)."""
+        return list(self._targets)
 
     def _key(self, rank: int) -> str:
         return f"hb/{rank}"
+
+    def _adopt(self) -> int | None:
+        """Take the next rank along the ring as a target (None once the ring is exhausted)."""
+        if self._reach >= self.world_size - 1:
+            return None
+        self._reach += 1
+        r = self._ring[(self._pos + self._reach) % self.world_size]
+        self._targets.append(r)
+        return r
 
     def beat(self, step: int) -> None:
         """Record progress: the main loop calls this at every step boundary (no I/O here)."""
@@ -128,70 +254,160 @@ class Watchdog:
             self._log(f"ftsdp watchdog on rank {self.rank} failed: {type(e).__name__}: {e}")
 
     def _loop(self) -> None:
-        keys = [self._key(r) for r in range(self.world_size)]
-        start = time.monotonic()
-        seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value, when it changed)
-        steps: dict[int, int] = {}
-        progress = (-1, start)  # (largest step seen, when it changed)
-        store_ok = start
+        self._begin(time.monotonic())
+        stalls = self._await_targets()
+        if stalls:
+            self._raise_alarm(stalls)
+            self._fire(stalls, " (never seen)")
+            return
+        while not self._stop.wait(self.interval_s):
+            stalls = self.beat_once()
+            if stalls:
+                self._fire(stalls, self._detail)
+                return
+
+    def _begin(self, now: float) -> None:
+        self._t0 = self._store_ok = now
+        self._progress = (None, now)
+
+    def _await_targets(self) -> list[Stall]:
+        """Wait for the first heartbeat of the watched ranks; the ones that never came."""
+        start = self._t0 if self._t0 is not None else time.monotonic()
+        keys = [self._key(r) for r in self._targets]
+        if not keys:
+            return []
         try:  # every rank publishes once at start; a rank that never does is a stall too
             self.store.wait(keys, timedelta(seconds=self.heartbeat_timeout_s))
+            return []
         except Exception:
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            if missing:
-                now = time.monotonic()
-                stalls = [Stall(r, 0, now - start, "heartbeat") for r in missing]
-                self._fire(stalls, " (never seen)")
-                return
-        while not self._stop.wait(self.interval_s):
+            missing = [r for r in self._targets if not self.store.check([self._key(r)])]
             now = time.monotonic()
-            try:
+            return [Stall(r, 0, now - start, "heartbeat", self.rank) for r in missing]
+
+    def beat_once(self, now: float | None = None) -> list[Stall]:
+        """One interval's work: publish this rank's heartbeat, read the watched ranks' ones and
+        the job's shared counter (three store calls), and return the stalls found or announced
+        by another rank's watchdog (empty while all is well).
+
+        It only detects; acting (log, kill, exit, or ``on_stall``) is the thread's part. The
+        thread calls it every ``interval_s``; call it directly, without :meth:`start`, to drive
+        a watchdog by hand (``simulate_heartbeats`` does). ``now``: the monotonic clock reading
+        to judge staleness by (default ``time.monotonic()``).
+        """
+        return self._interval(time.monotonic() if now is None else now, publish=True)
+
+    def _interval(self, now: float, *, publish: bool) -> list[Stall]:
+        if self._t0 is None:
+            self._begin(now)
+        self._detail = ""
+        watched = list(self._targets)
+        try:
+            if publish:
                 self._publish()
-                values = dict(zip(keys, self.store.multi_get(keys), strict=True))
-                store_ok = now
-            except Exception as e:
-                if now - store_ok > self.heartbeat_timeout_s:
-                    self._fire(
-                        [Stall(self.rank, self._step, now - store_ok, "store")],
-                        f" ({type(e).__name__}: {e})",
-                    )
-                    return
+            values = self.store.multi_get([self._key(r) for r in watched]) if watched else []
+            delta = self._step - self._reported
+            total = int(self.store.add(_SUM, delta))
+            self._reported += delta
+        except Exception as e:
+            if now - self._store_ok > self.heartbeat_timeout_s:
+                self._detail = f" ({type(e).__name__}: {e})"
+                return [Stall(self.rank, self._step, now - self._store_ok, "store", self.rank)]
+            return []
+        self._store_ok = now
+        return self._evaluate(now, dict(zip(watched, values, strict=True)), total)
+
+    def _evaluate(self, now: float, values: dict[int, bytes], total: int) -> list[Stall]:
+        stalls: list[Stall] = []
+        for r, value in values.items():
+            if value == _CLOSED:  # finished: watch the next rank along the ring instead
+                self._targets.remove(r)
+                new = self._adopt()
+                if new is not None:
+                    self._seen[new] = (None, now)
                 continue
-            stalls: list[Stall] = []
-            live: list[int] = []
-            for r in range(self.world_size):
-                value = values.get(self._key(r))
-                if value == _CLOSED:
-                    continue
-                live.append(r)
-                if r == self.rank:
-                    steps[r] = self._step
-                    continue
-                last = seen.get(r)
-                if value is not None and (last is None or last[0] != value):
-                    seen[r] = (value, now)
-                    steps[r] = int(value.split()[1])
-                    continue
-                since = last[1] if last is not None else start
-                if now - since > self.heartbeat_timeout_s:
-                    stalls.append(Stall(r, steps.get(r, 0), now - since, "heartbeat"))
-            top = max((steps.get(r, 0) for r in live), default=0)
-            if top != progress[0]:
-                progress = (top, now)
-            elif (
-                not stalls
-                and self.progress_timeout_s is not None
-                and now - progress[1] > self.progress_timeout_s
-            ):
-                low = min(steps.get(r, 0) for r in live)
-                stalls = [
-                    Stall(r, steps.get(r, 0), now - progress[1], "progress")
-                    for r in live
-                    if steps.get(r, 0) == low
-                ]
-            if stalls:
-                self._fire(stalls, "")
-                return
+            last = self._seen.get(r)
+            if last is not None and last[0] is None:  # just adopted: its clock runs from then
+                last = self._seen[r] = (value, last[1])
+                self._steps[r] = _step_of(value)
+            elif last is None or last[0] != value:
+                self._seen[r] = (value, now)
+                self._steps[r] = _step_of(value)
+                continue
+            if now - last[1] > self.heartbeat_timeout_s:
+                stalls.append(
+                    Stall(r, self._steps.get(r, 0), now - last[1], "heartbeat", self.rank)
+                )
+        alarms, steps = divmod(total, _ALARM)
+        if steps != self._progress[0]:
+            self._progress = (steps, now)
+        elif (
+            not stalls
+            and not self._claimed
+            and self.progress_timeout_s is not None
+            and now - self._progress[1] > self.progress_timeout_s
+        ):
+            stalls = self._progress_stalls(now)
+        if stalls:
+            self._raise_alarm(stalls, raised=alarms > 0)
+        if alarms > 0:
+            named = {s.rank for s in stalls}
+            stalls += [s for s in self._read_alarm() if s.rank not in named]
+        return stalls
+
+    def _progress_stalls(self, now: float) -> list[Stall]:
+        """The job made no progress: the first rank to claim it reads every rank's step (once)
+        and names the ranks at the lowest; the others wait for its alarm."""
+        keys = [self._key(r) for r in range(self.world_size)]
+        try:
+            if not self._claim_won:
+                if int(self.store.add(_CLAIM, 1)) != 1:
+                    self._claimed = True  # another rank names them: wait for its alarm
+                    return []
+                self._claim_won = True
+            if not self.store.check(keys):
+                self._claimed = True  # a rank never started: its watchers name it
+                return []
+            values = self.store.multi_get(keys)
+        except Exception:
+            return []  # the store failed: try again next interval
+        steps = {r: _step_of(v) for r, v in enumerate(values) if v != _CLOSED}
+        steps[self.rank] = self._step
+        low = min(steps.values())
+        seconds = now - self._progress[1]
+        return [
+            Stall(r, s, seconds, "progress", self.rank)
+            for r, s in sorted(steps.items())
+            if s == low
+        ]
+
+    def _raise_alarm(self, stalls: list[Stall], *, raised: bool = False) -> None:
+        """Tell every rank: append the stalls to hb/alarm, then flag hb/sum (best effort)."""
+        lines = "".join(
+            f"{s.rank} {s.step} {s.seconds:.3f} {s.kind} {self.rank}\n"
+            for s in stalls
+            if s.kind != "store"
+        )
+        if not lines:
+            return
+        with contextlib.suppress(Exception):
+            self.store.append(_ALARM_KEY, lines)
+            if not raised:
+                self.store.add(_SUM, _ALARM)
+
+    def _read_alarm(self) -> list[Stall]:
+        try:
+            text = bytes(self.store.get(_ALARM_KEY)).decode(errors="replace")
+        except Exception:
+            return []
+        stalls: dict[int, Stall] = {}
+        for line in text.splitlines():
+            parts = line.split()
+            with contextlib.suppress(ValueError):
+                rank, step, seconds, kind, by = parts
+                if kind in _KINDS:
+                    stall = Stall(int(rank), int(step), float(seconds), kind, int(by))
+                    stalls.setdefault(stall.rank, stall)
+        return list(stalls.values())
 
     def _fire(self, stalls: list[Stall], detail: str) -> None:
         self.stalls = stalls
@@ -199,7 +415,10 @@ class Watchdog:
             self._on_stall(stalls)
             return
         for s in stalls:
-            self._log(f"ftsdp watchdog (rank {self.rank}): {s}{detail}; exiting with {EXIT_STALL}")
+            by = f" (seen by rank {s.seen_by})" if s.seen_by not in (None, self.rank) else ""
+            self._log(
+                f"ftsdp watchdog (rank {self.rank}): {s}{detail}{by}; exiting with {EXIT_STALL}"
+            )
         self._kill_local(stalls)
         os._exit(EXIT_STALL)
 
@@ -232,3 +451,222 @@ class Watchdog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _CountingStore:
+    """An in-memory stand-in for one rank's c10d store client, over a dict shared by all the
+    simulated ranks; it counts this rank's calls and the keys they touch. A missing key raises
+    at once where a real store would wait for it and time out."""
+
+    def __init__(self, data: dict[str, bytes]) -> None:
+        self.data = data
+        self.calls = 0
+        self.keys = 0
+
+    def _count(self, keys: int) -> None:
+        self.calls += 1
+        self.keys += keys
+
+    def _value(self, key: str) -> bytes:
+        try:
+            return self.data[key]
+        except KeyError:
+            raise LookupError(f"simulated store: no key {key!r}") from None
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._count(1)
+        self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        self._count(1)
+        return self._value(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._count(len(keys))
+        return [self._value(k) for k in keys]
+
+    def add(self, key: str, amount: int) -> int:
+        self._count(1)
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._count(1)
+        self.data[key] = self.data.get(key, b"") + (
+            value.encode() if isinstance(value, str) else bytes(value)
+        )
+
+    def check(self, keys: list[str]) -> bool:
+        self._count(len(keys))
+        return all(k in self.data for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._count(len(keys))
+        for k in keys:
+            self._value(k)
+
+
+def simulate_heartbeats(
+    world_size: int,
+    intervals: int = 3,
+    local_world_size: int = 8,
+    *,
+    kill: Iterable[int] = (),
+    hang: Iterable[int] = (),
+    closed: Iterable[int] = (),
+    interval_s: float = 1.0,
+    heartbeat_timeout_s: float = 30.0,
+    progress_timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Run ``world_size`` watchdogs' real per-interval code in this process, on an in-memory
+    store that counts every call, without threads, sockets or sleeping (the clock is simulated).
+
+    Ranks are numbered as torchrun does, ``local_world_size`` to a host. Every rank publishes
+    its first heartbeat and waits for its watched ranks'; then ``intervals`` healthy intervals
+    run (every rank's step grows by one per interval) and are measured. Then the ranks in
+    ``closed`` close (they finished), and a fault follows: the ranks in ``kill`` stop beating
+    (SIGSTOP, kill -9, a lost node) and, if ``hang`` is not empty, the job stops progressing
+    while every rank keeps beating (the ranks in ``hang`` one step behind the others; needs
+    ``progress_timeout_s``). The intervals then run until every surviving rank has acted on a
+    stall (a rank that acts stops, as the real one exits), or until three intervals past the
+    timeout (with only ``closed`` ranks, the others go on training meanwhile, and no rank should
+    act).
+
+    Each interval runs in two sweeps, first every rank's heartbeat, then every rank's reads and
+    checks (what :meth:`Watchdog.beat_once` does, in that order), so that an observer sees a
+    change in the interval it happens, whatever the ranks' order.
+
+    Returns a dict:
+
+    - ``ops_per_interval`` / ``keys_per_interval``: store calls / keys touched by all ranks
+      together in one healthy interval (the largest over the measured intervals);
+    - ``max_ops_per_rank`` / ``max_keys_per_rank``: the same for the busiest rank;
+    - ``seconds_per_interval_per_rank``: this process's time for one rank's interval (the
+      watchdog's own CPU cost, the store being a dict);
+    - ``startup_ops``: calls of the first heartbeats and the wait for the watched ranks;
+    - ``detect_intervals``: intervals from the last change of what failed (the killed ranks' last
+      beat, or the job's last progress) to the first rank acting; ``today_detect_intervals``:
+      the same for a watchdog that reads every peer (the first interval whose observer saw the
+      change more than the timeout ago); ``act_intervals``: to the last surviving rank acting
+      (None where no rank acted); ``fault_ops``: calls of all ranks from the fault to the end;
+    - ``named``: the ranks named by any rank that acted; ``kinds``: their kinds;
+    - ``acted``: how many ranks acted, ``survivors``: how many should have;
+      ``healthy_stalls``: stalls reported during the healthy intervals (0 unless broken).
+
+    ``python -c "from ftsdp.elastic import simulate_heartbeats as s; print(s(8192))"`` takes
+    about a second; with ``kill=[0]`` and the default 30 s timeout, about five.
+    """
+    if world_size < 1 or intervals < 1 or local_world_size < 1:
+        raise ValueError(
+            f"simulate_heartbeats: need world_size={world_size}, intervals={intervals} and "
+            f"local_world_size={local_world_size} all >= 1"
+        )
+    kill, hang, closed = set(kill), set(hang), set(closed)
+    bad = sorted(r for r in kill | hang | closed if not 0 <= r < world_size)
+    if bad:
+        raise ValueError(f"simulate_heartbeats: ranks {bad} are not in [0, {world_size})")
+    data: dict[str, bytes] = {}
+    stores = [_CountingStore(data) for _ in range(world_size)]
+    acted: dict[int, tuple[int, list[Stall]]] = {}
+    dogs = [
+        Watchdog(
+            stores[r],
+            r,
+            world_size,
+            interval_s=interval_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            progress_timeout_s=progress_timeout_s,
+            local_world_size=local_world_size,
+            log=lambda _: None,
+        )
+        for r in range(world_size)
+    ]
+
+    def counted() -> tuple[list[int], list[int]]:
+        calls, keys = [s.calls for s in stores], [s.keys for s in stores]
+        for s in stores:
+            s.calls = s.keys = 0
+        return calls, keys
+
+    def run_interval(k: int, ranks: list[int]) -> None:
+        now = k * interval_s
+        for r in ranks:
+            dogs[r]._publish()
+        for r in ranks:
+            stalls = dogs[r]._interval(now, publish=False)
+            if stalls:
+                acted[r] = (k, stalls)
+
+    for d in dogs:
+        d._publish()
+        d._begin(0.0)
+    never = [s for d in dogs for s in d._await_targets()]
+    if never:
+        raise RuntimeError(f"simulate_heartbeats: ranks never seen at startup: {never}")
+    startup_ops = sum(counted()[0])
+    everyone = list(range(world_size))
+    per_interval: list[tuple[list[int], list[int]]] = []
+    spent = 0.0
+    for k in range(1, intervals + 1):
+        for d in dogs:
+            d.beat(k)
+        t = time.perf_counter()
+        run_interval(k, everyone)
+        spent += time.perf_counter() - t
+        per_interval.append(counted())
+    healthy_acted = dict(acted)
+    for r in sorted(closed):
+        dogs[r].close()
+    survivors = [r for r in everyone if r not in kill | closed]
+    last_change = intervals  # the killed ranks' last beat
+    detect = today = act = None
+    if hang and progress_timeout_s is None:
+        raise ValueError("simulate_heartbeats: hang= needs progress_timeout_s")
+    if hang:
+        for r in survivors:
+            dogs[r].beat(intervals if r in hang else intervals + 1)
+        if any(r not in hang for r in survivors):
+            last_change = intervals + 1  # the ranks ahead finish one more step, then wait
+    timeout = heartbeat_timeout_s if kill or not hang else progress_timeout_s
+    window = 1  # the first interval whose observer saw the change more than timeout ago
+    while (last_change + window) * interval_s - last_change * interval_s <= timeout:
+        window += 1
+    k = intervals
+    while (kill or hang or closed) and k < last_change + window + 3:
+        if all(r in acted for r in survivors):
+            break
+        k += 1
+        if not (kill or hang):  # only closed ranks: the others go on training
+            for r in survivors:
+                dogs[r].beat(k)
+        run_interval(k, [r for r in survivors if r not in acted])
+    if kill or hang:
+        today = window
+        first = [acted[r][0] for r in survivors if r in acted]
+        if first:
+            detect = min(first) - last_change
+            if len(first) == len(survivors):
+                act = max(first) - last_change
+    fault_ops = sum(counted()[0])
+    named = sorted({s.rank for _, stalls in acted.values() for s in stalls})
+    kinds = sorted({s.kind for _, stalls in acted.values() for s in stalls})
+    return {
+        "world_size": world_size,
+        "local_world_size": local_world_size,
+        "ops_per_interval": max(sum(c) for c, _ in per_interval),
+        "keys_per_interval": max(sum(n) for _, n in per_interval),
+        "max_ops_per_rank": max(max(c) for c, _ in per_interval),
+        "max_keys_per_rank": max(max(n) for _, n in per_interval),
+        "seconds_per_interval_per_rank": spent / (intervals * world_size),
+        "startup_ops": startup_ops,
+        "healthy_stalls": sum(len(s) for _, s in healthy_acted.values()),
+        "detect_intervals": detect,
+        "today_detect_intervals": today,
+        "act_intervals": act,
+        "fault_ops": fault_ops,
+        "named": named,
+        "kinds": kinds,
+        "acted": len([r for r in survivors if r in acted]),
+        "survivors": len(survivors),
+    }

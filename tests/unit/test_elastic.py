@@ -187,6 +187,74 @@ def test_alive_ranks_without_progress_name_the_ones_behind() -> None:
         d.close()
 
 
+class _CountingClient:
+    """One rank's view of a shared HashStore that counts the keys its calls touch."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.keys, self.beats = inner, 0, 0
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            if name == "set" and args[1] != b"closed":
+                self.beats += 1
+            if name not in ("wait", "check"):  # startup only, not per interval
+                self.keys += len(args[0]) if name == "multi_get" else 1
+            return getattr(self.inner, name)(*args, **kwargs)
+
+        return call
+
+
+def test_each_rank_touches_at_most_4_store_keys_per_heartbeat() -> None:
+    """8 ranks' real watchdog threads on one store: at most 4 W keys per interval in all (a
+    watchdog that reads every peer's key touches W + W² = 72 at W = 8)."""
+    world, inner = 8, dist.HashStore()
+    clients = [_CountingClient(inner) for _ in range(world)]
+    found: list = []
+    dogs = [
+        Watchdog(c, r, world, interval_s=0.02, heartbeat_timeout_s=5, on_stall=found.extend)
+        for r, c in enumerate(clients)
+    ]
+    for d in dogs:
+        d.start()
+    assert _wait_for(lambda: min(c.beats for c in clients) >= 6)
+    for d in dogs:
+        d._stop.set()
+        d._thread.join()
+    assert found == [] and all(d.error is None for d in dogs)
+    per_beat = [c.keys / c.beats for c in clients]
+    assert max(per_beat) <= 4, per_beat
+    for d in dogs:
+        d.close()
+
+
+def test_every_rank_acts_on_a_stopped_rank_that_only_two_of_them_watch() -> None:
+    world, stopped = 8, 5
+    store = dist.HashStore()
+    found: dict[int, list] = {r: [] for r in range(world)}
+    dogs = [
+        Watchdog(
+            store, r, world, interval_s=0.05, heartbeat_timeout_s=0.3, on_stall=found[r].extend
+        )
+        for r in range(world)
+    ]
+    for d in dogs:
+        d.start()
+        d.beat(2)
+    assert sum(stopped in d.watching for d in dogs) == 2
+    time.sleep(0.1)
+    dogs[stopped]._stop.set()  # frozen: no heartbeat, no "closed"
+    dogs[stopped]._thread.join()
+    t0 = time.monotonic()
+    others = [r for r in range(world) if r != stopped]
+    assert _wait_for(lambda: all(found[r] for r in others), timeout=5)
+    took = time.monotonic() - t0
+    assert 0.3 < took < 2.0, took
+    for r in others:
+        assert [(s.rank, s.step, s.kind) for s in found[r]] == [(stopped, 2, "heartbeat")]
+    for d in dogs:
+        d.close()
+
+
 class _DeadStore:
     def __init__(self) -> None:
         self.inner = dist.HashStore()
