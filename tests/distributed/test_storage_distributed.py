@@ -415,6 +415,31 @@ def _regular_cases(rank: int, groups: dict[int, Any], root: str) -> None:
     dist.barrier()
 
 
+def _golden_v4_writer(rank: int, groups: dict[int, Any], root: str) -> None:
+    """Today's writer, saving the golden version 4 state on 3 ranks, writes the golden objects
+    byte for byte and the same manifest but for the attempt id (tests/golden/storage_v4)."""
+    from tests.make_storage_golden_v4 import GOLDEN_V4, OPTIONS, STEP, rank_state
+
+    url = f"{root}/golden-v4"
+    if rank < 3:
+        storage.save(rank_state(rank, 3), url, step=STEP, process_group=groups[3], options=OPTIONS)
+    dist.barrier()
+    if rank == 0:
+        new, old = Path(url) / f"step-{STEP}", GOLDEN_V4 / f"step-{STEP}"
+        docs = [json.loads((d / "manifest.json").read_text()) for d in (new, old)]
+        for doc in docs:
+            attempt = doc.pop("attempt")
+            doc.pop("manifest_checksum")
+            doc["objects"] = {k.replace(attempt, "*"): v for k, v in doc["objects"].items()}
+            for t in doc["tensors"].values():
+                for p in t.get("pieces", []):
+                    p["object"] = p["object"].replace(attempt, "*")
+        assert docs[0] == docs[1]
+        objects = [sorted(d.glob("*.safetensors")) for d in (new, old)]
+        assert [p.read_bytes() for p in objects[0]] == [p.read_bytes() for p in objects[1]]
+    dist.barrier()
+
+
 def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
     _reshard_grid(rank, groups, root, None, ((2, 1), (2, 3), (3, 2), (4, 3), (1, 4)))
@@ -425,6 +450,7 @@ def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     _deferred_cases(rank, world, root, groups[2])
     _dtensor_cases(rank, world, root)
     _regular_cases(rank, groups, root)
+    _golden_v4_writer(rank, groups, root)
     return "ok"
 
 
