@@ -614,6 +614,20 @@ def _decode_regular(
         )
     ):
         fail(f"regular.ranks must list [object count, base64 checksums] for each of {world} ranks")
+    if any(r[0] > len(objects) for r in ranks):
+        fail("regular.ranks counts more objects for a rank than objects lists")
+    # Bounds on the work a reader can be made to do (see [Note: hostile manifests]): every
+    # piece a rule gives a rank has at least one block, so the pieces cannot outnumber the
+    # checksums listed, and ranks x rule tensors (each rank's derivation scans the rules) is
+    # bounded by them too.
+    blocks = sum(len(r[1]) // 4 * 3 // 4 for r in ranks)
+    pieces = sum(len(rule.ranks_for(0, math.prod(shape))) for shape, _, rule in rules.values())
+    if pieces > blocks:
+        fail(f"the rules give {pieces} pieces but regular.ranks lists only {blocks} checksums")
+    if world * len(rules) > 64 * blocks + 10**6:
+        fail(
+            f"{world} ranks x {len(rules)} rule tensors is out of proportion to {blocks} checksums"
+        )
     layout = RegularLayout(
         world, section["object_bytes"], tuple((n, *rules[n]) for n in sorted(rules))
     )

@@ -2,6 +2,7 @@
 
     python -m ftsdp.tools.fuzz_checkpoint --cases 20000 --seed 1      # a table of outcomes
     python -m ftsdp.tools.fuzz_checkpoint --seed 1 --case 4711 -v     # replay one case
+    python -m ftsdp.tools.fuzz_checkpoint --sharded --cases 5000      # a 3-rank, version 4 one
 
 A tiny checkpoint (a few small tensors of several dtypes spread over several objects, an empty
 tensor, nested non-tensor values) is saved once. Each case copies it, applies one random
@@ -71,10 +72,42 @@ def reference_state() -> dict[str, Any]:
             "n": torch.arange(9) * -3,
             "e": torch.zeros(0, 4),
         },
-        "optim": {"mask": torch.rand(11, generator=g) > 0.5, "m": torch.randn(13).double()},
+        "optim": {
+            "mask": torch.rand(11, generator=g) > 0.5,
+            "m": torch.randn(13, generator=g).double(),
+        },
         "step": 3,
         "cfg": {"lr": 0.25, "name": "tiny", "sizes": [1, [2, 3]], "none": None},
     }
+
+
+SHARDED_WORLD = 3  # ranks of the sharded (format version 4) checkpoint
+
+
+def rank_state(rank: int, world: int) -> dict[str, Any]:
+    """Rank ``rank``'s share of ``reference_state()`` as a sharded job holds it: the model as one
+    FlatParameter (each tensor a ``FlatShard`` with its place in the flat buffer), the mask cut
+    by rows, the rest whole on every rank: every tensor is saved under a layout rule."""
+    ref = reference_state()
+    model = ref["model"]
+    chunk = max(-(-sum(t.numel() for t in model.values()) // world), 1)
+    start = 0
+    for name, t in model.items():
+        lo = min(max(rank * chunk - start, 0), t.numel())
+        hi = min(max((rank + 1) * chunk - start, 0), t.numel())
+        model[name] = storage.FlatShard(t.shape, lo, t.reshape(-1)[lo:hi].clone(), (start, chunk))
+        start += t.numel()
+    mask = ref["optim"]["mask"]
+    rows = -(-mask.numel() // world)
+    ref["optim"]["mask"] = storage.FlatShard(
+        mask.shape, min(rank * rows, mask.numel()), mask[rank * rows : (rank + 1) * rows].clone()
+    )
+    return ref
+
+
+def save_sharded(rank: int, world: int, url: str) -> None:
+    """Save ``rank_state`` on every rank of a process group (``ftsdp.testing.run_ranks``)."""
+    storage.save(rank_state(rank, world), url, step=STEP, options=OPTIONS)
 
 
 def blank(state: Any) -> Any:
@@ -261,13 +294,31 @@ class Mutator:
             if r.random() < 0.5:
                 doc["objects"][new] = doc["objects"].pop(old)
             for t in doc["tensors"].values():
-                for p in t["pieces"]:
+                for p in t.get("pieces", []):
                     if p["object"] == old:
                         p["object"] = new
             detail = f"object {old!r} -> {new!r}"
             semantic = False
+        elif edit == "swap" and "regular" in doc and r.random() < 0.5:
+            # two ranks trade their regular objects' count or checksums, or two tensors their rule
+            if r.random() < 0.5:
+                ranks = doc["regular"]["ranks"]
+                i, j = r.sample(range(len(ranks)), 2)
+                f = r.randrange(2)
+                ranks[i][f], ranks[j][f] = ranks[j][f], ranks[i][f]
+                detail = f"swap regular.ranks[{i}][{f}] and [{j}][{f}]"
+            else:
+                ruled = [t for t in doc["tensors"].values() if "even" in t or "writer" in t]
+                a, b = r.sample(ruled, 2)
+                ka = "even" if "even" in a else "writer"
+                kb = "even" if "even" in b else "writer"
+                a[kb], b[ka] = b.pop(kb), a.pop(ka)
+                detail = f"swap rules {ka} and {kb} of two tensors"
+            semantic = False
         elif edit == "swap":  # two pieces trade a field
-            pieces = [p for t in doc["tensors"].values() for p in t["pieces"]]
+            pieces = [p for t in doc["tensors"].values() for p in t.get("pieces", [])]
+            if len(pieces) < 2:
+                return self.json_edit()
             a, b = r.sample(pieces, 2)
             f = r.choice(["object", "offset", "length", "byte_range", "crc32c", "key"])
             a[f], b[f] = b[f], a[f]
@@ -514,10 +565,16 @@ def describe(c: Case, seed: int) -> str:
 
 
 def run(
-    cases: int, seed: int, start: int = 0, workdir: str | None = None, call_timeout_s: int = 0
+    cases: int,
+    seed: int,
+    start: int = 0,
+    workdir: str | None = None,
+    call_timeout_s: int = 0,
+    sharded: bool = False,
 ) -> Summary:
     """Cases ``start`` to ``start + cases - 1`` of ``seed``; each is replayable on its own.
-    ``call_timeout_s``: fail a read that takes longer (SIGALRM; 0: no limit)."""
+    ``call_timeout_s``: fail a read that takes longer (SIGALRM; 0: no limit). ``sharded``: the
+    checkpoint is saved by ``SHARDED_WORLD`` ranks under layout rules (format version 4)."""
     global CALL_TIMEOUT_S
     CALL_TIMEOUT_S = call_timeout_s
     ref = reference_state()
@@ -525,7 +582,13 @@ def run(
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=workdir, prefix="ftsdp-fuzz-") as tmp:
         pristine = Path(tmp) / "pristine"
-        storage.save(ref, str(pristine), step=STEP, options=OPTIONS)
+        if sharded:
+            from ftsdp.testing import run_ranks
+
+            run_ranks("ftsdp.tools.fuzz_checkpoint:save_sharded", SHARDED_WORLD, str(pristine))
+            assert storage.read_manifest(str(pristine)).version == 4
+        else:
+            storage.save(ref, str(pristine), step=STEP, options=OPTIONS)
         for i in range(start, start + cases):
             case = Case(i)
             scratch = Path(tmp) / "case"
@@ -559,9 +622,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--call-timeout", type=int, default=30, help="seconds before a read counts as a hang"
     )
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help=f"fuzz a checkpoint saved by {SHARDED_WORLD} ranks under layout rules (version 4)",
+    )
     args = p.parse_args(argv)
     start, n = (args.case, 1) if args.case is not None else (0, args.cases)
-    summary = run(n, args.seed, start, call_timeout_s=args.call_timeout)
+    summary = run(n, args.seed, start, call_timeout_s=args.call_timeout, sharded=args.sharded)
     for c in summary.cases if args.verbose else summary.failures:
         print(describe(c, args.seed))
     print(summary.table())

@@ -52,3 +52,15 @@ def test_every_mutation_loads_exactly_or_raises_a_checkpoint_error(tmp_path: pat
     } <= words
     assert sum("(resealed)" in c.kind for c in summary.cases) > 100  # past the manifest checksum
     assert len(summary.cases) >= min(CASES, 1000)
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_version_4_checkpoint_under_the_same_damage(tmp_path: pathlib.Path) -> None:
+    """The same oracle on a checkpoint saved by 3 ranks whose tensors are described by layout
+    rules (format version 4): a reader derives each rank's pieces, so damage to the rule table,
+    the per-rank object counts or the packed checksums must end in a CheckpointError too."""
+    summary = run(min(CASES, 250), SEED, workdir=str(tmp_path), sharded=True)
+    assert not summary.failures, "\n\n".join(describe(c, SEED) for c in summary.failures[:10])
+    words = {w for c in summary.cases for w in c.outcome.split()}
+    assert {"exact", "CorruptCheckpointError", "IncompleteCheckpointError"} <= words
+    assert sum("(resealed)" in c.kind for c in summary.cases) > 20
