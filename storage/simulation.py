@@ -32,9 +32,15 @@ UNIT = len(SHAPES)  # tensors per FlatParameter unit (ftsdp's flat layout)
 ATTEMPT = "0123abcd"
 
 
+ROW_SCALE = 1  # multiplies every shape's first dimension (more rows: Shard(0) spans more ranks)
+
+
 def shapes(tensors: int) -> dict[str, tuple[int, ...]]:
     """T tensor names and shapes, in units of ``UNIT`` (name order is unit order)."""
-    return {f"u{i // UNIT:04d}.t{i % UNIT}": SHAPES[i % UNIT] for i in range(tensors)}
+    return {
+        f"u{i // UNIT:04d}.t{i % UNIT}": (SHAPES[i % UNIT][0] * ROW_SCALE, *SHAPES[i % UNIT][1:])
+        for i in range(tensors)
+    }
 
 
 def leaves(layout: str, world: int, rank: int, tensors: int) -> dict[str, TensorLeaf]:

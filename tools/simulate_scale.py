@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ftsdp.storage import SaveOptions
+from ftsdp.storage import SaveOptions, simulation
 from ftsdp.storage.simulation import (
     Manifest,
     clear_caches,
@@ -79,6 +79,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="run the all-gather protocol this replaced up to this world size",
     )
     p.add_argument("--sample", type=int, default=3, help="ranks timed per world size")
+    p.add_argument(
+        "--rows-scale",
+        type=int,
+        default=1,
+        help="multiply every tensor's rows (8: every Shard(0) tensor spans 8192 ranks)",
+    )
     p.add_argument("--out", help="replace the '## Scale (simulated)' section of this Markdown file")
     p.add_argument("--json", help="write the results as the 'scale' entry of this JSON file")
     return p.parse_args(argv)
@@ -91,6 +97,7 @@ def heartbeats(world: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    simulation.ROW_SCALE = args.rows_scale
     options = SaveOptions()
     rows = []
     for layout in args.layouts:
@@ -147,7 +154,7 @@ def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
 
     command = "python -m ftsdp.tools.simulate_scale " + " ".join(sys.argv[1:])
     lines = [
-        "## Scale (simulated)",
+        title(args),
         "",
         f"`{command}` ({environment()}). The real planning, manifest, read-planning and "
         "heartbeat code for W synthetic ranks in one process (no data, no process groups); "
@@ -200,6 +207,13 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def title(args: argparse.Namespace) -> str:
+    """The Markdown section this run owns (one per ``--rows-scale``)."""
+    if args.rows_scale == 1:
+        return "## Scale (simulated)"
+    return f"## Scale (simulated, {args.rows_scale}x the rows)"
+
+
 def environment() -> str:
     return f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
 
@@ -210,12 +224,13 @@ def main(argv: list[str] | None = None) -> None:
     text = table(args, rows)
     sys.stdout.write(text)
     if args.out:
-        replace_section(args.out, text, "## Scale (simulated)")
+        replace_section(args.out, text, title(args))
     if args.json:
         command = "python -m ftsdp.tools.simulate_scale " + " ".join(
             sys.argv[1:] if argv is None else argv
         )
-        _bench_json.write_entry(args.json, "scale", {"rows": rows}, command, environment())
+        name = "scale" if args.rows_scale == 1 else f"scale_rows_x{args.rows_scale}"
+        _bench_json.write_entry(args.json, name, {"rows": rows}, command, environment())
 
 
 if __name__ == "__main__":
