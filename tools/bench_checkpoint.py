@@ -279,10 +279,13 @@ def environment() -> str:
     """What the numbers depend on besides the code: CPUs, their load, the checksum in use."""
     import torch
 
+    from ftsdp import storage
+
     load = os.getloadavg()[0]
     return (
         f"torch {torch.__version__}, {os.cpu_count()} CPUs (1-minute load average {load:.1f} "
-        "at the start: other work shares them), checksums CRC-32C (format version 3)"
+        "at the start: other work shares them), checksums CRC-32C (format version "
+        f"{storage.FORMAT_VERSION}: the Shard(0) tensors described by their layout rule)"
     )
 
 
