@@ -10,6 +10,8 @@ storage.load_state_dict(url, keys=None, dtype=None)      # full tensors in one p
 storage.load_into(module, url)                           # also a module on the meta device
 storage.LazyStateDict(url)                               # tensors read on first access
 storage.convert(src, dst, to="hf")                       # ftsdp / hf / torch / dcp, streamed
+storage.save(state, "/dev/shm/x", 7, node=host)          # node-local roots, each with a replica:
+storage.restore_on_nodes("/dev/shm/x", node=host)        # ... completes every node's before load
 ```
 Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's flat range) or
 JSON-able values. ``storage`` never imports ``ftsdp``.
@@ -33,6 +35,7 @@ from ftsdp.storage._gc import GcReport, collect_garbage
 from ftsdp.storage._inference import LazyStateDict, LoadIntoResult, load_into, load_state_dict
 from ftsdp.storage._load import LoadResult, load
 from ftsdp.storage._manifest import FORMAT_VERSION, Manifest
+from ftsdp.storage._nodes import clear_on_nodes, restore_on_nodes
 from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
 from ftsdp.storage._save import (
     SaveHandle,
@@ -69,6 +72,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "VerifyReport",
     "apply_retention",
+    "clear_on_nodes",
     "clear_steps",
     "collect_garbage",
     "convert",
@@ -82,6 +86,7 @@ __all__ = [
     "prepare_save",
     "read_manifest",
     "reshard",
+    "restore_on_nodes",
     "save",
     "snapshot_fence",
     "verify",

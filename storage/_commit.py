@@ -51,7 +51,7 @@ import re
 import struct
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,6 +222,7 @@ def commit(
     keep_last: int | None = None,
     keep_every: int | None = None,
     lineage: Lineage | None = None,
+    present: Collection[str] | None = None,
 ) -> None:
     """Create the manifest exclusively: the commit. With ``lineage`` (from ``plan_lineage`` when
     the save was planned) first check that no other writer committed a step meanwhile, and back
@@ -229,7 +230,9 @@ def commit(
     a conflict this attempt's objects and markers are removed and ``CommitConflictError`` is
     raised. Then, as a best effort (the step is saved; a failure is a warning): the steps
     ``lineage`` discards, ``latest`` when this is the newest committed step, removal of the
-    attempt's done markers, and retention when ``keep_last`` is given (never of this step)."""
+    attempt's done markers, and retention when ``keep_last`` is given (never of this step).
+    ``present``: the objects this root holds, when it holds only some of the manifest's (a
+    node-local root, storage/_nodes.py); only those are checked before the commit."""
     step, attempt = manifest.step, manifest.attempt
     rel, data = manifest_path(step), manifest.to_json()
     if lineage is not None:
@@ -238,7 +241,11 @@ def commit(
         if lineage.replaces is not None and _attempt_at(store, step) == lineage.replaces:
             store.remove(rel)
     listing = store.listdir(step_dir(step))
-    gone = sorted(n for n, size in manifest.objects.items() if listing.get(n, ("", -1))[1] != size)
+    gone = sorted(
+        n
+        for n, size in manifest.objects.items()
+        if listing.get(n, ("", -1))[1] != size and (present is None or n in present)
+    )
     if gone:  # a manifest exists only over complete objects (deleted meanwhile: a concurrent gc?)
         raise CheckpointError(
             f"step {step} at {store.where(step_dir(step))}: objects of this save are missing or "

@@ -27,6 +27,7 @@ from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._exchange import exchange
 from ftsdp.storage._fs import Store
 from ftsdp.storage._layout import step_dir
+from ftsdp.storage._nodes import finish_on_nodes
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage._safetensors import write_object
 from ftsdp.storage._save_plan import PlannedObject, SavePlan
@@ -235,6 +236,7 @@ def save(
     options: SaveOptions | None = None,
     discard_newer: bool = False,
     defer_copy: bool = False,
+    node: str | None = None,
 ) -> SaveHandle:
     """Save ``state`` as step ``step`` under ``url``; collective over ``process_group``.
 
@@ -260,6 +262,12 @@ def save(
     deletes them, and an earlier commit of ``step`` itself, once this step is committed. A
     concurrent or stale writer on the same root loses with ``CommitConflictError`` (see
     [Note: one writer per step, one timeline] in ``storage/_commit.py``).
+
+    ``node`` (this rank's node id; every rank of the job passes one) makes ``url`` a node-local
+    root: the ranks with the same id share it, other nodes see their own directory under the same
+    path (host shared memory). The step is committed through collectives and each node also
+    keeps a replica of the previous node's objects: see [Note: node-local roots] in
+    ``storage/_nodes.py`` (``restore_on_nodes`` before loading from such a root).
     """
     start = time.perf_counter()
     options = options or SaveOptions()
@@ -274,8 +282,14 @@ def save(
     _wait_previous(lane)
     group = resolve_group(process_group)
     rank, _ = rank_world(group)
+    if node is not None and group is not None and own_group(group, lane.key) is None:
+        raise ValueError(
+            f"save(node={node!r}) to {url}: node-local roots need every rank of the job (a gloo "
+            "group of storage's own); the process group given is a subgroup"
+        )
     if defer_copy:
         job = _DeferredSave(store, step, rank, group, options, lane)
+        job.node = node
         handle = job.begin(state, keep_last, keep_every, discard_newer)
         handle.blocking_seconds = time.perf_counter() - start
         return handle
@@ -302,6 +316,9 @@ def save(
     handle = _register(SaveHandle(step, store.where()), lane)
     job = _SaveJob(store, step, rank, plan, rank_values, tensors, options, keep_last, keep_every)
     job.lineage, job.replaces = lineage, plan.replaces
+    if node is not None:
+        job.node, job.discard_newer = node, discard_newer
+        job.commit_group = None if group is None else own_group(group, lane.key)
     if async_save:
         job.start(handle)
     else:
@@ -396,6 +413,9 @@ class _SaveJob:
         self.world_size = len(rank_values) if rank == 0 else 0  # only rank 0 needs it
         self.lineage: Lineage | None = None  # rank 0's view of the root when it planned
         self.replaces: str | None = None
+        self.node: str | None = None  # a node-local root (storage/_nodes.py)
+        self.commit_group: Any = None  # there: storage's own group, for the commit
+        self.discard_newer = False
 
     # -- writing this rank's objects ------------------------------------------------------------
 
@@ -519,6 +539,25 @@ class _SaveJob:
                 crcs[obj.name] = fut.result()
             except BaseException as e:
                 error = error or e
+        if self.node is not None:
+            finish_on_nodes(
+                self.store,
+                self.step,
+                self.plan,
+                self.rank,
+                crcs,
+                error,
+                node=self.node,
+                group=self.commit_group,
+                rank_values=self.rank_values,
+                world_size=self.world_size,
+                checksum_block_bytes=self.options.checksum_block_bytes,
+                keep_last=self.keep_last,
+                keep_every=self.keep_every,
+                lineage=self.lineage,
+                discard_newer=self.discard_newer,
+            )
+            return
         finish(
             self.store,
             self.step,
@@ -566,6 +605,7 @@ class _DeferredSave:
         self.lane = lane
         self.own = own_group(group, lane.key)  # None: exchange here, on the caller's group
         self.group = group if self.own is None else self.own
+        self.node: str | None = None  # a node-local root (storage/_nodes.py)
 
     def begin(
         self,
@@ -647,6 +687,8 @@ class _DeferredSave:
             keep_every,
         )
         job.lineage, job.replaces = lineage, plan.replaces
+        if self.node is not None:
+            job.node, job.commit_group, job.discard_newer = self.node, self.own, discard_newer
         return job
 
 

@@ -115,8 +115,14 @@ class ResumeInfo:
     rng_restored: bool = True  # False: world size changed, RNGs reseeded per rank
 
 
+NODE_ENV = "FTSDP_NODE"  # overrides _machine(): e.g. to simulate several nodes on one machine
+
+
 def _machine() -> str:
-    """This machine, as far as shared memory goes: host name and boot id."""
+    """This machine, as far as shared memory goes: host name and boot id, or the value of
+    ``$FTSDP_NODE`` when set (see [Note: the memory tier on several machines])."""
+    if os.environ.get(NODE_ENV):
+        return os.environ[NODE_ENV]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -208,7 +214,8 @@ class CheckpointManager:
         self.memory_url = memory_url
         self.memory_every = (memory_every or 1) if memory_url else None
         self.memory_keep = memory_keep
-        self._memory_on = memory_url is not None  # off once resume() finds ranks on 2 machines
+        self._memory_on = memory_url is not None
+        self._memory_node: str | None = None  # ranks on several machines: this rank's node
         self._memory_discard_newer = True  # the tier follows this run's timeline
         self.last_memory_step: int | None = None
         self.resumed_from: str | None = None  # the root the last resume loaded from
@@ -324,6 +331,7 @@ class CheckpointManager:
                 keep_last=self.memory_keep,
                 options=self.save_options,
                 discard_newer=self._memory_discard_newer,
+                node=self._memory_node,
             )
         except storage.CheckpointError as e:  # the previous one's error, seen by storage
             self._log(f"ftsdp: a save to the memory tier {self.memory_url} failed: {e}")
@@ -425,17 +433,26 @@ class CheckpointManager:
         return list(value)
 
     def _memory_shared(self) -> bool:
-        """Whether every rank sees rank 0's memory tier (the same machine: host name and boot
-        id); if not, the tier is turned off (see [Note: the memory tier])."""
+        """Whether the memory tier is usable; decides how: every rank sees rank 0's tier (the
+        same machine: host name and boot id), or each machine has its own, with a replica of
+        another's (see [Note: the memory tier on several machines]). Over a subgroup of a job
+        on several machines the tier is turned off."""
+        if not self._memory_on:
+            return False
         here = _machine()
         same = self._from_rank0(lambda: here) == here
+        self._memory_node = None
         if self._agree(_OK if same else _FALLBACK) != _OK:
-            if self._memory_on:
+            group = self.process_group
+            if group is not None and dist.get_world_size(group) != dist.get_world_size():
                 self._log(
                     f"ftsdp: the memory tier {self.memory_url} is off: the ranks are on more "
-                    "than one machine (only durable checkpoints are used)"
+                    "than one machine and the process group is a subgroup (node-local memory "
+                    "tiers need every rank of the job; only durable checkpoints are used)"
                 )
-            self._memory_on = False
+                self._memory_on = False
+            else:
+                self._memory_node = here
         return self._memory_on
 
     def _peek(self, step: int, url: str) -> tuple[set[str] | None, Any]:
@@ -492,7 +509,14 @@ class CheckpointManager:
         self.wait()  # the load writes into the saved tensors: no save may be reading them
         candidates = [(step, self.url) for step in self._agreed_steps()]
         if self.memory_url is not None and self._memory_shared():
-            candidates += [(step, self.memory_url) for step in self._agreed_steps(memory=True)]
+            if self._memory_node is None:
+                memory = self._agreed_steps(memory=True)
+            else:  # one step, made whole on every node (or none)
+                restored = storage.restore_on_nodes(
+                    self.memory_url, node=self._memory_node, process_group=self.process_group
+                )
+                memory = [] if restored is None else [restored]
+            candidates += [(step, self.memory_url) for step in memory]
         # newest first; at equal steps memory first (faster to read)
         candidates.sort(key=lambda c: (c[0], c[1] == self.memory_url), reverse=True)
         if not candidates:
@@ -612,11 +636,15 @@ class CheckpointManager:
             rank, world = self._rank_world()
             if world > 1:
                 dist.barrier(group=self.process_group)
-            if rank == 0:
-                try:
+            try:
+                if self._memory_node is not None:  # one rank per node clears its own
+                    storage.clear_on_nodes(
+                        self.memory_url, node=self._memory_node, process_group=self.process_group
+                    )
+                elif rank == 0:
                     storage.clear_steps(self.memory_url)
-                except OSError as e:
-                    self._log(f"ftsdp: clearing the memory tier {self.memory_url} failed: {e}")
+            except OSError as e:
+                self._log(f"ftsdp: clearing the memory tier {self.memory_url} failed: {e}")
             self._memory_on = False
 
     def __enter__(self) -> CheckpointManager:

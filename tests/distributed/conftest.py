@@ -15,7 +15,8 @@ traceback); a phase that hangs or kills its rank fails every test of that spawn.
   ``test_engine_parity.py``;
 - W=4: ``test_engine_features.py`` first (its memory checks read this process's RSS; its
   ``MALLOC_MMAP_THRESHOLD_`` is in the environment of the whole spawn), then
-  ``test_engine_edge_cases.py`` and ``test_engine_parity.py``.
+  ``test_engine_edge_cases.py``, ``test_engine_parity.py`` and ``test_checkpoint_manager.py``'s
+  memory tier on two simulated nodes.
 
 Only the phases of modules that have a selected test run, so running one module alone still
 costs one spawn per world size it uses.
@@ -91,6 +92,7 @@ class SharedSpawns:
             self.corrupt = tmp_path_factory.mktemp("fallback") / "run"
             self.again = str(tmp_path_factory.mktemp("again") / "again")
             self.root = tmp_path_factory.mktemp("engines")
+            self.nodes = tmp_path_factory.mktemp("nodes")
         self.damaged: Any = None
         self._names: dict[int, list[str]] = {}  # per world size, the phase names in order
         self._results: dict[int, list[list[tuple[bool, Any]]]] = {}
@@ -116,6 +118,8 @@ class SharedSpawns:
             if module in self.modules:
                 target = getattr(importlib.import_module(PKG + module), fn)
                 phases.append((f"{module}.{fn}", (target, ())))
+        if self.checkpoints and world == 4:  # after test_engine_features' memory checks
+            phases.append(("manager.node_memory", (manager._node_memory_phase, (str(self.nodes),))))
         return phases
 
     def _spawn(self, world: int) -> None:

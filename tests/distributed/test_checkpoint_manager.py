@@ -271,3 +271,88 @@ def test_after_a_fallback_every_rank_saves_the_skipped_step_again(saved, followu
     for key, value in ref["full_at_5"].items():
         if f"model.{key}" in resaved:
             assert torch.equal(resaved[f"model.{key}"], torch.from_numpy(value)), key
+
+
+def _node_memory_phase(rank: int, world: int, root: str) -> dict:
+    """W=4 as two simulated nodes (``$FTSDP_NODE``; ranks 0-1 and 2-3), each with a memory root
+    of its own: two memory saves, node 1's root wiped (its machine lost), then a fresh model,
+    optimizer and manager resume from memory (node 0's replica of node 1's shards)."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    from ftsdp.trainer._checkpoint import CheckpointManager
+
+    node = rank // 2
+    os.environ["FTSDP_NODE"] = f"node{node}"
+    shm = [f"{root}/shm-node{n}" for n in range(2)]
+    try:
+
+        def manager(model, opt, sched):
+            return CheckpointManager(
+                f"{root}/durable", model, opt, lr_scheduler=sched, memory_url=shm[node]
+            )
+
+        model, opt, sched = _build(0)
+        ckpt = manager(model, opt, sched)
+        trainer = {"step": 0, "cursor": 0}
+        assert ckpt.resume(trainer) is None
+        for _ in range(2):
+            _train(model, opt, sched, rank, world, trainer, 1)
+            ckpt.save_to_memory(trainer["step"], trainer)
+        ckpt.wait()
+        held = {n: sorted(os.listdir(f"{shm[n]}/step-2")) for n in range(2)}
+        saved = _np(model.state_dict())
+        saved_optim = [
+            {k: v.clone() for k, v in opt.state[p].items()}
+            for _, p in sorted(ckpt.engine.params_by_name().items())
+        ]
+        continued = _train(model, opt, sched, rank, world, trainer, 1)
+        dist.barrier()
+        if rank == 2:  # node 1's shared memory is gone with its machine
+            shutil.rmtree(shm[1])
+        dist.barrier()
+
+        model, opt, sched = _build(1)  # everything must come from node 0's memory
+        ckpt = manager(model, opt, sched)
+        trainer = {"step": 0, "cursor": 0}
+        info = ckpt.resume(trainer)
+        assert info is not None and info.step == 2 and ckpt.resumed_from == shm[node]
+        assert trainer == {"step": 2, "cursor": 2 * GLOBAL_BATCH}
+        state = _np(model.state_dict())
+        optim = [
+            {k: v.clone() for k, v in opt.state[p].items()}
+            for _, p in sorted(ckpt.engine.params_by_name().items())
+        ]
+        same_optim = all(
+            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            for a, b in zip(saved_optim, optim, strict=True)
+        )
+        again = _train(model, opt, sched, rank, world, trainer, 1)
+        restored = storage.list_steps(shm[1])
+        ckpt.close()
+        dist.barrier()  # every node's first rank has cleared its root
+        left = [os.path.exists(p) for p in shm]
+    finally:
+        del os.environ["FTSDP_NODE"]
+    return {
+        "held": held,
+        "same_model": all((saved[k] == state[k]).all() for k in saved),
+        "same_optim": same_optim,
+        "continued": (continued, again),
+        "restored": restored,
+        "left": left,
+    }
+
+
+def test_a_lost_node_resumes_from_the_replica_in_its_peers_memory(spawns) -> None:
+    per_rank = spawns.result(4, "manager.node_memory")
+    held = per_rank[0]["held"]
+    ranks = {n[: len("rank00000")] for n in held[0] if n.endswith(".safetensors")}
+    assert held[0] == held[1] and ranks == {f"rank{r:05d}" for r in range(4)}  # own + replica
+    for r in per_rank:
+        assert r["same_model"] and r["same_optim"]
+        assert r["continued"][0] == r["continued"][1]  # the next step too, bitwise
+        assert 2 in r["restored"]  # node 1 got the step back from node 0
+        assert r["left"] == [False, False]  # close() cleared both nodes' roots
