@@ -3,23 +3,24 @@ regular layouts, gathered to one coordinator for the rest.
 
 [Note: the save exchange]
 Every rank of a save, on the same group and in the same order:
-  1. an all-reduce (max) of five integers: whether it failed to describe its state, the step
-     (and its negation: min and max together), and the digest of its tensors' names, shapes
-     and dtypes (and its negation). A failure or differing steps turn into one all-gather of
-     the errors, so that every rank raises the same message. When the tensors are the same
-     everywhere, a second all-reduce of each tensor's rule as three integers (and their
-     negations) finds the rules every rank agrees on, compared exactly; a tensor whose rule
-     differs somewhere (a rank holding it whole where the others hold parts) has none. That
-     is 48 bytes per tensor;
-  2. a broadcast from rank 0 of the attempt id, the step it replaces and its JSON values;
-  3. a gather to rank 0 of each rank's values that differ from rank 0's and, only when some
-     tensors follow no rule (or the tables differ), those tensors' ranges and the number of
-     regular objects the rank writes;
-  4. only in that case, a scatter from rank 0 of each rank's share of the plan of those tensors.
+  0. a broadcast from rank 0 of the attempt id, the step it replaces and its JSON values;
+  1. an all-reduce (max) of six integers: whether it failed to describe its state, the step
+     (and its negation: min and max together), the digest of its tensors' names, shapes and
+     dtypes (and its negation), and whether its values differ from rank 0's. A failure or
+     differing steps turn into one all-gather of the errors, so that every rank raises the
+     same message. When the tensors are the same everywhere, a second all-reduce of each
+     tensor's rule as three integers (and their negations) finds the rules every rank agrees
+     on, compared exactly; a tensor whose rule differs somewhere (a rank holding it whole
+     where the others hold parts) has none. That is 48 bytes per tensor;
+  2. only when some rank's values differ or some tensor has no agreed rule: a gather to rank 0
+     of each rank's values that differ from rank 0's and the ranges of those tensors, with the
+     number of regular objects the rank writes;
+  3. only when some tensor has no agreed rule: a scatter from rank 0 of each rank's share of
+     the plan of those tensors.
 With agreed rules a rank plans its regular objects from the table alone (see [Note: regular
-layouts] in _regular.py), which is kept between saves: a repeated save costs the table's
-key and these few small collectives. Nothing here grows with the world size on a rank
-other than rank 0, and rank 0 receives only values and the irregular ranges.
+layouts] in _regular.py), kept between saves: a repeated save costs the table's key and these
+few small collectives. Nothing here grows with the world size on a rank other than rank 0,
+and rank 0 receives only values that differ and the irregular ranges.
 """
 
 from __future__ import annotations
@@ -28,14 +29,7 @@ import json
 import threading
 from typing import Any
 
-from ftsdp.storage._collectives import (
-    all_gather_json,
-    all_reduce_max,
-    broadcast_json,
-    gather_json,
-    rank_world,
-    scatter_json,
-)
+from ftsdp.storage import _collectives
 from ftsdp.storage._dtypes import dtype_name
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._layout import object_name
@@ -68,6 +62,7 @@ def exchange(
     group: Any,
     step: int,
     options: SaveOptions,
+    wire: Any = _collectives,
 ) -> tuple[SavePlan, list[dict[str, Any]]]:
     """Agree on and plan the save of ``step``; collective over ``group``.
 
@@ -75,49 +70,56 @@ def exchange(
     length]``, JSON ``values`` and, on rank 0, ``attempt`` and ``replaces``. Returns the plan
     and, on rank 0, every rank's values (others: ``[]``). Raises the same error on every rank
     when a rank failed, the ranks save different steps, or the ranges do not fit together.
+    ``wire``: the collectives (``rank_world``, ``all_reduce_max``, ``all_gather_json``,
+    ``broadcast_json``, ``gather_json``, ``scatter_json`` of storage/_collectives.py), replaced
+    only by the scale simulation (``ftsdp.storage.simulation``).
     """
-    rank, world = rank_world(group)
+    rank, world = wire.rank_world(group)
     error = meta.get("error")
-    table, names, rules = local_rules(leaves, rank, world) if error is None else ([], 0, [])
-    top = all_reduce_max([1 if error else 0, step, -step, names, -names], group)
-    if top[0] or top[1] != -top[2]:
-        check_exchange(all_gather_json({"error": error, "step": step}, group), step)
-    agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
-    if agreed and world > 1:
-        both = all_reduce_max([*rules, *(-v for v in rules)], group)
-        n = len(rules)
-        same = [both[i] == -both[n + i] for i in range(n)]
-        table = keep_agreed(table, [all(same[3 * i : 3 * i + 3]) for i in range(len(table))])
-    own_values = json.loads(json.dumps(meta["values"]))
-    head = broadcast_json(
-        {"attempt": meta["attempt"], "replaces": meta.get("replaces"), "values": own_values}
+    own_values = json.loads(json.dumps(meta.get("values", {}))) if error is None else {}
+    head = wire.broadcast_json(
+        {"attempt": meta.get("attempt"), "replaces": meta.get("replaces"), "values": own_values}
         if rank == 0
         else None,
         group,
     )
+    differ = {k: v for k, v in own_values.items() if head["values"].get(k, _MISSING) != v}
+    table, names, rules = local_rules(leaves, rank, world) if error is None else ([], 0, [])
+    top = wire.all_reduce_max(
+        [1 if error else 0, step, -step, names, -names, 1 if differ else 0], group
+    )
+    if top[0] or top[1] != -top[2]:
+        check_exchange(wire.all_gather_json({"error": error, "step": step}, group), step)
+    agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
+    if agreed and world > 1:
+        both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)
+        n = len(rules)
+        same = [both[i] == -both[n + i] for i in range(n)]
+        table = keep_agreed(table, [all(same[3 * i : 3 * i + 3]) for i in range(len(table))])
     attempt = head["attempt"]
     regular, mine = regular_share(table, world, options, rank, attempt) if agreed else (None, [])
     irregular = {row[0] for row in table if row[3] == _IRREGULAR} if agreed else set(leaves)
-    send: dict[str, Any] = {
-        "values": {k: v for k, v in own_values.items() if head["values"].get(k, _MISSING) != v}
-    }
-    if irregular:
-        send["tensors"] = [row for row in meta["tensors"] if row[0] in irregular]
-        send["first"] = len(mine)
-    gathered = gather_json(send, group)
+    gathered = None
+    if irregular or top[5]:  # else every rank's values are rank 0's: nothing to gather
+        send: dict[str, Any] = {"values": differ}
+        if irregular:
+            send["tensors"] = [row for row in meta["tensors"] if row[0] in irregular]
+            send["first"] = len(mine)
+        gathered = wire.gather_json(send, group)
     rank_values: list[dict[str, Any]] = []
     listed: list[PlannedObject] = []
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     shares: list[Any] | None = None
-    if gathered is not None:
-        rank_values = [head["values"], *(g["values"] for g in gathered[1:])]
-        if irregular:
+    if rank == 0:
+        rest = [g["values"] for g in gathered[1:]] if gathered else [{}] * (world - 1)
+        rank_values = [head["values"], *rest]
+        if irregular and gathered is not None:
             listed, shapes, shares = _coordinate(gathered, attempt, options, world)
     if irregular:
-        share = scatter_json(shares, group)
+        share = wire.scatter_json(shares, group)
         if isinstance(share, dict):
             raise ValueError(share["error"])
-        if gathered is None:
+        if rank != 0:
             listed = _objects(rank, len(mine), attempt, share, leaves)
         mine = mine + [o for o in listed if o.rank == rank]
     plan = SavePlan(attempt, shapes, listed, regular=regular, mine=mine)

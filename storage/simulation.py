@@ -85,19 +85,62 @@ def clear_caches() -> None:
     _plans.clear()
 
 
-def plan_rank(held: dict[str, TensorLeaf], world: int, rank: int, options: SaveOptions) -> Any:
-    """One rank's planning of a save of ``held`` (no collectives: every rank's table agrees
-    here)."""
-    table, _, rules = _exchange.local_rules(held, rank, world)
-    table = _exchange.keep_agreed(table, [True] * len(rules))
-    return _exchange.regular_share(table, world, options, rank, ATTEMPT)
+class Wire:
+    """The collectives of one rank of a simulated save in which every rank holds the same
+    tensors under the same rules: each returns what the real one returns there, and counts the
+    payload bytes this rank sends and receives (``nbytes``). Rank 0 receives every rank's
+    gathered message (here a copy of its own)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.nbytes = rank, world, 0
+
+    def rank_world(self, group: Any) -> tuple[int, int]:
+        return self.rank, self.world
+
+    def all_reduce_max(self, values: list[int], group: Any) -> list[int]:
+        self.nbytes += 2 * 8 * len(values)  # sent and received
+        return list(values)
+
+    def broadcast_json(self, obj: Any, group: Any) -> Any:
+        head = obj if self.rank == 0 else {"attempt": ATTEMPT, "replaces": None, "values": {}}
+        data = json.dumps(head)
+        self.nbytes += len(data)
+        return json.loads(data)
+
+    def gather_json(self, obj: Any, group: Any) -> list[Any] | None:
+        data = json.dumps(obj)
+        if self.rank:
+            self.nbytes += len(data)
+            return None
+        self.nbytes += len(data) * self.world
+        return [json.loads(data) for _ in range(self.world)]
+
+    def scatter_json(self, objs: Any, group: Any) -> Any:
+        raise NotImplementedError("the simulation covers rule layouts only")
+
+    def all_gather_json(self, obj: Any, group: Any) -> Any:
+        raise NotImplementedError("the simulation has no failing ranks")
 
 
-def exchanged_bytes(tensors: int) -> int:
-    """Payload one rank sends and receives in the save's collectives (see _exchange.py): two
-    all-reduces (5 and 6T int64s, in and out), the broadcast header (~100 bytes) and the
-    gather of its values (empty here: ~20 bytes)."""
-    return 2 * 8 * (5 + 6 * tensors) + 100 + 20
+def plan_rank(
+    held: dict[str, TensorLeaf], world: int, rank: int, options: SaveOptions
+) -> tuple[SavePlan, int]:
+    """One rank's exchange and planning of a save of ``held``: the real
+    ``storage._exchange.exchange`` on a :class:`Wire`. Returns the plan and the bytes this
+    rank exchanged."""
+    meta = {
+        "error": None,
+        "tensors": [
+            [n, list(t.shape), "float32", t.range.offset, t.range.length]
+            for n, t in sorted(held.items())
+        ],
+        "values": {},
+        "attempt": ATTEMPT,
+        "replaces": None,
+    }
+    wire = Wire(rank, world)
+    plan, _ = _exchange.exchange(held, meta, None, 1, options, wire)
+    return plan, wire.nbytes
 
 
 def old_planning(layout: str, world: int, tensors: int, options: SaveOptions) -> tuple[float, int]:
@@ -119,7 +162,7 @@ def old_planning(layout: str, world: int, tensors: int, options: SaveOptions) ->
 def markers(layout: str, world: int, tensors: int, options: SaveOptions) -> tuple[Any, ...]:
     """What rank 0 holds once every rank's done marker is in: the plan, every regular object's
     checksums (made up), each rank's object count and their sizes."""
-    regular, _ = plan_rank(leaves(layout, world, 0, tensors), world, 0, options)
+    regular = plan_rank(leaves(layout, world, 0, tensors), world, 0, options)[0].regular
     counts, sizes, crcs = [], {}, {}
     for rank in range(world):
         objects = regular.rank_objects(rank, ATTEMPT)

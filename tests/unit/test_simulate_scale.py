@@ -42,8 +42,10 @@ def test_every_rank_plans_its_share_of_a_regular_layout_alone(layout: str) -> No
     old = make_plan(metas, "a", options)
     written: dict[str, int] = {}
     for r in range(world):
-        regular, mine = plan_rank(leaves(layout, world, r, T), world, r, options)
+        plan, nbytes = plan_rank(leaves(layout, world, r, T), world, r, options)
+        regular, mine = plan.regular, plan.own(r)
         assert regular is not None and len(regular.entries) == T
+        assert nbytes < 100 * T + (2000 if r else 60 * world)  # rank 0 also gathers values
         new = sorted((p.name, p.offset, p.length) for o in mine for p in o.pieces)
         had = sorted((p.name, p.offset, p.length) for o in old.for_rank(r) for p in o.pieces)
         assert new == had, r
