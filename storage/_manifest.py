@@ -194,7 +194,10 @@ class RegularIndex:
         def corrupt(msg: str) -> NoReturn:
             raise CorruptCheckpointError(f"step {self.step}: rank {rank}'s regular objects: {msg}")
 
-        objects = self.layout.rank_objects(rank, self.attempt)
+        try:  # packing stops past the count: a huge tensor in tiny objects costs nothing
+            objects = self.layout.rank_objects(rank, self.attempt, self.counts[rank])
+        except ValueError:
+            corrupt(f"the layout gives more objects than the manifest's {self.counts[rank]}")
         if len(objects) != self.counts[rank]:
             corrupt(f"the layout gives {len(objects)} objects, the manifest {self.counts[rank]}")
         try:

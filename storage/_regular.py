@@ -158,12 +158,15 @@ class RegularLayout:
                 out.append(PlannedPiece(name, rng.offset, rng.length, torch_dtype(dtype)))
         return out
 
-    def rank_objects(self, rank: int, attempt: str) -> list[PlannedObject]:
+    def rank_objects(
+        self, rank: int, attempt: str, limit: int | None = None
+    ) -> list[PlannedObject]:
         """Rank ``rank``'s regular objects, named for ``attempt`` (the layout is kept per rank:
-        a later attempt only renames them)."""
+        a later attempt only renames them). ``limit``: ValueError when there are more (a reader
+        of a manifest that counts them: the packing stops there)."""
         objects = self._cache.get(rank)
         if objects is None:
-            objects = pack(rank, self.rank_pieces(rank), "", self.object_bytes)
+            objects = pack(rank, self.rank_pieces(rank), "", self.object_bytes, limit)
             if len(self._cache) >= 64:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[rank] = objects

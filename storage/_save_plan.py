@@ -189,8 +189,12 @@ def _make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) 
     return SavePlan(attempt, shapes, objects)
 
 
-def pack(rank: int, pieces: list[PlannedPiece], attempt: str, cap: int) -> list[PlannedObject]:
-    """Pack a rank's pieces into objects of at most ``cap`` payload bytes (splitting big ones)."""
+def pack(
+    rank: int, pieces: list[PlannedPiece], attempt: str, cap: int, limit: int | None = None
+) -> list[PlannedObject]:
+    """Pack a rank's pieces into objects of at most ``cap`` payload bytes (splitting big ones).
+    ``limit``: ValueError as soon as the pieces fill more objects than that (a reader deriving a
+    layout from a manifest, whose object count bounds the work)."""
     objects: list[PlannedObject] = []
     current: list[PlannedPiece] = []
     used = 0
@@ -198,6 +202,8 @@ def pack(rank: int, pieces: list[PlannedPiece], attempt: str, cap: int) -> list[
     def close() -> None:
         nonlocal current, used
         if current:
+            if limit is not None and len(objects) >= limit:
+                raise ValueError(f"rank {rank}'s pieces fill more than {limit} objects")
             obj = PlannedObject(object_name(rank, len(objects), attempt), rank, current)
             obj.head, obj.byte_ranges, obj.size = layout(
                 [(p.key, p.dtype, p.length) for p in current]

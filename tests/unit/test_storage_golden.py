@@ -180,3 +180,31 @@ def test_golden_v4_reads_exactly(tmp_path: pathlib.Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(storage.CorruptCheckpointError, match="checksum mismatch"):
         storage.load_state_dict(str(root))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("object_bytes", [1, 64])
+def test_v4_a_huge_rule_tensor_in_tiny_objects_is_refused_at_once(
+    tmp_path: pathlib.Path, object_bytes: int
+) -> None:
+    """A resealed version 4 manifest whose rule tensor would pack into billions of objects for a
+    rank that counts 3: the reader stops deriving at the count (it once packed on, for ever),
+    and ``verify`` reports it as a problem of the step (it once raised)."""
+    from ftsdp.storage._manifest import seal
+    from tests.make_storage_golden_v4 import GOLDEN_V4
+    from tests.make_storage_golden_v4 import STEP as STEP4
+
+    root = tmp_path / "golden"
+    shutil.copytree(GOLDEN_V4, root)
+    path = root / f"step-{STEP4}" / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    del doc["manifest_checksum"]
+    n = 3 * 10**11
+    doc["tensors"]["big"] = {"shape": [n], "dtype": "float32", "even": [0, n // 3]}
+    doc["regular"]["object_bytes"] = object_bytes
+    path.write_bytes(json.dumps(seal(doc)).encode())
+    manifest = storage.read_manifest(str(root))
+    with pytest.raises(storage.CorruptCheckpointError, match="more objects than the manifest's 3"):
+        manifest.tensors["big"].pieces_in(0, 1)  # what a load of any part of it derives
+    report = storage.verify(str(root))  # a problem of the step, not an exception
+    assert not report.ok and "more objects than the manifest's 3" in report.problems[0], report
