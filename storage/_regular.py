@@ -107,7 +107,7 @@ def infer_rule(
     if hint is not None:
         start, chunk = hint
         rule = Rule("even", int(start), int(chunk))
-        fits = chunk >= 1 and start >= 0 and start + numel <= world * chunk
+        fits = 1 <= chunk <= _MAX and 0 <= start <= _MAX and start + numel <= world * chunk
         return rule if fits and _same(rule.held(rank, numel), rng) else IRREGULAR
     if rng.offset == 0 and rng.length == numel:
         return WHOLE
@@ -117,6 +117,12 @@ def infer_rule(
         if _same(rule.held(rank, numel), rng):
             return rule
     return IRREGULAR
+
+
+# The largest start or chunk of a rule: the exchange compares rules as int64 (a larger one, from
+# a FlatShard.layout, overflowed on its rank alone while the others waited in the all-reduce),
+# and the manifest allows no larger integer.
+_MAX = 2**63 - 1
 
 
 def _same(a: Range, b: Range) -> bool:

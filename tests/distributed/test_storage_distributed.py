@@ -415,6 +415,57 @@ def _regular_cases(rank: int, groups: dict[int, Any], root: str) -> None:
     dist.barrier()
 
 
+def _odd_rows_state(rank: int, world: int, fill: float | None) -> dict[str, Any]:
+    """Row splits (``Shard(0)``-like) of tensors with no elements or fewer rows than ranks, a
+    tensor in a flat buffer of a larger chunk (all of it on rank 0), and a replicated scalar."""
+    g = torch.Generator().manual_seed(1)
+    ref = {"z0": torch.zeros(0, 5), "z1": torch.zeros(3, 0), "few": torch.randn(2, 5, generator=g)}
+    out: dict[str, Any] = {}
+    for name, t in ref.items():
+        rows, row = -(-t.shape[0] // world), t[0].numel() if t.shape[0] else 0
+        lo, hi = min(rank * rows, t.shape[0]), min((rank + 1) * rows, t.shape[0])
+        out[name] = storage.FlatShard(t.shape, lo * row, t[lo:hi].reshape(-1).clone())
+    v = torch.randn(6, generator=g)
+    out["buffer"] = storage.FlatShard((6,), 0, v if rank == 0 else v[:0], layout=(0, 100))
+    out["scalar"] = torch.tensor(3.5)
+    if fill is not None:
+        for leaf in out.values():
+            (leaf.local if isinstance(leaf, storage.FlatShard) else leaf).fill_(fill)
+    return out
+
+
+def _regular_edges(rank: int, groups: dict[int, Any], root: str) -> None:
+    """Rules with empty ranks and empty tensors load bitwise at another world size; a
+    ``FlatShard.layout`` whose chunk does not fit in int64 (on one rank only: its own range
+    agrees) costs the rule, not a hang (the rule exchange once overflowed on that rank alone,
+    the others waiting in the all-reduce)."""
+    opts = storage.SaveOptions(checksum_block_bytes=256)
+    url = f"{root}/regular-odd"
+    storage.save(_odd_rows_state(rank, 4, None), url, step=1, options=opts)
+    if rank < 3:
+        target = _odd_rows_state(rank, 3, fill=float("nan"))
+        storage.load(target, url, process_group=groups[3])
+        want = _odd_rows_state(rank, 3, None)
+        for name, leaf in want.items():
+            got = target[name]
+            same = (
+                torch.equal(got.local, leaf.local)
+                if isinstance(leaf, storage.FlatShard)
+                else torch.equal(got, leaf)
+            )
+            assert same, name
+    t = torch.arange(6.0)
+    huge = {"x": storage.FlatShard((6,), 0, t.clone(), layout=(0, 2**64))}
+    honest = {"x": storage.FlatShard((6,), 0, t[:0].clone(), layout=(0, 6))}
+    url = f"{root}/regular-huge-chunk"
+    storage.save(huge if rank == 0 else honest, url, step=1, options=opts)
+    dist.barrier()
+    if rank == 0:
+        assert storage.read_manifest(url).tensors["x"].rule is None  # the coordinator planned it
+        assert torch.equal(storage.load_state_dict(url)["x"], t)
+    dist.barrier()
+
+
 def _golden_v4_writer(rank: int, groups: dict[int, Any], root: str) -> None:
     """Today's writer, saving the golden version 4 state on 3 ranks, writes the golden objects
     byte for byte and the same manifest but for the attempt id (tests/golden/storage_v4)."""
@@ -450,6 +501,7 @@ def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     _deferred_cases(rank, world, root, groups[2])
     _dtensor_cases(rank, world, root)
     _regular_cases(rank, groups, root)
+    _regular_edges(rank, groups, root)
     _golden_v4_writer(rank, groups, root)
     return "ok"
 
