@@ -63,11 +63,25 @@ killed before ``close``) is passed over like an unusable one, and when nothing d
 the run starts from scratch. Memory saves go to another root than the durable ones, so storage runs them
 in a lane of their own (see [Note: one lane per root] in storage/_save.py): a slow durable
 upload holds neither them nor the optimizer's fence. The first memory save after a resume
-discards newer memory steps (an abandoned timeline). A failed memory save is logged, not raised. The tier needs every rank
-to see the same shared memory: resume compares the ranks' machines (host name and boot id) and
-turns the tier off when they differ (a replica of a peer machine's shards, to survive a lost
-machine, is not implemented). ``close`` (the end of a run, or a preemption after its durable
-save) clears the tier; a failed run leaves it for its restart.
+discards newer memory steps (an abandoned timeline). A failed memory save is logged, not raised.
+Resume compares the ranks' machines (host name and boot id): on one machine the tier is one
+root every rank sees; on several see [Note: the memory tier on several machines]. ``close`` (the
+end of a run, or a preemption after its durable save) clears the tier; a failed run leaves it
+for its restart.
+
+[Note: the memory tier on several machines]
+With ranks on several machines no root is seen by every rank, so memory saves pass
+``node=<this machine>`` to ``storage.save``: each machine's ranks write into ``memory_url`` as
+that machine sees it, the step is committed through collectives, and each machine also keeps a
+replica of the previous machine's objects (see [Note: node-local roots] in storage/_nodes.py).
+``resume`` first calls ``storage.restore_on_nodes``, which completes on every machine of the new
+job the newest step they hold together (a lost machine's objects come from its successor's
+replica), and offers that one step as the memory candidate; without one the durable tier is
+used. ``close`` clears the root on every machine. ``$FTSDP_NODE`` overrides the machine's
+identity, so that tests can run several "machines" on one (each with its own ``memory_url``).
+Over a process group that is not the whole job the tier is off on several machines (storage's
+own gloo group spans the job). The mode is decided in ``resume``; a manager that saves to memory
+without resuming first treats the ranks as on one machine.
 
 [Note: whose memory tier]
 The memory tier outlives the processes that wrote it, so a start may find another run's steps
@@ -158,7 +172,9 @@ class CheckpointManager:
             tier]): :meth:`save_to_memory` saves every ``memory_every`` steps under
             ``memory_url`` (host shared memory, e.g. ``/dev/shm/...``), keeping the newest
             ``memory_keep`` steps; :meth:`resume` takes the newest usable step of either tier;
-            :meth:`close` clears the tier. Used only when every rank is on the same machine.
+            :meth:`close` clears the tier. With ranks on several machines each machine keeps its
+            own root (the same ``memory_url`` as it sees it) and a replica of another's (see
+            [Note: the memory tier on several machines]).
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages (default: the ``ftsdp.trainer._checkpoint`` logger, at WARNING);
             fallbacks are logged here, loudly.

@@ -150,7 +150,9 @@ class TrainConfig:
         True, "async saves copy the state in the background too (the optimizer step waits)"
     )
     memory_every: int = _opt(
-        0, "also save every N steps to host shared memory, for restarts on this machine (0: off)"
+        0,
+        "also save every N steps to host shared memory, for restarts on this machine; on several "
+        "machines each also keeps a replica of another's, for a lost machine (0: off)",
     )
     memory_url: str | None = _opt(
         None, "root of those saves (default: /dev/shm/ftsdp-<hash of the checkpoint root>)"

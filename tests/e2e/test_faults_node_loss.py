@@ -4,7 +4,10 @@ workers and itself (``FTSDP_FAULT=kill_node:step=5:when=after_commit`` in that a
 environment only: the whole node is gone at once, deterministically). The survivor's worker
 fails its next collective, its agent re-rendezvouses alone (world size 1), the new worker
 resumes from the newest committed step resharded, and the job ends equal to the uninterrupted
-run. Once with the checkpoints in a local directory, once on a local S3 endpoint (moto).
+run. Once with the checkpoints in a local directory and a memory tier every step (each agent
+a simulated node with a memory root of its own, ``$FTSDP_NODE``; the lost node's root is wiped
+once it is gone, and the survivor resumes step 5 from its replica of the lost node's shards: no
+step lost), once on a local S3 endpoint (moto; durable checkpoints only: step 4, one step lost).
 
 The scenario is a node lost after step 5 with step 4's checkpoint committed. ``when=after_commit``
 makes the doomed worker wait for the async save still in flight (step 4's) to commit before it
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -56,7 +60,7 @@ def ref(tmp_path_factory) -> Run:
     return reference(tmp_path_factory.getbasetemp())
 
 
-def _agent(run: Run, port: int, *, host: bool, env: dict[str, str], name: str):
+def _agent(run: Run, port: int, *, host: bool, env: dict[str, str], name: str, extra=()):
     cmd = [
         sys.executable,
         "-m",
@@ -72,6 +76,7 @@ def _agent(run: Run, port: int, *, host: bool, env: dict[str, str], name: str):
         "-m",
         "ftsdp.train",
         *run.args(),
+        *extra,
     ]
     path = run.log_path(name)
     log = open(path, "w")  # noqa: SIM115 - closed by the caller
@@ -94,8 +99,20 @@ def _wait_until_ready(proc: subprocess.Popen, path: pathlib.Path, timeout: float
         time.sleep(0.05)
 
 
-def node_loss(run: Run, port: int, extra_env: dict[str, str] | None = None) -> dict:
-    """One node-loss job to its end (``port``: the rendezvous store's); its resume record."""
+def _memory_tier(shm: pathlib.Path | None, node: str) -> tuple[list[str], dict[str, str]]:
+    """The arguments and environment of agent ``node``'s memory tier: every step, in a root
+    of that node's own (``$FTSDP_NODE`` names the simulated node)."""
+    if shm is None:
+        return [], {}
+    return ["--memory-every", "1", "--memory-url", str(shm / node)], {"FTSDP_NODE": node}
+
+
+def node_loss(
+    run: Run, port: int, extra_env: dict[str, str] | None = None, shm: pathlib.Path | None = None
+) -> dict:
+    """One node-loss job to its end (``port``: the rendezvous store's); its resume record.
+    With ``shm`` each agent has a memory tier of its own under it (a simulated node's shared
+    memory), and the lost node's is wiped once it is gone."""
     # Both agents must join the first round: with --nnodes=1:2 a round closes last_call_timeout
     # after the first agent joined. Were the host alone in it, the next round (with the doomed
     # agent, which has the lower pid) would make the doomed agent rank 0, and torch 2.13's c10d
@@ -104,16 +121,24 @@ def node_loss(run: Run, port: int, extra_env: dict[str, str] | None = None) -> d
     # the host only once the doomed one is done importing and waits for the store (imports alone
     # differ by seconds under load), and the round stays open 6 s (with 2 s, at load 4-7 with
     # both jobs side by side, the doomed agent joined too late in 2 runs of 7).
+    args_b, env_b = _memory_tier(shm, "b")
+    args_a, env_a = _memory_tier(shm, "a")
     doomed = _agent(
-        run, port, host=False, env=run.env(FAULT, {**(extra_env or {}), "LOGLEVEL": "INFO"}),
-        name="b",
+        run, port, host=False,
+        env=run.env(FAULT, {**(extra_env or {}), **env_b, "LOGLEVEL": "INFO"}), name="b",
+        extra=args_b,
     )  # fmt: skip
     survivor = None
     try:
         _wait_until_ready(doomed[0], doomed[2])
-        survivor = _agent(run, port, host=True, env=run.env("", extra_env), name="a")
+        survivor = _agent(
+            run, port, host=True, env=run.env("", {**(extra_env or {}), **env_a}), name="a",
+            extra=args_a,
+        )  # fmt: skip
+        doomed_rc = doomed[0].wait(timeout=240)
+        if shm is not None:  # the lost node's shared memory is gone with it
+            shutil.rmtree(shm / "b", ignore_errors=True)
         rc = survivor[0].wait(timeout=240)
-        doomed_rc = doomed[0].wait(timeout=30)
     finally:
         for proc, log, _ in filter(None, (doomed, survivor)):
             if proc.poll() is None:
@@ -125,7 +150,9 @@ def node_loss(run: Run, port: int, extra_env: dict[str, str] | None = None) -> d
     starts = [r for r in run.metrics() if r["event"] == "start"]
     assert starts[0]["world_size"] == 2, "both nodes must start together"
     (resume,) = [r for r in run.metrics() if r["event"] == "resume"]
-    assert (resume["saved_world_size"], resume["world_size"], resume["step"]) == (2, 1, 4)
+    want = (2, 1, 5, "memory") if shm is not None else (2, 1, 4, "durable")
+    got = (resume["saved_world_size"], resume["world_size"], resume["step"], resume.get("tier"))
+    assert got == want, got
     return resume
 
 
@@ -143,7 +170,8 @@ def jobs(tmp_path_factory, s3_endpoint) -> Iterator[dict[str, tuple[Run, Future]
     """Both jobs, started side by side (see the module docstring): per job its run and the
     future of :func:`node_loss`, which each test waits for."""
     root = tmp_path_factory.mktemp("node-loss")
-    local = Run(root / "node-loss")
+    local = Run(root / "node-loss")  # with the memory tier: resumes from the replica
+    shm = root / "shm"
     s3 = Run(root / "node-loss-s3", url=new_bucket_url(s3_endpoint))
     s3_env = {"FTSDP_STORAGE_OPTIONS": json.dumps(s3_endpoint)}
     port_local, port_s3 = _ports(2)
@@ -151,7 +179,7 @@ def jobs(tmp_path_factory, s3_endpoint) -> Iterator[dict[str, tuple[Run, Future]
         reference(tmp_path_factory.getbasetemp())
     with ThreadPoolExecutor(2 if side_by_side() else 1, thread_name_prefix="node-loss") as pool:
         yield {
-            "local": (local, pool.submit(node_loss, local, port_local)),
+            "local": (local, pool.submit(node_loss, local, port_local, None, shm)),
             "s3": (s3, pool.submit(node_loss, s3, port_s3, s3_env)),
         }
 
@@ -163,11 +191,12 @@ def test_node_loss_survivor_continues_at_the_smaller_world_size(jobs, ref) -> No
     check_against_reference(run, ref)
     m = measure(
         run,
-        "node loss (2 agents -> 1), local directory",
-        "2 x torchrun --nnodes=1:2 --rdzv-backend=c10d --max-restarts=3, "
-        f"FTSDP_FAULT={FAULT} on the second",
+        "node loss (2 agents -> 1), local directory, memory tier (its shared memory wiped)",
+        "2 x torchrun --nnodes=1:2 --rdzv-backend=c10d --max-restarts=3, --memory-every 1 "
+        f"--memory-url <one per agent>, FTSDP_NODE=a/b, FTSDP_FAULT={FAULT} on the second",
     )
-    assert m["steps_lost"] == 1 and m["world_sizes"] == "2 -> 1"
+    # step 5 comes back from the survivor's replica of the lost node's shards
+    assert m["steps_lost"] == 0 and m["world_sizes"] == "2 -> 1"
 
 
 @pytest.mark.timeout(300)
