@@ -85,6 +85,9 @@ def exchange(
     )
     differ = {k: v for k, v in own_values.items() if head["values"].get(k, _MISSING) != v}
     table, names, rules = local_rules(leaves, rank, world) if error is None else ([], 0, [])
+    # Ranks whose options pack objects differently would derive other ranks' objects unlike
+    # those written (a committed step no reader could derive): such tables never agree.
+    names ^= hash((options.object_bytes, options.replica_split_bytes)) & (2**63 - 1)
     top = wire.all_reduce_max(
         [1 if error else 0, step, -step, names, -names, 1 if differ else 0], group
     )

@@ -438,7 +438,8 @@ def _regular_edges(rank: int, groups: dict[int, Any], root: str) -> None:
     """Rules with empty ranks and empty tensors load bitwise at another world size; a
     ``FlatShard.layout`` whose chunk does not fit in int64 (on one rank only: its own range
     agrees) costs the rule, not a hang (the rule exchange once overflowed on that rank alone,
-    the others waiting in the all-reduce)."""
+    the others waiting in the all-reduce); ranks saving with other object sizes commit a
+    readable step."""
     opts = storage.SaveOptions(checksum_block_bytes=256)
     url = f"{root}/regular-odd"
     storage.save(_odd_rows_state(rank, 4, None), url, step=1, options=opts)
@@ -463,6 +464,17 @@ def _regular_edges(rank: int, groups: dict[int, Any], root: str) -> None:
     if rank == 0:
         assert storage.read_manifest(url).tensors["x"].rule is None  # the coordinator planned it
         assert torch.equal(storage.load_state_dict(url)["x"], t)
+    # Ranks packing objects of other sizes: once committed, a step whose rank 1.. objects the
+    # reader (deriving them with rank 0's object_bytes) refused; now rank 0 plans them.
+    url = f"{root}/regular-other-options"
+    ref = _reference()
+    other = storage.SaveOptions(checksum_block_bytes=256, object_bytes=4096 if rank else 300_000)
+    storage.save(_even_state(rank, 4, ref, None), url, step=1, options=other)
+    dist.barrier()
+    if rank == 0:
+        full = storage.load_state_dict(url)
+        for n, want in ref.items():
+            assert torch.equal(full[f"flat.{n}"], want), n
     dist.barrier()
 
 
