@@ -184,14 +184,14 @@ def test_the_repository_speaks_for_itself() -> None:
 
 
 def test_the_product_imports_testing_only_where_the_entry_plugs_the_fault_hook_in() -> None:
-    """``ftsdp.testing`` is imported by tests, by itself and by the benchmarks (its gloo rank
-    spawner); by the product only in ``ftsdp/train.py``, once, inside a function (the branch
-    taken when ``FTSDP_FAULT`` is set)."""
+    """``ftsdp.testing`` is imported by tests, by itself, by the benchmarks and the fuzzer (its
+    gloo rank spawner); by the product only in ``ftsdp/train.py``, once, inside a function (the
+    branch taken when ``FTSDP_FAULT`` is set)."""
 
     def not_testing(target: str) -> bool:
         return not _within("ftsdp.testing")(target)
 
-    allowed = ("ftsdp/testing/", "tools/bench_", "tools/_bench_")
+    allowed = ("ftsdp/testing/", "tools/bench_", "tools/_bench_", "tools/fuzz_")
     bad = [v for v in _violations("ftsdp", not_testing) if not v.startswith(allowed)]
     entry = MODULES["ftsdp.train"]
     assert len(bad) == 1 and bad[0].startswith(f"{entry.relative_to(REPO)}:"), bad
