@@ -4,11 +4,12 @@ regular layouts, gathered to one coordinator for the rest.
 [Note: the save exchange]
 Every rank of a save, on the same group and in the same order:
   0. a broadcast from rank 0 of the attempt id, the step it replaces and its JSON values;
-  1. an all-reduce (max) of six integers: whether it failed to describe its state, the step
+  1. an all-reduce (max) of eight integers: whether it failed to describe its state, the step
      (and its negation: min and max together), the digest of its tensors' names, shapes and
-     dtypes (and its negation), and whether its values differ from rank 0's. A failure or
+     dtypes and of the options that shape its objects (and its negation), whether its values
+     differ from rank 0's, and its checksum block size (and its negation). A failure or
      differing steps turn into one all-gather of the errors, so that every rank raises the
-     same message. When the tensors are the same everywhere, a second all-reduce of each
+     same message; differing block sizes raise on every rank (one manifest, one size). When the tensors are the same everywhere, a second all-reduce of each
      tensor's rule as three integers (and their negations) finds the rules every rank agrees
      on, compared exactly; a tensor whose rule differs somewhere (a rank holding it whole
      where the others hold parts) has none. That is 48 bytes per tensor;
@@ -88,11 +89,17 @@ def exchange(
     # Ranks whose options pack objects differently would derive other ranks' objects unlike
     # those written (a committed step no reader could derive): such tables never agree.
     names ^= hash((options.object_bytes, options.replica_split_bytes)) & (2**63 - 1)
+    block = options.checksum_block_bytes
     top = wire.all_reduce_max(
-        [1 if error else 0, step, -step, names, -names, 1 if differ else 0], group
+        [1 if error else 0, step, -step, names, -names, 1 if differ else 0, block, -block], group
     )
     if top[0] or top[1] != -top[2]:
         check_exchange(wire.all_gather_json({"error": error, "step": step}, group), step)
+    if top[6] != -top[7]:  # the manifest has one block size: other ranks' checksums would not fit
+        raise CheckpointError(
+            f"save of step {step}: the ranks checksum blocks of {-top[7]} to {top[6]} bytes "
+            "(SaveOptions.checksum_block_bytes); pass the same SaveOptions on every rank"
+        )
     agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
     if agreed and world > 1:
         both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)

@@ -439,7 +439,7 @@ def _regular_edges(rank: int, groups: dict[int, Any], root: str) -> None:
     ``FlatShard.layout`` whose chunk does not fit in int64 (on one rank only: its own range
     agrees) costs the rule, not a hang (the rule exchange once overflowed on that rank alone,
     the others waiting in the all-reduce); ranks saving with other object sizes commit a
-    readable step."""
+    readable step, with other checksum block sizes none."""
     opts = storage.SaveOptions(checksum_block_bytes=256)
     url = f"{root}/regular-odd"
     storage.save(_odd_rows_state(rank, 4, None), url, step=1, options=opts)
@@ -475,6 +475,11 @@ def _regular_edges(rank: int, groups: dict[int, Any], root: str) -> None:
         full = storage.load_state_dict(url)
         for n, want in ref.items():
             assert torch.equal(full[f"flat.{n}"], want), n
+    # Other checksum block sizes: one manifest lists one size, so the save is refused on every
+    # rank before anything is written (it once committed a step no reader accepted).
+    other = storage.SaveOptions(checksum_block_bytes=256 if rank else 512)
+    with pytest.raises(storage.CheckpointError, match="checksum blocks of 256 to 512 bytes"):
+        storage.save(_even_state(rank, 4, ref, None), url, step=2, options=other)
     dist.barrier()
 
 
