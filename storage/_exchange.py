@@ -9,10 +9,11 @@ Every rank of a save, on the same group and in the same order:
      dtypes and of the options that shape its objects (and its negation), whether its values
      differ from rank 0's, and its checksum block size (and its negation). A failure or
      differing steps turn into one all-gather of the errors, so that every rank raises the
-     same message; differing block sizes raise on every rank (one manifest, one size). When the tensors are the same everywhere, a second all-reduce of each
-     tensor's rule as three integers (and their negations) finds the rules every rank agrees
-     on, compared exactly; a tensor whose rule differs somewhere (a rank holding it whole
-     where the others hold parts) has none. That is 48 bytes per tensor;
+     same message; differing block sizes raise on every rank (one manifest, one size). When
+     the tensors are the same everywhere, a second all-reduce of each tensor's rule as three
+     integers (and their negations) finds the rules every rank agrees on, compared exactly; a
+     tensor whose rule differs somewhere (a rank holding it whole where the others hold parts)
+     has none. That is 48 bytes per tensor;
   2. only when some rank's values differ or some tensor has no agreed rule: a gather to rank 0
      of each rank's values that differ from rank 0's and the ranges of those tensors, with the
      number of regular objects the rank writes;
