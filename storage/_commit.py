@@ -400,19 +400,8 @@ def finish(
     if error is None:
         try:
             theirs, sizes, counts = _collect_markers(store, step, plan, world_size, timeout_s)
-            crcs = {**crcs, **theirs}
-            if plan.regular is not None:
-                counts[0] = _regular_count(plan, 0)
-                sizes.update((o.name, o.size) for o in plan.own(0)[: counts[0]])
-            manifest = build_manifest(
-                plan,
-                crcs,
-                step=step,
-                world_size=world_size,
-                checksum_block_bytes=checksum_block_bytes,
-                values=rank_values[0],
-                rank_values=rank_values,
-                regular=(counts, sizes) if plan.regular is not None else None,
+            manifest = manifest_of_reports(
+                plan, {**crcs, **theirs}, sizes, counts, step, checksum_block_bytes, rank_values
             )
             commit(store, manifest, keep_last=keep_last, keep_every=keep_every, lineage=lineage)
             return
@@ -489,16 +478,7 @@ def _collect_markers(
             )
             if marker["error"]:
                 raise CheckpointError(f"rank {rank} failed to write step {step}: {marker['error']}")
-            for obj in plan.for_rank(rank):
-                got = marker["objects"].get(obj.name, {})
-                if got.get("size") != obj.size or got.get("checksums") is None:
-                    raise CheckpointError(
-                        f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
-                        f"the plan says {obj.size}"
-                    )
-                crcs[obj.name] = got["checksums"]
-            if plan.regular is not None:
-                counts[rank] = _reported_regular(marker, rank, step, plan.attempt, crcs, sizes)
+            take_report(plan, step, rank, marker, crcs, sizes, counts)
             waiting.discard(rank)
         if not waiting:
             return crcs, sizes, counts
@@ -506,6 +486,57 @@ def _collect_markers(
         f"step {step} at {store.where()}: ranks {sorted(waiting)} did not finish writing within "
         f"{timeout_s}s"
     )
+
+
+def manifest_of_reports(
+    plan: SavePlan,
+    crcs: Crcs,
+    sizes: dict[str, int],
+    counts: list[int],
+    step: int,
+    checksum_block_bytes: int,
+    rank_values: list[dict[str, Any]],
+) -> Manifest:
+    """Rank 0: the manifest of a step once every other rank's report is taken (``take_report``):
+    ``crcs`` of every object, the other ranks' regular ``sizes`` and ``counts``; rank 0's own
+    regular objects are added here."""
+    if plan.regular is not None:
+        counts[0] = _regular_count(plan, 0)
+        sizes.update((o.name, o.size) for o in plan.own(0)[: counts[0]])
+    return build_manifest(
+        plan,
+        crcs,
+        step=step,
+        world_size=len(counts),
+        checksum_block_bytes=checksum_block_bytes,
+        values=rank_values[0],
+        rank_values=rank_values,
+        regular=(counts, sizes) if plan.regular is not None else None,
+    )
+
+
+def take_report(
+    plan: SavePlan,
+    step: int,
+    rank: int,
+    marker: dict[str, Any],
+    crcs: Crcs,
+    sizes: dict[str, int],
+    counts: list[int],
+) -> None:
+    """Take rank ``rank``'s report of its objects (a done marker's content) into ``crcs``, and
+    with a regular layout ``sizes`` and ``counts``: each listed object's size checked against
+    the plan, its regular objects as the rank reports them."""
+    for obj in plan.for_rank(rank):
+        got = marker["objects"].get(obj.name, {})
+        if got.get("size") != obj.size or got.get("checksums") is None:
+            raise CheckpointError(
+                f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
+                f"the plan says {obj.size}"
+            )
+        crcs[obj.name] = got["checksums"]
+    if plan.regular is not None:
+        counts[rank] = _reported_regular(marker, rank, step, plan.attempt, crcs, sizes)
 
 
 def _reported_regular(

@@ -56,10 +56,10 @@ from ftsdp.storage._commit import (
     Crcs,
     Lineage,
     _regular_count,
-    _reported_regular,
-    build_manifest,
     commit,
+    manifest_of_reports,
     plan_lineage,
+    take_report,
 )
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._fs import Store
@@ -261,29 +261,8 @@ def _manifest(
     for rank, marker in enumerate(reports):
         if rank == 0:
             continue
-        for obj in plan.for_rank(rank):
-            got = marker["objects"].get(obj.name, {})
-            if got.get("size") != obj.size or got.get("checksums") is None:
-                raise CheckpointError(
-                    f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
-                    f"the plan says {obj.size}"
-                )
-            crcs[obj.name] = got["checksums"]
-        if plan.regular is not None:
-            counts[rank] = _reported_regular(marker, rank, step, plan.attempt, crcs, sizes)
-    if plan.regular is not None:
-        counts[0] = _regular_count(plan, 0)
-        sizes.update((o.name, o.size) for o in plan.own(0)[: counts[0]])
-    return build_manifest(
-        plan,
-        crcs,
-        step=step,
-        world_size=world_size,
-        checksum_block_bytes=checksum_block_bytes,
-        values=rank_values[0],
-        rank_values=rank_values,
-        regular=(counts, sizes) if plan.regular is not None else None,
-    )
+        take_report(plan, step, rank, marker, crcs, sizes, counts)
+    return manifest_of_reports(plan, crcs, sizes, counts, step, checksum_block_bytes, rank_values)
 
 
 def _holdings(store: Store) -> dict[str, Any]:

@@ -539,41 +539,25 @@ class _SaveJob:
                 crcs[obj.name] = fut.result()
             except BaseException as e:
                 error = error or e
+        common: dict[str, Any] = {
+            "rank_values": self.rank_values,
+            "world_size": self.world_size,
+            "checksum_block_bytes": self.options.checksum_block_bytes,
+            "keep_last": self.keep_last,
+            "keep_every": self.keep_every,
+            "lineage": self.lineage,
+        }
+        args = (self.store, self.step, self.plan, self.rank, crcs, error)
         if self.node is not None:
             finish_on_nodes(
-                self.store,
-                self.step,
-                self.plan,
-                self.rank,
-                crcs,
-                error,
+                *args,
                 node=self.node,
                 group=self.commit_group,
-                rank_values=self.rank_values,
-                world_size=self.world_size,
-                checksum_block_bytes=self.options.checksum_block_bytes,
-                keep_last=self.keep_last,
-                keep_every=self.keep_every,
-                lineage=self.lineage,
                 discard_newer=self.discard_newer,
+                **common,
             )
             return
-        finish(
-            self.store,
-            self.step,
-            self.plan,
-            self.rank,
-            crcs,
-            error,
-            rank_values=self.rank_values,
-            world_size=self.world_size,
-            checksum_block_bytes=self.options.checksum_block_bytes,
-            timeout_s=self.options.commit_timeout_s,
-            keep_last=self.keep_last,
-            keep_every=self.keep_every,
-            lineage=self.lineage,
-            replaces=self.replaces,
-        )
+        finish(*args, timeout_s=self.options.commit_timeout_s, replaces=self.replaces, **common)
 
 
 # [Note: deferred snapshots]
