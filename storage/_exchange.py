@@ -110,10 +110,13 @@ def exchange(
     attempt = head["attempt"]
     regular, mine = regular_share(table, world, options, rank, attempt) if agreed else (None, [])
     irregular = {row[0] for row in table if row[3] == _IRREGULAR} if agreed else set(leaves)
+    # The same on every rank (``irregular`` is not, when the tables differ: a rank may hold
+    # none of the tensors, and once skipped the gather and scatter its peers waited in).
+    coordinate = bool(irregular) if agreed else True
     gathered = None
-    if irregular or top[5]:  # else every rank's values are rank 0's: nothing to gather
+    if coordinate or top[5]:  # else every rank's values are rank 0's: nothing to gather
         send: dict[str, Any] = {"values": differ}
-        if irregular:
+        if coordinate:
             send["tensors"] = [row for row in meta["tensors"] if row[0] in irregular]
             send["first"] = len(mine)
         gathered = wire.gather_json(send, group)
@@ -124,9 +127,9 @@ def exchange(
     if rank == 0:
         rest = [g["values"] for g in gathered[1:]] if gathered else [{}] * (world - 1)
         rank_values = [head["values"], *rest]
-        if irregular and gathered is not None:
+        if coordinate and gathered is not None:
             listed, shapes, shares = _coordinate(gathered, attempt, options, world)
-    if irregular:
+    if coordinate:
         share = wire.scatter_json(shares, group)
         if isinstance(share, dict):
             raise ValueError(share["error"])

@@ -438,8 +438,9 @@ def _regular_edges(rank: int, groups: dict[int, Any], root: str) -> None:
     """Rules with empty ranks and empty tensors load bitwise at another world size; a
     ``FlatShard.layout`` whose chunk does not fit in int64 (on one rank only: its own range
     agrees) costs the rule, not a hang (the rule exchange once overflowed on that rank alone,
-    the others waiting in the all-reduce); ranks saving with other object sizes commit a
-    readable step, with other checksum block sizes none."""
+    the others waiting in the all-reduce); a rank holding no tensor saves with the others;
+    ranks saving with other object sizes commit a readable step, with other checksum block
+    sizes none."""
     opts = storage.SaveOptions(checksum_block_bytes=256)
     url = f"{root}/regular-odd"
     storage.save(_odd_rows_state(rank, 4, None), url, step=1, options=opts)
@@ -463,6 +464,13 @@ def _regular_edges(rank: int, groups: dict[int, Any], root: str) -> None:
     dist.barrier()
     if rank == 0:
         assert storage.read_manifest(url).tensors["x"].rule is None  # the coordinator planned it
+        assert torch.equal(storage.load_state_dict(url)["x"], t)
+    # A rank holding no tensor at all (the others' tables differ from its empty one): it once
+    # skipped the gather and scatter of the coordinator's plan, the others waiting for it.
+    url = f"{root}/regular-rank-holds-none"
+    storage.save({"x": t.clone()} if rank < 3 else {"n": 3}, url, step=1, options=opts)
+    dist.barrier()
+    if rank == 0:
         assert torch.equal(storage.load_state_dict(url)["x"], t)
     # Ranks packing objects of other sizes: once committed, a step whose rank 1.. objects the
     # reader (deriving them with rank 0's object_bytes) refused; now rank 0 plans them.
