@@ -175,7 +175,8 @@ def _verify_step(
     problems: list[str],
 ) -> None:
     if isinstance(manifest, CheckpointError):
-        problems.append(f"step {step}: {manifest}")
+        msg = str(manifest)  # a derivation error names the step already
+        problems.append(msg if msg.startswith(f"step {step}:") else f"step {step}: {msg}")
         return
     if manifest.step != step:
         problems.append(

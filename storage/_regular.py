@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -86,6 +87,7 @@ class Rule:
 
 
 WHOLE = Rule("whole")
+_cache_lock = threading.Lock()  # guards every RegularLayout's kept objects
 IRREGULAR = Rule("irregular")
 
 
@@ -170,12 +172,14 @@ class RegularLayout:
         """Rank ``rank``'s regular objects, named for ``attempt`` (the layout is kept per rank:
         a later attempt only renames them). ``limit``: ValueError when there are more (a reader
         of a manifest that counts them: the packing stops there)."""
-        objects = self._cache.get(rank)
+        with _cache_lock:
+            objects = self._cache.get(rank)
         if objects is None:
             objects = pack(rank, self.rank_pieces(rank), "", self.object_bytes, limit)
-            if len(self._cache) >= 64:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[rank] = objects
+            with _cache_lock:  # loads and saves of several roots may derive at once
+                if len(self._cache) >= 64:
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[rank] = objects
         return renamed(objects, attempt)
 
 
