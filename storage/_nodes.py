@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -73,31 +74,52 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Nodes:
-    """Which rank is on which node: ``of[r]`` is rank r's node id."""
+    """Which rank is on which node: ``of[r]`` is rank r's node id. Every lookup is O(1) after
+    one pass over the ranks (a save asks for every rank's peer: O(W), not O(W²))."""
 
     of: tuple[str, ...]
 
-    @property
+    @cached_property
+    def _members(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for r, n in enumerate(self.of):
+            out.setdefault(n, []).append(r)
+        return out
+
+    @cached_property
+    def _local(self) -> list[int]:
+        """Each rank's index among its node's ranks."""
+        seen: dict[str, int] = {}
+        out = []
+        for n in self.of:
+            out.append(seen.get(n, 0))
+            seen[n] = out[-1] + 1
+        return out
+
+    @cached_property
     def order(self) -> list[str]:
         """The nodes, by their lowest rank."""
-        return list(dict.fromkeys(self.of))
+        return list(self._members)
+
+    @cached_property
+    def _next(self) -> dict[str, str]:
+        order = self.order
+        return {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
 
     def ranks(self, node: str) -> list[int]:
-        return [r for r, n in enumerate(self.of) if n == node]
+        return self._members.get(node, [])
 
     def leader(self, rank: int) -> int:
         """The lowest rank on ``rank``'s node (the one that commits and lists there)."""
-        return self.ranks(self.of[rank])[0]
+        return self._members[self.of[rank]][0]
 
     def peer(self, rank: int) -> int | None:
         """Where ``rank``'s replica goes: the rank of the same local index (modulo its size) on
         the next node; None with one node."""
-        order = self.order
-        if len(order) < 2:
+        if len(self._members) < 2:
             return None
-        node = self.of[rank]
-        nxt = self.ranks(order[(order.index(node) + 1) % len(order)])
-        return nxt[self.ranks(node).index(rank) % len(nxt)]
+        nxt = self._members[self._next[self.of[rank]]]
+        return nxt[self._local[rank] % len(nxt)]
 
 
 def _group_for(process_group: Any, url: str) -> Any:
@@ -222,7 +244,7 @@ def finish_on_nodes(
     if nodes.leader(rank) == rank:
         try:
             manifest = Manifest.from_json(text.encode(), where=store.where(manifest_path(step)))
-            here = nodes.ranks(node)
+            here = set(nodes.ranks(node))
             holders = {*here, *(r for r in range(len(reports)) if nodes.peer(r) in here)}
             held = {n for r in holders for n in reports[r]["objects"]}
             if rank != 0:  # rank 0's was planned with the save

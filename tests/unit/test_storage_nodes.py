@@ -60,3 +60,22 @@ def test_objects_spread_over_nodes_are_gathered_and_an_older_step_is_the_fallbac
     lost = {"rank00000-000-bb.safetensors": 10}
     a7 = {**_node(7, "bb", new, lost), **_node(6, "aa", old, old)}
     assert _choose([a7], [0]) == (6, [])  # step 7 cannot be completed: step 6
+
+
+def test_node_lookups_match_their_definition_on_uneven_interleaved_nodes() -> None:
+    """Peers and leaders from the precomputed maps equal the definition: the rank of the same
+    local index (modulo its size) on the next node, nodes ordered by their lowest rank."""
+    import random
+
+    from ftsdp.storage._nodes import Nodes
+
+    rng = random.Random(5)
+    of = tuple(rng.choice("abcde") for _ in range(300))
+    nodes = Nodes(of)
+    order = list(dict.fromkeys(of))
+    members = {n: [r for r, x in enumerate(of) if x == n] for n in order}
+    for r, n in enumerate(of):
+        nxt = members[order[(order.index(n) + 1) % len(order)]]
+        assert nodes.peer(r) == nxt[members[n].index(r) % len(nxt)]
+        assert nodes.leader(r) == members[n][0]
+    assert nodes.order == order and Nodes(("x", "x")).peer(1) is None
