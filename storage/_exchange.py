@@ -136,8 +136,7 @@ def exchange(
         if rank != 0:
             listed = _objects(rank, len(mine), attempt, share, leaves)
         mine = mine + [o for o in listed if o.rank == rank]
-    plan = SavePlan(attempt, shapes, listed, regular=regular, mine=mine)
-    plan.replaces = head["replaces"]  # type: ignore[attr-defined]
+    plan = SavePlan(attempt, shapes, listed, regular, mine, head["replaces"])
     return plan, rank_values
 
 

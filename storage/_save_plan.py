@@ -63,6 +63,7 @@ class SavePlan:
     objects: list[PlannedObject]
     regular: Any = None
     mine: list[PlannedObject] | None = None
+    replaces: str | None = None  # the attempt of an earlier commit of the step it replaces
 
     def for_rank(self, rank: int) -> list[PlannedObject]:
         """Rank ``rank``'s listed objects."""

@@ -115,11 +115,19 @@ class Wire:
         self.nbytes += len(data) * self.world
         return [json.loads(data) for _ in range(self.world)]
 
-    def scatter_json(self, objs: Any, group: Any) -> Any:
-        raise NotImplementedError("the simulation covers rule layouts only")
+    def all_gather_json(self, obj: Any, group: Any) -> list[Any]:
+        data = json.dumps(obj)
+        self.nbytes += len(data) * (self.world + 1)
+        return [json.loads(data) for _ in range(self.world)]
 
-    def all_gather_json(self, obj: Any, group: Any) -> Any:
-        raise NotImplementedError("the simulation has no failing ranks")
+    def scatter_json(self, objs: Any, group: Any) -> Any:
+        # Tensors without an agreed rule: a rank's share comes from the coordinator's plan of
+        # every rank's ranges, which one simulated rank does not have. The synthetic states
+        # (``leaves``) always agree, so a call here is a state this module cannot simulate.
+        raise ValueError(
+            "simulated ranks hold tensors without an agreed layout rule: the coordinator's "
+            "share of another rank cannot be simulated; use the flat or shard0 layouts"
+        )
 
 
 def plan_rank(

@@ -103,3 +103,15 @@ def test_the_tool_prints_its_table_and_verdicts(
     by = {(r["layout"], r["world"]): r for r in rows}
     assert by["shard0", 8]["exchanged"] == by["shard0", 32]["exchanged"]
     assert by["shard0", 32]["old_exchanged"] > 3 * by["shard0", 8]["old_exchanged"]
+
+
+def test_a_failing_rank_raises_through_the_stand_in_collectives() -> None:
+    """The simulation's collectives answer the error path too: a rank that failed to describe
+    its state raises the same CheckpointError as on a real group."""
+    from ftsdp import storage
+    from ftsdp.storage import _exchange
+    from ftsdp.storage.simulation import Wire
+
+    meta = {"error": "ValueError: bad leaf", "values": {}, "tensors": []}
+    with pytest.raises(storage.CheckpointError, match="failed on rank 0: ValueError: bad leaf"):
+        _exchange.exchange({}, meta, None, 3, SaveOptions(), Wire(0, 8))
