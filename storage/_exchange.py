@@ -28,12 +28,12 @@ and rank 0 receives only values that differ and the irregular ranges.
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 from ftsdp.storage import _collectives
 from ftsdp.storage._dtypes import dtype_name
 from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage._kept import Kept
 from ftsdp.storage._layout import object_name
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage._regular import RegularLayout, infer_rule, resolve, table_digest
@@ -158,8 +158,7 @@ def local_rules(
             for n, leaf in sorted(leaves.items())
         ),
     )
-    with _layouts_lock:
-        hit = _tables.get(key)
+    hit = _tables.get(key)
     if hit is not None:
         return hit
     table = rule_table(leaves, rank, world)
@@ -169,10 +168,7 @@ def local_rules(
         rule = row[3]
         ints += [_KINDS[rule[0]], *(rule[1:] if rule[0] == "even" else (0, 0))]
     made = (table, names, ints)
-    with _layouts_lock:
-        if len(_tables) >= 8:
-            _tables.pop(next(iter(_tables)))
-        _tables[key] = made
+    _tables.put(key, made)
     return made
 
 
@@ -182,15 +178,11 @@ def keep_agreed(table: list[list[Any]], agreed: list[bool]) -> list[list[Any]]:
     if all(agreed):
         return table
     key = (id(table), tuple(agreed))
-    with _layouts_lock:
-        hit = _agreed.get(key)
+    hit = _agreed.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
     made = [row if ok else [*row[:3], _IRREGULAR] for row, ok in zip(table, agreed, strict=True)]
-    with _layouts_lock:
-        if len(_agreed) >= 8:
-            _agreed.pop(next(iter(_agreed)))
-        _agreed[key] = (table, made)
+    _agreed.put(key, (table, made))
     return made
 
 
@@ -257,21 +249,16 @@ def _objects(
 
 # The layouts of the last tables: a training job saves the same table at every step, and a rank's
 # objects are kept in its layout (RegularLayout.rank_objects).
-_layouts: dict[tuple[Any, ...], tuple[list[list[Any]], RegularLayout]] = {}
-_tables: dict[tuple[Any, ...], tuple[list[list[Any]], int, list[int]]] = {}
-_agreed: dict[tuple[Any, ...], tuple[list[list[Any]], list[list[Any]]]] = {}
-_layouts_lock = threading.Lock()
+_layouts: Kept[tuple[Any, ...], tuple[list[list[Any]], RegularLayout]] = Kept(8)
+_tables: Kept[tuple[Any, ...], tuple[list[list[Any]], int, list[int]]] = Kept(8)
+_agreed: Kept[tuple[Any, ...], tuple[list[list[Any]], list[list[Any]]]] = Kept(8)
 
 
 def _layout(table: list[list[Any]], world: int, options: SaveOptions) -> RegularLayout:
     key = (id(table), world, options.object_bytes, options.replica_split_bytes)
-    with _layouts_lock:
-        hit = _layouts.get(key)
+    hit = _layouts.get(key)
     if hit is not None and hit[0] is table:  # the very table kept by local_rules
         return hit[1]
     made = resolve(table, world, options.object_bytes, options.replica_split_bytes)
-    with _layouts_lock:
-        if len(_layouts) >= 8:
-            _layouts.pop(next(iter(_layouts)))
-        _layouts[key] = (table, made)  # holds the table: its id stays unique while kept
+    _layouts.put(key, (table, made))  # holds the table: its id stays unique while kept
     return made

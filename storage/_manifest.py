@@ -45,6 +45,7 @@ from ftsdp.storage._errors import (
     NewerFormatError,
 )
 from ftsdp.storage._fs import Store
+from ftsdp.storage._kept import Kept
 from ftsdp.storage._layout import object_name
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage._ranges import Range, check_disjoint_cover
@@ -112,15 +113,11 @@ def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = Non
     except (IsADirectoryError, NotADirectoryError):
         raise CorruptCheckpointError(f"{where}: the manifest is not a file") from None
     key = (where, max_bytes, max_depth, len(data), hash(data))
-    with _decoded_lock:
-        hit = _decoded.get(key)
+    hit = _decoded.get(key)
     if hit is not None and hit[0] == data:  # the same bytes: the same (valid) manifest
         return hit[1]
     manifest = Manifest.from_json(data, where=where, max_bytes=max_bytes, max_depth=max_depth)
-    with _decoded_lock:
-        if len(_decoded) >= 32:
-            _decoded.pop(next(iter(_decoded)))
-        _decoded[key] = (data, manifest)
+    _decoded.put(key, (data, manifest))
     return manifest
 
 
@@ -129,8 +126,7 @@ def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = Non
 # small FSDP2 model's step, three times per save, on the background thread that competes with
 # training for the CPU. A manifest whose bytes are the same as one decoded before is the same
 # manifest, so the last 32 are kept (compared byte for byte; invalid ones are never kept).
-_decoded: dict[tuple[Any, ...], tuple[bytes, Manifest]] = {}
-_decoded_lock = threading.Lock()
+_decoded: Kept[tuple[Any, ...], tuple[bytes, Manifest]] = Kept(32)
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from ftsdp.storage._dtypes import itemsize, torch_dtype
+from ftsdp.storage._kept import Kept
 from ftsdp.storage._ranges import Range
 from ftsdp.storage._save_plan import PlannedObject, PlannedPiece, pack, renamed
 
@@ -87,7 +87,6 @@ class Rule:
 
 
 WHOLE = Rule("whole")
-_cache_lock = threading.Lock()  # guards every RegularLayout's kept objects
 IRREGULAR = Rule("irregular")
 
 
@@ -150,7 +149,9 @@ class RegularLayout:
     world: int
     object_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, Rule], ...]
-    _cache: dict[int, list[PlannedObject]] = field(default_factory=dict, compare=False, repr=False)
+    _cache: Kept[int, list[PlannedObject]] = field(
+        default_factory=lambda: Kept(64), compare=False, repr=False
+    )
 
     @cached_property
     def by_name(self) -> dict[str, tuple[tuple[int, ...], str, Rule]]:
@@ -172,14 +173,11 @@ class RegularLayout:
         """Rank ``rank``'s regular objects, named for ``attempt`` (the layout is kept per rank:
         a later attempt only renames them). ``limit``: ValueError when there are more (a reader
         of a manifest that counts them: the packing stops there)."""
-        with _cache_lock:
-            objects = self._cache.get(rank)
-        if objects is None:
-            objects = pack(rank, self.rank_pieces(rank), "", self.object_bytes, limit)
-            with _cache_lock:  # loads and saves of several roots may derive at once
-                if len(self._cache) >= 64:
-                    self._cache.pop(next(iter(self._cache)))
-                self._cache[rank] = objects
+        objects = self._cache.get(rank)
+        if objects is None:  # loads and saves of several roots may derive at once
+            objects = self._cache.put(
+                rank, pack(rank, self.rank_pieces(rank), "", self.object_bytes, limit)
+            )
         return renamed(objects, attempt)
 
 

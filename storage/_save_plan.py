@@ -10,13 +10,13 @@ once: split evenly among its holders when large, otherwise given to the least-lo
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ftsdp.storage._dtypes import itemsize, torch_dtype
+from ftsdp.storage._kept import Kept
 from ftsdp.storage._layout import object_name
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage._ranges import Range, check_disjoint_cover, check_range, segments
@@ -86,15 +86,11 @@ def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -
         options.replica_split_bytes,
         tuple(tuple((n, tuple(s), d, o, ln) for n, s, d, o, ln in m["tensors"]) for m in metas),
     )
-    with _plans_lock:
-        kept = _plans.get(key)
+    kept = _plans.get(key)
     if kept is not None:
         return SavePlan(attempt, kept.shapes, renamed(kept.objects, attempt))
     plan = _make_plan(metas, attempt, options)
-    with _plans_lock:
-        if len(_plans) >= 8:
-            _plans.pop(next(iter(_plans)))
-        _plans[key] = plan
+    _plans.put(key, plan)
     return SavePlan(attempt, plan.shapes, renamed(plan.objects, attempt))
 
 
@@ -105,8 +101,7 @@ def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -
 # thread. The plan depends on nothing else but the options, and the object names on the
 # attempt; so the last 8 plans are kept, keyed by every rank's tensor list and the options,
 # and a new attempt only renames the objects (same pieces, headers and byte ranges).
-_plans: dict[tuple[Any, ...], SavePlan] = {}
-_plans_lock = threading.Lock()
+_plans: Kept[tuple[Any, ...], SavePlan] = Kept(8)
 
 
 def renamed(
