@@ -7,6 +7,7 @@ every problem it finds instead of stopping at the first; the others raise like t
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from ftsdp.storage._steps import committed_steps, resolve_manifest
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, chunk_bytes, split_request
 
 _THREADED_BYTES = 16 << 20  # a step's data below this is checked on the calling thread
+_MAPPED_PART = 32 << 20  # the bytes of a local object one thread maps and checks at a time
 OBJECT_METADATA = {"format": "ftsdp.storage"}  # every data object's header (docs/format.md)
 _FORMAT_MARK = b'"ftsdp.storage"'  # a manifest's first 64 bytes hold its format (as written)
 
@@ -203,11 +205,18 @@ def _verify_step(
             bad_objects.add(name)
         elif not _check_header(store, step, name, by_object[name], problems):
             bad_objects.add(name)
-    # Parts of pieces are checked on store.io.threads threads (the checksum releases the GIL, so
-    # one thread maps or reads while another checksums); results are taken in order, so problems
-    # are listed as a single thread would list them, and at most ``chunk`` bytes are in flight.
-    threads = max(1, store.io.threads)
-    per = max(block, chunk // threads // block * block)
+    # Parts of pieces are checked on several threads (the checksum releases the GIL); results are
+    # taken in order, so problems are listed as a single thread would list them. A local object
+    # is checked on its mapped page-cache pages (no copy into the process: the checksum runs at
+    # its own speed, above a memory copy's), on as many threads as CPUs; a remote one is read
+    # into one reused buffer per thread, store.io.threads at a time, at most ``chunk`` bytes in
+    # flight.
+    if store.local:
+        threads = max(1, min(store.io.threads, _cpus()))
+        per = max(block, _MAPPED_PART // block * block)
+    else:
+        threads = max(1, store.io.threads)
+        per = max(block, chunk // threads // block * block)
     parts = [
         (tname, p, f"{step_dir(step)}/{p.object}", start, min(start + per, p.byte_end))
         for tname, t in sorted(manifest.tensors.items())
@@ -218,21 +227,28 @@ def _verify_step(
 
     buffers = threading.local()  # one reused buffer per thread: no allocation per part
 
-    def check_part(part: tuple[str, Piece, str, int, int]) -> tuple[int, list[str]]:
-        tname, p, rel, start, end = part
+    def part_bytes(rel: str, start: int, end: int) -> memoryview:
+        if store.local:
+            return memoryview(store.map_range(rel, start, end))
         buf = getattr(buffers, "buf", None)
         if buf is None:
             buf = buffers.buf = bytearray(per)
-        mv, found = memoryview(buf)[: end - start], []
+        mv = memoryview(buf)[: end - start]
         store.read_into(rel, start, mv)
-        for k0 in range(0, end - start, block):
-            k = (start - p.byte_start + k0) // block
-            if check(mv[k0 : k0 + block], 0) != p.checksums[k]:
-                a = start + k0
-                found.append(
-                    f"step {step}: tensor {tname}: checksum mismatch in {store.where(rel)} "
-                    f"bytes [{a}, {min(a + block, p.byte_end)})"
-                )
+        return mv
+
+    def check_part(part: tuple[str, Piece, str, int, int]) -> tuple[int, list[str]]:
+        tname, p, rel, start, end = part
+        found = []
+        with part_bytes(rel, start, end) as mv:
+            for k0 in range(0, end - start, block):
+                k = (start - p.byte_start + k0) // block
+                if check(mv[k0 : k0 + block], 0) != p.checksums[k]:
+                    a = start + k0
+                    found.append(
+                        f"step {step}: tensor {tname}: checksum mismatch in {store.where(rel)} "
+                        f"bytes [{a}, {min(a + block, p.byte_end)})"
+                    )
         return end - start, found
 
     if sum(end - start for *_, start, end in parts) < _THREADED_BYTES:  # not worth the threads
@@ -244,6 +260,13 @@ def _verify_step(
         for nbytes, found in pool.map(check_part, parts):
             meter.add(nbytes)
             problems.extend(found)
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or ``taskset``'s share)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # pragma: no cover - macOS, Windows
 
 
 def _verify_source(source: Source, chunk: int, meter: Meter, problems: list[str]) -> None:

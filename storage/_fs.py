@@ -20,6 +20,15 @@ kernel's copy into the process and the zero-filling of a fresh buffer, the two l
 a load after the disk. Objects are immutable once written (new names, rename), so a mapping
 never sees them change; the size is checked before mapping, so a truncated object raises
 instead of faulting.
+
+Mapping costs one page-table entry per cached page: on a kernel that caches files in large
+folios (ext4 and XFS on recent Linux) a range cached as 2 MiB folios maps 10-20x faster than one
+cached as 4 KiB pages (330-600 GB/s against 20 GB/s measured on this project's machines), which
+is the difference between a verify or warm load bound by the checksum and one bound by the
+mapping. Which folios a file gets depends on how it was written: writes of 2 MiB or more that
+start on a multiple of their size get large ones; 1 MiB writes, or writes shifted by a header,
+get small ones. So ``write_object`` (``_safetensors.py``) hands the data to the file in spans
+that end on multiples of 2 MiB of the object, whatever the header's length.
 """
 
 from __future__ import annotations

@@ -375,14 +375,15 @@ def test_bad_state_on_save(tmp_path: Path) -> None:
 
 
 def test_verify_of_a_large_step_lists_every_mismatch_in_order(tmp_path: Path) -> None:
-    """Past 16 MiB of data verify checks parts on several threads: every damaged block is still
-    listed, in the order one thread would list them (tensor, then byte offset)."""
-    state = {"a": torch.arange(3 << 20, dtype=torch.float32), "b": torch.ones(3 << 20)}
+    """Past 16 MiB of data verify checks parts on several threads (a local object in parts of
+    32 MiB of its mapped pages): every damaged block is still listed, in the order one thread
+    would list them (tensor, then byte offset), also past a piece's first part."""
+    state = {"a": torch.arange(10 << 20, dtype=torch.float32), "b": torch.ones(3 << 20)}
     url = str(tmp_path / "big")
     storage.save(state, url, step=1)
     manifest = storage.read_manifest(url)
     hits = []
-    for name, at in (("b", 5 << 20), ("a", 1 << 20), ("a", 9 << 20)):
+    for name, at in (("b", 5 << 20), ("a", 37 << 20), ("a", 1 << 20), ("a", 9 << 20)):
         piece = next(p for p in manifest.tensors[name].pieces if p.byte_start + at < p.byte_end)
         path = tmp_path / "big" / "step-1" / piece.object
         data = bytearray(path.read_bytes())
@@ -390,7 +391,7 @@ def test_verify_of_a_large_step_lists_every_mismatch_in_order(tmp_path: Path) ->
         path.write_bytes(bytes(data))
         hits.append((name, piece.byte_start + at))
     problems = storage.verify(url).problems
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems
     for problem, (name, at) in zip(problems, sorted(hits), strict=True):
         assert f"tensor {name}: checksum mismatch" in problem, problems
         start = int(problem.split("bytes [")[1].split(",")[0])
