@@ -33,6 +33,7 @@ that end on multiples of 2 MiB of the object, whatever the header's length.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import io
@@ -45,6 +46,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+import crc32c
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
@@ -305,8 +307,13 @@ class Store:
         native = exclusive and self._creates_exclusively()
         if exclusive and not native and self.fs.exists(path):
             raise FileExistsError(f"{path} already exists")
-        mode = "xb" if native else "wb"  # "xb": FileExistsError on close (a 412 from S3)
-        f = self.fs.open(path, mode, block_size=max(self.io.part_bytes, 5 * MiB))
+        part_bytes = max(self.io.part_bytes, 5 * MiB)  # S3's smallest part but the last
+        f: Any
+        if self.io.object_checksums and self._is_s3():
+            f = S3Upload(self.fs, path, part_bytes, exclusive)
+        else:
+            mode = "xb" if native else "wb"  # "xb": FileExistsError on close (a 412 from S3)
+            f = self.fs.open(path, mode, block_size=part_bytes)
         try:
             yield f
         except BaseException:
@@ -337,9 +344,12 @@ class Store:
 
     def _creates_exclusively(self) -> bool:
         """Whether this object store honours an ``"xb"`` open (create only if absent)."""
+        return isinstance(self.fs, MemoryFileSystem) or self._is_s3()
+
+    def _is_s3(self) -> bool:
         proto = self.fs.protocol
         protocols = {proto} if isinstance(proto, str) else set(proto)
-        return isinstance(self.fs, MemoryFileSystem) or bool(protocols & {"s3", "s3a"})
+        return bool(protocols & {"s3", "s3a"})
 
     def is_link(self, rel: str) -> bool:
         """Whether ``rel`` is a symbolic link (only local disks have them)."""
@@ -406,6 +416,141 @@ def _link_exclusive(tmp: str, path: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(path)
         raise
+
+
+def _b64_crc(value: int) -> str:
+    """A CRC-32C as S3 spells it: the 4 bytes big-endian, base64."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+class S3Upload:
+    """A write-only file that uploads one S3 object carrying its CRC-32C as S3's own checksum.
+
+    Every request sends the CRC-32C of its body (``x-amz-checksum-crc32c``), which S3 checks on
+    arrival and refuses on a mismatch, so a byte damaged between this process and the store is
+    caught at upload instead of at the next load; the stored object keeps the CRC-32C of its whole
+    content (``head_object(ChecksumMode="ENABLED")``; type ``FULL_OBJECT`` for a multipart
+    upload). One ``put_object`` when the object fits in a part, else a multipart upload of
+    ``part_bytes`` parts (sent as they fill, one at a time). ``close()`` publishes the object;
+    ``discard()`` aborts, so nothing appears. With ``exclusive`` the object is created only if
+    its name is free (``If-None-Match: *``): ``close()`` raises FileExistsError otherwise.
+
+    s3fs's own file cannot do this: it drops the parts' checksums when it completes a multipart
+    upload (it keeps only SHA-256 ones), so its uploads are checked with the CRC-32 that botocore
+    computes by default (zlib's, about 4x slower than the CRC-32C computed here).
+    """
+
+    def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:
+        self.fs, self.path, self.part_bytes = fs, path, part_bytes
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.match = {"IfNoneMatch": "*"} if exclusive else {}
+        self.buf = bytearray()
+        self.size = 0
+        self.crc = 0  # of the whole object so far
+        self.part_crc = 0  # of the bytes in ``buf``
+        self.upload_id: str | None = None
+        self.parts: list[dict[str, Any]] = []
+        self.closed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        """Nothing to do: a part is sent once it is full, the rest on ``close``."""
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        while len(mv):
+            take = min(len(mv), self.part_bytes - len(self.buf))
+            chunk = mv[:take]
+            self.crc = crc32c.crc32c(chunk, self.crc)
+            self.part_crc = crc32c.crc32c(chunk, self.part_crc)
+            self.buf += chunk
+            mv = mv[take:]
+            if len(self.buf) == self.part_bytes:
+                self._send_part()
+        self.size += n
+        return n
+
+    def _send_part(self) -> None:
+        if self.upload_id is None:
+            self.upload_id = self.fs.call_s3(
+                "create_multipart_upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumType="FULL_OBJECT",
+            )["UploadId"]
+        number = len(self.parts) + 1
+        checksum = _b64_crc(self.part_crc)
+        out = self.fs.call_s3(
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            PartNumber=number,
+            Body=bytes(self.buf),
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=checksum,
+        )
+        self.parts.append({"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum})
+        self.buf, self.part_crc = bytearray(), 0
+
+    def close(self) -> None:
+        """Publish the object (FileExistsError: ``exclusive`` and the name is taken)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.upload_id is None:
+            self.fs.call_s3(
+                "put_object",
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=bytes(self.buf),
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=_b64_crc(self.crc),
+                **self.match,
+            )
+        else:
+            try:
+                if self.buf:
+                    self._send_part()
+                self.fs.call_s3(
+                    "complete_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": self.parts},
+                    ChecksumCRC32C=_b64_crc(self.crc),
+                    ChecksumType="FULL_OBJECT",
+                    **self.match,
+                )
+            except BaseException:
+                self._abort()
+                raise
+        self.buf = bytearray()
+        self.fs.invalidate_cache(self.path)
+
+    def discard(self) -> None:
+        """Abandon the upload: no object appears, and the parts sent so far are deleted."""
+        self.closed = True
+        self.buf = bytearray()
+        self._abort()
+
+    def _abort(self) -> None:
+        if self.upload_id is not None:
+            upload_id, self.upload_id = self.upload_id, None
+            with contextlib.suppress(Exception):
+                self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
+                )
 
 
 class RangeFile(io.RawIOBase):

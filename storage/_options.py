@@ -33,6 +33,9 @@ class IOOptions:
     max_attempts: int = 5  # tries per operation for known-transient errors
     backoff_s: float = 0.05  # first retry delay; doubles per attempt
     backoff_cap_s: float = 2.0  # the longest delay between two tries
+    # S3 uploads send their CRC-32C as S3's own checksum, which S3 verifies on arrival (see
+    # ``S3Upload``); False for an S3-compatible store that refuses CRC-32C checksums
+    object_checksums: bool = True
 
     def __post_init__(self) -> None:
         _positive(
