@@ -156,6 +156,8 @@ def checksums(ax: Any, entry: dict[str, Any]) -> None:
     """GB/s of each checksum and of verify, warm and cold."""
     rates = dict(entry["rates_gbps"])
     rates["storage.verify, warm"] = entry["verify_warm_gbps"]
+    if entry.get("verify_warm_one_cpu_gbps") is not None:
+        rates["storage.verify, warm, one CPU"] = entry["verify_warm_one_cpu_gbps"]
     if entry.get("verify_cold_gbps") is not None:
         rates["storage.verify, cold"] = entry["verify_cold_gbps"]
     names = list(rates)
