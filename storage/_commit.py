@@ -65,7 +65,14 @@ from ftsdp.storage._layout import (
     object_name,
     step_dir,
 )
-from ftsdp.storage._manifest import FORMAT_VERSION, Manifest, Piece, RegularIndex, TensorEntry
+from ftsdp.storage._manifest import (
+    FORMAT_VERSION,
+    Manifest,
+    Piece,
+    RegularIndex,
+    TensorEntry,
+    remember_written,
+)
 from ftsdp.storage._options import MAX_MANIFEST_BYTES
 from ftsdp.storage._save_plan import SavePlan
 from ftsdp.storage._steps import committed_steps, remove_attempt, remove_step, retain, scan_root
@@ -263,6 +270,8 @@ def commit(
                 f"(attempt {winner}) while this save (attempt {attempt}) was in progress; the "
                 "committed step is the other writer's, and this save's objects were removed"
             ) from e
+    else:
+        remember_written(store, rel, data, manifest)
     steps = committed_steps(store)
     if lineage is not None:
         _check_no_other_writer(store, lineage, attempt, committed=True, steps=steps, data=data)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ftsdp import storage
+from ftsdp.storage._manifest import Manifest
 from ftsdp.storage._manifest import seal as storage_seal
 from ftsdp.testing import run_ranks
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
@@ -380,8 +381,17 @@ def _regular_cases(rank: int, groups: dict[int, Any], root: str) -> None:
             assert torch.equal(full[f"flat.{n}"], t), n
         assert torch.equal(full["rows"], ref["embed"]) and torch.equal(full["uneven"], ref["head"])
         assert storage.verify(url).ok
-        doc = json.loads((Path(url) / "step-3" / "manifest.json").read_bytes())
+        data = (Path(url) / "step-3" / "manifest.json").read_bytes()
+        doc = json.loads(data)
         assert "pieces" not in doc["tensors"]["flat.embed"]  # the rule, not 4 pieces
+        # rank 0 committed: its reads get the manifest it wrote (not decoded again), which must
+        # be what decoding its bytes gives, derived pieces included
+        written = storage.read_manifest(url)
+        decoded = Manifest.from_json(data, where=url)
+        assert written.to_json() == data
+        assert written == decoded and written.regular is not None
+        for name, t in decoded.tensors.items():
+            assert written.tensors[name].pieces == t.pieces, name
         bad = Path(root) / "regular-bad" / "step-3"
         bad.mkdir(parents=True)
         for f in (Path(url) / "step-3").iterdir():

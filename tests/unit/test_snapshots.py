@@ -248,3 +248,29 @@ def test_memory_saves_go_on_while_a_durable_upload_is_stuck(
     assert storage.list_steps(durable) == [1] and not (tmp_path / "shm").exists()
     with pytest.raises(ValueError, match="memory_every"):
         CheckpointManager(str(tmp_path / "x"), model, opt, memory_url="m", memory_every=0)
+
+
+def test_retention_after_a_save_does_not_decode_the_manifest_just_written(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save's retention reads every kept step's manifest; the one just committed is the
+    writer's own object (the CPU a save spends beside training), equal to decoding its bytes."""
+    from ftsdp.storage._manifest import Manifest
+
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.randn(64), "b": torch.arange(5.0)}
+    storage.save(state, url, step=1, keep_last=1)
+    decodes: list[str] = []
+    real = Manifest.from_json.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: Any, data: bytes, **kw: Any) -> Manifest:
+        decodes.append(kw["where"])
+        return real(cls, data, **kw)
+
+    monkeypatch.setattr(Manifest, "from_json", classmethod(counted))
+    storage.save(state, url, step=2, keep_last=1)
+    assert storage.list_steps(url) == [2]
+    assert not any("step-2" in w for w in decodes), decodes
+    written = storage.read_manifest(url)
+    data = (tmp_path / "ckpt" / "step-2" / "manifest.json").read_bytes()
+    assert written.to_json() == data and written == real(Manifest, data, where=url)
