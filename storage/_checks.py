@@ -212,7 +212,7 @@ def _verify_step(
     # into one reused buffer per thread, store.io.threads at a time, at most ``chunk`` bytes in
     # flight.
     if store.local:
-        threads = max(1, min(store.io.threads, _cpus()))
+        threads = min(store.io.threads, _cpus())
         per = max(block, _MAPPED_PART // block * block)
     else:
         threads = max(1, store.io.threads)

@@ -46,12 +46,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-import crc32c
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
+from ftsdp.storage._checksum import crc32c
 from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage._options import IOOptions
 from ftsdp.storage._retry import retry
@@ -470,8 +470,8 @@ class S3Upload:
         while len(mv):
             take = min(len(mv), self.part_bytes - len(self.buf))
             chunk = mv[:take]
-            self.crc = crc32c.crc32c(chunk, self.crc)
-            self.part_crc = crc32c.crc32c(chunk, self.part_crc)
+            self.crc = crc32c(chunk, self.crc)
+            self.part_crc = crc32c(chunk, self.part_crc)
             self.buf += chunk
             mv = mv[take:]
             if len(self.buf) == self.part_bytes:
