@@ -374,18 +374,22 @@ def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
 
 
 def _describe(
-    state: Mapping[str, Any],
+    state: Mapping[str, Any], rows: bool = True
 ) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
+    """The leaves and this rank's metadata; ``rows=False`` leaves the tensor rows to
+    :func:`_tensor_rows` (off the caller's thread: they follow from the leaves alone)."""
     tensors, values = flatten_state(state)
-    meta = {
-        "error": None,
-        "tensors": [
-            [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length]
-            for n, t in sorted(tensors.items())
-        ],
-        "values": {n: v.value for n, v in values.items()},
-    }
+    meta = {"error": None, "values": {n: v.value for n, v in values.items()}}
+    if rows:
+        meta["tensors"] = _tensor_rows(tensors)
     return tensors, meta
+
+
+def _tensor_rows(tensors: dict[str, TensorLeaf]) -> list[list[Any]]:
+    return [
+        [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length]
+        for n, t in sorted(tensors.items())
+    ]
 
 
 class _SaveJob:
@@ -423,8 +427,11 @@ class _SaveJob:
         out = []
         for p in obj.pieces:
             leaf = self.tensors[p.name]
-            start = p.offset - leaf.range.offset
-            out.append(leaf.local.reshape(-1)[start : start + p.length])  # 1D
+            local, start = leaf.local, p.offset - leaf.range.offset
+            if start == 0 and local.dim() == 1 and p.length == local.numel():
+                out.append(local)  # the whole leaf (most pieces): no view to make
+            else:
+                out.append(local.reshape(-1)[start : start + p.length])  # 1D
         return out
 
     def _write(self, obj: PlannedObject, payloads: list[torch.Tensor]) -> list[list[int]]:
@@ -487,7 +494,7 @@ class _SaveJob:
                 cuda = any(t.device.type == "cuda" for p in payloads for t in p)
                 buf, off = arena.take(sum(sizes), cuda), 0
                 for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
-                    staged = copy_into(tensors, buf[off : off + size], stream)
+                    staged = copy_into(tensors, buf[off : off + size], stream, arena.layouts)
                     futures.append(pool.submit(self._write, obj, staged))
                     off += size
                 handle.staging_peak_bytes = sum(sizes)
@@ -603,7 +610,7 @@ class _DeferredSave:
         local_error: Exception | None = None
         tensors: dict[str, TensorLeaf] = {}
         try:
-            tensors, meta = _describe(state)
+            tensors, meta = _describe(state, rows=False)
             meta["values"] = json.loads(json.dumps(meta["values"]))  # the caller may change them
         except Exception as e:  # the peers still learn of it in the exchange: nobody hangs
             local_error, meta = e, {"error": f"{type(e).__name__}: {e}"}
@@ -652,6 +659,8 @@ class _DeferredSave:
         discard_newer: bool,
     ) -> _SaveJob:
         lineage: Lineage | None = None
+        if meta["error"] is None and "tensors" not in meta:
+            meta["tensors"] = _tensor_rows(tensors)
         if self.rank == 0 and meta["error"] is None:  # decides for every rank
             try:
                 lineage = plan_lineage(self.store, self.step, discard_newer)
@@ -679,6 +688,8 @@ class _DeferredSave:
 def _queued_work_event(tensors: dict[str, TensorLeaf]) -> Any:
     """A CUDA event after the work queued so far on the caller's current stream, when a saved
     tensor lives on CUDA (the copy must not start before the values are computed); else None."""
+    if not torch.cuda.is_initialized():  # creating a CUDA tensor initializes CUDA: none exists
+        return None
     if any(t.local.device.type == "cuda" for t in tensors.values()):
         event = torch.cuda.Event()
         event.record()

@@ -6,7 +6,6 @@ import contextlib
 import threading
 from typing import Any
 
-import numpy as np
 import torch
 
 
@@ -107,6 +106,8 @@ class SnapshotArena:
     def __init__(self) -> None:
         self._bufs: dict[bool, torch.Tensor] = {}
         self._lock = threading.Lock()
+        # copy_into's views of the kept buffers, by layout: valid while those buffers are kept
+        self.layouts: dict[Any, list[torch.Tensor]] = {}
 
     def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """A uint8 buffer of exactly ``nbytes`` (a view of the kept one when it is big enough)."""
@@ -114,6 +115,7 @@ class SnapshotArena:
             buf = self._bufs.get(pinned)
             if buf is None or buf.numel() < nbytes:
                 self._bufs.pop(pinned, None)  # free the small one before allocating
+                self.layouts.clear()  # their views would keep it alive
                 buf = _touched(nbytes, pinned)
                 self._bufs[pinned] = buf
             return buf[:nbytes]
@@ -131,6 +133,7 @@ class SnapshotArena:
         """Drop the kept buffers."""
         with self._lock:
             self._bufs.clear()
+            self.layouts.clear()
 
 
 def _touched(nbytes: int, pinned: bool) -> torch.Tensor:
@@ -146,26 +149,51 @@ def aligned_bytes(nbytes: int) -> int:
 
 
 def copy_into(
-    tensors: list[torch.Tensor], buf: torch.Tensor, stream: Any = None
+    tensors: list[torch.Tensor],
+    buf: torch.Tensor,
+    stream: Any = None,
+    layouts: dict[Any, list[torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """Copy 1-D ``tensors`` into ``buf`` packed at aligned offsets; returns the views.
 
     CUDA tensors are copied on ``stream`` when given (a ``torch.cuda.Stream``, non-blocking),
-    which is synchronised before this returns; CPU tensors by a plain memcpy where possible.
+    which is synchronised before this returns; CPU tensors in one batched copy. ``layouts`` (a
+    dict the caller keeps as long as ``buf``'s memory, such as ``SnapshotArena.layouts``) keeps
+    the views, so that the next copy of the same dtypes and sizes into the same buffer reuses
+    them: see [Note: the snapshot copy's cost].
     """
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        out, off = [], 0
+    key = (buf.data_ptr(), buf.numel(), tuple((t.dtype, t.numel()) for t in tensors))
+    views = None if layouts is None else layouts.get(key)
+    if views is None:
+        views, off = [], 0
         for t in tensors:
-            t = t.detach()
             nbytes = t.numel() * t.element_size()
-            view = buf[off : off + nbytes].view(t.dtype)
-            if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-                # a plain memcpy: about 1.5x faster than torch's elementwise copy kernel
-                np.copyto(buf[off : off + nbytes].numpy(), t.view(torch.uint8).numpy())
-            else:
-                view.copy_(t, non_blocking=t.device.type == "cuda")
-            out.append(view)
+            views.append(buf[off : off + nbytes].view(t.dtype))
             off += aligned_bytes(nbytes)
-    if stream is not None:
-        stream.synchronize()
-    return out
+        if layouts is not None:
+            if len(layouts) >= _LAYOUTS_KEPT:  # layouts of other saves: start afresh
+                layouts.clear()
+            layouts[key] = views
+    if any(t.device.type != "cpu" for t in tensors):
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for view, t in zip(views, tensors, strict=True):
+                view.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        if stream is not None:
+            stream.synchronize()
+    else:
+        with torch.no_grad():
+            torch._foreach_copy_(views, tensors)
+    return list(views)
+
+
+_LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hundred bytes each)
+
+
+# [Note: the snapshot copy's cost]
+# A rank's share of a state is a few hundred tensors: one view of the flat parameter per
+# parameter, one per optimizer state tensor, one 1-element step counter each. Copying them one
+# by one from Python cost about 15 us per tensor in slicing, views and checks: 3 ms per save for
+# 208 tensors of a 10 MB share, six times the memcpy itself (0.5 ms). The views into a kept
+# buffer are the same from one save to the next when the layout is, so they are made once; the
+# copy is then one ``torch._foreach_copy_`` (torch's batched copy, a C++ loop of ``copy_``):
+# 0.6 ms for those 208 tensors.

@@ -16,7 +16,7 @@ from ftsdp.storage._flat_shard import FlatShard
 from ftsdp.storage._ranges import Range
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorLeaf:
     """One tensor of the state as this rank holds it."""
 
@@ -54,15 +54,22 @@ def _has_tensor(obj: Any) -> bool:
 
 def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
     hint = None
-    if isinstance(obj, FlatShard):
-        shape, rng, local = obj.global_shape, Range(obj.offset, obj.length), obj.local
+    if type(obj) is FlatShard:  # global_shape is a tuple of ints already (__post_init__)
+        shape, rng, local = obj.global_shape, Range(obj.offset, obj.local.numel()), obj.local
         hint = obj.layout
+    elif isinstance(obj, FlatShard):
+        shape, rng, local = obj.global_shape, Range(obj.offset, obj.length), obj.local
+        shape, hint = tuple(int(d) for d in shape), obj.layout
     elif is_dtensor(obj):
         shape, rng, local = dtensor_range(name, obj)
+        shape = tuple(int(d) for d in shape)
     else:
         shape, rng, local = tuple(obj.shape), Range(0, obj.numel()), obj
     dtype_name(local.dtype)  # raises for dtypes the format cannot hold
-    return TensorLeaf(name, tuple(int(d) for d in shape), local.dtype, rng, local, hint)
+    return TensorLeaf(name, shape, local.dtype, rng, local, hint)
+
+
+_TENSORS = (torch.Tensor, FlatShard)
 
 
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:
@@ -72,37 +79,40 @@ def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, Valu
     tensor, a ``FlatShard``, a DTensor, or JSON-serialisable. Two paths that flatten to the same
     dotted name raise ``ValueError``.
     """
+    # It runs on the caller's thread at every save (a few hundred leaves): kept to one function
+    # call per mapping or list, the leaves' checks inline.
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping, got {type(state).__name__}")
     tensors: dict[str, TensorLeaf] = {}
     values: dict[str, ValueLeaf] = {}
 
-    def visit(prefix: str, parent: Any, key: Any, obj: Any) -> None:
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if name in tensors or name in values:
-            raise ValueError(f"two entries of the state flatten to the same name {name!r}")
-        if isinstance(obj, (torch.Tensor, FlatShard)):
-            tensors[name] = _tensor_leaf(name, obj)
-        elif isinstance(obj, Mapping) or (isinstance(obj, list) and _has_tensor(obj)):
-            walk(name, obj)
-        elif isinstance(obj, tuple) and _has_tensor(obj):
-            raise TypeError(f"{name}: tuples holding tensors are not supported; use a list")
-        else:
-            try:
-                json.dumps(obj)
-            except (TypeError, ValueError) as e:
-                raise TypeError(
-                    f"{name}: value of type {type(obj).__name__} is neither a tensor nor "
-                    f"JSON-serialisable ({e}); convert it before saving"
-                ) from e
-            values[name] = ValueLeaf(name, obj, parent, key)
-
     def walk(prefix: str, obj: Any) -> None:
         items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
         for key, child in items:
-            if not isinstance(key, (str, int)) or isinstance(key, bool):
+            if type(key) is not str and (not isinstance(key, (str, int)) or isinstance(key, bool)):
                 raise TypeError(f"{prefix or '<root>'}: key {key!r} must be a str or int")
-            visit(prefix, obj, key, child)
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if name in tensors or name in values:
+                raise ValueError(f"two entries of the state flatten to the same name {name!r}")
+            if isinstance(child, _TENSORS):
+                tensors[name] = _tensor_leaf(name, child)
+            elif isinstance(child, Mapping) or (isinstance(child, list) and _has_tensor(child)):
+                walk(name, child)
+            elif isinstance(child, tuple) and _has_tensor(child):
+                raise TypeError(f"{name}: tuples holding tensors are not supported; use a list")
+            else:
+                values[name] = ValueLeaf(name, _json_checked(name, child), obj, key)
 
     walk("", state)
     return tensors, values
+
+
+def _json_checked(name: str, obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name}: value of type {type(obj).__name__} is neither a tensor nor "
+            f"JSON-serialisable ({e}); convert it before saving"
+        ) from e
+    return obj

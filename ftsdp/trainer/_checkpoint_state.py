@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import random
-from typing import Any
 
 import numpy as np
 import torch
@@ -96,33 +95,42 @@ def _first_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
 
 
 def rng_state() -> str:
-    """This process's torch CPU, numpy and Python RNG states as one JSON string."""
-    np_state = np.random.get_state()
+    """This process's torch CPU, numpy and Python RNG states as one JSON string.
+
+    The two Mersenne Twister key arrays (624 words each) are base64 of their little-endian
+    uint32 words: written as JSON lists they cost about 0.4 ms per save, on the caller's thread.
+    ``set_rng_state`` reads both forms (lists: checkpoints written before this change)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
     return json.dumps(
         {
-            "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-            "numpy": [np_state[0], np_state[1].tolist(), *map(_plain, np_state[2:])],
-            "python": _plain(random.getstate()),
+            "torch": _b64(torch.get_rng_state().numpy()),
+            "numpy": [kind, _b64(keys), int(pos), int(has_gauss), float(gauss)],
+            "python": [version, _b64(np.asarray(internal, dtype=np.uint32)), gauss_next],
         }
     )
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+def _b64(words: np.ndarray) -> str:
+    return base64.b64encode(words.astype(words.dtype.newbyteorder("<"), copy=False)).decode()
+
+
+def _words(saved: str | list[int]) -> np.ndarray:
+    """uint32 words from ``_b64``'s text, or from the JSON list of older checkpoints."""
+    if isinstance(saved, list):
+        return np.asarray(saved, dtype=np.uint32)
+    return np.frombuffer(base64.b64decode(saved), dtype="<u4").astype(np.uint32)
 
 
 def set_rng_state(saved: str) -> None:
+    """Restore what :func:`rng_state` returned (either form of its key arrays)."""
     state = json.loads(saved)
     raw = base64.b64decode(state["torch"])
     torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    np.random.set_state((kind, _words(keys), pos, has_gauss, gauss))
     version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
+    random.setstate((version, tuple(int(w) for w in _words(internal)), gauss_next))
 
 
 def reseed(seed: int, step: int, rank: int) -> None:

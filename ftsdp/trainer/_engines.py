@@ -59,8 +59,8 @@ class Engine(abc.ABC):
         self.model, self.optimizer = model, optimizer
         # See [Note: reusing the state dicts between saves].
         self._model_cache: tuple[Any, dict[str, Any]] | None = None
-        self._optim_cache: tuple[Any, dict[str, dict[str, Any]], list[dict[str, Any]]] | None
-        self._optim_cache = None
+        # (key, state, groups, the leaves built from that state or None)
+        self._optim_cache: tuple[Any, dict, list, dict | None] | None = None
 
     # -- to be provided by each adapter -----------------------------------------------------------
     @abc.abstractmethod
@@ -89,7 +89,7 @@ class Engine(abc.ABC):
     def model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer (reused from the previous
         call while no tensor was replaced)."""
-        key = _identities([*self.model.parameters(), *self.model.buffers()])
+        key = _identities(_module_tensors(self.model))
         if self._model_cache is not None and self._model_cache[0] == key:
             return dict(self._model_cache[1])
         state = self._model_state()
@@ -104,8 +104,9 @@ class Engine(abc.ABC):
         buffers change in forward]."""
         buffers = {
             getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
-            for b in self.model.buffers()
-            if b.numel()
+            for module in self.model.modules()
+            for b in module._buffers.values()
+            if b is not None and b.numel()
         }
         out = dict(state)
         for name, leaf in state.items():
@@ -133,18 +134,27 @@ class Engine(abc.ABC):
             ]
             return {name: dict(entry) for name, entry in cached[1].items()}, groups
         state, groups = self._raw_optim()
-        self._optim_cache = None if key is None else (key, state, groups)
+        self._optim_cache = None if key is None else (key, state, groups, None)
         return state, groups
 
     def optim_state(self) -> dict[str, Any]:
-        """``{"state": {param: {key: leaf}}, "param_groups": json}``."""
+        """``{"state": {param: {key: leaf}}, "param_groups": json}``; the leaves are reused
+        with the state they were built from."""
         state, groups = self._optim()
-        params = self._params(groups)
-        leaves = {
-            name: {key: self._leaf(name, key, value, params[name]) for key, value in entry.items()}
-            for name, entry in state.items()
+        cached = self._optim_cache  # set by _optim() for the state it returned, or None
+        leaves = None if cached is None else cached[3]
+        if leaves is None:
+            params = self._params(groups)
+            leaves = {
+                name: {k: self._leaf(name, k, value, params[name]) for k, value in entry.items()}
+                for name, entry in state.items()
+            }
+            if cached is not None:
+                self._optim_cache = (*cached[:3], leaves)
+        return {
+            "state": {name: dict(entry) for name, entry in leaves.items()},
+            "param_groups": groups_json(groups),
         }
-        return {"state": leaves, "param_groups": groups_json(groups)}
 
     def params_by_name(self) -> dict[str, torch.Tensor]:
         """The optimizer's parameters under the names its state is saved with."""
@@ -178,17 +188,21 @@ def _json_value(what: str, value: Any) -> Any:
 def groups_json(groups: list[dict[str, Any]]) -> str:
     """Param groups as one JSON string: tensors become numbers (or lists), tuples lists."""
 
-    def plain(key: str, value: Any) -> Any:
+    def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.detach().cpu().tolist()
         if isinstance(value, tuple | list):
-            return [plain(key, v) for v in value]
-        return _json_value(f"param group value {key!r}", value)
+            return [plain(v) for v in value]
+        return value
 
-    return json.dumps(
-        [{k: (v if k == "params" else plain(k, v)) for k, v in g.items()} for g in groups],
-        sort_keys=True,
-    )
+    doc = [{k: (v if k == "params" else plain(v)) for k, v in g.items()} for g in groups]
+    try:
+        return json.dumps(doc, sort_keys=True)
+    except (TypeError, ValueError):  # name the value (checked only now: this runs every save)
+        for group in doc:
+            for key, value in group.items():
+                _json_value(f"param group value {key!r}", value)
+        raise
 
 
 def _not_reshardable(name: str, key: str, value: torch.Tensor, expected: str) -> ValueError:
@@ -320,9 +334,23 @@ class TorchEngine(Engine):
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:
-    local = getattr(t, "_local_tensor", t)  # a DTensor's shard
+    # per tensor at every save, on the caller's thread: the common types skip the getattr
+    local = t if type(t) in _PLAIN else getattr(t, "_local_tensor", t)  # a DTensor's shard
     ptr = local.data_ptr() if local.numel() else 0
-    return id(t), id(local), ptr, tuple(local.shape), local.dtype
+    return id(t), id(local), ptr, local.shape, local.dtype
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``model``, one walk over its modules (a tensor shared
+    between modules appears once per module)."""
+    out: list[torch.Tensor] = []
+    for module in model.modules():
+        out.extend(t for t in module._parameters.values() if t is not None)
+        out.extend(t for t in module._buffers.values() if t is not None)
+    return out
 
 
 def _identities(tensors: list[torch.Tensor]) -> tuple[Any, ...]:

@@ -3,6 +3,7 @@ values; fallback from a corrupt newest step; what must not fall back; async erro
 
 from __future__ import annotations
 
+import json
 import pathlib
 import random
 import time
@@ -421,3 +422,47 @@ def test_json_optimizer_state_round_trips_and_unreshardable_state_is_refused(tmp
             ValueError, match=r"optimizer state a\.weight\.odd .* cannot be resharded"
         ):
             ckpt.save(1, {"step": 1})
+
+
+def _draws() -> tuple[float, list[float], list[float], float]:
+    return random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(), random.gauss()
+
+
+@pytest.mark.parametrize("form", ["current", "lists"])
+def test_rng_states_restore_from_either_saved_form(form):
+    """The RNG entry restores every generator, mid-Gaussian-pair included, from the base64 key
+    arrays written now and from the JSON lists written before them."""
+    from ftsdp.trainer import _checkpoint_state as cs
+
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    random.gauss(), np.random.standard_normal()  # a cached second Gaussian in both
+    if form == "current":
+        saved = cs.rng_state()
+    else:  # what rng_state wrote before the key arrays became base64
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        version, internal, gauss_next = random.getstate()
+        saved = json.dumps(
+            {
+                "torch": json.loads(cs.rng_state())["torch"],
+                "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+                "python": [version, list(internal), gauss_next],
+            }
+        )
+    expected = _draws(), np.random.standard_normal()
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    cs.set_rng_state(saved)
+    assert (_draws(), np.random.standard_normal()) == expected
+
+
+def test_a_param_group_value_that_is_not_json_is_named(tmp_path):
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 1)
+    manager = _manager(tmp_path / "ck", model, opt, sched)
+    opt.param_groups[1]["tag"] = object()
+    with pytest.raises(TypeError, match="param group value 'tag' is a object"):
+        manager.save(1, {})
+    opt.param_groups[1]["tag"] = ("a", torch.tensor(2.0))  # tuples and tensors become lists
+    manager.save(1, {}, block=True)
+    values = storage.LazyStateDict(str(tmp_path / "ck"), step=1).values
+    groups = json.loads(values["optim.param_groups"])
+    assert groups[1]["tag"] == ["a", 2.0]

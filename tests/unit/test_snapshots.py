@@ -129,6 +129,32 @@ def test_the_copy_is_exact_whatever_the_staging(tmp_path: Any, budget: int | Non
         assert torch.equal(got[k], v), k
 
 
+def test_saves_into_the_kept_arena_follow_changed_values_and_layouts(tmp_path: Any) -> None:
+    """The copy's views of the kept buffer are reused while the layout (dtypes and sizes) stays
+    the same; new values, a new dtype of the same size and a new size are all saved exactly."""
+    url = str(tmp_path)
+    weight = nn.Parameter(torch.randn(100))  # requires grad: copied without autograd
+    state: dict[str, Any] = {"w": weight, "b": torch.arange(6), "s": torch.tensor(3.0)}
+    for step, change in enumerate(
+        [
+            lambda: None,
+            lambda: state["b"].add_(7),  # same layout, new values
+            lambda: state.update(b=torch.arange(6, dtype=torch.float64) / 3),  # same bytes
+            lambda: state.update(b=torch.arange(9)),  # another size
+        ],
+        start=1,
+    ):
+        change()
+        with torch.no_grad():
+            weight.mul_(2)
+        want = {k: v.detach().clone() for k, v in state.items()}
+        h = storage.save(state, url, step, async_save=True, defer_copy=True)
+        h.wait(30)
+        got = storage.load_state_dict(url, step=step)
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), (step, k)
+
+
 def test_reused_state_dicts_follow_replaced_tensors_and_the_current_lr() -> None:
     model, opt = _model()
     engine = engine_for(model, opt)
