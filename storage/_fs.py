@@ -42,6 +42,7 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any
@@ -75,6 +76,37 @@ def is_plain_name(name: object) -> bool:
         and name == name.strip()
         and name not in (".", "..")
     )
+
+
+def _scan_local(path: str) -> dict[str, tuple[str, int]]:
+    """What ``LocalFileSystem.ls(path, detail=True)`` tells of each entry, in one ``scandir``:
+    the type of the entry itself ("directory", "file", or "other" for a link or a device), and
+    its size, a link's that of its target (0 when dangling). ``path`` itself is followed when it
+    is a link; a file lists itself."""
+    st = os.stat(path)  # FileNotFoundError when absent
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "file" if stat.S_ISREG(st.st_mode) else "other"
+        return {path.rstrip("/").rsplit("/", 1)[-1]: (kind, st.st_size)}
+    out = {}
+    with os.scandir(path) as entries:
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    kind = "directory"
+                elif e.is_file(follow_symlinks=False):
+                    kind = "file"
+                else:
+                    kind = "other"
+                size = e.stat(follow_symlinks=False).st_size
+                if e.is_symlink():
+                    try:
+                        size = e.stat(follow_symlinks=True).st_size
+                    except OSError:
+                        size = 0
+            except FileNotFoundError:  # removed while listed
+                continue
+            out[e.name] = (kind, size)
+    return out
 
 
 class Store:
@@ -166,6 +198,11 @@ class Store:
 
     def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
         """``{name: (type, size)}`` of the entries directly under ``rel``; {} when absent."""
+        if type(self.fs) is LocalFileSystem:  # about 0.3 ms a listing faster (several per save)
+            try:
+                return self._retry(lambda: _scan_local(self.full(rel)))
+            except FileNotFoundError:
+                return {}
         self.invalidate(rel)
         try:
             entries = self._retry(lambda: self.fs.ls(self.full(rel), detail=True))
@@ -360,8 +397,18 @@ class Store:
         path; always True on stores without links."""
         if not self.local:
             return True
-        root = os.path.realpath(self.root)
-        return os.path.commonpath([root, os.path.realpath(self.full(rel))]) == root
+        # Without a link or ".." below the root, rel stays inside whatever the root resolves to:
+        # one lstat per component of rel, where resolving both paths lstats every component of
+        # both (it runs twice per file a retention removes).
+        path = self.root
+        for part in rel.split("/"):
+            if part in ("", "."):
+                continue
+            path = f"{path}/{part}"
+            if part == ".." or os.path.islink(path):
+                root = os.path.realpath(self.root)
+                return os.path.commonpath([root, os.path.realpath(self.full(rel))]) == root
+        return True
 
     def remove_empty_dir(self, rel: str) -> bool:
         """Remove the directory ``rel`` if it is empty (never its contents); True if it is gone.

@@ -128,9 +128,11 @@ def test_dcp_metadata_is_unpickled_in_one_function(
         (p.name, node.lineno)
         for p in STORAGE.glob("*.py")
         for node in ast.walk(ast.parse(p.read_text()))
-        if isinstance(node, ast.Attribute) and node.attr in ("load", "loads", "Unpickler")
-        and isinstance(node.value, ast.Name) and node.value.id == "pickle"
-    ]  # fmt: skip
+        if isinstance(node, ast.Attribute)
+        and node.attr in ("load", "loads", "Unpickler")
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "pickle"
+    ]
     assert len(loads) == 1 and loads[0][0] == "_dcp_store.py", loads
     from ftsdp.storage import _dcp_store
 
@@ -149,3 +151,85 @@ def test_dcp_metadata_is_unpickled_in_one_function(
     monkeypatch.setattr(_dcp_store, "unpickle_metadata", lambda data, *args: 1 / 0)
     with pytest.raises(storage.CorruptCheckpointError, match="cannot read .metadata"):
         storage.load_state_dict(str(tmp_path / "dcp"))
+
+
+def test_a_local_listing_tells_what_fsspec_tells(tmp_path: pathlib.Path) -> None:
+    """``listdir`` of a local root lists with one ``scandir``; the reference is fsspec's own
+    ``ls(detail=True)``: types and sizes of files, folders, links (to a file, to a folder,
+    dangling) and a FIFO, a linked root, a root that is a file, and a missing one."""
+    import os
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    root = tmp_path / "root"
+    (root / "step-1").mkdir(parents=True)
+    (root / "step-1" / "a.safetensors").write_bytes(b"x" * 1000)
+    (root / "f.json").write_bytes(b"{}")
+    (root / "to-file").symlink_to(root / "f.json")
+    (root / "to-dir").symlink_to(root / "step-1")
+    (root / "dangling").symlink_to(root / "nowhere")
+    os.mkfifo(root / "fifo")
+    (tmp_path / "linked").symlink_to(root)
+
+    fs = LocalFileSystem()
+
+    def reference(path: pathlib.Path) -> dict[str, tuple[str, int]]:
+        try:
+            entries = fs.ls(str(path), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: (e["type"], int(e["size"] or 0))
+            for e in entries
+        }
+
+    for where, rel in [
+        (root, ""),
+        (root, "step-1"),
+        (tmp_path / "linked", ""),
+        (root / "f.json", ""),
+        (root, "missing"),
+    ]:
+        got = Store(str(where), None).listdir(rel)
+        assert got == reference(where / rel if rel else where), (where, rel)
+    assert Store(str(root), None).listdir()["to-file"] == ("other", 2)
+
+
+def test_inside_root_agrees_with_resolving_both_paths(tmp_path: pathlib.Path) -> None:
+    """The reference is the definition: ``realpath`` of the path within ``realpath`` of the
+    root. Links inside and out, ``..``, missing names, and a root that is itself a link."""
+    import os
+
+    real = tmp_path / "real"
+    (real / "step-1").mkdir(parents=True)
+    (real / "step-1" / "a").write_bytes(b"a")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "x").write_bytes(b"x")
+    (real / "step-1" / "in").symlink_to(real / "step-1" / "a")
+    (real / "step-1" / "out").symlink_to(tmp_path / "outside" / "x")
+    (real / "step-2").symlink_to(tmp_path / "outside")
+    (real / "step-3").symlink_to(real / "step-1")
+    (tmp_path / "alias").symlink_to(real)
+    rels = [
+        "",
+        "step-1",
+        "step-1/a",
+        "step-1/in",
+        "step-1/out",
+        "step-2/x",
+        "step-2/missing",
+        "step-3/a",
+        "step-3/out",
+        "missing/a",
+        "step-1/../step-1/a",
+        "../outside/x",
+        "step-1/..",
+        "step-1/../..",
+        "./step-1//a",
+    ]
+    for root in (real, tmp_path / "alias"):
+        store = Store(str(root), None)
+        resolved = os.path.realpath(root)
+        for rel in rels:
+            want = os.path.commonpath([resolved, os.path.realpath(store.full(rel))]) == resolved
+            assert store.inside_root(rel) == want, (root, rel)
