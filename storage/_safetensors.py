@@ -80,7 +80,7 @@ def write_object(
     f: IO[bytes],
     head: bytes,
     pieces: int,
-    chunks: Iterable[tuple[int, torch.Tensor]],
+    chunks: Iterable[tuple[int, torch.Tensor | memoryview]],
     block_bytes: int,
 ) -> list[list[int]]:
     """Write ``head``, then the bytes of ``chunks``: ``(piece index, 1-D tensor)`` in the order of

@@ -457,7 +457,7 @@ class _SaveJob:
                 out.append(local.reshape(-1)[start : start + p.length])  # 1D
         return out
 
-    def _write(self, obj: PlannedObject, payloads: list[torch.Tensor]) -> list[list[int]]:
+    def _write(self, obj: PlannedObject, payloads: list[Any]) -> list[list[int]]:
         result: list[list[int]] = []
 
         def produce(f: Any) -> None:
@@ -517,7 +517,9 @@ class _SaveJob:
                 cuda = any(t.device.type == "cuda" for p in payloads for t in p)
                 buf, off = arena.take(sum(sizes), cuda), 0
                 for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
-                    staged = copy_into(tensors, buf[off : off + size], stream, arena.layouts)
+                    staged = copy_into(
+                        tensors, buf[off : off + size], stream, arena.layouts, as_bytes=True
+                    )
                     futures.append(pool.submit(self._write, obj, staged))
                     off += size
                 handle.staging_peak_bytes = sum(sizes)

@@ -152,9 +152,12 @@ def copy_into(
     tensors: list[torch.Tensor],
     buf: torch.Tensor,
     stream: Any = None,
-    layouts: dict[Any, list[torch.Tensor]] | None = None,
-) -> list[torch.Tensor]:
-    """Copy 1-D ``tensors`` into ``buf`` packed at aligned offsets; returns the views.
+    layouts: dict[Any, Any] | None = None,
+    *,
+    as_bytes: bool = False,
+) -> list[Any]:
+    """Copy 1-D ``tensors`` into ``buf`` packed at aligned offsets; returns the views (with
+    ``as_bytes``, memoryviews of their bytes, which is what a writer wants).
 
     CUDA tensors are copied on ``stream`` when given (a ``torch.cuda.Stream``, non-blocking),
     which is synchronised before this returns; CPU tensors in one batched copy. ``layouts`` (a
@@ -163,17 +166,20 @@ def copy_into(
     them: see [Note: the snapshot copy's cost].
     """
     key = (buf.data_ptr(), buf.numel(), tuple((t.dtype, t.numel()) for t in tensors))
-    views = None if layouts is None else layouts.get(key)
-    if views is None:
-        views, off = [], 0
+    kept = None if layouts is None else layouts.get(key)
+    if kept is None:
+        views, spans, off = [], [], 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             views.append(buf[off : off + nbytes].view(t.dtype))
+            spans.append((off, off + nbytes))
             off += aligned_bytes(nbytes)
+        kept = [views, spans, None]
         if layouts is not None:
             if len(layouts) >= _LAYOUTS_KEPT:  # layouts of other saves: start afresh
                 layouts.clear()
-            layouts[key] = views
+            layouts[key] = kept
+    views = kept[0]
     if any(t.device.type != "cpu" for t in tensors):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for view, t in zip(views, tensors, strict=True):
@@ -183,7 +189,12 @@ def copy_into(
     else:
         with torch.no_grad():
             torch._foreach_copy_(views, tensors)
-    return list(views)
+    if not as_bytes:
+        return list(views)
+    if kept[2] is None:
+        whole = memoryview(buf.numpy()).cast("B")
+        kept[2] = [whole[start:end] for start, end in kept[1]]
+    return list(kept[2])
 
 
 _LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hundred bytes each)
@@ -196,4 +207,6 @@ _LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hun
 # 208 tensors of a 10 MB share, six times the memcpy itself (0.5 ms). The views into a kept
 # buffer are the same from one save to the next when the layout is, so they are made once; the
 # copy is then one ``torch._foreach_copy_`` (torch's batched copy, a C++ loop of ``copy_``):
-# 0.6 ms for those 208 tensors.
+# 0.6 ms for those 208 tensors. The writer gets memoryviews of the staged bytes, also made once
+# per layout: turning each tensor into bytes again (detach, views, numpy) cost another 10 us a
+# piece.

@@ -107,9 +107,12 @@ class Meter:
             self._progress(self.done, self.total)
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor | memoryview) -> memoryview:
     """The raw bytes of a tensor, without copying a contiguous CPU one. Writing into them fills
-    the tensor (readers pass their contiguous CPU targets)."""
+    the tensor (readers pass their contiguous CPU targets). Bytes already (a memoryview of
+    staged bytes) are returned as they are."""
+    if isinstance(t, memoryview):
+        return t
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
