@@ -93,6 +93,19 @@ def seal(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def sealed_json(doc: dict[str, Any]) -> bytes:
+    """``doc`` as written, sealed: its canonical JSON (see :func:`canonical_json`) with the
+    checksum field appended. One encoding of the document, where ``seal`` and a second dump
+    would take two (half a millisecond for a few hundred tensors, at every save)."""
+    body = canonical_json(doc)
+    algorithm = ALGORITHM_OF_VERSION.get(doc.get("version"), WRITTEN)
+    check = {
+        SELF_CHECKSUM: {"algorithm": algorithm, "value": checksum_function(algorithm)(body, 0)}
+    }
+    tail = json.dumps(check, separators=(",", ":")).encode()
+    return body[:-1] + b"," + tail[1:]  # body is a non-empty object: {...} -> {...,"field":...}
+
+
 def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = None) -> Manifest:
     """Read and decode the manifest at ``rel`` of ``store`` within ``options``' limits: its size
     is checked first and only that many bytes are read (a link to an endless device reads none)."""
@@ -337,7 +350,7 @@ class Manifest:
                 f"the non-tensor values of step {self.step} nest deeper than a manifest may "
                 f"({MAX_JSON_DEPTH} levels of JSON arrays and objects); flatten them"
             )
-        return json.dumps(seal(doc), separators=(",", ":")).encode()
+        return sealed_json(doc)
 
     def _tensor_json(self, t: TensorEntry) -> dict[str, Any]:
         doc: dict[str, Any] = {"shape": list(t.shape), "dtype": t.dtype}

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ftsdp import storage
-from ftsdp.storage._manifest import SELF_CHECKSUM, canonical_json
+from ftsdp.storage._manifest import SELF_CHECKSUM, canonical_json, seal
 from tests.make_storage_golden import GOLDEN, OPTIONS, STEP, golden_state
 
 # Written by the version 2 writer (the same state and options as GOLDEN); never regenerated.
@@ -139,6 +139,22 @@ def test_manifest_checksum_encoding_is_pinned() -> None:
     assert canonical_json(doc) == text
     assert zlib.crc32(text) == 1474384153  # versions 1 and 2
     assert crc32c.crc32c(b"123456789") == 0xE3069283  # CRC-32C's check value (version 3)
+
+
+def test_a_written_manifest_is_its_canonical_json_and_the_checksum() -> None:
+    """What a save writes (``sealed_json``, one encoding) is the canonical JSON the checksum
+    covers followed by the checksum field: decoded, the same document ``seal`` makes; ``attempt``
+    sorts first, inside the head that committers read."""
+    from ftsdp.storage._manifest import sealed_json
+
+    doc = {"version": 3, "step": 2, "attempt": "ab12", "values": {"b": 0.1, "a": ["é"]}}
+    data = sealed_json(dict(doc))
+    assert json.loads(data) == seal(dict(doc))
+    body, _, _ = data.rpartition(b',"' + SELF_CHECKSUM.encode())
+    assert body + b"}" == canonical_json(doc)
+    assert data.startswith(b'{"attempt":"ab12",')
+    value = json.loads(data)[SELF_CHECKSUM]["value"]
+    assert value == crc32c.crc32c(canonical_json(doc))
 
 
 def test_golden_v4_reads_exactly(tmp_path: pathlib.Path) -> None:
