@@ -15,8 +15,11 @@ AdamW, in one spawned run, under each engine and way of checkpointing:
 Checkpoints go to ``--dir`` (default ``/dev/shm``: memory, so the figures are the saves' CPU cost,
 not a disk's). Every configuration runs ``--steps`` steps per round, ``--rounds`` rounds, the
 order of configurations rotating per round; a round is timed barrier to barrier (the slowest
-rank) and ends after its last save has committed, so background work is not left to the next
-configuration. Step time is the median over rounds; overhead is against the same engine without
+rank). It saves at its start and after every ``--every`` steps but the last, so each save has
+``--every`` steps of training to overlap inside the round, as in a long run, and it ends after
+its last save has committed, so background work is not left to the next configuration. (A
+round that saved after its last step would time that save's whole latency with nothing to
+overlap: about one save's latency per round too much, for every way of saving.) Step time is the median over rounds; overhead is against the same engine without
 saving. Blocking is the time ``save`` / ``async_save`` kept the caller, the first save apart
 (``CheckpointManager.resume`` prepared the deferred saves before it: storage's own group and the
 snapshot memory; DCP has no such call). ``fence wait`` is the time ``optimizer.step()`` waited
@@ -146,8 +149,9 @@ class _Run:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def save_if_due(self) -> None:
-        if self.mode == "none" or self.step % self.cfg["every"]:
+    def save(self) -> None:
+        """Save the current step (nothing without checkpointing)."""
+        if self.mode == "none":
             return
         if self.ckpt is not None:
             pending = self.ckpt._pending
@@ -186,11 +190,16 @@ class _Run:
                 shutil.rmtree(os.path.join(self.url, name), ignore_errors=True)
 
     def round(self) -> None:
+        """``steps`` steps timed barrier to barrier, a save at the start and after every
+        ``every`` steps but the last (see the module docstring)."""
+        steps, every = self.cfg["steps"], self.cfg["every"]
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(self.cfg["steps"]):
+        self.save()  # the state the previous round ended with
+        for i in range(1, steps + 1):
             self.train_step()
-            self.save_if_due()
+            if i % every == 0 and i < steps:
+                self.save()
         self.finish_saves()
         dist.barrier()
         self.times.append((time.perf_counter() - t0) / self.cfg["steps"])
