@@ -352,7 +352,7 @@ def _abandon(store: Store, step: int, attempt: str) -> None:
 def _attempt_at(store: Store, step: int) -> str | None:
     """The attempt named by the manifest of ``step`` now; None when there is none (or it cannot
     be read as JSON). Every rank > 0 asks this at each commit, so it reads the manifest's first
-    4 KiB, where this format puts ``attempt`` (the first key of a written manifest), and the whole
+    4 KiB, where this format puts ``attempt`` (before the tensors and values), and the whole
     manifest only when it is not there."""
     rel = manifest_path(step)
     try:

@@ -341,11 +341,16 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+_OWN_ANSWERS = ("parameters", "named_parameters", "buffers", "named_buffers")
 
 
 def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every parameter and buffer of ``model``, one walk over its modules (a tensor shared
-    between modules appears once per module)."""
+    between modules appears once per module). A model whose class answers ``parameters()`` or
+    ``buffers()`` itself (``ftsdp.FSDP``: the local shards) is asked."""
+    cls = type(model)
+    if any(getattr(cls, name) is not getattr(nn.Module, name) for name in _OWN_ANSWERS):
+        return [*model.parameters(), *model.buffers()]
     out: list[torch.Tensor] = []
     for module in model.modules():
         out.extend(t for t in module._parameters.values() if t is not None)

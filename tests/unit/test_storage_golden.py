@@ -141,18 +141,22 @@ def test_manifest_checksum_encoding_is_pinned() -> None:
     assert crc32c.crc32c(b"123456789") == 0xE3069283  # CRC-32C's check value (version 3)
 
 
-def test_a_written_manifest_is_its_canonical_json_and_the_checksum() -> None:
-    """What a save writes (``sealed_json``, one encoding) is the canonical JSON the checksum
-    covers followed by the checksum field: decoded, the same document ``seal`` makes; ``attempt``
-    sorts first, inside the head that committers read."""
+def test_a_written_manifest_holds_the_canonical_pieces_and_the_checksum() -> None:
+    """What a save writes (``sealed_json``, one encoding of each value) decodes to the document
+    ``seal`` makes; its checksum is the CRC-32C of ``canonical_json``; the top-level keys keep
+    the document's order (``format`` first: detection reads a manifest's first 64 bytes)."""
     from ftsdp.storage._manifest import sealed_json
 
-    doc = {"version": 3, "step": 2, "attempt": "ab12", "values": {"b": 0.1, "a": ["é"]}}
+    doc = {
+        "format": "ftsdp.storage",
+        "version": 3,
+        "attempt": "ab12",
+        "values": {"b": 0.1, "a": ["\u00e9", {"z": 1, "y": [None, -0.0]}]},
+    }
     data = sealed_json(dict(doc))
     assert json.loads(data) == seal(dict(doc))
-    body, _, _ = data.rpartition(b',"' + SELF_CHECKSUM.encode())
-    assert body + b"}" == canonical_json(doc)
-    assert data.startswith(b'{"attempt":"ab12",')
+    assert data.startswith(b'{"format":"ftsdp.storage","version":3,"attempt":"ab12",')
+    assert list(json.loads(data)) == [*doc, SELF_CHECKSUM]
     value = json.loads(data)[SELF_CHECKSUM]["value"]
     assert value == crc32c.crc32c(canonical_json(doc))
 
