@@ -58,18 +58,9 @@ class SaveOptions:
     staging_budget_bytes: int = 4096 * MiB  # host memory async save may hold at once
     reuse_staging: bool = True  # keep async save's staging buffers (<= budget) for the next one
     commit_timeout_s: float = 600.0  # how long rank 0 waits for the other ranks' objects
-    # The nice value of a deferred save's threads (they copy, write and commit), on Linux: 19,
-    # the lowest priority, lets training's threads run first (see [Note: the save threads'
-    # priority] in storage/_save.py); None leaves them at the process's
-    background_nice: int | None = 19
     io: IOOptions = field(default_factory=IOOptions)
 
     def __post_init__(self) -> None:
-        nice = self.background_nice
-        if nice is not None and (type(nice) is not int or not -20 <= nice <= 19):
-            raise ValueError(
-                f"SaveOptions: background_nice={nice!r} must be None or an int in [-20, 19]"
-            )
         _positive(
             "SaveOptions",
             object_bytes=self.object_bytes,

@@ -8,12 +8,10 @@ itself (done and abort markers, the manifest, ``latest``, retention) is ``storag
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -58,7 +56,6 @@ class _Threads:
 
     def __init__(self, name: str, count: int = 1) -> None:
         self.name, self.count = name, count
-        self.nice: int | None = None  # applied by each thread before its next job
         self._jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple]] = (
             queue.SimpleQueue()
         )
@@ -85,7 +82,6 @@ class _Threads:
     def _loop(self) -> None:
         while True:
             future, fn, args = self._jobs.get()
-            _lower_priority(self.nice)
             if future.set_running_or_notify_cancel():
                 try:
                     result = fn(*args)
@@ -94,36 +90,6 @@ class _Threads:
                 else:
                     future.set_result(result)
             del future, fn, args  # an idle thread keeps nothing of its last job alive
-
-
-def _lower_priority(nice: int | None) -> None:
-    """Give the calling thread the nice value ``nice`` when that is a lower priority than its
-    own. Linux only, where the nice value belongs to each thread (elsewhere ``setpriority``
-    would change the whole process). A priority is never raised: that needs a privilege."""
-    if nice is None or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-
-
-# [Note: the save threads' priority]
-# A deferred save's work (the copy, the writes, the checksums, the commit and retention: about
-# 15 ms of CPU per save per rank for the built-in GPT's 10 MB shares) runs on threads beside
-# training's. Where training keeps every core busy (the CPU ranks of the benchmarks), that work
-# took the cores from the ranks at different moments on different ranks, and each rank then
-# waited for the slowest at the next collective: saving every 2 steps added 9-16% to a step in
-# four runs, for 7 ms of CPU per step and rank. At nice 19 the kernel runs training's threads
-# first and the save's in the gaps (a rank waiting in a collective, in I/O): 2-5% in the same
-# runs (docs/benchmarks.md, "Snapshots", has both side by side). Nothing
-# waits for long on a starved save: the optimizer step waits for the copy (the fence), and a
-# rank waiting there leaves its core to the save; the next save waits for the previous one.
-# Threads inherit the nice value of the thread that creates them, so everything a save's
-# threads create runs low too: their own OpenMP team for a parallel copy (training's team
-# belongs to its own thread), and fsspec's event loop thread when a save is the process's first
-# use of an asynchronous filesystem (s3), which would then slow that process's later reads
-# only while the cores are busy. The process groups a save uses are made on the caller's thread.
 
 
 class _Lane:
@@ -687,7 +653,6 @@ class _DeferredSave:
 
         def run() -> None:
             pool = self.lane.writers.grow(self.options.io.threads)
-            pool.nice = self.options.background_nice
             try:
                 if planned:
                     job = planned[0]
@@ -702,7 +667,6 @@ class _DeferredSave:
             else:
                 handle._finish(None)
 
-        self.lane.worker.nice = self.options.background_nice
         self.lane.worker.submit(run)
         if local_error is not None:
             handle._observed = True  # raised here, not again by the next save

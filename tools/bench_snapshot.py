@@ -7,9 +7,7 @@ AdamW, in one spawned run, under each engine and way of checkpointing:
 
 - ``ftsdp.FSDP`` without saving, and with ``CheckpointManager`` saving every ``--every`` steps:
   deferred copy (the default: ``save`` returns before copying, ``optimizer.step()`` waits for the
-  background copy), the same with the save's threads at the process's priority
-  (``SaveOptions(background_nice=None)``; by default they run at nice 19), and staged copy
-  (``defer_copy=False``: ``save`` copies before it returns);
+  background copy) and staged copy (``defer_copy=False``: ``save`` copies before it returns);
 - torch FSDP2 (``fully_shard``) without saving, with ``dcp.async_save`` every ``--every`` steps
   (on a gloo group of its own, as DCP recommends; a save waits for the previous one's future,
   as a loop must), and with ``CheckpointManager`` (deferred copy).
@@ -50,7 +48,6 @@ from ftsdp.tools._markdown import replace_section
 CONFIGS = (
     ("ftsdp", "none"),
     ("ftsdp", "storage"),
-    ("ftsdp", "storage-normal"),
     ("ftsdp", "storage-staged"),
     ("fsdp2", "none"),
     ("fsdp2", "dcp"),
@@ -59,7 +56,6 @@ CONFIGS = (
 LABEL = {
     "none": "no saves",
     "storage": "CheckpointManager (deferred copy)",
-    "storage-normal": "CheckpointManager (deferred copy, save threads not lowered)",
     "storage-staged": "CheckpointManager (staged copy)",
     "dcp": "dcp.async_save",
 }
@@ -95,7 +91,6 @@ class _Run:
     """One engine with one way of checkpointing: its model, optimizer and saver."""
 
     def __init__(self, engine: str, mode: str, cfg: dict[str, Any], root: str) -> None:
-        from ftsdp.storage import SaveOptions
         from ftsdp.trainer import CheckpointManager
         from ftsdp.trainer.model import GPT, GPTConfig, param_groups
 
@@ -132,12 +127,7 @@ class _Run:
                 self.opt,
                 every_steps=cfg["every"],
                 keep_last=2,
-                defer_copy=mode in ("storage", "storage-normal"),
-                save_options=SaveOptions(
-                    background_nice=None
-                    if mode == "storage-normal"
-                    else SaveOptions.background_nice
-                ),
+                defer_copy=mode == "storage",
             )
             self.ckpt.resume({"step": 0})  # a fresh root: prepares the deferred saves
         elif mode == "dcp":

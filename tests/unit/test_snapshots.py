@@ -6,8 +6,6 @@ The reference is the state itself, cloned at the moment of the save."""
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import threading
 import time
 from typing import Any
@@ -302,37 +300,3 @@ def test_retention_after_a_save_does_not_decode_the_manifest_just_written(
     written = storage.read_manifest(url)
     data = (tmp_path / "ckpt" / "step-2" / "manifest.json").read_bytes()
     assert written.to_json() == data and written == real(Manifest, data, where=url)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread: Linux")
-def test_the_save_threads_run_at_the_lowest_priority_and_the_caller_keeps_its_own(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    caller, seen = nice(), {}
-    real_copy, real_write = _save.copy_into, _save._SaveJob._write
-
-    def copy(*args: Any, **kwargs: Any) -> Any:
-        seen["copy"] = nice()
-        return real_copy(*args, **kwargs)
-
-    def write(self: Any, *args: Any) -> Any:
-        seen["write"] = nice()
-        return real_write(self, *args)
-
-    monkeypatch.setattr(_save, "copy_into", copy)
-    monkeypatch.setattr(_save._SaveJob, "_write", write)
-    state = {"x": torch.arange(10.0)}
-    storage.save(state, str(tmp_path / "a"), 1, async_save=True, defer_copy=True).wait(30)
-    assert seen == {"copy": 19, "write": 19} and nice() == caller
-    options = storage.SaveOptions(background_nice=None)  # another root: threads of its own
-    h = storage.save(
-        state, str(tmp_path / "b"), 1, async_save=True, defer_copy=True, options=options
-    )
-    h.wait(30)
-    assert seen == {"copy": caller, "write": caller} and nice() == caller
-    for bad in (20, -21, True, 1.5):
-        with pytest.raises(ValueError, match="background_nice"):
-            storage.SaveOptions(background_nice=bad)
