@@ -54,19 +54,44 @@ def all_gather_json(obj: Any, group: Any) -> list[Any]:
 
 
 def broadcast_json(obj: Any, group: Any) -> Any:
-    """Group rank 0's JSON-able ``obj`` on every rank (others pass anything, e.g. None)."""
+    """Group rank 0's JSON-able ``obj`` on every rank (others pass anything, e.g. None).
+
+    One broadcast of ``_FIRST`` bytes (the length, then the start of the JSON) when the message
+    fits in it, as nearly all do, and a second one for the rest of a longer message."""
     if group is None:
         return obj
     device, src = _device(group), dist.get_global_rank(group, 0)
     data = json.dumps(obj).encode() if dist.get_rank(group) == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src, group=group)
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    first = _framed(data, _FIRST, device)
+    dist.broadcast(first, src=src, group=group)
+    n, head = _unframed(first.cpu())
+    if n <= len(head):
+        return json.loads(head[:n])
+    rest = torch.zeros(n - len(head), dtype=torch.uint8)
     if data:
-        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buf = buf.to(device)
-    dist.broadcast(buf, src=src, group=group)
-    return json.loads(bytes(buf.cpu().numpy()))
+        rest[:] = torch.frombuffer(bytearray(data[len(head) :]), dtype=torch.uint8)
+    rest = rest.to(device)
+    dist.broadcast(rest, src=src, group=group)
+    return json.loads(head + bytes(rest.cpu().numpy()))
+
+
+_LENGTH = 8  # bytes: a framed message's length, little-endian, before its bytes
+_FIRST = 64 << 10  # a broadcast's first (usually only) frame
+
+
+def _framed(data: bytes, size: int, device: Any = None) -> torch.Tensor:
+    """``size`` bytes (at least the length field): ``len(data)``, then as much of ``data`` as
+    fits, zeros after it; on the group's device."""
+    buf = torch.zeros(size, dtype=torch.uint8)
+    framed = len(data).to_bytes(_LENGTH, "little") + data[: size - _LENGTH]
+    buf[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+    return buf if device is None else buf.to(device)
+
+
+def _unframed(buf: torch.Tensor) -> tuple[int, bytes]:
+    """The length a frame announces and the bytes it holds (maybe only a first part)."""
+    raw = bytes(buf.numpy())
+    return int.from_bytes(raw[:_LENGTH], "little"), raw[_LENGTH:]
 
 
 def _to_bytes(buf: torch.Tensor, n: int) -> bytes:
@@ -74,25 +99,21 @@ def _to_bytes(buf: torch.Tensor, n: int) -> bytes:
 
 
 def gather_json(obj: Any, group: Any) -> list[Any] | None:
-    """Every rank's JSON-able ``obj`` in rank order on group rank 0, None on the others."""
+    """Every rank's JSON-able ``obj`` in rank order on group rank 0, None on the others: the
+    longest length agreed on, then one gather of frames that long."""
     if group is None:
         return [json.loads(json.dumps(obj))]
     device, world, me = _device(group), dist.get_world_size(group), dist.get_rank(group)
     dst = dist.get_global_rank(group, 0)
     data = json.dumps(obj).encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)] if me == 0 else None
-    dist.gather(size, sizes, dst=dst, group=group)
     longest = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-    buf = torch.zeros(int(longest.item()), dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bufs = [torch.zeros_like(buf, device=device) for _ in range(world)] if me == 0 else None
-    dist.gather(buf.to(device), bufs, dst=dst, group=group)
-    if bufs is None or sizes is None:
+    buf = _framed(data, _LENGTH + int(longest.item()), device)
+    bufs = [torch.zeros_like(buf) for _ in range(world)] if me == 0 else None
+    dist.gather(buf, bufs, dst=dst, group=group)
+    if bufs is None:
         return None
-    return [json.loads(_to_bytes(b, int(n.item()))) for b, n in zip(bufs, sizes, strict=True)]
+    return [json.loads(raw[:n]) for n, raw in (_unframed(b.cpu()) for b in bufs)]
 
 
 def scatter_json(objs: list[Any] | None, group: Any) -> Any:

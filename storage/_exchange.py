@@ -27,6 +27,8 @@ and rank 0 receives only values that differ and the irregular ranges.
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
 from typing import Any
 
@@ -86,13 +88,14 @@ def exchange(
         group,
     )
     differ = {k: v for k, v in own_values.items() if head["values"].get(k, _MISSING) != v}
-    table, names, rules = local_rules(leaves, rank, world) if error is None else ([], 0, [])
+    table, names, rules, ruled = local_rules(leaves, rank, world) if error is None else NO_RULES
     # Ranks whose options pack objects differently would derive other ranks' objects unlike
     # those written (a committed step no reader could derive): such tables never agree.
     names ^= hash((options.object_bytes, options.replica_split_bytes)) & (2**63 - 1)
     block = options.checksum_block_bytes
+    failed, differs = 1 if error else 0, 1 if differ else 0
     top = wire.all_reduce_max(
-        [1 if error else 0, step, -step, names, -names, 1 if differ else 0, block, -block], group
+        [failed, step, -step, names, -names, differs, block, -block, ruled, -ruled], group
     )
     if top[0] or top[1] != -top[2]:
         check_exchange(wire.all_gather_json({"error": error, "step": step}, group), step)
@@ -102,7 +105,7 @@ def exchange(
             "(SaveOptions.checksum_block_bytes); pass the same SaveOptions on every rank"
         )
     agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
-    if agreed and world > 1:
+    if agreed and world > 1 and top[8] != -top[9]:  # (equal digests: every rule is the same)
         both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)
         n = len(rules)
         same = [both[i] == -both[n + i] for i in range(n)]
@@ -143,13 +146,17 @@ def exchange(
 _KINDS = {"irregular": 0, "whole": 1, "even": 2}
 
 
+NO_RULES: tuple[list[list[Any]], int, list[int], int] = ([], 0, [], 0)
+
+
 def local_rules(
     leaves: dict[str, TensorLeaf], rank: int, world: int
-) -> tuple[list[list[Any]], int, list[int]]:
+) -> tuple[list[list[Any]], int, list[int], int]:
     """What a rank computes before the exchange: its rule table, the digest of its tensors'
-    names, shapes and dtypes, and each rule as three integers (kind, start, chunk), compared
-    exactly by the exchange. Kept for the last few states: a training job saves the same
-    ranges at every step."""
+    names, shapes and dtypes, each rule as three integers (kind, start, chunk), compared
+    exactly by the exchange, and a digest of those integers (when every rank's is the same,
+    so are the rules, and that comparison is skipped). Kept for the last few states: a
+    training job saves the same ranges at every step."""
     key = (
         rank,
         world,
@@ -167,7 +174,8 @@ def local_rules(
     for row in table:
         rule = row[3]
         ints += [_KINDS[rule[0]], *(rule[1:] if rule[0] == "even" else (0, 0))]
-    made = (table, names, ints)
+    ruled = hashlib.blake2b(array.array("q", ints).tobytes(), digest_size=8).digest()
+    made = (table, names, ints, int.from_bytes(ruled, "little") >> 1)
     _tables.put(key, made)
     return made
 
@@ -250,7 +258,7 @@ def _objects(
 # The layouts of the last tables: a training job saves the same table at every step, and a rank's
 # objects are kept in its layout (RegularLayout.rank_objects).
 _layouts: Kept[tuple[Any, ...], tuple[list[list[Any]], RegularLayout]] = Kept(8)
-_tables: Kept[tuple[Any, ...], tuple[list[list[Any]], int, list[int]]] = Kept(8)
+_tables: Kept[tuple[Any, ...], tuple[list[list[Any]], int, list[int], int]] = Kept(8)
 _agreed: Kept[tuple[Any, ...], tuple[list[list[Any]], list[list[Any]]]] = Kept(8)
 
 

@@ -526,8 +526,27 @@ def _golden_v4_writer(rank: int, groups: dict[int, Any], root: str) -> None:
     dist.barrier()
 
 
+def _json_collectives(rank: int, groups: dict[int, Any]) -> None:
+    """storage's JSON collectives against the objects sent: a broadcast that fits in its first
+    frame and one that needs a second, and a gather of messages of very different lengths
+    (an empty one among them), over every rank and over a subgroup of 3 (ranks 0-2)."""
+    from ftsdp.storage._collectives import _FIRST, broadcast_json, gather_json
+
+    for n in (4, 3):
+        if rank >= n:
+            continue
+        group = groups[n]
+        for sent in ({"a": [1, 2.5, None], "é": "ü"}, {"big": "x" * (_FIRST + 999)}, ""):
+            assert broadcast_json(sent if rank == 0 else None, group) == sent
+        mine = ["", {"r": rank}, "y" * (3 * _FIRST + rank), [rank] * 5][rank]
+        got = gather_json(mine, group)
+        expect = ["", {"r": 1}, "y" * (3 * _FIRST + 2), [3] * 5][:n]
+        assert got == (expect if rank == 0 else None), (n, rank)
+
+
 def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
+    _json_collectives(rank, groups)
     _reshard_grid(rank, groups, root, None, ((2, 1), (2, 3), (3, 2), (4, 3), (1, 4)))
     _reshard_grid(rank, groups, s3_root, s3_opts, ((3, 2),))
     _failed_load_is_atomic(rank, groups, root)
