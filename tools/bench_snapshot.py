@@ -19,12 +19,17 @@ rank). It saves at its start and after every ``--every`` steps but the last, so 
 ``--every`` steps of training to overlap inside the round, as in a long run, and it ends after
 its last save has committed, so background work is not left to the next configuration. (A
 round that saved after its last step would time that save's whole latency with nothing to
-overlap: about one save's latency per round too much, for every way of saving.) Step time is the median over rounds; overhead is against the same engine without
-saving. Blocking is the time ``save`` / ``async_save`` kept the caller, the first save apart
-(``CheckpointManager.resume`` prepared the deferred saves before it: storage's own group and the
-snapshot memory; DCP has no such call). ``fence wait`` is the time ``optimizer.step()`` waited
-for a snapshot, per save. Prints a table; ``--out FILE`` writes it into FILE's "Snapshots"
-section, ``--json FILE`` its numbers into the ``snapshot`` entry of a JSON results file.
+overlap: about one save's latency per round too much, for every way of saving.)
+
+Step time is the median over rounds. Overhead is against the same engine without saving,
+paired by round: the median over rounds of a round's step time over the unsaved engine's in
+the same round (the configurations of a round run back to back, so the drift of a shared
+machine's speed, often larger than the overhead, cancels). Blocking is the time ``save`` /
+``async_save`` kept the caller, the first save apart (``CheckpointManager.resume`` prepared
+the deferred saves before it: storage's own group and the snapshot memory; DCP has no such
+call). ``fence wait`` is the time ``optimizer.step()`` waited for a snapshot, per save. Prints
+a table; ``--out FILE`` writes it into FILE's "Snapshots" section, ``--json FILE`` its numbers
+into the ``snapshot`` entry of a JSON results file.
 """
 
 from __future__ import annotations
@@ -230,8 +235,9 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Per configuration: median step time, overhead, first and later blocking (the slowest
-    rank per save), fence wait per save (mean over ranks and saves)."""
+    """Per configuration: median step time, overhead (the median over rounds of the round's
+    step time over the same engine's unsaved one in that round), first and later blocking
+    (the slowest rank per save), fence wait per save (mean over ranks and saves)."""
     out: dict[str, dict[str, float | None]] = {}
     for key in results[0]:
         times = results[0][key]["times"]
@@ -247,9 +253,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None
             "fence_s": statistics.mean(fences) if fences else None,
             "saves": len(per_save),
         }
-    for key, row in out.items():
-        engine = key.split("/")[0]
-        row["overhead"] = row["step_s"] / out[f"{engine}/none"]["step_s"] - 1  # type: ignore[operator]
+    for key, row in out.items():  # paired by round: see the module docstring
+        mine, base = results[0][key]["times"], results[0][f"{key.split('/')[0]}/none"]["times"]
+        row["overhead"] = statistics.median(t / b - 1 for t, b in zip(mine, base, strict=True))
     return out
 
 

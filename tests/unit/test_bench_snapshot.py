@@ -33,3 +33,23 @@ def test_each_save_is_followed_by_every_steps_inside_the_round(
     named = [e for e in events if isinstance(e, str) and e.startswith("save")]
     assert len(set(named)) == len(named) and events.count("wait") == 2 and events[-1] == "wait"
     assert len(run.times) == 2
+
+
+def test_overhead_pairs_each_round_with_the_unsaved_one() -> None:
+    """A machine that slows down in one round slows every configuration of that round: the
+    overhead is the median of the per-round ratios, not a ratio of medians."""
+    times = {
+        "ftsdp/none": [1.0, 2.0, 1.0],
+        "ftsdp/storage": [1.1, 2.2, 1.3],  # +10%, +10%, +30%: median +10%
+        "fsdp2/none": [1.0, 1.0, 1.0],
+        "fsdp2/dcp": [1.5, 1.5, 1.5],
+    }
+    ranks = [
+        {k: {"times": v, "blocking": [0.01, 0.02], "fence": []} for k, v in times.items()}
+        for _ in range(2)
+    ]
+    rows = bench_snapshot.summarize(ranks)
+    assert rows["ftsdp/storage"]["overhead"] == pytest.approx(0.1)  # medians' ratio: +30%
+    assert rows["ftsdp/storage"]["step_s"] == pytest.approx(1.3)
+    assert rows["fsdp2/dcp"]["overhead"] == pytest.approx(0.5)
+    assert rows["ftsdp/none"]["overhead"] == 0
