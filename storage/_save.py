@@ -512,13 +512,20 @@ class _SaveJob:
         futures: list[Future] = []
         try:
             payloads = [self._payloads(obj) for obj in self.mine]
-            sizes = [sum(aligned_bytes(t.numel() * t.element_size()) for t in p) for p in payloads]
+            sizes = [obj.staged_bytes for obj in self.mine]
             if arena is not None and sum(sizes) <= self.options.staging_budget_bytes:
-                cuda = any(t.device.type == "cuda" for p in payloads for t in p)
+                cuda = torch.cuda.is_initialized() and any(
+                    t.device.type == "cuda" for p in payloads for t in p
+                )
                 buf, off = arena.take(sum(sizes), cuda), 0
                 for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
                     staged = copy_into(
-                        tensors, buf[off : off + size], stream, arena.layouts, as_bytes=True
+                        tensors,
+                        buf[off : off + size],
+                        stream,
+                        arena.layouts,
+                        as_bytes=True,
+                        key=obj,
                     )
                     futures.append(pool.submit(self._write, obj, staged))
                     off += size

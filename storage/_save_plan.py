@@ -9,6 +9,7 @@ once: split evenly among its holders when large, otherwise given to the least-lo
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from ftsdp.storage._layout import object_name
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage._ranges import Range, check_disjoint_cover, check_range, segments
 from ftsdp.storage._safetensors import layout
+from ftsdp.storage._staging import aligned_bytes
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,12 @@ class PlannedObject:
     @property
     def payload_bytes(self) -> int:
         return self.size - len(self.head)
+
+    @functools.cached_property
+    def staged_bytes(self) -> int:
+        """Host memory its pieces take when staged (each at the staging alignment); kept, as
+        the object is from save to save while the layout stays the same."""
+        return sum(aligned_bytes(p.length * p.dtype.itemsize) for p in self.pieces)
 
 
 @dataclass

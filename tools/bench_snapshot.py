@@ -14,8 +14,9 @@ AdamW, in one spawned run, under each engine and way of checkpointing:
 
 Checkpoints go to ``--dir`` (default ``/dev/shm``: memory, so the figures are the saves' CPU cost,
 not a disk's). Every configuration runs ``--steps`` steps per round, ``--rounds`` rounds, the
-order of configurations rotating per round; a round is timed barrier to barrier (the slowest
-rank). It saves at its start and after every ``--every`` steps but the last, so each save has
+configurations of a round in a random order (seeded; a fixed rotation gave each configuration
+the same predecessor, whose leftovers it then always paid for), each after a garbage
+collection; a round is timed barrier to barrier (the slowest rank). It saves at its start and after every ``--every`` steps but the last, so each save has
 ``--every`` steps of training to overlap inside the round, as in a long run, and it ends after
 its last save has committed, so background work is not left to the next configuration. (A
 round that saved after its last step would time that save's whole latency with nothing to
@@ -36,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -215,9 +218,10 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Build every configuration, run the rounds, return the slowest rank's view (rank 0's
     times are barrier to barrier, so they are the slowest rank's)."""
     runs = [_Run(engine, mode, cfg, cfg["root"]) for engine, mode in CONFIGS]
-    for r in range(cfg["rounds"]):
-        shift = r % len(runs)
-        for run in runs[shift:] + runs[:shift]:
+    order = random.Random(cfg["seed"])  # the same orders on every rank
+    for _ in range(cfg["rounds"]):
+        for run in order.sample(runs, len(runs)):
+            gc.collect()  # (untimed) no configuration pays for another's garbage
             run.round()
     out = {}
     for run in runs:

@@ -154,9 +154,10 @@ def test_dcp_metadata_is_unpickled_in_one_function(
 
 
 def test_a_local_listing_tells_what_fsspec_tells(tmp_path: pathlib.Path) -> None:
-    """``listdir`` of a local root lists with one ``scandir``; the reference is fsspec's own
-    ``ls(detail=True)``: types and sizes of files, folders, links (to a file, to a folder,
-    dangling) and a FIFO, a linked root, a root that is a file, and a missing one."""
+    """``listdir`` of a local root lists with one ``scandir``, and metadata is asked of the OS;
+    the reference is fsspec's own ``ls(detail=True)``, ``exists``, ``isfile``, ``isdir`` and
+    ``size``: files, folders, links (to a file, to a folder, dangling) and a FIFO, a linked
+    root, a root that is a file, and a missing one."""
     import os
 
     from fsspec.implementations.local import LocalFileSystem
@@ -193,6 +194,20 @@ def test_a_local_listing_tells_what_fsspec_tells(tmp_path: pathlib.Path) -> None
         got = Store(str(where), None).listdir(rel)
         assert got == reference(where / rel if rel else where), (where, rel)
     assert Store(str(root), None).listdir()["to-file"] == ("other", 2)
+
+    def answers(ask: Any, path: str) -> Any:
+        try:
+            return ask(path)
+        except FileNotFoundError:
+            return "absent"
+
+    store = Store(str(root), None)  # exists / isfile / isdir / size ask the OS: same answers
+    for rel in ["", "step-1", "step-1/a.safetensors", "f.json", "to-file", "to-dir", "dangling",
+                "fifo", "missing"]:  # fmt: skip
+        path = str(root / rel) if rel else str(root)
+        mine = [answers(f, rel) for f in (store.exists, store.isfile, store.isdir, store.size)]
+        theirs = [answers(f, path) for f in (fs.exists, fs.isfile, fs.isdir, fs.size)]
+        assert mine == theirs, rel
 
 
 def test_inside_root_agrees_with_resolving_both_paths(tmp_path: pathlib.Path) -> None:
