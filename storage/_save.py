@@ -520,12 +520,7 @@ class _SaveJob:
                 buf, off = arena.take(sum(sizes), cuda), 0
                 for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
                     staged = copy_into(
-                        tensors,
-                        buf[off : off + size],
-                        stream,
-                        arena.layouts,
-                        as_bytes=True,
-                        key=obj,
+                        tensors, buf[off : off + size], stream, arena.layouts, as_bytes=True
                     )
                     futures.append(pool.submit(self._write, obj, staged))
                     off += size

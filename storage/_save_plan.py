@@ -54,8 +54,7 @@ class PlannedObject:
 
     @functools.cached_property
     def staged_bytes(self) -> int:
-        """Host memory its pieces take when staged (each at the staging alignment); kept, as
-        the object is from save to save while the layout stays the same."""
+        """Host memory its pieces take when staged (each at the staging alignment)."""
         return sum(aligned_bytes(p.length * p.dtype.itemsize) for p in self.pieces)
 
 

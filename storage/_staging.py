@@ -155,7 +155,6 @@ def copy_into(
     layouts: dict[Any, Any] | None = None,
     *,
     as_bytes: bool = False,
-    key: Any = None,
 ) -> list[Any]:
     """Copy 1-D ``tensors`` into ``buf`` packed at aligned offsets; returns the views (with
     ``as_bytes``, memoryviews of their bytes, which is what a writer wants).
@@ -164,15 +163,10 @@ def copy_into(
     which is synchronised before this returns; CPU tensors in one batched copy. ``layouts`` (a
     dict the caller keeps as long as ``buf``'s memory, such as ``SnapshotArena.layouts``) keeps
     the views, so that the next copy of the same dtypes and sizes into the same buffer reuses
-    them: see [Note: the snapshot copy's cost]. ``key``: an object that fixes the dtypes and
-    sizes of ``tensors`` (a planned object), compared by identity, instead of them.
+    them: see [Note: the snapshot copy's cost].
     """
-    held = (buf.data_ptr(), buf.numel())
-    if key is None:
-        held += (tuple((t.dtype, t.numel()) for t in tensors),)
-    kept = None if layouts is None else layouts.get((*held, id(key)))
-    if kept is not None and kept[3] is not key:  # an id of an object gone since
-        kept = None
+    key = (buf.data_ptr(), buf.numel(), tuple((t.dtype, t.numel()) for t in tensors))
+    kept = None if layouts is None else layouts.get(key)
     if kept is None:
         views, spans, off = [], [], 0
         for t in tensors:
@@ -180,11 +174,11 @@ def copy_into(
             views.append(buf[off : off + nbytes].view(t.dtype))
             spans.append((off, off + nbytes))
             off += aligned_bytes(nbytes)
-        kept = [views, spans, None, key]  # (the key object held: its id stays its own)
+        kept = [views, spans, None]
         if layouts is not None:
             if len(layouts) >= _LAYOUTS_KEPT:  # layouts of other saves: start afresh
                 layouts.clear()
-            layouts[(*held, id(key))] = kept
+            layouts[key] = kept
     views = kept[0]
     if torch.cuda.is_initialized() and any(t.device.type != "cpu" for t in tensors):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

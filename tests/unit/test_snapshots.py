@@ -153,6 +153,9 @@ def test_saves_into_the_kept_arena_follow_changed_values_and_layouts(tmp_path: A
         got = storage.load_state_dict(url, step=step)
         for k, v in want.items():
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), (step, k)
+        # a layout is kept per layout seen in the kept buffer: the second save reused the
+        # first one's views; the fourth needed a bigger buffer, which drops the old layouts
+        assert len(_save._lanes[url].arena.layouts) == [1, 1, 2, 1][step - 1], step
 
 
 def test_reused_state_dicts_follow_replaced_tensors_and_the_current_lr() -> None:
