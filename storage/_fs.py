@@ -184,26 +184,26 @@ class Store:
 
     def exists(self, rel: str = "") -> bool:
         if self._os:
-            return os.path.exists(self.full(rel))
+            return self._retry(lambda: os.path.exists(self.full(rel)))
         self.invalidate(rel)
         return self._retry(lambda: self.fs.exists(self.full(rel)))
 
     def isfile(self, rel: str = "") -> bool:
         if self._os:
-            return os.path.isfile(self.full(rel))
+            return self._retry(lambda: os.path.isfile(self.full(rel)))
         self.invalidate(rel)
         return self._retry(lambda: self.fs.isfile(self.full(rel)))
 
     def isdir(self, rel: str = "") -> bool:
         if self._os:
-            return os.path.isdir(self.full(rel))
+            return self._retry(lambda: os.path.isdir(self.full(rel)))
         self.invalidate(rel)
         return self._retry(lambda: self.fs.isdir(self.full(rel)))
 
     def size(self, rel: str = "") -> int:
         """The size of an object in bytes; FileNotFoundError when it does not exist."""
         if self._os:
-            return os.stat(self.full(rel)).st_size
+            return self._retry(lambda: os.stat(self.full(rel)).st_size)
         return int(self._retry(lambda: self.fs.size(self.full(rel))))
 
     def disk_usage(self, rel: str = "") -> int:

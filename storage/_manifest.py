@@ -95,21 +95,30 @@ def seal(doc: dict[str, Any]) -> dict[str, Any]:
 
 def sealed_json(doc: dict[str, Any]) -> bytes:
     """``doc`` as written, sealed: its top-level keys in ``doc``'s order (``format`` first, where
-    format detection looks for it), ``manifest_checksum`` last. Each top-level value is encoded
-    once, canonically; the canonical document the checksum covers (:func:`canonical_json`) is
-    joined from the same pieces in sorted order. ``seal`` and a second dump took two encodings
-    (half a millisecond for a few hundred tensors, at every save)."""
+    format detection looks for it), ``manifest_checksum`` last. The checksum covers
+    :func:`canonical_json`, joined from each top-level value encoded with sorted keys; the file
+    reuses those pieces, except for the user's ``values`` and ``rank_values``, encoded a second
+    time in their own order (a load gives back dicts in the order they were saved). ``seal``
+    and a dump of the whole document took two encodings of the tensor table too (half a
+    millisecond for a few hundred tensors, at every save)."""
     compact = (",", ":")
-    parts = {
+    canonical = {
         k: f"{json.dumps(k)}:{json.dumps(v, sort_keys=True, separators=compact)}"
         for k, v in doc.items()
         if k != SELF_CHECKSUM
     }
-    canonical = ("{" + ",".join(parts[k] for k in sorted(parts)) + "}").encode()
+    body = ("{" + ",".join(canonical[k] for k in sorted(canonical)) + "}").encode()
     algorithm = ALGORITHM_OF_VERSION.get(doc.get("version"), WRITTEN)
-    check = {"algorithm": algorithm, "value": checksum_function(algorithm)(canonical, 0)}
-    parts[SELF_CHECKSUM] = f"{json.dumps(SELF_CHECKSUM)}:{json.dumps(check, separators=compact)}"
-    return ("{" + ",".join(parts.values()) + "}").encode()
+    check = {"algorithm": algorithm, "value": checksum_function(algorithm)(body, 0)}
+    written = {
+        k: f"{json.dumps(k)}:{json.dumps(doc[k], separators=compact)}" if k in _USER_ORDER else part
+        for k, part in canonical.items()
+    }
+    written[SELF_CHECKSUM] = f"{json.dumps(SELF_CHECKSUM)}:{json.dumps(check, separators=compact)}"
+    return ("{" + ",".join(written.values()) + "}").encode()
+
+
+_USER_ORDER = frozenset({"values", "rank_values"})  # written in the order the user gave
 
 
 def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = None) -> Manifest:

@@ -92,6 +92,21 @@ class _Threads:
             del future, fn, args  # an idle thread keeps nothing of its last job alive
 
 
+class _Bounded:
+    """At most ``n`` of one save's jobs at once on kept threads that may be more (an earlier
+    save asked for more): ``submit`` never blocks, a job waits for its turn on its thread."""
+
+    def __init__(self, threads: _Threads, n: int) -> None:
+        self._threads, self._turns = threads.grow(n), threading.Semaphore(n)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        def bounded() -> Any:
+            with self._turns:
+                return fn(*args)
+
+        return self._threads.submit(bounded)
+
+
 class _Lane:
     """The saves of this process to one root, one after the other (see [Note: one lane per
     root]): the latest save's handle, the snapshot memory and the thread of deferred saves."""
@@ -498,7 +513,7 @@ class _SaveJob:
 
     def stage_and_submit(
         self,
-        pool: ThreadPoolExecutor | _Threads,
+        pool: ThreadPoolExecutor | _Bounded,
         handle: SaveHandle,
         arena: SnapshotArena | None = None,
         stream: Any = None,
@@ -514,9 +529,7 @@ class _SaveJob:
             payloads = [self._payloads(obj) for obj in self.mine]
             sizes = [obj.staged_bytes for obj in self.mine]
             if arena is not None and sum(sizes) <= self.options.staging_budget_bytes:
-                cuda = torch.cuda.is_initialized() and any(
-                    t.device.type == "cuda" for p in payloads for t in p
-                )
+                cuda = any(t.device.type == "cuda" for p in payloads for t in p)
                 buf, off = arena.take(sum(sizes), cuda), 0
                 for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
                     staged = copy_into(
@@ -532,7 +545,7 @@ class _SaveJob:
 
     def _stage_in_budget(
         self,
-        pool: ThreadPoolExecutor | _Threads,
+        pool: ThreadPoolExecutor | _Bounded,
         handle: SaveHandle,
         payloads: list[list[torch.Tensor]],
         futures: list[Future],
@@ -654,7 +667,7 @@ class _DeferredSave:
                 raise local_error
 
         def run() -> None:
-            pool = self.lane.writers.grow(self.options.io.threads)
+            pool = _Bounded(self.lane.writers, self.options.io.threads)
             try:
                 if planned:
                     job = planned[0]
@@ -713,8 +726,6 @@ class _DeferredSave:
 def _queued_work_event(tensors: dict[str, TensorLeaf]) -> Any:
     """A CUDA event after the work queued so far on the caller's current stream, when a saved
     tensor lives on CUDA (the copy must not start before the values are computed); else None."""
-    if not torch.cuda.is_initialized():  # creating a CUDA tensor initializes CUDA: none exists
-        return None
     if any(t.local.device.type == "cuda" for t in tensors.values()):
         event = torch.cuda.Event()
         event.record()

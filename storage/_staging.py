@@ -180,7 +180,7 @@ def copy_into(
                 layouts.clear()
             layouts[key] = kept
     views = kept[0]
-    if torch.cuda.is_initialized() and any(t.device.type != "cpu" for t in tensors):
+    if any(t.device.type != "cpu" for t in tensors):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for view, t in zip(views, tensors, strict=True):
                 view.copy_(t.detach(), non_blocking=t.device.type == "cuda")

@@ -303,3 +303,35 @@ def test_retention_after_a_save_does_not_decode_the_manifest_just_written(
     written = storage.read_manifest(url)
     data = (tmp_path / "ckpt" / "step-2" / "manifest.json").read_bytes()
     assert written.to_json() == data and written == real(Manifest, data, where=url)
+
+
+def test_each_save_writes_with_at_most_its_own_io_threads(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root's writer threads are kept and grow to the most any save asked for; a later save
+    that asks for fewer still writes only that many objects at once."""
+    running, most, lock = [0], [0], threading.Lock()
+    real = _save._SaveJob._write
+
+    def write(self: Any, *args: Any) -> Any:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        try:
+            return real(self, *args)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(_save._SaveJob, "_write", write)
+    state = {f"t{i}": torch.full((300,), float(i)) for i in range(8)}  # 8 objects of 1200 bytes
+    url = str(tmp_path)
+    for step, threads in ((1, 4), (2, 1)):
+        options = storage.SaveOptions(object_bytes=1200, io=storage.IOOptions(threads=threads))
+        most[0] = 0
+        h = storage.save(state, url, step, async_save=True, defer_copy=True, options=options)
+        h.wait(30)
+        assert most[0] == threads, (step, most[0])
+    got = storage.load_state_dict(url, step=2)
+    assert all(torch.equal(got[k], v) for k, v in state.items())

@@ -144,7 +144,8 @@ def test_manifest_checksum_encoding_is_pinned() -> None:
 def test_a_written_manifest_holds_the_canonical_pieces_and_the_checksum() -> None:
     """What a save writes (``sealed_json``, one encoding of each value) decodes to the document
     ``seal`` makes; its checksum is the CRC-32C of ``canonical_json``; the top-level keys keep
-    the document's order (``format`` first: detection reads a manifest's first 64 bytes)."""
+    the document's order (``format`` first: detection reads a manifest's first 64 bytes), and
+    the user's values theirs."""
     from ftsdp.storage._manifest import sealed_json
 
     doc = {
@@ -157,6 +158,8 @@ def test_a_written_manifest_holds_the_canonical_pieces_and_the_checksum() -> Non
     assert json.loads(data) == seal(dict(doc))
     assert data.startswith(b'{"format":"ftsdp.storage","version":3,"attempt":"ab12",')
     assert list(json.loads(data)) == [*doc, SELF_CHECKSUM]
+    values = json.loads(data)["values"]  # the user's dicts keep their order in the file
+    assert list(values) == ["b", "a"] and list(values["a"][1]) == ["z", "y"]
     value = json.loads(data)[SELF_CHECKSUM]["value"]
     assert value == crc32c.crc32c(canonical_json(doc))
 
