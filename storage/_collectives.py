@@ -79,13 +79,13 @@ _LENGTH = 8  # bytes: a framed message's length, little-endian, before its bytes
 _FIRST = 64 << 10  # a broadcast's first (usually only) frame
 
 
-def _framed(data: bytes, size: int, device: Any = None) -> torch.Tensor:
+def _framed(data: bytes, size: int, device: torch.device) -> torch.Tensor:
     """``size`` bytes (at least the length field): ``len(data)``, then as much of ``data`` as
     fits, zeros after it; on the group's device."""
     buf = torch.zeros(size, dtype=torch.uint8)
     framed = len(data).to_bytes(_LENGTH, "little") + data[: size - _LENGTH]
     buf[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-    return buf if device is None else buf.to(device)
+    return buf.to(device)
 
 
 def _unframed(buf: torch.Tensor) -> tuple[int, bytes]:

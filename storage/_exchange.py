@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+from collections.abc import Collection
 from typing import Any
 
 from ftsdp.storage import _collectives
@@ -70,8 +71,8 @@ def exchange(
 ) -> tuple[SavePlan, list[dict[str, Any]]]:
     """Agree on and plan the save of ``step``; collective over ``group``.
 
-    ``meta``: this rank's ``error`` (or None), ``tensors`` rows ``[name, shape, dtype, offset,
-    length]``, JSON ``values`` and, on rank 0, ``attempt`` and ``replaces``. Returns the plan
+    ``meta``: this rank's ``error`` (or None), JSON ``values`` and, on rank 0, ``attempt`` and
+    ``replaces``; the rows of the tensors to coordinate come from ``leaves``. Returns the plan
     and, on rank 0, every rank's values (others: ``[]``). Raises the same error on every rank
     when a rank failed, the ranks save different steps, or the ranges do not fit together.
     ``wire``: the collectives (``rank_world``, ``all_reduce_max``, ``all_gather_json``,
@@ -120,7 +121,7 @@ def exchange(
     if coordinate or top[5]:  # else every rank's values are rank 0's: nothing to gather
         send: dict[str, Any] = {"values": differ}
         if coordinate:
-            send["tensors"] = [row for row in meta["tensors"] if row[0] in irregular]
+            send["tensors"] = tensor_rows(leaves, irregular)
             send["first"] = len(mine)
         gathered = wire.gather_json(send, group)
     rank_values: list[dict[str, Any]] = []
@@ -144,6 +145,16 @@ def exchange(
 
 
 _KINDS = {"irregular": 0, "whole": 1, "even": 2}
+
+
+def tensor_rows(leaves: dict[str, TensorLeaf], names: Collection[str]) -> list[list[Any]]:
+    """``[name, shape, dtype, offset, length]`` of the leaves named in ``names``, by name: what
+    the coordinator plans from (built only for the tensors it coordinates)."""
+    return [
+        [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length]
+        for n, t in sorted(leaves.items())
+        if n in names
+    ]
 
 
 NO_RULES: tuple[list[list[Any]], int, list[int], int] = ([], 0, [], 0)

@@ -87,10 +87,14 @@ def seal(doc: dict[str, Any]) -> dict[str, Any]:
     """Set ``doc``'s manifest checksum to match its content (in place), with the algorithm of
     ``doc["version"]`` (of the version written, for a version this code does not know);
     returns ``doc``."""
-    algorithm = ALGORITHM_OF_VERSION.get(doc.get("version"), WRITTEN)
-    value = checksum_function(algorithm)(canonical_json(doc), 0)
-    doc[SELF_CHECKSUM] = {"algorithm": algorithm, "value": value}
+    doc[SELF_CHECKSUM] = _self_checksum(doc, canonical_json(doc))
     return doc
+
+
+def _self_checksum(doc: dict[str, Any], canonical: bytes) -> dict[str, Any]:
+    """The checksum field of ``doc`` whose canonical encoding is ``canonical``."""
+    algorithm = ALGORITHM_OF_VERSION.get(doc.get("version"), WRITTEN)
+    return {"algorithm": algorithm, "value": checksum_function(algorithm)(canonical, 0)}
 
 
 def sealed_json(doc: dict[str, Any]) -> bytes:
@@ -108,8 +112,7 @@ def sealed_json(doc: dict[str, Any]) -> bytes:
         if k != SELF_CHECKSUM
     }
     body = ("{" + ",".join(canonical[k] for k in sorted(canonical)) + "}").encode()
-    algorithm = ALGORITHM_OF_VERSION.get(doc.get("version"), WRITTEN)
-    check = {"algorithm": algorithm, "value": checksum_function(algorithm)(body, 0)}
+    check = _self_checksum(doc, body)
     written = {
         k: f"{json.dumps(k)}:{json.dumps(doc[k], separators=compact)}" if k in _USER_ORDER else part
         for k, part in canonical.items()

@@ -22,7 +22,6 @@ import torch
 
 from ftsdp.storage._collectives import own_group, rank_world, resolve_group
 from ftsdp.storage._commit import Lineage, finish, fresh_attempt, plan_lineage
-from ftsdp.storage._dtypes import dtype_name
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._exchange import exchange
 from ftsdp.storage._fs import Store
@@ -412,22 +411,10 @@ def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
 
 
 def _describe(
-    state: Mapping[str, Any], rows: bool = True
+    state: Mapping[str, Any],
 ) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
-    """The leaves and this rank's metadata; ``rows=False`` leaves the tensor rows to
-    :func:`_tensor_rows` (off the caller's thread: they follow from the leaves alone)."""
     tensors, values = flatten_state(state)
-    meta = {"error": None, "values": {n: v.value for n, v in values.items()}}
-    if rows:
-        meta["tensors"] = _tensor_rows(tensors)
-    return tensors, meta
-
-
-def _tensor_rows(tensors: dict[str, TensorLeaf]) -> list[list[Any]]:
-    return [
-        [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length]
-        for n, t in sorted(tensors.items())
-    ]
+    return tensors, {"error": None, "values": {n: v.value for n, v in values.items()}}
 
 
 class _SaveJob:
@@ -650,7 +637,7 @@ class _DeferredSave:
         local_error: Exception | None = None
         tensors: dict[str, TensorLeaf] = {}
         try:
-            tensors, meta = _describe(state, rows=False)
+            tensors, meta = _describe(state)
             meta["values"] = json.loads(json.dumps(meta["values"]))  # the caller may change them
         except Exception as e:  # the peers still learn of it in the exchange: nobody hangs
             local_error, meta = e, {"error": f"{type(e).__name__}: {e}"}
@@ -697,8 +684,6 @@ class _DeferredSave:
         discard_newer: bool,
     ) -> _SaveJob:
         lineage: Lineage | None = None
-        if meta["error"] is None and "tensors" not in meta:
-            meta["tensors"] = _tensor_rows(tensors)
         if self.rank == 0 and meta["error"] is None:  # decides for every rank
             try:
                 lineage = plan_lineage(self.store, self.step, discard_newer)

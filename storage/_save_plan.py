@@ -9,7 +9,6 @@ once: split evenly among its holders when large, otherwise given to the least-lo
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +51,7 @@ class PlannedObject:
     def payload_bytes(self) -> int:
         return self.size - len(self.head)
 
-    @functools.cached_property
+    @property
     def staged_bytes(self) -> int:
         """Host memory its pieces take when staged (each at the staging alignment)."""
         return sum(aligned_bytes(p.length * p.dtype.itemsize) for p in self.pieces)

@@ -107,7 +107,7 @@ class SnapshotArena:
         self._bufs: dict[bool, torch.Tensor] = {}
         self._lock = threading.Lock()
         # copy_into's views of the kept buffers, by layout: valid while those buffers are kept
-        self.layouts: dict[Any, list[torch.Tensor]] = {}
+        self.layouts: dict[Any, tuple[list[torch.Tensor], list[memoryview]]] = {}
 
     def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """A uint8 buffer of exactly ``nbytes`` (a view of the kept one when it is big enough)."""
@@ -152,7 +152,7 @@ def copy_into(
     tensors: list[torch.Tensor],
     buf: torch.Tensor,
     stream: Any = None,
-    layouts: dict[Any, Any] | None = None,
+    layouts: dict[Any, tuple[list[torch.Tensor], list[memoryview]]] | None = None,
     *,
     as_bytes: bool = False,
 ) -> list[Any]:
@@ -168,18 +168,19 @@ def copy_into(
     key = (buf.data_ptr(), buf.numel(), tuple((t.dtype, t.numel()) for t in tensors))
     kept = None if layouts is None else layouts.get(key)
     if kept is None:
-        views, spans, off = [], [], 0
+        whole = memoryview(buf.numpy()).cast("B")
+        views, raw, off = [], [], 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             views.append(buf[off : off + nbytes].view(t.dtype))
-            spans.append((off, off + nbytes))
+            raw.append(whole[off : off + nbytes])
             off += aligned_bytes(nbytes)
-        kept = [views, spans, None]
+        kept = views, raw
         if layouts is not None:
             if len(layouts) >= _LAYOUTS_KEPT:  # layouts of other saves: start afresh
                 layouts.clear()
             layouts[key] = kept
-    views = kept[0]
+    views, raw = kept
     if any(t.device.type != "cpu" for t in tensors):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for view, t in zip(views, tensors, strict=True):
@@ -189,12 +190,7 @@ def copy_into(
     else:
         with torch.no_grad():
             torch._foreach_copy_(views, tensors)
-    if not as_bytes:
-        return list(views)
-    if kept[2] is None:
-        whole = memoryview(buf.numpy()).cast("B")
-        kept[2] = [whole[start:end] for start, end in kept[1]]
-    return list(kept[2])
+    return list(raw if as_bytes else views)
 
 
 _LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hundred bytes each)

@@ -101,18 +101,14 @@ def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, Valu
             elif isinstance(child, tuple) and _has_tensor(child):
                 raise TypeError(f"{name}: tuples holding tensors are not supported; use a list")
             else:
-                values[name] = ValueLeaf(name, _json_checked(name, child), obj, key)
+                try:
+                    json.dumps(child)
+                except (TypeError, ValueError) as e:
+                    raise TypeError(
+                        f"{name}: value of type {type(child).__name__} is neither a tensor nor "
+                        f"JSON-serialisable ({e}); convert it before saving"
+                    ) from e
+                values[name] = ValueLeaf(name, child, obj, key)
 
     walk("", state)
     return tensors, values
-
-
-def _json_checked(name: str, obj: Any) -> Any:
-    try:
-        json.dumps(obj)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"{name}: value of type {type(obj).__name__} is neither a tensor nor "
-            f"JSON-serialisable ({e}); convert it before saving"
-        ) from e
-    return obj

@@ -136,16 +136,7 @@ def plan_rank(
     """One rank's exchange and planning of a save of ``held``: the real
     ``storage._exchange.exchange`` on a :class:`Wire`. Returns the plan and the bytes this
     rank exchanged."""
-    meta = {
-        "error": None,
-        "tensors": [
-            [n, list(t.shape), "float32", t.range.offset, t.range.length]
-            for n, t in sorted(held.items())
-        ],
-        "values": {},
-        "attempt": ATTEMPT,
-        "replaces": None,
-    }
+    meta = {"error": None, "values": {}, "attempt": ATTEMPT, "replaces": None}
     wire = Wire(rank, world)
     plan, _ = _exchange.exchange(held, meta, None, 1, options, wire)
     return plan, wire.nbytes
@@ -155,11 +146,8 @@ def old_planning(layout: str, world: int, tensors: int, options: SaveOptions) ->
     """The replaced protocol: every rank's metadata all-gathered to every rank and planned."""
     metas = []
     for r in range(world):
-        rows = [
-            [n, list(t.shape), "float32", t.range.offset, t.range.length]
-            for n, t in sorted(leaves(layout, world, r, tensors).items())
-        ]
-        metas.append({"tensors": rows})
+        held = leaves(layout, world, r, tensors)
+        metas.append({"tensors": _exchange.tensor_rows(held, held)})
     gathered = sum(len(json.dumps(m)) for m in metas)
     clear_caches()
     start = time.perf_counter()
