@@ -332,6 +332,7 @@ def test_each_save_writes_with_at_most_its_own_io_threads(
         most[0] = 0
         h = storage.save(state, url, step, async_save=True, defer_copy=True, options=options)
         h.wait(30)
-        assert most[0] == threads, (step, most[0])
+        # at most its own threads (one at a time in the second save); the first did overlap
+        assert most[0] <= threads and (threads == 1 or most[0] >= 2), (step, most[0])
     got = storage.load_state_dict(url, step=2)
     assert all(torch.equal(got[k], v) for k, v in state.items())
