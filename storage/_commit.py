@@ -230,6 +230,7 @@ def commit(
     keep_every: int | None = None,
     lineage: Lineage | None = None,
     present: Collection[str] | None = None,
+    spare: bool = False,
 ) -> None:
     """Create the manifest exclusively: the commit. With ``lineage`` (from ``plan_lineage`` when
     the save was planned) first check that no other writer committed a step meanwhile, and back
@@ -239,7 +240,8 @@ def commit(
     ``lineage`` discards, ``latest`` when this is the newest committed step, removal of the
     attempt's done markers, and retention when ``keep_last`` is given (never of this step).
     ``present``: the objects this root holds, when it holds only some of the manifest's (a
-    node-local root, storage/_nodes.py); only those are checked before the commit."""
+    node-local root, storage/_nodes.py); only those are checked before the commit. ``spare``:
+    retention leaves the objects of the step it retires for the next save (``retain``)."""
     step, attempt = manifest.step, manifest.attempt
     rel, data = manifest_path(step), manifest.to_json()
     if lineage is not None:
@@ -291,7 +293,7 @@ def commit(
             if m is not None and m.group(1) == attempt:
                 store.remove(f"{step_dir(step)}/{name}")
         if keep_last is not None:
-            retain(store, keep_last, keep_every, protect=step)
+            retain(store, keep_last, keep_every, protect=step, spare=spare)
     except Exception as e:
         logger.warning(
             "step %d committed at %s, but updating 'latest', discarding newer steps or "
@@ -385,12 +387,14 @@ def finish(
     keep_every: int | None = None,
     lineage: Lineage | None = None,
     replaces: str | None = None,
+    spare: bool = False,
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
     checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
     every rank when it is not. On rank 0, ``rank_values`` holds every rank's values and
     ``world_size`` is the number of ranks (others: unused). ``lineage``: rank 0's ``plan_lineage`` of this save; ``replaces``: the attempt
-    of an earlier commit of this step that it replaces (every rank knows it from the plan)."""
+    of an earlier commit of this step that it replaces (every rank knows it from the plan);
+    ``spare``: see ``commit``."""
     if rank != 0:  # report, then wait for rank 0's verdict
         objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
         regular = _regular_count(plan, rank)
@@ -412,7 +416,14 @@ def finish(
             manifest = manifest_of_reports(
                 plan, {**crcs, **theirs}, sizes, counts, step, checksum_block_bytes, rank_values
             )
-            commit(store, manifest, keep_last=keep_last, keep_every=keep_every, lineage=lineage)
+            commit(
+                store,
+                manifest,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                lineage=lineage,
+                spare=spare,
+            )
             return
         except BaseException as e:
             error = e

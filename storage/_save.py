@@ -25,7 +25,7 @@ from ftsdp.storage._commit import Lineage, finish, fresh_attempt, plan_lineage
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._exchange import exchange
 from ftsdp.storage._fs import Store
-from ftsdp.storage._layout import step_dir
+from ftsdp.storage._layout import manifest_path, step_dir
 from ftsdp.storage._nodes import finish_on_nodes
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage._safetensors import write_object
@@ -116,6 +116,28 @@ class _Lane:
         self.arena = SnapshotArena()
         self.worker = _Threads("storage-snapshot")  # the deferred saves, one after the other
         self.writers = _Threads("storage-save")  # their objects' writes
+        # This rank's objects of its last committed saves, (step, paths), oldest first: once
+        # retention retired such a step, the next save overwrites them (``take_retired``).
+        self.written: list[tuple[int, list[str]]] = []
+
+    def take_retired(self, store: Store) -> list[str]:
+        """This rank's objects of its newest committed save whose step is no longer committed
+        (retired: ``SaveOptions.reuse_retired`` left them for this save), forgetting it and the
+        older ones; [] when there is none."""
+        for i in reversed(range(len(self.written))):
+            step, paths = self.written[i]
+            if not store.exists(manifest_path(step)):
+                del self.written[: i + 1]
+                return paths
+        return []
+
+    def wrote(self, step: int, paths: list[str]) -> None:
+        """Remember this rank's objects of a committed save (the last few saves)."""
+        self.written.append((step, paths))
+        del self.written[:-_REMEMBERED_SAVES]
+
+
+_REMEMBERED_SAVES = 8  # more than any keep_last a loop that saves often uses
 
 
 # [Note: one lane per root]
@@ -356,6 +378,7 @@ def save(
     if node is not None:
         job.node, job.discard_newer = node, discard_newer
         job.commit_group = None if group is None else own_group(group, lane.key)
+    job.use_lane(lane)
     if async_save:
         job.start(handle)
     else:
@@ -445,6 +468,23 @@ class _SaveJob:
         self.node: str | None = None  # a node-local root (storage/_nodes.py)
         self.commit_group: Any = None  # there: storage's own group, for the commit
         self.discard_newer = False
+        self.lane: _Lane | None = None  # set by use_lane
+        self.spares: dict[str, str] = {}  # object -> a retired object to overwrite with it
+
+    def use_lane(self, lane: _Lane) -> None:
+        """Save through ``lane``; with ``SaveOptions.reuse_retired``, take this rank's objects
+        of its newest retired save to overwrite, one per object in order (see [Note:
+        overwriting a retired object] in _fs.py). Called once the plan is agreed: rank 0 has
+        then finished the previous save's retention."""
+        self.lane = lane
+        if self.reusing:
+            paths = lane.take_retired(self.store)
+            self.spares = {o.name: p for o, p in zip(self.mine, paths, strict=False)}
+
+    @property
+    def reusing(self) -> bool:
+        """Whether retired objects are overwritten (an option; local, not node-local roots)."""
+        return bool(self.options.reuse_retired) and self.store.local and self.node is None
 
     # -- writing this rank's objects ------------------------------------------------------------
 
@@ -467,7 +507,7 @@ class _SaveJob:
                 f, obj.head, len(payloads), enumerate(payloads), self.options.checksum_block_bytes
             )
 
-        self.store.write(f"{step_dir(self.step)}/{obj.name}", produce)
+        self.store.write(f"{step_dir(self.step)}/{obj.name}", produce, self.spares.get(obj.name))
         return result
 
     def run_inline(self) -> None:
@@ -591,7 +631,15 @@ class _SaveJob:
                 **common,
             )
             return
-        finish(*args, timeout_s=self.options.commit_timeout_s, replaces=self.replaces, **common)
+        finish(
+            *args,
+            timeout_s=self.options.commit_timeout_s,
+            replaces=self.replaces,
+            spare=self.reusing,
+            **common,
+        )
+        if self.reusing and self.lane is not None:
+            self.lane.wrote(self.step, [f"{step_dir(self.step)}/{o.name}" for o in self.mine])
 
 
 # [Note: deferred snapshots]
@@ -705,6 +753,7 @@ class _DeferredSave:
         job.lineage, job.replaces = lineage, plan.replaces
         if self.node is not None:
             job.node, job.commit_group, job.discard_newer = self.node, self.own, discard_newer
+        job.use_lane(self.lane)
         return job
 
 

@@ -199,6 +199,7 @@ class Deletion:
     files: list[tuple[str, int]] = field(default_factory=list)  # (path under the root, size)
     left: list[str] = field(default_factory=list)
     whole: bool = True  # the step goes: its directory is removed once empty
+    objects: list[str] = field(default_factory=list)  # of ``files``, those its manifest lists
 
     @property
     def bytes(self) -> int:
@@ -230,6 +231,8 @@ def plan_removal(store: Store, d: StepDir) -> Deletion | None:
     for name in names:
         if _mine(store, d, name, listed):
             plan.files.append((f"{step_dir(d.step)}/{name}", d.entries[name][1]))
+            if name in listed:
+                plan.objects.append(plan.files[-1][0])
         else:
             plan.left.append(name)
     if d.manifest is None and plan.left:
@@ -252,14 +255,16 @@ def plan_strays(store: Store, d: StepDir) -> Deletion:
     return plan
 
 
-def execute(store: Store, plan: Deletion) -> None:
+def execute(store: Store, plan: Deletion, spare: bool = False) -> None:
     """Delete the files of ``plan`` in order (each checked again: no link, inside the root), then
-    its directory if the step goes and nothing is left in it."""
+    its directory if the step goes and nothing is left in it. ``spare``: leave the objects the
+    manifest lists, for the next save to overwrite (see ``retain``)."""
+    kept = set(plan.objects) if spare else set()
     for rel, _ in plan.files:
-        if store.is_link(rel) or not store.inside_root(rel):
+        if rel in kept or store.is_link(rel) or not store.inside_root(rel):
             continue
         store.remove(rel)
-    if plan.whole and not plan.left:
+    if plan.whole and not plan.left and not kept:
         store.remove_empty_dir(step_dir(plan.step))
 
 
@@ -360,16 +365,25 @@ def plan_retention(
 
 
 def retain(
-    store: Store, keep_last: int, keep_every: int | None, protect: int | None = None
+    store: Store,
+    keep_last: int,
+    keep_every: int | None,
+    protect: int | None = None,
+    spare: bool = False,
 ) -> list[int]:
     """Apply retention under ``store`` (see ``plan_retention``); return the removed steps
     (committed and torn), ascending. What was left alone is logged (WARNING, logger
-    ``ftsdp.storage._steps``)."""
+    ``ftsdp.storage._steps``). ``spare`` (``SaveOptions.reuse_retired``): of the newest
+    committed step removed, delete the manifest and the rest but leave the objects, a torn
+    step now, for the next save to overwrite (see [Note: overwriting a retired object] in
+    _fs.py); the next retention removes what that save did not take."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     plan = plan_retention(store, keep_last, keep_every, protect)
+    committed = [r.step for r in plan.removals if r.objects and store.local]
+    spared = max(committed) if spare and committed else None
     for removal in plan.removals + plan.strays:
-        execute(store, removal)
+        execute(store, removal, spare=removal.step == spared and removal.whole)
     if plan.notes:
         logger.warning("retention left alone: %s", "; ".join(plan.notes))
     return plan.removed_steps
