@@ -224,3 +224,16 @@ def test_checkpoint_manager_reuses_and_close_leaves_only_kept_steps(tmp_path, ta
     assert again.resume({"step": 0}).step == 6
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
     again.close()
+
+
+def test_concurrent_readers_never_see_an_overwritten_object(tmp_path) -> None:
+    """The short version of ``python -m ftsdp.tools.stress_reuse``: a save every few
+    milliseconds, each retiring the previous step, while two processes load and hold mappings.
+    (With the lease check disabled its longer run gets wrong loads and changed mappings.)"""
+    from ftsdp.tools.stress_reuse import run
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    totals = run(4.0, 2, str(root))
+    assert totals["wrong"] == 0 and totals["changed"] == 0, totals
+    assert totals["exact"] > 0 and totals["held"] > 0 and totals["reused"] > 0, totals
