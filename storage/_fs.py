@@ -34,17 +34,35 @@ that end on multiples of 2 MiB of the object, whatever the header's length.
 Writing a new file costs the kernel more than the copy: on tmpfs a fresh 4 MiB file took 2.8 ms
 of CPU and its deletion 0.8 ms, where overwriting an existing one took 1.2 ms (the copy alone:
 0.6 ms), because pages are allocated and zeroed for the new file and freed for the old one. A
-job saving every step or two pays that at every save. So a save may take a file of a step that
-retention retired (``SaveOptions.reuse_retired``) as its temporary file and overwrite it in
-place (``write(..., reuse=...)``), but only when nothing else can see it change. Objects are
-otherwise immutable, and a reader that mapped one (a load, an inference job) or a user's hard
-link to it (a backup made with ``cp -al``) must keep the bytes it had. The file is first renamed
-to the new temporary name, so no one can open it by its old name any more; then it is taken
-only if it is a regular file with one link that no process holds open or mapped. The last check
-is a Linux write lease (``F_SETLEASE``), which the kernel grants only to the sole opener of a
-file; it is released at once (a later open by anyone would have to find the temporary name).
-Otherwise the file is deleted, as retention would have done (a reader keeps its own copy of
-the inode), and a new one is written. Only local filesystems; object stores always write anew.
+job saving every step or two to shared memory pays that at every save. So a save may take a
+file of a step that retention retired (``SaveOptions.reuse_retired``) as its temporary file and
+overwrite it in place (``write(..., reuse=...)``), but only when nobody else can see it change:
+objects are otherwise immutable, and a reader that opened or mapped one (a load, an inference
+job) or a user's hard link to it (a ``cp -al`` backup) must keep the bytes it had.
+
+1. Only on tmpfs (``Store.tmpfs``), where the gain is, a crash loses everything anyway, and no
+   other machine reads the files; never on a disk or network filesystem.
+2. The file is opened without following links and taken only if it is the very file this
+   process wrote (device and inode as recorded at that write), a regular file with one link.
+3. A Linux write lease (``F_SETLEASE``) is taken on it: the kernel grants it only to a file's
+   sole opener, so a reader holding it open or mapped makes it stay as it is (the next
+   retention deletes it; the reader keeps its inode). The lease is held through the whole
+   overwrite: any open of the file by anyone in that time breaks it. Its break signal is set
+   to ``SIGURG`` (ignored by default), not the default ``SIGIO``, which would kill the process.
+4. The file is renamed to the new temporary name: no lookup of the old name finds it any more.
+   If the lease was broken by then (an open that looked up the old name just before), the file
+   is renamed back, untouched, and a new file is written.
+5. After the overwrite the lease must still be held. If it was broken meanwhile, the file is
+   truncated to nothing before the lease is given back (the opener, let through only then, sees
+   an empty file, which every reader refuses, never a mix of two steps), and the object is
+   written anew under another name.
+
+What a lease cannot see: a process that resolved the old name before the rename and opens it
+only after the overwrite finished (an ``O_PATH`` descriptor kept for later) gets the new,
+complete object under the old name; ``load`` refuses it by its checksums, a reader that checks
+nothing would not. And a reader blocked by the lease for longer than the kernel's
+``lease-break-time`` (45 s by default) is let through by the kernel while the overwrite goes on;
+an object is overwritten in milliseconds on tmpfs.
 """
 
 from __future__ import annotations
@@ -52,12 +70,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import functools
 import io
 import mmap
 import os
 import posixpath
 import re
 import shutil
+import signal
 import stat
 import uuid
 from collections.abc import Callable, Iterator
@@ -83,21 +103,34 @@ _READ_AHEAD = 64 << 10  # what a small read of an opened object fetches (see Ran
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
 
 
-_F_SETLEASE = getattr(fcntl, "F_SETLEASE", None) if fcntl is not None else None
-
-
-def _sole_opener(fd: int) -> bool:
-    """Whether the file open as ``fd`` is open (or mapped) by nobody else, here or in another
-    process: Linux grants a write lease only then. The lease is given back at once. False
-    wherever leases are not available (other systems, network filesystems, leases disabled)."""
-    if _F_SETLEASE is None:
+def _lease(fd: int) -> bool:
+    """Take a write lease on the file open as ``fd``: granted only when nobody else, here or in
+    another process, has it open or mapped. A break is signalled with SIGURG (ignored unless
+    the program handles it), not SIGIO (which terminates). False where leases are unavailable
+    (other systems, some filesystems, leases disabled)."""
+    if fcntl is None or not hasattr(fcntl, "F_SETLEASE"):
         return False
     try:
-        fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
     except OSError:
         return False
-    fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
     return True
+
+
+def _lease_intact(fd: int) -> bool:
+    """Whether the write lease on ``fd`` is still held and unbroken (an open by anyone breaks it:
+    ``F_GETLEASE`` then answers the type being broken to)."""
+    return fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_WRLCK
+
+
+def _unlease(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+
+
+class _LeaseBroken(Exception):
+    """An overwritten retired object was opened by someone during the overwrite (see [Note:
+    overwriting a retired object]); the object is written anew."""
 
 
 _PLAIN_NAME = re.compile(r"[^/\\:\x00-\x1f\x7f]{1,255}")
@@ -147,6 +180,41 @@ def _scan_local(path: str) -> dict[str, tuple[str, int]]:
     return out
 
 
+def _mount_type(path: str) -> str | None:
+    """The filesystem type of the mount holding ``path`` (its nearest existing ancestor), from
+    ``/proc/self/mountinfo``; None where that is unreadable. Kept per path and device (a mount
+    there since changes the device)."""
+    path = os.path.realpath(path)
+    while not os.path.exists(path) and path != "/":
+        path = os.path.dirname(path)
+    key = (path, os.stat(path).st_dev)
+    if key not in _mount_types:
+        _mount_types[key] = _read_mount_type(path)
+    return _mount_types[key]
+
+
+_mount_types: dict[tuple[str, int], str | None] = {}
+
+
+def _read_mount_type(path: str) -> str | None:
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):  # the last of equal mount points is on top
+            best, kind = point, right.split()[0]
+    return kind
+
+
 class Store:
     """An fsspec filesystem rooted at ``url``; every path argument is relative to the root."""
 
@@ -163,6 +231,11 @@ class Store:
 
     def full(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
+
+    @functools.cached_property
+    def tmpfs(self) -> bool:
+        """Whether the root is on a tmpfs mount (host memory: ``/dev/shm``), by the mount table."""
+        return self.local and _mount_type(self.root) == "tmpfs"
 
     def where(self, rel: str = "") -> str:
         """A URL for messages."""
@@ -350,29 +423,37 @@ class Store:
     # -- writing ----------------------------------------------------------------------------------
 
     def write(
-        self, rel: str, produce: Callable[[IO[bytes]], None], reuse: str | None = None
-    ) -> bool:
+        self,
+        rel: str,
+        produce: Callable[[IO[bytes]], None],
+        reuse: Retired | None = None,
+    ) -> Identity | None:
         """Write an object whose bytes ``produce(f)`` writes to ``f``, atomically (see the note).
 
         A transient error retries the whole object, so ``produce`` must be able to run again
         from the start (it writes a new file each time); ``io.part_bytes`` is the upload buffer.
-        ``reuse``: a retired object of this store to overwrite instead of writing a new file,
-        when nobody else can see it change (see [Note: overwriting a retired object]; local
-        filesystems only, first try only). Returns whether it was reused.
+        ``reuse``: a retired object this process wrote, ``(path, identity)``, to overwrite
+        instead of writing a new file when nobody else can see it change (see [Note:
+        overwriting a retired object]; tmpfs only). Returns the written file's identity
+        (device, inode) on a local filesystem, for a later ``reuse``; None elsewhere.
         """
-        if reuse is None or not self.local:
-            self._retry(lambda: self._write_once(rel, produce))
-            return False
-        job = _Reusing(produce, reuse)
-        self._retry(lambda: self._write_once(rel, job))
-        return job.taken
+        job = _Reusing(produce, reuse if reuse is not None and self.tmpfs else None)
+
+        def once() -> None:
+            try:
+                self._write_once(rel, job)
+            except _LeaseBroken:
+                self._write_once(rel, job)  # the retired file is given up: a new one
+
+        self._retry(once)
+        return job.identity
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         self.write(rel, lambda f: f.write(data))
 
     def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
-        reuse = produce if isinstance(produce, _Reusing) else None
-        with self._atomic_write(self.full(rel), isinstance(produce, _CreateOnly), reuse) as f:
+        job = produce if isinstance(produce, _Reusing) else None
+        with self._atomic_write(self.full(rel), isinstance(produce, _CreateOnly), job) as f:
             produce(f)
 
     @contextlib.contextmanager
@@ -382,25 +463,31 @@ class Store:
         """``path`` exists only complete: a temporary name renamed on a local disk, an upload
         that is discarded (never completed) on an object store when the body raises. With
         ``exclusive``, only if ``path`` does not exist yet (see ``write_exclusive``). ``reuse``
-        (local): the write of ``write(..., reuse=...)``, whose retired object is taken as the
-        temporary file when no one else can see it (see [Note: overwriting a retired
-        object]); only at its first try."""
+        (local): the write of ``write(..., reuse=...)``: its retired object, if any, is taken
+        as the temporary file at the first try when nobody else can see it (see [Note:
+        overwriting a retired object]), and the written file's identity is recorded."""
         if self.local:
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             try:
                 spare = None
-                if reuse is not None:
-                    if reuse.spare is not None:  # the first try only
-                        spare, reuse.spare = self._take_retired(reuse.spare, tmp), None
-                    reuse.taken = spare is not None
+                if reuse is not None and reuse.spare is not None:  # the first try only
+                    spare, reuse.spare = self._take_retired(*reuse.spare, tmp), None
                 with spare or open(tmp, "wb") as f:
                     yield f
                     if spare is not None:
                         f.truncate()  # the end of what was written: the old object was longer
+                        f.flush()
+                        if not _lease_intact(f.fileno()):  # opened meanwhile: show it nothing
+                            f.truncate(0)
+                            raise _LeaseBroken(path)
+                        _unlease(f.fileno())
                     f.flush()
                     os.fsync(f.fileno())
+                    if reuse is not None:
+                        st = os.fstat(f.fileno())
+                        reuse.identity = (st.st_dev, st.st_ino)
                 if exclusive:
                     _link_exclusive(tmp, path)
                 else:
@@ -436,36 +523,34 @@ class Store:
             raise
         f.close()
 
-    def _take_retired(self, rel: str, tmp: str) -> IO[bytes] | None:
-        """Rename the retired object ``rel`` to ``tmp`` and open it for overwriting, if it is a
-        regular file inside the root, with one link, that no process holds open or mapped
-        (see [Note: overwriting a retired object]); else None, and the file is deleted when
-        it was moved (anything else under ``rel`` is left as it was)."""
+    def _take_retired(self, rel: str, identity: Identity, tmp: str) -> IO[bytes] | None:
+        """The retired object ``rel``, renamed to ``tmp`` and open for overwriting under a write
+        lease, if it is the file ``identity`` names, with one link, and nobody else holds or
+        opens it (steps 2 to 4 of [Note: overwriting a retired object]); else None, and the
+        file is where it was, untouched (the next retention deletes it)."""
         src = self.full(rel)
         try:
-            if not stat.S_ISREG(os.lstat(src).st_mode) or not self.inside_root(rel):
+            fd = os.open(src, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # gone (a gc got there first), a link, not ours to open
+            return None
+        try:
+            st = os.fstat(fd)
+            ours = (st.st_dev, st.st_ino) == tuple(identity) and stat.S_ISREG(st.st_mode)
+            if not (ours and st.st_nlink == 1 and _lease(fd)):
                 return None
             os.rename(src, tmp)
-        except OSError:  # gone (a retention or gc got there first), or not renamable
-            return None
-        fd = -1
-        try:
-            fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and _sole_opener(fd):
+            moved = os.stat(tmp, follow_symlinks=False)
+            if (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino) and _lease_intact(fd):
                 f = os.fdopen(fd, "r+b")
                 fd = -1
                 return f
+            os.rename(tmp, src)  # opened meanwhile (or swapped): put it back untouched
+            return None
         except OSError:
-            pass
+            return None
         finally:
             if fd >= 0:
-                os.close(fd)
-        if stat.S_ISREG(os.lstat(tmp).st_mode):
-            os.remove(tmp)  # as retention would have: a reader or another link keeps the bytes
-        else:  # swapped for something else between the checks: put it back untouched
-            os.rename(tmp, src)
-        return None
+                os.close(fd)  # gives the lease back
 
     def remove(self, rel: str, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -533,12 +618,17 @@ class Store:
         return True
 
 
+Identity = tuple[int, int]  # (st_dev, st_ino) of a file this process wrote
+Retired = tuple[str, Identity]  # a retired object to overwrite: its path and identity
+
+
 class _Reusing:
     """The producer of ``write(..., reuse=...)``: ``produce`` with the retired object to take
-    at the first try (``spare``) and whether it was taken."""
+    at the first try (``spare``), and the identity of the file written."""
 
-    def __init__(self, produce: Callable[[IO[bytes]], None], spare: str) -> None:
-        self.produce, self.spare, self.taken = produce, spare, False
+    def __init__(self, produce: Callable[[IO[bytes]], None], spare: Retired | None) -> None:
+        self.produce, self.spare = produce, spare
+        self.identity: Identity | None = None
 
     def __call__(self, f: IO[bytes]) -> None:
         self.produce(f)

@@ -24,7 +24,7 @@ from ftsdp.storage._collectives import own_group, rank_world, resolve_group
 from ftsdp.storage._commit import Lineage, finish, fresh_attempt, plan_lineage
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._exchange import exchange
-from ftsdp.storage._fs import Store
+from ftsdp.storage._fs import Retired, Store
 from ftsdp.storage._layout import manifest_path, step_dir
 from ftsdp.storage._nodes import finish_on_nodes
 from ftsdp.storage._options import SaveOptions
@@ -116,28 +116,26 @@ class _Lane:
         self.arena = SnapshotArena()
         self.worker = _Threads("storage-snapshot")  # the deferred saves, one after the other
         self.writers = _Threads("storage-save")  # their objects' writes
-        # This rank's objects of its last committed saves, (step, paths), oldest first: once
-        # retention retired such a step, the next save overwrites them (``take_retired``).
-        self.written: list[tuple[int, list[str]]] = []
+        # This rank's objects of its last committed saves, (step, [(path, identity)]), oldest
+        # first: once retention retired such a step, the next save overwrites them.
+        self.written: list[tuple[int, list[Retired]]] = []
 
-    def take_retired(self, store: Store) -> list[str]:
+    def take_retired(self, store: Store) -> list[Retired]:
         """This rank's objects of its newest committed save whose step is no longer committed
         (retired: ``SaveOptions.reuse_retired`` left them for this save), forgetting it and the
         older ones; [] when there is none."""
         for i in reversed(range(len(self.written))):
-            step, paths = self.written[i]
+            step, objects = self.written[i]
             if not store.exists(manifest_path(step)):
                 del self.written[: i + 1]
-                return paths
+                return objects
         return []
 
-    def wrote(self, step: int, paths: list[str]) -> None:
-        """Remember this rank's objects of a committed save (the last few saves)."""
-        self.written.append((step, paths))
-        del self.written[:-_REMEMBERED_SAVES]
-
-
-_REMEMBERED_SAVES = 8  # more than any keep_last a loop that saves often uses
+    def wrote(self, step: int, objects: list[Retired], keep_last: int) -> None:
+        """Remember this rank's objects of a committed save: as many saves as retention keeps
+        and a few more (steps ``keep_every`` keeps may sit between them)."""
+        self.written.append((step, objects))
+        del self.written[: -(keep_last + 4)]
 
 
 # [Note: one lane per root]
@@ -469,7 +467,8 @@ class _SaveJob:
         self.commit_group: Any = None  # there: storage's own group, for the commit
         self.discard_newer = False
         self.lane: _Lane | None = None  # set by use_lane
-        self.spares: dict[str, str] = {}  # object -> a retired object to overwrite with it
+        self.spares: dict[str, Retired] = {}  # object -> a retired object to overwrite with it
+        self.written: dict[str, Retired] = {}  # object -> (path, identity), when reusing
 
     def use_lane(self, lane: _Lane) -> None:
         """Save through ``lane``; with ``SaveOptions.reuse_retired``, take this rank's objects
@@ -478,13 +477,19 @@ class _SaveJob:
         then finished the previous save's retention."""
         self.lane = lane
         if self.reusing:
-            paths = lane.take_retired(self.store)
-            self.spares = {o.name: p for o, p in zip(self.mine, paths, strict=False)}
+            spares = lane.take_retired(self.store)
+            self.spares = {o.name: s for o, s in zip(self.mine, spares, strict=False)}
 
     @property
     def reusing(self) -> bool:
-        """Whether retired objects are overwritten (an option; local, not node-local roots)."""
-        return bool(self.options.reuse_retired) and self.store.local and self.node is None
+        """Whether retired objects are overwritten: the option, with retention, on a tmpfs root
+        that is not node-local."""
+        return (
+            bool(self.options.reuse_retired)
+            and self.keep_last is not None
+            and self.node is None
+            and self.store.tmpfs
+        )
 
     # -- writing this rank's objects ------------------------------------------------------------
 
@@ -507,7 +512,10 @@ class _SaveJob:
                 f, obj.head, len(payloads), enumerate(payloads), self.options.checksum_block_bytes
             )
 
-        self.store.write(f"{step_dir(self.step)}/{obj.name}", produce, self.spares.get(obj.name))
+        rel = f"{step_dir(self.step)}/{obj.name}"
+        identity = self.store.write(rel, produce, self.spares.get(obj.name))
+        if identity is not None:
+            self.written[obj.name] = (rel, identity)
         return result
 
     def run_inline(self) -> None:
@@ -638,8 +646,9 @@ class _SaveJob:
             spare=self.reusing,
             **common,
         )
-        if self.reusing and self.lane is not None:
-            self.lane.wrote(self.step, [f"{step_dir(self.step)}/{o.name}" for o in self.mine])
+        if self.reusing and self.lane is not None and self.keep_last is not None:
+            objects = [self.written[o.name] for o in self.mine if o.name in self.written]
+            self.lane.wrote(self.step, objects, self.keep_last)
 
 
 # [Note: deferred snapshots]

@@ -177,8 +177,8 @@ class CheckpointManager:
             [Note: the memory tier on several machines]).
         save_options: how saves are laid out and written; ``reuse_retired`` (None: on here)
             lets a save overwrite the objects of the step retention just retired instead of
-            writing new files, where no one else holds them (local roots: a fifth of the CPU a
-            save to ``/dev/shm`` costs); :meth:`close` removes what the last save left.
+            writing new files, where nobody else holds them (tmpfs roots such as ``/dev/shm``
+            and the memory tier); :meth:`close` removes what the last retention left.
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages (default: the ``ftsdp.trainer._checkpoint`` logger, at WARNING);
             fallbacks are logged here, loudly.
@@ -255,6 +255,7 @@ class CheckpointManager:
         self._durable_base: int | None = None  # the newest durable step known to be committed
         self._last_save = time.monotonic()
         self.last_saved_step: int | None = None
+        self._saved_here = False  # a save of this manager was started (not just a resume)
         self._discard_newer = False  # the resume fell back: see [Note: continuing after a fallback]
 
     # -- the state ------------------------------------------------------------------------------
@@ -321,6 +322,7 @@ class CheckpointManager:
             discard_newer=self._discard_newer,
         )
         self._discard_newer = False  # once: after this save the newer steps are gone
+        self._saved_here = True
         self._pending = handle  # even when already done: a failed save must still surface
         self._last_save = time.monotonic()
         self.last_saved_step = step
@@ -673,11 +675,14 @@ class CheckpointManager:
 
     def _remove_retired(self) -> None:
         """Rank 0, once the last save committed: a retention pass that removes the objects the
-        last retention left for a next save (``SaveOptions.reuse_retired``)."""
+        last retention left for a next save (``SaveOptions.reuse_retired``), when this manager
+        saved (with the retention every save of it applied already, so it removes nothing
+        else of the run's own steps)."""
         if (
             self.save_options.reuse_retired
             and self.keep_last is not None
-            and self.last_saved_step is not None
+            and self._saved_here  # a resume alone never deletes anything
+            and not self._discard_newer
             and self._rank_world()[0] == 0
         ):
             try:

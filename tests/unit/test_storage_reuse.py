@@ -1,14 +1,20 @@
 """Overwriting retired objects (``SaveOptions.reuse_retired``; [Note: overwriting a retired object]
-in storage/_fs.py): a save takes the objects of the step retention just retired as its own
-files, but never one that anyone else can still see: a reader holding it open or mapped, a hard
-link of the user's, a link put in its place. What is saved and loaded stays bitwise the state.
+in storage/_fs.py): on tmpfs a save takes the objects of the step retention just retired as its
+own files, but never one that anyone else can still see: a reader holding it open or mapped, a
+hard link of the user's, a link or another file put in its place, an open during the overwrite.
+What is saved and loaded stays bitwise the state; nothing of the user's is touched.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import pathlib
+import shutil
+import tempfile
+import threading
+import time
 import zlib
 
 import pytest
@@ -23,13 +29,23 @@ REUSE = storage.SaveOptions(reuse_retired=True)
 
 
 @pytest.fixture
+def tmp_path() -> pathlib.Path:  # type: ignore[override]
+    """A fresh directory on tmpfs (host shared memory), where retired objects are reused."""
+    if not Store("/dev/shm", None).tmpfs:
+        pytest.fail("/dev/shm is not a tmpfs mount here: these tests need one")
+    path = pathlib.Path(tempfile.mkdtemp(prefix="ftsdp-test-reuse-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def taken(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     """Every retired object a save tried to take, and whether it was taken."""
     seen: list[tuple[str, bool]] = []
     real = Store._take_retired
 
-    def watch(self: Store, rel: str, tmp: str):
-        f = real(self, rel, tmp)
+    def watch(self: Store, rel: str, identity: tuple[int, int], tmp: str):
+        f = real(self, rel, identity, tmp)
         seen.append((rel, f is not None))
         return f
 
@@ -112,8 +128,8 @@ def test_a_reader_keeps_the_bytes_it_holds(tmp_path, taken, how) -> None:
     try:
         storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
         storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
-        assert taken == [(f"step-1/{obj.name}", False)]  # deleted, as retention would have
-        assert not obj.exists()
+        assert taken == [(f"step-1/{obj.name}", False)]  # left to retention, which deleted it
+        assert not obj.exists() and not (root / "step-1").exists()
         now = held[:] if held is not None else os.pread(fd, len(before) + 1, 0)
         assert now == before
     finally:
@@ -150,8 +166,8 @@ def test_a_link_put_in_place_of_a_retired_object_is_never_followed(tmp_path, tak
 
 
 def test_a_file_that_cannot_be_proven_unseen_is_written_anew(tmp_path, monkeypatch) -> None:
-    """Without leases (another OS, a network filesystem) nothing is overwritten."""
-    monkeypatch.setattr("ftsdp.storage._fs._sole_opener", lambda fd: False)
+    """Without leases (another OS, leases disabled) nothing is overwritten."""
+    monkeypatch.setattr("ftsdp.storage._fs._lease", lambda fd: False)
     root = tmp_path / "ckpt"
     (obj,) = _save_step_1(root)
     storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
@@ -160,10 +176,101 @@ def test_a_file_that_cannot_be_proven_unseen_is_written_anew(tmp_path, monkeypat
     try:
         storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
         assert all(p.stat().st_ino != ino for p in _objects(root, 3))
-        assert os.fstat(fd).st_nlink == 0  # deleted, as retention would have
+        assert os.fstat(fd).st_nlink == 0  # deleted by retention, as without the option
     finally:
         os.close(fd)
     assert torch.equal(_load(root)["w"], _state(3)["w"])
+
+
+def test_another_file_in_place_of_a_retired_object_is_left_alone(tmp_path, taken) -> None:
+    """Taken is only the very file this process wrote (device and inode), not a file of the
+    same name put there since."""
+    root = tmp_path / "ckpt"
+    (obj,) = _save_step_1(root)
+    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    obj.unlink()
+    obj.write_bytes(b"someone else's file")
+    fd = os.open(obj, os.O_RDONLY)  # to see what becomes of it (also: its inode stays its own)
+    try:
+        os.close(os.dup(fd))
+        ino = os.fstat(fd).st_ino
+        storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+        assert [ok for _, ok in taken] == [False]
+        assert os.pread(fd, 100, 0) == b"someone else's file"
+        assert all(p.stat().st_ino != ino for p in _objects(root, 3))
+    finally:
+        os.close(fd)
+
+
+def test_a_retired_step_holding_a_foreign_file_is_not_spared(tmp_path, taken) -> None:
+    """Spared objects would stay for good in a torn step retention leaves alone."""
+    root = tmp_path / "ckpt"
+    _save_step_1(root)
+    (root / "step-1" / "NOTES.txt").write_text("mine")
+    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    assert [p.name for p in (root / "step-1").iterdir()] == ["NOTES.txt"]
+    assert not any(ok for _, ok in taken)  # its objects were deleted: nothing to take
+    assert _dirs(root) == ["step-1", "step-2", "step-3"]  # step 2: spared for the next save
+    assert not (root / "step-2" / "manifest.json").exists()
+
+
+def test_an_open_during_the_overwrite_sees_an_empty_file_never_a_mix(
+    tmp_path, monkeypatch, taken
+) -> None:
+    """An open that breaks the lease while the object is overwritten (it looked up the old
+    name just before the rename) is let through only once the file is empty; the save writes
+    its object anew, and the process survives the lease break (no SIGIO)."""
+    root = tmp_path / "ckpt"
+    _save_step_1(root)
+    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    real, seen = Store._write_once, {}
+
+    def open_and_look(path: str) -> None:  # blocks until the saver gives the lease back
+        fd = os.open(path, os.O_RDONLY)
+        seen["size"], seen["bytes"] = os.fstat(fd).st_size, os.pread(fd, 64, 0)
+        os.close(fd)
+
+    def opening(self: Store, rel: str, produce) -> None:
+        if rel.endswith(".safetensors") and not seen:
+            inner = produce.produce
+
+            def write_then_get_opened(f) -> None:
+                inner(f)  # the whole new object, under the lease
+                path = os.readlink(f"/proc/self/fd/{f.fileno()}")
+                seen["opener"] = threading.Thread(target=open_and_look, args=(path,))
+                seen["opener"].start()
+                for _ in range(2000):  # until the open has broken the lease
+                    if fcntl.fcntl(f.fileno(), fcntl.F_GETLEASE) != fcntl.F_WRLCK:
+                        break
+                    time.sleep(0.001)
+
+            produce.produce = write_then_get_opened
+            try:
+                return real(self, rel, produce)
+            finally:
+                produce.produce = inner
+        return real(self, rel, produce)
+
+    monkeypatch.setattr(Store, "_write_once", opening)
+    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    seen["opener"].join(timeout=60)
+    assert [ok for _, ok in taken] == [True]
+    assert seen["size"] == 0 and seen["bytes"] == b""
+    assert torch.equal(_load(root)["w"], _state(3)["w"])
+    assert not storage.verify(str(root)).problems
+
+
+def test_nothing_is_spared_or_reused_off_tmpfs(monkeypatch, taken) -> None:
+    """On a disk the option does nothing: retention deletes as always."""
+    monkeypatch.setattr(Store, "tmpfs", property(lambda self: False))
+    root = pathlib.Path(tempfile.mkdtemp(prefix="ftsdp-test-reuse-", dir="/dev/shm"))
+    try:
+        for step in range(1, 5):
+            storage.save(_state(step), str(root), step, keep_last=1, options=REUSE)
+        assert taken == [] and _dirs(root) == ["step-4"]
+    finally:
+        shutil.rmtree(root)
 
 
 def test_a_failed_write_into_a_retired_object_retries_into_a_new_file(
@@ -237,3 +344,30 @@ def test_concurrent_readers_never_see_an_overwritten_object(tmp_path) -> None:
     totals = run(4.0, 2, str(root))
     assert totals["wrong"] == 0 and totals["changed"] == 0, totals
     assert totals["exact"] > 0 and totals["held"] > 0 and totals["reused"] > 0, totals
+
+
+def test_close_after_a_resume_alone_deletes_nothing(tmp_path) -> None:
+    """An evaluation script's manager (default keep_last=3) that only resumes must not apply
+    its retention to the training run's root (keep_last=10)."""
+    root = tmp_path / "ckpt"
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = CheckpointManager(str(root), model, opt, every_steps=1, keep_last=10)
+    for step in range(1, 7):
+        train.save(step, {"step": step})
+    train.close()
+    assert storage.list_steps(str(root)) == [1, 2, 3, 4, 5, 6]
+    model2 = torch.nn.Linear(8, 8)
+    evaluation = CheckpointManager(str(root), model2, torch.optim.SGD(model2.parameters(), lr=0.1))
+    evaluation.resume({"step": 0})
+    evaluation.close()
+    assert storage.list_steps(str(root)) == [1, 2, 3, 4, 5, 6]
+    assert _dirs(root) == [f"step-{s}" for s in range(1, 7)]
+
+
+def test_a_long_keep_last_still_reuses(tmp_path, taken) -> None:
+    root = tmp_path / "ckpt"
+    for step in range(1, 14):
+        storage.save(_state(step), str(root), step, keep_last=9, options=REUSE)
+    assert [ok for _, ok in taken] == [True] * 3  # steps 1, 2, 3 retired, taken by 11, 12, 13
+    assert storage.list_steps(str(root)) == list(range(5, 14))
