@@ -230,7 +230,7 @@ def commit(
     keep_every: int | None = None,
     lineage: Lineage | None = None,
     present: Collection[str] | None = None,
-    spare: bool = False,
+    spare: Collection[int] = (),
 ) -> None:
     """Create the manifest exclusively: the commit. With ``lineage`` (from ``plan_lineage`` when
     the save was planned) first check that no other writer committed a step meanwhile, and back
@@ -241,7 +241,8 @@ def commit(
     attempt's done markers, and retention when ``keep_last`` is given (never of this step).
     ``present``: the objects this root holds, when it holds only some of the manifest's (a
     node-local root, storage/_nodes.py); only those are checked before the commit. ``spare``:
-    retention leaves the objects of the step it retires for the next save (``retain``)."""
+    the steps this process saved, whose objects retention may leave for the next save
+    (``retain``)."""
     step, attempt = manifest.step, manifest.attempt
     rel, data = manifest_path(step), manifest.to_json()
     if lineage is not None:
@@ -387,7 +388,7 @@ def finish(
     keep_every: int | None = None,
     lineage: Lineage | None = None,
     replaces: str | None = None,
-    spare: bool = False,
+    spare: Collection[int] = (),
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
     checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on

@@ -40,29 +40,37 @@ overwrite it in place (``write(..., reuse=...)``), but only when nobody else can
 objects are otherwise immutable, and a reader that opened or mapped one (a load, an inference
 job) or a user's hard link to it (a ``cp -al`` backup) must keep the bytes it had.
 
-1. Only on tmpfs (``Store.tmpfs``), where the gain is, a crash loses everything anyway, and no
-   other machine reads the files; never on a disk or network filesystem.
-2. The file is opened without following links and taken only if it is the very file this
-   process wrote (device and inode as recorded at that write), a regular file with one link.
+1. Only on tmpfs (``Store.tmpfs``: the mount table's filesystem of the root's device), where
+   the gain is, a crash loses everything anyway, and no other machine reads the files; never
+   on a disk or network filesystem. Only the step this process's own saves wrote is left for
+   reuse (after a restart nothing is: it would only take room).
+2. The file is opened without following links (and no link on the way) and taken only if it
+   is the very file this process wrote, unchanged since: device, inode and ctime as recorded
+   when it was published (a chmod, chown, link or write since moves the ctime), a regular
+   file with one link.
 3. A Linux write lease (``F_SETLEASE``) is taken on it: the kernel grants it only to a file's
    sole opener, so a reader holding it open or mapped makes it stay as it is (the next
    retention deletes it; the reader keeps its inode). The lease is held through the whole
    overwrite: any open of the file by anyone in that time breaks it. Its break signal is set
-   to ``SIGURG`` (ignored by default), not the default ``SIGIO``, which would kill the process.
+   to ``SIGURG`` (ignored by default), not the default ``SIGIO``, which would kill the process,
+   and it is always given back explicitly (a forked child sharing the file would keep it).
 4. The file is renamed to the new temporary name: no lookup of the old name finds it any more.
-   If the lease was broken by then (an open that looked up the old name just before), the file
-   is renamed back, untouched, and a new file is written.
-5. After the overwrite the lease must still be held. If it was broken meanwhile, the file is
-   truncated to nothing before the lease is given back (the opener, let through only then, sees
-   an empty file, which every reader refuses, never a mix of two steps), and the object is
-   written anew under another name.
+   If the lease was broken or a link made by then, the file goes back to its name untouched
+   (never over another file), and a new file is written.
+5. After the overwrite the lease must still be held. If it was broken meanwhile, or the
+   overwrite failed, the file is emptied before the lease is given back (the opener, let
+   through only then, sees nothing, which every reader refuses, never a mix of two steps),
+   and the object is written anew under another name.
 
-What a lease cannot see: a process that resolved the old name before the rename and opens it
-only after the overwrite finished (an ``O_PATH`` descriptor kept for later) gets the new,
-complete object under the old name; ``load`` refuses it by its checksums, a reader that checks
-nothing would not. And a reader blocked by the lease for longer than the kernel's
-``lease-break-time`` (45 s by default) is let through by the kernel while the overwrite goes on;
-an object is overwritten in milliseconds on tmpfs.
+What a lease cannot see, so what this cannot protect (which is why it is on by default only
+for ``CheckpointManager``'s memory tier, a root of the library's own that nothing else should
+read): a process that resolved the old name before the rename and opens it only after the
+overwrite (an ``O_PATH`` descriptor kept for later) gets the new object under the old name
+(``load`` refuses it by its checksums); pages handed on by ``splice`` or ``sendfile`` (a web
+server serving the file to a slow client) after the file was closed show the new bytes; a
+reader the lease blocks longer than the kernel's ``lease-break-time`` (45 s) is let through
+during the overwrite; and a thread of the saving process itself that opens the file while it
+holds the GIL (``safetensors.safe_open``) stalls that save until then.
 """
 
 from __future__ import annotations
@@ -133,6 +141,32 @@ class _LeaseBroken(Exception):
     overwriting a retired object]); the object is written anew."""
 
 
+@contextlib.contextmanager
+def _overwriting(f: IO[bytes], path: str) -> Iterator[None]:
+    """Around the overwrite of a retired object held under a write lease (step 5 of [Note:
+    overwriting a retired object]): at its end the file is cut to what was written and the
+    lease must be unbroken; on a break, or any error meanwhile, the file is emptied before
+    the lease is given back, so that an opener let through sees nothing rather than a mix of
+    two steps. The lease is always given back explicitly (a forked child sharing the file
+    would otherwise keep it)."""
+    fd = f.fileno()
+    try:
+        yield
+        f.truncate()  # at the end of what was written: the old object may have been longer
+        f.flush()
+        if not _lease_intact(fd):
+            raise _LeaseBroken(path)
+    except BaseException:
+        with contextlib.suppress(OSError, ValueError):
+            f.flush()
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            _unlease(fd)
+
+
 _PLAIN_NAME = re.compile(r"[^/\\:\x00-\x1f\x7f]{1,255}")
 
 
@@ -181,38 +215,34 @@ def _scan_local(path: str) -> dict[str, tuple[str, int]]:
 
 
 def _mount_type(path: str) -> str | None:
-    """The filesystem type of the mount holding ``path`` (its nearest existing ancestor), from
-    ``/proc/self/mountinfo``; None where that is unreadable. Kept per path and device (a mount
-    there since changes the device)."""
+    """The filesystem type of the mount holding ``path`` (its nearest existing ancestor): the
+    mount table's entry whose device (``major:minor``) is that of ``path``, so that neither a
+    bind mount nor a mount hidden under another one is taken for it; None when unknown."""
     path = os.path.realpath(path)
     while not os.path.exists(path) and path != "/":
         path = os.path.dirname(path)
-    key = (path, os.stat(path).st_dev)
-    if key not in _mount_types:
-        _mount_types[key] = _read_mount_type(path)
-    return _mount_types[key]
+    dev = os.stat(path).st_dev
+    if dev not in _mount_types:
+        _mount_types[dev] = _read_mount_type(f"{os.major(dev)}:{os.minor(dev)}")
+    return _mount_types[dev]
 
 
-_mount_types: dict[tuple[str, int], str | None] = {}
+_mount_types: dict[int, str | None] = {}
 
 
-def _read_mount_type(path: str) -> str | None:
+def _read_mount_type(device: str) -> str | None:
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    best, kind = "", None
+    kinds = set()
     for line in lines:
         left, _, right = line.partition(" - ")
         fields = left.split()
-        if len(fields) < 5 or not right:
-            continue
-        point = fields[4].replace("\\040", " ")
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):  # the last of equal mount points is on top
-            best, kind = point, right.split()[0]
-    return kind
+        if len(fields) >= 3 and fields[2] == device and right:
+            kinds.add(right.split()[0])
+    return kinds.pop() if len(kinds) == 1 else None  # one device, one filesystem
 
 
 class Store:
@@ -435,7 +465,7 @@ class Store:
         ``reuse``: a retired object this process wrote, ``(path, identity)``, to overwrite
         instead of writing a new file when nobody else can see it change (see [Note:
         overwriting a retired object]; tmpfs only). Returns the written file's identity
-        (device, inode) on a local filesystem, for a later ``reuse``; None elsewhere.
+        (device, inode, ctime) on a local filesystem, for a later ``reuse``; None elsewhere.
         """
         job = _Reusing(produce, reuse if reuse is not None and self.tmpfs else None)
 
@@ -470,28 +500,27 @@ class Store:
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            spare = None
+            if reuse is not None and reuse.spare is not None:  # the first try only
+                spare, reuse.spare = self._take_retired(*reuse.spare, tmp), None
+                if spare is None:  # the name may hold what could not be put back: another
+                    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             try:
-                spare = None
-                if reuse is not None and reuse.spare is not None:  # the first try only
-                    spare, reuse.spare = self._take_retired(*reuse.spare, tmp), None
-                with spare or open(tmp, "wb") as f:
-                    yield f
-                    if spare is not None:
-                        f.truncate()  # the end of what was written: the old object was longer
-                        f.flush()
-                        if not _lease_intact(f.fileno()):  # opened meanwhile: show it nothing
-                            f.truncate(0)
-                            raise _LeaseBroken(path)
-                        _unlease(f.fileno())
+                with spare or open(tmp, "xb") as f:
+                    if spare is None:
+                        yield f
+                    else:
+                        with _overwriting(f, path):
+                            yield f
                     f.flush()
                     os.fsync(f.fileno())
-                    if reuse is not None:
+                    if exclusive:
+                        _link_exclusive(tmp, path)
+                    else:
+                        os.replace(tmp, path)
+                    if reuse is not None:  # as published: a later change moves its ctime
                         st = os.fstat(f.fileno())
-                        reuse.identity = (st.st_dev, st.st_ino)
-                if exclusive:
-                    _link_exclusive(tmp, path)
-                else:
-                    os.replace(tmp, path)
+                        reuse.identity = (st.st_dev, st.st_ino, st.st_ctime_ns)
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
@@ -525,32 +554,45 @@ class Store:
 
     def _take_retired(self, rel: str, identity: Identity, tmp: str) -> IO[bytes] | None:
         """The retired object ``rel``, renamed to ``tmp`` and open for overwriting under a write
-        lease, if it is the file ``identity`` names, with one link, and nobody else holds or
-        opens it (steps 2 to 4 of [Note: overwriting a retired object]); else None, and the
-        file is where it was, untouched (the next retention deletes it)."""
+        lease, if it is the file ``identity`` names, unchanged since, with one link, and
+        nobody else holds or opens it (steps 2 to 4 of [Note: overwriting a retired object]);
+        else None, and the file is where it was, untouched (the next retention deletes it)."""
+        if self.is_link(rel) or not self.inside_root(rel):  # no link anywhere on the way
+            return None
         src = self.full(rel)
         try:
             fd = os.open(src, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:  # gone (a gc got there first), a link, not ours to open
             return None
+        leased = False
         try:
             st = os.fstat(fd)
-            ours = (st.st_dev, st.st_ino) == tuple(identity) and stat.S_ISREG(st.st_mode)
-            if not (ours and st.st_nlink == 1 and _lease(fd)):
+            same = (st.st_dev, st.st_ino, st.st_ctime_ns) == tuple(identity)  # ctime: untouched
+            if not (same and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and _lease(fd)):
                 return None
+            leased = True
             os.rename(src, tmp)
             moved = os.stat(tmp, follow_symlinks=False)
-            if (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino) and _lease_intact(fd):
+            it = (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino)
+            if it and moved.st_nlink == 1 and _lease_intact(fd):  # no link, no open meanwhile
                 f = os.fdopen(fd, "r+b")
                 fd = -1
                 return f
-            os.rename(tmp, src)  # opened meanwhile (or swapped): put it back untouched
+            if it:  # opened or linked meanwhile: back to its name (never over another file)
+                with contextlib.suppress(OSError):
+                    os.link(tmp, src)
+                os.remove(tmp)  # our file: a reader or a link keeps it, retention the rest
+            else:  # swapped for another file before the rename: put that one back
+                os.rename(tmp, src)
             return None
         except OSError:
             return None
         finally:
             if fd >= 0:
-                os.close(fd)  # gives the lease back
+                if leased:
+                    with contextlib.suppress(OSError):
+                        _unlease(fd)  # explicitly: a forked child would keep it on the file
+                os.close(fd)
 
     def remove(self, rel: str, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -618,7 +660,7 @@ class Store:
         return True
 
 
-Identity = tuple[int, int]  # (st_dev, st_ino) of a file this process wrote
+Identity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns) of a file as this process wrote it
 Retired = tuple[str, Identity]  # a retired object to overwrite: its path and identity
 
 

@@ -643,7 +643,7 @@ class _SaveJob:
             *args,
             timeout_s=self.options.commit_timeout_s,
             replaces=self.replaces,
-            spare=self.reusing,
+            spare=[s for s, _ in self.lane.written] if self.reusing and self.lane else (),
             **common,
         )
         if self.reusing and self.lane is not None and self.keep_last is not None:

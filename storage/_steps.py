@@ -369,22 +369,23 @@ def retain(
     keep_last: int,
     keep_every: int | None,
     protect: int | None = None,
-    spare: bool = False,
+    spare: Collection[int] = (),
 ) -> list[int]:
     """Apply retention under ``store`` (see ``plan_retention``); return the removed steps
     (committed and torn), ascending. What was left alone is logged (WARNING, logger
-    ``ftsdp.storage._steps``). ``spare`` (``SaveOptions.reuse_retired``, tmpfs roots): of
-    the newest committed step removed that holds nothing but this format's files, delete the
-    manifest and the rest but leave the objects, a torn step now, for the next save to
-    overwrite (see [Note: overwriting a retired object] in _fs.py); the next retention
-    removes what that save did not take."""
+    ``ftsdp.storage._steps``). ``spare`` (``SaveOptions.reuse_retired``, tmpfs roots): the
+    steps this process saved; of the newest such committed step removed that holds nothing
+    but this format's files, delete the manifest and the rest but leave the objects, a torn
+    step now, for the next save to overwrite (see [Note: overwriting a retired object] in
+    _fs.py); the next retention removes what that save did not take."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     plan = plan_retention(store, keep_last, keep_every, protect)
     # Only a step whose directory holds nothing but ours: otherwise, torn, it would be left
     # alone with its objects for good.
     whole = [r.step for r in plan.removals if r.objects and r.whole and not r.left]
-    spared = max(whole) if spare and whole and store.tmpfs else None
+    ours = [step for step in whole if step in set(spare)]
+    spared = max(ours) if ours and store.tmpfs else None
     for removal in plan.removals + plan.strays:
         execute(store, removal, spare=removal.step == spared)
     if plan.notes:

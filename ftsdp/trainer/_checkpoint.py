@@ -175,10 +175,11 @@ class CheckpointManager:
             :meth:`close` clears the tier. With ranks on several machines each machine keeps its
             own root (the same ``memory_url`` as it sees it) and a replica of another's (see
             [Note: the memory tier on several machines]).
-        save_options: how saves are laid out and written; ``reuse_retired`` (None: on here)
-            lets a save overwrite the objects of the step retention just retired instead of
-            writing new files, where nobody else holds them (tmpfs roots such as ``/dev/shm``
-            and the memory tier); :meth:`close` removes what the last retention left.
+        save_options: how saves are laid out and written. ``reuse_retired`` (None: on for the
+            memory tier only) lets a save overwrite the objects of the step retention just
+            retired instead of writing new files, where nobody else holds them (tmpfs roots;
+            see docs/format.md for what it cannot see); :meth:`close` removes what the last
+            retention left.
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages (default: the ``ftsdp.trainer._checkpoint`` logger, at WARNING);
             fallbacks are logged here, loudly.
@@ -245,9 +246,6 @@ class CheckpointManager:
         self._fence = storage.snapshot_fence(optimizer) if self.defer_copy else None
         self.storage_options = storage_options
         self.process_group = process_group
-        save_options = save_options or storage.SaveOptions()
-        if save_options.reuse_retired is None:  # on here: close() removes what is left
-            save_options = replace(save_options, reuse_retired=True)
         self.save_options, self.load_options = save_options, load_options
         self.seed = seed
         self._log = log or logger.warning
@@ -354,7 +352,7 @@ class CheckpointManager:
                 async_save=True,
                 defer_copy=self.defer_copy,
                 keep_last=self.memory_keep,
-                options=self.save_options,
+                options=self._memory_options(),
                 discard_newer=self._memory_discard_newer,
                 node=self._memory_node,
             )
@@ -363,6 +361,14 @@ class CheckpointManager:
         self._memory_discard_newer = False
         self.last_memory_step = step
         return time.perf_counter() - start
+
+    def _memory_options(self) -> storage.SaveOptions:
+        """The memory tier's save options: the manager's, overwriting retired objects unless
+        they say otherwise (the tier is the manager's own root, which nothing else reads)."""
+        options = self.save_options or storage.SaveOptions()
+        if options.reuse_retired is None:
+            options = replace(options, reuse_retired=True)
+        return options
 
     def _wait_memory(self) -> None:
         pending, self._pending_memory = self._pending_memory, None
@@ -679,7 +685,8 @@ class CheckpointManager:
         saved (with the retention every save of it applied already, so it removes nothing
         else of the run's own steps)."""
         if (
-            self.save_options.reuse_retired
+            self.save_options is not None
+            and self.save_options.reuse_retired
             and self.keep_last is not None
             and self._saved_here  # a resume alone never deletes anything
             and not self._discard_newer

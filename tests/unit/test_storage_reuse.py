@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from ftsdp import storage
+from ftsdp.storage import _fs as fs_module
+from ftsdp.storage import _save as save_module
 from ftsdp.storage._fs import Store
 from ftsdp.trainer import CheckpointManager
 
@@ -215,12 +217,14 @@ def test_a_retired_step_holding_a_foreign_file_is_not_spared(tmp_path, taken) ->
     assert not (root / "step-2" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("then", ["finishes", "fails"])
 def test_an_open_during_the_overwrite_sees_an_empty_file_never_a_mix(
-    tmp_path, monkeypatch, taken
+    tmp_path, monkeypatch, taken, then
 ) -> None:
     """An open that breaks the lease while the object is overwritten (it looked up the old
-    name just before the rename) is let through only once the file is empty; the save writes
-    its object anew, and the process survives the lease break (no SIGIO)."""
+    name just before the rename) is let through only once the file is empty, whether the
+    overwrite then finishes or fails; the save writes its object anew, and the process
+    survives the lease break (no SIGIO)."""
     root = tmp_path / "ckpt"
     _save_step_1(root)
     storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
@@ -244,6 +248,8 @@ def test_an_open_during_the_overwrite_sees_an_empty_file_never_a_mix(
                     if fcntl.fcntl(f.fileno(), fcntl.F_GETLEASE) != fcntl.F_WRLCK:
                         break
                     time.sleep(0.001)
+                if then == "fails":
+                    raise ConnectionError("transient")
 
             produce.produce = write_then_get_opened
             try:
@@ -259,6 +265,62 @@ def test_an_open_during_the_overwrite_sees_an_empty_file_never_a_mix(
     assert seen["size"] == 0 and seen["bytes"] == b""
     assert torch.equal(_load(root)["w"], _state(3)["w"])
     assert not storage.verify(str(root)).problems
+
+
+def test_a_link_made_while_the_file_is_taken_keeps_its_bytes(tmp_path, monkeypatch, taken) -> None:
+    """A hard link made between the checks and the rename (a backup running then) does not
+    break the lease: the file is put back and the link keeps the old bytes."""
+    root = tmp_path / "ckpt"
+    (obj,) = _save_step_1(root)
+    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    before = obj.read_bytes()
+    backup = tmp_path / "backup.safetensors"
+    real = fs_module._lease
+
+    def lease_then_link(fd: int) -> bool:
+        ok = real(fd)
+        os.link(os.readlink(f"/proc/self/fd/{fd}"), backup)
+        return ok
+
+    monkeypatch.setattr(fs_module, "_lease", lease_then_link)
+    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    assert [ok for _, ok in taken] == [False]
+    assert backup.read_bytes() == before
+    assert torch.equal(_load(root)["w"], _state(3)["w"])
+
+
+def test_a_retired_object_changed_since_it_was_written_is_not_taken(tmp_path, taken) -> None:
+    """A chmod (or chown, a link, a write) moves the file's ctime: it is no longer the file as
+    this process published it."""
+    root = tmp_path / "ckpt"
+    (obj,) = _save_step_1(root)
+    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    time.sleep(0.01)
+    os.chmod(obj, 0o666)
+    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    assert [ok for _, ok in taken] == [False]
+    assert _objects(root, 3)[0].stat().st_mode & 0o777 != 0o666  # a new file, not the chmodded
+    assert torch.equal(_load(root)["w"], _state(3)["w"])
+
+
+def test_a_new_process_spares_nothing(tmp_path, monkeypatch, taken) -> None:
+    """After a restart the lane has no saves of its own: retention deletes as always (a spare
+    nobody takes would only take room)."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        storage.save(_state(step), str(root), step, keep_last=1, options=REUSE)
+    monkeypatch.setattr(save_module, "_lanes", {})  # what a restarted process starts with
+    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    assert _dirs(root) == ["step-3"]  # step 2, another process's, deleted
+    storage.save(_state(4), str(root), 4, keep_last=1, options=REUSE)
+    assert _dirs(root) == ["step-3", "step-4"]  # step 3, this one's, left for the next save
+    assert taken == []
+
+
+def test_the_filesystem_type_is_the_one_of_the_roots_device() -> None:
+    assert fs_module._mount_type("/dev/shm/not/there/yet") == "tmpfs"
+    assert fs_module._mount_type("/proc/self") == "proc"
+    assert Store("memory://x", None).tmpfs is False
 
 
 def test_nothing_is_spared_or_reused_off_tmpfs(monkeypatch, taken) -> None:
@@ -310,24 +372,51 @@ def test_a_bare_save_does_not_reuse_by_default(tmp_path, taken) -> None:
     assert taken == [] and _dirs(root) == ["step-3", "step-4"]
 
 
-def test_checkpoint_manager_reuses_and_close_leaves_only_kept_steps(tmp_path, taken) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    root = tmp_path / "ckpt"
-    ckpt = CheckpointManager(str(root), model, opt, every_steps=1, keep_last=2)
-    assert ckpt.save_options.reuse_retired is True
-    for step in range(1, 7):
+def _train(ckpt: CheckpointManager, model: torch.nn.Module, opt, steps: range) -> None:
+    for step in steps:
         model(torch.randn(4, 64)).sum().backward()
         opt.step()
         opt.zero_grad()
-        ckpt.save(step, {"step": step})
+        ckpt.save_to_memory(step, {"step": step})
+        if ckpt.due(step):
+            ckpt.save(step, {"step": step})
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_checkpoint_manager_reuses_in_its_memory_tier_only(tmp_path, taken) -> None:
+    torch.manual_seed(0)
+    model, opt = _model()
+    durable, memory = tmp_path / "ckpt", tmp_path / "mem"
+    ckpt = CheckpointManager(
+        str(durable), model, opt, every_steps=1, keep_last=2, memory_url=str(memory)
+    )
+    _train(ckpt, model, opt, range(1, 7))
+    ckpt.wait()
+    # the durable saves of steps 1..6 wrote new files; the memory tier's reused them
+    assert taken and all(ok for _, ok in taken)
+    assert _dirs(durable) == ["step-5", "step-6"]
+    ckpt.close()
+    assert not memory.exists() or _dirs(memory) == []  # cleared at close
+
+
+def test_checkpoint_manager_close_leaves_only_kept_steps(tmp_path, taken) -> None:
+    torch.manual_seed(0)
+    model, opt = _model()
+    root = tmp_path / "ckpt"
+    ckpt = CheckpointManager(str(root), model, opt, every_steps=1, keep_last=2, save_options=REUSE)
+    _train(ckpt, model, opt, range(1, 7))
+    ckpt.wait()
+    assert _dirs(root) == ["step-4", "step-5", "step-6"]  # step 4: left for a next save
     ckpt.close()
     assert len(taken) == 3 and all(ok for _, ok in taken)
     assert _dirs(root) == ["step-5", "step-6"]  # close removed the step left to be taken
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    again = CheckpointManager(str(root), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    fresh, fresh_opt = _model()
+    again = CheckpointManager(str(root), fresh, fresh_opt)
     assert again.resume({"step": 0}).step == 6
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
     again.close()
