@@ -8,6 +8,8 @@ AdamW, in one spawned run, under each engine and way of checkpointing:
 - ``ftsdp.FSDP`` without saving, and with ``CheckpointManager`` saving every ``--every`` steps:
   deferred copy (the default: ``save`` returns before copying, ``optimizer.step()`` waits for the
   background copy) and staged copy (``defer_copy=False``: ``save`` copies before it returns);
+  and its memory tier alone (``memory_every=--every``, no durable save due: ``save_to_memory``,
+  keeping 2 steps, whose saves overwrite the objects of the step they retire);
 - torch FSDP2 (``fully_shard``) without saving, with ``dcp.async_save`` every ``--every`` steps
   (on a gloo group of its own, as DCP recommends; a save waits for the previous one's future,
   as a loop must), and with ``CheckpointManager`` (deferred copy).
@@ -57,6 +59,7 @@ CONFIGS = (
     ("ftsdp", "none"),
     ("ftsdp", "storage"),
     ("ftsdp", "storage-staged"),
+    ("ftsdp", "memory"),
     ("fsdp2", "none"),
     ("fsdp2", "dcp"),
     ("fsdp2", "storage"),
@@ -65,6 +68,7 @@ LABEL = {
     "none": "no saves",
     "storage": "CheckpointManager (deferred copy)",
     "storage-staged": "CheckpointManager (staged copy)",
+    "memory": "CheckpointManager memory tier (deferred copy)",
     "dcp": "dcp.async_save",
 }
 OVERHEAD_TARGET = 0.05  # ftsdp + CheckpointManager: at most 5% over not saving
@@ -128,7 +132,17 @@ class _Run:
         self.dcp_future: Any = None
         for _ in range(cfg["warmup"]):  # optimizer state exists before the first save
             self.train_step()
-        if mode.startswith("storage"):
+        if mode == "memory":  # durable saves never due: only the tier, every N steps
+            self.ckpt = CheckpointManager(
+                self.url,
+                model,
+                self.opt,
+                every_steps=None,
+                memory_url=f"{self.url}-tier",
+                memory_every=cfg["every"],
+            )
+            self.ckpt.resume({"step": 0})
+        elif mode.startswith("storage"):
             self.ckpt = CheckpointManager(
                 self.url,
                 model,
@@ -161,6 +175,12 @@ class _Run:
         """Save the current step (nothing without checkpointing)."""
         if self.mode == "none":
             return
+        if self.mode == "memory":
+            pending = self.ckpt._pending_memory
+            if pending is not None:
+                self.fence.append(pending.fence_wait_seconds)
+            self.blocking.append(self.ckpt.save_to_memory(self.step, {"step": self.step}))
+            return
         if self.ckpt is not None:
             pending = self.ckpt._pending
             if pending is not None:
@@ -184,7 +204,7 @@ class _Run:
     def finish_saves(self) -> None:
         """Wait until the last save committed; drop DCP's older checkpoints (not timed)."""
         if self.ckpt is not None:
-            pending = self.ckpt._pending
+            pending = self.ckpt._pending_memory if self.mode == "memory" else self.ckpt._pending
             self.ckpt.wait()
             if pending is not None:
                 self.fence.append(pending.fence_wait_seconds)
