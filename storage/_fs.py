@@ -457,6 +457,8 @@ class Store:
         rel: str,
         produce: Callable[[IO[bytes]], None],
         reuse: Retired | None = None,
+        *,
+        identify: bool = False,
     ) -> Identity | None:
         """Write an object whose bytes ``produce(f)`` writes to ``f``, atomically (see the note).
 
@@ -464,9 +466,13 @@ class Store:
         from the start (it writes a new file each time); ``io.part_bytes`` is the upload buffer.
         ``reuse``: a retired object this process wrote, ``(path, identity)``, to overwrite
         instead of writing a new file when nobody else can see it change (see [Note:
-        overwriting a retired object]; tmpfs only). Returns the written file's identity
-        (device, inode, ctime) on a local filesystem, for a later ``reuse``; None elsewhere.
+        overwriting a retired object]; tmpfs only). With ``identify`` (or ``reuse``), returns
+        the written file's identity (device, inode, ctime) on a local filesystem, for a later
+        ``reuse``; else None.
         """
+        if reuse is None and not identify:
+            self._retry(lambda: self._write_once(rel, produce))
+            return None
         job = _Reusing(produce, reuse if reuse is not None and self.tmpfs else None)
 
         def once() -> None:
@@ -557,7 +563,7 @@ class Store:
         lease, if it is the file ``identity`` names, unchanged since, with one link, and
         nobody else holds or opens it (steps 2 to 4 of [Note: overwriting a retired object]);
         else None, and the file is where it was, untouched (the next retention deletes it)."""
-        if self.is_link(rel) or not self.inside_root(rel):  # no link anywhere on the way
+        if not self.inside_root(rel):  # no link on the way out (O_NOFOLLOW: none at the end)
             return None
         src = self.full(rel)
         try:

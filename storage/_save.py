@@ -513,7 +513,7 @@ class _SaveJob:
             )
 
         rel = f"{step_dir(self.step)}/{obj.name}"
-        identity = self.store.write(rel, produce, self.spares.get(obj.name))
+        identity = self.store.write(rel, produce, self.spares.get(obj.name), identify=self.reusing)
         if identity is not None:
             self.written[obj.name] = (rel, identity)
         return result

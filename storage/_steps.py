@@ -383,8 +383,9 @@ def retain(
     plan = plan_retention(store, keep_last, keep_every, protect)
     # Only a step whose directory holds nothing but ours: otherwise, torn, it would be left
     # alone with its objects for good.
-    whole = [r.step for r in plan.removals if r.objects and r.whole and not r.left]
-    ours = [step for step in whole if step in set(spare)]
+    ours = [
+        r.step for r in plan.removals if r.step in spare and r.objects and r.whole and not r.left
+    ]
     spared = max(ours) if ours and store.tmpfs else None
     for removal in plan.removals + plan.strays:
         execute(store, removal, spare=removal.step == spared)

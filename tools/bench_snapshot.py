@@ -8,8 +8,8 @@ AdamW, in one spawned run, under each engine and way of checkpointing:
 - ``ftsdp.FSDP`` without saving, and with ``CheckpointManager`` saving every ``--every`` steps:
   deferred copy (the default: ``save`` returns before copying, ``optimizer.step()`` waits for the
   background copy) and staged copy (``defer_copy=False``: ``save`` copies before it returns);
-  and its memory tier alone (``memory_every=--every``, no durable save due: ``save_to_memory``,
-  keeping 2 steps, whose saves overwrite the objects of the step they retire);
+  and its memory tier alone (no durable save due: ``save_to_memory`` at the same points, keeping
+  2 steps, whose saves overwrite the objects of the step they retire);
 - torch FSDP2 (``fully_shard``) without saving, with ``dcp.async_save`` every ``--every`` steps
   (on a gloo group of its own, as DCP recommends; a save waits for the previous one's future,
   as a loop must), and with ``CheckpointManager`` (deferred copy).
@@ -132,14 +132,14 @@ class _Run:
         self.dcp_future: Any = None
         for _ in range(cfg["warmup"]):  # optimizer state exists before the first save
             self.train_step()
-        if mode == "memory":  # durable saves never due: only the tier, every N steps
+        if mode == "memory":  # durable saves never due: only the tier, at the round's saves
             self.ckpt = CheckpointManager(
                 self.url,
                 model,
                 self.opt,
                 every_steps=None,
                 memory_url=f"{self.url}-tier",
-                memory_every=cfg["every"],
+                memory_every=1,  # due whenever asked: the rounds decide (any --every)
             )
             self.ckpt.resume({"step": 0})
         elif mode.startswith("storage"):

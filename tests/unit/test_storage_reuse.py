@@ -55,6 +55,25 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     return seen
 
 
+def _on_first_object_write(monkeypatch: pytest.MonkeyPatch, wrap) -> None:
+    """Run the first object write of what follows with its bytes' producer wrapped:
+    ``wrap(inner)`` returns the producer to use instead (retries get the real one)."""
+    real, done = Store._write_once, []
+
+    def first(self: Store, rel: str, produce) -> None:
+        if not rel.endswith(".safetensors") or done:
+            return real(self, rel, produce)
+        done.append(rel)
+        inner = produce.produce
+        produce.produce = wrap(inner)
+        try:
+            return real(self, rel, produce)
+        finally:
+            produce.produce = inner
+
+    monkeypatch.setattr(Store, "_write_once", first)
+
+
 def _state(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(300, 200, generator=g), "b": torch.randn(7, generator=g)}
@@ -228,37 +247,29 @@ def test_an_open_during_the_overwrite_sees_an_empty_file_never_a_mix(
     root = tmp_path / "ckpt"
     _save_step_1(root)
     storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
-    real, seen = Store._write_once, {}
+    seen: dict = {}
 
     def open_and_look(path: str) -> None:  # blocks until the saver gives the lease back
         fd = os.open(path, os.O_RDONLY)
         seen["size"], seen["bytes"] = os.fstat(fd).st_size, os.pread(fd, 64, 0)
         os.close(fd)
 
-    def opening(self: Store, rel: str, produce) -> None:
-        if rel.endswith(".safetensors") and not seen:
-            inner = produce.produce
+    def get_opened(inner):
+        def write_then_get_opened(f) -> None:
+            inner(f)  # the whole new object, under the lease
+            path = os.readlink(f"/proc/self/fd/{f.fileno()}")
+            seen["opener"] = threading.Thread(target=open_and_look, args=(path,))
+            seen["opener"].start()
+            for _ in range(2000):  # until the open has broken the lease
+                if fcntl.fcntl(f.fileno(), fcntl.F_GETLEASE) != fcntl.F_WRLCK:
+                    break
+                time.sleep(0.001)
+            if then == "fails":
+                raise ConnectionError("transient")
 
-            def write_then_get_opened(f) -> None:
-                inner(f)  # the whole new object, under the lease
-                path = os.readlink(f"/proc/self/fd/{f.fileno()}")
-                seen["opener"] = threading.Thread(target=open_and_look, args=(path,))
-                seen["opener"].start()
-                for _ in range(2000):  # until the open has broken the lease
-                    if fcntl.fcntl(f.fileno(), fcntl.F_GETLEASE) != fcntl.F_WRLCK:
-                        break
-                    time.sleep(0.001)
-                if then == "fails":
-                    raise ConnectionError("transient")
+        return write_then_get_opened
 
-            produce.produce = write_then_get_opened
-            try:
-                return real(self, rel, produce)
-            finally:
-                produce.produce = inner
-        return real(self, rel, produce)
-
-    monkeypatch.setattr(Store, "_write_once", opening)
+    _on_first_object_write(monkeypatch, get_opened)
     storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
     seen["opener"].join(timeout=60)
     assert [ok for _, ok in taken] == [True]
@@ -341,24 +352,17 @@ def test_a_failed_write_into_a_retired_object_retries_into_a_new_file(
     root = tmp_path / "ckpt"
     _save_step_1(root)
     storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
-    real, failures = Store._write_once, []
+    failures = []
 
-    def flaky(self: Store, rel: str, produce) -> None:
-        if rel.endswith(".safetensors") and not failures:
-            failures.append(rel)
+    def broken(inner):
+        def write_partly(f) -> None:
+            failures.append(f)
+            f.write(b"partial")
+            raise ConnectionError("transient")
 
-            def broken(f) -> None:
-                f.write(b"partial")
-                raise ConnectionError("transient")
+        return write_partly
 
-            inner, produce.produce = produce.produce, broken
-            try:
-                return real(self, rel, produce)
-            finally:
-                produce.produce = inner
-        return real(self, rel, produce)
-
-    monkeypatch.setattr(Store, "_write_once", flaky)
+    _on_first_object_write(monkeypatch, broken)
     storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
     assert failures and [ok for _, ok in taken] == [True]
     assert torch.equal(_load(root)["w"], _state(3)["w"])
