@@ -164,6 +164,36 @@ def test_a_written_manifest_holds_the_canonical_pieces_and_the_checksum() -> Non
     assert value == crc32c.crc32c(canonical_json(doc))
 
 
+def test_kept_text_of_rule_tensors_is_what_encoding_anew_gives() -> None:
+    """A save keeps the encoded entry of each rule tensor for the next save (the table is the
+    same from save to save): what it writes is byte for byte the document encoded anew, on the
+    first call and from the kept text, for the golden v4 table (rule and listed tensors); a
+    renamed entry (a name needing escapes) or another rule under the same name gets its own
+    text, never a kept one."""
+    import dataclasses
+
+    from ftsdp.storage._manifest import _ENTRY_TEXT, Manifest, sealed_json
+    from ftsdp.storage._regular import Rule
+    from tests.make_storage_golden_v4 import GOLDEN_V4
+    from tests.make_storage_golden_v4 import STEP as STEP4
+
+    data = (GOLDEN_V4 / f"step-{STEP4}" / "manifest.json").read_bytes()
+    manifest = Manifest.from_json(data, where="golden v4")
+    assert {t.rule is None for t in manifest.tensors.values()} == {True, False}
+    _ENTRY_TEXT.clear()
+    first = manifest.to_json()
+    anew = {k: v for k, v in json.loads(first).items() if k != SELF_CHECKSUM}
+    assert sealed_json(anew) == first  # every value encoded by json.dumps
+    assert manifest.to_json() == first  # from the kept entries
+    assert Manifest.from_json(first, where="again") == manifest
+    name, entry = next((n, t) for n, t in manifest.tensors.items() if t.rule is not None)
+    ruled = dataclasses.replace(entry, rule=Rule("writer", writer=2))
+    for tensors in ({**manifest.tensors, 'é "q"': entry}, {**manifest.tensors, name: ruled}):
+        changed = dataclasses.replace(manifest, tensors=tensors)
+        table = json.loads(changed.to_json())["tensors"]
+        assert table == {n: changed._tensor_json(t) for n, t in tensors.items()}
+
+
 def test_golden_v4_reads_exactly(tmp_path: pathlib.Path) -> None:
     """Version 4 (tests/golden/storage_v4: 3 ranks, rule tensors): a reader re-derives each
     rank's pieces from the rules with today's code, so this pins that code; the tensors come
