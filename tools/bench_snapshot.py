@@ -260,7 +260,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Per configuration: median step time, overhead (the median over rounds of the round's
-    step time over the same engine's unsaved one in that round), first and later blocking
+    step time over the same engine's unsaved one in that round, and the quartiles of those
+    per-round overheads: how much the machine moved them), first and later blocking
     (the slowest rank per save), fence wait per save (mean over ranks and saves)."""
     out: dict[str, dict[str, float | None]] = {}
     for key in results[0]:
@@ -279,8 +280,18 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None
         }
     for key, row in out.items():  # paired by round: see the module docstring
         mine, base = results[0][key]["times"], results[0][f"{key.split('/')[0]}/none"]["times"]
-        row["overhead"] = statistics.median(t / b - 1 for t, b in zip(mine, base, strict=True))
+        ratios = [t / b - 1 for t, b in zip(mine, base, strict=True)]
+        row["overhead"] = statistics.median(ratios)
+        row["overhead_q1"], row["overhead_q3"] = _quartiles(ratios)
     return out
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``xs`` (inclusive method: within its range)."""
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def _ms(x: float | None) -> str:
@@ -294,15 +305,20 @@ def table(rows: dict[str, dict[str, Any]], command: str, header: str, every: int
         "",
         f"`{command}` ({datetime.date.today().isoformat()}; {header})",
         "",
-        "| engine | checkpointing | step ms | overhead | blocking ms, first save "
-        "| blocking ms, later saves | fence wait ms per save | saves |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | checkpointing | step ms | overhead | overhead, middle half of the rounds "
+        "| blocking ms, first save | blocking ms, later saves | fence wait ms per save | saves |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, row in rows.items():
         engine, mode = key.split("/")
         overhead = "-" if mode == "none" else f"{row['overhead'] * 100:+.1f}%"
+        spread = (
+            "-"
+            if mode == "none"
+            else f"{row['overhead_q1'] * 100:+.1f}% to {row['overhead_q3'] * 100:+.1f}%"
+        )
         lines.append(
-            f"| {engine} | {LABEL[mode]} | {row['step_s'] * 1e3:.1f} | {overhead} "
+            f"| {engine} | {LABEL[mode]} | {row['step_s'] * 1e3:.1f} | {overhead} | {spread} "
             f"| {_ms(row['first_blocking_s'])} | {_ms(row['later_blocking_s'])} "
             f"| {_ms(row['fence_s'])} | {row['saves']} |"
         )

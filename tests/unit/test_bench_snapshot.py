@@ -50,6 +50,9 @@ def test_overhead_pairs_each_round_with_the_unsaved_one() -> None:
     ]
     rows = bench_snapshot.summarize(ranks)
     assert rows["ftsdp/storage"]["overhead"] == pytest.approx(0.1)  # medians' ratio: +30%
+    # the middle half of the per-round overheads (+10%, +10%, +30%)
+    assert rows["ftsdp/storage"]["overhead_q1"] == pytest.approx(0.1)
+    assert rows["ftsdp/storage"]["overhead_q3"] == pytest.approx(0.2)
     assert rows["ftsdp/storage"]["step_s"] == pytest.approx(1.3)
     assert rows["fsdp2/dcp"]["overhead"] == pytest.approx(0.5)
     assert rows["ftsdp/none"]["overhead"] == 0
