@@ -67,13 +67,19 @@ class _Threads:
             self.count = max(self.count, count)
         return self
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def start(self) -> _Threads:
+        """Have the threads running (a thread's start waits for it to run: on busy cores that
+        can take a millisecond, which ``prepare_save`` takes off the first save)."""
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             while len(self._threads) < self.count:
                 t = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 t.start()
                 self._threads.append(t)
+        return self
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        self.start()
         future: Future = Future()
         self._jobs.put((future, fn, args))
         return future
@@ -407,13 +413,14 @@ def prepare_save(
     their metadata on it, off the caller's thread; see [Note: one lane per root]) and, given
     the ``state`` to be saved, allocates the snapshot memory for this rank's share and maps its
     pages (a rank's share is at most the bytes of its tensors: that much is reserved, when it
-    fits in ``options.staging_budget_bytes``). Without this call the first deferred save does
-    both; the caller then waits for the group, and the first copy into fresh memory takes
-    longer.
+    fits in ``options.staging_budget_bytes``); it also starts the thread of the deferred saves.
+    Without this call the first deferred save does all of it; the caller then waits for the
+    group and the thread, and the first copy into fresh memory takes longer.
     """
     options = options or SaveOptions()
     lane = _lane(Store(url, storage_options, options.io).where())
     own_group(resolve_group(process_group), lane.key)
+    lane.worker.start()
     if state is None:
         return 0
     tensors, _ = flatten_state(state)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,8 @@ def _deferred_cases(rank: int, world: int, root: str, pair: Any) -> None:
     opt = torch.optim.SGD(live, lr=1000.0)
     fence = storage.snapshot_fence(opt)
     assert storage.prepare_save(state, url) > 0  # the own group and this rank's snapshot memory
+    # ... and the thread of the deferred saves, which the first save then finds running
+    assert "storage-snapshot" in {t.name for t in threading.enumerate()}
     for step in (1, 2):
         expected = [t.clone() for t in live]
         cursor = list(state["trainer"]["cursor"])
