@@ -456,15 +456,23 @@ def test_the_join_handshake_ignores_keys_left_by_a_previous_incarnation() -> Non
 
 
 def _named_thread(name: str, stop, busy: bool):
-    """A thread whose OS name is ``name`` (as gloo names its workers): spinning or blocked."""
+    """A thread whose OS name is ``name`` (as gloo names its workers): running or blocked.
+
+    Running as a native worker does, without the GIL (hashlib drops it while it hashes): a
+    thread spinning in Python would hold it, and every ``/proc`` file the waiter opens would
+    then wait a switch interval (5 ms) for it, 1-3 s per wait in a process of 60 threads."""
     import ctypes
+    import hashlib
     import threading
 
     def body() -> None:
         libc = ctypes.CDLL(None)
         libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+        data = bytes(4 << 20)
         while not stop.is_set():
-            if not busy:
+            if busy:
+                hashlib.sha256(data).digest()
+            else:
                 stop.wait()
 
     t = threading.Thread(target=body, daemon=True)
