@@ -489,6 +489,10 @@ def test_close_waits_for_busy_worker_threads_and_gives_up_at_its_bound() -> None
     stop = threading.Event()
     idle_thread = _named_thread("ftsdp_idle", stop, busy=False)
     busy_thread = _named_thread("ftsdp_busy", stop, busy=True)
+    # the threads a long job's process holds (the waiter reads every thread's state)
+    others = [threading.Thread(target=stop.wait, daemon=True) for _ in range(60)]
+    for t in others:
+        t.start()
     try:
         time.sleep(0.05)
         idle, waited, busy = wait_for_idle_workers(timeout_s=5.0, names=("ftsdp_idle",))
@@ -500,8 +504,8 @@ def test_close_waits_for_busy_worker_threads_and_gives_up_at_its_bound() -> None
         assert idle and 0.1 < waited < 3.0
     finally:
         stop.set()
-        idle_thread.join(5)
-        busy_thread.join(5)
+        for t in [idle_thread, busy_thread, *others]:
+            t.join(5)
 
 
 def test_close_destroys_every_group_and_reports_the_ones_still_held() -> None:
