@@ -307,6 +307,18 @@ def _dtensor_cases(rank: int, world: int, root: str) -> None:
     full_sd = storage.load_state_dict(url)
     for k, v in full.items():
         assert torch.equal(full_sd[k], v)
+    # The same DTensors again (their ranges found by identity), then the same shapes placed
+    # otherwise on the same mesh: each step holds the values of its own layout.
+    storage.save(saved, url, step=2)
+    other = {k: distribute_tensor(v * 2, mesh2, [Shard(0), Replicate()]) for k, v in full.items()}
+    storage.save(other, url, step=3)
+    for step, factor in ((2, 1), (3, 2)):
+        target = {
+            k: distribute_tensor(torch.zeros_like(v), mesh1, [Shard(0)]) for k, v in full.items()
+        }
+        storage.load(target, url, step)
+        for k, v in full.items():
+            assert torch.equal(target[k].full_tensor(), v * factor), (step, k)
 
 
 def _even_state(rank: int, world: int, ref: dict[str, torch.Tensor], fill: float | None) -> dict:
