@@ -42,11 +42,8 @@ def all_gather_json(obj: Any, group: Any) -> list[Any]:
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
     longest = max(int(s.item()) for s in sizes)
-    buf = _zeros(longest)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bufs = [_zeros(longest).to(device) for _ in range(world)]
-    dist.all_gather(bufs, buf.to(device), group=group)
+    bufs = [_received(longest, device) for _ in range(world)]
+    dist.all_gather(bufs, _padded(data, longest).to(device), group=group)
     return [
         json.loads(bytes(b[: int(s.item())].cpu().numpy()))
         for b, s in zip(bufs, sizes, strict=True)
@@ -67,10 +64,7 @@ def broadcast_json(obj: Any, group: Any) -> Any:
     n, head = _unframed(first.cpu())
     if n <= len(head):
         return json.loads(head[:n])
-    rest = _zeros(n - len(head))
-    if data:
-        rest[:] = torch.frombuffer(bytearray(data[len(head) :]), dtype=torch.uint8)
-    rest = rest.to(device)
+    rest = _padded(data[len(head) :], n - len(head)).to(device)  # elsewhere: to receive into
     dist.broadcast(rest, src=src, group=group)
     return json.loads(head + bytes(rest.cpu().numpy()))
 
@@ -82,10 +76,8 @@ _FIRST = 64 << 10  # a broadcast's first (usually only) frame
 def _framed(data: bytes, size: int, device: torch.device) -> torch.Tensor:
     """``size`` bytes (at least the length field): ``len(data)``, then as much of ``data`` as
     fits, zeros after it; on the group's device."""
-    buf = _zeros(size)
     framed = len(data).to_bytes(_LENGTH, "little") + data[: size - _LENGTH]
-    buf[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-    return buf.to(device)
+    return _padded(framed, size).to(device)
 
 
 def _unframed(buf: torch.Tensor) -> tuple[int, bytes]:
@@ -94,16 +86,20 @@ def _unframed(buf: torch.Tensor) -> tuple[int, bytes]:
     return int.from_bytes(raw[:_LENGTH], "little"), raw[_LENGTH:]
 
 
-def _zeros(n: int) -> torch.Tensor:
-    """``n`` zero bytes as a CPU uint8 tensor, zeroed by the allocator: ``torch.zeros`` of 32 KiB
-    or more fills in parallel, and on storage's background thread that wakes an OpenMP team of
-    its own for every message (2 ms of CPU for a 64 KiB frame with 2 threads on 2 busy cores,
-    against 0.01 ms)."""
-    return (
-        torch.frombuffer(bytearray(n), dtype=torch.uint8)
-        if n
-        else torch.empty(0, dtype=torch.uint8)
-    )
+def _padded(data: bytes, n: int) -> torch.Tensor:
+    """The first ``n`` bytes of ``data`` and zeros after them, ``n`` in all, as a CPU uint8
+    tensor over a bytearray (zeroed by the allocator, the bytes written once): ``torch.zeros``
+    of 32 KiB or more fills in parallel, and on storage's background thread that wakes an
+    OpenMP team of its own for every message (2 ms of CPU for a 64 KiB frame with 2 threads on
+    2 busy cores, against 0.01 ms)."""
+    if not n:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data[:n]).ljust(n, b"\0"), dtype=torch.uint8)
+
+
+def _received(n: int, device: torch.device) -> torch.Tensor:
+    """A buffer of ``n`` bytes that a collective fills whole: nothing to zero, on its device."""
+    return torch.empty(n, dtype=torch.uint8, device=device)
 
 
 def _to_bytes(buf: torch.Tensor, n: int) -> bytes:
@@ -121,7 +117,7 @@ def gather_json(obj: Any, group: Any) -> list[Any] | None:
     longest = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
     buf = _framed(data, _LENGTH + int(longest.item()), device)
-    bufs = [_zeros(buf.numel()).to(device) for _ in range(world)] if me == 0 else None
+    bufs = [_received(buf.numel(), device) for _ in range(world)] if me == 0 else None
     dist.gather(buf, bufs, dst=dst, group=group)
     if bufs is None:
         return None
@@ -142,15 +138,8 @@ def scatter_json(objs: list[Any] | None, group: Any) -> Any:
     sizes = [torch.tensor([len(d)], dtype=torch.int64, device=device) for d in datas]
     size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.scatter(size, sizes or None, src=src, group=group)
-    bufs = None
-    if me == 0:
-        bufs = []
-        for d in datas:
-            b = _zeros(longest)
-            if d:
-                b[: len(d)] = torch.frombuffer(bytearray(d), dtype=torch.uint8)
-            bufs.append(b.to(device))
-    buf = _zeros(longest).to(device)
+    bufs = [_padded(d, longest).to(device) for d in datas] if me == 0 else None
+    buf = _received(longest, device)
     dist.scatter(buf, bufs, src=src, group=group)
     return json.loads(_to_bytes(buf, int(size.item())))
 

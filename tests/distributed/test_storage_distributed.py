@@ -543,9 +543,16 @@ def _golden_v4_writer(rank: int, groups: dict[int, Any], root: str) -> None:
 
 def _json_collectives(rank: int, groups: dict[int, Any]) -> None:
     """storage's JSON collectives against the objects sent: a broadcast that fits in its first
-    frame and one that needs a second, and a gather of messages of very different lengths
-    (an empty one among them), over every rank and over a subgroup of 3 (ranks 0-2)."""
-    from ftsdp.storage._collectives import _FIRST, broadcast_json, gather_json
+    frame and one that needs a second, and a gather, an all-gather and a scatter of messages
+    of very different lengths (an empty one among them), over every rank and over a subgroup
+    of 3 (ranks 0-2)."""
+    from ftsdp.storage._collectives import (
+        _FIRST,
+        all_gather_json,
+        broadcast_json,
+        gather_json,
+        scatter_json,
+    )
 
     for n in (4, 3):
         if rank >= n:
@@ -557,6 +564,9 @@ def _json_collectives(rank: int, groups: dict[int, Any]) -> None:
         got = gather_json(mine, group)
         expect = ["", {"r": 1}, "y" * (3 * _FIRST + 2), [3] * 5][:n]
         assert got == (expect if rank == 0 else None), (n, rank)
+        assert all_gather_json(expect[rank], group) == expect, (n, rank)  # rank 0's: empty
+        parts = [{"to": r, "pad": "z" * (r * 5000)} for r in range(n)]
+        assert scatter_json(parts if rank == 0 else None, group) == parts[rank], (n, rank)
 
 
 def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
