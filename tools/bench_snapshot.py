@@ -281,17 +281,16 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None
     for key, row in out.items():  # paired by round: see the module docstring
         mine, base = results[0][key]["times"], results[0][f"{key.split('/')[0]}/none"]["times"]
         ratios = [t / b - 1 for t, b in zip(mine, base, strict=True)]
-        row["overhead"] = statistics.median(ratios)
-        row["overhead_q1"], row["overhead_q3"] = _quartiles(ratios)
+        row["overhead_q1"], row["overhead"], row["overhead_q3"] = _quartiles(ratios)
     return out
 
 
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    """The first and third quartiles of ``xs`` (inclusive method: within its range)."""
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """The quartiles of ``xs``, the median in the middle (inclusive method: within its range)."""
     if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
+        return xs[0], xs[0], xs[0]
+    q1, median, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, median, q3
 
 
 def _ms(x: float | None) -> str:

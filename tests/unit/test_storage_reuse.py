@@ -46,7 +46,7 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     seen: list[tuple[str, bool]] = []
     real = Store._take_retired
 
-    def watch(self: Store, rel: str, identity: tuple[int, int], tmp: str):
+    def watch(self: Store, rel: str, identity: fs_module.Identity, tmp: str):
         f = real(self, rel, identity, tmp)
         seen.append((rel, f is not None))
         return f
