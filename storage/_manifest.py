@@ -388,14 +388,12 @@ class Manifest:
         between saves; listed pieces carry this save's checksums and are encoded each time.
         Encoding the whole table at every save took 1.3 ms of rank 0's background CPU for the
         208 tensors of the built-in GPT's state (W=2), a save every 2 steps."""
-        compact = (",", ":")
         parts = []
         for name, t in sorted(self.tensors.items()):
             key = None if t.rule is None else (name, tuple(t.shape), t.dtype, t.rule)
             text = None if key is None else _ENTRY_TEXT.get(key)
             if text is None:
-                entry = json.dumps(self._tensor_json(t), sort_keys=True, separators=compact)
-                text = f"{json.dumps(name)}:{entry}"
+                text = f"{json.dumps(name)}:{_canonical_value(self._tensor_json(t))}"
                 if key is not None:
                     _ENTRY_TEXT.put(key, text)
             parts.append(text)
