@@ -8,13 +8,14 @@ itself (done and abort markers, the manifest, ``latest``, retention) is ``storag
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -39,6 +40,7 @@ from ftsdp.storage._staging import (
     stage,
 )
 from ftsdp.storage._state import TensorLeaf, flatten_state
+from ftsdp.storage._streaming import piece_bytes
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -413,12 +415,15 @@ def prepare_save(
     their metadata on it, off the caller's thread; see [Note: one lane per root]) and, given
     the ``state`` to be saved, allocates the snapshot memory for this rank's share and maps its
     pages (a rank's share is at most the bytes of its tensors: that much is reserved, when it
-    fits in ``options.staging_budget_bytes``); it also starts the thread of the deferred saves.
+    fits in ``options.staging_budget_bytes``; nothing for a tmpfs root and CPU tensors, which
+    are written to their files directly: see [Note: a tmpfs root written from the live
+    tensors]); it also starts the thread of the deferred saves.
     Without this call the first deferred save does all of it; the caller then waits for the
     group and the thread, and the first copy into fresh memory takes longer.
     """
     options = options or SaveOptions()
-    lane = _lane(Store(url, storage_options, options.io).where())
+    store = Store(url, storage_options, options.io)
+    lane = _lane(store.where())
     own_group(resolve_group(process_group), lane.key)
     lane.worker.start()
     if state is None:
@@ -426,7 +431,7 @@ def prepare_save(
     tensors, _ = flatten_state(state)
     local = [t.local for t in tensors.values()]
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
-    if total > options.staging_budget_bytes:
+    if total > options.staging_budget_bytes or writes_in_place(store, local):
         return 0
     lane.arena.reserve(total, any(t.device.type == "cuda" for t in local))
     return total
@@ -511,6 +516,15 @@ class _SaveJob:
                 out.append(local.reshape(-1)[start : start + p.length])  # 1D
         return out
 
+    def _live_bytes(self, obj: PlannedObject) -> list[memoryview]:
+        """The bytes of ``obj``'s pieces read in place from the live tensors (which this job
+        holds in ``self.tensors``): see [Note: a tmpfs root written from the live tensors]."""
+        out = []
+        for p in obj.pieces:
+            leaf = self.tensors[p.name]
+            out.append(piece_bytes(leaf.local, p.offset - leaf.range.offset, p.length))
+        return out
+
     def _write(self, obj: PlannedObject, payloads: list[Any]) -> list[list[int]]:
         result: list[list[int]] = []
 
@@ -568,6 +582,12 @@ class _SaveJob:
         protocol still runs, as a failure)."""
         futures: list[Future] = []
         try:
+            if arena is not None and writes_in_place(self.store, self.tensors.values()):
+                # [Note: a tmpfs root written from the live tensors]
+                for obj in self.mine:
+                    futures.append(pool.submit(self._write, obj, self._live_bytes(obj)))
+                wait_all(futures)  # the snapshot: the bytes are in the files now
+                return futures, None
             payloads = [self._payloads(obj) for obj in self.mine]
             sizes = [obj.staged_bytes for obj in self.mine]
             if arena is not None and sum(sizes) <= self.options.staging_budget_bytes:
@@ -771,6 +791,34 @@ class _DeferredSave:
             job.node, job.commit_group, job.discard_newer = self.node, self.own, discard_newer
         job.use_lane(self.lane)
         return job
+
+
+def writes_in_place(store: Store, leaves: Iterable[TensorLeaf | torch.Tensor]) -> bool:
+    """Whether a deferred save writes its objects straight from the live tensors (every one on
+    the CPU, the root on tmpfs) instead of copying them into the snapshot arena first: see
+    [Note: a tmpfs root written from the live tensors]."""
+    return store.tmpfs and all(
+        (t.local if isinstance(t, TensorLeaf) else t).device.type == "cpu" for t in leaves
+    )
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait until every one of ``futures`` is done, failed or not (their errors stay in them)."""
+    for fut in futures:
+        with contextlib.suppress(BaseException):
+            fut.result()
+
+
+# [Note: a tmpfs root written from the live tensors]
+# On tmpfs a file's bytes are host memory, so the snapshot copy and the write that follows it
+# would move every byte twice through the same memory (and keep a second copy of the rank's
+# share in the arena). When every saved tensor is on the CPU, a deferred save to a tmpfs root
+# writes its objects (checksummed as they go out, as always) from the live tensors instead,
+# and the snapshot is done when the writes are: the fence then covers the writes, which take
+# about as long as the copy into fresh arena memory did (a write into tmpfs allocates and fills
+# pages at memory speed). ``prepare_save`` reserves no arena for such a save. Anywhere else the
+# arena stays: a disk or an object store may take far longer than a forward and backward, and
+# CUDA tensors need a host copy anyway.
 
 
 def _queued_work_event(tensors: dict[str, TensorLeaf]) -> Any:

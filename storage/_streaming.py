@@ -12,6 +12,7 @@ torch file) needs the largest such item on top.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -105,6 +106,20 @@ class Meter:
         self.done += nbytes
         if self._progress is not None:
             self._progress(self.done, self.total)
+
+
+def piece_bytes(t: torch.Tensor, start: int, length: int) -> memoryview:
+    """The raw bytes of elements ``start`` to ``start + length`` of ``t`` in its memory order,
+    read in place: for a contiguous CPU tensor, a view of its memory made from its address
+    (about 1 us, a tenth of ``tensor_bytes`` on a slice), which holds no reference to ``t``:
+    the caller keeps ``t`` alive and unchanged while it reads them. Anything else is copied by
+    ``tensor_bytes``."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() or not length:
+        t = t.detach().resolve_conj().resolve_neg()
+        return tensor_bytes(t.reshape(-1)[start : start + length])
+    size = t.element_size()
+    n = length * size
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr() + start * size)).cast("B")
 
 
 def tensor_bytes(t: torch.Tensor | memoryview) -> memoryview:

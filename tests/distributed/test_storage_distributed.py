@@ -7,7 +7,9 @@ compared bitwise with the slice of the unsharded reference that layout would hol
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ftsdp import storage
+from ftsdp.storage import _save
 from ftsdp.storage._manifest import Manifest
 from ftsdp.storage._manifest import seal as storage_seal
 from ftsdp.testing import run_ranks
@@ -205,9 +208,21 @@ def _async_cases(rank: int, world: int, root: str) -> None:
 def _deferred_cases(rank: int, world: int, root: str, pair: Any) -> None:
     """save(defer_copy=True) returns before copying; the loop changes every saved tensor at once
     (an optimizer step behind the fence, collectives on the default group in between), yet the
-    checkpoint holds the values of the moment of the save."""
+    checkpoint holds the values of the moment of the save: copied into the snapshot memory
+    first under a disk root, written from the live tensors under a tmpfs one."""
+    shm = f"/dev/shm/ftsdp-test-{hashlib.sha1(root.encode()).hexdigest()[:12]}"
+    try:
+        _deferred_saves(rank, world, f"{shm}/deferred", in_place=True)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(shm, ignore_errors=True)
+    _deferred_saves(rank, world, f"{root}/deferred", in_place=False)
+    _deferred_errors(rank, world, f"{root}/deferred", pair)
+
+
+def _deferred_saves(rank: int, world: int, url: str, in_place: bool) -> None:
     ref = _reference()
-    url = f"{root}/deferred"
     state = _state(rank, world, ref, None)
     leaves = [
         *state["model"].values(),
@@ -219,7 +234,8 @@ def _deferred_cases(rank: int, world: int, root: str, pair: Any) -> None:
         t.grad = torch.ones_like(t)
     opt = torch.optim.SGD(live, lr=1000.0)
     fence = storage.snapshot_fence(opt)
-    assert storage.prepare_save(state, url) > 0  # the own group and this rank's snapshot memory
+    # The own group and this rank's snapshot memory; none on tmpfs, written in place
+    assert (storage.prepare_save(state, url) == 0) == in_place
     # ... and the thread of the deferred saves, which the first save then finds running
     assert "storage-snapshot" in {t.name for t in threading.enumerate()}
     for step in (1, 2):
@@ -247,7 +263,11 @@ def _deferred_cases(rank: int, world: int, root: str, pair: Any) -> None:
         if step == 1:
             _check(target, ref, "deferred")
     fence.remove()
+    assert (_save._lanes[url].arena.held_bytes() == 0) == in_place
 
+
+def _deferred_errors(rank: int, world: int, url: str, pair: Any) -> None:
+    ref = _reference()
     # A bad state on one rank: that rank raises at once, the others from wait(); none hangs.
     state = _state(rank, world, ref, None)
     if rank == 1:

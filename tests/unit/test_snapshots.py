@@ -6,6 +6,8 @@ The reference is the state itself, cloned at the moment of the save."""
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any
@@ -16,6 +18,8 @@ from torch import nn
 
 from ftsdp import storage
 from ftsdp.storage import _save
+from ftsdp.storage._fs import Store
+from ftsdp.storage._streaming import piece_bytes
 from ftsdp.trainer import CheckpointManager
 from ftsdp.trainer._engines import engine_for
 
@@ -32,6 +36,16 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
     opt.zero_grad()
+
+
+@pytest.fixture
+def shm_root() -> Any:
+    """A fresh directory in host shared memory (tmpfs), removed afterwards."""
+    if not Store("/dev/shm", None).tmpfs:
+        pytest.skip("/dev/shm is not a tmpfs mount here")
+    path = tempfile.mkdtemp(prefix="ftsdp-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -84,6 +98,67 @@ def test_save_returns_before_copying_and_the_step_waits_for_the_copy(
         assert torch.equal(saved[f"optim.state.{names[pid]}.exp_avg"], avg)
 
 
+def test_a_tmpfs_root_is_written_from_the_live_tensors_and_the_step_waits_for_the_writes(
+    shm_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On tmpfs there is no snapshot memory: the objects are written from the live tensors,
+    and the optimizer step waits until they are."""
+    release, copies = threading.Event(), []
+    real_write = _save.write_object
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(30), "the test never released the write"
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "write_object", held)
+    monkeypatch.setattr(_save, "copy_into", lambda *a, **k: copies.append(a))
+    model, opt = _model()
+    url = f"{shm_root}/ckpt"
+    ckpt = CheckpointManager(url, model, opt)
+    assert ckpt.resume({"step": 0}) is None
+    assert _save._lanes[url].arena.held_bytes() == 0  # nothing reserved for a copy
+    moment = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.save(1, {"step": 1})
+    assert not ckpt._pending.snapshot_taken()
+    stepped = threading.Event()
+
+    def step() -> None:
+        _train(model, opt)
+        stepped.set()
+
+    t = threading.Thread(target=step)
+    t.start()
+    time.sleep(0.3)
+    assert not stepped.is_set(), "optimizer.step() ran while the objects were being written"
+    release.set()
+    t.join(30)
+    assert stepped.is_set()
+    ckpt.close()
+    assert copies == [] and _save._lanes[url].arena.held_bytes() == 0
+    saved = storage.load_state_dict(url)
+    for k, v in moment.items():
+        assert torch.equal(saved[f"model.{k}"], v), k
+        assert not torch.equal(model.state_dict()[k], v)
+
+
+def test_piece_bytes_are_the_elements_in_row_major_order() -> None:
+    g = torch.Generator().manual_seed(2)
+    tensors = [
+        torch.randn(10, 7, generator=g),
+        torch.randn(8, 8, generator=g).t(),  # not contiguous: copied
+        torch.randn(33, generator=g).to(torch.bfloat16)[1:],  # an odd storage offset
+        torch.randint(0, 9, (5, 3), generator=g, dtype=torch.int64),
+        torch.randn(6, generator=g, dtype=torch.complex64).conj(),  # a lazy conjugate
+        nn.Parameter(torch.randn(12, generator=g)),  # requires grad
+    ]
+    for t in tensors:
+        n = t.numel()
+        for start, length in ((0, n), (3, n - 5), (n - 1, 1), (2, 0)):
+            want = t.detach().resolve_conj().reshape(-1)[start : start + length].clone()
+            got = piece_bytes(t, start, length)
+            assert bytes(got) == want.view(torch.uint8).numpy().tobytes(), (t.shape, start)
+
+
 def test_close_takes_the_fence_off_and_sync_saves_have_none(tmp_path: Any) -> None:
     model, opt = _model()
     ckpt = CheckpointManager(str(tmp_path / "a"), model, opt)
@@ -107,9 +182,14 @@ def test_a_bad_state_raises_at_once_and_the_next_save_works(tmp_path: Any) -> No
         storage.save({"x": torch.zeros(1)}, url, 3, defer_copy=True)
 
 
-@pytest.mark.parametrize("budget", [None, 64])
-def test_the_copy_is_exact_whatever_the_staging(tmp_path: Any, budget: int | None) -> None:
-    """Arena (everything fits) or one object at a time within a tiny budget: same bytes."""
+@pytest.mark.parametrize("budget", [None, 64, "tmpfs"])
+def test_the_copy_is_exact_whatever_the_staging(
+    tmp_path: Any, request: pytest.FixtureRequest, budget: int | str | None
+) -> None:
+    """Arena (everything fits), one object at a time within a tiny budget, or no copy at all
+    (a tmpfs root, written from the tensors themselves): same bytes."""
+    if budget == "tmpfs":
+        tmp_path, budget = request.getfixturevalue("shm_root"), None
     g = torch.Generator().manual_seed(1)
     state = {
         "a": torch.randn(1000, generator=g),
