@@ -85,3 +85,24 @@ def test_mapping_a_truncated_object_raises(tmp_path: Path) -> None:
     assert bytes(store.map_range("obj", 10, 100)) == b"x" * 90
     with pytest.raises(OSError, match="truncated"):
         store.map_range("obj", 50, 101)
+
+
+def test_a_flat_shards_leaf_is_kept_between_saves_and_follows_its_tensor(tmp_path: Path) -> None:
+    """The walk of the state keeps a FlatShard's leaf on the shard (it is frozen); the leaf is
+    made again under another name or once its tensor was resized, and every save holds the
+    values of its moment."""
+    from ftsdp.storage._state import flatten_state
+
+    flat = torch.arange(12.0)
+    shard = storage.FlatShard((3, 4), 0, flat)
+    first = flatten_state({"w": shard})[0]["w"]
+    assert flatten_state({"w": shard})[0]["w"] is first
+    assert flatten_state({"v": shard})[0]["v"].name == "v"
+    url = str(tmp_path)
+    for step in (1, 2):
+        flat.mul_(2)
+        storage.save({"w": shard}, url, step)
+        assert torch.equal(storage.load_state_dict(url, step=step)["w"], flat.view(3, 4))
+    flat.resize_(6)  # a shard that no longer fits its global shape: the kept leaf is not used
+    with pytest.raises(ValueError, match=r"elements \[6, 12\) are not covered"):
+        storage.save({"w": shard}, url, 3)
