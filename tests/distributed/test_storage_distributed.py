@@ -7,6 +7,7 @@ compared bitwise with the slice of the unsharded reference that layout would hol
 from __future__ import annotations
 
 import base64
+import gc
 import hashlib
 import json
 import shutil
@@ -339,6 +340,20 @@ def _dtensor_cases(rank: int, world: int, root: str) -> None:
         storage.load(target, url, step)
         for k, v in full.items():
             assert torch.equal(target[k].full_tensor(), v * factor), (step, k)
+    # A DTensor's leaf is kept while it lives (the walk at every save): the values of each
+    # save's moment go out, under any name, and the entries go with the DTensors.
+    from ftsdp.storage import _state
+
+    assert _state.flatten_state(saved)[0]["a"] is _state.flatten_state(saved)[0]["a"]
+    with torch.no_grad():
+        saved["a"].mul_(3)
+    storage.save({"a": saved["a"], "c": saved["a"]}, url, step=4)
+    got = storage.load_state_dict(url, step=4)
+    assert torch.equal(got["a"], full["a"] * 3) and torch.equal(got["c"], full["a"] * 3)
+    kept = len(_state._DTENSOR_LEAVES)
+    del other, target
+    gc.collect()
+    assert len(_state._DTENSOR_LEAVES) == kept - len(full) * 2
 
 
 def _even_state(rank: int, world: int, ref: dict[str, torch.Tensor], fill: float | None) -> dict:
