@@ -16,8 +16,9 @@ AdamW, in one spawned run, under each engine and way of checkpointing:
 
 Checkpoints go to ``--dir`` (default ``/dev/shm``: memory, so the figures are the saves' CPU cost,
 not a disk's). Every configuration runs ``--steps`` steps per round, ``--rounds`` rounds, the
-configurations of a round in a random order (seeded; a fixed rotation gave each configuration
-the same predecessor, whose leftovers it then always paid for), each after a garbage
+saving configurations of a round in a random order (seeded; a fixed rotation gave each
+configuration the same predecessor, whose leftovers it then always paid for), each right after
+a round of the same engine without saving, its pair, and every round after a garbage
 collection; a round is timed barrier to barrier (the slowest rank). It saves at its start and after every ``--every`` steps but the last, so each save has
 ``--every`` steps of training to overlap inside the round, as in a long run, and it ends after
 its last save has committed, so background work is not left to the next configuration. (A
@@ -25,9 +26,10 @@ round that saved after its last step would time that save's whole latency with n
 overlap: about one save's latency per round too much, for every way of saving.)
 
 Step time is the median over rounds. Overhead is against the same engine without saving,
-paired by round: the median over rounds of a round's step time over the unsaved engine's in
-the same round (the configurations of a round run back to back, so the drift of a shared
-machine's speed, often larger than the overhead, cancels). Blocking is the time ``save`` /
+paired by round: the median over rounds of a round's step time over that of the unsaved round
+right before it (the two run back to back, 2 to 3 seconds, so the drift of a shared machine's
+speed, often larger than the overhead, mostly cancels; paired with an unsaved round up to six
+rounds away, the middle half of the per-round overheads spanned 9 to 17 points). Blocking is the time ``save`` /
 ``async_save`` kept the caller, the first save apart (``CheckpointManager.resume`` prepared
 the deferred saves before it: storage's own group and the snapshot memory; DCP has no such
 call). ``fence wait`` is the time ``optimizer.step()`` waited for a snapshot, per save. Prints
@@ -236,23 +238,34 @@ class _Run:
 
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Build every configuration, run the rounds, return the slowest rank's view (rank 0's
-    times are barrier to barrier, so they are the slowest rank's)."""
+    times are barrier to barrier, so they are the slowest rank's). Each round of a saving
+    configuration follows a round of the same engine without saving, its pair."""
     runs = [_Run(engine, mode, cfg, cfg["root"]) for engine, mode in CONFIGS]
+    unsaved = {run.engine: run for run in runs if run.mode == "none"}
+    saving = [run for run in runs if run.mode != "none"]
+    pairs: dict[str, list[int]] = {_key(run): [] for run in runs}
     order = random.Random(cfg["seed"])  # the same orders on every rank
     for _ in range(cfg["rounds"]):
-        for run in order.sample(runs, len(runs)):
-            gc.collect()  # (untimed) no configuration pays for another's garbage
-            run.round()
+        for run in order.sample(saving, len(saving)):
+            for one in (unsaved[run.engine], run):
+                gc.collect()  # (untimed) no configuration pays for another's garbage
+                one.round()
+            pairs[_key(run)].append(len(unsaved[run.engine].times) - 1)
     out = {}
     for run in runs:
         if run.ckpt is not None:
             run.ckpt.close()
-        out[f"{run.engine}/{run.mode}"] = {
+        out[_key(run)] = {
             "times": run.times,
             "blocking": run.blocking,
             "fence": run.fence,
+            "pairs": pairs[_key(run)] or list(range(len(run.times))),
         }
     return out
+
+
+def _key(run: _Run) -> str:
+    return f"{run.engine}/{run.mode}"
 
 
 # -- the report -------------------------------------------------------------------------------------
@@ -280,7 +293,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None
         }
     for key, row in out.items():  # paired by round: see the module docstring
         mine, base = results[0][key]["times"], results[0][f"{key.split('/')[0]}/none"]["times"]
-        ratios = [t / b - 1 for t, b in zip(mine, base, strict=True)]
+        pairs = results[0][key].get("pairs") or range(len(mine))
+        ratios = [t / base[j] - 1 for t, j in zip(mine, pairs, strict=True)]
         row["overhead_q1"], row["overhead"], row["overhead_q3"] = _quartiles(ratios)
     return out
 

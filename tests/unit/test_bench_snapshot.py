@@ -37,15 +37,20 @@ def test_each_save_is_followed_by_every_steps_inside_the_round(
 
 def test_overhead_pairs_each_round_with_the_unsaved_one() -> None:
     """A machine that slows down in one round slows every configuration of that round: the
-    overhead is the median of the per-round ratios, not a ratio of medians."""
+    overhead is the median of the per-round ratios, each round against the unsaved round
+    right before it (``pairs``), not a ratio of medians."""
     times = {
-        "ftsdp/none": [1.0, 2.0, 1.0],
+        "ftsdp/none": [1.0, 5.0, 2.0, 1.0],  # its second round paired with nothing
         "ftsdp/storage": [1.1, 2.2, 1.3],  # +10%, +10%, +30%: median +10%
         "fsdp2/none": [1.0, 1.0, 1.0],
         "fsdp2/dcp": [1.5, 1.5, 1.5],
     }
+    pairs = {"ftsdp/storage": [0, 2, 3]}
     ranks = [
-        {k: {"times": v, "blocking": [0.01, 0.02], "fence": []} for k, v in times.items()}
+        {
+            k: {"times": v, "blocking": [0.01, 0.02], "fence": [], "pairs": pairs.get(k)}
+            for k, v in times.items()
+        }
         for _ in range(2)
     ]
     rows = bench_snapshot.summarize(ranks)
