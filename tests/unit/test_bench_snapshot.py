@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import types
 from typing import Any
 
@@ -61,3 +62,22 @@ def test_overhead_pairs_each_round_with_the_unsaved_one() -> None:
     assert rows["ftsdp/storage"]["step_s"] == pytest.approx(1.3)
     assert rows["fsdp2/dcp"]["overhead"] == pytest.approx(0.5)
     assert rows["ftsdp/none"]["overhead"] == 0
+
+
+def test_the_busy_rank_bench_runs_its_python_work_inside_the_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``bench_busy_rank``: each would-be save starts a thread burning that much CPU in Python,
+    and the round ends only once every such thread has finished."""
+    from ftsdp.tools import bench_busy_rank
+
+    monkeypatch.setattr(bench_snapshot, "dist", types.SimpleNamespace(barrier=lambda: None))
+    run: Any = bench_busy_rank._Busy.__new__(bench_busy_rank._Busy)
+    run.cfg, run.step, run.times, run.mode = {"steps": 4, "every": 2}, 0, [], "none"
+    run.seconds, run.threads = 0.02, []
+    run.train_step = lambda: setattr(run, "step", run.step + 1)
+    run.prune_dcp = lambda: None
+    cpu = time.process_time()
+    run.round()
+    assert time.process_time() - cpu >= 2 * 0.02  # two would-be saves (at 0 and after step 2)
+    assert run.threads == [] and len(run.times) == 1
