@@ -38,6 +38,26 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+def _step_waits_for(
+    model: nn.Module, opt: torch.optim.Optimizer, release: threading.Event, what: str
+) -> None:
+    """A training step on another thread does not get past ``optimizer.step()`` until the test
+    sets ``release`` (the held snapshot work), and then does."""
+    stepped = threading.Event()
+
+    def step() -> None:
+        _train(model, opt)
+        stepped.set()
+
+    t = threading.Thread(target=step)
+    t.start()
+    time.sleep(0.3)
+    assert not stepped.is_set(), f"optimizer.step() ran while {what}"
+    release.set()
+    t.join(30)
+    assert stepped.is_set()
+
+
 @pytest.fixture
 def shm_root() -> Any:
     """A fresh directory in host shared memory (tmpfs), removed afterwards."""
@@ -74,19 +94,7 @@ def test_save_returns_before_copying_and_the_step_waits_for_the_copy(
     assert not ckpt._pending.snapshot_taken()  # returned with nothing copied yet
     assert blocked < 5  # (generous: the copy is held, the call must not wait for it)
 
-    stepped = threading.Event()
-
-    def step() -> None:
-        _train(model, opt)  # optimizer.step() must wait for the snapshot
-        stepped.set()
-
-    t = threading.Thread(target=step)
-    t.start()
-    time.sleep(0.3)
-    assert not stepped.is_set(), "optimizer.step() ran while the snapshot was being taken"
-    slow_copies.set()
-    t.join(30)
-    assert stepped.is_set()
+    _step_waits_for(model, opt, slow_copies, "the snapshot was being taken")
     ckpt.close()
 
     saved = storage.load_state_dict(str(tmp_path / "ckpt"))
@@ -120,19 +128,7 @@ def test_a_tmpfs_root_is_written_from_the_live_tensors_and_the_step_waits_for_th
     moment = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt.save(1, {"step": 1})
     assert not ckpt._pending.snapshot_taken()
-    stepped = threading.Event()
-
-    def step() -> None:
-        _train(model, opt)
-        stepped.set()
-
-    t = threading.Thread(target=step)
-    t.start()
-    time.sleep(0.3)
-    assert not stepped.is_set(), "optimizer.step() ran while the objects were being written"
-    release.set()
-    t.join(30)
-    assert stepped.is_set()
+    _step_waits_for(model, opt, release, "the objects were being written")
     ckpt.close()
     assert copies == [] and _save._lanes[url].arena.held_bytes() == 0
     saved = storage.load_state_dict(url)
@@ -416,3 +412,30 @@ def test_each_save_writes_with_at_most_its_own_io_threads(
         assert most[0] <= threads and (threads == 1 or most[0] >= 2), (step, most[0])
     got = storage.load_state_dict(url, step=2)
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_failed_write_on_a_tmpfs_root_fails_that_save_only(
+    shm_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written from the live tensors, a write that fails releases the fence, fails its save
+    (nothing committed) and leaves the next save to work."""
+    real_write = _save.write_object
+    calls = []
+
+    def failing_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("disk on fire")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "write_object", failing_once)
+    url = f"{shm_root}/s"
+    state = {"x": torch.arange(8.0)}
+    h = storage.save(state, url, 1, async_save=True, defer_copy=True)
+    h.wait_snapshot(30)  # released although the write failed
+    with pytest.raises(OSError, match="disk on fire"):
+        h.wait(30)
+    assert storage.list_steps(url) == []
+    storage.save(state, url, 2, async_save=True, defer_copy=True).wait(30)
+    assert storage.list_steps(url) == [2]
+    assert torch.equal(storage.load_state_dict(url)["x"], state["x"])
