@@ -81,3 +81,17 @@ def test_the_busy_rank_bench_runs_its_python_work_inside_the_round(
     run.round()
     assert time.process_time() - cpu >= 2 * 0.02  # two would-be saves (at 0 and after step 2)
     assert run.threads == [] and len(run.times) == 1
+
+
+def test_only_runs_the_named_saving_configurations_with_their_unsaved_rounds() -> None:
+    assert bench_snapshot.configs(None) == list(bench_snapshot.CONFIGS)
+    assert bench_snapshot.configs(["ftsdp/storage"]) == [("ftsdp", "none"), ("ftsdp", "storage")]
+    picked = bench_snapshot.configs(["fsdp2/dcp", "ftsdp/memory"])
+    assert picked == [("ftsdp", "none"), ("ftsdp", "memory"), ("fsdp2", "none"), ("fsdp2", "dcp")]
+    with pytest.raises(SystemExit, match="ftsdp/none"):
+        bench_snapshot.configs(["ftsdp/none"])
+    # with only some rows, the verdicts that need the others are left out
+    row = {"overhead": 0.04, "first_blocking_s": None, "later_blocking_s": None}
+    assert bench_snapshot.verdicts({"ftsdp/storage": row}, 2) == [
+        "- saving every 2 steps adds <= 5% to ftsdp's step: MET (+4.0%)"
+    ]
