@@ -113,7 +113,13 @@ def piece_bytes(t: torch.Tensor, start: int, length: int) -> memoryview:
     read in place: for a contiguous CPU tensor, a view of its memory made from its address
     (about 1 us, a tenth of ``tensor_bytes`` on a slice), which holds no reference to ``t``:
     the caller keeps ``t`` alive and unchanged while it reads them. Anything else is copied by
-    ``tensor_bytes``."""
+    ``tensor_bytes``. A range outside the tensor raises ValueError (it is never read)."""
+    if start < 0 or length < 0 or start + length > t.numel():
+        raise ValueError(
+            f"elements [{start}, {start + length}) of a tensor of {t.numel()} elements: the "
+            "saved tensor changed size after save() (only optimizer.step() may change it, and "
+            "only in place)"
+        )
     if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() or not length:
         t = t.detach().resolve_conj().resolve_neg()
         return tensor_bytes(t.reshape(-1)[start : start + length])

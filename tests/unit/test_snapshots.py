@@ -153,6 +153,8 @@ def test_piece_bytes_are_the_elements_in_row_major_order() -> None:
             want = t.detach().resolve_conj().reshape(-1)[start : start + length].clone()
             got = piece_bytes(t, start, length)
             assert bytes(got) == want.view(torch.uint8).numpy().tobytes(), (t.shape, start)
+        with pytest.raises(ValueError, match="changed size"):  # never read past the tensor
+            piece_bytes(t, n - 1, 2)
 
 
 def test_close_takes_the_fence_off_and_sync_saves_have_none(tmp_path: Any) -> None:
