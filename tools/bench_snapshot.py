@@ -409,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv[1:] if argv is None else argv
     )
     header = environment(args)
+    only = args.only.split(",") if args.only else None
+    configs(only)  # an unknown name fails here, before anything is made
     root = tempfile.mkdtemp(prefix="bench_snapshot-", dir=args.dir)
     cfg = {
         "model": {
@@ -426,9 +428,8 @@ def main(argv: list[str] | None = None) -> None:
         "micro_batch": args.micro_batch,
         "micro_steps": args.micro_steps,
         "root": root,
-        "only": args.only.split(",") if args.only else None,
+        "only": only,
     }
-    configs(cfg["only"])  # an unknown name fails here, before the ranks start
     try:
         results = run_ranks(rank_main, args.world, cfg, threads=args.threads, timeout=1800)
     finally:

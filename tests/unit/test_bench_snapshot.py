@@ -95,3 +95,9 @@ def test_only_runs_the_named_saving_configurations_with_their_unsaved_rounds() -
     assert bench_snapshot.verdicts({"ftsdp/storage": row}, 2) == [
         "- saving every 2 steps adds <= 5% to ftsdp's step: MET (+4.0%)"
     ]
+
+
+def test_an_unknown_configuration_is_refused_before_anything_is_made(tmp_path: Any) -> None:
+    with pytest.raises(SystemExit, match="ftsdp/nope"):
+        bench_snapshot.main(["--only", "ftsdp/nope", "--dir", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
