@@ -8,15 +8,14 @@ itself (done and abort markers, the manifest, ``latest``, retention) is ``storag
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -431,9 +430,10 @@ def prepare_save(
     tensors, _ = flatten_state(state)
     local = [t.local for t in tensors.values()]
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
-    if total > options.staging_budget_bytes or writes_in_place(store, local):
+    cuda = any(t.device.type == "cuda" for t in local)
+    if total > options.staging_budget_bytes or in_place(store, cuda):
         return 0
-    lane.arena.reserve(total, any(t.device.type == "cuda" for t in local))
+    lane.arena.reserve(total, cuda)
     return total
 
 
@@ -505,24 +505,20 @@ class _SaveJob:
 
     # -- writing this rank's objects ------------------------------------------------------------
 
-    def _payloads(self, obj: PlannedObject) -> list[torch.Tensor]:
-        out = []
+    def _payloads(self, obj: PlannedObject, in_place: bool = False) -> list[Any]:
+        """``obj``'s pieces as 1-D views of the live tensors, or with ``in_place`` their bytes
+        read in place (``piece_bytes``; this job holds the tensors in ``self.tensors``): see
+        [Note: a tmpfs root written from the live tensors]."""
+        out: list[Any] = []
         for p in obj.pieces:
             leaf = self.tensors[p.name]
             local, start = leaf.local, p.offset - leaf.range.offset
-            if start == 0 and local.dim() == 1 and p.length == local.numel():
+            if in_place:
+                out.append(piece_bytes(local, start, p.length))
+            elif start == 0 and local.dim() == 1 and p.length == local.numel():
                 out.append(local)  # the whole leaf (most pieces): no view to make
             else:
                 out.append(local.reshape(-1)[start : start + p.length])  # 1D
-        return out
-
-    def _live_bytes(self, obj: PlannedObject) -> list[memoryview]:
-        """The bytes of ``obj``'s pieces read in place from the live tensors (which this job
-        holds in ``self.tensors``): see [Note: a tmpfs root written from the live tensors]."""
-        out = []
-        for p in obj.pieces:
-            leaf = self.tensors[p.name]
-            out.append(piece_bytes(leaf.local, p.offset - leaf.range.offset, p.length))
         return out
 
     def _write(self, obj: PlannedObject, payloads: list[Any]) -> list[list[int]]:
@@ -582,17 +578,18 @@ class _SaveJob:
         protocol still runs, as a failure)."""
         futures: list[Future] = []
         try:
-            if arena is not None and writes_in_place(self.store, self.tensors.values()):
+            if arena is not None and in_place(self.store, cuda=stream is not None):
                 # [Note: a tmpfs root written from the live tensors]
-                for obj in self.mine:
-                    futures.append(pool.submit(self._write, obj, self._live_bytes(obj)))
-                wait_all(futures)  # the snapshot: the bytes are in the files now
+                live = [self._payloads(obj, in_place=True) for obj in self.mine]  # before any write
+                futures = [
+                    pool.submit(self._write, o, b) for o, b in zip(self.mine, live, strict=True)
+                ]
+                wait(futures)  # the snapshot: the bytes are in the files now
                 return futures, None
             payloads = [self._payloads(obj) for obj in self.mine]
             sizes = [obj.staged_bytes for obj in self.mine]
             if arena is not None and sum(sizes) <= self.options.staging_budget_bytes:
-                cuda = any(t.device.type == "cuda" for p in payloads for t in p)
-                buf, off = arena.take(sum(sizes), cuda), 0
+                buf, off = arena.take(sum(sizes), stream is not None), 0  # (a stream: CUDA)
                 for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
                     staged = copy_into(
                         tensors, buf[off : off + size], stream, arena.layouts, as_bytes=True
@@ -793,20 +790,11 @@ class _DeferredSave:
         return job
 
 
-def writes_in_place(store: Store, leaves: Iterable[TensorLeaf | torch.Tensor]) -> bool:
-    """Whether a deferred save writes its objects straight from the live tensors (every one on
-    the CPU, the root on tmpfs) instead of copying them into the snapshot arena first: see
+def in_place(store: Store, cuda: bool) -> bool:
+    """Whether a deferred save writes its objects straight from the live tensors (the root on
+    tmpfs, no tensor on CUDA) instead of copying them into the snapshot arena first: see
     [Note: a tmpfs root written from the live tensors]."""
-    return store.tmpfs and all(
-        (t.local if isinstance(t, TensorLeaf) else t).device.type == "cpu" for t in leaves
-    )
-
-
-def wait_all(futures: list[Future]) -> None:
-    """Wait until every one of ``futures`` is done, failed or not (their errors stay in them)."""
-    for fut in futures:
-        with contextlib.suppress(BaseException):
-            fut.result()
+    return not cuda and store.tmpfs
 
 
 # [Note: a tmpfs root written from the live tensors]

@@ -54,35 +54,32 @@ def _has_tensor(obj: Any) -> bool:
 
 
 def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
+    # see [Note: leaves kept between saves]
+    token = _token(obj)
+    if token is not None:
+        kept = _kept.get(id(obj))
+        if kept is not None and kept[0]() is obj and kept[2].name == name:
+            (a, b), leaf = kept[1], kept[2]
+            if a is token[0] and b is token[1] and leaf.range.length == leaf.local.numel():
+                return leaf  # (a resize_ since: made anew)
+    leaf = _new_leaf(name, obj)
+    if token is not None:
+        key = id(obj)
+        _kept[key] = (weakref.ref(obj, lambda _, k=key: _kept.pop(k, None)), token, leaf)
+    return leaf
+
+
+def _new_leaf(name: str, obj: Any) -> TensorLeaf:
     hint = None
     if type(obj) is FlatShard:  # global_shape is a tuple of ints already (__post_init__)
-        # A FlatShard is frozen, so its leaf under the same name is the one made last time:
-        # the engines hand the same shards to every save, and this walk runs on the caller's
-        # thread (5 us a leaf saved, a third of the walk)
-        kept = obj.__dict__.get("_leaf")
-        if kept is not None and kept.name == name and kept.range.length == obj.local.numel():
-            return kept
-        local = obj.local
-        dtype_name(local.dtype)  # raises for dtypes the format cannot hold
-        leaf = TensorLeaf(
-            name, obj.global_shape, local.dtype, Range(obj.offset, local.numel()), local, obj.layout
-        )
-        object.__setattr__(obj, "_leaf", leaf)
-        return leaf
+        shape, rng, local = obj.global_shape, Range(obj.offset, obj.local.numel()), obj.local
+        hint = obj.layout
     elif isinstance(obj, FlatShard):
         shape, rng, local = obj.global_shape, Range(obj.offset, obj.length), obj.local
         shape, hint = tuple(int(d) for d in shape), obj.layout
     elif is_dtensor(obj):
-        spec = getattr(obj, "_spec", None)
-        kept_dt = _kept_dtensor_leaf(name, obj, spec)
-        if kept_dt is not None:
-            return kept_dt
         shape, rng, local = dtensor_range(name, obj)
-        dtype_name(local.dtype)
-        leaf = TensorLeaf(name, tuple(int(d) for d in shape), local.dtype, rng, local)
-        key = id(obj)
-        _DTENSOR_LEAVES[key] = (weakref.ref(obj, lambda _, k=key: _forget(k)), spec, leaf)
-        return leaf
+        shape = tuple(int(d) for d in shape)
     else:
         shape, rng, local = tuple(obj.shape), Range(0, obj.numel()), obj
     dtype_name(local.dtype)  # raises for dtypes the format cannot hold
@@ -91,26 +88,29 @@ def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
 
 _TENSORS = (torch.Tensor, FlatShard)
 
-# A DTensor's leaf, kept while the DTensor lives (by id, with a weak reference to tell it from a
-# later object with the same id): its range costs several microseconds a leaf at every save
-# (global shape, placements and mesh hashed), on the caller's thread. It is reused only under
-# the same name while the DTensor keeps its spec and its local tensor (both are replaced, not
-# changed, when a DTensor is redistributed or re-pointed). Unlike a FlatShard, a user's tensor
-# gets no attribute of ours: ``torch.save`` would pickle it into their files.
-_DTENSOR_LEAVES: dict[int, tuple[weakref.ref, Any, TensorLeaf]] = {}
+# [Note: leaves kept between saves]
+# The engines hand the same FlatShards and DTensors to every save, and this walk runs on the
+# caller's thread: making a leaf costs 5 us (a FlatShard) to 8 us (a DTensor's range: global
+# shape, placements and mesh hashed), a third to a half of the walk. So a leaf is kept while its
+# object lives (by id, with a weak reference that drops the entry when the object dies and
+# tells it from a later one with the same id) and reused under the same name while the object
+# still holds the same local tensor of the same size: ``_token`` is what must stay the same
+# object (a frozen FlatShard never changes; a DTensor's spec and local tensor are replaced,
+# not changed, when it is redistributed or re-pointed). Nothing is set on the objects
+# themselves: ``torch.save`` would pickle it into a user's files.
+_kept: dict[int, tuple[weakref.ref, tuple[Any, Any], TensorLeaf]] = {}
 
 
-def _kept_dtensor_leaf(name: str, dt: Any, spec: Any) -> TensorLeaf | None:
-    kept = _DTENSOR_LEAVES.get(id(dt))
-    if kept is None or spec is None:
-        return None
-    ref, kept_spec, leaf = kept
-    same = ref() is dt and kept_spec is spec and leaf.name == name
-    return leaf if same and leaf.local is getattr(dt, "_local_tensor", None) else None
-
-
-def _forget(key: int) -> None:
-    _DTENSOR_LEAVES.pop(key, None)
+def _token(obj: Any) -> tuple[Any, Any] | None:
+    """The two objects that must stay the same for ``obj``'s kept leaf to hold; None: never
+    kept (a plain tensor's leaf costs nothing to make)."""
+    if type(obj) is FlatShard:
+        return obj.local, None
+    if type(obj) is not torch.Tensor and is_dtensor(obj):
+        spec, local = getattr(obj, "_spec", None), getattr(obj, "_local_tensor", None)
+        if spec is not None and local is not None:
+            return spec, local
+    return None
 
 
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:

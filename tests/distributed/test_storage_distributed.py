@@ -350,10 +350,11 @@ def _dtensor_cases(rank: int, world: int, root: str) -> None:
     storage.save({"a": saved["a"], "c": saved["a"]}, url, step=4)
     got = storage.load_state_dict(url, step=4)
     assert torch.equal(got["a"], full["a"] * 3) and torch.equal(got["c"], full["a"] * 3)
-    kept = len(_state._DTENSOR_LEAVES)
-    del other, target
+    gone = [id(v) for v in other.values()]
+    assert all(i in _state._kept for i in gone) and id(saved["a"]) in _state._kept
+    del other
     gc.collect()
-    assert len(_state._DTENSOR_LEAVES) == kept - len(full) * 2
+    assert not any(i in _state._kept for i in gone) and id(saved["a"]) in _state._kept
 
 
 def _even_state(rank: int, world: int, ref: dict[str, torch.Tensor], fill: float | None) -> dict:
