@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,3 +18,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for folder, marker in _TIERS.items():
             if folder in parts:
                 item.add_marker(getattr(pytest.mark, marker))
+
+
+@pytest.fixture
+def shm_path() -> Iterator[pathlib.Path]:
+    """A fresh directory in host shared memory (``/dev/shm``, tmpfs), removed afterwards; the
+    test fails, never skips, where there is no tmpfs there (the tmpfs code paths need one)."""
+    from ftsdp.storage._fs import Store
+
+    if not Store("/dev/shm", None).tmpfs:
+        pytest.fail("/dev/shm is not a tmpfs mount here: this test needs one")
+    path = pathlib.Path(tempfile.mkdtemp(prefix="ftsdp-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -6,10 +6,9 @@ The reference is the state itself, cloned at the moment of the save."""
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from torch import nn
 
 from ftsdp import storage
 from ftsdp.storage import _save
-from ftsdp.storage._fs import Store
 from ftsdp.storage._streaming import piece_bytes
 from ftsdp.trainer import CheckpointManager
 from ftsdp.trainer._engines import engine_for
@@ -56,16 +54,6 @@ def _step_waits_for(
     release.set()
     t.join(30)
     assert stepped.is_set()
-
-
-@pytest.fixture
-def shm_root() -> Any:
-    """A fresh directory in host shared memory (tmpfs), removed afterwards."""
-    if not Store("/dev/shm", None).tmpfs:
-        pytest.skip("/dev/shm is not a tmpfs mount here")
-    path = tempfile.mkdtemp(prefix="ftsdp-test-", dir="/dev/shm")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -107,7 +95,7 @@ def test_save_returns_before_copying_and_the_step_waits_for_the_copy(
 
 
 def test_a_tmpfs_root_is_written_from_the_live_tensors_and_the_step_waits_for_the_writes(
-    shm_root: str, monkeypatch: pytest.MonkeyPatch
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On tmpfs there is no snapshot memory: the objects are written from the live tensors,
     and the optimizer step waits until they are."""
@@ -121,7 +109,7 @@ def test_a_tmpfs_root_is_written_from_the_live_tensors_and_the_step_waits_for_th
     monkeypatch.setattr(_save, "write_object", held)
     monkeypatch.setattr(_save, "copy_into", lambda *a, **k: copies.append(a))
     model, opt = _model()
-    url = f"{shm_root}/ckpt"
+    url = f"{shm_path}/ckpt"
     ckpt = CheckpointManager(url, model, opt)
     assert ckpt.resume({"step": 0}) is None
     assert _save._lanes[url].arena.held_bytes() == 0  # nothing reserved for a copy
@@ -187,7 +175,7 @@ def test_the_copy_is_exact_whatever_the_staging(
     """Arena (everything fits), one object at a time within a tiny budget, or no copy at all
     (a tmpfs root, written from the tensors themselves): same bytes."""
     if budget == "tmpfs":
-        tmp_path, budget = request.getfixturevalue("shm_root"), None
+        tmp_path, budget = request.getfixturevalue("shm_path"), None
     g = torch.Generator().manual_seed(1)
     state = {
         "a": torch.randn(1000, generator=g),
@@ -417,7 +405,7 @@ def test_each_save_writes_with_at_most_its_own_io_threads(
 
 
 def test_a_failed_write_on_a_tmpfs_root_fails_that_save_only(
-    shm_root: str, monkeypatch: pytest.MonkeyPatch
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Written from the live tensors, a write that fails releases the fence, fails its save
     (nothing committed) and leaves the next save to work."""
@@ -431,7 +419,7 @@ def test_a_failed_write_on_a_tmpfs_root_fails_that_save_only(
         return real_write(*args, **kwargs)
 
     monkeypatch.setattr(_save, "write_object", failing_once)
-    url = f"{shm_root}/s"
+    url = f"{shm_path}/s"
     state = {"x": torch.arange(8.0)}
     h = storage.save(state, url, 1, async_save=True, defer_copy=True)
     h.wait_snapshot(30)  # released although the write failed

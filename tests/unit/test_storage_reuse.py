@@ -31,13 +31,9 @@ REUSE = storage.SaveOptions(reuse_retired=True)
 
 
 @pytest.fixture
-def tmp_path() -> pathlib.Path:  # type: ignore[override]
+def tmp_path(shm_path: pathlib.Path) -> pathlib.Path:  # type: ignore[override]
     """A fresh directory on tmpfs (host shared memory), where retired objects are reused."""
-    if not Store("/dev/shm", None).tmpfs:
-        pytest.fail("/dev/shm is not a tmpfs mount here: these tests need one")
-    path = pathlib.Path(tempfile.mkdtemp(prefix="ftsdp-test-reuse-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    return shm_path
 
 
 @pytest.fixture
