@@ -93,30 +93,15 @@ def main(argv: list[str] | None = None) -> None:
     from ftsdp.testing import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2, help="CPU ranks (gloo)")
+    bench_snapshot.loop_arguments(p)  # (--every: where the saves would be)
     p.add_argument("--ms", type=float, default=40.0, help="Python CPU per busy period, in ms")
-    p.add_argument("--every", type=int, default=2, help="a busy period every N steps")
-    p.add_argument("--steps", type=int, default=8, help="steps per round")
-    p.add_argument("--rounds", type=int, default=10, help="rounds per placement")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--out", default=None, help="Markdown file whose Busy rank section to write")
     args = p.parse_args(argv)
     command = "python -m ftsdp.tools.bench_busy_rank " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     root = tempfile.mkdtemp(prefix="bench_busy_rank-")
-    cfg = {
-        "model": {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128},
-        "seed": 0,
-        "every": args.every,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "warmup": 2,
-        "micro_batch": 8,
-        "micro_steps": 2,
-        "root": root,
-        "ms": args.ms,
-    }
+    cfg = {**bench_snapshot.loop_config(args, root), "ms": args.ms}
     try:
         out = run_ranks(rank_main, args.world, cfg, threads=args.threads, timeout=3600)[0]
     finally:
@@ -127,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         "## Busy rank",
         "",
         f"`{command}` ({datetime.date.today().isoformat()}; W={args.world} gloo ranks, the "
-        f"built-in GPT of the Snapshots section without saving, step {step * 1e3:.1f} ms "
+        f"built-in GPT ({args.n_layer} layers x {args.n_embd}) without saving, step {step * 1e3:.1f} ms "
         f"unloaded; {args.ms:.0f} ms of Python every {args.every} steps is "
         f"{args.ms / 1e3 / period:.1%} of their time; {os.cpu_count()} CPUs)",
         "",
@@ -135,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---|---|",
     ]
     for place in PLACES:
-        q1, median, q3 = statistics.quantiles(out["ratios"][place], n=4, method="inclusive")
+        q1, median, q3 = bench_snapshot._quartiles(out["ratios"][place])
         lines.append(f"| {place} | {median:+.1%} | {q1:+.1%} to {q3:+.1%} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)

@@ -80,6 +80,21 @@ BLOCKING_TARGET = 0.1  # blocking at most 0.1x dcp.async_save's, first and later
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    loop_arguments(p)
+    p.add_argument("--dir", default="/dev/shm", help="parent of the checkpoints")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated saving configurations to run, e.g. ftsdp/storage (with their "
+        "engines' unsaved rounds); default: all",
+    )
+    p.add_argument("--out", default=None, help="Markdown file whose Snapshots section to write")
+    p.add_argument("--json", default=None, help="JSON results file whose snapshot entry to write")
+    return p.parse_args(argv)
+
+
+def loop_arguments(p: argparse.ArgumentParser) -> None:
+    """The training loop's options (this benchmark's and ``bench_busy_rank``'s)."""
     p.add_argument("--world", type=int, default=2, help="CPU ranks (gloo)")
     p.add_argument("--every", type=int, default=2, help="save every N steps")
     p.add_argument("--steps", type=int, default=8, help="steps per round and configuration")
@@ -92,17 +107,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward")
     p.add_argument("--micro-steps", type=int, default=2, help="forward/backward per step")
-    p.add_argument("--dir", default="/dev/shm", help="parent of the checkpoints")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument(
-        "--only",
-        default=None,
-        help="comma-separated saving configurations to run, e.g. ftsdp/storage (with their "
-        "engines' unsaved rounds); default: all",
-    )
-    p.add_argument("--out", default=None, help="Markdown file whose Snapshots section to write")
-    p.add_argument("--json", default=None, help="JSON results file whose snapshot entry to write")
-    return p.parse_args(argv)
+
+
+def loop_config(args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """The ranks' configuration from ``loop_arguments``' options; checkpoints under ``root``."""
+    return {
+        "model": {
+            "vocab_size": args.vocab_size,
+            "block_size": args.block_size,
+            "n_layer": args.n_layer,
+            "n_head": args.n_head,
+            "n_embd": args.n_embd,
+        },
+        "seed": 0,
+        "every": args.every,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "micro_batch": args.micro_batch,
+        "micro_steps": args.micro_steps,
+        "root": root,
+    }
 
 
 # -- per rank ---------------------------------------------------------------------------------------
@@ -266,7 +292,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "times": run.times,
             "blocking": run.blocking,
             "fence": run.fence,
-            "pairs": pairs[_key(run)] or list(range(len(run.times))),
+            "pairs": pairs[_key(run)] or None,  # (an unsaved run: its own rounds)
         }
     return out
 
@@ -412,24 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     only = args.only.split(",") if args.only else None
     configs(only)  # an unknown name fails here, before anything is made
     root = tempfile.mkdtemp(prefix="bench_snapshot-", dir=args.dir)
-    cfg = {
-        "model": {
-            "vocab_size": args.vocab_size,
-            "block_size": args.block_size,
-            "n_layer": args.n_layer,
-            "n_head": args.n_head,
-            "n_embd": args.n_embd,
-        },
-        "seed": 0,
-        "every": args.every,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "warmup": args.warmup,
-        "micro_batch": args.micro_batch,
-        "micro_steps": args.micro_steps,
-        "root": root,
-        "only": only,
-    }
+    cfg = {**loop_config(args, root), "only": only}
     try:
         results = run_ranks(rank_main, args.world, cfg, threads=args.threads, timeout=1800)
     finally:
