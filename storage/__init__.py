@@ -44,6 +44,7 @@ from ftsdp.storage._save import (
     snapshot_fence,
     wait_snapshot,
 )
+from ftsdp.storage._state import KeptState
 from ftsdp.storage._steps import apply_retention, clear_steps, list_steps, read_manifest
 from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY
 
@@ -60,6 +61,7 @@ __all__ = [
     "GcReport",
     "IOOptions",
     "IncompleteCheckpointError",
+    "KeptState",
     "LazyStateDict",
     "LoadIntoResult",
     "LoadOptions",

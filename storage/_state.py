@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,12 +113,54 @@ def _token(obj: Any) -> tuple[Any, Any] | None:
     return None
 
 
+class KeptState(Mapping[str, Any]):
+    """A read-only part of a state that its owner hands to save after save while nothing in it
+    changed: ``flatten_state`` walks it once and takes its leaves from that walk whenever the
+    same object comes back (see [Note: kept parts of a state]).
+
+    The contract is the owner's: pass a new ``KeptState`` whenever anything in it changed (a
+    tensor replaced, resized or re-pointed, a value changed), never change what one holds.
+    ``CheckpointManager`` makes one for the model and one for the optimizer state when their
+    tensors are the same objects at the same addresses as at the last save. For saving only:
+    ``load`` puts values into the mappings it is given, which a ``KeptState`` refuses."""
+
+    __slots__ = ("__weakref__", "_data")
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"KeptState({self._data!r})"
+
+
+# [Note: kept parts of a state]
+# Most of what a training loop saves is the same from save to save: the model's and the
+# optimizer's tensors, replaced only when the model is rebuilt or the optimizer state is loaded.
+# Their owner (CheckpointManager's engine) knows that from its own checks, and walking a few
+# hundred leaves again costs about a millisecond of the caller's blocking time at every save.
+# So a ``KeptState`` is walked once; its leaves are kept (by id, with a weak reference that
+# drops them when it dies and tells it from a later object with the same id) under the dotted
+# name it was found at, and a later walk that meets the same object at the same name takes
+# them as they are. Only the names are checked again (two entries of the state that flatten to
+# one name still raise). The values among them are JSON already checked by the first walk.
+_walked: dict[int, tuple[weakref.ref, str, dict[str, TensorLeaf], dict[str, ValueLeaf]]] = {}
+
+
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:
     """Split ``state`` into tensor leaves and JSON value leaves keyed by dotted name.
 
     Mappings (str or int keys) and lists holding tensors are walked; any other leaf must be a
     tensor, a ``FlatShard``, a DTensor, or JSON-serialisable. Two paths that flatten to the same
-    dotted name raise ``ValueError``.
+    dotted name raise ``ValueError``. A ``KeptState`` met again is not walked again.
     """
     # It runs on the caller's thread at every save (a few hundred leaves): kept to one function
     # call per mapping or list, the leaves' checks inline.
@@ -137,6 +179,8 @@ def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, Valu
                 raise ValueError(f"two entries of the state flatten to the same name {name!r}")
             if isinstance(child, _TENSORS):
                 tensors[name] = _tensor_leaf(name, child)
+            elif type(child) is KeptState:
+                kept(name, child)
             elif isinstance(child, Mapping) or (isinstance(child, list) and _has_tensor(child)):
                 walk(name, child)
             elif isinstance(child, tuple) and _has_tensor(child):
@@ -150,6 +194,27 @@ def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, Valu
                         f"JSON-serialisable ({e}); convert it before saving"
                     ) from e
                 values[name] = ValueLeaf(name, child, obj, key)
+
+    def kept(name: str, part: KeptState) -> None:
+        # see [Note: kept parts of a state]
+        hit = _walked.get(id(part))
+        if hit is None or hit[0]() is not part or hit[1] != name:
+            before_t, before_v = set(tensors), set(values)
+            walk(name, part)
+            own_t = {n: t for n, t in tensors.items() if n not in before_t}
+            own_v = {n: v for n, v in values.items() if n not in before_v}
+            key = id(part)
+            ref = weakref.ref(part, lambda _, k=key: _walked.pop(k, None))
+            _walked[key] = (ref, name, own_t, own_v)
+            return
+        own_t, own_v = hit[2], hit[3]
+        for mine in (own_t, own_v):
+            for theirs in (tensors, values):
+                if not theirs.keys().isdisjoint(mine):
+                    clash = min(theirs.keys() & mine.keys())
+                    raise ValueError(f"two entries of the state flatten to the same name {clash!r}")
+        tensors.update(own_t)
+        values.update(own_v)
 
     walk("", state)
     return tensors, values

@@ -267,12 +267,14 @@ class CheckpointManager:
     ) -> dict[str, Any]:
         """The state to save, or with ``target`` the one to load into (aliasing everything);
         ``memory``: of the memory tier (see [Note: whose memory tier])."""
-        model = self.engine.model_state()
+        # Saving: the parts unchanged since the last save as the same storage.KeptState objects
+        # (see [Note: kept parts of a state] in storage); a load target: dicts of its own.
+        model = self.engine.model_state(kept=not target)
         if self.defer_copy and not target:  # see [Note: buffers change in forward] (_engines)
             model = self.engine.copy_buffers(model)
         state: dict[str, Any] = {
             "model": model,
-            "optim": self.engine.optim_state(),
+            "optim": self.engine.optim_state(kept=not target),
             "rng": cs.rng_state(),
             "trainer": dict(trainer),
         }

@@ -36,6 +36,8 @@ from __future__ import annotations
 import abc
 import json
 import sys
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -58,9 +60,9 @@ class Engine(abc.ABC):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         # See [Note: reusing the state dicts between saves].
-        self._model_cache: tuple[Any, dict[str, Any]] | None = None
+        self._model_cache: tuple[Any, storage.KeptState] | None = None
         # (key, state, groups, the leaves built from that state or None)
-        self._optim_cache: tuple[Any, dict, list, dict | None] | None = None
+        self._optim_cache: tuple[Any, dict, list, storage.KeptState | None] | None = None
 
     # -- to be provided by each adapter -----------------------------------------------------------
     @abc.abstractmethod
@@ -86,41 +88,47 @@ class Engine(abc.ABC):
         ...
 
     # -- shared -----------------------------------------------------------------------------------
-    def model_state(self) -> dict[str, Any]:
+    def model_state(self, kept: bool = False) -> Mapping[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer (reused from the previous
-        call while no tensor was replaced)."""
+        call while no tensor was replaced). ``kept``: as a ``storage.KeptState``, the same
+        object while it is reused (for saving: see [Note: kept parts of a state] in storage);
+        else a dict of its own."""
         key = _identities(_module_tensors(self.model))
         if self._model_cache is not None and self._model_cache[0] == key:
-            return dict(self._model_cache[1])
+            return self._model_cache[1] if kept else dict(self._model_cache[1])
         state = self._model_state()
         # extra state (a non-tensor value) may change without any tensor changing
-        reusable = all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values())
-        self._model_cache = (key, state) if reusable else None
+        if all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
+            self._model_cache = (key, storage.KeptState(state))
+            return self._model_cache[1] if kept else dict(state)
+        self._model_cache = None
         return dict(state)
 
-    def copy_buffers(self, state: dict[str, Any]) -> dict[str, Any]:
+    def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state`` (as :meth:`model_state` gives it) with every leaf that holds one of the
         model's buffers replaced by a copy taken now; the parameters stay aliased. See [Note:
-        buffers change in forward]."""
+        buffers change in forward]. ``state`` itself when it holds no buffer."""
         buffers = {
             getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
             for module in self.model.modules()
             for b in module._buffers.values()
             if b is not None and b.numel()
         }
-        out = dict(state)
+        if not buffers:
+            return state
+        copies = {}
         for name, leaf in state.items():
             local = leaf.local if isinstance(leaf, storage.FlatShard) else leaf
             if not isinstance(local, torch.Tensor) or not local.numel():
                 continue
             if getattr(local, "_local_tensor", local).untyped_storage().data_ptr() in buffers:
                 if isinstance(leaf, storage.FlatShard):
-                    out[name] = storage.FlatShard(
+                    copies[name] = storage.FlatShard(
                         leaf.global_shape, leaf.offset, local.clone(), leaf.layout
                     )
                 else:
-                    out[name] = leaf.detach().clone()
-        return out
+                    copies[name] = leaf.detach().clone()
+        return {**state, **copies} if copies else state
 
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
         """``_raw_optim()``, reused from the previous call while no state was replaced; the
@@ -137,22 +145,25 @@ class Engine(abc.ABC):
         self._optim_cache = None if key is None else (key, state, groups, None)
         return state, groups
 
-    def optim_state(self) -> dict[str, Any]:
+    def optim_state(self, kept: bool = False) -> dict[str, Any]:
         """``{"state": {param: {key: leaf}}, "param_groups": json}``; the leaves are reused
-        with the state they were built from."""
+        with the state they were built from. ``kept``: ``"state"`` as a ``storage.KeptState``,
+        the same object while the leaves are reused (see :meth:`model_state`)."""
         state, groups = self._optim()
         cached = self._optim_cache  # set by _optim() for the state it returned, or None
         leaves = None if cached is None else cached[3]
         if leaves is None:
             params = self._params(groups)
-            leaves = {
+            built = {
                 name: {k: self._leaf(name, k, value, params[name]) for k, value in entry.items()}
                 for name, entry in state.items()
             }
-            if cached is not None:
-                self._optim_cache = (*cached[:3], leaves)
+            if cached is None:
+                return {"state": built, "param_groups": groups_json(groups)}
+            leaves = storage.KeptState({n: MappingProxyType(e) for n, e in built.items()})
+            self._optim_cache = (*cached[:3], leaves)
         return {
-            "state": {name: dict(entry) for name, entry in leaves.items()},
+            "state": leaves if kept else {name: dict(entry) for name, entry in leaves.items()},
             "param_groups": groups_json(groups),
         }
 

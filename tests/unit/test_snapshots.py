@@ -247,6 +247,38 @@ def test_reused_state_dicts_follow_replaced_tensors_and_the_current_lr() -> None
     assert after.data_ptr() == model[0].weight.data_ptr() != before.data_ptr()
 
 
+def test_the_parts_handed_to_saves_are_the_same_kept_objects_until_a_tensor_is_replaced() -> None:
+    """For saving, the engine hands the model's and the optimizer's leaves as the same
+    storage.KeptState objects while nothing was replaced (storage then skips their walk), and
+    new ones once something was; a load target always gets dicts of its own."""
+    model, opt = _model()
+    engine = engine_for(model, opt)
+    model_part, optim_part = engine.model_state(kept=True), engine.optim_state(kept=True)
+    assert isinstance(model_part, storage.KeptState)
+    assert isinstance(optim_part["state"], storage.KeptState)
+    assert engine.copy_buffers(model_part) is model_part  # no buffers: nothing copied
+    assert engine.model_state(kept=True) is model_part
+    assert engine.optim_state(kept=True)["state"] is optim_part["state"]
+    target = engine.model_state()
+    assert type(target) is dict and target["0.weight"] is model_part["0.weight"]
+    target_optim = engine.optim_state()["state"]
+    assert type(target_optim) is dict and all(type(e) is dict for e in target_optim.values())
+
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors
+    assert engine.optim_state(kept=True)["state"] is not optim_part["state"]
+    model[0].weight = nn.Parameter(torch.ones(64, 64))  # a replaced parameter
+    renewed = engine.model_state(kept=True)
+    assert renewed is not model_part
+    assert renewed["0.weight"].data_ptr() == model[0].weight.data_ptr()
+
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    bn_engine = engine_for(bn, torch.optim.SGD(bn.parameters(), lr=0.1))
+    part = bn_engine.model_state(kept=True)
+    copied = bn_engine.copy_buffers(part)  # buffers change in forward: copied at every save
+    assert type(copied) is dict and copied["1.running_mean"] is not part["1.running_mean"]
+    assert copied["0.weight"] is part["0.weight"]
+
+
 # -- the memory tier ----------------------------------------------------------------------------
 
 

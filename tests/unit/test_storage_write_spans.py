@@ -51,3 +51,37 @@ def test_data_is_written_in_spans_aligned_in_the_file_and_checksummed_per_block(
     for i, t in enumerate((a, b)):
         raw = t.numpy().tobytes()
         assert crcs[i] == [crc32c.crc32c(raw[k : k + block]) for k in range(0, len(raw), block)]
+
+
+def test_many_small_pieces_in_any_chunking_are_written_and_checksummed_exactly(
+    monkeypatch,
+) -> None:
+    """Pieces of every size around the block and span boundaries (a span of 5000 bytes here),
+    each in one or several chunks (tensors or bytes), some empty: the file holds the header and
+    the pieces' bytes in order, no write crosses a span boundary, and each piece has CRC-32C of
+    each of its blocks (none for an empty piece)."""
+    g = torch.Generator().manual_seed(0)
+    block, span = 4096, 5000
+    monkeypatch.setattr(_safetensors, "_WRITE_SPAN", span)
+    for trial in range(40):
+        sizes = torch.randint(
+            0, 3 * block, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g
+        )
+        pieces = [torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=g) for n in sizes]
+        if trial % 4 == 0:
+            pieces[0] = torch.empty(0, dtype=torch.uint8)
+        chunks: list = []
+        for i, p in enumerate(pieces):
+            cuts = sorted(torch.randint(0, len(p) + 1, (trial % 3,), generator=g).tolist())
+            for s, e in zip([0, *cuts], [*cuts, len(p)], strict=True):
+                part = p[s:e]
+                chunks.append((i, memoryview(part.numpy().tobytes()) if (i + s) % 2 else part))
+        head = b"x" * (8 + trial)
+        f = Recorder()
+        crcs = write_object(f, head, len(pieces), chunks, block)
+        raws = [p.numpy().tobytes() for p in pieces]
+        assert f.getvalue() == head + b"".join(raws)
+        for off, n in f.writes[1:]:
+            assert off // span == (off + n - 1) // span or n == 0, (off, n)
+        for raw, got in zip(raws, crcs, strict=True):
+            assert got == [crc32c.crc32c(raw[k : k + block]) for k in range(0, len(raw), block)]
