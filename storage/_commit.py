@@ -275,10 +275,14 @@ def commit(
             ) from e
     else:
         remember_written(store, rel, data, manifest)
-    steps = committed_steps(store)
+    # One scan of the root after the commit serves its check, the markers' removal and the
+    # retention (which reads every manifest; without retention none is read).
+    scan = scan_root(store, read=lambda s: keep_last is not None)
+    steps = scan.with_manifest
     if lineage is not None:
         _check_no_other_writer(store, lineage, attempt, committed=True, steps=steps, data=data)
     try:
+        changed = False  # by this commit beyond its markers: then retention scans again
         if lineage is not None:
             for newer, newer_attempt in sorted(lineage.discard.items()):
                 left = remove_step(store, newer, attempt=newer_attempt)
@@ -287,14 +291,25 @@ def commit(
             if lineage.replaces is not None:
                 remove_attempt(store, step, lineage.replaces)
             steps = [s for s in steps if s not in lineage.discard]
+            changed = bool(lineage.discard) or lineage.replaces is not None
         if steps and steps[-1] == step:
             store.write_bytes(LATEST, f"{step}\n".encode())
-        for name in store.listdir(step_dir(step)):  # a single writer has none
+        own = scan.dirs.get(step)
+        listing = own.entries if own is not None else store.listdir(step_dir(step))
+        for name in sorted(listing):  # a single writer has none
             m = _DONE.match(name)
             if m is not None and m.group(1) == attempt:
                 store.remove(f"{step_dir(step)}/{name}")
+                listing.pop(name)
         if keep_last is not None:
-            retain(store, keep_last, keep_every, protect=step, spare=spare)
+            retain(
+                store,
+                keep_last,
+                keep_every,
+                protect=step,
+                spare=spare,
+                scan=scan if not changed else None,
+            )
     except Exception as e:
         logger.warning(
             "step %d committed at %s, but updating 'latest', discarding newer steps or "
@@ -380,7 +395,7 @@ def finish(
     crcs: Crcs,
     error: BaseException | None,
     *,
-    rank_values: list[dict[str, Any]],
+    values: dict[str, Any],
     world_size: int,
     checksum_block_bytes: int,
     timeout_s: float,
@@ -392,10 +407,11 @@ def finish(
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
     checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
-    every rank when it is not. On rank 0, ``rank_values`` holds every rank's values and
-    ``world_size`` is the number of ranks (others: unused). ``lineage``: rank 0's ``plan_lineage`` of this save; ``replaces``: the attempt
-    of an earlier commit of this step that it replaces (every rank knows it from the plan);
-    ``spare``: see ``commit``."""
+    every rank when it is not. ``values``: this rank's JSON values (a rank > 0 reports them in
+    its done marker; rank 0's are the manifest's ``values``, and it keeps the others' that
+    differ); ``world_size``: the number of ranks. ``lineage``: rank 0's ``plan_lineage`` of
+    this save; ``replaces``: the attempt of an earlier commit of this step that it replaces
+    (every rank knows it from the plan); ``spare``: see ``commit``."""
     if rank != 0:  # report, then wait for rank 0's verdict
         objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
         regular = _regular_count(plan, rank)
@@ -406,6 +422,7 @@ def finish(
             rank=rank,
             objects=objects,
             regular=regular,
+            values=values,
         )
         if error is not None:
             raise error
@@ -413,7 +430,10 @@ def finish(
         return
     if error is None:
         try:
-            theirs, sizes, counts = _collect_markers(store, step, plan, world_size, timeout_s)
+            theirs, sizes, counts, rank_values = _collect_markers(
+                store, step, plan, world_size, timeout_s
+            )
+            rank_values[0] = values
             manifest = manifest_of_reports(
                 plan, {**crcs, **theirs}, sizes, counts, step, checksum_block_bytes, rank_values
             )
@@ -478,14 +498,16 @@ def _regular_count(plan: SavePlan, rank: int) -> int:
 
 def _collect_markers(
     store: Store, step: int, plan: SavePlan, world: int, timeout_s: float
-) -> tuple[Crcs, dict[str, int], list[int]]:
-    """Rank 0: every other rank's checksums, from its done marker, each listed object's size
-    checked against the plan; with a regular layout also each rank's regular objects (their
-    number and sizes, as the rank reports them: see [Note: regular layouts] in
-    storage/_regular.py). Raises a rank's reported error, or TimeoutError."""
+) -> tuple[Crcs, dict[str, int], list[int], list[dict[str, Any]]]:
+    """Rank 0: every other rank's checksums and JSON values, from its done marker, each listed
+    object's size checked against the plan; with a regular layout also each rank's regular
+    objects (their number and sizes, as the rank reports them: see [Note: regular layouts] in
+    storage/_regular.py). Returns those and the values by rank (rank 0's left empty). Raises a
+    rank's reported error, or TimeoutError."""
     crcs: Crcs = {}
     sizes: dict[str, int] = {}
     counts = [0] * world
+    values: list[dict[str, Any]] = [{} for _ in range(world)]
     waiting = set(range(1, world))
     for _ in _poll(timeout_s):
         listing = store.listdir(step_dir(step)) if waiting else {}
@@ -499,10 +521,10 @@ def _collect_markers(
             )
             if marker["error"]:
                 raise CheckpointError(f"rank {rank} failed to write step {step}: {marker['error']}")
-            take_report(plan, step, rank, marker, crcs, sizes, counts)
+            take_report(plan, step, rank, marker, crcs, sizes, counts, values)
             waiting.discard(rank)
         if not waiting:
-            return crcs, sizes, counts
+            return crcs, sizes, counts, values
     raise TimeoutError(
         f"step {step} at {store.where()}: ranks {sorted(waiting)} did not finish writing within "
         f"{timeout_s}s"
@@ -544,10 +566,12 @@ def take_report(
     crcs: Crcs,
     sizes: dict[str, int],
     counts: list[int],
+    values: list[dict[str, Any]],
 ) -> None:
-    """Take rank ``rank``'s report of its objects (a done marker's content) into ``crcs``, and
-    with a regular layout ``sizes`` and ``counts``: each listed object's size checked against
-    the plan, its regular objects as the rank reports them."""
+    """Take rank ``rank``'s report of its objects (a done marker's content) into ``crcs``, its
+    JSON values into ``values[rank]``, and with a regular layout ``sizes`` and ``counts``: each
+    listed object's size checked against the plan, its regular objects as the rank reports
+    them."""
     for obj in plan.for_rank(rank):
         got = marker["objects"].get(obj.name, {})
         if got.get("size") != obj.size or got.get("checksums") is None:
@@ -556,6 +580,9 @@ def take_report(
                 f"the plan says {obj.size}"
             )
         crcs[obj.name] = got["checksums"]
+    if not isinstance(marker.get("values"), dict):
+        raise CheckpointError(f"rank {rank}'s report of step {step} has no values")
+    values[rank] = marker["values"]
     if plan.regular is not None:
         counts[rank] = _reported_regular(marker, rank, step, plan.attempt, crcs, sizes)
 

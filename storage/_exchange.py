@@ -3,26 +3,29 @@ regular layouts, gathered to one coordinator for the rest.
 
 [Note: the save exchange]
 Every rank of a save, on the same group and in the same order:
-  0. a broadcast from rank 0 of the attempt id, the step it replaces and its JSON values;
-  1. an all-reduce (max) of eight integers: whether it failed to describe its state, the step
+  1. an all-reduce (max) of eleven integers: whether it failed to describe its state, the step
      (and its negation: min and max together), the digest of its tensors' names, shapes and
-     dtypes and of the options that shape its objects (and its negation), whether its values
-     differ from rank 0's, and its checksum block size (and its negation). A failure or
-     differing steps turn into one all-gather of the errors, so that every rank raises the
-     same message; differing block sizes raise on every rank (one manifest, one size). When
-     the tensors are the same everywhere, a second all-reduce of each tensor's rule as three
-     integers (and their negations) finds the rules every rank agrees on, compared exactly; a
-     tensor whose rule differs somewhere (a rank holding it whole where the others hold parts)
-     has none. That is 48 bytes per tensor;
-  2. only when some rank's values differ or some tensor has no agreed rule: a gather to rank 0
-     of each rank's values that differ from rank 0's and the ranges of those tensors, with the
-     number of regular objects the rank writes;
-  3. only when some tensor has no agreed rule: a scatter from rank 0 of each rank's share of
-     the plan of those tensors.
+     dtypes and of the options that shape its objects (and its negation), its checksum block
+     size (and its negation), the digest of its rules (and its negation), and from rank 0 the
+     attempt id as a number with whether a broadcast must follow. A failure or differing
+     steps turn into one all-gather of the errors, so that every rank raises the same
+     message; differing block sizes raise on every rank (one manifest, one size);
+  2. only when rank 0 said so (it replaces an earlier commit of the step, or its attempt id
+     does not fit in a number): a broadcast from rank 0 of the attempt id and the attempt it
+     replaces;
+  3. only when the tensors are the same everywhere but the rules' digests differ: a second
+     all-reduce of each tensor's rule as three integers (and their negations), which finds the
+     rules every rank agrees on, compared exactly; a tensor whose rule differs somewhere (a
+     rank holding it whole where the others hold parts) has none. That is 48 bytes per tensor;
+  4. only when some tensor has no agreed rule: a gather to rank 0 of the ranges of those
+     tensors, with the number of regular objects the rank writes, and a scatter from rank 0 of
+     each rank's share of the plan of those tensors.
 With agreed rules a rank plans its regular objects from the table alone (see [Note: regular
-layouts] in _regular.py), kept between saves: a repeated save costs the table's key and these
-few small collectives. Nothing here grows with the world size on a rank other than rank 0,
-and rank 0 receives only values that differ and the irregular ranges.
+layouts] in _regular.py), kept between saves: a repeated save costs the table's key and one
+all-reduce. The ranks' JSON values are not exchanged here: each rank other than rank 0 reports
+its own in its done marker with its checksums, and rank 0 keeps in the manifest those that
+differ from its own (storage/_commit.py). Nothing here grows with the world size on a rank
+other than rank 0, and rank 0 receives only the irregular ranges.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ from ftsdp.storage._save_plan import PlannedObject, PlannedPiece, SavePlan, make
 from ftsdp.storage._state import TensorLeaf
 
 _IRREGULAR = ["irregular"]
-_MISSING = object()
 
 
 def rule_table(leaves: dict[str, TensorLeaf], rank: int, world: int) -> list[list[Any]]:
@@ -68,80 +70,98 @@ def exchange(
     step: int,
     options: SaveOptions,
     wire: Any = _collectives,
-) -> tuple[SavePlan, list[dict[str, Any]]]:
+) -> tuple[SavePlan, dict[str, Any], int]:
     """Agree on and plan the save of ``step``; collective over ``group``.
 
     ``meta``: this rank's ``error`` (or None), JSON ``values`` and, on rank 0, ``attempt`` and
-    ``replaces``; the rows of the tensors to coordinate come from ``leaves``. Returns the plan
-    and, on rank 0, every rank's values (others: ``[]``). Raises the same error on every rank
-    when a rank failed, the ranks save different steps, or the ranges do not fit together.
+    ``replaces`` (elsewhere absent); the rows of the tensors to coordinate come from ``leaves``.
+    Returns the plan, a copy of this rank's values (reported at the commit) and the number of
+    ranks. Raises the same error on every rank when a rank failed, the ranks save different
+    steps, or the ranges do not fit together.
     ``wire``: the collectives (``rank_world``, ``all_reduce_max``, ``all_gather_json``,
     ``broadcast_json``, ``gather_json``, ``scatter_json`` of storage/_collectives.py), replaced
     only by the scale simulation (``ftsdp.storage.simulation``).
     """
     rank, world = wire.rank_world(group)
     error = meta.get("error")
-    own_values = json.loads(json.dumps(meta.get("values", {}))) if error is None else {}
-    head = wire.broadcast_json(
-        {"attempt": meta.get("attempt"), "replaces": meta.get("replaces"), "values": own_values}
-        if rank == 0
-        else None,
-        group,
-    )
-    differ = {k: v for k, v in own_values.items() if head["values"].get(k, _MISSING) != v}
+    values = json.loads(json.dumps(meta.get("values", {}))) if error is None else {}
     table, names, rules, ruled = local_rules(leaves, rank, world) if error is None else NO_RULES
     # Ranks whose options pack objects differently would derive other ranks' objects unlike
     # those written (a committed step no reader could derive): such tables never agree.
     names ^= hash((options.object_bytes, options.replica_split_bytes)) & (2**63 - 1)
     block = options.checksum_block_bytes
-    failed, differs = 1 if error else 0, 1 if differ else 0
+    attempt, replaces = meta.get("attempt"), meta.get("replaces")
+    code = attempt_code(attempt)
+    say = 1 if replaces is not None or (attempt is not None and not code) else 0
     top = wire.all_reduce_max(
-        [failed, step, -step, names, -names, differs, block, -block, ruled, -ruled], group
+        [1 if error else 0, step, -step, names, -names, block, -block, ruled, -ruled, code, say],
+        group,
     )
     if top[0] or top[1] != -top[2]:
         check_exchange(wire.all_gather_json({"error": error, "step": step}, group), step)
-    if top[6] != -top[7]:  # the manifest has one block size: other ranks' checksums would not fit
+    if top[5] != -top[6]:  # the manifest has one block size: other ranks' checksums would not fit
         raise CheckpointError(
-            f"save of step {step}: the ranks checksum blocks of {-top[7]} to {top[6]} bytes "
+            f"save of step {step}: the ranks checksum blocks of {-top[6]} to {top[5]} bytes "
             "(SaveOptions.checksum_block_bytes); pass the same SaveOptions on every rank"
         )
+    if top[10]:  # rank 0's ids do not travel as numbers
+        head = wire.broadcast_json(
+            {"attempt": attempt, "replaces": replaces} if rank == 0 else None, group
+        )
+        attempt, replaces = head["attempt"], head["replaces"]
+    else:
+        attempt, replaces = attempt_of_code(top[9]), None
     agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
-    if agreed and world > 1 and top[8] != -top[9]:  # (equal digests: every rule is the same)
+    if agreed and world > 1 and top[7] != -top[8]:  # (equal digests: every rule is the same)
         both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)
         n = len(rules)
         same = [both[i] == -both[n + i] for i in range(n)]
         table = keep_agreed(table, [all(same[3 * i : 3 * i + 3]) for i in range(len(table))])
-    attempt = head["attempt"]
     regular, mine = regular_share(table, world, options, rank, attempt) if agreed else (None, [])
     irregular = {row[0] for row in table if row[3] == _IRREGULAR} if agreed else set(leaves)
     # The same on every rank (``irregular`` is not, when the tables differ: a rank may hold
     # none of the tensors, and once skipped the gather and scatter its peers waited in).
     coordinate = bool(irregular) if agreed else True
-    gathered = None
-    if coordinate or top[5]:  # else every rank's values are rank 0's: nothing to gather
-        send: dict[str, Any] = {"values": differ}
-        if coordinate:
-            send["tensors"] = tensor_rows(leaves, irregular)
-            send["first"] = len(mine)
-        gathered = wire.gather_json(send, group)
-    rank_values: list[dict[str, Any]] = []
     listed: list[PlannedObject] = []
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    shares: list[Any] | None = None
-    if rank == 0:
-        rest = [g["values"] for g in gathered[1:]] if gathered else [{}] * (world - 1)
-        rank_values = [head["values"], *rest]
-        if coordinate and gathered is not None:
-            listed, shapes, shares = _coordinate(gathered, attempt, options, world)
     if coordinate:
+        send = {"tensors": tensor_rows(leaves, irregular), "first": len(mine)}
+        gathered = wire.gather_json(send, group)
+        shares: list[Any] | None = None
+        if rank == 0 and gathered is not None:
+            listed, shapes, shares = _coordinate(gathered, attempt, options, world)
         share = wire.scatter_json(shares, group)
         if isinstance(share, dict):
             raise ValueError(share["error"])
         if rank != 0:
             listed = _objects(rank, len(mine), attempt, share, leaves)
         mine = mine + [o for o in listed if o.rank == rank]
-    plan = SavePlan(attempt, shapes, listed, regular, mine, head["replaces"])
-    return plan, rank_values
+    plan = SavePlan(attempt, shapes, listed, regular, mine, replaces)
+    return plan, values, world
+
+
+_ATTEMPT_DIGITS = 14  # hex digits an attempt id may have to travel in the all-reduce
+
+
+def attempt_code(attempt: str | None) -> int:
+    """An attempt id as one positive int64 (its length, then its digits), 0 for none or for an
+    id that does not fit (more than 14 hex digits, or not lowercase hex): that one is
+    broadcast instead."""
+    if (
+        attempt is None
+        or not 0 < len(attempt) <= _ATTEMPT_DIGITS
+        or attempt.strip("0123456789abcdef")
+    ):
+        return 0
+    return len(attempt) << (4 * _ATTEMPT_DIGITS) | int(attempt, 16)
+
+
+def attempt_of_code(code: int) -> str | None:
+    """The attempt id ``attempt_code`` made ``code`` of (None for 0)."""
+    if not code:
+        return None
+    digits = code >> (4 * _ATTEMPT_DIGITS)
+    return f"{code & ((1 << (4 * _ATTEMPT_DIGITS)) - 1):0{digits}x}"
 
 
 _KINDS = {"irregular": 0, "whole": 1, "even": 2}

@@ -184,7 +184,7 @@ def finish_on_nodes(
     *,
     node: str,
     group: Any,
-    rank_values: list[dict[str, Any]],
+    values: dict[str, Any],
     world_size: int,
     checksum_block_bytes: int,
     keep_last: int | None,
@@ -193,13 +193,15 @@ def finish_on_nodes(
     discard_newer: bool,
 ) -> None:
     """Steps 1 to 4 of [Note: node-local roots] on ``rank`` (collective over ``group``), once it
-    wrote its objects of ``plan`` (checksums ``crcs``) or failed (``error``). Returns when the
-    step is committed on every node; raises on every rank otherwise."""
+    wrote its objects of ``plan`` (checksums ``crcs``) or failed (``error``); ``values``: its
+    JSON values (rank 0's are the manifest's). Returns when the step is committed on every
+    node; raises on every rank otherwise."""
     own = plan.own(rank)
     full = gather_json(  # rank 0 builds the manifest from them: what done markers would hold
         {
             "objects": {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in own},
             "regular": _regular_count(plan, rank),
+            "values": values,
         },
         group,
     )
@@ -230,7 +232,7 @@ def finish_on_nodes(
         assert full is not None
         try:
             outcome["manifest"] = (
-                _manifest(plan, crcs, full, step, world_size, checksum_block_bytes, rank_values)
+                _manifest(plan, crcs, full, step, world_size, checksum_block_bytes, values)
                 .to_json()
                 .decode()
             )
@@ -273,17 +275,18 @@ def _manifest(
     step: int,
     world_size: int,
     checksum_block_bytes: int,
-    rank_values: list[dict[str, Any]],
+    values: dict[str, Any],
 ) -> Manifest:
-    """Rank 0: the manifest, from its own checksums and the other ranks' reports (checked
-    against the plan as their done markers would be)."""
+    """Rank 0: the manifest, from its own checksums and ``values`` and the other ranks' reports
+    (checked against the plan as their done markers would be)."""
     crcs = dict(crcs)
     sizes: dict[str, int] = {}
     counts = [0] * world_size
+    rank_values: list[dict[str, Any]] = [values] + [{} for _ in range(world_size - 1)]
     for rank, marker in enumerate(reports):
         if rank == 0:
             continue
-        take_report(plan, step, rank, marker, crcs, sizes, counts)
+        take_report(plan, step, rank, marker, crcs, sizes, counts, rank_values)
     return manifest_of_reports(plan, crcs, sizes, counts, step, checksum_block_bytes, rank_values)
 
 

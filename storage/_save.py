@@ -371,14 +371,14 @@ def save(
     except Exception as e:
         local_error, meta["error"] = e, f"{type(e).__name__}: {e}"
     try:
-        plan, rank_values = exchange(tensors, meta, group, step, options)
+        plan, values, world = exchange(tensors, meta, group, step, options)
     except CheckpointError:
         if local_error is not None:
             raise local_error from None
         raise
 
     handle = _register(SaveHandle(step, store.where()), lane)
-    job = _SaveJob(store, step, rank, plan, rank_values, tensors, options, keep_last, keep_every)
+    job = _SaveJob(store, step, rank, plan, values, world, tensors, options, keep_last, keep_every)
     job.lineage, job.replaces = lineage, plan.replaces
     if node is not None:
         job.node, job.discard_newer = node, discard_newer
@@ -457,22 +457,18 @@ class _SaveJob:
         step: int,
         rank: int,
         plan: SavePlan,
-        rank_values: list[dict[str, Any]],
+        values: dict[str, Any],
+        world_size: int,
         tensors: dict[str, TensorLeaf],
         options: SaveOptions,
         keep_last: int | None,
         keep_every: int | None,
     ) -> None:
         self.store, self.step, self.rank = store, step, rank
-        self.plan, self.rank_values, self.tensors, self.options = (
-            plan,
-            rank_values,
-            tensors,
-            options,
-        )
+        self.plan, self.tensors, self.options = plan, tensors, options
+        self.values, self.world_size = values, world_size  # this rank's JSON values
         self.keep_last, self.keep_every = keep_last, keep_every
         self.mine = plan.own(rank)
-        self.world_size = len(rank_values) if rank == 0 else 0  # only rank 0 needs it
         self.lineage: Lineage | None = None  # rank 0's view of the root when it planned
         self.replaces: str | None = None
         self.node: str | None = None  # a node-local root (storage/_nodes.py)
@@ -646,7 +642,7 @@ class _SaveJob:
             except BaseException as e:
                 error = error or e
         common: dict[str, Any] = {
-            "rank_values": self.rank_values,
+            "values": self.values,
             "world_size": self.world_size,
             "checksum_block_bytes": self.options.checksum_block_bytes,
             "keep_last": self.keep_last,
@@ -771,13 +767,14 @@ class _DeferredSave:
                 meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
             except Exception as e:
                 meta["error"] = f"{type(e).__name__}: {e}"
-        plan, rank_values = exchange(tensors, meta, self.group, self.step, self.options)
+        plan, values, world = exchange(tensors, meta, self.group, self.step, self.options)
         job = _SaveJob(
             self.store,
             self.step,
             self.rank,
             plan,
-            rank_values,
+            values,
+            world,
             tensors,
             self.options,
             keep_last,

@@ -328,17 +328,23 @@ class RetentionPlan:
 
 
 def plan_retention(
-    store: Store, keep_last: int | None, keep_every: int | None, protect: int | None = None
+    store: Store,
+    keep_last: int | None,
+    keep_every: int | None,
+    protect: int | None = None,
+    scan: RootScan | None = None,
 ) -> RetentionPlan:
     """What retention removes: committed steps beyond the newest ``keep_last`` (None: none) that
     are not divisible by ``keep_every``, torn attempts older than the newest committed step that
     hold only our files, and our stray files inside kept steps. ``protect`` (the step just
-    committed) is always kept. Unreadable manifests, links and foreign files are only reported."""
+    committed) is always kept. Unreadable manifests, links and foreign files are only reported.
+    ``scan``: a ``scan_root`` of ``store`` that read every manifest, taken just before (the
+    commit's), else one is taken here."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
-    scan = scan_root(store)
+    scan = scan_root(store) if scan is None else scan
     plan = RetentionPlan(notes=list(scan.skipped))
     committed = scan.committed
     keep = set(committed if keep_last is None else committed[-keep_last:])
@@ -370,6 +376,7 @@ def retain(
     keep_every: int | None,
     protect: int | None = None,
     spare: Collection[int] = (),
+    scan: RootScan | None = None,
 ) -> list[int]:
     """Apply retention under ``store`` (see ``plan_retention``); return the removed steps
     (committed and torn), ascending. What was left alone is logged (WARNING, logger
@@ -377,10 +384,11 @@ def retain(
     steps this process saved; of the newest such committed step removed that holds nothing
     but this format's files, delete the manifest and the rest but leave the objects, a torn
     step now, for the next save to overwrite (see [Note: overwriting a retired object] in
-    _fs.py); the next retention removes what that save did not take."""
+    _fs.py); the next retention removes what that save did not take. ``scan``: see
+    ``plan_retention``."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
-    plan = plan_retention(store, keep_last, keep_every, protect)
+    plan = plan_retention(store, keep_last, keep_every, protect, scan)
     # Only a step whose directory holds nothing but ours: otherwise, torn, it would be left
     # alone with its objects for good.
     ours = [

@@ -102,7 +102,7 @@ class Wire:
         return list(values)
 
     def broadcast_json(self, obj: Any, group: Any) -> Any:
-        head = obj if self.rank == 0 else {"attempt": ATTEMPT, "replaces": None, "values": {}}
+        head = obj if self.rank == 0 else {"attempt": ATTEMPT, "replaces": None}
         data = json.dumps(head)
         self.nbytes += len(data)
         return json.loads(data)
@@ -138,7 +138,7 @@ def plan_rank(
     rank exchanged."""
     meta = {"error": None, "values": {}, "attempt": ATTEMPT, "replaces": None}
     wire = Wire(rank, world)
-    plan, _ = _exchange.exchange(held, meta, None, 1, options, wire)
+    plan, _, _ = _exchange.exchange(held, meta, None, 1, options, wire)
     return plan, wire.nbytes
 
 

@@ -605,6 +605,45 @@ def _json_collectives(rank: int, groups: dict[int, Any]) -> None:
         assert scatter_json(parts if rank == 0 else None, group) == parts[rank], (n, rank)
 
 
+def _values_cases(rank: int, groups: dict[int, Any], root: str) -> None:
+    """Each rank's JSON values reach the manifest through its done marker: ``values`` are rank
+    0's, ``rank_values[r]`` the ones of rank r that differ from them or that rank 0 lacks, and
+    each rank loads back its own; over every rank and over a subgroup of 3, with a synchronous,
+    an async and a deferred save, and a save that replaces a committed step (``discard_newer``:
+    the attempt it replaces is broadcast)."""
+    ref = _reference()
+
+    def values(r: int) -> dict[str, Any]:
+        mine = {"step": 42, "cursor": [7, 3], "rank": r, "seed": "even" if r % 2 == 0 else f"s{r}"}
+        if r:
+            mine["not_on_0"] = [r, "x"]
+        return mine
+
+    for n in (4, 3):
+        if rank >= n:
+            continue
+        url = f"{root}/values-{n}"
+        state = _state(rank, n, ref, None)
+        state["trainer"] = values(rank)
+        kinds = [{}, {"async_save": True}, {"async_save": True, "defer_copy": True}]
+        for step, kw in enumerate(kinds, start=1):
+            storage.save(state, url, step, process_group=groups[n], **kw).wait(60)
+        first = storage.read_manifest(url, 3).attempt
+        storage.save(state, url, 3, process_group=groups[n], discard_newer=True)
+        for step in (1, 2, 3):
+            m = storage.read_manifest(url, step)
+            assert m.values == {f"trainer.{k}": v for k, v in values(0).items()}, (n, step)
+            for r in range(n):
+                differ = {k: v for k, v in values(r).items() if values(0).get(k) != v}
+                assert m.rank_values[r] == {f"trainer.{k}": v for k, v in differ.items()}, r
+        assert storage.read_manifest(url, 3).attempt != first  # replaced
+        target = _state(rank, n, ref, 0.0)
+        target["trainer"] = {k: None for k in values(rank)}
+        storage.load(target, url, 3, process_group=groups[n])
+        assert target["trainer"] == values(rank), (n, rank)
+        dist.barrier(groups[n])
+
+
 def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
     _json_collectives(rank, groups)
@@ -618,6 +657,7 @@ def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
     _regular_cases(rank, groups, root)
     _regular_edges(rank, groups, root)
     _golden_v4_writer(rank, groups, root)
+    _values_cases(rank, groups, root)
     return "ok"
 
 

@@ -194,6 +194,38 @@ def test_kept_text_of_rule_tensors_is_what_encoding_anew_gives() -> None:
         assert table == {n: changed._tensor_json(t) for n, t in tensors.items()}
 
 
+def test_a_kept_table_of_a_layout_is_what_encoding_anew_gives() -> None:
+    """A table that is exactly a regular layout's entries is kept whole for the layout: the
+    second encoding (from the kept table) is byte for byte the first and the document encoded
+    anew; a table that differs from the layout in one entry's shape, or lacks one, is encoded
+    from its own entries, never taken from the kept one."""
+    import dataclasses
+
+    from ftsdp.storage._manifest import _ENTRY_TEXT, _TABLE_TEXT, Manifest, sealed_json
+    from tests.make_storage_golden_v4 import GOLDEN_V4
+    from tests.make_storage_golden_v4 import STEP as STEP4
+
+    data = (GOLDEN_V4 / f"step-{STEP4}" / "manifest.json").read_bytes()
+    found = Manifest.from_json(data, where="golden v4")
+    ruled = {n: t for n, t in found.tensors.items() if t.rule is not None}
+    manifest = dataclasses.replace(found, tensors=ruled)
+    _ENTRY_TEXT.clear()
+    _TABLE_TEXT.clear()
+    first = manifest.to_json()
+    assert _TABLE_TEXT.get(id(manifest.regular.layout)) is not None  # kept whole
+    _ENTRY_TEXT.clear()
+    again = manifest.to_json()
+    assert again == first
+    anew = {k: v for k, v in json.loads(first).items() if k != SELF_CHECKSUM}
+    assert sealed_json(anew) == first
+    name = sorted(ruled)[0]
+    wider = dataclasses.replace(ruled[name], shape=(*ruled[name].shape, 1))
+    for tensors in ({**ruled, name: wider}, {n: t for n, t in ruled.items() if n != name}):
+        changed = dataclasses.replace(manifest, tensors=tensors)
+        table = json.loads(changed.to_json())["tensors"]
+        assert table == {n: changed._tensor_json(t) for n, t in tensors.items()}
+
+
 def test_golden_v4_reads_exactly(tmp_path: pathlib.Path) -> None:
     """Version 4 (tests/golden/storage_v4: 3 ranks, rule tensors): a reader re-derives each
     rank's pieces from the rules with today's code, so this pins that code; the tensors come
