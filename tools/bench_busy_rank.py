@@ -70,6 +70,8 @@ PLACES = ("rank 0", "last rank", "every rank")
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Time the unloaded loop and each placement of the work, paired by round (rank 0's view:
     its times are barrier to barrier)."""
+    if cfg.get("switch_interval_ms"):
+        sys.setswitchinterval(cfg["switch_interval_ms"] / 1e3)
     seconds = cfg["ms"] / 1e3
     share = {
         "rank 0": seconds if rank == 0 else 0.0,
@@ -95,13 +97,23 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench_snapshot.loop_arguments(p)  # (--every: where the saves would be)
     p.add_argument("--ms", type=float, default=40.0, help="Python CPU per busy period, in ms")
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="the interpreter's thread switch interval on every rank (default: left at 5 ms)",
+    )
     p.add_argument("--out", default=None, help="Markdown file whose Busy rank section to write")
     args = p.parse_args(argv)
     command = "python -m ftsdp.tools.bench_busy_rank " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     root = tempfile.mkdtemp(prefix="bench_busy_rank-")
-    cfg = {**bench_snapshot.loop_config(args, root), "ms": args.ms}
+    cfg = {
+        **bench_snapshot.loop_config(args, root),
+        "ms": args.ms,
+        "switch_interval_ms": args.switch_interval_ms,
+    }
     try:
         out = run_ranks(rank_main, args.world, cfg, threads=args.threads, timeout=3600)[0]
     finally:
@@ -114,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         f"`{command}` ({datetime.date.today().isoformat()}; W={args.world} gloo ranks, the "
         f"built-in GPT ({args.n_layer} layers x {args.n_embd}) without saving, step {step * 1e3:.1f} ms "
         f"unloaded; {args.ms:.0f} ms of Python every {args.every} steps is "
-        f"{args.ms / 1e3 / period:.1%} of their time; {os.cpu_count()} CPUs)",
+        f"{args.ms / 1e3 / period:.1%} of their time; thread switch interval "
+        f"{args.switch_interval_ms if args.switch_interval_ms else 5:g} ms; "
+        f"{os.cpu_count()} CPUs)",
         "",
         "| the work runs on | overhead | overhead, middle half of the rounds |",
         "|---|---|---|",
