@@ -12,6 +12,7 @@ storage.LazyStateDict(url)                               # tensors read on first
 storage.convert(src, dst, to="hf")                       # ftsdp / hf / torch / dcp, streamed
 storage.save(state, "/dev/shm/x", 7, node=host)          # node-local roots, each with a replica:
 storage.restore_on_nodes("/dev/shm/x", node=host)        # ... completes every node's before load
+storage.save({"model": storage.KeptState(part), ...}, url, 8)  # a part unchanged between saves
 ```
 Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's flat range) or
 JSON-able values. ``storage`` never imports ``ftsdp``.

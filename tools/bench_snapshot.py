@@ -427,10 +427,30 @@ def environment(args: argparse.Namespace) -> str:
     )
 
 
+def reference_loop_ms() -> float:
+    """Wall milliseconds of a fixed pure-Python loop (a million additions) on this thread: how
+    fast the machine runs now. A shared virtual machine slowed down by its neighbours shows it
+    here (several times its usual figure), not in its load average or its steal time."""
+    start, x = time.perf_counter(), 0
+    for i in range(1_000_000):
+        x += i
+    return (time.perf_counter() - start) * 1e3
+
+
+def speed_note(before_ms: float) -> str:
+    """The header's note on the machine's speed: ``reference_loop_ms`` before the run (given)
+    and now."""
+    return (
+        f", a reference loop of a million Python additions {before_ms:.0f} ms before the run and "
+        f"{reference_loop_ms():.0f} ms after it"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     from ftsdp.testing import run_ranks
 
     args = parse(argv)
+    before = reference_loop_ms()
     command = "python -m ftsdp.tools.bench_snapshot " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
@@ -444,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = summarize(results)
+    header += speed_note(before)
     text = table(rows, command, header, args.every)
     sys.stdout.write(text)
     if args.out:

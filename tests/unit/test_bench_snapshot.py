@@ -101,3 +101,36 @@ def test_an_unknown_configuration_is_refused_before_anything_is_made(tmp_path: A
     with pytest.raises(SystemExit, match="ftsdp/nope"):
         bench_snapshot.main(["--only", "ftsdp/nope", "--dir", str(tmp_path)])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_save_cpu_reads_each_threads_cpu_and_tables_what_saving_adds() -> None:
+    """``bench_save_cpu``: a thread that burns CPU shows it under its own name, the one that
+    read nothing in between shows none, and the table gives per rank what each thread used
+    more per step and per save, beside the wall time."""
+    import threading
+
+    from ftsdp.tools import bench_busy_rank, bench_save_cpu
+
+    before = bench_save_cpu.thread_cpu()
+    t = threading.Thread(target=bench_busy_rank.burn, args=(0.2,), name="storage-save-7")
+    t.start()
+    during: dict[str, float] = {}
+    deadline = time.monotonic() + 10
+    while t.is_alive() and during.get("storage-save", 0.0) <= 0.02 and time.monotonic() < deadline:
+        time.sleep(0.05)  # (the kernel counts in ticks of 10 ms)
+        during = bench_save_cpu.added(before, bench_save_cpu.thread_cpu())
+    t.join()
+    assert during.get("storage-save", 0.0) > 0.02  # the per-save suffix is dropped
+    assert "storage-save-7" not in during
+
+    rank = {
+        "cpu": {
+            "none": {"process": 0.180, "MainThread": 0.160, "native:gloo": 0.013},
+            "storage": {"process": 0.192, "MainThread": 0.163, "storage-save": 0.004},
+        },
+        "wall": {"none": 0.200, "storage": 0.210},
+    }
+    text = bench_save_cpu.table([rank, rank], "cmd", 2)
+    assert "| 0 | the whole process | 180.0 | 192.0 | +12.0 | +24.0 |" in text
+    assert "| 1 | storage-save | 0.0 | 4.0 | +4.0 | +8.0 |" in text
+    assert "| 0 | wall time, barrier to barrier | 200.0 | 210.0 | +10.0 | +20.0 |" in text
