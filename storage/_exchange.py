@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-import json
 from collections.abc import Collection
 from typing import Any
 
@@ -75,8 +74,8 @@ def exchange(
 
     ``meta``: this rank's ``error`` (or None), JSON ``values`` and, on rank 0, ``attempt`` and
     ``replaces`` (elsewhere absent); the rows of the tensors to coordinate come from ``leaves``.
-    Returns the plan, a copy of this rank's values (reported at the commit) and the number of
-    ranks. Raises the same error on every rank when a rank failed, the ranks save different
+    Returns the plan, this rank's values (reported at the commit; the caller's copy, which
+    nothing changes any more) and the number of ranks. Raises the same error on every rank when a rank failed, the ranks save different
     steps, or the ranges do not fit together.
     ``wire``: the collectives (``rank_world``, ``all_reduce_max``, ``all_gather_json``,
     ``broadcast_json``, ``gather_json``, ``scatter_json`` of storage/_collectives.py), replaced
@@ -84,7 +83,7 @@ def exchange(
     """
     rank, world = wire.rank_world(group)
     error = meta.get("error")
-    values = json.loads(json.dumps(meta.get("values", {}))) if error is None else {}
+    values = meta.get("values", {}) if error is None else {}
     table, names, rules, ruled = local_rules(leaves, rank, world) if error is None else NO_RULES
     # Ranks whose options pack objects differently would derive other ranks' objects unlike
     # those written (a committed step no reader could derive): such tables never agree.

@@ -447,7 +447,8 @@ def _describe(
     state: Mapping[str, Any],
 ) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
     tensors, values = flatten_state(state)
-    return tensors, {"error": None, "values": {n: v.value for n, v in values.items()}}
+    copied = json.loads(json.dumps({n: v.value for n, v in values.items()}))  # may change after
+    return tensors, {"error": None, "values": copied}
 
 
 class _SaveJob:
@@ -715,7 +716,6 @@ class _DeferredSave:
         tensors: dict[str, TensorLeaf] = {}
         try:
             tensors, meta = _describe(state)
-            meta["values"] = json.loads(json.dumps(meta["values"]))  # the caller may change them
         except Exception as e:  # the peers still learn of it in the exchange: nobody hangs
             local_error, meta = e, {"error": f"{type(e).__name__}: {e}"}
         ready = _queued_work_event(tensors)

@@ -87,15 +87,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def model_config(args: argparse.Namespace) -> dict[str, int]:
+    """The built-in GPT's ``GPTConfig`` fields from the options ``--vocab-size``,
+    ``--block-size``, ``--n-layer``, ``--n-head`` and ``--n-embd`` (this benchmark's and the
+    snapshot benchmarks')."""
+    return {
+        "vocab_size": args.vocab_size,
+        "block_size": args.block_size,
+        "n_layer": args.n_layer,
+        "n_head": args.n_head,
+        "n_embd": args.n_embd,
+    }
+
+
 def config(args: argparse.Namespace, device: str) -> dict:
     return {
-        "model": {
-            "vocab_size": args.vocab_size,
-            "block_size": args.block_size,
-            "n_layer": args.n_layer,
-            "n_head": args.n_head,
-            "n_embd": args.n_embd,
-        },
+        "model": model_config(args),
         "seed": args.seed,
         "lr": args.lr,
         "batch": args.batch,

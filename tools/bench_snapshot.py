@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from ftsdp.tools import _bench_json
 from ftsdp.tools._markdown import replace_section
+from ftsdp.tools.bench_engine import model_config
 
 CONFIGS = (
     ("ftsdp", "none"),
@@ -113,13 +114,7 @@ def loop_arguments(p: argparse.ArgumentParser) -> None:
 def loop_config(args: argparse.Namespace, root: str) -> dict[str, Any]:
     """The ranks' configuration from ``loop_arguments``' options; checkpoints under ``root``."""
     return {
-        "model": {
-            "vocab_size": args.vocab_size,
-            "block_size": args.block_size,
-            "n_layer": args.n_layer,
-            "n_head": args.n_head,
-            "n_embd": args.n_embd,
-        },
+        "model": model_config(args),
         "seed": 0,
         "every": args.every,
         "steps": args.steps,
