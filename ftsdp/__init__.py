@@ -40,8 +40,8 @@ _EXPORTS = {
     "StateDictConfig": "ftsdp.fsdp",
     "StateDictSettings": "ftsdp.fsdp",
     "StateDictType": "ftsdp.fsdp",
-    "CheckpointManager": "ftsdp.trainer",
-    "ResumeInfo": "ftsdp.trainer",
+    "CheckpointManager": "ftsdp.checkpoint",
+    "ResumeInfo": "ftsdp.checkpoint",
 }
 
 __all__ = [  # the keys of _EXPORTS (tests/unit/test_layout.py checks)
@@ -69,6 +69,7 @@ __all__ = [  # the keys of _EXPORTS (tests/unit/test_layout.py checks)
 ]
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on first use
+    from ftsdp.checkpoint import CheckpointManager, ResumeInfo
     from ftsdp.fsdp import (
         FSDP,
         BackwardPrefetch,
@@ -90,7 +91,6 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on f
         StateDictSettings,
         StateDictType,
     )
-    from ftsdp.trainer import CheckpointManager, ResumeInfo
 
     __version__: str
 

@@ -18,9 +18,6 @@ Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's 
 JSON-able values. ``storage`` never imports ``ftsdp``.
 """
 
-from ftsdp.storage._checks import VerifyReport, diff, inspect_checkpoint, verify
-from ftsdp.storage._commit import CommitConflictError
-from ftsdp.storage._convert import ConvertResult, convert, reshard
 from ftsdp.storage._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -30,24 +27,32 @@ from ftsdp.storage._errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from ftsdp.storage._flat_shard import FlatShard
-from ftsdp.storage._formats import FORMATS, detect_format
-from ftsdp.storage._gc import GcReport, collect_garbage
-from ftsdp.storage._inference import LazyStateDict, LoadIntoResult, load_into, load_state_dict
-from ftsdp.storage._load import LoadResult, load
-from ftsdp.storage._manifest import FORMAT_VERSION, Manifest
-from ftsdp.storage._nodes import clear_on_nodes, restore_on_nodes
 from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
-from ftsdp.storage._save import (
+from ftsdp.storage.catalog._checks import VerifyReport, diff, inspect_checkpoint, verify
+from ftsdp.storage.catalog._gc import GcReport, collect_garbage
+from ftsdp.storage.catalog._steps import apply_retention, clear_steps, list_steps, read_manifest
+from ftsdp.storage.conversion._convert import ConvertResult, convert, reshard
+from ftsdp.storage.conversion._formats import FORMATS, detect_format
+from ftsdp.storage.format._flat_shard import FlatShard
+from ftsdp.storage.format._manifest import FORMAT_VERSION, Manifest
+from ftsdp.storage.format._state import KeptState
+from ftsdp.storage.inference._inference import (
+    LazyStateDict,
+    LoadIntoResult,
+    load_into,
+    load_state_dict,
+)
+from ftsdp.storage.io._streaming import DEFAULT_MAX_MEMORY
+from ftsdp.storage.loading._load import LoadResult, load
+from ftsdp.storage.saving._commit import CommitConflictError
+from ftsdp.storage.saving._nodes import clear_on_nodes, restore_on_nodes
+from ftsdp.storage.saving._save import (
     SaveHandle,
     prepare_save,
     save,
     snapshot_fence,
     wait_snapshot,
 )
-from ftsdp.storage._state import KeptState
-from ftsdp.storage._steps import apply_retention, clear_steps, list_steps, read_manifest
-from ftsdp.storage._streaming import DEFAULT_MAX_MEMORY
 
 __all__ = [
     "DEFAULT_MAX_MEMORY",

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def shm_path() -> Iterator[pathlib.Path]:
     """A fresh directory in host shared memory (``/dev/shm``, tmpfs), removed afterwards; the
     test fails, never skips, where there is no tmpfs there (the tmpfs code paths need one)."""
-    from ftsdp.storage._fs import Store
+    from ftsdp.storage.io._fs import Store
 
     if not Store("/dev/shm", None).tmpfs:
         pytest.fail("/dev/shm is not a tmpfs mount here: this test needs one")

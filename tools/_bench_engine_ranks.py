@@ -45,7 +45,7 @@ class Engine:
     """One model + optimizer, a step, and its way of counting bytes communicated."""
 
     def __init__(self, name: str, model: torch.nn.Module, kind: str, lr: float) -> None:
-        from ftsdp.trainer.model import param_groups
+        from ftsdp.examples.gpt import param_groups
 
         self.name, self.model, self.kind = name, model, kind
         self.opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=lr)
@@ -67,7 +67,7 @@ class Engine:
 
 
 def _gpt(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
-    from ftsdp.trainer.model import GPT, GPTConfig
+    from ftsdp.examples.gpt import GPT, GPTConfig
 
     torch.manual_seed(cfg["seed"])
     return GPT(GPTConfig(**cfg["model"])).to(device)
@@ -75,7 +75,7 @@ def _gpt(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
 
 def build_ftsdp(name: str, cfg: dict, device: torch.device, extra: dict) -> Engine:
     import ftsdp
-    from ftsdp.trainer.model import Block
+    from ftsdp.examples.gpt import Block
 
     kwargs = {"auto_wrap_policy": {Block}, "sharding_strategy": "FULL_SHARD", **extra}
     if device.type == "cuda":
@@ -490,7 +490,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for e in engines:
         if e.kind == "ftsdp":
             out.setdefault("units", {})[e.name] = e.model.units()
-    from ftsdp.trainer.model import GPT, GPTConfig
+    from ftsdp.examples.gpt import GPT, GPTConfig
 
     with torch.device("meta"):
         out["psi"] = GPT(GPTConfig(**cfg["model"])).num_parameters()

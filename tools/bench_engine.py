@@ -36,7 +36,7 @@ VARIANTS = (
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    m = p.add_argument_group("model (GPT from ftsdp.trainer.model)")
+    m = p.add_argument_group("model (GPT from ftsdp.examples.gpt)")
     m.add_argument("--n-layer", type=int, default=4)
     m.add_argument("--n-embd", type=int, default=256)
     m.add_argument("--n-head", type=int, default=4)

@@ -133,14 +133,14 @@ class _Run:
     """One engine with one way of checkpointing: its model, optimizer and saver."""
 
     def __init__(self, engine: str, mode: str, cfg: dict[str, Any], root: str) -> None:
+        from ftsdp.examples.gpt import GPT, GPTConfig, param_groups
         from ftsdp.trainer import CheckpointManager
-        from ftsdp.trainer.model import GPT, GPTConfig, param_groups
 
         torch.manual_seed(cfg["seed"])
         model = GPT(GPTConfig(**cfg["model"]))
         if engine == "ftsdp":
             import ftsdp
-            from ftsdp.trainer.model import Block
+            from ftsdp.examples.gpt import Block
 
             model = ftsdp.FSDP(model, auto_wrap_policy={Block})
         else:

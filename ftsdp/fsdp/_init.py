@@ -9,7 +9,7 @@ order by ``param_init_fn(module)`` or its own ``reset_parameters()``. As soon as
 passed the last module of a unit, the unit is flattened and sharded and its full parameters are
 freed. Peak memory is about the root unit plus one other unit unsharded, plus the shards.
 Because modules are initialised in ``modules()`` order, the same seed gives the same weights as
-an eager build whose modules initialise themselves in that order (as ``ftsdp.trainer.model.GPT`` does).
+an eager build whose modules initialise themselves in that order (as ``ftsdp.examples.gpt.GPT`` does).
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@
   is the step loop (``_loop``); ``python -m ftsdp.train`` runs them.
 - ``_hooks``: the step hook the loop calls at its step boundaries (nothing by default; the
   fault suite's hook from ``ftsdp.testing`` when ``FTSDP_FAULT`` is set).
-- ``ftsdp.trainer.model`` (a small GPT) and ``ftsdp.trainer.data`` (a synthetic language) are the
+- ``ftsdp.examples.gpt`` (a small GPT) and ``ftsdp.examples.data`` (a synthetic language) are the
   example the main job trains.
 """
 
-from ftsdp.trainer._checkpoint import CheckpointManager, ResumeInfo
+from ftsdp.checkpoint._manager import CheckpointManager, ResumeInfo
 from ftsdp.trainer._config import TrainConfig, parse_args
 
 __all__ = ["CheckpointManager", "ResumeInfo", "TrainConfig", "parse_args"]

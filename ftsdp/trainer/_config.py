@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import ftsdp
 from ftsdp.elastic import BatchGeometry
-from ftsdp.trainer.model import GPTConfig
+from ftsdp.examples.gpt import GPTConfig
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 DEVICES = ("auto", "cpu", "cuda")

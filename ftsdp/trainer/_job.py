@@ -22,8 +22,10 @@ import torch
 
 import ftsdp
 from ftsdp import storage
+from ftsdp.checkpoint._manager import CheckpointManager
 from ftsdp.elastic import BatchGeometry, GlobalSampler, RankManager
-from ftsdp.trainer._checkpoint import CheckpointManager
+from ftsdp.examples.data import MarkovDataset, TokenDataset
+from ftsdp.examples.gpt import param_groups
 from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._datasets import open_data
 from ftsdp.trainer._errors import JobError
@@ -41,8 +43,6 @@ from ftsdp.trainer._models import (
 from ftsdp.trainer._records import SavedRun, mismatch, peek, refusal
 from ftsdp.trainer._session import Session
 from ftsdp.trainer._tensorboard import open_tensorboard
-from ftsdp.trainer.data import MarkovDataset, TokenDataset
-from ftsdp.trainer.model import param_groups
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """What the main job trains (``--model``), the one adapter the loop calls for the loss, and
 ``--init-from``.
 
-- ``gpt`` (default): the built-in :class:`~ftsdp.trainer.model.GPT`, shaped by ``--vocab-size``,
+- ``gpt`` (default): the built-in :class:`~ftsdp.examples.gpt.GPT`, shaped by ``--vocab-size``,
   ``--block-size``, ``--n-layer``, ``--n-head``, ``--n-embd``; each ``Block`` is an FSDP unit.
 - ``hf:DIR``: a Hugging Face causal LM built from the ``config.json`` in the local directory
   ``DIR`` with ``transformers.AutoModelForCausalLM.from_config`` (random init under ``--seed``;
@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftsdp import storage
+from ftsdp.examples.gpt import GPT, Block
 from ftsdp.trainer._config import ModelSpec, TrainConfig
 from ftsdp.trainer._errors import JobError
-from ftsdp.trainer.model import GPT, Block
 
 logger = logging.getLogger(__name__)
 

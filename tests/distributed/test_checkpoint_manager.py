@@ -27,7 +27,7 @@ GLOBAL_BATCH, MICRO = 12, 1
 
 def _build(seed: int):
     import ftsdp
-    from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
+    from ftsdp.examples.gpt import GPT, Block, GPTConfig, param_groups
 
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -44,7 +44,7 @@ def _train(model, opt, sched, rank: int, world: int, trainer: dict, steps: int) 
     import torch.distributed as dist
 
     from ftsdp.elastic import BatchGeometry, GlobalSampler
-    from ftsdp.trainer.data import MarkovDataset
+    from ftsdp.examples.data import MarkovDataset
 
     ds = MarkovDataset(64, 16, seed=0)
     sampler = GlobalSampler(len(ds), seed=0)
@@ -82,8 +82,8 @@ def _np(state: dict) -> dict:
 def _save_phase(rank: int, world: int, url: str) -> dict:
     import time
 
+    from ftsdp.checkpoint._manager import CheckpointManager
     from ftsdp.elastic import RankManager, Watchdog
-    from ftsdp.trainer._checkpoint import CheckpointManager
 
     rm = RankManager.init(device="cpu", timeout_s=60)
     assert (rm.rank, rm.world_size) == (rank, world) and len(rm.incarnation) == 12
@@ -113,7 +113,7 @@ def _save_phase(rank: int, world: int, url: str) -> dict:
 
 
 def _resume_phase(rank: int, world: int, url: str, again: str) -> dict:
-    from ftsdp.trainer._checkpoint import CheckpointManager
+    from ftsdp.checkpoint._manager import CheckpointManager
 
     model, opt, sched = _build(1)  # a different init: everything must come from the checkpoint
     ckpt = CheckpointManager(url, model, opt, lr_scheduler=sched, async_save=False)
@@ -177,7 +177,7 @@ def test_resume_at_another_world_size(saved, spawns, tmp_path, world: int) -> No
 
 
 def _unexpected_error_phase(rank: int, world: int, url: str) -> str:
-    from ftsdp.trainer._checkpoint import CheckpointManager
+    from ftsdp.checkpoint._manager import CheckpointManager
 
     model, opt, sched = _build(1)
     real = storage.load
@@ -199,7 +199,7 @@ def _unexpected_error_phase(rank: int, world: int, url: str) -> str:
 
 
 def _fallback_phase(rank: int, world: int, url: str) -> dict:
-    from ftsdp.trainer._checkpoint import CheckpointManager
+    from ftsdp.checkpoint._manager import CheckpointManager
 
     model, opt, sched = _build(1)
     ckpt = CheckpointManager(url, model, opt, lr_scheduler=sched, async_save=False)
@@ -282,7 +282,7 @@ def _node_memory_phase(rank: int, world: int, root: str) -> dict:
 
     import torch.distributed as dist
 
-    from ftsdp.trainer._checkpoint import CheckpointManager
+    from ftsdp.checkpoint._manager import CheckpointManager
 
     node = rank // 2
     os.environ["FTSDP_NODE"] = f"node{node}"

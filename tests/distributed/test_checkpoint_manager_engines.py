@@ -150,7 +150,7 @@ def _groups(opt) -> list[dict]:
 
 
 def _save_grid(rank: int, world: int, root: str) -> dict:
-    from ftsdp.trainer._checkpoint import CheckpointManager
+    from ftsdp.checkpoint._manager import CheckpointManager
 
     out: dict = {}
     for case, (engine, opt_name, saves) in CASES.items():
@@ -170,7 +170,7 @@ def _save_grid(rank: int, world: int, root: str) -> dict:
 
 
 def _resume_grid(rank: int, world: int, root: str) -> dict:
-    from ftsdp.trainer._checkpoint import CheckpointManager
+    from ftsdp.checkpoint._manager import CheckpointManager
 
     out: dict = {}
     for case, (engine, opt_name, _) in CASES.items():
@@ -272,7 +272,7 @@ def test_saved_at_2_resumed_at_3_bitwise_then_one_step_like_unwrapped(runs, case
 
 @pytest.mark.parametrize("case", ["fsdp2-adagrad", "ddp-sgd"])
 def test_a_sharded_or_ddp_checkpoint_resumes_into_a_plain_module(runs, case) -> None:
-    from ftsdp.trainer._checkpoint import CheckpointManager
+    from ftsdp.checkpoint._manager import CheckpointManager
 
     _, as_saved, saved, _, _ = runs
     _, opt_name, _ = CASES[case]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ftsdp
-from ftsdp.trainer.model import GPT, Block, GPTConfig
+from ftsdp.examples.gpt import GPT, Block, GPTConfig
 
 WORLD = 3
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ftsdp
-from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
+from ftsdp.examples.gpt import GPT, Block, GPTConfig, param_groups
 
 WORLD = 4
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ftsdp
-from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
+from ftsdp.examples.gpt import GPT, Block, GPTConfig, param_groups
 
 WORLD = 4
 TOL = dict(rtol=1e-5, atol=1e-5)

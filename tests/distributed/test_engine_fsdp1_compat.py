@@ -24,8 +24,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
+from ftsdp.examples.gpt import GPT, MLP, Block, GPTConfig
 from ftsdp.testing import run_ranks
-from ftsdp.trainer.model import GPT, MLP, Block, GPTConfig
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ftsdp
-from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
+from ftsdp.examples.gpt import GPT, Block, GPTConfig, param_groups
 
 WORLD = 2
 CONFIG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16)

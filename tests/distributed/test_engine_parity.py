@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ftsdp
+from ftsdp.examples.gpt import GPT, MLP, Block, GPTConfig, param_groups
 from ftsdp.testing import run_ranks
-from ftsdp.trainer.model import GPT, MLP, Block, GPTConfig, param_groups
 
 GLOBAL_BATCH = 24  # divisible by 2 * world size for 1..4: two micro-batches per rank
 SEQ = 8

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import ftsdp
+from ftsdp.examples.gpt import GPT, Block, GPTConfig, param_groups
 from ftsdp.fsdp import _fully_sharded, _streams, _unit
-from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 
 WORLD = 2
 CONFIG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16)

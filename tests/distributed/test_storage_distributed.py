@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ftsdp import storage
-from ftsdp.storage import _save
-from ftsdp.storage._manifest import Manifest
-from ftsdp.storage._manifest import seal as storage_seal
+from ftsdp.storage.format._manifest import Manifest
+from ftsdp.storage.format._manifest import seal as storage_seal
+from ftsdp.storage.saving import _save
 from ftsdp.testing import run_ranks
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
@@ -184,7 +184,7 @@ def _async_cases(rank: int, world: int, root: str) -> None:
 
     # A failure on one rank fails the save on every rank (nobody hangs) and commits nothing.
     if rank == 2:
-        from ftsdp.storage._fs import Store
+        from ftsdp.storage.io._fs import Store
 
         real = Store._write_once
 
@@ -342,7 +342,7 @@ def _dtensor_cases(rank: int, world: int, root: str) -> None:
             assert torch.equal(target[k].full_tensor(), v * factor), (step, k)
     # A DTensor's leaf is kept while it lives (the walk at every save): the values of each
     # save's moment go out, under any name, and the entries go with the DTensors.
-    from ftsdp.storage import _state
+    from ftsdp.storage.format import _state
 
     assert _state.flatten_state(saved)[0]["a"] is _state.flatten_state(saved)[0]["a"]
     with torch.no_grad():
@@ -582,7 +582,7 @@ def _json_collectives(rank: int, groups: dict[int, Any]) -> None:
     frame and one that needs a second, and a gather, an all-gather and a scatter of messages
     of very different lengths (an empty one among them), over every rank and over a subgroup
     of 3 (ranks 0-2)."""
-    from ftsdp.storage._collectives import (
+    from ftsdp.storage.io._collectives import (
         _FIRST,
         all_gather_json,
         broadcast_json,

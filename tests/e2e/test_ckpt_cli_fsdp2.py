@@ -45,7 +45,7 @@ def _fsdp2(rank: int, world: int, url: str, group) -> list[float]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from ftsdp.trainer.model import GPT, Block, GPTConfig
+    from ftsdp.examples.gpt import GPT, Block, GPTConfig
 
     mesh = DeviceMesh.from_group(group, "cpu")
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def _both(rank: int, world: int, tmp: str) -> tuple[list[float], list[float]]:
 def _ftsdp(rank: int, world: int, url: str) -> list[float]:
     import ftsdp
     from ftsdp import storage
-    from ftsdp.trainer.model import GPT, Block, GPTConfig
+    from ftsdp.examples.gpt import GPT, Block, GPTConfig
 
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
     model = ftsdp.FSDP(GPT(GPTConfig(**CONFIG)), auto_wrap_policy={Block})

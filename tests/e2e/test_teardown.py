@@ -8,7 +8,7 @@ variant, which makes it likely: a subgroup that outlives ``close()`` with a coll
 flight on it, and the main thread keeping the GIL. On the code before the teardown fix 7 of 12
 such runs aborted one at a time; with two side by side (as here) the old code aborted in 3 of 3
 tests, and with the fix none of 18 single runs and none of 4 such tests did. The long versions
-are in docs/elastic.md, "Teardown" (``python -m ftsdp.tools.stress_close``)."""
+are in docs/elastic.md, "Teardown" (``python -m ftsdp.tools.dev.stress_close``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ftsdp.tools.stress_close import run_once
+from ftsdp.tools.dev.stress_close import run_once
 
 
 @pytest.mark.timeout(240)

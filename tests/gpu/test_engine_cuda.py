@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ftsdp
+from ftsdp.examples.gpt import GPT, Block, GPTConfig, param_groups
 from ftsdp.fsdp import _streams
-from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -273,7 +273,7 @@ def test_verify_a_step_directory(root: pathlib.Path) -> None:
 
 def test_verify_a_manifest_of_another_step(root: pathlib.Path) -> None:
     """A manifest whose step is not its directory's is a problem (loaders refuse it)."""
-    from ftsdp.storage._manifest import seal
+    from ftsdp.storage.format._manifest import seal
 
     path = root / "step-2" / "manifest.json"
     doc = json.loads(path.read_text())

@@ -209,7 +209,7 @@ def test_interrupted_convert_never_looks_complete(
 ) -> None:
     """The feed stops after a few tensors (deterministically, as ^C would): the destination must
     not read as a checkpoint, and a later convert into it succeeds without --overwrite."""
-    from ftsdp.storage._interfaces import Feed
+    from ftsdp.storage.conversion._interfaces import Feed
 
     real, served = Feed.stream, []
 
@@ -245,7 +245,7 @@ def test_convert_commits_through_the_save_protocol(
     """``save`` and the converter's ftsdp output commit through the same code: a failure writing
     the manifest leaves no committed step and no ``latest``; a failure after it (``latest``) is a
     warning and the step is committed."""
-    from ftsdp.storage._fs import Store
+    from ftsdp.storage.io._fs import Store
 
     real, fail = Store._write_once, {"name": "manifest.json"}
 
@@ -269,7 +269,7 @@ def test_convert_commits_through_the_save_protocol(
     assert any(dst.glob("step-17/*.safetensors"))  # a torn attempt, which readers ignore
     fail["name"] = "latest"
     # An operational event, logged (not a warnings.warn: it may come from a background save).
-    with caplog.at_level(logging.WARNING, logger="ftsdp.storage._commit"):
+    with caplog.at_level(logging.WARNING, logger="ftsdp.storage.saving._commit"):
         run()
     assert re.search(r"step 17 committed at .*, but updating 'latest'", caplog.text), caplog.text
     assert storage.list_steps(str(dst)) == [17] and not (dst / "latest").exists()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ftsdp.trainer.data import MarkovChain, MarkovDataset
+from ftsdp.examples.data import MarkovChain, MarkovDataset
 
 
 @pytest.fixture(scope="module")

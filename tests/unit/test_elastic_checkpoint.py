@@ -14,8 +14,8 @@ import torch
 
 import ftsdp
 from ftsdp import storage
-from ftsdp.trainer._checkpoint import CheckpointManager
-from ftsdp.trainer.model import GPT, Block, GPTConfig, param_groups
+from ftsdp.checkpoint._manager import CheckpointManager
+from ftsdp.examples.gpt import GPT, Block, GPTConfig, param_groups
 
 pytestmark = pytest.mark.timeout(120)
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -432,7 +432,7 @@ def _draws() -> tuple[float, list[float], list[float], float]:
 def test_rng_states_restore_from_either_saved_form(form):
     """The RNG entry restores every generator, mid-Gaussian-pair included, from the base64 key
     arrays written now and from the JSON lists written before them."""
-    from ftsdp.trainer import _checkpoint_state as cs
+    from ftsdp.checkpoint import _state as cs
 
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
     random.gauss(), np.random.standard_normal()  # a cached second Gaussian in both

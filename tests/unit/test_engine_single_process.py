@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import ftsdp
-from ftsdp.trainer.model import GPT, MLP, Block, GPTConfig, param_groups
+from ftsdp.examples.gpt import GPT, MLP, Block, GPTConfig, param_groups
 
 
 def tiny_gpt(seed: int = 0) -> GPT:

@@ -192,7 +192,7 @@ def test_include_optimizer_keeps_optimizer_state_and_values(run: dict[str, Any])
 def test_builtin_gpt_export_is_what_the_docs_say(tmp_path: pathlib.Path) -> None:
     """docs/cli.md: no record, so the weights without the ``model.`` prefix (the tied head once,
     as ``wte.weight``), no config.json, and a one-line note."""
-    from ftsdp.trainer.model import GPT, Block, GPTConfig
+    from ftsdp.examples.gpt import GPT, Block, GPTConfig
 
     config = GPTConfig(vocab_size=31, block_size=8, n_layer=2, n_head=2, n_embd=16)
     gpt = GPT(config)
@@ -263,7 +263,7 @@ def test_interrupted_export_is_resumed_without_overwrite(
 ) -> None:
     """config.json and the tokenizer files are written first and recorded as the export's own:
     an interrupted export leaves no checkpoint, and the next one replaces them."""
-    from ftsdp.storage._interfaces import Feed
+    from ftsdp.storage.conversion._interfaces import Feed
 
     def failing(self: Any, requests: Any) -> Any:
         raise KeyboardInterrupt

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ftsdp.trainer.model import GPT, INIT_STD, Block, GPTConfig, default_no_decay, param_groups
+from ftsdp.examples.gpt import GPT, INIT_STD, Block, GPTConfig, default_no_decay, param_groups
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

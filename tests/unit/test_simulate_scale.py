@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from ftsdp.storage import SaveOptions
-from ftsdp.storage._manifest import Manifest
-from ftsdp.storage._save_plan import make_plan
-from ftsdp.storage.simulation import (
+from ftsdp.storage.format._manifest import Manifest
+from ftsdp.storage.saving._save_plan import make_plan
+from ftsdp.tools.dev import simulate_scale
+from ftsdp.tools.dev.simulation import (
     commit_manifest,
     leaves,
     load_planning,
@@ -20,7 +21,6 @@ from ftsdp.storage.simulation import (
     plan_rank,
     shapes,
 )
-from ftsdp.tools import simulate_scale
 
 T = 60
 
@@ -109,8 +109,8 @@ def test_a_failing_rank_raises_through_the_stand_in_collectives() -> None:
     """The simulation's collectives answer the error path too: a rank that failed to describe
     its state raises the same CheckpointError as on a real group."""
     from ftsdp import storage
-    from ftsdp.storage import _exchange
-    from ftsdp.storage.simulation import Wire
+    from ftsdp.storage.saving import _exchange
+    from ftsdp.tools.dev.simulation import Wire
 
     meta = {"error": "ValueError: bad leaf", "values": {}, "tensors": []}
     with pytest.raises(storage.CheckpointError, match="failed on rank 0: ValueError: bad leaf"):
@@ -121,7 +121,7 @@ def test_attempt_ids_travel_as_numbers_when_they_fit() -> None:
     """The exchange's all-reduce carries rank 0's attempt id as a number: every id of up to
     14 lowercase hex digits comes back as it was (leading zeros too); others, and none, are 0
     (then the exchange broadcasts the id instead)."""
-    from ftsdp.storage._exchange import attempt_code, attempt_of_code
+    from ftsdp.storage.saving._exchange import attempt_code, attempt_of_code
 
     for attempt in ("0123abcd", "00000000", "0", "f" * 14, "ffffffff", "000000ab"):
         code = attempt_code(attempt)

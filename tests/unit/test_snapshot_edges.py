@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ftsdp import storage
-from ftsdp.storage import _save
+from ftsdp.storage.saving import _save
 from ftsdp.trainer import CheckpointManager
 from ftsdp.trainer._job import memory_root
 
@@ -80,7 +80,7 @@ def test_a_memory_tier_left_by_another_model_never_stops_a_resume(
     model, opt = _model(16)
     fresh_model = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt = CheckpointManager(durable, model, opt, memory_url=shm)
-    with caplog.at_level(logging.WARNING, logger="ftsdp.trainer._checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ftsdp.checkpoint._manager"):
         assert ckpt.resume({"step": 0}) is None  # was: StateMismatchError, on every restart
     assert "UNUSABLE" in caplog.text and "starting from scratch" in caplog.text
     assert not opt.state  # as fresh as it was: no state from the attempt to load
@@ -225,7 +225,7 @@ def test_a_save_in_flight_at_exit_is_reported(
     """Its threads are daemons: a save still in flight when the interpreter exits is lost, and
     exit says so instead of looking like a clean save."""
     h = storage.save({"x": torch.arange(4.0)}, str(tmp_path), 3, async_save=True, defer_copy=True)
-    with caplog.at_level(logging.WARNING, logger="ftsdp.storage._save"):
+    with caplog.at_level(logging.WARNING, logger="ftsdp.storage.saving._save"):
         _save._warn_in_flight_at_exit()  # what atexit runs
     assert f"step 3 to {tmp_path}" in caplog.text and "not committed" in caplog.text
     held_copy.set()

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ftsdp import storage
-from ftsdp.storage import _save
-from ftsdp.storage._streaming import piece_bytes
+from ftsdp.checkpoint._engines import engine_for
+from ftsdp.storage.io._streaming import piece_bytes
+from ftsdp.storage.saving import _save
 from ftsdp.trainer import CheckpointManager
-from ftsdp.trainer._engines import engine_for
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -348,7 +348,7 @@ def test_memory_saves_go_on_while_a_durable_upload_is_stuck(
 ) -> None:
     """Each root has its own lane: a durable upload that does not finish (a slow object store)
     holds neither the memory tier's saves nor the optimizer's fence."""
-    from ftsdp.storage._fs import Store
+    from ftsdp.storage.io._fs import Store
 
     release = threading.Event()
     real = Store._write_once
@@ -382,7 +382,7 @@ def test_retention_after_a_save_does_not_decode_the_manifest_just_written(
 ) -> None:
     """A save's retention reads every kept step's manifest; the one just committed is the
     writer's own object (the CPU a save spends beside training), equal to decoding its bytes."""
-    from ftsdp.storage._manifest import Manifest
+    from ftsdp.storage.format._manifest import Manifest
 
     url = str(tmp_path / "ckpt")
     state = {"w": torch.randn(64), "b": torch.arange(5.0)}

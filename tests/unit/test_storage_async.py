@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.storage._fs import Store
+from ftsdp.storage.io._fs import Store
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.storage._fs import Store
-from ftsdp.storage._manifest import SELF_CHECKSUM, seal
+from ftsdp.storage.format._manifest import SELF_CHECKSUM, seal
+from ftsdp.storage.io._fs import Store
 from tests.make_storage_golden import GOLDEN, STEP
 
 OPTS = storage.SaveOptions(object_bytes=64, checksum_block_bytes=32)  # 'w' spans 3 objects

@@ -242,7 +242,7 @@ def test_a_write_that_fails_half_way_leaves_no_object(
 ) -> None:
     """On an object store, closing an upload completes it: a write that raises must discard
     the upload, or a partial manifest would look like a committed step."""
-    from ftsdp.storage._fs import Store
+    from ftsdp.storage.io._fs import Store
 
     url, opts = durable_backend
     store = Store(url, opts, storage.IOOptions(max_attempts=1))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.storage import _save
-from ftsdp.storage._fs import Store
+from ftsdp.storage.io._fs import Store
+from ftsdp.storage.saving import _save
 
 # Tiny blocks, objects and parts so that copies span several parts, pieces and objects.
 SAVE = storage.SaveOptions(checksum_block_bytes=64, object_bytes=1000)
@@ -91,7 +91,7 @@ def test_a_flat_shards_leaf_is_kept_between_saves_and_follows_its_tensor(tmp_pat
     """The walk of the state keeps a FlatShard's leaf on the shard (it is frozen); the leaf is
     made again under another name or once its tensor was resized, and every save holds the
     values of its moment."""
-    from ftsdp.storage._state import flatten_state
+    from ftsdp.storage.format._state import flatten_state
 
     flat = torch.arange(12.0)
     shard = storage.FlatShard((3, 4), 0, flat)
@@ -117,8 +117,8 @@ def test_a_kept_state_is_walked_once_and_its_leaves_taken_while_it_comes_back(
     and saves of it hold the values of their moment."""
     import gc
 
-    from ftsdp.storage import _state
-    from ftsdp.storage._state import flatten_state
+    from ftsdp.storage.format import _state
+    from ftsdp.storage.format._state import flatten_state
 
     w, m = torch.arange(6.0), torch.ones(3)
     part = {"w": w, "opt": {"m": m, "step": 3}, "layers": [w[:2]]}

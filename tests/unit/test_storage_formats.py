@@ -1,4 +1,4 @@
-"""The format table (storage/_formats.py) is the only place a format's name chooses code: every
+"""The format table (storage/conversion/_formats.py) is the only place a format's name chooses code: every
 entry point (convert, detection, the loaders, verify, inspect, diff) goes through its rows, the
 detection order is the table's, and DCP's module is imported only for DCP checkpoints."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.storage import _formats
+from ftsdp.storage.conversion import _formats
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -1,8 +1,8 @@
 """The reader against random damage (docs/format.md, "Threat model"): 1,000 mutations of a small
 checkpoint, each loaded with ``load``, ``load_state_dict`` and checked with ``verify`` and
 ``ftsdp-ckpt verify``. Each must return exactly the saved values or raise a ``CheckpointError``
-(see ``tools/fuzz_checkpoint.py`` for the mutations and the oracle). About 12 s on two busy
-cores; longer runs: ``python -m ftsdp.tools.fuzz_checkpoint --cases 20000 --seed N``.
+(see ``tools/dev/fuzz_checkpoint.py`` for the mutations and the oracle). About 12 s on two busy
+cores; longer runs: ``python -m ftsdp.tools.dev.fuzz_checkpoint --cases 20000 --seed N``.
 
 Why 1,000 (it was 1,200): of seed 2024's cases, the first 1,000 already reach every pair of
 mutation kind and outcome that the first 1,200 reach (61 pairs; 800 reach 58), with 214 resealed
@@ -16,7 +16,7 @@ import pathlib
 
 import pytest
 
-from ftsdp.tools.fuzz_checkpoint import describe, run
+from ftsdp.tools.dev.fuzz_checkpoint import describe, run
 
 CASES = int(os.environ.get("FTSDP_FUZZ_CASES", "1000"))
 SEED = int(os.environ.get("FTSDP_FUZZ_SEED", "2024"))

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ftsdp import storage
-from ftsdp.storage._manifest import SELF_CHECKSUM, canonical_json, seal
+from ftsdp.storage.format._manifest import SELF_CHECKSUM, canonical_json, seal
 from tests.make_storage_golden import GOLDEN, OPTIONS, STEP, golden_state
 
 # Written by the version 2 writer (the same state and options as GOLDEN); never regenerated.
@@ -146,7 +146,7 @@ def test_a_written_manifest_holds_the_canonical_pieces_and_the_checksum() -> Non
     ``seal`` makes; its checksum is the CRC-32C of ``canonical_json``; the top-level keys keep
     the document's order (``format`` first: detection reads a manifest's first 64 bytes), and
     the user's values theirs."""
-    from ftsdp.storage._manifest import sealed_json
+    from ftsdp.storage.format._manifest import sealed_json
 
     doc = {
         "format": "ftsdp.storage",
@@ -172,8 +172,8 @@ def test_kept_text_of_rule_tensors_is_what_encoding_anew_gives() -> None:
     text, never a kept one."""
     import dataclasses
 
-    from ftsdp.storage._manifest import _ENTRY_TEXT, Manifest, sealed_json
-    from ftsdp.storage._regular import Rule
+    from ftsdp.storage.format._manifest import _ENTRY_TEXT, Manifest, sealed_json
+    from ftsdp.storage.format._regular import Rule
     from tests.make_storage_golden_v4 import GOLDEN_V4
     from tests.make_storage_golden_v4 import STEP as STEP4
 
@@ -201,7 +201,7 @@ def test_a_kept_table_of_a_layout_is_what_encoding_anew_gives() -> None:
     from its own entries, never taken from the kept one."""
     import dataclasses
 
-    from ftsdp.storage._manifest import _ENTRY_TEXT, _TABLE_TEXT, Manifest, sealed_json
+    from ftsdp.storage.format._manifest import _ENTRY_TEXT, _TABLE_TEXT, Manifest, sealed_json
     from tests.make_storage_golden_v4 import GOLDEN_V4
     from tests.make_storage_golden_v4 import STEP as STEP4
 
@@ -275,7 +275,7 @@ def test_v4_a_huge_rule_tensor_in_tiny_objects_is_refused_at_once(
     """A resealed version 4 manifest whose rule tensor would pack into billions of objects for a
     rank that counts 3: the reader stops deriving at the count (it once packed on, for ever),
     and ``verify`` reports it as a problem of the step (it once raised)."""
-    from ftsdp.storage._manifest import seal
+    from ftsdp.storage.format._manifest import seal
     from tests.make_storage_golden_v4 import GOLDEN_V4
     from tests.make_storage_golden_v4 import STEP as STEP4
 

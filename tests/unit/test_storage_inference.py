@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ftsdp import storage
-from ftsdp.storage._interfaces import Source
+from ftsdp.storage.conversion._interfaces import Source
 
 SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=5000)
 

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ftsdp import storage
-from ftsdp.storage._interfaces import Source
-from ftsdp.storage._layout import step_dir
-from ftsdp.storage._sources import FtsdpSource, HfSource
+from ftsdp.storage.conversion._interfaces import Source
+from ftsdp.storage.conversion._sources import FtsdpSource, HfSource
+from ftsdp.storage.format._layout import step_dir
 
 MiB = 1 << 20
 N = 3 * MiB // 4  # elements of one 3 MiB float32 tensor: three of them exceed one 8 MiB chunk

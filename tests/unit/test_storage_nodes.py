@@ -1,11 +1,11 @@
-"""Node-local roots (storage/_nodes.py) without processes: which step the nodes of a job can
+"""Node-local roots (storage/saving/_nodes.py) without processes: which step the nodes of a job can
 restore, and which files go where. The collectives are tested on real ranks in
 tests/distributed/test_checkpoint_manager.py (two simulated nodes, one wiped) and end to end in
 tests/e2e/test_faults_node_loss.py."""
 
 from __future__ import annotations
 
-from ftsdp.storage._nodes import Nodes, _choose
+from ftsdp.storage.saving._nodes import Nodes, _choose
 
 
 def _node(step: int, attempt: str | None, needs: dict[str, int], held: dict[str, int]) -> dict:
@@ -67,7 +67,7 @@ def test_node_lookups_match_their_definition_on_uneven_interleaved_nodes() -> No
     local index (modulo its size) on the next node, nodes ordered by their lowest rank."""
     import random
 
-    from ftsdp.storage._nodes import Nodes
+    from ftsdp.storage.saving._nodes import Nodes
 
     rng = random.Random(5)
     of = tuple(rng.choice("abcde") for _ in range(300))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from ftsdp.storage import SaveOptions
-from ftsdp.storage._manifest import Piece, TensorEntry
-from ftsdp.storage._ranges import Range, check_disjoint_cover, coalesce, intersect, segments
-from ftsdp.storage._read_plan import make_want, plan_reads
-from ftsdp.storage._save_plan import make_plan
+from ftsdp.storage.format._manifest import Piece, TensorEntry
+from ftsdp.storage.format._ranges import Range, check_disjoint_cover, coalesce, intersect, segments
+from ftsdp.storage.loading._read_plan import make_want, plan_reads
+from ftsdp.storage.saving._save_plan import make_plan
 
 
 def test_range_arithmetic() -> None:
@@ -140,7 +140,7 @@ def test_kept_holds_its_newest_entries_only() -> None:
     first, a key put again is not counted twice, and it is safe from several threads."""
     import threading
 
-    from ftsdp.storage._kept import Kept
+    from ftsdp.storage.format._kept import Kept
 
     kept: Kept[int, int] = Kept(3)
     for i in range(5):

@@ -11,8 +11,8 @@ from botocore.exceptions import ClientError
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ftsdp import storage
-from ftsdp.storage._fs import Store
-from ftsdp.storage._retry import is_transient, retry
+from ftsdp.storage.io._fs import Store
+from ftsdp.storage.io._retry import is_transient, retry
 
 
 def _client_error(code: str) -> ClientError:

@@ -1,5 +1,5 @@
 """Overwriting retired objects (``SaveOptions.reuse_retired``; [Note: overwriting a retired object]
-in storage/_fs.py): on tmpfs a save takes the objects of the step retention just retired as its
+in storage/io/_fs.py): on tmpfs a save takes the objects of the step retention just retired as its
 own files, but never one that anyone else can still see: a reader holding it open or mapped, a
 hard link of the user's, a link or another file put in its place, an open during the overwrite.
 What is saved and loaded stays bitwise the state; nothing of the user's is touched.
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.storage import _fs as fs_module
-from ftsdp.storage import _save as save_module
-from ftsdp.storage._fs import Store
+from ftsdp.storage.io import _fs as fs_module
+from ftsdp.storage.io._fs import Store
+from ftsdp.storage.saving import _save as save_module
 from ftsdp.trainer import CheckpointManager
 
 pytestmark = pytest.mark.timeout(120)
@@ -184,7 +184,7 @@ def test_a_link_put_in_place_of_a_retired_object_is_never_followed(tmp_path, tak
 
 def test_a_file_that_cannot_be_proven_unseen_is_written_anew(tmp_path, monkeypatch) -> None:
     """Without leases (another OS, leases disabled) nothing is overwritten."""
-    monkeypatch.setattr("ftsdp.storage._fs._lease", lambda fd: False)
+    monkeypatch.setattr("ftsdp.storage.io._fs._lease", lambda fd: False)
     root = tmp_path / "ckpt"
     (obj,) = _save_step_1(root)
     storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
@@ -423,10 +423,10 @@ def test_checkpoint_manager_close_leaves_only_kept_steps(tmp_path, taken) -> Non
 
 
 def test_concurrent_readers_never_see_an_overwritten_object(tmp_path) -> None:
-    """The short version of ``python -m ftsdp.tools.stress_reuse``: a save every few
+    """The short version of ``python -m ftsdp.tools.dev.stress_reuse``: a save every few
     milliseconds, each retiring the previous step, while two processes load and hold mappings.
     (With the lease check disabled its longer run gets wrong loads and changed mappings.)"""
-    from ftsdp.tools.stress_reuse import run
+    from ftsdp.tools.dev.stress_reuse import run
 
     root = tmp_path / "ckpt"
     root.mkdir()

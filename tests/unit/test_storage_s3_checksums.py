@@ -13,7 +13,7 @@ import s3fs
 import torch
 
 from ftsdp import storage
-from ftsdp.storage._fs import Store
+from ftsdp.storage.io._fs import Store
 from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 PARTS = storage.SaveOptions(io=storage.IOOptions(part_bytes=5 << 20))  # S3's smallest part

@@ -1,4 +1,4 @@
-"""The one store layer (storage/_fs.py): a store rooted at a single file, ranged views for
+"""The one store layer (storage/io/_fs.py): a store rooted at a single file, ranged views for
 ``torch.load``, and the rules that keep every format on it (only _fs.py touches fsspec; DCP's
 pickle is loaded in one function)."""
 
@@ -16,7 +16,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ftsdp import storage
-from ftsdp.storage._fs import Store
+from ftsdp.storage.io._fs import Store
 
 STORAGE = pathlib.Path(__file__).resolve().parents[2] / "storage"
 
@@ -115,7 +115,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 def test_only_the_store_touches_fsspec() -> None:
-    users = sorted(p.name for p in STORAGE.glob("*.py") if "fsspec" in _imports(p))
+    users = sorted(p.name for p in STORAGE.rglob("*.py") if "fsspec" in _imports(p))
     assert users == ["_fs.py"]
 
 
@@ -126,7 +126,7 @@ def test_dcp_metadata_is_unpickled_in_one_function(
     replacing it (as a restricted unpickler will) changes how every DCP checkpoint opens."""
     loads = [
         (p.name, node.lineno)
-        for p in STORAGE.glob("*.py")
+        for p in STORAGE.rglob("*.py")
         for node in ast.walk(ast.parse(p.read_text()))
         if isinstance(node, ast.Attribute)
         and node.attr in ("load", "loads", "Unpickler")
@@ -134,7 +134,7 @@ def test_dcp_metadata_is_unpickled_in_one_function(
         and node.value.id == "pickle"
     ]
     assert len(loads) == 1 and loads[0][0] == "_dcp_store.py", loads
-    from ftsdp.storage import _dcp_store
+    from ftsdp.storage.conversion import _dcp_store
 
     storage.save({"w": torch.randn(30), "step": 2}, str(tmp_path / "src"), step=1)
     storage.convert(str(tmp_path / "src"), str(tmp_path / "dcp"), to="dcp")

@@ -71,7 +71,7 @@ def _dcp(tmp_path: pathlib.Path, name: str = "dcp") -> pathlib.Path:
 
 
 def _metadata(folder: pathlib.Path) -> Any:
-    from ftsdp.storage._dcp_store import unpickle_metadata
+    from ftsdp.storage.conversion._dcp_store import unpickle_metadata
 
     return unpickle_metadata((folder / ".metadata").read_bytes())
 
@@ -269,13 +269,13 @@ def dst_url(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> tuple[str
 
 
 def _put(url: str, opts: dict | None, name: str, data: bytes) -> None:
-    from ftsdp.storage._fs import Store
+    from ftsdp.storage.io._fs import Store
 
     Store(url, opts).write_bytes(name, data)
 
 
 def _names(url: str, opts: dict | None) -> dict[str, bytes]:
-    from ftsdp.storage._fs import Store
+    from ftsdp.storage.io._fs import Store
 
     store = Store(url, opts)
     return {n: store.read(n) for n, (kind, _) in store.listdir().items() if kind == "file"}
@@ -344,7 +344,7 @@ def test_an_interrupted_write_is_finished_and_its_leftovers_removed(
 ) -> None:
     """The files an interrupted hf write left are its own (its record lists them): a later write
     of another shard count replaces or removes them, without overwrite, and no record stays."""
-    from ftsdp.storage._interfaces import Feed
+    from ftsdp.storage.conversion._interfaces import Feed
 
     src = tmp_path / "src"
     storage.save({n: torch.full((4,), float(i)) for i, n in enumerate("abc")}, str(src), step=3)

@@ -9,8 +9,8 @@ import io
 import crc32c
 import torch
 
-from ftsdp.storage import _safetensors
-from ftsdp.storage._safetensors import write_object
+from ftsdp.storage.format import _safetensors
+from ftsdp.storage.format._safetensors import write_object
 
 
 class Recorder(io.BytesIO):

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from ftsdp.elastic import BatchGeometry, GlobalSampler
+from ftsdp.examples.data import TokenDataset
 from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._datasets import HEAD_BYTES, data_mismatch, markov_record, open_data
 from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._records import SavedRun, mismatch, refusal
-from ftsdp.trainer.data import TokenDataset
 
 pytestmark = pytest.mark.timeout(60)
 

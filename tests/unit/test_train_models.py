@@ -18,11 +18,11 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from ftsdp import storage
+from ftsdp.examples.data import TokenDataset
+from ftsdp.examples.gpt import GPT, GPTConfig
 from ftsdp.train import main
 from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._models import init_weights
-from ftsdp.trainer.data import TokenDataset
-from ftsdp.trainer.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.timeout(120)
 

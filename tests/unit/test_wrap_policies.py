@@ -32,7 +32,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 import ftsdp
-from ftsdp.trainer.model import GPT, MLP, Block, GPTConfig
+from ftsdp.examples.gpt import GPT, MLP, Block, GPTConfig
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16)
 

@@ -1,7 +1,7 @@
 """What ``ftsdp-ckpt convert --to hf`` makes of a training checkpoint: a Hugging Face model folder.
 
 A training checkpoint follows the trainer's convention (``CheckpointManager``'s layout, see
-``ftsdp/trainer/_checkpoint.py``): model tensors under ``model.<name in the unwrapped module>``,
+``ftsdp/checkpoint/_manager.py``): model tensors under ``model.<name in the unwrapped module>``,
 optimizer state under ``optim.``, and, when the main job trained a Hugging Face model, its record
 under ``trainer.model``::
 

@@ -1,0 +1,72 @@
+"""``collect_garbage``: what retention and torn attempts leave behind, removed or only listed.
+
+It deletes exactly what retention would (``plan_retention`` in ``storage/catalog/_steps.py``), so only
+what is provably ours (see [Note: deleting only what is ours] there); everything it leaves alone
+on purpose (unreadable manifests, links, files this format does not write) is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftsdp.storage._errors import CheckpointNotFoundError
+from ftsdp.storage.catalog._steps import execute, plan_retention
+from ftsdp.storage.format._layout import step_dir
+from ftsdp.storage.io._fs import Store
+
+
+@dataclass
+class GcReport:
+    """Steps and files that were (or, in a dry run, would be) removed, and the bytes they hold."""
+
+    url: str
+    dry_run: bool
+    removed_steps: list[int] = field(
+        default_factory=list
+    )  # committed steps past retention, torn ones
+    removed_paths: list[str] = field(default_factory=list)  # every removal, in order
+    kept_steps: list[int] = field(default_factory=list)
+    in_progress: list[int] = field(default_factory=list)  # torn but newer than the newest commit
+    bytes: int = 0
+    left_alone: list[str] = field(default_factory=list)  # not provably ours: untouched, and why
+
+
+def collect_garbage(
+    url: str,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    dry_run: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> GcReport:
+    """Remove torn attempts and the steps retention would remove (``keep_last`` newest committed
+    steps and every ``keep_every``-th; ``keep_last=None``: keep every committed step, and
+    ``keep_last < 1`` is a ValueError). Exactly what ``apply_retention`` removes. Torn steps
+    newer than the newest committed one may be a save in progress and are kept."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(
+            f"keep_last={keep_last} must be >= 1 (the newest committed step is always kept); "
+            "leave it out to keep every committed step"
+        )
+    store = Store(url, storage_options)
+    if not store.exists():
+        raise CheckpointNotFoundError(f"checkpoint root {store.where()} does not exist")
+    plan = plan_retention(store, keep_last, keep_every)
+    report = GcReport(
+        store.where(),
+        dry_run,
+        removed_steps=plan.removed_steps,
+        kept_steps=plan.kept,
+        in_progress=plan.in_progress,
+        left_alone=plan.notes,
+    )
+    for removal in plan.removals + plan.strays:
+        report.removed_paths += [store.where(rel) for rel, _ in removal.files]
+        if removal.whole and not removal.left:
+            report.removed_paths.append(store.where(step_dir(removal.step)))
+        report.bytes += removal.bytes
+    if not dry_run:
+        for removal in plan.removals + plan.strays:
+            execute(store, removal)
+    return report

@@ -1,0 +1,452 @@
+"""Committed steps: listing, resolving and reading a manifest; which step directories are ours, and
+deleting them (retention, garbage collection, discarding an abandoned timeline)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftsdp.storage._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from ftsdp.storage._options import LoadOptions
+from ftsdp.storage.format._layout import (
+    LATEST,
+    MANIFEST,
+    attempt_of,
+    is_own_name,
+    manifest_path,
+    parse_step,
+    step_dir,
+)
+from ftsdp.storage.format._manifest import Manifest, read_manifest_file
+from ftsdp.storage.io._fs import Store
+
+logger = logging.getLogger(__name__)
+
+
+def committed_steps(store: Store) -> list[int]:
+    """Steps whose manifest exists, ascending (one listing of the root plus one per step dir)."""
+    steps = []
+    for name, (kind, _) in store.listdir().items():
+        step = parse_step(name)
+        if step is not None and kind == "directory" and store.exists(manifest_path(step)):
+            steps.append(step)
+    return sorted(steps)
+
+
+def list_steps(url: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Committed steps under ``url``, ascending; ``[]`` when the root does not exist (yet)."""
+    return committed_steps(Store(url, storage_options))
+
+
+def resolve_manifest(
+    store: Store, step: int | None, options: LoadOptions | None = None
+) -> Manifest:
+    """The validated manifest of ``step`` (None: the newest committed), its objects checked.
+
+    Raises CheckpointNotFoundError (no root, nothing committed, step not committed),
+    NewerFormatError, CorruptCheckpointError, or IncompleteCheckpointError (an object listed by
+    the manifest is missing or has another size).
+    """
+    if step is None:
+        steps = committed_steps(store)
+        if not steps:
+            if not store.exists():
+                raise CheckpointNotFoundError(f"checkpoint root {store.where()} does not exist")
+            torn = sorted(s for s in map(parse_step, store.listdir()) if s is not None)
+            raise CheckpointNotFoundError(
+                f"no committed step under {store.where()} (uncommitted step dirs: {torn}); "
+                "a step is committed once its manifest.json exists"
+            )
+        step = steps[-1]
+    elif not store.exists(manifest_path(step)):
+        if not store.exists():
+            raise CheckpointNotFoundError(f"checkpoint root {store.where()} does not exist")
+        raise CheckpointNotFoundError(
+            f"step {step} is not committed under {store.where()} (no {manifest_path(step)}); "
+            f"committed steps: {committed_steps(store)}"
+        )
+    where = store.where(manifest_path(step))
+    manifest = read_manifest_file(store, manifest_path(step), options)  # size-capped, validated
+    if manifest.step != step:
+        raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}")
+    listing = store.listdir(step_dir(step))
+    for name, size in sorted(manifest.objects.items()):
+        if name not in listing:
+            raise IncompleteCheckpointError(
+                f"step {step}: object {store.where(f'{step_dir(step)}/{name}')} listed in the "
+                "manifest is missing; the checkpoint is incomplete, load another step"
+            )
+        if listing[name][1] != size:
+            raise IncompleteCheckpointError(
+                f"step {step}: object {store.where(f'{step_dir(step)}/{name}')} has "
+                f"{listing[name][1]} bytes, the manifest lists {size}"
+            )
+    return manifest
+
+
+# -- what is ours: scanning a root, deleting steps ------------------------------------------------
+#
+# [Note: deleting only what is ours]
+# A checkpoint root may share its folder with other things, and a step directory can hold anything
+# a person or another program put there. Every deletion decision therefore rests on content:
+#
+# - A step is *committed* (for deletion decisions) when its manifest decodes and validates as this
+#   format (``Manifest.from_json``: format, version, structure) and its ``step`` is the
+#   directory's number. A manifest that does not is *unreadable*: that step is not committed,
+#   never counts toward ``keep_last``, and is never deleted, only reported.
+# - A committed step is deleted manifest first (a crash midway leaves a torn step, never a
+#   damaged committed one), then exactly the objects its manifest lists and the names this
+#   format writes there (``_layout.is_own_name``: objects of other attempts, done and abort
+#   markers, temporary names), then the directory if it is empty by then. Anything else stays and
+#   is reported. Nothing is ever removed recursively.
+# - A step directory without a manifest is a torn attempt. It is deleted only when it holds
+#   nothing but such names (and is older than the newest committed step: a newer one may be a
+#   save in progress); otherwise it is left alone and reported.
+# - Links are never followed: a ``step-<N>`` entry that is a link is skipped and reported, and a
+#   file is deleted only when it is no link and resolves inside the root.
+#
+# Readers keep their cheaper rule (``committed_steps``: a manifest exists) and validate before
+# reading, so a step whose manifest is damaged is reported loudly as unusable by the loader (and
+# a resume falls back past it) instead of being skipped in silence.
+
+
+@dataclass
+class StepDir:
+    """One ``step-<N>`` directory (no link) as a scan found it."""
+
+    step: int
+    entries: dict[str, tuple[str, int]]  # its listing: name -> (type, size)
+    manifest: Manifest | None = None  # validated and of this step: the step is committed
+    problem: str | None = None  # why its manifest.json is not a committed step of this format
+
+    @property
+    def has_manifest(self) -> bool:
+        return MANIFEST in self.entries
+
+
+@dataclass
+class RootScan:
+    """The ``step-<N>`` entries of a root: directories, and what was skipped (and why)."""
+
+    dirs: dict[int, StepDir] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def committed(self) -> list[int]:
+        return sorted(s for s, d in self.dirs.items() if d.manifest is not None)
+
+    @property
+    def with_manifest(self) -> list[int]:
+        """Steps whose manifest exists, valid or not (what readers list)."""
+        return sorted(s for s, d in self.dirs.items() if d.has_manifest)
+
+
+def scan_root(store: Store, read: Callable[[int], bool] = lambda step: True) -> RootScan:
+    """List the step directories under ``store`` (one listing each) and validate the manifests of
+    the steps ``read`` selects. Links named ``step-<N>`` are skipped, never followed."""
+    scan = RootScan()
+    try:
+        listing = store.listdir()
+    except NotADirectoryError:  # the root is a file: it holds no steps (writing there fails)
+        listing = {}
+    for name, (kind, _) in sorted(listing.items()):
+        step = parse_step(name)
+        if step is None:
+            continue
+        if store.is_link(name):
+            scan.skipped.append(f"{store.where(name)}: a link; never followed")
+        elif name != step_dir(step):  # step-007: no name this format writes
+            scan.skipped.append(f"{store.where(name)}: not a step name of this format")
+        elif kind != "directory":
+            scan.skipped.append(f"{store.where(name)}: not a directory")
+        else:
+            d = scan.dirs[step] = StepDir(step, store.listdir(step_dir(step)))
+            if d.has_manifest and read(step):
+                d.manifest, d.problem = own_manifest(store, step)
+    return scan
+
+
+def own_manifest(store: Store, step: int) -> tuple[Manifest | None, str | None]:
+    """``(manifest, None)`` when ``step``'s manifest is a valid manifest of this format for this
+    step, else ``(None, why not)``."""
+    rel = manifest_path(step)
+    if store.is_link(rel) or not store.inside_root(rel):
+        return None, "manifest.json is a link"
+    try:
+        manifest = read_manifest_file(store, rel)
+    except FileNotFoundError:
+        return None, "manifest.json vanished"
+    except Exception as e:  # whatever the bytes: not ours
+        return None, f"{type(e).__name__}: {e}"
+    if manifest.step != step:
+        return None, f"its manifest says step {manifest.step}"
+    return manifest, None
+
+
+@dataclass
+class Deletion:
+    """The files of one step directory to delete, in order (the manifest first), and the names
+    in it that are not ours and stay."""
+
+    step: int
+    files: list[tuple[str, int]] = field(default_factory=list)  # (path under the root, size)
+    left: list[str] = field(default_factory=list)
+    whole: bool = True  # the step goes: its directory is removed once empty
+    objects: list[str] = field(default_factory=list)  # of ``files``, those its manifest lists
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def _mine(store: Store, d: StepDir, name: str, listed: Collection[str] = ()) -> bool:
+    """Whether ``name`` in ``d`` is a file this format wrote (or one the manifest lists) that
+    is no link and stays inside the root."""
+    rel = f"{step_dir(d.step)}/{name}"
+    kind = d.entries[name][0]
+    return (
+        (name in listed or is_own_name(name))
+        and kind != "directory"
+        and not store.is_link(rel)
+        and store.inside_root(rel)
+    )
+
+
+def plan_removal(store: Store, d: StepDir) -> Deletion | None:
+    """What deleting step ``d`` removes: a committed step, manifest first, then what its manifest
+    lists and the other names this format writes; a torn one only when everything in it is ours.
+    None when the step must stay (an unreadable manifest, or a torn dir holding other things)."""
+    if d.problem is not None:
+        return None
+    plan = Deletion(d.step)
+    listed = d.manifest.objects if d.manifest is not None else {}
+    names = sorted(d.entries, key=lambda n: (n != MANIFEST, n not in listed, n))
+    for name in names:
+        if _mine(store, d, name, listed):
+            plan.files.append((f"{step_dir(d.step)}/{name}", d.entries[name][1]))
+            if name in listed:
+                plan.objects.append(plan.files[-1][0])
+        else:
+            plan.left.append(name)
+    if d.manifest is None and plan.left:
+        return None  # a torn directory holding things that are not ours: not ours to clean
+    return plan
+
+
+def plan_strays(store: Store, d: StepDir) -> Deletion:
+    """Names this format writes in committed step ``d`` that its manifest does not list (objects
+    of torn attempts, markers, temporary names): garbage. Other names stay, in ``left``."""
+    assert d.manifest is not None
+    plan = Deletion(d.step, whole=False)
+    for name in sorted(d.entries):
+        if name == MANIFEST or name in d.manifest.objects:
+            continue
+        if is_own_name(name) and _mine(store, d, name):
+            plan.files.append((f"{step_dir(d.step)}/{name}", d.entries[name][1]))
+        else:
+            plan.left.append(name)
+    return plan
+
+
+def execute(store: Store, plan: Deletion, spare: bool = False) -> None:
+    """Delete the files of ``plan`` in order (each checked again: no link, inside the root), then
+    its directory if the step goes and nothing is left in it. ``spare``: leave the objects the
+    manifest lists, for the next save to overwrite (see ``retain``)."""
+    kept = set(plan.objects) if spare else set()
+    for rel, _ in plan.files:
+        if rel in kept or store.is_link(rel) or not store.inside_root(rel):
+            continue
+        store.remove(rel)
+    if plan.whole and not plan.left and not kept:
+        store.remove_empty_dir(step_dir(plan.step))
+
+
+def remove_step(store: Store, step: int, *, attempt: str | None = None) -> list[str]:
+    """Delete step ``step`` if it is ours, and only what it owns (see [Note: deleting only what is
+    ours]): a committed step, manifest first, or a torn attempt holding only our files. With
+    ``attempt``, only a committed step written by that attempt. Returns what stays (names not
+    ours, or why the step was left alone)."""
+    if store.is_link(step_dir(step)):
+        return [f"{store.where(step_dir(step))}: a link; never followed"]
+    d = StepDir(step, store.listdir(step_dir(step)))
+    if d.has_manifest:
+        d.manifest, d.problem = own_manifest(store, step)
+    if attempt is not None and (d.manifest is None or d.manifest.attempt != attempt):
+        return [f"{store.where(step_dir(step))}: left alone, no longer attempt {attempt}'s commit"]
+    plan = plan_removal(store, d)
+    if plan is None:
+        return [_why_left(store, d)]
+    execute(store, plan)
+    return [_foreign(store, step, n) for n in plan.left]
+
+
+def remove_attempt(store: Store, step: int, attempt: str) -> None:
+    """Delete the files of one save attempt in step ``step``: its objects and markers (their
+    names carry the attempt id), and their temporary names. Never the manifest."""
+    d = StepDir(step, store.listdir(step_dir(step)))
+    for name in sorted(d.entries):
+        if attempt_of(name) == attempt and _mine(store, d, name):
+            store.remove(f"{step_dir(step)}/{name}")
+
+
+def _why_left(store: Store, d: StepDir) -> str:
+    where = store.where(step_dir(d.step))
+    if d.problem is not None:
+        return (
+            f"{where}: left alone, its manifest.json is not a committed step of this format "
+            f"({d.problem})"
+        )
+    others = [n for n in sorted(d.entries) if not _mine(store, d, n)]
+    shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+    return f"{where}: left alone, no manifest and it holds files not of this format ({shown})"
+
+
+def _foreign(store: Store, step: int, name: str) -> str:
+    return f"{store.where(f'{step_dir(step)}/{name}')}: not written by this format, left"
+
+
+@dataclass
+class RetentionPlan:
+    """What retention (or ``gc``) deletes and keeps under a root."""
+
+    removals: list[Deletion] = field(default_factory=list)  # whole steps: past retention, torn
+    strays: list[Deletion] = field(default_factory=list)  # garbage inside kept steps
+    kept: list[int] = field(default_factory=list)  # committed steps kept
+    in_progress: list[int] = field(default_factory=list)  # torn, newer than the newest commit
+    notes: list[str] = field(default_factory=list)  # left alone, and why
+
+    @property
+    def removed_steps(self) -> list[int]:
+        return sorted(p.step for p in self.removals)
+
+
+def plan_retention(
+    store: Store,
+    keep_last: int | None,
+    keep_every: int | None,
+    protect: int | None = None,
+    scan: RootScan | None = None,
+) -> RetentionPlan:
+    """What retention removes: committed steps beyond the newest ``keep_last`` (None: none) that
+    are not divisible by ``keep_every``, torn attempts older than the newest committed step that
+    hold only our files, and our stray files inside kept steps. ``protect`` (the step just
+    committed) is always kept. Unreadable manifests, links and foreign files are only reported.
+    ``scan``: a ``scan_root`` of ``store`` that read every manifest, taken just before (the
+    commit's), else one is taken here."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
+    if keep_every is not None and keep_every < 1:
+        raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
+    scan = scan_root(store) if scan is None else scan
+    plan = RetentionPlan(notes=list(scan.skipped))
+    committed = scan.committed
+    keep = set(committed if keep_last is None else committed[-keep_last:])
+    keep |= {s for s in committed if keep_every and s % keep_every == 0}
+    keep |= {protect} & set(committed)
+    newest = committed[-1] if committed else None
+    for step, d in sorted(scan.dirs.items()):
+        if step in keep:
+            strays = plan_strays(store, d)
+            plan.strays.append(strays)
+            plan.notes += [_foreign(store, step, n) for n in strays.left]
+            continue
+        if d.manifest is None and not d.has_manifest and (newest is None or step > newest):
+            plan.in_progress.append(step)  # a save may be writing it
+            continue
+        removal = plan_removal(store, d)
+        if removal is None:
+            plan.notes.append(_why_left(store, d))
+            continue
+        plan.removals.append(removal)
+        plan.notes += [_foreign(store, step, n) for n in removal.left]
+    plan.kept = sorted(keep)
+    return plan
+
+
+def retain(
+    store: Store,
+    keep_last: int,
+    keep_every: int | None,
+    protect: int | None = None,
+    spare: Collection[int] = (),
+    scan: RootScan | None = None,
+) -> list[int]:
+    """Apply retention under ``store`` (see ``plan_retention``); return the removed steps
+    (committed and torn), ascending. What was left alone is logged (WARNING, logger
+    ``ftsdp.storage.catalog._steps``). ``spare`` (``SaveOptions.reuse_retired``, tmpfs roots): the
+    steps this process saved; of the newest such committed step removed that holds nothing
+    but this format's files, delete the manifest and the rest but leave the objects, a torn
+    step now, for the next save to overwrite (see [Note: overwriting a retired object] in
+    _fs.py); the next retention removes what that save did not take. ``scan``: see
+    ``plan_retention``."""
+    if keep_last is None or keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
+    plan = plan_retention(store, keep_last, keep_every, protect, scan)
+    # Only a step whose directory holds nothing but ours: otherwise, torn, it would be left
+    # alone with its objects for good.
+    ours = [
+        r.step for r in plan.removals if r.step in spare and r.objects and r.whole and not r.left
+    ]
+    spared = max(ours) if ours and store.tmpfs else None
+    for removal in plan.removals + plan.strays:
+        execute(store, removal, spare=removal.step == spared)
+    if plan.notes:
+        logger.warning("retention left alone: %s", "; ".join(plan.notes))
+    return plan.removed_steps
+
+
+def apply_retention(
+    url: str,
+    *,
+    keep_last: int,
+    keep_every: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[int]:
+    """Keep the newest ``keep_last`` committed steps and every step divisible by ``keep_every``.
+
+    Deletes only what is provably ours (see [Note: deleting only what is ours]): committed steps
+    past retention, torn step dirs older than the newest committed step that hold nothing but
+    this format's files, and such files of torn attempts inside kept steps. Never the newest
+    committed step, an uncommitted step newer than it (a save in progress), a step whose
+    manifest is unreadable, anything reached through a link. Returns the removed steps.
+    """
+    return retain(Store(url, storage_options), keep_last, keep_every)
+
+
+def read_manifest(
+    url: str, step: int | None = None, *, storage_options: dict[str, Any] | None = None
+) -> Manifest:
+    """The validated manifest of a committed step (None: the newest), its objects checked."""
+    return resolve_manifest(Store(url, storage_options), step)
+
+
+def clear_steps(url: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Delete every step under ``url`` that is provably ours, committed or torn, then ``latest``
+    and the root directory itself when nothing else is left in it; returns the removed steps.
+
+    For roots that are caches of a run (``CheckpointManager``'s memory tier, cleared at a clean
+    exit): unlike retention it keeps nothing. Like every deletion it never touches a file this
+    format did not write, a step whose manifest is not this format's, or a link.
+    """
+    store = Store(url, storage_options)
+    scan = scan_root(store)
+    removed = []
+    for step in sorted(scan.dirs, reverse=True):
+        left = remove_step(store, step)
+        if not left:
+            removed.append(step)
+        else:
+            logger.warning("clearing %s left alone: %s", store.where(), "; ".join(left))
+    if not scan.skipped and not [s for s in scan.dirs if s not in removed]:
+        with contextlib.suppress(FileNotFoundError):
+            if store.listdir().keys() <= {LATEST} and not store.is_link(LATEST):
+                store.remove(LATEST)
+        store.remove_empty_dir("")
+    return sorted(removed)

@@ -1,0 +1,333 @@
+"""``convert`` and ``reshard``: any supported format to any other, streamed under a memory budget.
+
+Options are checked before anything is opened, the source is opened (and validated) before the
+destination is touched, and the destination is cleared (``overwrite``) commit-file first, so a
+failure at any point leaves either the old destination, nothing that looks complete, or the new
+one. The source and the destination must not overlap, however their URLs spell them (see
+``Store.location``): the same place, or either inside the other, is refused before anything is
+opened, so a conversion can never clear or overwrite its own source.
+
+An hf folder destination may also receive files that are not tensors (``extra_files``: bytes
+given by the caller, such as a ``config.json``; ``copy_files``: named files copied from a
+directory, such as a tokenizer's), written through the sink's store before its commit file. Which
+names a training checkpoint keeps and which files it records is the caller's convention, not the
+format's: ``ftsdp-ckpt convert --to hf`` (``ftsdp.tools.ckpt``) reads the trainer's record and
+passes these options (docs/cli.md, "The Hugging Face export").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+
+from ftsdp.storage.conversion._formats import FORMATS, has_steps, make_sink, open_source
+from ftsdp.storage.conversion._interfaces import Feed, OutTensor, Source
+from ftsdp.storage.conversion._sinks import PENDING
+from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE
+from ftsdp.storage.io._fs import Store, is_plain_name
+from ftsdp.storage.io._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, TensorInfo, chunk_bytes
+
+# First components of names that hold optimizer state (dropped by ``model_only``).
+OPTIMIZER_ROOTS = frozenset(
+    {
+        "optim",
+        "optimizer",
+        "optimizers",
+        "opt",
+        "optim_state",
+        "optimizer_state",
+        "optim_state_dict",
+        "optimizer_state_dict",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What a conversion wrote."""
+
+    source_format: str
+    dest_format: str
+    step: int | None  # the step written (ftsdp destinations)
+    world_size: int | None  # the layout written (ftsdp destinations)
+    tensors: int
+    bytes_read: int
+    written: list[str] = field(default_factory=list)  # URLs of what was written
+    dropped: list[str] = field(default_factory=list)  # source entries that could not be carried
+    extra: list[str] = field(default_factory=list)  # names of the extra and copied files written
+
+
+def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) -> None:
+    """ValueError when ``src`` and ``dst`` are one place or either lies inside the other, however
+    spelled (``file://``, relative paths, symlinks, ``s3``/``s3a``: see ``Store.location``)."""
+    a, b = Store(src, storage_options), Store(dst, storage_options)
+    if a.contains(b) and b.contains(a):
+        raise ValueError(f"source and destination are the same location ({src}); write elsewhere")
+    if a.contains(b):
+        raise ValueError(
+            f"the destination {dst} lies inside the source {src} (same location underneath); "
+            "write elsewhere"
+        )
+    if b.contains(a):
+        raise ValueError(
+            f"the source {src} lies inside the destination {dst} (same location underneath); "
+            "write elsewhere"
+        )
+
+
+def check_options(
+    src: str,
+    dst: str,
+    to: str,
+    *,
+    dtype: torch.dtype | None,
+    rename: Sequence[tuple[str, str]],
+    world_size: int | None,
+    max_shard_bytes: int | None,
+    max_memory: int,
+    storage_options: dict[str, Any] | None = None,
+    strip_prefix: str | None = None,
+    extra_names: Sequence[str] = (),
+) -> int:
+    """ValueError for conflicting or invalid options, or overlapping locations; returns the chunk
+    size of the budget. ``extra_names`` are the names of the extra and copied files asked for."""
+    if to not in FORMATS:
+        raise ValueError(f"unknown format {to!r}; choose one of {', '.join(FORMATS)}")
+    if world_size is not None and (to != "ftsdp" or world_size < 1):
+        raise ValueError(
+            f"world_size={world_size} conflicts with --to {to}: only the ftsdp format has a world "
+            "size (>= 1)"
+        )
+    if max_shard_bytes is not None and (to != "hf" or max_shard_bytes < 1):
+        raise ValueError(
+            f"max_shard_bytes={max_shard_bytes} conflicts with --to {to}: only hf output is sharded by size"
+        )
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} is not a floating dtype (only floating tensors are cast)")
+    for old, new in rename:
+        if not old:
+            raise ValueError(f"rename {old!r}={new!r}: the old prefix must not be empty")
+    if strip_prefix is not None and not strip_prefix:
+        raise ValueError("strip_prefix='' strips nothing; pass None or a prefix such as 'model.'")
+    _check_extra_names(dst, to, extra_names)
+    check_locations(src, dst, storage_options)
+    return chunk_bytes(max_memory)
+
+
+def _check_extra_names(dst: str, to: str, names: Sequence[str]) -> None:
+    """ValueError for extra files where they cannot go: another format than an hf folder, a name
+    that is not one plain file name, one of the hf checkpoint's own names, or twice the same."""
+    if not names:
+        return
+    if to != "hf" or dst.rstrip("/").endswith(".safetensors"):
+        raise ValueError(
+            f"extra files {sorted(names)} go into an hf folder destination only (--to hf, a "
+            f"directory), not {dst} as {to}"
+        )
+    for name in names:
+        if not is_plain_name(name):
+            raise ValueError(f"extra file name {name!r} must be one plain file name (no path)")
+        if name in (HF_INDEX, HF_SINGLE, PENDING) or HF_SHARD.fullmatch(name):
+            raise ValueError(f"extra file name {name!r} is a name the hf checkpoint itself uses")
+    if len(set(names)) != len(names):
+        raise ValueError(f"extra file names {sorted(names)} name a file twice")
+
+
+def _extra_writers(
+    extra_files: Mapping[str, bytes],
+    copy_files: Sequence[str],
+    copy_files_from: str | None,
+    storage_options: dict[str, Any] | None,
+    chunk: int,
+) -> list[tuple[str, Callable[[IO[bytes]], None]]]:
+    """(name, produce) for each extra file: the given bytes, then each of ``copy_files`` found
+    as a file in the directory ``copy_files_from`` (absent ones, or an absent directory, are
+    skipped), streamed through the store ``chunk`` bytes at a time."""
+    out: list[tuple[str, Callable[[IO[bytes]], None]]] = []
+    for name, data in extra_files.items():
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"extra file {name!r}: expected bytes, got {type(data).__name__}")
+        out.append((name, lambda f, data=bytes(data): f.write(data)))
+    if not copy_files or copy_files_from is None:
+        return out
+    src = Store(copy_files_from, storage_options)
+    if not src.isdir():
+        return out
+    listing = src.listdir()
+    for name in copy_files:
+        if name not in listing or not src.isfile(name):
+            continue
+
+        def produce(f: IO[bytes], name: str = name) -> None:
+            size = src.size(name)
+            for start in range(0, size, chunk):
+                f.write(src.read_range(name, start, min(start + chunk, size)))
+
+        out.append((name, produce))
+    return out
+
+
+def _is_model_state(name: str, has_model_root: bool) -> bool:
+    if has_model_root:
+        return name.startswith("model.")
+    return name.split(".", 1)[0] not in OPTIMIZER_ROOTS
+
+
+def select(
+    source: Source,
+    *,
+    model_only: bool,
+    rename: Sequence[tuple[str, str]],
+    dtype: torch.dtype | None,
+    strip_prefix: str | None = None,
+    exclude: Collection[str] = (),
+) -> tuple[list[OutTensor], dict[str, Any]]:
+    """Output tensors (renamed, cast) and values for a source; ValueError when names collide.
+
+    ``model_only`` keeps the names under ``model.`` when there are any, otherwise drops names
+    whose first component is an optimizer root (``optim``, ``optimizer``, ...), and drops all
+    non-tensor values. ``rename`` maps prefixes (first match wins); ``strip_prefix`` removes that
+    prefix from the names no ``rename`` rule matched (a last rule ``strip_prefix=``). The source
+    tensors named in ``exclude`` are left out.
+    """
+    exclude = frozenset(exclude)
+    rules = [*rename, (strip_prefix, "")] if strip_prefix else list(rename)
+
+    def renamed(name: str) -> str:
+        for old, new in rules:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    has_model_root = any(n.startswith("model.") for n in source.tensors)
+    outputs: dict[str, OutTensor] = {}
+    for name, info in sorted(source.tensors.items()):
+        if name in exclude or (model_only and not _is_model_state(name, has_model_root)):
+            continue
+        out = renamed(name)
+        if not out:
+            raise ValueError(f"renaming {name!r} leaves an empty name")
+        if out in outputs:
+            raise ValueError(
+                f"tensors {outputs[out].source_name!r} and {name!r} both become {out!r}"
+            )
+        cast = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        outputs[out] = OutTensor(TensorInfo(out, info.shape, cast), name)
+    values = {} if model_only else {renamed(k): v for k, v in source.values.items()}
+    clash = sorted(set(values) & set(outputs))
+    if clash:
+        raise ValueError(f"names {clash} are both tensors and values after renaming")
+    return list(outputs.values()), values
+
+
+def convert(
+    src: str,
+    dst: str,
+    *,
+    to: str,
+    src_format: str | None = None,
+    step: int | None = None,
+    dtype: torch.dtype | None = None,
+    model_only: bool = False,
+    rename: Sequence[tuple[str, str]] = (),
+    world_size: int | None = None,
+    max_shard_bytes: int | None = None,
+    dst_step: int | None = None,
+    overwrite: bool = False,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    object_bytes: int = 256 << 20,
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+    trust_pickle: bool = False,
+    strip_prefix: str | None = None,
+    exclude: Collection[str] = (),
+    extra_files: Mapping[str, bytes] | None = None,
+    copy_files: Sequence[str] = (),
+    copy_files_from: str | None = None,
+) -> ConvertResult:
+    """Convert the checkpoint at ``src`` (format detected unless ``src_format``) to ``to`` at ``dst``.
+
+    Formats: ``ftsdp``, ``hf``, ``torch``, ``dcp``. ``step`` picks an ftsdp source step (newest by
+    default); ``dst_step`` the step written to an ftsdp destination (default: the source's, else
+    0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp destination out for that
+    many ranks; ``max_shard_bytes`` splits hf output. Raises ``FileExistsError`` when ``dst``
+    already holds a checkpoint unless ``overwrite``. Memory in flight stays within ``max_memory``
+    (see docs/cli.md). ``progress(done, total)`` is called with bytes read. ``src`` and ``dst``
+    must not overlap (ValueError). With ``overwrite`` the sink removes only the checkpoint at
+    ``dst`` (the files its commit file lists) and replaces files of the names it writes.
+    ``trust_pickle`` unpickles a DCP source's ``.metadata`` fully: only for checkpoints you trust.
+
+    ``strip_prefix`` (e.g. ``"model."``) removes that prefix from every name no ``rename`` rule
+    matched; ``exclude`` names source tensors to leave out (e.g. a tied copy). Into an hf folder destination only: ``extra_files`` (plain name -> bytes, e.g.
+    ``{"config.json": ...}``) are written as given, and each of the plain names ``copy_files``
+    found as a file in the directory URL ``copy_files_from`` is copied (absent ones are skipped);
+    both before the commit file, through the destination's store. ``ConvertResult.extra`` names
+    the ones written.
+    """
+    extra_files = dict(extra_files or {})
+    chunk = check_options(
+        src, dst, to, dtype=dtype, rename=rename, world_size=world_size,
+        max_shard_bytes=max_shard_bytes, max_memory=max_memory, storage_options=storage_options,
+        strip_prefix=strip_prefix, extra_names=[*extra_files, *copy_files],
+    )  # fmt: skip
+    source = open_source(src, src_format, step, storage_options, chunk, trust_pickle=trust_pickle)
+    try:
+        outputs, values = select(
+            source, model_only=model_only, rename=rename, dtype=dtype,
+            strip_prefix=strip_prefix, exclude=exclude,
+        )  # fmt: skip
+        extra = _extra_writers(extra_files, copy_files, copy_files_from, storage_options, chunk)
+        sink = make_sink(
+            to, dst, storage_options, world_size=world_size,
+            max_shard_bytes=max_shard_bytes, object_bytes=object_bytes, chunk=chunk,
+            overwrite=overwrite, extra=extra,
+        )  # fmt: skip
+        if sink.holds_checkpoint():
+            if not overwrite:
+                raise FileExistsError(
+                    f"{dst} already holds a {to} checkpoint; pass overwrite (--overwrite) to replace it"
+                )
+            sink.clear()
+        total = sum(source.tensors[o.source_name].nbytes for o in outputs)
+        meter = Meter(total, progress)
+        feed = Feed(source, outputs, chunk, meter)
+        if hasattr(source, "order"):  # sources that read whole items prefetch in write order
+            source.order = sorted(o.source_name for o in outputs)
+        out_step = dst_step if dst_step is not None else (source.step or 0)
+        rank_values = source.rank_values if not model_only else []
+        written = sink.write(feed, values, rank_values, out_step)
+        return ConvertResult(
+            source_format=source.format,
+            dest_format=to,
+            step=out_step if has_steps(to) else None,
+            world_size=(world_size or 1) if has_steps(to) else None,
+            tensors=len(outputs),
+            bytes_read=meter.done,
+            written=written,
+            dropped=list(source.dropped),
+            extra=[name for name, _ in extra],
+        )
+    finally:
+        source.close()
+
+
+def reshard(
+    src: str,
+    dst: str,
+    world_size: int,
+    *,
+    step: int | None = None,
+    **kwargs: Any,
+) -> ConvertResult:
+    """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline.
+
+    Each tensor is split into ``world_size`` even flat ranges, rank ``r`` writing range ``r`` (as a
+    sharded save at that world size would); per-rank values are kept for ranks that exist in both.
+    Other keyword arguments are those of ``convert``.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    return convert(src, dst, to="ftsdp", step=step, world_size=world_size, **kwargs)

@@ -1,0 +1,139 @@
+"""What every format implements, and what streams between them.
+
+A ``Source`` is a checkpoint opened for reading, a ``Sink`` a destination to write one to, and a
+``Feed`` serves what a sink writes from a source in bounded chunks. ``storage/conversion/_formats.py`` maps
+each format's name to its source, sink and detector.
+
+A ``Source`` knows its tensors (name, shape, dtype) and non-tensor values without reading tensor
+data, and fills caller-owned 1-D buffers with flat ranges of its tensors (``read_into``).
+
+A ``Feed``: writers ask for flat ranges of *output* tensors in the order they write them; the feed
+maps each output name to its source tensor, cuts the ranges into requests of at most the chunk
+size, reads groups of consecutive requests with one ``read_into`` call (so small tensors share a
+read), casts, counts the bytes for progress and yields one 1-D tensor per request (see [Note: the
+memory budget] in ``storage/io/_streaming.py``).
+
+A ``Sink`` writes everything it is fed, then its commit file last (the native format's manifest,
+the hf index, DCP's ``.metadata``; a torch file is itself written whole or not at all), every
+file through the store (``Store.write``: atomic), so an interrupted conversion never leaves a
+destination that looks complete.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ftsdp.storage.io._fs import Store
+from ftsdp.storage.io._streaming import Meter, Request, TensorInfo, group_requests, split_request
+
+
+class Source(abc.ABC):
+    """A checkpoint opened for reading (see the module docstring)."""
+
+    format: str = ""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.url = store.url
+        self.tensors: dict[str, TensorInfo] = {}
+        self.values: dict[str, Any] = {}
+        self.step: int | None = None
+        self.world_size: int | None = None
+        self.rank_values: list[dict[str, Any]] = []
+        self.dropped: list[str] = []  # entries that cannot be represented (named in reports)
+
+    @abc.abstractmethod
+    def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype) with elements
+        ``[offset, offset + out.numel())`` of tensor ``name``."""
+
+    def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
+        """Release what the reader holds (files, caches)."""
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """An output tensor: its info (name, shape, output dtype) and the source tensor it copies."""
+
+    info: TensorInfo
+    source_name: str
+
+
+class Feed:
+    """Serve ranges of output tensors from ``source`` (see the module docstring)."""
+
+    def __init__(self, source: Source, outputs: list[OutTensor], chunk: int, meter: Meter) -> None:
+        self.source, self.chunk, self.meter = source, chunk, meter
+        self.outputs = {o.info.name: o for o in outputs}
+        self._sizes = {
+            o.info.name: max(o.info.itemsize, source.tensors[o.source_name].itemsize)
+            for o in outputs
+        }
+
+    @property
+    def infos(self) -> list[TensorInfo]:
+        return [o.info for o in self.outputs.values()]
+
+    def requests(self, name: str, offset: int, length: int) -> list[Request]:
+        """Requests of at most a chunk for elements ``[offset, offset + length)`` of ``name``."""
+        return split_request(name, offset, length, self._sizes[name], self.chunk)
+
+    def stream(self, requests: list[Request]) -> Iterator[torch.Tensor]:
+        """One 1-D tensor (output dtype) per request, in order; a group of them read at a time."""
+        for group in group_requests(requests, self._sizes, self.chunk):
+            outs = []
+            for r in group:
+                src = self.source.tensors[self.outputs[r.name].source_name]
+                outs.append(torch.empty(r.length, dtype=src.dtype))
+            self.source.read_into(
+                [
+                    (self.outputs[r.name].source_name, r.offset, o)
+                    for r, o in zip(group, outs, strict=True)
+                ]
+            )
+            for r, o in zip(group, outs, strict=True):
+                self.meter.add(o.numel() * o.element_size())
+                yield o.to(self.outputs[r.name].info.dtype)
+            del outs
+
+    def block(self, info: TensorInfo, offset: int, length: int) -> torch.Tensor:
+        """Elements ``[offset, offset + length)`` of output ``info`` as one tensor."""
+        out = torch.empty(length, dtype=info.dtype)
+        pos = 0
+        for t in self.stream(self.requests(info.name, offset, length)):
+            out[pos : pos + t.numel()] = t
+            pos += t.numel()
+        return out
+
+
+class Sink(abc.ABC):
+    """A destination of one format at ``store``'s root (see the module docstring)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @abc.abstractmethod
+    def holds_checkpoint(self) -> bool:
+        """True when the destination already holds a checkpoint of this format."""
+
+    def existing(self) -> list[str]:
+        """The files of this format at the destination (relative to the store), the commit file
+        first; what ``clear`` removes."""
+        return []
+
+    def clear(self) -> None:
+        """Remove the checkpoint there (``overwrite``), its commit file first."""
+        for name in self.existing():
+            self.store.remove(name)
+
+    @abc.abstractmethod
+    def write(
+        self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
+    ) -> list[str]:
+        """Write the tensors of ``feed`` and ``values`` (and per-rank values, and the step, where
+        the format has them); the URLs written."""

@@ -1,0 +1,375 @@
+"""Writers of the ``ftsdp``, ``hf`` and ``torch`` formats, streaming from a ``Feed`` (``dcp`` is in
+``storage/conversion/_dcp.py``). Every file goes through the sink's ``Store`` (atomic, retried), the commit
+file last (see ``Sink`` in ``storage/conversion/_interfaces.py``).
+
+- ``ftsdp``: the objects of a ``world_size``-rank layout (each tensor split into ``world_size``
+  even flat ranges, as a sharded save would write it), committed by ``storage/saving/_commit.py``, the
+  same code as ``save``'s.
+- ``hf``: safetensors files of at most ``max_shard_bytes`` each (one ``model.safetensors`` when
+  everything fits), then ``model.safetensors.index.json`` when there are several.
+- ``torch``: one ``torch.save`` file, written whole or not at all.
+
+[Note: a sink deletes only what it wrote]
+A destination folder may hold anything: the user's own files, another tool's. A sink deletes only
+the files of the checkpoint it replaces (``overwrite``), named by that checkpoint's commit file
+(an hf index's files, DCP's ``.metadata``'s, a step's manifest's), and the commit file itself. A
+file it is about to write that exists and is neither of those is refused unless ``overwrite``
+(then the atomic write replaces it). Before the first data file of a folder format, the sink
+writes ``.ftsdp-writing.json`` listing the files it is about to write, and removes it after the
+commit: the files an interrupted write left are then known to be its own, so a later write
+replaces them, or deletes them when it no longer writes those names, without ``overwrite``. Only
+names of the format's own scheme (hf shards, DCP items) are ever taken from that record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import torch
+
+from ftsdp.storage._options import MAX_MANIFEST_BYTES, SaveOptions
+from ftsdp.storage.catalog._steps import committed_steps, remove_step
+from ftsdp.storage.conversion._interfaces import Feed, Sink
+from ftsdp.storage.format._dtypes import dtype_name, safetensors_code
+from ftsdp.storage.format._layout import (
+    HF_INDEX,
+    HF_SHARD,
+    HF_SINGLE,
+    HF_VALUES_KEY,
+    LATEST,
+    parse_step,
+    step_dir,
+)
+from ftsdp.storage.format._safetensors import write_object
+from ftsdp.storage.io._fs import Store, is_plain_name
+from ftsdp.storage.io._streaming import tensor_bytes
+from ftsdp.storage.saving._commit import build_manifest, commit, new_attempt
+from ftsdp.storage.saving._save_plan import PlannedObject, make_plan
+
+
+class FtsdpSink(Sink):
+    """A checkpoint root in this package's format; writes one step laid out for ``world_size``
+    ranks, as its only writer."""
+
+    def __init__(self, store: Store, world_size: int, object_bytes: int) -> None:
+        super().__init__(store)
+        self.world_size, self.options = world_size, SaveOptions(object_bytes=object_bytes)
+
+    def holds_checkpoint(self) -> bool:
+        return bool(committed_steps(self.store))  # torn attempts are no checkpoint
+
+    def clear(self) -> None:
+        for name in self.store.listdir():
+            step = parse_step(name)
+            if step is not None:
+                remove_step(self.store, step)  # manifest first
+        self.store.remove(LATEST)
+
+    def write(
+        self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
+    ) -> list[str]:
+        w = self.world_size
+        metas: list[dict[str, Any]] = [{"tensors": []} for _ in range(w)]
+        for t in feed.infos:
+            per = -(-t.numel // w)
+            for r in range(w):
+                lo, hi = min(r * per, t.numel), min((r + 1) * per, t.numel)
+                if hi > lo or (t.numel == 0 and r == 0):
+                    metas[r]["tensors"].append(
+                        [t.name, list(t.shape), dtype_name(t.dtype), lo, hi - lo]
+                    )
+        plan = make_plan(metas, new_attempt(self.store, step), self.options)
+        crcs = {obj.name: self._write_object(feed, step, obj) for obj in plan.objects}
+        manifest = build_manifest(
+            plan,
+            crcs,
+            step=step,
+            world_size=w,
+            checksum_block_bytes=self.options.checksum_block_bytes,
+            values=values,
+            rank_values=rank_values,
+        )
+        commit(self.store, manifest)
+        return [self.store.where(step_dir(step))]
+
+    def _write_object(self, feed: Feed, step: int, obj: PlannedObject) -> list[list[int]]:
+        """Write one data object from the feed; its pieces' checksums."""
+        crcs: list[list[int]] = []
+
+        def produce(f: IO[bytes]) -> None:
+            pieces, requests = [], []
+            for i, p in enumerate(obj.pieces):
+                for r in feed.requests(p.name, p.offset, p.length):
+                    pieces.append(i)
+                    requests.append(r)
+            chunks = zip(pieces, feed.stream(requests), strict=True)
+            block = self.options.checksum_block_bytes
+            crcs[:] = write_object(f, obj.head, len(obj.pieces), chunks, block)
+            if f.tell() != obj.size:  # the plan's byte layout is what the manifest will say
+                raise AssertionError(f"{obj.name}: wrote {f.tell()} bytes, planned {obj.size}")
+
+        self.store.write(f"{step_dir(step)}/{obj.name}", produce)
+        return crcs
+
+
+def _safetensors_head(infos: list, values: dict[str, Any] | None) -> tuple[bytes, int]:
+    """Header bytes (8-byte length + JSON padded to 8) and payload size of a safetensors file."""
+    meta = {"format": "pt"}
+    if values:
+        meta[HF_VALUES_KEY] = json.dumps(values, separators=(",", ":"))
+    header: dict[str, Any] = {"__metadata__": meta}
+    pos = 0
+    for t in infos:
+        header[t.name] = {
+            "dtype": safetensors_code(t.dtype),
+            "shape": list(t.shape),
+            "data_offsets": [pos, pos + t.nbytes],
+        }
+        pos += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, pos
+
+
+PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)
+DCP_ITEM = re.compile(r"__\d+_\d+\.distcp")  # what our DCP writer names its files
+
+
+class Pending:
+    """The record of a folder sink's write in progress (see [Note: a sink deletes only what it
+    wrote]); ``scheme`` matches the file names the sink writes, the only ones taken from it."""
+
+    def __init__(self, store: Store, scheme: re.Pattern) -> None:
+        self.store, self.scheme = store, scheme
+        self.leftovers: list[str] = []
+        self.recorded = False
+
+    def _earlier(self) -> list[str] | None:
+        """The files an interrupted write recorded; None when the record is there but is not
+        one (someone else's file)."""
+        try:
+            record = json.loads(self.store.read_bounded(PENDING, MAX_MANIFEST_BYTES))
+        except FileNotFoundError:
+            return []
+        except ValueError:
+            return None
+        files = record.get("files") if isinstance(record, dict) else None
+        if not isinstance(files, list):
+            return None
+        self.recorded = True
+        return [f for f in files if is_plain_name(f) and self.scheme.fullmatch(f)]
+
+    def claim(self, names: list[str], overwrite: bool, record: bool = True) -> None:
+        """Before writing the files ``names``: FileExistsError for one that exists and is not
+        the sink's own unless ``overwrite``; then record ``names`` (unless not ``record``: a
+        single file that is its own commit leaves nothing behind when interrupted)."""
+        listing = self.store.listdir()
+        earlier = self._earlier()
+        foreign = sorted(n for n in names if n in listing and n not in (earlier or ()))
+        if earlier is None and PENDING in listing:
+            foreign.append(PENDING)
+        if foreign and not overwrite:
+            raise FileExistsError(
+                f"{self.store.url} already holds {foreign}, which this tool did not write; pass "
+                "overwrite (--overwrite) to replace them"
+            )
+        earlier = earlier or []
+        self.leftovers = [n for n in earlier if n not in names and n in listing]
+        if record:
+            files = sorted(set(names) | set(earlier))
+            self.store.write_bytes(PENDING, json.dumps({"files": files}).encode())
+            self.recorded = True
+
+    def release(self) -> None:
+        """After the commit: delete an interrupted write's leftovers, then the record."""
+        for name in self.leftovers:
+            self.store.remove(name)
+        if self.recorded:
+            self.store.remove(PENDING)
+
+
+class HfSink(Sink):
+    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``.
+
+    ``overwrite`` removes the checkpoint there: the index and the files it lists, or
+    ``model.safetensors`` (see [Note: a sink deletes only what it wrote]); a single-file
+    destination is replaced whole by the atomic write. ``extra``: (plain name, produce) of files
+    written into a folder destination before the tensors (a ``config.json``, tokenizer files),
+    recorded in the write-in-progress record with them; they are not part of the checkpoint's
+    commit file, so ``overwrite`` replaces them but never deletes them."""
+
+    def __init__(
+        self,
+        store: Store,
+        max_shard_bytes: int | None,
+        overwrite: bool = False,
+        extra: Sequence[tuple[str, Callable[[IO[bytes]], None]]] = (),
+    ) -> None:
+        super().__init__(store)
+        self.single_file = store.url.endswith(".safetensors")  # the store is rooted at the file
+        self.max_shard_bytes, self.overwrite = max_shard_bytes, overwrite
+        self.extra = list(extra)
+        if self.extra and self.single_file:
+            raise ValueError(
+                f"{store.url} is one .safetensors file: the files {[n for n, _ in self.extra]} "
+                "need a directory as destination"
+            )
+
+    def _indexed(self) -> list[str]:
+        """The plain file names the index there lists ([] when it is unreadable)."""
+        try:
+            weight_map = json.loads(self.store.read_bounded(HF_INDEX, MAX_MANIFEST_BYTES))[
+                "weight_map"
+            ]
+            files = set(weight_map.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return []
+        return sorted(f for f in files if is_plain_name(f) and f != HF_INDEX)
+
+    def existing(self) -> list[str]:
+        """The checkpoint there: the index first, then the files it lists, or the single file."""
+        if self.single_file or not self.store.isdir():
+            return []
+        listing = self.store.listdir()
+        out = [HF_INDEX, *self._indexed()] if HF_INDEX in listing else []
+        out += [HF_SINGLE] if HF_SINGLE not in out else []
+        return [n for n in out if n in listing]
+
+    def holds_checkpoint(self) -> bool:
+        """A single file, or a directory with an index or ``model.safetensors``; shards without
+        an index are what an interrupted write leaves."""
+        if self.single_file:
+            return self.store.exists()
+        return bool(self.existing())
+
+    def write(
+        self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
+    ) -> list[str]:
+        infos = sorted(feed.infos, key=lambda t: t.name)
+        shards: list[list] = [[]]
+        used = 0
+        for t in infos:
+            if self.max_shard_bytes and shards[-1] and used + t.nbytes > self.max_shard_bytes:
+                shards.append([])
+                used = 0
+            shards[-1].append(t)
+            used += t.nbytes
+        url = self.store.url
+        if len(shards) > 1 and self.single_file:
+            raise ValueError(
+                f"{url}: a single .safetensors file cannot be split into {len(shards)} shards; "
+                "give a directory as destination or drop --max-shard-size"
+            )
+        n = len(shards)
+        names = (
+            [HF_SINGLE]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        extra_names = [name for name, _ in self.extra]
+        scheme = HF_SHARD
+        if extra_names:  # an interrupted write's extra files are its own too
+            scheme = re.compile("|".join([HF_SHARD.pattern, *map(re.escape, extra_names)]))
+        pending = None if self.single_file else Pending(self.store, scheme)
+        if pending is not None:  # one model.safetensors is its own commit: nothing to record
+            pending.claim([*extra_names, *names], self.overwrite, record=n > 1 or bool(extra_names))
+        for name, produce_extra in self.extra:  # before the tensors: a complete look has them
+            self.store.write(name, produce_extra)
+        for i, (shard, name) in enumerate(zip(shards, names, strict=True)):
+            head, _ = _safetensors_head(shard, values if i == 0 else None)
+            requests = [r for t in shard for r in feed.requests(t.name, 0, t.numel)]
+
+            def produce(f: IO[bytes], head: bytes = head, requests: list = requests) -> None:
+                f.write(head)
+                for data in feed.stream(requests):
+                    f.write(tensor_bytes(data))
+
+            self.store.write("" if self.single_file else name, produce)
+        if self.single_file:
+            return [url]
+        if n > 1:
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for t in infos)},
+                "weight_map": {t.name: names[i] for i, shard in enumerate(shards) for t in shard},
+            }
+            self.store.write_bytes(HF_INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
+        pending.release()
+        extras = [f"{url}/{name}" for name in extra_names]
+        if n == 1:
+            return [f"{url}/{names[0]}", *extras]
+        return [f"{url}/{HF_INDEX}", *(f"{url}/{name}" for name in names), *extras]
+
+
+class TorchSink(Sink):
+    """One ``torch.save`` file of the flat state dict (tensors and values by dotted name).
+
+    [Note: a torch file without holding its tensors] ``torch.save`` under
+    ``torch.serialization.skip_data()`` writes the file's structure with uninitialised tensors
+    (``torch.empty``: address space, not resident memory) and seeks over their bytes, so the
+    skeleton is a sparse local scratch file of almost no disk; loading it on the meta device gives
+    each storage's byte offset. The real file is then streamed out in order through the store:
+    the skeleton's bytes up to a storage, that storage's bytes from the feed, and so on.
+    """
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+
+    def holds_checkpoint(self) -> bool:
+        if self.store.isdir():
+            raise IsADirectoryError(
+                f"{self.store.url} is a directory; the torch format writes one file"
+            )
+        return self.store.exists()
+
+    def clear(self) -> None:
+        """Nothing: the new file replaces the old one whole."""
+
+    def write(
+        self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
+    ) -> list[str]:
+        infos = feed.infos
+        skeleton: dict[str, Any] = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in infos}
+        skeleton.update((k, v) for k, v in values.items() if k not in skeleton)
+        # Local scratch, not checkpoint I/O (the file goes out through the store below): torch.save
+        # needs a real file to seek over the tensors' bytes without writing them (see the note).
+        fd, scratch = tempfile.mkstemp(prefix=".ftsdp-ckpt-", suffix=".pt.skeleton")
+        os.close(fd)
+        try:
+            with torch.serialization.skip_data():
+                torch.save(skeleton, scratch)
+            del skeleton
+            with open(scratch, "rb") as f:
+                meta = torch.load(f, map_location="meta", weights_only=True)
+            at = {t.name: meta[t.name].untyped_storage()._checkpoint_offset for t in infos}
+            del meta
+
+            def produce(out: IO[bytes]) -> None:
+                with open(scratch, "rb") as skel:
+                    for t in sorted(infos, key=lambda t: at[t.name]):
+                        _copy(skel, out, at[t.name] - skel.tell())  # the structure before it
+                        for data in feed.stream(feed.requests(t.name, 0, t.numel)):
+                            out.write(tensor_bytes(data))
+                        skel.seek(t.nbytes, os.SEEK_CUR)
+                    _copy(skel, out, -1)  # the rest: the zip directory
+
+            self.store.write("", produce)  # the store is rooted at the file itself
+        finally:
+            os.remove(scratch)
+        return [self.store.url]
+
+
+def _copy(src: IO[bytes], dst: IO[bytes], n: int) -> None:
+    """Copy ``n`` bytes (-1: all that is left) of ``src`` to ``dst``, a MiB at a time."""
+    while n:
+        data = src.read(1 << 20 if n < 0 else min(n, 1 << 20))
+        if not data:
+            if n > 0:
+                raise OSError("the torch.save skeleton is shorter than its offsets say")
+            return
+        dst.write(data)
+        n -= len(data) if n > 0 else 0

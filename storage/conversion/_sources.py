@@ -1,0 +1,231 @@
+"""Readers of the ``ftsdp``, ``hf`` and ``torch`` formats (``dcp`` is in ``storage/conversion/_dcp.py``).
+
+``ftsdp`` is this package's format (checksums verified); ``hf`` is safetensors files, optionally
+with a ``model.safetensors.index.json``; ``torch`` is a ``torch.save`` zip file, opened with
+``weights_only=True``, whose tensor bytes are read at their offsets, never unpickled as data.
+Every byte is read through the source's ``Store``, and every pointer a checkpoint holds is checked
+to stay inside it before anything is read through it: an index's file names are plain names in
+its folder, a torch file's storages lie inside their own records (docs/format.md, "Threat model").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import IO, Any
+
+import torch
+
+from ftsdp.storage._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from ftsdp.storage._options import MAX_MANIFEST_BYTES, LoadOptions
+from ftsdp.storage.catalog._steps import resolve_manifest
+from ftsdp.storage.conversion._interfaces import Source
+from ftsdp.storage.format._dtypes import BY_SAFETENSORS_CODE, torch_dtype
+from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE, HF_VALUES_KEY
+from ftsdp.storage.format._ranges import Range
+from ftsdp.storage.format._safetensors import read_header
+from ftsdp.storage.io._fs import Store, is_plain_name
+from ftsdp.storage.io._streaming import TensorInfo, tensor_bytes
+from ftsdp.storage.loading._read_plan import Want, plan_reads
+from ftsdp.storage.loading._reader import execute
+
+
+def check_torch_storages(
+    f: IO[bytes], size: int, tensors: Iterable[tuple[str, torch.Tensor]], where: str
+) -> None:
+    """CorruptCheckpointError unless each tensor, loaded on the meta device from the ``torch.save``
+    zip file ``f`` of ``size`` bytes, lies inside its storage, and each storage's bytes (read at
+    ``_checkpoint_offset``) lie inside the file's own record of it (``data/<key>``, the name
+    torch gives it), which lies inside the file: a crafted pickle may claim any storage size."""
+    f.seek(0)
+    reader = torch._C.PyTorchFileReader(f)
+    records = {}  # data offset -> size of each storage record
+    for name in reader.get_all_records():
+        if name.startswith("data/"):
+            records[reader.get_record_offset(name)] = reader.get_record_size(name)
+    for name, t in tensors:
+        storage = t.untyped_storage()
+        base, nbytes = storage._checkpoint_offset, storage.nbytes()
+        record = records.get(base) if isinstance(base, int) else None
+        extent = t.storage_offset() + sum(
+            (n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)
+        )
+        if (
+            record is None
+            or not nbytes <= record <= size - base
+            or t.storage_offset() < 0
+            or (t.numel() and (extent + 1) * t.element_size() > nbytes)
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {name!r} (shape {list(t.shape)}, storage offset "
+                f"{t.storage_offset()}, {nbytes} storage bytes at {base}) does not lie inside "
+                "its storage record"
+            )
+
+
+class FtsdpSource(Source):
+    """One committed step (``step``; None: the newest) of a checkpoint root in this package's
+    format."""
+
+    format = "ftsdp"
+
+    def __init__(self, store: Store, step: int | None, options: LoadOptions | None = None) -> None:
+        super().__init__(store)
+        self.manifest = resolve_manifest(store, step, options)
+        m = self.manifest
+        self.step, self.world_size = m.step, m.world_size
+        self.values, self.rank_values = dict(m.values), [dict(v) for v in m.rank_values]
+        self.tensors = {
+            n: TensorInfo(n, t.shape, torch_dtype(t.dtype)) for n, t in m.tensors.items()
+        }
+
+    def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        wants = [
+            Want(name, self.manifest.tensors[name], Range(offset, out.numel()), out)
+            for name, offset, out in requests
+            if out.numel()
+        ]
+        block = self.manifest.checksum_block_bytes
+        execute(self.store, self.manifest, plan_reads(wants, block))
+
+
+class HfSource(Source):
+    """Safetensors: one file, a directory with an index and the shards it lists, else its
+    ``model.safetensors``, else its ``.safetensors`` files."""
+
+    format = "hf"
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        url = store.url
+        if url.endswith(".safetensors") and store.isfile():
+            files = [""]  # the store is rooted at the file itself
+        elif store.exists(HF_INDEX):
+            try:
+                index = json.loads(store.read_bounded(HF_INDEX, MAX_MANIFEST_BYTES))
+                files = sorted(set(index["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CorruptCheckpointError(
+                    f"{url}/{HF_INDEX}: not a valid index ({e!r})"
+                ) from None
+            outside = [f for f in files if not is_plain_name(f)]
+            if outside:
+                raise CorruptCheckpointError(
+                    f"{url}/{HF_INDEX} lists {outside}: not plain file names in the checkpoint's "
+                    "folder; refusing to read outside it"
+                )
+        elif store.exists(HF_SINGLE):  # the checkpoint, whatever else lies beside it
+            files = [HF_SINGLE]
+        else:
+            files = sorted(n for n in store.listdir() if n.endswith(".safetensors"))
+            if any(HF_SHARD.match(f) for f in files):
+                raise IncompleteCheckpointError(
+                    f"{url} holds hf shards but no {HF_INDEX}: an interrupted or partial copy"
+                )
+        if not files:
+            raise CheckpointNotFoundError(f"no .safetensors file at {url}")
+        self._where: dict[str, tuple[str, int, int]] = {}  # name -> (file, data start, byte start)
+        for file in files:
+            header, base = read_header(store, file)
+            meta = header.pop("__metadata__", None) or {}
+            if isinstance(meta.get(HF_VALUES_KEY), str):
+                self.values.update(json.loads(meta[HF_VALUES_KEY]))
+            for name, entry in header.items():
+                if entry.get("dtype") not in BY_SAFETENSORS_CODE:
+                    self.dropped.append(
+                        f"{name} (safetensors dtype {entry.get('dtype')} unsupported)"
+                    )
+                    continue
+                info = TensorInfo(name, tuple(entry["shape"]), BY_SAFETENSORS_CODE[entry["dtype"]])
+                start, end = entry["data_offsets"]
+                if end - start != info.nbytes:
+                    raise CorruptCheckpointError(
+                        f"safetensors file {store.where(file)}: tensor {name!r} shape "
+                        f"{list(info.shape)} {entry['dtype']} needs {info.nbytes} bytes, "
+                        f"data_offsets hold {end - start}"
+                    )
+                if name in self.tensors:
+                    raise CorruptCheckpointError(f"tensor {name!r} appears in two files of {url}")
+                self.tensors[name] = info
+                self._where[name] = (file, base, start)
+
+    def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        for name, offset, out in requests:
+            file, base, start = self._where[name]
+            at = base + start + offset * out.element_size()
+            self.store.read_into(file, at, tensor_bytes(out))
+
+
+class TorchSource(Source):
+    """A ``torch.save`` zip file; structure read with ``weights_only=True`` on the meta device."""
+
+    format = "torch"
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        url = store.url
+        try:
+            with store.open() as f:  # the store is rooted at the file itself
+                obj = torch.load(f, map_location="meta", weights_only=True)
+                size = f.length
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"torch file {url} does not exist") from None
+        except Exception as e:  # the unpickler's errors are many and unrelated to each other
+            raise CorruptCheckpointError(
+                f"torch file {url} cannot be read with weights_only=True: {e}"
+            ) from None
+        if not isinstance(obj, dict):
+            raise CorruptCheckpointError(
+                f"torch file {url} holds a {type(obj).__name__}, not a state dict"
+            )
+        self._meta: dict[str, torch.Tensor] = {}
+        self._cache: tuple[str, torch.Tensor] | None = None
+        self._walk("", obj)
+        with store.open() as f:
+            check_torch_storages(f, size, self._meta.items(), f"torch file {url}")
+
+    def _walk(self, prefix: str, obj: Any) -> None:
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in items:
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, torch.Tensor):
+                if value.dtype not in BY_SAFETENSORS_CODE.values():
+                    self.dropped.append(f"{name} (dtype {value.dtype} unsupported)")
+                    continue
+                self._meta[name] = value
+                self.tensors[name] = TensorInfo(name, tuple(value.shape), value.dtype)
+            elif isinstance(value, dict) or (
+                isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
+            ):
+                self._walk(name, value)
+            else:
+                try:
+                    self.values[name] = json.loads(json.dumps(value))
+                except (TypeError, ValueError):
+                    self.dropped.append(f"{name} ({type(value).__name__} is not JSON)")
+
+    def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        for name, offset, out in requests:
+            meta = self._meta[name]
+            base = meta.untyped_storage()._checkpoint_offset
+            size = out.element_size()
+            if meta.is_contiguous():
+                at = base + (meta.storage_offset() + offset) * size
+                self.store.read_into("", at, tensor_bytes(out))
+                continue
+            # [Note: strided tensors in torch files] A view saved with its storage cannot be read
+            # as one flat range: read the storage once, keep the contiguous copy for the next chunk.
+            if self._cache is None or self._cache[0] != name:
+                self._cache = None
+                raw = torch.empty(meta.untyped_storage().nbytes() // size, dtype=meta.dtype)
+                self.store.read_into("", base, tensor_bytes(raw))
+                full = raw.as_strided(meta.shape, meta.stride(), meta.storage_offset()).contiguous()
+                self._cache = (name, full.view(-1))
+            out.copy_(self._cache[1][offset : offset + out.numel()])
+
+    def close(self) -> None:
+        self._cache = None

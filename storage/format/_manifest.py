@@ -1,0 +1,807 @@
+"""The versioned manifest (format version 3, see docs/format.md): encode, decode, validate.
+
+Everything a reader trusts comes from here, so ``Manifest.from_json`` validates the whole document
+before any byte is read: its size, nesting and own checksum first (see [Note: hostile
+manifests]), then unknown versions, unsafe object names, ranges that overlap, leave gaps or
+disagree with the shape and dtype, and byte ranges past an object's end. Every failure is a
+``CheckpointError`` (``CorruptCheckpointError`` or ``NewerFormatError``), never another exception.
+
+[Note: hostile manifests]
+A manifest is input from outside (docs/format.md, "Threat model"). Decoding one must end in a
+``Manifest`` or a ``CheckpointError``, whatever its bytes: its size is checked before it is read
+(``read_manifest_file``), a JSON decoder that runs out of stack or meets an integer longer than
+Python's int-string limit is turned into ``CorruptCheckpointError``, the nesting of arrays and
+objects is capped (walked iteratively), every integer the format uses is bounded by 2**63 - 1
+(so products and messages stay small), and messages show foreign values through a bounded repr.
+The manifest checksum (``manifest_checksum``: CRC-32C, CRC-32 before version 3, of the
+document's canonical encoding,
+without that field) then catches a manifest that was corrupted or edited by hand, including
+edits that stay self-consistent, such as relabelling a float32 tensor int32. It detects damage,
+not tampering: whoever can write the manifest can recompute it. It is required from version 2
+on: were it optional, one damaged byte in its key would switch the check off (the fuzz test
+found two bit flips that did); a version 1 manifest has none, or one that is checked.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import json
+import math
+import re
+import reprlib
+import struct
+import threading
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from ftsdp.storage._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NewerFormatError,
+)
+from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
+from ftsdp.storage.format._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
+from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._kept import Kept
+from ftsdp.storage.format._layout import object_name
+from ftsdp.storage.format._ranges import Range, check_disjoint_cover
+from ftsdp.storage.format._regular import RegularLayout, Rule, rule_from_json
+from ftsdp.storage.io._fs import Store
+
+FORMAT_NAME = "ftsdp.storage"
+# 2 added the required manifest checksum, 3 made every checksum CRC-32C (was CRC-32), 4 added
+# tensors described by a layout rule (storage/format/_regular.py); versions 1 to 3 still load
+# (tests/golden/). A manifest without rule tensors is still written as version 3.
+FORMAT_VERSION = 4
+PLAIN_VERSION = 3  # the version of a manifest that lists every piece
+SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
+MAX_INT = 2**63 - 1  # the largest integer the format uses anywhere (sizes, offsets, steps)
+
+# An object name is one path component inside the step prefix: no separators, no "..", no scheme,
+# no control characters (fullmatch: "$" would also accept a trailing newline).
+_OBJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_CONTAINERS = frozenset({dict, list})  # what json.loads nests
+_SHOW = reprlib.Repr()  # bounded: nesting, lengths and big numbers are elided
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 80, 80, 40
+
+
+def _show(x: Any) -> str:
+    """A short repr of a value from a manifest, safe for any nesting or size."""
+    try:
+        return _SHOW.repr(x)
+    except (RecursionError, ValueError):  # pragma: no cover - reprlib bounds both
+        return f"<{type(x).__name__}>"
+
+
+def canonical_json(doc: dict[str, Any]) -> bytes:
+    """The bytes the manifest checksum covers: ``doc`` without its checksum field, as compact
+    JSON with sorted keys and ASCII escapes (floats as Python's shortest round-trip repr)."""
+    body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(doc: dict[str, Any]) -> dict[str, Any]:
+    """Set ``doc``'s manifest checksum to match its content (in place), with the algorithm of
+    ``doc["version"]`` (of the version written, for a version this code does not know);
+    returns ``doc``."""
+    doc[SELF_CHECKSUM] = _self_checksum(doc, canonical_json(doc))
+    return doc
+
+
+def _self_checksum(doc: dict[str, Any], canonical: bytes) -> dict[str, Any]:
+    """The checksum field of ``doc`` whose canonical encoding is ``canonical``."""
+    algorithm = ALGORITHM_OF_VERSION.get(doc.get("version"), WRITTEN)
+    return {"algorithm": algorithm, "value": checksum_function(algorithm)(canonical, 0)}
+
+
+class Encoded(str):
+    """A top-level manifest value already encoded as :func:`canonical_json` encodes values
+    (compact, sorted keys, ASCII escapes): :func:`sealed_json` takes it as it is."""
+
+
+def sealed_json(doc: dict[str, Any]) -> bytes:
+    """``doc`` as written, sealed: its top-level keys in ``doc``'s order (``format`` first, where
+    format detection looks for it), ``manifest_checksum`` last. The checksum covers
+    :func:`canonical_json`, joined from each top-level value encoded with sorted keys; the file
+    reuses those pieces, except for the user's ``values`` and ``rank_values``, encoded a second
+    time in their own order (a load gives back dicts in the order they were saved). ``seal``
+    and a dump of the whole document took two encodings of the tensor table too (half a
+    millisecond for a few hundred tensors, at every save). A value given as :class:`Encoded`
+    is that encoding already and is used as it is."""
+    compact = (",", ":")
+    canonical = {
+        k: f"{json.dumps(k)}:{_canonical_value(v)}" for k, v in doc.items() if k != SELF_CHECKSUM
+    }
+    body = ("{" + ",".join(canonical[k] for k in sorted(canonical)) + "}").encode()
+    check = _self_checksum(doc, body)
+    written = {
+        k: f"{json.dumps(k)}:{json.dumps(doc[k], separators=compact)}" if k in _USER_ORDER else part
+        for k, part in canonical.items()
+    }
+    written[SELF_CHECKSUM] = f"{json.dumps(SELF_CHECKSUM)}:{json.dumps(check, separators=compact)}"
+    return ("{" + ",".join(written.values()) + "}").encode()
+
+
+def _canonical_value(value: Any) -> str:
+    if type(value) is Encoded:
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+_USER_ORDER = frozenset({"values", "rank_values"})  # written in the order the user gave
+
+
+def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = None) -> Manifest:
+    """Read and decode the manifest at ``rel`` of ``store`` within ``options``' limits: its size
+    is checked first and only that many bytes are read (a link to an endless device reads none)."""
+    options = options or LoadOptions()
+    max_bytes, max_depth = options.max_manifest_bytes, options.max_json_depth
+    where = store.where(rel)
+    try:
+        size = store.size(rel)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{where} does not exist (removed meanwhile?)") from None
+    if size > max_bytes:
+        raise CorruptCheckpointError(
+            f"{where}: manifest of {size} bytes is larger than max_manifest_bytes={max_bytes} "
+            "(LoadOptions); refusing to read it"
+        )
+    try:
+        data = store.read_range(rel, 0, size) if size else b""
+    except (IsADirectoryError, NotADirectoryError):
+        raise CorruptCheckpointError(f"{where}: the manifest is not a file") from None
+    key = _decoded_key(where, max_bytes, max_depth, data)
+    hit = _decoded.get(key)
+    if hit is not None and hit[0] == data:  # the same bytes: the same (valid) manifest
+        return hit[1]
+    manifest = Manifest.from_json(data, where=where, max_bytes=max_bytes, max_depth=max_depth)
+    _decoded.put(key, (data, manifest))
+    return manifest
+
+
+# A save reads the manifests of the root's newest steps again and again (the timeline check
+# before it, retention after it), and decoding one validates every piece: about 13 ms for a
+# small FSDP2 model's step, three times per save, on the background thread that competes with
+# training for the CPU. A manifest whose bytes are the same as one decoded before is the same
+# manifest, so the last 32 are kept (compared byte for byte; invalid ones are never kept).
+_decoded: Kept[tuple[Any, ...], tuple[bytes, Manifest]] = Kept(32)
+# the encoded entries of rule tensors, (name, shape, dtype, rule) -> text: see _tensors_text
+_ENTRY_TEXT: Kept[tuple[Any, ...], str] = Kept(1 << 14)
+# the encoded tables of manifests whose tensors are exactly a layout's rule entries, by layout
+_TABLE_TEXT: Kept[int, tuple[Any, str]] = Kept(8)
+
+
+def _decoded_key(where: str, max_bytes: int, max_depth: int, data: bytes) -> tuple[Any, ...]:
+    return (where, max_bytes, max_depth, len(data), hash(data))
+
+
+def remember_written(store: Store, rel: str, data: bytes, manifest: Manifest) -> None:
+    """``manifest`` was just written at ``rel`` as ``data`` (its ``to_json()``) by this process:
+    a later read of those bytes returns it instead of decoding them again. The commit calls
+    this, so the retention right after it (which reads every kept step's manifest) does not
+    decode the new one: 6-8 ms of CPU per save of the built-in GPT on rank 0's background
+    thread, which competes with training (measured with cProfile, W=2, a save every 2 steps)."""
+    defaults = LoadOptions()
+    key = _decoded_key(store.where(rel), defaults.max_manifest_bytes, defaults.max_json_depth, data)
+    _decoded.put(key, (data, manifest))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A saved flat range of one tensor: elements ``[offset, offset+length)`` at a byte range."""
+
+    object: str
+    key: str
+    offset: int
+    length: int
+    byte_start: int
+    byte_end: int
+    checksums: tuple[
+        int, ...
+    ]  # one per checksum block of the piece's bytes (the manifest's algorithm)
+
+    @property
+    def range(self) -> Range:
+        return Range(self.offset, self.length)
+
+
+class RegularIndex:
+    """The regular objects of a manifest (version 4): per rank, how many objects its rule
+    tensors fill and the checksums of their blocks, in order; a rank's pieces are derived from
+    the layout on first use and checked against the object sizes and the checksum count (see
+    [Note: regular layouts] in storage/format/_regular.py)."""
+
+    def __init__(
+        self,
+        layout: RegularLayout,
+        counts: tuple[int, ...],
+        checksums: tuple[str, ...],
+        *,
+        attempt: str,
+        step: int,
+        block: int,
+        objects: dict[str, int],
+    ) -> None:
+        self.layout, self.counts, self.checksums = layout, counts, checksums
+        self.attempt, self.step, self.block, self.objects = attempt, step, block, objects
+        self._ranks: dict[int, dict[str, list[Piece]]] = {}
+        self._lock = threading.Lock()
+
+    def names(self, rank: int) -> list[str]:
+        """The names of rank ``rank``'s regular objects."""
+        return [object_name(rank, i, self.attempt) for i in range(self.counts[rank])]
+
+    def rank(self, rank: int) -> dict[str, list[Piece]]:
+        """``tensor name -> pieces`` that rank ``rank`` wrote; CorruptCheckpointError when the
+        derived layout disagrees with the manifest."""
+        with self._lock:
+            hit = self._ranks.get(rank)
+        if hit is not None:
+            return hit
+        out = self._derive(rank)
+        with self._lock:
+            self._ranks[rank] = out
+        return out
+
+    def _derive(self, rank: int) -> dict[str, list[Piece]]:
+        def corrupt(msg: str) -> NoReturn:
+            raise CorruptCheckpointError(f"step {self.step}: rank {rank}'s regular objects: {msg}")
+
+        try:  # packing stops past the count: a huge tensor in tiny objects costs nothing
+            objects = self.layout.rank_objects(rank, self.attempt, self.counts[rank])
+        except ValueError:
+            corrupt(f"the layout gives more objects than the manifest's {self.counts[rank]}")
+        if len(objects) != self.counts[rank]:
+            corrupt(f"the layout gives {len(objects)} objects, the manifest {self.counts[rank]}")
+        try:
+            raw = base64.b64decode(self.checksums[rank], validate=True)
+        except (binascii.Error, ValueError):
+            corrupt("the checksums are not base64")
+        if len(raw) % 4:
+            corrupt(f"{len(raw)} bytes of checksums is not a whole number of 32-bit values")
+        crcs = struct.unpack(f"<{len(raw) // 4}I", raw)
+        out: dict[str, list[Piece]] = {}
+        pos = 0
+        for obj in objects:
+            if self.objects.get(obj.name) != obj.size:
+                corrupt(
+                    f"{obj.name} is listed with {self.objects.get(obj.name)} bytes, the layout "
+                    f"gives {obj.size}"
+                )
+            for p, (b0, b1) in zip(obj.pieces, obj.byte_ranges, strict=True):
+                n = -(-(b1 - b0) // self.block)
+                piece = Piece(obj.name, p.key, p.offset, p.length, b0, b1, crcs[pos : pos + n])
+                out.setdefault(p.name, []).append(piece)
+                pos += n
+        if pos != len(crcs):
+            corrupt(f"the layout has {pos} checksum blocks, the manifest lists {len(crcs)}")
+        return out
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Global shape, dtype and the pieces (sorted by offset, tiling the tensor) of one tensor.
+
+    The pieces are listed (``explicit``) or, for a tensor saved under a layout rule (``rule``,
+    format version 4), derived per rank from the manifest's ``RegularIndex`` when read.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    explicit: tuple[Piece, ...] = ()
+    rule: Rule | None = None
+    name: str = ""
+    regular: RegularIndex | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """Every piece, sorted by offset (derived for every rank holding some, for a rule)."""
+        if self.rule is None:
+            return self.explicit
+        return tuple(self.pieces_in(0, self.numel))
+
+    def pieces_in(self, lo: int, hi: int) -> list[Piece]:
+        """The pieces holding any element of ``[lo, hi)``, sorted by offset: the pieces of the
+        ranks the rule names, or a search of the listed ones (never every piece)."""
+        if self.rule is None:
+            pieces = self.explicit
+            offsets = self.__dict__.get("_offsets")
+            if offsets is None:
+                offsets = [p.offset for p in pieces]
+                object.__setattr__(self, "_offsets", offsets)
+            out = []
+            for p in pieces[max(bisect_right(offsets, lo) - 1, 0) :]:
+                if p.offset >= hi:
+                    break
+                if p.offset + p.length > lo:
+                    out.append(p)
+            return out
+        assert self.regular is not None
+        return [
+            p
+            for r in self.rule.ranks_for(lo, hi)
+            for p in self.regular.rank(r).get(self.name, ())
+            if p.offset < hi and p.offset + p.length > lo
+        ]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The committed description of one step."""
+
+    step: int
+    world_size: int
+    attempt: str
+    checksum_block_bytes: int
+    objects: dict[str, int]  # object name -> size in bytes
+    tensors: dict[str, TensorEntry]
+    values: dict[str, Any] = field(default_factory=dict)
+    rank_values: list[dict[str, Any]] = field(default_factory=list)
+    version: int = PLAIN_VERSION
+    regular: RegularIndex | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def checksum_algorithm(self) -> str:
+        """The algorithm of every checksum of this manifest (storage/format/_checksum.py)."""
+        return ALGORITHM_OF_VERSION[self.version]
+
+    def to_json(self) -> bytes:
+        """The manifest document as UTF-8 JSON bytes."""
+        doc: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "step": self.step,
+            "world_size": self.world_size,
+            "attempt": self.attempt,
+            "checksum": {
+                "algorithm": self.checksum_algorithm,
+                "block_bytes": self.checksum_block_bytes,
+            },
+            "objects": {name: {"size": size} for name, size in sorted(self.objects.items())},
+            "tensors": self._tensors_text(),
+            "values": self.values,
+            "rank_values": self.rank_values,
+        }
+        if self.regular is not None:
+            doc["regular"] = {
+                "object_bytes": self.regular.layout.object_bytes,
+                "ranks": [
+                    [k, c] for k, c in zip(self.regular.counts, self.regular.checksums, strict=True)
+                ],
+            }
+        user = {"values": self.values, "rank_values": self.rank_values}  # at the same depth
+        if _too_deep(user, MAX_JSON_DEPTH):  # readers would refuse it: fail the save instead
+            raise ValueError(
+                f"the non-tensor values of step {self.step} nest deeper than a manifest may "
+                f"({MAX_JSON_DEPTH} levels of JSON arrays and objects); flatten them"
+            )
+        return sealed_json(doc)
+
+    def _tensors_text(self) -> Encoded:
+        """The tensor table, encoded. A tensor saved under a layout rule encodes the same at
+        every save of a job (name, shape, dtype and rule; no checksum), so its text is kept
+        between saves; listed pieces carry this save's checksums and are encoded each time.
+        Encoding the whole table at every save took 1.3 ms of rank 0's background CPU for the
+        208 tensors of the built-in GPT's state (W=2), a save every 2 steps. A table that is
+        exactly the entries of a regular layout kept from save to save (every tensor under a
+        rule: the common case) is kept whole, by layout, after a check of its entries."""
+        layout = None if self.regular is None else self.regular.layout
+        whole = layout is not None and self._is_layout(layout)
+        if whole:
+            hit = _TABLE_TEXT.get(id(layout))
+            if hit is not None and hit[0] is layout:
+                return Encoded(hit[1])
+        parts = []
+        for name, t in sorted(self.tensors.items()):
+            key = None if t.rule is None else (name, tuple(t.shape), t.dtype, t.rule)
+            text = None if key is None else _ENTRY_TEXT.get(key)
+            if text is None:
+                text = f"{json.dumps(name)}:{_canonical_value(self._tensor_json(t))}"
+                if key is not None:
+                    _ENTRY_TEXT.put(key, text)
+            parts.append(text)
+        table = "{" + ",".join(parts) + "}"
+        if whole:
+            _TABLE_TEXT.put(id(layout), (layout, table))  # holds it: its id stays unique
+        return Encoded(table)
+
+    def _is_layout(self, layout: Any) -> bool:
+        """Whether the tensors are exactly ``layout``'s entries (same names, shapes, dtypes and
+        rule objects)."""
+        tensors = self.tensors
+        if len(tensors) != len(layout.entries):
+            return False
+        for name, shape, dtype, rule in layout.entries:
+            t = tensors.get(name)
+            if t is None or t.rule is not rule or t.shape != shape or t.dtype != dtype:
+                return False
+        return True
+
+    def _tensor_json(self, t: TensorEntry) -> dict[str, Any]:
+        doc: dict[str, Any] = {"shape": list(t.shape), "dtype": t.dtype}
+        if t.rule is not None:
+            doc[t.rule.kind] = t.rule.as_json()[1:]
+            return doc
+        doc["pieces"] = [
+            {
+                "object": p.object,
+                "key": p.key,
+                "offset": p.offset,
+                "length": p.length,
+                "byte_range": [p.byte_start, p.byte_end],
+                self.checksum_algorithm: list(p.checksums),
+            }
+            for p in t.explicit
+        ]
+        return doc
+
+    @classmethod
+    def from_json(
+        cls,
+        data: bytes,
+        *,
+        where: str,
+        max_bytes: int = MAX_MANIFEST_BYTES,
+        max_depth: int = MAX_JSON_DEPTH,
+    ) -> Manifest:
+        """Decode and validate a manifest; ``where`` (a URL) goes into every error message.
+
+        Raises ``CorruptCheckpointError`` (or ``NewerFormatError``) for any document that is not a
+        valid manifest of a version this code reads: see [Note: hostile manifests].
+        """
+        if len(data) > max_bytes:
+            raise CorruptCheckpointError(
+                f"{where}: manifest of {len(data)} bytes is larger than "
+                f"max_manifest_bytes={max_bytes} (LoadOptions)"
+            )
+        try:
+            text = data.decode()  # UTF-8 only (json.loads would also guess UTF-16 and UTF-32)
+        except UnicodeDecodeError as e:
+            raise CorruptCheckpointError(f"{where}: manifest is not UTF-8 ({e})") from None
+        try:
+            doc = json.loads(text)
+        except RecursionError:  # the decoder's stack ran out (nesting past ~1000 levels)
+            raise CorruptCheckpointError(
+                f"{where}: manifest nests JSON arrays or objects too deeply to decode "
+                f"(max_json_depth={max_depth})"
+            ) from None
+        except ValueError as e:  # JSONDecodeError; an integer longer than Python's str limit
+            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
+        if _too_deep(doc, max_depth):
+            raise CorruptCheckpointError(
+                f"{where}: manifest nests JSON arrays or objects deeper than "
+                f"max_json_depth={max_depth} (LoadOptions) levels"
+            )
+        _check_version(doc, where)  # first: a newer version may checksum differently
+        _check_self_checksum(doc, where)
+        return _decode(doc, where)
+
+
+def _too_deep(doc: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels in ``doc``: iteratively, one
+    level at a time (a list comprehension per level, not a Python call per node)."""
+    level = [doc] if type(doc) in _CONTAINERS else []
+    for _ in range(limit):
+        level = [
+            c
+            for x in level
+            for c in (x.values() if type(x) is dict else x)
+            if type(c) in _CONTAINERS
+        ]
+        if not level:
+            return False
+    return bool(level)
+
+
+def _check_self_checksum(doc: Any, where: str) -> None:
+    """CorruptCheckpointError unless ``doc``'s manifest checksum matches its content (version 1:
+    when it has one)."""
+    if SELF_CHECKSUM not in doc:
+        if doc["version"] == 1:
+            return  # written before the field existed
+        raise CorruptCheckpointError(
+            f"{where}: a version {doc['version']} manifest must carry {SELF_CHECKSUM}: it is "
+            "corrupt"
+        )
+    field_ = doc[SELF_CHECKSUM]
+    algorithm = ALGORITHM_OF_VERSION[doc["version"]]
+    if not (
+        isinstance(field_, dict)
+        and field_.get("algorithm") == algorithm
+        and _is_int(field_.get("value"))
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: {SELF_CHECKSUM} must be {{'algorithm': {algorithm!r}, 'value': "
+            f"unsigned int}}, got {_show(field_)}"
+        )
+    actual = checksum_function(algorithm)(canonical_json(doc), 0)
+    if actual != field_["value"]:
+        raise CorruptCheckpointError(
+            f"{where}: manifest checksum mismatch (stored {_show(field_['value'])}, content "
+            f"{actual}): the manifest is corrupt or was edited; load another step"
+        )
+
+
+def _is_int(x: Any, minimum: int = 0) -> bool:
+    return type(x) is int and minimum <= x <= MAX_INT
+
+
+def _numel(shape: list[int]) -> int:
+    """The product of ``shape``, or ``MAX_INT + 1`` as soon as it passes ``MAX_INT``."""
+    n = 1
+    for d in shape:
+        n *= d
+        if n > MAX_INT:
+            return MAX_INT + 1 if 0 not in shape else 0
+    return n
+
+
+def _check_version(doc: Any, where: str) -> None:
+    """A JSON object of this format, of a version this code reads (else NewerFormatError)."""
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}: manifest is not a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(
+            f"{where}: format is {_show(doc.get('format'))}, not {FORMAT_NAME!r}"
+        )
+    version = doc.get("version")
+    if not _is_int(version, 1):
+        raise CorruptCheckpointError(f"{where}: version {_show(version)} is not a positive integer")
+    if version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"{where}: manifest format version {version} is newer than this code reads "
+            f"({FORMAT_VERSION}); upgrade the storage package"
+        )
+
+
+def _decode(doc: Any, where: str) -> Manifest:
+    def fail(msg: str) -> NoReturn:
+        raise CorruptCheckpointError(f"{where}: {msg}")
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            fail(msg)
+
+    _check_version(doc, where)
+    version = doc["version"]
+    for key in ("step", "world_size"):
+        need(
+            _is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={_show(doc.get(key))} invalid"
+        )
+    attempt = doc.get("attempt", "")
+    need(isinstance(attempt, str), f"attempt={_show(attempt)} is not a string")
+    checksum = doc.get("checksum")
+    algorithm = ALGORITHM_OF_VERSION[version]
+    need(
+        isinstance(checksum, dict) and checksum.get("algorithm") == algorithm,
+        f"checksum algorithm must be {algorithm!r} (format version {version}), got "
+        f"{_show(checksum)}",
+    )
+    block = checksum.get("block_bytes")
+    need(_is_int(block, 1), f"checksum block_bytes={_show(block)} invalid")
+
+    objects: dict[str, int] = {}
+    need(isinstance(doc.get("objects"), dict), "objects is not a JSON object")
+    for name, meta in doc["objects"].items():
+        if not (_OBJECT_NAME.fullmatch(name) and ".." not in name):
+            fail(
+                f"object name {_show(name)} escapes the step prefix (only a plain file name is "
+                "allowed)"
+            )
+        need(isinstance(meta, dict) and _is_int(meta.get("size")), f"object {name}: bad size")
+        objects[name] = meta["size"]
+
+    tensors: dict[str, TensorEntry] = {}
+    rules: dict[str, tuple[tuple[int, ...], str, Rule]] = {}
+    need(isinstance(doc.get("tensors"), dict), "tensors is not a JSON object")
+    for name, t in doc["tensors"].items():
+        what = f"tensor {_show(name)}"
+        need(isinstance(t, dict), f"{what}: not a JSON object")
+        shape = t.get("shape")
+        if not (isinstance(shape, list) and all(_is_int(d) for d in shape)):
+            fail(f"{what}: shape={_show(shape)} must be a list of non-negative integers")
+        numel = _numel(shape)
+        if numel > MAX_INT:
+            fail(f"{what}: shape={_show(shape)} has more than 2**63-1 elements")
+        dtype = t.get("dtype")
+        try:
+            size = itemsize(torch_dtype(dtype))
+        except (KeyError, TypeError):
+            raise CorruptCheckpointError(
+                f"{where}: {what}: unknown dtype {_show(dtype)} in manifest"
+            ) from None
+        rule = _decode_rule(t, version, doc["world_size"], numel, what, fail)
+        if rule is not None:
+            rules[name] = (tuple(shape), dtype, rule)
+            continue
+        need(isinstance(t.get("pieces"), list), f"{what}: pieces is not a list")
+        pieces = []
+        for p in t["pieces"]:
+            pieces.append(_decode_piece(p, what, size, block, algorithm, objects, fail))
+        pieces.sort(key=lambda p: p.offset)
+        try:
+            check_disjoint_cover([p.range for p in pieces], numel, what)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: {e} (shape {_show(shape)})") from None
+        tensors[name] = TensorEntry(tuple(shape), dtype, tuple(pieces))
+
+    _check_disjoint_bytes(tensors, fail)
+    regular = _decode_regular(doc, rules, attempt, block, objects, tensors, fail)
+    for name, (shape, dtype, rule) in rules.items():
+        tensors[name] = TensorEntry(shape, dtype, (), rule, name, regular)
+    values = doc.get("values", {})
+    rank_values = doc.get("rank_values", [])
+    need(isinstance(values, dict), "values is not a JSON object")
+    need(
+        isinstance(rank_values, list) and all(isinstance(v, dict) for v in rank_values),
+        "rank_values is not a list of JSON objects",
+    )
+    return Manifest(
+        step=doc["step"],
+        world_size=doc["world_size"],
+        attempt=attempt,
+        checksum_block_bytes=block,
+        objects=objects,
+        tensors=tensors,
+        values=values,
+        rank_values=rank_values,
+        version=version,
+        regular=regular,
+    )
+
+
+def _decode_rule(
+    t: dict[str, Any], version: int, world: int, numel: int, what: str, fail: Any
+) -> Rule | None:
+    """The layout rule of a tensor entry (version 4: ``even: [start, chunk]`` or ``writer:
+    [rank]``), validated against the world size; None for an entry that lists its pieces."""
+    kinds = [k for k in ("even", "writer") if k in t]
+    if not kinds:
+        return None
+    if version < 4 or len(kinds) > 1 or "pieces" in t:
+        fail(f"{what}: a version {version} manifest entry cannot hold {[*kinds, 'pieces']}")
+    args = t[kinds[0]]
+    if not (isinstance(args, list) and all(_is_int(a) for a in args)):
+        fail(f"{what}: {kinds[0]}={_show(args)} must be a list of non-negative integers")
+    try:
+        rule = rule_from_json([kinds[0], *args])
+    except ValueError:
+        fail(f"{what}: {kinds[0]}={_show(args)} has the wrong number of arguments")
+    if rule.kind == "writer" and rule.writer >= world:
+        fail(f"{what}: writer rank {rule.writer} is not below world_size={world}")
+    if rule.kind == "even" and (rule.chunk < 1 or rule.start + numel > world * rule.chunk):
+        fail(
+            f"{what}: even={args} does not cover its {numel} elements with {world} chunks "
+            "(every element must fall in the chunk of some rank)"
+        )
+    return rule
+
+
+def _decode_regular(
+    doc: dict[str, Any],
+    rules: dict[str, tuple[tuple[int, ...], str, Rule]],
+    attempt: str,
+    block: int,
+    objects: dict[str, int],
+    tensors: dict[str, TensorEntry],
+    fail: Any,
+) -> RegularIndex | None:
+    """The ``regular`` section: present exactly when some tensor has a rule; one ``[objects,
+    base64 checksums]`` per rank; its objects listed, and holding no listed piece."""
+    section = doc.get("regular")
+    if not rules:
+        if section is not None:
+            fail("regular is present but no tensor has a layout rule")
+        return None
+    world = doc["world_size"]
+    if not (isinstance(section, dict) and _is_int(section.get("object_bytes"), 1)):
+        fail(f"regular={_show(section)} must be an object with object_bytes >= 1")
+    ranks = section.get("ranks")
+    if not (
+        isinstance(ranks, list)
+        and len(ranks) == world
+        and all(
+            isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and isinstance(r[1], str)
+            for r in ranks
+        )
+    ):
+        fail(f"regular.ranks must list [object count, base64 checksums] for each of {world} ranks")
+    if any(r[0] > len(objects) for r in ranks):
+        fail("regular.ranks counts more objects for a rank than objects lists")
+    # Bounds on the work a reader can be made to do (see [Note: hostile manifests]): every
+    # piece a rule gives a rank has at least one block, so the pieces cannot outnumber the
+    # checksums listed, and ranks x rule tensors (each rank's derivation scans the rules) is
+    # bounded by them too.
+    blocks = sum(len(r[1]) // 4 * 3 // 4 for r in ranks)
+    pieces = sum(len(rule.ranks_for(0, math.prod(shape))) for shape, _, rule in rules.values())
+    if pieces > blocks:
+        fail(f"the rules give {pieces} pieces but regular.ranks lists only {blocks} checksums")
+    if world * len(rules) > 64 * blocks + 10**6:
+        fail(
+            f"{world} ranks x {len(rules)} rule tensors is out of proportion to {blocks} checksums"
+        )
+    layout = RegularLayout(
+        world, section["object_bytes"], tuple((n, *rules[n]) for n in sorted(rules))
+    )
+    index = RegularIndex(
+        layout,
+        tuple(r[0] for r in ranks),
+        tuple(r[1] for r in ranks),
+        attempt=attempt,
+        step=doc["step"],
+        block=block,
+        objects=objects,
+    )
+    owned = set()
+    for rank in range(world):
+        for name in index.names(rank):
+            if name not in objects:
+                fail(f"regular object {name} of rank {rank} is not listed in objects")
+            owned.add(name)
+    for name, t in tensors.items():
+        for p in t.explicit:
+            if p.object in owned:
+                fail(f"tensor {_show(name)}: a listed piece is in regular object {p.object}")
+    return index
+
+
+def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Any) -> None:
+    """No two pieces share a byte of an object (each block is verified against one checksum)."""
+    by_object: dict[str, list[tuple[int, int, str]]] = {}
+    for name, t in tensors.items():
+        for p in t.pieces:
+            by_object.setdefault(p.object, []).append((p.byte_start, p.byte_end, name))
+    for obj, spans in by_object.items():
+        spans.sort()
+        for a, b in itertools.pairwise(spans):
+            if b[0] < a[1]:
+                fail(
+                    f"pieces of tensors {_show(a[2])} and {_show(b[2])} overlap in object {obj} "
+                    f"(bytes [{a[0]}, {a[1]}) and [{b[0]}, {b[1]}))"
+                )
+
+
+def _decode_piece(
+    p: Any, what: str, size: int, block: int, algorithm: str, objects: dict, fail: Any
+) -> Piece:
+    """One piece, validated (messages are built only on failure: this runs once per piece). Its
+    checksums are listed under the name of the manifest's ``algorithm``."""
+    if not isinstance(p, dict):
+        fail(f"{what}: piece is not a JSON object")
+    obj, br, crc, length = p.get("object"), p.get("byte_range"), p.get(algorithm), p.get("length")
+
+    def at() -> str:
+        return f"{what} piece at offset {_show(p.get('offset'))}"
+
+    if not (isinstance(obj, str) and obj in objects):
+        fail(f"{at()}: object {_show(obj)} is not listed in objects")
+    if not _is_int(p.get("offset")):
+        fail(f"{at()}: offset must be a non-negative integer")
+    if not _is_int(length, 1):
+        fail(f"{at()}: length={_show(length)} must be positive")
+    if not (isinstance(br, list) and len(br) == 2 and _is_int(br[0]) and _is_int(br[1])):
+        fail(f"{at()}: byte_range={_show(br)} must be [start, end] with non-negative integers")
+    nbytes = br[1] - br[0]
+    if nbytes != length * size:
+        fail(
+            f"{at()}: byte_range {br} holds {nbytes} bytes but length={length} needs "
+            f"{length * size}"
+        )
+    if br[1] > objects[obj]:
+        fail(f"{at()}: byte_range {br} is past the end of {obj} ({objects[obj]} bytes)")
+    if not (
+        isinstance(crc, list)
+        and len(crc) == -(-nbytes // block)
+        and all(type(c) is int and 0 <= c <= 0xFFFFFFFF for c in crc)
+    ):
+        fail(f"{at()}: {algorithm} must list one checksum per {block}-byte block (unsigned 32-bit)")
+    if not isinstance(p.get("key"), str):
+        fail(f"{at()}: key must be a string")
+    return Piece(obj, p["key"], p["offset"], length, br[0], br[1], tuple(crc))

@@ -1,0 +1,218 @@
+"""Regular layouts: tensors split over the ranks by a rule that every rank can evaluate alone.
+
+[Note: regular layouts]
+Most sharded state follows a rule. A DTensor ``Shard(0)`` over W ranks holds rows
+``[r*c, (r+1)*c)`` of its tensor on rank r (``c = ceil(rows / W)``); a FlatParameter concatenates
+its unit's parameters into one buffer split into W equal chunks, so rank r holds the part of
+each parameter that falls into ``[r*L, (r+1)*L)`` of that buffer; a replicated tensor is whole on
+every rank. All three are one rule, ``even(start, chunk)``: element e of the tensor is element
+``start + e`` of a buffer cut into chunks of ``chunk`` elements, rank r holding chunk r (a
+``Shard(0)`` tensor has ``start = 0`` and ``chunk = c * row``), or ``whole``.
+
+A rank derives the rule of each of its tensors from its own range (``infer_rule``), with the
+buffer position from ``FlatShard.layout`` where the range alone does not tell it, and checks
+that its range is what the rule gives its rank. When every rank's table of ``(name, shape,
+dtype, rule)`` is the same (one all-reduce of a 63-bit digest), the table is the whole save
+layout: every rank knows which elements every other rank holds without having seen their
+metadata, and plans its own objects from the table alone (``RegularLayout.rank_objects``),
+in O(T) per rank. Whole tensors are written once: small ones by one rank (round robin over
+the ranks in name order), large ones (at least ``replica_split_bytes``) split evenly, as an
+``even(0, ceil(numel / W))`` rule. Tensors whose ranges follow no rule, or a table that differs
+between ranks, go to a coordinator (rank 0) instead, which plans them as before.
+
+The manifest (docs/format.md, version 4) then describes a regular tensor by its rule, not by
+its W pieces, and each rank's objects by their number and the checksums of their blocks in
+order: a reader derives a rank's pieces with the same ``rank_objects`` and checks them against
+the object sizes and the checksum count, for the ranks it reads only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._kept import Kept
+from ftsdp.storage.format._ranges import Range
+from ftsdp.storage.saving._save_plan import PlannedObject, PlannedPiece, pack, renamed
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a tensor's elements are split over the ranks of a save (see [Note: regular layouts]).
+
+    ``kind``: ``"even"`` (element e is element ``start + e`` of a buffer whose chunk r, of
+    ``chunk`` elements, rank r holds), ``"writer"`` (rank ``writer`` holds and writes it whole),
+    ``"whole"`` (every rank holds it; becomes ``even`` or ``writer`` when planned) or
+    ``"irregular"`` (no rule: planned by the coordinator).
+    """
+
+    kind: str
+    start: int = 0
+    chunk: int = 0
+    writer: int = 0
+
+    def held(self, rank: int, numel: int) -> Range:
+        """The elements of a tensor of ``numel`` elements that ``rank`` holds under this rule."""
+        if self.kind == "even":
+            lo = min(max(rank * self.chunk - self.start, 0), numel)
+            hi = min(max((rank + 1) * self.chunk - self.start, 0), numel)
+            return Range(lo, hi - lo)
+        if self.kind == "writer":
+            return Range(0, numel if rank == self.writer else 0)
+        if self.kind == "whole":
+            return Range(0, numel)
+        raise ValueError(f"rule {self.kind!r} assigns no elements")
+
+    def ranks_for(self, lo: int, hi: int) -> range:
+        """The ranks holding any element of ``[lo, hi)`` (an ``even`` or ``writer`` rule)."""
+        if hi <= lo:
+            return range(0)
+        if self.kind == "writer":
+            return range(self.writer, self.writer + 1)
+        return range((self.start + lo) // self.chunk, (self.start + hi - 1) // self.chunk + 1)
+
+    def as_json(self) -> list[Any]:
+        """The table form: ``[kind]``, with ``start, chunk`` for ``even``, ``writer`` for
+        ``writer``."""
+        if self.kind == "even":
+            return ["even", self.start, self.chunk]
+        if self.kind == "writer":
+            return ["writer", self.writer]
+        return [self.kind]
+
+
+WHOLE = Rule("whole")
+IRREGULAR = Rule("irregular")
+
+
+def infer_rule(
+    shape: tuple[int, ...],
+    rng: Range,
+    rank: int,
+    world: int,
+    hint: tuple[int, int] | None = None,
+) -> Rule:
+    """The rule of a tensor of ``shape`` of which ``rank`` (of ``world``) holds ``rng``.
+
+    ``hint``: ``(start, chunk)`` of an ``even`` rule the holder knows (a FlatParameter's
+    position, ``FlatShard.layout``). Without it a whole range is ``whole`` and a ``Shard(0)``
+    split (rows in chunks of ``ceil(rows / world)``) is ``even``. A rule is returned only if
+    this rank's range is exactly what it gives this rank; otherwise ``IRREGULAR``.
+    """
+    numel = math.prod(shape)
+    if hint is not None:
+        start, chunk = hint
+        rule = Rule("even", int(start), int(chunk))
+        fits = 1 <= chunk <= _MAX and 0 <= start <= _MAX and start + numel <= world * chunk
+        return rule if fits and _same(rule.held(rank, numel), rng) else IRREGULAR
+    if rng.offset == 0 and rng.length == numel:
+        return WHOLE
+    if shape and numel:
+        row = numel // shape[0]
+        rule = Rule("even", 0, -(-shape[0] // world) * row)
+        if _same(rule.held(rank, numel), rng):
+            return rule
+    return IRREGULAR
+
+
+# The largest start or chunk of a rule: the exchange compares rules as int64 (a larger one, from
+# a FlatShard.layout, overflowed on its rank alone while the others waited in the all-reduce),
+# and the manifest allows no larger integer.
+_MAX = 2**63 - 1
+
+
+def _same(a: Range, b: Range) -> bool:
+    return a.length == b.length and (a.offset == b.offset or a.length == 0)
+
+
+def table_digest(table: list[list[Any]], world: int) -> int:
+    """A 63-bit digest of a rule table (``[name, shape, dtype, rule]`` rows in name order) and
+    the world size: equal on every rank iff (up to a hash collision) their tables are equal."""
+    data = json.dumps([world, table], separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+@dataclass(frozen=True)
+class RegularLayout:
+    """The regular part of a save: every rule tensor, planned for ``world`` ranks.
+
+    ``entries`` are ``(name, shape, dtype name, rule)`` in name order, each rule ``even`` or
+    ``writer`` (see :func:`resolve`). ``rank_objects(r)`` gives rank r's data objects: its
+    pieces in name order, packed into objects of at most ``object_bytes`` payload bytes.
+    """
+
+    world: int
+    object_bytes: int
+    entries: tuple[tuple[str, tuple[int, ...], str, Rule], ...]
+    _cache: Kept[int, list[PlannedObject]] = field(
+        default_factory=lambda: Kept(64), compare=False, repr=False
+    )
+
+    @cached_property
+    def by_name(self) -> dict[str, tuple[tuple[int, ...], str, Rule]]:
+        """``name -> (shape, dtype name, rule)``."""
+        return {name: (shape, dtype, rule) for name, shape, dtype, rule in self.entries}
+
+    def rank_pieces(self, rank: int) -> list[PlannedPiece]:
+        """The pieces ``rank`` writes, in name order (one per tensor it holds part of)."""
+        out = []
+        for name, shape, dtype, rule in self.entries:
+            rng = rule.held(rank, math.prod(shape))
+            if rng.length:
+                out.append(PlannedPiece(name, rng.offset, rng.length, torch_dtype(dtype)))
+        return out
+
+    def rank_objects(
+        self, rank: int, attempt: str, limit: int | None = None
+    ) -> list[PlannedObject]:
+        """Rank ``rank``'s regular objects, named for ``attempt`` (the layout is kept per rank:
+        a later attempt only renames them). ``limit``: ValueError when there are more (a reader
+        of a manifest that counts them: the packing stops there)."""
+        objects = self._cache.get(rank)
+        if objects is None:  # loads and saves of several roots may derive at once
+            objects = self._cache.put(
+                rank, pack(rank, self.rank_pieces(rank), "", self.object_bytes, limit)
+            )
+        return renamed(objects, attempt)
+
+
+def resolve(
+    table: list[list[Any]], world: int, object_bytes: int, replica_split_bytes: int
+) -> RegularLayout:
+    """The layout of a table whose rules every rank agreed on: ``whole`` tensors become a
+    ``writer`` (round robin over the ranks, in name order) or, from ``replica_split_bytes`` on,
+    an ``even`` split over every rank; ``irregular`` rows are left out (the coordinator plans
+    them)."""
+    entries = []
+    turn = 0
+    for name, shape, dtype, rule_json in table:
+        rule = rule_from_json(rule_json)
+        shape = tuple(shape)
+        numel = math.prod(shape)
+        if rule.kind == "irregular":
+            continue
+        if rule.kind == "whole":
+            if numel * itemsize(torch_dtype(dtype)) >= replica_split_bytes and numel >= world:
+                rule = Rule("even", 0, -(-numel // world))
+            else:
+                rule, turn = Rule("writer", writer=turn % world), turn + 1
+        entries.append((name, shape, dtype, rule))
+    return RegularLayout(world, object_bytes, tuple(entries))
+
+
+def rule_from_json(doc: Any) -> Rule:
+    """The rule of a table row or a manifest entry (ValueError for anything else)."""
+    if isinstance(doc, list) and doc:
+        kind = doc[0]
+        if kind == "even" and len(doc) == 3:
+            return Rule("even", doc[1], doc[2])
+        if kind == "writer" and len(doc) == 2:
+            return Rule("writer", writer=doc[1])
+        if kind in ("whole", "irregular") and len(doc) == 1:
+            return WHOLE if kind == "whole" else IRREGULAR
+    raise ValueError(f"not a layout rule: {doc!r}")

@@ -1,0 +1,471 @@
+"""Loading a checkpoint into one process for inference: whole tensors, a module, a lazy mapping.
+
+[Note: the model's size in memory]
+New tensors (``load_state_dict``, ``LazyStateDict``, a meta-device module in ``load_into``) are
+read straight into their final buffers in chunks of at most ``chunk`` bytes, so the memory needed
+is the tensors asked for plus one chunk. Only the requested tensors are read: the model weights
+of a checkpoint that also holds optimizer state cost the weights. Works for checkpoints of any
+format and saved at any world size (``storage/conversion/_formats.py``).
+
+[Note: load_into is all or nothing]
+A real module's own tensors are written only after every byte it gets has been read and verified
+(the ftsdp source checks checksums as it reads; the other formats fail on short reads and bad
+headers), so a failed load leaves the module as it was. Phase one reads into staging: the new
+tensors a meta module (or one moved by ``device`` / ``dtype``) gets anyway, and, for tensors filled
+in place, CPU tensors of the narrower of the saved and the module's dtype: extra memory of those
+tensors' bytes once (``LoadIntoResult.staged_bytes``) plus one chunk. Phase two copies staging
+into the module a chunk at a time (a device copy never needs a whole-tensor temporary) and swaps
+in the new tensors. When ``staged_bytes`` would exceed ``max_staging_bytes``, phase one only
+reads and verifies the in-place tensors (nothing kept: a chunk read and dropped), and phase two
+reads them again straight into the module, verified again: twice the reads for about two chunks of
+extra memory (the chunk read, the reader's own chunk). Phase two can then fail only if the
+checkpoint changed (or could no longer be read) in between; the error says that the module is
+partly overwritten.
+
+[Note: the cast rule]
+``_cast_ok`` is the one rule for every loader: a saved dtype becomes the target dtype implicitly
+only when every saved value is a value of the target (same kind, not narrower: bf16 -> fp32,
+int32 -> int64, bool -> bool). Anything else (float <-> int, bool <-> number, real <-> complex,
+fp32 -> bf16, int64 -> int32) needs ``dtype=``, which applies to the tensors of its own kind and
+is the caller's request for that cast. ``load_state_dict`` and ``LazyStateDict`` only ever cast to
+``dtype``; ``load_into`` also casts to the module's own dtype, the implicit case that is checked.
+A refused cast raises ``StateMismatchError`` before anything is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ftsdp.storage._errors import StateMismatchError
+from ftsdp.storage._options import LoadOptions
+from ftsdp.storage.conversion._formats import open_source
+from ftsdp.storage.conversion._interfaces import Source
+from ftsdp.storage.format._dtypes import itemsize
+from ftsdp.storage.io._streaming import MiB, TensorInfo
+
+DEFAULT_CHUNK = 8 * MiB
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "int"
+
+
+def _cast_ok(saved: torch.dtype, target: torch.dtype) -> bool:
+    """True when every value of ``saved`` is a value of ``target``: an implicit cast is allowed
+    (see [Note: the cast rule])."""
+    if saved == target:
+        return True
+    kind = _kind(saved)
+    if kind != _kind(target) or kind == "bool":
+        return False
+    if kind == "int":
+        s, t = torch.iinfo(saved), torch.iinfo(target)
+        return t.min <= s.min and t.max >= s.max
+    f, g = torch.finfo(saved), torch.finfo(target)  # of the parts, for complex
+    return g.max >= f.max and g.eps <= f.eps and g.smallest_normal <= f.smallest_normal
+
+
+def _target_dtype(dtype: torch.dtype | None, current: torch.dtype) -> tuple[torch.dtype, bool]:
+    """The dtype a tensor of dtype ``current`` gets, and whether ``dtype`` asked for it: ``dtype``
+    applies to the tensors of its own kind (a floating dtype to floating tensors)."""
+    if dtype is not None and _kind(dtype) == _kind(current):
+        return dtype, True
+    return current, False
+
+
+def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bool]]) -> None:
+    """Raise ``StateMismatchError`` for the casts ``(name, saved, target, explicit)`` that the
+    cast rule refuses; nothing has been read or written yet."""
+    refused = [(n, s, t) for n, s, t, explicit in casts if not explicit and not _cast_ok(s, t)]
+    if refused:
+        listed = ", ".join(f"{n!r} (saved {s}, target {t})" for n, s, t in refused[:10])
+        more = f" and {len(refused) - 10} more" if len(refused) > 10 else ""
+        asks = " or ".join(f"dtype={t}" for t in sorted({str(t) for _, _, t in refused}))
+        raise StateMismatchError(
+            f"{where}: refusing to cast {listed}{more}: a cast across kinds (float, int, bool, "
+            f"complex) or to a narrower dtype happens only when asked for; pass {asks} (it applies "
+            "to the tensors of its kind) to cast explicitly"
+        )
+
+
+def _open(
+    url: str,
+    step: int | None,
+    storage_options: dict | None,
+    options: LoadOptions | None,
+    trust_pickle: bool = False,
+) -> Source:
+    return open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
+
+
+def fill(
+    source: Source, targets: list[tuple[str, torch.Tensor | None]], chunk: int = DEFAULT_CHUNK
+) -> None:
+    """Fill each contiguous target (any dtype, any device) with the whole source tensor of that name.
+
+    CPU targets of the saved dtype are read into directly; others through one chunk of staging.
+    A target of None is read (and verified, where the format has checksums) but not kept.
+    Consecutive small requests share one read.
+    """
+    jobs: list[tuple[str, int, int, torch.Tensor | None]] = []  # name, offset, length, target
+    for name, target in targets:
+        assert target is None or target.is_contiguous(), name
+        info = source.tensors[name]
+        step = max(1, chunk // info.itemsize)
+        jobs.extend(
+            (name, o, min(step, info.numel - o), target) for o in range(0, info.numel, step)
+        )
+    group: list[tuple[str, int, int, torch.Tensor | None]] = []
+    used = 0
+    scratch = _Scratch(chunk)
+    for job in jobs:
+        size = job[2] * source.tensors[job[0]].itemsize
+        if group and used + size > chunk:
+            _read_group(source, group, scratch)
+            group, used = [], 0
+        group.append(job)
+        used += size
+    if group:
+        _read_group(source, group, scratch)
+
+
+class _Scratch:
+    """One buffer of ``chunk`` bytes that every group of a ``fill`` stages into in turn.
+
+    A buffer per group would be freed and allocated again for every chunk, and glibc keeps
+    freed blocks of that size in per-thread arenas once its mmap threshold has grown past them:
+    the process's peak then grew by a few chunks, or not, from run to run (a memory-bound test
+    failed one time in three)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.buf, self.pos = nbytes, None, 0
+
+    def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """``n`` elements of ``dtype``: from the buffer while it has room, else fresh."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        start = -(-self.pos // 16) * 16  # aligned for any dtype
+        if start + n * size > self.nbytes:
+            return torch.empty(n, dtype=dtype)
+        if self.buf is None:
+            self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.pos = start + n * size
+        return self.buf[start : self.pos].view(dtype)
+
+
+def _read_group(
+    source: Source, group: list[tuple[str, int, int, torch.Tensor | None]], scratch: _Scratch
+) -> None:
+    requests, staged = [], []
+    scratch.pos = 0  # the previous group's staging is copied out: reuse it
+    for name, off, n, target in group:
+        saved = source.tensors[name].dtype
+        if target is None:  # verify only
+            requests.append((name, off, scratch.take(n, saved)))
+            continue
+        flat = target.detach().view(-1)[off : off + n]
+        if target.device.type == "cpu" and target.dtype == saved:
+            requests.append((name, off, flat))  # straight into the final buffer
+        else:
+            buf = scratch.take(n, saved)
+            requests.append((name, off, buf))
+            staged.append((flat, buf))
+    source.read_into(requests)
+    for flat, buf in staged:
+        flat.copy_(buf)
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
+    """Copy ``src`` (CPU, contiguous, ``dst``'s shape) into the contiguous ``dst`` (any dtype and
+    device) a chunk at a time: a copy across devices and dtypes needs a temporary per chunk."""
+    d, s = dst.detach().view(-1), src.view(-1)
+    step = max(1, chunk // max(d.element_size(), s.element_size()))
+    for a in range(0, d.numel(), step):
+        d[a : a + step].copy_(s[a : a + step])
+
+
+def load_state_dict(
+    url: str,
+    step: int | None = None,
+    keys: Iterable[str] | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    options: LoadOptions | None = None,
+    trust_pickle: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Whole tensors ``{dotted name: tensor}`` of a checkpoint, in one process (no process group).
+
+    Any format (ftsdp at any world size, hf, torch, dcp); ``step`` picks an ftsdp step (newest by
+    default). Reads only ``keys`` (an unknown key raises ``KeyError``); ``dtype`` casts the
+    tensors of its kind (a floating dtype: floating tensors; see [Note: the cast rule]), the others
+    keep their saved dtype; tensors are created on ``device``. Needs the requested tensors' size
+    plus one chunk.
+    """
+    source = _open(url, step, storage_options, options, trust_pickle)
+    try:
+        names = sorted(source.tensors) if keys is None else list(keys)
+        unknown = [n for n in names if n not in source.tensors]
+        if unknown:
+            where = f"step {source.step} at {url}" if source.step is not None else url
+            raise KeyError(f"{where} has no tensor(s) {unknown}")
+        out: dict[str, torch.Tensor] = {}
+        casts = []
+        for n in names:
+            info = source.tensors[n]
+            cast, explicit = _target_dtype(dtype, info.dtype)
+            casts.append((n, info.dtype, cast, explicit))
+            out[n] = torch.empty(info.shape, dtype=cast, device=device)
+        _check_casts(f"checkpoint {url}", casts)
+        fill(source, list(out.items()))
+        return out
+    finally:
+        source.close()
+
+
+@dataclass(frozen=True)
+class LoadIntoResult:
+    """What ``load_into`` did: the step read and the keys that did not match (module names)."""
+
+    step: int | None
+    missing: list[str] = field(default_factory=list)  # in the module, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the module
+    still_meta: list[str] = field(default_factory=list)  # module tensors left on the meta device
+    # bytes of staging held on top of the module's tensors (see load_into's peak memory)
+    staged_bytes: int = 0
+
+
+def load_into(
+    module: torch.nn.Module,
+    url: str,
+    step: int | None = None,
+    *,
+    prefix: str = "",
+    strict: bool = True,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    max_staging_bytes: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    options: LoadOptions | None = None,
+    trust_pickle: bool = False,
+) -> LoadIntoResult:
+    """Fill ``module``'s parameters and persistent buffers from checkpoint names ``prefix + key``.
+
+    A module built on the meta device gets new tensors on ``device`` (default: cpu); a real one is
+    filled in place (or moved to ``device`` / cast to ``dtype`` when given). The tensors of
+    ``dtype``'s kind take ``dtype`` (a floating dtype: floating tensors), the others keep the
+    module's own dtype. Tied parameters stay tied and are satisfied by any of their names.
+    Missing and unexpected keys raise ``StateMismatchError`` before anything is read when
+    ``strict``, else are reported in the result; a shape mismatch always raises.
+
+    Casts: saved -> module dtype is implicit only when no value can change (same kind, not
+    narrower: bf16 -> fp32, int32 -> int64); float <-> int, bool <-> number, real <-> complex and
+    narrowing (fp32 -> bf16, int64 -> int32) need ``dtype=`` naming the target. A refused cast
+    raises ``StateMismatchError`` before anything is read (see [Note: the cast rule]).
+
+    All or nothing: the module is written only after every byte it gets has been read and
+    verified; any error leaves it as it was (see [Note: load_into is all or nothing]). Peak memory
+    on top of the module: a meta module, or tensors moved by ``device`` / ``dtype``, need only the
+    new tensors (the result) plus one 8 MiB chunk; tensors filled in place are staged on the CPU
+    in the narrower of the saved and the module's dtype, so ``staged_bytes`` (their bytes, once)
+    plus one chunk. When ``staged_bytes`` would exceed ``max_staging_bytes`` (default None: no
+    bound), those tensors are read twice instead, a verify-only pass and then straight into the
+    module (checksums verified again), for about two chunks of extra memory; the second pass can
+    only fail if the checkpoint changes or becomes unreadable in between, and that error carries
+    a note that the module is partly overwritten.
+    """
+    source = _open(url, step, storage_options, options, trust_pickle)
+    try:
+        groups: dict[int, list[str]] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for key, t in module.state_dict(keep_vars=True).items():
+            groups.setdefault(id(t), []).append(key)
+            tensors[id(t)] = t
+        saved = {n[len(prefix) :] for n in source.tensors if n.startswith(prefix)}
+        known = {k for keys in groups.values() for k in keys}
+        missing = sorted(
+            k for keys in groups.values() if not saved.intersection(keys) for k in keys
+        )
+        unexpected = sorted(saved - known)
+        plan: list[tuple[int, str]] = []
+        bad = []
+        for tid, keys in groups.items():
+            hit = next((k for k in keys if k in saved), None)
+            if hit is None:
+                continue
+            info: TensorInfo = source.tensors[prefix + hit]
+            if tuple(info.shape) != tuple(tensors[tid].shape):
+                bad.append(f"{hit} (saved {list(info.shape)}, module {list(tensors[tid].shape)})")
+            plan.append((tid, hit))
+        if bad or (strict and (missing or unexpected)):
+            raise StateMismatchError(
+                f"checkpoint {url} (prefix {prefix!r}) does not match the module: missing={missing} "
+                f"unexpected={unexpected} shape mismatches={bad}"
+                + ("" if bad else " (strict=False loads the rest and reports these)")
+            )
+        casts = []
+        for tid, hit in plan:
+            want_dtype, explicit = _target_dtype(dtype, tensors[tid].dtype)
+            casts.append((prefix + hit, source.tensors[prefix + hit].dtype, want_dtype, explicit))
+        _check_casts(f"checkpoint {url} (prefix {prefix!r})", casts)
+        # Phase one reads and verifies; nothing of the module is written.
+        reads: list[tuple[str, torch.Tensor | None]] = []  # new tensors: the result
+        replace: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+        in_place: list[tuple[str, torch.Tensor, torch.dtype]] = []  # (name, tensor, staging dtype)
+        for (tid, _), (name, saved_dtype, want_dtype, _) in zip(plan, casts, strict=True):
+            old = tensors[tid]
+            want_device = (
+                torch.device(device)
+                if device is not None
+                else (torch.device("cpu") if old.is_meta else old.device)
+            )
+            if (
+                old.is_meta
+                or old.device != want_device
+                or old.dtype != want_dtype
+                or not old.is_contiguous()
+            ):
+                new = torch.empty(old.shape, dtype=want_dtype, device=want_device)
+                replace.append((groups[tid], old, new))
+                reads.append((name, new))
+            else:
+                narrower = min(saved_dtype, old.dtype, key=itemsize)
+                in_place.append((name, old, narrower))
+        staged_bytes = sum(t.numel() * itemsize(d) for _, t, d in in_place)
+        if max_staging_bytes is None or staged_bytes <= max_staging_bytes:
+            staging = [torch.empty(t.shape, dtype=d) for _, t, d in in_place]
+            fill(source, reads + [(n, b) for (n, _, _), b in zip(in_place, staging, strict=True)])
+            # Phase two writes the module.
+            for (_, t, _), buf in zip(in_place, staging, strict=True):
+                _copy_in(t, buf)
+            del staging
+        else:  # over the bound: verify only, then read again straight into the module
+            staged_bytes = 0
+            fill(source, reads + [(name, None) for name, _, _ in in_place])
+            try:
+                fill(source, [(name, t) for name, t, _ in in_place])
+            except Exception as e:
+                e.add_note(
+                    f"load_into: every byte of {url} had been read and verified once, so the "
+                    "checkpoint changed or became unreadable since; the module is partly "
+                    "overwritten: load it again"
+                )
+                raise
+        for keys, old, new in replace:
+            value = (
+                torch.nn.Parameter(new, requires_grad=old.requires_grad)
+                if isinstance(old, torch.nn.Parameter)
+                else new
+            )
+            for key in keys:
+                owner_name, _, attr = key.rpartition(".")
+                owner = module.get_submodule(owner_name)
+                table = owner._parameters if attr in owner._parameters else owner._buffers
+                table[attr] = value
+        still_meta = [
+            n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta
+        ]
+        return LoadIntoResult(source.step, missing, unexpected, still_meta, staged_bytes)
+    finally:
+        source.close()
+
+
+class LazyStateDict(Mapping):
+    """A read-only mapping ``{dotted name: tensor}`` over a checkpoint; a tensor is read on first
+    access (and kept unless ``cache=False``). Shapes, dtypes and values need no tensor reads.
+
+    ```python
+    with storage.LazyStateDict(url) as ckpt:
+        ckpt.info("model.w").shape, ckpt.values["trainer.step"]
+        w = ckpt["model.w"]                       # reads this tensor only
+        rows = ckpt.read("model.w", 0, 1024)      # a flat range, not cached
+    ```
+
+    ``dtype`` casts the tensors of its kind, as in ``load_state_dict``; ``read`` keeps the saved
+    dtype.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        step: int | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        cache: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        options: LoadOptions | None = None,
+        trust_pickle: bool = False,
+    ) -> None:
+        self._source = _open(url, step, storage_options, options, trust_pickle)
+        self.url, self.device, self.dtype, self.cache = url, device, dtype, cache
+        self._cache: dict[str, torch.Tensor] = {}
+
+    @property
+    def step(self) -> int | None:
+        return self._source.step
+
+    @property
+    def format(self) -> str:
+        return self._source.format
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """Non-tensor state by dotted name."""
+        return dict(self._source.values)
+
+    def info(self, name: str) -> TensorInfo:
+        """Shape and dtype of a tensor without reading it."""
+        return self._source.tensors[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._cache:
+            return self._cache[name]
+        info = self._source.tensors[name]  # KeyError for unknown names
+        cast, explicit = _target_dtype(self.dtype, info.dtype)
+        _check_casts(f"checkpoint {self.url}", [(name, info.dtype, cast, explicit)])
+        t = torch.empty(info.shape, dtype=cast, device=self.device)
+        fill(self._source, [(name, t)])
+        if self.cache:
+            self._cache[name] = t
+        return t
+
+    def read(self, name: str, offset: int, length: int) -> torch.Tensor:
+        """Elements ``[offset, offset + length)`` of the row-major flattening (1-D, saved dtype)."""
+        info = self._source.tensors[name]
+        if offset < 0 or length < 0 or offset + length > info.numel:
+            raise ValueError(
+                f"{name}: range offset={offset} length={length} is outside [0, {info.numel})"
+            )
+        out = torch.empty(length, dtype=info.dtype)
+        if length:
+            self._source.read_into([(name, offset, out)])
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._source.tensors))
+
+    def __len__(self) -> int:
+        return len(self._source.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source.tensors
+
+    def close(self) -> None:
+        """Drop cached tensors and the reader."""
+        self._cache.clear()
+        self._source.close()
+
+    def __enter__(self) -> LazyStateDict:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

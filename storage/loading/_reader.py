@@ -1,0 +1,179 @@
+"""Execute a read plan: concurrent ranged reads verified per part, then one copy into place.
+
+[Note: fetch, then deliver]
+Each span is cut into parts of about ``part_bytes`` at checksum-block boundaries, so a part holds
+whole blocks only and a worker thread reads it and verifies its blocks on its own (CRC-32, the
+reads and numpy's copies release the GIL; the caller's thread only waits). ``fetch`` returns,
+for every planned copy, verified source bytes: a view of the page cache for a local file (see
+[Note: reading local files through the page cache] in _fs.py), the response body for an object
+store. Nothing has been written anywhere yet, so a load can still fail cleanly. ``deliver`` then
+copies the sources straight into the targets (one copy), going through the staging tensors only
+where a target needs a conversion (another dtype, device or memory layout); ``execute`` fills
+the staging tensors (``load_state_dict`` returns them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ftsdp.storage._errors import CorruptCheckpointError
+from ftsdp.storage.format._checksum import Checksum, checksum_function
+from ftsdp.storage.format._layout import step_dir
+from ftsdp.storage.format._manifest import Manifest, Piece
+from ftsdp.storage.io._fs import Store
+from ftsdp.storage.loading._read_plan import Copy, Span, Want
+
+_COPY_CHUNK = 16 << 20  # bytes per copy task, so that one large tensor uses every thread
+
+# (copy, byte offset inside the copy, verified source bytes): a copy may span several parts
+Segment = tuple[Copy, int, np.ndarray]
+
+
+@dataclass
+class _Part:
+    """Bytes ``[start, end)`` of ``span.object`` holding whole checksum blocks."""
+
+    span: Span
+    start: int
+    end: int
+    blocks: list[tuple[int, int, str, Piece, int]]  # (byte start, byte end, name, piece, k)
+
+
+def _parts(span: Span, block: int, part_bytes: int) -> list[_Part]:
+    """Cut ``span`` at block boundaries into parts of at least ``part_bytes`` (but the last)."""
+    blocks = sorted(
+        (p.byte_start + k * block, min(p.byte_start + (k + 1) * block, p.byte_end), name, p, k)
+        for name, p, k in span.blocks.values()
+    )  # disjoint: the manifest's pieces share no byte (checked when it is decoded)
+    parts: list[_Part] = []
+    current: list[tuple[int, int, str, Piece, int]] = []
+    start = span.start
+    for b in blocks:
+        current.append(b)
+        if b[1] - start >= part_bytes:
+            parts.append(_Part(span, start, b[1], current))
+            start, current = b[1], []
+    if start < span.end or not parts:
+        parts.append(_Part(span, start, span.end, current))
+    else:
+        parts[-1].blocks.extend(current)
+    return parts
+
+
+def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[Segment]:
+    rel = f"{step_dir(step)}/{part.span.object}"
+    if store.local:
+        data = store._retry(lambda: store.map_range(rel, part.start, part.end))
+    else:
+        data = np.frombuffer(store.read_range(rel, part.start, part.end), dtype=np.uint8)
+    for lo, hi, name, piece, k in part.blocks:
+        if check(data[lo - part.start : hi - part.start], 0) != piece.checksums[k]:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in tensor {name!r} (step {step}, object "
+                f"{store.where(rel)}, bytes [{lo}, {hi})); the checkpoint is corrupt, "
+                "load another step"
+            )
+    out = []
+    for c in part.span.copies:
+        lo, hi = max(c.src, part.start), min(c.src + c.nbytes, part.end)
+        if hi > lo:
+            out.append((c, lo - c.src, data[lo - part.start : hi - part.start]))
+    return out
+
+
+def _run(threads: int, tasks: Sequence[Callable[[], object]]) -> list:
+    """Run ``tasks`` on up to ``threads`` threads; the first error cancels the rest and raises."""
+    if len(tasks) <= 1 or threads <= 1:
+        return [t() for t in tasks]
+    results: list = [None] * len(tasks)
+
+    def call(i: int) -> None:
+        results[i] = tasks[i]()
+
+    with ThreadPoolExecutor(min(threads, len(tasks)), "storage-read") as pool:
+        pending = {pool.submit(call, i) for i in range(len(tasks))}
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for fut in done:
+                    fut.result()
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+    return results
+
+
+def fetch(store: Store, manifest: Manifest, spans: list[Span]) -> tuple[list[Segment], int]:
+    """Read ``spans`` of ``manifest``'s step and verify every block against the manifest's
+    checksums; the source bytes of every copy and the bytes read."""
+    step, block = manifest.step, manifest.checksum_block_bytes
+    check = checksum_function(manifest.checksum_algorithm)
+    parts = [p for s in spans for p in _parts(s, block, store.io.part_bytes)]
+    tasks = [lambda p=p: _fetch_part(store, step, check, p) for p in parts]
+    results = _run(store.io.threads, tasks)
+    return [seg for r in results for seg in r], sum(s.end - s.start for s in spans)
+
+
+def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], None]]:
+    """Tasks copying ``src`` into bytes ``[at, at + len(src))`` of the uint8 tensor ``dst``."""
+    if dst.device.type != "cpu":
+        # not a hot path (staging is on the CPU); torch wants a writable source
+        return [lambda: dst[at : at + len(src)].copy_(torch.from_numpy(src.copy()))]
+    out = dst.detach().numpy()
+    return [
+        lambda a=a: np.copyto(
+            out[at + a : at + min(a + _COPY_CHUNK, len(src))], src[a : a + _COPY_CHUNK]
+        )
+        for a in range(0, len(src), _COPY_CHUNK)
+    ]
+
+
+def _fill_staging(segments: list[Segment]) -> list[Callable[[], None]]:
+    return [t for c, off, src in segments for t in _copy_tasks(c.dst, c.dst_byte + off, src)]
+
+
+def _direct(want: Want, target: torch.Tensor) -> bool:
+    """True when the saved bytes can be copied into ``target`` as they are."""
+    return (
+        target.device.type == "cpu"
+        and target.dtype == want.staging.dtype
+        and target.is_contiguous()
+    )
+
+
+def deliver(
+    wants: list[Want], targets: list[torch.Tensor], segments: list[Segment], threads: int
+) -> None:
+    """Copy fetched bytes into each ``targets[i]`` (the tensor ``wants[i]`` describes)."""
+    direct = [_direct(w, t) for w, t in zip(wants, targets, strict=True)]
+    tasks: list[Callable[[], None]] = []
+    for c, off, src in segments:
+        if direct[c.want]:
+            dst = targets[c.want].detach().reshape(-1).view(torch.uint8)
+            tasks.extend(_copy_tasks(dst, c.dst_byte + off, src))
+        else:
+            tasks.extend(_copy_tasks(c.dst, c.dst_byte + off, src))
+    _run(threads, tasks)
+    for t, d in zip(targets, direct, strict=True):
+        if d:  # written through numpy: tell autograd, as an in-place copy_ would have
+            torch.autograd.graph.increment_version(t)
+    converts = [  # detach: grad mode is per thread, and these may be parameters
+        lambda w=w, t=t: t.detach().copy_(w.staging.view(t.shape))
+        for w, t, d in zip(wants, targets, direct, strict=True)
+        if not d
+    ]
+    _run(threads, converts)
+
+
+def execute(store: Store, manifest: Manifest, spans: list[Span]) -> int:
+    """Read every span (parts of ``store.io.part_bytes``, ``store.io.threads`` in flight), verify
+    every block read, fill the staging tensors; the number of bytes read."""
+    segments, nbytes = fetch(store, manifest, spans)
+    _run(store.io.threads, _fill_staging(segments))
+    return nbytes

@@ -1,0 +1,621 @@
+"""The commit protocol of the native format (docs/design.md, "The commit protocol"): its one owner.
+
+Every writer of the format makes a step committed here, by the same code:
+
+- the distributed ``save``: rank 0 draws the attempt (``new_attempt``) before the plan is
+  gathered; after writing its objects every rank calls ``finish``: ranks > 0 report through a
+  done marker and wait, rank 0 collects the markers and commits (or aborts);
+- the single-process writer behind ``convert`` and ``reshard``, which lays a step out for any
+  world size but is its only writer (no other ranks, so no markers): ``new_attempt``, write the
+  objects, then ``commit(store, build_manifest(...))``.
+
+[Note: commit without collectives in the background]
+After the planning all-gather (on the caller's thread, where every rank calls ``save`` in the
+same order) no collective is used: a rank > 0 writes its objects, then a small done-marker
+object with its sizes and checksums; rank 0 waits for every marker, writes the manifest (the
+commit) and the ``latest`` marker. A failure becomes an error marker (rank > 0) or an abort
+marker (rank 0), so every rank fails the same save instead of hanging; a silent rank is a
+timeout. This works the same whether the upload runs inline or in a background thread, so
+async save cannot deadlock with the training loop's collectives.
+
+[Note: one writer per step, one timeline]
+Two writers can meet on one root: two jobs given the same URL, or a rank of a stale incarnation
+(SIGSTOPped, resumed after torchrun restarted the job) that finishes a save the new incarnation
+has already moved past. Neither may silently replace or outrun the other:
+
+- The manifest is created exclusively (``Store.write_exclusive``: a hard link on a local disk,
+  ``If-None-Match: *`` on S3). Of two commits of one step exactly one succeeds; the other gets
+  ``CommitConflictError`` naming the winner's attempt and removes its own objects and markers
+  (their names carry its attempt id).
+- Rank 0 remembers which steps had a manifest when it planned the save (``Lineage.seen``). Just
+  before the commit it lists them again; a step that appeared meanwhile means another writer is
+  active, and the save is abandoned (``CommitConflictError``). Right after the commit it lists
+  them once more and backs its own commit out when a step appeared in between, so of two writers
+  whose commits overlap at most one keeps its step. What stays open: in that last case ranks > 0
+  of the writer that backs out may already have returned (rank 0 raises), and a reader may have
+  seen the step for that moment.
+- A save never goes behind a newer committed step (``plan_lineage``): the newer steps would
+  stay the newest, so a resume would load them and retention would keep them over the new one.
+  It is refused before anything is written, unless ``discard_newer`` says the newer steps are
+  an abandoned timeline: then they (and an earlier commit of the same step) are deleted once
+  the new step is committed, and the newest step a resume sees is the one just saved.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import re
+import struct
+import time
+import uuid
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage._options import MAX_MANIFEST_BYTES
+from ftsdp.storage.catalog._steps import (
+    committed_steps,
+    remove_attempt,
+    remove_step,
+    retain,
+    scan_root,
+)
+from ftsdp.storage.format._layout import (
+    LATEST,
+    abort_marker,
+    done_marker,
+    manifest_path,
+    object_name,
+    step_dir,
+)
+from ftsdp.storage.format._manifest import (
+    FORMAT_VERSION,
+    Manifest,
+    Piece,
+    RegularIndex,
+    TensorEntry,
+    remember_written,
+)
+from ftsdp.storage.io._fs import Store
+from ftsdp.storage.saving._save_plan import SavePlan
+
+Crcs = dict[str, list[list[int]]]  # object name -> per piece, its per-block checksums
+_DONE = re.compile(r"^_done-([0-9a-f]+)-rank(\d+)\.json$")  # not the temporary files of a write
+_ATTEMPT = re.compile(rb'"attempt"\s*:\s*"([0-9a-f]{1,64})"')  # in a manifest's first bytes
+_HEAD_BYTES = 4096
+
+logger = logging.getLogger(__name__)
+
+
+class CommitConflictError(CheckpointError, FileExistsError):
+    """Another writer committed this step first, or committed other steps under the root while
+    this save was in progress (a stale or concurrent writer): this save is not committed."""
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What rank 0 found under the root when it planned a save of ``step`` (``plan_lineage``)."""
+
+    step: int
+    seen: frozenset[int]  # steps whose manifest existed (valid or not)
+    discard: dict[int, str] = field(default_factory=dict)  # newer committed steps -> attempt
+    replaces: str | None = None  # the attempt of an earlier commit of ``step`` being replaced
+
+
+def plan_lineage(store: Store, step: int, discard_newer: bool = False) -> Lineage:
+    """Check that a save of ``step`` may go ahead, before anything is written: ``step`` is not
+    committed and no committed step is newer, unless ``discard_newer`` (then those are deleted
+    once ``step`` is committed; see [Note: one writer per step, one timeline]). Raises
+    FileExistsError (``step`` committed, or holding a manifest that is not ours) or
+    CheckpointError (newer committed steps)."""
+    if store.is_link(step_dir(step)):
+        raise FileExistsError(
+            f"{store.where(step_dir(step))} is a link; a step is never written through a link"
+        )
+    scan = scan_root(store, read=lambda s: s >= step)  # reads only these manifests
+    newer = {s: d.manifest.attempt for s, d in scan.dirs.items() if d.manifest and s > step}
+    own = scan.dirs.get(step)
+    replaces = None
+    if own is not None and own.has_manifest:
+        if own.manifest is None:
+            raise FileExistsError(
+                f"{store.where(manifest_path(step))} exists but is not a committed step of this "
+                f"format ({own.problem}); it is never overwritten or deleted: move it away or "
+                "save under another step"
+            )
+        if not discard_newer:
+            raise FileExistsError(
+                f"step {step} is already committed at {store.where(step_dir(step))}; save under "
+                "another step or delete that one first (discard_newer=True replaces it when it "
+                "belongs to an abandoned timeline)"
+            )
+        replaces = own.manifest.attempt
+    if newer and not discard_newer:
+        raise CheckpointError(
+            f"refusing to save step {step} under {store.where()}: committed steps newer than it "
+            f"exist: {sorted(newer)}. They would stay the newest (a resume would load them, "
+            "retention would keep them over this step). Pass discard_newer=True to delete them "
+            f"once step {step} is committed (CheckpointManager does when its resume fell back "
+            "past them), resume from the newest step instead, or delete them first"
+        )
+    return Lineage(step, frozenset(scan.with_manifest), newer, replaces)
+
+
+def new_attempt(store: Store, step: int) -> str:
+    """A fresh attempt id for a save of ``step`` after ``plan_lineage``'s checks: FileExistsError
+    when it is already committed (a committed step is never overwritten), CheckpointError when a
+    newer step is."""
+    plan_lineage(store, step)
+    return fresh_attempt()
+
+
+def fresh_attempt() -> str:
+    """A new attempt id: 8 hex digits (object and marker names carry it)."""
+    return uuid.uuid4().hex[:8]
+
+
+def build_manifest(
+    plan: SavePlan,
+    crcs: Crcs,
+    *,
+    step: int,
+    world_size: int,
+    checksum_block_bytes: int,
+    values: dict[str, Any],
+    rank_values: list[dict[str, Any]],
+    regular: tuple[list[int], dict[str, int]] | None = None,
+) -> Manifest:
+    """The manifest of a step written by ``plan``, given every object's checksums.
+
+    ``rank_values[r]`` are rank r's values; only those that differ from ``values`` are kept, for
+    the ``world_size`` ranks of the layout (missing ranks have none). With a regular layout
+    (``plan.regular``), ``regular`` is ``(counts, sizes)``: each rank's number of regular
+    objects and their sizes; the manifest is then version 4.
+    """
+    pieces: dict[str, list[Piece]] = {name: [] for name in plan.shapes}
+    for obj in plan.objects:
+        for p, (start, end), crc in zip(obj.pieces, obj.byte_ranges, crcs[obj.name], strict=True):
+            pieces[p.name].append(
+                Piece(obj.name, p.key, p.offset, p.length, start, end, tuple(crc))
+            )
+    ranks = [dict(rank_values[r]) if r < len(rank_values) else {} for r in range(world_size)]
+    objects = {o.name: o.size for o in plan.objects}
+    tensors = {
+        name: TensorEntry(shape, dtype, tuple(sorted(pieces[name], key=lambda p: p.offset)))
+        for name, (shape, dtype) in plan.shapes.items()
+    }
+    index = None
+    if plan.regular is not None and regular is not None:
+        counts, sizes = regular
+        objects.update(sizes)
+        blobs = []
+        for rank, count in enumerate(counts):
+            flat = [
+                c
+                for i in range(count)
+                for piece in crcs[object_name(rank, i, plan.attempt)]
+                for c in piece
+            ]
+            blobs.append(base64.b64encode(struct.pack(f"<{len(flat)}I", *flat)).decode())
+        index = RegularIndex(
+            plan.regular,
+            tuple(counts),
+            tuple(blobs),
+            attempt=plan.attempt,
+            step=step,
+            block=checksum_block_bytes,
+            objects=objects,
+        )
+        for name, shape, dtype, rule in plan.regular.entries:
+            tensors[name] = TensorEntry(shape, dtype, (), rule, name, index)
+    return Manifest(
+        step=step,
+        world_size=world_size,
+        attempt=plan.attempt,
+        checksum_block_bytes=checksum_block_bytes,
+        objects=objects,
+        tensors=tensors,
+        values=values,
+        rank_values=[
+            {k: v for k, v in r.items() if k not in values or values[k] != v} for r in ranks
+        ],
+        version=FORMAT_VERSION if index is not None else Manifest.version,
+        regular=index,
+    )
+
+
+def commit(
+    store: Store,
+    manifest: Manifest,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    lineage: Lineage | None = None,
+    present: Collection[str] | None = None,
+    spare: Collection[int] = (),
+) -> None:
+    """Create the manifest exclusively: the commit. With ``lineage`` (from ``plan_lineage`` when
+    the save was planned) first check that no other writer committed a step meanwhile, and back
+    out if one did right before the create (see [Note: one writer per step, one timeline]); on
+    a conflict this attempt's objects and markers are removed and ``CommitConflictError`` is
+    raised. Then, as a best effort (the step is saved; a failure is a warning): the steps
+    ``lineage`` discards, ``latest`` when this is the newest committed step, removal of the
+    attempt's done markers, and retention when ``keep_last`` is given (never of this step).
+    ``present``: the objects this root holds, when it holds only some of the manifest's (a
+    node-local root, storage/saving/_nodes.py); only those are checked before the commit. ``spare``:
+    the steps this process saved, whose objects retention may leave for the next save
+    (``retain``)."""
+    step, attempt = manifest.step, manifest.attempt
+    rel, data = manifest_path(step), manifest.to_json()
+    if lineage is not None:
+        _check_no_other_writer(store, lineage, attempt, committed=False)
+        # An earlier commit of this step that is being replaced: take it down first.
+        if lineage.replaces is not None and _attempt_at(store, step) == lineage.replaces:
+            store.remove(rel)
+    listing = store.listdir(step_dir(step))
+    gone = sorted(
+        n
+        for n, size in manifest.objects.items()
+        if listing.get(n, ("", -1))[1] != size and (present is None or n in present)
+    )
+    if gone:  # a manifest exists only over complete objects (deleted meanwhile: a concurrent gc?)
+        raise CheckpointError(
+            f"step {step} at {store.where(step_dir(step))}: objects of this save are missing or "
+            f"have another size before the commit ({', '.join(gone[:3])}"
+            f"{', ...' if len(gone) > 3 else ''}); not committed"
+        )
+    try:
+        store.write_exclusive(rel, data)  # the commit
+    except FileExistsError as e:
+        winner = _attempt_at(store, step)
+        if winner != attempt:  # not our own create whose reply was lost and was retried
+            _abandon(store, step, attempt)
+            raise CommitConflictError(
+                f"step {step} at {store.where(step_dir(step))} was committed by another writer "
+                f"(attempt {winner}) while this save (attempt {attempt}) was in progress; the "
+                "committed step is the other writer's, and this save's objects were removed"
+            ) from e
+    else:
+        remember_written(store, rel, data, manifest)
+    # One scan of the root after the commit serves its check, the markers' removal and the
+    # retention (which reads every manifest; without retention none is read).
+    scan = scan_root(store, read=lambda s: keep_last is not None)
+    steps = scan.with_manifest
+    if lineage is not None:
+        _check_no_other_writer(store, lineage, attempt, committed=True, steps=steps, data=data)
+    try:
+        changed = False  # by this commit beyond its markers: then retention scans again
+        if lineage is not None:
+            for newer, newer_attempt in sorted(lineage.discard.items()):
+                left = remove_step(store, newer, attempt=newer_attempt)
+                if left:
+                    logger.warning("discarding step %d: %s", newer, "; ".join(left))
+            if lineage.replaces is not None:
+                remove_attempt(store, step, lineage.replaces)
+            steps = [s for s in steps if s not in lineage.discard]
+            changed = bool(lineage.discard) or lineage.replaces is not None
+        if steps and steps[-1] == step:
+            store.write_bytes(LATEST, f"{step}\n".encode())
+        own = scan.dirs.get(step)
+        listing = own.entries if own is not None else store.listdir(step_dir(step))
+        for name in sorted(listing):  # a single writer has none
+            m = _DONE.match(name)
+            if m is not None and m.group(1) == attempt:
+                store.remove(f"{step_dir(step)}/{name}")
+                listing.pop(name)
+        if keep_last is not None:
+            retain(
+                store,
+                keep_last,
+                keep_every,
+                protect=step,
+                spare=spare,
+                scan=scan if not changed else None,
+            )
+    except Exception as e:
+        logger.warning(
+            "step %d committed at %s, but updating 'latest', discarding newer steps or "
+            "retention failed: %s: %s",
+            step,
+            store.where(),
+            type(e).__name__,
+            e,
+        )
+
+
+def _check_no_other_writer(
+    store: Store,
+    lineage: Lineage,
+    attempt: str,
+    *,
+    committed: bool,
+    steps: list[int] | None = None,
+    data: bytes = b"",
+) -> None:
+    """Raise CommitConflictError (after removing this attempt's files, and with ``committed``
+    its manifest ``data`` too) when a step other than this one was committed under the root
+    since the save was planned: another writer is active."""
+    step = lineage.step
+    appeared = sorted(
+        set(committed_steps(store) if steps is None else steps) - lineage.seen - {step}
+    )
+    if not appeared:
+        return
+    if committed:  # back our commit out: of two overlapping writers at most one keeps its step
+        with contextlib.suppress(Exception):
+            if store.read_bounded(manifest_path(step), MAX_MANIFEST_BYTES) == data:
+                store.remove(manifest_path(step))
+    _abandon(store, step, attempt)
+    raise CommitConflictError(
+        f"steps {appeared} were committed under {store.where()} by another writer while this "
+        f"save of step {step} (attempt {attempt}) was in progress: this writer is stale (e.g. a "
+        "rank of an earlier incarnation of the job, stopped and resumed) or another job uses "
+        f"the same root. Step {step} was not committed by this save; its objects were removed"
+    )
+
+
+def _abandon(store: Store, step: int, attempt: str) -> None:
+    """Best effort: remove every file of ``attempt`` in ``step`` (objects, markers)."""
+    try:
+        remove_attempt(store, step, attempt)
+    except Exception as e:
+        logger.warning(
+            "could not remove the objects of attempt %s of step %d at %s: %s: %s",
+            attempt,
+            step,
+            store.where(),
+            type(e).__name__,
+            e,
+        )
+
+
+def _attempt_at(store: Store, step: int) -> str | None:
+    """The attempt named by the manifest of ``step`` now; None when there is none (or it cannot
+    be read as JSON). Every rank > 0 asks this at each commit, so it reads the manifest's first
+    4 KiB, where this format puts ``attempt`` (before the tensors and values), and the whole
+    manifest only when it is not there."""
+    rel = manifest_path(step)
+    try:
+        head = store.read_range(rel, 0, min(store.size(rel), _HEAD_BYTES))
+        m = _ATTEMPT.search(head)
+        if m is not None:
+            return m.group(1).decode()
+        doc = json.loads(store.read_bounded(rel, MAX_MANIFEST_BYTES))
+    except Exception:
+        return None
+    return str(doc.get("attempt")) if isinstance(doc, dict) else None
+
+
+# -- several ranks ------------------------------------------------------------------------------
+
+
+def finish(
+    store: Store,
+    step: int,
+    plan: SavePlan,
+    rank: int,
+    crcs: Crcs,
+    error: BaseException | None,
+    *,
+    values: dict[str, Any],
+    world_size: int,
+    checksum_block_bytes: int,
+    timeout_s: float,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    lineage: Lineage | None = None,
+    replaces: str | None = None,
+    spare: Collection[int] = (),
+) -> None:
+    """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
+    checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
+    every rank when it is not. ``values``: this rank's JSON values (a rank > 0 reports them in
+    its done marker; rank 0's are the manifest's ``values``, and it keeps the others' that
+    differ); ``world_size``: the number of ranks. ``lineage``: rank 0's ``plan_lineage`` of
+    this save; ``replaces``: the attempt of an earlier commit of this step that it replaces
+    (every rank knows it from the plan); ``spare``: see ``commit``."""
+    if rank != 0:  # report, then wait for rank 0's verdict
+        objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
+        regular = _regular_count(plan, rank)
+        _write_marker(
+            store,
+            done_marker(step, plan.attempt, rank),
+            error,
+            rank=rank,
+            objects=objects,
+            regular=regular,
+            values=values,
+        )
+        if error is not None:
+            raise error
+        _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces)
+        return
+    if error is None:
+        try:
+            theirs, sizes, counts, rank_values = _collect_markers(
+                store, step, plan, world_size, timeout_s
+            )
+            rank_values[0] = values
+            manifest = manifest_of_reports(
+                plan, {**crcs, **theirs}, sizes, counts, step, checksum_block_bytes, rank_values
+            )
+            commit(
+                store,
+                manifest,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                lineage=lineage,
+                spare=spare,
+            )
+            return
+        except BaseException as e:
+            error = e
+    # Ranks > 0 stop waiting at the abort marker, or at another writer's manifest of this step
+    # (then no marker is left in that writer's step). A single rank needs none.
+    if world_size > 1 and _attempt_at(store, step) in (None, plan.attempt, replaces):
+        with contextlib.suppress(Exception):  # best effort: the original error is what matters
+            _write_marker(store, abort_marker(step, plan.attempt), error)
+    raise error
+
+
+def _write_marker(store: Store, rel: str, error: BaseException | None, **fields: Any) -> None:
+    """A done marker (rank > 0: its objects' sizes and checksums, or its error) or an abort
+    marker (rank 0: the error), as JSON."""
+    doc = {**fields, "error": None if error is None else f"{type(error).__name__}: {error}"}
+    store.write_bytes(rel, json.dumps(doc).encode())
+
+
+def _wait_for_commit(
+    store: Store, step: int, attempt: str, rank: int, timeout_s: float, replaces: str | None
+) -> None:
+    """Rank > 0: wait for this attempt's manifest, or for rank 0's abort marker or another
+    writer's manifest of the step (raised). The manifest of the commit this save replaces is
+    waited past."""
+    abort = abort_marker(step, attempt)
+    for _ in _poll(timeout_s):
+        if store.exists(abort):
+            reason = json.loads(store.read_bounded(abort, MAX_MANIFEST_BYTES)).get("error")
+            raise CheckpointError(
+                f"save of step {step} to {store.where()} was aborted by rank 0: {reason}"
+            )
+        if store.exists(manifest_path(step)):
+            winner = _attempt_at(store, step)
+            if winner == attempt:
+                return
+            if winner is not None and winner != replaces:
+                raise CommitConflictError(
+                    f"rank {rank}: step {step} at {store.where(step_dir(step))} was committed by "
+                    f"another writer (attempt {winner}), not by this save (attempt {attempt})"
+                )
+    raise TimeoutError(
+        f"rank {rank}: step {step} at {store.where()} was not committed within {timeout_s}s "
+        "(is rank 0 alive?)"
+    )
+
+
+def _regular_count(plan: SavePlan, rank: int) -> int:
+    """How many of ``rank``'s own objects are regular ones (they come first)."""
+    return len(plan.own(rank)) - len(plan.for_rank(rank)) if plan.regular is not None else 0
+
+
+def _collect_markers(
+    store: Store, step: int, plan: SavePlan, world: int, timeout_s: float
+) -> tuple[Crcs, dict[str, int], list[int], list[dict[str, Any]]]:
+    """Rank 0: every other rank's checksums and JSON values, from its done marker, each listed
+    object's size checked against the plan; with a regular layout also each rank's regular
+    objects (their number and sizes, as the rank reports them: see [Note: regular layouts] in
+    storage/format/_regular.py). Returns those and the values by rank (rank 0's left empty). Raises a
+    rank's reported error, or TimeoutError."""
+    crcs: Crcs = {}
+    sizes: dict[str, int] = {}
+    counts = [0] * world
+    values: list[dict[str, Any]] = [{} for _ in range(world)]
+    waiting = set(range(1, world))
+    for _ in _poll(timeout_s):
+        listing = store.listdir(step_dir(step)) if waiting else {}
+        for name in sorted(listing):
+            m = _DONE.match(name)
+            if m is None or m.group(1) != plan.attempt or int(m.group(2)) not in waiting:
+                continue
+            rank = int(m.group(2))
+            marker = json.loads(
+                store.read_bounded(done_marker(step, plan.attempt, rank), MAX_MANIFEST_BYTES)
+            )
+            if marker["error"]:
+                raise CheckpointError(f"rank {rank} failed to write step {step}: {marker['error']}")
+            take_report(plan, step, rank, marker, crcs, sizes, counts, values)
+            waiting.discard(rank)
+        if not waiting:
+            return crcs, sizes, counts, values
+    raise TimeoutError(
+        f"step {step} at {store.where()}: ranks {sorted(waiting)} did not finish writing within "
+        f"{timeout_s}s"
+    )
+
+
+def manifest_of_reports(
+    plan: SavePlan,
+    crcs: Crcs,
+    sizes: dict[str, int],
+    counts: list[int],
+    step: int,
+    checksum_block_bytes: int,
+    rank_values: list[dict[str, Any]],
+) -> Manifest:
+    """Rank 0: the manifest of a step once every other rank's report is taken (``take_report``):
+    ``crcs`` of every object, the other ranks' regular ``sizes`` and ``counts``; rank 0's own
+    regular objects are added here."""
+    if plan.regular is not None:
+        counts[0] = _regular_count(plan, 0)
+        sizes.update((o.name, o.size) for o in plan.own(0)[: counts[0]])
+    return build_manifest(
+        plan,
+        crcs,
+        step=step,
+        world_size=len(counts),
+        checksum_block_bytes=checksum_block_bytes,
+        values=rank_values[0],
+        rank_values=rank_values,
+        regular=(counts, sizes) if plan.regular is not None else None,
+    )
+
+
+def take_report(
+    plan: SavePlan,
+    step: int,
+    rank: int,
+    marker: dict[str, Any],
+    crcs: Crcs,
+    sizes: dict[str, int],
+    counts: list[int],
+    values: list[dict[str, Any]],
+) -> None:
+    """Take rank ``rank``'s report of its objects (a done marker's content) into ``crcs``, its
+    JSON values into ``values[rank]``, and with a regular layout ``sizes`` and ``counts``: each
+    listed object's size checked against the plan, its regular objects as the rank reports
+    them."""
+    for obj in plan.for_rank(rank):
+        got = marker["objects"].get(obj.name, {})
+        if got.get("size") != obj.size or got.get("checksums") is None:
+            raise CheckpointError(
+                f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
+                f"the plan says {obj.size}"
+            )
+        crcs[obj.name] = got["checksums"]
+    if not isinstance(marker.get("values"), dict):
+        raise CheckpointError(f"rank {rank}'s report of step {step} has no values")
+    values[rank] = marker["values"]
+    if plan.regular is not None:
+        counts[rank] = _reported_regular(marker, rank, step, plan.attempt, crcs, sizes)
+
+
+def _reported_regular(
+    marker: dict[str, Any], rank: int, step: int, attempt: str, crcs: Crcs, sizes: dict[str, int]
+) -> int:
+    """The number of regular objects a rank's done marker reports, their checksums and sizes
+    taken into ``crcs`` and ``sizes``."""
+    count = marker.get("regular")
+    if type(count) is not int or count < 0:
+        raise CheckpointError(f"rank {rank}'s done marker of step {step} has no regular count")
+    for i in range(count):
+        name = object_name(rank, i, attempt)
+        got = marker["objects"].get(name, {})
+        if type(got.get("size")) is not int or not isinstance(got.get("checksums"), list):
+            raise CheckpointError(f"rank {rank} did not report its regular object {name}")
+        crcs[name], sizes[name] = got["checksums"], got["size"]
+    return count
+
+
+def _poll(timeout: float) -> Iterator[int]:
+    """Yield until ``timeout`` seconds have passed, sleeping a little longer each time."""
+    deadline, delay, n = time.monotonic() + timeout, 0.005, 0
+    while True:
+        yield n
+        if time.monotonic() > deadline:
+            return
+        time.sleep(delay)
+        delay, n = min(delay * 1.5, 0.25), n + 1

@@ -1,0 +1,428 @@
+"""Node-local roots: one step saved across machines that share no storage, each machine keeping
+its own ranks' objects and a replica of another machine's (see [Note: node-local roots]).
+
+```python
+storage.save(state, "/dev/shm/run", step, node=node_id, ...)  # each node: its own /dev/shm
+step = storage.restore_on_nodes("/dev/shm/run", node=node_id)  # before storage.load
+storage.clear_on_nodes("/dev/shm/run", node=node_id)           # at a clean end
+```
+
+[Note: node-local roots]
+Host shared memory (``/dev/shm``) outlives a worker process but not its machine, and no other
+machine can read it. A save with ``node=`` writes every rank's objects into the root as this
+rank's machine sees it: the same path names a different directory on each node. The ordinary
+commit cannot work there (rank 0 reads the other ranks' done markers from the root, and only its
+own node's are in its root), so this mode commits through collectives on storage's own gloo
+group (the save's background thread, never the training loop's group):
+
+1. every rank writes its objects, then all ranks gather each rank's report (its node, its
+   objects' sizes and checksums, its error: what a done marker holds);
+2. the replica: each rank sends its objects' bytes to the rank of the same local index on the
+   next node (a ring over the nodes, in the order of their lowest rank), which writes them under
+   the same names into its node's root;
+3. rank 0 checks the reports against the plan and builds the manifest (``build_manifest``, the
+   same as a shared root's), and broadcasts it;
+4. the first rank of each node commits it into its node's root (``commit``: the same exclusive
+   create, ``latest`` and retention; only the objects that node holds are checked), and the
+   outcome is agreed: a failure anywhere fails the save on every rank.
+
+A committed step is one directory with the usual manifest on every node; each node holds its
+own ranks' objects and the previous node's. ``restore_on_nodes`` (collective, before a load)
+gathers what each node of the current job holds, picks the newest step whose manifest some node
+has and whose objects the nodes hold together, and sends every node the manifest and objects it
+lacks, so that the ordinary ``load`` (same manifest, same checks) runs on each node's root. A
+lost node is thus covered by the next node's replica; losing two neighbouring nodes loses the
+tier's steps (the caller falls back to its durable checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage.catalog._steps import clear_steps
+from ftsdp.storage.format._layout import LATEST, is_own_name, manifest_path, parse_step, step_dir
+from ftsdp.storage.format._manifest import Manifest, read_manifest_file
+from ftsdp.storage.io._collectives import (
+    all_gather_json,
+    broadcast_json,
+    gather_json,
+    own_group,
+    rank_world,
+    resolve_group,
+)
+from ftsdp.storage.io._fs import Store
+from ftsdp.storage.saving._commit import (
+    Crcs,
+    Lineage,
+    _regular_count,
+    commit,
+    manifest_of_reports,
+    plan_lineage,
+    take_report,
+)
+from ftsdp.storage.saving._save_plan import SavePlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Which rank is on which node: ``of[r]`` is rank r's node id. Every lookup is O(1) after
+    one pass over the ranks (a save asks for every rank's peer: O(W), not O(W²))."""
+
+    of: tuple[str, ...]
+
+    @cached_property
+    def _members(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for r, n in enumerate(self.of):
+            out.setdefault(n, []).append(r)
+        return out
+
+    @cached_property
+    def _local(self) -> list[int]:
+        """Each rank's index among its node's ranks."""
+        seen: dict[str, int] = {}
+        out = []
+        for n in self.of:
+            out.append(seen.get(n, 0))
+            seen[n] = out[-1] + 1
+        return out
+
+    @cached_property
+    def order(self) -> list[str]:
+        """The nodes, by their lowest rank."""
+        return list(self._members)
+
+    @cached_property
+    def _next(self) -> dict[str, str]:
+        order = self.order
+        return {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
+
+    def ranks(self, node: str) -> list[int]:
+        return self._members.get(node, [])
+
+    def leader(self, rank: int) -> int:
+        """The lowest rank on ``rank``'s node (the one that commits and lists there)."""
+        return self._members[self.of[rank]][0]
+
+    def peer(self, rank: int) -> int | None:
+        """Where ``rank``'s replica goes: the rank of the same local index (modulo its size) on
+        the next node; None with one node."""
+        if len(self._members) < 2:
+            return None
+        nxt = self._members[self._next[self.of[rank]]]
+        return nxt[self._local[rank] % len(nxt)]
+
+
+def _group_for(process_group: Any, url: str) -> Any:
+    """Storage's own gloo group for ``url``'s lane over every rank (see [Note: storage's own
+    process group] in _collectives.py); ValueError over a subgroup."""
+    group = resolve_group(process_group)
+    if group is None:
+        return None
+    own = own_group(group, Store(url, None).where())
+    if own is None:
+        raise ValueError(
+            f"node-local saves to {url} need every rank of the job (storage's own gloo group); "
+            "the process group given is a subgroup: save over the whole job, or without node="
+        )
+    return own
+
+
+def _error(e: BaseException | None) -> str | None:
+    return None if e is None else f"{type(e).__name__}: {e}"
+
+
+def _transfer(
+    store: Store, rank: int, moves: list[tuple[int, int, str, int]], group: Any
+) -> dict[str, bytes]:
+    """Run ``moves`` ``(src, dst, rel, size)`` (the same list on every rank): ``src`` sends the
+    file ``rel`` of its root to ``dst`` (gloo, uint8 tensors, one tag per move). Returns what
+    this rank received, ``{rel: bytes}``, unwritten. A source that cannot read its file sends
+    zeros and raises afterwards (the caller agrees on the outcome before writing anything)."""
+    works, received, read_error = [], [], None
+    for tag, (src, dst, rel, size) in enumerate(moves):
+        if src == rank:
+            data = b""
+            try:
+                data = store.read(rel)
+                if len(data) != size:
+                    raise CheckpointError(f"{store.where(rel)} has {len(data)} bytes, not {size}")
+            except Exception as e:
+                read_error, data = read_error or e, bytes(size)
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else None
+            if buf is not None:
+                works.append(dist.isend(buf, dist.get_global_rank(group, dst), group, tag))
+        elif dst == rank and size:
+            buf = torch.empty(size, dtype=torch.uint8)
+            works.append(dist.irecv(buf, dist.get_global_rank(group, src), group, tag))
+            received.append((rel, buf))
+        elif dst == rank:
+            received.append((rel, torch.empty(0, dtype=torch.uint8)))
+    for w in works:
+        w.wait()
+    if read_error is not None:
+        raise read_error
+    return {rel: bytes(buf.numpy()) for rel, buf in received}
+
+
+def finish_on_nodes(
+    store: Store,
+    step: int,
+    plan: SavePlan,
+    rank: int,
+    crcs: Crcs,
+    error: BaseException | None,
+    *,
+    node: str,
+    group: Any,
+    values: dict[str, Any],
+    world_size: int,
+    checksum_block_bytes: int,
+    keep_last: int | None,
+    keep_every: int | None,
+    lineage: Lineage | None,
+    discard_newer: bool,
+) -> None:
+    """Steps 1 to 4 of [Note: node-local roots] on ``rank`` (collective over ``group``), once it
+    wrote its objects of ``plan`` (checksums ``crcs``) or failed (``error``); ``values``: its
+    JSON values (rank 0's are the manifest's). Returns when the step is committed on every
+    node; raises on every rank otherwise."""
+    own = plan.own(rank)
+    full = gather_json(  # rank 0 builds the manifest from them: what done markers would hold
+        {
+            "objects": {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in own},
+            "regular": _regular_count(plan, rank),
+            "values": values,
+        },
+        group,
+    )
+    report = {"node": node, "error": _error(error), "objects": {o.name: o.size for o in own}}
+    reports = all_gather_json(report, group)
+    failed = [(r, x["error"]) for r, x in enumerate(reports) if x["error"]]
+    if failed:
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            f"step {step}: rank {failed[0][0]} failed to write its objects: {failed[0][1]}"
+        )
+    nodes = Nodes(tuple(x["node"] for x in reports))
+    moves = [
+        (src, dst, f"{step_dir(step)}/{name}", int(size))
+        for src, x in enumerate(reports)
+        if (dst := nodes.peer(src)) is not None
+        for name, size in sorted(x["objects"].items())
+    ]
+    replica_error: BaseException | None = None
+    try:
+        for rel, data in _transfer(store, rank, moves, group).items():
+            store.write_bytes(rel, data)
+    except Exception as e:
+        replica_error = e
+    outcome: dict[str, Any] = {"error": _error(replica_error), "manifest": None}
+    if rank == 0 and replica_error is None:
+        assert full is not None
+        try:
+            outcome["manifest"] = (
+                _manifest(plan, crcs, full, step, world_size, checksum_block_bytes, values)
+                .to_json()
+                .decode()
+            )
+        except Exception as e:
+            outcome["error"] = _error(e)
+    errors = [x for x in all_gather_json(outcome["error"], group) if x]
+    if errors:
+        raise CheckpointError(f"step {step} on the nodes' roots: {errors[0]}")
+    text = broadcast_json(outcome["manifest"], group)
+    commit_error: BaseException | None = None
+    if nodes.leader(rank) == rank:
+        try:
+            manifest = Manifest.from_json(text.encode(), where=store.where(manifest_path(step)))
+            here = set(nodes.ranks(node))
+            holders = {*here, *(r for r in range(len(reports)) if nodes.peer(r) in here)}
+            held = {n for r in holders for n in reports[r]["objects"]}
+            if rank != 0:  # rank 0's was planned with the save
+                lineage = plan_lineage(store, step, discard_newer)
+            commit(
+                store,
+                manifest,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                lineage=lineage,
+                present=held,
+            )
+        except Exception as e:
+            commit_error = e
+    errors = [x for x in all_gather_json(_error(commit_error), group) if x]
+    if commit_error is not None:
+        raise commit_error
+    if errors:
+        raise CheckpointError(f"step {step} was not committed on every node: {errors[0]}")
+
+
+def _manifest(
+    plan: SavePlan,
+    crcs: Crcs,
+    reports: list[dict[str, Any]],
+    step: int,
+    world_size: int,
+    checksum_block_bytes: int,
+    values: dict[str, Any],
+) -> Manifest:
+    """Rank 0: the manifest, from its own checksums and ``values`` and the other ranks' reports
+    (checked against the plan as their done markers would be)."""
+    crcs = dict(crcs)
+    sizes: dict[str, int] = {}
+    counts = [0] * world_size
+    rank_values: list[dict[str, Any]] = [values] + [{} for _ in range(world_size - 1)]
+    for rank, marker in enumerate(reports):
+        if rank == 0:
+            continue
+        take_report(plan, step, rank, marker, crcs, sizes, counts, rank_values)
+    return manifest_of_reports(plan, crcs, sizes, counts, step, checksum_block_bytes, rank_values)
+
+
+def _holdings(store: Store) -> dict[str, Any]:
+    """What this node's root holds: per step, the manifest's attempt and objects (when it has a
+    valid one) and the objects present (name -> size)."""
+    out: dict[str, Any] = {}
+    for name, (kind, _) in store.listdir().items():
+        step = parse_step(name)
+        if step is None or kind != "directory":
+            continue
+        listing = store.listdir(step_dir(step))
+        held = {
+            n: size
+            for n, (k, size) in listing.items()
+            if k == "file" and is_own_name(n) and n.endswith(".safetensors")
+        }
+        entry: dict[str, Any] = {"held": held, "attempt": None, "needs": {}, "size": 0}
+        if "manifest.json" in listing:
+            entry["size"] = listing["manifest.json"][1]
+            try:
+                m = read_manifest_file(store, manifest_path(step))
+                if m.step == step:
+                    entry["attempt"], entry["needs"] = m.attempt, dict(m.objects)
+            except Exception as e:
+                logger.warning("node-local root %s, step %d: %s", store.where(), step, e)
+        out[str(step)] = entry
+    return out
+
+
+def _choose(
+    reports: list[dict[str, Any] | None], leaders: list[int]
+) -> tuple[int, list[tuple[int, int, str, int]]] | None:
+    """The newest step whose manifest some node holds and whose objects the nodes hold
+    together, and the moves ``(src, dst, rel, size)`` that complete every node; None when no
+    step qualifies. The same on every rank (a function of the gathered reports)."""
+    found: dict[tuple[int, str], int] = {}  # (step, attempt) -> the first leader with it
+    for leader in leaders:
+        for s, entry in (reports[leader] or {}).items():
+            if entry["attempt"] is not None:
+                found.setdefault((int(s), entry["attempt"]), leader)
+    for (step, attempt), src in sorted(found.items(), key=lambda kv: (-kv[0][0], kv[1])):
+        needs = reports[src][str(step)]["needs"]  # type: ignore[index]
+        where: dict[str, int] = {}  # object -> a leader holding it whole
+        for leader in leaders:
+            held = (reports[leader] or {}).get(str(step), {}).get("held", {})
+            for name, size in needs.items():
+                if held.get(name) == size:
+                    where.setdefault(name, leader)
+        if len(where) < len(needs):
+            continue
+        moves = []
+        for dst in leaders:
+            entry = (reports[dst] or {}).get(str(step), {})
+            if entry.get("attempt") != attempt:
+                size = reports[src][str(step)]["size"]  # type: ignore[index]
+                moves.append((src, dst, manifest_path(step), size))
+            held = entry.get("held", {})
+            for name, size in sorted(needs.items()):
+                if held.get(name) != size:
+                    moves.append((where[name], dst, f"{step_dir(step)}/{name}", size))
+        return step, moves
+    return None
+
+
+def restore_on_nodes(url: str, *, node: str, process_group: Any = None) -> int | None:
+    """Make every node's root ``url`` hold a whole committed step, and return it (collective
+    over ``process_group``, every rank of the job): the newest step whose manifest one of the
+    nodes of this job holds and whose objects they hold together (see [Note: node-local roots]).
+    The manifest and objects a node lacks are sent to it by a node that has them; then
+    ``load(state, url, step)`` reads on every node as from any root. ``node`` is this rank's
+    node id (ranks with the same id share the root). Returns None, on every rank, when no step
+    qualifies or the exchange failed (logged): fall back to another root."""
+    group = _group_for(process_group, url)
+    rank, _ = rank_world(group)
+    store = Store(url, None)
+    nodes = Nodes(tuple(all_gather_json(node, group)))
+    leaders = [nodes.ranks(n)[0] for n in nodes.order]
+    mine: dict[str, Any] | None = None
+    error: str | None = None
+    if nodes.leader(rank) == rank:
+        try:
+            mine = _holdings(store)
+        except Exception as e:
+            error = _error(e)
+    gathered = all_gather_json({"holdings": mine, "error": error}, group)
+    errors = [x["error"] for x in gathered if x["error"]]
+    if errors:
+        logger.warning("node-local root %s: listing failed: %s", url, errors[0])
+        return None
+    choice = _choose([x["holdings"] for x in gathered], leaders)
+    if choice is None:
+        return None
+    step, moves = choice
+    got: dict[str, bytes] = {}
+    failure: str | None = None
+    try:
+        got = _transfer(store, rank, moves, group)
+    except Exception as e:
+        failure = _error(e)
+    failures = [x for x in all_gather_json(failure, group) if x]
+    if not failures:
+        try:  # the objects first, the manifest last: a torn copy is never a committed step
+            for rel in sorted(got, key=lambda rel: rel.endswith("manifest.json")):
+                store.write_bytes(rel, got[rel])
+            if got:
+                store.write_bytes(LATEST, f"{step}\n".encode())
+        except Exception as e:
+            failure = _error(e)
+        failures = [x for x in all_gather_json(failure, group) if x]
+    if failures:
+        logger.warning("node-local root %s: restoring step %d failed: %s", url, step, failures[0])
+        return None
+    if moves:
+        logger.info(
+            "node-local root %s: step %d restored on every node (%d files, %d bytes sent)",
+            url,
+            step,
+            len(moves),
+            sum(m[3] for m in moves),
+        )
+    return step
+
+
+def is_node_leader(node: str, process_group: Any = None) -> bool:
+    """Whether this rank is the lowest rank of its node (collective over ``process_group``:
+    every rank passes its node id)."""
+    group = resolve_group(process_group)
+    rank, _ = rank_world(group)
+    nodes = Nodes(tuple(all_gather_json(node, group)))
+    return nodes.leader(rank) == rank
+
+
+def clear_on_nodes(url: str, *, node: str, process_group: Any = None) -> list[int]:
+    """``clear_steps(url)`` once on every node (collective): the lowest rank of each node
+    clears its root. Returns the steps it removed (``[]`` on the other ranks)."""
+    if not is_node_leader(node, process_group):
+        return []
+    return clear_steps(url)
