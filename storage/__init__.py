@@ -30,12 +30,12 @@ from ftsdp.storage._errors import (
 from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
 from ftsdp.storage.catalog._checks import VerifyReport, diff, inspect_checkpoint, verify
 from ftsdp.storage.catalog._gc import GcReport, collect_garbage
-from ftsdp.storage.catalog._steps import apply_retention, clear_steps, list_steps, read_manifest
 from ftsdp.storage.conversion._convert import ConvertResult, convert, reshard
 from ftsdp.storage.conversion._formats import FORMATS, detect_format
 from ftsdp.storage.format._flat_shard import FlatShard
 from ftsdp.storage.format._manifest import FORMAT_VERSION, Manifest
 from ftsdp.storage.format._state import KeptState
+from ftsdp.storage.format._steps import apply_retention, clear_steps, list_steps, read_manifest
 from ftsdp.storage.inference._inference import (
     LazyStateDict,
     LoadIntoResult,

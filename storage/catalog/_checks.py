@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from ftsdp.storage._errors import CheckpointError
-from ftsdp.storage.catalog._steps import committed_steps, resolve_manifest
 from ftsdp.storage.conversion._formats import detect_format, open_source
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._checksum import checksum_function
@@ -24,6 +23,7 @@ from ftsdp.storage.format._dtypes import safetensors_code, torch_dtype
 from ftsdp.storage.format._layout import MANIFEST, manifest_path, parse_step, step_dir
 from ftsdp.storage.format._manifest import Manifest, Piece, read_manifest_file
 from ftsdp.storage.format._safetensors import read_header
+from ftsdp.storage.format._steps import committed_steps, resolve_manifest
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import (
     DEFAULT_MAX_MEMORY,

@@ -1,6 +1,6 @@
 """``collect_garbage``: what retention and torn attempts leave behind, removed or only listed.
 
-It deletes exactly what retention would (``plan_retention`` in ``storage/catalog/_steps.py``), so only
+It deletes exactly what retention would (``plan_retention`` in ``storage/format/_steps.py``), so only
 what is provably ours (see [Note: deleting only what is ours] there); everything it leaves alone
 on purpose (unreadable manifests, links, files this format does not write) is reported.
 """
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftsdp.storage._errors import CheckpointNotFoundError
-from ftsdp.storage.catalog._steps import execute, plan_retention
 from ftsdp.storage.format._layout import step_dir
+from ftsdp.storage.format._steps import execute, plan_retention
 from ftsdp.storage.io._fs import Store
 
 

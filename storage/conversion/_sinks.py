@@ -33,7 +33,6 @@ from typing import IO, Any
 import torch
 
 from ftsdp.storage._options import MAX_MANIFEST_BYTES, SaveOptions
-from ftsdp.storage.catalog._steps import committed_steps, remove_step
 from ftsdp.storage.conversion._interfaces import Feed, Sink
 from ftsdp.storage.format._dtypes import dtype_name, safetensors_code
 from ftsdp.storage.format._layout import (
@@ -46,6 +45,7 @@ from ftsdp.storage.format._layout import (
     step_dir,
 )
 from ftsdp.storage.format._safetensors import write_object
+from ftsdp.storage.format._steps import committed_steps, remove_step
 from ftsdp.storage.io._fs import Store, is_plain_name
 from ftsdp.storage.io._streaming import tensor_bytes
 from ftsdp.storage.saving._commit import build_manifest, commit, new_attempt

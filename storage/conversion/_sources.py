@@ -22,12 +22,12 @@ from ftsdp.storage._errors import (
     IncompleteCheckpointError,
 )
 from ftsdp.storage._options import MAX_MANIFEST_BYTES, LoadOptions
-from ftsdp.storage.catalog._steps import resolve_manifest
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._dtypes import BY_SAFETENSORS_CODE, torch_dtype
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE, HF_VALUES_KEY
 from ftsdp.storage.format._ranges import Range
 from ftsdp.storage.format._safetensors import read_header
+from ftsdp.storage.format._steps import resolve_manifest
 from ftsdp.storage.io._fs import Store, is_plain_name
 from ftsdp.storage.io._streaming import TensorInfo, tensor_bytes
 from ftsdp.storage.loading._read_plan import Want, plan_reads

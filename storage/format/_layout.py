@@ -11,7 +11,7 @@ _STEP = re.compile(r"^step-(\d+)$")
 # Every name this format writes inside a step directory (see object_name, done_marker,
 # abort_marker; the manifest), each also as the local store's temporary name of a write in
 # progress (``<name>.tmp-<8 hex>``, storage/io/_fs.py). Deletion decisions rely on it: only such
-# names are ever deleted (storage/catalog/_steps.py, [Note: deleting only what is ours]).
+# names are ever deleted (storage/format/_steps.py, [Note: deleting only what is ours]).
 _OWN = re.compile(
     r"(?:rank\d{5,}-\d{3,}-(?P<object>[0-9a-f]{8})\.safetensors"
     r"|_done-(?P<done>[0-9a-f]{8})-rank\d{5,}\.json"

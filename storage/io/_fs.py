@@ -98,12 +98,12 @@ except ImportError:  # pragma: no cover - not on Windows
 
 import fsspec
 import numpy as np
+from crc32c import crc32c  # the checksum S3 verifies on upload (x-amz-checksum-crc32c)
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage._options import IOOptions
-from ftsdp.storage.format._checksum import crc32c
 from ftsdp.storage.io._retry import retry
 
 MiB = 1 << 20

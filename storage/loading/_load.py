@@ -9,11 +9,11 @@ from typing import Any
 from ftsdp.storage import _errors
 from ftsdp.storage._errors import CheckpointError, StateMismatchError
 from ftsdp.storage._options import LoadOptions
-from ftsdp.storage.catalog._steps import resolve_manifest
 from ftsdp.storage.format._dtypes import dtype_name, itemsize
 from ftsdp.storage.format._layout import manifest_path
 from ftsdp.storage.format._manifest import Manifest
 from ftsdp.storage.format._state import TensorLeaf, flatten_state
+from ftsdp.storage.format._steps import resolve_manifest
 from ftsdp.storage.io._collectives import all_gather_json, broadcast_json, rank_world, resolve_group
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.loading._read_plan import Want, make_want, plan_reads

@@ -57,13 +57,6 @@ from typing import Any
 
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import MAX_MANIFEST_BYTES
-from ftsdp.storage.catalog._steps import (
-    committed_steps,
-    remove_attempt,
-    remove_step,
-    retain,
-    scan_root,
-)
 from ftsdp.storage.format._layout import (
     LATEST,
     abort_marker,
@@ -79,6 +72,13 @@ from ftsdp.storage.format._manifest import (
     RegularIndex,
     TensorEntry,
     remember_written,
+)
+from ftsdp.storage.format._steps import (
+    committed_steps,
+    remove_attempt,
+    remove_step,
+    retain,
+    scan_root,
 )
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._save_plan import SavePlan

@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 
 from ftsdp.storage._errors import CheckpointError
-from ftsdp.storage.catalog._steps import clear_steps
 from ftsdp.storage.format._layout import LATEST, is_own_name, manifest_path, parse_step, step_dir
 from ftsdp.storage.format._manifest import Manifest, read_manifest_file
+from ftsdp.storage.format._steps import clear_steps
 from ftsdp.storage.io._collectives import (
     all_gather_json,
     broadcast_json,

@@ -84,7 +84,7 @@ def test_the_library_prints_nothing_and_logs_instead(tmp_path, capsys, caplog) -
     assert [str(w.message) for w in caught] == []
     by_logger = {(r.name, r.levelname) for r in caplog.records}
     assert {
-        ("ftsdp.storage.catalog._steps", "WARNING"),  # retention left the user's step-0 alone
+        ("ftsdp.storage.format._steps", "WARNING"),  # retention left the user's step-0 alone
         ("ftsdp.elastic._signals", "WARNING"),
         ("ftsdp.elastic._watchdog", "ERROR"),
         ("ftsdp.train", "INFO"),

@@ -127,7 +127,7 @@ def test_an_unreadable_manifest_never_counts_toward_keep_last(backend, caplog) -
     assert report.removed_steps == [] and report.kept_steps == [1] and report.left_alone
     # Retention after a save: the unreadable step neither counts nor goes.
     # Logged (an operational event), not a warnings.warn.
-    with caplog.at_level(logging.WARNING, logger="ftsdp.storage.catalog._steps"):
+    with caplog.at_level(logging.WARNING, logger="ftsdp.storage.format._steps"):
         storage.save(_state(3), url, step=3, keep_last=1, storage_options=opts, options=SMALL)
     assert "retention left alone:" in caplog.text and "step-2: left alone" in caplog.text
     tree = _tree(url, opts)

@@ -380,7 +380,7 @@ def retain(
 ) -> list[int]:
     """Apply retention under ``store`` (see ``plan_retention``); return the removed steps
     (committed and torn), ascending. What was left alone is logged (WARNING, logger
-    ``ftsdp.storage.catalog._steps``). ``spare`` (``SaveOptions.reuse_retired``, tmpfs roots): the
+    ``ftsdp.storage.format._steps``). ``spare`` (``SaveOptions.reuse_retired``, tmpfs roots): the
     steps this process saved; of the newest such committed step removed that holds nothing
     but this format's files, delete the manifest and the rest but leave the objects, a torn
     step now, for the next save to overwrite (see [Note: overwriting a retired object] in
