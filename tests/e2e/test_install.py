@@ -107,7 +107,8 @@ def test_the_wheel_holds_one_top_level_package(wheel: pathlib.Path) -> None:
     top = {n.split("/", 1)[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"ftsdp"}, sorted(top)
     for path in (
-        "ftsdp/storage/_manifest.py",
+        "ftsdp/storage/format/_manifest.py",
+        "ftsdp/storage/saving/_save.py",
         "ftsdp/tools/ckpt/__main__.py",
         "ftsdp/fsdp/__init__.py",
         "ftsdp/examples/gpt.py",
@@ -115,6 +116,8 @@ def test_the_wheel_holds_one_top_level_package(wheel: pathlib.Path) -> None:
     ):
         assert path in names, path
     assert not any(n.startswith(("tests/", "ftsdp/tests/")) for n in names)
+    # development scripts run from a checkout only (docs/design.md, "The map")
+    assert not any(n.startswith("ftsdp/tools/dev/") for n in names)
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "ftsdp-ckpt = ftsdp.tools.ckpt:main" in text
