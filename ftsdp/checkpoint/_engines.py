@@ -37,7 +37,6 @@ import abc
 import json
 import sys
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -59,10 +58,9 @@ class Engine(abc.ABC):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
-        # See [Note: reusing the state dicts between saves].
-        self._model_cache: tuple[Any, storage.KeptState] | None = None
-        # (key, state, groups, the leaves built from that state or None)
-        self._optim_cache: tuple[Any, dict, list, storage.KeptState | None] | None = None
+        # See [Note: reusing the state dicts between saves]: (key, leaves), (key, groups, leaves)
+        self._model_cache: tuple[Any, dict[str, Any]] | None = None
+        self._optim_cache: tuple[Any, list, dict[str, dict[str, Any]]] | None = None
 
     # -- to be provided by each adapter -----------------------------------------------------------
     @abc.abstractmethod
@@ -88,21 +86,18 @@ class Engine(abc.ABC):
         ...
 
     # -- shared -----------------------------------------------------------------------------------
-    def model_state(self, kept: bool = False) -> Mapping[str, Any]:
-        """``{name: leaf}`` for every parameter and persistent buffer (reused from the previous
-        call while no tensor was replaced). ``kept``: as a ``storage.KeptState``, the same
-        object while it is reused (for saving: see [Note: kept parts of a state] in storage);
-        else a dict of its own."""
+    def model_state(self) -> dict[str, Any]:
+        """``{name: leaf}`` for every parameter and persistent buffer, a dict of its own (the
+        leaves reused from the previous call while no tensor was replaced)."""
         key = _identities(_module_tensors(self.model))
-        if self._model_cache is not None and self._model_cache[0] == key:
-            return self._model_cache[1] if kept else dict(self._model_cache[1])
-        state = self._model_state()
-        # extra state (a non-tensor value) may change without any tensor changing
-        if all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
-            self._model_cache = (key, storage.KeptState(state))
-            return self._model_cache[1] if kept else dict(state)
-        self._model_cache = None
-        return dict(state)
+        if self._model_cache is None or self._model_cache[0] != key:
+            state = self._model_state()
+            # extra state (a non-tensor value) may change without any tensor changing
+            if not all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
+                self._model_cache = None
+                return state
+            self._model_cache = (key, state)
+        return dict(self._model_cache[1])
 
     def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state`` (as :meth:`model_state` gives it) with every leaf that holds one of the
@@ -131,39 +126,30 @@ class Engine(abc.ABC):
         return {**state, **copies} if copies else state
 
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-        """``_raw_optim()``, reused from the previous call while no state was replaced; the
-        groups' hyper-parameters are always the optimizer's current ones."""
+        """``(leaves by parameter name, param groups)``: the leaves reused from the previous
+        call while no state was replaced; the groups' hyper-parameters always current."""
         key = _optim_identities(self.optimizer)
         cached = self._optim_cache
         if key is not None and cached is not None and cached[0] == key:
             groups = [
                 {**{k: v for k, v in live.items() if k != "params"}, "params": names["params"]}
-                for live, names in zip(self.optimizer.param_groups, cached[2], strict=True)
+                for live, names in zip(self.optimizer.param_groups, cached[1], strict=True)
             ]
-            return {name: dict(entry) for name, entry in cached[1].items()}, groups
+            return cached[2], groups
         state, groups = self._raw_optim()
-        self._optim_cache = None if key is None else (key, state, groups, None)
-        return state, groups
+        params = self._params(groups)
+        leaves = {
+            name: {k: self._leaf(name, k, value, params[name]) for k, value in entry.items()}
+            for name, entry in state.items()
+        }
+        self._optim_cache = None if key is None else (key, groups, leaves)
+        return leaves, groups
 
-    def optim_state(self, kept: bool = False) -> dict[str, Any]:
-        """``{"state": {param: {key: leaf}}, "param_groups": json}``; the leaves are reused
-        with the state they were built from. ``kept``: ``"state"`` as a ``storage.KeptState``,
-        the same object while the leaves are reused (see :meth:`model_state`)."""
-        state, groups = self._optim()
-        cached = self._optim_cache  # set by _optim() for the state it returned, or None
-        leaves = None if cached is None else cached[3]
-        if leaves is None:
-            params = self._params(groups)
-            built = {
-                name: {k: self._leaf(name, k, value, params[name]) for k, value in entry.items()}
-                for name, entry in state.items()
-            }
-            if cached is None:
-                return {"state": built, "param_groups": groups_json(groups)}
-            leaves = storage.KeptState({n: MappingProxyType(e) for n, e in built.items()})
-            self._optim_cache = (*cached[:3], leaves)
+    def optim_state(self) -> dict[str, Any]:
+        """``{"state": {param: {key: leaf}}, "param_groups": json}``, dicts of its own."""
+        leaves, groups = self._optim()
         return {
-            "state": leaves if kept else {name: dict(entry) for name, entry in leaves.items()},
+            "state": {name: dict(entry) for name, entry in leaves.items()},
             "param_groups": groups_json(groups),
         }
 
@@ -322,15 +308,14 @@ class TorchEngine(Engine):
 
 
 # [Note: reusing the state dicts between saves]
-# Building the state walks every module and parameter name on the caller's thread at every save
-# (torch's ``get_model_state_dict`` and ``get_optimizer_state_dict`` take about 20 ms each for a
-# 4-block GPT under FSDP2; ftsdp's sharded state dicts a few ms) and gives the same structure
-# every time: leaves that alias the live parameters, buffers and optimizer state, which training
-# changes in place. So an adapter keeps the dicts of its last call and reuses them while nothing
-# was replaced: the same tensor objects over the same memory (object ids, data pointers, shapes
-# and dtypes of every parameter, buffer and optimizer state tensor) and the same non-tensor
-# optimizer state values (compared by ``repr``). The param groups' hyper-parameters (the
-# learning rate changes every step) are read from the optimizer at every call. A model state
+# Building the state walks every module and parameter name on the caller's thread (torch's
+# ``get_model_state_dict`` / ``get_optimizer_state_dict`` are the costly part; docs/elastic.md)
+# and gives the same leaves every time: they alias the live tensors, which training changes in
+# place. So an adapter keeps the leaves of its last call and reuses them while nothing was
+# replaced: the same tensor objects over the same memory (object ids, data pointers, shapes and
+# dtypes of every parameter, buffer and optimizer state tensor) and the same non-tensor optimizer
+# state values (by ``repr``). This check is what keeps the reuse correct. The param groups'
+# hyper-parameters (the learning rate changes every step) are read at every call. A model state
 # with non-tensor entries (a module's extra state) is never reused.
 
 
