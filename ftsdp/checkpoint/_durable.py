@@ -15,16 +15,12 @@ class DurableTier(Tier):
     def __init__(self, url: str, *args: Any, keep_every: int | None = None, **kw: Any) -> None:
         super().__init__(url, *args, **kw)
         self.keep_every = keep_every
-        self.newest: int | None = None  # the newest step known to be committed here
         self.saved = False  # a save was started here (not just a resume)
 
     def save(self, state: dict[str, Any], step: int, **kw: Any) -> None:
         """See :meth:`Tier.save`; retention keeps ``keep_last`` and every ``keep_every``-th."""
         super().save(state, step, keep_every=self.keep_every, **kw)
         self.saved = True
-
-    def committed(self, step: int) -> None:
-        self.newest = step
 
     def newest_committed(self) -> int | None:
         """The newest step known to be committed by now, without waiting (a failed save's

@@ -1,34 +1,12 @@
 """Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them.
 
-``CheckpointManager`` talks to one small interface, :class:`Engine`; :func:`engine_for` picks
-the adapter for a model:
-
-==========  ==============================================  ===================================
-kind        model                                           leaves handed to ``storage``
-==========  ==============================================  ===================================
-``ftsdp``   ``ftsdp.FSDP``                                  ``FlatShard`` per parameter and per
-                                                            optimizer state tensor that mirrors
-                                                            one (``sharded_state_dict`` /
-                                                            ``sharded_optim_state_dict``)
-``dtensor`` torch FSDP2 (``fully_shard``) or any model      DTensors as they are (storage places
-            whose parameters are DTensors                   them by their placements)
-``ddp``     ``DistributedDataParallel``                     whole tensors, identical on every
-                                                            rank: written once
-``module``  any other ``nn.Module`` (one process, or        whole tensors
-            replicated by hand)
-==========  ==============================================  ===================================
-
-The last three go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``,
-``get_optimizer_state_dict`` and their ``set_`` counterparts): canonical names (no ``module.`` or
-``_orig_mod.`` prefixes), and torch's own handling of each parallelism.
-
-Every adapter gives the same layout: ``model.<name>``, ``optim.state.<name>.<key>`` and
-``optim.param_groups`` (JSON: hyper-parameters and parameter names per group). Any element-wise
-optimizer works (AdamW, SGD with momentum, Adagrad, RMSprop, ...): a state tensor shaped like its
-parameter's shard is sharded like the parameter, a 0-dim tensor (``step``) is whole (the same on
-every rank), a non-tensor value is JSON. What cannot be resharded (a state tensor of another
-size on a sharded parameter, e.g. a factored second moment on ``ftsdp.FSDP``'s flat shards) is
-refused with an error naming it.
+``CheckpointManager`` talks to :class:`Engine`; :func:`engine_for` picks the adapter (kinds
+``ftsdp``, ``dtensor``, ``ddp``, ``module``: the table in docs/elastic.md, "Any engine"). The
+last three go through ``torch.distributed.checkpoint.state_dict`` (canonical names, torch's own
+handling of each parallelism). Every adapter gives the same layout: ``model.<name>``,
+``optim.state.<name>.<key>`` (sharded like its parameter; a 0-dim tensor whole; a non-tensor
+JSON) and ``optim.param_groups`` (JSON). A state tensor that cannot be resharded (another size
+on a sharded parameter, e.g. a factored second moment) is refused, naming it.
 """
 
 from __future__ import annotations

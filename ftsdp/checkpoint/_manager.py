@@ -10,49 +10,32 @@ for step in ...:
 ckpt.close()                            # waits for the last save; raises its error
 ```
 
-The model may be an ``ftsdp.FSDP``, a torch FSDP2 (``fully_shard``) or other DTensor model, a
-``DistributedDataParallel``, or a plain module; the optimizer any element-wise torch optimizer
-(AdamW, SGD with momentum, Adagrad, ...). ``_engines.py`` has one adapter per kind of model. The
-checkpoint of a step is one ``storage`` state (docs/format.md), the same for every kind::
-
-    model.<param>                      the parameter / persistent buffer: FlatShard (ftsdp.FSDP),
-                                       DTensor (FSDP2) or whole tensor (DDP, plain module)
-    optim.state.<param>.<key>          sharded like its parameter (exp_avg, momentum_buffer, sum),
-                                       whole when 0-dim (step), JSON when not a tensor
-    optim.param_groups                 JSON: hyper-parameters and parameter names per group
-    scheduler                          JSON: lr_scheduler.state_dict() (when given)
-    rng                                JSON per rank: torch CPU, numpy and Python RNG states
-    trainer.<key>                      the caller's JSON values (step, data cursor, ...)
-    memory_tier.durable_step           memory tier only: see [Note: whose memory tier]
+A step is one ``storage`` state: the engine's ``model.*`` and ``optim.*`` (``_engines.py``),
+``scheduler``, ``rng`` (per rank), ``trainer.*`` (the caller's values) and the tier's own values
+(docs/elastic.md has the table). Each tier (``_tier.py``) is one root: the durable one
+(``_durable.py``) and optionally a node-local memory tier (``_memory.py``).
 
 [Note: resume agreement and fallback]
-Rank 0 lists the committed steps and broadcasts them, so every rank tries the same steps in the
-same order. ``storage.load`` is collective and all-or-nothing (every rank reads and verifies
-before any rank writes into its target). After each attempt the ranks agree (all_reduce MAX) on
-the outcome: loaded; unusable (corrupt, incomplete, I/O error: log loudly and try the previous
-committed step); or a mismatch with this model/optimizer (raise: an older step would not help).
+Rank 0 lists each tier's committed steps and broadcasts them, so every rank tries the same
+steps in the same order. ``storage.load`` is collective and all-or-nothing. After each attempt
+the ranks agree (all_reduce MAX) on the outcome: loaded; unusable (corrupt, incomplete, I/O
+error: logged loudly, the next older step is tried); or a mismatch with this model/optimizer
+(raised: an older step would not help; a memory step's is only unusable).
 
 [Note: the optimizer state to load into]
-``storage.load`` fills a template in place, so the optimizer's state must exist first: a fresh
-optimizer takes one step with zero gradients and lr 0 (``init_optimizer_state``). A parameter
-that had no state when the step was saved (a save before the first step, a parameter no step
-reached) must end without state again: rank 0 reads the step's manifest and broadcasts the
-names of its optimizer state; a template entry of a parameter with no saved state is left out of
-the load and the parameter's state is dropped afterwards.
+``storage.load`` fills a template in place, so a fresh optimizer first takes one step with zero
+gradients and lr 0 (``init_optimizer_state``). A parameter without state in the saved step (a
+save before the first step, a parameter no step reached) must end without state again: rank 0
+reads the manifest's ``optim.state.*`` names; the other parameters are left out of the load and
+their state is dropped afterwards.
 
 [Note: continuing after a fallback]
-The steps a resume fell back past are newer than the one it loaded. ``storage.save`` refuses to
-save behind newer committed steps (they would stay the newest: the next resume would load them
-again, retention would keep them over the new saves), so the first save after such a resume
-passes ``discard_newer=True``: once that step is committed, the committed steps newer than it
-(the abandoned timeline, including an earlier commit of the same step number) are deleted.
-Steps whose manifest is not even readable are not provably ours and stay; a later resume tries
-them first, logs them as unusable again, and falls back to the newest save. Without a fallback
-a newer committed step means another writer (a second job on the same root): the save's error
-surfaces.
-
-The tiers (``_tier.py``): the durable root (``_durable.py``) and the optional memory tier
-(``_memory.py``: [Note: the memory tier]).
+The steps a resume fell back past are newer than the one it loaded, and ``storage.save`` refuses
+to save behind newer committed steps; so the first save after such a resume passes
+``discard_newer=True``: once committed, the newer steps (the abandoned timeline, including an
+earlier commit of the same step number) are deleted. Steps whose manifest is not readable are
+not provably ours and stay. Without a fallback a newer committed step means another writer: the
+save's error surfaces.
 """
 
 from __future__ import annotations

@@ -1,43 +1,30 @@
 """The memory tier: a node-local cache of the newest steps in host shared memory.
 
 [Note: the memory tier]
-Durable saves cost an upload and are periodic; a worker killed between two of them loses the
-steps since the last one. With ``memory_url`` (host shared memory, ``/dev/shm``: it outlives the
-worker process, not the machine) the manager also saves every ``memory_every`` steps there,
-with the same format, plan, checksums and commit as a durable save, keeping ``memory_keep``
-steps. A restart on the same machine resumes from the newest usable step of either tier (memory
-first at equal steps) and falls back across tiers like within one; a memory step that does not
-match this model is passed over like an unusable one, and when nothing durable is left the run
-starts from scratch. Memory saves go to another root than the durable ones, so storage runs
-them in a lane of their own (see [Note: one lane per root] in storage/saving/_save.py): a slow
-durable upload holds neither them nor the optimizer's fence. The first memory save of a run
-discards newer memory steps (an abandoned timeline). A failed memory save is logged, not raised.
-``close`` (the end of a run, or a preemption after its durable save) clears the tier; a failed
-run leaves it for its restart.
+A worker killed between two durable saves loses the steps since the last one; so with
+``memory_url`` (``/dev/shm``: it outlives the worker, not the machine) the manager also saves
+every ``memory_every`` steps there, in the same format, keeping ``memory_keep`` steps, in a
+storage lane of its own (another root: a slow durable upload holds neither these saves nor the
+optimizer's fence). Resume takes the newest usable step of either tier (memory first at equal
+steps). The tier is a cache: a failed save is logged, a step that does not load is passed over,
+and with nothing durable left the run starts from scratch. Its first save of a run discards
+newer memory steps (an abandoned timeline); ``close`` clears it, a failed run leaves it for its
+restart. docs/elastic.md, "A memory tier", has the whole story.
 
 [Note: the memory tier on several machines]
-Resume compares the ranks' machines (host name and boot id). On one machine the tier is one
-root every rank sees. On several, no root is seen by every rank, so memory saves pass
-``node=<this machine>`` to ``storage.save``: each machine's ranks write into ``memory_url`` as
-that machine sees it, the step is committed through collectives, and each machine also keeps a
-replica of the previous machine's objects (see [Note: node-local roots] in
-storage/saving/_nodes.py). ``resume`` first calls ``storage.restore_on_nodes``, which completes
-on every machine the newest step they hold together (a lost machine's objects come from its
-successor's replica), and offers that one step; without one the durable tier is used. ``close``
-clears the root on every machine. ``$FTSDP_NODE`` overrides the machine's identity, so that
-tests can run several "machines" on one. Over a process group that is not the whole job the
-tier is off on several machines (storage's own gloo group spans the job). A manager that saves
-to memory without resuming first treats the ranks as on one machine.
+Resume compares the ranks' machines (host name and boot id, or ``$FTSDP_NODE``). On several,
+no root is seen by every rank: saves pass ``node=<this machine>`` to ``storage.save`` (each
+machine keeps its own root and a replica of the previous machine's: [Note: node-local roots] in
+storage/saving/_nodes.py), and resume offers the one step ``storage.restore_on_nodes`` makes
+whole on every machine. Over a subgroup of such a job the tier is off (storage's own group
+spans the job). A manager that saves without resuming first treats the ranks as on one machine.
 
 [Note: whose memory tier]
-The tier outlives the processes that wrote it, so a start may find another run's steps there (a
-job killed before ``close``; ftsdp.train's default memory root is derived from the checkpoint
-root's path, so a run started over on a re-created root meets them). A step of another model
-does not load and is passed over. One of the same model would load, silently continuing the
-deleted run; so each memory save records the newest durable step known to be committed when it
-was taken (``memory_tier.durable_step``, -1 before the first), and resume passes over a memory
-step that followed a durable step later than every step under the checkpoint root. A memory
-step taken before any durable commit cannot be told apart and is used.
+A start may find another run's steps (a job killed before ``close``, then started over on a
+re-created root). One of the same model would load, silently continuing the deleted run; so
+each memory save records the newest durable step committed when it was taken
+(``memory_tier.durable_step``, -1 before the first), and resume passes over a memory step that
+followed a durable step later than every step under the checkpoint root.
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ class Tier:
         self.keep_last, self.storage_options, self.options = keep_last, storage_options, options
         self.pending: storage.SaveHandle | None = None  # kept even when done: errors surface
         self.discard_newer = False  # the next save starts a new timeline here
+        self.newest: int | None = None  # the newest step known to be committed here
 
     def values(self) -> dict[str, Any]:
         """JSON values this tier saves beside the manager's state (and loads back)."""
@@ -113,10 +114,7 @@ class Tier:
                 raise
             self.log(f"ftsdp: a save to {self.name} {self.url} failed: {e}")
         else:
-            self.committed(pending.step)
-
-    def committed(self, step: int) -> None:
-        """``step`` was committed here."""
+            self.newest = pending.step
 
     def in_flight(self) -> bool:
         """Whether a save is still uploading or committing."""
