@@ -141,13 +141,6 @@ class Engine(abc.ABC):
             out.update(zip(saved["params"], group["params"], strict=True))
         return out
 
-    def _set_json_values(self, optim_state: dict[str, Any]) -> None:
-        params = self.params_by_name()
-        for name, entry in optim_state["state"].items():
-            for key, value in entry.items():
-                if not isinstance(value, torch.Tensor | storage.FlatShard):
-                    self.optimizer.state[params[name]][key] = value
-
 
 def _json_value(what: str, value: Any) -> Any:
     try:
@@ -216,7 +209,11 @@ class FtsdpEngine(Engine):
         return _json_value(f"optimizer state {name}.{key}", value)
 
     def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
-        self._set_json_values(optim_state)  # every tensor was loaded in place
+        params = self.params_by_name()  # every tensor was loaded in place: the JSON values
+        for name, entry in optim_state["state"].items():
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor | storage.FlatShard):
+                    self.optimizer.state[params[name]][key] = value
 
 
 def _flat(view: Any) -> storage.FlatShard:

@@ -360,13 +360,10 @@ class CheckpointManager:
         """The outcome of one load on every rank: ``_OK``, ``_FALLBACK`` (unusable: try an
         older step) or ``_FATAL`` (raised here: a mismatch, which an older step would not
         fix). A cache's steps are never fatal (another run's, an older format)."""
-        code = _OK
-        if isinstance(error, storage.StateMismatchError | storage.NewerFormatError):
-            code = _FATAL
-        elif isinstance(error, storage.CheckpointError | OSError):
-            code = _FALLBACK
-        elif error is not None:
-            code = _FATAL
+        unusable = isinstance(error, storage.CheckpointError | OSError) and not isinstance(
+            error, storage.StateMismatchError | storage.NewerFormatError
+        )
+        code = _OK if error is None else _FALLBACK if unusable else _FATAL
         agreed = self._group.agree(min(code, _FALLBACK) if tier.cache else code)
         if agreed == _FATAL:
             if error is not None:
