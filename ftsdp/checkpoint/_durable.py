@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ftsdp import storage
 from ftsdp.checkpoint._tier import Tier
 
@@ -11,16 +9,6 @@ from ftsdp.checkpoint._tier import Tier
 class DurableTier(Tier):
     """Periodic saves under the checkpoint root, ``keep_last`` / ``keep_every`` applied after
     each commit; its errors are raised."""
-
-    def __init__(self, url: str, *args: Any, keep_every: int | None = None, **kw: Any) -> None:
-        super().__init__(url, *args, **kw)
-        self.keep_every = keep_every
-        self.saved = False  # a save was started here (not just a resume)
-
-    def save(self, state: dict[str, Any], step: int, **kw: Any) -> None:
-        """See :meth:`Tier.save`; retention keeps ``keep_last`` and every ``keep_every``-th."""
-        super().save(state, step, keep_every=self.keep_every, **kw)
-        self.saved = True
 
     def newest_committed(self) -> int | None:
         """The newest step known to be committed by now, without waiting (a failed save's

@@ -62,14 +62,17 @@ class Tier:
         log: Callable[[str], None],
         *,
         keep_last: int | None,
+        keep_every: int | None = None,
         storage_options: dict[str, Any] | None = None,
         options: storage.SaveOptions | None = None,
     ) -> None:
         self.url, self.group, self.log = url, group, log
-        self.keep_last, self.storage_options, self.options = keep_last, storage_options, options
+        self.keep_last, self.keep_every = keep_last, keep_every  # retention after each commit
+        self.storage_options, self.options = storage_options, options
         self.pending: storage.SaveHandle | None = None  # kept even when done: errors surface
         self.discard_newer = False  # the next save starts a new timeline here
         self.newest: int | None = None  # the newest step known to be committed here
+        self.saved = False  # a save was started here (not just a resume)
 
     def values(self) -> dict[str, Any]:
         """JSON values this tier saves beside the manager's state (and loads back)."""
@@ -92,6 +95,7 @@ class Tier:
                 process_group=self.group.pg,
                 storage_options=self.storage_options,
                 keep_last=self.keep_last,  # applied by the committing rank only
+                keep_every=self.keep_every,
                 options=self.options,
                 discard_newer=self.discard_newer,
                 **kw,
@@ -101,6 +105,7 @@ class Tier:
                 raise
             self.log(f"ftsdp: a save to {self.name} {self.url} failed: {e}")
         self.discard_newer = False  # once: after this save the newer steps are gone
+        self.saved = True
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error (a cache logs it)."""
