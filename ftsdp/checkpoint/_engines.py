@@ -1,34 +1,12 @@
 """Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them.
 
-``CheckpointManager`` talks to one small interface, :class:`Engine`; :func:`engine_for` picks
-the adapter for a model:
-
-==========  ==============================================  ===================================
-kind        model                                           leaves handed to ``storage``
-==========  ==============================================  ===================================
-``ftsdp``   ``ftsdp.FSDP``                                  ``FlatShard`` per parameter and per
-                                                            optimizer state tensor that mirrors
-                                                            one (``sharded_state_dict`` /
-                                                            ``sharded_optim_state_dict``)
-``dtensor`` torch FSDP2 (``fully_shard``) or any model      DTensors as they are (storage places
-            whose parameters are DTensors                   them by their placements)
-``ddp``     ``DistributedDataParallel``                     whole tensors, identical on every
-                                                            rank: written once
-``module``  any other ``nn.Module`` (one process, or        whole tensors
-            replicated by hand)
-==========  ==============================================  ===================================
-
-The last three go through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``,
-``get_optimizer_state_dict`` and their ``set_`` counterparts): canonical names (no ``module.`` or
-``_orig_mod.`` prefixes), and torch's own handling of each parallelism.
-
-Every adapter gives the same layout: ``model.<name>``, ``optim.state.<name>.<key>`` and
-``optim.param_groups`` (JSON: hyper-parameters and parameter names per group). Any element-wise
-optimizer works (AdamW, SGD with momentum, Adagrad, RMSprop, ...): a state tensor shaped like its
-parameter's shard is sharded like the parameter, a 0-dim tensor (``step``) is whole (the same on
-every rank), a non-tensor value is JSON. What cannot be resharded (a state tensor of another
-size on a sharded parameter, e.g. a factored second moment on ``ftsdp.FSDP``'s flat shards) is
-refused with an error naming it.
+``CheckpointManager`` talks to :class:`Engine`; :func:`engine_for` picks the adapter (kinds
+``ftsdp``, ``dtensor``, ``ddp``, ``module``: the table in docs/elastic.md, "Any engine"). The
+last three go through ``torch.distributed.checkpoint.state_dict`` (canonical names, torch's own
+handling of each parallelism). Every adapter gives the same layout: ``model.<name>``,
+``optim.state.<name>.<key>`` (sharded like its parameter; a 0-dim tensor whole; a non-tensor
+JSON) and ``optim.param_groups`` (JSON). A state tensor that cannot be resharded (another size
+on a sharded parameter, e.g. a factored second moment) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -37,7 +15,6 @@ import abc
 import json
 import sys
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -59,10 +36,9 @@ class Engine(abc.ABC):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
-        # See [Note: reusing the state dicts between saves].
-        self._model_cache: tuple[Any, storage.KeptState] | None = None
-        # (key, state, groups, the leaves built from that state or None)
-        self._optim_cache: tuple[Any, dict, list, storage.KeptState | None] | None = None
+        # See [Note: reusing the state dicts between saves]: (key, leaves), (key, groups, leaves)
+        self._model_cache: tuple[Any, dict[str, Any]] | None = None
+        self._optim_cache: tuple[Any, list, dict[str, dict[str, Any]]] | None = None
 
     # -- to be provided by each adapter -----------------------------------------------------------
     @abc.abstractmethod
@@ -88,21 +64,18 @@ class Engine(abc.ABC):
         ...
 
     # -- shared -----------------------------------------------------------------------------------
-    def model_state(self, kept: bool = False) -> Mapping[str, Any]:
-        """``{name: leaf}`` for every parameter and persistent buffer (reused from the previous
-        call while no tensor was replaced). ``kept``: as a ``storage.KeptState``, the same
-        object while it is reused (for saving: see [Note: kept parts of a state] in storage);
-        else a dict of its own."""
+    def model_state(self) -> dict[str, Any]:
+        """``{name: leaf}`` for every parameter and persistent buffer, a dict of its own (the
+        leaves reused from the previous call while no tensor was replaced)."""
         key = _identities(_module_tensors(self.model))
-        if self._model_cache is not None and self._model_cache[0] == key:
-            return self._model_cache[1] if kept else dict(self._model_cache[1])
-        state = self._model_state()
-        # extra state (a non-tensor value) may change without any tensor changing
-        if all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
-            self._model_cache = (key, storage.KeptState(state))
-            return self._model_cache[1] if kept else dict(state)
-        self._model_cache = None
-        return dict(state)
+        if self._model_cache is None or self._model_cache[0] != key:
+            state = self._model_state()
+            # extra state (a non-tensor value) may change without any tensor changing
+            if not all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
+                self._model_cache = None
+                return state
+            self._model_cache = (key, state)
+        return dict(self._model_cache[1])
 
     def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state`` (as :meth:`model_state` gives it) with every leaf that holds one of the
@@ -131,39 +104,30 @@ class Engine(abc.ABC):
         return {**state, **copies} if copies else state
 
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-        """``_raw_optim()``, reused from the previous call while no state was replaced; the
-        groups' hyper-parameters are always the optimizer's current ones."""
+        """``(leaves by parameter name, param groups)``: the leaves reused from the previous
+        call while no state was replaced; the groups' hyper-parameters always current."""
         key = _optim_identities(self.optimizer)
         cached = self._optim_cache
         if key is not None and cached is not None and cached[0] == key:
             groups = [
                 {**{k: v for k, v in live.items() if k != "params"}, "params": names["params"]}
-                for live, names in zip(self.optimizer.param_groups, cached[2], strict=True)
+                for live, names in zip(self.optimizer.param_groups, cached[1], strict=True)
             ]
-            return {name: dict(entry) for name, entry in cached[1].items()}, groups
+            return cached[2], groups
         state, groups = self._raw_optim()
-        self._optim_cache = None if key is None else (key, state, groups, None)
-        return state, groups
+        params = self._params(groups)
+        leaves = {
+            name: {k: self._leaf(name, k, value, params[name]) for k, value in entry.items()}
+            for name, entry in state.items()
+        }
+        self._optim_cache = None if key is None else (key, groups, leaves)
+        return leaves, groups
 
-    def optim_state(self, kept: bool = False) -> dict[str, Any]:
-        """``{"state": {param: {key: leaf}}, "param_groups": json}``; the leaves are reused
-        with the state they were built from. ``kept``: ``"state"`` as a ``storage.KeptState``,
-        the same object while the leaves are reused (see :meth:`model_state`)."""
-        state, groups = self._optim()
-        cached = self._optim_cache  # set by _optim() for the state it returned, or None
-        leaves = None if cached is None else cached[3]
-        if leaves is None:
-            params = self._params(groups)
-            built = {
-                name: {k: self._leaf(name, k, value, params[name]) for k, value in entry.items()}
-                for name, entry in state.items()
-            }
-            if cached is None:
-                return {"state": built, "param_groups": groups_json(groups)}
-            leaves = storage.KeptState({n: MappingProxyType(e) for n, e in built.items()})
-            self._optim_cache = (*cached[:3], leaves)
+    def optim_state(self) -> dict[str, Any]:
+        """``{"state": {param: {key: leaf}}, "param_groups": json}``, dicts of its own."""
+        leaves, groups = self._optim()
         return {
-            "state": leaves if kept else {name: dict(entry) for name, entry in leaves.items()},
+            "state": {name: dict(entry) for name, entry in leaves.items()},
             "param_groups": groups_json(groups),
         }
 
@@ -176,13 +140,6 @@ class Engine(abc.ABC):
         for saved, group in zip(groups, self.optimizer.param_groups, strict=True):
             out.update(zip(saved["params"], group["params"], strict=True))
         return out
-
-    def _set_json_values(self, optim_state: dict[str, Any]) -> None:
-        params = self.params_by_name()
-        for name, entry in optim_state["state"].items():
-            for key, value in entry.items():
-                if not isinstance(value, torch.Tensor | storage.FlatShard):
-                    self.optimizer.state[params[name]][key] = value
 
 
 def _json_value(what: str, value: Any) -> Any:
@@ -252,7 +209,11 @@ class FtsdpEngine(Engine):
         return _json_value(f"optimizer state {name}.{key}", value)
 
     def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
-        self._set_json_values(optim_state)  # every tensor was loaded in place
+        params = self.params_by_name()  # every tensor was loaded in place: the JSON values
+        for name, entry in optim_state["state"].items():
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor | storage.FlatShard):
+                    self.optimizer.state[params[name]][key] = value
 
 
 def _flat(view: Any) -> storage.FlatShard:
@@ -322,15 +283,14 @@ class TorchEngine(Engine):
 
 
 # [Note: reusing the state dicts between saves]
-# Building the state walks every module and parameter name on the caller's thread at every save
-# (torch's ``get_model_state_dict`` and ``get_optimizer_state_dict`` take about 20 ms each for a
-# 4-block GPT under FSDP2; ftsdp's sharded state dicts a few ms) and gives the same structure
-# every time: leaves that alias the live parameters, buffers and optimizer state, which training
-# changes in place. So an adapter keeps the dicts of its last call and reuses them while nothing
-# was replaced: the same tensor objects over the same memory (object ids, data pointers, shapes
-# and dtypes of every parameter, buffer and optimizer state tensor) and the same non-tensor
-# optimizer state values (compared by ``repr``). The param groups' hyper-parameters (the
-# learning rate changes every step) are read from the optimizer at every call. A model state
+# Building the state walks every module and parameter name on the caller's thread (torch's
+# ``get_model_state_dict`` / ``get_optimizer_state_dict`` are the costly part; docs/elastic.md)
+# and gives the same leaves every time: they alias the live tensors, which training changes in
+# place. So an adapter keeps the leaves of its last call and reuses them while nothing was
+# replaced: the same tensor objects over the same memory (object ids, data pointers, shapes and
+# dtypes of every parameter, buffer and optimizer state tensor) and the same non-tensor optimizer
+# state values (by ``repr``). This check is what keeps the reuse correct. The param groups'
+# hyper-parameters (the learning rate changes every step) are read at every call. A model state
 # with non-tensor entries (a module's extra state) is never reused.
 
 

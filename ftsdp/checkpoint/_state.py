@@ -19,11 +19,10 @@ from ftsdp import storage
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the state a fresh optimizer would have after one step, so that a checkpoint can be
-    loaded into it in place: one ``step()`` with zero gradients and every group's ``lr`` at 0
-    (what ``torch.distributed.checkpoint`` does too). The parameters may change for an optimizer
-    that moves them even then; the load overwrites them. Gradients and learning rates are put
-    back. Does nothing when every trainable parameter has state already."""
+    """Create a fresh optimizer's state to load a checkpoint into: one ``step()`` with zero
+    gradients and every ``lr`` at 0 (as ``torch.distributed.checkpoint`` does; the load
+    overwrites whatever moved), gradients and learning rates put back. Nothing when every
+    trainable parameter has state already."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if all(optimizer.state.get(p) for p in params):
         return
@@ -95,11 +94,9 @@ def _first_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
 
 
 def rng_state() -> str:
-    """This process's torch CPU, numpy and Python RNG states as one JSON string.
-
-    The two Mersenne Twister key arrays (624 words each) are base64 of their little-endian
-    uint32 words: written as JSON lists they cost about 0.4 ms per save, on the caller's thread.
-    ``set_rng_state`` reads both forms (lists: checkpoints written before this change)."""
+    """This process's torch CPU, numpy and Python RNG states as one JSON string; the Mersenne
+    Twister key arrays as base64 of their little-endian uint32 words (older checkpoints hold
+    JSON lists, which ``set_rng_state`` reads too)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     return json.dumps(

@@ -27,11 +27,12 @@ from ftsdp.elastic import BatchGeometry, GlobalSampler, RankManager
 from ftsdp.examples.data import MarkovDataset, TokenDataset
 from ftsdp.examples.gpt import param_groups
 from ftsdp.trainer._config import TrainConfig
-from ftsdp.trainer._datasets import open_data
+from ftsdp.trainer._datasets import Data, open_data
 from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._models import (
     BuiltModel,
     LossFn,
+    ModelPlan,
     build_model,
     gpt_loss,
     has_dropout,
@@ -163,98 +164,22 @@ def drop_another_runs_memory(
 
 def build(cfg: TrainConfig, session: Session) -> Job:
     """Data, the model (checked against the checkpoint root first), wrapped; its optimizer
-    (after wrapping) and schedule, the checkpoints."""
+    (after wrapping) and schedule, the checkpoints. Collective; a :class:`JobError` on any rank
+    is raised on every rank."""
     rm = session.rm
     geometry = cfg.geometry(rm.world_size)  # fails fast on a world size that cannot work
-    if cfg.tensorboard:  # rank 0 writes; a missing package stops every rank before training
-        tensorboard = on_every_rank(
-            rm, lambda: open_tensorboard(cfg.tensorboard) if rm.rank == 0 else None
-        )
-        if tensorboard is not None:
-            session.log.attach(tensorboard)
+    _attach_tensorboard(cfg, session)
     data, plan = on_every_rank(rm, lambda: (open_data(cfg), plan_model(cfg)))
     url = session.hook.checkpoint_url(cfg.checkpoint_url) if cfg.checkpoint_url else None
     storage_options = storage_options_from_env()
-    saved = None
-    if url is not None:
-        saved = peek(url, storage_options=storage_options, rank=rm.rank, world_size=rm.world_size)
-    if saved is not None:
-        diffs = mismatch(saved, cfg, plan.record, data.record)
-        if diffs:  # every rank got the same values from rank 0
-            raise JobError(refusal(cfg.checkpoint_url, saved.step, diffs), report=rm.rank == 0)
-    if url is not None and cfg.memory_every:
-        drop_another_runs_memory(memory_root(cfg, url), cfg, plan.record, data.record, rm)
-
-    def make_model() -> BuiltModel:
-        torch.manual_seed(cfg.seed)  # same init on every rank
-        built = build_model(cfg, plan)
-        module = built.module
-        vocab = model_vocab(module)
-        if vocab is not None and data.max_token >= vocab:
-            raise JobError(
-                f"--data {cfg.data} holds token id {data.max_token} but the model embeds only "
-                f"{vocab} ids; use a model with a vocabulary of at least {data.max_token + 1}"
-                + (f" (--vocab-size {data.max_token + 1})" if plan.spec.kind == "gpt" else "")
-            )
-        positions = model_positions(module)
-        if positions is not None and cfg.block_size > positions:
-            raise JobError(
-                f"--block-size {cfg.block_size} is longer than the {positions} positions the "
-                f"model {cfg.model} is configured for; pass --block-size {positions} or less"
-            )
-        if cfg.deterministic and has_dropout(module):
-            logger.warning(
-                "ftsdp.train: the model has dropout (p > 0): its masks come from each rank's "
-                "RNG, so --deterministic results depend on the world size; set dropout to 0 "
-                "for bitwise reproducibility"
-            )
-        if cfg.init_from and saved is not None:
-            session.log.write(
-                f"--init-from {cfg.init_from} ignored: resuming from {cfg.checkpoint_url} "
-                f"(step {saved.step})",
-                {"event": "init_from", "url": cfg.init_from, "ignored": True},
-            )
-        elif cfg.init_from:
-            line = init_weights(module, cfg.init_from, storage_options=storage_options)
-            session.log.write(line, {"event": "init_from", "url": cfg.init_from, "ignored": False})
-        return built
-
-    built = on_every_rank(rm, make_model)
-    module = built.module
-    n_params = sum(p.numel() for p in module.parameters())  # a tied weight counts once
-    model = ftsdp.FSDP(
-        module.to(rm.device),
-        auto_wrap_policy=built.policy,
-        sharding_strategy=ftsdp.ShardingStrategy[cfg.sharding_strategy],
-        device_id=rm.device if rm.device.type == "cuda" else None,
-        mixed_precision=MIXED_PRECISION[cfg.mixed_precision],
-        deterministic=cfg.deterministic,
-    )
+    saved = _check_saved_run(cfg, rm, url, storage_options, plan.record, data.record)
+    built = on_every_rank(rm, lambda: _make_model(cfg, session, plan, data, saved, storage_options))
+    n_params = sum(p.numel() for p in built.module.parameters())  # a tied weight counts once
+    model = _wrap(cfg, rm, built)
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95)
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
-    scaler = ftsdp.ShardedGradScaler(rm.device.type) if cfg.mixed_precision == "fp16" else None
-    ckpt = None
-    if url is not None:
-        ckpt = CheckpointManager(
-            url,
-            model,
-            optimizer,
-            lr_scheduler=scheduler,
-            every_steps=cfg.checkpoint_every or None,
-            every_seconds=cfg.checkpoint_every_s or None,
-            keep_last=cfg.keep_last,
-            async_save=cfg.async_save,
-            defer_copy=cfg.defer_copy,
-            memory_url=memory_root(cfg, url) if cfg.memory_every else None,
-            memory_every=cfg.memory_every or None,
-            storage_options=storage_options,
-            seed=cfg.seed,
-            log=lambda line: session.log.event(
-                {"event": "checkpoint_warning", "message": line}, line
-            ),
-        )
     return Job(
         model=model,
         optimizer=optimizer,
@@ -264,14 +189,133 @@ def build(cfg: TrainConfig, session: Session) -> Job:
         geometry=geometry,
         n_params=n_params,
         loss=built.loss,
-        ckpt=ckpt,
+        ckpt=_checkpoints(cfg, session, url, storage_options, model, optimizer, scheduler),
         deterministic_engine=cfg.deterministic,
         clip=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
-        scaler=scaler,
+        scaler=ftsdp.ShardedGradScaler(rm.device.type) if cfg.mixed_precision == "fp16" else None,
         records={
             "model": json.dumps(plan.record, sort_keys=True),
             "data": json.dumps(data.record, sort_keys=True),
         },
         saved=saved,
         data_description=data.description,
+    )
+
+
+def _attach_tensorboard(cfg: TrainConfig, session: Session) -> None:
+    """``--tensorboard``: rank 0 writes; a missing package stops every rank before training."""
+    if not cfg.tensorboard:
+        return
+    rm = session.rm
+    writer = on_every_rank(rm, lambda: open_tensorboard(cfg.tensorboard) if rm.rank == 0 else None)
+    if writer is not None:
+        session.log.attach(writer)
+
+
+def _check_saved_run(
+    cfg: TrainConfig,
+    rm: RankManager,
+    url: str | None,
+    storage_options: dict[str, Any] | None,
+    model: dict[str, Any],
+    data: dict[str, Any],
+) -> SavedRun | None:
+    """The newest committed step's trainer values under ``url`` (None: none), refused when
+    they are another run's ([Note: refusing another run's checkpoint before loading it]);
+    clears a memory tier holding another run's steps."""
+    if url is None:
+        return None
+    saved = peek(url, storage_options=storage_options, rank=rm.rank, world_size=rm.world_size)
+    if saved is not None:
+        diffs = mismatch(saved, cfg, model, data)
+        if diffs:  # every rank got the same values from rank 0
+            raise JobError(refusal(cfg.checkpoint_url, saved.step, diffs), report=rm.rank == 0)
+    if cfg.memory_every:
+        drop_another_runs_memory(memory_root(cfg, url), cfg, model, data, rm)
+    return saved
+
+
+def _make_model(
+    cfg: TrainConfig,
+    session: Session,
+    plan: ModelPlan,
+    data: Data,
+    saved: SavedRun | None,
+    storage_options: dict[str, Any] | None,
+) -> BuiltModel:
+    """The unwrapped model, the same on every rank, checked against the data and the flags;
+    ``--init-from``'s weights loaded unless resuming."""
+    torch.manual_seed(cfg.seed)  # same init on every rank
+    built = build_model(cfg, plan)
+    module = built.module
+    vocab = model_vocab(module)
+    if vocab is not None and data.max_token >= vocab:
+        raise JobError(
+            f"--data {cfg.data} holds token id {data.max_token} but the model embeds only "
+            f"{vocab} ids; use a model with a vocabulary of at least {data.max_token + 1}"
+            + (f" (--vocab-size {data.max_token + 1})" if plan.spec.kind == "gpt" else "")
+        )
+    positions = model_positions(module)
+    if positions is not None and cfg.block_size > positions:
+        raise JobError(
+            f"--block-size {cfg.block_size} is longer than the {positions} positions the "
+            f"model {cfg.model} is configured for; pass --block-size {positions} or less"
+        )
+    if cfg.deterministic and has_dropout(module):
+        logger.warning(
+            "ftsdp.train: the model has dropout (p > 0): its masks come from each rank's "
+            "RNG, so --deterministic results depend on the world size; set dropout to 0 "
+            "for bitwise reproducibility"
+        )
+    if cfg.init_from and saved is not None:
+        session.log.write(
+            f"--init-from {cfg.init_from} ignored: resuming from {cfg.checkpoint_url} "
+            f"(step {saved.step})",
+            {"event": "init_from", "url": cfg.init_from, "ignored": True},
+        )
+    elif cfg.init_from:
+        line = init_weights(module, cfg.init_from, storage_options=storage_options)
+        session.log.write(line, {"event": "init_from", "url": cfg.init_from, "ignored": False})
+    return built
+
+
+def _wrap(cfg: TrainConfig, rm: RankManager, built: BuiltModel) -> ftsdp.FSDP:
+    """The model under ``ftsdp.FSDP`` on this rank's device, as the flags say."""
+    return ftsdp.FSDP(
+        built.module.to(rm.device),
+        auto_wrap_policy=built.policy,
+        sharding_strategy=ftsdp.ShardingStrategy[cfg.sharding_strategy],
+        device_id=rm.device if rm.device.type == "cuda" else None,
+        mixed_precision=MIXED_PRECISION[cfg.mixed_precision],
+        deterministic=cfg.deterministic,
+    )
+
+
+def _checkpoints(
+    cfg: TrainConfig,
+    session: Session,
+    url: str | None,
+    storage_options: dict[str, Any] | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+) -> CheckpointManager | None:
+    """The job's checkpoint manager (None without ``--checkpoint-url``)."""
+    if url is None:
+        return None
+    return CheckpointManager(
+        url,
+        model,
+        optimizer,
+        lr_scheduler=scheduler,
+        every_steps=cfg.checkpoint_every or None,
+        every_seconds=cfg.checkpoint_every_s or None,
+        keep_last=cfg.keep_last,
+        async_save=cfg.async_save,
+        defer_copy=cfg.defer_copy,
+        memory_url=memory_root(cfg, url) if cfg.memory_every else None,
+        memory_every=cfg.memory_every or None,
+        storage_options=storage_options,
+        seed=cfg.seed,
+        log=lambda line: session.log.event({"event": "checkpoint_warning", "message": line}, line),
     )

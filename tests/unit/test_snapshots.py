@@ -79,7 +79,7 @@ def test_save_returns_before_copying_and_the_step_waits_for_the_copy(
     moment = {k: v.clone() for k, v in model.state_dict().items()}
     moment_avg = {id(p): s["exp_avg"].clone() for p, s in opt.state.items()}
     blocked = ckpt.save(1, {"step": 1})
-    assert not ckpt._pending.snapshot_taken()  # returned with nothing copied yet
+    assert not ckpt._durable.pending.snapshot_taken()  # returned with nothing copied yet
     assert blocked < 5  # (generous: the copy is held, the call must not wait for it)
 
     _step_waits_for(model, opt, slow_copies, "the snapshot was being taken")
@@ -115,7 +115,7 @@ def test_a_tmpfs_root_is_written_from_the_live_tensors_and_the_step_waits_for_th
     assert _save._lanes[url].arena.held_bytes() == 0  # nothing reserved for a copy
     moment = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt.save(1, {"step": 1})
-    assert not ckpt._pending.snapshot_taken()
+    assert not ckpt._durable.pending.snapshot_taken()
     _step_waits_for(model, opt, release, "the objects were being written")
     ckpt.close()
     assert copies == [] and _save._lanes[url].arena.held_bytes() == 0
@@ -247,35 +247,35 @@ def test_reused_state_dicts_follow_replaced_tensors_and_the_current_lr() -> None
     assert after.data_ptr() == model[0].weight.data_ptr() != before.data_ptr()
 
 
-def test_the_parts_handed_to_saves_are_the_same_kept_objects_until_a_tensor_is_replaced() -> None:
-    """For saving, the engine hands the model's and the optimizer's leaves as the same
-    storage.KeptState objects while nothing was replaced (storage then skips their walk), and
-    new ones once something was; a load target always gets dicts of its own."""
+def test_each_save_gets_dicts_of_its_own_over_the_same_leaves_until_a_tensor_is_replaced() -> None:
+    """The engine hands every call plain dicts of its own (a save or a load target may change
+    them), over the same leaves while nothing was replaced, new ones once something was; a
+    deferred save's buffers are copies."""
     model, opt = _model()
     engine = engine_for(model, opt)
-    model_part, optim_part = engine.model_state(kept=True), engine.optim_state(kept=True)
-    assert isinstance(model_part, storage.KeptState)
-    assert isinstance(optim_part["state"], storage.KeptState)
+    model_part, optim_part = engine.model_state(), engine.optim_state()["state"]
+    assert type(model_part) is dict and all(type(e) is dict for e in optim_part.values())
     assert engine.copy_buffers(model_part) is model_part  # no buffers: nothing copied
-    assert engine.model_state(kept=True) is model_part
-    assert engine.optim_state(kept=True)["state"] is optim_part["state"]
-    target = engine.model_state()
-    assert type(target) is dict and target["0.weight"] is model_part["0.weight"]
-    target_optim = engine.optim_state()["state"]
-    assert type(target_optim) is dict and all(type(e) is dict for e in target_optim.values())
+    again, optim_again = engine.model_state(), engine.optim_state()["state"]
+    assert again is not model_part and again["0.weight"] is model_part["0.weight"]
+    name = next(iter(optim_part))
+    assert optim_again[name] is not optim_part[name]
+    assert optim_again[name]["exp_avg"] is optim_part[name]["exp_avg"]
 
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors
-    assert engine.optim_state(kept=True)["state"] is not optim_part["state"]
+    live = opt.state[dict(model.named_parameters())[name]]["exp_avg"]
+    fresh = engine.optim_state()["state"][name]["exp_avg"]
+    assert fresh.data_ptr() == live.data_ptr() != optim_part[name]["exp_avg"].data_ptr()
     model[0].weight = nn.Parameter(torch.ones(64, 64))  # a replaced parameter
-    renewed = engine.model_state(kept=True)
-    assert renewed is not model_part
-    assert renewed["0.weight"].data_ptr() == model[0].weight.data_ptr()
+    renewed = engine.model_state()["0.weight"]
+    assert renewed.data_ptr() == model[0].weight.data_ptr() != model_part["0.weight"].data_ptr()
 
     bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     bn_engine = engine_for(bn, torch.optim.SGD(bn.parameters(), lr=0.1))
-    part = bn_engine.model_state(kept=True)
+    part = bn_engine.model_state()
     copied = bn_engine.copy_buffers(part)  # buffers change in forward: copied at every save
-    assert type(copied) is dict and copied["1.running_mean"] is not part["1.running_mean"]
+    assert copied["1.running_mean"] is not part["1.running_mean"]
+    assert torch.equal(copied["1.running_mean"], part["1.running_mean"])
     assert copied["0.weight"] is part["0.weight"]
 
 
@@ -367,7 +367,7 @@ def test_memory_saves_go_on_while_a_durable_upload_is_stuck(
     for step in (2, 3):
         _train(model, opt)  # the fence: the durable snapshot is taken, the upload may hang
         ckpt.save_to_memory(step, {"step": step})
-        ckpt._wait_memory()
+        ckpt._memory.wait()
     assert storage.list_steps(str(tmp_path / "shm")) == [2, 3]
     assert ckpt.in_flight() and storage.list_steps(durable) == []
     release.set()

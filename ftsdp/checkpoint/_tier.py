@@ -1,0 +1,188 @@
+"""A tier: one storage root that ``CheckpointManager`` saves to and resumes from.
+
+The manager has a durable tier (``_durable.py``) and optionally a node-local memory tier
+(``_memory.py``). Each saves on its own schedule and lane (another root); :meth:`Tier.steps`,
+:meth:`Tier.peek` and :meth:`Tier.load` let a resume take the newest usable step of either.
+A tier that is a ``cache`` never fails a run: its errors are logged and its steps passed over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftsdp import storage
+
+
+class Group:
+    """The manager's process group (None: the default one, or a single process)."""
+
+    def __init__(self, process_group: Any) -> None:
+        self.pg = process_group
+
+    def rank_world(self) -> tuple[int, int]:
+        """This rank and the world size (0, 1 without torch.distributed)."""
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(self.pg), dist.get_world_size(self.pg)
+
+    def from_rank0(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` on rank 0, its result on every rank (rank 0 must not raise)."""
+        rank, world = self.rank_world()
+        msg: list[Any] = [compute() if rank == 0 else None]
+        if world > 1:
+            src = dist.get_global_rank(self.pg, 0) if self.pg else 0
+            dist.broadcast_object_list(msg, src=src, group=self.pg)
+        return msg[0]
+
+    def agree(self, code: int) -> int:
+        """The largest ``code`` of every rank."""
+        if self.rank_world()[1] == 1:
+            return code
+        t = torch.tensor([code], dtype=torch.int32)
+        if dist.get_backend(self.pg) == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return int(t.item())
+
+
+class Tier:
+    """One storage root: its saves (one in flight at a time), its committed steps, its loads."""
+
+    cache = False  # True: errors are logged, never raised, and its steps never fatal
+    name = "the checkpoint root"
+
+    def __init__(
+        self,
+        url: str,
+        group: Group,
+        log: Callable[[str], None],
+        *,
+        keep_last: int | None,
+        keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        options: storage.SaveOptions | None = None,
+    ) -> None:
+        self.url, self.group, self.log = url, group, log
+        self.keep_last, self.keep_every = keep_last, keep_every  # retention after each commit
+        self.storage_options, self.options = storage_options, options
+        self.pending: storage.SaveHandle | None = None  # kept even when done: errors surface
+        self.discard_newer = False  # the next save starts a new timeline here
+        self.newest: int | None = None  # the newest step known to be committed here
+        self.saved = False  # a save was started here (not just a resume)
+
+    def values(self) -> dict[str, Any]:
+        """JSON values this tier saves beside the manager's state (and loads back)."""
+        return {}
+
+    def foreign(self, step: int, values: dict[str, Any], durable: list[int]) -> str | None:
+        """Why ``step`` (its manifest's ``values``) is not this run's, given the ``durable``
+        steps; None: it is. Runs on rank 0."""
+        return None
+
+    def save(self, state: dict[str, Any], step: int, **kw: Any) -> None:
+        """Start saving ``state`` as ``step`` (collective); ``kw`` goes to ``storage.save``.
+        Surfaces the previous save's error (a cache logs it)."""
+        self.wait()
+        try:
+            self.pending = storage.save(
+                state,
+                self.url,
+                step,
+                process_group=self.group.pg,
+                storage_options=self.storage_options,
+                keep_last=self.keep_last,  # applied by the committing rank only
+                keep_every=self.keep_every,
+                options=self.options,
+                discard_newer=self.discard_newer,
+                **kw,
+            )
+        except storage.CheckpointError as e:
+            if not self.cache:
+                raise
+            self.log(f"ftsdp: a save to {self.name} {self.url} failed: {e}")
+        self.discard_newer = False  # once: after this save the newer steps are gone
+        self.saved = True
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its error (a cache logs it)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except Exception as e:
+            if not self.cache:
+                raise
+            self.log(f"ftsdp: a save to {self.name} {self.url} failed: {e}")
+        else:
+            self.newest = pending.step
+
+    def in_flight(self) -> bool:
+        """Whether a save is still uploading or committing."""
+        return self.pending is not None and not self.pending.done()
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Storage's group and staging memory for deferred saves of ``state`` (collective)."""
+        storage.prepare_save(
+            state,
+            self.url,
+            process_group=self.group.pg,
+            storage_options=self.storage_options,
+            options=self.options,
+        )
+
+    def steps(self) -> list[int]:
+        """The committed steps, as rank 0 lists them (collective)."""
+
+        def listing() -> tuple[str, Any]:
+            try:
+                return "ok", storage.list_steps(self.url, storage_options=self.storage_options)
+            except FileNotFoundError:
+                return "ok", []
+            except Exception as e:
+                return "error", f"{type(e).__name__}: {e}"
+
+        kind, value = self.group.from_rank0(listing)
+        if kind == "ok":
+            return list(value)
+        if self.cache:
+            self.log(f"ftsdp: listing {self.name} {self.url} failed on rank 0: {value}")
+            return []
+        raise storage.CheckpointError(
+            f"listing the checkpoints under {self.url} failed on rank 0: {value}"
+        )
+
+    def peek(self, step: int, durable: list[int]) -> tuple[set[str] | None, str | None]:
+        """Read by rank 0 from ``step``'s manifest: the names of its optimizer state (None when
+        it cannot be read: the load reports why; see [Note: the optimizer state to load into])
+        and :meth:`foreign`'s answer (collective)."""
+
+        def peek() -> tuple[list[str] | None, str | None]:
+            try:
+                m = storage.read_manifest(self.url, step, storage_options=self.storage_options)
+            except Exception:
+                return None, None
+            found = {*m.tensors, *m.values, *(k for values in m.rank_values for k in values)}
+            names = sorted(n for n in found if n.startswith("optim.state."))
+            return names, self.foreign(step, m.values, durable)
+
+        names, foreign = self.group.from_rank0(peek)
+        return (None if names is None else set(names)), foreign
+
+    def load(self, target: dict[str, Any], step: int, options: Any) -> storage.LoadResult:
+        """``storage.load`` of ``step`` into ``target`` (collective, all-or-nothing)."""
+        return storage.load(
+            target,
+            self.url,
+            step,
+            process_group=self.group.pg,
+            storage_options=self.storage_options,
+            options=options,
+        )
+
+    def close(self) -> None:
+        """The end of a run, once every save has committed."""
