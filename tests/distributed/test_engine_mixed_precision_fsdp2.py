@@ -5,21 +5,21 @@ Both engines compute in bf16 from fp32 master shards (``param_dtype=torch.bfloat
 the same ``reduce_dtype`` and hand fp32 gradients to the optimizer, so the question is only how
 each reduces. What holds, and is asserted:
 
-- a reduction that cannot round differently gives bitwise the same training: with W=2, a bf16
-  sum of two gradients is the same whichever order (addition commutes, and one rounding), and
-  dividing by 2 is exact; with ``reduce_dtype=torch.float32`` at W=2 and W=3, the gradients are
-  summed in fp32 in the same order by both (gloo's all-reduce under both engines). Losses, the
-  final parameters and the dtypes seen inside the model are compared exactly over ``STEPS``.
-- bf16 reduced at W=3 is not bitwise: each engine lays a unit's gradients out differently in the
-  buffer it reduces (ftsdp: one flat buffer; FSDP2: each parameter's dim-0 chunks), gloo's ring
-  sums an element's three terms in an order that depends on its position there, and a bf16 sum
-  of three rounds twice; FSDP2 also divides by 3 in bf16 (``ReduceOp.AVG``) where ftsdp divides
+- where the reductions cannot round differently, training is bitwise the same: with W=2 a bf16
+  sum of two gradients is one rounding whatever the order (addition commutes) and dividing by 2
+  is exact; with ``reduce_dtype=torch.float32`` at W=2 and W=3 the fp32 sums come out equal too
+  (found so with this torch: the same fp32 roundings). Losses, the final parameters and the dtypes seen
+  inside the model are compared exactly over ``STEPS``.
+- bf16 reduced at W=3 is not bitwise, by design: the engines reduce through different gloo
+  collectives (ftsdp: an all-reduce of its flat buffer, SUM; FSDP2: ``reduce_scatter_tensor``
+  with ``ReduceOp.AVG``), whose bf16 partial sums of three terms may round differently (found:
+  one bf16 ulp of the sum on some elements), and FSDP2 divides by 3 in bf16 where ftsdp divides
   the bf16 sum in fp32. So after one step both gradients are compared with the exact mean of
-  the ranks' local bf16 gradients g_r (one plain bf16 copy of the model per rank): with u = 2**-8
-  (bf16's unit roundoff) and A = sum |g_r|, two roundings of the sum are within (2u + u**2) A;
-  ftsdp's fp32 division adds 2**-24 of the result, FSDP2's bf16 division u of it. Over several
-  steps Adam turns those last-bit differences into update-sized ones, so no trajectory bound
-  tighter than the fp32 one exists there.
+  the ranks' local bf16 gradients g_r (a plain bf16 copy of the model on each rank): with
+  u = 2**-8 (bf16's unit roundoff) and A = sum |g_r|, a sum of three rounded twice is within
+  (2u + u**2) A of the exact one; ftsdp's fp32 division adds 2**-24 of the result, FSDP2's
+  bf16 division u of it. Over several steps Adam turns those last-bit differences into
+  update-sized ones, so no trajectory bound tighter than a loose one exists there.
 """
 
 from __future__ import annotations
