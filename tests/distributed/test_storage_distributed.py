@@ -1,17 +1,21 @@
 """Multi-rank save / load on real gloo groups: N -> M resharding, replica dedupe, async, DTensor.
 
-One spawn of 4 ranks; sub-groups of the first N ranks play world sizes 1..4. Every loaded shard is
-compared bitwise with the slice of the unsharded reference that layout would hold.
+One spawn of 4 ranks for the module (the fixture ``outcomes``); sub-groups of the first N ranks play
+world sizes 1..4. Each scenario is a test of its own (``SCENARIOS``), so one failing does not hide
+the others. Every loaded shard is compared bitwise with the slice of the unsharded reference that
+layout would hold.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime
 import gc
 import hashlib
 import json
 import shutil
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from ftsdp.storage.format._manifest import Manifest
 from ftsdp.storage.format._manifest import seal as storage_seal
 from ftsdp.storage.saving import _save
 from ftsdp.testing import run_ranks
-from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
+from tests.s3_fixture import new_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 # Small checksum blocks so that bytes read stay within 5% of bytes needed for these sizes.
 OPTIONS = storage.SaveOptions(checksum_block_bytes=256, object_bytes=300_000)
@@ -644,24 +648,90 @@ def _values_cases(rank: int, groups: dict[int, Any], root: str) -> None:
         dist.barrier(groups[n])
 
 
-def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> str:
+RESHARDS = ((2, 1), (2, 3), (3, 2), (4, 3), (1, 4))
+SCENARIOS = [
+    "json collectives",
+    *(f"reshard {n}->{m}" for n, m in RESHARDS),
+    "reshard 3->2 on s3",
+    "failed load is atomic",
+    "dedupe",
+    "async",
+    "deferred",
+    "dtensor",
+    "regular",
+    "regular edges",
+    "golden v4 writer",
+    "values",
+]
+REJOIN_S = 60  # how long a rank that finished a scenario waits for the others to finish it
+
+
+def _calls(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> dict[str, Any]:
+    """Each scenario of ``SCENARIOS`` as a call of no arguments, in order."""
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
-    _json_collectives(rank, groups)
-    _reshard_grid(rank, groups, root, None, ((2, 1), (2, 3), (3, 2), (4, 3), (1, 4)))
-    _reshard_grid(rank, groups, s3_root, s3_opts, ((3, 2),))
-    _failed_load_is_atomic(rank, groups, root)
-    _dedupe_cases(rank, world, root)
-    _async_cases(rank, world, root)
-    _deferred_cases(rank, world, root, groups[2])
-    _dtensor_cases(rank, world, root)
-    _regular_cases(rank, groups, root)
-    _regular_edges(rank, groups, root)
-    _golden_v4_writer(rank, groups, root)
-    _values_cases(rank, groups, root)
-    return "ok"
+    calls: dict[str, Any] = {"json collectives": lambda: _json_collectives(rank, groups)}
+    for n, m in RESHARDS:
+        calls[f"reshard {n}->{m}"] = lambda c=(n, m): _reshard_grid(rank, groups, root, None, (c,))
+    calls.update({
+        "reshard 3->2 on s3": lambda: _reshard_grid(rank, groups, s3_root, s3_opts, ((3, 2),)),
+        "failed load is atomic": lambda: _failed_load_is_atomic(rank, groups, root),
+        "dedupe": lambda: _dedupe_cases(rank, world, root),
+        "async": lambda: _async_cases(rank, world, root),
+        "deferred": lambda: _deferred_cases(rank, world, root, groups[2]),
+        "dtensor": lambda: _dtensor_cases(rank, world, root),
+        "regular": lambda: _regular_cases(rank, groups, root),
+        "regular edges": lambda: _regular_edges(rank, groups, root),
+        "golden v4 writer": lambda: _golden_v4_writer(rank, groups, root),
+        "values": lambda: _values_cases(rank, groups, root),
+    })  # fmt: skip
+    assert list(calls) == SCENARIOS
+    return calls
 
 
-@pytest.mark.timeout(240)
-def test_storage_multirank(tmp_path: Any, s3_bucket_url: str, s3_endpoint: dict) -> None:  # noqa: F811
-    results = run_ranks(_main, 4, str(tmp_path), s3_bucket_url, dict(s3_endpoint))
-    assert results == ["ok"] * 4
+def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> dict[str, str | None]:
+    """Every scenario in turn; per scenario None, or the traceback it raised on this rank.
+
+    After each scenario the ranks meet in the c10d store (not in a collective, which a rank that
+    left a scenario early could pair with one of the next): when a rank does not arrive within
+    ``REJOIN_S`` (stuck in a collective of a scenario another rank left), the rank raises with
+    what failed so far, so that the spawn ends instead of running on out of step."""
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, str | None] = {}
+    for i, (name, call) in enumerate(_calls(rank, world, root, s3_root, s3_opts).items()):
+        try:
+            call()
+            out[name] = None
+        except Exception:
+            out[name] = traceback.format_exc()
+        store.set(f"scenario/{i}/{rank}", "done")
+        try:
+            store.wait(
+                [f"scenario/{i}/{r}" for r in range(world)], datetime.timedelta(seconds=REJOIN_S)
+            )
+        except Exception as e:
+            failed = "\n".join(f"{k}:\n{tb}" for k, tb in out.items() if tb is not None)
+            raise RuntimeError(
+                f"rank {rank}: not every rank finished scenario {name!r} within {REJOIN_S} s ({e}); "
+                f"failures on this rank so far:\n{failed or 'none'}"
+            ) from None
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: dict) -> list[dict]:  # noqa: F811
+    """One spawn of 4 ranks for the whole module: every rank's outcome of every scenario."""
+    import s3fs
+
+    root = tmp_path_factory.mktemp("storage-multirank")
+    s3_root = new_bucket_url(s3_endpoint)
+    try:
+        return run_ranks(_main, 4, str(root), s3_root, dict(s3_endpoint), timeout=240)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.timeout(300)  # the first one waits for the spawn
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_storage_multirank(outcomes: list[dict], scenario: str) -> None:
+    failed = [(r, o[scenario]) for r, o in enumerate(outcomes) if o[scenario] is not None]
+    assert not failed, "\n\n".join(f"rank {r}:\n{tb}" for r, tb in failed)

@@ -1,5 +1,6 @@
 """``ftsdp-ckpt convert`` / ``reshard`` in process: bitwise round trips through every format, the
-hf index, dtype / model-only / rename, S3 on both ends, and interrupted conversions."""
+hf index, dtype / model-only / rename, S3 on both ends, and interrupted conversions; a DCP export
+is read back, every key, by torch's own ``dcp.load``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 import pathlib
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -91,12 +93,69 @@ def test_round_trip_is_bitwise(src: str, tmp_path: pathlib.Path, fmt: str) -> No
             },
             _flat(_state()),
         )
-    if fmt == "dcp":  # dcp.load reads it into a nested state dict
-        import torch.distributed.checkpoint as dcp
+    if fmt == "dcp":
+        _same_through_dcp(mid, _state())
 
-        target = {"model": {"w": torch.zeros(40, 30)}, "optim": {"exp_avg": torch.zeros(40, 30)}}
-        dcp.load(target, checkpoint_id=mid, no_dist=True)
-        assert torch.equal(target["model"]["w"], _state()["model"]["w"])
+
+def _same_through_dcp(path: str, state: dict[str, Any]) -> None:
+    """``dcp.load`` (torch's reader, one process) reads EVERY key of ``state`` back from the DCP
+    checkpoint at ``path``, equal to ``state``: tensors of each dtype, shape (empty, 0-d) and
+    value, and the non-tensor values. DCP's own metadata lists exactly those keys, with their
+    dtypes and shapes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    flat = _flat(state)
+    values = {
+        f"{group}.{k}": v
+        for group, d in state.items()
+        for k, v in d.items()
+        if not isinstance(v, torch.Tensor)
+    }
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert sorted(metadata) == sorted([*flat, *values])
+    for name, t in flat.items():
+        assert (metadata[name].properties.dtype, tuple(metadata[name].size)) == (t.dtype, t.shape)
+    assert all(isinstance(metadata[name], BytesStorageMetadata) for name in values)
+
+    def sentinel(t: torch.Tensor) -> torch.Tensor:
+        """A target of ``t``'s dtype and shape that holds none of its elements."""
+        other = ~t if t.dtype == torch.bool else t + 1
+        assert (other != t).all(), t
+        return other
+
+    target = {
+        group: {k: sentinel(v) if isinstance(v, torch.Tensor) else None for k, v in d.items()}
+        for group, d in state.items()
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.load(target, checkpoint_id=path, no_dist=True)
+    _same(_flat(target), flat)
+    got_values = {
+        f"{group}.{k}": v
+        for group, d in target.items()
+        for k, v in d.items()
+        if not isinstance(v, torch.Tensor)
+    }
+    assert got_values == values
+
+
+def test_dcp_export_of_several_row_blocks_reads_back_with_dcp_load(tmp_path: pathlib.Path) -> None:
+    """A tensor larger than the conversion's chunk is written as several row blocks (DCP's own
+    shards); ``dcp.load`` reassembles it and every other key, exactly."""
+    state = _state()
+    g = torch.Generator().manual_seed(1)
+    state["model"]["big"] = torch.randn(700, 1000, generator=g)  # 2.8 MB: three 1 MiB blocks
+    state["model"]["big_bf16"] = torch.randn(1100, 700, generator=g).bfloat16()  # two blocks
+    storage.save(state, str(tmp_path / "src"), step=3)
+    dst = str(tmp_path / "dcp")
+    storage.convert(str(tmp_path / "src"), dst, to="dcp", max_memory=8 << 20)  # 1 MiB chunks
+    import torch.distributed.checkpoint as dcp
+
+    chunks = dcp.FileSystemReader(dst).read_metadata().state_dict_metadata["model.big"].chunks
+    assert len(chunks) == 3, chunks
+    _same_through_dcp(dst, state)
 
 
 def test_hf_shards_and_index(src: str, tmp_path: pathlib.Path) -> None:
