@@ -1,1 +1,22 @@
-"""TODO"""
+"""catalog: the steps of a root: listing, checking and comparing them, retention, deletion."""
+
+from ftsdp.storage._lazy import lazy_names
+
+_MODULES = {
+    "_checks": ("VerifyReport", "diff", "inspect_checkpoint", "verify"),
+    "_gc": ("GcReport", "collect_garbage"),
+    "_steps": ("apply_retention", "clear_steps", "list_steps", "read_manifest"),
+}
+__all__ = [
+    "GcReport",
+    "VerifyReport",
+    "apply_retention",
+    "clear_steps",
+    "collect_garbage",
+    "diff",
+    "inspect_checkpoint",
+    "list_steps",
+    "read_manifest",
+    "verify",
+]
+__getattr__, __dir__ = lazy_names(__name__, _MODULES)

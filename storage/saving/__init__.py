@@ -1,1 +1,28 @@
-"""TODO"""
+"""saving: writing and committing a step: sync, async and deferred saves, node-local roots."""
+
+from ftsdp.storage._lazy import lazy_names
+
+_MODULES = {
+    "_commit": ("CommitConflictError",),
+    "_nodes": ("clear_on_nodes", "restore_on_nodes"),
+    "_save": (
+        "SaveHandle",
+        "prepare_save",
+        "save",
+        "save_on_nodes",
+        "snapshot_fence",
+        "wait_snapshot",
+    ),
+}
+__all__ = [
+    "CommitConflictError",
+    "SaveHandle",
+    "clear_on_nodes",
+    "prepare_save",
+    "restore_on_nodes",
+    "save",
+    "save_on_nodes",
+    "snapshot_fence",
+    "wait_snapshot",
+]
+__getattr__, __dir__ = lazy_names(__name__, _MODULES)
