@@ -19,6 +19,7 @@ JSON-able values. The rest lives in the rooms, each with its own exports:
 ``storage`` never imports the rest of ``ftsdp``.
 """
 
+from ftsdp.storage import _lazy
 from ftsdp.storage._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -28,7 +29,6 @@ from ftsdp.storage._errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from ftsdp.storage._lazy import lazy_names
 from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
 from ftsdp.storage.catalog._steps import list_steps
 from ftsdp.storage.format._flat_shard import FlatShard
@@ -89,4 +89,4 @@ _MOVED = {
     "DEFAULT_MAX_MEMORY": "ftsdp.storage.io",
     "LoadIntoResult": "ftsdp.storage.inference",
 }
-__getattr__, __dir__ = lazy_names(__name__, {}, _MOVED)
+__getattr__, __dir__ = _lazy.lazy_names(__name__, {}, _MOVED)

@@ -1,6 +1,6 @@
 """catalog: the steps of a root: listing, checking and comparing them, retention, deletion."""
 
-from ftsdp.storage._lazy import lazy_names
+from ftsdp.storage import _lazy
 
 _MODULES = {
     "_checks": ("VerifyReport", "diff", "inspect_checkpoint", "verify"),
@@ -19,4 +19,4 @@ __all__ = [
     "read_manifest",
     "verify",
 ]
-__getattr__, __dir__ = lazy_names(__name__, _MODULES)
+__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

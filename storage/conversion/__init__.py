@@ -1,10 +1,10 @@
 """conversion: checkpoints to and from other formats (hf, torch, dcp) and other world sizes."""
 
-from ftsdp.storage._lazy import lazy_names
+from ftsdp.storage import _lazy
 
 _MODULES = {
     "_convert": ("ConvertResult", "convert", "reshard"),
     "_formats": ("FORMATS", "detect_format"),
 }
 __all__ = ["FORMATS", "ConvertResult", "convert", "detect_format", "reshard"]
-__getattr__, __dir__ = lazy_names(__name__, _MODULES)
+__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

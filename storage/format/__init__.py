@@ -1,7 +1,7 @@
 """format: what a checkpoint is on disk: the manifest, safetensors objects, checksums, layout."""
 
-from ftsdp.storage._lazy import lazy_names
+from ftsdp.storage import _lazy
 
 _MODULES = {"_manifest": ("FORMAT_VERSION", "Manifest")}
 __all__ = ["FORMAT_VERSION", "Manifest"]
-__getattr__, __dir__ = lazy_names(__name__, _MODULES)
+__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

@@ -1,7 +1,7 @@
 """io: object access on fsspec URLs (retries, ranged reads, streaming under a memory budget)."""
 
-from ftsdp.storage._lazy import lazy_names
+from ftsdp.storage import _lazy
 
 _MODULES = {"_streaming": ("DEFAULT_MAX_MEMORY",)}
 __all__ = ["DEFAULT_MAX_MEMORY"]
-__getattr__, __dir__ = lazy_names(__name__, _MODULES)
+__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

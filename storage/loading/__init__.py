@@ -1,7 +1,7 @@
 """loading: reading a step back into a sharded training state, at any world size."""
 
-from ftsdp.storage._lazy import lazy_names
+from ftsdp.storage import _lazy
 
 _MODULES = {"_load": ("LoadResult", "load")}
 __all__ = ["LoadResult", "load"]
-__getattr__, __dir__ = lazy_names(__name__, _MODULES)
+__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

@@ -1,6 +1,6 @@
 """saving: writing and committing a step: sync, async and deferred saves, node-local roots."""
 
-from ftsdp.storage._lazy import lazy_names
+from ftsdp.storage import _lazy
 
 _MODULES = {
     "_commit": ("CommitConflictError",),
@@ -25,4 +25,4 @@ __all__ = [
     "snapshot_fence",
     "wait_snapshot",
 ]
-__getattr__, __dir__ = lazy_names(__name__, _MODULES)
+__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
