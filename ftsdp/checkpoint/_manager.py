@@ -70,14 +70,14 @@ end of a run, or a preemption after its durable save) clears the tier; a failed 
 for its restart.
 
 [Note: the memory tier on several machines]
-With ranks on several machines no root is seen by every rank, so memory saves pass
-``node=<this machine>`` to ``storage.save``: each machine's ranks write into ``memory_url`` as
-that machine sees it, the step is committed through collectives, and each machine also keeps a
-replica of the previous machine's objects (see [Note: node-local roots] in storage/saving/_nodes.py).
-``resume`` first calls ``storage.restore_on_nodes``, which completes on every machine of the new
-job the newest step they hold together (a lost machine's objects come from its successor's
-replica), and offers that one step as the memory candidate; without one the durable tier is
-used. ``close`` clears the root on every machine. ``$FTSDP_NODE`` overrides the machine's
+With ranks on several machines no root is seen by every rank, so memory saves go through
+``storage.saving.save_on_nodes(..., node=<this machine>)``: each machine's ranks write into
+``memory_url`` as that machine sees it, the step is committed through collectives, and each
+machine also keeps a replica of the previous machine's objects (see [Note: node-local roots] in
+storage/saving/_nodes.py). ``resume`` first calls ``storage.saving.restore_on_nodes``, which
+completes on every machine of the new job the newest step they hold together (a lost
+machine's objects come from its successor's replica), and offers that one step as the memory
+candidate; without one the durable tier is used. ``close`` clears the root on every machine. ``$FTSDP_NODE`` overrides the machine's
 identity, so that tests can run several "machines" on one (each with its own ``memory_url``).
 Over a process group that is not the whole job the tier is off on several machines (storage's
 own gloo group spans the job). The mode is decided in ``resume``; a manager that saves to memory
@@ -105,6 +105,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -158,7 +159,7 @@ class CheckpointManager:
             wrapping): state tensors shaped like their parameter's shard, 0-dim tensors, JSON
             values. A state tensor that cannot be resharded is refused when saving, naming it.
         every_steps / every_seconds: when :meth:`due` says a save is due (either may be None).
-        keep_last / keep_every: retention after each commit (``storage.apply_retention``).
+        keep_last / keep_every: retention after each commit (``storage.catalog.apply_retention``).
         async_save: :meth:`save` returns once the shards are staged; the upload and commit run
             in the background (errors surface at the next save, :meth:`wait` or :meth:`close`).
         defer_copy: with ``async_save``, :meth:`save` returns before the shards are even copied
@@ -243,7 +244,7 @@ class CheckpointManager:
         self._pending_memory: storage.SaveHandle | None = None  # the memory tier's lane
         self.defer_copy = async_save and defer_copy
         # the fence: optimizer.step() waits until the latest deferred save has copied the state
-        self._fence = storage.snapshot_fence(optimizer) if self.defer_copy else None
+        self._fence = storage.saving.snapshot_fence(optimizer) if self.defer_copy else None
         self.storage_options = storage_options
         self.process_group = process_group
         self.save_options, self.load_options = save_options, load_options
@@ -316,10 +317,12 @@ class CheckpointManager:
             async_save=self.async_save and not block,
             defer_copy=self.defer_copy and not block,
             storage_options=self.storage_options,
-            keep_last=self.keep_last,  # applied by the committing rank only
-            keep_every=self.keep_every,
-            options=self.save_options,
-            discard_newer=self._discard_newer,
+            options=replace(
+                self.save_options or storage.SaveOptions(),
+                keep_last=self.keep_last,  # applied by the committing rank only
+                keep_every=self.keep_every,
+                discard_newer=self._discard_newer,
+            ),
         )
         self._discard_newer = False  # once: after this save the newer steps are gone
         self._saved_here = True
@@ -346,17 +349,22 @@ class CheckpointManager:
         assert self.memory_url is not None
         try:
             self._durable_committed()
-            self._pending_memory = storage.save(
+            options = replace(
+                self._memory_options(),
+                keep_last=self.memory_keep,
+                discard_newer=self._memory_discard_newer,
+            )
+            save = storage.save
+            if self._memory_node is not None:  # node-local roots (ranks on several machines)
+                save = partial(storage.saving.save_on_nodes, node=self._memory_node)
+            self._pending_memory = save(
                 self._state({**trainer}, memory=True),
                 self.memory_url,
                 step,
                 process_group=self.process_group,
                 async_save=True,
                 defer_copy=self.defer_copy,
-                keep_last=self.memory_keep,
-                options=self._memory_options(),
-                discard_newer=self._memory_discard_newer,
-                node=self._memory_node,
+                options=options,
             )
         except storage.CheckpointError as e:  # the previous one's error, seen by storage
             self._log(f"ftsdp: a save to the memory tier {self.memory_url} failed: {e}")
@@ -388,7 +396,7 @@ class CheckpointManager:
     def wait_snapshot(self) -> None:
         """Block until the latest save has copied this rank's state: needed before changing a
         saved tensor in place outside ``optimizer.step()`` (which waits by itself)."""
-        storage.wait_snapshot()
+        storage.saving.wait_snapshot()
 
     def prepare(self, trainer: Mapping[str, Any]) -> None:
         """Get the deferred saves ready (collective, once): storage's own process group and the
@@ -402,7 +410,7 @@ class CheckpointManager:
         if self.memory_url is not None and self._memory_on:
             roots.append((self.memory_url, None))
         for url, options in roots:  # each root has its own group and memory (storage's lanes)
-            storage.prepare_save(
+            storage.saving.prepare_save(
                 state,
                 url,
                 process_group=self.process_group,
@@ -497,7 +505,7 @@ class CheckpointManager:
         def peek() -> tuple[list[str] | None, Any]:
             try:
                 options = self.storage_options if url == self.url else None
-                m = storage.read_manifest(url, step, storage_options=options)
+                m = storage.catalog.read_manifest(url, step, storage_options=options)
             except Exception:
                 return None, None
             found = {*m.tensors, *m.values, *(k for values in m.rank_values for k in values)}
@@ -545,7 +553,7 @@ class CheckpointManager:
             if self._memory_node is None:
                 memory = self._agreed_steps(memory=True)
             else:  # one step, made whole on every node (or none)
-                restored = storage.restore_on_nodes(
+                restored = storage.saving.restore_on_nodes(
                     self.memory_url, node=self._memory_node, process_group=self.process_group
                 )
                 memory = [] if restored is None else [restored]
@@ -672,11 +680,11 @@ class CheckpointManager:
                 dist.barrier(group=self.process_group)
             try:
                 if self._memory_node is not None:  # one rank per node clears its own
-                    storage.clear_on_nodes(
+                    storage.saving.clear_on_nodes(
                         self.memory_url, node=self._memory_node, process_group=self.process_group
                     )
                 elif rank == 0:
-                    storage.clear_steps(self.memory_url)
+                    storage.catalog.clear_steps(self.memory_url)
             except OSError as e:
                 self._log(f"ftsdp: clearing the memory tier {self.memory_url} failed: {e}")
             self._memory_on = False
@@ -695,7 +703,7 @@ class CheckpointManager:
             and self._rank_world()[0] == 0
         ):
             try:
-                storage.apply_retention(
+                storage.catalog.apply_retention(
                     self.url,
                     keep_last=self.keep_last,
                     keep_every=self.keep_every,

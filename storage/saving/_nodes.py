@@ -3,8 +3,8 @@ its own ranks' objects and a replica of another machine's (see [Note: node-local
 
 ```python
 storage.save(state, "/dev/shm/run", step, node=node_id, ...)  # each node: its own /dev/shm
-step = storage.restore_on_nodes("/dev/shm/run", node=node_id)  # before storage.load
-storage.clear_on_nodes("/dev/shm/run", node=node_id)           # at a clean end
+step = storage.saving.restore_on_nodes("/dev/shm/run", node=node_id)  # before storage.load
+storage.saving.clear_on_nodes("/dev/shm/run", node=node_id)           # at a clean end
 ```
 
 [Note: node-local roots]

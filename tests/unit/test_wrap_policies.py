@@ -237,22 +237,22 @@ def test_state_dict_type_settings_and_refusals() -> None:
     FSDP = ftsdp.FSDP
     model = FSDP(gpt(), auto_wrap_policy={Block})
     default = FSDP.get_state_dict_type(model)
-    assert default.state_dict_type is ftsdp.StateDictType.FULL_STATE_DICT
+    assert default.state_dict_type is ftsdp.fsdp.StateDictType.FULL_STATE_DICT
     assert default.optim_state_dict_config.offload_to_cpu  # torch's default
     outer = nn.Sequential(model)  # the wrapped model inside another module, as torch allows
     with FSDP.state_dict_type(
         outer, TorchStateDictType.FULL_STATE_DICT, TorchFullStateDictConfig(rank0_only=True)
     ):
         settings = FSDP.get_state_dict_type(model)
-        assert isinstance(settings.state_dict_config, ftsdp.FullStateDictConfig)
+        assert isinstance(settings.state_dict_config, ftsdp.fsdp.FullStateDictConfig)
         assert settings.state_dict_config.rank0_only
         assert set(model.state_dict()) == set(gpt().state_dict())  # one process: rank 0
     assert FSDP.get_state_dict_type(model) == default
     with pytest.raises(ValueError, match="SHARDED_STATE_DICT"):
-        FSDP.set_state_dict_type(model, ftsdp.StateDictType.LOCAL_STATE_DICT)
+        FSDP.set_state_dict_type(model, ftsdp.fsdp.StateDictType.LOCAL_STATE_DICT)
     with pytest.raises(ValueError, match="must match the state dict type"):
         FSDP.set_state_dict_type(
-            model, ftsdp.StateDictType.SHARDED_STATE_DICT, ftsdp.FullStateDictConfig()
+            model, ftsdp.fsdp.StateDictType.SHARDED_STATE_DICT, ftsdp.fsdp.FullStateDictConfig()
         )
     with pytest.raises(ValueError, match="no ftsdp.FSDP wrapper"):
         FSDP.get_state_dict_type(gpt())
