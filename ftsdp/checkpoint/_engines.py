@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ftsdp import storage
+from ftsdp.storage.format._state import KeptState
 
 
 class Engine(abc.ABC):
@@ -60,9 +61,9 @@ class Engine(abc.ABC):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         # See [Note: reusing the state dicts between saves].
-        self._model_cache: tuple[Any, storage.KeptState] | None = None
+        self._model_cache: tuple[Any, KeptState] | None = None
         # (key, state, groups, the leaves built from that state or None)
-        self._optim_cache: tuple[Any, dict, list, storage.KeptState | None] | None = None
+        self._optim_cache: tuple[Any, dict, list, KeptState | None] | None = None
 
     # -- to be provided by each adapter -----------------------------------------------------------
     @abc.abstractmethod
@@ -90,7 +91,7 @@ class Engine(abc.ABC):
     # -- shared -----------------------------------------------------------------------------------
     def model_state(self, kept: bool = False) -> Mapping[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer (reused from the previous
-        call while no tensor was replaced). ``kept``: as a ``storage.KeptState``, the same
+        call while no tensor was replaced). ``kept``: as a ``KeptState``, the same
         object while it is reused (for saving: see [Note: kept parts of a state] in storage);
         else a dict of its own."""
         key = _identities(_module_tensors(self.model))
@@ -99,7 +100,7 @@ class Engine(abc.ABC):
         state = self._model_state()
         # extra state (a non-tensor value) may change without any tensor changing
         if all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
-            self._model_cache = (key, storage.KeptState(state))
+            self._model_cache = (key, KeptState(state))
             return self._model_cache[1] if kept else dict(state)
         self._model_cache = None
         return dict(state)
@@ -147,7 +148,7 @@ class Engine(abc.ABC):
 
     def optim_state(self, kept: bool = False) -> dict[str, Any]:
         """``{"state": {param: {key: leaf}}, "param_groups": json}``; the leaves are reused
-        with the state they were built from. ``kept``: ``"state"`` as a ``storage.KeptState``,
+        with the state they were built from. ``kept``: ``"state"`` as a ``KeptState``,
         the same object while the leaves are reused (see :meth:`model_state`)."""
         state, groups = self._optim()
         cached = self._optim_cache  # set by _optim() for the state it returned, or None
@@ -160,7 +161,7 @@ class Engine(abc.ABC):
             }
             if cached is None:
                 return {"state": built, "param_groups": groups_json(groups)}
-            leaves = storage.KeptState({n: MappingProxyType(e) for n, e in built.items()})
+            leaves = KeptState({n: MappingProxyType(e) for n, e in built.items()})
             self._optim_cache = (*cached[:3], leaves)
         return {
             "state": leaves if kept else {name: dict(entry) for name, entry in leaves.items()},

@@ -17,6 +17,7 @@ from torch import nn
 
 from ftsdp import storage
 from ftsdp.checkpoint._engines import engine_for
+from ftsdp.storage.format._state import KeptState
 from ftsdp.storage.io._streaming import piece_bytes
 from ftsdp.storage.saving import _save
 from ftsdp.trainer import CheckpointManager
@@ -249,13 +250,13 @@ def test_reused_state_dicts_follow_replaced_tensors_and_the_current_lr() -> None
 
 def test_the_parts_handed_to_saves_are_the_same_kept_objects_until_a_tensor_is_replaced() -> None:
     """For saving, the engine hands the model's and the optimizer's leaves as the same
-    storage.KeptState objects while nothing was replaced (storage then skips their walk), and
+    KeptState objects while nothing was replaced (storage then skips their walk), and
     new ones once something was; a load target always gets dicts of its own."""
     model, opt = _model()
     engine = engine_for(model, opt)
     model_part, optim_part = engine.model_state(kept=True), engine.optim_state(kept=True)
-    assert isinstance(model_part, storage.KeptState)
-    assert isinstance(optim_part["state"], storage.KeptState)
+    assert isinstance(model_part, KeptState)
+    assert isinstance(optim_part["state"], KeptState)
     assert engine.copy_buffers(model_part) is model_part  # no buffers: nothing copied
     assert engine.model_state(kept=True) is model_part
     assert engine.optim_state(kept=True)["state"] is optim_part["state"]
