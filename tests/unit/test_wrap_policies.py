@@ -285,7 +285,8 @@ def test_exports_match_torch_fsdp1_names() -> None:
         "StateDictType",
     ):
         ours, theirs = getattr(ftsdp.fsdp, name), getattr(torch_fsdp, name)
-        assert getattr(ftsdp, name) is ours, name
+        if name in ftsdp.__all__:  # the rest only in ftsdp.fsdp (docs/migrating.md)
+            assert getattr(ftsdp, name) is ours, name
         if hasattr(theirs, "__dataclass_fields__"):  # same fields and defaults
             mine = {k: f.default for k, f in ours.__dataclass_fields__.items()}
             for field, spec in theirs.__dataclass_fields__.items():
