@@ -234,6 +234,7 @@ def test_save_takes_at_most_eight_parameters() -> None:
         ("ftsdp.storage", "Manifest", "ftsdp.storage.format"),
         ("ftsdp.storage", "restore_on_nodes", "ftsdp.storage.saving"),
         ("ftsdp.storage", "DEFAULT_MAX_MEMORY", "ftsdp.storage.io"),
+        ("ftsdp.trainer", "CheckpointManager", "ftsdp.checkpoint"),
     ],
 )
 def test_old_top_level_names_resolve_with_a_warning_naming_the_new_import(

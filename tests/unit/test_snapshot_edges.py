@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ftsdp import storage
+from ftsdp.checkpoint import CheckpointManager
 from ftsdp.storage.saving import _save
-from ftsdp.trainer import CheckpointManager
 from ftsdp.trainer._job import memory_root
 
 

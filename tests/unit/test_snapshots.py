@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from ftsdp import storage
+from ftsdp.checkpoint import CheckpointManager
 from ftsdp.checkpoint._engines import engine_for
 from ftsdp.storage.format._state import KeptState
 from ftsdp.storage.io._streaming import piece_bytes
 from ftsdp.storage.saving import _save
-from ftsdp.trainer import CheckpointManager
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from ftsdp import storage
+from ftsdp.checkpoint import CheckpointManager
 from ftsdp.storage.io import _fs as fs_module
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving import _save as save_module
-from ftsdp.trainer import CheckpointManager
 
 pytestmark = pytest.mark.timeout(120)
 REUSE = storage.SaveOptions(reuse_retired=True)
