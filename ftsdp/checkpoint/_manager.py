@@ -180,7 +180,8 @@ class CheckpointManager:
             memory tier only) lets a save overwrite the objects of the step retention just
             retired instead of writing new files, where nobody else holds them (tmpfs roots;
             see docs/format.md for what it cannot see); :meth:`close` removes what the last
-            retention left.
+            retention left. Its retention and ``discard_newer`` are the manager's own (set
+            per save from ``keep_last``, ``keep_every`` and ``memory_keep``).
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages (default: the ``ftsdp.checkpoint._manager`` logger, at WARNING);
             fallbacks are logged here, loudly.
