@@ -89,4 +89,4 @@ _MOVED = {
     "DEFAULT_MAX_MEMORY": "ftsdp.storage.io",
     "LoadIntoResult": "ftsdp.storage.inference",
 }
-__getattr__, __dir__ = _lazy.lazy_names(__name__, {}, _MOVED)
+__getattr__, __dir__ = _lazy.lazy_names(__name__, {}, _MOVED)[1:]

@@ -14,10 +14,11 @@ from typing import Any
 
 def lazy_names(
     package: str, modules: dict[str, tuple[str, ...]], moved: dict[str, str] | None = None
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``__getattr__`` and ``__dir__`` for ``package``: ``modules`` maps a module (relative to
-    ``package``: ``"_checks"``) to the public names it defines; ``moved`` maps an old name to the
-    package that exports it now (resolved with a DeprecationWarning, not in ``dir()``)."""
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """``__all__``, ``__getattr__`` and ``__dir__`` for ``package``: ``modules`` maps a module
+    (relative to ``package``: ``"_checks"``) to the public names it defines; ``moved`` maps an
+    old name to the package that exports it now (resolved with a DeprecationWarning, not in
+    ``__all__`` or ``dir()``)."""
     exports = {name: module for module, names in modules.items() for name in names}
     moved = moved or {}
 
@@ -39,4 +40,4 @@ def lazy_names(
     def __dir__() -> list[str]:
         return sorted({*vars(sys.modules[package]), *exports})
 
-    return __getattr__, __dir__
+    return sorted(exports), __getattr__, __dir__

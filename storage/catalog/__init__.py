@@ -7,16 +7,4 @@ _MODULES = {
     "_gc": ("GcReport", "collect_garbage"),
     "_steps": ("apply_retention", "clear_steps", "list_steps", "read_manifest"),
 }
-__all__ = [
-    "GcReport",
-    "VerifyReport",
-    "apply_retention",
-    "clear_steps",
-    "collect_garbage",
-    "diff",
-    "inspect_checkpoint",
-    "list_steps",
-    "read_manifest",
-    "verify",
-]
-__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

@@ -6,5 +6,4 @@ _MODULES = {
     "_convert": ("ConvertResult", "convert", "reshard"),
     "_formats": ("FORMATS", "detect_format"),
 }
-__all__ = ["FORMATS", "ConvertResult", "convert", "detect_format", "reshard"]
-__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

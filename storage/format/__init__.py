@@ -3,5 +3,4 @@
 from ftsdp.storage import _lazy
 
 _MODULES = {"_manifest": ("FORMAT_VERSION", "Manifest")}
-__all__ = ["FORMAT_VERSION", "Manifest"]
-__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

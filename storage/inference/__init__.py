@@ -3,5 +3,4 @@
 from ftsdp.storage import _lazy
 
 _MODULES = {"_inference": ("LazyStateDict", "LoadIntoResult", "load_into", "load_state_dict")}
-__all__ = ["LazyStateDict", "LoadIntoResult", "load_into", "load_state_dict"]
-__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

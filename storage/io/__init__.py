@@ -3,5 +3,4 @@
 from ftsdp.storage import _lazy
 
 _MODULES = {"_streaming": ("DEFAULT_MAX_MEMORY",)}
-__all__ = ["DEFAULT_MAX_MEMORY"]
-__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

@@ -3,5 +3,4 @@
 from ftsdp.storage import _lazy
 
 _MODULES = {"_load": ("LoadResult", "load")}
-__all__ = ["LoadResult", "load"]
-__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

@@ -14,15 +14,4 @@ _MODULES = {
         "wait_snapshot",
     ),
 }
-__all__ = [
-    "CommitConflictError",
-    "SaveHandle",
-    "clear_on_nodes",
-    "prepare_save",
-    "restore_on_nodes",
-    "save",
-    "save_on_nodes",
-    "snapshot_fence",
-    "wait_snapshot",
-]
-__getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)

@@ -303,7 +303,9 @@ def test_exit_codes_are_distinct(root: pathlib.Path, monkeypatch: pytest.MonkeyP
     code, out, err = _cli("verify", str(root), "--debug")
     assert code == 3 and "Traceback (most recent call last)" in err and "in broken" in err
     assert err.splitlines()[-1].startswith("ftsdp-ckpt: internal error: RuntimeError: boom")
-    monkeypatch.setattr(storage.catalog, "verify", lambda **kw: (_ for _ in ()).throw(RecursionError()))
+    monkeypatch.setattr(
+        storage.catalog, "verify", lambda **kw: (_ for _ in ()).throw(RecursionError())
+    )
     assert _cli("verify", str(root))[0] == 3  # not the 1 of "problems found"
 
 
