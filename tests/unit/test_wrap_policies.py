@@ -262,6 +262,24 @@ def test_state_dict_type_settings_and_refusals() -> None:
         model.register_comm_hook(None, None)
 
 
+def test_the_migration_guide_changes_only_the_import() -> None:
+    """docs/migrating.md's "after" imports are its "before" with ``torch.distributed.fsdp``
+    replaced by ``ftsdp.fsdp``, and they run as written, without a DeprecationWarning."""
+    import pathlib
+    import re
+    import warnings
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "migrating.md").read_text()
+    before, after = re.search(r"# before\n(.*?)# after\n(.*?)```", text, re.S).groups()
+    code = re.sub(r"\s*#.*", "", after)  # the comments differ, not the code
+    assert re.sub(r"\s*#.*", "", before).replace("torch.distributed.fsdp", "ftsdp.fsdp") == code
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names: dict = {}
+        exec(compile(code, "docs/migrating.md", "exec"), names)
+    assert names["FSDP"] is ftsdp.FSDP and names["StateDictType"] is ftsdp.fsdp.StateDictType
+
+
 def test_exports_match_torch_fsdp1_names() -> None:
     import torch.distributed.fsdp as torch_fsdp
 
