@@ -3,8 +3,9 @@
 The public names below are loaded on first use, so ``import ftsdp.storage`` (checkpoints for
 inference, the CLI) does not load the engine or the trainer. Subpackages: ``ftsdp.fsdp`` (the
 engine), ``ftsdp.elastic`` (the rank manager), ``ftsdp.storage`` (checkpoint format and I/O),
-``ftsdp.trainer`` (CheckpointManager, the training entry's pieces), ``ftsdp.tools`` (CLIs and
-benchmarks). See docs/design.md.
+``ftsdp.checkpoint`` (CheckpointManager), ``ftsdp.trainer`` (the training entry's pieces),
+``ftsdp.examples`` (the example GPT and data), ``ftsdp.tools`` (CLIs and benchmarks). See
+docs/design.md.
 
 ``ftsdp.__version__`` is the installed distribution's version. Output goes through
 :mod:`logging` (loggers ``ftsdp`` and its children, one per module), never ``print``: the
@@ -16,80 +17,67 @@ stderr (Python's last-resort handler) and nothing else; ``ftsdp-train`` configur
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
-# public name -> the module that defines it
+# public name -> the module that defines it: what a training script needs
 _EXPORTS = {
     "FSDP": "ftsdp.fsdp",
-    "CPUOffload": "ftsdp.fsdp",
-    "CommStats": "ftsdp.fsdp",
     "FullyShardedDataParallel": "ftsdp.fsdp",
-    "MixedPrecision": "ftsdp.fsdp",
-    "ShardView": "ftsdp.fsdp",
-    "ShardedGradScaler": "ftsdp.fsdp",
     "ShardingStrategy": "ftsdp.fsdp",
-    # torch FSDP1's names, so its scripts run with only the import changed (docs/migrating.md)
+    "MixedPrecision": "ftsdp.fsdp",
+    "CPUOffload": "ftsdp.fsdp",
     "BackwardPrefetch": "ftsdp.fsdp",
-    "FullOptimStateDictConfig": "ftsdp.fsdp",
-    "FullStateDictConfig": "ftsdp.fsdp",
-    "LocalOptimStateDictConfig": "ftsdp.fsdp",
-    "LocalStateDictConfig": "ftsdp.fsdp",
-    "OptimStateDictConfig": "ftsdp.fsdp",
-    "ShardedOptimStateDictConfig": "ftsdp.fsdp",
-    "ShardedStateDictConfig": "ftsdp.fsdp",
-    "StateDictConfig": "ftsdp.fsdp",
-    "StateDictSettings": "ftsdp.fsdp",
-    "StateDictType": "ftsdp.fsdp",
+    "ShardedGradScaler": "ftsdp.fsdp",
     "CheckpointManager": "ftsdp.checkpoint",
     "ResumeInfo": "ftsdp.checkpoint",
+    "RankManager": "ftsdp.elastic",
 }
+
+# Names exported here before (CHANGELOG.md): torch FSDP1's configuration classes and the engine's
+# accounting, now only in ``ftsdp.fsdp``. They still resolve, with a DeprecationWarning.
+_MOVED = dict.fromkeys(
+    [
+        "CommStats",
+        "FullOptimStateDictConfig",
+        "FullStateDictConfig",
+        "LocalOptimStateDictConfig",
+        "LocalStateDictConfig",
+        "OptimStateDictConfig",
+        "ShardView",
+        "ShardedOptimStateDictConfig",
+        "ShardedStateDictConfig",
+        "StateDictConfig",
+        "StateDictSettings",
+        "StateDictType",
+    ],
+    "ftsdp.fsdp",
+)
 
 __all__ = [  # the keys of _EXPORTS (tests/unit/test_layout.py checks)
     "FSDP",
     "BackwardPrefetch",
     "CPUOffload",
     "CheckpointManager",
-    "CommStats",
-    "FullOptimStateDictConfig",
-    "FullStateDictConfig",
     "FullyShardedDataParallel",
-    "LocalOptimStateDictConfig",
-    "LocalStateDictConfig",
     "MixedPrecision",
-    "OptimStateDictConfig",
+    "RankManager",
     "ResumeInfo",
-    "ShardView",
     "ShardedGradScaler",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
     "ShardingStrategy",
-    "StateDictConfig",
-    "StateDictSettings",
-    "StateDictType",
 ]
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on first use
     from ftsdp.checkpoint import CheckpointManager, ResumeInfo
+    from ftsdp.elastic import RankManager
     from ftsdp.fsdp import (
         FSDP,
         BackwardPrefetch,
-        CommStats,
         CPUOffload,
-        FullOptimStateDictConfig,
-        FullStateDictConfig,
         FullyShardedDataParallel,
-        LocalOptimStateDictConfig,
-        LocalStateDictConfig,
         MixedPrecision,
-        OptimStateDictConfig,
         ShardedGradScaler,
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
         ShardingStrategy,
-        ShardView,
-        StateDictConfig,
-        StateDictSettings,
-        StateDictType,
     )
 
     __version__: str
@@ -109,6 +97,13 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":  # read from the metadata on first use, not at every import
         value = globals()["__version__"] = _version()
         return value
+    if name in _MOVED:
+        warnings.warn(
+            f"ftsdp.{name} moved: use `from {_MOVED[name]} import {name}`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)
     module = _EXPORTS.get(name)
     if module is None:
         # Not an export: let ``from ftsdp import storage`` fall back to importing the submodule.

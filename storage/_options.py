@@ -50,7 +50,14 @@ class IOOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class SaveOptions:
-    """How ``save`` lays out and writes a step."""
+    """How ``save`` lays out, writes and retires a step.
+
+    ``keep_last``: after the commit, rank 0 keeps the newest ``keep_last`` committed steps and,
+    with ``keep_every``, every step divisible by it (see ``catalog.apply_retention``; the step
+    just saved is never removed); None: no retention. ``discard_newer``: the committed steps
+    newer than this one belong to an abandoned timeline (a resume fell back past them) and are
+    deleted, with an earlier commit of this step, once this step is committed; False: a save
+    behind newer committed steps is refused."""
 
     object_bytes: int = 256 * MiB  # a data object holds at most this many payload bytes
     checksum_block_bytes: int = 1 * MiB  # one checksum per block; bounds read amplification
@@ -63,9 +70,16 @@ class SaveOptions:
     # for CheckpointManager's memory tier (a root of its own, cleared at close), else off.
     reuse_retired: bool | None = None
     commit_timeout_s: float = 600.0  # how long rank 0 waits for the other ranks' objects
+    keep_last: int | None = None
+    keep_every: int | None = None
+    discard_newer: bool = False
     io: IOOptions = field(default_factory=IOOptions)
 
     def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"SaveOptions: {name}={value!r} must be an int >= 1 or None")
         _positive(
             "SaveOptions",
             object_bytes=self.object_bytes,

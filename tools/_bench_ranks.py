@@ -251,7 +251,7 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
     # What a training job does once before its first save (CheckpointManager.resume does it):
     # storage's own process group and the snapshot memory of the deferred saves.
     t0 = time.perf_counter()
-    storage.prepare_save(state, f"{root}/storage-async")
+    storage.saving.prepare_save(state, f"{root}/storage-async")
     record("storage.prepare_s", _max(time.perf_counter() - t0))
     for rep in range(cfg["repeats"]):
         dist.barrier()

@@ -220,7 +220,7 @@ def measurements(
     rows.append(("async save: blocking s, later saves", *later, None, "<= 0.1x DCP", ".4f"))
     prep = med(save, "storage.prepare_s")
     rows.append(
-        ("storage.prepare_save s (once, before the first save)", prep, None, None, "", ".3f")
+        ("storage.saving.prepare_save s (once, before the first save)", prep, None, None, "", ".3f")
     )
     rows.append(
         (
@@ -293,7 +293,7 @@ def environment() -> str:
     return (
         f"torch {torch.__version__}, {os.cpu_count()} CPUs (1-minute load average {load:.1f} "
         "at the start: other work shares them), checksums CRC-32C (format version "
-        f"{storage.FORMAT_VERSION}: the Shard(0) tensors described by their layout rule)"
+        f"{storage.format.FORMAT_VERSION}: the Shard(0) tensors described by their layout rule)"
     )
 
 

@@ -4,7 +4,7 @@
 
 Measured in one run on the same buffer: a memory copy (numpy ``copyto``, the yardstick), the
 CRC-32C that format version 3 writes (the ``crc32c`` package), zlib's CRC-32 (versions 1 and 2;
-and ISA-L's when the optional ``isal`` package is installed). Then ``storage.verify`` of a
+and ISA-L's when the optional ``isal`` package is installed). Then ``storage.catalog.verify`` of a
 checkpoint of that size saved by ``storage.save`` in one process: warm (its files in the page
 cache, or in ``/dev/shm``) and, on a disk, cold (each file dropped from the page cache first,
 ``posix_fadvise(DONTNEED)``), and warm again on one CPU (verify checks on as many threads as
@@ -95,7 +95,7 @@ def verify_rates(
     data = sum(os.path.getsize(f) for f in files if f.endswith(".safetensors"))
 
     def check() -> None:
-        report = storage.verify(url)
+        report = storage.catalog.verify(url)
         if not report.ok:
             raise RuntimeError(f"verify found problems in a fresh checkpoint: {report.problems}")
 
@@ -139,17 +139,17 @@ def table(args: argparse.Namespace, rates: dict[str, float], data: int, warm: fl
     for name, rate in rates.items():
         lines.append(f"| {name} | {rate / GB:.2f} | {rate / copy:.2f} |")
     lines.append(
-        f"| `storage.verify`, warm ({data / 1e6:.0f} MB of objects) | {warm / GB:.2f} | "
+        f"| `storage.catalog.verify`, warm ({data / 1e6:.0f} MB of objects) | {warm / GB:.2f} | "
         f"{warm / copy:.2f} |"
     )
     if one_cpu is not None:
         lines.append(
-            f"| `storage.verify`, warm, on one CPU (affinity) | {one_cpu / GB:.2f} | "
+            f"| `storage.catalog.verify`, warm, on one CPU (affinity) | {one_cpu / GB:.2f} | "
             f"{one_cpu / copy:.2f} |"
         )
     if cold is not None:
         lines.append(
-            f"| `storage.verify`, cold (page cache dropped) | {cold / GB:.2f} | {cold / copy:.2f} |"
+            f"| `storage.catalog.verify`, cold (page cache dropped) | {cold / GB:.2f} | {cold / copy:.2f} |"
         )
     lines.append("")
     for what, rate in (("verify (warm)", warm), ("verify (warm, one CPU)", one_cpu)):

@@ -133,8 +133,8 @@ class _Run:
     """One engine with one way of checkpointing: its model, optimizer and saver."""
 
     def __init__(self, engine: str, mode: str, cfg: dict[str, Any], root: str) -> None:
+        from ftsdp.checkpoint import CheckpointManager
         from ftsdp.examples.gpt import GPT, GPTConfig, param_groups
-        from ftsdp.trainer import CheckpointManager
 
         torch.manual_seed(cfg["seed"])
         model = GPT(GPTConfig(**cfg["model"]))

@@ -35,7 +35,7 @@ class DurableTier(Tier):
             and self.group.rank_world()[0] == 0
         ):
             try:
-                storage.apply_retention(
+                storage.catalog.apply_retention(
                     self.url,
                     keep_last=self.keep_last,
                     keep_every=self.keep_every,

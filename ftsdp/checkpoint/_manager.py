@@ -95,7 +95,7 @@ class CheckpointManager:
         optimizer: any element-wise torch optimizer over the model's parameters (created after
             wrapping). A state tensor that cannot be resharded is refused when saving.
         every_steps / every_seconds: when :meth:`due` says a save is due (either may be None).
-        keep_last / keep_every: retention after each commit (``storage.apply_retention``).
+        keep_last / keep_every: retention after each commit (``storage.catalog.apply_retention``).
         async_save: :meth:`save` returns once the shards are staged; the upload and commit run
             in the background (errors surface at the next save, :meth:`wait` or :meth:`close`).
         defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied: a
@@ -171,7 +171,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.defer_copy = async_save and defer_copy
         # the fence: optimizer.step() waits until the latest deferred save has copied the state
-        self._fence = storage.snapshot_fence(optimizer) if self.defer_copy else None
+        self._fence = storage.saving.snapshot_fence(optimizer) if self.defer_copy else None
         self.load_options, self.seed = load_options, seed
         self._last_save = time.monotonic()
         self.last_saved_step: int | None = None
@@ -258,7 +258,7 @@ class CheckpointManager:
     def wait_snapshot(self) -> None:
         """Block until the latest save has copied this rank's state: needed before changing a
         saved tensor in place outside ``optimizer.step()`` (which waits by itself)."""
-        storage.wait_snapshot()
+        storage.saving.wait_snapshot()
 
     def prepare(self, trainer: Mapping[str, Any]) -> None:
         """Get the deferred saves ready (collective): storage's own process group and the host

@@ -13,7 +13,7 @@ restart. docs/elastic.md, "A memory tier", has the whole story.
 
 [Note: the memory tier on several machines]
 Resume compares the ranks' machines (host name and boot id, or ``$FTSDP_NODE``). On several,
-no root is seen by every rank: saves pass ``node=<this machine>`` to ``storage.save`` (each
+no root is seen by every rank: saves go through ``storage.saving.save_on_nodes(..., node=<this machine>)`` (each
 machine keeps its own root and a replica of the previous machine's: [Note: node-local roots] in
 storage/saving/_nodes.py), and resume offers the one step ``storage.restore_on_nodes`` makes
 whole on every machine. Over a subgroup of such a job the tier is off (storage's own group
@@ -120,7 +120,9 @@ class MemoryTier(Tier):
             return []
         if self.node is None:
             return super().steps()
-        restored = storage.restore_on_nodes(self.url, node=self.node, process_group=self.group.pg)
+        restored = storage.saving.restore_on_nodes(
+            self.url, node=self.node, process_group=self.group.pg
+        )
         return [] if restored is None else [restored]
 
     def _shared(self) -> bool:
@@ -152,9 +154,9 @@ class MemoryTier(Tier):
             dist.barrier(group=self.group.pg)
         try:
             if self.node is not None:  # one rank per machine clears its own
-                storage.clear_on_nodes(self.url, node=self.node, process_group=self.group.pg)
+                storage.saving.clear_on_nodes(self.url, node=self.node, process_group=self.group.pg)
             elif rank == 0:
-                storage.clear_steps(self.url)
+                storage.catalog.clear_steps(self.url)
         except OSError as e:
             self.log(f"ftsdp: clearing the memory tier {self.url} failed: {e}")
         self.on = False

@@ -9,6 +9,7 @@ A tier that is a ``cache`` never fails a run: its errors are logged and its step
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -83,23 +84,25 @@ class Tier:
         steps; None: it is. Runs on rank 0."""
         return None
 
-    def save(self, state: dict[str, Any], step: int, **kw: Any) -> None:
-        """Start saving ``state`` as ``step`` (collective); ``kw`` goes to ``storage.save``.
+    def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:
+        """Start saving ``state`` as ``step`` (collective); ``kw`` goes to ``storage.save``
+        (``node``: to this machine's node-local root, ``storage.saving.save_on_nodes``).
         Surfaces the previous save's error (a cache logs it)."""
         self.wait()
+        options = replace(
+            self.options or storage.SaveOptions(),
+            keep_last=self.keep_last,  # applied by the committing rank only
+            keep_every=self.keep_every,
+            discard_newer=self.discard_newer,
+        )
+        where = dict(process_group=self.group.pg, storage_options=self.storage_options)
         try:
-            self.pending = storage.save(
-                state,
-                self.url,
-                step,
-                process_group=self.group.pg,
-                storage_options=self.storage_options,
-                keep_last=self.keep_last,  # applied by the committing rank only
-                keep_every=self.keep_every,
-                options=self.options,
-                discard_newer=self.discard_newer,
-                **kw,
-            )
+            if node is None:
+                self.pending = storage.save(state, self.url, step, options=options, **where, **kw)
+            else:
+                self.pending = storage.saving.save_on_nodes(
+                    state, self.url, step, node=node, options=options, **where, **kw
+                )
         except storage.CheckpointError as e:
             if not self.cache:
                 raise
@@ -127,7 +130,7 @@ class Tier:
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Storage's group and staging memory for deferred saves of ``state`` (collective)."""
-        storage.prepare_save(
+        storage.saving.prepare_save(
             state,
             self.url,
             process_group=self.group.pg,
@@ -163,7 +166,9 @@ class Tier:
 
         def peek() -> tuple[list[str] | None, str | None]:
             try:
-                m = storage.read_manifest(self.url, step, storage_options=self.storage_options)
+                m = storage.catalog.read_manifest(
+                    self.url, step, storage_options=self.storage_options
+                )
             except Exception:
                 return None, None
             found = {*m.tensors, *m.values, *(k for values in m.rank_values for k in values)}

@@ -1,7 +1,7 @@
 """torch FSDP1's enums and configuration classes, for scripts that move to ftsdp.
 
 ``from torch.distributed.fsdp import StateDictType, FullStateDictConfig, ...`` becomes
-``from ftsdp import ...`` (or ``ftsdp.fsdp``): the same names, fields and defaults as
+``from ftsdp.fsdp import ...``: the same names, fields and defaults as
 ``torch.distributed.fsdp.api``. They are ftsdp's own classes so that importing the engine does
 not import torch's FSDP (seconds on a loaded machine); the ``as_*`` functions below also
 accept torch's own instances, so a script may keep importing them from torch. See

@@ -157,7 +157,7 @@ def drop_another_runs_memory(
             "; ".join(diffs[:3]),
         )
         try:
-            storage.clear_steps(root)
+            storage.catalog.clear_steps(root)
         except OSError as e:  # the resume then passes its steps over, or refuses them
             logger.warning("ftsdp.train: clearing the memory tier %s failed: %s", root, e)
 

@@ -86,7 +86,7 @@ def peek(
             steps = []  # the resume lists again and reports it
         for step in reversed(steps):
             try:
-                manifest = storage.read_manifest(url, step, storage_options=storage_options)
+                manifest = storage.catalog.read_manifest(url, step, storage_options=storage_options)
             except (storage.CheckpointError, OSError):
                 continue  # the resume falls back past it, loudly
             values = {

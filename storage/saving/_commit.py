@@ -130,17 +130,17 @@ def plan_lineage(store: Store, step: int, discard_newer: bool = False) -> Lineag
         if not discard_newer:
             raise FileExistsError(
                 f"step {step} is already committed at {store.where(step_dir(step))}; save under "
-                "another step or delete that one first (discard_newer=True replaces it when it "
-                "belongs to an abandoned timeline)"
+                "another step or delete that one first (SaveOptions(discard_newer=True) replaces it "
+                "when it belongs to an abandoned timeline)"
             )
         replaces = own.manifest.attempt
     if newer and not discard_newer:
         raise CheckpointError(
             f"refusing to save step {step} under {store.where()}: committed steps newer than it "
             f"exist: {sorted(newer)}. They would stay the newest (a resume would load them, "
-            "retention would keep them over this step). Pass discard_newer=True to delete them "
-            f"once step {step} is committed (CheckpointManager does when its resume fell back "
-            "past them), resume from the newest step instead, or delete them first"
+            "retention would keep them over this step). Pass SaveOptions(discard_newer=True) to "
+            f"delete them once step {step} is committed (CheckpointManager does when its resume "
+            "fell back past them), resume from the newest step instead, or delete them first"
         )
     return Lineage(step, frozenset(scan.with_manifest), newer, replaces)
 

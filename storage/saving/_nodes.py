@@ -2,14 +2,14 @@
 its own ranks' objects and a replica of another machine's (see [Note: node-local roots]).
 
 ```python
-storage.save(state, "/dev/shm/run", step, node=node_id, ...)  # each node: its own /dev/shm
-step = storage.restore_on_nodes("/dev/shm/run", node=node_id)  # before storage.load
-storage.clear_on_nodes("/dev/shm/run", node=node_id)           # at a clean end
+saving.save_on_nodes(state, "/dev/shm/run", step, node=node_id, ...)  # each node: its own /dev/shm
+step = saving.restore_on_nodes("/dev/shm/run", node=node_id)  # before storage.load
+saving.clear_on_nodes("/dev/shm/run", node=node_id)           # at a clean end
 ```
 
 [Note: node-local roots]
 Host shared memory (``/dev/shm``) outlives a worker process but not its machine, and no other
-machine can read it. A save with ``node=`` writes every rank's objects into the root as this
+machine can read it. ``save_on_nodes`` writes every rank's objects into the root as this
 rank's machine sees it: the same path names a different directory on each node. The ordinary
 commit cannot work there (rank 0 reads the other ranks' done markers from the root, and only its
 own node's are in its root), so this mode commits through collectives on storage's own gloo
@@ -132,7 +132,7 @@ def _group_for(process_group: Any, url: str) -> Any:
     if own is None:
         raise ValueError(
             f"node-local saves to {url} need every rank of the job (storage's own gloo group); "
-            "the process group given is a subgroup: save over the whole job, or without node="
+            "the process group given is a subgroup: save over the whole job, or to a shared root"
         )
     return own
 

@@ -295,12 +295,8 @@ def save(
     process_group: Any = None,
     async_save: bool = False,
     storage_options: dict[str, Any] | None = None,
-    keep_last: int | None = None,
-    keep_every: int | None = None,
     options: SaveOptions | None = None,
-    discard_newer: bool = False,
     defer_copy: bool = False,
-    node: str | None = None,
 ) -> SaveHandle:
     """Save ``state`` as step ``step`` under ``url``; collective over ``process_group``.
 
@@ -308,8 +304,8 @@ def save(
     ``FlatShard``s or JSON-able values. Returns when committed, or with ``async_save=True`` as
     soon as this rank's pieces are staged in host memory (``handle.wait()`` for the commit; a
     save still in flight when the interpreter exits is lost, with a warning).
-    With ``keep_last`` rank 0 applies retention after the commit (see ``apply_retention``); it
-    never removes the step just saved.
+    ``options`` (``SaveOptions``) also hold retention (``keep_last``, ``keep_every``: applied by
+    rank 0 after the commit, never to the step just saved) and ``discard_newer``.
 
     ``defer_copy=True`` (with ``async_save``) returns as soon as the state is recorded: which
     tensors, their shapes and the JSON values (copied now). The tensors' bytes are copied by a
@@ -322,23 +318,59 @@ def save(
     A committed ``step`` is never overwritten (FileExistsError), and a save behind newer
     committed steps is refused (CheckpointError naming them), both on every rank before anything
     is written: after a save, the newest committed step is the one just saved. When those steps
-    belong to an abandoned timeline (a resume fell back past them), ``discard_newer=True``
-    deletes them, and an earlier commit of ``step`` itself, once this step is committed. A
-    concurrent or stale writer on the same root loses with ``CommitConflictError`` (see
-    [Note: one writer per step, one timeline] in ``storage/saving/_commit.py``).
-
-    ``node`` (this rank's node id; every rank of the job passes one) makes ``url`` a node-local
-    root: the ranks with the same id share it, other nodes see their own directory under the same
-    path (host shared memory). The step is committed through collectives and each node also
-    keeps a replica of the previous node's objects: see [Note: node-local roots] in
-    ``storage/saving/_nodes.py`` (``restore_on_nodes`` before loading from such a root).
+    belong to an abandoned timeline (a resume fell back past them),
+    ``SaveOptions(discard_newer=True)`` deletes them, and an earlier commit of ``step`` itself,
+    once this step is committed. A concurrent or stale writer on the same root loses with
+    ``CommitConflictError`` (see [Note: one writer per step, one timeline] in
+    ``storage/saving/_commit.py``). :func:`save_on_nodes` saves to node-local roots.
     """
+    return _save(state, url, step, process_group, async_save, storage_options, options, defer_copy)
+
+
+def save_on_nodes(
+    state: Mapping[str, Any],
+    url: str,
+    step: int,
+    *,
+    node: str,
+    process_group: Any = None,
+    async_save: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+    defer_copy: bool = False,
+) -> SaveHandle:
+    """:func:`save` to a node-local root; collective over every rank of the job.
+
+    ``node`` (this rank's node id; every rank passes one) makes ``url`` a node-local root: the
+    ranks with the same id share it, other nodes see their own directory under the same path
+    (host shared memory). The step is committed through collectives and each node also keeps a
+    replica of the previous node's objects: see [Note: node-local roots] in
+    ``storage/saving/_nodes.py`` (:func:`restore_on_nodes` before loading from such a root).
+    """
+    if not isinstance(node, str) or not node:
+        raise ValueError(f"save_on_nodes(node={node!r}): node must be a non-empty str")
+    args = (process_group, async_save, storage_options, options, defer_copy)
+    return _save(state, url, step, *args, node=node)
+
+
+def _save(
+    state: Mapping[str, Any],
+    url: str,
+    step: int,
+    process_group: Any,
+    async_save: bool,
+    storage_options: dict[str, Any] | None,
+    options: SaveOptions | None,
+    defer_copy: bool,
+    node: str | None = None,
+) -> SaveHandle:
+    """``save`` and ``save_on_nodes`` (``node``: None for a shared root)."""
     start = time.perf_counter()
     options = options or SaveOptions()
+    keep_last, keep_every = options.keep_last, options.keep_every
+    discard_newer = options.discard_newer
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int")
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last={keep_last} must be >= 1 or None")
     if defer_copy and not async_save:
         raise ValueError("defer_copy=True needs async_save=True (a sync save copies as it writes)")
     store = Store(url, storage_options, options.io)
@@ -348,8 +380,8 @@ def save(
     rank, _ = rank_world(group)
     if node is not None and group is not None and own_group(group, lane.key) is None:
         raise ValueError(
-            f"save(node={node!r}) to {url}: node-local roots need every rank of the job (a gloo "
-            "group of storage's own); the process group given is a subgroup"
+            f"save_on_nodes(node={node!r}) to {url}: node-local roots need every rank of the "
+            "job (a gloo group of storage's own); the process group given is a subgroup"
         )
     if defer_copy:
         job = _DeferredSave(store, step, rank, group, options, lane)

@@ -155,7 +155,7 @@ def test_resume_at_another_world_size(saved, spawns, tmp_path, world: int) -> No
     assert any(k.endswith(".exp_avg_sq") for k in original)
     for key in original:
         assert torch.equal(original[key], resaved[key]), key
-    a, b = storage.read_manifest(url, 5), storage.read_manifest(again, 5)
+    a, b = storage.catalog.read_manifest(url, 5), storage.catalog.read_manifest(again, 5)
     assert a.world_size == 2 and b.world_size == world
     # The engine's shards carry their place in the flat buffer: every tensor of a sharded save
     # is described by its rule, planned without exchanging ranges (docs/format.md, version 4).

@@ -245,7 +245,7 @@ def test_saved_at_2_resumed_at_3_bitwise_then_one_step_like_unwrapped(runs, case
 
     # One more step at W=3 is the unwrapped model's step from the same state.
     ref, ref_opt = _build("module", opt_name, 2)
-    groups = storage.read_manifest(url, step).values["optim.param_groups"]
+    groups = storage.catalog.read_manifest(url, step).values["optim.param_groups"]
     osd: dict = {"state": {}, "param_groups": json.loads(groups)}
     for k, v in want.items():
         if k.startswith("optim.state."):
@@ -267,7 +267,7 @@ def test_saved_at_2_resumed_at_3_bitwise_then_one_step_like_unwrapped(runs, case
     assert storage.list_steps(str(root / case)) == [step, step + 1]
     if case == "fsdp2-adamw":  # the abandoned step 3 was replaced, not kept
         assert any(not torch.equal(torch.from_numpy(now[k]), original_3[k]) for k in now)
-    assert storage.verify(str(root / case)).ok
+    assert storage.catalog.verify(str(root / case)).ok
 
 
 @pytest.mark.parametrize("case", ["fsdp2-adagrad", "ddp-sgd"])

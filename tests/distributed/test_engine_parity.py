@@ -94,7 +94,7 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-3, eps=1e-6)
 
 
-def local_slice(tensor: torch.Tensor, view: ftsdp.ShardView) -> torch.Tensor:
+def local_slice(tensor: torch.Tensor, view: ftsdp.fsdp.ShardView) -> torch.Tensor:
     return tensor.reshape(-1)[view.offset : view.offset + view.length]
 
 

@@ -121,7 +121,7 @@ def _failed_load_is_atomic(rank: int, groups: dict[int, Any], root: str) -> None
     if rank < 2:
         storage.save(_state(rank, 2, ref, None), url, step=1, process_group=groups[2])
     if rank == 0:
-        tail = storage.read_manifest(url).tensors["model.head"].pieces[-1]
+        tail = storage.catalog.read_manifest(url).tensors["model.head"].pieces[-1]
         path = f"{url}/step-1/{tail.object}"
         with open(path, "r+b") as f:
             f.seek(tail.byte_end - 1)
@@ -157,7 +157,7 @@ def _dedupe_cases(rank: int, world: int, root: str) -> None:
     opts = storage.SaveOptions(checksum_block_bytes=256, replica_split_bytes=4096)
     url = f"{root}/dedupe"
     storage.save(state, url, step=1, options=opts)
-    manifest = storage.read_manifest(url)
+    manifest = storage.catalog.read_manifest(url)
     payload = sum(p.length * 4 for t in manifest.tensors.values() for p in t.pieces)
     assert payload == sum(t.numel() * 4 for t in ref.values()) + ref["embed"].numel() * 4
     writers = {p.object[:9] for t in manifest.tensors.values() for p in t.pieces}
@@ -238,9 +238,9 @@ def _deferred_saves(rank: int, world: int, url: str, in_place: bool) -> None:
     for t in live:
         t.grad = torch.ones_like(t)
     opt = torch.optim.SGD(live, lr=1000.0)
-    fence = storage.snapshot_fence(opt)
+    fence = storage.saving.snapshot_fence(opt)
     # The own group and this rank's snapshot memory; none on tmpfs, written in place
-    assert (storage.prepare_save(state, url) == 0) == in_place
+    assert (storage.saving.prepare_save(state, url) == 0) == in_place
     # ... and the thread of the deferred saves, which the first save then finds running
     assert "storage-snapshot" in {t.name for t in threading.enumerate()}
     for step in (1, 2):
@@ -303,7 +303,7 @@ def _deferred_errors(rank: int, world: int, url: str, pair: Any) -> None:
         h = storage.save(
             state, f"{url}-pair", 1, process_group=pair, async_save=True, defer_copy=True
         )
-        storage.wait_snapshot()
+        storage.saving.wait_snapshot()
         for s in state["model"].values():
             s.local.zero_()
         h.wait()
@@ -405,7 +405,7 @@ def _regular_cases(rank: int, groups: dict[int, Any], root: str) -> None:
             _even_state(rank, 4, ref, None), url, step=3, process_group=groups[4], options=opts
         )
     dist.barrier()
-    manifest = storage.read_manifest(url)
+    manifest = storage.catalog.read_manifest(url)
     assert manifest.version == 4 and manifest.regular is not None
     rules = {n: (t.rule.kind if t.rule else None) for n, t in manifest.tensors.items()}
     assert rules == {
@@ -435,13 +435,13 @@ def _regular_cases(rank: int, groups: dict[int, Any], root: str) -> None:
         for n, t in ref.items():
             assert torch.equal(full[f"flat.{n}"], t), n
         assert torch.equal(full["rows"], ref["embed"]) and torch.equal(full["uneven"], ref["head"])
-        assert storage.verify(url).ok
+        assert storage.catalog.verify(url).ok
         data = (Path(url) / "step-3" / "manifest.json").read_bytes()
         doc = json.loads(data)
         assert "pieces" not in doc["tensors"]["flat.embed"]  # the rule, not 4 pieces
         # rank 0 committed: its reads get the manifest it wrote (not decoded again), which must
         # be what decoding its bytes gives, derived pieces included
-        written = storage.read_manifest(url)
+        written = storage.catalog.read_manifest(url)
         decoded = Manifest.from_json(data, where=url)
         assert written.to_json() == data
         assert written == decoded and written.regular is not None
@@ -470,7 +470,7 @@ def _regular_cases(rank: int, groups: dict[int, Any], root: str) -> None:
         if rank == 0:
             state["only0"] = ref["block.w"].clone()
         storage.save(state, url, step=1, process_group=groups[2], options=opts)
-        assert storage.read_manifest(url).regular is None
+        assert storage.catalog.read_manifest(url).regular is None
     dist.barrier()
     if rank == 0:
         full = storage.load_state_dict(url)
@@ -528,7 +528,9 @@ def _regular_edges(rank: int, groups: dict[int, Any], root: str) -> None:
     storage.save(huge if rank == 0 else honest, url, step=1, options=opts)
     dist.barrier()
     if rank == 0:
-        assert storage.read_manifest(url).tensors["x"].rule is None  # the coordinator planned it
+        assert (
+            storage.catalog.read_manifest(url).tensors["x"].rule is None
+        )  # the coordinator planned it
         assert torch.equal(storage.load_state_dict(url)["x"], t)
     # A rank holding no tensor at all (the others' tables differ from its empty one): it once
     # skipped the gather and scatter of the coordinator's plan, the others waiting for it.
@@ -632,15 +634,21 @@ def _values_cases(rank: int, groups: dict[int, Any], root: str) -> None:
         kinds = [{}, {"async_save": True}, {"async_save": True, "defer_copy": True}]
         for step, kw in enumerate(kinds, start=1):
             storage.save(state, url, step, process_group=groups[n], **kw).wait(60)
-        first = storage.read_manifest(url, 3).attempt
-        storage.save(state, url, 3, process_group=groups[n], discard_newer=True)
+        first = storage.catalog.read_manifest(url, 3).attempt
+        storage.save(
+            state,
+            url,
+            3,
+            process_group=groups[n],
+            options=storage.SaveOptions(discard_newer=True),
+        )
         for step in (1, 2, 3):
-            m = storage.read_manifest(url, step)
+            m = storage.catalog.read_manifest(url, step)
             assert m.values == {f"trainer.{k}": v for k, v in values(0).items()}, (n, step)
             for r in range(n):
                 differ = {k: v for k, v in values(r).items() if values(0).get(k) != v}
                 assert m.rank_values[r] == {f"trainer.{k}": v for k, v in differ.items()}, r
-        assert storage.read_manifest(url, 3).attempt != first  # replaced
+        assert storage.catalog.read_manifest(url, 3).attempt != first  # replaced
         target = _state(rank, n, ref, 0.0)
         target["trainer"] = {k: None for k in values(rank)}
         storage.load(target, url, 3, process_group=groups[n])

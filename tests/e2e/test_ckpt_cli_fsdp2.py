@@ -101,7 +101,8 @@ def _ftsdp(rank: int, world: int, url: str) -> list[float]:
         "optim": {
             "state": {
                 name: {
-                    k: shard(v) if isinstance(v, ftsdp.ShardView) else v for k, v in entry.items()
+                    k: shard(v) if isinstance(v, ftsdp.fsdp.ShardView) else v
+                    for k, v in entry.items()
                 }
                 for name, entry in optim["state"].items()
             }

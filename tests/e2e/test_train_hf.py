@@ -140,7 +140,7 @@ def test_kill9_and_a_world_size_change_equal_the_uninterrupted_run(
 
 def check_the_records(run: HFRun) -> None:
     """What the checkpoint says was trained (the contract with the hf export, docs/training.md)."""
-    values = storage.read_manifest(run.url).values
+    values = storage.catalog.read_manifest(run.url).values
     model, data = json.loads(values["trainer.model"]), json.loads(values["trainer.data"])
     model_dir = run.flags[run.flags.index("--model") + 1].removeprefix("hf:")
     assert model["spec"] == f"hf:{model_dir}" and model["tokenizer_dir"] == model_dir

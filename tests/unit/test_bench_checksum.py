@@ -20,7 +20,7 @@ def test_tiny_run_writes_its_rows_and_verdict_only_in_its_section(tmp_path, caps
     printed = capsys.readouterr().out
     text = out.read_text()
     assert text.startswith(OTHERS) and printed.strip() in text
-    for row in ("memory copy", "CRC-32C", "CRC-32 (zlib", "`storage.verify`, warm"):
+    for row in ("memory copy", "CRC-32C", "CRC-32 (zlib", "`storage.catalog.verify`, warm"):
         assert re.search(rf"\| {re.escape(row)}[^|]*\| \d+\.\d\d \| \d+\.\d\d \|", text), row
     assert re.search(r"^(MET|MISSED): verify \(warm\) at \d+\.\d\dx", text, re.M)
     # its checkpoint is gone

@@ -67,13 +67,13 @@ def test_inspect_text_and_json(root: pathlib.Path) -> None:
 def test_verify_clean_and_damaged(root: pathlib.Path) -> None:
     code, out, _ = _cli("verify", str(root))
     assert code == 0 and out.startswith("OK") and "step(s) 1, 2, 3, 4" in out
-    m3 = storage.read_manifest(str(root), 3)
+    m3 = storage.catalog.read_manifest(str(root), 3)
     piece = m3.tensors["model.w"].pieces[0]
     obj = root / "step-3" / piece.object
     data = bytearray(obj.read_bytes())
     data[piece.byte_start + 100] ^= 0xFF  # flip a byte inside block 1 of the piece
     obj.write_bytes(bytes(data))
-    m2 = storage.read_manifest(str(root), 2)
+    m2 = storage.catalog.read_manifest(str(root), 2)
     (root / "step-2" / m2.tensors["optim.m"].pieces[0].object).unlink()
     code, out, _ = _cli("verify", str(root))
     problems = [line for line in out.splitlines() if line.startswith("PROBLEM")]
@@ -192,9 +192,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     tmp = tmp_path_factory.mktemp("bad")
     for step in (1, 2):
         storage.save(_state(step), str(tmp / "root"), step=step, options=SMALL)
-    storage.convert(str(tmp / "root"), str(tmp / "taken"), to="hf")
+    storage.conversion.convert(str(tmp / "root"), str(tmp / "taken"), to="hf")
     storage.save(_state(1), str(tmp / "corrupt"), step=1, options=SMALL)
-    piece = storage.read_manifest(str(tmp / "corrupt")).tensors["model.w"].pieces[0]
+    piece = storage.catalog.read_manifest(str(tmp / "corrupt")).tensors["model.w"].pieces[0]
     obj = tmp / "corrupt" / "step-1" / piece.object
     data = bytearray(obj.read_bytes())
     data[piece.byte_start] ^= 1
@@ -251,7 +251,7 @@ def test_verify_a_step_directory(root: pathlib.Path) -> None:
     assert code == 0 and out.startswith("OK: ftsdp") and "step(s) 3," in out
     code, out, _ = _cli("inspect", str(root / "step-3"), "--json")
     assert code == 0 and json.loads(out)["format"] == "ftsdp" and json.loads(out)["step"] == 3
-    piece = storage.read_manifest(str(root), 3).tensors["model.w"].pieces[0]
+    piece = storage.catalog.read_manifest(str(root), 3).tensors["model.w"].pieces[0]
     obj = root / "step-3" / piece.object
     data = bytearray(obj.read_bytes())
     data[piece.byte_start] ^= 1
@@ -295,7 +295,7 @@ def test_exit_codes_are_distinct(root: pathlib.Path, monkeypatch: pytest.MonkeyP
     def broken(**kwargs: object) -> None:
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(storage, "verify", broken)
+    monkeypatch.setattr(storage.catalog, "verify", broken)
     code, out, err = _cli("verify", str(root))
     assert code == 3 and out == "" and err.count("\n") == 1
     assert err.startswith("ftsdp-ckpt: internal error: RuntimeError: boom second line")
@@ -303,7 +303,9 @@ def test_exit_codes_are_distinct(root: pathlib.Path, monkeypatch: pytest.MonkeyP
     code, out, err = _cli("verify", str(root), "--debug")
     assert code == 3 and "Traceback (most recent call last)" in err and "in broken" in err
     assert err.splitlines()[-1].startswith("ftsdp-ckpt: internal error: RuntimeError: boom")
-    monkeypatch.setattr(storage, "verify", lambda **kw: (_ for _ in ()).throw(RecursionError()))
+    monkeypatch.setattr(
+        storage.catalog, "verify", lambda **kw: (_ for _ in ()).throw(RecursionError())
+    )
     assert _cli("verify", str(root))[0] == 3  # not the 1 of "problems found"
 
 

@@ -78,12 +78,15 @@ def src(tmp_path: pathlib.Path) -> str:
 def test_round_trip_is_bitwise(src: str, tmp_path: pathlib.Path, fmt: str) -> None:
     mid = str(tmp_path / ("mid.pt" if fmt == "torch" else "mid"))
     assert _cli("convert", src, mid, "--to", fmt, *_AS_SAVED.get(fmt, []), "-q")[0] == 0
-    assert storage.detect_format(mid) == fmt
+    assert storage.conversion.detect_format(mid) == fmt
     back = str(tmp_path / "back")
     code, out, _ = _cli("convert", mid, back, "--to", "ftsdp", "--dst-step", "17")
     assert code == 0 and f"from a {fmt} checkpoint" in out
     _same(storage.load_state_dict(back), _flat(_state()))
-    assert storage.read_manifest(back).values == {"trainer.step": 17, "trainer.tags": ["a", None]}
+    assert storage.catalog.read_manifest(back).values == {
+        "trainer.step": 17,
+        "trainer.tags": ["a", None],
+    }
     if fmt == "torch":  # a plain torch.save file of the flat state dict
         _same(
             {
@@ -221,7 +224,7 @@ def test_reshard_lays_out_for_world_size(src: str, tmp_path: pathlib.Path) -> No
     dst = str(tmp_path / "w3")
     code, out, _ = _cli("reshard", src, dst, "--world-size", "3", "-q")
     assert code == 0 and "world size 3" in out
-    manifest = storage.read_manifest(dst)
+    manifest = storage.catalog.read_manifest(dst)
     assert manifest.world_size == 3 and manifest.step == 17
     w = manifest.tensors["model.w"]
     assert sorted(p.offset for p in w.pieces) == [0, 400, 800]
@@ -320,7 +323,7 @@ def test_convert_commits_through_the_save_protocol(
         if writer == "save":
             storage.save(_state(), str(dst), step=17, options=SMALL)
         else:
-            storage.convert(src, str(dst), to="ftsdp", world_size=2, object_bytes=6000)
+            storage.conversion.convert(src, str(dst), to="ftsdp", world_size=2, object_bytes=6000)
 
     with pytest.raises(PermissionError, match="manifest.json"):
         run()

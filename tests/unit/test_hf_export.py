@@ -83,7 +83,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ckpt = ftsdp.CheckpointManager(str(tmp / "run"), model, opt, async_save=False)
     ckpt.save(1, {"model": json.dumps(record, sort_keys=True), "step": 1})  # as the job records it
     ckpt.close()
-    names = set(storage.read_manifest(str(tmp / "run")).tensors)
+    names = set(storage.catalog.read_manifest(str(tmp / "run")).tensors)
     # The same model as a torch engine's state dict holds it (FSDP2, DDP, a plain module): the
     # tied weight under both of its names.
     plain = transformers.GPT2LMHeadModel(config)
@@ -141,7 +141,7 @@ def test_a_tied_weight_saved_under_both_names_is_written_once(run: dict[str, Any
     # Names the model ties but whose bytes differ are both written, with a note.
     state = storage.load_state_dict(run["both"])
     state["model.lm_head.weight"] = state["model.lm_head.weight"] + 1
-    values = storage.read_manifest(run["both"]).values
+    values = storage.catalog.read_manifest(run["both"]).values
     untied = str(run["tmp"] / "untied")
     storage.save({**state, **values}, untied, 1)
     code, text, _ = _cli("convert", untied, str(run["tmp"] / "hf-untied"), "--to", "hf", "-q")
@@ -186,7 +186,10 @@ def test_include_optimizer_keeps_optimizer_state_and_values(run: dict[str, Any])
     assert _cli("convert", str(dump), str(back), "--to", "ftsdp", "--dst-step", "1", "-q")[0] == 0
     a, b = storage.load_state_dict(run["url"]), storage.load_state_dict(str(back))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert storage.read_manifest(str(back)).values == storage.read_manifest(run["url"]).values
+    assert (
+        storage.catalog.read_manifest(str(back)).values
+        == storage.catalog.read_manifest(run["url"]).values
+    )
 
 
 def test_builtin_gpt_export_is_what_the_docs_say(tmp_path: pathlib.Path) -> None:
@@ -252,9 +255,13 @@ def test_bad_flags_and_extra_files_where_they_cannot_go(run: dict[str, Any]) -> 
     code, text, _ = _cli("convert", run["url"], str(tmp / "one.safetensors"), "--to", "hf", "-q")
     assert code == 0 and "config.json and tokenizer files not written" in text
     with pytest.raises(ValueError, match="hf folder destination only"):
-        storage.convert(run["url"], str(tmp / "y.pt"), to="torch", extra_files={"a.json": b"{}"})
+        storage.conversion.convert(
+            run["url"], str(tmp / "y.pt"), to="torch", extra_files={"a.json": b"{}"}
+        )
     with pytest.raises(ValueError, match="a name the hf checkpoint itself uses"):
-        storage.convert(run["url"], str(tmp / "y"), to="hf", extra_files={"model.safetensors": b""})
+        storage.conversion.convert(
+            run["url"], str(tmp / "y"), to="hf", extra_files={"model.safetensors": b""}
+        )
     assert not (tmp / "y").exists() and not (tmp / "y.pt").exists()
 
 

@@ -170,10 +170,83 @@ def test_top_level_exports_are_listed_once_and_resolve() -> None:
     import ftsdp
 
     assert sorted(ftsdp.__all__) == sorted(ftsdp._EXPORTS)
+    assert len(ftsdp.__all__) <= 12  # a small surface: the rest stays in the subpackages
     for name in ftsdp.__all__:
         assert getattr(ftsdp, name).__name__ in (name, "FullyShardedDataParallel")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         ftsdp.nope  # noqa: B018
+
+
+ROOMS = ["catalog", "conversion", "format", "inference", "io", "loading", "saving"]
+
+
+def test_storage_exports_a_small_surface_and_each_room_its_own() -> None:
+    import importlib
+
+    from ftsdp import storage
+
+    assert len(storage.__all__) <= 22 and len(set(storage.__all__)) == len(storage.__all__)
+    assert sorted(n for n in dir(storage) if not n.startswith("_")) == sorted(
+        [*storage.__all__, *ROOMS]
+    )
+    for name in storage.__all__:
+        assert getattr(storage, name).__name__ == name
+    for room in ROOMS:
+        module = importlib.import_module(f"ftsdp.storage.{room}")
+        assert module.__doc__ and len(module.__doc__.splitlines()) == 1, room
+        assert module.__all__ and len(set(module.__all__)) == len(module.__all__), room
+        for name in module.__all__:
+            value = getattr(module, name)
+            assert getattr(value, "__name__", name) == name, (room, name)
+            if name in storage.__all__:
+                assert getattr(storage, name) is value  # one object, whichever the import
+        assert set(module.__all__) <= set(dir(module)), room
+        with pytest.raises(AttributeError, match="no attribute 'nope'"):
+            module.nope  # noqa: B018
+    assert "KeptState" not in {n for r in ROOMS for n in dir(storage.__dict__[r])}
+
+
+def test_save_takes_at_most_eight_parameters() -> None:
+    import inspect
+
+    from ftsdp import storage
+    from ftsdp.storage import saving
+
+    assert len(inspect.signature(storage.save).parameters) <= 8
+    nodes = inspect.signature(saving.save_on_nodes).parameters
+    assert nodes["node"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert nodes["node"].default is inspect.Parameter.empty  # required: a node-local root
+    with pytest.raises(ValueError, match="keep_last=0 must be an int >= 1"):
+        storage.SaveOptions(keep_last=0)
+    with pytest.raises(ValueError, match="keep_every=2.5 must be an int >= 1"):
+        storage.SaveOptions(keep_every=2.5)
+
+
+@pytest.mark.parametrize(
+    ("package", "name", "new"),
+    [
+        ("ftsdp", "StateDictType", "ftsdp.fsdp"),
+        ("ftsdp", "FullStateDictConfig", "ftsdp.fsdp"),
+        ("ftsdp", "ShardView", "ftsdp.fsdp"),
+        ("ftsdp", "CommStats", "ftsdp.fsdp"),
+        ("ftsdp.storage", "verify", "ftsdp.storage.catalog"),
+        ("ftsdp.storage", "convert", "ftsdp.storage.conversion"),
+        ("ftsdp.storage", "Manifest", "ftsdp.storage.format"),
+        ("ftsdp.storage", "restore_on_nodes", "ftsdp.storage.saving"),
+        ("ftsdp.storage", "DEFAULT_MAX_MEMORY", "ftsdp.storage.io"),
+        ("ftsdp.trainer", "CheckpointManager", "ftsdp.checkpoint"),
+    ],
+)
+def test_old_top_level_names_resolve_with_a_warning_naming_the_new_import(
+    package: str, name: str, new: str
+) -> None:
+    import importlib
+
+    module, moved_to = importlib.import_module(package), importlib.import_module(new)
+    assert name not in module.__all__ and name not in dir(module)
+    with pytest.warns(DeprecationWarning, match=f"use `from {new} import {name}`"):
+        value = getattr(module, name)
+    assert value is getattr(moved_to, name) and name in moved_to.__all__
 
 
 def test_the_repository_speaks_for_itself() -> None:

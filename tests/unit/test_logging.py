@@ -68,8 +68,8 @@ def test_the_library_prints_nothing_and_logs_instead(tmp_path, capsys, caplog) -
         assert storage.list_steps(str(root)) == [2]
         state = storage.load_state_dict(str(root))
         assert torch.equal(state["model.weight"], model.weight.detach())
-        storage.convert(str(root), str(tmp_path / "hf"), to="hf", model_only=True)
-        storage.apply_retention(str(root), keep_last=1)
+        storage.conversion.convert(str(root), str(tmp_path / "hf"), to="hf", model_only=True)
+        storage.catalog.apply_retention(str(root), keep_last=1)
 
         with PreemptionHandler(grace_s=30) as h:  # default log: the logger, not stderr
             os.kill(os.getpid(), signal.SIGUSR1)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ftsdp import storage
+from ftsdp.checkpoint import CheckpointManager
 from ftsdp.storage.saving import _save
-from ftsdp.trainer import CheckpointManager
 from ftsdp.trainer._job import memory_root
 
 
@@ -203,7 +203,7 @@ def test_a_child_forked_during_a_save_is_not_fenced_by_it(
         signal.alarm(20)
         code = 1
         try:
-            storage.wait_snapshot(5)
+            storage.saving.wait_snapshot(5)
             mine = storage.save(
                 {"x": torch.ones(2)}, str(tmp_path / "b"), 2, async_save=True, defer_copy=True
             )

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ftsdp import storage
+from ftsdp.checkpoint import CheckpointManager
 from ftsdp.checkpoint._engines import engine_for
 from ftsdp.storage.io._streaming import piece_bytes
 from ftsdp.storage.saving import _save
-from ftsdp.trainer import CheckpointManager
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -160,7 +160,7 @@ def test_a_bad_state_raises_at_once_and_the_next_save_works(tmp_path: Any) -> No
     url = str(tmp_path / "s")
     with pytest.raises(TypeError, match="bad"):
         storage.save({"bad": object()}, url, 1, async_save=True, defer_copy=True)
-    storage.wait_snapshot(5)  # nothing left holding the fence
+    storage.saving.wait_snapshot(5)  # nothing left holding the fence
     h = storage.save({"x": torch.arange(4.0)}, url, 2, async_save=True, defer_copy=True)
     h.wait(30)
     assert storage.list_steps(url) == [2]
@@ -340,7 +340,7 @@ def test_a_damaged_memory_step_falls_back_to_the_next_one(tmp_path: Any) -> None
     again.save_to_memory(6, {"step": 6})
     again.wait()
     assert storage.list_steps(str(tmp_path / "shm")) == [5, 6]
-    assert storage.verify(str(tmp_path / "shm"), 6).ok
+    assert storage.catalog.verify(str(tmp_path / "shm"), 6).ok
 
 
 def test_memory_saves_go_on_while_a_durable_upload_is_stuck(
@@ -386,7 +386,7 @@ def test_retention_after_a_save_does_not_decode_the_manifest_just_written(
 
     url = str(tmp_path / "ckpt")
     state = {"w": torch.randn(64), "b": torch.arange(5.0)}
-    storage.save(state, url, step=1, keep_last=1)
+    storage.save(state, url, step=1, options=storage.SaveOptions(keep_last=1))
     decodes: list[str] = []
     real = Manifest.from_json.__func__  # type: ignore[attr-defined]
 
@@ -395,10 +395,10 @@ def test_retention_after_a_save_does_not_decode_the_manifest_just_written(
         return real(cls, data, **kw)
 
     monkeypatch.setattr(Manifest, "from_json", classmethod(counted))
-    storage.save(state, url, step=2, keep_last=1)
+    storage.save(state, url, step=2, options=storage.SaveOptions(keep_last=1))
     assert storage.list_steps(url) == [2]
     assert not any("step-2" in w for w in decodes), decodes
-    written = storage.read_manifest(url)
+    written = storage.catalog.read_manifest(url)
     data = (tmp_path / "ckpt" / "step-2" / "manifest.json").read_bytes()
     assert written.to_json() == data and written == real(Manifest, data, where=url)
 

@@ -66,7 +66,7 @@ def _rename(doc: dict, new: str) -> None:
 
 CASES = {
     "newer version": (
-        lambda d: d.update(version=storage.FORMAT_VERSION + 1),
+        lambda d: d.update(version=storage.format.FORMAT_VERSION + 1),
         storage.NewerFormatError,
         "newer",
     ),
@@ -268,7 +268,7 @@ def test_manifest_checksum_catches_edits(ckpt: Path) -> None:
         _untouched(target)
         with pytest.raises(storage.CorruptCheckpointError, match="manifest checksum mismatch"):
             storage.load_state_dict(str(ckpt / "c"))
-        report = storage.verify(str(ckpt / "c"))
+        report = storage.catalog.verify(str(ckpt / "c"))
         assert not report.ok and "manifest checksum mismatch" in report.problems[0]
         shutil.rmtree(ckpt / "c")
 
@@ -277,10 +277,10 @@ def test_verify_checks_dtype_against_object_headers(ckpt: Path) -> None:
     """A resealed relabel (same item size, F32 -> I32) passes the manifest's own checks, but
     verify compares every piece with its object's safetensors header."""
     _edit(ckpt, lambda d: d["tensors"]["w"].update(dtype="int32"))
-    report = storage.verify(str(ckpt))
+    report = storage.catalog.verify(str(ckpt))
     assert not report.ok
     assert any("'F32' of shape" in p and "'I32'" in p and "(int32)" in p for p in report.problems)
-    assert storage.verify(str(ckpt), 1).problems == report.problems
+    assert storage.catalog.verify(str(ckpt), 1).problems == report.problems
 
 
 def test_manifest_checksum_is_required_from_version_2(ckpt: Path, tmp_path: Path) -> None:
@@ -293,16 +293,16 @@ def test_manifest_checksum_is_required_from_version_2(ckpt: Path, tmp_path: Path
     with pytest.raises(storage.CorruptCheckpointError, match="must carry manifest_checksum"):
         storage.load(target, str(ckpt))
     _untouched(target)
-    assert "must carry manifest_checksum" in storage.verify(str(ckpt)).problems[0]
+    assert "must carry manifest_checksum" in storage.catalog.verify(str(ckpt)).problems[0]
     # Version 1, as its writer wrote it (tests/golden/storage_v1: no manifest checksum).
     v1 = tmp_path / "v1"
     shutil.copytree(GOLDEN, v1)
     path = v1 / f"step-{STEP}" / "manifest.json"
     doc = json.loads(path.read_text())
     assert doc["version"] == 1 and SELF_CHECKSUM not in doc
-    assert storage.verify(str(v1)).ok
+    assert storage.catalog.verify(str(v1)).ok
     path.write_text(json.dumps(seal({**doc, "values": {**doc["values"], "x": 4}})))
-    assert storage.verify(str(v1)).ok  # present: checked in version 1 too
+    assert storage.catalog.verify(str(v1)).ok  # present: checked in version 1 too
     doc = json.loads(path.read_text())
     doc["values"]["x"] = 5
     path.write_text(json.dumps(doc))
@@ -381,7 +381,7 @@ def test_verify_of_a_large_step_lists_every_mismatch_in_order(tmp_path: Path) ->
     state = {"a": torch.arange(10 << 20, dtype=torch.float32), "b": torch.ones(3 << 20)}
     url = str(tmp_path / "big")
     storage.save(state, url, step=1)
-    manifest = storage.read_manifest(url)
+    manifest = storage.catalog.read_manifest(url)
     hits = []
     for name, at in (("b", 5 << 20), ("a", 37 << 20), ("a", 1 << 20), ("a", 9 << 20)):
         piece = next(p for p in manifest.tensors[name].pieces if p.byte_start + at < p.byte_end)
@@ -390,7 +390,7 @@ def test_verify_of_a_large_step_lists_every_mismatch_in_order(tmp_path: Path) ->
         data[piece.byte_start + at] ^= 1
         path.write_bytes(bytes(data))
         hits.append((name, piece.byte_start + at))
-    problems = storage.verify(url).problems
+    problems = storage.catalog.verify(url).problems
     assert len(problems) == 4, problems
     for problem, (name, at) in zip(problems, sorted(hits), strict=True):
         assert f"tensor {name}: checksum mismatch" in problem, problems

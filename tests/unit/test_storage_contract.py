@@ -141,14 +141,15 @@ def test_retention(backend: tuple[str, dict | None]) -> None:
     state = {"x": torch.arange(10.0)}
     fs, root = _fs(url, opts)
     for step in range(1, 8):
-        storage.save(state, url, step=step, keep_last=2, keep_every=3, storage_options=opts)
+        keep = storage.SaveOptions(keep_last=2, keep_every=3)
+        storage.save(state, url, step=step, options=keep, storage_options=opts)
     assert storage.list_steps(url, storage_options=opts) == [3, 6, 7]
     # A torn attempt older than the newest commit is garbage; a newer one may be in progress.
     _put(fs, f"{root}/step-5/rank00000-000-aaaaaaaa.safetensors", b"torn")
     _put(fs, f"{root}/step-9/rank00000-000-bbbbbbbb.safetensors", b"in progress")
     _put(fs, f"{root}/step-7/rank00001-000-cccccccc.safetensors", b"stray of a torn attempt")
     fs.invalidate_cache()
-    removed = storage.apply_retention(url, keep_last=1, storage_options=opts)
+    removed = storage.catalog.apply_retention(url, keep_last=1, storage_options=opts)
     assert removed == [3, 5, 6]
     fs.invalidate_cache()
     names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ftsdp import storage
+from ftsdp.storage.format._state import KeptState
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving import _save
 
@@ -122,7 +123,7 @@ def test_a_kept_state_is_walked_once_and_its_leaves_taken_while_it_comes_back(
 
     w, m = torch.arange(6.0), torch.ones(3)
     part = {"w": w, "opt": {"m": m, "step": 3}, "layers": [w[:2]]}
-    kept = storage.KeptState(part)
+    kept = KeptState(part)
     with pytest.raises(TypeError):
         kept["w"] = w  # type: ignore[index]
     plain_t, plain_v = flatten_state({"model": part, "lr": 0.1})
@@ -141,12 +142,12 @@ def test_a_kept_state_is_walked_once_and_its_leaves_taken_while_it_comes_back(
     assert set(flatten_state({"other": kept})[0]) == {n.replace("model", "other") for n in first_t}
     assert walked == ["other.w", "other.opt.m", "other.layers.0"]
     walked.clear()
-    flatten_state({"model": storage.KeptState(part)})  # a new object: walked
+    flatten_state({"model": KeptState(part)})  # a new object: walked
     assert len(walked) == 3
     for _ in range(2):
         with pytest.raises(ValueError, match="same name 'model.w'"):
             flatten_state({"model": kept, "model.w": 1})
-    short = storage.KeptState({"w": w})
+    short = KeptState({"w": w})
     flatten_state({"short": short})
     assert any(hit[0]() is short for hit in _state._walked.values())
     n = len(_state._walked)
@@ -154,7 +155,7 @@ def test_a_kept_state_is_walked_once_and_its_leaves_taken_while_it_comes_back(
     gc.collect()
     assert len(_state._walked) == n - 1  # its entry went with it
 
-    url, kept = str(tmp_path), storage.KeptState({"w": w})
+    url, kept = str(tmp_path), KeptState({"w": w})
     for step in (1, 2):
         w.mul_(2)
         storage.save({"model": kept, "step": step}, url, step)

@@ -55,22 +55,22 @@ def test_every_entry_point_dispatches_through_the_table(
         ),
     )
     dst = str(tmp_path / "out.pt")
-    storage.convert(src, dst, to="torch")
+    storage.conversion.convert(src, dst, to="torch")
     assert calls == ["detect", "sink"]  # the source's detection asks torch's detector first
     calls.clear()
-    assert storage.detect_format(dst) == "torch"
+    assert storage.conversion.detect_format(dst) == "torch"
     got = storage.load_state_dict(dst)
     assert torch.equal(got["w"], _state()["w"])
-    assert storage.verify(dst).ok
-    assert storage.inspect_checkpoint(dst)["format"] == "torch"
-    assert all(r["status"] == "same" for r in storage.diff(src, None, dst, None)["tensors"])
+    assert storage.catalog.verify(dst).ok
+    assert storage.catalog.inspect_checkpoint(dst)["format"] == "torch"
+    assert all(r["status"] == "same" for r in storage.catalog.diff(src, None, dst, None)["tensors"])
     assert calls.count("open") == 4 and calls.count("detect") >= 5, calls
     # Without its row's detector nothing else recognises the file.
     monkeypatch.setitem(
         _formats._TABLE, "torch", dataclasses.replace(row, detect=lambda probe: False)
     )
     with pytest.raises(ValueError, match="cannot tell the format of the file"):
-        storage.detect_format(dst)
+        storage.conversion.detect_format(dst)
 
 
 def test_detection_order(src: str, tmp_path: pathlib.Path) -> None:
@@ -79,17 +79,17 @@ def test_detection_order(src: str, tmp_path: pathlib.Path) -> None:
     directory; hf is the fallback."""
     pt = tmp_path / "model.safetensors"
     torch.save({"w": torch.zeros(2)}, pt)
-    assert storage.detect_format(str(pt)) == "torch"
+    assert storage.conversion.detect_format(str(pt)) == "torch"
     root = pathlib.Path(src)
     (root / "model.safetensors").write_bytes(b"")
-    assert storage.detect_format(src) == "ftsdp"
+    assert storage.conversion.detect_format(src) == "ftsdp"
     (root / ".metadata").write_bytes(b"")
-    assert storage.detect_format(src) == "ftsdp"
+    assert storage.conversion.detect_format(src) == "ftsdp"
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "model.safetensors").write_bytes(b"")
     (tmp_path / "other" / ".metadata").write_bytes(b"")
-    assert storage.detect_format(str(tmp_path / "other")) == "dcp"
-    assert storage.FORMATS == ("ftsdp", "hf", "torch", "dcp")
+    assert storage.conversion.detect_format(str(tmp_path / "other")) == "dcp"
+    assert storage.conversion.FORMATS == ("ftsdp", "hf", "torch", "dcp")
     with pytest.raises(ValueError, match="unknown format 'npz'; known: ftsdp, hf, torch, dcp"):
         _formats.open_source(src, "npz")
 
@@ -102,11 +102,11 @@ def test_dcp_is_imported_only_for_dcp(src: str, tmp_path: pathlib.Path) -> None:
         "src, out = sys.argv[1:]\n"
         "for fmt in ('hf', 'torch', 'ftsdp'):\n"
         "    dst = f'{out}/{fmt}' + ('.pt' if fmt == 'torch' else '')\n"
-        "    storage.convert(src, dst, to=fmt)\n"
-        "    assert storage.detect_format(dst) == fmt\n"
+        "    storage.conversion.convert(src, dst, to=fmt)\n"
+        "    assert storage.conversion.detect_format(dst) == fmt\n"
         "    storage.load_state_dict(dst)\n"
         "assert 'torch.distributed.checkpoint' not in sys.modules\n"
-        "storage.convert(src, f'{out}/dcp', to='dcp')\n"
+        "storage.conversion.convert(src, f'{out}/dcp', to='dcp')\n"
         "assert 'torch.distributed.checkpoint' in sys.modules\n"
     )
     proc = subprocess.run(
@@ -125,8 +125,8 @@ def test_a_step_directory_is_refused_by_every_reader(tmp_path) -> None:
     for read in (
         lambda: storage.load_state_dict(step_dir),
         lambda: storage.LazyStateDict(step_dir),
-        lambda: storage.convert(step_dir, str(tmp_path / "out"), to="hf"),
-        lambda: storage.diff(step_dir, None, str(root), 3),
+        lambda: storage.conversion.convert(step_dir, str(tmp_path / "out"), to="hf"),
+        lambda: storage.catalog.diff(step_dir, None, str(root), 3),
     ):
         with pytest.raises(ValueError, match="is a step directory of an ftsdp checkpoint"):
             read()

@@ -37,7 +37,7 @@ def test_golden_reads_exactly(tmp_path: pathlib.Path, version: int) -> None:
     shutil.copytree(GOLDEN if version == 1 else GOLDEN_V2, root)  # never touch the checked-in copy
     expected = golden_state()
     assert storage.list_steps(str(root)) == [STEP]
-    manifest = storage.read_manifest(str(root))
+    manifest = storage.catalog.read_manifest(str(root))
     assert manifest.version == version and manifest.world_size == 1
     assert manifest.checksum_algorithm == "crc32"
     assert len(manifest.tensors["model.big"].pieces) > 1  # spans several objects
@@ -55,7 +55,7 @@ def test_golden_reads_exactly(tmp_path: pathlib.Path, version: int) -> None:
     assert torch.equal(full["model.w"], expected["model"]["w"])
     assert full["model.w"].tolist()[2] == [2.0, 2.25, 2.5, 2.75]
 
-    assert storage.verify(str(root)).ok
+    assert storage.catalog.verify(str(root)).ok
 
     # A flipped byte in a data object is found with the old algorithm too.
     obj = manifest.tensors["model.big"].pieces[0]
@@ -64,7 +64,7 @@ def test_golden_reads_exactly(tmp_path: pathlib.Path, version: int) -> None:
     data = bytearray(original)
     data[obj.byte_start] ^= 0x40
     path.write_bytes(bytes(data))
-    report = storage.verify(str(root))
+    report = storage.catalog.verify(str(root))
     assert not report.ok and any("checksum mismatch" in p for p in report.problems), report
     with pytest.raises(storage.CorruptCheckpointError, match="checksum mismatch"):
         storage.load_state_dict(str(root))
@@ -235,7 +235,7 @@ def test_golden_v4_reads_exactly(tmp_path: pathlib.Path) -> None:
 
     root = tmp_path / "golden"
     shutil.copytree(GOLDEN_V4, root)
-    manifest = storage.read_manifest(str(root))
+    manifest = storage.catalog.read_manifest(str(root))
     assert manifest.version == 4 and manifest.world_size == 3
     rules = {n: t.rule.kind if t.rule else None for n, t in manifest.tensors.items()}
     assert rules == {
@@ -256,7 +256,7 @@ def test_golden_v4_reads_exactly(tmp_path: pathlib.Path) -> None:
     assert torch.equal(target["model"]["w"], ref["w"]) and torch.equal(
         target["model"]["b"], ref["b"]
     )
-    assert storage.verify(str(root)).ok
+    assert storage.catalog.verify(str(root)).ok
 
     piece = manifest.tensors["model.w"].pieces_in(20, 21)[0]  # derived from rank 1's layout
     path = root / f"step-{STEP4}" / piece.object
@@ -288,8 +288,8 @@ def test_v4_a_huge_rule_tensor_in_tiny_objects_is_refused_at_once(
     doc["tensors"]["big"] = {"shape": [n], "dtype": "float32", "even": [0, n // 3]}
     doc["regular"]["object_bytes"] = object_bytes
     path.write_bytes(json.dumps(seal(doc)).encode())
-    manifest = storage.read_manifest(str(root))
+    manifest = storage.catalog.read_manifest(str(root))
     with pytest.raises(storage.CorruptCheckpointError, match="more objects than the manifest's 3"):
         manifest.tensors["big"].pieces_in(0, 1)  # what a load of any part of it derives
-    report = storage.verify(str(root))  # a problem of the step, not an exception
+    report = storage.catalog.verify(str(root))  # a problem of the step, not an exception
     assert not report.ok and "more objects than the manifest's 3" in report.problems[0], report

@@ -46,7 +46,7 @@ def _saved(tmp_path: pathlib.Path, world_size: int = 3) -> tuple[str, TinyLM]:
         options=SMALL,
     )
     url = str(tmp_path / f"w{world_size}")
-    storage.reshard(str(tmp_path / "w1"), url, world_size)
+    storage.conversion.reshard(str(tmp_path / "w1"), url, world_size)
     return url, model
 
 
@@ -67,7 +67,7 @@ def test_load_state_dict_reads_only_requested(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, model = _saved(tmp_path)
-    assert storage.read_manifest(url).world_size == 3
+    assert storage.catalog.read_manifest(url).world_size == 3
     reads = _count_reads(monkeypatch)
     got = storage.load_state_dict(url, keys=["model.proj.weight", "model.scale"])
     assert sorted(got) == ["model.proj.weight", "model.scale"]
@@ -155,6 +155,6 @@ def test_lazy_mapping_reads_on_first_access(
         with pytest.raises(KeyError):
             ckpt["nope"]
     hf = str(tmp_path / "hf")
-    storage.convert(url, hf, to="hf", model_only=True)
+    storage.conversion.convert(url, hf, to="hf", model_only=True)
     lazy = storage.LazyStateDict(hf, dtype=torch.float16)
     assert lazy.format == "hf" and lazy["model.emb.weight"].dtype == torch.float16

@@ -60,7 +60,7 @@ def _saved(tmp_path: pathlib.Path) -> tuple[str, Three]:
 
 def _flip_last_piece(url: str) -> None:
     """Flip one byte in the last piece of ``model.c``, the tensor read last."""
-    m = storage.read_manifest(url)
+    m = storage.catalog.read_manifest(url)
     piece = m.tensors["model.c"].pieces[-1]
     path = pathlib.Path(url) / step_dir(m.step) / piece.object
     data = bytearray(path.read_bytes())
@@ -107,7 +107,7 @@ def test_hf_file_cut_while_read_leaves_the_module_untouched(
 ) -> None:
     url, _ = _saved(tmp_path)
     hf = tmp_path / "hf"
-    storage.convert(url, str(hf), to="hf")
+    storage.conversion.convert(url, str(hf), to="hf")
     (file,) = hf.glob("*.safetensors")
     data = file.read_bytes()
     real = HfSource.read_into

@@ -1,5 +1,5 @@
 """Node-local roots (storage/saving/_nodes.py) without processes: which step the nodes of a job can
-restore, and which files go where. The collectives are tested on real ranks in
+restore, which files go where, and ``save_on_nodes`` in a one-node job. The collectives are tested on real ranks in
 tests/distributed/test_checkpoint_manager.py (two simulated nodes, one wiped) and end to end in
 tests/e2e/test_faults_node_loss.py."""
 
@@ -79,3 +79,35 @@ def test_node_lookups_match_their_definition_on_uneven_interleaved_nodes() -> No
         assert nodes.peer(r) == nxt[members[n].index(r) % len(nxt)]
         assert nodes.leader(r) == members[n][0]
     assert nodes.order == order and Nodes(("x", "x")).peer(1) is None
+
+
+def test_save_on_nodes_commits_retains_restores_and_clears_a_node_local_root(tmp_path) -> None:
+    """One process as a one-node job: ``save_on_nodes`` commits through the node-local path
+    (collectives, leader commit), applies the retention of its SaveOptions, and the step comes
+    back through ``restore_on_nodes`` and ``load`` equal to what was saved; ``save`` itself has
+    no ``node``."""
+    import pytest
+    import torch
+
+    from ftsdp import storage
+    from ftsdp.storage import saving
+
+    url = str(tmp_path / "shm")
+    keep = storage.SaveOptions(keep_last=1)
+    states = {s: {"w": torch.randn(33, generator=torch.Generator().manual_seed(s))} for s in (3, 4)}
+    for step, state in states.items():
+        handle = saving.save_on_nodes(
+            {**state, "v": {"step": step}}, url, step, node="n0", options=keep
+        )
+        handle.wait()
+    assert storage.list_steps(url) == [4]  # retention: keep_last=1
+    assert saving.restore_on_nodes(url, node="n0") == 4
+    target = {"w": torch.zeros(33), "v": {"step": 0}}
+    storage.load(target, url)
+    assert torch.equal(target["w"], states[4]["w"]) and target["v"] == {"step": 4}
+    assert saving.clear_on_nodes(url, node="n0") == [4]
+    assert storage.list_steps(url) == []
+    with pytest.raises(ValueError, match="node=None"):
+        saving.save_on_nodes(states[3], url, 5, node=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="node"):
+        storage.save(states[3], url, 5, node="n0")  # type: ignore[call-arg]

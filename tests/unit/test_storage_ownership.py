@@ -21,6 +21,7 @@ import os
 import pathlib
 import threading
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import fsspec
@@ -106,7 +107,7 @@ def test_gc_leaves_a_folder_that_only_looks_like_a_root(backend) -> None:
         assert "removed steps none" in out and "kept torn steps [1, 2]" in out
         assert "step-3: left alone" in out and "not a committed step of this format" in out
     assert _tree(url, opts) == before
-    assert storage.apply_retention(url, keep_last=1, storage_options=opts) == []
+    assert storage.catalog.apply_retention(url, keep_last=1, storage_options=opts) == []
     assert _tree(url, opts) == before
 
 
@@ -123,12 +124,14 @@ def test_an_unreadable_manifest_never_counts_toward_keep_last(backend, caplog) -
     assert "removed steps none" in out and "kept steps [1]" in out
     assert "step-2: left alone" in out and "not a committed step of this format" in out
     assert _tree(url, opts) == before
-    report = storage.collect_garbage(url, keep_last=1, storage_options=opts)
+    report = storage.catalog.collect_garbage(url, keep_last=1, storage_options=opts)
     assert report.removed_steps == [] and report.kept_steps == [1] and report.left_alone
     # Retention after a save: the unreadable step neither counts nor goes.
     # Logged (an operational event), not a warnings.warn.
     with caplog.at_level(logging.WARNING, logger="ftsdp.storage.format._steps"):
-        storage.save(_state(3), url, step=3, keep_last=1, storage_options=opts, options=SMALL)
+        storage.save(
+            _state(3), url, step=3, storage_options=opts, options=replace(SMALL, keep_last=1)
+        )
     assert "retention left alone:" in caplog.text and "step-2: left alone" in caplog.text
     tree = _tree(url, opts)
     assert not any(p.startswith("step-1/") for p in tree)
@@ -153,7 +156,7 @@ def test_torn_and_stray_files_are_ours_only_by_name(backend) -> None:
     _put(url, opts, "step-3/rank00001-000-cccccccc.safetensors", b"stray")
     _put(url, opts, "step-3/keep.me", b"user file")
     before = _tree(url, opts)
-    report = storage.collect_garbage(url, keep_last=2, storage_options=opts)
+    report = storage.catalog.collect_garbage(url, keep_last=2, storage_options=opts)
     assert report.removed_steps == [0, 2] and report.kept_steps == [3, 4]
     tree = _tree(url, opts)
     assert not any(p.startswith("step-0/") for p in tree)
@@ -186,7 +189,7 @@ def test_nothing_behind_a_link_is_touched(tmp_path: pathlib.Path) -> None:
     assert "step-0: a link; never followed" in out
     assert sorted(p.name for p in outside.iterdir()) == ["manifest.json", "precious.txt"]
     assert victim.read_bytes() == b"v" * 10
-    assert storage.collect_garbage(url, dry_run=True).kept_steps == [3]
+    assert storage.catalog.collect_garbage(url, dry_run=True).kept_steps == [3]
     assert (tmp_path / "ckpt/step-1").is_dir()  # the link in it stays, so the directory does
     assert [p.name for p in (tmp_path / "ckpt/step-1").iterdir()] == [
         "rank00000-000-dddddddd.safetensors"
@@ -202,9 +205,9 @@ def test_keep_last_0_is_refused(tmp_path: pathlib.Path) -> None:
     code, out, err = _gc(url, "--keep-last", "0")
     assert code == 2 and out == "" and "--keep-last" in err and ">= 1" in err
     with pytest.raises(ValueError, match="keep_last=0"):
-        storage.collect_garbage(url, keep_last=0)
+        storage.catalog.collect_garbage(url, keep_last=0)
     with pytest.raises(ValueError, match="keep_last=0"):
-        storage.apply_retention(url, keep_last=0)
+        storage.catalog.apply_retention(url, keep_last=0)
     assert storage.list_steps(url) == [1, 2]
 
 
@@ -218,14 +221,16 @@ def test_a_save_behind_newer_steps_is_refused_or_discards_them(backend) -> None:
     for step in (100, 200, 300):
         storage.save(_state(step), url, step=step, storage_options=opts, options=SMALL)
     before = _tree(url, opts)
+    keep = storage.SaveOptions(keep_last=1)
     with pytest.raises(storage.CheckpointError, match=r"newer than it exist: \[300\]") as e:
-        storage.save(_state(250), url, step=250, keep_last=1, storage_options=opts)
-    assert "discard_newer=True" in str(e.value)
+        storage.save(_state(250), url, step=250, options=keep, storage_options=opts)
+    assert "SaveOptions(discard_newer=True)" in str(e.value)
     assert _tree(url, opts) == before  # refused before anything was written
     with pytest.raises(FileExistsError, match="step 200 is already committed"):
         storage.save(_state(250), url, step=200, storage_options=opts)
 
-    storage.save(_state(250), url, step=250, keep_last=1, discard_newer=True, storage_options=opts)
+    discard = storage.SaveOptions(keep_last=1, discard_newer=True)
+    storage.save(_state(250), url, step=250, options=discard, storage_options=opts)
     assert storage.list_steps(url, storage_options=opts) == [250]
     _same(_load(url, opts), _state(250))
     assert _fs(url, opts)[0].cat_file(f"{_fs(url, opts)[1]}/latest") == b"250\n"
@@ -236,10 +241,11 @@ def test_discard_newer_replaces_an_abandoned_commit_of_the_same_step(backend) ->
     url, opts = backend
     for step in (1, 2, 3):
         storage.save(_state(step), url, step=step, storage_options=opts, options=SMALL)
-    storage.save(_state(20), url, step=2, discard_newer=True, storage_options=opts, options=SMALL)
+    discard = replace(SMALL, discard_newer=True)
+    storage.save(_state(20), url, step=2, storage_options=opts, options=discard)
     assert storage.list_steps(url, storage_options=opts) == [1, 2]
     _same(_load(url, opts, 2), _state(20))
-    manifest = storage.read_manifest(url, 2, storage_options=opts)
+    manifest = storage.catalog.read_manifest(url, 2, storage_options=opts)
     names = sorted(p.rsplit("/", 1)[-1] for p in _tree(url, opts) if p.startswith("step-2/"))
     assert names == sorted(["manifest.json", *manifest.objects])  # old objects gone
 
@@ -314,7 +320,7 @@ def test_two_writers_of_one_step_exactly_one_wins(backend) -> None:
     (loser,) = set(results) - set(winners)
     assert results[loser].startswith("CommitConflictError") and "another writer" in results[loser]
     _same(_load(url, opts, 5, 20000), _state(winners[0], 20000))
-    manifest = storage.read_manifest(url, 5, storage_options=opts)
+    manifest = storage.catalog.read_manifest(url, 5, storage_options=opts)
     names = sorted(p.rsplit("/", 1)[-1] for p in _tree(url, opts) if p.startswith("step-5/"))
     assert names == sorted(["manifest.json", *manifest.objects])  # the loser's objects went
 
@@ -375,7 +381,7 @@ def test_a_stale_writer_cannot_commit_past_the_new_timeline(
     attempt = None
     tree = _tree(url, opts)
     if 6 in meanwhile:
-        manifest = storage.read_manifest(url, 6, storage_options=opts)
+        manifest = storage.catalog.read_manifest(url, 6, storage_options=opts)
         attempt = manifest.attempt
     leftovers = [p for p in tree if p.startswith("step-6/") and p != "step-6/manifest.json"]
     assert all(attempt and attempt in p for p in leftovers), leftovers  # only the winner's

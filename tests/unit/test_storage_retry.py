@@ -123,7 +123,7 @@ def test_every_format_retries_transient_errors(monkeypatch: pytest.MonkeyPatch, 
 
     monkeypatch.setattr(Store, "_write_once", write)
     monkeypatch.setattr(MemoryFileSystem, "cat_file", cat_file)
-    storage.convert(f"{root}/src", dst, to=fmt)
+    storage.conversion.convert(f"{root}/src", dst, to=fmt)
     written = {p.rsplit("/", 1)[-1] for p in failed["write"]}
     commit_file = {"ftsdp": "manifest.json", "hf": "model.safetensors", "dcp": ".metadata"}
     assert commit_file.get(fmt, "out.pt") in written, written

@@ -16,15 +16,16 @@ import tempfile
 import threading
 import time
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
 
 from ftsdp import storage
+from ftsdp.checkpoint import CheckpointManager
 from ftsdp.storage.io import _fs as fs_module
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving import _save as save_module
-from ftsdp.trainer import CheckpointManager
 
 pytestmark = pytest.mark.timeout(120)
 REUSE = storage.SaveOptions(reuse_retired=True)
@@ -76,7 +77,7 @@ def _state(step: int) -> dict[str, torch.Tensor]:
 
 
 def _objects(root: pathlib.Path, step: int) -> list[pathlib.Path]:
-    manifest = storage.read_manifest(str(root), step)
+    manifest = storage.catalog.read_manifest(str(root), step)
     return [root / f"step-{step}" / name for name in sorted(manifest.objects)]
 
 
@@ -93,7 +94,7 @@ def _dirs(root: pathlib.Path) -> list[str]:
 def test_a_save_overwrites_the_objects_retention_retired(tmp_path, taken) -> None:
     root = tmp_path / "ckpt"
     for step in range(1, 7):
-        storage.save(_state(step), str(root), step, keep_last=2, options=REUSE)
+        storage.save(_state(step), str(root), step, options=replace(REUSE, keep_last=2))
         assert torch.equal(_load(root)["w"], _state(step)["w"])
     # step 1 retired at the commit of 3, its object overwritten by 4; and so on
     assert [ok for _, ok in taken] == [True, True, True]
@@ -101,13 +102,13 @@ def test_a_save_overwrites_the_objects_retention_retired(tmp_path, taken) -> Non
     # the retired step waiting to be taken is torn (no manifest); every committed step checks
     assert _dirs(root) == ["step-4", "step-5", "step-6"]
     assert not (root / "step-4" / "manifest.json").exists()
-    report = storage.verify(str(root))
+    report = storage.catalog.verify(str(root))
     assert report.checked == [5, 6] and not report.problems
     for step in (5, 6):
         loaded = _load(root, step)
         assert all(torch.equal(loaded[k], v) for k, v in _state(step).items())
     # the next retention (here gc's) removes what no save took
-    storage.apply_retention(str(root), keep_last=2)
+    storage.catalog.apply_retention(str(root), keep_last=2)
     assert _dirs(root) == ["step-5", "step-6"]
 
 
@@ -115,21 +116,21 @@ def test_a_smaller_object_leaves_no_tail_of_the_old_one(tmp_path, taken) -> None
     root = tmp_path / "ckpt"
     big = {"w": torch.randn(500, 500)}
     for step in (1, 2):
-        storage.save(big, str(root), step, keep_last=1, options=REUSE)
+        storage.save(big, str(root), step, options=replace(REUSE, keep_last=1))
     small = {"w": torch.arange(10.0)}
-    storage.save(small, str(root), 3, keep_last=1, options=REUSE)
+    storage.save(small, str(root), 3, options=replace(REUSE, keep_last=1))
     assert [ok for _, ok in taken] == [True]
     (obj,) = _objects(root, 3)
-    assert obj.stat().st_size == storage.read_manifest(str(root), 3).objects[obj.name]
+    assert obj.stat().st_size == storage.catalog.read_manifest(str(root), 3).objects[obj.name]
     out = {"w": torch.empty(10)}
     storage.load(out, str(root))
     assert torch.equal(out["w"], small["w"])
-    assert not storage.verify(str(root)).problems
+    assert not storage.catalog.verify(str(root)).problems
 
 
 def _save_step_1(root: pathlib.Path) -> list[pathlib.Path]:
     """Save step 1 (keep_last=1: the save of step 2 retires it); its objects."""
-    storage.save(_state(1), str(root), 1, keep_last=1, options=REUSE)
+    storage.save(_state(1), str(root), 1, options=replace(REUSE, keep_last=1))
     return _objects(root, 1)
 
 
@@ -143,8 +144,8 @@ def test_a_reader_keeps_the_bytes_it_holds(tmp_path, taken, how) -> None:
     if held is not None:
         os.close(fd)
     try:
-        storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
-        storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+        storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
+        storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
         assert taken == [(f"step-1/{obj.name}", False)]  # left to retention, which deleted it
         assert not obj.exists() and not (root / "step-1").exists()
         now = held[:] if held is not None else os.pread(fd, len(before) + 1, 0)
@@ -160,8 +161,8 @@ def test_a_hard_link_of_the_users_keeps_its_bytes(tmp_path, taken) -> None:
     backup = tmp_path / "backup.safetensors"
     os.link(obj, backup)
     crc = zlib.crc32(backup.read_bytes())
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
-    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
+    storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
     assert taken == [(f"step-1/{obj.name}", False)]
     assert zlib.crc32(backup.read_bytes()) == crc and os.stat(backup).st_nlink == 1
 
@@ -169,13 +170,13 @@ def test_a_hard_link_of_the_users_keeps_its_bytes(tmp_path, taken) -> None:
 def test_a_link_put_in_place_of_a_retired_object_is_never_followed(tmp_path, taken) -> None:
     root = tmp_path / "ckpt"
     (obj,) = _save_step_1(root)
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)  # retires step 1
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))  # retires step 1
     assert obj.exists() and not (root / "step-1" / "manifest.json").exists()
     precious = tmp_path / "precious.bin"
     precious.write_bytes(b"the user's own bytes" * 1000)
     obj.unlink()
     obj.symlink_to(precious)
-    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
     assert [ok for _, ok in taken] == [False]  # not a regular file: left as it is
     assert precious.read_bytes() == b"the user's own bytes" * 1000
     assert obj.is_symlink()  # not ours to delete either
@@ -187,11 +188,11 @@ def test_a_file_that_cannot_be_proven_unseen_is_written_anew(tmp_path, monkeypat
     monkeypatch.setattr("ftsdp.storage.io._fs._lease", lambda fd: False)
     root = tmp_path / "ckpt"
     (obj,) = _save_step_1(root)
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
     ino = obj.stat().st_ino
     fd = os.open(obj, os.O_RDONLY)  # kept open: its inode cannot be recycled by the filesystem
     try:
-        storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+        storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
         assert all(p.stat().st_ino != ino for p in _objects(root, 3))
         assert os.fstat(fd).st_nlink == 0  # deleted by retention, as without the option
     finally:
@@ -204,14 +205,14 @@ def test_another_file_in_place_of_a_retired_object_is_left_alone(tmp_path, taken
     same name put there since."""
     root = tmp_path / "ckpt"
     (obj,) = _save_step_1(root)
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
     obj.unlink()
     obj.write_bytes(b"someone else's file")
     fd = os.open(obj, os.O_RDONLY)  # to see what becomes of it (also: its inode stays its own)
     try:
         os.close(os.dup(fd))
         ino = os.fstat(fd).st_ino
-        storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+        storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
         assert [ok for _, ok in taken] == [False]
         assert os.pread(fd, 100, 0) == b"someone else's file"
         assert all(p.stat().st_ino != ino for p in _objects(root, 3))
@@ -224,8 +225,8 @@ def test_a_retired_step_holding_a_foreign_file_is_not_spared(tmp_path, taken) ->
     root = tmp_path / "ckpt"
     _save_step_1(root)
     (root / "step-1" / "NOTES.txt").write_text("mine")
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
-    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
+    storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
     assert [p.name for p in (root / "step-1").iterdir()] == ["NOTES.txt"]
     assert not any(ok for _, ok in taken)  # its objects were deleted: nothing to take
     assert _dirs(root) == ["step-1", "step-2", "step-3"]  # step 2: spared for the next save
@@ -242,7 +243,7 @@ def test_an_open_during_the_overwrite_sees_an_empty_file_never_a_mix(
     survives the lease break (no SIGIO)."""
     root = tmp_path / "ckpt"
     _save_step_1(root)
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
     seen: dict = {}
 
     def open_and_look(path: str) -> None:  # blocks until the saver gives the lease back
@@ -266,12 +267,12 @@ def test_an_open_during_the_overwrite_sees_an_empty_file_never_a_mix(
         return write_then_get_opened
 
     _on_first_object_write(monkeypatch, get_opened)
-    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
     seen["opener"].join(timeout=60)
     assert [ok for _, ok in taken] == [True]
     assert seen["size"] == 0 and seen["bytes"] == b""
     assert torch.equal(_load(root)["w"], _state(3)["w"])
-    assert not storage.verify(str(root)).problems
+    assert not storage.catalog.verify(str(root)).problems
 
 
 def test_a_link_made_while_the_file_is_taken_keeps_its_bytes(tmp_path, monkeypatch, taken) -> None:
@@ -279,7 +280,7 @@ def test_a_link_made_while_the_file_is_taken_keeps_its_bytes(tmp_path, monkeypat
     break the lease: the file is put back and the link keeps the old bytes."""
     root = tmp_path / "ckpt"
     (obj,) = _save_step_1(root)
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
     before = obj.read_bytes()
     backup = tmp_path / "backup.safetensors"
     real = fs_module._lease
@@ -290,7 +291,7 @@ def test_a_link_made_while_the_file_is_taken_keeps_its_bytes(tmp_path, monkeypat
         return ok
 
     monkeypatch.setattr(fs_module, "_lease", lease_then_link)
-    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
     assert [ok for _, ok in taken] == [False]
     assert backup.read_bytes() == before
     assert torch.equal(_load(root)["w"], _state(3)["w"])
@@ -301,10 +302,10 @@ def test_a_retired_object_changed_since_it_was_written_is_not_taken(tmp_path, ta
     this process published it."""
     root = tmp_path / "ckpt"
     (obj,) = _save_step_1(root)
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
     time.sleep(0.01)
     os.chmod(obj, 0o666)
-    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
     assert [ok for _, ok in taken] == [False]
     assert _objects(root, 3)[0].stat().st_mode & 0o777 != 0o666  # a new file, not the chmodded
     assert torch.equal(_load(root)["w"], _state(3)["w"])
@@ -315,11 +316,11 @@ def test_a_new_process_spares_nothing(tmp_path, monkeypatch, taken) -> None:
     nobody takes would only take room)."""
     root = tmp_path / "ckpt"
     for step in (1, 2):
-        storage.save(_state(step), str(root), step, keep_last=1, options=REUSE)
+        storage.save(_state(step), str(root), step, options=replace(REUSE, keep_last=1))
     monkeypatch.setattr(save_module, "_lanes", {})  # what a restarted process starts with
-    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
     assert _dirs(root) == ["step-3"]  # step 2, another process's, deleted
-    storage.save(_state(4), str(root), 4, keep_last=1, options=REUSE)
+    storage.save(_state(4), str(root), 4, options=replace(REUSE, keep_last=1))
     assert _dirs(root) == ["step-3", "step-4"]  # step 3, this one's, left for the next save
     assert taken == []
 
@@ -336,7 +337,7 @@ def test_nothing_is_spared_or_reused_off_tmpfs(monkeypatch, taken) -> None:
     root = pathlib.Path(tempfile.mkdtemp(prefix="ftsdp-test-reuse-", dir="/dev/shm"))
     try:
         for step in range(1, 5):
-            storage.save(_state(step), str(root), step, keep_last=1, options=REUSE)
+            storage.save(_state(step), str(root), step, options=replace(REUSE, keep_last=1))
         assert taken == [] and _dirs(root) == ["step-4"]
     finally:
         shutil.rmtree(root)
@@ -347,7 +348,7 @@ def test_a_failed_write_into_a_retired_object_retries_into_a_new_file(
 ) -> None:
     root = tmp_path / "ckpt"
     _save_step_1(root)
-    storage.save(_state(2), str(root), 2, keep_last=1, options=REUSE)
+    storage.save(_state(2), str(root), 2, options=replace(REUSE, keep_last=1))
     failures = []
 
     def broken(inner):
@@ -359,7 +360,7 @@ def test_a_failed_write_into_a_retired_object_retries_into_a_new_file(
         return write_partly
 
     _on_first_object_write(monkeypatch, broken)
-    storage.save(_state(3), str(root), 3, keep_last=1, options=REUSE)
+    storage.save(_state(3), str(root), 3, options=replace(REUSE, keep_last=1))
     assert failures and [ok for _, ok in taken] == [True]
     assert torch.equal(_load(root)["w"], _state(3)["w"])
     assert not [p for p in (root / "step-3").iterdir() if ".tmp-" in p.name]
@@ -368,7 +369,7 @@ def test_a_failed_write_into_a_retired_object_retries_into_a_new_file(
 def test_a_bare_save_does_not_reuse_by_default(tmp_path, taken) -> None:
     root = tmp_path / "ckpt"
     for step in range(1, 5):
-        storage.save(_state(step), str(root), step, keep_last=2)
+        storage.save(_state(step), str(root), step, options=storage.SaveOptions(keep_last=2))
     assert taken == [] and _dirs(root) == ["step-3", "step-4"]
 
 
@@ -457,6 +458,6 @@ def test_close_after_a_resume_alone_deletes_nothing(tmp_path) -> None:
 def test_a_long_keep_last_still_reuses(tmp_path, taken) -> None:
     root = tmp_path / "ckpt"
     for step in range(1, 14):
-        storage.save(_state(step), str(root), step, keep_last=9, options=REUSE)
+        storage.save(_state(step), str(root), step, options=replace(REUSE, keep_last=9))
     assert [ok for _, ok in taken] == [True] * 3  # steps 1, 2, 3 retired, taken by 11, 12, 13
     assert storage.list_steps(str(root)) == list(range(5, 14))

@@ -88,7 +88,7 @@ def test_every_format_reads_single_file_checkpoints_through_the_store(
     state = {"w": torch.randn(50), "b": torch.arange(6).reshape(2, 3)}
     storage.save(state, str(tmp_path / "src"), step=1)
     for name, fmt in (("m.safetensors", "hf"), ("m.pt", "torch")):
-        storage.convert(str(tmp_path / "src"), str(tmp_path / name), to=fmt)
+        storage.conversion.convert(str(tmp_path / "src"), str(tmp_path / name), to=fmt)
     reads: list[str] = []
     real = Store._read_into_once
 
@@ -137,7 +137,7 @@ def test_dcp_metadata_is_unpickled_in_one_function(
     from ftsdp.storage.conversion import _dcp_store
 
     storage.save({"w": torch.randn(30), "step": 2}, str(tmp_path / "src"), step=1)
-    storage.convert(str(tmp_path / "src"), str(tmp_path / "dcp"), to="dcp")
+    storage.conversion.convert(str(tmp_path / "src"), str(tmp_path / "dcp"), to="dcp")
     seen: list[int] = []
     real = _dcp_store.unpickle_metadata
 

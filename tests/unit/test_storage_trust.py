@@ -66,7 +66,7 @@ def _dcp(tmp_path: pathlib.Path, name: str = "dcp") -> pathlib.Path:
     src = tmp_path / "src"
     if not src.exists():
         storage.save(_state(), str(src), step=3)
-    storage.convert(str(src), str(tmp_path / name), to="dcp")
+    storage.conversion.convert(str(src), str(tmp_path / name), to="dcp")
     return tmp_path / name
 
 
@@ -83,10 +83,10 @@ def _readers(url: str, **kwargs: Any) -> dict[str, Any]:
         "load_state_dict": lambda: storage.load_state_dict(url, **kwargs),
         "LazyStateDict": lambda: storage.LazyStateDict(url, **kwargs).close(),
         "load_into": lambda: storage.load_into(_Model(), url, prefix="model.", **kwargs),
-        "inspect": lambda: storage.inspect_checkpoint(url, **kwargs),
-        "verify": lambda: storage.verify(url, **kwargs),
-        "diff": lambda: storage.diff(url, None, url, None, **kwargs),
-        "convert": lambda: storage.convert(url, out, to="hf", overwrite=True, **kwargs),
+        "inspect": lambda: storage.catalog.inspect_checkpoint(url, **kwargs),
+        "verify": lambda: storage.catalog.verify(url, **kwargs),
+        "diff": lambda: storage.catalog.diff(url, None, url, None, **kwargs),
+        "convert": lambda: storage.conversion.convert(url, out, to="hf", overwrite=True, **kwargs),
     }
 
 
@@ -121,7 +121,7 @@ def test_a_metadata_beside_an_ftsdp_root_is_never_read(tmp_path: pathlib.Path) -
     storage.save(_state(), str(root), step=3)
     marker = tmp_path / "PWNED"
     (root / ".metadata").write_bytes(pickle.dumps(_Payload(os.mkdir, marker)))
-    assert storage.detect_format(str(root)) == "ftsdp"
+    assert storage.conversion.detect_format(str(root)) == "ftsdp"
     for name, read in _readers(str(root)).items():
         read()
         assert not marker.exists(), name
@@ -223,7 +223,7 @@ def test_convert_refuses_one_place_spelled_two_ways(
     (tmp_path / "link").symlink_to(root)
     monkeypatch.chdir(tmp_path)
     hf = tmp_path / "D"
-    storage.convert(str(root), str(hf), to="hf")
+    storage.conversion.convert(str(root), str(hf), to="hf")
     cases = [
         (f"file://{root}", str(root), "ftsdp", "same location"),
         (str(root), "R", "ftsdp", "same location"),
@@ -236,14 +236,14 @@ def test_convert_refuses_one_place_spelled_two_ways(
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     for src, dst, to, message in cases:
         with pytest.raises(ValueError, match=message):
-            storage.convert(src, dst, to=to, overwrite=True)
+            storage.conversion.convert(src, dst, to=to, overwrite=True)
         code, _, err = _cli("convert", src, dst, "--to", to, "--overwrite", "-q")
         assert code == 2 and message in err, (src, dst, err)
     assert _cli("reshard", f"file://{root}", str(root), "--world-size", "2", "--overwrite")[0] == 2
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written or removed
     assert _steps(root) == ["step-1", "step-2"]
     # Siblings with a common prefix are different places.
-    storage.convert(str(root), str(tmp_path / "R2"), to="ftsdp")
+    storage.conversion.convert(str(root), str(tmp_path / "R2"), to="ftsdp")
 
 
 def test_convert_refuses_s3_and_s3a_of_one_place(
@@ -254,11 +254,15 @@ def test_convert_refuses_s3_and_s3a_of_one_place(
     storage.save(_state(), url, step=3, storage_options=endpoint)
     for dst in (url.replace("s3://", "s3a://"), url + "/", url.replace("/ckpt", "//ckpt/.")):
         with pytest.raises(ValueError, match="same location"):
-            storage.convert(url, dst, to="ftsdp", overwrite=True, storage_options=endpoint)
+            storage.conversion.convert(
+                url, dst, to="ftsdp", overwrite=True, storage_options=endpoint
+            )
     with pytest.raises(ValueError, match="lies inside the source"):
-        storage.convert(url, url + "/hf", to="hf", overwrite=True, storage_options=endpoint)
+        storage.conversion.convert(
+            url, url + "/hf", to="hf", overwrite=True, storage_options=endpoint
+        )
     assert storage.list_steps(url, storage_options=endpoint) == [3]
-    assert storage.verify(url, storage_options=endpoint).ok
+    assert storage.catalog.verify(url, storage_options=endpoint).ok
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -289,7 +293,7 @@ def test_hf_overwrite_removes_only_its_own_files(
     url, opts = dst_url
     src = tmp_path / "src"
     storage.save(_state(), str(src), step=3)
-    storage.convert(str(src), url, to="hf", max_shard_bytes=40, storage_options=opts)
+    storage.conversion.convert(str(src), url, to="hf", max_shard_bytes=40, storage_options=opts)
     listed = set(
         json.loads(_names(url, opts)["model.safetensors.index.json"])["weight_map"].values()
     )
@@ -301,7 +305,9 @@ def test_hf_overwrite_removes_only_its_own_files(
     }
     for name, data in mine.items():
         _put(url, opts, name, data)
-    storage.convert(str(src), url, to="hf", overwrite=True, storage_options=opts)  # one file now
+    storage.conversion.convert(
+        str(src), url, to="hf", overwrite=True, storage_options=opts
+    )  # one file now
     after = _names(url, opts)
     assert {n: after[n] for n in mine} == mine  # untouched
     assert "model.safetensors" in after and not listed & set(after)
@@ -313,9 +319,11 @@ def test_hf_overwrite_removes_only_its_own_files(
     other = url + "2"
     _put(other, opts, "model-00001-of-00002.safetensors", b"not ours")
     with pytest.raises(FileExistsError, match="did not write"):
-        storage.convert(str(src), other, to="hf", max_shard_bytes=40, storage_options=opts)
+        storage.conversion.convert(
+            str(src), other, to="hf", max_shard_bytes=40, storage_options=opts
+        )
     assert _names(other, opts) == {"model-00001-of-00002.safetensors": b"not ours"}
-    storage.convert(
+    storage.conversion.convert(
         str(src), other, to="hf", max_shard_bytes=40, overwrite=True, storage_options=opts
     )  # replaced, as docs/cli.md says
     assert len(storage.load_state_dict(other, storage_options=opts)) == 2
@@ -326,7 +334,7 @@ def test_dcp_overwrite_removes_only_what_its_metadata_lists(tmp_path: pathlib.Pa
     ours = {info.relative_path for info in _metadata(folder).storage_data.values()}
     (folder / "__9_9.distcp").write_bytes(b"not listed by .metadata")
     (folder / "notes.txt").write_bytes(b"the user's")
-    storage.convert(str(tmp_path / "src"), str(folder), to="dcp", overwrite=True)
+    storage.conversion.convert(str(tmp_path / "src"), str(folder), to="dcp", overwrite=True)
     assert (folder / "__9_9.distcp").read_bytes() == b"not listed by .metadata"
     assert (folder / "notes.txt").exists() and not (folder / ".ftsdp-writing.json").exists()
     assert ours == {info.relative_path for info in _metadata(folder).storage_data.values()}
@@ -335,7 +343,7 @@ def test_dcp_overwrite_removes_only_what_its_metadata_lists(tmp_path: pathlib.Pa
     other.mkdir()
     (other / "__0_0.distcp").write_bytes(b"someone else's")
     with pytest.raises(FileExistsError, match="did not write"):
-        storage.convert(str(tmp_path / "src"), str(other), to="dcp")
+        storage.conversion.convert(str(tmp_path / "src"), str(other), to="dcp")
     assert (other / "__0_0.distcp").read_bytes() == b"someone else's"
 
 
@@ -360,11 +368,11 @@ def test_an_interrupted_write_is_finished_and_its_leftovers_removed(
     monkeypatch.setattr(Feed, "stream", failing)
     dst = tmp_path / "dst"
     with pytest.raises(KeyboardInterrupt):
-        storage.convert(str(src), str(dst), to="hf", max_shard_bytes=16)  # three shards
+        storage.conversion.convert(str(src), str(dst), to="hf", max_shard_bytes=16)  # three shards
     left = sorted(p.name for p in dst.glob("model-*.safetensors"))
     assert left == ["model-00001-of-00003.safetensors"] and (dst / ".ftsdp-writing.json").exists()
     monkeypatch.setattr(Feed, "stream", real)
-    storage.convert(str(src), str(dst), to="hf", max_shard_bytes=40)  # two shards
+    storage.conversion.convert(str(src), str(dst), to="hf", max_shard_bytes=40)  # two shards
     assert sorted(p.name for p in dst.iterdir()) == [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
@@ -392,15 +400,15 @@ def test_an_hf_index_pointing_outside_is_refused(tmp_path: pathlib.Path, name: s
     secret = tmp_path / "secret"
     secret.mkdir()
     storage.save({"stolen": torch.arange(4.0)}, str(tmp_path / "s"), step=0)
-    storage.convert(str(tmp_path / "s"), str(secret / "x.safetensors"), to="hf")
+    storage.conversion.convert(str(tmp_path / "s"), str(secret / "x.safetensors"), to="hf")
     storage.save({"other": torch.zeros(2)}, str(tmp_path / "o"), step=0)
     hf = tmp_path / "hf"
-    storage.convert(str(tmp_path / "o"), str(hf), to="hf")
+    storage.conversion.convert(str(tmp_path / "o"), str(hf), to="hf")
     index = {"metadata": {}, "weight_map": {"stolen": name, "other": "model.safetensors"}}
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     for read in (
         lambda: storage.load_state_dict(str(hf)),
-        lambda: storage.convert(str(hf), str(tmp_path / "out"), to="ftsdp"),
+        lambda: storage.conversion.convert(str(hf), str(tmp_path / "out"), to="ftsdp"),
     ):
         with pytest.raises(storage.CorruptCheckpointError, match="not plain file names"):
             read()

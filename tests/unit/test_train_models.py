@@ -247,12 +247,12 @@ def test_mixed_precision_trains_close_to_fp32_and_fp16_resumes_its_scaler(
         losses[mp] = [r["loss"] for r in _records(metrics) if r["event"] == "step"]
     assert losses[precision] == pytest.approx(losses["none"], abs=0.05)
     assert losses[precision] != losses["none"]  # it did compute in low precision
-    values = storage.read_manifest(url).values
+    values = storage.catalog.read_manifest(url).values
     if precision == "fp16":
         scaler = json.loads(values["trainer.grad_scaler"])
         assert scaler["scale"] == 65536.0 and scaler["_growth_tracker"] == 2
         assert main([*argv, "--checkpoint-url", url, "--steps", "3"]) == 0
-        resumed = json.loads(storage.read_manifest(url).values["trainer.grad_scaler"])
+        resumed = json.loads(storage.catalog.read_manifest(url).values["trainer.grad_scaler"])
         assert resumed["_growth_tracker"] == 3  # continued from the saved state
     else:
         assert "trainer.grad_scaler" not in values

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand."""
     common = _Parser(add_help=False)
     common.add_argument(
-        "--max-memory", type=parse_size, default=storage.DEFAULT_MAX_MEMORY, metavar="SIZE",
+        "--max-memory", type=parse_size, default=storage.io.DEFAULT_MAX_MEMORY, metavar="SIZE",
         help="memory budget for data in flight (default 256MiB; e.g. 64MiB, 2GB)",
     )  # fmt: skip
     common.add_argument(
@@ -123,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument(
-        "--to", required=True, metavar="FORMAT", help=f"one of {', '.join(storage.FORMATS)}"
+        "--to",
+        required=True,
+        metavar="FORMAT",
+        help=f"one of {', '.join(storage.conversion.FORMATS)}",
     )
     p.add_argument(
         "--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)"
@@ -216,9 +219,13 @@ def _parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; ``UsageError`` (one line) for anything wrong with it."""
     args = _parser().parse_args(argv)
-    if args.command == "convert" and args.src_format and args.src_format not in storage.FORMATS:
+    if (
+        args.command == "convert"
+        and args.src_format
+        and args.src_format not in storage.conversion.FORMATS
+    ):
         raise UsageError(
-            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(storage.FORMATS)}"
+            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(storage.conversion.FORMATS)}"
         )
     if args.command == "convert":
         _check_hf_flags(args)

@@ -28,7 +28,7 @@ def _with_progress(
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
-    info = storage.inspect_checkpoint(
+    info = storage.catalog.inspect_checkpoint(
         args.url, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
     )
     if args.json:
@@ -56,7 +56,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     report = _with_progress(
-        args, "verify", storage.verify, url=args.url, step=args.step,
+        args, "verify", storage.catalog.verify, url=args.url, step=args.step,
         max_memory=args.max_memory, storage_options=args.storage_options,
         trust_pickle=args.trust_pickle,
     )  # fmt: skip
@@ -88,7 +88,7 @@ def _convert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _report_convert(result: storage.ConvertResult, out: TextIO) -> None:
+def _report_convert(result: storage.conversion.ConvertResult, out: TextIO) -> None:
     where = (
         f" step {result.step} for world size {result.world_size}" if result.step is not None else ""
     )
@@ -108,7 +108,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         export, notes = hf_export(args)
         kwargs.update(export)
     result = _with_progress(
-        args, "convert", storage.convert, src=args.src, dst=args.dst, to=args.to,
+        args, "convert", storage.conversion.convert, src=args.src, dst=args.dst, to=args.to,
         src_format=args.src_format, world_size=args.world_size,
         max_shard_bytes=args.max_shard_size, **kwargs,
     )  # fmt: skip
@@ -120,7 +120,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_reshard(args: argparse.Namespace, out: TextIO) -> int:
     result = _with_progress(
-        args, "reshard", storage.reshard, src=args.src, dst=args.dst, world_size=args.world_size,
+        args, "reshard", storage.conversion.reshard, src=args.src, dst=args.dst, world_size=args.world_size,
         **_convert_kwargs(args),
     )  # fmt: skip
     _report_convert(result, out)
@@ -129,7 +129,7 @@ def cmd_reshard(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     result = _with_progress(
-        args, "diff", storage.diff, url_a=args.url, step_a=args.step_a, url_b=args.url,
+        args, "diff", storage.catalog.diff, url_a=args.url, step_a=args.step_a, url_b=args.url,
         step_b=args.step_b, max_memory=args.max_memory, storage_options=args.storage_options,
         trust_pickle=args.trust_pickle,
     )  # fmt: skip
@@ -159,7 +159,7 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
-    report = storage.collect_garbage(
+    report = storage.catalog.collect_garbage(
         args.url, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run,
         storage_options=args.storage_options,
     )  # fmt: skip

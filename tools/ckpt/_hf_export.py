@@ -200,7 +200,7 @@ def tied_copies(
 
 
 def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any], list[str]]]:
-    """``storage.convert`` keyword arguments for ``convert --to hf`` and a function giving the
+    """``storage.conversion.convert`` keyword arguments for ``convert --to hf`` and a function giving the
     one-line notes on its result."""
     if args.keep_names:  # the names as saved, nothing added
         return {"model_only": args.model_only or not args.include_optimizer}, lambda r: []

@@ -7,7 +7,7 @@
 A tiny checkpoint (a few small tensors of several dtypes spread over several objects, an empty
 tensor, nested non-tensor values) is saved once. Each case copies it, applies one random
 mutation and reads it back three ways: ``storage.load`` into a zeroed copy of the state,
-``storage.load_state_dict`` and ``storage.verify`` (and ``ftsdp-ckpt verify``). Mutations: bit flips, truncations and
+``storage.load_state_dict`` and ``storage.catalog.verify`` (and ``ftsdp-ckpt verify``). Mutations: bit flips, truncations and
 appended bytes in any file; edits of the manifest's JSON (numbers, types, deleted or renamed
 keys, object names, dtypes, deep nesting, huge numbers), resealed with a valid manifest checksum
 or not; removed, renamed, extra, linked (outside the checkpoint, to devices, dangling, looping)
@@ -504,7 +504,7 @@ def check(url: str, ref: dict[str, Any], case: Case) -> None:
                    **tensors}  # fmt: skip
     ok_sd = judge("load_state_dict", tensors, error)
 
-    report, error = _try(lambda: storage.verify(url))
+    report, error = _try(lambda: storage.catalog.verify(url))
     if error is not None:
         outcomes.append(f"verify:{type(error).__name__}")
         if not isinstance(error, storage.CheckpointError):
@@ -586,7 +586,7 @@ def run(
             from ftsdp.testing import run_ranks
 
             run_ranks("ftsdp.tools.dev.fuzz_checkpoint:save_sharded", SHARDED_WORLD, str(pristine))
-            assert storage.read_manifest(str(pristine)).version == 4
+            assert storage.catalog.read_manifest(str(pristine)).version == 4
         else:
             storage.save(ref, str(pristine), step=STEP, options=OPTIONS)
         for i in range(start, start + cases):

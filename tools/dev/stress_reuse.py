@@ -54,7 +54,7 @@ def _held_mapping_stays(root: str, step: int) -> bool | None:
     """Map one object of ``step``, read it, wait while saves go on, read it again: whether the
     bytes stayed (None when the step was gone before it could be mapped)."""
     try:
-        manifest = storage.read_manifest(root, step)
+        manifest = storage.catalog.read_manifest(root, step)
         path = os.path.join(root, f"step-{step}", sorted(manifest.objects)[0])
         fd = os.open(path, os.O_RDONLY)
     except (storage.CheckpointError, FileNotFoundError, OSError):
@@ -99,7 +99,7 @@ def reader(root: str, stop: Any, seed: int, out: Any) -> None:
 
 
 def _inodes(root: str, step: int) -> set[int]:
-    manifest = storage.read_manifest(root, step)
+    manifest = storage.catalog.read_manifest(root, step)
     return {os.stat(os.path.join(root, f"step-{step}", n)).st_ino for n in manifest.objects}
 
 
@@ -109,8 +109,8 @@ def run(seconds: float, readers: int, root: str) -> dict[str, Any]:
     ``reused``: objects of a step whose inode is one of the step two saves before it (the one
     the previous save retired): on tmpfs, which never hands out an inode number twice, an
     object overwritten in place."""
-    options = storage.SaveOptions(reuse_retired=True)
-    storage.save(state_of(1), root, 1, keep_last=1, options=options)
+    options = storage.SaveOptions(reuse_retired=True, keep_last=1)
+    storage.save(state_of(1), root, 1, options=options)
     ctx = mp.get_context("spawn")
     stop, out = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=reader, args=(root, stop, 1000 * r, out)) for r in range(readers)]
@@ -123,7 +123,7 @@ def run(seconds: float, readers: int, root: str) -> dict[str, Any]:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             step += 1
-            storage.save(state_of(step), root, step, keep_last=1, options=options)
+            storage.save(state_of(step), root, step, options=options)
             inodes[step] = _inodes(root, step)
             reused += len(inodes[step] & inodes.pop(step - 2, set()))
     finally:

@@ -14,7 +14,7 @@ The file is what ``python -m ftsdp.tools.bench_engine / bench_checkpoint / bench
   storage on S3 when measured);
 - ``checkpoint_async``: the async save's blocking and until-committed seconds, storage against
   DCP;
-- ``checksums``: GB/s of each checksum and of ``storage.verify`` against a memory copy;
+- ``checksums``: GB/s of each checksum and of ``storage.catalog.verify`` against a memory copy;
 - ``sources``: the command and date of every entry (the charts are only as good as the run).
 """
 
@@ -155,11 +155,11 @@ def checkpoint_async(ax: Any, entry: dict[str, Any]) -> None:
 def checksums(ax: Any, entry: dict[str, Any]) -> None:
     """GB/s of each checksum and of verify, warm and cold."""
     rates = dict(entry["rates_gbps"])
-    rates["storage.verify, warm"] = entry["verify_warm_gbps"]
+    rates["storage.catalog.verify, warm"] = entry["verify_warm_gbps"]
     if entry.get("verify_warm_one_cpu_gbps") is not None:
-        rates["storage.verify, warm, one CPU"] = entry["verify_warm_one_cpu_gbps"]
+        rates["storage.catalog.verify, warm, one CPU"] = entry["verify_warm_one_cpu_gbps"]
     if entry.get("verify_cold_gbps") is not None:
-        rates["storage.verify, cold"] = entry["verify_cold_gbps"]
+        rates["storage.catalog.verify, cold"] = entry["verify_cold_gbps"]
     names = list(rates)
     ax.barh(range(len(names)), [rates[n] for n in names], color="tab:green")
     for y, name in enumerate(names):  # the names beside the bars: they are long
