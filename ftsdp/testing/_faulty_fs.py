@@ -152,9 +152,9 @@ class FaultyFileSystem(AbstractFileSystem):
             with _lock:
                 _written[step] = _written.get(step, 0) + 1
                 count = _written[step]
-            for f in _armed:
-                if f.point == "after_data" and f.step == step and count >= f.n:
-                    _crash(f, path)
+            for fault in _armed:
+                if fault.point == "after_data" and fault.step == step and count >= fault.n:
+                    _crash(fault, path)
 
     def _maybe_crash(self, point: str, step: int, path: str) -> None:
         for f in _armed:

@@ -85,7 +85,7 @@ def storage_options_from_env() -> dict[str, Any] | None:
 class Job:
     """What one training run works on, made by :func:`build`."""
 
-    model: torch.nn.Module
+    model: ftsdp.FSDP
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     dataset: MarkovDataset | TokenDataset
@@ -166,10 +166,8 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     (after wrapping) and schedule, the checkpoints."""
     rm = session.rm
     geometry = cfg.geometry(rm.world_size)  # fails fast on a world size that cannot work
-    if cfg.tensorboard:  # rank 0 writes; a missing package stops every rank before training
-        tensorboard = on_every_rank(
-            rm, lambda: open_tensorboard(cfg.tensorboard) if rm.rank == 0 else None
-        )
+    if logdir := cfg.tensorboard:  # rank 0 writes; a missing package stops every rank first
+        tensorboard = on_every_rank(rm, lambda: open_tensorboard(logdir) if rm.rank == 0 else None)
         if tensorboard is not None:
             session.log.attach(tensorboard)
     data, plan = on_every_rank(rm, lambda: (open_data(cfg), plan_model(cfg)))
@@ -179,6 +177,7 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     if url is not None:
         saved = peek(url, storage_options=storage_options, rank=rm.rank, world_size=rm.world_size)
     if saved is not None:
+        assert cfg.checkpoint_url is not None  # saved was read from it
         diffs = mismatch(saved, cfg, plan.record, data.record)
         if diffs:  # every rank got the same values from rank 0
             raise JobError(refusal(cfg.checkpoint_url, saved.step, diffs), report=rm.rank == 0)
