@@ -202,7 +202,7 @@ class CheckpointManager:
         memory_every: int | None = None,
         memory_keep: int = 2,
         storage_options: dict[str, Any] | None = None,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         save_options: storage.SaveOptions | None = None,
         load_options: storage.LoadOptions | None = None,
         seed: int = 0,

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -120,18 +121,17 @@ def fetch(store: Store, manifest: Manifest, spans: list[Span]) -> tuple[list[Seg
     return [seg for r in results for seg in r], sum(s.end - s.start for s in spans)
 
 
-def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], None]]:
+def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], object]]:
     """Tasks copying ``src`` into bytes ``[at, at + len(src))`` of the uint8 tensor ``dst``."""
     if dst.device.type != "cpu":
         # not a hot path (staging is on the CPU); torch wants a writable source
         return [lambda: dst[at : at + len(src)].copy_(torch.from_numpy(src.copy()))]
     out = dst.detach().numpy()
-    return [
-        lambda a=a: np.copyto(
-            out[at + a : at + min(a + _COPY_CHUNK, len(src))], src[a : a + _COPY_CHUNK]
-        )
-        for a in range(0, len(src), _COPY_CHUNK)
-    ]
+
+    def copy(a: int) -> None:
+        np.copyto(out[at + a : at + min(a + _COPY_CHUNK, len(src))], src[a : a + _COPY_CHUNK])
+
+    return [partial(copy, a) for a in range(0, len(src), _COPY_CHUNK)]
 
 
 def _fill_staging(segments: list[Segment]) -> list[Callable[[], None]]:

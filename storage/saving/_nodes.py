@@ -122,7 +122,7 @@ class Nodes:
         return nxt[self._local[rank] % len(nxt)]
 
 
-def _group_for(process_group: Any, url: str) -> Any:
+def _group_for(process_group: dist.ProcessGroup | None, url: str) -> dist.ProcessGroup | None:
     """Storage's own gloo group for ``url``'s lane over every rank (see [Note: storage's own
     process group] in _collectives.py); ValueError over a subgroup."""
     group = resolve_group(process_group)
@@ -142,7 +142,7 @@ def _error(e: BaseException | None) -> str | None:
 
 
 def _transfer(
-    store: Store, rank: int, moves: list[tuple[int, int, str, int]], group: Any
+    store: Store, rank: int, moves: list[tuple[int, int, str, int]], group: dist.ProcessGroup
 ) -> dict[str, bytes]:
     """Run ``moves`` ``(src, dst, rel, size)`` (the same list on every rank): ``src`` sends the
     file ``rel`` of its root to ``dst`` (gloo, uint8 tensors, one tag per move). Returns what
@@ -183,7 +183,7 @@ def finish_on_nodes(
     error: BaseException | None,
     *,
     node: str,
-    group: Any,
+    group: dist.ProcessGroup | None,
     values: dict[str, Any],
     world_size: int,
     checksum_block_bytes: int,
@@ -352,7 +352,9 @@ def _choose(
     return None
 
 
-def restore_on_nodes(url: str, *, node: str, process_group: Any = None) -> int | None:
+def restore_on_nodes(
+    url: str, *, node: str, process_group: dist.ProcessGroup | None = None
+) -> int | None:
     """Make every node's root ``url`` hold a whole committed step, and return it (collective
     over ``process_group``, every rank of the job): the newest step whose manifest one of the
     nodes of this job holds and whose objects they hold together (see [Note: node-local roots]).
@@ -411,7 +413,7 @@ def restore_on_nodes(url: str, *, node: str, process_group: Any = None) -> int |
     return step
 
 
-def is_node_leader(node: str, process_group: Any = None) -> bool:
+def is_node_leader(node: str, process_group: dist.ProcessGroup | None = None) -> bool:
     """Whether this rank is the lowest rank of its node (collective over ``process_group``:
     every rank passes its node id)."""
     group = resolve_group(process_group)
@@ -420,7 +422,9 @@ def is_node_leader(node: str, process_group: Any = None) -> bool:
     return nodes.leader(rank) == rank
 
 
-def clear_on_nodes(url: str, *, node: str, process_group: Any = None) -> list[int]:
+def clear_on_nodes(
+    url: str, *, node: str, process_group: dist.ProcessGroup | None = None
+) -> list[int]:
     """``clear_steps(url)`` once on every node (collective): the lowest rank of each node
     clears its root. Returns the steps it removed (``[]`` on the other ranks)."""
     if not is_node_leader(node, process_group):
