@@ -37,7 +37,8 @@ def _botocore_transient(err: BaseException) -> bool:
 
 def is_transient(err: BaseException) -> bool:
     """True for errors worth retrying: connection drops, timeouts, throttling, 5xx."""
-    seen, cause = 0, err
+    cause: BaseException | None = err
+    seen = 0
     while cause is not None and seen < 5:  # s3fs wraps boto errors in OSError; look at the cause
         if isinstance(cause, (ConnectionError, TimeoutError)) or _botocore_transient(cause):
             return True

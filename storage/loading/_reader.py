@@ -134,7 +134,7 @@ def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[]
     return [partial(copy, a) for a in range(0, len(src), _COPY_CHUNK)]
 
 
-def _fill_staging(segments: list[Segment]) -> list[Callable[[], None]]:
+def _fill_staging(segments: list[Segment]) -> list[Callable[[], object]]:
     return [t for c, off, src in segments for t in _copy_tasks(c.dst, c.dst_byte + off, src)]
 
 
@@ -152,7 +152,7 @@ def deliver(
 ) -> None:
     """Copy fetched bytes into each ``targets[i]`` (the tensor ``wants[i]`` describes)."""
     direct = [_direct(w, t) for w, t in zip(wants, targets, strict=True)]
-    tasks: list[Callable[[], None]] = []
+    tasks: list[Callable[[], object]] = []
     for c, off, src in segments:
         if direct[c.want]:
             dst = targets[c.want].detach().reshape(-1).view(torch.uint8)

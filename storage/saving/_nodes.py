@@ -142,13 +142,20 @@ def _error(e: BaseException | None) -> str | None:
 
 
 def _transfer(
-    store: Store, rank: int, moves: list[tuple[int, int, str, int]], group: dist.ProcessGroup
+    store: Store,
+    rank: int,
+    moves: list[tuple[int, int, str, int]],
+    group: dist.ProcessGroup | None,
 ) -> dict[str, bytes]:
     """Run ``moves`` ``(src, dst, rel, size)`` (the same list on every rank): ``src`` sends the
     file ``rel`` of its root to ``dst`` (gloo, uint8 tensors, one tag per move). Returns what
     this rank received, ``{rel: bytes}``, unwritten. A source that cannot read its file sends
     zeros and raises afterwards (the caller agrees on the outcome before writing anything)."""
-    works, received, read_error = [], [], None
+    if group is None:  # a world of one: one node, no replica to move
+        return {}
+    works: list[dist.Work | None] = []  # None: this rank is not in the group (never here)
+    received: list[tuple[str, torch.Tensor]] = []
+    read_error: BaseException | None = None
     for tag, (src, dst, rel, size) in enumerate(moves):
         if src == rank:
             data = b""
@@ -168,7 +175,8 @@ def _transfer(
         elif dst == rank:
             received.append((rel, torch.empty(0, dtype=torch.uint8)))
     for w in works:
-        w.wait()
+        if w is not None:
+            w.wait()
     if read_error is not None:
         raise read_error
     return {rel: bytes(buf.numpy()) for rel, buf in received}
