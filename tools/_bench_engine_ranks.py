@@ -30,10 +30,13 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ftsdp.examples.gpt import GPT
 
 ENGINES = ("ftsdp", "fsdp2", "ddp")
 
@@ -68,7 +71,7 @@ class Engine:
         self._loss = loss.detach()
 
 
-def _gpt(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
+def _gpt(cfg: dict[str, Any], device: torch.device) -> GPT:
     from ftsdp.examples.gpt import GPT, GPTConfig
 
     torch.manual_seed(cfg["seed"])

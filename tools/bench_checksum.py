@@ -152,10 +152,10 @@ def table(args: argparse.Namespace, rates: dict[str, float], data: int, warm: fl
             f"| `storage.verify`, cold (page cache dropped) | {cold / GB:.2f} | {cold / copy:.2f} |"
         )
     lines.append("")
-    for what, rate in (("verify (warm)", warm), ("verify (warm, one CPU)", one_cpu)):
-        if rate is not None:
+    for what, verify in (("verify (warm)", warm), ("verify (warm, one CPU)", one_cpu)):
+        if verify is not None:
             lines.append(
-                f"{'MET' if rate / copy >= TARGET else 'MISSED'}: {what} at {rate / copy:.2f}x "
+                f"{'MET' if verify / copy >= TARGET else 'MISSED'}: {what} at {verify / copy:.2f}x "
                 f"a memory copy's rate (target >= {TARGET}x)."
             )
     return "\n".join(lines) + "\n"
