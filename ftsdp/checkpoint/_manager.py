@@ -445,6 +445,7 @@ class CheckpointManager:
 
     def _agreed_steps(self, memory: bool = False) -> list[int]:
         url = self.memory_url if memory else self.url
+        assert url is not None  # memory=True only with a memory tier
         options = None if memory else self.storage_options
 
         def listing() -> tuple[str, Any]:
@@ -728,7 +729,7 @@ def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | Non
     a module attribute, the other would need that attribute to be a module.)"""
     if saved is None:
         return []
-    heads = set()  # every dotted prefix of every saved name, after "optim.state."
+    heads: set[str] = set()  # every dotted prefix of every saved name, after "optim.state."
     for n in saved:
         parts = n.split(".")[2:]
         heads.update(".".join(parts[:i]) for i in range(1, len(parts)))

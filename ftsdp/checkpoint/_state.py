@@ -100,7 +100,9 @@ def rng_state() -> str:
     The two Mersenne Twister key arrays (624 words each) are base64 of their little-endian
     uint32 words: written as JSON lists they cost about 0.4 ms per save, on the caller's thread.
     ``set_rng_state`` reads both forms (lists: checkpoints written before this change)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    legacy = np.random.get_state()
+    assert isinstance(legacy, tuple)  # the global generator is always an MT19937
+    kind, keys, pos, has_gauss, gauss = legacy
     version, internal, gauss_next = random.getstate()
     return json.dumps(
         {
@@ -112,7 +114,7 @@ def rng_state() -> str:
 
 
 def _b64(words: np.ndarray) -> str:
-    return base64.b64encode(words.astype(words.dtype.newbyteorder("<"), copy=False)).decode()
+    return base64.b64encode(words.astype(words.dtype.newbyteorder("<"), copy=False).data).decode()
 
 
 def _words(saved: str | list[int]) -> np.ndarray:

@@ -119,6 +119,7 @@ def exchange(
         attempt, replaces = head["attempt"], head["replaces"]
     else:
         attempt, replaces = attempt_of_code(top[9]), None
+    assert attempt is not None  # rank 0 made one (fresh_attempt), or the save failed above
     agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
     if agreed and world > 1 and top[7] != -top[8]:  # (equal digests: every rule is the same)
         both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)

@@ -355,9 +355,9 @@ def save(
             "group of storage's own); the process group given is a subgroup"
         )
     if defer_copy:
-        job = _DeferredSave(store, step, rank, group, options, lane)
-        job.node = node
-        handle = job.begin(state, keep_last, keep_every, discard_newer)
+        deferred = _DeferredSave(store, step, rank, group, options, lane)
+        deferred.node = node
+        handle = deferred.begin(state, keep_last, keep_every, discard_newer)
         handle.blocking_seconds = time.perf_counter() - start
         return handle
 
