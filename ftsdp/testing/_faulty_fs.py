@@ -109,7 +109,9 @@ class FaultyFileSystem(AbstractFileSystem):
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         return self._local.info(self._strip_protocol(path))
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kw: Any):
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kw: Any
+    ) -> bytes:
         return self._local.cat_file(self._strip_protocol(path), start=start, end=end)
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:

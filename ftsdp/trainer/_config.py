@@ -63,7 +63,7 @@ class ModelSpec:
         )
 
 
-def _opt(default, help: str, **kw):
+def _opt(default: typing.Any, help: str, **kw: typing.Any) -> typing.Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
