@@ -67,6 +67,8 @@ from ._wrap import Ignored, Policy, plan_units
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from ._init import ProcessGroups
+
 logger = logging.getLogger(__name__)
 
 
@@ -114,9 +116,7 @@ class FullyShardedDataParallel(nn.Module):
         self,
         module: nn.Module,
         *,
-        process_group: dist.ProcessGroup
-        | tuple[dist.ProcessGroup, dist.ProcessGroup]
-        | None = None,
+        process_group: ProcessGroups | None = None,
         sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
         auto_wrap_policy: Policy = None,
         device_id: int | torch.device | None = None,

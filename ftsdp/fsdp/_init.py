@@ -29,7 +29,12 @@ from ._unit import STALE_ATTR, FlatParamUnit, MemoryGauge, UnitOptions
 from ._wrap import UnitPlan
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     from torch.distributed.device_mesh import DeviceMesh
+
+    # process_group=: one group, or (shard group, replicate group) for HYBRID_SHARD
+    ProcessGroups: TypeAlias = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup]
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class Groups:
 
 def resolve_groups(
     strategy: ShardingStrategy,
-    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    process_group: ProcessGroups | None,
     device_mesh: DeviceMesh | None,
 ) -> Groups:
     """Shard / replicate / world groups from ``process_group`` or a ``DeviceMesh``."""
