@@ -159,7 +159,7 @@ class _Run:
         self.blocking: list[float] = []  # per save, in order
         self.fence: list[float] = []  # per save
         self.ckpt: Any = None
-        self.dcp_group: Any = None
+        self.dcp_group: dist.ProcessGroup | None = None
         self.dcp_future: Any = None
         for _ in range(cfg["warmup"]):  # optimizer state exists before the first save
             self.train_step()
