@@ -105,9 +105,10 @@ class PlainTracebacks(logging.Filter):
     format it (see the module note). The text is the same traceback either way."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info or record.exc_text:
-            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
-            record.msg, record.args = f"{record.getMessage()}\n{text}", None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.msg, record.args = f"{record.getMessage()}\n{record.exc_text}", None
             record.exc_info, record.exc_text = None, None
         return True
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
 def lazy_names(
-    package: str, modules: dict[str, tuple[str, ...]], moved: dict[str, str] | None = None
+    package: str, modules: Mapping[str, tuple[str, ...]], moved: Mapping[str, str] | None = None
 ) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
     """``__all__``, ``__getattr__`` and ``__dir__`` for ``package``: ``modules`` maps a module
     (relative to ``package``: ``"_checks"``) to the public names it defines; ``moved`` maps an

@@ -29,11 +29,14 @@ import cProfile
 import inspect
 import os
 import time
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ftsdp.examples.gpt import GPT
 
 ENGINES = ("ftsdp", "fsdp2", "ddp")
 
@@ -47,7 +50,9 @@ class Engine:
     def __init__(self, name: str, model: torch.nn.Module, kind: str, lr: float) -> None:
         from ftsdp.examples.gpt import param_groups
 
-        self.name, self.model, self.kind = name, model, kind
+        # Any: ftsdp's FSDP, DDP or an FSDP2 module; each kind's own methods are called on it
+        self.name, self.kind = name, kind
+        self.model: Any = model
         self.opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=lr)
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -66,7 +71,7 @@ class Engine:
         self._loss = loss.detach()
 
 
-def _gpt(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
+def _gpt(cfg: dict[str, Any], device: torch.device) -> GPT:
     from ftsdp.examples.gpt import GPT, GPTConfig
 
     torch.manual_seed(cfg["seed"])
@@ -101,7 +106,8 @@ def build_ddp(name: str, cfg: dict, device: torch.device) -> Engine:
     engine = Engine(name, model, "ddp", cfg["lr"])
     world = dist.get_world_size()
 
-    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects other annotations
+    # unannotated: DDP compares the annotations with its own types, and these are strings
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
         # What DDP's default all-reduce does, plus counting (see [Note: how bytes ...]).
         buf = bucket.buffer()
         engine.ddp_calls += 1
@@ -192,7 +198,9 @@ def build_all(cfg: dict, device: torch.device) -> tuple[list[Engine], dict[str, 
 # -- data, timing ----------------------------------------------------------------------------------
 
 
-def batch(cfg: dict, step: int, rank: int, device: torch.device, tiny: bool = False) -> tuple:
+def batch(
+    cfg: dict, step: int, rank: int, device: torch.device, tiny: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids, the same for every engine: (B, T) inputs and next-token targets."""
     g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + rank * 1009 + step)
     b, t = (1, 1) if tiny else (cfg["batch"], cfg["seq"])
@@ -297,7 +305,7 @@ def comm_step(engine: Engine, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any
 # -- memory -----------------------------------------------------------------------------------------
 
 
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+def _storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
@@ -375,7 +383,9 @@ def _live_at_peak(prof: Any, top: int = 16) -> list[tuple[int, int, str]]:
         from torch._C._profiler import _EventType
 
         allocs = []
-        stack = [(node, ()) for node in prof.profiler.kineto_results.experimental_event_tree()]
+        stack: list[tuple[Any, tuple[str, ...]]] = [
+            (node, ()) for node in prof.profiler.kineto_results.experimental_event_tree()
+        ]
         while stack:
             node, chain = stack.pop()
             if node.tag == _EventType.Allocation:

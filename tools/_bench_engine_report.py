@@ -273,7 +273,7 @@ def role_bytes(rows: list[tuple[int, int, str]]) -> dict[str, int]:
     return totals
 
 
-def roles(rows: list[tuple[int, int, str]], unit: int) -> str:
+def roles(rows: list[tuple[int, int, str]], unit: float) -> str:
     """Bytes live at the peak by role, in multiples of the largest unit's size."""
     totals = role_bytes(rows)
     return ", ".join(

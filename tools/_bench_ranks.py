@@ -16,6 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -146,6 +147,7 @@ def dcp_bytes_read(path: str, state: dict[str, Any]) -> int:
     """Bytes DCP's FileSystemReader reads for this rank's targets: every saved chunk that
     overlaps a target shard is read whole (then narrowed), per its metadata."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -160,7 +162,9 @@ def dcp_bytes_read(path: str, state: dict[str, Any]) -> int:
             shape, offsets = compute_local_shape_and_global_offset(
                 t.shape, t.device_mesh, t.placements
             )
-            for chunk in meta[key].chunks:
+            md = meta[key]
+            assert isinstance(md, TensorStorageMetadata), key  # every key here is a tensor's
+            for chunk in md.chunks:
                 if all(
                     o < co + cs and co < o + s
                     for o, s, co, cs in zip(offsets, shape, chunk.offsets, chunk.sizes, strict=True)
@@ -245,6 +249,7 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=path, process_group=async_group)
         blocking = time.perf_counter() - t0
+        assert isinstance(fut, Future)  # without an async stager: one future
         fut.result()
         return blocking
 
@@ -294,12 +299,12 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
     def record(key: str, value: float) -> None:
         out.setdefault(key, []).append(value)
 
-    def storage_load(url: str, step: int, opts: dict | None) -> tuple[int, int, int]:
+    def storage_load(url: str, step: int, opts: dict | None) -> tuple[int, int | None, int]:
         before = _disk_read()
         res = storage.load(target, url, step, storage_options=opts)
         return _disk_read() - before, res.bytes_read, res.bytes_needed
 
-    def dcp_load(path: str) -> tuple[int, int, int]:
+    def dcp_load(path: str) -> tuple[int, int | None, int]:
         before = _disk_read()
         dcp.load(target, checkpoint_id=path)
         return _disk_read() - before, None, needed  # bytes read: computed outside the timing
@@ -323,6 +328,7 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
             if rep == 0:
                 check_state(target)
                 if logical is None:  # DCP: from its metadata, not inside the timed load
+                    assert evict is not None  # DCP's directory
                     logical = dcp_bytes_read(evict, target)
                 record(f"{lib}.read_ratio", _sum(logical) / _sum(want))
                 if evict is not None:

@@ -50,7 +50,8 @@ class _Busy(bench_snapshot._Run):
 
     def __init__(self, cfg: dict[str, Any], seconds: float) -> None:
         super().__init__("ftsdp", "none", cfg, cfg["root"])
-        self.seconds, self.threads = seconds, []
+        self.seconds = seconds
+        self.threads: list[threading.Thread] = []
 
     def save(self) -> None:
         if self.seconds > 0:

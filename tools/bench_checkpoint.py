@@ -156,7 +156,7 @@ def measurements(
 
     st, dc = rate(med(save, "storage.save_s")), rate(med(save, "dcp.save_s"))
     rows.append(("save GB/s", st, dc, rate(med(save, "s3.save_s")), ">= 1.5x DCP", ".2f"))
-    if st and dc:
+    if st and dc and raw_w:
         judge(
             "save >= 1.5x DCP",
             st >= 1.5 * dc,

@@ -155,8 +155,9 @@ def profile_notes(runs: list[report.Run], top: int = 12) -> str:
     for run in runs:
         for engine, path in run.ranks[0]["profiles"].items():
             stats = pstats.Stats(path)
-            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # tottime
-            total = sum(v[2] for v in stats.stats.values())
+            table = stats.stats  # type: ignore[attr-defined]  # pstats' raw table: not in typeshed
+            rows = sorted(table.items(), key=lambda kv: -kv[1][2])[:top]  # tottime
+            total = sum(v[2] for v in table.values())
             out.append(f"{run.label} {engine} rank 0 ({total:.2f}s own time in all):")
             for (file, line, fn), (_, ncalls, tt, ct, _) in rows:
                 where = f"{os.path.basename(file)}:{line}" if line else file

@@ -137,18 +137,19 @@ class _Run:
         from ftsdp.examples.gpt import GPT, GPTConfig, param_groups
 
         torch.manual_seed(cfg["seed"])
-        model = GPT(GPTConfig(**cfg["model"]))
+        gpt = GPT(GPTConfig(**cfg["model"]))
+        model: torch.nn.Module = gpt
         if engine == "ftsdp":
             import ftsdp
             from ftsdp.examples.gpt import Block
 
-            model = ftsdp.FSDP(model, auto_wrap_policy={Block})
+            model = ftsdp.FSDP(gpt, auto_wrap_policy={Block})
         else:
             from torch.distributed.fsdp import fully_shard
 
-            for block in model.blocks:
+            for block in gpt.blocks:
                 fully_shard(block)
-            fully_shard(model)
+            fully_shard(gpt)
         self.engine, self.mode, self.cfg = engine, mode, cfg
         self.model = model
         self.opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-3)
@@ -158,7 +159,7 @@ class _Run:
         self.blocking: list[float] = []  # per save, in order
         self.fence: list[float] = []  # per save
         self.ckpt: Any = None
-        self.dcp_group: Any = None
+        self.dcp_group: dist.ProcessGroup | None = None
         self.dcp_future: Any = None
         for _ in range(cfg["warmup"]):  # optimizer state exists before the first save
             self.train_step()

@@ -15,12 +15,15 @@ import abc
 import json
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ftsdp import storage
+
+if TYPE_CHECKING:
+    from ftsdp.fsdp import FullyShardedDataParallel
 
 
 class Engine(abc.ABC):
@@ -189,6 +192,7 @@ class FtsdpEngine(Engine):
     """``ftsdp.FSDP``: every view of the engine's flat shards becomes a ``FlatShard``."""
 
     kind = "ftsdp"
+    model: FullyShardedDataParallel
 
     def _model_state(self) -> dict[str, Any]:
         return {name: _flat(view) for name, view in self.model.sharded_state_dict().items()}
@@ -255,7 +259,8 @@ class TorchEngine(Engine):
         # get_optimizer_state_dict creates the state when there is none (one step with zero
         # gradients and lr 0): a save must not change the optimizer, so undo it then.
         empty = not self.optimizer.state
-        sd = self._dsd.get_optimizer_state_dict(self.model, self.optimizer)
+        # torch types each entry as either shape; "state" is a dict, "param_groups" a list
+        sd: dict[str, Any] = self._dsd.get_optimizer_state_dict(self.model, self.optimizer)
         if empty and self.optimizer.state:
             self.optimizer.state.clear()
             return {}, sd["param_groups"]

@@ -45,7 +45,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,9 @@ from ftsdp.checkpoint import _state as cs
 from ftsdp.checkpoint._durable import DurableTier
 from ftsdp.checkpoint._memory import MemoryTier
 from ftsdp.checkpoint._tier import Group, Tier
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 _OK, _FALLBACK, _FATAL = 0, 1, 2
@@ -129,7 +132,7 @@ class CheckpointManager:
         memory_every: int | None = None,
         memory_keep: int = 2,
         storage_options: dict[str, Any] | None = None,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         save_options: storage.SaveOptions | None = None,
         load_options: storage.LoadOptions | None = None,
         seed: int = 0,
@@ -187,7 +190,7 @@ class CheckpointManager:
         """The state to save to ``tier``, or with ``target`` the one to load into (aliasing
         the live tensors; the buffers of a deferred save copied: see [Note: buffers change in
         forward] in _engines.py)."""
-        model = self.engine.model_state()
+        model: Mapping[str, Any] = self.engine.model_state()
         if self.defer_copy and not target:
             model = self.engine.copy_buffers(model)
         state: dict[str, Any] = {
@@ -434,7 +437,7 @@ def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | Non
     a module attribute, the other would need that attribute to be a module.)"""
     if saved is None:
         return []
-    heads = set()  # every dotted prefix of every saved name, after "optim.state."
+    heads: set[str] = set()  # every dotted prefix of every saved name, after "optim.state."
     for n in saved:
         parts = n.split(".")[2:]
         heads.update(".".join(parts[:i]) for i in range(1, len(parts)))

@@ -94,9 +94,9 @@ class MemoryTier(Tier):
         base = self.durable.newest_committed()
         return {"memory_tier": {"durable_step": -1 if base is None else base}}
 
-    def save(self, state: dict[str, Any], step: int, **kw: Any) -> None:
+    def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:
         """See :meth:`Tier.save`; always asynchronous, to this machine's root on several."""
-        super().save(state, step, async_save=True, node=self.node, **kw)
+        super().save(state, step, node=self.node, async_save=True, **kw)
 
     def foreign(self, step: int, values: dict[str, Any], durable: list[int]) -> str | None:
         """See [Note: whose memory tier]."""

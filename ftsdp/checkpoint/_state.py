@@ -97,7 +97,9 @@ def rng_state() -> str:
     """This process's torch CPU, numpy and Python RNG states as one JSON string; the Mersenne
     Twister key arrays as base64 of their little-endian uint32 words (older checkpoints hold
     JSON lists, which ``set_rng_state`` reads too)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    legacy = np.random.get_state()
+    assert isinstance(legacy, tuple)  # the global generator is always an MT19937
+    kind, keys, pos, has_gauss, gauss = legacy
     version, internal, gauss_next = random.getstate()
     return json.dumps(
         {
@@ -109,7 +111,7 @@ def rng_state() -> str:
 
 
 def _b64(words: np.ndarray) -> str:
-    return base64.b64encode(words.astype(words.dtype.newbyteorder("<"), copy=False)).decode()
+    return base64.b64encode(words.astype(words.dtype.newbyteorder("<"), copy=False).data).decode()
 
 
 def _words(saved: str | list[int]) -> np.ndarray:

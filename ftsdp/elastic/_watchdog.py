@@ -621,14 +621,17 @@ def simulate_heartbeats(
     survivors = [r for r in everyone if r not in kill | closed]
     last_change = intervals  # the killed ranks' last beat
     detect = today = act = None
-    if hang and progress_timeout_s is None:
-        raise ValueError("simulate_heartbeats: hang= needs progress_timeout_s")
+    timeout = heartbeat_timeout_s  # a killed or closed rank: its heartbeats stop
+    if hang:
+        if progress_timeout_s is None:
+            raise ValueError("simulate_heartbeats: hang= needs progress_timeout_s")
+        if not kill:  # a hung rank beats on, without progress
+            timeout = progress_timeout_s
     if hang:
         for r in survivors:
             dogs[r].beat(intervals if r in hang else intervals + 1)
         if any(r not in hang for r in survivors):
             last_change = intervals + 1  # the ranks ahead finish one more step, then wait
-    timeout = heartbeat_timeout_s if kill or not hang else progress_timeout_s
     window = 1  # the first interval whose observer saw the change more than timeout ago
     while (last_change + window) * interval_s - last_change * interval_s <= timeout:
         window += 1

@@ -160,8 +160,8 @@ class GPT(nn.Module):
         (see [Note: per-module init]). GPT and Block own no parameters themselves, so they
         deliberately define no ``reset_parameters()``."""
         for module in self.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            if callable(reset := getattr(module, "reset_parameters", None)):
+                reset()
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied weight counts once)."""

@@ -11,7 +11,7 @@ docs/migrating.md for what each setting does here.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -138,7 +138,7 @@ def as_state_dict_type(value: Any) -> StateDictType:
     return _enum_member(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
 
 
-def as_config(value: Any, cls: type) -> Any:
+def as_config(value: Any, cls: type[Any]) -> Any:
     """``value`` as an instance of the config class ``cls``: ``None`` gives the defaults, an
     instance of torch's class of the same name is copied field by field."""
     if value is None:
@@ -146,8 +146,7 @@ def as_config(value: Any, cls: type) -> Any:
     if isinstance(value, cls) and type(value) is cls:
         return value
     if type(value).__name__ == cls.__name__:  # torch's class of the same name
-        fields = {name: getattr(value, name) for name in cls.__dataclass_fields__}
-        return cls(**fields)
+        return cls(**{f.name: getattr(value, f.name) for f in fields(cls)})
     raise ValueError(
         f"expected a {cls.__name__} (or None for its defaults), got {type(value).__name__}; "
         "the config type must match the state dict type, as in torch FSDP"

@@ -97,11 +97,11 @@ def all_gather_flat(
     async_op: bool = False,
     stats: CommStats | None = None,
     tag: str = "",
-) -> dist.Work | None:
+) -> dist.Work | _Works | None:
     """Gather equal 1-D shards from every rank into ``output`` (``W * shard.numel()``)."""
     world = group_size(group)
     assert output.numel() == world * shard.numel(), (output.numel(), world, shard.numel())
-    if world == 1:
+    if group is None or world == 1:  # None: no group, a world of one
         output.copy_(shard)
         return None
     if stats is not None:
@@ -180,7 +180,7 @@ def reduce_scatter_flat(
     """
     world = group_size(group)
     assert full.numel() == world * output.numel(), (full.numel(), world, output.numel())
-    if world == 1:
+    if group is None or world == 1:  # None: no group, a world of one
         output.copy_(full)
         return None
     if stats is not None:
@@ -214,7 +214,7 @@ def all_reduce_flat(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None,
     *,
-    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
     stats: CommStats | None = None,
     tag: str = "",
@@ -238,7 +238,7 @@ def broadcast_flat(
 ) -> None:
     """Overwrite ``tensor`` on every rank with the copy held by ``src_group_rank``."""
     world = group_size(group)
-    if world == 1:
+    if group is None or world == 1:  # None: no group, a world of one
         return
     if stats is not None:
         stats.record("broadcast", tensor.numel() * tensor.element_size())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -112,7 +113,7 @@ class CPUOffload:
     offload_params: bool = False
 
 
-def as_mixed_precision(value: object) -> MixedPrecision | None:
+def as_mixed_precision(value: Any) -> MixedPrecision | None:
     """``mixed_precision=`` as ftsdp's ``MixedPrecision``: ftsdp's, or torch FSDP's (copied:
     the root's inputs are cast when its ``cast_root_forward_inputs`` or
     ``cast_forward_inputs`` is set; ``_module_classes_to_ignore`` is not honoured)."""

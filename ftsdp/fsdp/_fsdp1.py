@@ -173,7 +173,6 @@ def _optim_params(
         name_of.setdefault(id(p), name)
     out = []
     for g, group in enumerate(optim.param_groups):
-        ids = osd["param_groups"][g]["params"] if osd is not None else None
         for i, p in enumerate(group["params"]):
             if id(p) not in name_of:
                 raise ValueError(
@@ -181,7 +180,10 @@ def _optim_params(
                     "the optimizer from model.parameters() after wrapping"
                 )
             name = name_of[id(p)]
-            state = osd["state"].get(ids[i], {}) if osd is not None else optim.state.get(p, {})
+            if osd is None:
+                state = optim.state.get(p, {})
+            else:  # the state dict names a parameter by its index in the groups
+                state = osd["state"].get(osd["param_groups"][g]["params"][i], {})
             out.append((g, clean_name(name), p, index.get(name), state))
     return out
 
@@ -211,7 +213,7 @@ def _agree_mirrors(
         sorted(k for k, v in state.items() if _mirrors(v, info)) for _, _, _, info, state in entries
     ]
     group = model._groups.world
-    everyone = [mine]
+    everyone: list[Any] = [mine]
     if group is not None and dist.get_world_size(group) > 1:
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,11 @@ from ._state_dict import (
 from ._streams import schedule_for
 from ._unit import SHARDED_ATTR, STALE_ATTR, MemoryGauge, UnitOptions
 from ._wrap import Ignored, Policy, plan_units
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ._init import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +116,7 @@ class FullyShardedDataParallel(nn.Module):
         self,
         module: nn.Module,
         *,
-        process_group: dist.ProcessGroup | tuple | None = None,
+        process_group: ProcessGroups | None = None,
         sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
         auto_wrap_policy: Policy = None,
         device_id: int | torch.device | None = None,
@@ -122,7 +127,7 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        device_mesh: Any = None,
+        device_mesh: DeviceMesh | None = None,
         deterministic: bool = False,
         use_orig_params: bool = True,
         ignored_modules: Iterable[nn.Module] | None = None,
@@ -254,11 +259,10 @@ class FullyShardedDataParallel(nn.Module):
         )
         seen: set[int] = set()
         for module_prefix, module in modules:
-            for name, p in module._parameters.items():
-                if p is None:
+            for name, param in module._parameters.items():
+                if param is None:
                     continue
-                if sharded:
-                    p = self._sharded_params.get((id(module), name), p)
+                p = self._sharded_params.get((id(module), name), param) if sharded else param
                 if remove_duplicate:
                     if id(p) in seen:
                         continue
@@ -627,7 +631,7 @@ class FullyShardedDataParallel(nn.Module):
                 )
             yield
 
-    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``fn`` on every submodule with full parameters (inside ``summon_full_params``), so
         an initialisation function sees the original shapes, as in torch FSDP."""
         with FullyShardedDataParallel.summon_full_params(self):

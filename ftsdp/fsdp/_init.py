@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,14 @@ from ._streams import Schedule
 from ._unit import STALE_ATTR, FlatParamUnit, MemoryGauge, UnitOptions
 from ._wrap import UnitPlan
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # process_group=: one group, or (shard group, replicate group) for HYBRID_SHARD
+    ProcessGroups: TypeAlias = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup]
+
 
 @dataclass(frozen=True)
 class Groups:
@@ -38,7 +46,11 @@ class Groups:
     world: dist.ProcessGroup | None  # every data-parallel rank (None: not distributed)
 
 
-def resolve_groups(strategy: ShardingStrategy, process_group: Any, device_mesh: Any) -> Groups:
+def resolve_groups(
+    strategy: ShardingStrategy,
+    process_group: ProcessGroups | None,
+    device_mesh: DeviceMesh | None,
+) -> Groups:
     """Shard / replicate / world groups from ``process_group`` or a ``DeviceMesh``."""
     if device_mesh is not None:
         if process_group is not None:
@@ -233,8 +245,8 @@ def _build_deferred(
             with torch.no_grad():
                 if param_init_fn is not None:
                     param_init_fn(m)
-                elif hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
+                elif callable(reset := getattr(m, "reset_parameters", None)):
+                    reset()
         for u in owners:
             if last_module[u] == index:
                 units[u] = build(plans[u])

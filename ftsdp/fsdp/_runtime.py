@@ -318,6 +318,7 @@ class Runtime:
         def hook(leaf: torch.Tensor) -> None:
             self._ensure_callback()
             grad, leaf.grad = leaf.grad, None
+            assert grad is not None, unit.fqn  # the hook runs once a gradient accumulated
             unit.add_unsharded_grad(grad)
             if not self.no_sync and not unit.deterministic:
                 unit.reduce_grad()  # deterministic reductions wait for the end of backward

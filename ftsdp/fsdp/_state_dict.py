@@ -113,8 +113,8 @@ def full_state_dict(
     state = module.state_dict(keep_vars=True)
     index = state_index(units, state)
     for key, value in state.items():
-        info = index.get(key)
-        out[key] = full_params[id(info.sharded_param)] if info else value.detach()
+        found = index.get(key)
+        out[key] = full_params[id(found.sharded_param)] if found else value.detach()
     return out
 
 

@@ -44,9 +44,15 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
-Issue = Callable[[], "dist.Work | None"]  # allocates, casts, and starts one collective
+
+class Waitable(Protocol):
+    """An async collective's handle: a ``dist.Work``, or several waited for as one."""
+
+    def wait(self) -> object: ...
+
+
+Issue = Callable[[], "Waitable | None"]  # allocates, casts, and starts one collective
 
 
 class Schedule(Protocol):

@@ -56,7 +56,7 @@ from ._collectives import (
     reduce_scatter_flat,
 )
 from ._common import UnitState
-from ._streams import HostSchedule, Schedule
+from ._streams import HostSchedule, Schedule, Waitable
 from ._wrap import UnitPlan
 
 
@@ -116,7 +116,9 @@ class ParamInfo:
     # shard rank r holds (FlatShard.layout: lets a checkpoint be planned without exchanging
     # every rank's ranges).
     chunk: int = 0
-    sharded_param: nn.Parameter | None = field(default=None, repr=False)
+    # This rank's slice as the Parameter the optimizer sees; FlatParamUnit sets it for every
+    # parameter of its unit when it builds the shard.
+    sharded_param: nn.Parameter = field(init=False, repr=False)
 
 
 class FlatParamUnit:
@@ -305,7 +307,7 @@ class FlatParamUnit:
             self.state = UnitState.UNSHARDED
             return
 
-        def issue() -> dist.Work | None:
+        def issue() -> Waitable | None:
             # Allocated here, inside the schedule: on CUDA the block belongs to the gather
             # stream (see [Note: streams]).
             self._full.untyped_storage().resize_(self.full_bytes)
@@ -378,7 +380,8 @@ class FlatParamUnit:
             elif view.requires_grad:
                 view.register_hook(partial(self._mark_used, i))
             for module, name in info.refs:
-                module._parameters[name] = view
+                # a plain view in the Parameter slot, so autograd reaches the flat leaf
+                module._parameters[name] = view  # type: ignore[assignment]
 
     def _mark_used(self, index: int, grad: torch.Tensor) -> None:
         self._used[index] = True
@@ -439,7 +442,7 @@ class FlatParamUnit:
         out: torch.Tensor | None = None
         cast: torch.Tensor | None = None
 
-        def issue() -> dist.Work | None:
+        def issue() -> Waitable | None:
             nonlocal out, cast
             cast = grad.to(self.reduce_dtype)
             if self.factor > 1:
@@ -460,6 +463,7 @@ class FlatParamUnit:
 
         with torch.profiler.record_function(f"ftsdp::reduce {self.fqn or '<root>'}"):
             token = self.schedule.reduce(issue)
+        assert out is not None, self.fqn  # issue() ran inside reduce()
         second_stage = self.factor > 1 and self.replicate_group is not None
         # The gradient stays referenced until the reduction is waited for (see [Note: streams]).
         self._pending.append((token, out, second_stage, (grad, cast)))
@@ -530,11 +534,10 @@ class FlatParamUnit:
         trainable = [
             (i, info) for i, info in enumerate(self.infos) if info.sharded_param.requires_grad
         ]
-        attached = buffer is not None and all(
+        if buffer is not None and all(
             info.sharded_param.grad is not None and info.sharded_param.grad._base is buffer
             for _, info in trainable
-        )
-        if attached:
+        ):
             buffer += new
             return
         # Some gradients were cleared (zero_grad(set_to_none=True)) or replaced: start from

@@ -308,8 +308,10 @@ def plan_units(
 def _lowest_common_ancestor(units: list[UnitPlan], members: set[int]) -> int:
     def chain(index: int) -> list[int]:
         out = [index]
-        while units[out[-1]].parent is not None:
-            out.append(units[out[-1]].parent)
+        parent = units[index].parent
+        while parent is not None:
+            out.append(parent)
+            parent = units[parent].parent
         return out
 
     chains = [chain(i) for i in sorted(members)]

@@ -109,7 +109,9 @@ class FaultyFileSystem(AbstractFileSystem):
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         return self._local.info(self._strip_protocol(path))
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kw: Any):
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kw: Any
+    ) -> bytes:
         return self._local.cat_file(self._strip_protocol(path), start=start, end=end)
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
@@ -152,9 +154,9 @@ class FaultyFileSystem(AbstractFileSystem):
             with _lock:
                 _written[step] = _written.get(step, 0) + 1
                 count = _written[step]
-            for f in _armed:
-                if f.point == "after_data" and f.step == step and count >= f.n:
-                    _crash(f, path)
+            for fault in _armed:
+                if fault.point == "after_data" and fault.step == step and count >= fault.n:
+                    _crash(fault, path)
 
     def _maybe_crash(self, point: str, step: int, path: str) -> None:
         for f in _armed:

@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
 GRACE_S = 5.0  # after a rank fails, how long the others get to report their own errors
@@ -70,10 +71,12 @@ def _rank_entry(
         OMP_NUM_THREADS=str(threads),
     )
     os.environ.update(env)
-    dist = None
+    dist: ModuleType | None = None  # torch.distributed once imported
     try:
         import torch
-        import torch.distributed as dist
+        import torch.distributed
+
+        dist = torch.distributed
 
         torch.set_num_threads(threads)
         fn = _resolve(target)

@@ -63,7 +63,7 @@ class ModelSpec:
         )
 
 
-def _opt(default, help: str, **kw):
+def _opt(default: typing.Any, help: str, **kw: typing.Any) -> typing.Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -256,7 +256,7 @@ def _flag_type(hint: object) -> type:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
     assert hint in (int, float, str, bool), f"unsupported TrainConfig field type {hint!r}"
-    return hint  # type: ignore[return-value]
+    return hint
 
 
 def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:

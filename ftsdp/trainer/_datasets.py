@@ -57,13 +57,13 @@ def open_data(cfg: TrainConfig) -> Data:
     """``cfg.data`` opened: see the module docstring. Raises :class:`JobError` for a missing or
     unusable file."""
     if cfg.data == MARKOV:
-        ds = MarkovDataset(cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        markov = MarkovDataset(cfg.vocab_size, cfg.block_size, seed=cfg.seed)
         return Data(
-            ds,
+            markov,
             markov_record(),
             cfg.vocab_size - 1,
-            f"synthetic Markov language, loss at init ~ ln(V) = {ds.uniform_loss:.3f}, "
-            f"achievable ~ {ds.entropy_rate:.3f} (chain entropy rate)",
+            f"synthetic Markov language, loss at init ~ ln(V) = {markov.uniform_loss:.3f}, "
+            f"achievable ~ {markov.entropy_rate:.3f} (chain entropy rate)",
         )
     path = os.path.expanduser(cfg.data)
     if not os.path.isfile(path):

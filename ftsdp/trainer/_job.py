@@ -86,7 +86,7 @@ def storage_options_from_env() -> dict[str, Any] | None:
 class Job:
     """What one training run works on, made by :func:`build`."""
 
-    model: torch.nn.Module
+    model: ftsdp.FSDP
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     dataset: MarkovDataset | TokenDataset
@@ -204,10 +204,11 @@ def build(cfg: TrainConfig, session: Session) -> Job:
 
 def _attach_tensorboard(cfg: TrainConfig, session: Session) -> None:
     """``--tensorboard``: rank 0 writes; a missing package stops every rank before training."""
-    if not cfg.tensorboard:
+    logdir = cfg.tensorboard
+    if not logdir:
         return
     rm = session.rm
-    writer = on_every_rank(rm, lambda: open_tensorboard(cfg.tensorboard) if rm.rank == 0 else None)
+    writer = on_every_rank(rm, lambda: open_tensorboard(logdir) if rm.rank == 0 else None)
     if writer is not None:
         session.log.attach(writer)
 
@@ -223,7 +224,7 @@ def _check_saved_run(
     """The newest committed step's trainer values under ``url`` (None: none), refused when
     they are another run's ([Note: refusing another run's checkpoint before loading it]);
     clears a memory tier holding another run's steps."""
-    if url is None:
+    if url is None or cfg.checkpoint_url is None:
         return None
     saved = peek(url, storage_options=storage_options, rank=rm.rank, world_size=rm.world_size)
     if saved is not None:

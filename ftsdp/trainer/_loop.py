@@ -110,7 +110,9 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
     return resumed.step
 
 
-def _step(job: Job, rm: RankManager, cursor: int, scale: float) -> tuple[torch.Tensor, Any]:
+def _step(
+    job: Job, rm: RankManager, cursor: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's micro-batches; returns its (accum,) losses and the
     gradient norm."""
     accum = job.geometry.accum_steps
@@ -193,7 +195,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     t_window = time.perf_counter()
     job.model.train()
     while step < cfg.steps:
-        lr = job.scheduler.get_last_lr()[0]
+        lr = float(job.scheduler.get_last_lr()[0])  # a float schedule (torch allows tensors)
         losses, grad_norm = _step(job, rm, cursor, scale)
         if out.steps_run == 0:  # [Note: the phases of a worker's start] (_phases)
             _log_phases(session, resumed_from)

@@ -51,7 +51,7 @@ class TensorBoardScalars:
 
     def record(self, record: dict[str, Any]) -> None:
         """Write the record's scalars (see the module docstring); other records are ignored."""
-        event, step, when = record.get("event"), record.get("step"), record.get("time")
+        event, step, when = record.get("event", ""), record.get("step"), record.get("time")
         if not isinstance(step, int):
             return
         wrote = False

@@ -95,7 +95,7 @@ def inspect_checkpoint(
             return info
     source = open_source(url, fmt, step, storage_options, trust_pickle=trust_pickle)
     try:
-        tensors = [
+        tensors: list[dict[str, Any]] = [
             {
                 "name": t.name,
                 "shape": list(t.shape),
@@ -235,7 +235,7 @@ def _verify_step(
 
     def part_bytes(rel: str, start: int, end: int) -> memoryview:
         if store.local:
-            return memoryview(store.map_range(rel, start, end))
+            return store.map_range(rel, start, end).data
         buf = getattr(buffers, "buf", None)
         if buf is None:
             buf = buffers.buf = bytearray(per)
@@ -324,13 +324,14 @@ def verify(
     committed, report.torn_steps = _step_dirs(store)
     if step is not None and step not in committed:
         resolve_manifest(store, step)  # raises the right CheckpointNotFoundError
-    report.checked = [step] if step is not None else committed
-    if not report.checked:
+    checked = [step] if step is not None else committed
+    report.checked = [*checked]
+    if not checked:
         report.problems.append(f"no committed step under {url} (torn steps: {report.torn_steps})")
         return report
     manifests: dict[int, Manifest | CheckpointError] = {}
     total = 0
-    for s in report.checked:  # read and parsed once: for the total, then for the checks
+    for s in checked:  # read and parsed once: for the total, then for the checks
         try:
             m = read_manifest_file(store, manifest_path(s))
             # a version 4 manifest's rule pieces are derived here: their errors are this step's
@@ -339,7 +340,7 @@ def verify(
         except CheckpointError as e:
             manifests[s] = e
     meter = Meter(total, progress)
-    for s in report.checked:
+    for s in checked:
         _verify_step(store, s, manifests[s], chunk, meter, report.problems)
     report.bytes_read = meter.done
     return report

@@ -150,7 +150,11 @@ def _extra_writers(
     for name, data in extra_files.items():
         if not isinstance(data, (bytes, bytearray)):
             raise TypeError(f"extra file {name!r}: expected bytes, got {type(data).__name__}")
-        out.append((name, lambda f, data=bytes(data): f.write(data)))
+
+        def given(f: IO[bytes], data: bytes = bytes(data)) -> None:
+            f.write(data)
+
+        out.append((name, given))
     if not copy_files or copy_files_from is None:
         return out
     src = Store(copy_files_from, storage_options)

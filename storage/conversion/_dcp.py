@@ -147,6 +147,7 @@ class DcpSource(Source):
             return self._layouts[name]
         self._layouts[name] = None
         md = self._meta.state_dict_metadata[name]
+        assert isinstance(md, TensorStorageMetadata), name  # asked for tensors only
         shape = tuple(md.size)
         row = math.prod(shape[1:]) if shape else 1
         out = []
@@ -166,7 +167,9 @@ class DcpSource(Source):
                     return None
                 where = f"DCP checkpoint {self.url}: item {info.relative_path!r}"
                 check_torch_storages(f, info.length, [(name, t)], where)
-            start = t.untyped_storage()._checkpoint_offset + t.storage_offset() * t.element_size()
+            base = t.untyped_storage()._checkpoint_offset
+            assert base is not None, name  # check_torch_storages found its record
+            start = base + t.storage_offset() * t.element_size()
             flat = (c.offsets[0] if shape else 0) * row
             out.append((flat, numel, info.relative_path, info.offset + start))
         out.sort()
@@ -263,6 +266,7 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
             buf.seek(0)
             return buf
         info = self._by_name[name]
+        assert write_item.tensor_data is not None, name  # every other item is a tensor's
         chunk = write_item.tensor_data.chunk
         row = math.prod(info.shape[1:]) if info.shape else 1
         first = chunk.offsets[0] if info.shape else 0

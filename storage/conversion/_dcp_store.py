@@ -31,7 +31,7 @@ import pickle
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -65,7 +65,7 @@ from torch.futures import Future
 from ftsdp.storage._errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ftsdp.storage._options import MAX_MANIFEST_BYTES
 from ftsdp.storage.format._layout import DCP_METADATA
-from ftsdp.storage.io._fs import RangeFile, Store, is_plain_name
+from ftsdp.storage.io._fs import Store, is_plain_name
 
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
@@ -206,15 +206,16 @@ def check_metadata(metadata: Any, where: str) -> None:
             raise bad(f"item {index.fqn!r}: transform_descriptors are not strings")
 
 
-def open_item(store: Store, info: _StorageInfo) -> RangeFile:
+def open_item(store: Store, info: _StorageInfo) -> IO[bytes]:
     """The bytes of one saved item (its ``storage_data`` entry) as a seekable file; the entry's
-    file must be a plain name in the checkpoint's folder."""
+    file must be a plain name in the checkpoint's folder. Typed as the file torch's readers take:
+    typeshed counts no ``io.RawIOBase`` as an ``IO[bytes]``, and torch only reads and seeks."""
     if not is_plain_name(info.relative_path):
         raise CorruptCheckpointError(
             f"DCP checkpoint {store.url}: item file {info.relative_path!r} is not a plain file "
             "name in the checkpoint's folder"
         )
-    return store.open(info.relative_path, info.offset, info.offset + info.length)
+    return cast(IO[bytes], store.open(info.relative_path, info.offset, info.offset + info.length))
 
 
 def read_metadata(store: Store, trust_pickle: bool = False) -> Metadata:
@@ -268,9 +269,10 @@ class StoreReader(_OnStore, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = self._metadata or read_metadata(self.store, self.trust_pickle)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        # getattr: a .metadata pickled by an older torch has no storage_meta at all
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
         return metadata
 
     def set_up_storage_reader(

@@ -292,6 +292,7 @@ class HfSink(Sink):
             self.store.write("" if self.single_file else name, produce)
         if self.single_file:
             return [url]
+        assert pending is not None  # every other write claims its names
         if n > 1:
             index = {
                 "metadata": {"total_size": sum(t.nbytes for t in infos)},

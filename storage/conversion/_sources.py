@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -46,16 +46,18 @@ def check_torch_storages(
     records = {}  # data offset -> size of each storage record
     for name in reader.get_all_records():
         if name.startswith("data/"):
-            records[reader.get_record_offset(name)] = reader.get_record_size(name)
+            # get_record_offset: in torch's C++ reader, missing from its stub
+            offset = reader.get_record_offset(name)  # type: ignore[attr-defined]
+            records[offset] = reader.get_record_size(name)
     for name, t in tensors:
         storage = t.untyped_storage()
         base, nbytes = storage._checkpoint_offset, storage.nbytes()
-        record = records.get(base) if isinstance(base, int) else None
         extent = t.storage_offset() + sum(
             (n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)
         )
         if (
-            record is None
+            not isinstance(base, int)
+            or (record := records.get(base)) is None
             or not nbytes <= record <= size - base
             or t.storage_offset() < 0
             or (t.numel() and (extent + 1) * t.element_size() > nbytes)
@@ -170,7 +172,7 @@ class TorchSource(Source):
         url = store.url
         try:
             with store.open() as f:  # the store is rooted at the file itself
-                obj = torch.load(f, map_location="meta", weights_only=True)
+                obj = torch.load(cast(IO[bytes], f), map_location="meta", weights_only=True)
                 size = f.length
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"torch file {url} does not exist") from None
@@ -186,7 +188,7 @@ class TorchSource(Source):
         self._cache: tuple[str, torch.Tensor] | None = None
         self._walk("", obj)
         with store.open() as f:
-            check_torch_storages(f, size, self._meta.items(), f"torch file {url}")
+            check_torch_storages(cast(IO[bytes], f), size, self._meta.items(), f"torch file {url}")
 
     def _walk(self, prefix: str, obj: Any) -> None:
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
@@ -212,9 +214,10 @@ class TorchSource(Source):
         for name, offset, out in requests:
             meta = self._meta[name]
             base = meta.untyped_storage()._checkpoint_offset
+            assert base is not None, name  # check_torch_storages found its record
             size = out.element_size()
             if meta.is_contiguous():
-                at = base + (meta.storage_offset() + offset) * size
+                at = base + (int(meta.storage_offset()) + offset) * size
                 self.store.read_into("", at, tensor_bytes(out))
                 continue
             # [Note: strided tensors in torch files] A view saved with its storage cannot be read

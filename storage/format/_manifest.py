@@ -34,8 +34,9 @@ import reprlib
 import struct
 import threading
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 from ftsdp.storage._errors import (
     CheckpointNotFoundError,
@@ -59,6 +60,7 @@ FORMAT_VERSION = 4
 PLAIN_VERSION = 3  # the version of a manifest that lists every piece
 SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
 MAX_INT = 2**63 - 1  # the largest integer the format uses anywhere (sizes, offsets, steps)
+Fail = Callable[[str], NoReturn]  # a decoder's error: raises, naming where
 
 # An object name is one path component inside the step prefix: no separators, no "..", no scheme,
 # no control characters (fullmatch: "$" would also accept a trailing newline).
@@ -93,7 +95,7 @@ def seal(doc: dict[str, Any]) -> dict[str, Any]:
 
 def _self_checksum(doc: dict[str, Any], canonical: bytes) -> dict[str, Any]:
     """The checksum field of ``doc`` whose canonical encoding is ``canonical``."""
-    algorithm = ALGORITHM_OF_VERSION.get(doc.get("version"), WRITTEN)
+    algorithm = ALGORITHM_OF_VERSION.get(doc.get("version", 0), WRITTEN)
     return {"algorithm": algorithm, "value": checksum_function(algorithm)(canonical, 0)}
 
 
@@ -529,7 +531,7 @@ def _check_self_checksum(doc: Any, where: str) -> None:
         )
 
 
-def _is_int(x: Any, minimum: int = 0) -> bool:
+def _is_int(x: Any, minimum: int = 0) -> TypeGuard[int]:
     return type(x) is int and minimum <= x <= MAX_INT
 
 
@@ -658,7 +660,7 @@ def _decode(doc: Any, where: str) -> Manifest:
 
 
 def _decode_rule(
-    t: dict[str, Any], version: int, world: int, numel: int, what: str, fail: Any
+    t: dict[str, Any], version: int, world: int, numel: int, what: str, fail: Fail
 ) -> Rule | None:
     """The layout rule of a tensor entry (version 4: ``even: [start, chunk]`` or ``writer:
     [rank]``), validated against the world size; None for an entry that lists its pieces."""
@@ -691,7 +693,7 @@ def _decode_regular(
     block: int,
     objects: dict[str, int],
     tensors: dict[str, TensorEntry],
-    fail: Any,
+    fail: Fail,
 ) -> RegularIndex | None:
     """The ``regular`` section: present exactly when some tensor has a rule; one ``[objects,
     base64 checksums]`` per rank; its objects listed, and holding no listed piece."""
@@ -752,7 +754,7 @@ def _decode_regular(
     return index
 
 
-def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Any) -> None:
+def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Fail) -> None:
     """No two pieces share a byte of an object (each block is verified against one checksum)."""
     by_object: dict[str, list[tuple[int, int, str]]] = {}
     for name, t in tensors.items():
@@ -769,7 +771,7 @@ def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Any) -> None:
 
 
 def _decode_piece(
-    p: Any, what: str, size: int, block: int, algorithm: str, objects: dict, fail: Any
+    p: Any, what: str, size: int, block: int, algorithm: str, objects: dict, fail: Fail
 ) -> Piece:
     """One piece, validated (messages are built only on failure: this runs once per piece). Its
     checksums are listed under the name of the manifest's ``algorithm``."""

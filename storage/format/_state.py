@@ -65,7 +65,7 @@ def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
     leaf = _new_leaf(name, obj)
     if token is not None:
         key = id(obj)
-        _kept[key] = (weakref.ref(obj, lambda _, k=key: _kept.pop(k, None)), token, leaf)
+        _kept[key] = (weakref.ref(obj, lambda _: _kept.pop(key, None)), token, leaf)
     return leaf
 
 
@@ -204,7 +204,7 @@ def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, Valu
             own_t = {n: t for n, t in tensors.items() if n not in before_t}
             own_v = {n: v for n, v in values.items() if n not in before_v}
             key = id(part)
-            ref = weakref.ref(part, lambda _, k=key: _walked.pop(k, None))
+            ref = weakref.ref(part, lambda _: _walked.pop(key, None))
             _walked[key] = (ref, name, own_t, own_v)
             return
         own_t, own_v = hit[2], hit[3]

@@ -349,7 +349,8 @@ def plan_retention(
     committed = scan.committed
     keep = set(committed if keep_last is None else committed[-keep_last:])
     keep |= {s for s in committed if keep_every and s % keep_every == 0}
-    keep |= {protect} & set(committed)
+    if protect is not None and protect in committed:
+        keep.add(protect)
     newest = committed[-1] if committed else None
     for step, d in sorted(scan.dirs.items()):
         if step in keep:

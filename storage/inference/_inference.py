@@ -34,6 +34,8 @@ A refused cast raises ``StateMismatchError`` before anything is read.
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +48,8 @@ from ftsdp.storage.conversion._formats import open_source
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._dtypes import itemsize
 from ftsdp.storage.io._streaming import MiB, TensorInfo
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 8 * MiB
 
@@ -146,7 +150,8 @@ class _Scratch:
     failed one time in three)."""
 
     def __init__(self, nbytes: int) -> None:
-        self.nbytes, self.buf, self.pos = nbytes, None, 0
+        self.nbytes, self.pos = nbytes, 0
+        self.buf: torch.Tensor | None = None  # allocated on first use
 
     def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """``n`` elements of ``dtype``: from the buffer while it has room, else fresh."""
@@ -353,11 +358,15 @@ def load_into(
             try:
                 fill(source, [(name, t) for name, t, _ in in_place])
             except Exception as e:
-                e.add_note(
+                note = (
                     f"load_into: every byte of {url} had been read and verified once, so the "
                     "checkpoint changed or became unreadable since; the module is partly "
                     "overwritten: load it again"
                 )
+                if sys.version_info >= (3, 11):
+                    e.add_note(note)
+                else:  # exceptions have no notes before Python 3.11: the log says it
+                    logger.error(note)
                 raise
         for keys, old, new in replace:
             value = (
@@ -369,7 +378,8 @@ def load_into(
                 owner_name, _, attr = key.rpartition(".")
                 owner = module.get_submodule(owner_name)
                 table = owner._parameters if attr in owner._parameters else owner._buffers
-                table[attr] = value
+                # a Parameter exactly where the old value was one (the tables' types differ)
+                table[attr] = value  # type: ignore[assignment]
         still_meta = [
             n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta
         ]
@@ -417,8 +427,9 @@ class LazyStateDict(Mapping):
     def format(self) -> str:
         return self._source.format
 
+    # shadows Mapping.values() (the tensors): LazyStateDict.values() raises TypeError
     @property
-    def values(self) -> dict[str, Any]:
+    def values(self) -> dict[str, Any]:  # type: ignore[override]
         """Non-tensor state by dotted name."""
         return dict(self._source.values)
 

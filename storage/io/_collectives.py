@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 
-def resolve_group(process_group: Any) -> Any:
+def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group to use: the given one, the default group when initialised, else None (1 rank)."""
     if process_group is not None:
         return process_group
@@ -19,20 +19,20 @@ def resolve_group(process_group: Any) -> Any:
     return None
 
 
-def rank_world(group: Any) -> tuple[int, int]:
+def rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """``(rank, world_size)`` within ``group``; ``(0, 1)`` without a group."""
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _device(group: Any) -> torch.device:
+def _device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def all_gather_json(obj: Any, group: Any) -> list[Any]:
+def all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's JSON-able ``obj``, in rank order (JSON bytes in uint8 tensors)."""
     if group is None:
         return [json.loads(json.dumps(obj))]
@@ -50,7 +50,7 @@ def all_gather_json(obj: Any, group: Any) -> list[Any]:
     ]
 
 
-def broadcast_json(obj: Any, group: Any) -> Any:
+def broadcast_json(obj: Any, group: dist.ProcessGroup | None) -> Any:
     """Group rank 0's JSON-able ``obj`` on every rank (others pass anything, e.g. None).
 
     One broadcast of ``_FIRST`` bytes (the length, then the start of the JSON) when the message
@@ -109,7 +109,7 @@ def _to_bytes(buf: torch.Tensor, n: int) -> bytes:
     return bytes(buf[:n].cpu().numpy())
 
 
-def gather_json(obj: Any, group: Any) -> list[Any] | None:
+def gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
     """Every rank's JSON-able ``obj`` in rank order on group rank 0, None on the others: the
     longest length agreed on, then one gather of frames that long."""
     if group is None:
@@ -127,7 +127,7 @@ def gather_json(obj: Any, group: Any) -> list[Any] | None:
     return [json.loads(raw[:n]) for n, raw in (_unframed(b.cpu()) for b in bufs)]
 
 
-def scatter_json(objs: list[Any] | None, group: Any) -> Any:
+def scatter_json(objs: list[Any] | None, group: dist.ProcessGroup | None) -> Any:
     """Group rank 0 passes one JSON-able object per rank; each rank gets its own."""
     if group is None:
         assert objs is not None
@@ -147,7 +147,7 @@ def scatter_json(objs: list[Any] | None, group: Any) -> Any:
     return json.loads(_to_bytes(buf, int(size.item())))
 
 
-def all_reduce_max(values: list[int], group: Any) -> list[int]:
+def all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     """The element-wise maximum over the group of ``values`` (int64)."""
     if group is None:
         return list(values)
@@ -169,11 +169,11 @@ def all_reduce_max(values: list[int], group: Any) -> list[int]:
 # subgroup exchanges its metadata on the caller's thread instead (see ``own_group``). Saves to
 # different roots may run at once (see [Note: one lane per root] in _save.py): each root gets
 # its own group, so that two background threads never share one.
-_own_groups: dict[tuple[tuple[int, ...], str], Any] = {}
+_own_groups: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
 _own_lock = threading.Lock()
 
 
-def own_group(group: Any, lane: str = "") -> Any:
+def own_group(group: dist.ProcessGroup | None, lane: str = "") -> dist.ProcessGroup | None:
     """Storage's own gloo group for the saves of ``lane`` (a root) over ``group`` when that is
     every rank of the job (creating it the first time is a collective of all ranks); None
     without a process group or for a subgroup (see [Note: storage's own process group])."""
@@ -191,7 +191,7 @@ def own_group(group: Any, lane: str = "") -> Any:
         return made
 
 
-def _alive(group: Any) -> bool:
+def _alive(group: dist.ProcessGroup) -> bool:
     try:
         dist.get_process_group_ranks(group)
     except (KeyError, ValueError, RuntimeError):

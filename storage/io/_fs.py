@@ -485,7 +485,10 @@ class Store:
         return job.identity
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        self.write(rel, lambda f: f.write(data))
+        def produce(f: IO[bytes]) -> None:
+            f.write(data)
+
+        self.write(rel, produce)
 
     def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
         job = produce if isinstance(produce, _Reusing) else None
@@ -502,6 +505,7 @@ class Store:
         (local): the write of ``write(..., reuse=...)``: its retired object, if any, is taken
         as the temporary file at the first try when nobody else can see it (see [Note:
         overwriting a retired object]), and the written file's identity is recorded."""
+        f: Any  # a local file, an S3Upload or an fsspec file
         if self.local:
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
@@ -540,7 +544,6 @@ class Store:
         if exclusive and not native and self.fs.exists(path):
             raise FileExistsError(f"{path} already exists")
         part_bytes = max(self.io.part_bytes, 5 * MiB)  # S3's smallest part but the last
-        f: Any
         if self.io.object_checksums and self._is_s3():
             f = S3Upload(self.fs, path, part_bytes, exclusive)
         else:

@@ -37,11 +37,12 @@ def _botocore_transient(err: BaseException) -> bool:
 
 def is_transient(err: BaseException) -> bool:
     """True for errors worth retrying: connection drops, timeouts, throttling, 5xx."""
+    cause: BaseException | None = err
     seen = 0
-    while err is not None and seen < 5:  # s3fs wraps boto errors in OSError; look at the cause
-        if isinstance(err, (ConnectionError, TimeoutError)) or _botocore_transient(err):
+    while cause is not None and seen < 5:  # s3fs wraps boto errors in OSError; look at the cause
+        if isinstance(cause, (ConnectionError, TimeoutError)) or _botocore_transient(cause):
             return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
     return False
 
 

@@ -139,4 +139,4 @@ def tensor_bytes(t: torch.Tensor | memoryview) -> memoryview:
         t = t.cpu()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
+    return t.contiguous().view(-1).view(torch.uint8).numpy().data.cast("B")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftsdp.storage import _errors
 from ftsdp.storage._errors import CheckpointError, StateMismatchError
@@ -18,6 +18,9 @@ from ftsdp.storage.io._collectives import all_gather_json, broadcast_json, rank_
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.loading._read_plan import Want, make_want, plan_reads
 from ftsdp.storage.loading._reader import deliver, fetch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,9 @@ _ERRORS = {
 }
 
 
-def _shared_manifest(store: Store, step: int | None, group: Any, options: LoadOptions) -> Manifest:
+def _shared_manifest(
+    store: Store, step: int | None, group: ProcessGroup | None, options: LoadOptions
+) -> Manifest:
     """Rank 0 resolves and validates the manifest; every rank gets it (or the same error)."""
     rank, _ = rank_world(group)
     msg: dict[str, Any] = {}
@@ -80,7 +85,10 @@ def _match(
     saved_values = dict(manifest.values)
     if rank < len(manifest.rank_values):
         saved_values.update(manifest.rank_values[rank])
-    missing, mismatched, wants, targets = [], [], [], []
+    missing: list[str] = []
+    mismatched: list[str] = []
+    wants: list[Want] = []
+    targets: list[TensorLeaf] = []
     for name, leaf in sorted(tensors.items()):
         entry = manifest.tensors.get(name)
         if entry is None:
@@ -123,7 +131,7 @@ def load(
     url: str,
     step: int | None = None,
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     strict: bool = True,
     cast: bool = False,
     storage_options: dict[str, Any] | None = None,

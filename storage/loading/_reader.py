@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -120,21 +121,20 @@ def fetch(store: Store, manifest: Manifest, spans: list[Span]) -> tuple[list[Seg
     return [seg for r in results for seg in r], sum(s.end - s.start for s in spans)
 
 
-def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], None]]:
+def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], object]]:
     """Tasks copying ``src`` into bytes ``[at, at + len(src))`` of the uint8 tensor ``dst``."""
     if dst.device.type != "cpu":
         # not a hot path (staging is on the CPU); torch wants a writable source
         return [lambda: dst[at : at + len(src)].copy_(torch.from_numpy(src.copy()))]
     out = dst.detach().numpy()
-    return [
-        lambda a=a: np.copyto(
-            out[at + a : at + min(a + _COPY_CHUNK, len(src))], src[a : a + _COPY_CHUNK]
-        )
-        for a in range(0, len(src), _COPY_CHUNK)
-    ]
+
+    def copy(a: int) -> None:
+        np.copyto(out[at + a : at + min(a + _COPY_CHUNK, len(src))], src[a : a + _COPY_CHUNK])
+
+    return [partial(copy, a) for a in range(0, len(src), _COPY_CHUNK)]
 
 
-def _fill_staging(segments: list[Segment]) -> list[Callable[[], None]]:
+def _fill_staging(segments: list[Segment]) -> list[Callable[[], object]]:
     return [t for c, off, src in segments for t in _copy_tasks(c.dst, c.dst_byte + off, src)]
 
 
@@ -152,7 +152,7 @@ def deliver(
 ) -> None:
     """Copy fetched bytes into each ``targets[i]`` (the tensor ``wants[i]`` describes)."""
     direct = [_direct(w, t) for w, t in zip(wants, targets, strict=True)]
-    tasks: list[Callable[[], None]] = []
+    tasks: list[Callable[[], object]] = []
     for c, off, src in segments:
         if direct[c.want]:
             dst = targets[c.want].detach().reshape(-1).view(torch.uint8)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import array
 import hashlib
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import SaveOptions
@@ -51,6 +51,9 @@ from ftsdp.storage.saving._save_plan import (
     make_plan,
     renamed,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _IRREGULAR = ["irregular"]
 
@@ -71,7 +74,7 @@ def rule_table(leaves: dict[str, TensorLeaf], rank: int, world: int) -> list[lis
 def exchange(
     leaves: dict[str, TensorLeaf],
     meta: dict[str, Any],
-    group: Any,
+    group: ProcessGroup | None,
     step: int,
     options: SaveOptions,
     wire: Any = _collectives,
@@ -116,6 +119,7 @@ def exchange(
         attempt, replaces = head["attempt"], head["replaces"]
     else:
         attempt, replaces = attempt_of_code(top[9]), None
+    assert attempt is not None  # rank 0 made one (fresh_attempt), or the save failed above
     agreed = top[3] == -top[4]  # the same tensors everywhere: then compare their rules
     if agreed and world > 1 and top[7] != -top[8]:  # (equal digests: every rule is the same)
         both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)

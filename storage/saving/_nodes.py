@@ -122,7 +122,7 @@ class Nodes:
         return nxt[self._local[rank] % len(nxt)]
 
 
-def _group_for(process_group: Any, url: str) -> Any:
+def _group_for(process_group: dist.ProcessGroup | None, url: str) -> dist.ProcessGroup | None:
     """Storage's own gloo group for ``url``'s lane over every rank (see [Note: storage's own
     process group] in _collectives.py); ValueError over a subgroup."""
     group = resolve_group(process_group)
@@ -142,13 +142,20 @@ def _error(e: BaseException | None) -> str | None:
 
 
 def _transfer(
-    store: Store, rank: int, moves: list[tuple[int, int, str, int]], group: Any
+    store: Store,
+    rank: int,
+    moves: list[tuple[int, int, str, int]],
+    group: dist.ProcessGroup | None,
 ) -> dict[str, bytes]:
     """Run ``moves`` ``(src, dst, rel, size)`` (the same list on every rank): ``src`` sends the
     file ``rel`` of its root to ``dst`` (gloo, uint8 tensors, one tag per move). Returns what
     this rank received, ``{rel: bytes}``, unwritten. A source that cannot read its file sends
     zeros and raises afterwards (the caller agrees on the outcome before writing anything)."""
-    works, received, read_error = [], [], None
+    if group is None:  # a world of one: one node, no replica to move
+        return {}
+    works: list[dist.Work | None] = []  # None: this rank is not in the group (never here)
+    received: list[tuple[str, torch.Tensor]] = []
+    read_error: BaseException | None = None
     for tag, (src, dst, rel, size) in enumerate(moves):
         if src == rank:
             data = b""
@@ -168,7 +175,8 @@ def _transfer(
         elif dst == rank:
             received.append((rel, torch.empty(0, dtype=torch.uint8)))
     for w in works:
-        w.wait()
+        if w is not None:
+            w.wait()
     if read_error is not None:
         raise read_error
     return {rel: bytes(buf.numpy()) for rel, buf in received}
@@ -183,7 +191,7 @@ def finish_on_nodes(
     error: BaseException | None,
     *,
     node: str,
-    group: Any,
+    group: dist.ProcessGroup | None,
     values: dict[str, Any],
     world_size: int,
     checksum_block_bytes: int,
@@ -352,7 +360,9 @@ def _choose(
     return None
 
 
-def restore_on_nodes(url: str, *, node: str, process_group: Any = None) -> int | None:
+def restore_on_nodes(
+    url: str, *, node: str, process_group: dist.ProcessGroup | None = None
+) -> int | None:
     """Make every node's root ``url`` hold a whole committed step, and return it (collective
     over ``process_group``, every rank of the job): the newest step whose manifest one of the
     nodes of this job holds and whose objects they hold together (see [Note: node-local roots]).
@@ -411,7 +421,7 @@ def restore_on_nodes(url: str, *, node: str, process_group: Any = None) -> int |
     return step
 
 
-def is_node_leader(node: str, process_group: Any = None) -> bool:
+def is_node_leader(node: str, process_group: dist.ProcessGroup | None = None) -> bool:
     """Whether this rank is the lowest rank of its node (collective over ``process_group``:
     every rank passes its node id)."""
     group = resolve_group(process_group)
@@ -420,7 +430,9 @@ def is_node_leader(node: str, process_group: Any = None) -> bool:
     return nodes.leader(rank) == rank
 
 
-def clear_on_nodes(url: str, *, node: str, process_group: Any = None) -> list[int]:
+def clear_on_nodes(
+    url: str, *, node: str, process_group: dist.ProcessGroup | None = None
+) -> list[int]:
     """``clear_steps(url)`` once on every node (collective): the lowest rank of each node
     clears its root. Returns the steps it removed (``[]`` on the other ranks)."""
     if not is_node_leader(node, process_group):

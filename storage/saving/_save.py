@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from ftsdp.storage.saving._staging import (
     copy_into,
     stage,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -292,7 +295,7 @@ def save(
     url: str,
     step: int,
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     async_save: bool = False,
     storage_options: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
@@ -384,9 +387,9 @@ def _save(
             "job (a gloo group of storage's own); the process group given is a subgroup"
         )
     if defer_copy:
-        job = _DeferredSave(store, step, rank, group, options, lane)
-        job.node = node
-        handle = job.begin(state, keep_last, keep_every, discard_newer)
+        deferred = _DeferredSave(store, step, rank, group, options, lane)
+        deferred.node = node
+        handle = deferred.begin(state, keep_last, keep_every, discard_newer)
         handle.blocking_seconds = time.perf_counter() - start
         return handle
 
@@ -435,7 +438,7 @@ def prepare_save(
     state: Mapping[str, Any] | None,
     url: str,
     *,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     storage_options: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
 ) -> int:
@@ -505,7 +508,7 @@ class _SaveJob:
         self.lineage: Lineage | None = None  # rank 0's view of the root when it planned
         self.replaces: str | None = None
         self.node: str | None = None  # a node-local root (storage/saving/_nodes.py)
-        self.commit_group: Any = None  # there: storage's own group, for the commit
+        self.commit_group: ProcessGroup | None = None  # there: storage's own group, for the commit
         self.discard_newer = False
         self.lane: _Lane | None = None  # set by use_lane
         self.spares: dict[str, Retired] = {}  # object -> a retired object to overwrite with it
@@ -727,7 +730,13 @@ class _DeferredSave:
     """One ``save(..., defer_copy=True)``: records on the caller's thread, works on its own."""
 
     def __init__(
-        self, store: Store, step: int, rank: int, group: Any, options: SaveOptions, lane: _Lane
+        self,
+        store: Store,
+        step: int,
+        rank: int,
+        group: ProcessGroup | None,
+        options: SaveOptions,
+        lane: _Lane,
     ) -> None:
         self.store, self.step, self.rank, self.options = store, step, rank, options
         self.lane = lane

@@ -168,7 +168,7 @@ def copy_into(
     key = (buf.data_ptr(), buf.numel(), tuple((t.dtype, t.numel()) for t in tensors))
     kept = None if layouts is None else layouts.get(key)
     if kept is None:
-        whole = memoryview(buf.numpy()).cast("B")
+        whole = buf.numpy().data.cast("B")
         views, raw, off = [], [], 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()

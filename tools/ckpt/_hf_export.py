@@ -229,6 +229,7 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
         note = f"{args.dst} is one file: config.json and tokenizer files not written ({DOCS})"
         return kwargs, lambda r: [*tie_notes, note]
     kwargs["extra_files"] = {"config.json": config_json(config, dtype)}
+    assert record is not None  # config came from it
     tokenizer_dir = record.get("tokenizer_dir")
     if tokenizer_dir:
         kwargs.update(copy_files=TOKENIZER_FILES, copy_files_from=tokenizer_dir)

@@ -35,7 +35,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 # Records of ``ftsdp.train --metrics`` this report reads, with the fields each must have.
 RUN_EVENTS: dict[str, tuple[str, ...]] = {
@@ -150,7 +150,7 @@ class Run:
         return min(times), max(times)
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

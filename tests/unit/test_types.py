@@ -1,0 +1,63 @@
+"""The package passes mypy (pinned in the test extra, configured in pyproject.toml).
+
+mypy runs on the files ``[tool.mypy]`` lists, each named by the module it installs as: the
+repository folders storage/ and tools/ install as ftsdp.storage and ftsdp.tools (package-dir), a
+mapping a bare ``mypy`` cannot see (the editable install makes it with an import hook, which mypy
+does not follow). Run this file directly (``python tests/unit/test_types.py [mypy options]``) to
+see the errors without pytest.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def check(args: list[str]) -> int:
+    """Type-check the package; print mypy's messages, return 1 if there are errors, else 0."""
+    from mypy import build, errors, main
+    from mypy.modulefinder import BuildSource
+
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
+    installed = {folder: package for package, folder in package_dir.items()}
+    sources, options = main.process_options(["--config-file", str(ROOT / "pyproject.toml"), *args])
+    renamed = []
+    for source in sources:
+        # a file under storage/ is found as storage.*, its installed name is ftsdp.storage.*
+        top, dot, rest = (source.module or "").partition(".")
+        module = installed.get(top, top) + dot + rest
+        renamed.append(BuildSource(source.path, module, source.text, source.base_dir))
+    try:
+        result = build.build(renamed, options)
+    except errors.CompileError as e:  # a blocking error (a syntax error, a module found twice)
+        print("\n".join(e.messages))
+        return 1
+    print("\n".join(result.errors))
+    return 1 if any(": error:" in line for line in result.errors) else 0
+
+
+@pytest.mark.timeout(900)  # a cold cache first analyses about 2,400 modules (torch's 1,500)
+def test_mypy(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> None:
+    # pytest's cache folder keeps mypy's cache between runs (a warm run rechecks changed files)
+    cache = request.config.cache
+    cache_dir = cache.mkdir("mypy") if cache is not None else tmp_path / "mypy"
+    result = subprocess.run(
+        [sys.executable, __file__, "--cache-dir", str(cache_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+if __name__ == "__main__":
+    sys.exit(check(sys.argv[1:]))
