@@ -12,7 +12,6 @@ storage.LazyStateDict(url)                               # tensors read on first
 storage.convert(src, dst, to="hf")                       # ftsdp / hf / torch / dcp, streamed
 storage.save(state, "/dev/shm/x", 7, node=host)          # node-local roots, each with a replica:
 storage.restore_on_nodes("/dev/shm/x", node=host)        # ... completes every node's before load
-storage.save({"model": storage.KeptState(part), ...}, url, 8)  # a part unchanged between saves
 ```
 Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's flat range) or
 JSON-able values. ``storage`` never imports ``ftsdp``.
@@ -35,7 +34,6 @@ from ftsdp.storage.conversion._convert import ConvertResult, convert, reshard
 from ftsdp.storage.conversion._formats import FORMATS, detect_format
 from ftsdp.storage.format._flat_shard import FlatShard
 from ftsdp.storage.format._manifest import FORMAT_VERSION, Manifest
-from ftsdp.storage.format._state import KeptState
 from ftsdp.storage.inference._inference import (
     LazyStateDict,
     LoadIntoResult,
@@ -67,7 +65,6 @@ __all__ = [
     "GcReport",
     "IOOptions",
     "IncompleteCheckpointError",
-    "KeptState",
     "LazyStateDict",
     "LoadIntoResult",
     "LoadOptions",

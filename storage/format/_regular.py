@@ -31,14 +31,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
-from ftsdp.storage.format._kept import Kept
 from ftsdp.storage.format._ranges import Range
-from ftsdp.storage.saving._save_plan import PlannedObject, PlannedPiece, pack, renamed
+from ftsdp.storage.saving._save_plan import PlannedObject, PlannedPiece, pack
 
 
 @dataclass(frozen=True)
@@ -149,9 +148,6 @@ class RegularLayout:
     world: int
     object_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, Rule], ...]
-    _cache: Kept[int, list[PlannedObject]] = field(
-        default_factory=lambda: Kept(64), compare=False, repr=False
-    )
 
     @cached_property
     def by_name(self) -> dict[str, tuple[tuple[int, ...], str, Rule]]:
@@ -170,15 +166,9 @@ class RegularLayout:
     def rank_objects(
         self, rank: int, attempt: str, limit: int | None = None
     ) -> list[PlannedObject]:
-        """Rank ``rank``'s regular objects, named for ``attempt`` (the layout is kept per rank:
-        a later attempt only renames them). ``limit``: ValueError when there are more (a reader
-        of a manifest that counts them: the packing stops there)."""
-        objects = self._cache.get(rank)
-        if objects is None:  # loads and saves of several roots may derive at once
-            objects = self._cache.put(
-                rank, pack(rank, self.rank_pieces(rank), "", self.object_bytes, limit)
-            )
-        return renamed(objects, attempt)
+        """Rank ``rank``'s regular objects, named for ``attempt``. ``limit``: ValueError when
+        there are more (a reader of a manifest that counts them: the packing stops there)."""
+        return pack(rank, self.rank_pieces(rank), attempt, self.object_bytes, limit)
 
 
 def resolve(
