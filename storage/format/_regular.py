@@ -12,7 +12,7 @@ every rank. All three are one rule, ``even(start, chunk)``: element e of the ten
 A rank derives the rule of each of its tensors from its own range (``infer_rule``), with the
 buffer position from ``FlatShard.layout`` where the range alone does not tell it, and checks
 that its range is what the rule gives its rank. When every rank's table of ``(name, shape,
-dtype, rule)`` is the same (one all-reduce of a 63-bit digest), the table is the whole save
+dtype, rule)`` is the same (rank 0 compares their digests), the table is the whole save
 layout: every rank knows which elements every other rank holds without having seen their
 metadata, and plans its own objects from the table alone (``RegularLayout.rank_objects``),
 in O(T) per rank. Whole tensors are written once: small ones by one rank (round robin over
@@ -28,8 +28,6 @@ the object sizes and the checksum count, for the ranks it reads only.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -127,13 +125,6 @@ _MAX = 2**63 - 1
 
 def _same(a: Range, b: Range) -> bool:
     return a.length == b.length and (a.offset == b.offset or a.length == 0)
-
-
-def table_digest(table: list[list[Any]], world: int) -> int:
-    """A 63-bit digest of a rule table (``[name, shape, dtype, rule]`` rows in name order) and
-    the world size: equal on every rank iff (up to a hash collision) their tables are equal."""
-    data = json.dumps([world, table], separators=(",", ":")).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
 @dataclass(frozen=True)
