@@ -22,10 +22,9 @@ never sees them change; the size is checked before mapping, so a truncated objec
 instead of faulting.
 
 Mapping costs one page-table entry per cached page: on a kernel that caches files in large
-folios (ext4 and XFS on recent Linux) a range cached as 2 MiB folios maps 10-20x faster than one
-cached as 4 KiB pages (330-600 GB/s against 20 GB/s measured on this project's machines), which
-is the difference between a verify or warm load bound by the checksum and one bound by the
-mapping. Which folios a file gets depends on how it was written: writes of 2 MiB or more that
+folios (ext4 and XFS on recent Linux) a range cached as 2 MiB folios maps many times faster
+than one cached as 4 KiB pages (docs/benchmarks.md, "Verify (warm)"), which is the difference
+between a verify or warm load bound by the checksum and one bound by the mapping. Which folios a file gets depends on how it was written: writes of 2 MiB or more that
 start on a multiple of their size get large ones; 1 MiB writes, or writes shifted by a header,
 get small ones. So ``write_object`` (``_safetensors.py``) hands the data to the file in spans
 that end on multiples of 2 MiB of the object, whatever the header's length.
@@ -214,8 +213,7 @@ class Store:
     # -- metadata ---------------------------------------------------------------------------------
 
     # On a local disk these ask the OS directly, with fsspec's answers (links followed, a
-    # dangling one absent): fsspec's path handling costs about 40 us a call, and a save asks
-    # a few dozen times.
+    # dangling one absent), without fsspec's path handling: a save asks a few dozen times.
 
     def exists(self, rel: str = "") -> bool:
         if self.local:
@@ -247,7 +245,7 @@ class Store:
 
     def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
         """``{name: (type, size)}`` of the entries directly under ``rel``; {} when absent."""
-        if self.local:  # about 0.3 ms a listing faster (several per save)
+        if self.local:  # one scandir, without fsspec's path handling
             try:
                 return self._retry(lambda: _scan_local(self.full(rel)))
             except FileNotFoundError:
@@ -533,7 +531,7 @@ class S3Upload:
 
     s3fs's own file cannot do this: it drops the parts' checksums when it completes a multipart
     upload (it keeps only SHA-256 ones), so its uploads are checked with the CRC-32 that botocore
-    computes by default (zlib's, about 4x slower than the CRC-32C computed here).
+    computes by default (zlib's, slower than the CRC-32C computed here).
     """
 
     def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:

@@ -560,8 +560,8 @@ class _SaveJob:
 # [Note: deferred snapshots]
 # Training changes the saved state only in the optimizer step (and in loads), so a save does not
 # need to copy anything before it returns: it records which tensors to save (the state's
-# structure is walked and its JSON values copied on the caller's thread, a few microseconds per
-# leaf) and a background thread does the rest while the next forward and backward run:
+# structure is walked and its JSON values copied on the caller's thread) and a background
+# thread does the rest while the next forward and backward run:
 #   1. rank 0 checks the root (``plan_lineage``); every rank exchanges its metadata on storage's
 #      own process group (see [Note: storage's own process group] in _collectives.py), and the
 #      plan is made, as a synchronous save would;
