@@ -103,7 +103,7 @@ def exchange(
     metas = wire.gather_json(mine, group)
     decision = None
     if rank == 0 and metas is not None:
-        decision = decide(metas, step, meta.get("attempt"), meta.get("replaces"))
+        decision = _decide(metas, step, meta.get("attempt"), meta.get("replaces"))
     decision = wire.broadcast_json(decision, group)
     if decision["error"] is not None:
         raise CheckpointError(decision["error"])
@@ -139,7 +139,7 @@ def exchange(
     return plan, values, world
 
 
-def decide(
+def _decide(
     metas: list[dict[str, Any]], step: int, attempt: str | None, replaces: str | None
 ) -> dict[str, Any]:
     """Rank 0's decision from every rank's metadata (see [Note: the save exchange]): the error
