@@ -3,13 +3,14 @@ regular layouts, gathered to one coordinator for the rest.
 
 [Note: the save exchange]
 Every rank of a save, on the same group and in the same order:
-  1. a gather to rank 0 of its small metadata: whether it failed to describe its state (and
-     why), the step, its checksum block size, a digest of its tensors' names, shapes and dtypes
-     and of the options that shape its objects, and a digest of its rules;
-  2. a broadcast of rank 0's decision: the error every rank raises (a rank failed, the ranks
-     save different steps, or checksum blocks of different sizes: one manifest, one size), or
-     the attempt id and the attempt it replaces, whether every rank holds the same tensors and
-     whether every rank has the same rules;
+  1. a broadcast of rank 0's header: whether it failed to describe its state, the step, its
+     checksum block size, a digest of its tensors' names, shapes and dtypes and of the options
+     that shape its objects, a digest of its rules, its attempt id and the attempt it replaces;
+  2. an all-reduce (max) of four flags, each rank comparing its own with that header: a rank
+     failed, a rank saves another step or checksums other blocks (one manifest, one size),
+     a rank holds other tensors, a rank has other rules. Only when one of the first two is set:
+     an all-gather of each rank's error, step and block size, so that every rank raises the
+     same message;
   3. only when the tensors are the same everywhere but the rules are not: an all-reduce (max)
      of each tensor's rule as three integers and their negations, which finds the rules every
      rank agrees on, compared exactly; a tensor whose rule differs somewhere (a rank holding it
@@ -21,8 +22,7 @@ With agreed rules a rank plans its regular objects from the table alone (see [No
 layouts] in _regular.py). The ranks' JSON values are not exchanged here: each rank other than
 rank 0 reports its own in its done marker with its checksums, and rank 0 keeps in the manifest
 those that differ from its own (storage/saving/_commit.py). Nothing here grows with the world
-size on a rank other than rank 0, and rank 0 receives only each rank's few numbers and the
-irregular ranges.
+size on any rank while the save succeeds, and rank 0 receives only the irregular ranges.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def exchange(
     Returns the plan, this rank's values (reported at the commit; the caller's copy, which
     nothing changes any more) and the number of ranks. Raises the same error on every rank
     when a rank failed, the ranks save different steps, or the ranges do not fit together.
-    ``wire``: the collectives (``rank_world``, ``all_reduce_max``, ``broadcast_json``,
-    ``gather_json``, ``scatter_json`` of storage/io/_collectives.py), replaced only by the
-    scale simulation (``ftsdp.tools.dev.simulation``).
+    ``wire``: the collectives (``rank_world``, ``all_reduce_max``, ``all_gather_json``,
+    ``broadcast_json``, ``gather_json``, ``scatter_json`` of storage/io/_collectives.py),
+    replaced only by the scale simulation (``ftsdp.tools.dev.simulation``).
     """
     rank, world = wire.rank_world(group)
     error = meta.get("error")
@@ -94,22 +94,30 @@ def exchange(
     # those written (a committed step no reader could derive): such tables never agree.
     shaped = [world, options.object_bytes, options.replica_split_bytes, [r[:3] for r in table]]
     mine = {
-        "error": error,
+        "failed": error is not None,
         "step": step,
         "block": options.checksum_block_bytes,
         "tensors": _digest(shaped),
         "rules": _digest(rules),
+        "attempt": meta.get("attempt"),
+        "replaces": meta.get("replaces"),
     }
-    metas = wire.gather_json(mine, group)
-    decision = None
-    if rank == 0 and metas is not None:
-        decision = _decide(metas, step, meta.get("attempt"), meta.get("replaces"))
-    decision = wire.broadcast_json(decision, group)
-    if decision["error"] is not None:
-        raise CheckpointError(decision["error"])
-    attempt, replaces = decision["attempt"], decision["replaces"]
-    agreed = decision["same_tensors"]  # the same tensors everywhere: then compare their rules
-    if agreed and world > 1 and not decision["same_rules"]:
+    head = wire.broadcast_json(mine, group)  # rank 0's (the others' own go nowhere)
+    failed, mismatched, other_tensors, other_rules = wire.all_reduce_max(
+        [
+            int(mine["failed"]),
+            int((mine["step"], mine["block"]) != (head["step"], head["block"])),
+            int(mine["tensors"] != head["tensors"]),
+            int(mine["rules"] != head["rules"]),
+        ],
+        group,
+    )
+    if failed or mismatched:
+        report = {"error": error, "step": step, "block": options.checksum_block_bytes}
+        _raise_for(wire.all_gather_json(report, group), step)
+    attempt, replaces = head["attempt"], head["replaces"]
+    agreed = not other_tensors  # the same tensors everywhere: then compare their rules
+    if agreed and world > 1 and other_rules:
         both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)
         n = len(rules)
         same = [both[i] == -both[n + i] for i in range(n)]
@@ -139,31 +147,25 @@ def exchange(
     return plan, values, world
 
 
-def _decide(
-    metas: list[dict[str, Any]], step: int, attempt: str | None, replaces: str | None
-) -> dict[str, Any]:
-    """Rank 0's decision from every rank's metadata (see [Note: the save exchange]): the error
-    every rank raises, or the attempt, the attempt it replaces and whether the ranks' tensors
-    and rules are the same."""
-    out: dict[str, Any] = {"error": None, "attempt": attempt, "replaces": replaces}
-    failed = [(r, m["error"]) for r, m in enumerate(metas) if m["error"]]
-    steps = [m["step"] for m in metas]
-    blocks = sorted({m["block"] for m in metas})
-    if failed:
-        out["error"] = f"save of step {step} failed on rank {failed[0][0]}: {failed[0][1]}"
-    elif len(set(steps)) > 1:
-        out["error"] = (
+def _raise_for(reports: list[dict[str, Any]], step: int) -> None:
+    """Raise, on every rank alike, for every rank's ``{"error", "step", "block"}`` when a rank
+    failed to describe its state, the ranks are not saving the same step (a loop that went on
+    after a save failed on some ranks only: every later exchange would pair different saves),
+    or they checksum blocks of different sizes."""
+    for r, m in enumerate(reports):
+        if m["error"]:
+            raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
+    steps = [m["step"] for m in reports]
+    if len(set(steps)) > 1:
+        raise CheckpointError(
             f"the ranks are not saving the same step (steps by rank: {steps}): a save failed on "
             "some ranks only and the loop went on; restart the job from its last checkpoint"
         )
-    elif len(blocks) > 1:  # the manifest has one block size: other ranks' checksums would not fit
-        out["error"] = (
-            f"save of step {step}: the ranks checksum blocks of {blocks[0]} to {blocks[-1]} bytes "
-            "(SaveOptions.checksum_block_bytes); pass the same SaveOptions on every rank"
-        )
-    out["same_tensors"] = len({m["tensors"] for m in metas}) == 1
-    out["same_rules"] = len({m["rules"] for m in metas}) == 1
-    return out
+    blocks = sorted({m["block"] for m in reports})
+    raise CheckpointError(
+        f"save of step {step}: the ranks checksum blocks of {blocks[0]} to {blocks[-1]} bytes "
+        "(SaveOptions.checksum_block_bytes); pass the same SaveOptions on every rank"
+    )
 
 
 def _digest(doc: Any) -> str:

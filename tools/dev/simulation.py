@@ -94,17 +94,16 @@ class Wire:
         return list(values)
 
     def broadcast_json(self, obj: Any, group: Any) -> Any:
-        # Rank 0's decision; elsewhere the one rank 0 makes when every rank agrees.
-        agreed = {
-            "error": None,
-            "attempt": ATTEMPT,
-            "replaces": None,
-            "same_tensors": True,
-            "same_rules": True,
-        }
-        data = json.dumps(obj if self.rank == 0 else agreed)
+        # Rank 0's header; elsewhere this rank's own (the same tensors and rules) with rank 0's
+        # attempt.
+        data = json.dumps(obj if self.rank == 0 else {**obj, "attempt": ATTEMPT, "replaces": None})
         self.nbytes += len(data)
         return json.loads(data)
+
+    def all_gather_json(self, obj: Any, group: Any) -> list[Any]:
+        data = json.dumps(obj)
+        self.nbytes += len(data) * (self.world + 1)
+        return [json.loads(data) for _ in range(self.world)]
 
     def gather_json(self, obj: Any, group: Any) -> list[Any] | None:
         data = json.dumps(obj)
