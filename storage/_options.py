@@ -64,11 +64,6 @@ class SaveOptions:
     replica_split_bytes: int = 16 * MiB  # replicated ranges this big are split among holders
     staging_budget_bytes: int = 4096 * MiB  # host memory async save may hold at once
     reuse_staging: bool = True  # keep async save's staging buffers (<= budget) for the next one
-    # Retention leaves the objects of the step it retires, and the next save to the root from
-    # this process overwrites them in place where nobody else can see it (tmpfs roots; see
-    # [Note: overwriting a retired object] in _fs.py, also for what it cannot see). None: on
-    # for CheckpointManager's memory tier (a root of its own, cleared at close), else off.
-    reuse_retired: bool | None = None
     commit_timeout_s: float = 600.0  # how long rank 0 waits for the other ranks' objects
     keep_last: int | None = None
     keep_every: int | None = None

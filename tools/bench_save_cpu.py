@@ -9,7 +9,8 @@ seeded random order for ``--rounds`` rounds of ``--steps`` steps. Around each ro
 reads each of its threads' CPU time from ``/proc/self/task`` (user + system, the kernel's clock
 ticks), so the table shows, per rank and per step, what the process used without saving and
 what each thread used more with it: the save's own threads (``storage-snapshot``: the plan and
-the commit; ``storage-save``: the writes), the training loop's thread (which makes the save
+the commit, one thread per save, which has ended by the time the round's CPU is read: in
+"threads that ended"; ``storage-save``: the writes), the training loop's thread (which makes the save
 call, and waits for the GIL and the caches the save's threads use) and gloo's threads. The wall
 time per step is the mean over rounds, barrier to barrier; noisy on a shared machine, it is
 there to set the CPU beside.
@@ -40,8 +41,8 @@ MODES = ("none", "storage")
 
 def thread_cpu(task_dir: str = "/proc/self/task") -> dict[str, float]:
     """CPU seconds (user + system) of each thread of this process, by name: a Python thread's
-    name (the storage threads' without their per-save suffix), else ``native:<comm>``; threads
-    of one name summed."""
+    name (the storage threads' without their per-save or per-thread suffix), else
+    ``native:<comm>``; threads of one name summed."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -56,8 +57,9 @@ def thread_cpu(task_dir: str = "/proc/self/task") -> dict[str, float]:
         fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
         seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
         name = names.get(int(tid), f"native:{comm}")
-        if name.startswith("storage-save-"):  # an async save's own thread
-            name = "storage-save"
+        for prefix in ("storage-save", "storage-snapshot"):  # a save's or a root's threads
+            if name.startswith(prefix):
+                name = prefix
         out[name] = out.get(name, 0.0) + seconds
     return out
 
@@ -79,7 +81,10 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             start, process = thread_cpu(), time.process_time()
             runs[mode].round()
             used = added(start, thread_cpu())
+            threads = sum(used.values())
             used["process"] = time.process_time() - process
+            # a save's own thread (a deferred save's: the plan and the commit) ends with it
+            used["threads that ended"] = max(0.0, used["process"] - threads)
             for name, seconds in used.items():
                 cpu[mode][name] = cpu[mode].get(name, 0.0) + seconds
     for run in runs.values():

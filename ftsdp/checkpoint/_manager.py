@@ -109,8 +109,8 @@ class CheckpointManager:
         memory_url / memory_every / memory_keep: the memory tier ([Note: the memory tier] in
             ``_memory.py``): :meth:`save_to_memory` saves every ``memory_every`` steps under
             ``memory_url`` (e.g. ``/dev/shm/...``), keeping ``memory_keep`` steps.
-        save_options: how saves are written; ``reuse_retired`` (None: on for the memory tier
-            only) overwrites the objects retention just retired (see docs/format.md).
+        save_options: how saves are laid out and written (its retention and ``discard_newer``
+            are the manager's own, set per save).
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages, fallbacks loudly (default: this module's logger, WARNING).
     """

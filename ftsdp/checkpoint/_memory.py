@@ -15,7 +15,7 @@ restart. docs/elastic.md, "A memory tier", has the whole story.
 Resume compares the ranks' machines (host name and boot id, or ``$FTSDP_NODE``). On several,
 no root is seen by every rank: saves go through ``storage.saving.save_on_nodes(..., node=<this machine>)`` (each
 machine keeps its own root and a replica of the previous machine's: [Note: node-local roots] in
-storage/saving/_nodes.py), and resume offers the one step ``storage.restore_on_nodes`` makes
+storage/saving/_nodes.py), and resume offers the one step ``storage.saving.restore_on_nodes`` makes
 whole on every machine. Over a subgroup of such a job the tier is off (storage's own group
 spans the job). A manager that saves without resuming first treats the ranks as on one machine.
 
@@ -29,7 +29,6 @@ followed a durable step later than every step under the checkpoint root.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 from typing import Any
@@ -80,10 +79,6 @@ class MemoryTier(Tier):
                 "clears it, which would delete the durable checkpoints; give it a root of its "
                 "own (e.g. under /dev/shm)"
             )
-        # overwriting retired objects unless told otherwise: nothing else reads this root
-        options = options or storage.SaveOptions()
-        if options.reuse_retired is None:
-            options = dataclasses.replace(options, reuse_retired=True)
         super().__init__(url, durable.group, durable.log, options=options, **kw)
         self.durable = durable
         self.on = True  # off after close, or over a subgroup on several machines

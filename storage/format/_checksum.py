@@ -10,7 +10,7 @@ that does not match the version, so one damaged byte cannot switch a reader to a
   reading the bytes costs. It is also the checksum object stores offer for uploads (S3's
   ``CRC32C``).
 - ``crc32`` (the CRC-32 of zlib and gzip; versions 1 and 2, read only): ISA-L's implementation
-  when the optional ``isal`` package is installed, else zlib's (about 4x slower).
+  when the optional ``isal`` package is installed, else zlib's (slower).
 
 Every function has zlib's shape: ``f(data, value=0) -> int``, ``value`` being the running
 checksum of the bytes before ``data`` (so a stream is checksummed in parts).
@@ -23,7 +23,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
-try:  # the same CRC-32 as zlib's, about 4x faster (ISA-L); optional: ``pip install isal``
+try:  # the same CRC-32 as zlib's, faster (ISA-L); optional: ``pip install isal``
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32

@@ -26,32 +26,14 @@ def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Ten
     Supports any mix of ``Replicate()`` and ``Shard(d)`` whose local chunk is contiguous in the
     row-major flattening (``Shard(0)`` always is); ``Partial`` and non-contiguous chunks raise.
     """
-    shape = tuple(dt.shape)
-    key = (shape, tuple(dt.placements), dt.device_mesh)
-    found = _RANGES.get(key)
-    if found is not None:
-        return shape, found, _local(dt)
-    rng = _range(name, dt)
-    if len(_RANGES) >= _MAX_CACHED:
-        _RANGES.clear()
-    _RANGES[key] = rng
-    return shape, rng, _local(dt)
+    return tuple(dt.shape), _range(name, dt), _local(dt)
 
 
 def _local(dt: Any) -> torch.Tensor:
-    """The shard a DTensor holds. ``to_local()`` goes through an autograd function (about 25
-    microseconds per tensor, on the caller's thread at every save); saving and loading need the
-    tensor itself, which DTensor keeps as ``_local_tensor``."""
+    """The shard a DTensor holds: the tensor itself, which DTensor keeps as ``_local_tensor``
+    (``to_local()`` goes through an autograd function, which saving and loading do not need)."""
     local = getattr(dt, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else dt.to_local()
-
-
-# A save of a DTensor state computes the same ranges at every save; torch's computation of a
-# shard's shape and offset takes about 0.3 ms per tensor (60 ms for a small FSDP2 model with
-# its AdamW state), so the results are kept, keyed by global shape, placements and mesh (which
-# fix this rank's shard).
-_RANGES: dict[tuple[Any, ...], Range] = {}
-_MAX_CACHED = 65536
 
 
 def _range(name: str, dt: Any) -> Range:

@@ -46,7 +46,6 @@ from ftsdp.storage._errors import (
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.format._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
-from ftsdp.storage.format._kept import Kept
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._ranges import Range, check_disjoint_cover
 from ftsdp.storage.format._regular import RegularLayout, Rule, rule_from_json
@@ -99,20 +98,12 @@ def _self_checksum(doc: dict[str, Any], canonical: bytes) -> dict[str, Any]:
     return {"algorithm": algorithm, "value": checksum_function(algorithm)(canonical, 0)}
 
 
-class Encoded(str):
-    """A top-level manifest value already encoded as :func:`canonical_json` encodes values
-    (compact, sorted keys, ASCII escapes): :func:`sealed_json` takes it as it is."""
-
-
 def sealed_json(doc: dict[str, Any]) -> bytes:
     """``doc`` as written, sealed: its top-level keys in ``doc``'s order (``format`` first, where
     format detection looks for it), ``manifest_checksum`` last. The checksum covers
     :func:`canonical_json`, joined from each top-level value encoded with sorted keys; the file
     reuses those pieces, except for the user's ``values`` and ``rank_values``, encoded a second
-    time in their own order (a load gives back dicts in the order they were saved). ``seal``
-    and a dump of the whole document took two encodings of the tensor table too (half a
-    millisecond for a few hundred tensors, at every save). A value given as :class:`Encoded`
-    is that encoding already and is used as it is."""
+    time in their own order (a load gives back dicts in the order they were saved)."""
     compact = (",", ":")
     canonical = {
         k: f"{json.dumps(k)}:{_canonical_value(v)}" for k, v in doc.items() if k != SELF_CHECKSUM
@@ -128,8 +119,6 @@ def sealed_json(doc: dict[str, Any]) -> bytes:
 
 
 def _canonical_value(value: Any) -> str:
-    if type(value) is Encoded:
-        return value
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
@@ -155,40 +144,7 @@ def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = Non
         data = store.read_range(rel, 0, size) if size else b""
     except (IsADirectoryError, NotADirectoryError):
         raise CorruptCheckpointError(f"{where}: the manifest is not a file") from None
-    key = _decoded_key(where, max_bytes, max_depth, data)
-    hit = _decoded.get(key)
-    if hit is not None and hit[0] == data:  # the same bytes: the same (valid) manifest
-        return hit[1]
-    manifest = Manifest.from_json(data, where=where, max_bytes=max_bytes, max_depth=max_depth)
-    _decoded.put(key, (data, manifest))
-    return manifest
-
-
-# A save reads the manifests of the root's newest steps again and again (the timeline check
-# before it, retention after it), and decoding one validates every piece: about 13 ms for a
-# small FSDP2 model's step, three times per save, on the background thread that competes with
-# training for the CPU. A manifest whose bytes are the same as one decoded before is the same
-# manifest, so the last 32 are kept (compared byte for byte; invalid ones are never kept).
-_decoded: Kept[tuple[Any, ...], tuple[bytes, Manifest]] = Kept(32)
-# the encoded entries of rule tensors, (name, shape, dtype, rule) -> text: see _tensors_text
-_ENTRY_TEXT: Kept[tuple[Any, ...], str] = Kept(1 << 14)
-# the encoded tables of manifests whose tensors are exactly a layout's rule entries, by layout
-_TABLE_TEXT: Kept[int, tuple[Any, str]] = Kept(8)
-
-
-def _decoded_key(where: str, max_bytes: int, max_depth: int, data: bytes) -> tuple[Any, ...]:
-    return (where, max_bytes, max_depth, len(data), hash(data))
-
-
-def remember_written(store: Store, rel: str, data: bytes, manifest: Manifest) -> None:
-    """``manifest`` was just written at ``rel`` as ``data`` (its ``to_json()``) by this process:
-    a later read of those bytes returns it instead of decoding them again. The commit calls
-    this, so the retention right after it (which reads every kept step's manifest) does not
-    decode the new one: 6-8 ms of CPU per save of the built-in GPT on rank 0's background
-    thread, which competes with training (measured with cProfile, W=2, a save every 2 steps)."""
-    defaults = LoadOptions()
-    key = _decoded_key(store.where(rel), defaults.max_manifest_bytes, defaults.max_json_depth, data)
-    _decoded.put(key, (data, manifest))
+    return Manifest.from_json(data, where=where, max_bytes=max_bytes, max_depth=max_depth)
 
 
 @dataclass(frozen=True)
@@ -367,7 +323,7 @@ class Manifest:
                 "block_bytes": self.checksum_block_bytes,
             },
             "objects": {name: {"size": size} for name, size in sorted(self.objects.items())},
-            "tensors": self._tensors_text(),
+            "tensors": {name: self._tensor_json(t) for name, t in sorted(self.tensors.items())},
             "values": self.values,
             "rank_values": self.rank_values,
         }
@@ -385,46 +341,6 @@ class Manifest:
                 f"({MAX_JSON_DEPTH} levels of JSON arrays and objects); flatten them"
             )
         return sealed_json(doc)
-
-    def _tensors_text(self) -> Encoded:
-        """The tensor table, encoded. A tensor saved under a layout rule encodes the same at
-        every save of a job (name, shape, dtype and rule; no checksum), so its text is kept
-        between saves; listed pieces carry this save's checksums and are encoded each time.
-        Encoding the whole table at every save took 1.3 ms of rank 0's background CPU for the
-        208 tensors of the built-in GPT's state (W=2), a save every 2 steps. A table that is
-        exactly the entries of a regular layout kept from save to save (every tensor under a
-        rule: the common case) is kept whole, by layout, after a check of its entries."""
-        layout = None if self.regular is None else self.regular.layout
-        whole = layout is not None and self._is_layout(layout)
-        if whole:
-            hit = _TABLE_TEXT.get(id(layout))
-            if hit is not None and hit[0] is layout:
-                return Encoded(hit[1])
-        parts = []
-        for name, t in sorted(self.tensors.items()):
-            key = None if t.rule is None else (name, tuple(t.shape), t.dtype, t.rule)
-            text = None if key is None else _ENTRY_TEXT.get(key)
-            if text is None:
-                text = f"{json.dumps(name)}:{_canonical_value(self._tensor_json(t))}"
-                if key is not None:
-                    _ENTRY_TEXT.put(key, text)
-            parts.append(text)
-        table = "{" + ",".join(parts) + "}"
-        if whole:
-            _TABLE_TEXT.put(id(layout), (layout, table))  # holds it: its id stays unique
-        return Encoded(table)
-
-    def _is_layout(self, layout: Any) -> bool:
-        """Whether the tensors are exactly ``layout``'s entries (same names, shapes, dtypes and
-        rule objects)."""
-        tensors = self.tensors
-        if len(tensors) != len(layout.entries):
-            return False
-        for name, shape, dtype, rule in layout.entries:
-            t = tensors.get(name)
-            if t is None or t.rule is not rule or t.shape != shape or t.dtype != dtype:
-                return False
-        return True
 
     def _tensor_json(self, t: TensorEntry) -> dict[str, Any]:
         doc: dict[str, Any] = {"shape": list(t.shape), "dtype": t.dtype}

@@ -12,7 +12,7 @@ every rank. All three are one rule, ``even(start, chunk)``: element e of the ten
 A rank derives the rule of each of its tensors from its own range (``infer_rule``), with the
 buffer position from ``FlatShard.layout`` where the range alone does not tell it, and checks
 that its range is what the rule gives its rank. When every rank's table of ``(name, shape,
-dtype, rule)`` is the same (one all-reduce of a 63-bit digest), the table is the whole save
+dtype, rule)`` is the same (rank 0 compares their digests), the table is the whole save
 layout: every rank knows which elements every other rank holds without having seen their
 metadata, and plans its own objects from the table alone (``RegularLayout.rank_objects``),
 in O(T) per rank. Whole tensors are written once: small ones by one rank (round robin over
@@ -28,17 +28,14 @@ the object sizes and the checksum count, for the ranks it reads only.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
-from ftsdp.storage.format._kept import Kept
 from ftsdp.storage.format._ranges import Range
-from ftsdp.storage.saving._save_plan import PlannedObject, PlannedPiece, pack, renamed
+from ftsdp.storage.saving._save_plan import PlannedObject, PlannedPiece, pack
 
 
 @dataclass(frozen=True)
@@ -130,13 +127,6 @@ def _same(a: Range, b: Range) -> bool:
     return a.length == b.length and (a.offset == b.offset or a.length == 0)
 
 
-def table_digest(table: list[list[Any]], world: int) -> int:
-    """A 63-bit digest of a rule table (``[name, shape, dtype, rule]`` rows in name order) and
-    the world size: equal on every rank iff (up to a hash collision) their tables are equal."""
-    data = json.dumps([world, table], separators=(",", ":")).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
-
-
 @dataclass(frozen=True)
 class RegularLayout:
     """The regular part of a save: every rule tensor, planned for ``world`` ranks.
@@ -149,9 +139,6 @@ class RegularLayout:
     world: int
     object_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, Rule], ...]
-    _cache: Kept[int, list[PlannedObject]] = field(
-        default_factory=lambda: Kept(64), compare=False, repr=False
-    )
 
     @cached_property
     def by_name(self) -> dict[str, tuple[tuple[int, ...], str, Rule]]:
@@ -170,15 +157,9 @@ class RegularLayout:
     def rank_objects(
         self, rank: int, attempt: str, limit: int | None = None
     ) -> list[PlannedObject]:
-        """Rank ``rank``'s regular objects, named for ``attempt`` (the layout is kept per rank:
-        a later attempt only renames them). ``limit``: ValueError when there are more (a reader
-        of a manifest that counts them: the packing stops there)."""
-        objects = self._cache.get(rank)
-        if objects is None:  # loads and saves of several roots may derive at once
-            objects = self._cache.put(
-                rank, pack(rank, self.rank_pieces(rank), "", self.object_bytes, limit)
-            )
-        return renamed(objects, attempt)
+        """Rank ``rank``'s regular objects, named for ``attempt``. ``limit``: ValueError when
+        there are more (a reader of a manifest that counts them: the packing stops there)."""
+        return pack(rank, self.rank_pieces(rank), attempt, self.object_bytes, limit)
 
 
 def resolve(

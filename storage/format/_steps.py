@@ -199,7 +199,6 @@ class Deletion:
     files: list[tuple[str, int]] = field(default_factory=list)  # (path under the root, size)
     left: list[str] = field(default_factory=list)
     whole: bool = True  # the step goes: its directory is removed once empty
-    objects: list[str] = field(default_factory=list)  # of ``files``, those its manifest lists
 
     @property
     def bytes(self) -> int:
@@ -231,8 +230,6 @@ def plan_removal(store: Store, d: StepDir) -> Deletion | None:
     for name in names:
         if _mine(store, d, name, listed):
             plan.files.append((f"{step_dir(d.step)}/{name}", d.entries[name][1]))
-            if name in listed:
-                plan.objects.append(plan.files[-1][0])
         else:
             plan.left.append(name)
     if d.manifest is None and plan.left:
@@ -255,16 +252,14 @@ def plan_strays(store: Store, d: StepDir) -> Deletion:
     return plan
 
 
-def execute(store: Store, plan: Deletion, spare: bool = False) -> None:
+def execute(store: Store, plan: Deletion) -> None:
     """Delete the files of ``plan`` in order (each checked again: no link, inside the root), then
-    its directory if the step goes and nothing is left in it. ``spare``: leave the objects the
-    manifest lists, for the next save to overwrite (see ``retain``)."""
-    kept = set(plan.objects) if spare else set()
+    its directory if the step goes and nothing is left in it."""
     for rel, _ in plan.files:
-        if rel in kept or store.is_link(rel) or not store.inside_root(rel):
+        if store.is_link(rel) or not store.inside_root(rel):
             continue
         store.remove(rel)
-    if plan.whole and not plan.left and not kept:
+    if plan.whole and not plan.left:
         store.remove_empty_dir(step_dir(plan.step))
 
 
@@ -376,28 +371,16 @@ def retain(
     keep_last: int,
     keep_every: int | None,
     protect: int | None = None,
-    spare: Collection[int] = (),
     scan: RootScan | None = None,
 ) -> list[int]:
     """Apply retention under ``store`` (see ``plan_retention``); return the removed steps
     (committed and torn), ascending. What was left alone is logged (WARNING, logger
-    ``ftsdp.storage.format._steps``). ``spare`` (``SaveOptions.reuse_retired``, tmpfs roots): the
-    steps this process saved; of the newest such committed step removed that holds nothing
-    but this format's files, delete the manifest and the rest but leave the objects, a torn
-    step now, for the next save to overwrite (see [Note: overwriting a retired object] in
-    _fs.py); the next retention removes what that save did not take. ``scan``: see
-    ``plan_retention``."""
+    ``ftsdp.storage.format._steps``). ``scan``: see ``plan_retention``."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     plan = plan_retention(store, keep_last, keep_every, protect, scan)
-    # Only a step whose directory holds nothing but ours: otherwise, torn, it would be left
-    # alone with its objects for good.
-    ours = [
-        r.step for r in plan.removals if r.step in spare and r.objects and r.whole and not r.left
-    ]
-    spared = max(ours) if ours and store.tmpfs else None
     for removal in plan.removals + plan.strays:
-        execute(store, removal, spare=removal.step == spared)
+        execute(store, removal)
     if plan.notes:
         logger.warning("retention left alone: %s", "; ".join(plan.notes))
     return plan.removed_steps

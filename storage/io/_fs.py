@@ -22,55 +22,12 @@ never sees them change; the size is checked before mapping, so a truncated objec
 instead of faulting.
 
 Mapping costs one page-table entry per cached page: on a kernel that caches files in large
-folios (ext4 and XFS on recent Linux) a range cached as 2 MiB folios maps 10-20x faster than one
-cached as 4 KiB pages (330-600 GB/s against 20 GB/s measured on this project's machines), which
-is the difference between a verify or warm load bound by the checksum and one bound by the
-mapping. Which folios a file gets depends on how it was written: writes of 2 MiB or more that
+folios (ext4 and XFS on recent Linux) a range cached as 2 MiB folios maps many times faster
+than one cached as 4 KiB pages (docs/benchmarks.md, "Verify (warm)"), which is the difference
+between a verify or warm load bound by the checksum and one bound by the mapping. Which folios a file gets depends on how it was written: writes of 2 MiB or more that
 start on a multiple of their size get large ones; 1 MiB writes, or writes shifted by a header,
 get small ones. So ``write_object`` (``_safetensors.py``) hands the data to the file in spans
 that end on multiples of 2 MiB of the object, whatever the header's length.
-
-[Note: overwriting a retired object]
-Writing a new file costs the kernel more than the copy: on tmpfs a fresh 4 MiB file took 2.8 ms
-of CPU and its deletion 0.8 ms, where overwriting an existing one took 1.2 ms (the copy alone:
-0.6 ms), because pages are allocated and zeroed for the new file and freed for the old one. A
-job saving every step or two to shared memory pays that at every save. So a save may take a
-file of a step that retention retired (``SaveOptions.reuse_retired``) as its temporary file and
-overwrite it in place (``write(..., reuse=...)``), but only when nobody else can see it change:
-objects are otherwise immutable, and a reader that opened or mapped one (a load, an inference
-job) or a user's hard link to it (a ``cp -al`` backup) must keep the bytes it had.
-
-1. Only on tmpfs (``Store.tmpfs``: the mount table's filesystem of the root's device), where
-   the gain is, a crash loses everything anyway, and no other machine reads the files; never
-   on a disk or network filesystem. Only the step this process's own saves wrote is left for
-   reuse (after a restart nothing is: it would only take room).
-2. The file is opened without following links (and no link on the way) and taken only if it
-   is the very file this process wrote, unchanged since: device, inode and ctime as recorded
-   when it was published (a chmod, chown, link or write since moves the ctime), a regular
-   file with one link.
-3. A Linux write lease (``F_SETLEASE``) is taken on it: the kernel grants it only to a file's
-   sole opener, so a reader holding it open or mapped makes it stay as it is (the next
-   retention deletes it; the reader keeps its inode). The lease is held through the whole
-   overwrite: any open of the file by anyone in that time breaks it. Its break signal is set
-   to ``SIGURG`` (ignored by default), not the default ``SIGIO``, which would kill the process,
-   and it is always given back explicitly (a forked child sharing the file would keep it).
-4. The file is renamed to the new temporary name: no lookup of the old name finds it any more.
-   If the lease was broken or a link made by then, the file goes back to its name untouched
-   (never over another file), and a new file is written.
-5. After the overwrite the lease must still be held. If it was broken meanwhile, or the
-   overwrite failed, the file is emptied before the lease is given back (the opener, let
-   through only then, sees nothing, which every reader refuses, never a mix of two steps),
-   and the object is written anew under another name.
-
-What a lease cannot see, so what this cannot protect (which is why it is on by default only
-for ``CheckpointManager``'s memory tier, a root of the library's own that nothing else should
-read): a process that resolved the old name before the rename and opens it only after the
-overwrite (an ``O_PATH`` descriptor kept for later) gets the new object under the old name
-(``load`` refuses it by its checksums); pages handed on by ``splice`` or ``sendfile`` (a web
-server serving the file to a slow client) after the file was closed show the new bytes; a
-reader the lease blocks longer than the kernel's ``lease-break-time`` (45 s) is let through
-during the overwrite; and a thread of the saving process itself that opens the file while it
-holds the GIL (``safetensors.safe_open``) stalls that save until then.
 """
 
 from __future__ import annotations
@@ -85,16 +42,10 @@ import os
 import posixpath
 import re
 import shutil
-import signal
 import stat
 import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not on Windows
-    fcntl = None  # type: ignore[assignment]
 
 import fsspec
 import numpy as np
@@ -109,62 +60,6 @@ from ftsdp.storage.io._retry import retry
 MiB = 1 << 20
 _READ_AHEAD = 64 << 10  # what a small read of an opened object fetches (see RangeFile)
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
-
-
-def _lease(fd: int) -> bool:
-    """Take a write lease on the file open as ``fd``: granted only when nobody else, here or in
-    another process, has it open or mapped. A break is signalled with SIGURG (ignored unless
-    the program handles it), not SIGIO (which terminates). False where leases are unavailable
-    (other systems, some filesystems, leases disabled)."""
-    if fcntl is None or not hasattr(fcntl, "F_SETLEASE"):
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-    except OSError:
-        return False
-    return True
-
-
-def _lease_intact(fd: int) -> bool:
-    """Whether the write lease on ``fd`` is still held and unbroken (an open by anyone breaks it:
-    ``F_GETLEASE`` then answers the type being broken to)."""
-    return fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_WRLCK
-
-
-def _unlease(fd: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-
-
-class _LeaseBroken(Exception):
-    """An overwritten retired object was opened by someone during the overwrite (see [Note:
-    overwriting a retired object]); the object is written anew."""
-
-
-@contextlib.contextmanager
-def _overwriting(f: IO[bytes], path: str) -> Iterator[None]:
-    """Around the overwrite of a retired object held under a write lease (step 5 of [Note:
-    overwriting a retired object]): at its end the file is cut to what was written and the
-    lease must be unbroken; on a break, or any error meanwhile, the file is emptied before
-    the lease is given back, so that an opener let through sees nothing rather than a mix of
-    two steps. The lease is always given back explicitly (a forked child sharing the file
-    would otherwise keep it)."""
-    fd = f.fileno()
-    try:
-        yield
-        f.truncate()  # at the end of what was written: the old object may have been longer
-        f.flush()
-        if not _lease_intact(fd):
-            raise _LeaseBroken(path)
-    except BaseException:
-        with contextlib.suppress(OSError, ValueError):
-            f.flush()
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-        raise
-    finally:
-        with contextlib.suppress(OSError):
-            _unlease(fd)
 
 
 _PLAIN_NAME = re.compile(r"[^/\\:\x00-\x1f\x7f]{1,255}")
@@ -318,8 +213,7 @@ class Store:
     # -- metadata ---------------------------------------------------------------------------------
 
     # On a local disk these ask the OS directly, with fsspec's answers (links followed, a
-    # dangling one absent): fsspec's path handling costs about 40 us a call, and a save asks
-    # a few dozen times.
+    # dangling one absent), without fsspec's path handling: a save asks a few dozen times.
 
     def exists(self, rel: str = "") -> bool:
         if self.local:
@@ -351,7 +245,7 @@ class Store:
 
     def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
         """``{name: (type, size)}`` of the entries directly under ``rel``; {} when absent."""
-        if self.local:  # about 0.3 ms a listing faster (several per save)
+        if self.local:  # one scandir, without fsspec's path handling
             try:
                 return self._retry(lambda: _scan_local(self.full(rel)))
             except FileNotFoundError:
@@ -452,37 +346,13 @@ class Store:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def write(
-        self,
-        rel: str,
-        produce: Callable[[IO[bytes]], None],
-        reuse: Retired | None = None,
-        *,
-        identify: bool = False,
-    ) -> Identity | None:
+    def write(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
         """Write an object whose bytes ``produce(f)`` writes to ``f``, atomically (see the note).
 
         A transient error retries the whole object, so ``produce`` must be able to run again
         from the start (it writes a new file each time); ``io.part_bytes`` is the upload buffer.
-        ``reuse``: a retired object this process wrote, ``(path, identity)``, to overwrite
-        instead of writing a new file when nobody else can see it change (see [Note:
-        overwriting a retired object]; tmpfs only). With ``identify`` (or ``reuse``), returns
-        the written file's identity (device, inode, ctime) on a local filesystem, for a later
-        ``reuse``; else None.
         """
-        if reuse is None and not identify:
-            self._retry(lambda: self._write_once(rel, produce))
-            return None
-        job = _Reusing(produce, reuse if reuse is not None and self.tmpfs else None)
-
-        def once() -> None:
-            try:
-                self._write_once(rel, job)
-            except _LeaseBroken:
-                self._write_once(rel, job)  # the retired file is given up: a new one
-
-        self._retry(once)
-        return job.identity
+        self._retry(lambda: self._write_once(rel, produce))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         def produce(f: IO[bytes]) -> None:
@@ -491,46 +361,28 @@ class Store:
         self.write(rel, produce)
 
     def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
-        job = produce if isinstance(produce, _Reusing) else None
-        with self._atomic_write(self.full(rel), isinstance(produce, _CreateOnly), job) as f:
+        with self._atomic_write(self.full(rel), isinstance(produce, _CreateOnly)) as f:
             produce(f)
 
     @contextlib.contextmanager
-    def _atomic_write(
-        self, path: str, exclusive: bool = False, reuse: _Reusing | None = None
-    ) -> Iterator[IO[bytes]]:
+    def _atomic_write(self, path: str, exclusive: bool = False) -> Iterator[IO[bytes]]:
         """``path`` exists only complete: a temporary name renamed on a local disk, an upload
         that is discarded (never completed) on an object store when the body raises. With
-        ``exclusive``, only if ``path`` does not exist yet (see ``write_exclusive``). ``reuse``
-        (local): the write of ``write(..., reuse=...)``: its retired object, if any, is taken
-        as the temporary file at the first try when nobody else can see it (see [Note:
-        overwriting a retired object]), and the written file's identity is recorded."""
+        ``exclusive``, only if ``path`` does not exist yet (see ``write_exclusive``)."""
         f: Any  # a local file, an S3Upload or an fsspec file
         if self.local:
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            spare = None
-            if reuse is not None and reuse.spare is not None:  # the first try only
-                spare, reuse.spare = self._take_retired(*reuse.spare, tmp), None
-                if spare is None:  # the name may hold what could not be put back: another
-                    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             try:
-                with spare or open(tmp, "xb") as f:
-                    if spare is None:
-                        yield f
-                    else:
-                        with _overwriting(f, path):
-                            yield f
+                with open(tmp, "xb") as f:
+                    yield f
                     f.flush()
                     os.fsync(f.fileno())
                     if exclusive:
                         _link_exclusive(tmp, path)
                     else:
                         os.replace(tmp, path)
-                    if reuse is not None:  # as published: a later change moves its ctime
-                        st = os.fstat(f.fileno())
-                        reuse.identity = (st.st_dev, st.st_ino, st.st_ctime_ns)
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
@@ -560,48 +412,6 @@ class Store:
                     f.closed = True
             raise
         f.close()
-
-    def _take_retired(self, rel: str, identity: Identity, tmp: str) -> IO[bytes] | None:
-        """The retired object ``rel``, renamed to ``tmp`` and open for overwriting under a write
-        lease, if it is the file ``identity`` names, unchanged since, with one link, and
-        nobody else holds or opens it (steps 2 to 4 of [Note: overwriting a retired object]);
-        else None, and the file is where it was, untouched (the next retention deletes it)."""
-        if not self.inside_root(rel):  # no link on the way out (O_NOFOLLOW: none at the end)
-            return None
-        src = self.full(rel)
-        try:
-            fd = os.open(src, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:  # gone (a gc got there first), a link, not ours to open
-            return None
-        leased = False
-        try:
-            st = os.fstat(fd)
-            same = (st.st_dev, st.st_ino, st.st_ctime_ns) == tuple(identity)  # ctime: untouched
-            if not (same and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and _lease(fd)):
-                return None
-            leased = True
-            os.rename(src, tmp)
-            moved = os.stat(tmp, follow_symlinks=False)
-            it = (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino)
-            if it and moved.st_nlink == 1 and _lease_intact(fd):  # no link, no open meanwhile
-                f = os.fdopen(fd, "r+b")
-                fd = -1
-                return f
-            if it:  # opened or linked meanwhile: back to its name (never over another file)
-                with contextlib.suppress(OSError):
-                    os.link(tmp, src)
-                os.remove(tmp)  # our file: a reader or a link keeps it, retention the rest
-            else:  # swapped for another file before the rename: put that one back
-                os.rename(tmp, src)
-            return None
-        except OSError:
-            return None
-        finally:
-            if fd >= 0:
-                if leased:
-                    with contextlib.suppress(OSError):
-                        _unlease(fd)  # explicitly: a forked child would keep it on the file
-                os.close(fd)
 
     def remove(self, rel: str, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -669,22 +479,6 @@ class Store:
         return True
 
 
-Identity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns) of a file as this process wrote it
-Retired = tuple[str, Identity]  # a retired object to overwrite: its path and identity
-
-
-class _Reusing:
-    """The producer of ``write(..., reuse=...)``: ``produce`` with the retired object to take
-    at the first try (``spare``), and the identity of the file written."""
-
-    def __init__(self, produce: Callable[[IO[bytes]], None], spare: Retired | None) -> None:
-        self.produce, self.spare = produce, spare
-        self.identity: Identity | None = None
-
-    def __call__(self, f: IO[bytes]) -> None:
-        self.produce(f)
-
-
 class _CreateOnly:
     """The producer of ``write_exclusive``: fixed bytes whose object is created only if absent.
     The flag rides on the producer so that every write, exclusive or not, goes through
@@ -740,7 +534,7 @@ class S3Upload:
 
     s3fs's own file cannot do this: it drops the parts' checksums when it completes a multipart
     upload (it keeps only SHA-256 ones), so its uploads are checked with the CRC-32 that botocore
-    computes by default (zlib's, about 4x slower than the CRC-32C computed here).
+    computes by default (zlib's, slower than the CRC-32C computed here).
     """
 
     def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:

@@ -110,8 +110,8 @@ class Meter:
 
 def piece_bytes(t: torch.Tensor, start: int, length: int) -> memoryview:
     """The raw bytes of elements ``start`` to ``start + length`` of ``t`` in its memory order,
-    read in place: for a contiguous CPU tensor, a view of its memory made from its address
-    (about 1 us, a tenth of ``tensor_bytes`` on a slice), which holds no reference to ``t``:
+    read in place: for a contiguous CPU tensor, a view of its memory made from its address,
+    which holds no reference to ``t``:
     the caller keeps ``t`` alive and unchanged while it reads them. Anything else is copied by
     ``tensor_bytes``. A range outside the tensor raises ValueError (it is never read)."""
     if start < 0 or length < 0 or start + length > t.numel():

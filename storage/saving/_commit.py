@@ -71,7 +71,6 @@ from ftsdp.storage.format._manifest import (
     Piece,
     RegularIndex,
     TensorEntry,
-    remember_written,
 )
 from ftsdp.storage.format._steps import (
     committed_steps,
@@ -236,7 +235,6 @@ def commit(
     keep_every: int | None = None,
     lineage: Lineage | None = None,
     present: Collection[str] | None = None,
-    spare: Collection[int] = (),
 ) -> None:
     """Create the manifest exclusively: the commit. With ``lineage`` (from ``plan_lineage`` when
     the save was planned) first check that no other writer committed a step meanwhile, and back
@@ -246,9 +244,7 @@ def commit(
     ``lineage`` discards, ``latest`` when this is the newest committed step, removal of the
     attempt's done markers, and retention when ``keep_last`` is given (never of this step).
     ``present``: the objects this root holds, when it holds only some of the manifest's (a
-    node-local root, storage/saving/_nodes.py); only those are checked before the commit. ``spare``:
-    the steps this process saved, whose objects retention may leave for the next save
-    (``retain``)."""
+    node-local root, storage/saving/_nodes.py); only those are checked before the commit."""
     step, attempt = manifest.step, manifest.attempt
     rel, data = manifest_path(step), manifest.to_json()
     if lineage is not None:
@@ -279,8 +275,6 @@ def commit(
                 f"(attempt {winner}) while this save (attempt {attempt}) was in progress; the "
                 "committed step is the other writer's, and this save's objects were removed"
             ) from e
-    else:
-        remember_written(store, rel, data, manifest)
     # One scan of the root after the commit serves its check, the markers' removal and the
     # retention (which reads every manifest; without retention none is read).
     scan = scan_root(store, read=lambda s: keep_last is not None)
@@ -313,7 +307,6 @@ def commit(
                 keep_last,
                 keep_every,
                 protect=step,
-                spare=spare,
                 scan=scan if not changed else None,
             )
     except Exception as e:
@@ -409,7 +402,6 @@ def finish(
     keep_every: int | None = None,
     lineage: Lineage | None = None,
     replaces: str | None = None,
-    spare: Collection[int] = (),
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
     checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
@@ -417,7 +409,7 @@ def finish(
     its done marker; rank 0's are the manifest's ``values``, and it keeps the others' that
     differ); ``world_size``: the number of ranks. ``lineage``: rank 0's ``plan_lineage`` of
     this save; ``replaces``: the attempt of an earlier commit of this step that it replaces
-    (every rank knows it from the plan); ``spare``: see ``commit``."""
+    (every rank knows it from the plan)."""
     if rank != 0:  # report, then wait for rank 0's verdict
         objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
         regular = _regular_count(plan, rank)
@@ -449,7 +441,6 @@ def finish(
                 keep_last=keep_last,
                 keep_every=keep_every,
                 lineage=lineage,
-                spare=spare,
             )
             return
         except BaseException as e:

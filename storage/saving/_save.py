@@ -11,10 +11,9 @@ import atexit
 import json
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +21,11 @@ import torch
 
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import SaveOptions
-from ftsdp.storage.format._layout import manifest_path, step_dir
+from ftsdp.storage.format._layout import step_dir
 from ftsdp.storage.format._safetensors import write_object
 from ftsdp.storage.format._state import TensorLeaf, flatten_state
 from ftsdp.storage.io._collectives import own_group, rank_world, resolve_group
-from ftsdp.storage.io._fs import Retired, Store
+from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import piece_bytes
 from ftsdp.storage.saving._commit import Lineage, finish, fresh_attempt, plan_lineage
 from ftsdp.storage.saving._exchange import exchange
@@ -49,103 +48,25 @@ _lock = threading.Lock()
 _staging_pool = StagingPool()  # async saves of this process (thread-safe)
 
 
-class _Threads:
-    """Daemon threads kept for one lane, taking jobs in order: ``submit`` returns a ``Future``
-    like an executor's. Started on first use, grown by :meth:`grow` (and started again in a
-    forked child, where they do not exist). Handing a job to a running thread costs a queue put,
-    where starting threads for every save cost a hand-shake with each (about 3 ms per save on
-    2 busy cores). Daemons, so that a job stuck on a dead peer never holds up the exit (see
-    ``_warn_in_flight_at_exit``)."""
-
-    def __init__(self, name: str, count: int = 1) -> None:
-        self.name, self.count = name, count
-        self._jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple]] = (
-            queue.SimpleQueue()
-        )
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def grow(self, count: int) -> _Threads:
-        """Run up to ``count`` jobs at once from now on (never fewer than before)."""
-        with self._lock:
-            self.count = max(self.count, count)
-        return self
-
-    def start(self) -> _Threads:
-        """Have the threads running (a thread's start waits for it to run: on busy cores that
-        can take a millisecond, which ``prepare_save`` takes off the first save)."""
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            while len(self._threads) < self.count:
-                t = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                t.start()
-                self._threads.append(t)
-        return self
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        self.start()
-        future: Future = Future()
-        self._jobs.put((future, fn, args))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            future, fn, args = self._jobs.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                except BaseException as e:
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
-            del future, fn, args  # an idle thread keeps nothing of its last job alive
-
-
-class _Bounded:
-    """At most ``n`` of one save's jobs at once on kept threads that may be more (an earlier
-    save asked for more): ``submit`` never blocks, a job waits for its turn on its thread."""
-
-    def __init__(self, threads: _Threads, n: int) -> None:
-        self._threads, self._turns = threads.grow(n), threading.Semaphore(n)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        def bounded() -> Any:
-            with self._turns:
-                return fn(*args)
-
-        return self._threads.submit(bounded)
-
-
 class _Lane:
     """The saves of this process to one root, one after the other (see [Note: one lane per
-    root]): the latest save's handle, the snapshot memory and the thread of deferred saves."""
+    root]): the latest save's handle, the snapshot memory and the threads writing objects."""
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.previous: SaveHandle | None = None
         self.arena = SnapshotArena()
-        self.worker = _Threads("storage-snapshot")  # the deferred saves, one after the other
-        self.writers = _Threads("storage-save")  # their objects' writes
-        # This rank's objects of its last committed saves, (step, [(path, identity)]), oldest
-        # first: once retention retired such a step, the next save overwrites them.
-        self.written: list[tuple[int, list[Retired]]] = []
+        self._writers: tuple[int, ThreadPoolExecutor] | None = None
 
-    def take_retired(self, store: Store) -> list[Retired]:
-        """This rank's objects of its newest committed save whose step is no longer committed
-        (retired: ``SaveOptions.reuse_retired`` left them for this save), forgetting it and the
-        older ones; [] when there is none."""
-        for i in reversed(range(len(self.written))):
-            step, objects = self.written[i]
-            if not store.exists(manifest_path(step)):
-                del self.written[: i + 1]
-                return objects
-        return []
-
-    def wrote(self, step: int, objects: list[Retired], keep_last: int) -> None:
-        """Remember this rank's objects of a committed save: as many saves as retention keeps
-        and a few more (steps ``keep_every`` keeps may sit between them)."""
-        self.written.append((step, objects))
-        del self.written[: -(keep_last + 4)]
+    def writers(self, threads: int) -> ThreadPoolExecutor:
+        """The lane's pool of ``threads`` writer threads (made again when a save asks for
+        another number; the saves of a lane never overlap, so the old one is idle)."""
+        with _lock:
+            if self._writers is None or self._writers[0] != threads:
+                if self._writers is not None:
+                    self._writers[1].shutdown(wait=False)
+                self._writers = threads, ThreadPoolExecutor(threads, "storage-save")
+            return self._writers[1]
 
 
 # [Note: one lane per root]
@@ -153,8 +74,8 @@ class _Lane:
 # surface in order, and a step never races its predecessor's retention). Saves to different
 # roots are independent: a training job's fast tier (shared memory, every step) must not wait
 # for its durable tier's upload, which may take minutes. So each root (``Store.where()``) has
-# a lane of its own: its latest handle, its snapshot arena, its worker thread and, for deferred
-# saves, its own process group (created by the first deferred save to that root, a collective
+# a lane of its own: its latest handle, its snapshot arena, its writer threads and, for
+# deferred saves, its own process group (created by the first deferred save to that root, a collective
 # all ranks reach in the same order because they save in the same order). ``wait_snapshot``
 # waits for the latest snapshot of every lane.
 _lanes: dict[str, _Lane] = {}
@@ -180,9 +101,9 @@ def _forget_in_child() -> None:
 
 
 def _warn_in_flight_at_exit() -> None:
-    """At interpreter exit: a save still in flight dies with the process (its threads are
-    daemons, so that a save waiting on a dead peer never holds a failing job up) and is not
-    committed; say so, rather than exit as if it were saved."""
+    """At interpreter exit: a save still in flight dies with the process (the threads that
+    exchange and commit are daemons, so that a save waiting on a dead peer never holds a
+    failing job up) and is not committed; say so, rather than exit as if it were saved."""
     with _lock:
         pending = [lane.previous for lane in _lanes.values() if lane.previous is not None]
     for handle in pending:
@@ -418,7 +339,7 @@ def _save(
     if node is not None:
         job.node, job.discard_newer = node, discard_newer
         job.commit_group = None if group is None else own_group(group, lane.key)
-    job.use_lane(lane)
+    job.lane = lane
     if async_save:
         job.start(handle)
     else:
@@ -451,15 +372,13 @@ def prepare_save(
     pages (a rank's share is at most the bytes of its tensors: that much is reserved, when it
     fits in ``options.staging_budget_bytes``; nothing for a tmpfs root and CPU tensors, which
     are written to their files directly: see [Note: a tmpfs root written from the live
-    tensors]); it also starts the thread of the deferred saves.
-    Without this call the first deferred save does all of it; the caller then waits for the
-    group and the thread, and the first copy into fresh memory takes longer.
+    tensors]). Without this call the first deferred save does both; the caller then waits for
+    the group, and the first copy into fresh memory takes longer.
     """
     options = options or SaveOptions()
     store = Store(url, storage_options, options.io)
     lane = _lane(store.where())
     own_group(resolve_group(process_group), lane.key)
-    lane.worker.start()
     if state is None:
         return 0
     tensors, _ = flatten_state(state)
@@ -510,30 +429,7 @@ class _SaveJob:
         self.node: str | None = None  # a node-local root (storage/saving/_nodes.py)
         self.commit_group: ProcessGroup | None = None  # there: storage's own group, for the commit
         self.discard_newer = False
-        self.lane: _Lane | None = None  # set by use_lane
-        self.spares: dict[str, Retired] = {}  # object -> a retired object to overwrite with it
-        self.written: dict[str, Retired] = {}  # object -> (path, identity), when reusing
-
-    def use_lane(self, lane: _Lane) -> None:
-        """Save through ``lane``; with ``SaveOptions.reuse_retired``, take this rank's objects
-        of its newest retired save to overwrite, one per object in order (see [Note:
-        overwriting a retired object] in _fs.py). Called once the plan is agreed: rank 0 has
-        then finished the previous save's retention."""
-        self.lane = lane
-        if self.reusing:
-            spares = lane.take_retired(self.store)
-            self.spares = {o.name: s for o, s in zip(self.mine, spares, strict=False)}
-
-    @property
-    def reusing(self) -> bool:
-        """Whether retired objects are overwritten: the option, with retention, on a tmpfs root
-        that is not node-local."""
-        return (
-            bool(self.options.reuse_retired)
-            and self.keep_last is not None
-            and self.node is None
-            and self.store.tmpfs
-        )
+        self.lane: _Lane | None = None  # set before it runs
 
     # -- writing this rank's objects ------------------------------------------------------------
 
@@ -561,27 +457,27 @@ class _SaveJob:
                 f, obj.head, len(payloads), enumerate(payloads), self.options.checksum_block_bytes
             )
 
-        rel = f"{step_dir(self.step)}/{obj.name}"
-        identity = self.store.write(rel, produce, self.spares.get(obj.name), identify=self.reusing)
-        if identity is not None:
-            self.written[obj.name] = (rel, identity)
+        self.store.write(f"{step_dir(self.step)}/{obj.name}", produce)
         return result
+
+    def _writers(self) -> ThreadPoolExecutor:
+        assert self.lane is not None, "a save job runs in a lane"
+        return self.lane.writers(self.options.io.threads)
 
     def run_inline(self) -> None:
         futures: list[Future] = []
         error: BaseException | None = None
-        with ThreadPoolExecutor(self.options.io.threads, "storage-save") as pool:
-            try:
-                for obj in self.mine:
-                    futures.append(pool.submit(self._write, obj, self._payloads(obj)))
-            except BaseException as e:  # still take part in the commit protocol, as a failure
-                error = e
-            self._finish_and_commit(futures, error)
+        pool = self._writers()
+        try:
+            for obj in self.mine:
+                futures.append(pool.submit(self._write, obj, self._payloads(obj)))
+        except BaseException as e:  # still take part in the commit protocol, as a failure
+            error = e
+        self._finish_and_commit(futures, error)
 
     def start(self, handle: SaveHandle) -> None:
         """Stage within the budget (blocking), upload and commit in the background."""
-        pool = ThreadPoolExecutor(self.options.io.threads, "storage-save")
-        futures, error = self.stage_and_submit(pool, handle)
+        futures, error = self.stage_and_submit(self._writers(), handle)
 
         def background() -> None:
             try:
@@ -590,14 +486,12 @@ class _SaveJob:
                 handle._finish(e)
             else:
                 handle._finish(None)
-            finally:
-                pool.shutdown(wait=False)
 
         threading.Thread(target=background, name=f"storage-save-{self.step}", daemon=True).start()
 
     def stage_and_submit(
         self,
-        pool: ThreadPoolExecutor | _Bounded,
+        pool: ThreadPoolExecutor,
         handle: SaveHandle,
         arena: SnapshotArena | None = None,
         stream: Any = None,
@@ -636,7 +530,7 @@ class _SaveJob:
 
     def _stage_in_budget(
         self,
-        pool: ThreadPoolExecutor | _Bounded,
+        pool: ThreadPoolExecutor,
         handle: SaveHandle,
         payloads: list[list[torch.Tensor]],
         futures: list[Future],
@@ -695,23 +589,14 @@ class _SaveJob:
                 **common,
             )
             return
-        finish(
-            *args,
-            timeout_s=self.options.commit_timeout_s,
-            replaces=self.replaces,
-            spare=[s for s, _ in self.lane.written] if self.reusing and self.lane else (),
-            **common,
-        )
-        if self.reusing and self.lane is not None and self.keep_last is not None:
-            objects = [self.written[o.name] for o in self.mine if o.name in self.written]
-            self.lane.wrote(self.step, objects, self.keep_last)
+        finish(*args, timeout_s=self.options.commit_timeout_s, replaces=self.replaces, **common)
 
 
 # [Note: deferred snapshots]
 # Training changes the saved state only in the optimizer step (and in loads), so a save does not
 # need to copy anything before it returns: it records which tensors to save (the state's
-# structure is walked and its JSON values copied on the caller's thread, a few microseconds per
-# leaf) and a background thread does the rest while the next forward and backward run:
+# structure is walked and its JSON values copied on the caller's thread) and a background
+# thread does the rest while the next forward and backward run:
 #   1. rank 0 checks the root (``plan_lineage``); every rank exchanges its metadata on storage's
 #      own process group (see [Note: storage's own process group] in _collectives.py), and the
 #      plan is made, as a synchronous save would;
@@ -772,14 +657,15 @@ class _DeferredSave:
                 raise local_error
 
         def run() -> None:
-            pool = _Bounded(self.lane.writers, self.options.io.threads)
             try:
                 if planned:
                     job = planned[0]
                 else:
                     job = self._plan(meta, tensors, keep_last, keep_every, discard_newer)
                 stream = _side_stream(ready)
-                futures, error = job.stage_and_submit(pool, handle, self.lane.arena, stream)
+                futures, error = job.stage_and_submit(
+                    job._writers(), handle, self.lane.arena, stream
+                )
                 handle._snapshot_done(start)
                 job._finish_and_commit(futures, error)
             except BaseException as e:
@@ -787,7 +673,9 @@ class _DeferredSave:
             else:
                 handle._finish(None)
 
-        self.lane.worker.submit(run)
+        # A daemon: a save waiting on a dead peer never holds up the exit (a save still in
+        # flight then is lost, with a warning: see _warn_in_flight_at_exit).
+        threading.Thread(target=run, name=f"storage-snapshot-{self.step}", daemon=True).start()
         if local_error is not None:
             handle._observed = True  # raised here, not again by the next save
             raise local_error
@@ -824,7 +712,7 @@ class _DeferredSave:
         job.lineage, job.replaces = lineage, plan.replaces
         if self.node is not None:
             job.node, job.commit_group, job.discard_newer = self.node, self.own, discard_newer
-        job.use_lane(self.lane)
+        job.lane = self.lane
         return job
 
 

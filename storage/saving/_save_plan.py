@@ -17,7 +17,6 @@ import torch
 
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
-from ftsdp.storage.format._kept import Kept
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._ranges import Range, check_disjoint_cover, check_range, segments
 from ftsdp.storage.format._safetensors import layout
@@ -80,36 +79,6 @@ class SavePlan:
         return self.for_rank(rank) if self.mine is None else self.mine
 
 
-def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -> SavePlan:
-    """The plan for gathered per-rank metadata; ValueError (same on every rank) if inconsistent.
-
-    ``metas[r]["tensors"]`` lists ``[name, shape, dtype, offset, length]`` for rank r. A plan
-    for the same tensors, layout and options as one made before is that plan again, with this
-    save's ``attempt`` in the object names (see [Note: plans are kept]).
-    """
-    key = (
-        options.object_bytes,
-        options.replica_split_bytes,
-        tuple(tuple((n, tuple(s), d, o, ln) for n, s, d, o, ln in m["tensors"]) for m in metas),
-    )
-    kept = _plans.get(key)
-    if kept is not None:
-        return SavePlan(attempt, kept.shapes, renamed(kept.objects, attempt))
-    plan = _make_plan(metas, attempt, options)
-    _plans.put(key, plan)
-    return SavePlan(attempt, plan.shapes, renamed(plan.objects, attempt))
-
-
-# [Note: plans are kept]
-# Periodic saves of one training job describe the same tensors with the same shapes and ranges
-# every time, and planning them (checking every range, cutting segments, packing objects and
-# laying out their headers) took ~18 ms of a small FSDP2 model's save, on the background
-# thread. The plan depends on nothing else but the options, and the object names on the
-# attempt; so the last 8 plans are kept, keyed by every rank's tensor list and the options,
-# and a new attempt only renames the objects (same pieces, headers and byte ranges).
-_plans: Kept[tuple[Any, ...], SavePlan] = Kept(8)
-
-
 def renamed(
     objects: list[PlannedObject], attempt: str, first: dict[int, int] | None = None
 ) -> list[PlannedObject]:
@@ -132,7 +101,11 @@ def renamed(
     return out
 
 
-def _make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -> SavePlan:
+def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -> SavePlan:
+    """The plan for gathered per-rank metadata; ValueError (same on every rank) if inconsistent.
+
+    ``metas[r]["tensors"]`` lists ``[name, shape, dtype, offset, length]`` for rank r.
+    """
     held: dict[str, dict[int, Range]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for rank, meta in enumerate(metas):

@@ -198,11 +198,9 @@ _LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hun
 
 # [Note: the snapshot copy's cost]
 # A rank's share of a state is a few hundred tensors: one view of the flat parameter per
-# parameter, one per optimizer state tensor, one 1-element step counter each. Copying them one
-# by one from Python cost about 15 us per tensor in slicing, views and checks: 3 ms per save for
-# 208 tensors of a 10 MB share, six times the memcpy itself (0.5 ms). The views into a kept
-# buffer are the same from one save to the next when the layout is, so they are made once; the
-# copy is then one ``torch._foreach_copy_`` (torch's batched copy, a C++ loop of ``copy_``):
-# 0.6 ms for those 208 tensors. The writer gets memoryviews of the staged bytes, also made once
-# per layout: turning each tensor into bytes again (detach, views, numpy) cost another 10 us a
-# piece.
+# parameter, one per optimizer state tensor, one 1-element step counter each. Copied one by
+# one from Python, the slicing, views and checks cost several times the memcpy itself. The
+# views into a kept buffer are the same from one save to the next when the layout is, so they
+# are made once; the copy is then one ``torch._foreach_copy_`` (torch's batched copy, a C++
+# loop of ``copy_``). The writer gets memoryviews of the staged bytes, also made once per
+# layout, instead of turning each tensor into bytes again (detach, views, numpy).

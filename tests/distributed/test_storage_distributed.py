@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import base64
 import datetime
-import gc
 import hashlib
 import json
 import shutil
-import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -241,8 +239,6 @@ def _deferred_saves(rank: int, world: int, url: str, in_place: bool) -> None:
     fence = storage.saving.snapshot_fence(opt)
     # The own group and this rank's snapshot memory; none on tmpfs, written in place
     assert (storage.saving.prepare_save(state, url) == 0) == in_place
-    # ... and the thread of the deferred saves, which the first save then finds running
-    assert "storage-snapshot" in {t.name for t in threading.enumerate()}
     for step in (1, 2):
         expected = [t.clone() for t in live]
         cursor = list(state["trainer"]["cursor"])
@@ -344,21 +340,12 @@ def _dtensor_cases(rank: int, world: int, root: str) -> None:
         storage.load(target, url, step)
         for k, v in full.items():
             assert torch.equal(target[k].full_tensor(), v * factor), (step, k)
-    # A DTensor's leaf is kept while it lives (the walk at every save): the values of each
-    # save's moment go out, under any name, and the entries go with the DTensors.
-    from ftsdp.storage.format import _state
-
-    assert _state.flatten_state(saved)[0]["a"] is _state.flatten_state(saved)[0]["a"]
+    # The same DTensor changed in place, saved under two names: the values of that moment.
     with torch.no_grad():
         saved["a"].mul_(3)
     storage.save({"a": saved["a"], "c": saved["a"]}, url, step=4)
     got = storage.load_state_dict(url, step=4)
     assert torch.equal(got["a"], full["a"] * 3) and torch.equal(got["c"], full["a"] * 3)
-    gone = [id(v) for v in other.values()]
-    assert all(i in _state._kept for i in gone) and id(saved["a"]) in _state._kept
-    del other
-    gc.collect()
-    assert not any(i in _state._kept for i in gone) and id(saved["a"]) in _state._kept
 
 
 def _even_state(rank: int, world: int, ref: dict[str, torch.Tensor], fill: float | None) -> dict:

@@ -89,7 +89,7 @@ def test_bytes_are_the_states_size_and_the_checkpoints_hold_its_values(
     tensors = {k: m for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)}
     saved = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in tensors.values())
     assert saved == nbytes  # DCP's record of what it saved is the size the rates divide
-    info = storage.inspect_checkpoint(str(run["root"] / "storage"))
+    info = storage.catalog.inspect_checkpoint(str(run["root"] / "storage"))
     assert info["total_bytes"] == nbytes and info["step"] == 100 + REPEATS - 1
 
     expected: dict[str, torch.Tensor] = {}

@@ -153,7 +153,9 @@ def test_dcp_export_of_several_row_blocks_reads_back_with_dcp_load(tmp_path: pat
     state["model"]["big_bf16"] = torch.randn(1100, 700, generator=g).bfloat16()  # two blocks
     storage.save(state, str(tmp_path / "src"), step=3)
     dst = str(tmp_path / "dcp")
-    storage.convert(str(tmp_path / "src"), dst, to="dcp", max_memory=8 << 20)  # 1 MiB chunks
+    storage.conversion.convert(
+        str(tmp_path / "src"), dst, to="dcp", max_memory=8 << 20
+    )  # 1 MiB chunks
     import torch.distributed.checkpoint as dcp
 
     chunks = dcp.FileSystemReader(dst).read_metadata().state_dict_metadata["model.big"].chunks

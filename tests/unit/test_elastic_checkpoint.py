@@ -466,3 +466,24 @@ def test_a_param_group_value_that_is_not_json_is_named(tmp_path):
     values = storage.LazyStateDict(str(tmp_path / "ck"), step=1).values
     groups = json.loads(values["optim.param_groups"])
     assert groups[1]["tag"] == ["a", 2.0]
+
+
+def test_close_after_a_resume_alone_deletes_nothing(tmp_path):
+    """An evaluation script's manager (default keep_last=3) that only resumes must not apply
+    its retention to the training run's root (keep_last=10)."""
+    root = tmp_path / "ckpt"
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = CheckpointManager(str(root), model, opt, every_steps=1, keep_last=10)
+    for step in range(1, 7):
+        train.save(step, {"step": step})
+    train.close()
+    assert storage.list_steps(str(root)) == [1, 2, 3, 4, 5, 6]
+    model2 = torch.nn.Linear(8, 8)
+    evaluation = CheckpointManager(str(root), model2, torch.optim.SGD(model2.parameters(), lr=0.1))
+    evaluation.resume({"step": 0})
+    evaluation.close()
+    assert storage.list_steps(str(root)) == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        f"step-{s}" for s in range(1, 7)
+    ]

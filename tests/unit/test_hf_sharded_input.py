@@ -67,7 +67,7 @@ def test_the_folder_is_sharded_as_transformers_writes_it(folder) -> None:
     assert len(shards) >= 3 and all(s.startswith("model-0000") for s in shards), shards
     assert sorted(p.name for p in path.glob("*.safetensors")) == shards
     assert sorted(index["weight_map"]) == sorted(_saved(state))
-    assert storage.detect_format(str(path)) == "hf"
+    assert storage.conversion.detect_format(str(path)) == "hf"
 
 
 def test_load_state_dict_reads_every_shard(folder) -> None:
@@ -114,7 +114,9 @@ def test_lazy_state_dict_reads_names_shapes_and_ranges(folder) -> None:
 def test_convert_reads_every_shard(folder, tmp_path: pathlib.Path, to: str) -> None:
     path, state = folder
     dst = str(tmp_path / ("out.pt" if to == "torch" else "out"))
-    result = storage.convert(str(path), dst, to=to, world_size=2 if to == "ftsdp" else None)
+    result = storage.conversion.convert(
+        str(path), dst, to=to, world_size=2 if to == "ftsdp" else None
+    )
     assert result.source_format == "hf" and result.tensors == len(_saved(state))
     if to == "torch":  # a plain torch.save file of the flat state dict
         _same(torch.load(dst, weights_only=True), _saved(state))

@@ -115,17 +115,3 @@ def test_a_failing_rank_raises_through_the_stand_in_collectives() -> None:
     meta = {"error": "ValueError: bad leaf", "values": {}, "tensors": []}
     with pytest.raises(storage.CheckpointError, match="failed on rank 0: ValueError: bad leaf"):
         _exchange.exchange({}, meta, None, 3, SaveOptions(), Wire(0, 8))
-
-
-def test_attempt_ids_travel_as_numbers_when_they_fit() -> None:
-    """The exchange's all-reduce carries rank 0's attempt id as a number: every id of up to
-    14 lowercase hex digits comes back as it was (leading zeros too); others, and none, are 0
-    (then the exchange broadcasts the id instead)."""
-    from ftsdp.storage.saving._exchange import attempt_code, attempt_of_code
-
-    for attempt in ("0123abcd", "00000000", "0", "f" * 14, "ffffffff", "000000ab"):
-        code = attempt_code(attempt)
-        assert 0 < code < 2**63 and attempt_of_code(code) == attempt
-    for other in (None, "", "f" * 15, "0123ABCD", "xyz", "12-4"):
-        assert attempt_code(other) == 0
-    assert attempt_of_code(0) is None

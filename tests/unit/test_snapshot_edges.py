@@ -235,6 +235,33 @@ def test_a_save_in_flight_at_exit_is_reported(
     assert not caplog.text
 
 
+def test_a_process_exits_with_a_save_stuck_in_flight(tmp_path: Any) -> None:
+    """A deferred save that never finishes (its peer died) does not hold the interpreter's exit
+    up: the thread that exchanges, copies and commits is a daemon, and exit warns that the save
+    is not committed."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys, threading, torch\n"
+        "from ftsdp import storage\n"
+        "from ftsdp.storage.saving import _save\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "_save.copy_into = lambda *a, **k: threading.Event().wait()  # stuck for good\n"
+        "storage.save({'x': torch.arange(4.0)}, sys.argv[1], 1, async_save=True, "
+        "defer_copy=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "step 1" in done.stderr and "not committed" in done.stderr
+    assert storage.list_steps(str(tmp_path / "ckpt")) == []
+
+
 def test_ftsdp_train_clears_a_memory_tier_of_another_configuration(tmp_path: Any) -> None:
     """A job killed before its first durable save leaves its memory tier; the same checkpoint
     root with another seed resumed that step, then refused it as another configuration's, at

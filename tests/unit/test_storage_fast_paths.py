@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.storage.format._state import KeptState
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving import _save
 
@@ -88,76 +87,16 @@ def test_mapping_a_truncated_object_raises(tmp_path: Path) -> None:
         store.map_range("obj", 50, 101)
 
 
-def test_a_flat_shards_leaf_is_kept_between_saves_and_follows_its_tensor(tmp_path: Path) -> None:
-    """The walk of the state keeps a FlatShard's leaf on the shard (it is frozen); the leaf is
-    made again under another name or once its tensor was resized, and every save holds the
-    values of its moment."""
-    from ftsdp.storage.format._state import flatten_state
-
+def test_saves_of_one_flat_shard_follow_its_tensor(tmp_path: Path) -> None:
+    """Every save of the same FlatShard holds the values of its moment; once its tensor was
+    resized to no longer fit its global shape, a save refuses it."""
     flat = torch.arange(12.0)
     shard = storage.FlatShard((3, 4), 0, flat)
-    first = flatten_state({"w": shard})[0]["w"]
-    assert flatten_state({"w": shard})[0]["w"] is first
-    assert flatten_state({"v": shard})[0]["v"].name == "v"
     url = str(tmp_path)
     for step in (1, 2):
         flat.mul_(2)
         storage.save({"w": shard}, url, step)
         assert torch.equal(storage.load_state_dict(url, step=step)["w"], flat.view(3, 4))
-    flat.resize_(6)  # a shard that no longer fits its global shape: the kept leaf is not used
+    flat.resize_(6)
     with pytest.raises(ValueError, match=r"elements \[6, 12\) are not covered"):
         storage.save({"w": shard}, url, 3)
-
-
-def test_a_kept_state_is_walked_once_and_its_leaves_taken_while_it_comes_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A KeptState flattens as the plain mapping would; met again under the same name it is
-    not walked (its leaves are the same objects), under another name or as a new object it
-    is; a name clash with the rest of the state raises on every walk; its entry goes with it;
-    and saves of it hold the values of their moment."""
-    import gc
-
-    from ftsdp.storage.format import _state
-    from ftsdp.storage.format._state import flatten_state
-
-    w, m = torch.arange(6.0), torch.ones(3)
-    part = {"w": w, "opt": {"m": m, "step": 3}, "layers": [w[:2]]}
-    kept = KeptState(part)
-    with pytest.raises(TypeError):
-        kept["w"] = w  # type: ignore[index]
-    plain_t, plain_v = flatten_state({"model": part, "lr": 0.1})
-    first_t, first_v = flatten_state({"model": kept, "lr": 0.1})
-    assert list(first_t) == list(plain_t) and list(first_v) == list(plain_v)
-    assert {n: v.value for n, v in first_v.items()} == {"model.opt.step": 3, "lr": 0.1}
-    for name, leaf in plain_t.items():
-        assert first_t[name].local is leaf.local and first_t[name].range == leaf.range
-
-    walked = []
-    real = _state._tensor_leaf
-    monkeypatch.setattr(_state, "_tensor_leaf", lambda n, o: walked.append(n) or real(n, o))
-    again_t, again_v = flatten_state({"model": kept, "lr": 0.2})
-    assert walked == [] and all(again_t[n] is first_t[n] for n in first_t)
-    assert again_v["lr"].value == 0.2 and again_v["model.opt.step"] is first_v["model.opt.step"]
-    assert set(flatten_state({"other": kept})[0]) == {n.replace("model", "other") for n in first_t}
-    assert walked == ["other.w", "other.opt.m", "other.layers.0"]
-    walked.clear()
-    flatten_state({"model": KeptState(part)})  # a new object: walked
-    assert len(walked) == 3
-    for _ in range(2):
-        with pytest.raises(ValueError, match="same name 'model.w'"):
-            flatten_state({"model": kept, "model.w": 1})
-    short = KeptState({"w": w})
-    flatten_state({"short": short})
-    assert any(hit[0]() is short for hit in _state._walked.values())
-    n = len(_state._walked)
-    del short
-    gc.collect()
-    assert len(_state._walked) == n - 1  # its entry went with it
-
-    url, kept = str(tmp_path), KeptState({"w": w})
-    for step in (1, 2):
-        w.mul_(2)
-        storage.save({"model": kept, "step": step}, url, step)
-        got = storage.load_state_dict(url, step=step)
-        assert torch.equal(got["model.w"], w)

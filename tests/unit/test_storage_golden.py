@@ -164,15 +164,14 @@ def test_a_written_manifest_holds_the_canonical_pieces_and_the_checksum() -> Non
     assert value == crc32c.crc32c(canonical_json(doc))
 
 
-def test_kept_text_of_rule_tensors_is_what_encoding_anew_gives() -> None:
-    """A save keeps the encoded entry of each rule tensor for the next save (the table is the
-    same from save to save): what it writes is byte for byte the document encoded anew, on the
-    first call and from the kept text, for the golden v4 table (rule and listed tensors); a
-    renamed entry (a name needing escapes) or another rule under the same name gets its own
-    text, never a kept one."""
+def test_a_manifest_encodes_as_its_document_encoded_anew() -> None:
+    """What a save writes is byte for byte the document encoded anew, for the golden v4 table
+    (rule and listed tensors), and decodes back to the same manifest; a changed entry (a name
+    needing escapes, another rule, another shape) or a table without one is encoded from its
+    own entries."""
     import dataclasses
 
-    from ftsdp.storage.format._manifest import _ENTRY_TEXT, Manifest, sealed_json
+    from ftsdp.storage.format._manifest import Manifest, sealed_json
     from ftsdp.storage.format._regular import Rule
     from tests.make_storage_golden_v4 import GOLDEN_V4
     from tests.make_storage_golden_v4 import STEP as STEP4
@@ -180,47 +179,20 @@ def test_kept_text_of_rule_tensors_is_what_encoding_anew_gives() -> None:
     data = (GOLDEN_V4 / f"step-{STEP4}" / "manifest.json").read_bytes()
     manifest = Manifest.from_json(data, where="golden v4")
     assert {t.rule is None for t in manifest.tensors.values()} == {True, False}
-    _ENTRY_TEXT.clear()
     first = manifest.to_json()
     anew = {k: v for k, v in json.loads(first).items() if k != SELF_CHECKSUM}
     assert sealed_json(anew) == first  # every value encoded by json.dumps
-    assert manifest.to_json() == first  # from the kept entries
+    assert manifest.to_json() == first
     assert Manifest.from_json(first, where="again") == manifest
     name, entry = next((n, t) for n, t in manifest.tensors.items() if t.rule is not None)
     ruled = dataclasses.replace(entry, rule=Rule("writer", writer=2))
-    for tensors in ({**manifest.tensors, 'é "q"': entry}, {**manifest.tensors, name: ruled}):
-        changed = dataclasses.replace(manifest, tensors=tensors)
-        table = json.loads(changed.to_json())["tensors"]
-        assert table == {n: changed._tensor_json(t) for n, t in tensors.items()}
-
-
-def test_a_kept_table_of_a_layout_is_what_encoding_anew_gives() -> None:
-    """A table that is exactly a regular layout's entries is kept whole for the layout: the
-    second encoding (from the kept table) is byte for byte the first and the document encoded
-    anew; a table that differs from the layout in one entry's shape, or lacks one, is encoded
-    from its own entries, never taken from the kept one."""
-    import dataclasses
-
-    from ftsdp.storage.format._manifest import _ENTRY_TEXT, _TABLE_TEXT, Manifest, sealed_json
-    from tests.make_storage_golden_v4 import GOLDEN_V4
-    from tests.make_storage_golden_v4 import STEP as STEP4
-
-    data = (GOLDEN_V4 / f"step-{STEP4}" / "manifest.json").read_bytes()
-    found = Manifest.from_json(data, where="golden v4")
-    ruled = {n: t for n, t in found.tensors.items() if t.rule is not None}
-    manifest = dataclasses.replace(found, tensors=ruled)
-    _ENTRY_TEXT.clear()
-    _TABLE_TEXT.clear()
-    first = manifest.to_json()
-    assert _TABLE_TEXT.get(id(manifest.regular.layout)) is not None  # kept whole
-    _ENTRY_TEXT.clear()
-    again = manifest.to_json()
-    assert again == first
-    anew = {k: v for k, v in json.loads(first).items() if k != SELF_CHECKSUM}
-    assert sealed_json(anew) == first
-    name = sorted(ruled)[0]
-    wider = dataclasses.replace(ruled[name], shape=(*ruled[name].shape, 1))
-    for tensors in ({**ruled, name: wider}, {n: t for n, t in ruled.items() if n != name}):
+    wider = dataclasses.replace(entry, shape=(*entry.shape, 1))
+    for tensors in (
+        {**manifest.tensors, 'é "q"': entry},
+        {**manifest.tensors, name: ruled},
+        {**manifest.tensors, name: wider},
+        {n: t for n, t in manifest.tensors.items() if n != name},
+    ):
         changed = dataclasses.replace(manifest, tensors=tensors)
         table = json.loads(changed.to_json())["tensors"]
         assert table == {n: changed._tensor_json(t) for n, t in tensors.items()}

@@ -408,3 +408,70 @@ def test_a_writer_that_committed_next_to_a_newer_commit_backs_out(
         storage.save(_state(6), url, step=6, storage_options=opts, options=SMALL)
     assert storage.list_steps(url, storage_options=opts) == [4, 8]
     assert not any(p.startswith("step-6/") for p in _tree(url, opts))
+
+
+@pytest.mark.parametrize("how", ["open", "mapped", "linked"])
+def test_a_reader_or_a_link_keeps_the_bytes_of_a_retired_step(tmp_path, how) -> None:
+    """Objects are immutable: a save writes new files and retention deletes old ones, so a
+    reader holding an object open or mapped, or a user's hard link to it (a ``cp -al``
+    backup), keeps the bytes it had while later saves retire its step (on shared memory, where
+    there is one)."""
+    import mmap
+    import shutil
+    import tempfile
+    import zlib
+
+    base = "/dev/shm" if Store("/dev/shm", None).tmpfs else str(tmp_path)
+    root = pathlib.Path(tempfile.mkdtemp(prefix="ftsdp-test-retired-", dir=base))
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return {"w": torch.randn(300, 200, generator=g), "b": torch.randn(7, generator=g)}
+
+    try:
+        storage.save(state(1), str(root), 1, options=storage.SaveOptions(keep_last=1))
+        (name,) = storage.catalog.read_manifest(str(root), 1).objects
+        obj = root / "step-1" / name
+        before = obj.read_bytes()
+        fd = os.open(obj, os.O_RDONLY)
+        held = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if how == "mapped" else None
+        backup = root / "backup.safetensors"  # not a name of the format: retention leaves it
+        if how == "linked":
+            os.link(obj, backup)
+        try:
+            for step in (2, 3):
+                h = storage.save(
+                    state(step),
+                    str(root),
+                    step,
+                    options=storage.SaveOptions(keep_last=1),
+                    async_save=True,
+                )
+                h.wait()
+            assert not obj.exists() and storage.list_steps(str(root)) == [3]
+            assert sorted(p.name for p in root.glob("step-*")) == ["step-3"]  # nothing left
+            if how == "linked":
+                now = backup.read_bytes()
+                assert os.stat(backup).st_nlink == 1
+            else:
+                now = held[:] if held is not None else os.pread(fd, len(before) + 1, 0)
+            assert zlib.crc32(now) == zlib.crc32(before) and now == before
+        finally:
+            if held is not None:
+                held.close()
+            os.close(fd)
+        out = {"w": torch.empty(300, 200), "b": torch.empty(7)}
+        storage.load(out, str(root))
+        assert all(torch.equal(out[k], v) for k, v in state(3).items())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_filesystem_type_is_the_one_of_the_roots_device() -> None:
+    """``Store.tmpfs`` (a deferred save writes a tmpfs root from the live tensors) reads the
+    mount table's filesystem of the root's device, for paths not created yet too."""
+    from ftsdp.storage.io import _fs
+
+    assert _fs._mount_type("/dev/shm/not/there/yet") == "tmpfs"
+    assert _fs._mount_type("/proc/self") == "proc"
+    assert Store("memory://x", None).tmpfs is False

@@ -133,30 +133,3 @@ def test_read_plan_intersects_aligns_and_coalesces() -> None:
     assert len(plan_reads([make_want("t", entry, a), make_want("t", entry, b)], 64)) == 2
     merged = plan_reads([make_want("t", entry, a), make_want("t", entry, b)], 64, gap=256)
     assert [(s.start, s.end) for s in merged] == [(64, 448)]
-
-
-def test_kept_holds_its_newest_entries_only() -> None:
-    """The bounded map behind storage's plan, layout and manifest caches: the oldest entry goes
-    first, a key put again is not counted twice, and it is safe from several threads."""
-    import threading
-
-    from ftsdp.storage.format._kept import Kept
-
-    kept: Kept[int, int] = Kept(3)
-    for i in range(5):
-        assert kept.put(i, i * 10) == i * 10
-    assert len(kept) == 3 and kept.get(0) is None and kept.get(4) == 40
-    kept.put(4, 41)
-    assert len(kept) == 3 and kept.get(2) == 20 and kept.get(4) == 41
-
-    def hammer(base: int) -> None:
-        for i in range(2000):
-            kept.put(base + i % 7, i)
-            kept.get(base + (i + 3) % 7)
-
-    threads = [threading.Thread(target=hammer, args=(b * 100,)) for b in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(kept) == 3

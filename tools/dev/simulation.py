@@ -24,7 +24,7 @@ from ftsdp.storage.loading._load import _match
 from ftsdp.storage.loading._read_plan import plan_reads
 from ftsdp.storage.saving import _exchange
 from ftsdp.storage.saving._commit import build_manifest
-from ftsdp.storage.saving._save_plan import SavePlan, _plans, make_plan
+from ftsdp.storage.saving._save_plan import SavePlan, make_plan
 
 # A transformer block's shapes, cycled: attention and MLP weights, a norm, a bias.
 SHAPES = [(1024, 1024), (1024,), (2816, 1024), (1024, 2816), (1024, 1024), (2816,)]
@@ -77,14 +77,6 @@ def sample_ranks(world: int, n: int) -> list[int]:
     return sorted({round(i * (world - 1) / max(n - 1, 1)) for i in range(n)})
 
 
-def clear_caches() -> None:
-    """Forget every kept table, layout and plan (a first save)."""
-    _exchange._layouts.clear()
-    _exchange._tables.clear()
-    _exchange._agreed.clear()
-    _plans.clear()
-
-
 class Wire:
     """The collectives of one rank of a simulated save in which every rank holds the same
     tensors under the same rules: each returns what the real one returns there, and counts the
@@ -102,10 +94,16 @@ class Wire:
         return list(values)
 
     def broadcast_json(self, obj: Any, group: Any) -> Any:
-        head = obj if self.rank == 0 else {"attempt": ATTEMPT, "replaces": None}
-        data = json.dumps(head)
+        # Rank 0's header; elsewhere this rank's own (the same tensors and rules) with rank 0's
+        # attempt.
+        data = json.dumps(obj if self.rank == 0 else {**obj, "attempt": ATTEMPT, "replaces": None})
         self.nbytes += len(data)
         return json.loads(data)
+
+    def all_gather_json(self, obj: Any, group: Any) -> list[Any]:
+        data = json.dumps(obj)
+        self.nbytes += len(data) * (self.world + 1)
+        return [json.loads(data) for _ in range(self.world)]
 
     def gather_json(self, obj: Any, group: Any) -> list[Any] | None:
         data = json.dumps(obj)
@@ -113,11 +111,6 @@ class Wire:
             self.nbytes += len(data)
             return None
         self.nbytes += len(data) * self.world
-        return [json.loads(data) for _ in range(self.world)]
-
-    def all_gather_json(self, obj: Any, group: Any) -> list[Any]:
-        data = json.dumps(obj)
-        self.nbytes += len(data) * (self.world + 1)
         return [json.loads(data) for _ in range(self.world)]
 
     def scatter_json(self, objs: Any, group: Any) -> Any:
@@ -149,7 +142,6 @@ def old_planning(layout: str, world: int, tensors: int, options: SaveOptions) ->
         held = leaves(layout, world, r, tensors)
         metas.append({"tensors": _exchange.tensor_rows(held, held)})
     gathered = sum(len(json.dumps(m)) for m in metas)
-    clear_caches()
     start = time.perf_counter()
     make_plan(metas, ATTEMPT, options)
     return time.perf_counter() - start, gathered
