@@ -19,9 +19,12 @@ JSON-able values. The rest lives in the rooms, each with its own exports:
 ``storage`` never imports the rest of ``ftsdp``.
 """
 
-# the rooms, as attributes (``storage.catalog.verify``); their names load on first use
+import importlib as _importlib
+import typing as _typing
+import warnings as _warnings
+
+# the rooms, as attributes (``storage.catalog.verify``)
 from ftsdp.storage import (  # noqa: F401
-    _lazy,
     catalog,
     conversion,
     format,
@@ -99,4 +102,14 @@ _MOVED = {
     "DEFAULT_MAX_MEMORY": "ftsdp.storage.io",
     "LoadIntoResult": "ftsdp.storage.inference",
 }
-__getattr__, __dir__ = _lazy.lazy_names(__name__, {}, _MOVED)[1:]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name in _MOVED:
+        _warnings.warn(
+            f"ftsdp.storage.{name} moved: use `from {_MOVED[name]} import {name}`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'ftsdp.storage' has no attribute {name!r}")

@@ -1,15 +1,18 @@
 """catalog: the steps of a root: listing, checking and comparing them, retention, deletion."""
 
-from ftsdp.storage import _lazy
+from ftsdp.storage.catalog._checks import VerifyReport, diff, inspect_checkpoint, verify
+from ftsdp.storage.catalog._gc import GcReport, collect_garbage
+from ftsdp.storage.format._steps import apply_retention, clear_steps, list_steps, read_manifest
 
-_MODULES = {
-    "_checks": ("VerifyReport", "diff", "inspect_checkpoint", "verify"),
-    "_gc": ("GcReport", "collect_garbage"),
-    "ftsdp.storage.format._steps": (
-        "apply_retention",
-        "clear_steps",
-        "list_steps",
-        "read_manifest",
-    ),
-}
-__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__ = [
+    "GcReport",
+    "VerifyReport",
+    "apply_retention",
+    "clear_steps",
+    "collect_garbage",
+    "diff",
+    "inspect_checkpoint",
+    "list_steps",
+    "read_manifest",
+    "verify",
+]

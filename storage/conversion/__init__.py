@@ -1,9 +1,6 @@
 """conversion: checkpoints to and from other formats (hf, torch, dcp) and other world sizes."""
 
-from ftsdp.storage import _lazy
+from ftsdp.storage.conversion._convert import ConvertResult, convert, reshard
+from ftsdp.storage.conversion._formats import FORMATS, detect_format
 
-_MODULES = {
-    "_convert": ("ConvertResult", "convert", "reshard"),
-    "_formats": ("FORMATS", "detect_format"),
-}
-__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__ = ["FORMATS", "ConvertResult", "convert", "detect_format", "reshard"]

@@ -44,12 +44,13 @@ from ftsdp.storage.format._layout import (
     parse_step,
     step_dir,
 )
+from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
 from ftsdp.storage.format._steps import committed_steps, remove_step
 from ftsdp.storage.io._fs import Store, is_plain_name
 from ftsdp.storage.io._streaming import tensor_bytes
 from ftsdp.storage.saving._commit import build_manifest, commit, new_attempt
-from ftsdp.storage.saving._save_plan import PlannedObject, make_plan
+from ftsdp.storage.saving._save_plan import make_plan
 
 
 class FtsdpSink(Sink):

@@ -34,8 +34,8 @@ from functools import cached_property
 from typing import Any
 
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._objects import PlannedObject, PlannedPiece, pack
 from ftsdp.storage.format._ranges import Range
-from ftsdp.storage.saving._save_plan import PlannedObject, PlannedPiece, pack
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
 """io: object access on fsspec URLs (retries, ranged reads, streaming under a memory budget)."""
 
-from ftsdp.storage import _lazy
+from ftsdp.storage.io._streaming import DEFAULT_MAX_MEMORY
 
-_MODULES = {"_streaming": ("DEFAULT_MAX_MEMORY",)}
-__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__ = ["DEFAULT_MAX_MEMORY"]

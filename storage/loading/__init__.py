@@ -1,6 +1,5 @@
 """loading: reading a step back into a sharded training state, at any world size."""
 
-from ftsdp.storage import _lazy
+from ftsdp.storage.loading._load import LoadResult, load
 
-_MODULES = {"_load": ("LoadResult", "load")}
-__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__ = ["LoadResult", "load"]

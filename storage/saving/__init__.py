@@ -1,17 +1,24 @@
 """saving: writing and committing a step: sync, async and deferred saves, node-local roots."""
 
-from ftsdp.storage import _lazy
+from ftsdp.storage.saving._commit import CommitConflictError
+from ftsdp.storage.saving._nodes import clear_on_nodes, restore_on_nodes
+from ftsdp.storage.saving._save import (
+    SaveHandle,
+    prepare_save,
+    save,
+    save_on_nodes,
+    snapshot_fence,
+    wait_snapshot,
+)
 
-_MODULES = {
-    "_commit": ("CommitConflictError",),
-    "_nodes": ("clear_on_nodes", "restore_on_nodes"),
-    "_save": (
-        "SaveHandle",
-        "prepare_save",
-        "save",
-        "save_on_nodes",
-        "snapshot_fence",
-        "wait_snapshot",
-    ),
-}
-__all__, __getattr__, __dir__ = _lazy.lazy_names(__name__, _MODULES)
+__all__ = [
+    "CommitConflictError",
+    "SaveHandle",
+    "clear_on_nodes",
+    "prepare_save",
+    "restore_on_nodes",
+    "save",
+    "save_on_nodes",
+    "snapshot_fence",
+    "wait_snapshot",
+]

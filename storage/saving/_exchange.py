@@ -36,17 +36,12 @@ from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._dtypes import dtype_name
 from ftsdp.storage.format._layout import object_name
+from ftsdp.storage.format._objects import PlannedObject, PlannedPiece
 from ftsdp.storage.format._regular import RegularLayout, infer_rule, resolve
 from ftsdp.storage.format._safetensors import layout as safetensors_layout
 from ftsdp.storage.format._state import TensorLeaf
 from ftsdp.storage.io import _collectives
-from ftsdp.storage.saving._save_plan import (
-    PlannedObject,
-    PlannedPiece,
-    SavePlan,
-    make_plan,
-    renamed,
-)
+from ftsdp.storage.saving._save_plan import SavePlan, make_plan, renamed
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

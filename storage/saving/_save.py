@@ -22,6 +22,7 @@ import torch
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._layout import step_dir
+from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
 from ftsdp.storage.format._state import TensorLeaf, flatten_state
 from ftsdp.storage.io._collectives import own_group, rank_world, resolve_group
@@ -30,7 +31,7 @@ from ftsdp.storage.io._streaming import piece_bytes
 from ftsdp.storage.saving._commit import Lineage, finish, fresh_attempt, plan_lineage
 from ftsdp.storage.saving._exchange import exchange
 from ftsdp.storage.saving._nodes import finish_on_nodes
-from ftsdp.storage.saving._save_plan import PlannedObject, SavePlan
+from ftsdp.storage.saving._save_plan import SavePlan
 from ftsdp.storage.saving._staging import (
     SnapshotArena,
     StagingBudget,
@@ -38,6 +39,7 @@ from ftsdp.storage.saving._staging import (
     aligned_bytes,
     copy_into,
     stage,
+    staged_bytes,
 )
 
 if TYPE_CHECKING:
@@ -513,7 +515,7 @@ class _SaveJob:
                 wait(futures)  # the snapshot: the bytes are in the files now
                 return futures, None
             payloads = [self._payloads(obj) for obj in self.mine]
-            sizes = [obj.staged_bytes for obj in self.mine]
+            sizes = [staged_bytes(obj) for obj in self.mine]
             if arena is not None and sum(sizes) <= self.options.staging_budget_bytes:
                 buf, off = arena.take(sum(sizes), stream is not None), 0  # (a stream: CUDA)
                 for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):

@@ -10,50 +10,14 @@ once: split evenly among its holders when large, otherwise given to the least-lo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
 from ftsdp.storage.format._layout import object_name
+from ftsdp.storage.format._objects import PlannedObject, PlannedPiece, pack
 from ftsdp.storage.format._ranges import Range, check_disjoint_cover, check_range, segments
-from ftsdp.storage.format._safetensors import layout
-from ftsdp.storage.saving._staging import aligned_bytes
-
-
-@dataclass(frozen=True)
-class PlannedPiece:
-    name: str
-    offset: int
-    length: int
-    dtype: torch.dtype
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}@{self.offset}"
-
-
-@dataclass
-class PlannedObject:
-    """One data object: its writer, pieces, and (derived) header and byte ranges."""
-
-    name: str
-    rank: int
-    pieces: list[PlannedPiece] = field(default_factory=list)
-    head: bytes = b""
-    byte_ranges: list[tuple[int, int]] = field(default_factory=list)
-    size: int = 0
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.size - len(self.head)
-
-    @property
-    def staged_bytes(self) -> int:
-        """Host memory its pieces take when staged (each at the staging alignment)."""
-        return sum(aligned_bytes(p.length * p.dtype.itemsize) for p in self.pieces)
 
 
 @dataclass
@@ -162,41 +126,3 @@ def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -
     for rank, pieces in per_rank.items():
         objects.extend(pack(rank, pieces, attempt, options.object_bytes))
     return SavePlan(attempt, shapes, objects)
-
-
-def pack(
-    rank: int, pieces: list[PlannedPiece], attempt: str, cap: int, limit: int | None = None
-) -> list[PlannedObject]:
-    """Pack a rank's pieces into objects of at most ``cap`` payload bytes (splitting big ones).
-    ``limit``: ValueError as soon as the pieces fill more objects than that (a reader deriving a
-    layout from a manifest, whose object count bounds the work)."""
-    objects: list[PlannedObject] = []
-    current: list[PlannedPiece] = []
-    used = 0
-
-    def close() -> None:
-        nonlocal current, used
-        if current:
-            if limit is not None and len(objects) >= limit:
-                raise ValueError(f"rank {rank}'s pieces fill more than {limit} objects")
-            obj = PlannedObject(object_name(rank, len(objects), attempt), rank, current)
-            obj.head, obj.byte_ranges, obj.size = layout(
-                [(p.key, p.dtype, p.length) for p in current]
-            )
-            objects.append(obj)
-        current, used = [], 0
-
-    for piece in pieces:
-        size = itemsize(piece.dtype)
-        offset, left = piece.offset, piece.length
-        while left:
-            room = (cap - used) // size
-            if room <= 0 and current:
-                close()
-                continue
-            take = min(left, max(room, 1))  # an object holds at least one element
-            current.append(PlannedPiece(piece.name, offset, take, piece.dtype))
-            used += take * size
-            offset, left = offset + take, left - take
-    close()
-    return objects

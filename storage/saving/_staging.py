@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ftsdp.storage.format._objects import PlannedObject
+
 
 class StagingBudget:
     """At most ``limit`` bytes staged at once; ``acquire`` blocks until uploads release enough.
@@ -141,6 +143,11 @@ def _touched(nbytes: int, pinned: bool) -> torch.Tensor:
     if not pinned:  # pinned memory is resident already; fresh pageable memory is not
         buf.numpy()[::4096] = 0  # one write per page maps it
     return buf
+
+
+def staged_bytes(obj: PlannedObject) -> int:
+    """Host memory an object's pieces take when staged (each at the staging alignment)."""
+    return sum(aligned_bytes(p.length * p.dtype.itemsize) for p in obj.pieces)
 
 
 def aligned_bytes(nbytes: int) -> int:

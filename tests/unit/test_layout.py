@@ -127,6 +127,74 @@ def _within(*packages: str):
     return lambda target: any(target == p or target.startswith(p + ".") for p in packages)
 
 
+def _room_map() -> dict[str, set[str] | None]:
+    """docs/design.md's map: room -> the rooms it may import (None: anything)."""
+    text = (REPO / "docs" / "design.md").read_text()
+    table = text.split("## The map", 1)[1].split("\n## ", 1)[0]
+    rooms: dict[str, str] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`ftsdp"):
+            rooms[cells[0].strip("`")] = cells[2]
+    out: dict[str, set[str] | None] = {}
+    for room, may in rooms.items():
+        if may == "anything" or may.startswith("public names of any room"):
+            out[room] = None
+            continue
+        names = set(re.findall(r"`([a-z_.]+)`", may))
+        if may.startswith("every storage room"):
+            names = {r for r in rooms if r.startswith("ftsdp.storage.")}
+        # short names inside storage (`io`) are storage's rooms
+        out[room] = {n if n.startswith("ftsdp") else f"ftsdp.storage.{n}" for n in names}
+    return out
+
+
+MAP = _room_map()
+
+
+def _room_of(module: str) -> str:
+    """The room a module lives in: the longest room name that is a dotted prefix of it."""
+    found = [r for r in MAP if module == r or module.startswith(r + ".")]
+    return max(found, key=len)
+
+
+def test_the_map_lists_every_package_as_a_room() -> None:
+    packages = {n for n, p in MODULES.items() if p.name == "__init__.py"}
+    assert set(MAP) == packages
+
+
+def test_every_import_follows_the_map_in_docs_design_md() -> None:
+    bad = []
+    for name, path in MODULES.items():
+        room = _room_of(name)
+        allowed = MAP[room]
+        if allowed is None:
+            continue
+        for line, target in _imports(name, path):
+            if target.split(".")[0] != "ftsdp":
+                continue
+            to = _room_of(target)
+            # a storage room uses storage's shared modules (_errors, _options); a room that
+            # may import storage may use its public rooms too
+            ok = (
+                to == room
+                or to in allowed
+                or (to == "ftsdp.storage" and room.startswith("ftsdp.storage."))
+                or ("ftsdp.storage" in allowed and to.startswith("ftsdp.storage."))
+            )
+            if not ok:
+                bad.append(f"{path.relative_to(REPO)}:{line} ({room}) imports {target} ({to})")
+    assert bad == []
+
+
+def test_the_map_checker_sees_a_violation() -> None:
+    assert _room_of("ftsdp.storage.saving._save") == "ftsdp.storage.saving"
+    assert _room_of("ftsdp.storage._errors") == "ftsdp.storage"
+    assert _room_of("ftsdp.train") == "ftsdp"
+    assert "ftsdp.storage.saving" not in (MAP["ftsdp.storage.format"] or ())
+    assert MAP["ftsdp.fsdp"] == set()
+
+
 def test_storage_imports_nothing_else_of_ftsdp() -> None:
     assert _violations("ftsdp.storage", _within("ftsdp.storage")) == []
 
