@@ -1,18 +1,8 @@
 """The rank manager: where this process sits in the (elastic) job, and its process group.
 
-torchrun (torch.distributed.elastic) describes a worker by environment variables; a plain
-``python`` process has none of them and runs as a world of one. :func:`read_env` parses them
-(pure, testable); :meth:`RankManager.init` also joins the process group (gloo on CPU, NCCL on
-CUDA) with a configurable timeout and agrees on the incarnation of the worker group.
-
-[Note: generation and incarnation]
-``generation`` is the largest ``TORCHELASTIC_RESTART_COUNT`` over the ranks: how many times a
-surviving agent has restarted its workers (a node that joins later starts at 0, so the maximum
-is what the job has been through). It is informational. ``incarnation`` is a random token that
-rank 0 draws and every rank agrees on before the process group exists (``_join.handshake``); it
-is unique per start of the worker group and namespaces the process group's and the watchdog's
-keys in the c10d store, so nothing leaks from a previous incarnation into the next.
-"""
+:func:`read_env` parses torchrun's variables (a plain process is a world of one);
+:meth:`RankManager.init` joins the process group and agrees on ``generation`` and
+``incarnation`` (docs/elastic.md, "The rank manager")."""
 
 from __future__ import annotations
 
@@ -181,7 +171,7 @@ class RankManager:
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
             if info.master_addr is not None and info.master_port is not None:
-                # A fresh store namespace per incarnation: see [Note: stale keys across restarts].
+                # A fresh store namespace per incarnation: see docs/elastic.md, "Joining".
                 base = client_store(
                     info.master_addr, info.master_port, info.rank, info.world_size, timeout_s
                 )
@@ -279,8 +269,7 @@ class RankManager:
         ranks (a barrier bounded by ``barrier_timeout_s``: a peer that is gone or late is
         logged, not waited for), destroys every process group, subgroups first, and returns
         once no worker thread of a group still held by a model can touch Python at exit
-        (docs/elastic.md, "Teardown"; [Note: why a finished job aborted at exit] in
-        ``_teardown.py``).
+        (docs/elastic.md, "Teardown").
 
         ``barrier``: None (the default) waits for the peers unless an exception is propagating
         (``close()`` from a ``finally``, an ``except`` or a ``with`` that is leaving on an

@@ -1,59 +1,10 @@
 """Hang and silent-rank detection through heartbeats in the c10d store.
 
-[Note: heartbeat vs progress]
-Every rank's watchdog thread writes ``"<beats> <step>"`` under its rank's key ``hb/<rank>``
-every ``interval_s``. Two different failures show up differently:
-
-- a rank that is **stopped or gone** (SIGSTOP, kill -9, a lost node) stops beating: its
-  ``beats`` does not change for ``heartbeat_timeout_s``;
-- a rank that is **alive but stuck** (a hung collective, an endless loop) keeps beating, but no
-  rank finishes a step for ``progress_timeout_s``; the ranks at the lowest step are named (all of
-  them, if every rank shows the same step).
-
-Staleness is measured on the observer's own monotonic clock from the moment it last saw the
-value change, so hosts need no synchronised clocks. On detection the watchdog logs one line per
-stalled rank (``rank R stalled at step S for T s``), SIGKILLs stalled ranks on its own host
-(the agent would otherwise wait 30 s for a stopped process to die before restarting the group),
-and exits the process with ``EXIT_STALL`` so that torchrun restarts the group, instead of every
-survivor waiting for the collective timeout. A rank that finishes writes ``closed`` so its
-silence afterwards is not a stall. The store itself being unreachable for
-``heartbeat_timeout_s`` counts as a failure too (the agent hosting it is gone).
-
-[Note: a few watched peers and one shared counter]
-All ranks talk to one TCPStore, so what each rank does per interval is multiplied by the world
-size W. Reading every peer's key, as this watchdog first did, cost W + W² keys per interval
-(67 million at W = 8192). Now each rank, per interval, makes three calls that touch four keys:
-
-1. ``set hb/<rank>``: its own heartbeat;
-2. ``multi_get`` of the two ranks it **watches**: the next two ranks on a ring that visits the
-   hosts in turn (the first rank of every host, then the second of every host, ...), so a
-   rank's watchers sit on other hosts whenever there are several, and with hosts of equal size
-   a lost node's ranks are each still watched by a live rank (by two with three hosts or more),
-   so all of them are named. The ring is built from ``peers``' host names, else from
-   ``local_world_size`` (ranks of a host contiguous, as torchrun numbers them), else it is rank
-   order: then a lost node holding contiguous ranks is still detected, at the same time, through
-   its first two ranks (watched from the node before), but only those two are named. When a
-   watched rank writes ``closed``, its watcher takes the next rank along the ring instead (and
-   measures its silence from then on), so the live ranks stay watched;
-3. ``add hb/sum <delta>``: one counter for the whole job. Each rank adds the change of its own
-   step, so the counter holds the sum of the ranks' steps, and the value ``add`` returns tells
-   the rank whether any rank finished a step (progress). A watcher that finds a stall appends
-   one line per stalled rank to ``hb/alarm`` and adds ``_ALARM`` (2**44) to the counter: every
-   other rank sees the alarm in the value its next ``add`` returns, reads ``hb/alarm`` once and
-   acts on the ranks named there (logs them, SIGKILLs those on its host, exits). The sum of
-   the steps must stay below 2**44 (1.7e13; W = 8192 ranks at two billion steps each).
-
-So detection keeps the bound of a watchdog that reads every peer (a watcher sees the last beat
-change and fires once it is more than ``heartbeat_timeout_s`` old), and every other rank acts
-one interval later at most. A progress stall
-is seen by every rank at the same time; the first to ``add hb/claim 1`` (one call per rank, once)
-reads every rank's key (once) to name the ranks at the lowest step, and raises the alarm. At
-startup each rank waits for its watched ranks' first heartbeat only; a rank that never appears
-is named by its watchers. The keys must be fresh for each start of the ranks (an alarm left in
-``hb/sum`` would fire at once): ``RankManager.store`` gives each incarnation its own namespace.
-``simulate_heartbeats`` runs the per-interval code of W watchdogs in one process on a counting
-in-memory store to measure all this without threads or sockets.
-"""
+See docs/elastic.md, "Watchdog" and "The watchdog's keys". Invariants: staleness is measured on
+the observer's monotonic clock from the moment it last saw a value change; each rank makes three
+store calls per interval whatever the world size; ``hb/sum`` holds the sum of the ranks' steps
+plus ``_ALARM`` per alarm raised, so that sum must stay below 2**44; the keys must be fresh for
+each incarnation (``RankManager.store`` namespaces them)."""
 
 from __future__ import annotations
 
@@ -72,7 +23,7 @@ from typing import Any
 
 EXIT_STALL = 86
 _CLOSED = b"closed"
-_WATCHED = 2  # peers each rank reads per interval (see [Note: a few watched peers ...])
+_WATCHED = 2  # peers each rank reads per interval
 _SUM = "hb/sum"  # sum of the ranks' steps + _ALARM x alarms raised
 _ALARM_KEY = "hb/alarm"  # one line per stalled rank: "rank step seconds kind seen_by"
 _CLAIM = "hb/claim"  # the first rank to see a progress stall names the ranks behind
@@ -155,7 +106,7 @@ class Watchdog:
     given (torchrun's contiguous numbering). ``on_stall(stalls)`` replaces the default action
     (log, kill, ``os._exit``). ``log``: one-line messages (default: the
     ``ftsdp.elastic._watchdog`` logger, at ERROR). Each rank makes three store calls per
-    interval whatever the world size ([Note: a few watched peers and one shared counter]).
+    interval whatever the world size (docs/elastic.md, "The watchdog's keys").
     """
 
     def __init__(
