@@ -1,20 +1,10 @@
 """The main job's data: a deterministic synthetic language (:class:`MarkovDataset`, the default)
 and windows over a flat array of tokens (:class:`TokenDataset`: a token file, a text file's bytes).
 
-The synthetic language: sequences from a fixed, seeded, sparse Markov chain.
-
-Nothing is downloaded. The chain has ``vocab_size`` states (tokens); from each token the next one
-is drawn among ``branching`` fixed successors with fixed random probabilities. A model that
-learns the transition table predicts the next token with a mean cross-entropy equal to the
-chain's **entropy rate** ``H = sum_s pi(s) * H(P[s, :])`` (pi: the stationary distribution), far
-below the ``ln(vocab_size)`` of a model at init. ``H`` is the achievable loss:
-:attr:`MarkovChain.entropy_rate` reports it and the training log prints it.
-
-Sample ``i`` of a :class:`MarkovDataset` depends only on ``(seed, i)``: its first token is drawn
-from pi and the rest by walking the chain, all with a random stream seeded by ``(seed, i)``. So
-item ``i`` is the same in every process, for every world size and in any access order, which is
-what a global sample cursor needs.
-"""
+The language is a fixed, seeded, sparse Markov chain over ``vocab_size`` tokens (``branching``
+successors each); its entropy rate ``H = sum_s pi(s) * H(P[s, :])`` is the achievable loss
+(:attr:`MarkovChain.entropy_rate`). Sample ``i`` depends only on ``(seed, i)``, so it is the same
+in every process, world size and access order, as a global sample cursor needs."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
-"""A small GPT-2-like decoder for the training entry and the tests.
-
-Pre-LN blocks (LayerNorm -> causal self-attention -> residual; LayerNorm -> 4x GELU MLP ->
-residual), learned token and position embeddings, a final LayerNorm and an output head whose
-weight is the token embedding's (weight tying, as GPT-2).
+"""A small GPT-2-like decoder for the training entry and the tests: pre-LN blocks, learned token
+and position embeddings, a final LayerNorm and an output head tied to the token embedding.
 
 [Note: per-module init] Every parameterised leaf module initialises *itself* in its own
-``reset_parameters()`` (GPT-2 style: normal(0, 0.02) for linear and embedding weights, the
-residual projections scaled by 1/sqrt(2 * n_layer), zero biases, LayerNorm ones/zeros). Nothing
-is initialised by a parent walking its children, so a model built on the meta device can be
-materialised one Block at a time by calling ``reset_parameters()`` on each of its modules and
-still get GPT-2's distributions; done in ``modules()`` order under the same seed, it reproduces
-``GPT(config)`` built on a real device under ``torch.manual_seed(s)`` exactly (construction
-initialises in that same order, and a tied output head initialises nothing, so the RNG stream
-lines up).
-"""
+``reset_parameters()`` (GPT-2's distributions), never a parent walking its children, so a model
+built on the meta device and materialised module by module in ``modules()`` order under the same
+seed reproduces ``GPT(config)`` exactly (a tied head initialises nothing, so the RNG stream lines
+up)."""
 
 from __future__ import annotations
 

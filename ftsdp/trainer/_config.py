@@ -1,13 +1,8 @@
 """The training entry's configuration: one keyword-only dataclass, and its command line.
 
-Every field of :class:`TrainConfig` is a CLI flag (``n_layer`` -> ``--n-layer``, also spelled
-``--n_layer``) whose type, default and help come from the field itself, so the two never drift.
-``--config FILE.toml`` sets flags from a TOML file whose keys are the flag names (dashes or
-underscores); flags on the command line override it. The defaults are the main job: a
-~0.8M-parameter GPT on the synthetic Markov language that finishes in about a minute on two CPU
-cores with two ranks, the loss falling from ~ln(256) = 5.5 towards the chain's entropy rate
-(~1.1). docs/training.md describes every flag.
-"""
+Every field of :class:`TrainConfig` is a CLI flag (``n_layer`` -> ``--n-layer``, also
+``--n_layer``) whose type, default and help come from the field itself, so the two never drift;
+``--config FILE.toml`` sets flags, the command line overrides it (docs/training.md)."""
 
 from __future__ import annotations
 
