@@ -51,7 +51,7 @@ try:
     from ftsdp.trainer._phases import Phases, process_start_time
     from ftsdp.trainer._session import Session
 finally:
-    if __name__ == "__main__":  # a worker, not a library import: see the note
+    if __name__ == "__main__":  # a worker, not a library import: see above
         gc.freeze()
     if _GC_WAS_ENABLED:
         gc.enable()

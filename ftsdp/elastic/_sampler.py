@@ -25,7 +25,7 @@ def _mix64(x: int) -> int:
 
 
 class _Permutation:
-    """A bijection of ``range(n)`` keyed by ``key`` (see the note at the top)."""
+    """A bijection of ``range(n)`` keyed by ``key`` (see the module docstring)."""
 
     def __init__(self, n: int, key: int) -> None:
         self.n = n
@@ -48,7 +48,7 @@ class _Permutation:
 
 
 class GlobalSampler:
-    """Position in the global sample stream -> dataset index (see the note at the top).
+    """Position in the global sample stream -> dataset index (see the module docstring).
 
     ``num_samples``: the dataset's length ``N``. ``shuffle=False`` keeps each epoch in index
     order. Instances with the same arguments agree in every process.

@@ -143,10 +143,10 @@ def close_process_groups(
     idle_timeout_s: float = 5.0,
 ) -> CloseReport:
     """Leave together, destroy every process group, and make sure no worker thread of a group
-    that is still referenced holds a work when the interpreter exits (see the note above).
+    that is still referenced holds a work when the interpreter exits (docs/elastic.md, "Teardown").
 
     Every rank must call it at the same point when ``barrier`` is True. ``barrier=False``
-    after an error: no barrier and no garbage collection (see the note).
+    after an error: no barrier and no garbage collection.
     """
     report = CloseReport()
     if not dist.is_initialized():

@@ -166,7 +166,7 @@ class Watchdog:
 
     @property
     def watching(self) -> list[int]:
-        """The ranks whose heartbeats this watchdog reads now (see the module's Note)."""
+        """The ranks whose heartbeats this watchdog reads now (docs/elastic.md, "The watchdog's keys")."""
         return list(self._targets)
 
     def _key(self, rank: int) -> str:

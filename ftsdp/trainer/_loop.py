@@ -162,7 +162,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
 
 
 def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
-    """Resume if there is a checkpoint, then train up to ``cfg.steps``; see the module note."""
+    """Resume if there is a checkpoint, then train up to ``cfg.steps``; see the module docstring."""
     rm, log, hook, preempt = session.rm, session.log, session.hook, session.preempt
     trainer: dict[str, Any] = {
         "step": 0,
