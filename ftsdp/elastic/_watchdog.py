@@ -473,40 +473,20 @@ def simulate_heartbeats(
     """Run ``world_size`` watchdogs' real per-interval code in this process, on an in-memory
     store that counts every call, without threads, sockets or sleeping (the clock is simulated).
 
-    Ranks are numbered as torchrun does, ``local_world_size`` to a host. Every rank publishes
-    its first heartbeat and waits for its watched ranks'; then ``intervals`` healthy intervals
-    run (every rank's step grows by one per interval) and are measured. Then the ranks in
-    ``closed`` close (they finished), and a fault follows: the ranks in ``kill`` stop beating
-    (SIGSTOP, kill -9, a lost node) and, if ``hang`` is not empty, the job stops progressing
-    while every rank keeps beating (the ranks in ``hang`` one step behind the others; needs
-    ``progress_timeout_s``). The intervals then run until every surviving rank has acted on a
-    stall (a rank that acts stops, as the real one exits), or until three intervals past the
-    timeout (with only ``closed`` ranks, the others go on training meanwhile, and no rank should
-    act).
+    Ranks are numbered as torchrun does, ``local_world_size`` to a host. After startup,
+    ``intervals`` healthy intervals run and are measured; then the ranks in ``closed`` close, the
+    ranks in ``kill`` stop beating and, if ``hang`` is given (needs ``progress_timeout_s``), the
+    job stops progressing with the ``hang`` ranks one step behind. Intervals then run until every
+    survivor has acted, or three intervals past the timeout. Each interval publishes every
+    rank's heartbeat first, then runs every rank's reads and checks.
 
-    Each interval runs in two sweeps, first every rank's heartbeat, then every rank's reads and
-    checks (what :meth:`Watchdog.beat_once` does, in that order), so that an observer sees a
-    change in the interval it happens, whatever the ranks' order.
-
-    Returns a dict:
-
-    - ``ops_per_interval`` / ``keys_per_interval``: store calls / keys touched by all ranks
-      together in one healthy interval (the largest over the measured intervals);
-    - ``max_ops_per_rank`` / ``max_keys_per_rank``: the same for the busiest rank;
-    - ``seconds_per_interval_per_rank``: this process's time for one rank's interval (the
-      watchdog's own CPU cost, the store being a dict);
-    - ``startup_ops``: calls of the first heartbeats and the wait for the watched ranks;
-    - ``detect_intervals``: intervals from the last change of what failed (the killed ranks' last
-      beat, or the job's last progress) to the first rank acting; ``today_detect_intervals``:
-      the same for a watchdog that reads every peer (the first interval whose observer saw the
-      change more than the timeout ago); ``act_intervals``: to the last surviving rank acting
-      (None where no rank acted); ``fault_ops``: calls of all ranks from the fault to the end;
-    - ``named``: the ranks named by any rank that acted; ``kinds``: their kinds;
-    - ``acted``: how many ranks acted, ``survivors``: how many should have;
-      ``healthy_stalls``: stalls reported during the healthy intervals (0 unless broken).
-
-    ``python -c "from ftsdp.elastic import simulate_heartbeats as s; print(s(8192))"`` takes
-    about a second; with ``kill=[0]`` and the default 30 s timeout, about five.
+    Returns a dict: ``ops_per_interval``/``keys_per_interval`` (all ranks, one healthy interval,
+    the largest), ``max_ops_per_rank``/``max_keys_per_rank`` (the busiest rank),
+    ``seconds_per_interval_per_rank``, ``startup_ops``, ``detect_intervals`` (from the last change
+    of what failed to the first rank acting), ``today_detect_intervals`` (the same for a watchdog
+    reading every peer), ``act_intervals`` (to the last survivor acting; None if any did not),
+    ``fault_ops``, ``named`` and ``kinds`` (the stalls acted on), ``acted``, ``survivors`` and
+    ``healthy_stalls`` (0 unless broken). Raises ValueError for out-of-range arguments.
     """
     if world_size < 1 or intervals < 1 or local_world_size < 1:
         raise ValueError(
