@@ -28,7 +28,8 @@ _SUM = "hb/sum"  # sum of the ranks' steps + _ALARM x alarms raised
 _ALARM_KEY = "hb/alarm"  # one line per stalled rank: "rank step seconds kind seen_by"
 _CLAIM = "hb/claim"  # the first rank to see a progress stall names the ranks behind
 _ALARM = 1 << 44
-_KINDS = ("heartbeat", "progress", "store")
+# A stall's kind -> what its log line says.
+_KINDS = {"heartbeat": "no heartbeat", "progress": "no progress", "store": "c10d store unreachable"}
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,7 @@ class Stall:
     seen_by: int | None = None
 
     def __str__(self) -> str:
-        what = {
-            "heartbeat": "no heartbeat",
-            "progress": "no progress",
-            "store": "c10d store unreachable",
-        }[self.kind]
+        what = _KINDS[self.kind]
         return f"rank {self.rank} stalled at step {self.step} for {self.seconds:.1f} s ({what})"
 
 
@@ -236,15 +233,9 @@ class Watchdog:
             return [Stall(r, 0, now - start, "heartbeat", self.rank) for r in missing]
 
     def beat_once(self, now: float | None = None) -> list[Stall]:
-        """One interval's work: publish this rank's heartbeat, read the watched ranks' ones and
-        the job's shared counter (three store calls), and return the stalls found or announced
-        by another rank's watchdog (empty while all is well).
-
-        It only detects; acting (log, kill, exit, or ``on_stall``) is the thread's part. The
-        thread calls it every ``interval_s``; call it directly, without :meth:`start`, to drive
-        a watchdog by hand (``simulate_heartbeats`` does). ``now``: the monotonic clock reading
-        to judge staleness by (default ``time.monotonic()``).
-        """
+        """One interval's work (three store calls): the stalls found or announced by another
+        rank's watchdog, empty while all is well. It only detects; acting is the thread's part.
+        ``now``: the monotonic clock reading to judge staleness by (default: now)."""
         return self._interval(time.monotonic() if now is None else now, publish=True)
 
     def _interval(self, now: float, *, publish: bool) -> list[Stall]:
@@ -558,7 +549,6 @@ def simulate_heartbeats(
             raise ValueError("simulate_heartbeats: hang= needs progress_timeout_s")
         if not kill:  # a hung rank beats on, without progress
             timeout = progress_timeout_s
-    if hang:
         for r in survivors:
             dogs[r].beat(intervals if r in hang else intervals + 1)
         if any(r not in hang for r in survivors):
