@@ -193,18 +193,10 @@ class TrainConfig:
             "global_batch",
             f"must be a multiple of micro_batch={self.micro_batch}",
         )
-        need(
-            self.sharding_strategy in SHARDING_STRATEGIES,
-            "sharding_strategy",
-            f"must be one of {SHARDING_STRATEGIES}",
-        )
-        need(self.device in DEVICES, "device", f"must be one of {DEVICES}")
-        need(self.data_dtype in DATA_DTYPES, "data_dtype", f"must be one of {DATA_DTYPES}")
-        need(
-            self.mixed_precision in MIXED_PRECISION,
-            "mixed_precision",
-            f"must be one of {MIXED_PRECISION}",
-        )
+        for f in dataclasses.fields(self):  # --log-level is normalised, then checked by logging
+            choices = f.metadata.get("choices")
+            if choices and "normalise" not in f.metadata:
+                need(getattr(self, f.name) in choices, f.name, f"must be one of {choices}")
         need(bool(self.data), "data", "must be markov or a file")
         need(self.init_from != "", "init_from", "must be a checkpoint URL (or not given)")
         need(  # flags that would do nothing: refused, not ignored

@@ -169,6 +169,20 @@ def _open_ledger(path: str) -> IO[str]:
     return open(path, "a", encoding="utf-8")  # closed by the session
 
 
+def _close_after(error: BaseException, close: Callable[[], None], what: str) -> None:
+    """``close()`` while ``error`` propagates: a failure of its own is logged, not raised."""
+    try:
+        close()
+    except BaseException as closing:
+        logger.warning(
+            "%s after %s also failed: %s: %s",
+            what,
+            type(error).__name__,
+            type(closing).__name__,
+            closing,
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Session:
     """One worker's runtime, open from :meth:`open` to :meth:`close`.
@@ -238,15 +252,7 @@ class Session:
             if ledger is not None:
                 closers.push(ledger.close)
         except BaseException as opening:
-            try:
-                closers.close()
-            except BaseException as closing:
-                logger.warning(
-                    "closing a half-opened session after %s also failed: %s: %s",
-                    type(opening).__name__,
-                    type(closing).__name__,
-                    closing,
-                )
+            _close_after(opening, closers.close, "closing a half-opened session")
             raise
         phases.mark("session_open")
         return cls(
@@ -285,12 +291,4 @@ class Session:
             )
         except Exception as recording:  # the parts are closed all the same
             logger.warning("could not record %s: %r", type(exc).__name__, recording)
-        try:
-            self.close()
-        except BaseException as closing:
-            logger.warning(
-                "closing the session after %s also failed: %s: %s",
-                type(exc).__name__,
-                type(closing).__name__,
-                closing,
-            )
+        _close_after(exc, self.close, "closing the session")
