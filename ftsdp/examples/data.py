@@ -30,6 +30,20 @@ def _sample_index(i: int, n: int, what: str) -> int:
     return i
 
 
+class _Samples(Dataset):
+    """What both datasets share: ``num_samples`` items of ``(input, target)``."""
+
+    num_samples: int
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
+        pairs = [self[i] for i in indices]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+
 class MarkovChain:
     """A random sparse transition table over ``vocab_size`` tokens, fixed by ``seed``."""
 
@@ -93,7 +107,7 @@ class MarkovChain:
         return np.asarray(walk, dtype=np.int64)
 
 
-class MarkovDataset(Dataset):
+class MarkovDataset(_Samples):
     """Map-style dataset: item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors with
     ``target[t] = input[t + 1]`` of one walk of ``seq_len + 1`` tokens, fixed by ``(seed, i)``.
 
@@ -128,31 +142,21 @@ class MarkovDataset(Dataset):
         """``ln(vocab_size)``: the loss of a uniform prediction, about a fresh model's loss."""
         return math.log(self.chain.vocab_size)
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = _sample_index(i, self.num_samples, "MarkovDataset")
         rng = np.random.default_rng([self.seed, _SAMPLE_STREAM, i])
         walk = torch.from_numpy(self.chain.sample(self.seq_len + 1, rng))
         return walk[:-1], walk[1:]
 
-    def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
-        """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
-        pairs = [self[i] for i in indices]
-        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
-
-class TokenDataset(Dataset):
+class TokenDataset(_Samples):
     """Map-style dataset over a flat 1-D array of token ids (a memory-mapped token file, or a
     text file's bytes): item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors from the
     window ``tokens[i * seq_len : (i + 1) * seq_len + 1]`` (``target[t] = input[t + 1]``).
 
-    Windows are consecutive and do not overlap except for the one token a window's target shares
-    with the next window's input, so an epoch of a global sampler sees every token once:
-    ``len = (len(tokens) - 1) // seq_len``. Item ``i`` depends only on the array and ``i``, the
-    same in every process, which is what a global sample cursor needs. Reading an item copies
-    its ``seq_len + 1`` tokens out of the array (a memory map is read only where it is used).
+    Consecutive windows share one token, so an epoch sees every token once:
+    ``len = (len(tokens) - 1) // seq_len``. Reading an item copies its ``seq_len + 1`` tokens
+    out of the array (a memory map is read only where it is used).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
@@ -173,16 +177,8 @@ class TokenDataset(Dataset):
         """The largest token id in the array (read once, ``chunk`` tokens at a time)."""
         return max(int(self.tokens[a : a + chunk].max()) for a in range(0, len(self.tokens), chunk))
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = _sample_index(i, self.num_samples, "TokenDataset")
         start = i * self.seq_len
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
-
-    def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
-        """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
-        pairs = [self[i] for i in indices]
-        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
