@@ -68,20 +68,19 @@ class InitEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
 
 
+def _linear(config: GPTConfig, n_in: int, n_out: int, *, residual: bool = False) -> InitLinear:
+    """A block's linear layer; a residual projection's init is scaled down so the residual
+    stream's variance does not grow with depth."""
+    std = INIT_STD / math.sqrt(2 * config.n_layer) if residual else INIT_STD
+    return InitLinear(n_in, n_out, bias=config.bias, init_std=std)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.c_attn = InitLinear(
-            config.n_embd, 3 * config.n_embd, bias=config.bias, init_std=INIT_STD
-        )
-        # Residual projection: scaled so the residual stream's variance does not grow with depth.
-        self.c_proj = InitLinear(
-            config.n_embd,
-            config.n_embd,
-            bias=config.bias,
-            init_std=INIT_STD / math.sqrt(2 * config.n_layer),
-        )
+        self.c_attn = _linear(config, config.n_embd, 3 * config.n_embd)
+        self.c_proj = _linear(config, config.n_embd, config.n_embd, residual=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -95,15 +94,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = InitLinear(
-            config.n_embd, 4 * config.n_embd, bias=config.bias, init_std=INIT_STD
-        )
-        self.c_proj = InitLinear(
-            4 * config.n_embd,
-            config.n_embd,
-            bias=config.bias,
-            init_std=INIT_STD / math.sqrt(2 * config.n_layer),
-        )
+        self.c_fc = _linear(config, config.n_embd, 4 * config.n_embd)
+        self.c_proj = _linear(config, 4 * config.n_embd, config.n_embd, residual=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x)))
@@ -184,11 +176,9 @@ class GPT(nn.Module):
 def default_no_decay(name: str) -> bool:
     """True for parameters that get no weight decay: biases and normalisation weights.
 
-    Decided by *name*, not by ``p.dim()``: under the FSDP engine every parameter a rank sees is
-    a 1-D slice, so nanoGPT's ``p.dim() >= 2`` rule would exempt everything. For this module's
-    names the rule reproduces nanoGPT's grouping on the unsharded model: matrices and embeddings
-    decay; biases and LayerNorm weights do not.
-    """
+    Decided by *name*, not by ``p.dim()``: under FSDP every parameter a rank sees is a 1-D
+    slice, so nanoGPT's ``p.dim() >= 2`` rule would exempt everything; for this module's names
+    it gives nanoGPT's grouping."""
     parts = name.split(".")
     if parts[-1] == "bias":
         return True
@@ -202,10 +192,8 @@ def param_groups(
 ) -> list[dict]:
     """Two AdamW param groups: ``[{decay params, weight_decay}, {no-decay params, 0.0}]``.
 
-    ``model`` is a module (its ``named_parameters()`` are used; for an FSDP-wrapped module these
-    are the original names with each rank's local slice) or an iterable of ``(name, param)``.
-    Frozen parameters are left out; a parameter reached under two names (tied) is kept once.
-    """
+    ``model``: a module (its ``named_parameters()``; under FSDP each rank's local slices) or an
+    iterable of ``(name, param)``. Frozen parameters are left out; a tied one is kept once."""
     named = model.named_parameters() if isinstance(model, nn.Module) else model
     decay: list[nn.Parameter] = []
     keep: list[nn.Parameter] = []
