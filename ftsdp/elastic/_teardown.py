@@ -94,11 +94,8 @@ def wait_for_idle_workers(
     """Sleep (without the GIL) until every thread named in ``names`` has been blocked (state
     ``S``) for ``_QUIET_S`` in a row (docs/elastic.md, "Teardown").
 
-    Returns ``(idle, seconds waited, busy threads at the deadline)`` at once when there is no
-    such thread. Without ``/proc`` (or with a torch that does not name its threads) it cannot
-    look: it sleeps ``_QUIET_S`` once and returns True; the tail of a finished work takes
-    microseconds once its thread runs.
-    """
+    Returns ``(idle, seconds waited, busy threads at the deadline)``; at once without such a
+    thread. Without ``/proc`` it sleeps ``_QUIET_S`` once and returns True."""
     start = time.monotonic()
     deadline = start + timeout_s
     quiet_since: float | None = None

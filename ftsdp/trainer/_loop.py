@@ -40,13 +40,10 @@ class Outcome:
 
 
 def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any]) -> int | None:
-    """Load the newest usable checkpoint into the job and ``trainer``; log it. The step it
-    resumed from, None when there was none.
-
-    The template handed to the checkpoint has exactly the trainer keys the newest step saved
-    (peeked when the job was built), so a checkpoint without ``model``/``data`` records or
-    with a grad scaler's state still loads; what it recorded is checked again here, in case
-    the resume fell back to an older step."""
+    """Load the newest usable checkpoint into the job and ``trainer``, log it, and return its
+    step (None: none). The template has exactly the trainer keys the newest step saved (one
+    without ``model``/``data`` records, or with a grad scaler's state, still loads); what it
+    recorded is checked again, in case the resume fell back to an older step."""
     rm, log, ckpt = session.rm, session.log, job.ckpt
     assert ckpt is not None
     template: dict[str, Any] = (
