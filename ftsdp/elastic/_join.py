@@ -36,7 +36,7 @@ def _get(store: Any, key: str) -> str | None:
 
 
 def handshake(store: Any, rank: int, world_size: int, timeout_s: float) -> str:
-    """Agree on rank 0's fresh token (docs/elastic.md, "Joining"); every rank of the group must call it."""
+    """Agree on rank 0's fresh token; every rank of the group must call it."""
     deadline = time.monotonic() + timeout_s
 
     def waited(what: str) -> None:

@@ -169,7 +169,8 @@ class RankManager:
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
             if info.master_addr is not None and info.master_port is not None:
-                # A fresh store namespace per incarnation: see docs/elastic.md, "Joining".
+                # A fresh store namespace per incarnation (docs/elastic.md, "Joining a fresh
+                # store namespace").
                 base = client_store(
                     info.master_addr, info.master_port, info.rank, info.world_size, timeout_s
                 )

@@ -163,7 +163,8 @@ class Watchdog:
 
     @property
     def watching(self) -> list[int]:
-        """The ranks whose heartbeats this watchdog reads now (docs/elastic.md, "The watchdog's keys")."""
+        """The ranks whose heartbeats this watchdog reads now (docs/elastic.md, "The watchdog's
+        keys")."""
         return list(self._targets)
 
     def _key(self, rank: int) -> str:

@@ -2,7 +2,7 @@
 which plugs the fault hook in when ``FTSDP_FAULT`` is set (docs/design.md, "Import rules").
 
 ``_faults`` (specs, log, firing), ``_faulty_fs`` (the ``faulty://`` filesystem), ``_hook`` (the
-trainer's step hook composing both), ``run_ranks`` (the rank spawner of the tests and benchmarks)."""
+trainer's step hook composing both), ``run_ranks`` (the tests' and benchmarks' rank spawner)."""
 
 from ftsdp.testing._faults import EXIT_INJECTED, Fault, parse_faults
 from ftsdp.testing._hook import FaultHook, fault_hook_from_env

@@ -53,7 +53,8 @@ class ConsoleHandler(logging.Handler):
 
 def console_logging(level: str, rank: int) -> Callable[[], None]:
     """Install one :class:`ConsoleHandler` on the ``ftsdp`` logger (rank 0 from ``level``, the
-    others WARNING, DEBUG everywhere); returns the function that removes it and restores the logger's level."""
+    others from WARNING, DEBUG on every rank); returns the function that removes it and restores
+    the logger's level."""
     root = logging.getLogger("ftsdp")
     wanted = logging.getLevelName(level.upper())
     if not isinstance(wanted, int):
