@@ -3,40 +3,11 @@
     python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=3 -- \\
         --checkpoint-url ./checkpoints/run1 --checkpoint-every 20
 
-Everything before ``--`` is torchrun's (``python -m torch.distributed.run --help``: rendezvous,
-``--nnodes``, ``--max-restarts``, ``--monitor-interval``, ...); everything after it is
-``ftsdp.train``'s. The same agent runs (torch's elastic agent, in this process): only the way it
-starts workers differs. See [Note: preloaded workers].
-
-[Note: preloaded workers]
-A worker started by ``torchrun -m ftsdp.train`` is a new interpreter that imports torch,
-torch._dynamo (torch.optim imports it) and ftsdp before it can join its group: 2.5-7 s of the 3-10 s
-from a worker's kill -9 to the group's first new step on a 2-core machine, depending on its load
-(docs/elastic.md, "Recovery time"). Here the agent starts its workers with the ``forkserver`` start
-method (torchrun's ``--start-method``, with ``--run-path`` so the training entry runs as a function
-in the worker): one server process, started at once, imports ``ftsdp.train`` once (:data:`PRELOAD`),
-and every worker, first or restarted, is a fork of it. The server only imports (no Python thread, no
-process group, no CUDA initialised), so forking it is safe; each worker runs ``ftsdp/train.py`` as
-its main program and finds its imports done. The entry first freezes the objects it finds
-(``gc.freeze()``, [Note: a worker's imports] in ``ftsdp/train.py``), so the worker's collections
-neither walk nor copy the server's pages (without it, the first collection of a forked worker cost
-0.5 s).
-
-The agent learns of a failed worker by an exception that it logs (with function workers), and
-torch's log formatter imports torch._dynamo to format an exception: 1.5-4 s of the agent's time
-on the recovery path, measured. The launcher's agent formats those tracebacks itself, with the
-standard library's formatter, before torch's handlers see the record (:class:`PlainTracebacks`),
-so the formatter has nothing to import for. (Importing torch._dynamo in the agent up front costs
-its start 2-4 s; from a background thread it is not safe: torch's modules must not be imported
-from two threads at once, and doing so aborted the agent.)
-
-What changes for the job: the workers' parent process is the fork server, not the agent (the
-agent still watches, signals and restarts them; the fault suite's faults that signal the agent,
-``term:target=agent`` and ``kill_node``, need ``torchrun -m ftsdp.train``), and the server keeps
-one more interpreter with torch imported per agent. Code changed after the server started is not
-seen by workers until the agent is restarted. ``--start-method`` may still be given (``spawn``
-gives torchrun's behaviour back).
-"""
+Everything before ``--`` is torchrun's, everything after it ``ftsdp.train``'s. torch's elastic agent
+runs in this process and starts its workers with the ``forkserver`` method and ``--run-path``:
+one server imports :data:`PRELOAD` once and every worker is a fork of it. The server only imports
+(no thread, process group or CUDA), so forking it is safe. Why and what it changes for a job:
+docs/elastic.md, "Recovery time"."""
 
 from __future__ import annotations
 
@@ -102,7 +73,7 @@ def start_method(ours: Sequence[str]) -> str | None:
 class PlainTracebacks(logging.Filter):
     """A handler filter that renders a record's exception into its message with the standard
     library's formatter and drops ``exc_info``: torch's formatter would import torch._dynamo to
-    format it (see the module note). The text is the same traceback either way."""
+    format it (docs/elastic.md, "Recovery time"). The text is the same traceback either way."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and not record.exc_text:
@@ -122,7 +93,7 @@ def plain_tracebacks(*loggers: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run torchrun's agent over ``ftsdp.train`` with preloaded workers (see the module note)."""
+    """Run torchrun's agent over ``ftsdp.train`` with preloaded workers (module docstring)."""
     try:
         ours, train = split_argv(sys.argv[1:] if argv is None else argv)
         command = torchrun_argv(ours, train)

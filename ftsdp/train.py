@@ -25,17 +25,11 @@ import contextlib
 import gc
 import time
 
-# [Note: a worker's imports]
-# A restarted worker spends most of its start importing: torch, then torch._dynamo (torch.optim
-# imports it at an optimizer's first use; it pulls in sympy and torch.fx: about as long as torch
-# itself), then ftsdp. They are imported here, timed (the first marks of [Note: the phases of a
-# worker's start], ``_phases``), with the cyclic garbage collector paused: imports allocate
-# millions of objects and no garbage cycles, and the collections they would trigger cost about
-# 0.45 s per worker on a 2-core machine (docs/elastic.md, "Recovery time"). Run as a program
-# (a worker), the entry then freezes what the imports made (``gc.freeze()``): later collections
-# skip those objects, and a worker forked from a process that did the imports
-# (``ftsdp.launch``) neither walks nor copies its parent's pages when it first collects (0.5 s
-# otherwise). Imported as a library (tests, ``from ftsdp.train import main``) it freezes nothing.
+# A worker's imports (torch, torch._dynamo which torch.optim would import later, ftsdp) are timed
+# here for the phases record, with the garbage collector paused (imports make no cycles). Run as
+# a program, the entry then freezes what they made (``gc.freeze()``), so a worker forked by
+# ``ftsdp.launch`` never walks its parent's pages; imported as a library it freezes nothing.
+# Why and the measurements: docs/elastic.md, "Recovery time".
 _ENTRY = time.time()
 _GC_WAS_ENABLED = gc.isenabled()
 gc.disable()
@@ -57,7 +51,7 @@ try:
     from ftsdp.trainer._phases import Phases, process_start_time
     from ftsdp.trainer._session import Session
 finally:
-    if __name__ == "__main__":  # a worker, not a library import: see the note
+    if __name__ == "__main__":  # a worker, not a library import: see above
         gc.freeze()
     if _GC_WAS_ENABLED:
         gc.enable()

@@ -1,16 +1,7 @@
 """ftsdp.elastic: the rank manager that lets a torchrun job survive node loss, preemption and
-hangs, and continue on another world size (docs/design.md, "Elastic guarantees"; docs/elastic.md).
+hangs, and continue on another world size (docs/elastic.md).
 
-- :class:`RankManager` reads torchrun's environment, joins the process group with a timeout,
-  agrees on the incarnation, and agrees on flags at step boundaries.
-- :class:`BatchGeometry` keeps the global batch constant whatever the world size.
-- :class:`GlobalSampler` orders samples by a seed and a global cursor, world-size independent.
-- :class:`PreemptionHandler` turns SIGTERM / SIGUSR1 into a coordinated save within a grace period.
-- :class:`Watchdog` publishes heartbeats in the c10d store and exits on a stalled peer;
-  :func:`simulate_heartbeats` counts its store calls for thousands of ranks in one process.
-
-The engine never imports this package and this package never imports the engine.
-"""
+The engine never imports this package and this package never imports the engine."""
 
 from ftsdp.elastic._geometry import BatchGeometry, valid_world_sizes
 from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device

@@ -1,11 +1,7 @@
 """Batch geometry: a constant global batch split over however many ranks the job has now.
 
-The global batch (samples per optimizer step) is configuration; it is cut into
-``G = global_batch / micro_batch`` micro-batches of a fixed size, and rank ``r`` of ``W`` runs
-the contiguous block ``[r * G / W, (r + 1) * G / W)`` of them, in order. So the micro-batch size
-and the decomposition of a step into micro-batches never depend on the world size, only their
-assignment to ranks does (what deterministic mode needs: docs/design.md, "Elastic guarantees").
-"""
+The micro-batch size and a step's micro-batches never depend on the world size, only their
+assignment to ranks does (docs/elastic.md, "Batch geometry")."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """Join a fresh namespace of the c10d store for every incarnation of the worker group.
 
-[Note: stale keys across restarts]
-torchrun (2.x) shares one TCPStore server across rendezvous rounds and gives workers no
-per-round prefix, so the keys a process group writes while connecting (gloo publishes each
-rank's listening address) survive into the next incarnation: a restarted rank can read the old
-rank 0's address before the new rank 0 overwrites it, and fail with "Connection refused". Workers
-cannot tell a stale key from a fresh one by themselves, and ``TORCHELASTIC_RESTART_COUNT`` differs
-between agents (a node that joins later starts at 0), so it is no common prefix either.
-
-The handshake below makes one: every rank r > 0 writes a fresh random nonce under ``req/r``;
-rank 0 draws a token T and answers each ``req/r`` it sees with ``ack/r = "T nonce"`` (again
-whenever ``req/r`` changes); rank r accepts only an ack that echoes its own nonce and then
-confirms with ``ok/r = T``; rank 0 proceeds once every ``ok/r`` equals T. A stale request gets
-an ack its rank ignores, a stale ack or confirmation never matches, so every rank ends up with
-rank 0's fresh T. The process group then lives under the prefix T.
-"""
+The handshake and why torchrun's store needs it: docs/elastic.md, "Joining a fresh store
+namespace". Every rank ends with rank 0's fresh token; stale keys never match a nonce."""
 
 from __future__ import annotations
 
@@ -49,7 +36,7 @@ def _get(store: Any, key: str) -> str | None:
 
 
 def handshake(store: Any, rank: int, world_size: int, timeout_s: float) -> str:
-    """Agree on rank 0's fresh token (see the note); every rank of the group must call it."""
+    """Agree on rank 0's fresh token; every rank of the group must call it."""
     deadline = time.monotonic() + timeout_s
 
     def waited(what: str) -> None:

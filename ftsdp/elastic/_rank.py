@@ -1,18 +1,8 @@
 """The rank manager: where this process sits in the (elastic) job, and its process group.
 
-torchrun (torch.distributed.elastic) describes a worker by environment variables; a plain
-``python`` process has none of them and runs as a world of one. :func:`read_env` parses them
-(pure, testable); :meth:`RankManager.init` also joins the process group (gloo on CPU, NCCL on
-CUDA) with a configurable timeout and agrees on the incarnation of the worker group.
-
-[Note: generation and incarnation]
-``generation`` is the largest ``TORCHELASTIC_RESTART_COUNT`` over the ranks: how many times a
-surviving agent has restarted its workers (a node that joins later starts at 0, so the maximum
-is what the job has been through). It is informational. ``incarnation`` is a random token that
-rank 0 draws and every rank agrees on before the process group exists (``_join.handshake``); it
-is unique per start of the worker group and namespaces the process group's and the watchdog's
-keys in the c10d store, so nothing leaks from a previous incarnation into the next.
-"""
+:func:`read_env` parses torchrun's variables (a plain process is a world of one);
+:meth:`RankManager.init` joins the process group and agrees on ``generation`` and
+``incarnation`` (docs/elastic.md, "The rank manager")."""
 
 from __future__ import annotations
 
@@ -125,11 +115,9 @@ class Peer:
 class RankManager:
     """This process's rank, world size, device and process group, and the job's generation.
 
-    Build it with :meth:`init`; ``close()`` leaves the job: a barrier, then every process group
-    destroyed if ``init`` created it, safely for the interpreter's exit. ``marks``: wall times
-    (``time.time()``) at which ``init`` connected to the store (``store_connected``), finished
-    the join handshake (``joined``; both only under torchrun) and had its process group
-    (``process_group``); the training entry reports them (docs/elastic.md, "Recovery time").
+    Build it with :meth:`init`, leave with :meth:`close`. ``marks``: wall times of ``init``'s
+    ``store_connected``, ``joined`` (both only under torchrun) and ``process_group``, for the
+    phases record (docs/elastic.md, "Recovery time").
     """
 
     info: RankInfo
@@ -181,7 +169,8 @@ class RankManager:
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
             if info.master_addr is not None and info.master_port is not None:
-                # A fresh store namespace per incarnation: see [Note: stale keys across restarts].
+                # A fresh store namespace per incarnation (docs/elastic.md, "Joining a fresh
+                # store namespace").
                 base = client_store(
                     info.master_addr, info.master_port, info.rank, info.world_size, timeout_s
                 )
@@ -275,19 +264,11 @@ class RankManager:
     def close(self, *, barrier: bool | None = None, barrier_timeout_s: float = 60.0) -> CloseReport:
         """Leave the job: destroy the process groups if :meth:`init` created them (idempotent).
 
-        Every rank calls it at the same point (the end of training). It waits for the other
-        ranks (a barrier bounded by ``barrier_timeout_s``: a peer that is gone or late is
-        logged, not waited for), destroys every process group, subgroups first, and returns
-        once no worker thread of a group still held by a model can touch Python at exit
-        (docs/elastic.md, "Teardown"; [Note: why a finished job aborted at exit] in
-        ``_teardown.py``).
-
-        ``barrier``: None (the default) waits for the peers unless an exception is propagating
-        (``close()`` from a ``finally``, an ``except`` or a ``with`` that is leaving on an
-        error): after an error peers may be stuck in a collective or gone, so it only destroys
-        the groups. True or False decides explicitly. Returns what it did (a
-        :class:`CloseReport`).
-        """
+        Every rank calls it at the same point. A barrier bounded by ``barrier_timeout_s`` (a
+        peer gone or late is logged), then every group destroyed, subgroups first, and no gloo
+        worker left able to touch Python at exit (docs/elastic.md, "Teardown"). ``barrier``:
+        None (the default) skips the barrier while an exception propagates; True or False
+        decides explicitly. Returns a :class:`CloseReport`."""
         if barrier is None:
             barrier = sys.exc_info()[1] is None
         self._store = None  # our client of the job's store; the groups hold their own

@@ -1,19 +1,8 @@
 """A global, world-size-independent sample order over a map-style dataset.
 
-[Note: a global sample cursor instead of per-rank iterators]
-The job consumes one infinite stream of dataset indices: position ``p`` of the stream is index
-``perm_e(p mod N)`` of epoch ``e = p // N``, where ``perm_e`` is a permutation of ``range(N)``
-fixed by ``(seed, e)``. Step ``s`` takes the ``global_batch`` positions starting at the
-**cursor** (samples consumed so far), and rank ``r`` takes its micro-batches' slice of them
-(``BatchGeometry.sample_range``). The samples of a step therefore depend only on the cursor,
-never on the world size, and a checkpoint stores just the cursor: any restarted world, of any
-size, continues the stream where it stopped. Within an epoch no index repeats and none is
-skipped, because ``perm_e`` is a bijection.
-
-``perm_e`` is a keyed Feistel network on the smallest even-bit domain ``2**b >= N``, with
-cycle walking back into ``[0, N)`` (a format-preserving permutation): O(1) memory and O(1)
-work per index even for ``N = 2**40``, so nothing is materialised or shuffled up front.
-"""
+Position ``p`` of one infinite stream is index ``perm_e(p mod N)`` of epoch ``e = p // N``;
+``perm_e`` is a keyed Feistel network on ``2**b >= N`` with cycle walking into ``[0, N)`` (a
+bijection: nothing repeats or is skipped within an epoch). See docs/elastic.md, "Sample order"."""
 
 from __future__ import annotations
 
@@ -36,7 +25,7 @@ def _mix64(x: int) -> int:
 
 
 class _Permutation:
-    """A bijection of ``range(n)`` keyed by ``key`` (see the note at the top)."""
+    """A bijection of ``range(n)`` keyed by ``key`` (see the module docstring)."""
 
     def __init__(self, n: int, key: int) -> None:
         self.n = n
@@ -59,7 +48,7 @@ class _Permutation:
 
 
 class GlobalSampler:
-    """Position in the global sample stream -> dataset index (see the note at the top).
+    """Position in the global sample stream -> dataset index (see the module docstring).
 
     ``num_samples``: the dataset's length ``N``. ``shuffle=False`` keeps each epoch in index
     order. Instances with the same arguments agree in every process.

@@ -1,14 +1,8 @@
 """Preemption: SIGTERM / SIGUSR1 set a flag the ranks agree on at the next step boundary.
 
-[Note: why a watcher thread and a wakeup fd]
-A Python signal handler runs only when the main thread returns to the interpreter; a main
-thread blocked inside a collective (a peer is stopped) would never run it, and the agent would
-SIGKILL the worker 30 s later without a checkpoint or a log line. ``signal.set_wakeup_fd`` makes
-the C-level handler write the signal number into a pipe at once; a daemon thread reading it
-records the request and arms the grace deadline, and exits the process with
-``EXIT_GRACE_EXCEEDED`` if the coordinated save has not finished by then. The Python handlers
-only keep the default action (termination) from happening.
-"""
+A daemon thread reads the signal from a ``set_wakeup_fd`` pipe, so the grace deadline holds while
+the main thread is blocked inside a collective; the Python handlers only keep the default action
+(termination) from happening (docs/elastic.md, "Preemption")."""
 
 from __future__ import annotations
 

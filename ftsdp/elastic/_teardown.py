@@ -1,54 +1,8 @@
 """Leaving the process group at the end of a job without aborting the process at exit.
 
-[Note: why a finished job aborted at exit]
-Symptom: every rank trains to the end and closes the rank manager, then one of them dies with
-SIGABRT, "terminate called without an active exception", and torchrun reports the job failed.
-A core dump of such a rank (torch 2.13, gloo) shows the main thread in ``Py_FinalizeEx`` and a
-gloo worker thread (``pt_gloo_runloop``) in ``ProcessGroupGloo::runLoop`` destroying the last
-reference to a finished ``AsyncBroadcastWork``: its tensors are Python tensors, so dropping
-them decrefs their ``PyObject``, which needs the GIL; during interpreter finalization a thread
-that asks for the GIL is ended by ``pthread_exit``, whose forced unwinding runs into a
-``noexcept`` destructor, and ``std::terminate`` aborts the process.
-
-Why a worker thread holds a finished work at all: a gloo worker marks the work complete (which
-wakes the caller's ``wait()``) and only afterwards, at the end of its loop iteration, drops its
-own reference. When the caller has already dropped the Python ``Work``, the worker's drop is the
-last one. Normally that is harmless (the worker takes the GIL for a moment), but on a busy host
-the worker can be descheduled between the two for longer than the main thread needs to close
-the manager, return and start finalizing.
-
-Why ``destroy_process_group`` did not prevent it: it unregisters the groups, and gloo's
-``shutdown()`` does nothing; only the ``ProcessGroupGloo`` destructor stops and joins its
-worker threads, and it runs when the last reference to the group goes. A wrapped model holds
-its groups (``ftsdp.FSDP``'s units, torch FSDP2's mesh info), so the threads outlive ``close()``
-and the interpreter starts finalizing while one of them may still hold a finished work. (Init, an
-all_reduce and close alone did not abort: nothing else held the group, so ``destroy`` joined the
-threads while the interpreter was alive.)
-
-What :func:`close_process_groups` does, in order:
-
-1. **Leave together.** One barrier on every group this rank is in (world first, then in
-   creation order), all within one timeout (gloo's own ``BarrierOptions.timeout``, so a missing
-   peer fails it instead of hanging; on CUDA after a device synchronize). A gloo barrier also
-   waits for every collective issued on its group before it, so nothing is in flight afterwards;
-   and no rank tears down a store (rank 0 may host it) while a peer still uses it. A peer that is
-   gone or late is logged, and the close goes on.
-2. **Destroy** the subgroups in reverse order of creation, then the world group, as torch's own
-   ``destroy_process_group`` orders them (NCCL's abort was collective in some versions).
-3. **Collect garbage**, so a group held only by unreachable objects is destroyed (its worker
-   threads joined) now, while the interpreter is alive.
-4. **Wait for the worker threads of groups still referenced** (by a live model) to be idle:
-   blocked, not running nor runnable, for several samples spanning several GIL switch
-   intervals while this thread sleeps without the GIL (``/proc/self/task``, Linux). An idle
-   worker holds no work, and no new work can reach an unregistered group, so nothing is left
-   for it to drop at exit. Bounded; a timeout is logged.
-
-After an error (``barrier=False``) steps 1 and 3 are skipped: peers may be stuck in a collective
-or gone (a barrier could even pair with a peer's pending collective of the same tag), waiting for
-them would delay the restart, and collecting a group whose worker is stuck in a collective would
-block in its destructor. Step 4 stays: a worker blocked in a collective counts as idle, so it
-costs little, and the failing rank then exits with its own error code rather than SIGABRT.
-"""
+Why a finished job could die with SIGABRT at exit, and the four steps of
+:func:`close_process_groups` (barrier, destroy, collect, wait for idle gloo workers; after an
+error only destroy and wait): docs/elastic.md, "Teardown"."""
 
 from __future__ import annotations
 
@@ -138,13 +92,10 @@ def wait_for_idle_workers(
     timeout_s: float = 5.0, names: tuple[str, ...] = WORKER_THREAD_NAMES
 ) -> tuple[bool, float, list[str]]:
     """Sleep (without the GIL) until every thread named in ``names`` has been blocked (state
-    ``S``) for ``_QUIET_S`` in a row; see [Note: why a finished job aborted at exit].
+    ``S``) for ``_QUIET_S`` in a row (docs/elastic.md, "Teardown").
 
-    Returns ``(idle, seconds waited, busy threads at the deadline)`` at once when there is no
-    such thread. Without ``/proc`` (or with a torch that does not name its threads) it cannot
-    look: it sleeps ``_QUIET_S`` once and returns True; the tail of a finished work takes
-    microseconds once its thread runs.
-    """
+    Returns ``(idle, seconds waited, busy threads at the deadline)``; at once without such a
+    thread. Without ``/proc`` it sleeps ``_QUIET_S`` once and returns True."""
     start = time.monotonic()
     deadline = start + timeout_s
     quiet_since: float | None = None
@@ -189,10 +140,10 @@ def close_process_groups(
     idle_timeout_s: float = 5.0,
 ) -> CloseReport:
     """Leave together, destroy every process group, and make sure no worker thread of a group
-    that is still referenced holds a work when the interpreter exits (see the note above).
+    that is still referenced holds a work when the interpreter exits (docs/elastic.md, "Teardown").
 
     Every rank must call it at the same point when ``barrier`` is True. ``barrier=False``
-    after an error: no barrier and no garbage collection (see the note).
+    after an error: no barrier and no garbage collection.
     """
     report = CloseReport()
     if not dist.is_initialized():

@@ -1,59 +1,10 @@
 """Hang and silent-rank detection through heartbeats in the c10d store.
 
-[Note: heartbeat vs progress]
-Every rank's watchdog thread writes ``"<beats> <step>"`` under its rank's key ``hb/<rank>``
-every ``interval_s``. Two different failures show up differently:
-
-- a rank that is **stopped or gone** (SIGSTOP, kill -9, a lost node) stops beating: its
-  ``beats`` does not change for ``heartbeat_timeout_s``;
-- a rank that is **alive but stuck** (a hung collective, an endless loop) keeps beating, but no
-  rank finishes a step for ``progress_timeout_s``; the ranks at the lowest step are named (all of
-  them, if every rank shows the same step).
-
-Staleness is measured on the observer's own monotonic clock from the moment it last saw the
-value change, so hosts need no synchronised clocks. On detection the watchdog logs one line per
-stalled rank (``rank R stalled at step S for T s``), SIGKILLs stalled ranks on its own host
-(the agent would otherwise wait 30 s for a stopped process to die before restarting the group),
-and exits the process with ``EXIT_STALL`` so that torchrun restarts the group, instead of every
-survivor waiting for the collective timeout. A rank that finishes writes ``closed`` so its
-silence afterwards is not a stall. The store itself being unreachable for
-``heartbeat_timeout_s`` counts as a failure too (the agent hosting it is gone).
-
-[Note: a few watched peers and one shared counter]
-All ranks talk to one TCPStore, so what each rank does per interval is multiplied by the world
-size W. Reading every peer's key, as this watchdog first did, cost W + W² keys per interval
-(67 million at W = 8192). Now each rank, per interval, makes three calls that touch four keys:
-
-1. ``set hb/<rank>``: its own heartbeat;
-2. ``multi_get`` of the two ranks it **watches**: the next two ranks on a ring that visits the
-   hosts in turn (the first rank of every host, then the second of every host, ...), so a
-   rank's watchers sit on other hosts whenever there are several, and with hosts of equal size
-   a lost node's ranks are each still watched by a live rank (by two with three hosts or more),
-   so all of them are named. The ring is built from ``peers``' host names, else from
-   ``local_world_size`` (ranks of a host contiguous, as torchrun numbers them), else it is rank
-   order: then a lost node holding contiguous ranks is still detected, at the same time, through
-   its first two ranks (watched from the node before), but only those two are named. When a
-   watched rank writes ``closed``, its watcher takes the next rank along the ring instead (and
-   measures its silence from then on), so the live ranks stay watched;
-3. ``add hb/sum <delta>``: one counter for the whole job. Each rank adds the change of its own
-   step, so the counter holds the sum of the ranks' steps, and the value ``add`` returns tells
-   the rank whether any rank finished a step (progress). A watcher that finds a stall appends
-   one line per stalled rank to ``hb/alarm`` and adds ``_ALARM`` (2**44) to the counter: every
-   other rank sees the alarm in the value its next ``add`` returns, reads ``hb/alarm`` once and
-   acts on the ranks named there (logs them, SIGKILLs those on its host, exits). The sum of
-   the steps must stay below 2**44 (1.7e13; W = 8192 ranks at two billion steps each).
-
-So detection keeps the bound of a watchdog that reads every peer (a watcher sees the last beat
-change and fires once it is more than ``heartbeat_timeout_s`` old), and every other rank acts
-one interval later at most. A progress stall
-is seen by every rank at the same time; the first to ``add hb/claim 1`` (one call per rank, once)
-reads every rank's key (once) to name the ranks at the lowest step, and raises the alarm. At
-startup each rank waits for its watched ranks' first heartbeat only; a rank that never appears
-is named by its watchers. The keys must be fresh for each start of the ranks (an alarm left in
-``hb/sum`` would fire at once): ``RankManager.store`` gives each incarnation its own namespace.
-``simulate_heartbeats`` runs the per-interval code of W watchdogs in one process on a counting
-in-memory store to measure all this without threads or sockets.
-"""
+See docs/elastic.md, "Watchdog" and "The watchdog's keys". Invariants: staleness is measured on
+the observer's monotonic clock from the moment it last saw a value change; each rank makes three
+store calls per interval whatever the world size; ``hb/sum`` holds the sum of the ranks' steps
+plus ``_ALARM`` per alarm raised, so that sum must stay below 2**44; the keys must be fresh for
+each incarnation (``RankManager.store`` namespaces them)."""
 
 from __future__ import annotations
 
@@ -72,12 +23,13 @@ from typing import Any
 
 EXIT_STALL = 86
 _CLOSED = b"closed"
-_WATCHED = 2  # peers each rank reads per interval (see [Note: a few watched peers ...])
+_WATCHED = 2  # peers each rank reads per interval
 _SUM = "hb/sum"  # sum of the ranks' steps + _ALARM x alarms raised
 _ALARM_KEY = "hb/alarm"  # one line per stalled rank: "rank step seconds kind seen_by"
 _CLAIM = "hb/claim"  # the first rank to see a progress stall names the ranks behind
 _ALARM = 1 << 44
-_KINDS = ("heartbeat", "progress", "store")
+# A stall's kind -> what its log line says.
+_KINDS = {"heartbeat": "no heartbeat", "progress": "no progress", "store": "c10d store unreachable"}
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +49,7 @@ class Stall:
     seen_by: int | None = None
 
     def __str__(self) -> str:
-        what = {
-            "heartbeat": "no heartbeat",
-            "progress": "no progress",
-            "store": "c10d store unreachable",
-        }[self.kind]
+        what = _KINDS[self.kind]
         return f"rank {self.rank} stalled at step {self.step} for {self.seconds:.1f} s ({what})"
 
 
@@ -155,7 +103,7 @@ class Watchdog:
     given (torchrun's contiguous numbering). ``on_stall(stalls)`` replaces the default action
     (log, kill, ``os._exit``). ``log``: one-line messages (default: the
     ``ftsdp.elastic._watchdog`` logger, at ERROR). Each rank makes three store calls per
-    interval whatever the world size ([Note: a few watched peers and one shared counter]).
+    interval whatever the world size (docs/elastic.md, "The watchdog's keys").
     """
 
     def __init__(
@@ -215,7 +163,8 @@ class Watchdog:
 
     @property
     def watching(self) -> list[int]:
-        """The ranks whose heartbeats this watchdog reads now (see the module's Note)."""
+        """The ranks whose heartbeats this watchdog reads now (docs/elastic.md, "The watchdog's
+        keys")."""
         return list(self._targets)
 
     def _key(self, rank: int) -> str:
@@ -285,15 +234,9 @@ class Watchdog:
             return [Stall(r, 0, now - start, "heartbeat", self.rank) for r in missing]
 
     def beat_once(self, now: float | None = None) -> list[Stall]:
-        """One interval's work: publish this rank's heartbeat, read the watched ranks' ones and
-        the job's shared counter (three store calls), and return the stalls found or announced
-        by another rank's watchdog (empty while all is well).
-
-        It only detects; acting (log, kill, exit, or ``on_stall``) is the thread's part. The
-        thread calls it every ``interval_s``; call it directly, without :meth:`start`, to drive
-        a watchdog by hand (``simulate_heartbeats`` does). ``now``: the monotonic clock reading
-        to judge staleness by (default ``time.monotonic()``).
-        """
+        """One interval's work (three store calls): the stalls found or announced by another
+        rank's watchdog, empty while all is well. It only detects; acting is the thread's part.
+        ``now``: the monotonic clock reading to judge staleness by (default: now)."""
         return self._interval(time.monotonic() if now is None else now, publish=True)
 
     def _interval(self, now: float, *, publish: bool) -> list[Stall]:
@@ -522,40 +465,20 @@ def simulate_heartbeats(
     """Run ``world_size`` watchdogs' real per-interval code in this process, on an in-memory
     store that counts every call, without threads, sockets or sleeping (the clock is simulated).
 
-    Ranks are numbered as torchrun does, ``local_world_size`` to a host. Every rank publishes
-    its first heartbeat and waits for its watched ranks'; then ``intervals`` healthy intervals
-    run (every rank's step grows by one per interval) and are measured. Then the ranks in
-    ``closed`` close (they finished), and a fault follows: the ranks in ``kill`` stop beating
-    (SIGSTOP, kill -9, a lost node) and, if ``hang`` is not empty, the job stops progressing
-    while every rank keeps beating (the ranks in ``hang`` one step behind the others; needs
-    ``progress_timeout_s``). The intervals then run until every surviving rank has acted on a
-    stall (a rank that acts stops, as the real one exits), or until three intervals past the
-    timeout (with only ``closed`` ranks, the others go on training meanwhile, and no rank should
-    act).
+    Ranks are numbered as torchrun does, ``local_world_size`` to a host. After startup,
+    ``intervals`` healthy intervals run and are measured; then the ranks in ``closed`` close, the
+    ranks in ``kill`` stop beating and, if ``hang`` is given (needs ``progress_timeout_s``), the
+    job stops progressing with the ``hang`` ranks one step behind. Intervals then run until every
+    survivor has acted, or three intervals past the timeout. Each interval publishes every
+    rank's heartbeat first, then runs every rank's reads and checks.
 
-    Each interval runs in two sweeps, first every rank's heartbeat, then every rank's reads and
-    checks (what :meth:`Watchdog.beat_once` does, in that order), so that an observer sees a
-    change in the interval it happens, whatever the ranks' order.
-
-    Returns a dict:
-
-    - ``ops_per_interval`` / ``keys_per_interval``: store calls / keys touched by all ranks
-      together in one healthy interval (the largest over the measured intervals);
-    - ``max_ops_per_rank`` / ``max_keys_per_rank``: the same for the busiest rank;
-    - ``seconds_per_interval_per_rank``: this process's time for one rank's interval (the
-      watchdog's own CPU cost, the store being a dict);
-    - ``startup_ops``: calls of the first heartbeats and the wait for the watched ranks;
-    - ``detect_intervals``: intervals from the last change of what failed (the killed ranks' last
-      beat, or the job's last progress) to the first rank acting; ``today_detect_intervals``:
-      the same for a watchdog that reads every peer (the first interval whose observer saw the
-      change more than the timeout ago); ``act_intervals``: to the last surviving rank acting
-      (None where no rank acted); ``fault_ops``: calls of all ranks from the fault to the end;
-    - ``named``: the ranks named by any rank that acted; ``kinds``: their kinds;
-    - ``acted``: how many ranks acted, ``survivors``: how many should have;
-      ``healthy_stalls``: stalls reported during the healthy intervals (0 unless broken).
-
-    ``python -c "from ftsdp.elastic import simulate_heartbeats as s; print(s(8192))"`` takes
-    about a second; with ``kill=[0]`` and the default 30 s timeout, about five.
+    Returns a dict: ``ops_per_interval``/``keys_per_interval`` (all ranks, one healthy interval,
+    the largest), ``max_ops_per_rank``/``max_keys_per_rank`` (the busiest rank),
+    ``seconds_per_interval_per_rank``, ``startup_ops``, ``detect_intervals`` (from the last change
+    of what failed to the first rank acting), ``today_detect_intervals`` (the same for a watchdog
+    reading every peer), ``act_intervals`` (to the last survivor acting; None if any did not),
+    ``fault_ops``, ``named`` and ``kinds`` (the stalls acted on), ``acted``, ``survivors`` and
+    ``healthy_stalls`` (0 unless broken). Raises ValueError for out-of-range arguments.
     """
     if world_size < 1 or intervals < 1 or local_world_size < 1:
         raise ValueError(
@@ -627,7 +550,6 @@ def simulate_heartbeats(
             raise ValueError("simulate_heartbeats: hang= needs progress_timeout_s")
         if not kill:  # a hung rank beats on, without progress
             timeout = progress_timeout_s
-    if hang:
         for r in survivors:
             dogs[r].beat(intervals if r in hang else intervals + 1)
         if any(r not in hang for r in survivors):

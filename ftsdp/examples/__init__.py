@@ -1,5 +1,2 @@
-"""ftsdp.examples: what the main job trains by default.
-
-- :mod:`ftsdp.examples.gpt`: a small GPT-2-like decoder.
-- :mod:`ftsdp.examples.data`: a deterministic synthetic language and windows over a token file.
-"""
+"""ftsdp.examples: what the main job trains by default, a small GPT (:mod:`ftsdp.examples.gpt`)
+and a synthetic language or token-file windows (:mod:`ftsdp.examples.data`)."""

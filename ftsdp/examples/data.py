@@ -1,20 +1,10 @@
 """The main job's data: a deterministic synthetic language (:class:`MarkovDataset`, the default)
 and windows over a flat array of tokens (:class:`TokenDataset`: a token file, a text file's bytes).
 
-The synthetic language: sequences from a fixed, seeded, sparse Markov chain.
-
-Nothing is downloaded. The chain has ``vocab_size`` states (tokens); from each token the next one
-is drawn among ``branching`` fixed successors with fixed random probabilities. A model that
-learns the transition table predicts the next token with a mean cross-entropy equal to the
-chain's **entropy rate** ``H = sum_s pi(s) * H(P[s, :])`` (pi: the stationary distribution), far
-below the ``ln(vocab_size)`` of a model at init. ``H`` is the achievable loss:
-:attr:`MarkovChain.entropy_rate` reports it and the training log prints it.
-
-Sample ``i`` of a :class:`MarkovDataset` depends only on ``(seed, i)``: its first token is drawn
-from pi and the rest by walking the chain, all with a random stream seeded by ``(seed, i)``. So
-item ``i`` is the same in every process, for every world size and in any access order, which is
-what a global sample cursor needs.
-"""
+The language is a fixed, seeded, sparse Markov chain over ``vocab_size`` tokens (``branching``
+successors each); its entropy rate ``H = sum_s pi(s) * H(P[s, :])`` is the achievable loss
+(:attr:`MarkovChain.entropy_rate`). Sample ``i`` depends only on ``(seed, i)``, so it is the same
+in every process, world size and access order, as a global sample cursor needs."""
 
 from __future__ import annotations
 
@@ -38,6 +28,20 @@ def _sample_index(i: int, n: int, what: str) -> int:
     if not 0 <= i < n:
         raise IndexError(f"{what} index {i} out of range [0, {n})")
     return i
+
+
+class _Samples(Dataset):
+    """What both datasets share: ``num_samples`` items of ``(input, target)``."""
+
+    num_samples: int
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
+        pairs = [self[i] for i in indices]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
 
 class MarkovChain:
@@ -103,7 +107,7 @@ class MarkovChain:
         return np.asarray(walk, dtype=np.int64)
 
 
-class MarkovDataset(Dataset):
+class MarkovDataset(_Samples):
     """Map-style dataset: item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors with
     ``target[t] = input[t + 1]`` of one walk of ``seq_len + 1`` tokens, fixed by ``(seed, i)``.
 
@@ -138,31 +142,21 @@ class MarkovDataset(Dataset):
         """``ln(vocab_size)``: the loss of a uniform prediction, about a fresh model's loss."""
         return math.log(self.chain.vocab_size)
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = _sample_index(i, self.num_samples, "MarkovDataset")
         rng = np.random.default_rng([self.seed, _SAMPLE_STREAM, i])
         walk = torch.from_numpy(self.chain.sample(self.seq_len + 1, rng))
         return walk[:-1], walk[1:]
 
-    def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
-        """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
-        pairs = [self[i] for i in indices]
-        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
-
-class TokenDataset(Dataset):
+class TokenDataset(_Samples):
     """Map-style dataset over a flat 1-D array of token ids (a memory-mapped token file, or a
     text file's bytes): item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors from the
     window ``tokens[i * seq_len : (i + 1) * seq_len + 1]`` (``target[t] = input[t + 1]``).
 
-    Windows are consecutive and do not overlap except for the one token a window's target shares
-    with the next window's input, so an epoch of a global sampler sees every token once:
-    ``len = (len(tokens) - 1) // seq_len``. Item ``i`` depends only on the array and ``i``, the
-    same in every process, which is what a global sample cursor needs. Reading an item copies
-    its ``seq_len + 1`` tokens out of the array (a memory map is read only where it is used).
+    Consecutive windows share one token, so an epoch sees every token once:
+    ``len = (len(tokens) - 1) // seq_len``. Reading an item copies its ``seq_len + 1`` tokens
+    out of the array (a memory map is read only where it is used).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
@@ -183,16 +177,8 @@ class TokenDataset(Dataset):
         """The largest token id in the array (read once, ``chunk`` tokens at a time)."""
         return max(int(self.tokens[a : a + chunk].max()) for a in range(0, len(self.tokens), chunk))
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = _sample_index(i, self.num_samples, "TokenDataset")
         start = i * self.seq_len
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
-
-    def batch(self, indices: list[int] | range) -> tuple[torch.Tensor, torch.Tensor]:
-        """Items ``indices`` stacked into ``(len(indices), seq_len)`` inputs and targets."""
-        pairs = [self[i] for i in indices]
-        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])

@@ -1,19 +1,11 @@
-"""A small GPT-2-like decoder for the training entry and the tests.
-
-Pre-LN blocks (LayerNorm -> causal self-attention -> residual; LayerNorm -> 4x GELU MLP ->
-residual), learned token and position embeddings, a final LayerNorm and an output head whose
-weight is the token embedding's (weight tying, as GPT-2).
+"""A small GPT-2-like decoder for the training entry and the tests: pre-LN blocks, learned token
+and position embeddings, a final LayerNorm and an output head tied to the token embedding.
 
 [Note: per-module init] Every parameterised leaf module initialises *itself* in its own
-``reset_parameters()`` (GPT-2 style: normal(0, 0.02) for linear and embedding weights, the
-residual projections scaled by 1/sqrt(2 * n_layer), zero biases, LayerNorm ones/zeros). Nothing
-is initialised by a parent walking its children, so a model built on the meta device can be
-materialised one Block at a time by calling ``reset_parameters()`` on each of its modules and
-still get GPT-2's distributions; done in ``modules()`` order under the same seed, it reproduces
-``GPT(config)`` built on a real device under ``torch.manual_seed(s)`` exactly (construction
-initialises in that same order, and a tied output head initialises nothing, so the RNG stream
-lines up).
-"""
+``reset_parameters()`` (GPT-2's distributions), never a parent walking its children, so a model
+built on the meta device and materialised module by module in ``modules()`` order under the same
+seed reproduces ``GPT(config)`` exactly (a tied head initialises nothing, so the RNG stream lines
+up)."""
 
 from __future__ import annotations
 
@@ -76,20 +68,19 @@ class InitEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
 
 
+def _linear(config: GPTConfig, n_in: int, n_out: int, *, residual: bool = False) -> InitLinear:
+    """A block's linear layer; a residual projection's init is scaled down so the residual
+    stream's variance does not grow with depth."""
+    std = INIT_STD / math.sqrt(2 * config.n_layer) if residual else INIT_STD
+    return InitLinear(n_in, n_out, bias=config.bias, init_std=std)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.c_attn = InitLinear(
-            config.n_embd, 3 * config.n_embd, bias=config.bias, init_std=INIT_STD
-        )
-        # Residual projection: scaled so the residual stream's variance does not grow with depth.
-        self.c_proj = InitLinear(
-            config.n_embd,
-            config.n_embd,
-            bias=config.bias,
-            init_std=INIT_STD / math.sqrt(2 * config.n_layer),
-        )
+        self.c_attn = _linear(config, config.n_embd, 3 * config.n_embd)
+        self.c_proj = _linear(config, config.n_embd, config.n_embd, residual=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -103,15 +94,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = InitLinear(
-            config.n_embd, 4 * config.n_embd, bias=config.bias, init_std=INIT_STD
-        )
-        self.c_proj = InitLinear(
-            4 * config.n_embd,
-            config.n_embd,
-            bias=config.bias,
-            init_std=INIT_STD / math.sqrt(2 * config.n_layer),
-        )
+        self.c_fc = _linear(config, config.n_embd, 4 * config.n_embd)
+        self.c_proj = _linear(config, 4 * config.n_embd, config.n_embd, residual=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x)))
@@ -192,11 +176,9 @@ class GPT(nn.Module):
 def default_no_decay(name: str) -> bool:
     """True for parameters that get no weight decay: biases and normalisation weights.
 
-    Decided by *name*, not by ``p.dim()``: under the FSDP engine every parameter a rank sees is
-    a 1-D slice, so nanoGPT's ``p.dim() >= 2`` rule would exempt everything. For this module's
-    names the rule reproduces nanoGPT's grouping on the unsharded model: matrices and embeddings
-    decay; biases and LayerNorm weights do not.
-    """
+    Decided by *name*, not by ``p.dim()``: under FSDP every parameter a rank sees is a 1-D
+    slice, so nanoGPT's ``p.dim() >= 2`` rule would exempt everything; for this module's names
+    it gives nanoGPT's grouping."""
     parts = name.split(".")
     if parts[-1] == "bias":
         return True
@@ -210,10 +192,8 @@ def param_groups(
 ) -> list[dict]:
     """Two AdamW param groups: ``[{decay params, weight_decay}, {no-decay params, 0.0}]``.
 
-    ``model`` is a module (its ``named_parameters()`` are used; for an FSDP-wrapped module these
-    are the original names with each rank's local slice) or an iterable of ``(name, param)``.
-    Frozen parameters are left out; a parameter reached under two names (tied) is kept once.
-    """
+    ``model``: a module (its ``named_parameters()``; under FSDP each rank's local slices) or an
+    iterable of ``(name, param)``. Frozen parameters are left out; a tied one is kept once."""
     named = model.named_parameters() if isinstance(model, nn.Module) else model
     decay: list[nn.Parameter] = []
     keep: list[nn.Parameter] = []

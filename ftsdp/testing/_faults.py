@@ -1,36 +1,8 @@
 """Deterministic fault injection for the fault suite, driven by the ``FTSDP_FAULT`` variable.
 
-``FTSDP_FAULT`` holds faults separated by ``;``, each ``kind:key=value:...``::
-
-    kill:rank=1:step=7                        SIGKILL this worker after step 7
-    stop:rank=1:step=7                        SIGSTOP this worker (a hung rank)
-    term:rank=0:step=5:target=agent           SIGTERM the torchrun agent (or target=self)
-    usr1:rank=0:step=5                        SIGUSR1 this worker
-    exit:rank=1:step=4:code=3                 os._exit(code)
-    hang:rank=1:step=4                        block the main thread forever (heartbeats go on)
-    kill_node:step=7                          SIGKILL the agent, its workers and this process
-    crash_in_save:point=before_manifest:step=10
-                                              die inside the checkpoint write of step 10:
-                                              point=after_data (n=K: after K data objects of
-                                              this rank), before_manifest, before_latest
-
-Common keys: ``rank`` (default: any rank), ``restart`` (fire only when
-``TORCHELASTIC_RESTART_COUNT`` equals it; default 0, so a restarted worker does not fail again;
-``restart=any`` always fires), ``when=before_save|after_save|after_commit`` (relative to the
-checkpoint the loop may start at that step boundary; ``after_commit``: once the save in flight
-there has committed, the one started at that boundary (durable or memory tier) or, at a step
-without one, the async save of an earlier step still uploading, as a kill landing during the
-next step would find it; ``term`` and ``usr1`` default to ``after_save`` so an async save is in
-flight when the signal lands, the others to ``before_save``).
-
-Before firing, a fault appends ``{"event": "fault", ...}`` with the wall time to the JSONL file
-named by ``FTSDP_FAULT_LOG`` (and a warning to this module's logger, which Python prints on
-stderr when nothing is configured), which is how the suite measures detection and recovery
-times. Faults fire at step boundaries (after step ``step`` completed), never on a timer.
-
-This module parses, logs and fires; it imports nothing else of ``ftsdp``. ``_faulty_fs``
-(crash_in_save) imports it, and ``_hook`` composes both into the trainer's step hook.
-"""
+The grammar (``kind:key=value:...`` separated by ``;``), ``when=`` and the fault log
+(``FTSDP_FAULT_LOG``): docs/elastic.md, "Fault injection". Faults fire at step boundaries, never
+on a timer. This module imports nothing else of ``ftsdp``."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """A test-only fsspec filesystem, ``faulty://``, that dies inside a checkpoint write.
 
-It delegates to the local filesystem and writes every object atomically (buffer, temporary
-name, fsync, rename: like an object store's PUT, an object is absent or whole). Armed with
-``crash_in_save`` faults it ``os._exit``s this process at a chosen point of the real commit
-protocol of ``storage.save`` (docs/format.md), so storage itself stays untouched:
-
-- ``after_data`` (n=K): after this rank's K-th data object of the step is durable;
-- ``before_manifest``: when rank 0 is about to write ``step-N/manifest.json`` (the commit);
-- ``before_latest``: after the manifest, when rank 0 is about to write ``latest``.
-
-Because storage treats a non-local filesystem as an object store, the writes go through this
-class; everything else (listing, ranged reads, removal) is passed through.
-
-It imports ``_faults`` (the specs and the log) and nothing else of ``ftsdp``; ``_hook`` arms it.
-"""
+It delegates to the local filesystem and writes every object atomically (buffer, temporary name,
+fsync, rename: an object is absent or whole, as on an object store). Armed with ``crash_in_save``
+faults it ``os._exit``s at a point of ``storage.save``'s real commit protocol: ``after_data``
+(n=K: after this rank's K-th data object is durable), ``before_manifest``, ``before_latest``.
+It imports ``_faults`` and nothing else of ``ftsdp``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """The fault suite's step hook: ``FTSDP_FAULT`` faults fired at the training loop's step
-boundaries, and crash_in_save faults armed on the checkpoint URL (``faulty://``).
-
-It implements the trainer's ``StepHook`` (``ftsdp/trainer/_hooks.py``) by its shape alone, so
-this package imports nothing of the trainer. The training entry plugs it in only when
-``FTSDP_FAULT`` is set (docs/design.md, "Import rules").
-"""
+boundaries, and crash_in_save faults armed on the checkpoint URL (``faulty://``). It is the
+trainer's ``StepHook`` by its shape alone, so this package imports nothing of the trainer."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
 """The one rank spawner of the tests and the benchmarks.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (the ``spawn`` start
-method), initialises a process group in each (a fresh TCP rendezvous on 127.0.0.1), calls
-``fn(rank, world_size, *args)`` and returns the per-rank return values in rank order. A failure
-on any rank raises ``RuntimeError`` with every failed rank's traceback; ranks that do not report
-within ``timeout`` seconds raise it too, naming them and their exit codes, instead of hanging.
-The processes are always reaped: whatever is still alive at the end is killed.
-
-The parent never imports torch (a few seconds on a loaded machine), so a benchmark that only
-plans runs and prints tables stays light: ``fn`` may be a ``"module:function"`` string, resolved
-in the rank. A callable is pickled by reference here and loaded in the rank too, after the
-rank's environment (``OMP_NUM_THREADS`` and the rest) is set. Results travel by value (plain
-pickle), so they must be picklable: tensors, numbers, dicts; an unpicklable one fails its rank.
-
-Spawning costs a couple of seconds per process (importing torch), so a test module spawns once
-and runs its grid of cases inside ``fn``.
-"""
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a process group
+in each, calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank order. A
+failure on any rank, or a rank silent past ``timeout``, raises ``RuntimeError`` with the failed
+ranks' tracebacks or exit codes; the processes are always reaped. The parent never imports torch:
+``fn`` may be a ``"module:function"`` string, resolved in the rank. Results travel by pickle."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """ftsdp.trainer: what composes the engine, the rank manager and storage into a training job.
 
-- :class:`TrainConfig` and ``parse_args`` are the training entry's flags (``_config``); the
-  worker's runtime (rank manager, logs, signals, watchdog, ledger) is the ``Session``
-  (``_session``), what a run works on is the ``Job`` made by ``build`` (``_job``), and ``run``
-  is the step loop (``_loop``); ``python -m ftsdp.train`` runs them.
-- ``_hooks``: the step hook the loop calls at its step boundaries (nothing by default; the
-  fault suite's hook from ``ftsdp.testing`` when ``FTSDP_FAULT`` is set).
-- ``ftsdp.examples.gpt`` (a small GPT) and ``ftsdp.examples.data`` (a synthetic language) are the
-  example the main job trains; ``ftsdp.checkpoint`` the CheckpointManager it saves with.
-"""
+``TrainConfig``/``parse_args`` (``_config``) are the flags, the ``Session`` (``_session``) the
+worker's runtime, ``build`` (``_job``) makes the ``Job``, ``run`` (``_loop``) is the step loop;
+``python -m ftsdp.train`` runs them (docs/training.md, docs/elastic.md, "The training entry")."""
 
 import warnings
 from typing import Any

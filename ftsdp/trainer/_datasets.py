@@ -1,17 +1,5 @@
-"""What the main job trains on (``--data``): the built-in synthetic language, a flat token file or
-a text file, and what a checkpoint records about it.
-
-- ``markov`` (default): :class:`~ftsdp.examples.data.MarkovDataset`, generated on the fly.
-- ``FILE.bin``: a flat array of token ids (the nanoGPT convention: ``uint16``, or ``uint32`` with
-  ``--data-dtype uint32``), memory-mapped with numpy, never read whole.
-- any other file: UTF-8 text, its bytes are the tokens (vocabulary 256), memory-mapped too.
-
-A file is cut into windows of ``block_size + 1`` tokens (:class:`~ftsdp.examples.data.TokenDataset`)
-and the global sampler picks them, so the samples of a step are the same at any world size.
-The checkpoint records ``{"spec", "dtype", "head_sha256", "tokens"}`` (``trainer.data``): a resume
-on other data (another size, dtype or first MiB) is refused; the same file under another path is
-the same data.
-"""
+"""What the main job trains on (``--data``): the synthetic language, a token file or a text file,
+and what a checkpoint records about it (docs/training.md, "--data")."""
 
 from __future__ import annotations
 

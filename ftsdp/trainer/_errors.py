@@ -1,9 +1,5 @@
 """The training entry's user errors: what a user can fix by changing a flag, a file or the
-checkpoint root, as opposed to a bug.
-
-``python -m ftsdp.train`` reports a :class:`JobError` as one line and exits with status 2, without
-a traceback (``ftsdp/train.py``). Each message says what is wrong, where, and how to fix it.
-"""
+checkpoint root; ``python -m ftsdp.train`` reports one as one line and exits with status 2."""
 
 from __future__ import annotations
 

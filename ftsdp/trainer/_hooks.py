@@ -1,18 +1,7 @@
 """The training loop's step hook: fixed points where something outside the product may act.
 
-The loop calls, on every rank:
-
-- ``checkpoint_url(url)`` once, when the job is built: the URL the checkpoints go to (the hook
-  may rewrite it, e.g. to a filesystem that fails on purpose);
-- ``at_step_end(step)`` at every step boundary, after step ``step`` completed and before the
-  ranks agree on preemption and a time-based save (so before any checkpoint of that step);
-- ``after_save(step)`` at every step boundary, after the checkpoint the loop may have started
-  and its log line.
-
-The default, :class:`NoStepHook`, does nothing. The fault suite's hook lives in
-``ftsdp.testing`` and is plugged in by the training entry only when ``FTSDP_FAULT`` is set; it
-satisfies :class:`StepHook` by its shape, so the testing package needs nothing of the trainer.
-"""
+The hook satisfies :class:`StepHook` by its shape, so ``ftsdp.testing`` needs nothing of the
+trainer (docs/elastic.md, "Fault injection")."""
 
 from __future__ import annotations
 

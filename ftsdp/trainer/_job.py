@@ -1,11 +1,8 @@
 """What one training run works on: data, the wrapped model, its loss adapter, optimizer and
 learning-rate schedule, the checkpoints; :func:`build` makes it inside an open session.
 
-The engine is used only through its public wrapper; nothing here knows about flat parameters.
-The model and data come from ``--model`` / ``--data`` (``_models``, ``_datasets``); before the
-model is built, a checkpoint root with committed steps is checked to be this run's
-(``_records``, [Note: refusing another run's checkpoint before loading it]).
-"""
+Before the model is built, a checkpoint root with committed steps is checked to be this run's
+(``_records``; docs/training.md, "What a checkpoint records")."""
 
 from __future__ import annotations
 
@@ -93,7 +90,7 @@ class Job:
     sampler: GlobalSampler
     geometry: BatchGeometry
     n_params: int
-    loss: LossFn = gpt_loss  # (model, x, y) -> mean loss: see [Note: the model adapter]
+    loss: LossFn = gpt_loss  # (model, x, y) -> mean loss (``_models``)
     ckpt: CheckpointManager | None = None  # None without --checkpoint-url
     deterministic_engine: bool = False
     clip: float = math.inf  # max gradient norm; inf only measures it
@@ -222,7 +219,7 @@ def _check_saved_run(
     data: dict[str, Any],
 ) -> SavedRun | None:
     """The newest committed step's trainer values under ``url`` (None: none), refused when
-    they are another run's ([Note: refusing another run's checkpoint before loading it]);
+    they are another run's (before anything is loaded);
     clears a memory tier holding another run's steps."""
     if url is None or cfg.checkpoint_url is None:
         return None

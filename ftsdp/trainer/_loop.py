@@ -1,19 +1,9 @@
 """The training entry's step loop: resume, gradient accumulation, the step boundary (agreement,
 checkpoints, the step hook), and rank 0's log lines.
 
-The engine is used only through its public wrapper (the model's forward through the job's loss
-adapter, ``no_sync()``, ``clip_grad_norm_``, the sharded state dicts); nothing here knows about
-flat parameters. With ``--mixed-precision fp16`` the loss is scaled by the job's
-``ShardedGradScaler``, whose state is saved with the trainer values (``grad_scaler``).
-
-[Note: one agreement per step boundary]
-After every optimizer step the ranks run one ``all_reduce(MAX)`` over two flags: "a rank was
-preempted" and "a time-based checkpoint is due on some rank". Every rank therefore takes the
-same decision at the same step (save, stop), and a rank that was not signalled still saves
-with the others. The step hook (``_hooks``) is called at the same boundary: ``at_step_end``
-just before the agreement, ``after_save`` after the checkpoint and its log line; the fault
-suite fires its faults there and measures recovery from them.
-"""
+At every step boundary the ranks run one ``all_reduce(MAX)`` over "a rank was preempted" and "a
+time-based checkpoint is due", so every rank takes the same decision at the same step; the hook's
+``at_step_end`` runs just before it, ``after_save`` after the checkpoint and its log line."""
 
 from __future__ import annotations
 
@@ -50,13 +40,10 @@ class Outcome:
 
 
 def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any]) -> int | None:
-    """Load the newest usable checkpoint into the job and ``trainer``; log it. The step it
-    resumed from, None when there was none.
-
-    The template handed to the checkpoint has exactly the trainer keys the newest step saved
-    (peeked when the job was built), so a checkpoint without ``model``/``data`` records or
-    with a grad scaler's state still loads; what it recorded is checked again here, in case
-    the resume fell back to an older step."""
+    """Load the newest usable checkpoint into the job and ``trainer``, log it, and return its
+    step (None: none). The template has exactly the trainer keys the newest step saved (one
+    without ``model``/``data`` records, or with a grad scaler's state, still loads); what it
+    recorded is checked again, in case the resume fell back to an older step."""
     rm, log, ckpt = session.rm, session.log, job.ckpt
     assert ckpt is not None
     template: dict[str, Any] = (
@@ -172,7 +159,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
 
 
 def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
-    """Resume if there is a checkpoint, then train up to ``cfg.steps``; see the module note."""
+    """Resume if there is a checkpoint, then train up to ``cfg.steps``; see the module docstring."""
     rm, log, hook, preempt = session.rm, session.log, session.hook, session.preempt
     trainer: dict[str, Any] = {
         "step": 0,
@@ -197,7 +184,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     while step < cfg.steps:
         lr = float(job.scheduler.get_last_lr()[0])  # a float schedule (torch allows tensors)
         losses, grad_norm = _step(job, rm, cursor, scale)
-        if out.steps_run == 0:  # [Note: the phases of a worker's start] (_phases)
+        if out.steps_run == 0:  # the phases record, after the first step
             _log_phases(session, resumed_from)
         if session.ledger is not None:
             record = {
@@ -217,7 +204,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
             session.watchdog.beat(step)
         window.append(losses)
 
-        # The step boundary: see [Note: one agreement per step boundary].
+        # The step boundary: see the module docstring.
         hook.at_step_end(step)
         due = job.ckpt is not None and job.ckpt.due(step)
         stop, save_due = rm.agree_any(preempt.requested, due)

@@ -1,31 +1,8 @@
-"""What the main job trains (``--model``), the one adapter the loop calls for the loss, and
-``--init-from``.
+"""What the main job trains (``--model``: ``gpt``, ``hf:DIR``, ``py:MODULE:FUNCTION``), the one
+adapter the loop calls for the loss, and ``--init-from`` (docs/training.md, "--model").
 
-- ``gpt`` (default): the built-in :class:`~ftsdp.examples.gpt.GPT`, shaped by ``--vocab-size``,
-  ``--block-size``, ``--n-layer``, ``--n-head``, ``--n-embd``; each ``Block`` is an FSDP unit.
-- ``hf:DIR``: a Hugging Face causal LM built from the ``config.json`` in the local directory
-  ``DIR`` with ``transformers.AutoModelForCausalLM.from_config`` (random init under ``--seed``;
-  nothing is downloaded, no code from ``DIR`` runs). The classes named by the model's
-  ``_no_split_modules`` (``GPT2Block``, ``LlamaDecoderLayer``, ...) are the FSDP units. Needs
-  ``transformers`` (``pip install 'ftsdp[hf]'``).
-- ``py:MODULE:FUNCTION``: ``FUNCTION(cfg)`` from the importable module ``MODULE`` (the working
-  directory and ``PYTHONPATH`` are searched), called once per rank under
-  ``torch.manual_seed(cfg.seed)`` with the :class:`~ftsdp.trainer.TrainConfig`; it returns an
-  ``nn.Module`` on the CPU, or ``(module, auto_wrap_policy)`` (a set of module classes or a
-  callable ``module -> bool``, as for ``ftsdp.FSDP``). Every rank must build the same model.
-  Without a policy a ``transformers`` model is wrapped by its ``_no_split_modules`` and any
-  other module is one unit.
-
-[Note: the model adapter]
 The loop needs one thing of a model: ``loss(model, x, y)``, the mean next-token cross-entropy of
-inputs ``x`` (B, T) against targets ``y`` (B, T) (``y[:, t] = x[:, t + 1]`` of one window), as a
-0-dim tensor. :func:`gpt_loss` calls the built-in GPT as ``model(x, y)`` and takes the loss of its
-``(logits, loss)``. :func:`causal_lm_loss` calls a ``transformers`` model as
-``model(input_ids=x, use_cache=False)`` and computes the cross-entropy of its logits against ``y``
-in fp32 (the same value as passing ``labels``, which ``transformers`` shifts inside; the window
-is already shifted). :func:`module_loss` is the ``py:`` contract: ``model(x, y)`` returns the loss
-or ``(logits, loss)``. ``model`` is the FSDP-wrapped module; its forward gathers each unit.
-"""
+``x`` (B, T) against ``y`` (B, T) as a 0-dim tensor, ``model`` being the FSDP-wrapped module."""
 
 from __future__ import annotations
 
@@ -87,7 +64,7 @@ def gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
 
 def causal_lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """A ``transformers`` causal LM: cross-entropy of ``model(input_ids=x).logits`` against
-    ``y`` in fp32 (see [Note: the model adapter])."""
+    ``y`` in fp32 (the window is already shifted: the same value as passing ``labels``)."""
     out = model(input_ids=x, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())

@@ -1,35 +1,7 @@
 """Where a worker's time goes from its process start to its first step: the ``phases`` record.
 
-[Note: the phases of a worker's start]
-A restarted job spends its recovery time in the new workers before their first step. The entry
-(``ftsdp/train.py``) and the rank manager take wall-clock marks (``time.time()``) on the way, in
-this order (a mark that does not apply is absent, e.g. the store marks in a world of one):
-
-- ``process_start``: the kernel's start time of this process (Linux ``/proc/self/stat``), so the
-  interpreter's own start is covered;
-- ``entry``: the first statement of ``ftsdp/train.py`` (the interpreter and ``site`` are up);
-- ``torch_imported``, ``ftsdp_imported``: after ``import torch``, after ftsdp's own modules;
-- ``store_connected``: a client of torchrun's c10d store (``RankManager.init``);
-- ``joined``: every rank of this incarnation answered the join handshake (``_join``): on rank 0
-  it waits for the slowest peer's start, so that peer's imports show here;
-- ``process_group``: ``init_process_group`` returned and the ranks agreed on the incarnation;
-- ``session_open``: logs, step hook, signal handlers, watchdog and ledger are open;
-- ``built``: model, wrapper, optimizer, checkpoint peek (``ftsdp.trainer._job.build``);
-- ``resumed``: ``CheckpointManager.resume`` returned (the same as ``built`` without a checkpoint);
-- ``first_step``: the first optimizer step of this incarnation completed (on the host: on CUDA
-  its kernels may still be running, no device sync is added for the mark).
-
 A phase is named after the mark that ends it and lasts from the previous mark present
-(:data:`PHASES`). Rank 0 writes one record per incarnation to ``--metrics`` right after its first
-step (before that step's boundary, so a fault there does not lose it)::
-
-    {"event": "phases", "marks": {MARK: wall time, ...}, "seconds": {PHASE: seconds, ...},
-     "total_s": first_step - process_start, "restart_count": N, "generation": N,
-     "incarnation": "...", "world_size": W, "resumed_step": S or null, "time": wall time}
-
-The fault that caused a restart and its detection are in the fault log and in the ``error`` and
-``stall`` records; ``python -m ftsdp.tools.bench_recovery`` joins them (docs/elastic.md).
-"""
+(:data:`PHASES`); the marks and the record: docs/elastic.md, "Recovery time"."""
 
 from __future__ import annotations
 
@@ -70,7 +42,7 @@ def process_start_time() -> float | None:
 
 @dataclass
 class Phases:
-    """Wall-clock marks of one worker's start (see [Note: the phases of a worker's start])."""
+    """Wall-clock marks of one worker's start (see :data:`PHASES`)."""
 
     marks: dict[str, float] = field(default_factory=dict)
 

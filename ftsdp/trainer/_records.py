@@ -1,26 +1,9 @@
 """What a checkpoint of the main job records about what was trained, and the check that a resume
-continues the same run.
+continues the same run (docs/training.md, "What a checkpoint records").
 
-Besides ``step``, ``cursor``, ``restarts``, ``world_size`` and ``config`` (the TrainConfig as a
-JSON string), every checkpoint's trainer values hold two JSON strings (``json.loads`` them):
-
-- ``trainer.model``: ``{"spec": <--model>, "hf_config": <the transformers config as a dict, or
-  null>, "tokenizer_dir": <the absolute path of the hf: directory when it holds tokenizer files,
-  or null>}``;
-- ``trainer.data``: ``{"spec": <--data>, "dtype": <token dtype or null>, "head_sha256": <SHA-256
-  of the file's first MiB, or null>, "tokens": <number of tokens, or null>}`` (null for markov).
-
-They are strings, not nested objects, because storage flattens nested mappings into dotted names
-and a resume must match the saved names exactly. A checkpoint that predates them trained the
-built-in GPT on the synthetic language.
-
-[Note: refusing another run's checkpoint before loading it]
-Before the model is built, rank 0 reads the trainer values of the newest committed step whose
-manifest it can read (:func:`peek`) and broadcasts them; every rank then compares them with this
-run (:func:`mismatch`) and, when they differ, refuses in one line naming the difference. Loading
-first would fail on another model shape with a long ``StateMismatchError`` instead. The same
-comparison runs again after the resume in case it fell back to an older step.
-"""
+``trainer.model`` and ``trainer.data`` are JSON strings, not nested objects: storage flattens
+nested mappings into dotted names and a resume must match the saved names exactly. A checkpoint
+that predates them trained the built-in GPT on the synthetic language."""
 
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
 """The elastic runtime around one worker: rank manager, logs, step hook, signals, watchdog,
 ledger. Built in order on a ``contextlib.ExitStack``; closed in reverse.
 
-[Note: closing the session]
-``Session.open`` opens the parts one by one and registers each one's ``close`` as soon as it is
-open; if opening fails midway, what is already open is closed in reverse and the opening error
-propagates. ``Session.close`` runs every closer in reverse order even when one raises, then
-raises the *first* error (a plain ``ExitStack.close()`` would raise the last, with the others
-chained), and logs the later ones. It is idempotent. Used as a context manager, a session that
-ends with an error records it (an ``error`` event, from any rank) and, if closing fails too,
-logs that and lets the original error propagate.
-
-[Note: the console log]
-The session's first part is the console log (:func:`console_logging`): one handler on the
-``ftsdp`` logger, ``TIME rank R LEVEL LOGGER: message``, INFO and below on stdout (rank 0's
-progress lines: the e2e tests and users read them there), WARNING and above on stderr. Rank 0
-shows ``--log-level`` and up; the other ranks WARNING and up (DEBUG: every rank), so a line is
-not repeated once per rank. It is removed last, so closing errors are still shown. The library
-itself only logs; this handler is the entry's, as a user's own program would configure its own.
-
-The job's ``CheckpointManager`` is not closed here: the loop closes it when training ends, and
-after an error the in-flight async save is abandoned (its thread is a daemon). Waiting for it
-could block on the done marker of a peer that died; the step is then simply not committed.
-"""
+``Session.close`` runs every closer even when one raises, then raises the *first* error (a plain
+``ExitStack.close()`` would raise the last) and logs the later ones. The console log is opened
+first and closed last, so closing errors are still shown. The job's ``CheckpointManager`` is not
+closed here: after an error its in-flight async save is abandoned, as waiting could block on a
+dead peer (docs/elastic.md, "The training entry")."""
 
 from __future__ import annotations
 
@@ -68,8 +52,9 @@ class ConsoleHandler(logging.Handler):
 
 
 def console_logging(level: str, rank: int) -> Callable[[], None]:
-    """Install one :class:`ConsoleHandler` on the ``ftsdp`` logger (see [Note: the console
-    log]); returns the function that removes it and restores the logger's level."""
+    """Install one :class:`ConsoleHandler` on the ``ftsdp`` logger (rank 0 from ``level``, the
+    others from WARNING, DEBUG on every rank); returns the function that removes it and restores
+    the logger's level."""
     root = logging.getLogger("ftsdp")
     wanted = logging.getLevelName(level.upper())
     if not isinstance(wanted, int):
@@ -156,7 +141,7 @@ class MetricsLog:
 
 class Closers:
     """Closers on an ``ExitStack``: :meth:`close` runs them all in reverse, then raises the
-    first error (see [Note: closing the session])."""
+    first error (see the module docstring)."""
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
@@ -183,6 +168,20 @@ class Closers:
 def _open_ledger(path: str) -> IO[str]:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return open(path, "a", encoding="utf-8")  # closed by the session
+
+
+def _close_after(error: BaseException, close: Callable[[], None], what: str) -> None:
+    """``close()`` while ``error`` propagates: a failure of its own is logged, not raised."""
+    try:
+        close()
+    except BaseException as closing:
+        logger.warning(
+            "%s after %s also failed: %s: %s",
+            what,
+            type(error).__name__,
+            type(closing).__name__,
+            closing,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,15 +253,7 @@ class Session:
             if ledger is not None:
                 closers.push(ledger.close)
         except BaseException as opening:
-            try:
-                closers.close()
-            except BaseException as closing:
-                logger.warning(
-                    "closing a half-opened session after %s also failed: %s: %s",
-                    type(opening).__name__,
-                    type(closing).__name__,
-                    closing,
-                )
+            _close_after(opening, closers.close, "closing a half-opened session")
             raise
         phases.mark("session_open")
         return cls(
@@ -301,12 +292,4 @@ class Session:
             )
         except Exception as recording:  # the parts are closed all the same
             logger.warning("could not record %s: %r", type(exc).__name__, recording)
-        try:
-            self.close()
-        except BaseException as closing:
-            logger.warning(
-                "closing the session after %s also failed: %s: %s",
-                type(exc).__name__,
-                type(closing).__name__,
-                closing,
-            )
+        _close_after(exc, self.close, "closing the session")

@@ -1,22 +1,5 @@
-"""``--tensorboard DIR``: rank 0's metrics records as TensorBoard scalars.
-
-The same numbers as the ``--metrics`` JSONL and the ``ftsdp-report`` panels, through
-``torch.utils.tensorboard.SummaryWriter`` (the optional ``tensorboard`` package, imported only
-when the flag is given). Each record's wall time is the scalar's wall time and its ``step`` the
-global step, so TensorBoard's step and wall-time axes show what the report shows:
-
-| record | tags |
-| --- | --- |
-| ``step`` | ``train/loss``, ``train/lr``, ``train/grad_norm``, ``perf/tokens_per_s``, ``perf/s_per_step``, ``elastic/world_size``, ``elastic/restarts`` |
-| ``checkpoint`` | ``checkpoint/blocking_s`` (one point per save) |
-| ``resume`` | ``elastic/resume_s``, ``elastic/world_size`` (at the step resumed from) |
-| ``preempted`` | ``elastic/preempted`` (1 at its step) |
-
-Every incarnation of a restarted job writes a new event file into the same directory, which
-TensorBoard reads as one run; steps that were re-run after a restart appear twice, as in the
-JSONL. Each record is flushed as it is written, so a worker killed with SIGKILL loses nothing
-it logged.
-"""
+"""``--tensorboard DIR``: rank 0's metrics records as TensorBoard scalars (docs/report.md,
+"TensorBoard"). Each record is flushed as it is written, so a SIGKILL loses nothing it logged."""
 
 from __future__ import annotations
 

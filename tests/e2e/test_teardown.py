@@ -2,8 +2,7 @@
 GPT with ``ftsdp.FSDP``, take a step, gather the full state dict and ``close()`` the rank manager.
 
 The race that aborted such a job at exit (SIGABRT, "terminate called without an active
-exception"; [Note: why a finished job aborted at exit] in ``ftsdp/elastic/_teardown.py``) depends
-on the host's load, so one plain run proves little. This runs the stress tool's ``--provoke``
+exception"; docs/elastic.md, "Teardown") depends on the host's load, so one plain run proves little. This runs the stress tool's ``--provoke``
 variant, which makes it likely: a subgroup that outlives ``close()`` with a collective still in
 flight on it, and the main thread keeping the GIL. On the code before the teardown fix 7 of 12
 such runs aborted one at a time; with two side by side (as here) the old code aborted in 3 of 3
