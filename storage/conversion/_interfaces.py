@@ -1,22 +1,8 @@
-"""What every format implements, and what streams between them.
+"""What every format implements (``Source``, ``Sink``) and what streams between them (``Feed``).
 
-A ``Source`` is a checkpoint opened for reading, a ``Sink`` a destination to write one to, and a
-``Feed`` serves what a sink writes from a source in bounded chunks. ``storage/conversion/_formats.py`` maps
-each format's name to its source, sink and detector.
-
-A ``Source`` knows its tensors (name, shape, dtype) and non-tensor values without reading tensor
-data, and fills caller-owned 1-D buffers with flat ranges of its tensors (``read_into``).
-
-A ``Feed``: writers ask for flat ranges of *output* tensors in the order they write them; the feed
-maps each output name to its source tensor, cuts the ranges into requests of at most the chunk
-size, reads groups of consecutive requests with one ``read_into`` call (so small tensors share a
-read), casts, counts the bytes for progress and yields one 1-D tensor per request (see [Note: the
-memory budget] in ``storage/io/_streaming.py``).
-
-A ``Sink`` writes everything it is fed, then its commit file last (the native format's manifest,
-the hf index, DCP's ``.metadata``; a torch file is itself written whole or not at all), every
-file through the store (``Store.write``: atomic), so an interrupted conversion never leaves a
-destination that looks complete.
+``storage/conversion/_formats.py`` maps each format's name to its source, sink and detector. A
+sink writes every file through the store (atomic), its commit file last, so an interrupted
+conversion never leaves a destination that looks complete (docs/cli.md, "Errors and exit codes").
 """
 
 from __future__ import annotations
@@ -33,7 +19,8 @@ from ftsdp.storage.io._streaming import Meter, Request, TensorInfo, group_reques
 
 
 class Source(abc.ABC):
-    """A checkpoint opened for reading (see the module docstring)."""
+    """A checkpoint opened for reading: its tensors (name, shape, dtype) and non-tensor values
+    known without reading tensor data."""
 
     format: str = ""
 
@@ -65,7 +52,9 @@ class OutTensor:
 
 
 class Feed:
-    """Serve ranges of output tensors from ``source`` (see the module docstring)."""
+    """Serves flat ranges of output tensors from ``source`` in requests of at most ``chunk``
+    bytes, consecutive ones read with one ``read_into`` (see [Note: the memory budget] in
+    ``storage/io/_streaming.py``)."""
 
     def __init__(self, source: Source, outputs: list[OutTensor], chunk: int, meter: Meter) -> None:
         self.source, self.chunk, self.meter = source, chunk, meter
@@ -112,7 +101,7 @@ class Feed:
 
 
 class Sink(abc.ABC):
-    """A destination of one format at ``store``'s root (see the module docstring)."""
+    """A destination of one format at ``store``'s root."""
 
     def __init__(self, store: Store) -> None:
         self.store = store

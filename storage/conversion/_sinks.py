@@ -1,24 +1,12 @@
 """Writers of the ``ftsdp``, ``hf`` and ``torch`` formats, streaming from a ``Feed`` (``dcp`` is in
-``storage/conversion/_dcp.py``). Every file goes through the sink's ``Store`` (atomic, retried), the commit
-file last (see ``Sink`` in ``storage/conversion/_interfaces.py``).
-
-- ``ftsdp``: the objects of a ``world_size``-rank layout (each tensor split into ``world_size``
-  even flat ranges, as a sharded save would write it), committed by ``storage/saving/_commit.py``, the
-  same code as ``save``'s.
-- ``hf``: safetensors files of at most ``max_shard_bytes`` each (one ``model.safetensors`` when
-  everything fits), then ``model.safetensors.index.json`` when there are several.
-- ``torch``: one ``torch.save`` file, written whole or not at all.
+``_dcp.py``); docs/cli.md, "Formats", says what each writes.
 
 [Note: a sink deletes only what it wrote]
-A destination folder may hold anything: the user's own files, another tool's. A sink deletes only
-the files of the checkpoint it replaces (``overwrite``), named by that checkpoint's commit file
-(an hf index's files, DCP's ``.metadata``'s, a step's manifest's), and the commit file itself. A
-file it is about to write that exists and is neither of those is refused unless ``overwrite``
-(then the atomic write replaces it). Before the first data file of a folder format, the sink
-writes ``.ftsdp-writing.json`` listing the files it is about to write, and removes it after the
-commit: the files an interrupted write left are then known to be its own, so a later write
-replaces them, or deletes them when it no longer writes those names, without ``overwrite``. Only
-names of the format's own scheme (hf shards, DCP items) are ever taken from that record.
+``overwrite`` removes only the checkpoint its commit file names, and a file about to be written
+that is not the sink's own is refused without it. A folder sink first writes ``PENDING`` listing
+the files it will write, and removes it after the commit, so an interrupted write's files are
+known to be its own; only names of the format's own scheme are taken from that record
+(docs/cli.md, "Threat model": "A writer deletes only what it wrote").
 """
 
 from __future__ import annotations
@@ -26,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import IO, Any
@@ -309,16 +298,11 @@ class HfSink(Sink):
 class TorchSink(Sink):
     """One ``torch.save`` file of the flat state dict (tensors and values by dotted name).
 
-    [Note: a torch file without holding its tensors] ``torch.save`` under
-    ``torch.serialization.skip_data()`` writes the file's structure with uninitialised tensors
-    (``torch.empty``: address space, not resident memory) and seeks over their bytes, so the
-    skeleton is a sparse local scratch file of almost no disk; loading it on the meta device gives
-    each storage's byte offset. The real file is then streamed out in order through the store:
-    the skeleton's bytes up to a storage, that storage's bytes from the feed, and so on.
+    [Note: a torch file without holding its tensors] ``torch.save`` under ``skip_data()`` writes
+    a sparse local skeleton (uninitialised tensors, their bytes skipped); loaded on the meta
+    device it gives each storage's offset. The file is streamed out through the store: skeleton
+    bytes up to a storage, that storage's bytes from the feed, and so on.
     """
-
-    def __init__(self, store: Store) -> None:
-        super().__init__(store)
 
     def holds_checkpoint(self) -> bool:
         if self.store.isdir():
@@ -326,9 +310,6 @@ class TorchSink(Sink):
                 f"{self.store.url} is a directory; the torch format writes one file"
             )
         return self.store.exists()
-
-    def clear(self) -> None:
-        """Nothing: the new file replaces the old one whole."""
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
@@ -356,7 +337,7 @@ class TorchSink(Sink):
                         for data in feed.stream(feed.requests(t.name, 0, t.numel)):
                             out.write(tensor_bytes(data))
                         skel.seek(t.nbytes, os.SEEK_CUR)
-                    _copy(skel, out, -1)  # the rest: the zip directory
+                    shutil.copyfileobj(skel, out)  # the rest: the zip directory
 
             self.store.write("", produce)  # the store is rooted at the file itself
         finally:
@@ -365,12 +346,10 @@ class TorchSink(Sink):
 
 
 def _copy(src: IO[bytes], dst: IO[bytes], n: int) -> None:
-    """Copy ``n`` bytes (-1: all that is left) of ``src`` to ``dst``, a MiB at a time."""
-    while n:
-        data = src.read(1 << 20 if n < 0 else min(n, 1 << 20))
+    """Copy ``n`` bytes of ``src`` to ``dst``, a MiB at a time."""
+    while n > 0:
+        data = src.read(min(n, 1 << 20))
         if not data:
-            if n > 0:
-                raise OSError("the torch.save skeleton is shorter than its offsets say")
-            return
+            raise OSError("the torch.save skeleton is shorter than its offsets say")
         dst.write(data)
-        n -= len(data) if n > 0 else 0
+        n -= len(data)
