@@ -67,44 +67,6 @@ def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) 
         )
 
 
-def check_options(
-    src: str,
-    dst: str,
-    to: str,
-    *,
-    dtype: torch.dtype | None,
-    rename: Sequence[tuple[str, str]],
-    world_size: int | None,
-    max_shard_bytes: int | None,
-    max_memory: int,
-    storage_options: dict[str, Any] | None = None,
-    strip_prefix: str | None = None,
-    extra_names: Sequence[str] = (),
-) -> int:
-    """ValueError for conflicting or invalid options, or overlapping locations; returns the chunk
-    size of the budget. ``extra_names`` are the names of the extra and copied files asked for."""
-    get_format(to)  # ValueError for an unknown format
-    if world_size is not None and (to != "ftsdp" or world_size < 1):
-        raise ValueError(
-            f"world_size={world_size} conflicts with --to {to}: only the ftsdp format has a world "
-            "size (>= 1)"
-        )
-    if max_shard_bytes is not None and (to != "hf" or max_shard_bytes < 1):
-        raise ValueError(
-            f"max_shard_bytes={max_shard_bytes} conflicts with --to {to}: only hf output is sharded by size"
-        )
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype} is not a floating dtype (only floating tensors are cast)")
-    for old, new in rename:
-        if not old:
-            raise ValueError(f"rename {old!r}={new!r}: the old prefix must not be empty")
-    if strip_prefix is not None and not strip_prefix:
-        raise ValueError("strip_prefix='' strips nothing; pass None or a prefix such as 'model.'")
-    _check_extra_names(dst, to, extra_names)
-    check_locations(src, dst, storage_options)
-    return chunk_bytes(max_memory)
-
-
 def _check_extra_names(dst: str, to: str, names: Sequence[str]) -> None:
     """ValueError for extra files where they cannot go: another format than an hf folder, a name
     that is not one plain file name, one of the hf checkpoint's own names, or twice the same."""
@@ -258,11 +220,26 @@ def convert(
     ``src`` and ``dst``.
     """
     extra_files = dict(extra_files or {})
-    chunk = check_options(
-        src, dst, to, dtype=dtype, rename=rename, world_size=world_size,
-        max_shard_bytes=max_shard_bytes, max_memory=max_memory, storage_options=storage_options,
-        strip_prefix=strip_prefix, extra_names=[*extra_files, *copy_files],
-    )  # fmt: skip
+    get_format(to)  # ValueError for an unknown format
+    if world_size is not None and (to != "ftsdp" or world_size < 1):
+        raise ValueError(
+            f"world_size={world_size} conflicts with --to {to}: only the ftsdp format has a world "
+            "size (>= 1)"
+        )
+    if max_shard_bytes is not None and (to != "hf" or max_shard_bytes < 1):
+        raise ValueError(
+            f"max_shard_bytes={max_shard_bytes} conflicts with --to {to}: only hf output is sharded by size"
+        )
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} is not a floating dtype (only floating tensors are cast)")
+    for old, new in rename:
+        if not old:
+            raise ValueError(f"rename {old!r}={new!r}: the old prefix must not be empty")
+    if strip_prefix is not None and not strip_prefix:
+        raise ValueError("strip_prefix='' strips nothing; pass None or a prefix such as 'model.'")
+    _check_extra_names(dst, to, [*extra_files, *copy_files])
+    check_locations(src, dst, storage_options)
+    chunk = chunk_bytes(max_memory)
     source = open_source(src, src_format, step, storage_options, chunk, trust_pickle=trust_pickle)
     with closing(source):
         outputs, values = select(
