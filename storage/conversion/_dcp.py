@@ -124,13 +124,10 @@ class DcpSource(Source):
             if key in failed:
                 self.dropped.append(f"{key} (not loadable with weights_only=True)")
                 continue
-            value = state[key]
-            if isinstance(value, tuple):
-                value = list(value)
-            try:
-                self.values[key] = json.loads(json.dumps(value))
+            try:  # a tuple becomes a list, as JSON has it
+                self.values[key] = json.loads(json.dumps(state[key]))
             except (TypeError, ValueError):
-                self.dropped.append(f"{key} ({type(value).__name__} is not JSON)")
+                self.dropped.append(f"{key} ({type(state[key]).__name__} is not JSON)")
 
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
         """``(flat offset, length, file, byte offset)`` of each saved chunk of ``name`` when every

@@ -75,20 +75,17 @@ class Feed:
     def stream(self, requests: list[Request]) -> Iterator[torch.Tensor]:
         """One 1-D tensor (output dtype) per request, in order; a group of them read at a time."""
         for group in group_requests(requests, self._sizes, self.chunk):
-            outs = []
+            reads = []
             for r in group:
-                src = self.source.tensors[self.outputs[r.name].source_name]
-                outs.append(torch.empty(r.length, dtype=src.dtype))
-            self.source.read_into(
-                [
-                    (self.outputs[r.name].source_name, r.offset, o)
-                    for r, o in zip(group, outs, strict=True)
-                ]
-            )
-            for r, o in zip(group, outs, strict=True):
+                name = self.outputs[r.name].source_name
+                reads.append(
+                    (name, r.offset, torch.empty(r.length, dtype=self.source.tensors[name].dtype))
+                )
+            self.source.read_into(reads)
+            for r, (_, _, o) in zip(group, reads, strict=True):
                 self.meter.add(o.numel() * o.element_size())
                 yield o.to(self.outputs[r.name].info.dtype)
-            del outs
+            del reads
 
     def block(self, info: TensorInfo, offset: int, length: int) -> torch.Tensor:
         """Elements ``[offset, offset + length)`` of output ``info`` as one tensor."""

@@ -91,12 +91,13 @@ class FtsdpSink(Sink):
         crcs: list[list[int]] = []
 
         def produce(f: IO[bytes]) -> None:
-            pieces, requests = [], []
-            for i, p in enumerate(obj.pieces):
-                for r in feed.requests(p.name, p.offset, p.length):
-                    pieces.append(i)
-                    requests.append(r)
-            chunks = zip(pieces, feed.stream(requests), strict=True)
+            requests = [
+                (i, r)
+                for i, p in enumerate(obj.pieces)
+                for r in feed.requests(p.name, p.offset, p.length)
+            ]
+            data = feed.stream([r for _, r in requests])
+            chunks = zip([i for i, _ in requests], data, strict=True)
             block = self.options.checksum_block_bytes
             crcs[:] = write_object(f, obj.head, len(obj.pieces), chunks, block)
             if f.tell() != obj.size:  # the plan's byte layout is what the manifest will say
@@ -106,8 +107,8 @@ class FtsdpSink(Sink):
         return crcs
 
 
-def _safetensors_head(infos: list, values: dict[str, Any] | None) -> tuple[bytes, int]:
-    """Header bytes (8-byte length + JSON padded to 8) and payload size of a safetensors file."""
+def _safetensors_head(infos: list, values: dict[str, Any] | None) -> bytes:
+    """Header bytes (8-byte length + JSON padded to 8) of a safetensors file."""
     meta = {"format": "pt"}
     if values:
         meta[HF_VALUES_KEY] = json.dumps(values, separators=(",", ":"))
@@ -122,7 +123,7 @@ def _safetensors_head(infos: list, values: dict[str, Any] | None) -> tuple[bytes
         pos += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, pos
+    return len(text).to_bytes(8, "little") + text
 
 
 PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)
@@ -202,12 +203,7 @@ class HfSink(Sink):
         super().__init__(store)
         self.single_file = store.url.endswith(".safetensors")  # the store is rooted at the file
         self.max_shard_bytes, self.overwrite = max_shard_bytes, overwrite
-        self.extra = list(extra)
-        if self.extra and self.single_file:
-            raise ValueError(
-                f"{store.url} is one .safetensors file: the files {[n for n, _ in self.extra]} "
-                "need a directory as destination"
-            )
+        self.extra = list(extra)  # convert refuses them for a single file
 
     def _indexed(self) -> list[str]:
         """The plain file names the index there lists ([] when it is unreadable)."""
@@ -248,29 +244,27 @@ class HfSink(Sink):
                 used = 0
             shards[-1].append(t)
             used += t.nbytes
-        url = self.store.url
-        if len(shards) > 1 and self.single_file:
+        url, n = self.store.url, len(shards)
+        if n > 1 and self.single_file:
             raise ValueError(
-                f"{url}: a single .safetensors file cannot be split into {len(shards)} shards; "
+                f"{url}: a single .safetensors file cannot be split into {n} shards; "
                 "give a directory as destination or drop --max-shard-size"
             )
-        n = len(shards)
         names = (
             [HF_SINGLE]
             if n == 1
             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
         extra_names = [name for name, _ in self.extra]
-        scheme = HF_SHARD
-        if extra_names:  # an interrupted write's extra files are its own too
+        if not self.single_file:  # extra files are the write's own too; a lone model.safetensors
+            # is its own commit, recorded only with extra files
             scheme = re.compile("|".join([HF_SHARD.pattern, *map(re.escape, extra_names)]))
-        pending = None if self.single_file else Pending(self.store, scheme)
-        if pending is not None:  # one model.safetensors is its own commit: nothing to record
+            pending = Pending(self.store, scheme)
             pending.claim([*extra_names, *names], self.overwrite, record=n > 1 or bool(extra_names))
         for name, produce_extra in self.extra:  # before the tensors: a complete look has them
             self.store.write(name, produce_extra)
         for i, (shard, name) in enumerate(zip(shards, names, strict=True)):
-            head, _ = _safetensors_head(shard, values if i == 0 else None)
+            head = _safetensors_head(shard, values if i == 0 else None)
             requests = [r for t in shard for r in feed.requests(t.name, 0, t.numel)]
 
             def produce(f: IO[bytes], head: bytes = head, requests: list = requests) -> None:
@@ -281,7 +275,6 @@ class HfSink(Sink):
             self.store.write("" if self.single_file else name, produce)
         if self.single_file:
             return [url]
-        assert pending is not None  # every other write claims its names
         if n > 1:
             index = {
                 "metadata": {"total_size": sum(t.nbytes for t in infos)},
@@ -289,10 +282,8 @@ class HfSink(Sink):
             }
             self.store.write_bytes(HF_INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
         pending.release()
-        extras = [f"{url}/{name}" for name in extra_names]
-        if n == 1:
-            return [f"{url}/{names[0]}", *extras]
-        return [f"{url}/{HF_INDEX}", *(f"{url}/{name}" for name in names), *extras]
+        written = names if n == 1 else [HF_INDEX, *names]
+        return [f"{url}/{name}" for name in [*written, *extra_names]]
 
 
 class TorchSink(Sink):
