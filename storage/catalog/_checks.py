@@ -295,11 +295,8 @@ def verify(
     fmt = detect_format(url, storage_options)
     report = VerifyReport(given, fmt)
     if fmt != "ftsdp":
-        if step is not None:
-            raise ValueError(
-                f"a step was given but {url} is a {fmt} checkpoint, which has no steps"
-            )
-        source = open_source(url, fmt, None, storage_options, chunk, trust_pickle=trust_pickle)
+        # open_source refuses a step for a format without steps
+        source = open_source(url, fmt, step, storage_options, chunk, trust_pickle=trust_pickle)
         with closing(source):
             meter = Meter(sum(t.nbytes for t in source.tensors.values()), progress)
             report.checked = [None]
