@@ -306,9 +306,6 @@ class DcpSink(Sink):
         files = {info.relative_path for info in metadata.storage_data.values()}
         return [DCP_METADATA, *sorted(f for f in files if f in listing and f != DCP_METADATA)]
 
-    def holds_checkpoint(self) -> bool:
-        return self.store.exists(DCP_METADATA)
-
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
     ) -> list[str]:

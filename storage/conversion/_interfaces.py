@@ -103,9 +103,9 @@ class Sink(abc.ABC):
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    @abc.abstractmethod
     def holds_checkpoint(self) -> bool:
         """True when the destination already holds a checkpoint of this format."""
+        return bool(self.existing())
 
     def existing(self) -> list[str]:
         """The files of this format at the destination (relative to the store), the commit file

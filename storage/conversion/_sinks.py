@@ -228,9 +228,7 @@ class HfSink(Sink):
     def holds_checkpoint(self) -> bool:
         """A single file, or a directory with an index or ``model.safetensors``; shards without
         an index are what an interrupted write leaves."""
-        if self.single_file:
-            return self.store.exists()
-        return bool(self.existing())
+        return self.store.exists() if self.single_file else super().holds_checkpoint()
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
