@@ -52,9 +52,7 @@ def _step_dirs(store: Store) -> tuple[list[int], list[int]]:
 def _step_directory(
     url: str, step: int | None, storage_options: dict | None
 ) -> tuple[str, int | None]:
-    """``(root, N)`` for a step directory ``ROOT/step-N`` (never read as loose hf files),
-    ``(url, step)`` for anything else. ValueError for a ``step`` other than N, and for a directory
-    not named ``step-<N>`` holding this format's ``manifest.json``."""
+    """``(root, N)`` for a step directory ``ROOT/step-N``, else ``(url, step)``."""
     store = Store(url, storage_options)
     if not store.isdir() or MANIFEST not in store.listdir():
         return url, step
@@ -133,8 +131,7 @@ class VerifyReport:
 def _check_header(
     store: Store, step: int, name: str, pieces: list[tuple[str, str, Piece]], problems: list[str]
 ) -> bool:
-    """Check object ``name``'s safetensors header against its pieces in the manifest (place,
-    dtype, shape); False when the header cannot be read at all."""
+    """Check an object's header against its manifest pieces; False when it cannot be read."""
     rel = f"{step_dir(step)}/{name}"
     url = store.where(rel)
     try:

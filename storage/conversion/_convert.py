@@ -68,8 +68,7 @@ def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) 
 
 
 def _check_extra_names(dst: str, to: str, names: Sequence[str]) -> None:
-    """ValueError for extra files where they cannot go: another format than an hf folder, a name
-    that is not one plain file name, one of the hf checkpoint's own names, or twice the same."""
+    """ValueError for extra file names an hf folder destination cannot take."""
     if not names:
         return
     if to != "hf" or dst.rstrip("/").endswith(".safetensors"):
@@ -93,9 +92,7 @@ def _extra_writers(
     storage_options: dict[str, Any] | None,
     chunk: int,
 ) -> list[tuple[str, Callable[[IO[bytes]], None]]]:
-    """(name, produce) for each extra file: the given bytes, then each of ``copy_files`` found
-    as a file in the directory ``copy_files_from`` (absent ones, or an absent directory, are
-    skipped), streamed through the store ``chunk`` bytes at a time."""
+    """(name, produce) of each extra file, then of each of ``copy_files`` found."""
     out: list[tuple[str, Callable[[IO[bytes]], None]]] = []
     for name, data in extra_files.items():
         if not isinstance(data, (bytes, bytearray)):

@@ -130,9 +130,7 @@ class DcpSource(Source):
                 self.dropped.append(f"{key} ({type(state[key]).__name__} is not JSON)")
 
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
-        """``(flat offset, length, file, byte offset)`` of each saved chunk of ``name`` when every
-        chunk is a row block stored as a plain ``torch.save`` item (what FSDP2 and ``Shard(0)``
-        write); None otherwise (the tensor is then read whole through ``dcp.load``)."""
+        """(flat offset, length, file, byte offset) of each saved row block; None if not all are."""
         if name in self._layouts:
             return self._layouts[name]
         self._layouts[name] = None

@@ -69,9 +69,7 @@ def _layout(name: str) -> torch.layout:
 
 @functools.cache
 def _admitted() -> dict[tuple[str, str], Any]:
-    """``(module, name)`` -> object: everything a pickle of DCP's ``Metadata`` may name (see
-    [Note: DCP's metadata is a pickle]). Checked against what torch writes by
-    tests/unit/test_storage_trust.py."""
+    """``(module, name)`` -> object: what a pickle of DCP's ``Metadata`` may name."""
     dcp_classes = (
         Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata, BytesStorageMetadata,
         ChunkStorageMetadata, TensorProperties, _MEM_FORMAT_ENCODING,
@@ -346,8 +344,7 @@ class StoreWriter(_OnStore, StorageWriter):
         return _done(results)
 
     def _write_item(self, name: str, item: WriteItem, data: Any) -> int:
-        """Write one item as the file ``name``; its length. Its data is freed on return, before
-        the next item is resolved."""
+        """Write one item as the file ``name``; its length (its data freed on return)."""
         if isinstance(data, torch.Tensor):
             data = data.detach().cpu()
             if data.untyped_storage().nbytes() != data.nbytes:

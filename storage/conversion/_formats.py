@@ -72,9 +72,7 @@ def _dcp_sink(store: Store, options: SinkOptions) -> Sink:
 
 
 def _is_ftsdp_root(p: Probe) -> bool:
-    """A directory with ``latest`` or a ``step-<N>`` directory: the markers only this format
-    writes. Whatever else lies there (a ``.metadata``, ``.safetensors`` files), it is an ftsdp
-    root, and nothing else in it is read (docs/format.md, "Threat model")."""
+    """A directory with ``latest`` or a ``step-<N>`` directory, whatever else it holds."""
     return not p.is_file and (LATEST in p.names or any(parse_step(n) is not None for n in p.dirs))
 
 

@@ -140,8 +140,7 @@ class Pending:
         self.recorded = False
 
     def _earlier(self) -> list[str] | None:
-        """The files an interrupted write recorded; None when the record is there but is not
-        one (someone else's file)."""
+        """The files an interrupted write recorded; None when the record is not ours."""
         try:
             record = json.loads(self.store.read_bounded(PENDING, MAX_MANIFEST_BYTES))
         except FileNotFoundError:
@@ -184,14 +183,10 @@ class Pending:
 
 
 class HfSink(Sink):
-    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``.
-
-    ``overwrite`` removes the checkpoint there: the index and the files it lists, or
-    ``model.safetensors`` (see [Note: a sink deletes only what it wrote]); a single-file
-    destination is replaced whole by the atomic write. ``extra``: (plain name, produce) of files
-    written into a folder destination before the tensors (a ``config.json``, tokenizer files),
-    recorded in the write-in-progress record with them; they are not part of the checkpoint's
-    commit file, so ``overwrite`` replaces them but never deletes them."""
+    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``
+    (see [Note: a sink deletes only what it wrote]). ``extra``: (plain name, produce) of files
+    written before the tensors and recorded with them; no commit file lists them, so
+    ``overwrite`` replaces them but never deletes them."""
 
     def __init__(
         self,

@@ -42,8 +42,7 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def _cast_ok(saved: torch.dtype, target: torch.dtype) -> bool:
-    """True when every value of ``saved`` is a value of ``target``: an implicit cast is allowed
-    (see [Note: the cast rule])."""
+    """Whether every value of ``saved`` is a value of ``target`` ([Note: the cast rule])."""
     if saved == target:
         return True
     kind = _kind(saved)
@@ -57,16 +56,14 @@ def _cast_ok(saved: torch.dtype, target: torch.dtype) -> bool:
 
 
 def _target_dtype(dtype: torch.dtype | None, current: torch.dtype) -> tuple[torch.dtype, bool]:
-    """The dtype a tensor of dtype ``current`` gets, and whether ``dtype`` asked for it: ``dtype``
-    applies to the tensors of its own kind (a floating dtype to floating tensors)."""
+    """(target dtype, asked for): ``dtype`` for tensors of its kind, else ``current``."""
     if dtype is not None and _kind(dtype) == _kind(current):
         return dtype, True
     return current, False
 
 
 def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bool]]) -> None:
-    """Raise ``StateMismatchError`` for the casts ``(name, saved, target, explicit)`` that the
-    cast rule refuses; nothing has been read or written yet."""
+    """StateMismatchError for the ``(name, saved, target, explicit)`` casts refused."""
     refused = [(n, s, t) for n, s, t, explicit in casts if not explicit and not _cast_ok(s, t)]
     if refused:
         listed = ", ".join(f"{n!r} (saved {s}, target {t})" for n, s, t in refused[:10])
@@ -145,8 +142,7 @@ def _read_group(
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
-    """Copy ``src`` (CPU, contiguous, ``dst``'s shape) into the contiguous ``dst`` (any dtype and
-    device) a chunk at a time: a copy across devices and dtypes needs a temporary per chunk."""
+    """Copy ``src`` (CPU) into ``dst`` (any dtype and device) a chunk at a time."""
     d, s = dst.detach().view(-1), src.view(-1)
     step = max(1, chunk // max(d.element_size(), s.element_size()))
     for a in range(0, d.numel(), step):
