@@ -136,13 +136,18 @@ def detect_format(url: str, storage_options: dict | None = None) -> str:
         listing = store.listdir()
         dirs = frozenset(n for n, (kind, _) in listing.items() if kind == "directory")
         probe = Probe(store.url, False, frozenset(listing), b"", dirs)
-    if MANIFEST in probe.names and _holds_own_manifest(store):
+    if MANIFEST in probe.names:
         # A step directory: its objects are safetensors files, but reading them as hf would skip
-        # the manifest and its checksums.
-        raise ValueError(
-            f"{url} is a step directory of an ftsdp checkpoint; pass its parent (the checkpoint "
-            "root) and the step (step=N, --step N)"
-        )
+        # the manifest and its checksums (someone else's manifest.json is no step's).
+        try:
+            read_manifest_file(store, MANIFEST)
+        except CheckpointError:
+            pass
+        else:
+            raise ValueError(
+                f"{url} is a step directory of an ftsdp checkpoint; pass its parent (the "
+                "checkpoint root) and the step (step=N, --step N)"
+            )
     for name in _DETECTION_ORDER:
         if _TABLE[name].detect(probe):
             return name
@@ -155,15 +160,6 @@ def detect_format(url: str, storage_options: dict | None = None) -> str:
         f"no checkpoint found at {url}: expected step-<N>/ dirs (ftsdp), .metadata (dcp), "
         "*.safetensors (hf) or a torch.save file"
     )
-
-
-def _holds_own_manifest(store: Store) -> bool:
-    """Whether the directory's ``manifest.json`` is a manifest of this format (bounded read)."""
-    try:
-        read_manifest_file(store, MANIFEST)
-    except CheckpointError:
-        return False
-    return True
 
 
 def open_source(
