@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +52,7 @@ def _step_dirs(store: Store) -> tuple[list[int], list[int]]:
 def _step_directory(
     url: str, step: int | None, storage_options: dict | None
 ) -> tuple[str, int | None]:
-    """``(root, step)`` for a step directory (``ROOT/step-N``, which holds ``manifest.json``):
-    the root and N, so that it is checked as that ftsdp step and never detected as an hf
-    directory of loose ``.safetensors`` objects; ``(url, step)`` for anything else. ValueError
-    for a ``step`` other than N, and for a directory not named ``step-<N>`` whose
-    ``manifest.json`` is this format's (a step directory copied elsewhere)."""
+    """``(root, N)`` for a step directory ``ROOT/step-N``, else ``(url, step)``."""
     store = Store(url, storage_options)
     if not store.isdir() or MANIFEST not in store.listdir():
         return url, step
@@ -93,8 +90,7 @@ def inspect_checkpoint(
         if not committed:
             info.update(step=None, tensors=[], total_tensors=0, total_bytes=0, values=[])
             return info
-    source = open_source(url, fmt, step, storage_options, trust_pickle=trust_pickle)
-    try:
+    with closing(open_source(url, fmt, step, storage_options, trust_pickle=trust_pickle)) as source:
         tensors: list[dict[str, Any]] = [
             {
                 "name": t.name,
@@ -114,8 +110,6 @@ def inspect_checkpoint(
             dropped=list(source.dropped),
         )
         return info
-    finally:
-        source.close()
 
 
 @dataclass
@@ -137,8 +131,7 @@ class VerifyReport:
 def _check_header(
     store: Store, step: int, name: str, pieces: list[tuple[str, str, Piece]], problems: list[str]
 ) -> bool:
-    """Check object ``name``'s safetensors header against its pieces in the manifest (place,
-    dtype, shape); False when the header cannot be read at all."""
+    """Check an object's header against its manifest pieces; False when it cannot be read."""
     rel = f"{step_dir(step)}/{name}"
     url = store.where(rel)
     try:
@@ -211,12 +204,9 @@ def _verify_step(
             bad_objects.add(name)
         elif not _check_header(store, step, name, by_object[name], problems):
             bad_objects.add(name)
-    # Parts of pieces are checked on several threads (the checksum releases the GIL); results are
-    # taken in order, so problems are listed as a single thread would list them. A local object
-    # is checked on its mapped page-cache pages (no copy into the process: the checksum runs at
-    # its own speed, above a memory copy's), on as many threads as CPUs; a remote one is read
-    # into one reused buffer per thread, store.io.threads at a time, at most ``chunk`` bytes in
-    # flight.
+    # Parts are checked on threads (the checksum releases the GIL), results taken in order: a
+    # local object on its mapped pages, one thread per CPU; a remote one read into a buffer per
+    # thread, at most ``chunk`` bytes in flight.
     if store.local:
         threads = min(store.io.threads, _cpus())
         per = max(block, _MAPPED_PART // block * block)
@@ -257,22 +247,18 @@ def _verify_step(
                     )
         return end - start, found
 
-    if sum(end - start for *_, start, end in parts) < _THREADED_BYTES:  # not worth the threads
-        for nbytes, found in map(check_part, parts):
-            meter.add(nbytes)
-            problems.extend(found)
-        return
-    with ThreadPoolExecutor(min(threads, len(parts))) as pool:
-        for nbytes, found in pool.map(check_part, parts):
+    small = sum(end - start for *_, start, end in parts) < _THREADED_BYTES  # not worth threads
+    with ThreadPoolExecutor(max(1, min(threads, len(parts)))) as pool:
+        for nbytes, found in (map if small else pool.map)(check_part, parts):
             meter.add(nbytes)
             problems.extend(found)
 
 
 def _cpus() -> int:
     """The CPUs this process may run on (its affinity: a container's or ``taskset``'s share)."""
-    if hasattr(os, "sched_getaffinity"):
+    if hasattr(os, "sched_getaffinity"):  # not on macOS, Windows
         return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1  # pragma: no cover - macOS, Windows
+    return os.cpu_count() or 1
 
 
 def _verify_source(source: Source, chunk: int, meter: Meter, problems: list[str]) -> None:
@@ -306,18 +292,13 @@ def verify(
     fmt = detect_format(url, storage_options)
     report = VerifyReport(given, fmt)
     if fmt != "ftsdp":
-        if step is not None:
-            raise ValueError(
-                f"a step was given but {url} is a {fmt} checkpoint, which has no steps"
-            )
-        source = open_source(url, fmt, None, storage_options, chunk, trust_pickle=trust_pickle)
-        try:
+        # open_source refuses a step for a format without steps
+        source = open_source(url, fmt, step, storage_options, chunk, trust_pickle=trust_pickle)
+        with closing(source):
             meter = Meter(sum(t.nbytes for t in source.tensors.values()), progress)
             report.checked = [None]
             _verify_source(source, chunk, meter, report.problems)
             report.problems.extend(f"{d}: not checked" for d in source.dropped)
-        finally:
-            source.close()
         report.bytes_read = meter.done
         return report
     store = Store(url, storage_options)
@@ -380,13 +361,13 @@ def diff(
     a dtype change is compared in float64 and flagged ``dtype``.
     """
     chunk = chunk_bytes(max_memory) // 4  # two chunks and their float64 copies in flight
-    a = open_source(url_a, None, step_a, storage_options, chunk, trust_pickle=trust_pickle)
-    try:
-        b = open_source(url_b, None, step_b, storage_options, chunk, trust_pickle=trust_pickle)
-    except BaseException:
-        a.close()
-        raise
-    try:
+
+    def opened(url: str, step: int | None) -> closing[Source]:
+        return closing(
+            open_source(url, None, step, storage_options, chunk, trust_pickle=trust_pickle)
+        )
+
+    with opened(url_a, step_a) as a, opened(url_b, step_b) as b:
         common = sorted(set(a.tensors) & set(b.tensors))
         rows: list[dict[str, Any]] = []
         rows += [{"name": n, "status": "only_a"} for n in sorted(set(a.tensors) - set(b.tensors))]
@@ -401,10 +382,8 @@ def diff(
                 continue
             changed, worst = 0, 0.0
             for r in split_request(n, 0, ta.numel, 8, chunk):
-                xa, xb = (
-                    torch.empty(r.length, dtype=ta.dtype),
-                    torch.empty(r.length, dtype=tb.dtype),
-                )
+                xa = torch.empty(r.length, dtype=ta.dtype)
+                xb = torch.empty(r.length, dtype=tb.dtype)
                 a.read_into([(n, r.offset, xa)])
                 b.read_into([(n, r.offset, xb)])
                 meter.add(r.length * (ta.itemsize + tb.itemsize))
@@ -432,6 +411,3 @@ def diff(
             "tensors": rows,
             "values": values,
         }
-    finally:
-        a.close()
-        b.close()

@@ -1,8 +1,7 @@
 """``collect_garbage``: what retention and torn attempts leave behind, removed or only listed.
 
-It deletes exactly what retention would (``plan_retention`` in ``storage/format/_steps.py``), so only
-what is provably ours (see [Note: deleting only what is ours] there); everything it leaves alone
-on purpose (unreadable manifests, links, files this format does not write) is reported.
+It deletes exactly what retention would (``plan_retention``, [Note: deleting only what is ours] in
+``storage/format/_steps.py``) and reports what it leaves alone.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ class GcReport:
 
     url: str
     dry_run: bool
-    removed_steps: list[int] = field(
-        default_factory=list
-    )  # committed steps past retention, torn ones
+    # committed steps past retention, torn ones
+    removed_steps: list[int] = field(default_factory=list)
     removed_paths: list[str] = field(default_factory=list)  # every removal, in order
     kept_steps: list[int] = field(default_factory=list)
     in_progress: list[int] = field(default_factory=list)  # torn but newer than the newest commit
@@ -61,12 +59,13 @@ def collect_garbage(
         in_progress=plan.in_progress,
         left_alone=plan.notes,
     )
-    for removal in plan.removals + plan.strays:
+    removals = plan.removals + plan.strays
+    for removal in removals:
         report.removed_paths += [store.where(rel) for rel, _ in removal.files]
         if removal.whole and not removal.left:
             report.removed_paths.append(store.where(step_dir(removal.step)))
         report.bytes += removal.bytes
     if not dry_run:
-        for removal in plan.removals + plan.strays:
+        for removal in removals:
             execute(store, removal)
     return report

@@ -1,29 +1,21 @@
 """``convert`` and ``reshard``: any supported format to any other, streamed under a memory budget.
 
-Options are checked before anything is opened, the source is opened (and validated) before the
-destination is touched, and the destination is cleared (``overwrite``) commit-file first, so a
-failure at any point leaves either the old destination, nothing that looks complete, or the new
-one. The source and the destination must not overlap, however their URLs spell them (see
-``Store.location``): the same place, or either inside the other, is refused before anything is
-opened, so a conversion can never clear or overwrite its own source.
-
-An hf folder destination may also receive files that are not tensors (``extra_files``: bytes
-given by the caller, such as a ``config.json``; ``copy_files``: named files copied from a
-directory, such as a tokenizer's), written through the sink's store before its commit file. Which
-names a training checkpoint keeps and which files it records is the caller's convention, not the
-format's: ``ftsdp-ckpt convert --to hf`` (``ftsdp.tools.ckpt``) reads the trainer's record and
-passes these options (docs/cli.md, "The Hugging Face export").
+Options are checked, and the source and destination refused when they overlap however spelled,
+before anything is opened; the source is opened before the destination is touched, and the
+destination is cleared (``overwrite``) commit file first (docs/cli.md, "Threat model"). Which
+extra files an hf export gets is the caller's convention (docs/cli.md, "The Hugging Face export").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
 
-from ftsdp.storage.conversion._formats import FORMATS, has_steps, make_sink, open_source
+from ftsdp.storage.conversion._formats import get_format, make_sink, open_source
 from ftsdp.storage.conversion._interfaces import Feed, OutTensor, Source
 from ftsdp.storage.conversion._sinks import PENDING
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE
@@ -32,7 +24,7 @@ from ftsdp.storage.io._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, Ten
 
 # First components of names that hold optimizer state (dropped by ``model_only``).
 OPTIMIZER_ROOTS = frozenset(
-    {
+    [
         "optim",
         "optimizer",
         "optimizers",
@@ -41,7 +33,7 @@ OPTIMIZER_ROOTS = frozenset(
         "optimizer_state",
         "optim_state_dict",
         "optimizer_state_dict",
-    }
+    ]
 )
 
 
@@ -66,60 +58,17 @@ def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) 
     a, b = Store(src, storage_options), Store(dst, storage_options)
     if a.contains(b) and b.contains(a):
         raise ValueError(f"source and destination are the same location ({src}); write elsewhere")
-    if a.contains(b):
+    if a.contains(b) or b.contains(a):
+        inner, outer = f"destination {dst}", f"source {src}"
+        if b.contains(a):
+            inner, outer = outer, inner
         raise ValueError(
-            f"the destination {dst} lies inside the source {src} (same location underneath); "
-            "write elsewhere"
+            f"the {inner} lies inside the {outer} (same location underneath); write elsewhere"
         )
-    if b.contains(a):
-        raise ValueError(
-            f"the source {src} lies inside the destination {dst} (same location underneath); "
-            "write elsewhere"
-        )
-
-
-def check_options(
-    src: str,
-    dst: str,
-    to: str,
-    *,
-    dtype: torch.dtype | None,
-    rename: Sequence[tuple[str, str]],
-    world_size: int | None,
-    max_shard_bytes: int | None,
-    max_memory: int,
-    storage_options: dict[str, Any] | None = None,
-    strip_prefix: str | None = None,
-    extra_names: Sequence[str] = (),
-) -> int:
-    """ValueError for conflicting or invalid options, or overlapping locations; returns the chunk
-    size of the budget. ``extra_names`` are the names of the extra and copied files asked for."""
-    if to not in FORMATS:
-        raise ValueError(f"unknown format {to!r}; choose one of {', '.join(FORMATS)}")
-    if world_size is not None and (to != "ftsdp" or world_size < 1):
-        raise ValueError(
-            f"world_size={world_size} conflicts with --to {to}: only the ftsdp format has a world "
-            "size (>= 1)"
-        )
-    if max_shard_bytes is not None and (to != "hf" or max_shard_bytes < 1):
-        raise ValueError(
-            f"max_shard_bytes={max_shard_bytes} conflicts with --to {to}: only hf output is sharded by size"
-        )
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype} is not a floating dtype (only floating tensors are cast)")
-    for old, new in rename:
-        if not old:
-            raise ValueError(f"rename {old!r}={new!r}: the old prefix must not be empty")
-    if strip_prefix is not None and not strip_prefix:
-        raise ValueError("strip_prefix='' strips nothing; pass None or a prefix such as 'model.'")
-    _check_extra_names(dst, to, extra_names)
-    check_locations(src, dst, storage_options)
-    return chunk_bytes(max_memory)
 
 
 def _check_extra_names(dst: str, to: str, names: Sequence[str]) -> None:
-    """ValueError for extra files where they cannot go: another format than an hf folder, a name
-    that is not one plain file name, one of the hf checkpoint's own names, or twice the same."""
+    """ValueError for extra file names an hf folder destination cannot take."""
     if not names:
         return
     if to != "hf" or dst.rstrip("/").endswith(".safetensors"):
@@ -143,9 +92,7 @@ def _extra_writers(
     storage_options: dict[str, Any] | None,
     chunk: int,
 ) -> list[tuple[str, Callable[[IO[bytes]], None]]]:
-    """(name, produce) for each extra file: the given bytes, then each of ``copy_files`` found
-    as a file in the directory ``copy_files_from`` (absent ones, or an absent directory, are
-    skipped), streamed through the store ``chunk`` bytes at a time."""
+    """(name, produce) of each extra file, then of each of ``copy_files`` found."""
     out: list[tuple[str, Callable[[IO[bytes]], None]]] = []
     for name, data in extra_files.items():
         if not isinstance(data, (bytes, bytearray)):
@@ -257,28 +204,41 @@ def convert(
     Formats: ``ftsdp``, ``hf``, ``torch``, ``dcp``. ``step`` picks an ftsdp source step (newest by
     default); ``dst_step`` the step written to an ftsdp destination (default: the source's, else
     0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp destination out for that
-    many ranks; ``max_shard_bytes`` splits hf output. Raises ``FileExistsError`` when ``dst``
-    already holds a checkpoint unless ``overwrite``. Memory in flight stays within ``max_memory``
-    (see docs/cli.md). ``progress(done, total)`` is called with bytes read. ``src`` and ``dst``
-    must not overlap (ValueError). With ``overwrite`` the sink removes only the checkpoint at
-    ``dst`` (the files its commit file lists) and replaces files of the names it writes.
+    many ranks; ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``,
+    ``strip_prefix`` and ``exclude`` select and rename tensors (see ``select``). Memory in flight
+    stays within ``max_memory``; ``progress(done, total)`` is called with bytes read.
     ``trust_pickle`` unpickles a DCP source's ``.metadata`` fully: only for checkpoints you trust.
+    Into an hf folder only: ``extra_files`` (plain name -> bytes) are written as given, and the
+    plain names ``copy_files`` found in the directory URL ``copy_files_from`` are copied, both
+    before the commit file (``ConvertResult.extra`` names them). docs/cli.md says more.
 
-    ``strip_prefix`` (e.g. ``"model."``) removes that prefix from every name no ``rename`` rule
-    matched; ``exclude`` names source tensors to leave out (e.g. a tied copy). Into an hf folder destination only: ``extra_files`` (plain name -> bytes, e.g.
-    ``{"config.json": ...}``) are written as given, and each of the plain names ``copy_files``
-    found as a file in the directory URL ``copy_files_from`` is copied (absent ones are skipped);
-    both before the commit file, through the destination's store. ``ConvertResult.extra`` names
-    the ones written.
+    Raises ``FileExistsError`` when ``dst`` already holds a checkpoint unless ``overwrite`` (which
+    removes only that checkpoint), and ``ValueError`` for invalid options or overlapping
+    ``src`` and ``dst``.
     """
     extra_files = dict(extra_files or {})
-    chunk = check_options(
-        src, dst, to, dtype=dtype, rename=rename, world_size=world_size,
-        max_shard_bytes=max_shard_bytes, max_memory=max_memory, storage_options=storage_options,
-        strip_prefix=strip_prefix, extra_names=[*extra_files, *copy_files],
-    )  # fmt: skip
+    get_format(to)  # ValueError for an unknown format
+    if world_size is not None and (to != "ftsdp" or world_size < 1):
+        raise ValueError(
+            f"world_size={world_size} conflicts with --to {to}: only the ftsdp format has a world "
+            "size (>= 1)"
+        )
+    if max_shard_bytes is not None and (to != "hf" or max_shard_bytes < 1):
+        raise ValueError(
+            f"max_shard_bytes={max_shard_bytes} conflicts with --to {to}: only hf output is sharded by size"
+        )
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} is not a floating dtype (only floating tensors are cast)")
+    for old, new in rename:
+        if not old:
+            raise ValueError(f"rename {old!r}={new!r}: the old prefix must not be empty")
+    if strip_prefix is not None and not strip_prefix:
+        raise ValueError("strip_prefix='' strips nothing; pass None or a prefix such as 'model.'")
+    _check_extra_names(dst, to, [*extra_files, *copy_files])
+    check_locations(src, dst, storage_options)
+    chunk = chunk_bytes(max_memory)
     source = open_source(src, src_format, step, storage_options, chunk, trust_pickle=trust_pickle)
-    try:
+    with closing(source):
         outputs, values = select(
             source, model_only=model_only, rename=rename, dtype=dtype,
             strip_prefix=strip_prefix, exclude=exclude,
@@ -303,19 +263,18 @@ def convert(
         out_step = dst_step if dst_step is not None else (source.step or 0)
         rank_values = source.rank_values if not model_only else []
         written = sink.write(feed, values, rank_values, out_step)
+        steps = get_format(to).steps
         return ConvertResult(
             source_format=source.format,
             dest_format=to,
-            step=out_step if has_steps(to) else None,
-            world_size=(world_size or 1) if has_steps(to) else None,
+            step=out_step if steps else None,
+            world_size=(world_size or 1) if steps else None,
             tensors=len(outputs),
             bytes_read=meter.done,
             written=written,
             dropped=list(source.dropped),
             extra=[name for name, _ in extra],
         )
-    finally:
-        source.close()
 
 
 def reshard(

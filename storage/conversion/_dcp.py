@@ -1,22 +1,15 @@
 """``torch.distributed.checkpoint`` (DCP) directories as a source and a destination.
 
-DCP's ``.metadata`` is a pickle (DCP's own format), read by a restricted unpickler that admits
-only DCP's metadata classes unless ``trust_pickle`` (see [Note: DCP's metadata is a pickle] in
-``storage/conversion/_dcp_store.py``). Tensor items are read with ``weights_only=True``; non-tensor items too
-(DCP itself unpickles them fully), and one that needs more is dropped and named. Both directions run in one process without a process group
-(``no_dist=True``), and every file is read and written through the ``Store``
-(``storage/conversion/_dcp_store.py``). This module imports ``torch.distributed.checkpoint`` (about a second),
-so ``storage/conversion/_formats.py`` imports it only when a DCP checkpoint is opened or written.
+Both directions run in one process without a process group (``no_dist=True``), every file through
+the ``Store`` (``_dcp_store.py``, where [Note: DCP's metadata is a pickle] is). Non-tensor items
+are loaded with ``weights_only=True``; one that needs more is dropped and named.
 
 [Note: streaming DCP]
-Reading: when every saved chunk of a tensor is a row block stored as a plain ``torch.save`` item
-(what FSDP2, ``Shard(0)`` and our writer produce), each item's structure is loaded on the meta
-device, which gives the byte offset of its data, and flat ranges are read straight from the files.
-Other layouts are read whole through ``dcp.load`` (a few tensors at a time within the chunk; one
-tensor when it alone is larger) and served from that cache: their memory is the largest tensor. Writing: a
-planner lists each tensor as row blocks of at most the chunk size (several chunks of one tensor,
-as a sharded save would) and resolves each block only when the writer asks for it, with one file
-per item (``single_file_per_rank=False``), so the writer holds one block at a time.
+Reading: a tensor whose saved chunks are all row blocks stored as plain ``torch.save`` items (what
+FSDP2, ``Shard(0)`` and our writer produce) is read as flat ranges at the items' data offsets;
+any other is read whole through ``dcp.load`` (a few tensors within the chunk) and served from that
+cache (docs/cli.md, "Memory"). Writing: a planner lists each tensor as row blocks of at most the
+chunk and resolves each only when the writer asks for it, one file per item.
 """
 
 from __future__ import annotations
@@ -131,28 +124,23 @@ class DcpSource(Source):
             if key in failed:
                 self.dropped.append(f"{key} (not loadable with weights_only=True)")
                 continue
-            value = state[key]
-            if isinstance(value, tuple):
-                value = list(value)
-            try:
-                self.values[key] = json.loads(json.dumps(value))
+            try:  # a tuple becomes a list, as JSON has it
+                self.values[key] = json.loads(json.dumps(state[key]))
             except (TypeError, ValueError):
-                self.dropped.append(f"{key} ({type(value).__name__} is not JSON)")
+                self.dropped.append(f"{key} ({type(state[key]).__name__} is not JSON)")
 
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
-        """``(flat offset, length, file, byte offset)`` of each saved chunk of ``name`` when every
-        chunk is a row block stored as a plain ``torch.save`` item (what FSDP2 and ``Shard(0)``
-        write); None otherwise (the tensor is then read whole through ``dcp.load``)."""
+        """(flat offset, length, file, byte offset) of each saved row block; None if not all are."""
         if name in self._layouts:
             return self._layouts[name]
         self._layouts[name] = None
         md = self._meta.state_dict_metadata[name]
         assert isinstance(md, TensorStorageMetadata), name  # asked for tensors only
         shape = tuple(md.size)
-        row = math.prod(shape[1:]) if shape else 1
+        row = math.prod(shape[1:])
         out = []
         for c in md.chunks:
-            if shape and (any(c.offsets[1:]) or tuple(c.sizes[1:]) != shape[1:]):
+            if any(c.offsets[1:]) or tuple(c.sizes[1:]) != shape[1:]:
                 return None
             info = self._meta.storage_data.get(MetadataIndex(name, c.offsets))
             if info is None or getattr(info, "transform_descriptors", None):
@@ -240,14 +228,13 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
             row_bytes = max(1, t.nbytes // rows) if rows else 1
             step = max(1, self._chunk // row_bytes)
             for r0 in range(0, max(rows, 1), step):
-                n = min(step, rows - r0) if shape else 1
+                n = min(step, rows - r0)
                 offsets = torch.Size([r0, *[0] * (len(shape) - 1)]) if shape else torch.Size([])
                 sizes = torch.Size([n, *shape[1:]]) if shape else torch.Size([])
-                whole = n == rows or not shape
                 items.append(
                     WriteItem(
                         index=MetadataIndex(t.name, offsets),
-                        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+                        type=WriteItemType.TENSOR if n == rows else WriteItemType.SHARD,
                         tensor_data=TensorWriteData(
                             ChunkStorageMetadata(offsets, sizes), props, shape
                         ),
@@ -268,7 +255,7 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
         info = self._by_name[name]
         assert write_item.tensor_data is not None, name  # every other item is a tensor's
         chunk = write_item.tensor_data.chunk
-        row = math.prod(info.shape[1:]) if info.shape else 1
+        row = math.prod(info.shape[1:])
         first = chunk.offsets[0] if info.shape else 0
         n = math.prod(chunk.sizes)
         return self._block(info, first * row, n).view(chunk.sizes)
@@ -296,10 +283,8 @@ def write_dcp(
 
 
 class DcpSink(Sink):
-    """A ``torch.distributed.checkpoint`` directory. ``overwrite`` removes the checkpoint there:
-    ``.metadata`` and the files it lists (read by the restricted unpickler; only ``.metadata``
-    when it cannot be read so), never other files (see [Note: a sink deletes only what it
-    wrote] in ``storage/conversion/_sinks.py``)."""
+    """A ``torch.distributed.checkpoint`` directory (see [Note: a sink deletes only what it
+    wrote] in ``_sinks.py``)."""
 
     def __init__(self, store: Store, overwrite: bool = False) -> None:
         super().__init__(store)
@@ -318,9 +303,6 @@ class DcpSink(Sink):
             return [DCP_METADATA]
         files = {info.relative_path for info in metadata.storage_data.values()}
         return [DCP_METADATA, *sorted(f for f in files if f in listing and f != DCP_METADATA)]
-
-    def holds_checkpoint(self) -> bool:
-        return self.store.exists(DCP_METADATA)
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int

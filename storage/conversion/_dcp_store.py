@@ -1,24 +1,14 @@
-"""DCP's storage layer over a ``Store``: ``torch.distributed.checkpoint`` reads and writes its
-files through ours, so a DCP checkpoint gets the same retries and atomic writes as every format.
-
-torch's ``FileSystemReader``/``FsspecReader`` and ``FileSystemWriter``/``FsspecWriter`` do their
-own I/O; these two small classes do the same job through the store. The files they write are
-what torch's writer writes with ``single_file_per_rank=False`` and ``thread_count=1`` (one
-``torch.save`` file per item, ``__<rank>_<n>.distcp``, and a pickled ``Metadata`` in
-``.metadata``, written last), so torch's own readers read them and ours read torch's.
+"""DCP's storage layer over a ``Store``: DCP reads and writes its files through ours (retries,
+atomic writes). The files are what torch's writer writes with ``single_file_per_rank=False``
+(one ``torch.save`` file per item, ``__<rank>_<n>.distcp``, then a pickled ``.metadata``), so
+torch's readers read ours and ours read torch's.
 
 [Note: DCP's metadata is a pickle]
-``.metadata`` is a pickled ``Metadata`` (DCP's own format), and a plain ``pickle.load`` (what
-torch's own readers do) runs whatever code the file names. It is unpickled in one place,
-``unpickle_metadata``, by a restricted unpickler: it admits only the classes DCP's metadata is
-made of (DCP's metadata dataclasses and ``_StorageInfo``, ``torch.Size``, dtypes, layouts by name,
-``pathlib`` paths, plain containers), listed in ``_admitted``, and refuses any other with
-``UnsafeCheckpointError`` before anything is called. Nothing it admits calls code of the file's
-choosing: constructing those classes only stores values, and a layout is looked up by name in
-torch's own table. ``trust_pickle=True`` (``--trust-pickle``) unpickles fully, for checkpoints the
-user trusts (a custom planner's or storage's classes). Either way the result is then checked:
-the types of its fields, and every ``relative_path`` a plain file name in the checkpoint's folder
-(docs/format.md, "Threat model").
+A plain ``pickle.load`` of ``.metadata`` (what torch does) runs whatever code the file names. It
+is unpickled only in ``unpickle_metadata``, by a restricted unpickler that admits what
+``_admitted`` lists (constructing those only stores values) and refuses anything else with
+``UnsafeCheckpointError`` before it is called; ``trust_pickle=True`` unpickles fully. Either way
+``check_metadata`` then checks the result (docs/cli.md, "Threat model").
 """
 
 from __future__ import annotations
@@ -79,9 +69,7 @@ def _layout(name: str) -> torch.layout:
 
 @functools.cache
 def _admitted() -> dict[tuple[str, str], Any]:
-    """``(module, name)`` -> object: everything a pickle of DCP's ``Metadata`` may name (see
-    [Note: DCP's metadata is a pickle]). Checked against what torch writes by
-    tests/unit/test_storage_trust.py."""
+    """``(module, name)`` -> object: what a pickle of DCP's ``Metadata`` may name."""
     dcp_classes = (
         Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata, BytesStorageMetadata,
         ChunkStorageMetadata, TensorProperties, _MEM_FORMAT_ENCODING,
@@ -356,8 +344,7 @@ class StoreWriter(_OnStore, StorageWriter):
         return _done(results)
 
     def _write_item(self, name: str, item: WriteItem, data: Any) -> int:
-        """Write one item as the file ``name``; its length. Its data is freed on return, before
-        the next item is resolved."""
+        """Write one item as the file ``name``; its length (its data freed on return)."""
         if isinstance(data, torch.Tensor):
             data = data.detach().cpu()
             if data.untyped_storage().nbytes() != data.nbytes:

@@ -1,10 +1,8 @@
 """The format table: each format's name, its source, its sink and its detector, in one place.
 
 ``open_source``, ``make_sink``, ``detect_format`` and ``FORMATS`` all derive from ``_TABLE``; no
-other code chooses what to run by a format's name. Adding a format is adding a row.
-
-``storage/conversion/_dcp.py`` imports ``torch.distributed.checkpoint``, about a second, so the dcp row
-imports it only when a DCP checkpoint is opened or written.
+other code chooses what to run by a format's name. The dcp row imports ``_dcp.py`` (and
+``torch.distributed.checkpoint``, slow to import) only when a DCP checkpoint is opened or written.
 """
 
 from __future__ import annotations
@@ -59,7 +57,6 @@ class Format:
     steps: bool = False  # a checkpoint holds several steps (``step`` picks one)
 
 
-# The dcp row's functions import storage/conversion/_dcp.py (and torch.distributed.checkpoint) when called.
 def _open_dcp(
     store: Store, step: int | None, chunk: int, trust_pickle: bool, options: LoadOptions
 ) -> Source:
@@ -75,9 +72,7 @@ def _dcp_sink(store: Store, options: SinkOptions) -> Sink:
 
 
 def _is_ftsdp_root(p: Probe) -> bool:
-    """A directory with ``latest`` or a ``step-<N>`` directory: the markers only this format
-    writes. Whatever else lies there (a ``.metadata``, ``.safetensors`` files), it is an ftsdp
-    root, and nothing else in it is read (docs/format.md, "Threat model")."""
+    """A directory with ``latest`` or a ``step-<N>`` directory, whatever else it holds."""
     return not p.is_file and (LATEST in p.names or any(parse_step(n) is not None for n in p.dirs))
 
 
@@ -141,13 +136,18 @@ def detect_format(url: str, storage_options: dict | None = None) -> str:
         listing = store.listdir()
         dirs = frozenset(n for n, (kind, _) in listing.items() if kind == "directory")
         probe = Probe(store.url, False, frozenset(listing), b"", dirs)
-    if MANIFEST in probe.names and _holds_own_manifest(store):
+    if MANIFEST in probe.names:
         # A step directory: its objects are safetensors files, but reading them as hf would skip
-        # the manifest and its checksums.
-        raise ValueError(
-            f"{url} is a step directory of an ftsdp checkpoint; pass its parent (the checkpoint "
-            "root) and the step (step=N, --step N)"
-        )
+        # the manifest and its checksums (someone else's manifest.json is no step's).
+        try:
+            read_manifest_file(store, MANIFEST)
+        except CheckpointError:
+            pass
+        else:
+            raise ValueError(
+                f"{url} is a step directory of an ftsdp checkpoint; pass its parent (the "
+                "checkpoint root) and the step (step=N, --step N)"
+            )
     for name in _DETECTION_ORDER:
         if _TABLE[name].detect(probe):
             return name
@@ -162,15 +162,6 @@ def detect_format(url: str, storage_options: dict | None = None) -> str:
     )
 
 
-def _holds_own_manifest(store: Store) -> bool:
-    """Whether the directory's ``manifest.json`` is a manifest of this format (bounded read)."""
-    try:
-        read_manifest_file(store, MANIFEST)
-    except CheckpointError:
-        return False
-    return True
-
-
 def open_source(
     url: str,
     fmt: str | None = None,
@@ -182,11 +173,8 @@ def open_source(
 ) -> Source:
     """Open ``url`` as format ``fmt`` (None: detected); ``step`` applies to formats with steps
     (ftsdp); ``chunk`` bounds what a source that reads whole items may hold at once; ``options``
-    gives the store's I/O policy (threads, part size, retries) and the metadata bounds
-    (``LoadOptions``). ``trust_pickle`` unpickles DCP's
-    ``.metadata`` fully, which can run code from the checkpoint: only for checkpoints you trust
-    (by default a restricted unpickler refuses anything but DCP's metadata classes with
-    ``UnsafeCheckpointError``)."""
+    gives the store's I/O policy and the metadata bounds. ``trust_pickle`` unpickles DCP's
+    ``.metadata`` fully (see [Note: DCP's metadata is a pickle])."""
     f = get_format(fmt or detect_format(url, storage_options))
     if step is not None and not f.steps:
         raise ValueError(f"a step was given but {url} is a {f.name} checkpoint, which has no steps")
@@ -206,15 +194,9 @@ def make_sink(
     overwrite: bool = False,
     extra: Sequence[tuple[str, Callable]] = (),
 ) -> Sink:
-    """The writer of format ``fmt`` at ``url``; its uploads buffer at most ``chunk`` bytes (the
-    writer's share of the memory budget, see [Note: the memory budget]); ``overwrite`` lets it
-    replace files it did not write (see [Note: a sink deletes only what it wrote]); ``extra``:
-    (plain name, produce) of further files an hf folder receives before its commit file."""
+    """The writer of format ``fmt`` at ``url``; its uploads buffer at most ``chunk`` bytes;
+    ``overwrite`` lets it replace files it did not write; ``extra``: (plain name, produce) of
+    further files an hf folder receives before its commit file."""
     store = Store(url, storage_options, IOOptions(part_bytes=chunk))
     options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
     return get_format(fmt).sink(store, options)
-
-
-def has_steps(fmt: str) -> bool:
-    """Whether a checkpoint of ``fmt`` holds several steps (only ``ftsdp``)."""
-    return get_format(fmt).steps

@@ -1,22 +1,8 @@
-"""What every format implements, and what streams between them.
+"""What every format implements (``Source``, ``Sink``) and what streams between them (``Feed``).
 
-A ``Source`` is a checkpoint opened for reading, a ``Sink`` a destination to write one to, and a
-``Feed`` serves what a sink writes from a source in bounded chunks. ``storage/conversion/_formats.py`` maps
-each format's name to its source, sink and detector.
-
-A ``Source`` knows its tensors (name, shape, dtype) and non-tensor values without reading tensor
-data, and fills caller-owned 1-D buffers with flat ranges of its tensors (``read_into``).
-
-A ``Feed``: writers ask for flat ranges of *output* tensors in the order they write them; the feed
-maps each output name to its source tensor, cuts the ranges into requests of at most the chunk
-size, reads groups of consecutive requests with one ``read_into`` call (so small tensors share a
-read), casts, counts the bytes for progress and yields one 1-D tensor per request (see [Note: the
-memory budget] in ``storage/io/_streaming.py``).
-
-A ``Sink`` writes everything it is fed, then its commit file last (the native format's manifest,
-the hf index, DCP's ``.metadata``; a torch file is itself written whole or not at all), every
-file through the store (``Store.write``: atomic), so an interrupted conversion never leaves a
-destination that looks complete.
+``storage/conversion/_formats.py`` maps each format's name to its source, sink and detector. A
+sink writes every file through the store (atomic), its commit file last, so an interrupted
+conversion never leaves a destination that looks complete (docs/cli.md, "Errors and exit codes").
 """
 
 from __future__ import annotations
@@ -33,7 +19,8 @@ from ftsdp.storage.io._streaming import Meter, Request, TensorInfo, group_reques
 
 
 class Source(abc.ABC):
-    """A checkpoint opened for reading (see the module docstring)."""
+    """A checkpoint opened for reading: its tensors (name, shape, dtype) and non-tensor values
+    known without reading tensor data."""
 
     format: str = ""
 
@@ -65,7 +52,9 @@ class OutTensor:
 
 
 class Feed:
-    """Serve ranges of output tensors from ``source`` (see the module docstring)."""
+    """Serves flat ranges of output tensors from ``source`` in requests of at most ``chunk``
+    bytes, consecutive ones read with one ``read_into`` (see [Note: the memory budget] in
+    ``storage/io/_streaming.py``)."""
 
     def __init__(self, source: Source, outputs: list[OutTensor], chunk: int, meter: Meter) -> None:
         self.source, self.chunk, self.meter = source, chunk, meter
@@ -86,20 +75,17 @@ class Feed:
     def stream(self, requests: list[Request]) -> Iterator[torch.Tensor]:
         """One 1-D tensor (output dtype) per request, in order; a group of them read at a time."""
         for group in group_requests(requests, self._sizes, self.chunk):
-            outs = []
+            reads = []
             for r in group:
-                src = self.source.tensors[self.outputs[r.name].source_name]
-                outs.append(torch.empty(r.length, dtype=src.dtype))
-            self.source.read_into(
-                [
-                    (self.outputs[r.name].source_name, r.offset, o)
-                    for r, o in zip(group, outs, strict=True)
-                ]
-            )
-            for r, o in zip(group, outs, strict=True):
+                name = self.outputs[r.name].source_name
+                reads.append(
+                    (name, r.offset, torch.empty(r.length, dtype=self.source.tensors[name].dtype))
+                )
+            self.source.read_into(reads)
+            for r, (_, _, o) in zip(group, reads, strict=True):
                 self.meter.add(o.numel() * o.element_size())
                 yield o.to(self.outputs[r.name].info.dtype)
-            del outs
+            del reads
 
     def block(self, info: TensorInfo, offset: int, length: int) -> torch.Tensor:
         """Elements ``[offset, offset + length)`` of output ``info`` as one tensor."""
@@ -112,14 +98,14 @@ class Feed:
 
 
 class Sink(abc.ABC):
-    """A destination of one format at ``store``'s root (see the module docstring)."""
+    """A destination of one format at ``store``'s root."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    @abc.abstractmethod
     def holds_checkpoint(self) -> bool:
         """True when the destination already holds a checkpoint of this format."""
+        return bool(self.existing())
 
     def existing(self) -> list[str]:
         """The files of this format at the destination (relative to the store), the commit file

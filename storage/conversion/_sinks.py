@@ -1,24 +1,12 @@
 """Writers of the ``ftsdp``, ``hf`` and ``torch`` formats, streaming from a ``Feed`` (``dcp`` is in
-``storage/conversion/_dcp.py``). Every file goes through the sink's ``Store`` (atomic, retried), the commit
-file last (see ``Sink`` in ``storage/conversion/_interfaces.py``).
-
-- ``ftsdp``: the objects of a ``world_size``-rank layout (each tensor split into ``world_size``
-  even flat ranges, as a sharded save would write it), committed by ``storage/saving/_commit.py``, the
-  same code as ``save``'s.
-- ``hf``: safetensors files of at most ``max_shard_bytes`` each (one ``model.safetensors`` when
-  everything fits), then ``model.safetensors.index.json`` when there are several.
-- ``torch``: one ``torch.save`` file, written whole or not at all.
+``_dcp.py``); docs/cli.md, "Formats", says what each writes.
 
 [Note: a sink deletes only what it wrote]
-A destination folder may hold anything: the user's own files, another tool's. A sink deletes only
-the files of the checkpoint it replaces (``overwrite``), named by that checkpoint's commit file
-(an hf index's files, DCP's ``.metadata``'s, a step's manifest's), and the commit file itself. A
-file it is about to write that exists and is neither of those is refused unless ``overwrite``
-(then the atomic write replaces it). Before the first data file of a folder format, the sink
-writes ``.ftsdp-writing.json`` listing the files it is about to write, and removes it after the
-commit: the files an interrupted write left are then known to be its own, so a later write
-replaces them, or deletes them when it no longer writes those names, without ``overwrite``. Only
-names of the format's own scheme (hf shards, DCP items) are ever taken from that record.
+``overwrite`` removes only the checkpoint its commit file names, and a file about to be written
+that is not the sink's own is refused without it. A folder sink first writes ``PENDING`` listing
+the files it will write, and removes it after the commit, so an interrupted write's files are
+known to be its own; only names of the format's own scheme are taken from that record
+(docs/cli.md, "Threat model": "A writer deletes only what it wrote").
 """
 
 from __future__ import annotations
@@ -26,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import IO, Any
@@ -103,12 +92,13 @@ class FtsdpSink(Sink):
         crcs: list[list[int]] = []
 
         def produce(f: IO[bytes]) -> None:
-            pieces, requests = [], []
-            for i, p in enumerate(obj.pieces):
-                for r in feed.requests(p.name, p.offset, p.length):
-                    pieces.append(i)
-                    requests.append(r)
-            chunks = zip(pieces, feed.stream(requests), strict=True)
+            requests = [
+                (i, r)
+                for i, p in enumerate(obj.pieces)
+                for r in feed.requests(p.name, p.offset, p.length)
+            ]
+            data = feed.stream([r for _, r in requests])
+            chunks = zip([i for i, _ in requests], data, strict=True)
             block = self.options.checksum_block_bytes
             crcs[:] = write_object(f, obj.head, len(obj.pieces), chunks, block)
             if f.tell() != obj.size:  # the plan's byte layout is what the manifest will say
@@ -118,8 +108,8 @@ class FtsdpSink(Sink):
         return crcs
 
 
-def _safetensors_head(infos: list, values: dict[str, Any] | None) -> tuple[bytes, int]:
-    """Header bytes (8-byte length + JSON padded to 8) and payload size of a safetensors file."""
+def _safetensors_head(infos: list, values: dict[str, Any] | None) -> bytes:
+    """Header bytes (8-byte length + JSON padded to 8) of a safetensors file."""
     meta = {"format": "pt"}
     if values:
         meta[HF_VALUES_KEY] = json.dumps(values, separators=(",", ":"))
@@ -134,7 +124,7 @@ def _safetensors_head(infos: list, values: dict[str, Any] | None) -> tuple[bytes
         pos += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, pos
+    return len(text).to_bytes(8, "little") + text
 
 
 PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)
@@ -151,8 +141,7 @@ class Pending:
         self.recorded = False
 
     def _earlier(self) -> list[str] | None:
-        """The files an interrupted write recorded; None when the record is there but is not
-        one (someone else's file)."""
+        """The files an interrupted write recorded; None when the record is not ours."""
         try:
             record = json.loads(self.store.read_bounded(PENDING, MAX_MANIFEST_BYTES))
         except FileNotFoundError:
@@ -195,14 +184,10 @@ class Pending:
 
 
 class HfSink(Sink):
-    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``.
-
-    ``overwrite`` removes the checkpoint there: the index and the files it lists, or
-    ``model.safetensors`` (see [Note: a sink deletes only what it wrote]); a single-file
-    destination is replaced whole by the atomic write. ``extra``: (plain name, produce) of files
-    written into a folder destination before the tensors (a ``config.json``, tokenizer files),
-    recorded in the write-in-progress record with them; they are not part of the checkpoint's
-    commit file, so ``overwrite`` replaces them but never deletes them."""
+    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``
+    (see [Note: a sink deletes only what it wrote]). ``extra``: (plain name, produce) of files
+    written before the tensors and recorded with them; no commit file lists them, so
+    ``overwrite`` replaces them but never deletes them."""
 
     def __init__(
         self,
@@ -214,12 +199,7 @@ class HfSink(Sink):
         super().__init__(store)
         self.single_file = store.url.endswith(".safetensors")  # the store is rooted at the file
         self.max_shard_bytes, self.overwrite = max_shard_bytes, overwrite
-        self.extra = list(extra)
-        if self.extra and self.single_file:
-            raise ValueError(
-                f"{store.url} is one .safetensors file: the files {[n for n, _ in self.extra]} "
-                "need a directory as destination"
-            )
+        self.extra = list(extra)  # convert refuses them for a single file
 
     def _indexed(self) -> list[str]:
         """The plain file names the index there lists ([] when it is unreadable)."""
@@ -244,9 +224,7 @@ class HfSink(Sink):
     def holds_checkpoint(self) -> bool:
         """A single file, or a directory with an index or ``model.safetensors``; shards without
         an index are what an interrupted write leaves."""
-        if self.single_file:
-            return self.store.exists()
-        return bool(self.existing())
+        return self.store.exists() if self.single_file else super().holds_checkpoint()
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
@@ -260,29 +238,27 @@ class HfSink(Sink):
                 used = 0
             shards[-1].append(t)
             used += t.nbytes
-        url = self.store.url
-        if len(shards) > 1 and self.single_file:
+        url, n = self.store.url, len(shards)
+        if n > 1 and self.single_file:
             raise ValueError(
-                f"{url}: a single .safetensors file cannot be split into {len(shards)} shards; "
+                f"{url}: a single .safetensors file cannot be split into {n} shards; "
                 "give a directory as destination or drop --max-shard-size"
             )
-        n = len(shards)
         names = (
             [HF_SINGLE]
             if n == 1
             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
         extra_names = [name for name, _ in self.extra]
-        scheme = HF_SHARD
-        if extra_names:  # an interrupted write's extra files are its own too
+        if not self.single_file:  # extra files are the write's own too; a lone model.safetensors
+            # is its own commit, recorded only with extra files
             scheme = re.compile("|".join([HF_SHARD.pattern, *map(re.escape, extra_names)]))
-        pending = None if self.single_file else Pending(self.store, scheme)
-        if pending is not None:  # one model.safetensors is its own commit: nothing to record
+            pending = Pending(self.store, scheme)
             pending.claim([*extra_names, *names], self.overwrite, record=n > 1 or bool(extra_names))
         for name, produce_extra in self.extra:  # before the tensors: a complete look has them
             self.store.write(name, produce_extra)
         for i, (shard, name) in enumerate(zip(shards, names, strict=True)):
-            head, _ = _safetensors_head(shard, values if i == 0 else None)
+            head = _safetensors_head(shard, values if i == 0 else None)
             requests = [r for t in shard for r in feed.requests(t.name, 0, t.numel)]
 
             def produce(f: IO[bytes], head: bytes = head, requests: list = requests) -> None:
@@ -293,7 +269,6 @@ class HfSink(Sink):
             self.store.write("" if self.single_file else name, produce)
         if self.single_file:
             return [url]
-        assert pending is not None  # every other write claims its names
         if n > 1:
             index = {
                 "metadata": {"total_size": sum(t.nbytes for t in infos)},
@@ -301,25 +276,18 @@ class HfSink(Sink):
             }
             self.store.write_bytes(HF_INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
         pending.release()
-        extras = [f"{url}/{name}" for name in extra_names]
-        if n == 1:
-            return [f"{url}/{names[0]}", *extras]
-        return [f"{url}/{HF_INDEX}", *(f"{url}/{name}" for name in names), *extras]
+        written = names if n == 1 else [HF_INDEX, *names]
+        return [f"{url}/{name}" for name in [*written, *extra_names]]
 
 
 class TorchSink(Sink):
     """One ``torch.save`` file of the flat state dict (tensors and values by dotted name).
 
-    [Note: a torch file without holding its tensors] ``torch.save`` under
-    ``torch.serialization.skip_data()`` writes the file's structure with uninitialised tensors
-    (``torch.empty``: address space, not resident memory) and seeks over their bytes, so the
-    skeleton is a sparse local scratch file of almost no disk; loading it on the meta device gives
-    each storage's byte offset. The real file is then streamed out in order through the store:
-    the skeleton's bytes up to a storage, that storage's bytes from the feed, and so on.
+    [Note: a torch file without holding its tensors] ``torch.save`` under ``skip_data()`` writes
+    a sparse local skeleton (uninitialised tensors, their bytes skipped); loaded on the meta
+    device it gives each storage's offset. The file is streamed out through the store: skeleton
+    bytes up to a storage, that storage's bytes from the feed, and so on.
     """
-
-    def __init__(self, store: Store) -> None:
-        super().__init__(store)
 
     def holds_checkpoint(self) -> bool:
         if self.store.isdir():
@@ -327,9 +295,6 @@ class TorchSink(Sink):
                 f"{self.store.url} is a directory; the torch format writes one file"
             )
         return self.store.exists()
-
-    def clear(self) -> None:
-        """Nothing: the new file replaces the old one whole."""
 
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
@@ -357,7 +322,7 @@ class TorchSink(Sink):
                         for data in feed.stream(feed.requests(t.name, 0, t.numel)):
                             out.write(tensor_bytes(data))
                         skel.seek(t.nbytes, os.SEEK_CUR)
-                    _copy(skel, out, -1)  # the rest: the zip directory
+                    shutil.copyfileobj(skel, out)  # the rest: the zip directory
 
             self.store.write("", produce)  # the store is rooted at the file itself
         finally:
@@ -366,12 +331,10 @@ class TorchSink(Sink):
 
 
 def _copy(src: IO[bytes], dst: IO[bytes], n: int) -> None:
-    """Copy ``n`` bytes (-1: all that is left) of ``src`` to ``dst``, a MiB at a time."""
-    while n:
-        data = src.read(1 << 20 if n < 0 else min(n, 1 << 20))
+    """Copy ``n`` bytes of ``src`` to ``dst``, a MiB at a time."""
+    while n > 0:
+        data = src.read(min(n, 1 << 20))
         if not data:
-            if n > 0:
-                raise OSError("the torch.save skeleton is shorter than its offsets say")
-            return
+            raise OSError("the torch.save skeleton is shorter than its offsets say")
         dst.write(data)
-        n -= len(data) if n > 0 else 0
+        n -= len(data)

@@ -1,11 +1,7 @@
-"""Readers of the ``ftsdp``, ``hf`` and ``torch`` formats (``dcp`` is in ``storage/conversion/_dcp.py``).
+"""Readers of the ``ftsdp``, ``hf`` and ``torch`` formats (``dcp`` is in ``_dcp.py``).
 
-``ftsdp`` is this package's format (checksums verified); ``hf`` is safetensors files, optionally
-with a ``model.safetensors.index.json``; ``torch`` is a ``torch.save`` zip file, opened with
-``weights_only=True``, whose tensor bytes are read at their offsets, never unpickled as data.
 Every byte is read through the source's ``Store``, and every pointer a checkpoint holds is checked
-to stay inside it before anything is read through it: an index's file names are plain names in
-its folder, a torch file's storages lie inside their own records (docs/format.md, "Threat model").
+to stay inside it before anything is read through it (docs/cli.md, "Threat model").
 """
 
 from __future__ import annotations
@@ -220,10 +216,9 @@ class TorchSource(Source):
                 at = base + (int(meta.storage_offset()) + offset) * size
                 self.store.read_into("", at, tensor_bytes(out))
                 continue
-            # [Note: strided tensors in torch files] A view saved with its storage cannot be read
-            # as one flat range: read the storage once, keep the contiguous copy for the next chunk.
+            # A strided view is no flat range: read its storage once, keep a contiguous copy.
             if self._cache is None or self._cache[0] != name:
-                self._cache = None
+                self._cache = None  # freed before the next is read
                 raw = torch.empty(meta.untyped_storage().nbytes() // size, dtype=meta.dtype)
                 self.store.read_into("", base, tensor_bytes(raw))
                 full = raw.as_strided(meta.shape, meta.stride(), meta.storage_offset()).contiguous()

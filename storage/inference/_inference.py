@@ -1,35 +1,13 @@
 """Loading a checkpoint into one process for inference: whole tensors, a module, a lazy mapping.
 
-[Note: the model's size in memory]
-New tensors (``load_state_dict``, ``LazyStateDict``, a meta-device module in ``load_into``) are
-read straight into their final buffers in chunks of at most ``chunk`` bytes, so the memory needed
-is the tensors asked for plus one chunk. Only the requested tensors are read: the model weights
-of a checkpoint that also holds optimizer state cost the weights. Works for checkpoints of any
-format and saved at any world size (``storage/conversion/_formats.py``).
-
-[Note: load_into is all or nothing]
-A real module's own tensors are written only after every byte it gets has been read and verified
-(the ftsdp source checks checksums as it reads; the other formats fail on short reads and bad
-headers), so a failed load leaves the module as it was. Phase one reads into staging: the new
-tensors a meta module (or one moved by ``device`` / ``dtype``) gets anyway, and, for tensors filled
-in place, CPU tensors of the narrower of the saved and the module's dtype: extra memory of those
-tensors' bytes once (``LoadIntoResult.staged_bytes``) plus one chunk. Phase two copies staging
-into the module a chunk at a time (a device copy never needs a whole-tensor temporary) and swaps
-in the new tensors. When ``staged_bytes`` would exceed ``max_staging_bytes``, phase one only
-reads and verifies the in-place tensors (nothing kept: a chunk read and dropped), and phase two
-reads them again straight into the module, verified again: twice the reads for about two chunks of
-extra memory (the chunk read, the reader's own chunk). Phase two can then fail only if the
-checkpoint changed (or could no longer be read) in between; the error says that the module is
-partly overwritten.
+Memory, the all-or-nothing ``load_into`` and its two-pass mode are in docs/cli.md, "Python API
+for inference". New tensors are read straight into their final buffers a chunk at a time.
 
 [Note: the cast rule]
-``_cast_ok`` is the one rule for every loader: a saved dtype becomes the target dtype implicitly
-only when every saved value is a value of the target (same kind, not narrower: bf16 -> fp32,
-int32 -> int64, bool -> bool). Anything else (float <-> int, bool <-> number, real <-> complex,
-fp32 -> bf16, int64 -> int32) needs ``dtype=``, which applies to the tensors of its own kind and
-is the caller's request for that cast. ``load_state_dict`` and ``LazyStateDict`` only ever cast to
-``dtype``; ``load_into`` also casts to the module's own dtype, the implicit case that is checked.
-A refused cast raises ``StateMismatchError`` before anything is read.
+``_cast_ok`` is the one rule for every loader: a saved dtype becomes the target implicitly only
+when every saved value is a value of the target (same kind, not narrower); anything else needs
+``dtype=``, which applies to the tensors of its own kind, and is refused with
+``StateMismatchError`` before anything is read (docs/cli.md, the "Casts" table).
 """
 
 from __future__ import annotations
@@ -37,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +26,7 @@ from ftsdp.storage._options import LoadOptions
 from ftsdp.storage.conversion._formats import open_source
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._dtypes import itemsize
-from ftsdp.storage.io._streaming import MiB, TensorInfo
+from ftsdp.storage.io._streaming import MiB, Request, TensorInfo, group_requests, split_request
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +42,7 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def _cast_ok(saved: torch.dtype, target: torch.dtype) -> bool:
-    """True when every value of ``saved`` is a value of ``target``: an implicit cast is allowed
-    (see [Note: the cast rule])."""
+    """Whether every value of ``saved`` is a value of ``target`` ([Note: the cast rule])."""
     if saved == target:
         return True
     kind = _kind(saved)
@@ -78,16 +56,14 @@ def _cast_ok(saved: torch.dtype, target: torch.dtype) -> bool:
 
 
 def _target_dtype(dtype: torch.dtype | None, current: torch.dtype) -> tuple[torch.dtype, bool]:
-    """The dtype a tensor of dtype ``current`` gets, and whether ``dtype`` asked for it: ``dtype``
-    applies to the tensors of its own kind (a floating dtype to floating tensors)."""
+    """(target dtype, asked for): ``dtype`` for tensors of its kind, else ``current``."""
     if dtype is not None and _kind(dtype) == _kind(current):
         return dtype, True
     return current, False
 
 
 def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bool]]) -> None:
-    """Raise ``StateMismatchError`` for the casts ``(name, saved, target, explicit)`` that the
-    cast rule refuses; nothing has been read or written yet."""
+    """StateMismatchError for the ``(name, saved, target, explicit)`` casts refused."""
     refused = [(n, s, t) for n, s, t, explicit in casts if not explicit and not _cast_ok(s, t)]
     if refused:
         listed = ", ".join(f"{n!r} (saved {s}, target {t})" for n, s, t in refused[:10])
@@ -100,16 +76,6 @@ def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bo
         )
 
 
-def _open(
-    url: str,
-    step: int | None,
-    storage_options: dict | None,
-    options: LoadOptions | None,
-    trust_pickle: bool = False,
-) -> Source:
-    return open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
-
-
 def fill(
     source: Source, targets: list[tuple[str, torch.Tensor | None]], chunk: int = DEFAULT_CHUNK
 ) -> None:
@@ -119,35 +85,20 @@ def fill(
     A target of None is read (and verified, where the format has checksums) but not kept.
     Consecutive small requests share one read.
     """
-    jobs: list[tuple[str, int, int, torch.Tensor | None]] = []  # name, offset, length, target
-    for name, target in targets:
-        assert target is None or target.is_contiguous(), name
-        info = source.tensors[name]
-        step = max(1, chunk // info.itemsize)
-        jobs.extend(
-            (name, o, min(step, info.numel - o), target) for o in range(0, info.numel, step)
-        )
-    group: list[tuple[str, int, int, torch.Tensor | None]] = []
-    used = 0
+    by_name = dict(targets)
+    assert all(t is None or t.is_contiguous() for t in by_name.values()), list(by_name)
+    sizes = {n: source.tensors[n].itemsize for n in by_name}
+    requests = [
+        r for n in by_name for r in split_request(n, 0, source.tensors[n].numel, sizes[n], chunk)
+    ]
     scratch = _Scratch(chunk)
-    for job in jobs:
-        size = job[2] * source.tensors[job[0]].itemsize
-        if group and used + size > chunk:
-            _read_group(source, group, scratch)
-            group, used = [], 0
-        group.append(job)
-        used += size
-    if group:
-        _read_group(source, group, scratch)
+    for group in group_requests(requests, sizes, chunk):
+        _read_group(source, group, by_name, scratch)
 
 
 class _Scratch:
-    """One buffer of ``chunk`` bytes that every group of a ``fill`` stages into in turn.
-
-    A buffer per group would be freed and allocated again for every chunk, and glibc keeps
-    freed blocks of that size in per-thread arenas once its mmap threshold has grown past them:
-    the process's peak then grew by a few chunks, or not, from run to run (a memory-bound test
-    failed one time in three)."""
+    """One buffer of ``chunk`` bytes that every group of a ``fill`` stages into in turn: a buffer
+    per group, freed and allocated again, made glibc's arenas grow the peak by a few chunks."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes, self.pos = nbytes, 0
@@ -166,21 +117,24 @@ class _Scratch:
 
 
 def _read_group(
-    source: Source, group: list[tuple[str, int, int, torch.Tensor | None]], scratch: _Scratch
+    source: Source,
+    group: list[Request],
+    targets: dict[str, torch.Tensor | None],
+    scratch: _Scratch,
 ) -> None:
     requests, staged = [], []
     scratch.pos = 0  # the previous group's staging is copied out: reuse it
-    for name, off, n, target in group:
-        saved = source.tensors[name].dtype
+    for r in group:
+        saved, target = source.tensors[r.name].dtype, targets[r.name]
         if target is None:  # verify only
-            requests.append((name, off, scratch.take(n, saved)))
+            requests.append((r.name, r.offset, scratch.take(r.length, saved)))
             continue
-        flat = target.detach().view(-1)[off : off + n]
+        flat = target.detach().view(-1)[r.offset : r.offset + r.length]
         if target.device.type == "cpu" and target.dtype == saved:
-            requests.append((name, off, flat))  # straight into the final buffer
+            requests.append((r.name, r.offset, flat))  # straight into the final buffer
         else:
-            buf = scratch.take(n, saved)
-            requests.append((name, off, buf))
+            buf = scratch.take(r.length, saved)
+            requests.append((r.name, r.offset, buf))
             staged.append((flat, buf))
     source.read_into(requests)
     for flat, buf in staged:
@@ -188,8 +142,7 @@ def _read_group(
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
-    """Copy ``src`` (CPU, contiguous, ``dst``'s shape) into the contiguous ``dst`` (any dtype and
-    device) a chunk at a time: a copy across devices and dtypes needs a temporary per chunk."""
+    """Copy ``src`` (CPU) into ``dst`` (any dtype and device) a chunk at a time."""
     d, s = dst.detach().view(-1), src.view(-1)
     step = max(1, chunk // max(d.element_size(), s.element_size()))
     for a in range(0, d.numel(), step):
@@ -215,25 +168,21 @@ def load_state_dict(
     keep their saved dtype; tensors are created on ``device``. Needs the requested tensors' size
     plus one chunk.
     """
-    source = _open(url, step, storage_options, options, trust_pickle)
-    try:
+    with closing(
+        open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
+    ) as source:
         names = sorted(source.tensors) if keys is None else list(keys)
         unknown = [n for n in names if n not in source.tensors]
         if unknown:
             where = f"step {source.step} at {url}" if source.step is not None else url
             raise KeyError(f"{where} has no tensor(s) {unknown}")
         out: dict[str, torch.Tensor] = {}
-        casts = []
-        for n in names:
+        for n in names:  # only ``dtype`` casts: nothing the cast rule refuses
             info = source.tensors[n]
-            cast, explicit = _target_dtype(dtype, info.dtype)
-            casts.append((n, info.dtype, cast, explicit))
+            cast = _target_dtype(dtype, info.dtype)[0]
             out[n] = torch.empty(info.shape, dtype=cast, device=device)
-        _check_casts(f"checkpoint {url}", casts)
         fill(source, list(out.items()))
         return out
-    finally:
-        source.close()
 
 
 @dataclass(frozen=True)
@@ -265,30 +214,21 @@ def load_into(
     """Fill ``module``'s parameters and persistent buffers from checkpoint names ``prefix + key``.
 
     A module built on the meta device gets new tensors on ``device`` (default: cpu); a real one is
-    filled in place (or moved to ``device`` / cast to ``dtype`` when given). The tensors of
-    ``dtype``'s kind take ``dtype`` (a floating dtype: floating tensors), the others keep the
-    module's own dtype. Tied parameters stay tied and are satisfied by any of their names.
-    Missing and unexpected keys raise ``StateMismatchError`` before anything is read when
-    ``strict``, else are reported in the result; a shape mismatch always raises.
+    filled in place (or moved to ``device`` / cast to ``dtype`` when given). ``dtype`` applies to
+    the tensors of its kind, the others keep the module's dtype, cast only as [Note: the cast
+    rule] allows. Tied parameters stay tied and are satisfied by any of their names. All or
+    nothing: the module is written only after every byte it gets has been read and verified.
+    Tensors filled in place are staged on the CPU (``staged_bytes``); past ``max_staging_bytes``
+    they are read twice instead, verify-only and then straight into the module, and an error of
+    the second pass carries a note that the module is partly overwritten (docs/cli.md, "Python
+    API for inference").
 
-    Casts: saved -> module dtype is implicit only when no value can change (same kind, not
-    narrower: bf16 -> fp32, int32 -> int64); float <-> int, bool <-> number, real <-> complex and
-    narrowing (fp32 -> bf16, int64 -> int32) need ``dtype=`` naming the target. A refused cast
-    raises ``StateMismatchError`` before anything is read (see [Note: the cast rule]).
-
-    All or nothing: the module is written only after every byte it gets has been read and
-    verified; any error leaves it as it was (see [Note: load_into is all or nothing]). Peak memory
-    on top of the module: a meta module, or tensors moved by ``device`` / ``dtype``, need only the
-    new tensors (the result) plus one 8 MiB chunk; tensors filled in place are staged on the CPU
-    in the narrower of the saved and the module's dtype, so ``staged_bytes`` (their bytes, once)
-    plus one chunk. When ``staged_bytes`` would exceed ``max_staging_bytes`` (default None: no
-    bound), those tensors are read twice instead, a verify-only pass and then straight into the
-    module (checksums verified again), for about two chunks of extra memory; the second pass can
-    only fail if the checkpoint changes or becomes unreadable in between, and that error carries
-    a note that the module is partly overwritten.
+    Raises ``StateMismatchError`` before anything is read for a shape mismatch, a refused cast,
+    or, when ``strict``, missing and unexpected keys (else reported in the result).
     """
-    source = _open(url, step, storage_options, options, trust_pickle)
-    try:
+    with closing(
+        open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
+    ) as source:
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
         for key, t in module.state_dict(keep_vars=True).items():
@@ -301,6 +241,7 @@ def load_into(
         )
         unexpected = sorted(saved - known)
         plan: list[tuple[int, str]] = []
+        casts: list[tuple[str, torch.dtype, torch.dtype, bool]] = []
         bad = []
         for tid, keys in groups.items():
             hit = next((k for k in keys if k in saved), None)
@@ -310,16 +251,14 @@ def load_into(
             if tuple(info.shape) != tuple(tensors[tid].shape):
                 bad.append(f"{hit} (saved {list(info.shape)}, module {list(tensors[tid].shape)})")
             plan.append((tid, hit))
+            want_dtype, explicit = _target_dtype(dtype, tensors[tid].dtype)
+            casts.append((prefix + hit, info.dtype, want_dtype, explicit))
         if bad or (strict and (missing or unexpected)):
             raise StateMismatchError(
                 f"checkpoint {url} (prefix {prefix!r}) does not match the module: missing={missing} "
                 f"unexpected={unexpected} shape mismatches={bad}"
                 + ("" if bad else " (strict=False loads the rest and reports these)")
             )
-        casts = []
-        for tid, hit in plan:
-            want_dtype, explicit = _target_dtype(dtype, tensors[tid].dtype)
-            casts.append((prefix + hit, source.tensors[prefix + hit].dtype, want_dtype, explicit))
         _check_casts(f"checkpoint {url} (prefix {prefix!r})", casts)
         # Phase one reads and verifies; nothing of the module is written.
         reads: list[tuple[str, torch.Tensor | None]] = []  # new tensors: the result
@@ -327,11 +266,8 @@ def load_into(
         in_place: list[tuple[str, torch.Tensor, torch.dtype]] = []  # (name, tensor, staging dtype)
         for (tid, _), (name, saved_dtype, want_dtype, _) in zip(plan, casts, strict=True):
             old = tensors[tid]
-            want_device = (
-                torch.device(device)
-                if device is not None
-                else (torch.device("cpu") if old.is_meta else old.device)
-            )
+            default = "cpu" if old.is_meta else old.device
+            want_device = torch.device(device if device is not None else default)
             if (
                 old.is_meta
                 or old.device != want_device
@@ -384,8 +320,6 @@ def load_into(
             n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta
         ]
         return LoadIntoResult(source.step, missing, unexpected, still_meta, staged_bytes)
-    finally:
-        source.close()
 
 
 class LazyStateDict(Mapping):
@@ -415,7 +349,9 @@ class LazyStateDict(Mapping):
         options: LoadOptions | None = None,
         trust_pickle: bool = False,
     ) -> None:
-        self._source = _open(url, step, storage_options, options, trust_pickle)
+        self._source = open_source(
+            url, None, step, storage_options, options=options, trust_pickle=trust_pickle
+        )
         self.url, self.device, self.dtype, self.cache = url, device, dtype, cache
         self._cache: dict[str, torch.Tensor] = {}
 
@@ -441,8 +377,7 @@ class LazyStateDict(Mapping):
         if name in self._cache:
             return self._cache[name]
         info = self._source.tensors[name]  # KeyError for unknown names
-        cast, explicit = _target_dtype(self.dtype, info.dtype)
-        _check_casts(f"checkpoint {self.url}", [(name, info.dtype, cast, explicit)])
+        cast = _target_dtype(self.dtype, info.dtype)[0]  # only ``dtype`` casts
         t = torch.empty(info.shape, dtype=cast, device=self.device)
         fill(self._source, [(name, t)])
         if self.cache:
