@@ -1,34 +1,13 @@
-"""Reading the report's inputs: metrics JSONL, fault logs, the fault suite's JSONL report; and
-what they say: the series to plot, the restart markers, the fault table. No matplotlib here.
+"""Reading the report's inputs (metrics JSONL, fault logs, the fault suite's report) and what
+they say: the series, the restart markers, the fault table. No matplotlib here.
 
-[Note: what a run is, and its incarnations]
-``ftsdp.train --metrics PATH`` appends JSON records (docs/elastic.md, "The training entry"):
-``start`` when a worker group starts training (every incarnation: each torchrun restart, each new
-launch), ``resume`` when it loaded a checkpoint, ``step`` per log line, ``checkpoint`` per save,
-``preempted``, ``done``; ``error`` and ``stall`` from any rank. Files whose ``start`` records
-name the same ``--checkpoint-url`` are one *run* (attempts written to several files, or one file
-appended to by every attempt); a file without a checkpoint URL is a run of its own. A run's
-records, in wall-time order, split at each ``start`` into *incarnations*. An incarnation that
-ends in ``error``, ``stall`` or ``preempted``, or without ``done`` before the next one starts, is
-an *interruption*: one row of the fault table, measured as the fault suite measures it
-(``tests/e2e/test_faults.py``, ``measure``):
-
-- *fault time*: the injected fault's wall time when a fault log (``FTSDP_FAULT_LOG``) is among
-  the inputs, else the time of the incarnation's last progress record before it was detected
-  (the fault struck after that: an upper bound of the true time, so the durations are lower
-  bounds);
-- *detection*: fault time to the first ``error``/``stall``/``preempted`` record;
-- *to first new step*: fault time to the first ``step`` record of the next incarnation;
-- *steps lost*: the furthest step the interrupted incarnation completed (recorded, or the fault's
-  step: a fault fires after its step) minus the step the next one resumed from.
-
-A restart marker stands at the step each ``resume`` loaded (where the next incarnation's curve
-begins): ``restart`` at the same world size, ``resize`` at another; a ``preempted`` record adds a
-marker at its step.
+What a run, an incarnation and an interruption are, and how the fault table measures each, is in
+docs/report.md, "The fault table" (the fault suite's own ``measure`` in tests/e2e/test_faults.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -89,11 +68,8 @@ class Marker:
 
 @dataclass(frozen=True)
 class FaultRow:
-    """One interruption of a run (see [Note: what a run is, and its incarnations]).
-
-    ``origin`` says where ``fault_time`` comes from: ``fault log`` or ``last record``;
-    ``back_time`` is the wall time of the first new step (None when the run did not come back).
-    """
+    """One interruption of a run (docs/report.md, "The fault table"). ``origin``: ``fault log``
+    or ``last record``; ``back_time``: wall time of the first new step (None: never came back)."""
 
     run: str
     kind: str
@@ -129,14 +105,13 @@ class Incarnation:
 
     def last_step(self) -> int | None:
         """The furthest step its records show completed, or None."""
-        steps = [r["step"] for r in self.records if r["event"] in ("step", "checkpoint", "resume")]
-        steps += [r["step"] for r in self.records if r["event"] == "preempted"]
-        return max(steps, default=None)
+        done = ("step", "checkpoint", "resume", "preempted")
+        return max((r["step"] for r in self.records if r["event"] in done), default=None)
 
 
 @dataclass
 class Run:
-    """The sources of one run (see the module note), its incarnations and what they add up to."""
+    """The sources of one run, its incarnations and the fault-log records in its span."""
 
     label: str
     sources: list[Source]
@@ -180,61 +155,49 @@ def read_source(path: str, label: str | None = None) -> tuple[Source, list[Skipp
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
-
-        def skip(reason: str, number: int = number) -> None:
-            skipped.append(Skipped(path, number, reason))
-
         try:
-            record = json.loads(text)
+            reason = _add(source, json.loads(text), number)
         except json.JSONDecodeError:
             last = number == len(lines)
-            skip("not JSON (truncated: the writer stopped mid-line)" if last else "not JSON")
-            continue
-        if not isinstance(record, dict):
-            skip(f"a JSON {type(record).__name__}, not an object")
-            continue
-        event = record.get("event")
-        if event in RUN_EVENTS:
-            problem = _check(record, RUN_EVENTS[event])
-            if problem:
-                skip(f"{event} record {problem}")
-                continue
-            source.events.append({**record, "_line": number})
-        elif event == "fault":
-            problem = _check(record, FAULT_FIELDS)
-            if problem:
-                skip(f"fault record {problem}")
-                continue
-            source.faults.append({**record, "_line": number})
-        elif event in QUIET_EVENTS:
-            continue
-        elif event is None and all(k in record for k in SUITE_FIELDS):
-            source.suite.append({**record, "_line": number})
-        elif event is None:
-            skip("no 'event' field, and not a fault-suite report row")
-        else:
-            skip(f"unknown event {event!r}")
+            reason = "not JSON (truncated: the writer stopped mid-line)" if last else "not JSON"
+        if reason:
+            skipped.append(Skipped(path, number, reason))
     return source, skipped
+
+
+def _add(source: Source, record: Any, number: int) -> str | None:
+    """Add line ``number``'s record to ``source`` under its kind; why it cannot be, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    event = record.get("event")
+    kept = {**record, "_line": number}
+    if event in RUN_EVENTS or event == "fault":
+        problem = _check(record, RUN_EVENTS.get(event, FAULT_FIELDS))
+        if problem:
+            return f"{event} record {problem}"
+        (source.faults if event == "fault" else source.events).append(kept)
+    elif event is None and all(k in record for k in SUITE_FIELDS):
+        source.suite.append(kept)
+    elif event is None:
+        return "no 'event' field, and not a fault-suite report row"
+    elif event not in QUIET_EVENTS:
+        return f"unknown event {event!r}"
+    return None
 
 
 def summarise(skipped: list[Skipped]) -> str:
     """One line per file: how many lines were skipped, grouped by reason, with line numbers."""
-    out = []
-    by_path: dict[str, list[Skipped]] = {}
+    by_path: dict[str, dict[str, list[int]]] = {}
     for s in skipped:
-        by_path.setdefault(s.path, []).append(s)
-    for path, items in by_path.items():
-        reasons: dict[str, list[int]] = {}
-        for s in items:
-            reasons.setdefault(s.reason, []).append(s.line)
+        by_path.setdefault(s.path, {}).setdefault(s.reason, []).append(s.line)
+    out = []
+    for path, reasons in by_path.items():
         parts = []
         for reason, numbers in reasons.items():
             shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
             parts.append(f"{len(numbers)} {reason} (line{'s' if len(numbers) > 1 else ''} {shown})")
-        out.append(
-            f"skipped {len(items)} line{'s' if len(items) > 1 else ''} of {path}: "
-            + "; ".join(parts)
-        )
+        n = sum(map(len, reasons.values()))
+        out.append(f"skipped {n} line{'s' if n > 1 else ''} of {path}: " + "; ".join(parts))
     return "\n".join(out)
 
 
@@ -250,8 +213,8 @@ def _run_key(source: Source) -> str:
 
 
 def group_runs(sources: list[Source]) -> list[Run]:
-    """Sources with metrics records, grouped into runs (see the module note), each split into
-    incarnations; the fault-log records go to the run whose time span holds them."""
+    """Sources with metrics records grouped into runs (files naming one ``--checkpoint-url``),
+    split into incarnations; each fault-log record goes to the run whose time span holds it."""
     groups: dict[str, list[Source]] = {}
     for s in sources:
         if s.events:
@@ -260,25 +223,17 @@ def group_runs(sources: list[Source]) -> list[Run]:
     for members in groups.values():
         label = members[0].label if len(members) == 1 else " + ".join(m.label for m in members)
         run = Run(label=label, sources=members)
-        records = sorted((r for s in members for r in s.events), key=lambda r: r["time"])
-        current = Incarnation(start=None)
-        for r in records:
-            if r["event"] == "start":
-                if current.start is not None or current.records:
-                    run.incarnations.append(current)
-                current = Incarnation(start=r)
-            else:
-                current.records.append(r)
-        run.incarnations.append(current)
+        for part in _split([r for s in members for r in s.events]):
+            start = part[0] if part[0]["event"] == "start" else None
+            run.incarnations.append(Incarnation(start, part[1:] if start else part))
         runs.append(run)
     faults = sorted((f for s in sources for f in s.faults), key=lambda f: f["time"])
     for f in faults:
         # the run whose span holds it; else the last run that started before it
         holders = [r for r in runs if r.span()[0] <= f["time"] <= r.span()[1]]
-        before = [r for r in runs if r.span()[0] <= f["time"]]
-        target = holders[0] if holders else (before[-1] if before else None)
-        if target is not None:
-            target.faults.append(f)
+        holders += [r for r in reversed(runs) if r.span()[0] <= f["time"]]
+        if holders:
+            holders[0].faults.append(f)
     for run in runs:
         run.t0 = min([run.span()[0], *(f["time"] for f in run.faults)])
     labels = Counter(r.label for r in runs)
@@ -308,11 +263,10 @@ def markers(run: Run) -> list[Marker]:
 
 
 def fault_rows(run: Run) -> list[FaultRow]:
-    """The run's interruptions, measured as the module note says."""
+    """The run's interruptions, measured as docs/report.md says."""
     rows = []
     incs = run.incarnations
-    for i, inc in enumerate(incs):
-        nxt = incs[i + 1] if i + 1 < len(incs) else None
+    for inc, nxt, later in itertools.zip_longest(incs, incs[1:], incs[2:]):
         detected = inc.first(*DETECTION)
         done = inc.first("done")
         if detected is None and (done is not None or nxt is None):
@@ -331,12 +285,10 @@ def fault_rows(run: Run) -> list[FaultRow]:
             origin = "last record"
             kind = detected["event"] if detected is not None else "ended without a record"
             step = last_step
-        resume = nxt.first("resume") if nxt is not None else None
-        first_new = None
-        if nxt is not None:
-            first_new = _first_new_step(
-                run, nxt, resume, incs[i + 2].t0 if i + 2 < len(incs) else math.inf
-            )
+        resume = nxt.first("resume") if nxt else None
+        first_new = (
+            _first_new_step(run, nxt, resume, later.t0 if later else math.inf) if nxt else None
+        )
         completed = max(last_step or 0, step or 0)
         if resume is not None:
             world = f"{resume['saved_world_size']} → {resume['world_size']}"
@@ -380,13 +332,10 @@ def _first_new_step(
     return min(seen, key=lambda r: r["time"], default=None)
 
 
-NAN = float("nan")
-
-
-def by_incarnation(source: Source) -> list[list[dict[str, Any]]]:
-    """The file's records split at each ``start``, in wall-time order."""
+def _split(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``records`` in wall-time order, split at each ``start``."""
     out: list[list[dict[str, Any]]] = [[]]
-    for r in sorted(source.events, key=lambda r: r["time"]):
+    for r in sorted(records, key=lambda r: r["time"]):
         if r["event"] == "start" and out[-1]:
             out.append([])
         out[-1].append(r)
@@ -399,8 +348,8 @@ def joined(parts: list[list[tuple[float, float]]]) -> tuple[list[float], list[fl
     ys: list[float] = []
     for part in filter(None, parts):
         if xs:
-            xs.append(NAN)
-            ys.append(NAN)
+            xs.append(math.nan)
+            ys.append(math.nan)
         xs += [p[0] for p in part]
         ys += [p[1] for p in part]
     return xs, ys
@@ -412,7 +361,7 @@ def series(
     """``key`` of the file's ``step`` records against ``by`` (``time``: seconds from ``t0``, or
     ``step``), one piece per incarnation."""
     parts = []
-    for inc in by_incarnation(source):
+    for inc in _split(source.events):
         part = []
         for r in inc:
             if r["event"] == "step" and _number(r.get(key)):
@@ -426,7 +375,7 @@ def world_series(source: Source, t0: float) -> tuple[list[float], list[float]]:
     """World size against seconds from ``t0``: from each incarnation's start to its last
     record, one piece per incarnation."""
     parts = []
-    for inc in by_incarnation(source):
+    for inc in _split(source.events):
         part = []
         for r in inc:
             size = r.get("world_size")
