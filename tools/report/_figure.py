@@ -1,19 +1,11 @@
-"""The run report's figure: one matplotlib ``Figure`` (no pyplot, no global backend: the Agg
-canvas is attached to the figure itself), its panels as named axes.
-
-Panels (the keys of ``axes``): ``loss`` (against step, with a dashed vertical line per restart,
-resize and preemption, ``gid`` ``marker:<kind>``, its label the marker's text), ``tokens_per_s``
-and ``s_per_step`` (against wall time; a shaded span from each fault to the first new step),
-``world_size`` (against wall time), ``checkpoint`` (blocking seconds per save, a bar per save at
-its step), ``faults`` (the fault table, a matplotlib table), and ``recovery`` when a fault-suite
-report is among the inputs (detection and fault-to-first-new-step seconds per scenario). Each
-data line is one ``Line2D`` per input file whose label is the file's; a NaN separates the
-incarnations (a gap, not a jump back).
+"""The run report's figure: one matplotlib ``Figure`` on its own Agg canvas (no pyplot, no global
+backend), its panels as named axes; docs/report.md, "The page", describes each panel.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Any
 
 from ftsdp.tools.report._records import FaultRow, Marker, Run, Source, saves, series, world_series
@@ -43,10 +35,11 @@ def matplotlib_figure(**kw: Any) -> Any:
     return fig
 
 
-def _fmt(value: Any, spec: str = ".2f") -> str:
+def cell(value: Any) -> str:
+    """A table cell: a float with two decimals, None as ``-``."""
     if value is None:
         return "-"
-    return format(value, spec) if isinstance(value, float) else str(value)
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
 def fault_columns(rows: list[FaultRow], several_runs: bool) -> tuple[list[str], list[list[str]]]:
@@ -66,12 +59,12 @@ def fault_columns(rows: list[FaultRow], several_runs: bool) -> tuple[list[str], 
         [
             *([r.run] if several_runs else []),
             r.kind,
-            _fmt(r.step),
-            _fmt(r.detected_by),
-            _fmt(r.detection_s),
-            _fmt(r.first_new_step_s),
-            _fmt(r.steps_lost),
-            _fmt(r.resumed_from),
+            cell(r.step),
+            cell(r.detected_by),
+            cell(r.detection_s),
+            cell(r.first_new_step_s),
+            cell(r.steps_lost),
+            cell(r.resumed_from),
             r.world,
         ]
         for r in rows
@@ -96,10 +89,8 @@ TOP_IN, BOTTOM_IN = 0.65, 0.45
 def figure_grid(
     heights: list[float], dpi: int, title: str, width: float = 11.0, **grid: Any
 ) -> tuple[Any, Any]:
-    """A titled figure whose panel rows are ``heights`` inches tall, and its 2-column grid.
-
-    A fixed layout (margins and gaps in inches): matplotlib's constrained layout draws every
-    figure twice to measure it, which doubles the time to write one."""
+    """A titled figure whose panel rows are ``heights`` inches tall, and its 2-column grid; a
+    fixed layout, as constrained layout draws every figure twice to measure it."""
     total = sum(heights) + GAP_IN * (len(heights) - 1) + TOP_IN + BOTTOM_IN
     fig = matplotlib_figure(figsize=(width, total), dpi=dpi)
     fig.suptitle(title, fontsize=11, y=1 - 0.1 / total, va="top")
@@ -128,14 +119,12 @@ def save_slots(
     slot = 0.8 * min(gaps, default=1)
     share = slot / len(per_source)
     left = -slot / 2 + i * share
-    counts: dict[int, int] = {}
-    for step, _ in per_source[i]:
-        counts[step] = counts.get(step, 0) + 1
-    seen: dict[int, int] = {}
+    counts = Counter(step for step, _ in per_source[i])
+    seen: Counter[int] = Counter()
     xs, widths = [], []
     for step, _ in per_source[i]:
-        k = seen.get(step, 0)
-        seen[step] = k + 1
+        k = seen[step]
+        seen[step] += 1
         width = share / counts[step]
         xs.append(step + left + (k + 0.5) * width)
         widths.append(width)
@@ -155,7 +144,7 @@ def run_figure(
     title: str,
     dpi: int = 80,
 ) -> tuple[Any, dict[str, Any]]:
-    """The figure and its named axes (see the module docstring)."""
+    """The figure and its named axes (docs/report.md, "The page")."""
     metric_sources = [s for s in sources if s.events]
     heights: list[float] = []
     if runs:
@@ -190,10 +179,10 @@ def run_figure(
                 *world_series(s, t0), color=colors[s.path], lw=1.2, drawstyle="steps-post",
                 label=s.label,
             )  # fmt: skip
-        at_step: dict[int, int] = {}
+        at_step: Counter[int] = Counter()
         for m in markers:
-            k = at_step.get(m.step, 0)
-            at_step[m.step] = k + 1
+            k = at_step[m.step]
+            at_step[m.step] += 1
             color = MARKER_COLORS[m.kind]
             loss.axvline(
                 m.step, color=color, ls="--", lw=1.0, gid=f"marker:{m.kind}", label=m.label
