@@ -122,12 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", parents=[common], help="convert between ftsdp, hf, torch and dcp")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument(
-        "--to",
-        required=True,
-        metavar="FORMAT",
-        help=f"one of {', '.join(storage.conversion.FORMATS)}",
-    )
+    formats = ", ".join(storage.conversion.FORMATS)
+    p.add_argument("--to", required=True, metavar="FORMAT", help=f"one of {formats}")
     p.add_argument(
         "--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)"
     )
@@ -136,11 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--world-size", type=int, help="ftsdp output: lay the step out for this many ranks"
     )
     p.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        metavar="SIZE",
+        "--max-shard-size", type=parse_size, metavar="SIZE",
         help="hf output: split into files of at most SIZE",
-    )
+    )  # fmt: skip
     p.add_argument(
         "--include-optimizer", action="store_true",
         help="hf output: also write the optimizer state (under its saved names) and the "
@@ -210,32 +204,23 @@ def _trust_option(p: argparse.ArgumentParser) -> None:
 
 @functools.cache
 def _parser() -> argparse.ArgumentParser:
-    """:func:`build_parser`, built once per process: building it (argparse and its message
-    lookups) costs ~9 ms, as much as a verify of a small checkpoint, and the fuzz tool runs
-    ``main`` once per case. Parsing leaves the parser as it was, so one serves every call."""
+    """:func:`build_parser`, once per process (the fuzz tool runs ``main`` once per case);
+    parsing leaves the parser as it was, so one serves every call."""
     return build_parser()
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; ``UsageError`` (one line) for anything wrong with it."""
     args = _parser().parse_args(argv)
-    if (
-        args.command == "convert"
-        and args.src_format
-        and args.src_format not in storage.conversion.FORMATS
-    ):
-        raise UsageError(
-            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(storage.conversion.FORMATS)}"
-        )
-    if args.command == "convert":
-        _check_hf_flags(args)
     args.storage_options = dict(args.storage_option) or None
-    return args
-
-
-def _check_hf_flags(args: argparse.Namespace) -> None:
-    """``--include-optimizer`` and ``--keep-names`` shape the hf export only; the model-only
-    export's flag contradicts the first."""
+    if args.command != "convert":
+        return args
+    formats = storage.conversion.FORMATS
+    if args.src_format and args.src_format not in formats:
+        raise UsageError(
+            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(formats)}"
+        )
+    # --include-optimizer and --keep-names shape the hf export only
     for flag, on in (
         ("--include-optimizer", args.include_optimizer),
         ("--keep-names", args.keep_names),
@@ -247,3 +232,4 @@ def _check_hf_flags(args: argparse.Namespace) -> None:
             )
     if args.include_optimizer and args.model_only:
         raise UsageError("--include-optimizer contradicts --model-only; pass one of them")
+    return args

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -74,18 +75,14 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     return 0 if report.ok else 1
 
 
+_CONVERT_OPTIONS = (
+    "step", "dst_step", "dtype", "model_only", "rename", "overwrite", "max_memory",
+    "storage_options", "trust_pickle",
+)  # fmt: skip
+
+
 def _convert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "step": args.step,
-        "dst_step": args.dst_step,
-        "dtype": args.dtype,
-        "model_only": args.model_only,
-        "rename": args.rename,
-        "overwrite": args.overwrite,
-        "max_memory": args.max_memory,
-        "storage_options": args.storage_options,
-        "trust_pickle": args.trust_pickle,
-    }
+    return {name: getattr(args, name) for name in _CONVERT_OPTIONS}
 
 
 def _report_convert(result: storage.conversion.ConvertResult, out: TextIO) -> None:
@@ -136,9 +133,8 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         _emit(out, result)
         return 0
-    counts: dict[str, int] = {}
+    counts = Counter(row["status"] for row in result["tensors"])
     for row in result["tensors"]:
-        counts[row["status"]] = counts.get(row["status"], 0) + 1
         if row["status"] == "same":
             continue
         detail = ""
