@@ -97,9 +97,8 @@ def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
 
 
 def _tied_groups(config: dict[str, Any]) -> list[list[str]]:
-    """The names of each parameter the model of ``config`` ties (several names, in module
-    order), from ``transformers`` itself: the model is built on the meta device (no memory, no
-    download, no code from the checkpoint). ImportError / ValueError when it cannot be."""
+    """The names (in module order) of each parameter the model of ``config`` ties, from
+    ``transformers`` built on the meta device. ImportError / ValueError when it cannot be."""
     import transformers  # only here: importing a model's code takes seconds
 
     rest = {k: v for k, v in config.items() if k != "model_type"}
@@ -128,10 +127,9 @@ def _equal(ckpt: storage.LazyStateDict, a: str, b: str, chunk_bytes: int) -> boo
 def tied_copies(
     ckpt: storage.LazyStateDict, config: dict[str, Any], chunk_bytes: int
 ) -> tuple[list[str], list[str]]:
-    """The checkpoint's names that hold a copy of a tied parameter saved under an earlier name
-    (left out of the export), and notes. Looked up only when the config ties the word embeddings
-    and two model tensors of one shape have ``vocab_size`` in it (so a checkpoint that holds a
-    tied weight once, as ``ftsdp.FSDP`` saves it, costs nothing)."""
+    """The names holding a copy of a tied parameter saved under an earlier name (left out), and
+    notes; looked up only when two model tensors of one shape with ``vocab_size`` in it could be
+    tied word embeddings (a tied weight saved once, as ``ftsdp.FSDP`` does, costs nothing)."""
     if not config.get("tie_word_embeddings"):
         return [], []
     vocab = config.get("vocab_size")

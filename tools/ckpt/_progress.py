@@ -9,11 +9,11 @@ from typing import TextIO
 
 def human_bytes(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f} TiB"
 
 
 def _clock(seconds: float) -> str:

@@ -20,9 +20,7 @@ class MissingExtraError(ImportError):
 
 
 def matplotlib_figure(**kw: Any) -> Any:
-    """A new ``matplotlib.figure.Figure`` on an Agg canvas (matplotlib imported here, lazily).
-
-    :class:`MissingExtraError` with the install command when matplotlib is missing."""
+    """A new ``Figure`` on an Agg canvas (matplotlib imported lazily); MissingExtraError without."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -170,9 +168,8 @@ def run_figure(
         handles = []
         for s in metric_sources:
             t0 = run_of[s.path].t0
-            (line,) = loss.plot(*series(s, t0, "loss", by="step"), color=colors[s.path], lw=1.2)
-            line.set_label(s.label)
-            handles.append(line)
+            loss_xy = series(s, t0, "loss", by="step")
+            handles += loss.plot(*loss_xy, color=colors[s.path], lw=1.2, label=s.label)
             tps.plot(*series(s, t0, "tokens_per_s"), color=colors[s.path], lw=1.0, label=s.label)
             sps.plot(*series(s, t0, "s_per_step"), color=colors[s.path], lw=1.0, label=s.label)
             world.plot(
@@ -251,15 +248,14 @@ def run_figure(
             table.set_title("faults: none (every incarnation ended with done)", fontsize=10)
     if suite:  # room on the left for the scenarios' names
         room = grid[row, :].subgridspec(1, 2, width_ratios=[0.3, 0.7])
-        axes["recovery"] = recovery_axes(fig, fig.add_subplot(room[0, 1]), suite)
+        axes["recovery"] = recovery_axes(fig.add_subplot(room[0, 1]), suite)
     return fig, axes
 
 
-def recovery_axes(fig: Any, ax: Any, suite: list[dict[str, Any]]) -> Any:
+def recovery_axes(ax: Any, suite: list[dict[str, Any]]) -> Any:
     """The fault suite's report rows as horizontal bars: detection seconds and fault-to-first-
     new-step seconds per scenario, first scenario on top, with world sizes and steps lost."""
-    n = len(suite)
-    ys = list(range(n))
+    ys = list(range(len(suite)))
     detection = [float(r["detection_s"] or 0.0) for r in suite]
     back = [float(r["fault_to_first_new_step_s"] or 0.0) for r in suite]
     ax.barh([y - 0.2 for y in ys], detection, height=0.38, color="tab:orange", label="detection")

@@ -87,8 +87,7 @@ class FaultRow:
 
 @dataclass
 class Incarnation:
-    """A run's records from one ``start`` to the next (``start`` is None for records before
-    the first ``start``)."""
+    """A run's records from one ``start`` (None: those before the first) to the next."""
 
     start: dict[str, Any] | None
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -144,10 +143,8 @@ def _check(record: dict[str, Any], fields: Iterable[str]) -> str | None:
 
 
 def read_source(path: str, label: str | None = None) -> tuple[Source, list[Skipped]]:
-    """Read one JSONL file: its records by kind, and the lines it skipped (a truncated or
-    malformed line, an unknown record, a known record without a field the report needs).
-
-    OSError if the file cannot be read; every problem inside it is a :class:`Skipped`."""
+    """Read one JSONL file: its records by kind, and the lines it skipped (:class:`Skipped`: a
+    malformed line, an unknown record, a record without a field needed). OSError if unreadable."""
     source = Source(path=path, label=label or os.path.basename(path))
     skipped: list[Skipped] = []
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -203,13 +200,9 @@ def summarise(skipped: list[Skipped]) -> str:
 
 def _run_key(source: Source) -> str:
     """The ``--checkpoint-url`` of the file's first ``start`` record, else the file itself."""
-    for r in source.events:
-        if r["event"] == "start":
-            url = (r.get("config") or {}).get("checkpoint_url")
-            if url:
-                return f"url:{url}"
-            break
-    return f"file:{source.path}"
+    start = next((r for r in source.events if r["event"] == "start"), None)
+    url = (start.get("config") or {}).get("checkpoint_url") if start else None
+    return f"url:{url}" if url else f"file:{source.path}"
 
 
 def group_runs(sources: list[Source]) -> list[Run]:
@@ -317,10 +310,8 @@ def fault_rows(run: Run) -> list[FaultRow]:
 def _first_new_step(
     run: Run, nxt: Incarnation, resume: dict[str, Any] | None, end: float
 ) -> dict[str, Any] | None:
-    """The earliest record showing that ``nxt`` completed a step: its first ``step`` or
-    ``checkpoint`` record past the step it resumed from, or a fault of the fault log that fired
-    in it past that step (a fault fires after its step completed; the step's own record may
-    never be written when the fault stops the job at that step's boundary)."""
+    """The earliest record showing that ``nxt`` completed a step past the one it resumed from: a
+    ``step`` or ``checkpoint`` record, or a fault-log fault (fired after its step completed)."""
     after = resume["time"] if resume is not None else nxt.t0
     base = int(resume["step"]) if resume is not None else 0
     seen = [
