@@ -22,25 +22,24 @@ def _clock(seconds: float) -> str:
 
 
 class ProgressBar:
-    """Callable ``(done, total)`` that redraws one line at most ``hz`` times a second."""
+    """Callable ``(done, total)`` that redraws one line at most 10 times a second."""
 
-    def __init__(self, label: str, stream: TextIO, hz: float = 10.0) -> None:
-        self.label, self.stream, self.period = label, stream, 1.0 / hz
+    def __init__(self, label: str, stream: TextIO) -> None:
+        self.label, self.stream = label, stream
         self.start = time.monotonic()
         self._last = 0.0
         self._drawn = False
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
-        if now - self._last < self.period and done < total:
+        if now - self._last < 0.1 and done < total:
             return
         self._last = now
         elapsed = max(now - self.start, 1e-6)
         rate = done / elapsed
         frac = done / total if total else 1.0
         eta = (total - done) / rate if rate > 0 else 0.0
-        width = 24
-        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        bar = "#" * int(frac * 24) + "-" * (24 - int(frac * 24))
         line = (
             f"\r{self.label} [{bar}] {frac:4.0%} {human_bytes(done)}/{human_bytes(total)} "
             f"{human_bytes(rate)}/s ETA {_clock(eta)}"
@@ -56,9 +55,6 @@ class ProgressBar:
             self.stream.flush()
 
 
-def progress_for(label: str, enabled: bool, stream: TextIO | None = None) -> ProgressBar | None:
-    """A bar on ``stream`` (stderr) if enabled and it is a terminal, else None (silent in pipes)."""
-    stream = stream or sys.stderr
-    if not enabled or not stream.isatty():
-        return None
-    return ProgressBar(label, stream)
+def progress_for(label: str, enabled: bool) -> ProgressBar | None:
+    """A bar on stderr if enabled and stderr is a terminal, else None (silent in pipes)."""
+    return ProgressBar(label, sys.stderr) if enabled and sys.stderr.isatty() else None
