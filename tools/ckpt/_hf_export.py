@@ -50,13 +50,9 @@ def read_record(values: Mapping[str, Any], src: str) -> dict[str, Any] | None:
     """The ``trainer.model`` record of a checkpoint's values (whole, as JSON text, or flattened to
     dotted names), with ``hf_config`` parsed; None when there is none. ValueError when it is not
     the documented shape."""
-    if RECORD in values:
-        record = values[RECORD]
-    else:
-        prefix = RECORD + "."
-        record = _unflatten(
-            {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
-        )
+    prefix = RECORD + "."
+    flat = {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
+    record = values[RECORD] if RECORD in values else _unflatten(flat)
     if record is None or record == {}:
         return None
     try:

@@ -36,7 +36,6 @@ from ftsdp.tools.report._records import (
     Marker,
     Run,
     Skipped,
-    Source,
     fault_rows,
     group_runs,
     markers,
@@ -169,12 +168,9 @@ def build_report(
     if not names:
         raise NothingToPlotError("no input files: give one or more metrics JSONL files")
     labels = _labels(names)
-    sources: list[Source] = []
-    skipped: list[Skipped] = []
-    for name in names:
-        source, lost = read_source(name, labels[name])
-        sources.append(source)
-        skipped += lost
+    read = [read_source(name, labels[name]) for name in names]
+    sources = [source for source, _ in read]
+    skipped = [s for _, lost in read for s in lost]
     if not any(s.events or s.suite for s in sources):
         raise NothingToPlotError(
             f"nothing to plot in {', '.join(names)}: no ftsdp.train --metrics record and no "

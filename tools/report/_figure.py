@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from dataclasses import astuple
 from typing import Any
 
 from ftsdp.tools.report._records import FaultRow, Marker, Run, Source, saves, series, world_series
@@ -13,6 +14,11 @@ from ftsdp.tools.report._records import FaultRow, Marker, Run, Source, saves, se
 MARKER_COLORS = {"restart": "tab:red", "resize": "tab:purple", "preempted": "tab:orange"}
 DOWN_COLOR = "tab:red"
 EXTRA_HINT = "pip install 'ftsdp[report]'"
+# The fault table's columns: FaultRow's first fields, in their order.
+COLUMNS = (
+    "run", "kind", "step", "detected by", "detection s", "to first new step s", "steps lost",
+    "resumed from", "world",
+)  # fmt: skip
 
 
 class MissingExtraError(ImportError):
@@ -42,32 +48,9 @@ def cell(value: Any) -> str:
 
 def fault_columns(rows: list[FaultRow], several_runs: bool) -> tuple[list[str], list[list[str]]]:
     """The fault table's header and cells (the figure's table and the HTML table)."""
-    header = [
-        *(["run"] if several_runs else []),
-        "kind",
-        "step",
-        "detected by",
-        "detection s",
-        "to first new step s",
-        "steps lost",
-        "resumed from",
-        "world",
-    ]
-    cells = [
-        [
-            *([r.run] if several_runs else []),
-            r.kind,
-            cell(r.step),
-            cell(r.detected_by),
-            cell(r.detection_s),
-            cell(r.first_new_step_s),
-            cell(r.steps_lost),
-            cell(r.resumed_from),
-            r.world,
-        ]
-        for r in rows
-    ]
-    return header, cells
+    first = 0 if several_runs else 1  # the run column only when there are several
+    cells = [[cell(v) for v in astuple(r)[first : len(COLUMNS)]] for r in rows]
+    return list(COLUMNS[first:]), cells
 
 
 def fault_origin(rows: list[FaultRow]) -> str:
