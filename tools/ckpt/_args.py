@@ -99,29 +99,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="print the traceback of an internal error (exit 3)"
     )
 
+    # every command that reads a checkpoint's data (all but gc)
+    reads = _Parser(add_help=False, parents=[common])
+    reads.add_argument(
+        "--trust-pickle", action="store_true",
+        help="unpickle a DCP source's .metadata fully, which can run code from it: only for "
+        "checkpoints you trust (default: only DCP's metadata classes are admitted)",
+    )  # fmt: skip
+
     parser = _Parser(
         prog=PROG, description="Inspect, verify, convert, reshard, diff and clean checkpoints."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ftsdp.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("inspect", parents=[common], help="steps, tensors, sizes and state keys")
-    p.add_argument("url")
+    def command(name: str, help: str, *positionals: str, parent: Any = reads) -> Any:
+        p = sub.add_parser(name, parents=[parent], help=help)
+        for positional in positionals:
+            p.add_argument(positional)
+        return p
+
+    p = command("inspect", "steps, tensors, sizes and state keys", "url")
     p.add_argument("--step", type=parse_step)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    _trust_option(p)
 
-    p = sub.add_parser(
-        "verify", parents=[common], help="read every byte and check checksums and sizes"
-    )
-    p.add_argument("url")
+    p = command("verify", "read every byte and check checksums and sizes", "url")
     p.add_argument("--step", type=parse_step, help="only this step (default: every committed step)")
     p.add_argument("--json", action="store_true")
-    _trust_option(p)
 
-    p = sub.add_parser("convert", parents=[common], help="convert between ftsdp, hf, torch and dcp")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p = command("convert", "convert between ftsdp, hf, torch and dcp", "src", "dst")
     formats = ", ".join(storage.conversion.FORMATS)
     p.add_argument("--to", required=True, metavar="FORMAT", help=f"one of {formats}")
     p.add_argument(
@@ -146,23 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer files): a dump that converts back as it was",
     )  # fmt: skip
 
-    p = sub.add_parser(
-        "reshard", parents=[common], help="rewrite an ftsdp checkpoint for another world size"
-    )
-    p.add_argument("src")
-    p.add_argument("dst")
+    p = command("reshard", "rewrite an ftsdp checkpoint for another world size", "src", "dst")
     p.add_argument("--world-size", type=int, required=True)
     _write_options(p)
 
-    p = sub.add_parser("diff", parents=[common], help="which tensors changed between two steps")
-    p.add_argument("url")
+    p = command("diff", "which tensors changed between two steps", "url")
     p.add_argument("step_a", type=parse_step)
     p.add_argument("step_b", type=parse_step)
     p.add_argument("--json", action="store_true")
-    _trust_option(p)
 
-    p = sub.add_parser("gc", parents=[common], help="remove torn attempts and steps past retention")
-    p.add_argument("url")
+    p = command("gc", "remove torn attempts and steps past retention", "url", parent=common)
     p.add_argument(
         "--keep-last", type=parse_positive, metavar="K",
         help="keep the newest K >= 1 committed steps (default: all)",
@@ -191,15 +190,6 @@ def _write_options(p: argparse.ArgumentParser) -> None:
         help="replace the name prefix OLD by NEW (first match wins); repeatable",
     )  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
-    _trust_option(p)
-
-
-def _trust_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--trust-pickle", action="store_true",
-        help="unpickle a DCP source's .metadata fully, which can run code from it: only for "
-        "checkpoints you trust (default: only DCP's metadata classes are admitted)",
-    )  # fmt: skip
 
 
 @functools.cache

@@ -182,7 +182,9 @@ def build_report(
     marks = [m for run in runs for m in markers(run)]
     rows = [r for run in runs for r in fault_rows(run)]
     suite = [r for s in sources for r in s.suite]
-    title = title or _title(runs, suite)
+    if runs:
+        title = title or "ftsdp run report: " + ", ".join(r.label for r in runs)
+    title = title or f"ftsdp fault suite: {len(suite)} scenarios"
     figure, axes = run_figure(runs, sources, marks, rows, suite, title, dpi=dpi)
     return Report(
         figure=figure,
@@ -214,12 +216,6 @@ def _labels(names: list[str]) -> dict[str, str]:
         n: f"{os.path.basename(os.path.dirname(os.path.abspath(n)))}/{b}" if seen[b] > 1 else b
         for n, b in base.items()
     }
-
-
-def _title(runs: list[Run], suite: list[dict[str, Any]]) -> str:
-    if runs:
-        return "ftsdp run report: " + ", ".join(r.label for r in runs)
-    return f"ftsdp fault suite: {len(suite)} scenarios"
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:

@@ -335,15 +335,12 @@ def _split(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 def joined(parts: list[list[tuple[float, float]]]) -> tuple[list[float], list[float]]:
     """Points of several pieces as one line's data, a NaN between pieces (a gap, not a jump)."""
-    xs: list[float] = []
-    ys: list[float] = []
+    points: list[tuple[float, float]] = []
     for part in filter(None, parts):
-        if xs:
-            xs.append(math.nan)
-            ys.append(math.nan)
-        xs += [p[0] for p in part]
-        ys += [p[1] for p in part]
-    return xs, ys
+        if points:
+            points.append((math.nan, math.nan))
+        points += part
+    return [x for x, _ in points], [y for _, y in points]
 
 
 def series(
@@ -353,12 +350,9 @@ def series(
     ``step``), one piece per incarnation."""
     parts = []
     for inc in _split(source.events):
-        part = []
-        for r in inc:
-            if r["event"] == "step" and _number(r.get(key)):
-                x = r["time"] - t0 if by == "time" else r["step"]
-                part.append((float(x), float(r[key])))
-        parts.append(part)
+        steps = [r for r in inc if r["event"] == "step" and _number(r.get(key))]
+        xs = [r["time"] - t0 if by == "time" else r["step"] for r in steps]
+        parts.append([(float(x), float(r[key])) for x, r in zip(xs, steps, strict=True)])
     return joined(parts)
 
 
