@@ -106,6 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="unpickle a DCP source's .metadata fully, which can run code from it: only for "
         "checkpoints you trust (default: only DCP's metadata classes are admitted)",
     )  # fmt: skip
+    writes = _Parser(add_help=False, parents=[reads])  # convert and reshard
+    writes.add_argument("--step", type=parse_step, help="ftsdp source step (default: the newest)")
+    writes.add_argument(
+        "--dst-step", type=parse_step, help="ftsdp output step (default: the source's, else 0)"
+    )
+    writes.add_argument(
+        "--dtype", type=parse_dtype, help="cast floating tensors (bf16, fp16, fp32, fp64)"
+    )
+    writes.add_argument(
+        "--model-only", action="store_true", help="drop optimizer state and non-tensor values"
+    )
+    writes.add_argument(
+        "--rename", type=parse_rename, action="append", default=[], metavar="OLD=NEW",
+        help="replace the name prefix OLD by NEW (first match wins); repeatable",
+    )  # fmt: skip
+    writes.add_argument(
+        "--overwrite", action="store_true", help="replace a checkpoint already at DST"
+    )
 
     parser = _Parser(
         prog=PROG, description="Inspect, verify, convert, reshard, diff and clean checkpoints."
@@ -127,13 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=parse_step, help="only this step (default: every committed step)")
     p.add_argument("--json", action="store_true")
 
-    p = command("convert", "convert between ftsdp, hf, torch and dcp", "src", "dst")
+    p = command("convert", "convert between ftsdp, hf, torch and dcp", "src", "dst", parent=writes)
     formats = ", ".join(storage.conversion.FORMATS)
     p.add_argument("--to", required=True, metavar="FORMAT", help=f"one of {formats}")
     p.add_argument(
         "--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)"
     )
-    _write_options(p)
     p.add_argument(
         "--world-size", type=int, help="ftsdp output: lay the step out for this many ranks"
     )
@@ -152,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer files): a dump that converts back as it was",
     )  # fmt: skip
 
-    p = command("reshard", "rewrite an ftsdp checkpoint for another world size", "src", "dst")
+    p = command(
+        "reshard", "rewrite an ftsdp checkpoint for another world size", "src", "dst", parent=writes
+    )
     p.add_argument("--world-size", type=int, required=True)
-    _write_options(p)
 
     p = command("diff", "which tensors changed between two steps", "url")
     p.add_argument("step_a", type=parse_step)
@@ -172,24 +190,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     return parser
-
-
-def _write_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--step", type=parse_step, help="ftsdp source step (default: the newest)")
-    p.add_argument(
-        "--dst-step", type=parse_step, help="ftsdp output step (default: the source's, else 0)"
-    )
-    p.add_argument(
-        "--dtype", type=parse_dtype, help="cast floating tensors (bf16, fp16, fp32, fp64)"
-    )
-    p.add_argument(
-        "--model-only", action="store_true", help="drop optimizer state and non-tensor values"
-    )
-    p.add_argument(
-        "--rename", type=parse_rename, action="append", default=[], metavar="OLD=NEW",
-        help="replace the name prefix OLD by NEW (first match wins); repeatable",
-    )  # fmt: skip
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
 
 
 @functools.cache

@@ -16,11 +16,6 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 class ProgressBar:
     """Callable ``(done, total)`` that redraws one line at most 10 times a second."""
 
@@ -38,11 +33,11 @@ class ProgressBar:
         elapsed = max(now - self.start, 1e-6)
         rate = done / elapsed
         frac = done / total if total else 1.0
-        eta = (total - done) / rate if rate > 0 else 0.0
+        eta = int((total - done) / rate) if rate > 0 else 0
         bar = "#" * int(frac * 24) + "-" * (24 - int(frac * 24))
         line = (
             f"\r{self.label} [{bar}] {frac:4.0%} {human_bytes(done)}/{human_bytes(total)} "
-            f"{human_bytes(rate)}/s ETA {_clock(eta)}"
+            f"{human_bytes(rate)}/s ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
         )
         self.stream.write(line + "\x1b[K")
         self.stream.flush()

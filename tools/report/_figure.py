@@ -139,7 +139,6 @@ def run_figure(
     axes: dict[str, Any] = {}
     colors = {s.path: f"C{i % 10}" for i, s in enumerate(metric_sources)}
     run_of = {s.path: run for run in runs for s in run.sources}
-    row = 0
     if runs:
         loss = axes["loss"] = fig.add_subplot(grid[0, :])
         tps = axes["tokens_per_s"] = fig.add_subplot(grid[1, 0])
@@ -147,7 +146,6 @@ def run_figure(
         world = axes["world_size"] = fig.add_subplot(grid[2, 0], sharex=tps)
         ckpt = axes["checkpoint"] = fig.add_subplot(grid[2, 1])
         table = axes["faults"] = fig.add_subplot(grid[3, :])
-        row = 4
         handles = []
         for s in metric_sources:
             t0 = run_of[s.path].t0
@@ -230,7 +228,7 @@ def run_figure(
         else:
             table.set_title("faults: none (every incarnation ended with done)", fontsize=10)
     if suite:  # room on the left for the scenarios' names
-        room = grid[row, :].subgridspec(1, 2, width_ratios=[0.3, 0.7])
+        room = grid[4 if runs else 0, :].subgridspec(1, 2, width_ratios=[0.3, 0.7])
         axes["recovery"] = recovery_axes(fig.add_subplot(room[0, 1]), suite)
     return fig, axes
 
