@@ -5,7 +5,6 @@ backend), its panels as named axes; docs/report.md, "The page", describes each p
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from dataclasses import astuple
 from typing import Any
 
@@ -100,13 +99,11 @@ def save_slots(
     slot = 0.8 * min(gaps, default=1)
     share = slot / len(per_source)
     left = -slot / 2 + i * share
-    counts = Counter(step for step, _ in per_source[i])
-    seen: Counter[int] = Counter()
+    mine = [step for step, _ in per_source[i]]
     xs, widths = [], []
-    for step, _ in per_source[i]:
-        k = seen[step]
-        seen[step] += 1
-        width = share / counts[step]
+    for j, step in enumerate(mine):
+        k = mine[:j].count(step)  # its saves of this step before this one
+        width = share / mine.count(step)
         xs.append(step + left + (k + 0.5) * width)
         widths.append(width)
     return xs, widths
@@ -137,7 +134,10 @@ def run_figure(
     from matplotlib.lines import Line2D
 
     axes: dict[str, Any] = {}
-    colors = {s.path: f"C{i % 10}" for i, s in enumerate(metric_sources)}
+    # each file's color and legend label, the same in every panel
+    style = {
+        s.path: {"color": f"C{i % 10}", "label": s.label} for i, s in enumerate(metric_sources)
+    }
     run_of = {s.path: run for run in runs for s in run.sources}
     if runs:
         loss = axes["loss"] = fig.add_subplot(grid[0, :])
@@ -149,18 +149,12 @@ def run_figure(
         handles = []
         for s in metric_sources:
             t0 = run_of[s.path].t0
-            loss_xy = series(s, t0, "loss", by="step")
-            handles += loss.plot(*loss_xy, color=colors[s.path], lw=1.2, label=s.label)
-            tps.plot(*series(s, t0, "tokens_per_s"), color=colors[s.path], lw=1.0, label=s.label)
-            sps.plot(*series(s, t0, "s_per_step"), color=colors[s.path], lw=1.0, label=s.label)
-            world.plot(
-                *world_series(s, t0), color=colors[s.path], lw=1.2, drawstyle="steps-post",
-                label=s.label,
-            )  # fmt: skip
-        at_step: Counter[int] = Counter()
-        for m in markers:
-            k = at_step[m.step]
-            at_step[m.step] += 1
+            handles += loss.plot(*series(s, t0, "loss", by="step"), lw=1.2, **style[s.path])
+            tps.plot(*series(s, t0, "tokens_per_s"), lw=1.0, **style[s.path])
+            sps.plot(*series(s, t0, "s_per_step"), lw=1.0, **style[s.path])
+            world.plot(*world_series(s, t0), lw=1.2, drawstyle="steps-post", **style[s.path])
+        for i, m in enumerate(markers):
+            k = [n.step for n in markers[:i]].count(m.step)  # markers before it at its step
             color = MARKER_COLORS[m.kind]
             loss.axvline(
                 m.step, color=color, ls="--", lw=1.0, gid=f"marker:{m.kind}", label=m.label
@@ -205,10 +199,7 @@ def run_figure(
         with_saves = [(s, saves(s)) for s in metric_sources if saves(s)]
         for i, (s, points) in enumerate(with_saves):
             xs, widths = save_slots([p for _, p in with_saves], i)
-            ckpt.bar(
-                xs, [b for _, b in points], width=widths, color=colors[s.path], alpha=0.8,
-                label=s.label,
-            )  # fmt: skip
+            ckpt.bar(xs, [b for _, b in points], width=widths, alpha=0.8, **style[s.path])
         if len(with_saves) > 1:
             ckpt.legend(fontsize=7)
         saved = sorted({step for _, points in with_saves for step, _ in points})
