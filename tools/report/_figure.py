@@ -66,13 +66,11 @@ GAP_IN = 0.8  # inches between panel rows: titles, tick labels, axis labels
 TOP_IN, BOTTOM_IN = 0.65, 0.45
 
 
-def figure_grid(
-    heights: list[float], dpi: int, title: str, width: float = 11.0, **grid: Any
-) -> tuple[Any, Any]:
+def figure_grid(heights: list[float], dpi: int, title: str, **grid: Any) -> tuple[Any, Any]:
     """A titled figure whose panel rows are ``heights`` inches tall, and its 2-column grid; a
     fixed layout, as constrained layout draws every figure twice to measure it."""
     total = sum(heights) + GAP_IN * (len(heights) - 1) + TOP_IN + BOTTOM_IN
-    fig = matplotlib_figure(figsize=(width, total), dpi=dpi)
+    fig = matplotlib_figure(figsize=(11.0, total), dpi=dpi)
     fig.suptitle(title, fontsize=11, y=1 - 0.1 / total, va="top")
     spec = fig.add_gridspec(
         len(heights),
