@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import pathlib
+import re
+import sys
 
 import pytest
 import torch
@@ -323,3 +325,29 @@ def test_one_parser_serves_every_call_and_keeps_no_state(root: pathlib.Path) -> 
     assert _parser() is _parser()
     code, out, _ = _cli("verify", str(root))
     assert code == 0 and "step(s) 1, 2, 3, 4" in out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_only_and_not_with_quiet(root: pathlib.Path, monkeypatch) -> None:
+    """A bar (bytes read of the total, rate, ETA) on stderr when it is a terminal, ended by one
+    newline; ``-q`` and a pipe draw nothing."""
+    for stream, argv, drawn in (
+        (_Terminal(), [], True),
+        (_Terminal(), ["-q"], False),
+        (io.StringIO(), [], False),
+    ):
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert _cli("verify", str(root), "--step", "4", *argv)[0] == 0
+        text = stream.getvalue()
+        assert text == "" or drawn, text
+        if drawn:  # the last redraw: every byte read
+            assert text.startswith("\rverify [") and text.endswith("\x1b[K\n"), text
+            last = re.match(
+                r"verify \[(#*)-*\] 100% (\S+ \S+)/(\S+ \S+) .*/s ETA 0:00:00",
+                text.rsplit("\r")[-1],
+            )
+            assert last and len(last[1]) == 24 and last[2] == last[3], text

@@ -1,9 +1,7 @@
 """``ftsdp-ckpt``: inspect, verify, convert, reshard, diff and garbage-collect checkpoints.
 
-Exit codes: 0 success, 1 ``verify`` found problems, 2 bad usage or input (bad arguments, missing
-or corrupt source, a destination that already holds a checkpoint, ...: one line on stderr), 3 an
-internal error (a bug here: one line, and the traceback with ``--debug``), 130 interrupted. See
-docs/cli.md.
+Exit codes (docs/cli.md, "Errors and exit codes"): 0 success, 1 ``verify`` found problems, 2 bad
+usage or input (one line), 3 an internal error (a bug here), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3
 
 def _one_line(error: BaseException) -> str:
     text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-    text = " ".join(str(text).split()) or type(error).__name__
-    return text
+    return " ".join(str(text).split()) or type(error).__name__
 
 
 def main(

@@ -99,48 +99,65 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="print the traceback of an internal error (exit 3)"
     )
 
+    # every command that reads a checkpoint's data (all but gc)
+    reads = _Parser(add_help=False, parents=[common])
+    reads.add_argument(
+        "--trust-pickle", action="store_true",
+        help="unpickle a DCP source's .metadata fully, which can run code from it: only for "
+        "checkpoints you trust (default: only DCP's metadata classes are admitted)",
+    )  # fmt: skip
+    writes = _Parser(add_help=False, parents=[reads])  # convert and reshard
+    writes.add_argument("--step", type=parse_step, help="ftsdp source step (default: the newest)")
+    writes.add_argument(
+        "--dst-step", type=parse_step, help="ftsdp output step (default: the source's, else 0)"
+    )
+    writes.add_argument(
+        "--dtype", type=parse_dtype, help="cast floating tensors (bf16, fp16, fp32, fp64)"
+    )
+    writes.add_argument(
+        "--model-only", action="store_true", help="drop optimizer state and non-tensor values"
+    )
+    writes.add_argument(
+        "--rename", type=parse_rename, action="append", default=[], metavar="OLD=NEW",
+        help="replace the name prefix OLD by NEW (first match wins); repeatable",
+    )  # fmt: skip
+    writes.add_argument(
+        "--overwrite", action="store_true", help="replace a checkpoint already at DST"
+    )
+
     parser = _Parser(
         prog=PROG, description="Inspect, verify, convert, reshard, diff and clean checkpoints."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ftsdp.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("inspect", parents=[common], help="steps, tensors, sizes and state keys")
-    p.add_argument("url")
+    def command(name: str, help: str, *positionals: str, parent: Any = reads) -> Any:
+        p = sub.add_parser(name, parents=[parent], help=help)
+        for positional in positionals:
+            p.add_argument(positional)
+        return p
+
+    p = command("inspect", "steps, tensors, sizes and state keys", "url")
     p.add_argument("--step", type=parse_step)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    _trust_option(p)
 
-    p = sub.add_parser(
-        "verify", parents=[common], help="read every byte and check checksums and sizes"
-    )
-    p.add_argument("url")
+    p = command("verify", "read every byte and check checksums and sizes", "url")
     p.add_argument("--step", type=parse_step, help="only this step (default: every committed step)")
     p.add_argument("--json", action="store_true")
-    _trust_option(p)
 
-    p = sub.add_parser("convert", parents=[common], help="convert between ftsdp, hf, torch and dcp")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument(
-        "--to",
-        required=True,
-        metavar="FORMAT",
-        help=f"one of {', '.join(storage.conversion.FORMATS)}",
-    )
+    p = command("convert", "convert between ftsdp, hf, torch and dcp", "src", "dst", parent=writes)
+    formats = ", ".join(storage.conversion.FORMATS)
+    p.add_argument("--to", required=True, metavar="FORMAT", help=f"one of {formats}")
     p.add_argument(
         "--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)"
     )
-    _write_options(p)
     p.add_argument(
         "--world-size", type=int, help="ftsdp output: lay the step out for this many ranks"
     )
     p.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        metavar="SIZE",
+        "--max-shard-size", type=parse_size, metavar="SIZE",
         help="hf output: split into files of at most SIZE",
-    )
+    )  # fmt: skip
     p.add_argument(
         "--include-optimizer", action="store_true",
         help="hf output: also write the optimizer state (under its saved names) and the "
@@ -152,23 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer files): a dump that converts back as it was",
     )  # fmt: skip
 
-    p = sub.add_parser(
-        "reshard", parents=[common], help="rewrite an ftsdp checkpoint for another world size"
+    p = command(
+        "reshard", "rewrite an ftsdp checkpoint for another world size", "src", "dst", parent=writes
     )
-    p.add_argument("src")
-    p.add_argument("dst")
     p.add_argument("--world-size", type=int, required=True)
-    _write_options(p)
 
-    p = sub.add_parser("diff", parents=[common], help="which tensors changed between two steps")
-    p.add_argument("url")
+    p = command("diff", "which tensors changed between two steps", "url")
     p.add_argument("step_a", type=parse_step)
     p.add_argument("step_b", type=parse_step)
     p.add_argument("--json", action="store_true")
-    _trust_option(p)
 
-    p = sub.add_parser("gc", parents=[common], help="remove torn attempts and steps past retention")
-    p.add_argument("url")
+    p = command("gc", "remove torn attempts and steps past retention", "url", parent=common)
     p.add_argument(
         "--keep-last", type=parse_positive, metavar="K",
         help="keep the newest K >= 1 committed steps (default: all)",
@@ -181,61 +192,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _write_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--step", type=parse_step, help="ftsdp source step (default: the newest)")
-    p.add_argument(
-        "--dst-step", type=parse_step, help="ftsdp output step (default: the source's, else 0)"
-    )
-    p.add_argument(
-        "--dtype", type=parse_dtype, help="cast floating tensors (bf16, fp16, fp32, fp64)"
-    )
-    p.add_argument(
-        "--model-only", action="store_true", help="drop optimizer state and non-tensor values"
-    )
-    p.add_argument(
-        "--rename", type=parse_rename, action="append", default=[], metavar="OLD=NEW",
-        help="replace the name prefix OLD by NEW (first match wins); repeatable",
-    )  # fmt: skip
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
-    _trust_option(p)
-
-
-def _trust_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--trust-pickle", action="store_true",
-        help="unpickle a DCP source's .metadata fully, which can run code from it: only for "
-        "checkpoints you trust (default: only DCP's metadata classes are admitted)",
-    )  # fmt: skip
-
-
 @functools.cache
 def _parser() -> argparse.ArgumentParser:
-    """:func:`build_parser`, built once per process: building it (argparse and its message
-    lookups) costs ~9 ms, as much as a verify of a small checkpoint, and the fuzz tool runs
-    ``main`` once per case. Parsing leaves the parser as it was, so one serves every call."""
+    """:func:`build_parser`, once per process (the fuzz tool runs ``main`` once per case);
+    parsing leaves the parser as it was, so one serves every call."""
     return build_parser()
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; ``UsageError`` (one line) for anything wrong with it."""
     args = _parser().parse_args(argv)
-    if (
-        args.command == "convert"
-        and args.src_format
-        and args.src_format not in storage.conversion.FORMATS
-    ):
-        raise UsageError(
-            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(storage.conversion.FORMATS)}"
-        )
-    if args.command == "convert":
-        _check_hf_flags(args)
     args.storage_options = dict(args.storage_option) or None
-    return args
-
-
-def _check_hf_flags(args: argparse.Namespace) -> None:
-    """``--include-optimizer`` and ``--keep-names`` shape the hf export only; the model-only
-    export's flag contradicts the first."""
+    if args.command != "convert":
+        return args
+    formats = storage.conversion.FORMATS
+    if args.src_format and args.src_format not in formats:
+        raise UsageError(
+            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(formats)}"
+        )
+    # --include-optimizer and --keep-names shape the hf export only
     for flag, on in (
         ("--include-optimizer", args.include_optimizer),
         ("--keep-names", args.keep_names),
@@ -247,3 +222,4 @@ def _check_hf_flags(args: argparse.Namespace) -> None:
             )
     if args.include_optimizer and args.model_only:
         raise UsageError("--include-optimizer contradicts --model-only; pass one of them")
+    return args

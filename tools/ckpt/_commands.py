@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -16,12 +17,12 @@ def _emit(out: TextIO, obj: Any) -> None:
     out.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def _with_progress(
-    args: argparse.Namespace, label: str, fn: Callable[..., Any], **kwargs: Any
-) -> Any:
-    bar = progress_for(label, not args.quiet)
+def _with_progress(args: argparse.Namespace, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """``fn(**kwargs)`` with the common options, and a progress bar named after the command."""
+    bar = progress_for(args.command, not args.quiet)
+    common = {"max_memory": args.max_memory, "storage_options": args.storage_options}
     try:
-        return fn(progress=bar, **kwargs)
+        return fn(progress=bar, trust_pickle=args.trust_pickle, **common, **kwargs)
     finally:
         if bar is not None:
             bar.close()
@@ -55,11 +56,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
-    report = _with_progress(
-        args, "verify", storage.catalog.verify, url=args.url, step=args.step,
-        max_memory=args.max_memory, storage_options=args.storage_options,
-        trust_pickle=args.trust_pickle,
-    )  # fmt: skip
+    report = _with_progress(args, storage.catalog.verify, url=args.url, step=args.step)
     if args.json:
         _emit(out, {**report.__dict__, "ok": report.ok})
         return 0 if report.ok else 1
@@ -75,17 +72,8 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _convert_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "step": args.step,
-        "dst_step": args.dst_step,
-        "dtype": args.dtype,
-        "model_only": args.model_only,
-        "rename": args.rename,
-        "overwrite": args.overwrite,
-        "max_memory": args.max_memory,
-        "storage_options": args.storage_options,
-        "trust_pickle": args.trust_pickle,
-    }
+    options = ("step", "dst_step", "dtype", "model_only", "rename", "overwrite")
+    return {name: getattr(args, name) for name in options}
 
 
 def _report_convert(result: storage.conversion.ConvertResult, out: TextIO) -> None:
@@ -108,7 +96,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         export, notes = hf_export(args)
         kwargs.update(export)
     result = _with_progress(
-        args, "convert", storage.conversion.convert, src=args.src, dst=args.dst, to=args.to,
+        args, storage.conversion.convert, src=args.src, dst=args.dst, to=args.to,
         src_format=args.src_format, world_size=args.world_size,
         max_shard_bytes=args.max_shard_size, **kwargs,
     )  # fmt: skip
@@ -120,7 +108,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_reshard(args: argparse.Namespace, out: TextIO) -> int:
     result = _with_progress(
-        args, "reshard", storage.conversion.reshard, src=args.src, dst=args.dst, world_size=args.world_size,
+        args, storage.conversion.reshard, src=args.src, dst=args.dst, world_size=args.world_size,
         **_convert_kwargs(args),
     )  # fmt: skip
     _report_convert(result, out)
@@ -129,16 +117,14 @@ def cmd_reshard(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
     result = _with_progress(
-        args, "diff", storage.catalog.diff, url_a=args.url, step_a=args.step_a, url_b=args.url,
-        step_b=args.step_b, max_memory=args.max_memory, storage_options=args.storage_options,
-        trust_pickle=args.trust_pickle,
+        args, storage.catalog.diff, url_a=args.url, step_a=args.step_a, url_b=args.url,
+        step_b=args.step_b,
     )  # fmt: skip
     if args.json:
         _emit(out, result)
         return 0
-    counts: dict[str, int] = {}
+    counts = Counter(row["status"] for row in result["tensors"])
     for row in result["tensors"]:
-        counts[row["status"]] = counts.get(row["status"], 0) + 1
         if row["status"] == "same":
             continue
         detail = ""

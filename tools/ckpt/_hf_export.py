@@ -1,37 +1,17 @@
-"""What ``ftsdp-ckpt convert --to hf`` makes of a training checkpoint: a Hugging Face model folder.
+"""What ``ftsdp-ckpt convert --to hf`` makes of a training checkpoint: a Hugging Face model folder
+(docs/cli.md, "The Hugging Face export", says what is written).
 
-A training checkpoint follows the trainer's convention (``CheckpointManager``'s layout, see
-``ftsdp/checkpoint/_manager.py``): model tensors under ``model.<name in the unwrapped module>``,
-optimizer state under ``optim.``, and, when the main job trained a Hugging Face model, its record
-under ``trainer.model``::
-
-    {"spec": "<--model>", "hf_config": <the config's to_dict() or null>,
-     "tokenizer_dir": "<the hf: directory when it holds tokenizer files, or null>"}
-
-Storage knows nothing of this convention (it must not depend on the trainer): this module reads
-the record and turns it into storage's generic options (``model_only``, ``strip_prefix``,
-``extra_files``, ``copy_files``). The export, unless ``--keep-names``:
-
-- the model weights only (``--include-optimizer``: also the optimizer state under its saved names
-  and the non-tensor values), without the ``model.`` prefix;
-- a tied parameter once, under its first name in the module (GPT-2's ``transformer.wte.weight``,
-  not ``lm_head.weight``), as ``save_pretrained`` writes it and ``from_pretrained`` ties it
-  again: ``ftsdp.FSDP`` saves it once already; a torch engine's state dict (FSDP2, DDP, a plain
-  module) holds it under every name, and the copies are left out when ``transformers`` says the
-  model ties them and their bytes are equal (see :func:`tied_copies`);
-- ``config.json`` from ``trainer.model.hf_config``, its ``dtype`` set to the weights' dtype;
-- the known tokenizer files found in ``trainer.model.tokenizer_dir``.
-
-The record is stored as nested JSON values, which storage flattens to dotted names
-(``trainer.model.hf_config.n_layer``); it is read back from either form, and an ``hf_config``
-stored as JSON text is read exactly (a flattened config loses empty objects and splits keys that
-hold a dot).
+Storage knows nothing of the trainer's convention (``model.`` / ``optim.`` names, the
+``trainer.model`` record ``{"spec", "hf_config", "tokenizer_dir"}``): this module reads the record,
+whole, as JSON text or flattened to dotted names, and turns it into storage's generic options
+(``model_only``, ``strip_prefix``, ``exclude``, ``extra_files``, ``copy_files``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,20 +24,10 @@ RECORD = "trainer.model"
 # Files of a Hugging Face model folder that are not weights nor config.json: the tokenizer's (every
 # kind transformers writes) and the generation defaults. Only these plain names are copied.
 TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)  # fmt: skip
 DOCS = "docs/cli.md, 'The Hugging Face export'"
 
 
@@ -80,13 +50,9 @@ def read_record(values: Mapping[str, Any], src: str) -> dict[str, Any] | None:
     """The ``trainer.model`` record of a checkpoint's values (whole, as JSON text, or flattened to
     dotted names), with ``hf_config`` parsed; None when there is none. ValueError when it is not
     the documented shape."""
-    if RECORD in values:
-        record = values[RECORD]
-    else:
-        prefix = RECORD + "."
-        record = _unflatten(
-            {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
-        )
+    prefix = RECORD + "."
+    flat = {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
+    record = values[RECORD] if RECORD in values else _unflatten(flat)
     if record is None or record == {}:
         return None
     try:
@@ -110,13 +76,8 @@ def read_record(values: Mapping[str, Any], src: str) -> dict[str, Any] | None:
 
 def _weights_dtype(ckpt: storage.LazyStateDict, dtype: torch.dtype | None) -> str | None:
     """The dtype name the exported floating model weights have (None when they mix dtypes)."""
-    if dtype is not None:
-        return str(dtype).removeprefix("torch.")
-    kinds = {
-        ckpt.info(n).dtype
-        for n in ckpt
-        if n.startswith(MODEL_PREFIX) and ckpt.info(n).dtype.is_floating_point
-    }
+    kinds = {dtype} if dtype else {ckpt.info(n).dtype for n in ckpt if n.startswith(MODEL_PREFIX)}
+    kinds = {k for k in kinds if k.is_floating_point}
     return str(kinds.pop()).removeprefix("torch.") if len(kinds) == 1 else None
 
 
@@ -132,9 +93,8 @@ def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
 
 
 def _tied_groups(config: dict[str, Any]) -> list[list[str]]:
-    """The names of each parameter the model of ``config`` ties (several names, in module
-    order), from ``transformers`` itself: the model is built on the meta device (no memory, no
-    download, no code from the checkpoint). ImportError / ValueError when it cannot be."""
+    """The names (in module order) of each parameter the model of ``config`` ties, from
+    ``transformers`` built on the meta device. ImportError / ValueError when it cannot be."""
     import transformers  # only here: importing a model's code takes seconds
 
     rest = {k: v for k, v in config.items() if k != "model_type"}
@@ -163,19 +123,14 @@ def _equal(ckpt: storage.LazyStateDict, a: str, b: str, chunk_bytes: int) -> boo
 def tied_copies(
     ckpt: storage.LazyStateDict, config: dict[str, Any], chunk_bytes: int
 ) -> tuple[list[str], list[str]]:
-    """The checkpoint's names that hold a copy of a tied parameter saved under an earlier name
-    (left out of the export), and notes. Looked up only when the config ties the word embeddings
-    and two model tensors of one shape have ``vocab_size`` in it (so a checkpoint that holds a
-    tied weight once, as ``ftsdp.FSDP`` saves it, costs nothing)."""
+    """The names holding a copy of a tied parameter saved under an earlier name (left out), and
+    notes; looked up only when two model tensors of one shape with ``vocab_size`` in it could be
+    tied word embeddings (a tied weight saved once, as ``ftsdp.FSDP`` does, costs nothing)."""
     if not config.get("tie_word_embeddings"):
         return [], []
     vocab = config.get("vocab_size")
-    shapes: dict[tuple, int] = {}
-    for name in ckpt:
-        shape = tuple(ckpt.info(name).shape)
-        if name.startswith(MODEL_PREFIX) and vocab in shape:
-            shapes[shape] = shapes.get(shape, 0) + 1
-    if max(shapes.values(), default=0) < 2:
+    shapes = Counter(tuple(ckpt.info(n).shape) for n in ckpt if n.startswith(MODEL_PREFIX))
+    if max((k for shape, k in shapes.items() if vocab in shape), default=0) < 2:
         return [], []
     try:
         groups = _tied_groups(config)
@@ -200,8 +155,8 @@ def tied_copies(
 
 
 def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any], list[str]]]:
-    """``storage.conversion.convert`` keyword arguments for ``convert --to hf`` and a function giving the
-    one-line notes on its result."""
+    """``storage.conversion.convert`` keyword arguments for ``convert --to hf``, and a function
+    giving the one-line notes on its result."""
     if args.keep_names:  # the names as saved, nothing added
         return {"model_only": args.model_only or not args.include_optimizer}, lambda r: []
     with storage.LazyStateDict(
@@ -218,14 +173,13 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
         "step": step if args.step is None else args.step,
         "exclude": tied,
     }
-    one_file = args.dst.rstrip("/").endswith(".safetensors")
     if not config:
         note = (
             f"{args.src} records no Hugging Face config ({RECORD}.hf_config): wrote the weights "
             f"without the '{MODEL_PREFIX}' prefix and no config.json ({DOCS})"
         )
         return kwargs, lambda r: [note]
-    if one_file:
+    if args.dst.rstrip("/").endswith(".safetensors"):  # one file
         note = f"{args.dst} is one file: config.json and tokenizer files not written ({DOCS})"
         return kwargs, lambda r: [*tie_notes, note]
     kwargs["extra_files"] = {"config.json": config_json(config, dtype)}

@@ -1,20 +1,12 @@
 """``ftsdp-report``: a run's metrics, fault logs and the fault suite's report as one page of
-plots; the benchmarks' JSON results as bar charts.
+plots (HTML or PNG); the benchmarks' JSON results as bar charts.
 
     ftsdp-report run/metrics.jsonl [run/faults.jsonl ...] -o report.html   # or -o report.png
     ftsdp-report --bench docs/benchmarks.json -o benchmarks.png
 
-Inputs are JSONL files, each line classified by itself: ``ftsdp.train --metrics`` records, fault
-log records (``FTSDP_FAULT_LOG``) and rows of the fault suite's report (``FTSDP_FAULT_REPORT``);
-files may be mixed and several runs overlay with a legend. A truncated line, an unknown record or
-a record without a field the report needs is skipped, counted and named (line numbers) on stderr;
-the rest still renders. The HTML output is one self-contained file (the figure as an embedded
-PNG, the fault table as HTML); the PNG output is the same figure.
-
-matplotlib is an optional dependency (``pip install 'ftsdp[report]'``), imported only here and
-only when a figure is made. Exit codes: 0 written, 2 bad usage or input, or matplotlib missing
-(one line on stderr). docs/report.md describes every panel; ``build_report`` and
-``build_bench`` are the library entry points (tests read the figure's data from them).
+Inputs, panels, skipped lines and exit codes (0 written; 2 bad usage or input, or matplotlib, an
+optional dependency imported only when a figure is made, missing): docs/report.md.
+``build_report`` and ``build_bench`` are the library entry points.
 """
 
 from __future__ import annotations
@@ -26,6 +18,7 @@ import io
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -33,6 +26,7 @@ from typing import Any, TextIO
 from ftsdp.tools.report._bench import BenchFileError, bench_figure, read_bench
 from ftsdp.tools.report._figure import (
     MissingExtraError,
+    cell,
     fault_columns,
     fault_origin,
     run_figure,
@@ -42,7 +36,6 @@ from ftsdp.tools.report._records import (
     Marker,
     Run,
     Skipped,
-    Source,
     fault_rows,
     group_runs,
     markers,
@@ -126,7 +119,7 @@ class Report:
         if self.suite:
             keys = [k for k in self.suite[0] if not k.startswith("_")]
             parts.append("<h2>Fault suite</h2>")
-            parts.append(_table(keys, [[_cell(r.get(k)) for k in keys] for r in self.suite]))
+            parts.append(_table(keys, [[cell(r.get(k)) for k in keys] for r in self.suite]))
         if self.skipped:
             parts.append(f"<h2>Skipped lines ({len(self.skipped)})</h2><ul>")
             parts += [f"<li>{esc(line)}</li>" for line in self.skipped_summary().splitlines()]
@@ -136,21 +129,10 @@ class Report:
 
     def save(self, path: str) -> None:
         """Write the report to ``path``: ``.html``/``.htm`` the page, ``.png`` the figure."""
-        kind = output_kind(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        if kind == "png":
-            with open(path, "wb") as f:
-                f.write(self.png())
-        else:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(self.html())
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return "-" if value is None else str(value)
+        data = self.png() if output_kind(path) == "png" else self.html().encode("utf-8")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
 
 
 def _table(header: list[str], cells: list[list[str]]) -> str:
@@ -162,12 +144,11 @@ def _table(header: list[str], cells: list[list[str]]) -> str:
 
 def output_kind(path: str) -> str:
     """``html`` or ``png`` from the output path's suffix; ValueError otherwise."""
+    kinds = {".html": "html", ".htm": "html", ".png": "png"}
     suffix = os.path.splitext(path)[1].lower()
-    if suffix in (".html", ".htm"):
-        return "html"
-    if suffix == ".png":
-        return "png"
-    raise ValueError(f"-o {path}: the output must end in .html or .png")
+    if suffix not in kinds:
+        raise ValueError(f"-o {path}: the output must end in .html or .png")
+    return kinds[suffix]
 
 
 def build_report(
@@ -187,12 +168,9 @@ def build_report(
     if not names:
         raise NothingToPlotError("no input files: give one or more metrics JSONL files")
     labels = _labels(names)
-    sources: list[Source] = []
-    skipped: list[Skipped] = []
-    for name in names:
-        source, lost = read_source(name, labels[name])
-        sources.append(source)
-        skipped += lost
+    read = [read_source(name, labels[name]) for name in names]
+    sources = [source for source, _ in read]
+    skipped = [s for _, lost in read for s in lost]
     if not any(s.events or s.suite for s in sources):
         raise NothingToPlotError(
             f"nothing to plot in {', '.join(names)}: no ftsdp.train --metrics record and no "
@@ -204,7 +182,9 @@ def build_report(
     marks = [m for run in runs for m in markers(run)]
     rows = [r for run in runs for r in fault_rows(run)]
     suite = [r for s in sources for r in s.suite]
-    title = title or _title(runs, suite)
+    if runs:
+        title = title or "ftsdp run report: " + ", ".join(r.label for r in runs)
+    title = title or f"ftsdp fault suite: {len(suite)} scenarios"
     figure, axes = run_figure(runs, sources, marks, rows, suite, title, dpi=dpi)
     return Report(
         figure=figure,
@@ -231,20 +211,11 @@ def build_bench(path: str | os.PathLike[str], *, title: str | None = None, dpi: 
 def _labels(names: list[str]) -> dict[str, str]:
     """Each file's legend label: its name, or enough of its path to tell it apart."""
     base = {n: os.path.basename(n) for n in names}
-    out = {}
-    for n in names:
-        if sum(1 for m in names if base[m] == base[n]) > 1:
-            parent = os.path.basename(os.path.dirname(os.path.abspath(n)))
-            out[n] = f"{parent}/{base[n]}"
-        else:
-            out[n] = base[n]
-    return out
-
-
-def _title(runs: list[Run], suite: list[dict[str, Any]]) -> str:
-    if runs:
-        return "ftsdp run report: " + ", ".join(r.label for r in runs)
-    return f"ftsdp fault suite: {len(suite)} scenarios"
+    seen = Counter(os.path.basename(n) for n in names)  # a file given twice counts twice
+    return {
+        n: f"{os.path.basename(os.path.dirname(os.path.abspath(n)))}/{b}" if seen[b] > 1 else b
+        for n, b in base.items()
+    }
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -258,10 +229,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("files", nargs="*", metavar="FILE.jsonl", help="metrics, fault logs, reports")
     p.add_argument("-o", "--output", default="report.html", help="report.html or report.png")
-    p.add_argument(
-        "--bench", metavar="FILE.json", default=None, help="chart the benchmarks' JSON results"
-    )
-    p.add_argument("--title", default=None, help="the page's title")
+    p.add_argument("--bench", metavar="FILE.json", help="chart the benchmarks' JSON results")
+    p.add_argument("--title", help="the page's title")
     p.add_argument("--dpi", type=int, default=80, help="resolution of the figure")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = p.parse_args(argv)
@@ -289,7 +258,7 @@ def main(
         if report.skipped:
             err.write(report.skipped_summary() + "\n")
         report.save(args.output)
-    except (MissingExtraError, NothingToPlotError, BenchFileError, ValueError) as e:
+    except (MissingExtraError, ValueError) as e:  # the other errors here are ValueErrors
         err.write(f"{PROG}: error: {e}\n")
         return EXIT_USAGE
     except OSError as e:

@@ -1,19 +1,11 @@
-"""The run report's figure: one matplotlib ``Figure`` (no pyplot, no global backend: the Agg
-canvas is attached to the figure itself), its panels as named axes.
-
-Panels (the keys of ``axes``): ``loss`` (against step, with a dashed vertical line per restart,
-resize and preemption, ``gid`` ``marker:<kind>``, its label the marker's text), ``tokens_per_s``
-and ``s_per_step`` (against wall time; a shaded span from each fault to the first new step),
-``world_size`` (against wall time), ``checkpoint`` (blocking seconds per save, a bar per save at
-its step), ``faults`` (the fault table, a matplotlib table), and ``recovery`` when a fault-suite
-report is among the inputs (detection and fault-to-first-new-step seconds per scenario). Each
-data line is one ``Line2D`` per input file whose label is the file's; a NaN separates the
-incarnations (a gap, not a jump back).
+"""The run report's figure: one matplotlib ``Figure`` on its own Agg canvas (no pyplot, no global
+backend), its panels as named axes; docs/report.md, "The page", describes each panel.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import astuple
 from typing import Any
 
 from ftsdp.tools.report._records import FaultRow, Marker, Run, Source, saves, series, world_series
@@ -21,6 +13,11 @@ from ftsdp.tools.report._records import FaultRow, Marker, Run, Source, saves, se
 MARKER_COLORS = {"restart": "tab:red", "resize": "tab:purple", "preempted": "tab:orange"}
 DOWN_COLOR = "tab:red"
 EXTRA_HINT = "pip install 'ftsdp[report]'"
+# The fault table's columns: FaultRow's first fields, in their order.
+COLUMNS = (
+    "run", "kind", "step", "detected by", "detection s", "to first new step s", "steps lost",
+    "resumed from", "world",
+)  # fmt: skip
 
 
 class MissingExtraError(ImportError):
@@ -28,9 +25,7 @@ class MissingExtraError(ImportError):
 
 
 def matplotlib_figure(**kw: Any) -> Any:
-    """A new ``matplotlib.figure.Figure`` on an Agg canvas (matplotlib imported here, lazily).
-
-    :class:`MissingExtraError` with the install command when matplotlib is missing."""
+    """A new ``Figure`` on an Agg canvas (matplotlib imported lazily); MissingExtraError without."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -43,40 +38,18 @@ def matplotlib_figure(**kw: Any) -> Any:
     return fig
 
 
-def _fmt(value: Any, spec: str = ".2f") -> str:
+def cell(value: Any) -> str:
+    """A table cell: a float with two decimals, None as ``-``."""
     if value is None:
         return "-"
-    return format(value, spec) if isinstance(value, float) else str(value)
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
 def fault_columns(rows: list[FaultRow], several_runs: bool) -> tuple[list[str], list[list[str]]]:
     """The fault table's header and cells (the figure's table and the HTML table)."""
-    header = [
-        *(["run"] if several_runs else []),
-        "kind",
-        "step",
-        "detected by",
-        "detection s",
-        "to first new step s",
-        "steps lost",
-        "resumed from",
-        "world",
-    ]
-    cells = [
-        [
-            *([r.run] if several_runs else []),
-            r.kind,
-            _fmt(r.step),
-            _fmt(r.detected_by),
-            _fmt(r.detection_s),
-            _fmt(r.first_new_step_s),
-            _fmt(r.steps_lost),
-            _fmt(r.resumed_from),
-            r.world,
-        ]
-        for r in rows
-    ]
-    return header, cells
+    first = 0 if several_runs else 1  # the run column only when there are several
+    cells = [[cell(v) for v in astuple(r)[first : len(COLUMNS)]] for r in rows]
+    return list(COLUMNS[first:]), cells
 
 
 def fault_origin(rows: list[FaultRow]) -> str:
@@ -93,15 +66,11 @@ GAP_IN = 0.8  # inches between panel rows: titles, tick labels, axis labels
 TOP_IN, BOTTOM_IN = 0.65, 0.45
 
 
-def figure_grid(
-    heights: list[float], dpi: int, title: str, width: float = 11.0, **grid: Any
-) -> tuple[Any, Any]:
-    """A titled figure whose panel rows are ``heights`` inches tall, and its 2-column grid.
-
-    A fixed layout (margins and gaps in inches): matplotlib's constrained layout draws every
-    figure twice to measure it, which doubles the time to write one."""
+def figure_grid(heights: list[float], dpi: int, title: str, **grid: Any) -> tuple[Any, Any]:
+    """A titled figure whose panel rows are ``heights`` inches tall, and its 2-column grid; a
+    fixed layout, as constrained layout draws every figure twice to measure it."""
     total = sum(heights) + GAP_IN * (len(heights) - 1) + TOP_IN + BOTTOM_IN
-    fig = matplotlib_figure(figsize=(width, total), dpi=dpi)
+    fig = matplotlib_figure(figsize=(11.0, total), dpi=dpi)
     fig.suptitle(title, fontsize=11, y=1 - 0.1 / total, va="top")
     spec = fig.add_gridspec(
         len(heights),
@@ -128,15 +97,11 @@ def save_slots(
     slot = 0.8 * min(gaps, default=1)
     share = slot / len(per_source)
     left = -slot / 2 + i * share
-    counts: dict[int, int] = {}
-    for step, _ in per_source[i]:
-        counts[step] = counts.get(step, 0) + 1
-    seen: dict[int, int] = {}
+    mine = [step for step, _ in per_source[i]]
     xs, widths = [], []
-    for step, _ in per_source[i]:
-        k = seen.get(step, 0)
-        seen[step] = k + 1
-        width = share / counts[step]
+    for j, step in enumerate(mine):
+        k = mine[:j].count(step)  # its saves of this step before this one
+        width = share / mine.count(step)
         xs.append(step + left + (k + 0.5) * width)
         widths.append(width)
     return xs, widths
@@ -155,7 +120,7 @@ def run_figure(
     title: str,
     dpi: int = 80,
 ) -> tuple[Any, dict[str, Any]]:
-    """The figure and its named axes (see the module docstring)."""
+    """The figure and its named axes (docs/report.md, "The page")."""
     metric_sources = [s for s in sources if s.events]
     heights: list[float] = []
     if runs:
@@ -167,9 +132,11 @@ def run_figure(
     from matplotlib.lines import Line2D
 
     axes: dict[str, Any] = {}
-    colors = {s.path: f"C{i % 10}" for i, s in enumerate(metric_sources)}
+    # each file's color and legend label, the same in every panel
+    style = {
+        s.path: {"color": f"C{i % 10}", "label": s.label} for i, s in enumerate(metric_sources)
+    }
     run_of = {s.path: run for run in runs for s in run.sources}
-    row = 0
     if runs:
         loss = axes["loss"] = fig.add_subplot(grid[0, :])
         tps = axes["tokens_per_s"] = fig.add_subplot(grid[1, 0])
@@ -177,23 +144,15 @@ def run_figure(
         world = axes["world_size"] = fig.add_subplot(grid[2, 0], sharex=tps)
         ckpt = axes["checkpoint"] = fig.add_subplot(grid[2, 1])
         table = axes["faults"] = fig.add_subplot(grid[3, :])
-        row = 4
         handles = []
         for s in metric_sources:
             t0 = run_of[s.path].t0
-            (line,) = loss.plot(*series(s, t0, "loss", by="step"), color=colors[s.path], lw=1.2)
-            line.set_label(s.label)
-            handles.append(line)
-            tps.plot(*series(s, t0, "tokens_per_s"), color=colors[s.path], lw=1.0, label=s.label)
-            sps.plot(*series(s, t0, "s_per_step"), color=colors[s.path], lw=1.0, label=s.label)
-            world.plot(
-                *world_series(s, t0), color=colors[s.path], lw=1.2, drawstyle="steps-post",
-                label=s.label,
-            )  # fmt: skip
-        at_step: dict[int, int] = {}
-        for m in markers:
-            k = at_step.get(m.step, 0)
-            at_step[m.step] = k + 1
+            handles += loss.plot(*series(s, t0, "loss", by="step"), lw=1.2, **style[s.path])
+            tps.plot(*series(s, t0, "tokens_per_s"), lw=1.0, **style[s.path])
+            sps.plot(*series(s, t0, "s_per_step"), lw=1.0, **style[s.path])
+            world.plot(*world_series(s, t0), lw=1.2, drawstyle="steps-post", **style[s.path])
+        for i, m in enumerate(markers):
+            k = [n.step for n in markers[:i]].count(m.step)  # markers before it at its step
             color = MARKER_COLORS[m.kind]
             loss.axvline(
                 m.step, color=color, ls="--", lw=1.0, gid=f"marker:{m.kind}", label=m.label
@@ -238,10 +197,7 @@ def run_figure(
         with_saves = [(s, saves(s)) for s in metric_sources if saves(s)]
         for i, (s, points) in enumerate(with_saves):
             xs, widths = save_slots([p for _, p in with_saves], i)
-            ckpt.bar(
-                xs, [b for _, b in points], width=widths, color=colors[s.path], alpha=0.8,
-                label=s.label,
-            )  # fmt: skip
+            ckpt.bar(xs, [b for _, b in points], width=widths, alpha=0.8, **style[s.path])
         if len(with_saves) > 1:
             ckpt.legend(fontsize=7)
         saved = sorted({step for _, points in with_saves for step, _ in points})
@@ -261,16 +217,15 @@ def run_figure(
         else:
             table.set_title("faults: none (every incarnation ended with done)", fontsize=10)
     if suite:  # room on the left for the scenarios' names
-        room = grid[row, :].subgridspec(1, 2, width_ratios=[0.3, 0.7])
-        axes["recovery"] = recovery_axes(fig, fig.add_subplot(room[0, 1]), suite)
+        room = grid[4 if runs else 0, :].subgridspec(1, 2, width_ratios=[0.3, 0.7])
+        axes["recovery"] = recovery_axes(fig.add_subplot(room[0, 1]), suite)
     return fig, axes
 
 
-def recovery_axes(fig: Any, ax: Any, suite: list[dict[str, Any]]) -> Any:
+def recovery_axes(ax: Any, suite: list[dict[str, Any]]) -> Any:
     """The fault suite's report rows as horizontal bars: detection seconds and fault-to-first-
     new-step seconds per scenario, first scenario on top, with world sizes and steps lost."""
-    n = len(suite)
-    ys = list(range(n))
+    ys = list(range(len(suite)))
     detection = [float(r["detection_s"] or 0.0) for r in suite]
     back = [float(r["fault_to_first_new_step_s"] or 0.0) for r in suite]
     ax.barh([y - 0.2 for y in ys], detection, height=0.38, color="tab:orange", label="detection")

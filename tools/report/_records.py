@@ -1,34 +1,13 @@
-"""Reading the report's inputs: metrics JSONL, fault logs, the fault suite's JSONL report; and
-what they say: the series to plot, the restart markers, the fault table. No matplotlib here.
+"""Reading the report's inputs (metrics JSONL, fault logs, the fault suite's report) and what
+they say: the series, the restart markers, the fault table. No matplotlib here.
 
-[Note: what a run is, and its incarnations]
-``ftsdp.train --metrics PATH`` appends JSON records (docs/elastic.md, "The training entry"):
-``start`` when a worker group starts training (every incarnation: each torchrun restart, each new
-launch), ``resume`` when it loaded a checkpoint, ``step`` per log line, ``checkpoint`` per save,
-``preempted``, ``done``; ``error`` and ``stall`` from any rank. Files whose ``start`` records
-name the same ``--checkpoint-url`` are one *run* (attempts written to several files, or one file
-appended to by every attempt); a file without a checkpoint URL is a run of its own. A run's
-records, in wall-time order, split at each ``start`` into *incarnations*. An incarnation that
-ends in ``error``, ``stall`` or ``preempted``, or without ``done`` before the next one starts, is
-an *interruption*: one row of the fault table, measured as the fault suite measures it
-(``tests/e2e/test_faults.py``, ``measure``):
-
-- *fault time*: the injected fault's wall time when a fault log (``FTSDP_FAULT_LOG``) is among
-  the inputs, else the time of the incarnation's last progress record before it was detected
-  (the fault struck after that: an upper bound of the true time, so the durations are lower
-  bounds);
-- *detection*: fault time to the first ``error``/``stall``/``preempted`` record;
-- *to first new step*: fault time to the first ``step`` record of the next incarnation;
-- *steps lost*: the furthest step the interrupted incarnation completed (recorded, or the fault's
-  step: a fault fires after its step) minus the step the next one resumed from.
-
-A restart marker stands at the step each ``resume`` loaded (where the next incarnation's curve
-begins): ``restart`` at the same world size, ``resize`` at another; a ``preempted`` record adds a
-marker at its step.
+What a run, an incarnation and an interruption are, and how the fault table measures each, is in
+docs/report.md, "The fault table" (the fault suite's own ``measure`` in tests/e2e/test_faults.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -89,11 +68,8 @@ class Marker:
 
 @dataclass(frozen=True)
 class FaultRow:
-    """One interruption of a run (see [Note: what a run is, and its incarnations]).
-
-    ``origin`` says where ``fault_time`` comes from: ``fault log`` or ``last record``;
-    ``back_time`` is the wall time of the first new step (None when the run did not come back).
-    """
+    """One interruption of a run (docs/report.md, "The fault table"). ``origin``: ``fault log``
+    or ``last record``; ``back_time``: wall time of the first new step (None: never came back)."""
 
     run: str
     kind: str
@@ -111,8 +87,7 @@ class FaultRow:
 
 @dataclass
 class Incarnation:
-    """A run's records from one ``start`` to the next (``start`` is None for records before
-    the first ``start``)."""
+    """A run's records from one ``start`` (None: those before the first) to the next."""
 
     start: dict[str, Any] | None
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -129,14 +104,13 @@ class Incarnation:
 
     def last_step(self) -> int | None:
         """The furthest step its records show completed, or None."""
-        steps = [r["step"] for r in self.records if r["event"] in ("step", "checkpoint", "resume")]
-        steps += [r["step"] for r in self.records if r["event"] == "preempted"]
-        return max(steps, default=None)
+        done = ("step", "checkpoint", "resume", "preempted")
+        return max((r["step"] for r in self.records if r["event"] in done), default=None)
 
 
 @dataclass
 class Run:
-    """The sources of one run (see the module note), its incarnations and what they add up to."""
+    """The sources of one run, its incarnations and the fault-log records in its span."""
 
     label: str
     sources: list[Source]
@@ -169,10 +143,8 @@ def _check(record: dict[str, Any], fields: Iterable[str]) -> str | None:
 
 
 def read_source(path: str, label: str | None = None) -> tuple[Source, list[Skipped]]:
-    """Read one JSONL file: its records by kind, and the lines it skipped (a truncated or
-    malformed line, an unknown record, a known record without a field the report needs).
-
-    OSError if the file cannot be read; every problem inside it is a :class:`Skipped`."""
+    """Read one JSONL file: its records by kind, and the lines it skipped (:class:`Skipped`: a
+    malformed line, an unknown record, a record without a field needed). OSError if unreadable."""
     source = Source(path=path, label=label or os.path.basename(path))
     skipped: list[Skipped] = []
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -180,78 +152,62 @@ def read_source(path: str, label: str | None = None) -> tuple[Source, list[Skipp
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
-
-        def skip(reason: str, number: int = number) -> None:
-            skipped.append(Skipped(path, number, reason))
-
         try:
-            record = json.loads(text)
+            reason = _add(source, json.loads(text), number)
         except json.JSONDecodeError:
             last = number == len(lines)
-            skip("not JSON (truncated: the writer stopped mid-line)" if last else "not JSON")
-            continue
-        if not isinstance(record, dict):
-            skip(f"a JSON {type(record).__name__}, not an object")
-            continue
-        event = record.get("event")
-        if event in RUN_EVENTS:
-            problem = _check(record, RUN_EVENTS[event])
-            if problem:
-                skip(f"{event} record {problem}")
-                continue
-            source.events.append({**record, "_line": number})
-        elif event == "fault":
-            problem = _check(record, FAULT_FIELDS)
-            if problem:
-                skip(f"fault record {problem}")
-                continue
-            source.faults.append({**record, "_line": number})
-        elif event in QUIET_EVENTS:
-            continue
-        elif event is None and all(k in record for k in SUITE_FIELDS):
-            source.suite.append({**record, "_line": number})
-        elif event is None:
-            skip("no 'event' field, and not a fault-suite report row")
-        else:
-            skip(f"unknown event {event!r}")
+            reason = "not JSON (truncated: the writer stopped mid-line)" if last else "not JSON"
+        if reason:
+            skipped.append(Skipped(path, number, reason))
     return source, skipped
+
+
+def _add(source: Source, record: Any, number: int) -> str | None:
+    """Add line ``number``'s record to ``source`` under its kind; why it cannot be, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    event = record.get("event")
+    kept = {**record, "_line": number}
+    if event in RUN_EVENTS or event == "fault":
+        problem = _check(record, RUN_EVENTS.get(event, FAULT_FIELDS))
+        if problem:
+            return f"{event} record {problem}"
+        (source.faults if event == "fault" else source.events).append(kept)
+    elif event is None and all(k in record for k in SUITE_FIELDS):
+        source.suite.append(kept)
+    elif event is None:
+        return "no 'event' field, and not a fault-suite report row"
+    elif event not in QUIET_EVENTS:
+        return f"unknown event {event!r}"
+    return None
 
 
 def summarise(skipped: list[Skipped]) -> str:
     """One line per file: how many lines were skipped, grouped by reason, with line numbers."""
-    out = []
-    by_path: dict[str, list[Skipped]] = {}
+    by_path: dict[str, dict[str, list[int]]] = {}
     for s in skipped:
-        by_path.setdefault(s.path, []).append(s)
-    for path, items in by_path.items():
-        reasons: dict[str, list[int]] = {}
-        for s in items:
-            reasons.setdefault(s.reason, []).append(s.line)
+        by_path.setdefault(s.path, {}).setdefault(s.reason, []).append(s.line)
+    out = []
+    for path, reasons in by_path.items():
         parts = []
         for reason, numbers in reasons.items():
             shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
             parts.append(f"{len(numbers)} {reason} (line{'s' if len(numbers) > 1 else ''} {shown})")
-        out.append(
-            f"skipped {len(items)} line{'s' if len(items) > 1 else ''} of {path}: "
-            + "; ".join(parts)
-        )
+        n = sum(map(len, reasons.values()))
+        out.append(f"skipped {n} line{'s' if n > 1 else ''} of {path}: " + "; ".join(parts))
     return "\n".join(out)
 
 
 def _run_key(source: Source) -> str:
     """The ``--checkpoint-url`` of the file's first ``start`` record, else the file itself."""
-    for r in source.events:
-        if r["event"] == "start":
-            url = (r.get("config") or {}).get("checkpoint_url")
-            if url:
-                return f"url:{url}"
-            break
-    return f"file:{source.path}"
+    start = next((r for r in source.events if r["event"] == "start"), None)
+    url = (start.get("config") or {}).get("checkpoint_url") if start else None
+    return f"url:{url}" if url else f"file:{source.path}"
 
 
 def group_runs(sources: list[Source]) -> list[Run]:
-    """Sources with metrics records, grouped into runs (see the module note), each split into
-    incarnations; the fault-log records go to the run whose time span holds them."""
+    """Sources with metrics records grouped into runs (files naming one ``--checkpoint-url``),
+    split into incarnations; each fault-log record goes to the run whose time span holds it."""
     groups: dict[str, list[Source]] = {}
     for s in sources:
         if s.events:
@@ -260,25 +216,17 @@ def group_runs(sources: list[Source]) -> list[Run]:
     for members in groups.values():
         label = members[0].label if len(members) == 1 else " + ".join(m.label for m in members)
         run = Run(label=label, sources=members)
-        records = sorted((r for s in members for r in s.events), key=lambda r: r["time"])
-        current = Incarnation(start=None)
-        for r in records:
-            if r["event"] == "start":
-                if current.start is not None or current.records:
-                    run.incarnations.append(current)
-                current = Incarnation(start=r)
-            else:
-                current.records.append(r)
-        run.incarnations.append(current)
+        for part in _split([r for s in members for r in s.events]):
+            start = part[0] if part[0]["event"] == "start" else None
+            run.incarnations.append(Incarnation(start, part[1:] if start else part))
         runs.append(run)
     faults = sorted((f for s in sources for f in s.faults), key=lambda f: f["time"])
     for f in faults:
         # the run whose span holds it; else the last run that started before it
         holders = [r for r in runs if r.span()[0] <= f["time"] <= r.span()[1]]
-        before = [r for r in runs if r.span()[0] <= f["time"]]
-        target = holders[0] if holders else (before[-1] if before else None)
-        if target is not None:
-            target.faults.append(f)
+        holders += [r for r in reversed(runs) if r.span()[0] <= f["time"]]
+        if holders:
+            holders[0].faults.append(f)
     for run in runs:
         run.t0 = min([run.span()[0], *(f["time"] for f in run.faults)])
     labels = Counter(r.label for r in runs)
@@ -308,11 +256,10 @@ def markers(run: Run) -> list[Marker]:
 
 
 def fault_rows(run: Run) -> list[FaultRow]:
-    """The run's interruptions, measured as the module note says."""
+    """The run's interruptions, measured as docs/report.md says."""
     rows = []
     incs = run.incarnations
-    for i, inc in enumerate(incs):
-        nxt = incs[i + 1] if i + 1 < len(incs) else None
+    for inc, nxt, later in itertools.zip_longest(incs, incs[1:], incs[2:]):
         detected = inc.first(*DETECTION)
         done = inc.first("done")
         if detected is None and (done is not None or nxt is None):
@@ -331,12 +278,10 @@ def fault_rows(run: Run) -> list[FaultRow]:
             origin = "last record"
             kind = detected["event"] if detected is not None else "ended without a record"
             step = last_step
-        resume = nxt.first("resume") if nxt is not None else None
-        first_new = None
-        if nxt is not None:
-            first_new = _first_new_step(
-                run, nxt, resume, incs[i + 2].t0 if i + 2 < len(incs) else math.inf
-            )
+        resume = nxt.first("resume") if nxt else None
+        first_new = (
+            _first_new_step(run, nxt, resume, later.t0 if later else math.inf) if nxt else None
+        )
         completed = max(last_step or 0, step or 0)
         if resume is not None:
             world = f"{resume['saved_world_size']} → {resume['world_size']}"
@@ -365,10 +310,8 @@ def fault_rows(run: Run) -> list[FaultRow]:
 def _first_new_step(
     run: Run, nxt: Incarnation, resume: dict[str, Any] | None, end: float
 ) -> dict[str, Any] | None:
-    """The earliest record showing that ``nxt`` completed a step: its first ``step`` or
-    ``checkpoint`` record past the step it resumed from, or a fault of the fault log that fired
-    in it past that step (a fault fires after its step completed; the step's own record may
-    never be written when the fault stops the job at that step's boundary)."""
+    """The earliest record showing that ``nxt`` completed a step past the one it resumed from: a
+    ``step`` or ``checkpoint`` record, or a fault-log fault (fired after its step completed)."""
     after = resume["time"] if resume is not None else nxt.t0
     base = int(resume["step"]) if resume is not None else 0
     seen = [
@@ -380,13 +323,10 @@ def _first_new_step(
     return min(seen, key=lambda r: r["time"], default=None)
 
 
-NAN = float("nan")
-
-
-def by_incarnation(source: Source) -> list[list[dict[str, Any]]]:
-    """The file's records split at each ``start``, in wall-time order."""
+def _split(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``records`` in wall-time order, split at each ``start``."""
     out: list[list[dict[str, Any]]] = [[]]
-    for r in sorted(source.events, key=lambda r: r["time"]):
+    for r in sorted(records, key=lambda r: r["time"]):
         if r["event"] == "start" and out[-1]:
             out.append([])
         out[-1].append(r)
@@ -395,15 +335,12 @@ def by_incarnation(source: Source) -> list[list[dict[str, Any]]]:
 
 def joined(parts: list[list[tuple[float, float]]]) -> tuple[list[float], list[float]]:
     """Points of several pieces as one line's data, a NaN between pieces (a gap, not a jump)."""
-    xs: list[float] = []
-    ys: list[float] = []
+    points: list[tuple[float, float]] = []
     for part in filter(None, parts):
-        if xs:
-            xs.append(NAN)
-            ys.append(NAN)
-        xs += [p[0] for p in part]
-        ys += [p[1] for p in part]
-    return xs, ys
+        if points:
+            points.append((math.nan, math.nan))
+        points += part
+    return [x for x, _ in points], [y for _, y in points]
 
 
 def series(
@@ -412,13 +349,10 @@ def series(
     """``key`` of the file's ``step`` records against ``by`` (``time``: seconds from ``t0``, or
     ``step``), one piece per incarnation."""
     parts = []
-    for inc in by_incarnation(source):
-        part = []
-        for r in inc:
-            if r["event"] == "step" and _number(r.get(key)):
-                x = r["time"] - t0 if by == "time" else r["step"]
-                part.append((float(x), float(r[key])))
-        parts.append(part)
+    for inc in _split(source.events):
+        steps = [r for r in inc if r["event"] == "step" and _number(r.get(key))]
+        xs = [r["time"] - t0 if by == "time" else r["step"] for r in steps]
+        parts.append([(float(x), float(r[key])) for x, r in zip(xs, steps, strict=True)])
     return joined(parts)
 
 
@@ -426,7 +360,7 @@ def world_series(source: Source, t0: float) -> tuple[list[float], list[float]]:
     """World size against seconds from ``t0``: from each incarnation's start to its last
     record, one piece per incarnation."""
     parts = []
-    for inc in by_incarnation(source):
+    for inc in _split(source.events):
         part = []
         for r in inc:
             size = r.get("world_size")
