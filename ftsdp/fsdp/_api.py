@@ -1,11 +1,6 @@
-"""torch FSDP1's enums and configuration classes, for scripts that move to ftsdp.
-
-``from torch.distributed.fsdp import StateDictType, FullStateDictConfig, ...`` becomes
-``from ftsdp.fsdp import ...``: the same names, fields and defaults as
-``torch.distributed.fsdp.api``. They are ftsdp's own classes so that importing the engine does
-not import torch's FSDP (seconds on a loaded machine); the ``as_*`` functions below also
-accept torch's own instances, so a script may keep importing them from torch. See
-docs/migrating.md for what each setting does here.
+"""torch FSDP1's enums and configuration classes (the same names, fields and defaults as
+``torch.distributed.fsdp.api``), so importing the engine does not import torch's FSDP; the
+``as_*`` functions also accept torch's own instances. See docs/migrating.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The engine's collectives, as free functions over flat 1-D tensors and a process group.
 
-Every function takes the process group explicitly; ``None`` means "no group": one rank,
-nothing to communicate (pass ``dist.group.WORLD`` for the default group) and an optional :class:`CommStats` that counts calls and bytes,
-so the traffic of a training step can be measured and compared with theory.
-
-Byte accounting follows the usual ring-algorithm cost per rank: an all-gather or a
-reduce-scatter of a ``W * s``-element buffer moves ``(W - 1) * s`` elements per rank, an
-all-reduce of ``n`` elements ``2 * (W - 1) / W * n``.
+A group of ``None`` means one rank, nothing to communicate. An optional :class:`CommStats`
+counts calls and the ring-algorithm bytes per rank (docs/engine.md, "Accounting").
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """torch FSDP1's state APIs on ftsdp's units: state-dict types, optimizer state, full params.
 
-``FSDP.state_dict_type``, ``FSDP.optim_state_dict`` / ``optim_state_dict_to_load`` and
-``FSDP.summon_full_params`` (the static methods of ``_fully_sharded``) are implemented here.
-They produce what torch FSDP1 produces, so checkpoints and scripts carry over:
+What each produces (the same as torch FSDP1) is in docs/migrating.md. ``SHARDED_STATE_DICT``
+is built one unit at a time (one all-gather per unit and state key) and loaded one parameter
+at a time, so memory stays at the shards plus one unit.
 
-- ``FULL_STATE_DICT``: unsharded tensors under the unwrapped module's names;
-  ``rank0_only`` gives the other ranks ``{}``, ``offload_to_cpu`` copies to the host.
-- ``SHARDED_STATE_DICT``: one ``DTensor`` per parameter (and per optimizer state tensor that
-  mirrors one), ``Shard(0)`` over the shard group with ``torch.chunk``'s row split, the
-  layout torch FSDP1 uses; ``torch.distributed.checkpoint`` saves and loads it at any world
-  size. ftsdp's shards are flat ranges that cut across rows, so making it gathers one unit at
-  a time (one all-gather per unit and state key), and loading all-gathers one parameter at a
-  time: memory stays at the shards plus one unit.
-- optimizer state dicts are keyed by parameter name (FQN) with ``param_groups`` listing
-  names, as torch's ``optim_state_dict``; ``optim_state_dict_to_load`` turns one back into
-  ``optimizer.state_dict()`` form for this rank's shards.
-
-[Note: which optimizer state is sharded]
-A state tensor that is 1-D with this rank's length of the parameter (AdamW ``exp_avg``,
-``exp_avg_sq``, SGD ``momentum_buffer``) mirrors the parameter's slice and is gathered or
-sharded like it; anything else (``step``) is the same on every rank and passes through. The
-ranks agree on which keys mirror (one object all-gather per call) before any collective on
-them, so a rank whose slice of a parameter is empty still takes part.
+[Note: which optimizer state is sharded] A state tensor that is 1-D with this rank's length of
+the parameter (``exp_avg``, ``momentum_buffer``) mirrors the parameter's slice; anything else
+(``step``) passes through. The ranks agree on which keys mirror before any collective on them,
+so a rank whose slice is empty still takes part.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The public wrapper: ``ftsdp.FullyShardedDataParallel`` (alias ``ftsdp.FSDP``).
 
-Wrapping plans the units (``_wrap``), builds one FlatParameter per unit and keeps this rank's
-shard (``_unit``), and installs the hooks that gather and reduce around each unit's forward and
-backward (``_runtime``). The wrapped module keeps its structure and parameter names: between
-iterations each original parameter is a 1-D ``nn.Parameter`` holding this rank's slice, which
-is what ``named_parameters()`` yields and what the optimizer updates in place.
-
-torch FSDP1's arguments and methods are accepted where ftsdp can honour them (``_api`` holds
-its enums and configs, ``_fsdp1`` its state APIs); docs/migrating.md lists each one.
+Wrapping plans the units (``_wrap``), builds them (``_init``, ``_unit``) and installs the hooks
+(``_runtime``); torch FSDP1's arguments and methods are accepted where ftsdp can honour them
+(docs/migrating.md).
 """
 
 from __future__ import annotations

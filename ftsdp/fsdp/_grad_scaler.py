@@ -1,12 +1,5 @@
-"""Loss scaling for fp16 training with sharded gradients.
-
-[Note: why a sharded gradient scaler]
-``torch.amp.GradScaler`` skips the optimizer step when the gradients it unscales hold an inf
-or a NaN. Under ftsdp each rank unscales only its shard, and an overflow lands in the shard
-of whichever rank owns those elements: one rank would skip the step and lower its scale while
-the others step, and the replicas would silently drift apart. :class:`ShardedGradScaler`
-takes the MAX of the "found inf" flag over the data-parallel ranks before anyone decides, so
-every rank skips together and keeps the same scale.
+"""Loss scaling for fp16 training with sharded gradients (docs/engine.md, "fp16 and loss
+scaling"): the ranks agree on the found-inf flag, so they skip a step together.
 """
 
 from __future__ import annotations

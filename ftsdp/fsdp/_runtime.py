@@ -1,19 +1,8 @@
 """Hooks that drive every unit through its lifecycle during forward and backward.
 
-One :class:`Runtime` per wrapped model. It registers, on each unit's module:
-
-- a forward pre-hook: unshard, expose the full-shape views, and hook the module's inputs'
-  gradients (``register_multi_grad_hook``) so we learn when the unit's backward has finished;
-- a forward hook: reshard (FULL_SHARD, except the root, which stays unsharded until its
-  backward) and hook the outputs' gradients to unshard again before the unit's backward;
-
-and on each unit's leaf a post-accumulate-grad hook that starts the gradient reduction the
-moment the unit's flat gradient is final. The first backward hook queues an autograd engine
-callback that runs when the whole backward is done: it waits for every reduction (so
-``loss.backward()`` returns with the sharded gradients in place) and reshards every unit.
-
-The order of collectives is the autograd order, identical on every rank as long as every rank
-runs the same model on the same control flow (docs/design.md, "The engine": rank-divergent control flow hangs).
+One :class:`Runtime` per wrapped model; the hook points are in docs/engine.md, "The unit
+lifecycle". The order of collectives is the autograd order, the same on every rank only if
+every rank runs the same control flow (docs/design.md, "The engine").
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""State of a wrapped model as plain data: full state dicts and sharded views.
-
-The sharded views are what checkpointing consumes (docs/design.md, "The engine/storage seam"): for
-each original parameter its name, global shape, dtype and the flat range ``(offset, length)``
-of its row-major flattened elements that this rank holds, with the local 1-D tensor. Nothing
-engine-specific crosses that seam.
+"""State of a wrapped model as plain data: full state dicts and sharded views (what
+checkpointing consumes: docs/design.md, "The engine/storage seam").
 """
 
 from __future__ import annotations

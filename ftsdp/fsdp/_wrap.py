@@ -1,35 +1,8 @@
 """Wrap planning: which modules become units, and which unit owns each parameter.
 
-The root module is always a unit (it takes the parameters no other unit claims). The
-``auto_wrap_policy`` picks more units. ftsdp's own forms: a set of module classes (every
-instance becomes its own unit, nested instances nest) or a callable ``policy(module) -> bool``.
-torch FSDP's forms (see [Note: torch wrap policies]): a ``ModuleWrapPolicy`` / ``CustomPolicy``
-(anything with ``_run_policy``), or a callable ``policy(module, recurse, nonwrapped_numel)``
-such as ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`` or
-``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``.
-
-[Note: shared parameters live in the lowest common ancestor unit]
-A parameter used by modules of several units (a token embedding tied to the output head) must
-be unsharded whenever any of those modules runs. The unit that is the lowest common ancestor
-of all its users is unsharded for the whole time its descendants run, so the parameter is put
-there. For GPT with ``auto_wrap_policy={Block}`` the tied weight lands in the root unit.
-
-[Note: torch wrap policies]
-torch FSDP1 applies a policy by nesting FSDP instances; ftsdp has one wrapper with many units,
-so a torch policy is reduced to the set of modules torch would wrap, and those become units:
-
-- a ``_Policy`` (``ModuleWrapPolicy``, ``CustomPolicy``): its own ``_run_policy(root,
-  ignored_modules, root_kwargs)`` names the modules and their FSDP arguments. ftsdp applies one
-  set of arguments to the whole model, so a module whose arguments differ from the root's
-  (``CustomPolicy`` returning ``{"sharding_strategy": ...}``) is refused with its name.
-- a callable with ``recurse`` and ``nonwrapped_numel``: torch's ``_recursive_wrap`` is
-  replayed: post-order, ``policy(module=m, recurse=True, nonwrapped_numel=n)`` decides whether
-  to descend (``n``: the numel of ``m``'s parameters), then, children done,
-  ``policy(module=m, recurse=False, nonwrapped_numel=n - wrapped)`` whether ``m`` is wrapped
-  (``wrapped``: the numel already claimed by wrapped descendants). The root is never asked.
-
-A torch policy that selects no module leaves one unit, as in torch (logged). ftsdp's own forms
-raise instead, listing the module types present: there a miss is almost always a typo.
+The policy forms are in docs/engine.md, "Units and the FlatParameter" (torch's are replayed as
+described there, [Note: torch wrap policies]). [Note: shared parameters live in the lowest
+common ancestor unit]: that unit stays unsharded while any of the parameter's users runs.
 """
 
 from __future__ import annotations
