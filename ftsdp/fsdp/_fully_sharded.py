@@ -297,7 +297,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._sd_settings.state_dict_type is StateDictType.FULL_STATE_DICT and (
             self._sd_settings.state_dict_config == FullStateDictConfig()
         ):
-            return full_state_dict(self._units, self.module, self._param_names())
+            return full_state_dict(self._units, self.module)
         return _fsdp1.model_state_dict(self)
 
     def load_state_dict(  # type: ignore[override]
@@ -312,9 +312,7 @@ class FullyShardedDataParallel(nn.Module):
         if assign:
             raise ValueError("FSDP.load_state_dict does not support assign=True")
         self._require_idle("load_state_dict()")
-        missing, unexpected = load_full_state_dict(
-            self._units, self.module, self._param_names(), state_dict, strict
-        )
+        missing, unexpected = load_full_state_dict(self._units, self.module, state_dict, strict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # ------------------------------------------------------------------ training helpers
@@ -406,7 +404,7 @@ class FullyShardedDataParallel(nn.Module):
         Tied parameters appear once, under their first name. The ``local`` tensors alias the
         live shards: copying into them loads a checkpoint in place.
         """
-        return sharded_state_dict(self._units, self.module, self._param_names())
+        return sharded_state_dict(self._units, self.module)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name, parameter-shaped state as ShardViews."""
