@@ -9,6 +9,8 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ._common import enum_member
+
 
 class BackwardPrefetch(enum.Enum):
     """When backward starts the all-gather of the next unit (torch FSDP1's enum).
@@ -115,22 +117,9 @@ CONFIG_TYPES: dict[StateDictType, tuple[type, type]] = {
 }
 
 
-def _enum_member(value: Any, cls: type[enum.Enum], what: str) -> enum.Enum:
-    """``value`` as a member of ``cls``: itself, or torch's enum of the same name."""
-    if isinstance(value, cls):
-        return value
-    same_enum = isinstance(value, enum.Enum) and type(value).__name__ == cls.__name__
-    if same_enum and value.name in cls.__members__:
-        return cls[value.name]
-    if isinstance(value, str) and value.upper() in cls.__members__:
-        return cls[value.upper()]
-    valid = ", ".join(f"{cls.__name__}.{name}" for name in cls.__members__)
-    raise ValueError(f"{what}={value!r} is not one of: {valid}")
-
-
 def as_state_dict_type(value: Any) -> StateDictType:
     """ftsdp's ``StateDictType`` for ``value`` (ftsdp's or torch's member, or its name)."""
-    return _enum_member(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
+    return enum_member(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
 
 
 def as_config(value: Any, cls: type[Any]) -> Any:
@@ -154,7 +143,7 @@ def as_backward_prefetch(value: Any) -> bool:
     raises (not implemented)."""
     if value is None or isinstance(value, bool):
         return bool(value)
-    member = _enum_member(value, BackwardPrefetch, "backward_prefetch")
+    member = enum_member(value, BackwardPrefetch, "backward_prefetch")
     if member is BackwardPrefetch.BACKWARD_POST:
         raise ValueError(
             "backward_prefetch=BackwardPrefetch.BACKWARD_POST is not implemented by ftsdp: its "

@@ -29,19 +29,25 @@ class ShardingStrategy(enum.Enum):
     def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
         """Accept the enum, torch FSDP's enum of the same name, or its name (case-insensitive);
         a clear ValueError otherwise."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, enum.Enum) and type(value).__name__ == cls.__name__:
-            value = value.name  # torch.distributed.fsdp.ShardingStrategy
-            if value == "_HYBRID_SHARD_ZERO2":
-                raise ValueError(
-                    "sharding_strategy=_HYBRID_SHARD_ZERO2 is not supported by ftsdp; use "
-                    "HYBRID_SHARD (shard inside a group, replicate across groups)"
-                )
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        valid = ", ".join(cls.__members__)
-        raise ValueError(f"sharding_strategy={value!r} is not one of: {valid}")
+        if getattr(value, "name", None) == "_HYBRID_SHARD_ZERO2":  # torch's enum only
+            raise ValueError(
+                "sharding_strategy=_HYBRID_SHARD_ZERO2 is not supported by ftsdp; use "
+                "HYBRID_SHARD (shard inside a group, replicate across groups)"
+            )
+        return enum_member(value, cls, "sharding_strategy")  # type: ignore[return-value]
+
+
+def enum_member(value: Any, cls: type[enum.Enum], what: str) -> enum.Enum:
+    """``value`` as a member of ``cls``: itself, or torch's enum of the same name."""
+    if isinstance(value, cls):
+        return value
+    same_enum = isinstance(value, enum.Enum) and type(value).__name__ == cls.__name__
+    if same_enum and value.name in cls.__members__:
+        return cls[value.name]
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    valid = ", ".join(f"{cls.__name__}.{name}" for name in cls.__members__)
+    raise ValueError(f"{what}={value!r} is not one of: {valid}")
 
 
 class UnitState(enum.Enum):

@@ -67,14 +67,8 @@ _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHAR
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefetchOptions:
-    """The paper's communication scheduling knobs (Section 3.3).
-
-    - ``backward``: issue the next unit's all-gather before the current unit's backward (and
-      so before its reduce-scatter), in the backward order recorded in the last iteration.
-    - ``forward``: issue the next unit's all-gather before the current unit's forward, in the
-      last iteration's forward order (static graphs only).
-    - ``limit_all_gathers``: at most two all-gathers in flight; a third waits for the oldest.
-    """
+    """The paper's communication scheduling knobs (Section 3.3): docs/engine.md, "Performance
+    features"."""
 
     backward: bool = True
     forward: bool = False
@@ -191,12 +185,8 @@ class Runtime:
             unit.complete_reductions()  # collectives already issued must still complete
             unit.drop_unreduced_grad()
             unit.reshard()
-        self._gathering.clear()
-        self._reducing.clear()
         self._backward_order = []
-        self._runs = {id(u): _UnitRun() for u in self.units}
-        self._callback_queued = False
-        self.phase = Phase.IDLE
+        self._end_backward()
 
     # ---------------------------------------------------------------- gathering
     def _unshard(self, unit: FlatParamUnit) -> None:
@@ -356,14 +346,18 @@ class Runtime:
             for unit in self.units:
                 unit.reshard()
         finally:
-            self._gathering.clear()
-            self._reducing.clear()
-            if self._backward_order:
-                self._last_backward = self._backward_order  # re-recorded every iteration
-            self._backward_order = []
-            self._runs = {id(u): _UnitRun() for u in self.units}
-            self._callback_queued = False
-            self.phase = Phase.IDLE
+            self._end_backward()
+
+    def _end_backward(self) -> None:
+        """Forget this backward's bookkeeping; its order becomes the next prefetch order."""
+        self._gathering.clear()
+        self._reducing.clear()
+        if self._backward_order:
+            self._last_backward = self._backward_order  # re-recorded every iteration
+        self._backward_order = []
+        self._runs = {id(u): _UnitRun() for u in self.units}
+        self._callback_queued = False
+        self.phase = Phase.IDLE
 
     def _agree_used_parameters(self) -> list[list[bool]]:
         """Which parameters got a gradient on any rank (one small all-reduce per step)."""

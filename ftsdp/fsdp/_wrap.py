@@ -100,7 +100,7 @@ def policy_predicate(
         return lambda module: False
     if isinstance(policy, type):
         policy = {policy}
-    if hasattr(policy, "_run_policy") or is_torch_callable_policy(policy):
+    if is_torch_policy(policy):
         if root is None:
             raise ValueError("a torch FSDP wrap policy needs the root module to be evaluated")
         targets = torch_policy_targets(policy, root, ignored or Ignored(), root_kwargs or {})
@@ -134,12 +134,8 @@ def is_torch_callable_policy(policy: Any) -> bool:
     if not callable(policy) or isinstance(policy, type):
         return False
     try:
-        signature = inspect.signature(policy)
-    except (TypeError, ValueError):
-        return False
-    try:
-        signature.bind(module=None, recurse=True, nonwrapped_numel=0)
-    except TypeError:
+        inspect.signature(policy).bind(module=None, recurse=True, nonwrapped_numel=0)
+    except (TypeError, ValueError):  # ValueError: no signature to read
         return False
     return True
 
