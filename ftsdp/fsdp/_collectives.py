@@ -20,14 +20,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Counts of collective calls and per-rank bytes moved, by collective kind.
-
-    ``copies`` counts host <-> device copy bytes (CPU offload) separately: they are not
-    network traffic. ``control`` counts the bytes of small bookkeeping collectives (which
-    parameters were used this step), kept apart from the gradient and parameter traffic.
-    ``max_in_flight`` is the most prefetched all-gathers that were ever outstanding at once
-    (one with a repeated order; the rate limiter keeps it at most 2).
-    """
+    """Counts of collective calls and per-rank bytes moved, by collective kind; ``copies``
+    (host <-> device, CPU offload) and ``control`` (bookkeeping collectives) apart;
+    ``max_in_flight``: the most prefetched all-gathers ever outstanding at once."""
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -42,17 +37,10 @@ class CommStats:
         if self.trace is not None:
             self.trace.append(f"{kind}:{tag}" if tag else kind)
 
-    def record_copy(self, kind: str, nbytes: int) -> None:
-        self.copies[kind] += int(nbytes)
-
-    def record_control(self, kind: str, nbytes: int) -> None:
-        self.control[kind] += int(nbytes)
-
     def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-        self.copies.clear()
-        self.control.clear()
+        """Start counting over (``trace`` is kept)."""
+        for counts in (self.calls, self.bytes, self.copies, self.control):
+            counts.clear()
         self.max_in_flight = 0
 
     def total_bytes(self) -> int:
@@ -101,7 +89,7 @@ def all_gather_flat(
         return None
     if stats is not None:
         stats.record("all_gather", (world - 1) * shard.numel() * shard.element_size(), tag)
-    if output.device.type == "cpu" and _backend(group) == "gloo":
+    if output.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _gather_by_broadcasts(output, shard, group, world, async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
 
@@ -120,6 +108,13 @@ class _Works:
             self.then()
             self.then = None
         return True
+
+    def settle(self, async_op: bool) -> _Works | None:
+        """``self`` to wait for later (``async_op``), or waited for now and ``None``."""
+        if async_op:
+            return self
+        self.wait()
+        return None
 
 
 def _gather_by_broadcasts(
@@ -146,15 +141,7 @@ def _gather_by_broadcasts(
         )
         for r in range(world)
     ]
-    gathered = _Works(works)
-    if async_op:
-        return gathered
-    gathered.wait()
-    return None
-
-
-def _backend(group: dist.ProcessGroup) -> str:
-    return dist.get_backend(group)  # a dictionary lookup; groups can be destroyed and remade
+    return _Works(works).settle(async_op)
 
 
 def reduce_scatter_flat(
@@ -180,7 +167,7 @@ def reduce_scatter_flat(
         return None
     if stats is not None:
         stats.record("reduce_scatter", (world - 1) * output.numel() * output.element_size(), tag)
-    if consume_input and full.device.type == "cpu" and _backend(group) == "gloo":
+    if consume_input and full.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _reduce_scatter_in_place(output, full, group, async_op)
     return _reduce_scatter_single(
         output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op
@@ -198,11 +185,7 @@ def _reduce_scatter_in_place(
     size = output.numel()
     start = dist.get_rank(group) * size
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    done = _Works([work], then=lambda: output.copy_(full[start : start + size]))
-    if async_op:
-        return done
-    done.wait()
-    return None
+    return _Works([work], then=lambda: output.copy_(full[start : start + size])).settle(async_op)
 
 
 def all_reduce_flat(

@@ -367,7 +367,7 @@ class Runtime:
             agreed = torch.tensor(flat, dtype=torch.uint8, device=self.root.device)
             # Counted apart from gradient traffic (stats.control): a few bytes per step.
             all_reduce_flat(agreed, self.group, op=dist.ReduceOp.MAX)
-            self.root.stats.record_control("agree_used", agreed.numel())
+            self.root.stats.control["agree_used"] += agreed.numel()
             flat = [bool(v) for v in agreed.tolist()]
         out, start = [], 0
         for mask in masks:

@@ -76,19 +76,13 @@ class ParamInfo:
     offset: int  # first element in the (unpadded) flat parameter
     numel: int
     requires_grad: bool
-    # This rank's slice of the parameter: elements [param_start, param_start + length) of the
-    # flattened parameter, stored at [shard_start, shard_start + length) of the local shard.
+    # This rank's slice: elements [param_start, +length) of the flattened parameter, stored
+    # at [shard_start, +length) of the shard.
     param_start: int = 0
     shard_start: int = 0
     length: int = 0
-    # The unit's shard size when the unit is sharded (factor > 1), else 0: the parameter is
-    # elements [offset, offset + numel) of a flat buffer whose chunk r of `chunk` elements
-    # shard rank r holds (FlatShard.layout: lets a checkpoint be planned without exchanging
-    # every rank's ranges).
-    chunk: int = 0
-    # This rank's slice as the Parameter the optimizer sees; FlatParamUnit sets it for every
-    # parameter of its unit when it builds the shard.
-    sharded_param: nn.Parameter = field(init=False, repr=False)
+    chunk: int = 0  # the unit's shard size when sharded, else 0 (ShardView.layout)
+    sharded_param: nn.Parameter = field(init=False, repr=False)  # the slice the optimizer sees
 
 
 class FlatParamUnit:
@@ -321,7 +315,7 @@ class FlatParamUnit:
         if not self.options.offload:
             return host
         if count:
-            self.stats.record_copy("h2d", host.numel() * host.element_size())
+            self.stats.copies["h2d"] += host.numel() * host.element_size()
         return host.to(self.device, non_blocking=True, copy=True)
 
     def expose_unsharded(self) -> None:
@@ -465,7 +459,7 @@ class FlatParamUnit:
             if not self.deterministic:  # deterministic reductions are averaged already
                 out.div_(self.data_parallel_size)
             if self.options.offload:  # device -> host, not blocking: see [Note: streams]
-                self.stats.record_copy("d2h", out.numel() * out.element_size())
+                self.stats.copies["d2h"] += out.numel() * out.element_size()
                 host = torch.empty(
                     out.shape,
                     dtype=out.dtype,
@@ -476,13 +470,9 @@ class FlatParamUnit:
             self._reduced.append(out)
         self._pending.clear()
 
-    def finish_reduction(self, used: list[bool] | None = None) -> None:
-        """Accumulate this unit's reduced gradients into the sharded gradient.
-
-        ``used`` (per parameter, agreed across ranks) says which parameters got a gradient
-        on some rank; the others keep ``grad=None`` as in an unwrapped model.
-        """
-        used = self._used if used is None else used
+    def finish_reduction(self, used: list[bool]) -> None:
+        """Accumulate this unit's reduced gradients into the sharded gradient. ``used`` (per
+        parameter, agreed across ranks): the others keep ``grad=None``, as unwrapped."""
         self.complete_reductions()
         for out in self._reduced:
             self._accumulate_sharded_grad(out, used)
