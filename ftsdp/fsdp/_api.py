@@ -13,29 +13,17 @@ from ._common import enum_member
 
 
 class BackwardPrefetch(enum.Enum):
-    """When backward starts the all-gather of the next unit (torch FSDP1's enum).
-
-    - ``BACKWARD_PRE`` (what ftsdp does with ``backward_prefetch=True``, the default): before
-      the current unit's gradient computation, so the next all-gather overlaps it.
-    - ``BACKWARD_POST``: after it. Not implemented by ftsdp: passing it raises, naming
-      ``BACKWARD_PRE`` and ``None``.
-    - ``backward_prefetch=None`` (or ``False``): no backward prefetch.
-    """
+    """When backward starts the all-gather of the next unit (torch FSDP1's enum):
+    ``BACKWARD_PRE`` (ftsdp's ``backward_prefetch=True``); ``BACKWARD_POST`` is refused."""
 
     BACKWARD_PRE = enum.auto()
     BACKWARD_POST = enum.auto()
 
 
 class StateDictType(enum.Enum):
-    """What ``model.state_dict()`` returns inside ``FSDP.state_dict_type(model, ...)``.
-
-    - ``FULL_STATE_DICT`` (the default): unsharded tensors with the unwrapped module's keys.
-    - ``SHARDED_STATE_DICT``: one ``DTensor`` per parameter, ``Shard(0)`` over the shard group
-      (rows split as ``torch.chunk`` does, like torch FSDP); buffers as plain tensors. Savable
-      with ``torch.distributed.checkpoint`` and loadable at any world size.
-    - ``LOCAL_STATE_DICT``: FlatParameter shards in torch FSDP; not supported by ftsdp (its
-      shards are an implementation detail): selecting it raises.
-    """
+    """What ``model.state_dict()`` returns inside ``FSDP.state_dict_type(model, ...)``:
+    ``FULL_STATE_DICT`` (default) or ``SHARDED_STATE_DICT`` (DTensors); ``LOCAL_STATE_DICT``
+    is refused (docs/migrating.md)."""
 
     FULL_STATE_DICT = enum.auto()
     LOCAL_STATE_DICT = enum.auto()
@@ -51,8 +39,7 @@ class StateDictConfig:
 
 @dataclass
 class FullStateDictConfig(StateDictConfig):
-    """``FULL_STATE_DICT`` settings. ``rank0_only``: only rank 0 gets the tensors, the other
-    ranks an empty dict (every rank still takes part in the gathers)."""
+    """``FULL_STATE_DICT`` settings. ``rank0_only``: the other ranks get ``{}``."""
 
     rank0_only: bool = False
 
@@ -64,25 +51,22 @@ class LocalStateDictConfig(StateDictConfig):
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """``SHARDED_STATE_DICT`` settings. ``_use_dtensor`` is accepted for compatibility: ftsdp
-    always returns DTensors."""
+    """``SHARDED_STATE_DICT`` settings (ftsdp always returns DTensors)."""
 
     _use_dtensor: bool = False
 
 
 @dataclass
 class OptimStateDictConfig:
-    """Base of the optimizer state-dict configs. ``offload_to_cpu`` (default ``True``, as in
-    torch): state tensors are copied to the CPU."""
+    """Base of the optimizer state-dict configs (``offload_to_cpu`` on, as in torch)."""
 
     offload_to_cpu: bool = True
 
 
 @dataclass
 class FullOptimStateDictConfig(OptimStateDictConfig):
-    """``FULL_STATE_DICT`` settings of ``FSDP.optim_state_dict``. ``rank0_only``: only rank 0
-    gets the state (saving); ``optim_state_dict_to_load`` then reads rank 0's input and
-    broadcasts it."""
+    """``FULL_STATE_DICT`` settings of ``FSDP.optim_state_dict``; ``rank0_only`` also makes
+    ``optim_state_dict_to_load`` broadcast rank 0's input."""
 
     rank0_only: bool = False
 
@@ -123,8 +107,8 @@ def as_state_dict_type(value: Any) -> StateDictType:
 
 
 def as_config(value: Any, cls: type[Any]) -> Any:
-    """``value`` as an instance of the config class ``cls``: ``None`` gives the defaults, an
-    instance of torch's class of the same name is copied field by field."""
+    """``value`` as an instance of the config class ``cls`` (``None``: the defaults; torch's
+    class of the same name: copied field by field)."""
     if value is None:
         return cls()
     if isinstance(value, cls) and type(value) is cls:
@@ -138,9 +122,7 @@ def as_config(value: Any, cls: type[Any]) -> Any:
 
 
 def as_backward_prefetch(value: Any) -> bool:
-    """``backward_prefetch=`` as ftsdp's switch: ``True`` / ``BACKWARD_PRE`` prefetch before
-    the current unit's backward, ``False`` / ``None`` do not prefetch; ``BACKWARD_POST``
-    raises (not implemented)."""
+    """``backward_prefetch=`` as ftsdp's switch (``BACKWARD_POST`` raises)."""
     if value is None or isinstance(value, bool):
         return bool(value)
     member = enum_member(value, BackwardPrefetch, "backward_prefetch")

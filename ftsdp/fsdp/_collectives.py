@@ -124,11 +124,8 @@ def _gather_by_broadcasts(
     world: int,
     async_op: bool,
 ) -> _Works | None:
-    """[Note: gloo all-gather without staging]
-    gloo's all-gather receives into a staging buffer the size of the whole output and copies
-    it out afterwards: one more full unit of memory per all-gather in flight. One broadcast
-    per rank, each straight into that rank's slice of ``output``, moves the same bytes
-    ((W - 1) * shard per rank on average) with no staging at all."""
+    """One broadcast per rank into its slice of ``output``: gloo's all-gather without its
+    full-size staging buffer (docs/engine.md, "Collectives on gloo")."""
     size = shard.numel()
     mine = dist.get_rank(group)
     output[mine * size : (mine + 1) * size].copy_(shard)
@@ -155,11 +152,7 @@ def reduce_scatter_flat(
     consume_input: bool = False,
 ) -> dist.Work | _Works | None:
     """Sum ``full`` (``W * output.numel()``) over ranks; rank ``r`` keeps chunk ``r``.
-
-    ``consume_input=True`` lets the collective overwrite ``full`` (the engine passes a flat
-    gradient it drops afterwards); on gloo that saves a full-size copy (see
-    [Note: gloo reduce-scatter in place]).
-    """
+    ``consume_input=True``: ``full`` may be overwritten (on gloo, no full-size copy)."""
     world = group_size(group)
     assert full.numel() == world * output.numel(), (full.numel(), world, output.numel())
     if group is None or world == 1:  # None: no group, a world of one
@@ -177,11 +170,8 @@ def reduce_scatter_flat(
 def _reduce_scatter_in_place(
     output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> _Works | None:
-    """[Note: gloo reduce-scatter in place]
-    torch's gloo backend implements ``reduce_scatter_tensor`` as an all-reduce of a *copy* of
-    the input followed by a copy of this rank's chunk (``ProcessGroupGloo.cpp``, torch 2.x),
-    so it holds one more full-size buffer while it runs. When the caller gives up the input,
-    the same all-reduce runs on the input itself: the same traffic, no copy."""
+    """gloo's ``reduce_scatter_tensor`` (an all-reduce of a copy of the input, torch 2.x) run
+    on the input itself: the same traffic, no full-size copy."""
     size = output.numel()
     start = dist.get_rank(group) * size
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -230,10 +220,8 @@ def all_gather_rows(
     *,
     stats: CommStats | None = None,
 ) -> torch.Tensor:
-    """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n] in rank order.
-
-    With two groups (shard, then replicate) the result is ordered by replica, then shard rank.
-    """
+    """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n] in rank order (two
+    groups, shard then replicate: by replica, then shard rank)."""
     for group in groups:
         world = group_size(group)
         if world == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,3 +129,14 @@ def as_cpu_offload(value: object) -> CPUOffload | None:
     if type(value).__name__ == "CPUOffload" and hasattr(value, "offload_params"):
         return CPUOffload(offload_params=bool(value.offload_params))
     raise ValueError(f"cpu_offload must be an ftsdp.CPUOffload, got {value!r}")
+
+
+def tree_map(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to every leaf of nested dicts, lists, tuples and namedtuples."""
+    if isinstance(value, dict):
+        return {k: tree_map(v, fn) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(tree_map(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(tree_map(v, fn) for v in value)
+    return fn(value)

@@ -22,7 +22,7 @@ from torch import nn
 
 from ._api import StateDictType
 from ._collectives import all_reduce_flat
-from ._common import ShardingStrategy
+from ._common import ShardingStrategy, tree_map
 from ._state_dict import (
     full_state_dict,
     full_tensor,
@@ -270,40 +270,31 @@ class _TensorMeta:
 def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
     """rank 0's ``osd`` on every rank: its structure as one object, then each tensor."""
     group = model._groups.world
-    rank = dist.get_rank(group)
-    tensors: list[torch.Tensor] = []
+    src = dist.get_global_rank(group, 0)
+    device = model._units[0].device
+    sent: list[torch.Tensor] = []  # rank 0's tensors, in the order the structure holds them
 
     def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-            return _TensorMeta(value)
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(strip(v) for v in value)
-        return value
+        if not isinstance(value, torch.Tensor):
+            return value
+        sent.append(value)
+        return _TensorMeta(value)
 
-    holder = [strip(osd) if rank == 0 else None]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
-    device = model._units[0].device
-    received = iter(tensors)
+    holder = [tree_map(osd, strip) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    pending = iter(sent)
 
     def fill(value: Any) -> Any:
-        if isinstance(value, _TensorMeta):
-            buffer = (
-                next(received).to(device)
-                if rank == 0
-                else torch.empty(value.shape, dtype=value.dtype, device=device)
-            )
-            dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
-            return buffer
-        if isinstance(value, dict):
-            return {k: fill(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(fill(v) for v in value)
-        return value
+        if not isinstance(value, _TensorMeta):
+            return value
+        buffer = next(pending, None)
+        if buffer is None:  # a receiving rank
+            buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
+        buffer = buffer.to(device)
+        dist.broadcast(buffer, src=src, group=group)
+        return buffer
 
-    return fill(holder[0])
+    return tree_map(holder[0], fill)
 
 
 # ---------------------------------------------------------------------- full parameters

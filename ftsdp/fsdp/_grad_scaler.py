@@ -13,10 +13,7 @@ from ._collectives import comm_device, group_size
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose skip decision is agreed by every rank.
-
-    Use it exactly like ``GradScaler`` (``scale(loss).backward()``, ``unscale_``,
-    ``step``, ``update``) with an optimizer over an ``ftsdp.FSDP`` model's parameters.
+    """``torch.amp.GradScaler`` (same use) whose skip decision is agreed by every rank.
 
     Args:
         device: where the gradients live (``"cuda"`` or ``"cpu"``).

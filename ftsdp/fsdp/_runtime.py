@@ -20,7 +20,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
 from ._collectives import all_gather_ints, all_reduce_flat
-from ._common import Phase, ShardingStrategy, UnitState
+from ._common import Phase, ShardingStrategy, UnitState, tree_map
 from ._unit import FlatParamUnit
 
 
@@ -39,19 +39,6 @@ def _tensors_in(value: Any, out: list[torch.Tensor] | None = None) -> list[torch
         for f in dataclasses.fields(value):
             _tensors_in(getattr(value, f.name), out)
     return out
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors in nested tuples / lists / dicts cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_cast_floats(v, dtype) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
 
 
 def _inside_backward() -> bool:
@@ -152,9 +139,13 @@ class Runtime:
                 if unit is not self.root:
                     self._hook_inputs(unit, (args, kwargs))
             if unit is self.root and self.cast_inputs_to is not None:
-                return _cast_floats(args, self.cast_inputs_to), _cast_floats(
-                    kwargs, self.cast_inputs_to
-                )
+                dtype = self.cast_inputs_to
+
+                def cast(v: Any) -> Any:
+                    floating = isinstance(v, torch.Tensor) and v.is_floating_point()
+                    return v.to(dtype) if floating else v
+
+                return tree_map(args, cast), tree_map(kwargs, cast)
             return None
 
         return hook

@@ -112,12 +112,9 @@ def full_state_dict(
 def load_full_state_dict(
     units: list[FlatParamUnit], module: nn.Module, state: dict[str, Any], strict: bool
 ) -> tuple[list[str], list[str]]:
-    """Copy each rank's slice of full tensors into the shards; returns (missing, unexpected).
-
-    A value may also be a DTensor or ShardedTensor of the full tensor (any layout): it is
-    gathered, one tensor at a time in the module's key order (the same on every rank). Every
-    check runs before anything is written.
-    """
+    """Copy each rank's slice of full tensors (or DTensors / ShardedTensors of them, gathered
+    in key order) into the shards; returns (missing, unexpected). Nothing is written unless
+    every check passes."""
     expected = module.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
@@ -223,13 +220,8 @@ def sharded_optim_state_dict(
     names: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
 ) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name; state mirroring a parameter as ShardViews.
-
-    Returns ``{"state": {param_name: {key: ShardView | Tensor | value}}, "param_groups":
-    [{...hyper-parameters, "params": [param_name, ...]}]}``. A 1-D state tensor with the
-    parameter's local length (AdamW ``exp_avg``, ``exp_avg_sq``) is a ShardView over the same
-    range as the parameter; 0-dim tensors (``step``) and other values are replicated as is.
-    """
+    """Optimizer state keyed by parameter name (``param_groups`` list names); state that
+    mirrors a parameter (``exp_avg``) as ShardViews over its range, the rest as is."""
     entries = optim_entries(units, names, optimizer)
     state = {
         name: {

@@ -254,11 +254,8 @@ class FlatParamUnit:
 
     # ---------------------------------------------------------------- lifecycle
     def start_unshard(self) -> None:
-        """SHARDED -> GATHERING: allocate the full buffer and start the all-gather.
-
-        The shard is moved to the compute device (CPU offload) and cast to ``param_dtype``
-        (mixed precision) first, so the collective itself moves low-precision bytes.
-        """
+        """SHARDED -> GATHERING: allocate the full buffer, move and cast the shard, start the
+        all-gather (in ``param_dtype``)."""
         if self.state is not UnitState.SHARDED:
             return
         if self.aliases_shard:
@@ -319,12 +316,8 @@ class FlatParamUnit:
         return host.to(self.device, non_blocking=True, copy=True)
 
     def expose_unsharded(self) -> None:
-        """Point every module at full-shape views of the unsharded parameter.
-
-        Called before every forward (and before backward, for recomputation). A view is
-        detached when its parameter is frozen now; a trainable view gets a hook recording that
-        the parameter received a gradient (unused parameters keep ``grad=None``).
-        """
+        """Point every module at full-shape views of the unsharded parameter (frozen ones
+        detached; trainable ones hooked to record that they got a gradient)."""
         assert self.state is UnitState.UNSHARDED, self.fqn
         if not self.infos:
             return
@@ -360,11 +353,8 @@ class FlatParamUnit:
 
     # ---------------------------------------------------------------- gradients
     def add_unsharded_grad(self, grad: torch.Tensor) -> None:
-        """Keep one backward's flat (padded) gradient until it is reduced.
-
-        Summed under ``no_sync``; kept one by one in deterministic mode (see
-        [Note: deterministic reduction]).
-        """
+        """Keep one backward's flat gradient until it is reduced (summed under ``no_sync``,
+        one by one in deterministic mode)."""
         if self.deterministic:
             self._contributions.append(grad)
         elif self._unsharded_grad is None:
@@ -387,11 +377,8 @@ class FlatParamUnit:
         self._used = [False] * len(self.infos)
 
     def reduce_grad(self) -> None:
-        """Start reducing the kept flat gradient, in ``reduce_dtype``.
-
-        Sharded: reduce-scatter in the shard group (then, HYBRID_SHARD, all-reduce the shard
-        in the replicate group when it arrives). Replicated: all-reduce.
-        """
+        """Start reducing the kept flat gradient in ``reduce_dtype``: reduce-scatter (then,
+        HYBRID_SHARD, all-reduce in the replicate group), or all-reduce when replicated."""
         if self.deterministic:
             self._reduce_deterministic()
             return
@@ -446,11 +433,8 @@ class FlatParamUnit:
         return list(self._used)
 
     def complete_reductions(self) -> None:
-        """Wait for the reductions in flight and keep their (small) sharded results.
-
-        Drops the unsharded flat gradients they read from, so at most the reductions the
-        runtime lets run at once hold full-size gradient memory.
-        """
+        """Wait for the reductions in flight, keep their sharded results and drop the flat
+        gradients they read."""
         for token, out, second_stage, _keepalive in self._pending:
             self.schedule.wait(token)
             if second_stage:

@@ -1,8 +1,8 @@
 """Wrap planning: which modules become units, and which unit owns each parameter.
 
-The policy forms are in docs/engine.md, "Units and the FlatParameter" (torch's are replayed as
-described there, [Note: torch wrap policies]). [Note: shared parameters live in the lowest
-common ancestor unit]: that unit stays unsharded while any of the parameter's users runs.
+[Note: torch wrap policies] torch's policies become the set of modules torch would wrap, as
+docs/engine.md, "Units and the FlatParameter", describes. [Note: shared parameters live in the
+lowest common ancestor unit]: that unit stays unsharded while any of the parameter's users runs.
 """
 
 from __future__ import annotations
@@ -92,10 +92,8 @@ def policy_predicate(
     ignored: Ignored | None = None,
     root_kwargs: dict[str, Any] | None = None,
 ) -> Callable[[nn.Module], bool]:
-    """Turn an ``auto_wrap_policy`` into ``module -> bool``, rejecting malformed policies.
-
-    torch's policies (see [Note: torch wrap policies]) are evaluated on ``root`` here, once.
-    """
+    """Turn an ``auto_wrap_policy`` into ``module -> bool``, rejecting malformed policies
+    (torch's are evaluated on ``root`` here, once)."""
     if policy is None:
         return lambda module: False
     if isinstance(policy, type):
@@ -219,11 +217,8 @@ def plan_units(
     ignored: Ignored | None = None,
     root_kwargs: dict[str, Any] | None = None,
 ) -> list[UnitPlan]:
-    """Units in pre-order (root first) with their parameters, shared ones at the LCA unit.
-
-    ``ignored`` modules are not descended into and ``ignored`` parameters belong to no unit.
-    ``root_kwargs``: the FSDP arguments, which a torch ``CustomPolicy`` may not change.
-    """
+    """Units in pre-order (root first) with their parameters, shared ones at the LCA unit;
+    ``root_kwargs``: the FSDP arguments, which a torch ``CustomPolicy`` may not change."""
     ignored = ignored or Ignored()
     wants_unit = policy_predicate(policy, root, ignored, root_kwargs)
     units: list[UnitPlan] = [UnitPlan(module=root, fqn="", parent=None)]
