@@ -8,6 +8,7 @@ Wrapping plans the units (``_wrap``), builds them (``_init``, ``_unit``) and ins
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -637,14 +638,10 @@ def _wrappers_in(module: nn.Module, what: str) -> list[FullyShardedDataParallel]
     return wrappers
 
 
-_stale_guard: Any = None
-
-
-def _install_stale_optimizer_guard() -> None:
+@functools.cache
+def _install_stale_optimizer_guard() -> Any:
     """Refuse ``optimizer.step()`` on parameters that wrapping retired (created too early)."""
-    global _stale_guard
-    if _stale_guard is None:
-        _stale_guard = register_optimizer_step_pre_hook(_reject_stale)
+    return register_optimizer_step_pre_hook(_reject_stale)
 
 
 def _reject_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -62,22 +62,22 @@ class PrefetchOptions:
     limit_all_gathers: bool = True
 
 
+@dataclasses.dataclass(slots=True)
 class _UnitRun:
-    """Per-backward bookkeeping of one unit (reset at the end of every backward)."""
+    """Per-backward bookkeeping of one unit (reset at the end of every backward).
 
-    __slots__ = ("active", "grad_seen", "pending", "ticket", "wants_grad")
+    [Note: forward tickets] Each forward of the unit under grad mode takes a ticket.
+    ``pending``: tickets whose inputs' gradients have not arrived; ``active``: tickets whose
+    outputs' gradients arrived in this backward. A forward whose graph was dropped (no
+    backward) stays pending forever; counting only the active tickets keeps it from holding
+    the unit gathered through the next backward.
+    """
 
-    def __init__(self) -> None:
-        self.wants_grad = False  # a forward under grad mode used trainable parameters
-        self.grad_seen = False  # the leaf's gradient arrived in this backward
-        # [Note: forward tickets] Each forward of the unit under grad mode takes a ticket.
-        # ``pending``: tickets whose inputs' gradients have not arrived; ``active``: tickets
-        # whose outputs' gradients arrived in this backward. A forward whose graph was dropped
-        # (no backward) stays pending forever; counting only the active tickets keeps it from
-        # holding the unit gathered through the next backward.
-        self.pending: set[int] = set()
-        self.active: set[int] = set()
-        self.ticket: int | None = None  # the ticket of the forward running now
+    wants_grad: bool = False  # a forward under grad mode used trainable parameters
+    grad_seen: bool = False  # the leaf's gradient arrived in this backward
+    pending: set[int] = dataclasses.field(default_factory=set)
+    active: set[int] = dataclasses.field(default_factory=set)
+    ticket: int | None = None  # the ticket of the forward running now
 
 
 class Runtime:
@@ -195,9 +195,7 @@ class Runtime:
             return
         target = order[index]
         if self.prefetch.limit_all_gathers:
-            # The rate limiter: at most two prefetched all-gathers outstanding. One-ahead
-            # prefetch in a repeated order keeps one; prefetches the order no longer uses
-            # (the graph changed) would otherwise pile up.
+            # At most two prefetches outstanding (docs/engine.md, "rate limiter").
             while len(self._gathering) >= 2:
                 self._unshard(self._gathering[0])
         target.start_unshard()
@@ -293,9 +291,8 @@ class Runtime:
             if not self.no_sync and not unit.deterministic:
                 unit.reduce_grad()  # deterministic reductions wait for the end of backward
                 self._reducing.append(unit)
-                # One reduction in flight while the next unit's backward computes: it has
-                # overlapped by the time the next one starts, and only two full-size flat
-                # gradients (the one reducing, the one being computed) are alive at once.
+                # One reduction in flight while the next unit's backward computes: at most
+                # two full-size flat gradients (reducing, being computed) are alive at once.
                 while len(self._reducing) > 1:
                     self._reducing.popleft().complete_reductions()
             self._runs[id(unit)].grad_seen = True
@@ -309,10 +306,8 @@ class Runtime:
         self._maybe_reshard_after_backward(unit)
 
     def _maybe_reshard_after_backward(self, unit: FlatParamUnit) -> None:
-        # Free a unit only when nothing in backward can still read its parameters: its leaf
-        # gradient is final (every op that used a trainable view ran) and its inputs have
-        # their gradients (every op between the unit's inputs and outputs ran, including
-        # ops on frozen parameters). The root waits for the end-of-backward callback.
+        # Free a unit once its leaf gradient is final and its inputs have their gradients
+        # (docs/engine.md, "The unit lifecycle"); the root waits for the end of backward.
         run = self._runs[id(unit)]
         waiting = run.pending & run.active if run.active else run.pending
         if unit is self.root or waiting or (run.wants_grad and not run.grad_seen):

@@ -75,9 +75,8 @@ class Ignored:
                             f"{arg}= contains the wrapped module itself; ignore submodules, or "
                             "do not wrap the model"
                         )
-                    for sub in item.modules():
-                        modules.add(sub)
-                        params.update(sub.parameters(recurse=False))
+                    modules.update(item.modules())
+                    params.update(item.parameters())
                 else:
                     raise ValueError(
                         f"{arg}= must hold nn.Module or nn.Parameter objects, got "
