@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._api import StateDictType
-from ._collectives import all_reduce_flat
+from ._collectives import all_reduce_flat, group_rank
 from ._common import ShardingStrategy, tree_map
 from ._state_dict import (
     full_state_dict,
@@ -36,12 +36,6 @@ from ._unit import FlatParamUnit, ParamInfo
 
 # The wrapper (``_fully_sharded.FullyShardedDataParallel``), which imports this module.
 FullyShardedDataParallel = Any
-
-
-def world_rank(model: FullyShardedDataParallel) -> int:
-    """This rank in the model's data-parallel world (0 when not distributed)."""
-    group = model._groups.world
-    return dist.get_rank(group) if group is not None else 0
 
 
 def _to_cpu(value: Any, enabled: bool) -> Any:
@@ -99,7 +93,7 @@ def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
         full = full_state_dict(model._units, model.module, lambda t: _to_dtensor(model, t, cpu))
         return {k: v if is_distributed(v) else _to_cpu(v.clone(), cpu) for k, v in full.items()}
     full = full_state_dict(model._units, model.module)
-    if getattr(config, "rank0_only", False) and world_rank(model) != 0:
+    if getattr(config, "rank0_only", False) and group_rank(model._groups.world) != 0:
         return {}
     return {key: _to_cpu(value, cpu) for key, value in full.items()}
 
@@ -112,9 +106,8 @@ def _optim_entries(
     ``_checkpoint_wrapped_module.`` parts activation checkpointing's wrapper adds (its own
     state-dict hooks drop them from ``state_dict()`` keys too)."""
     entries = optim_entries(model._units, model._param_names(), optim, osd)
-    return [
-        (g, name.replace("_checkpoint_wrapped_module.", ""), *rest) for g, name, *rest in entries
-    ]
+    clean = "_checkpoint_wrapped_module."
+    return [(g, name.replace(clean, ""), info, state) for g, name, info, state in entries]
 
 
 def _agree_mirrors(
@@ -184,7 +177,11 @@ def optim_state_dict(
     entries = _optim_entries(model, optim, osd)
     keys = _agree_mirrors(model, entries)
     full = _full_optim_tensors(model, entries, keys)
-    if not sharded and getattr(config, "rank0_only", False) and world_rank(model) != 0:
+    if (
+        not sharded
+        and getattr(config, "rank0_only", False)
+        and group_rank(model._groups.world) != 0
+    ):
         return {}
     state: dict[str, dict[str, Any]] = {}
     for i, (_, name, _, values) in enumerate(entries):
@@ -322,7 +319,7 @@ def summon_full_params(
     units = model._units if recurse else model._units[:1]
     for unit in model._units:
         unit.reshard()  # a forward without backward may have left units gathered (local)
-    exposed = rank0_only is False or world_rank(model) == 0
+    exposed = rank0_only is False or group_rank(model._groups.world) == 0
     grads = _full_grads(model, units) if with_grads else {}
     summoned: list[tuple[ParamInfo, nn.Parameter]] = []
     for unit in units:
