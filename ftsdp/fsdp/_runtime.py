@@ -12,6 +12,7 @@ import itertools
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,6 +40,12 @@ def _tensors_in(value: Any, out: list[torch.Tensor] | None = None) -> list[torch
         for f in dataclasses.fields(value):
             _tensors_in(getattr(value, f.name), out)
     return out
+
+
+def _cast_float(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` cast to ``dtype`` if it is a floating-point tensor."""
+    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+    return value.to(dtype) if floating else value
 
 
 def _inside_backward() -> bool:
@@ -139,12 +146,7 @@ class Runtime:
                 if unit is not self.root:
                     self._hook_inputs(unit, (args, kwargs))
             if unit is self.root and self.cast_inputs_to is not None:
-                dtype = self.cast_inputs_to
-
-                def cast(v: Any) -> Any:
-                    floating = isinstance(v, torch.Tensor) and v.is_floating_point()
-                    return v.to(dtype) if floating else v
-
+                cast = partial(_cast_float, dtype=self.cast_inputs_to)
                 return tree_map(args, cast), tree_map(kwargs, cast)
             return None
 
