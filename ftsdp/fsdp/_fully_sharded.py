@@ -51,7 +51,6 @@ from ._init import build_units, check_same_structure, resolve_device, resolve_gr
 from ._runtime import PrefetchOptions, Runtime
 from ._state_dict import (
     ShardView,
-    full_state_dict,
     load_full_state_dict,
     sharded_optim_state_dict,
     sharded_state_dict,
@@ -286,10 +285,6 @@ class FullyShardedDataParallel(nn.Module):
                 "unwrapped module's keys (choose its form with FSDP.state_dict_type)"
             )
         self._require_idle("state_dict()")
-        if self._sd_settings.state_dict_type is StateDictType.FULL_STATE_DICT and (
-            self._sd_settings.state_dict_config == FullStateDictConfig()
-        ):
-            return full_state_dict(self._units, self.module)
         return _fsdp1.model_state_dict(self)
 
     def load_state_dict(  # type: ignore[override]

@@ -25,21 +25,17 @@ from ._common import Phase, ShardingStrategy, UnitState, tree_map
 from ._unit import FlatParamUnit
 
 
-def _tensors_in(value: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def _tensors_in(value: Any) -> list[torch.Tensor]:
     """Every tensor in nested tuples, lists, dicts and dataclasses (model inputs/outputs)."""
-    out = [] if out is None else out
     if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _tensors_in(v, out)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _tensors_in(v, out)
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            _tensors_in(getattr(value, f.name), out)
-    return out
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif not isinstance(value, (tuple, list)):
+        return []
+    return [t for v in value for t in _tensors_in(v)]
 
 
 def _cast_float(value: Any, dtype: torch.dtype) -> Any:
