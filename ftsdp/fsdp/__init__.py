@@ -1,13 +1,8 @@
 """ftsdp.fsdp: the fully sharded data parallel engine (see docs/engine.md).
 
-Layered one concept per module: ``_wrap`` plans the units, ``_unit`` owns one FlatParameter and
-its lifecycle, ``_collectives`` and ``_streams`` move its bytes, ``_runtime`` drives the hooks,
-``_init`` builds units (also from the meta device), ``_state_dict`` converts states, and
-``_fully_sharded`` is the one public wrapper. ``_api`` (torch FSDP1's enums and configs) and
-``_fsdp1`` (its state APIs) let torch FSDP scripts run with only the import changed:
-``torch.distributed.fsdp`` becomes ``ftsdp.fsdp`` and ``torch.distributed.fsdp.wrap`` becomes
-``ftsdp.fsdp.wrap`` (docs/migrating.md). This package never imports ``ftsdp.elastic``,
-``ftsdp.trainer`` or ``ftsdp.storage``.
+``_api`` and ``_fsdp1`` hold torch FSDP1's enums, configs and state APIs, so a torch FSDP
+script runs with only its imports changed (docs/migrating.md). This package never imports
+``ftsdp.elastic``, ``ftsdp.trainer`` or ``ftsdp.storage``.
 """
 
 from ._api import (

@@ -1,11 +1,6 @@
-"""torch FSDP1's enums and configuration classes, for scripts that move to ftsdp.
-
-``from torch.distributed.fsdp import StateDictType, FullStateDictConfig, ...`` becomes
-``from ftsdp.fsdp import ...``: the same names, fields and defaults as
-``torch.distributed.fsdp.api``. They are ftsdp's own classes so that importing the engine does
-not import torch's FSDP (seconds on a loaded machine); the ``as_*`` functions below also
-accept torch's own instances, so a script may keep importing them from torch. See
-docs/migrating.md for what each setting does here.
+"""torch FSDP1's enums and configuration classes (the same names, fields and defaults as
+``torch.distributed.fsdp.api``), so importing the engine does not import torch's FSDP; the
+``as_*`` functions also accept torch's own instances. See docs/migrating.md.
 """
 
 from __future__ import annotations
@@ -14,31 +9,21 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ._common import enum_member
+
 
 class BackwardPrefetch(enum.Enum):
-    """When backward starts the all-gather of the next unit (torch FSDP1's enum).
-
-    - ``BACKWARD_PRE`` (what ftsdp does with ``backward_prefetch=True``, the default): before
-      the current unit's gradient computation, so the next all-gather overlaps it.
-    - ``BACKWARD_POST``: after it. Not implemented by ftsdp: passing it raises, naming
-      ``BACKWARD_PRE`` and ``None``.
-    - ``backward_prefetch=None`` (or ``False``): no backward prefetch.
-    """
+    """When backward starts the all-gather of the next unit (torch FSDP1's enum):
+    ``BACKWARD_PRE`` (ftsdp's ``backward_prefetch=True``); ``BACKWARD_POST`` is refused."""
 
     BACKWARD_PRE = enum.auto()
     BACKWARD_POST = enum.auto()
 
 
 class StateDictType(enum.Enum):
-    """What ``model.state_dict()`` returns inside ``FSDP.state_dict_type(model, ...)``.
-
-    - ``FULL_STATE_DICT`` (the default): unsharded tensors with the unwrapped module's keys.
-    - ``SHARDED_STATE_DICT``: one ``DTensor`` per parameter, ``Shard(0)`` over the shard group
-      (rows split as ``torch.chunk`` does, like torch FSDP); buffers as plain tensors. Savable
-      with ``torch.distributed.checkpoint`` and loadable at any world size.
-    - ``LOCAL_STATE_DICT``: FlatParameter shards in torch FSDP; not supported by ftsdp (its
-      shards are an implementation detail): selecting it raises.
-    """
+    """What ``model.state_dict()`` returns inside ``FSDP.state_dict_type(model, ...)``:
+    ``FULL_STATE_DICT`` (default) or ``SHARDED_STATE_DICT`` (DTensors); ``LOCAL_STATE_DICT``
+    is refused (docs/migrating.md)."""
 
     FULL_STATE_DICT = enum.auto()
     LOCAL_STATE_DICT = enum.auto()
@@ -54,8 +39,7 @@ class StateDictConfig:
 
 @dataclass
 class FullStateDictConfig(StateDictConfig):
-    """``FULL_STATE_DICT`` settings. ``rank0_only``: only rank 0 gets the tensors, the other
-    ranks an empty dict (every rank still takes part in the gathers)."""
+    """``FULL_STATE_DICT`` settings. ``rank0_only``: the other ranks get ``{}``."""
 
     rank0_only: bool = False
 
@@ -67,25 +51,22 @@ class LocalStateDictConfig(StateDictConfig):
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """``SHARDED_STATE_DICT`` settings. ``_use_dtensor`` is accepted for compatibility: ftsdp
-    always returns DTensors."""
+    """``SHARDED_STATE_DICT`` settings (ftsdp always returns DTensors)."""
 
     _use_dtensor: bool = False
 
 
 @dataclass
 class OptimStateDictConfig:
-    """Base of the optimizer state-dict configs. ``offload_to_cpu`` (default ``True``, as in
-    torch): state tensors are copied to the CPU."""
+    """Base of the optimizer state-dict configs (``offload_to_cpu`` on, as in torch)."""
 
     offload_to_cpu: bool = True
 
 
 @dataclass
 class FullOptimStateDictConfig(OptimStateDictConfig):
-    """``FULL_STATE_DICT`` settings of ``FSDP.optim_state_dict``. ``rank0_only``: only rank 0
-    gets the state (saving); ``optim_state_dict_to_load`` then reads rank 0's input and
-    broadcasts it."""
+    """``FULL_STATE_DICT`` settings of ``FSDP.optim_state_dict``; ``rank0_only`` also makes
+    ``optim_state_dict_to_load`` broadcast rank 0's input."""
 
     rank0_only: bool = False
 
@@ -120,27 +101,14 @@ CONFIG_TYPES: dict[StateDictType, tuple[type, type]] = {
 }
 
 
-def _enum_member(value: Any, cls: type[enum.Enum], what: str) -> enum.Enum:
-    """``value`` as a member of ``cls``: itself, or torch's enum of the same name."""
-    if isinstance(value, cls):
-        return value
-    same_enum = isinstance(value, enum.Enum) and type(value).__name__ == cls.__name__
-    if same_enum and value.name in cls.__members__:
-        return cls[value.name]
-    if isinstance(value, str) and value.upper() in cls.__members__:
-        return cls[value.upper()]
-    valid = ", ".join(f"{cls.__name__}.{name}" for name in cls.__members__)
-    raise ValueError(f"{what}={value!r} is not one of: {valid}")
-
-
 def as_state_dict_type(value: Any) -> StateDictType:
     """ftsdp's ``StateDictType`` for ``value`` (ftsdp's or torch's member, or its name)."""
-    return _enum_member(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
+    return enum_member(value, StateDictType, "state_dict_type")  # type: ignore[return-value]
 
 
 def as_config(value: Any, cls: type[Any]) -> Any:
-    """``value`` as an instance of the config class ``cls``: ``None`` gives the defaults, an
-    instance of torch's class of the same name is copied field by field."""
+    """``value`` as an instance of the config class ``cls`` (``None``: the defaults; torch's
+    class of the same name: copied field by field)."""
     if value is None:
         return cls()
     if isinstance(value, cls) and type(value) is cls:
@@ -154,12 +122,10 @@ def as_config(value: Any, cls: type[Any]) -> Any:
 
 
 def as_backward_prefetch(value: Any) -> bool:
-    """``backward_prefetch=`` as ftsdp's switch: ``True`` / ``BACKWARD_PRE`` prefetch before
-    the current unit's backward, ``False`` / ``None`` do not prefetch; ``BACKWARD_POST``
-    raises (not implemented)."""
+    """``backward_prefetch=`` as ftsdp's switch (``BACKWARD_POST`` raises)."""
     if value is None or isinstance(value, bool):
         return bool(value)
-    member = _enum_member(value, BackwardPrefetch, "backward_prefetch")
+    member = enum_member(value, BackwardPrefetch, "backward_prefetch")
     if member is BackwardPrefetch.BACKWARD_POST:
         raise ValueError(
             "backward_prefetch=BackwardPrefetch.BACKWARD_POST is not implemented by ftsdp: its "

@@ -1,12 +1,7 @@
 """The engine's collectives, as free functions over flat 1-D tensors and a process group.
 
-Every function takes the process group explicitly; ``None`` means "no group": one rank,
-nothing to communicate (pass ``dist.group.WORLD`` for the default group) and an optional :class:`CommStats` that counts calls and bytes,
-so the traffic of a training step can be measured and compared with theory.
-
-Byte accounting follows the usual ring-algorithm cost per rank: an all-gather or a
-reduce-scatter of a ``W * s``-element buffer moves ``(W - 1) * s`` elements per rank, an
-all-reduce of ``n`` elements ``2 * (W - 1) / W * n``.
+A group of ``None`` means one rank, nothing to communicate. An optional :class:`CommStats`
+counts calls and the ring-algorithm bytes per rank (docs/engine.md, "Accounting").
 """
 
 from __future__ import annotations
@@ -25,14 +20,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Counts of collective calls and per-rank bytes moved, by collective kind.
-
-    ``copies`` counts host <-> device copy bytes (CPU offload) separately: they are not
-    network traffic. ``control`` counts the bytes of small bookkeeping collectives (which
-    parameters were used this step), kept apart from the gradient and parameter traffic.
-    ``max_in_flight`` is the most prefetched all-gathers that were ever outstanding at once
-    (one with a repeated order; the rate limiter keeps it at most 2).
-    """
+    """Counts of collective calls and per-rank bytes moved, by collective kind; ``copies``
+    (host <-> device, CPU offload) and ``control`` (bookkeeping collectives) apart;
+    ``max_in_flight``: the most prefetched all-gathers ever outstanding at once."""
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -47,17 +37,10 @@ class CommStats:
         if self.trace is not None:
             self.trace.append(f"{kind}:{tag}" if tag else kind)
 
-    def record_copy(self, kind: str, nbytes: int) -> None:
-        self.copies[kind] += int(nbytes)
-
-    def record_control(self, kind: str, nbytes: int) -> None:
-        self.control[kind] += int(nbytes)
-
     def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-        self.copies.clear()
-        self.control.clear()
+        """Start counting over (``trace`` is kept)."""
+        for counts in (self.calls, self.bytes, self.copies, self.control):
+            counts.clear()
         self.max_in_flight = 0
 
     def total_bytes(self) -> int:
@@ -106,7 +89,7 @@ def all_gather_flat(
         return None
     if stats is not None:
         stats.record("all_gather", (world - 1) * shard.numel() * shard.element_size(), tag)
-    if output.device.type == "cpu" and _backend(group) == "gloo":
+    if output.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _gather_by_broadcasts(output, shard, group, world, async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
 
@@ -126,6 +109,13 @@ class _Works:
             self.then = None
         return True
 
+    def settle(self, async_op: bool) -> _Works | None:
+        """``self`` to wait for later (``async_op``), or waited for now and ``None``."""
+        if async_op:
+            return self
+        self.wait()
+        return None
+
 
 def _gather_by_broadcasts(
     output: torch.Tensor,
@@ -134,11 +124,8 @@ def _gather_by_broadcasts(
     world: int,
     async_op: bool,
 ) -> _Works | None:
-    """[Note: gloo all-gather without staging]
-    gloo's all-gather receives into a staging buffer the size of the whole output and copies
-    it out afterwards: one more full unit of memory per all-gather in flight. One broadcast
-    per rank, each straight into that rank's slice of ``output``, moves the same bytes
-    ((W - 1) * shard per rank on average) with no staging at all."""
+    """One broadcast per rank into its slice of ``output``: gloo's all-gather without its
+    full-size staging buffer (docs/engine.md, "Collectives on gloo")."""
     size = shard.numel()
     mine = dist.get_rank(group)
     output[mine * size : (mine + 1) * size].copy_(shard)
@@ -151,15 +138,7 @@ def _gather_by_broadcasts(
         )
         for r in range(world)
     ]
-    gathered = _Works(works)
-    if async_op:
-        return gathered
-    gathered.wait()
-    return None
-
-
-def _backend(group: dist.ProcessGroup) -> str:
-    return dist.get_backend(group)  # a dictionary lookup; groups can be destroyed and remade
+    return _Works(works).settle(async_op)
 
 
 def reduce_scatter_flat(
@@ -173,11 +152,7 @@ def reduce_scatter_flat(
     consume_input: bool = False,
 ) -> dist.Work | _Works | None:
     """Sum ``full`` (``W * output.numel()``) over ranks; rank ``r`` keeps chunk ``r``.
-
-    ``consume_input=True`` lets the collective overwrite ``full`` (the engine passes a flat
-    gradient it drops afterwards); on gloo that saves a full-size copy (see
-    [Note: gloo reduce-scatter in place]).
-    """
+    ``consume_input=True``: ``full`` may be overwritten (on gloo, no full-size copy)."""
     world = group_size(group)
     assert full.numel() == world * output.numel(), (full.numel(), world, output.numel())
     if group is None or world == 1:  # None: no group, a world of one
@@ -185,7 +160,7 @@ def reduce_scatter_flat(
         return None
     if stats is not None:
         stats.record("reduce_scatter", (world - 1) * output.numel() * output.element_size(), tag)
-    if consume_input and full.device.type == "cpu" and _backend(group) == "gloo":
+    if consume_input and full.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _reduce_scatter_in_place(output, full, group, async_op)
     return _reduce_scatter_single(
         output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op
@@ -195,19 +170,12 @@ def reduce_scatter_flat(
 def _reduce_scatter_in_place(
     output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> _Works | None:
-    """[Note: gloo reduce-scatter in place]
-    torch's gloo backend implements ``reduce_scatter_tensor`` as an all-reduce of a *copy* of
-    the input followed by a copy of this rank's chunk (``ProcessGroupGloo.cpp``, torch 2.x),
-    so it holds one more full-size buffer while it runs. When the caller gives up the input,
-    the same all-reduce runs on the input itself: the same traffic, no copy."""
+    """gloo's ``reduce_scatter_tensor`` (an all-reduce of a copy of the input, torch 2.x) run
+    on the input itself: the same traffic, no full-size copy."""
     size = output.numel()
     start = dist.get_rank(group) * size
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    done = _Works([work], then=lambda: output.copy_(full[start : start + size]))
-    if async_op:
-        return done
-    done.wait()
-    return None
+    return _Works([work], then=lambda: output.copy_(full[start : start + size])).settle(async_op)
 
 
 def all_reduce_flat(
@@ -252,10 +220,8 @@ def all_gather_rows(
     *,
     stats: CommStats | None = None,
 ) -> torch.Tensor:
-    """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n] in rank order.
-
-    With two groups (shard, then replicate) the result is ordered by replica, then shard rank.
-    """
+    """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n] in rank order (two
+    groups, shard then replicate: by replica, then shard rank)."""
     for group in groups:
         world = group_size(group)
         if world == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,15 +11,9 @@ import torch
 
 
 class ShardingStrategy(enum.Enum):
-    """How a unit's FlatParameter is split across the ranks of its process group.
-
-    - ``FULL_SHARD``: parameters, gradients and optimizer state sharded; parameters are
-      all-gathered before forward and again before backward, and freed after each.
-    - ``SHARD_GRAD_OP``: as FULL_SHARD, but the unsharded parameters stay from forward to
-      backward (one all-gather per step instead of two, more memory).
-    - ``NO_SHARD``: every rank holds everything; gradients are all-reduced (DDP-like).
-    - ``HYBRID_SHARD``: shard inside a group, replicate across groups .
-    """
+    """How a unit's FlatParameter is split across the ranks of its process group:
+    ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD`` (docs/design.md, "The
+    engine", Strategies)."""
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
@@ -29,19 +24,25 @@ class ShardingStrategy(enum.Enum):
     def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
         """Accept the enum, torch FSDP's enum of the same name, or its name (case-insensitive);
         a clear ValueError otherwise."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, enum.Enum) and type(value).__name__ == cls.__name__:
-            value = value.name  # torch.distributed.fsdp.ShardingStrategy
-            if value == "_HYBRID_SHARD_ZERO2":
-                raise ValueError(
-                    "sharding_strategy=_HYBRID_SHARD_ZERO2 is not supported by ftsdp; use "
-                    "HYBRID_SHARD (shard inside a group, replicate across groups)"
-                )
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        valid = ", ".join(cls.__members__)
-        raise ValueError(f"sharding_strategy={value!r} is not one of: {valid}")
+        if getattr(value, "name", None) == "_HYBRID_SHARD_ZERO2":  # torch's enum only
+            raise ValueError(
+                "sharding_strategy=_HYBRID_SHARD_ZERO2 is not supported by ftsdp; use "
+                "HYBRID_SHARD (shard inside a group, replicate across groups)"
+            )
+        return enum_member(value, cls, "sharding_strategy")  # type: ignore[return-value]
+
+
+def enum_member(value: Any, cls: type[enum.Enum], what: str) -> enum.Enum:
+    """``value`` as a member of ``cls``: itself, or torch's enum of the same name."""
+    if isinstance(value, cls):
+        return value
+    same_enum = isinstance(value, enum.Enum) and type(value).__name__ == cls.__name__
+    if same_enum and value.name in cls.__members__:
+        return cls[value.name]
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    valid = ", ".join(f"{cls.__name__}.{name}" for name in cls.__members__)
+    raise ValueError(f"{what}={value!r} is not one of: {valid}")
 
 
 class UnitState(enum.Enum):
@@ -64,20 +65,12 @@ class Phase(enum.Enum):
 class MixedPrecision:
     """Low-precision compute and communication with fp32 master shards (paper, Section 4.4).
 
-    - ``param_dtype``: the unsharded parameters (and the all-gather) use this dtype; each
-      shard is cast right before its all-gather, so traffic and peak memory shrink with it.
-    - ``reduce_dtype``: gradients are reduced in this dtype (default: ``param_dtype``).
-    - ``buffer_dtype``: floating-point buffers are cast to this dtype at wrap time.
-    - ``cast_forward_inputs``: floating-point tensors passed to the root are cast to
-      ``param_dtype``.
-    - ``cast_root_forward_inputs`` (torch FSDP's name): the root's inputs are cast only when
-      both this and ``cast_forward_inputs`` are true (both default to true).
-    - ``keep_low_precision_grads`` (torch FSDP's): only ``False`` is supported; gradients are
-      always handed to the optimizer in the master dtype.
-
-    The optimizer always steps on the fp32 (master dtype) shards and fp32 gradients. With
-    fp16, scale the loss with ``ftsdp.ShardedGradScaler`` (a plain ``GradScaler`` would let
-    ranks disagree about skipping a step); bf16 needs no scaling.
+    ``param_dtype``: the unsharded parameters and the all-gather; ``reduce_dtype``: the
+    gradient reduction (default: ``param_dtype``); ``buffer_dtype``: floating buffers, cast at
+    wrap time; the root's floating inputs are cast to ``param_dtype`` when both
+    ``cast_forward_inputs`` and torch's ``cast_root_forward_inputs`` are set (the default).
+    ``keep_low_precision_grads=True`` is refused: the optimizer steps on fp32 shards. With
+    fp16, scale the loss with ``ftsdp.ShardedGradScaler``. See docs/engine.md.
     """
 
     param_dtype: torch.dtype | None = None
@@ -103,12 +96,8 @@ class MixedPrecision:
 
 @dataclass(frozen=True, kw_only=True)
 class CPUOffload:
-    """Keep the sharded parameters and gradients in host memory (paper, Section 3.2).
-
-    Each unit's shard is copied to the compute device right before its all-gather, and its
-    reduced gradient shard is copied back; the optimizer steps on the host. On a CUDA host the
-    shards are pinned so the copies can overlap.
-    """
+    """Keep the sharded parameters and gradients in host memory (paper, Section 3.2; see
+    docs/engine.md)."""
 
     offload_params: bool = False
 
@@ -140,3 +129,14 @@ def as_cpu_offload(value: object) -> CPUOffload | None:
     if type(value).__name__ == "CPUOffload" and hasattr(value, "offload_params"):
         return CPUOffload(offload_params=bool(value.offload_params))
     raise ValueError(f"cpu_offload must be an ftsdp.CPUOffload, got {value!r}")
+
+
+def tree_map(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to every leaf of nested dicts, lists, tuples and namedtuples."""
+    if isinstance(value, dict):
+        return {k: tree_map(v, fn) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(tree_map(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(tree_map(v, fn) for v in value)
+    return fn(value)

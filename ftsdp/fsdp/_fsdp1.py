@@ -1,27 +1,13 @@
 """torch FSDP1's state APIs on ftsdp's units: state-dict types, optimizer state, full params.
 
-``FSDP.state_dict_type``, ``FSDP.optim_state_dict`` / ``optim_state_dict_to_load`` and
-``FSDP.summon_full_params`` (the static methods of ``_fully_sharded``) are implemented here.
-They produce what torch FSDP1 produces, so checkpoints and scripts carry over:
+What each produces (the same as torch FSDP1) is in docs/migrating.md. ``SHARDED_STATE_DICT``
+is built one unit at a time (one all-gather per unit and state key) and loaded one parameter
+at a time, so memory stays at the shards plus one unit.
 
-- ``FULL_STATE_DICT``: unsharded tensors under the unwrapped module's names;
-  ``rank0_only`` gives the other ranks ``{}``, ``offload_to_cpu`` copies to the host.
-- ``SHARDED_STATE_DICT``: one ``DTensor`` per parameter (and per optimizer state tensor that
-  mirrors one), ``Shard(0)`` over the shard group with ``torch.chunk``'s row split, the
-  layout torch FSDP1 uses; ``torch.distributed.checkpoint`` saves and loads it at any world
-  size. ftsdp's shards are flat ranges that cut across rows, so making it gathers one unit at
-  a time (one all-gather per unit and state key), and loading all-gathers one parameter at a
-  time: memory stays at the shards plus one unit.
-- optimizer state dicts are keyed by parameter name (FQN) with ``param_groups`` listing
-  names, as torch's ``optim_state_dict``; ``optim_state_dict_to_load`` turns one back into
-  ``optimizer.state_dict()`` form for this rank's shards.
-
-[Note: which optimizer state is sharded]
-A state tensor that is 1-D with this rank's length of the parameter (AdamW ``exp_avg``,
-``exp_avg_sq``, SGD ``momentum_buffer``) mirrors the parameter's slice and is gathered or
-sharded like it; anything else (``step``) is the same on every rank and passes through. The
-ranks agree on which keys mirror (one object all-gather per call) before any collective on
-them, so a rank whose slice of a parameter is empty still takes part.
+[Note: which optimizer state is sharded] A state tensor that is 1-D with this rank's length of
+the parameter (``exp_avg``, ``momentum_buffer``) mirrors the parameter's slice; anything else
+(``step``) passes through. The ranks agree on which keys mirror before any collective on them,
+so a rank whose slice is empty still takes part.
 """
 
 from __future__ import annotations
@@ -35,19 +21,21 @@ import torch.distributed as dist
 from torch import nn
 
 from ._api import StateDictType
-from ._collectives import all_gather_flat, all_reduce_flat
-from ._common import ShardingStrategy
-from ._state_dict import full_tensor, is_distributed, param_index, state_index
+from ._collectives import all_reduce_flat, group_rank
+from ._common import ShardingStrategy, tree_map
+from ._state_dict import (
+    full_state_dict,
+    full_tensor,
+    gather_flat,
+    groups_by_name,
+    is_distributed,
+    mirrors,
+    optim_entries,
+)
 from ._unit import FlatParamUnit, ParamInfo
 
 # The wrapper (``_fully_sharded.FullyShardedDataParallel``), which imports this module.
 FullyShardedDataParallel = Any
-
-
-def world_rank(model: FullyShardedDataParallel) -> int:
-    """This rank in the model's data-parallel world (0 when not distributed)."""
-    group = model._groups.world
-    return dist.get_rank(group) if group is not None else 0
 
 
 def _to_cpu(value: Any, enabled: bool) -> Any:
@@ -56,18 +44,12 @@ def _to_cpu(value: Any, enabled: bool) -> Any:
     return value
 
 
-def gather_flat(unit: FlatParamUnit, local: torch.Tensor) -> torch.Tensor:
-    """The unit's full padded flat tensor from every rank's ``local`` (shard-sized)."""
-    full = torch.empty(unit.padded_numel, dtype=local.dtype, device=unit.device)
-    all_gather_flat(full, local.to(unit.device), unit.shard_group)
-    return full
-
-
 # ---------------------------------------------------------------------- DTensor layout
-def _mesh(model: FullyShardedDataParallel) -> tuple[Any, list[Any]]:
-    """The 1-D device mesh and placements of ``SHARDED_STATE_DICT`` tensors."""
+def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) -> Any:
+    """``full`` (identical on every rank) as a ``SHARDED_STATE_DICT`` DTensor: rows split as
+    ``torch.chunk`` does over the shard group, replicated when nothing is sharded."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if model._strategy is ShardingStrategy.HYBRID_SHARD:
         raise ValueError(
@@ -84,125 +66,48 @@ def _mesh(model: FullyShardedDataParallel) -> tuple[Any, list[Any]]:
         )
     if model._dtensor_mesh is None:
         model._dtensor_mesh = DeviceMesh.from_group(group, model._units[0].device.type)
-    return model._dtensor_mesh, [Shard(0) if sharded else Replicate()]
-
-
-def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) -> Any:
-    """``full`` (identical on every rank) as a DTensor, rows split as ``torch.chunk`` does."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh, placements = _mesh(model)
-    if isinstance(placements[0], Shard) and full.dim() > 0:
-        size, rank = mesh.size(), mesh.get_local_rank()
-        chunks = full.chunk(size, dim=0)
+    mesh = model._dtensor_mesh
+    placements: list[Any] = [Replicate()]
+    local = full
+    if sharded and full.dim() > 0:
+        chunks = full.chunk(mesh.size(), dim=0)
+        rank = mesh.get_local_rank()
         local = chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
-    else:
-        from torch.distributed.tensor import Replicate
-
-        placements = [Replicate()]
-        local = full
-    local = _to_cpu(local.clone(), cpu)
+        placements = [Shard(0)]
     return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+        _to_cpu(local.clone(), cpu),
+        mesh,
+        placements,
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
     )
-
-
-def _full_value(value: Any) -> Any:
-    """A DTensor's or ShardedTensor's full tensor (a collective); anything else as is."""
-    return full_tensor(value) if is_distributed(value) else value
 
 
 # ---------------------------------------------------------------------- model state
 def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
     """``model.state_dict()`` under the model's state-dict settings (collective)."""
-    from ._state_dict import full_state_dict
-
-    settings = model._sd_settings
-    config = settings.state_dict_config
-    names = model._param_names()
-    if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-        return _sharded_model_state(model, names, config.offload_to_cpu)
-    full = full_state_dict(model._units, model.module, names)
-    if getattr(config, "rank0_only", False) and world_rank(model) != 0:
+    config = model._sd_settings.state_dict_config
+    cpu = config.offload_to_cpu
+    if model._sd_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+        full = full_state_dict(model._units, model.module, lambda t: _to_dtensor(model, t, cpu))
+        return {k: v if is_distributed(v) else _to_cpu(v.clone(), cpu) for k, v in full.items()}
+    full = full_state_dict(model._units, model.module)
+    if getattr(config, "rank0_only", False) and group_rank(model._groups.world) != 0:
         return {}
-    return {key: _to_cpu(value, config.offload_to_cpu) for key, value in full.items()}
-
-
-def _sharded_model_state(
-    model: FullyShardedDataParallel, names: list[tuple[str, nn.Parameter]], cpu: bool
-) -> dict[str, Any]:
-    state = model.module.state_dict(keep_vars=True)
-    index = state_index(model._units, state)
-    full_params: dict[int, torch.Tensor] = {}
-    for unit in model._units:
-        if not unit.infos:
-            continue
-        flat = gather_flat(unit, unit.on_device(unit.shard))
-        for info in unit.infos:
-            full = flat[info.offset : info.offset + info.numel].view(info.shape)
-            full_params[id(info)] = _to_dtensor(model, full, cpu)
-        del flat
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        info = index.get(key)
-        out[key] = full_params[id(info)] if info else _to_cpu(value.detach().clone(), cpu)
-    return out
-
-
-def load_model_state_dict(
-    model: FullyShardedDataParallel, state: dict[str, Any], strict: bool
-) -> tuple[list[str], list[str]]:
-    """``model.load_state_dict(state)``: full tensors, or DTensors (any layout) of them."""
-    from ._state_dict import load_full_state_dict
-
-    return load_full_state_dict(model._units, model.module, model._param_names(), state, strict)
+    return {key: _to_cpu(value, cpu) for key, value in full.items()}
 
 
 # ---------------------------------------------------------------------- optimizer state
-def _optim_params(
-    model: FullyShardedDataParallel,
-    optim: torch.optim.Optimizer,
-    osd: dict[str, Any] | None,
-) -> list[tuple[int, str, nn.Parameter, ParamInfo | None, dict[str, Any]]]:
-    """(group index, name, parameter, its ParamInfo or None if unmanaged, its state), in the
-    optimizer's order. ``osd``: an ``optim.state_dict()`` to read the state from instead."""
-    names = model._param_names()
-    index = param_index(model._units, names)
-    name_of: dict[int, str] = {}
-    for name, p in names:
-        name_of.setdefault(id(p), name)
-    out = []
-    for g, group in enumerate(optim.param_groups):
-        for i, p in enumerate(group["params"]):
-            if id(p) not in name_of:
-                raise ValueError(
-                    "the optimizer holds a parameter that is not one of this model's; create "
-                    "the optimizer from model.parameters() after wrapping"
-                )
-            name = name_of[id(p)]
-            if osd is None:
-                state = optim.state.get(p, {})
-            else:  # the state dict names a parameter by its index in the groups
-                state = osd["state"].get(osd["param_groups"][g]["params"][i], {})
-            out.append((g, clean_name(name), p, index.get(name), state))
-    return out
-
-
-def clean_name(name: str) -> str:
-    """A parameter name as torch FSDP's state dicts spell it: without the
+def _optim_entries(
+    model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any] | None
+) -> list[tuple[int, str, ParamInfo | None, dict[str, Any]]]:
+    """``optim_entries`` under the names torch FSDP's state dicts use: without the
     ``_checkpoint_wrapped_module.`` parts activation checkpointing's wrapper adds (its own
     state-dict hooks drop them from ``state_dict()`` keys too)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
-
-
-def _mirrors(value: Any, info: ParamInfo | None) -> bool:
-    """See [Note: which optimizer state is sharded]."""
-    return (
-        info is not None
-        and isinstance(value, torch.Tensor)
-        and value.dim() == 1
-        and value.numel() == info.length
-    )
+    entries = optim_entries(model._units, model._param_names(), optim, osd)
+    clean = "_checkpoint_wrapped_module."
+    return [(g, name.replace(clean, ""), info, state) for g, name, info, state in entries]
 
 
 def _agree_mirrors(
@@ -210,7 +115,7 @@ def _agree_mirrors(
 ) -> list[set[str]]:
     """Per entry, the state keys that mirror the parameter on some rank (checked on all)."""
     mine = [
-        sorted(k for k, v in state.items() if _mirrors(v, info)) for _, _, _, info, state in entries
+        sorted(k for k, v in state.items() if mirrors(v, info)) for _, _, info, state in entries
     ]
     group = model._groups.world
     everyone: list[Any] = [mine]
@@ -218,9 +123,9 @@ def _agree_mirrors(
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
     agreed = [set().union(*(row[i] for row in everyone)) for i in range(len(entries))]
-    for (_, name, _, info, state), keys in zip(entries, agreed, strict=True):
+    for (_, name, info, state), keys in zip(entries, agreed, strict=True):
         for key in keys:
-            if not _mirrors(state.get(key), info):
+            if not mirrors(state.get(key), info):
                 raise ValueError(
                     f"optimizer state {name}.{key} mirrors the parameter on some ranks but not "
                     "on this one (missing, or not a 1-D tensor of this rank's length); step the "
@@ -230,32 +135,33 @@ def _agree_mirrors(
 
 
 def _full_optim_tensors(
-    model: FullyShardedDataParallel, entries: list[tuple[Any, ...]], mirrors: list[set[str]]
+    model: FullyShardedDataParallel, entries: list[tuple[Any, ...]], keys: list[set[str]]
 ) -> dict[tuple[str, str], torch.Tensor]:
     """Every mirroring state tensor, unsharded: one all-gather per unit and key."""
-    by_unit: dict[int, list[int]] = {}
-    unit_of = {id(info): unit for unit in model._units for info in unit.infos}
-    for i, (_, _, _, info, _) in enumerate(entries):
-        if mirrors[i]:
-            by_unit.setdefault(id(unit_of[id(info)]), []).append(i)
     out: dict[tuple[str, str], torch.Tensor] = {}
     for unit in model._units:  # the same order on every rank
-        members = by_unit.get(id(unit), [])
-        keys = sorted({k for i in members for k in mirrors[i]})
-        for key in keys:
-            dtype = next(entries[i][4][key].dtype for i in members if key in mirrors[i])
-            local = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
-            for i in members:
-                if key in mirrors[i]:
-                    info = entries[i][3]
-                    local[info.shard_start : info.shard_start + info.length] = entries[i][4][key]
-            flat = gather_flat(unit, local)
-            for i in members:
-                if key in mirrors[i]:
-                    info = entries[i][3]
-                    view = flat[info.offset : info.offset + info.numel].view(info.shape)
-                    out[(entries[i][1], key)] = view
+        mine = {id(info) for info in unit.infos}
+        members = [i for i, e in enumerate(entries) if keys[i] and id(e[2]) in mine]
+        for key in sorted({k for i in members for k in keys[i]}):
+            holding = [i for i in members if key in keys[i]]
+            pieces = [(entries[i][2], entries[i][3][key]) for i in holding]
+            for i, full in zip(holding, _gather_params(unit, pieces), strict=True):
+                out[(entries[i][1], key)] = full
     return out
+
+
+def _gather_params(
+    unit: FlatParamUnit, pieces: list[tuple[ParamInfo, torch.Tensor | None]]
+) -> list[torch.Tensor]:
+    """Each piece's full parameter-shaped tensor from every rank's local slices (a piece of
+    ``None``: zeros here); one all-gather for the unit. The pieces share one dtype."""
+    dtype = next((t.dtype for _, t in pieces if t is not None), unit.dtype)
+    local = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
+    for info, piece in pieces:
+        if piece is not None:
+            local[info.shard_start : info.shard_start + info.length] = piece.reshape(-1)
+    flat = gather_flat(unit, local)
+    return [flat[i.offset : i.offset + i.numel].view(i.shape) for i, _ in pieces]
 
 
 def optim_state_dict(
@@ -268,18 +174,22 @@ def optim_state_dict(
     config = settings.optim_state_dict_config
     cpu = config.offload_to_cpu
     sharded = settings.state_dict_type is StateDictType.SHARDED_STATE_DICT
-    entries = _optim_params(model, optim, osd)
-    mirrors = _agree_mirrors(model, entries)
-    full = _full_optim_tensors(model, entries, mirrors)
-    if not sharded and getattr(config, "rank0_only", False) and world_rank(model) != 0:
+    entries = _optim_entries(model, optim, osd)
+    keys = _agree_mirrors(model, entries)
+    full = _full_optim_tensors(model, entries, keys)
+    if (
+        not sharded
+        and getattr(config, "rank0_only", False)
+        and group_rank(model._groups.world) != 0
+    ):
         return {}
     state: dict[str, dict[str, Any]] = {}
-    for i, (_, name, _, _, values) in enumerate(entries):
+    for i, (_, name, _, values) in enumerate(entries):
         if not values:
             continue
         entry = {}
         for key, value in values.items():
-            if key in mirrors[i]:
+            if key in keys[i]:
                 tensor = full[(name, key)]
                 entry[key] = _to_dtensor(model, tensor, cpu) if sharded else _to_cpu(tensor, cpu)
             elif isinstance(value, torch.Tensor):
@@ -287,12 +197,8 @@ def optim_state_dict(
             else:
                 entry[key] = value
         state[name] = entry
-    groups = []
     source = osd["param_groups"] if osd is not None else optim.param_groups
-    for g, group in enumerate(source):
-        members = [name for gi, name, *_ in entries if gi == g]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": groups_by_name(source, entries)}
 
 
 def optim_state_dict_to_load(
@@ -313,20 +219,17 @@ def optim_state_dict_to_load(
             "optim_state_dict_to_load expects what FSDP.optim_state_dict returned: a dict with "
             "'state' (by parameter name) and 'param_groups' (listing parameter names)"
         )
-    entries = _optim_params(model, optim, None)
+    entries = _optim_entries(model, optim, None)
     state: dict[int, dict[str, Any]] = {}
-    for index, (_, name, _, info, _) in enumerate(entries):  # the same order on every rank
+    for index, (_, name, info, _) in enumerate(entries):  # the same order on every rank
         saved = osd["state"].get(name)
         if saved is None:
             continue
         entry = {}
         for key in sorted(saved):
-            value = _full_value(saved[key])
-            if (
-                info is not None
-                and isinstance(value, torch.Tensor)
-                and _is_param_shaped(value, info)
-            ):
+            value = full_tensor(saved[key]) if is_distributed(saved[key]) else saved[key]
+            param_shaped = isinstance(value, torch.Tensor) and value.dim() > 0
+            if info is not None and param_shaped and tuple(value.shape) == tuple(info.shape):
                 piece = value.reshape(-1)[info.param_start : info.param_start + info.length]
                 entry[key] = piece.clone()
             elif isinstance(value, torch.Tensor):
@@ -354,10 +257,6 @@ def optim_state_dict_to_load(
     return {"state": state, "param_groups": groups}
 
 
-def _is_param_shaped(value: torch.Tensor, info: ParamInfo) -> bool:
-    return value.dim() > 0 and tuple(value.shape) == tuple(info.shape)
-
-
 class _TensorMeta:
     """A tensor's place in a broadcast structure: its shape and dtype."""
 
@@ -368,40 +267,31 @@ class _TensorMeta:
 def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
     """rank 0's ``osd`` on every rank: its structure as one object, then each tensor."""
     group = model._groups.world
-    rank = dist.get_rank(group)
-    tensors: list[torch.Tensor] = []
+    src = dist.get_global_rank(group, 0)
+    device = model._units[0].device
+    sent: list[torch.Tensor] = []  # rank 0's tensors, in the order the structure holds them
 
     def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-            return _TensorMeta(value)
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(strip(v) for v in value)
-        return value
+        if not isinstance(value, torch.Tensor):
+            return value
+        sent.append(value)
+        return _TensorMeta(value)
 
-    holder = [strip(osd) if rank == 0 else None]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
-    device = model._units[0].device
-    received = iter(tensors)
+    holder = [tree_map(osd, strip) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    pending = iter(sent)
 
     def fill(value: Any) -> Any:
-        if isinstance(value, _TensorMeta):
-            buffer = (
-                next(received).to(device)
-                if rank == 0
-                else torch.empty(value.shape, dtype=value.dtype, device=device)
-            )
-            dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
-            return buffer
-        if isinstance(value, dict):
-            return {k: fill(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(fill(v) for v in value)
-        return value
+        if not isinstance(value, _TensorMeta):
+            return value
+        buffer = next(pending, None)
+        if buffer is None:  # a receiving rank
+            buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
+        buffer = buffer.to(device)
+        dist.broadcast(buffer, src=src, group=group)
+        return buffer
 
-    return fill(holder[0])
+    return tree_map(holder[0], fill)
 
 
 # ---------------------------------------------------------------------- full parameters
@@ -429,7 +319,7 @@ def summon_full_params(
     units = model._units if recurse else model._units[:1]
     for unit in model._units:
         unit.reshard()  # a forward without backward may have left units gathered (local)
-    exposed = rank0_only is False or world_rank(model) == 0
+    exposed = rank0_only is False or group_rank(model._groups.world) == 0
     grads = _full_grads(model, units) if with_grads else {}
     summoned: list[tuple[ParamInfo, nn.Parameter]] = []
     for unit in units:
@@ -493,15 +383,9 @@ def _full_grads(
     has = dict(zip((id(i) for i in infos), present.tolist(), strict=True))
     out: dict[int, torch.Tensor] = {}
     for unit in units:
-        if not any(has[id(info)] for info in unit.infos):
-            continue
-        local = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-        for info in unit.infos:
-            grad = info.sharded_param.grad
-            if grad is not None:
-                local[info.shard_start : info.shard_start + info.length] = grad.reshape(-1)
-        flat = gather_flat(unit, local)
-        for info in unit.infos:
-            if has[id(info)]:
-                out[id(info)] = flat[info.offset : info.offset + info.numel].view(info.shape)
+        wanted = [info for info in unit.infos if has[id(info)]]
+        if wanted:
+            pieces = [(info, info.sharded_param.grad) for info in wanted]
+            for info, full in zip(wanted, _gather_params(unit, pieces), strict=True):
+                out[id(info)] = full
     return out

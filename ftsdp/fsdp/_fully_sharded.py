@@ -1,18 +1,14 @@
 """The public wrapper: ``ftsdp.FullyShardedDataParallel`` (alias ``ftsdp.FSDP``).
 
-Wrapping plans the units (``_wrap``), builds one FlatParameter per unit and keeps this rank's
-shard (``_unit``), and installs the hooks that gather and reduce around each unit's forward and
-backward (``_runtime``). The wrapped module keeps its structure and parameter names: between
-iterations each original parameter is a 1-D ``nn.Parameter`` holding this rank's slice, which
-is what ``named_parameters()`` yields and what the optimizer updates in place.
-
-torch FSDP1's arguments and methods are accepted where ftsdp can honour them (``_api`` holds
-its enums and configs, ``_fsdp1`` its state APIs); docs/migrating.md lists each one.
+Wrapping plans the units (``_wrap``), builds them (``_init``, ``_unit``) and installs the hooks
+(``_runtime``); torch FSDP1's arguments and methods are accepted where ftsdp can honour them
+(docs/migrating.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -55,7 +51,6 @@ from ._init import build_units, check_same_structure, resolve_device, resolve_gr
 from ._runtime import PrefetchOptions, Runtime
 from ._state_dict import (
     ShardView,
-    full_state_dict,
     load_full_state_dict,
     sharded_optim_state_dict,
     sharded_state_dict,
@@ -72,6 +67,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _deprecated(name: str, alternative: str) -> Callable[..., Any]:
+    """A method of torch FSDP that ftsdp refuses (deprecated in torch), naming ``alternative``."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"FSDP.{name} (deprecated in torch FSDP) is not supported by ftsdp; use {alternative}"
+        )
+
+    refuse.__doc__ = f"Not supported: use ``{alternative}``."
+    return refuse
+
+
 class FullyShardedDataParallel(nn.Module):
     """Fully sharded data parallel training of ``module`` (PyTorch FSDP paper, VLDB 2023).
 
@@ -80,34 +87,19 @@ class FullyShardedDataParallel(nn.Module):
             optimizer afterwards from ``wrapped.parameters()``.
         process_group: the ranks that train this model together (default: the world).
         sharding_strategy: ``ShardingStrategy`` (or its name, or torch FSDP's enum).
-        auto_wrap_policy: module classes (each instance becomes a unit, nested instances nest)
-            or a callable ``module -> bool``; or a torch FSDP policy: ``ModuleWrapPolicy``,
-            ``CustomPolicy``, or a callable ``(module, recurse, nonwrapped_numel)`` such as
-            ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={...})``
-            (the modules torch would wrap become units). ``None``: the whole model is one unit.
+        auto_wrap_policy: module classes (each instance becomes a unit), a callable
+            ``module -> bool``, or a torch FSDP policy (docs/engine.md); ``None``: one unit.
         device_id: the CUDA device index (or ``torch.device``) the shards live on; default:
             the device of the module's parameters.
-        sync_module_states: broadcast rank 0's parameters and buffers before sharding, so
-            ranks that initialised differently start identical (also when only rank 0 holds
-            real weights and the others built the model on the meta device).
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         mixed_precision, cpu_offload: ``MixedPrecision`` / ``CPUOffload`` (ftsdp's or torch
             FSDP's).
-        backward_prefetch: ``True`` or ``BackwardPrefetch.BACKWARD_PRE`` (default) start the
-            next unit's all-gather before the current unit's backward; ``False`` / ``None``
-            do not prefetch. ``BACKWARD_POST`` is refused.
-        forward_prefetch, limit_all_gathers: see docs/engine.md.
+        backward_prefetch, forward_prefetch, limit_all_gathers: see docs/engine.md.
         param_init_fn: initialises a meta-device model's modules (ignored for real tensors).
-        use_orig_params: accepted for torch FSDP scripts; ftsdp always exposes the original
-            parameters (as 1-D local slices), which is what ``True`` means there.
-        ignored_modules, ignored_states: modules (with their descendants) or parameters no
-            unit manages: they stay whole on every rank, are not sharded, and their
-            gradients are not reduced (as in torch FSDP).
-        deterministic: make gradients bitwise independent of the world size: each backward's
-            gradient is kept, all are gathered at the reducing backward and summed in a fixed
-            order, and the result is their MEAN (so do not divide the loss by the number of
-            micro-batches). Rank r must run the r-th contiguous block of the step's
-            micro-batches; every rank the same number. Costs k x the gradient traffic for k
-            micro-batches per rank. See [Note: deterministic reduction] in ``_unit.py``.
+        use_orig_params, ignored_modules, ignored_states: as in torch FSDP
+            (docs/migrating.md).
+        deterministic: gradients bitwise independent of the world size; the reduced gradient
+            is the MEAN over micro-batches (docs/engine.md, "Deterministic mode").
 
     Every rank must wrap the same model structure; it is checked once here.
     """
@@ -137,7 +129,11 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ValueError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
-        _reject_unsupported(unsupported)
+        if unsupported:
+            raise TypeError(
+                f"FSDP got unexpected keyword arguments {sorted(unsupported)}; docs/migrating.md "
+                "lists the arguments ftsdp takes, torch FSDP's among them"
+            )
         _reject_wrapped(module)
         # What torch FSDP would hand every auto-wrapped unit: a CustomPolicy may not differ.
         root_kwargs = {
@@ -241,12 +237,9 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Original parameter names (no wrapper prefix), each rank's 1-D slice (maybe empty).
-
-        Always the local-slice parameters the optimizer updates, also while a unit is
-        gathered (between a forward and its backward); inside ``summon_full_params`` the full
-        parameters instead. Ignored parameters (``ignored_modules``) are whole.
-        """
+        """Original parameter names (no wrapper prefix), each rank's 1-D slice the optimizer
+        updates (maybe empty), also while a unit is gathered; inside ``summon_full_params``
+        the full parameters; ignored parameters whole."""
         return self._named_params(prefix, recurse, remove_duplicate, sharded=not self._summoned)
 
     def _named_params(
@@ -284,52 +277,32 @@ class FullyShardedDataParallel(nn.Module):
         )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The state with exactly the unwrapped module's keys, as ``state_dict_type`` says.
-
-        A collective: every rank must call it. By default (``FULL_STATE_DICT``) each rank
-        gets the whole unsharded state (on the device the shards live on); inside
-        ``FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-        FullStateDictConfig(offload_to_cpu=True, rank0_only=True))`` only rank 0 does, on the
-        CPU. ``SHARDED_STATE_DICT``: one ``DTensor`` (``Shard(0)``) per parameter, for
-        ``torch.distributed.checkpoint``. ftsdp's own checkpoint view: ``sharded_state_dict()``.
-        """
+        """The state with exactly the unwrapped module's keys, in the form ``state_dict_type``
+        chose (default: every rank gets the full unsharded state). A collective."""
         if args or kwargs:
             raise ValueError(
                 "FSDP.state_dict() takes no arguments: it returns the state with the "
                 "unwrapped module's keys (choose its form with FSDP.state_dict_type)"
             )
         self._require_idle("state_dict()")
-        if self._sd_settings.state_dict_type is StateDictType.FULL_STATE_DICT and (
-            self._sd_settings.state_dict_config == FullStateDictConfig()
-        ):
-            return full_state_dict(self._units, self.module, self._param_names())
         return _fsdp1.model_state_dict(self)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load a state dict (keys of the unwrapped module) into each rank's shards.
-
-        Values are full tensors (every rank passes them), or DTensors of them (what
-        ``state_dict()`` returns under ``SHARDED_STATE_DICT``, after
-        ``torch.distributed.checkpoint.load``): collective then, all ranks call it.
-        """
+        """Load a state dict (keys of the unwrapped module) into each rank's shards: full
+        tensors on every rank, or DTensors of them (a collective then)."""
         if assign:
             raise ValueError("FSDP.load_state_dict does not support assign=True")
         self._require_idle("load_state_dict()")
-        missing, unexpected = load_full_state_dict(
-            self._units, self.module, self._param_names(), state_dict, strict
-        )
+        missing, unexpected = load_full_state_dict(self._units, self.module, state_dict, strict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # ------------------------------------------------------------------ training helpers
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (unsharded) without communication.
-
-        The backward passes inside keep each unit's full flat gradient; the first backward
-        outside reduces the sum once. More memory, less traffic (see the paper, Section 3.3).
-        """
+        """Accumulate gradients locally (unsharded) without communication; the first backward
+        outside reduces the sum once."""
         previous = self._runtime.no_sync
         self._runtime.no_sync = True
         try:
@@ -339,11 +312,8 @@ class FullyShardedDataParallel(nn.Module):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients in place by their global norm over all shards; returns that norm.
-
-        Ignored parameters' gradients (``ignored_modules``) count once, from this rank, as in
-        torch FSDP.
-        """
+        """Clip gradients in place by their global norm over all shards; returns that norm
+        (ignored parameters' gradients count once, from this rank, as in torch FSDP)."""
         self._require_idle("clip_grad_norm_()")
         max_norm, norm_type = float(max_norm), float(norm_type)
         grads = [
@@ -406,12 +376,9 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ sharded state
     def sharded_state_dict(self) -> dict[str, ShardView]:
-        """This rank's flat range of every parameter and persistent buffer (no communication).
-
-        Tied parameters appear once, under their first name. The ``local`` tensors alias the
-        live shards: copying into them loads a checkpoint in place.
-        """
-        return sharded_state_dict(self._units, self.module, self._param_names())
+        """This rank's flat range of every parameter (tied ones once) and persistent buffer;
+        ``local`` aliases the live shards, so copying into it loads in place."""
+        return sharded_state_dict(self._units, self.module)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name, parameter-shaped state as ShardViews."""
@@ -442,14 +409,8 @@ class FullyShardedDataParallel(nn.Module):
         ]
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds (the accounting the logs and the benchmark use).
-
-        ``sharded_param_bytes`` / ``sharded_grad_bytes``: the shards and sharded gradients;
-        ``optimizer_state_bytes``: tensors in ``optimizer.state`` for this model's parameters
-        (when an optimizer is given); ``unsharded_param_bytes``: full buffers allocated now;
-        ``peak_unsharded_param_bytes``: the most allocated at once since wrapping;
-        ``largest_unit_bytes``: the biggest unit's full buffer.
-        """
+        """Bytes this rank holds, by role (docs/engine.md, "Accounting");
+        ``optimizer_state_bytes`` only when ``optimizer`` is given."""
         stats = {
             "sharded_param_bytes": sum(
                 u.shard.numel() * u.shard.element_size() for u in self._units
@@ -506,12 +467,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
         """Choose what ``state_dict()`` and ``FSDP.optim_state_dict`` return for the wrappers
-        in ``module``, as torch FSDP's method does; returns the previous settings.
-
-        ``FULL_STATE_DICT`` (``FullStateDictConfig(offload_to_cpu, rank0_only)``) or
-        ``SHARDED_STATE_DICT`` (``ShardedStateDictConfig(offload_to_cpu)``); the configs may
-        be ftsdp's or torch's, ``None`` for the defaults. ``LOCAL_STATE_DICT`` raises.
-        """
+        in ``module`` (torch's or ftsdp's configs, ``None`` for defaults; ``LOCAL_STATE_DICT``
+        raises); returns the previous settings."""
         kind = as_state_dict_type(state_dict_type)
         if kind is StateDictType.LOCAL_STATE_DICT:
             raise ValueError(
@@ -545,12 +502,7 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_config: StateDictConfig | None = None,
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Iterator[None]:
-        """``set_state_dict_type`` for the duration of a ``with`` block::
-
-        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
-            state = model.state_dict()  # rank 0: full CPU tensors; other ranks: {}
-        """
+        """``set_state_dict_type`` for the duration of a ``with`` block."""
         previous = FullyShardedDataParallel.set_state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
         )
@@ -567,16 +519,9 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict: dict[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        """The optimizer's state keyed by parameter name, as torch FSDP's method returns it.
-
-        ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [name, ...]}]}``.
-        Under ``FULL_STATE_DICT`` (the default) tensors mirroring a parameter (AdamW
-        ``exp_avg``) are unsharded (``FullOptimStateDictConfig(rank0_only=True)``: other
-        ranks get ``{}``); under ``SHARDED_STATE_DICT`` they are DTensors like the
-        parameters. ``offload_to_cpu`` (default ``True``) copies them to the CPU.
-        ``optim_state_dict``: an ``optim.state_dict()`` to convert instead of ``optim``'s
-        live state. A collective: every rank calls it.
-        """
+        """The optimizer's state keyed by parameter name, as torch FSDP's method returns it
+        (docs/migrating.md); ``optim_state_dict``: an ``optim.state_dict()`` to convert
+        instead of the live state. A collective."""
         wrapper = _wrappers_in(model, "optim_state_dict")[0]
         wrapper._require_idle("optim_state_dict()")
         return _fsdp1.optim_state_dict(wrapper, optim, optim_state_dict)
@@ -590,10 +535,8 @@ class FullyShardedDataParallel(nn.Module):
         load_directly: bool = False,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        """What ``optim.load_state_dict`` takes, from a state dict ``optim_state_dict``
-        returned: this rank's slices of full tensors or DTensors. Under
-        ``FullOptimStateDictConfig(rank0_only=True)`` only rank 0's input is read and sent to
-        the others. ``load_directly=True`` also loads it. A collective."""
+        """What ``optim.load_state_dict`` takes, from what ``optim_state_dict`` returned
+        (``load_directly=True`` also loads it). A collective."""
         if is_named_optimizer:
             raise ValueError(
                 "optim_state_dict_to_load(is_named_optimizer=True) is not supported by ftsdp; "
@@ -616,12 +559,8 @@ class FullyShardedDataParallel(nn.Module):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        """Inside the block the modules hold full ``nn.Parameter``s (and, ``with_grads``,
-        their full gradients); on exit each rank's slice of any in-place edit is written
-        back (``writeback``) and the shards are restored. ``rank0_only``: only rank 0 gets
-        them (needs ``writeback=False``). ``recurse=False``: only the root unit's parameters.
-        Forward, backward and ``state_dict()`` cannot run inside. A collective.
-        """
+        """Inside the block the modules hold full ``nn.Parameter``s, as in torch FSDP
+        (docs/migrating.md); in-place edits are written back on exit. A collective."""
         with contextlib.ExitStack() as stack:
             for wrapper in _wrappers_in(module, "summon_full_params"):
                 stack.enter_context(
@@ -638,28 +577,23 @@ class FullyShardedDataParallel(nn.Module):
             super().apply(fn)
         return self
 
-    def full_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # torch's deprecated API
-        """Not supported: use ``FSDP.optim_state_dict`` (its replacement in torch too)."""
-        raise _deprecated("full_optim_state_dict", "FSDP.optim_state_dict(model, optim)")
-
-    def shard_full_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: use ``FSDP.optim_state_dict_to_load``."""
-        raise _deprecated("shard_full_optim_state_dict", "FSDP.optim_state_dict_to_load")
-
-    def scatter_full_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: use ``FSDP.optim_state_dict_to_load`` with rank0_only."""
-        raise _deprecated(
-            "scatter_full_optim_state_dict",
-            "FSDP.optim_state_dict_to_load under FullOptimStateDictConfig(rank0_only=True)",
-        )
-
-    def flatten_sharded_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: use ``FSDP.optim_state_dict_to_load``."""
-        raise _deprecated("flatten_sharded_optim_state_dict", "FSDP.optim_state_dict_to_load")
-
-    def rekey_optim_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: ``FSDP.optim_state_dict`` is keyed by parameter name already."""
-        raise _deprecated("rekey_optim_state_dict", "FSDP.optim_state_dict (keyed by name)")
+    # torch FSDP's deprecated optimizer-state APIs, each refused naming its replacement
+    full_optim_state_dict = _deprecated(
+        "full_optim_state_dict", "FSDP.optim_state_dict(model, optim)"
+    )
+    shard_full_optim_state_dict = _deprecated(
+        "shard_full_optim_state_dict", "FSDP.optim_state_dict_to_load"
+    )
+    scatter_full_optim_state_dict = _deprecated(
+        "scatter_full_optim_state_dict",
+        "FSDP.optim_state_dict_to_load under FullOptimStateDictConfig(rank0_only=True)",
+    )
+    flatten_sharded_optim_state_dict = _deprecated(
+        "flatten_sharded_optim_state_dict", "FSDP.optim_state_dict_to_load"
+    )
+    rekey_optim_state_dict = _deprecated(
+        "rekey_optim_state_dict", "FSDP.optim_state_dict (keyed by name)"
+    )
 
     def register_comm_hook(self, *args: Any, **kwargs: Any) -> None:
         """Not supported: ftsdp's collectives are fixed (see docs/engine.md)."""
@@ -689,14 +623,6 @@ def _reject_wrapped(module: nn.Module) -> None:
             )
 
 
-def _reject_unsupported(kwargs: dict[str, Any]) -> None:
-    if kwargs:
-        raise TypeError(
-            f"FSDP got unexpected keyword arguments {sorted(kwargs)}; docs/migrating.md lists "
-            "the arguments ftsdp takes, torch FSDP's among them"
-        )
-
-
 def _wrappers_in(module: nn.Module, what: str) -> list[FullyShardedDataParallel]:
     wrappers = FullyShardedDataParallel.fsdp_modules(module)
     if not wrappers:
@@ -707,20 +633,10 @@ def _wrappers_in(module: nn.Module, what: str) -> list[FullyShardedDataParallel]
     return wrappers
 
 
-def _deprecated(name: str, alternative: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"FSDP.{name} (deprecated in torch FSDP) is not supported by ftsdp; use {alternative}"
-    )
-
-
-_stale_guard: Any = None
-
-
-def _install_stale_optimizer_guard() -> None:
+@functools.cache
+def _install_stale_optimizer_guard() -> Any:
     """Refuse ``optimizer.step()`` on parameters that wrapping retired (created too early)."""
-    global _stale_guard
-    if _stale_guard is None:
-        _stale_guard = register_optimizer_step_pre_hook(_reject_stale)
+    return register_optimizer_step_pre_hook(_reject_stale)
 
 
 def _reject_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -1,12 +1,5 @@
-"""Loss scaling for fp16 training with sharded gradients.
-
-[Note: why a sharded gradient scaler]
-``torch.amp.GradScaler`` skips the optimizer step when the gradients it unscales hold an inf
-or a NaN. Under ftsdp each rank unscales only its shard, and an overflow lands in the shard
-of whichever rank owns those elements: one rank would skip the step and lower its scale while
-the others step, and the replicas would silently drift apart. :class:`ShardedGradScaler`
-takes the MAX of the "found inf" flag over the data-parallel ranks before anyone decides, so
-every rank skips together and keeps the same scale.
+"""Loss scaling for fp16 training with sharded gradients (docs/engine.md, "fp16 and loss
+scaling"): the ranks agree on the found-inf flag, so they skip a step together.
 """
 
 from __future__ import annotations
@@ -20,10 +13,7 @@ from ._collectives import comm_device, group_size
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose skip decision is agreed by every rank.
-
-    Use it exactly like ``GradScaler`` (``scale(loss).backward()``, ``unscale_``,
-    ``step``, ``update``) with an optimizer over an ``ftsdp.FSDP`` model's parameters.
+    """``torch.amp.GradScaler`` (same use) whose skip decision is agreed by every rank.
 
     Args:
         device: where the gradients live (``"cuda"`` or ``"cpu"``).

@@ -1,15 +1,7 @@
 """Building a wrapped model's units: device, process groups, deferred initialisation.
 
-[Note: deferred initialisation]
-A model built on the meta device (``with torch.device("meta"): model = GPT(cfg)``) holds no
-memory. Wrapping walks its modules in ``modules()`` order; the first time a module of a unit
-is met, that unit's parameters are allocated on the target device (tied parameters stay tied:
-one tensor is assigned to every module that shares it), and each module is initialised in
-order by ``param_init_fn(module)`` or its own ``reset_parameters()``. As soon as the walk has
-passed the last module of a unit, the unit is flattened and sharded and its full parameters are
-freed. Peak memory is about the root unit plus one other unit unsharded, plus the shards.
-Because modules are initialised in ``modules()`` order, the same seed gives the same weights as
-an eager build whose modules initialise themselves in that order (as ``ftsdp.examples.gpt.GPT`` does).
+[Note: deferred initialisation] A meta-device model is materialised, initialised and sharded
+one unit at a time, in ``modules()`` order (docs/engine.md, "Deferred initialisation").
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ from torch import nn
 
 from ._collectives import CommStats, all_gather_ints, group_size
 from ._common import ShardingStrategy
-from ._streams import Schedule
+from ._streams import HostSchedule
 from ._unit import STALE_ATTR, FlatParamUnit, MemoryGauge, UnitOptions
 from ._wrap import UnitPlan
 
@@ -168,9 +160,10 @@ def build_units(
     stats: CommStats,
     param_init_fn: Callable[[nn.Module], None] | None,
     gauge: MemoryGauge,
-    schedule: Schedule,
+    schedule: HostSchedule,
 ) -> list[FlatParamUnit]:
-    """One FlatParamUnit per plan; a meta-device model is materialised unit by unit."""
+    """One FlatParamUnit per plan; a meta-device model is materialised unit by unit (see
+    [Note: deferred initialisation])."""
 
     def build(plan: UnitPlan) -> FlatParamUnit:
         return FlatParamUnit(
@@ -184,44 +177,8 @@ def build_units(
             schedule=schedule,
         )
 
-    deferred = any(pp.param.is_meta for plan in plans for pp in plan.params)
-    if not deferred:
-        # param_init_fn only initialises meta parameters (as in torch FSDP, which ignores it
-        # otherwise): rank 0 may hold real weights while the others build on the meta device
-        # and receive rank 0's values through sync_module_states.
-        module.to(options.device)
-        built: list[FlatParamUnit | None] = [None] * len(plans)
-        for u in build_order(module, plans):  # the order deferred ranks build in
-            built[u] = build(plans[u])
-        return built  # type: ignore[return-value]
-    return _build_deferred(module, plans, options.device, param_init_fn, build)
-
-
-def build_order(module: nn.Module, plans: list[UnitPlan]) -> list[int]:
-    """The order units are built (and, with ``sync_module_states``, broadcast) in.
-
-    A meta-device model builds each unit as soon as the ``modules()`` walk has passed its last
-    module (see [Note: deferred initialisation]); an eager one builds in the same order, so
-    ranks that differ in which device their model was built on still pair their broadcasts.
-    """
-    unit_of = {id(pp.param): i for i, plan in enumerate(plans) for pp in plan.params}
-    last_module: dict[int, int] = {}
-    for index, m in enumerate(module.modules()):
-        for p in m._parameters.values():
-            if p is not None and id(p) in unit_of:
-                last_module[unit_of[id(p)]] = index
-    with_params = sorted(last_module, key=lambda u: (last_module[u], u))
-    return with_params + [u for u in range(len(plans)) if u not in last_module]
-
-
-def _build_deferred(
-    module: nn.Module,
-    plans: list[UnitPlan],
-    device: torch.device,
-    param_init_fn: Callable[[nn.Module], None] | None,
-    build: Callable[[UnitPlan], FlatParamUnit],
-) -> list[FlatParamUnit]:
-    """See [Note: deferred initialisation]."""
+    # Units are built as the modules() walk passes their last module; an eager model builds
+    # in the same order, so a meta-device rank and an eager one pair their broadcasts.
     unit_of = {id(pp.param): i for i, plan in enumerate(plans) for pp in plan.params}
     modules = list(module.modules())
     last_module: dict[int, int] = {}
@@ -229,30 +186,42 @@ def _build_deferred(
         for p in m._parameters.values():
             if p is not None and id(p) in unit_of:  # not an ignored parameter
                 last_module[unit_of[id(p)]] = index
+    order = sorted(last_module, key=lambda u: (last_module[u], u))
+    order += [u for u in range(len(plans)) if u not in last_module]
     units: list[FlatParamUnit | None] = [None] * len(plans)
-    materialized: set[int] = set()
-    for index, m in enumerate(modules):
-        owners = sorted(
-            {unit_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in unit_of}
-        )
-        for u in owners:
-            if u not in materialized:
-                for real in _materialize(plans[u], device):
-                    unit_of[id(real)] = u
-                materialized.add(u)
-        _materialize_buffers(m, device)
-        if owners:
-            with torch.no_grad():
-                if param_init_fn is not None:
-                    param_init_fn(m)
-                elif callable(reset := getattr(m, "reset_parameters", None)):
-                    reset()
-        for u in owners:
-            if last_module[u] == index:
-                units[u] = build(plans[u])
-    return [
-        unit if unit is not None else build(plan) for unit, plan in zip(units, plans, strict=True)
-    ]
+    if any(pp.param.is_meta for plan in plans for pp in plan.params):
+        materialized: set[int] = set()
+        for index, m in enumerate(modules):
+            owners = sorted(
+                {
+                    unit_of[id(p)]
+                    for p in m._parameters.values()
+                    if p is not None and id(p) in unit_of
+                }
+            )
+            for u in owners:
+                if u not in materialized:
+                    for real in _materialize(plans[u], options.device):
+                        unit_of[id(real)] = u
+                    materialized.add(u)
+            _materialize_buffers(m, options.device)
+            if owners:
+                with torch.no_grad():
+                    if param_init_fn is not None:
+                        param_init_fn(m)
+                    elif callable(reset := getattr(m, "reset_parameters", None)):
+                        reset()
+            for u in owners:
+                if last_module[u] == index:
+                    units[u] = build(plans[u])
+    else:
+        # param_init_fn only initialises meta parameters (as in torch FSDP): rank 0 may hold
+        # real weights while the others build on meta and receive them by sync_module_states.
+        module.to(options.device)
+    for u in order:
+        if units[u] is None:
+            units[u] = build(plans[u])
+    return units  # type: ignore[return-value]
 
 
 def _materialize(plan: UnitPlan, device: torch.device) -> list[nn.Parameter]:

@@ -1,19 +1,8 @@
 """Hooks that drive every unit through its lifecycle during forward and backward.
 
-One :class:`Runtime` per wrapped model. It registers, on each unit's module:
-
-- a forward pre-hook: unshard, expose the full-shape views, and hook the module's inputs'
-  gradients (``register_multi_grad_hook``) so we learn when the unit's backward has finished;
-- a forward hook: reshard (FULL_SHARD, except the root, which stays unsharded until its
-  backward) and hook the outputs' gradients to unshard again before the unit's backward;
-
-and on each unit's leaf a post-accumulate-grad hook that starts the gradient reduction the
-moment the unit's flat gradient is final. The first backward hook queues an autograd engine
-callback that runs when the whole backward is done: it waits for every reduction (so
-``loss.backward()`` returns with the sharded gradients in place) and reshards every unit.
-
-The order of collectives is the autograd order, identical on every rank as long as every rank
-runs the same model on the same control flow (docs/design.md, "The engine": rank-divergent control flow hangs).
+One :class:`Runtime` per wrapped model; the hook points are in docs/engine.md, "The unit
+lifecycle". The order of collectives is the autograd order, the same on every rank only if
+every rank runs the same control flow (docs/design.md, "The engine").
 """
 
 from __future__ import annotations
@@ -23,6 +12,7 @@ import itertools
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,38 +21,27 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
 from ._collectives import all_gather_ints, all_reduce_flat
-from ._common import Phase, ShardingStrategy, UnitState
+from ._common import Phase, ShardingStrategy, UnitState, tree_map
 from ._unit import FlatParamUnit
 
 
-def _tensors_in(value: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def _tensors_in(value: Any) -> list[torch.Tensor]:
     """Every tensor in nested tuples, lists, dicts and dataclasses (model inputs/outputs)."""
-    out = [] if out is None else out
     if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _tensors_in(v, out)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _tensors_in(v, out)
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            _tensors_in(getattr(value, f.name), out)
-    return out
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif not isinstance(value, (tuple, list)):
+        return []
+    return [t for v in value for t in _tensors_in(v)]
 
 
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors in nested tuples / lists / dicts cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_cast_floats(v, dtype) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
+def _cast_float(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` cast to ``dtype`` if it is a floating-point tensor."""
+    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+    return value.to(dtype) if floating else value
 
 
 def _inside_backward() -> bool:
@@ -78,36 +57,30 @@ _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHAR
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefetchOptions:
-    """The paper's communication scheduling knobs (Section 3.3).
-
-    - ``backward``: issue the next unit's all-gather before the current unit's backward (and
-      so before its reduce-scatter), in the backward order recorded in the last iteration.
-    - ``forward``: issue the next unit's all-gather before the current unit's forward, in the
-      last iteration's forward order (static graphs only).
-    - ``limit_all_gathers``: at most two all-gathers in flight; a third waits for the oldest.
-    """
+    """The paper's communication scheduling knobs (Section 3.3): docs/engine.md, "Performance
+    features"."""
 
     backward: bool = True
     forward: bool = False
     limit_all_gathers: bool = True
 
 
+@dataclasses.dataclass(slots=True)
 class _UnitRun:
-    """Per-backward bookkeeping of one unit (reset at the end of every backward)."""
+    """Per-backward bookkeeping of one unit (reset at the end of every backward).
 
-    __slots__ = ("active", "grad_seen", "pending", "ticket", "wants_grad")
+    [Note: forward tickets] Each forward of the unit under grad mode takes a ticket.
+    ``pending``: tickets whose inputs' gradients have not arrived; ``active``: tickets whose
+    outputs' gradients arrived in this backward. A forward whose graph was dropped (no
+    backward) stays pending forever; counting only the active tickets keeps it from holding
+    the unit gathered through the next backward.
+    """
 
-    def __init__(self) -> None:
-        self.wants_grad = False  # a forward under grad mode used trainable parameters
-        self.grad_seen = False  # the leaf's gradient arrived in this backward
-        # [Note: forward tickets] Each forward of the unit under grad mode takes a ticket.
-        # ``pending``: tickets whose inputs' gradients have not arrived; ``active``: tickets
-        # whose outputs' gradients arrived in this backward. A forward whose graph was dropped
-        # (no backward) stays pending forever; counting only the active tickets keeps it from
-        # holding the unit gathered through the next backward.
-        self.pending: set[int] = set()
-        self.active: set[int] = set()
-        self.ticket: int | None = None  # the ticket of the forward running now
+    wants_grad: bool = False  # a forward under grad mode used trainable parameters
+    grad_seen: bool = False  # the leaf's gradient arrived in this backward
+    pending: set[int] = dataclasses.field(default_factory=set)
+    active: set[int] = dataclasses.field(default_factory=set)
+    ticket: int | None = None  # the ticket of the forward running now
 
 
 class Runtime:
@@ -169,9 +142,8 @@ class Runtime:
                 if unit is not self.root:
                     self._hook_inputs(unit, (args, kwargs))
             if unit is self.root and self.cast_inputs_to is not None:
-                return _cast_floats(args, self.cast_inputs_to), _cast_floats(
-                    kwargs, self.cast_inputs_to
-                )
+                cast = partial(_cast_float, dtype=self.cast_inputs_to)
+                return tree_map(args, cast), tree_map(kwargs, cast)
             return None
 
         return hook
@@ -202,12 +174,8 @@ class Runtime:
             unit.complete_reductions()  # collectives already issued must still complete
             unit.drop_unreduced_grad()
             unit.reshard()
-        self._gathering.clear()
-        self._reducing.clear()
         self._backward_order = []
-        self._runs = {id(u): _UnitRun() for u in self.units}
-        self._callback_queued = False
-        self.phase = Phase.IDLE
+        self._end_backward()
 
     # ---------------------------------------------------------------- gathering
     def _unshard(self, unit: FlatParamUnit) -> None:
@@ -225,9 +193,7 @@ class Runtime:
             return
         target = order[index]
         if self.prefetch.limit_all_gathers:
-            # The rate limiter: at most two prefetched all-gathers outstanding. One-ahead
-            # prefetch in a repeated order keeps one; prefetches the order no longer uses
-            # (the graph changed) would otherwise pile up.
+            # At most two prefetches outstanding (docs/engine.md, "rate limiter").
             while len(self._gathering) >= 2:
                 self._unshard(self._gathering[0])
         target.start_unshard()
@@ -323,9 +289,8 @@ class Runtime:
             if not self.no_sync and not unit.deterministic:
                 unit.reduce_grad()  # deterministic reductions wait for the end of backward
                 self._reducing.append(unit)
-                # One reduction in flight while the next unit's backward computes: it has
-                # overlapped by the time the next one starts, and only two full-size flat
-                # gradients (the one reducing, the one being computed) are alive at once.
+                # One reduction in flight while the next unit's backward computes: at most
+                # two full-size flat gradients (reducing, being computed) are alive at once.
                 while len(self._reducing) > 1:
                     self._reducing.popleft().complete_reductions()
             self._runs[id(unit)].grad_seen = True
@@ -339,10 +304,8 @@ class Runtime:
         self._maybe_reshard_after_backward(unit)
 
     def _maybe_reshard_after_backward(self, unit: FlatParamUnit) -> None:
-        # Free a unit only when nothing in backward can still read its parameters: its leaf
-        # gradient is final (every op that used a trainable view ran) and its inputs have
-        # their gradients (every op between the unit's inputs and outputs ran, including
-        # ops on frozen parameters). The root waits for the end-of-backward callback.
+        # Free a unit once its leaf gradient is final and its inputs have their gradients
+        # (docs/engine.md, "The unit lifecycle"); the root waits for the end of backward.
         run = self._runs[id(unit)]
         waiting = run.pending & run.active if run.active else run.pending
         if unit is self.root or waiting or (run.wants_grad and not run.grad_seen):
@@ -367,14 +330,18 @@ class Runtime:
             for unit in self.units:
                 unit.reshard()
         finally:
-            self._gathering.clear()
-            self._reducing.clear()
-            if self._backward_order:
-                self._last_backward = self._backward_order  # re-recorded every iteration
-            self._backward_order = []
-            self._runs = {id(u): _UnitRun() for u in self.units}
-            self._callback_queued = False
-            self.phase = Phase.IDLE
+            self._end_backward()
+
+    def _end_backward(self) -> None:
+        """Forget this backward's bookkeeping; its order becomes the next prefetch order."""
+        self._gathering.clear()
+        self._reducing.clear()
+        if self._backward_order:
+            self._last_backward = self._backward_order  # re-recorded every iteration
+        self._backward_order = []
+        self._runs = {id(u): _UnitRun() for u in self.units}
+        self._callback_queued = False
+        self.phase = Phase.IDLE
 
     def _agree_used_parameters(self) -> list[list[bool]]:
         """Which parameters got a gradient on any rank (one small all-reduce per step)."""
@@ -384,7 +351,7 @@ class Runtime:
             agreed = torch.tensor(flat, dtype=torch.uint8, device=self.root.device)
             # Counted apart from gradient traffic (stats.control): a few bytes per step.
             all_reduce_flat(agreed, self.group, op=dist.ReduceOp.MAX)
-            self.root.stats.record_control("agree_used", agreed.numel())
+            self.root.stats.control["agree_used"] += agreed.numel()
             flat = [bool(v) for v in agreed.tolist()]
         out, start = [], 0
         for mask in masks:

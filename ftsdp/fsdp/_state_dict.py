@@ -1,13 +1,10 @@
-"""State of a wrapped model as plain data: full state dicts and sharded views.
-
-The sharded views are what checkpointing consumes (docs/design.md, "The engine/storage seam"): for
-each original parameter its name, global shape, dtype and the flat range ``(offset, length)``
-of its row-major flattened elements that this rank holds, with the local 1-D tensor. Nothing
-engine-specific crosses that seam.
+"""State of a wrapped model as plain data: full state dicts and sharded views (what
+checkpointing consumes: docs/design.md, "The engine/storage seam").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,25 +63,18 @@ def full_tensor(value: Any) -> torch.Tensor:
     return full
 
 
-def param_index(
-    units: list[FlatParamUnit], names: list[tuple[str, nn.Parameter]]
-) -> dict[str, ParamInfo]:
-    """Every managed parameter name (tied ones under each of their names) -> its ParamInfo."""
-    by_param = {id(info.sharded_param): info for unit in units for info in unit.infos}
-    index: dict[str, ParamInfo] = {}
-    for name, p in names:
-        info = by_param.get(id(p))
-        if info is not None:  # None: an ignored parameter (ignored_modules / ignored_states)
-            index[name] = info
-    return index
+def gather_flat(unit: FlatParamUnit, local: torch.Tensor) -> torch.Tensor:
+    """The unit's full padded flat tensor from every rank's ``local`` (shard-sized)."""
+    full = torch.empty(unit.padded_numel, dtype=local.dtype, device=unit.device)
+    all_gather_flat(full, local.to(unit.device), unit.shard_group)
+    return full
 
 
 def state_index(units: list[FlatParamUnit], state: dict[str, Any]) -> dict[str, ParamInfo]:
     """Every key of ``module.state_dict(keep_vars=True)`` whose value is a managed parameter
     -> its ParamInfo. Matched by identity, not by name, so keys that state-dict hooks rename
-    (activation checkpointing's wrapper drops its ``_checkpoint_wrapped_module.`` part) are
-    found too. A unit left gathered (a forward without backward) exposes its full
-    parameters in the modules: those are matched as well."""
+    (activation checkpointing's wrapper) are found too, and so are the full parameters of a
+    unit left gathered (a forward without backward)."""
     by_param: dict[int, ParamInfo] = {}
     for unit in units:
         for info in unit.infos:
@@ -97,40 +87,34 @@ def state_index(units: list[FlatParamUnit], state: dict[str, Any]) -> dict[str, 
 
 
 def full_state_dict(
-    units: list[FlatParamUnit], module: nn.Module, names: list[tuple[str, nn.Parameter]]
-) -> dict[str, torch.Tensor]:
-    """The unsharded state with exactly the unwrapped module's keys (a collective call)."""
-    full_params: dict[int, torch.Tensor] = {}
+    units: list[FlatParamUnit],
+    module: nn.Module,
+    convert: Callable[[torch.Tensor], Any] = torch.Tensor.clone,
+) -> dict[str, Any]:
+    """The unsharded state with exactly the unwrapped module's keys (a collective call):
+    ``convert(full parameter view)`` for parameters, one unit gathered at a time; buffers
+    detached."""
+    full_params: dict[int, Any] = {}
     for unit in units:
-        if not unit.infos:
-            continue
-        gathered = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
-        all_gather_flat(gathered, unit.on_device(unit.shard), unit.shard_group)
-        for info in unit.infos:
-            full = gathered[info.offset : info.offset + info.numel].view(info.shape).clone()
-            full_params[id(info.sharded_param)] = full
-    out: dict[str, torch.Tensor] = {}
+        if unit.infos:
+            flat = gather_flat(unit, unit.on_device(unit.shard))
+            for info in unit.infos:
+                full = flat[info.offset : info.offset + info.numel].view(info.shape)
+                full_params[id(info)] = convert(full)
     state = module.state_dict(keep_vars=True)
     index = state_index(units, state)
-    for key, value in state.items():
-        found = index.get(key)
-        out[key] = full_params[id(found.sharded_param)] if found else value.detach()
-    return out
+    return {
+        key: full_params[id(index[key])] if key in index else value.detach()
+        for key, value in state.items()
+    }
 
 
 def load_full_state_dict(
-    units: list[FlatParamUnit],
-    module: nn.Module,
-    names: list[tuple[str, nn.Parameter]],
-    state: dict[str, Any],
-    strict: bool,
+    units: list[FlatParamUnit], module: nn.Module, state: dict[str, Any], strict: bool
 ) -> tuple[list[str], list[str]]:
-    """Copy each rank's slice of full tensors into the shards; returns (missing, unexpected).
-
-    A value may also be a DTensor of the full tensor (``SHARDED_STATE_DICT``, any layout): it
-    is all-gathered, one tensor at a time in the module's key order (the same on every rank),
-    and only this rank's slice is kept. Every check runs before anything is written.
-    """
+    """Copy each rank's slice of full tensors (or DTensors / ShardedTensors of them, gathered
+    in key order) into the shards; returns (missing, unexpected). Nothing is written unless
+    every check passes."""
     expected = module.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
@@ -140,23 +124,17 @@ def load_full_state_dict(
             "pass strict=False to load the keys that match"
         )
     index = state_index(units, expected)
-    for key, current in expected.items():
-        if key not in state:
-            continue
-        value = state[key]
-        info = index.get(key)
-        shape = info.shape if info else current.shape
+    present = [(key, current, state[key]) for key, current in expected.items() if key in state]
+    for key, current, value in present:
+        shape = index[key].shape if key in index else current.shape
         if not isinstance(value, torch.Tensor) or value.shape != shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(
                 f"load_state_dict: {key!r} has shape {got}, the model expects {tuple(shape)}"
             )
     plan: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source) pairs
-    for key, current in expected.items():
-        if key not in state:
-            continue
-        value = state[key]
-        distributed = is_distributed(value)  # a DTensor or ShardedTensor: gather it
+    for key, current, value in present:
+        distributed = is_distributed(value)
         if distributed:
             value = full_tensor(value)
         info = index.get(key)
@@ -171,9 +149,7 @@ def load_full_state_dict(
     return missing, unexpected
 
 
-def sharded_state_dict(
-    units: list[FlatParamUnit], module: nn.Module, names: list[tuple[str, nn.Parameter]]
-) -> dict[str, ShardView]:
+def sharded_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[str, ShardView]:
     """Parameters (each once, under its first name) and persistent buffers as ShardViews."""
     state = module.state_dict(keep_vars=True)
     index = state_index(units, state)
@@ -190,44 +166,71 @@ def sharded_state_dict(
     return out
 
 
+def mirrors(value: Any, info: ParamInfo | None) -> bool:
+    """Whether an optimizer state value mirrors its parameter's slice (see [Note: which
+    optimizer state is sharded] in ``_fsdp1.py``)."""
+    return (
+        info is not None
+        and isinstance(value, torch.Tensor)
+        and value.dim() == 1
+        and value.numel() == info.length
+    )
+
+
+def optim_entries(
+    units: list[FlatParamUnit],
+    names: list[tuple[str, nn.Parameter]],
+    optim: torch.optim.Optimizer,
+    osd: dict[str, Any] | None = None,
+) -> list[tuple[int, str, ParamInfo | None, dict[str, Any]]]:
+    """(group index, first name, ParamInfo or None if unmanaged, state) per optimizer
+    parameter, in the optimizer's order. ``osd``: an ``optim.state_dict()`` to read the state
+    from instead of the live one."""
+    infos = {id(info.sharded_param): info for unit in units for info in unit.infos}
+    name_of: dict[int, str] = {}
+    for name, p in names:
+        name_of.setdefault(id(p), name)
+    out = []
+    for g, group in enumerate(optim.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in name_of:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not one of this model's; create "
+                    "the optimizer from model.parameters() after wrapping"
+                )
+            if osd is None:
+                state = optim.state.get(p, {})
+            else:  # the state dict names a parameter by its index in the groups
+                state = osd["state"].get(osd["param_groups"][g]["params"][i], {})
+            out.append((g, name_of[id(p)], infos.get(id(p)), state))
+    return out
+
+
+def groups_by_name(groups: list[dict[str, Any]], entries: list[tuple[Any, ...]]) -> list[Any]:
+    """``param_groups`` with each group's ``params`` listed by name."""
+    out = []
+    for g, group in enumerate(groups):
+        members = [e[1] for e in entries if e[0] == g]
+        out.append({**{k: v for k, v in group.items() if k != "params"}, "params": members})
+    return out
+
+
 def sharded_optim_state_dict(
     units: list[FlatParamUnit],
     names: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
 ) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name; state mirroring a parameter as ShardViews.
-
-    Returns ``{"state": {param_name: {key: ShardView | Tensor | value}}, "param_groups":
-    [{...hyper-parameters, "params": [param_name, ...]}]}``. A 1-D state tensor with the
-    parameter's local length (AdamW ``exp_avg``, ``exp_avg_sq``) is a ShardView over the same
-    range as the parameter; 0-dim tensors (``step``) and other values are replicated as is.
-    """
-    index = param_index(units, names)
-    by_param: dict[int, tuple[str, ParamInfo | None]] = {}
-    for name, p in names:  # an ignored parameter has no ParamInfo: its state passes whole
-        by_param.setdefault(id(p), (name, index.get(name)))
-    state: dict[str, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = []
-    for group in optimizer.param_groups:
-        group_names = []
-        for p in group["params"]:
-            if id(p) not in by_param:
-                raise ValueError(
-                    "the optimizer holds a parameter that is not one of this model's; create "
-                    "the optimizer from model.parameters() after wrapping"
-                )
-            name, info = by_param[id(p)]
-            group_names.append(name)
-            entry: dict[str, Any] = {}
-            for key, value in optimizer.state.get(p, {}).items():
-                mirrors = isinstance(value, torch.Tensor) and value.dim() == 1
-                if mirrors and info is not None and value.numel() == info.length:
-                    entry[key] = _view_of(f"{name}.{key}", info, value)
-                else:
-                    entry[key] = value
-            state[name] = entry
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})
-    return {"state": state, "param_groups": groups}
+    """Optimizer state keyed by parameter name (``param_groups`` list names); state that
+    mirrors a parameter (``exp_avg``) as ShardViews over its range, the rest as is."""
+    entries = optim_entries(units, names, optimizer)
+    state = {
+        name: {
+            key: _view_of(f"{name}.{key}", info, v) if info is not None and mirrors(v, info) else v
+            for key, v in values.items()
+        }
+        for _, name, info, values in entries
+    }
+    return {"state": state, "param_groups": groups_by_name(optimizer.param_groups, entries)}
 
 
 def _view_of(name: str, info: ParamInfo, local: torch.Tensor) -> ShardView:

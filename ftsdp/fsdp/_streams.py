@@ -1,40 +1,13 @@
 """Where a unit's collectives run relative to the computation that uses them.
 
 [Note: streams]
-Two schedules, one interface (``gather``, ``reduce``, ``wait``, ``freed``); a unit never asks
-which one it has.
-
-- :class:`HostSchedule` (CPU, and any device without streams): collectives are issued with
-  ``async_op=True``; the token is the work handle and ``wait`` blocks the calling thread until
-  the collective is done. gloo runs collectives on its own threads, so the next unit's
-  all-gather proceeds while autograd computes the current one.
-
-- :class:`StreamSchedule` (CUDA, the paper's Section 4.3): the all-gather (with the shard's
-  host-to-device copy and cast before it) runs on a dedicated *gather* stream and every
-  reduce-scatter on a dedicated *reduce* stream; an event recorded on the side stream is the
-  token, and ``wait`` makes the *compute* stream (the caller's current stream) wait on it, so
-  the CPU never blocks on communication. The orderings that keep memory safe:
-
-  * the gather stream waits for the compute stream before each all-gather: the shard is
-    up to date (an optimizer step wrote it), and a full buffer freed by compute (whose block
-    the caching allocator hands back to the gather stream, where it was allocated) is no longer
-    being read when the next all-gather overwrites it;
-  * the reduce stream waits for the compute stream before each reduce-scatter: the unit's
-    flat gradient is complete. The gradient stays referenced until the compute stream has
-    waited on the reduction's event, so its block is not reused while the reduction reads it;
-  * every side-stream allocation (full buffer, cast shard, gradient cast, reduce output)
-    happens inside ``issue``, after that wait: a unit must not allocate for a side stream
-    anywhere else;
-  * CPU offload copies each reduced gradient shard to pinned host memory without blocking;
-    the runtime synchronizes once at the end of backward, before the optimizer can read them;
-  * the rate limiter (``limit_all_gathers``): the CPU runs ahead of the GPU, and without a
-    bound it would allocate the full buffers of many future units before the GPU frees any.
-    Each reshard records an event on the compute stream; before a new all-gather allocates,
-    the CPU waits for the oldest such event once ``max_pending_frees`` are outstanding, which
-    keeps at most that many all-gathers' memory in flight.
-
-The stream API is a constructor argument (``torch.cuda`` by default) so the orchestration can
-be exercised where no GPU exists (tests pass a recording stand-in).
+Two schedules, one interface (``gather``, ``reduce``, ``wait``, ``freed``, ``synchronize``); a
+unit never asks which one it has. :class:`HostSchedule` (CPU): ``async_op=True`` work handles,
+waiting blocks the caller. :class:`StreamSchedule` (CUDA): gather and reduce side streams
+ordered against the compute stream by events. The orderings that keep memory safe are in
+docs/engine.md, "Streams on CUDA"; the one a unit must honour: every side-stream allocation
+(full buffer, cast shard, gradient cast, reduce output) happens inside ``issue``, after the
+side stream waited for the compute stream.
 """
 
 from __future__ import annotations
@@ -55,17 +28,21 @@ class Waitable(Protocol):
 Issue = Callable[[], "Waitable | None"]  # allocates, casts, and starts one collective
 
 
-class Schedule(Protocol):
-    """How a unit runs its collectives (see [Note: streams])."""
+class HostSchedule:
+    """Async work handles; waiting blocks the caller (CPU / gloo). The base of every schedule."""
 
     def gather(self, issue: Issue) -> Any:
         """Run ``issue`` (allocate the full buffer, cast, start the all-gather); a token."""
+        return issue()
 
     def reduce(self, issue: Issue) -> Any:
         """Run ``issue`` (cast the gradient, start its reduction); a token."""
+        return issue()
 
     def wait(self, token: Any) -> None:
         """From here on, computation sees the collective behind ``token`` complete."""
+        if token is not None:
+            token.wait()
 
     def freed(self) -> None:
         """A unit's full buffer was just freed (the rate limiter counts these)."""
@@ -74,28 +51,9 @@ class Schedule(Protocol):
         """Block the CPU until the computation queued so far is done (host copies landed)."""
 
 
-class HostSchedule:
-    """Async work handles; waiting blocks the caller (CPU / gloo)."""
-
-    def gather(self, issue: Issue) -> Any:
-        return issue()
-
-    def reduce(self, issue: Issue) -> Any:
-        return issue()
-
-    def wait(self, token: Any) -> None:
-        if token is not None:
-            token.wait()
-
-    def freed(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class StreamSchedule:
-    """Dedicated gather and reduce streams ordered by events (CUDA)."""
+class StreamSchedule(HostSchedule):
+    """Dedicated gather and reduce streams ordered by events (CUDA). ``api``: the stream API
+    (``torch.cuda`` by default; tests pass a recording stand-in)."""
 
     def __init__(
         self,
@@ -147,7 +105,7 @@ class StreamSchedule:
         self._compute().synchronize()
 
 
-def schedule_for(device: torch.device, *, limit_all_gathers: bool = True) -> Schedule:
+def schedule_for(device: torch.device, *, limit_all_gathers: bool = True) -> HostSchedule:
     """The schedule for ``device``: streams on CUDA, work handles everywhere else."""
     if device.type == "cuda":
         return StreamSchedule(device, limit_all_gathers=limit_all_gathers)

@@ -1,37 +1,16 @@
 """One unit: its FlatParameter, the shard this rank keeps, and the original-parameter views.
 
-[Note: the unit lifecycle]
+[Note: the unit lifecycle] SHARDED -> (GATHERING) -> UNSHARDED and back; both transitions are
+idempotent. The hook points are in docs/engine.md, "The unit lifecycle".
 
-::
+[Note: why a separate leaf aliases the full buffer] The views autograd saves come from
+``leaf``, which shares ``_full``'s storage (``set_``) but has its own version counter: the
+all-gather that refills ``_full`` before backward must not bump the saved views' version.
+Freeing is ``storage.resize_(0)``, which every alias sees.
 
-                 unshard(): all-gather into the full buffer
-       SHARDED  ------------------------------------------------>  UNSHARDED
-     (1-D local                                                  (full buffer allocated,
-      slices only)  <------------------------------------------    modules see views of it)
-                 reshard(): free the full buffer, point the
-                 modules back at the local slices
-
-    forward : pre-hook  unshard -> expose views  | module runs | post-hook reshard (FULL_SHARD)
-    backward: output-grad hook unshard | module backward | grad hook reduce-scatter,
-              then reshard once the unit's inputs have their gradients too
-    end of backward (autograd callback): wait for every reduction, reshard every unit
-
-Both transitions are idempotent: calling ``unshard()`` on an UNSHARDED unit does nothing.
-
-[Note: why a separate leaf aliases the full buffer]
-Autograd saves the parameter views used in forward (``linear`` keeps its weight for the input
-gradient) and checks their version counter in backward. The all-gather that refills the freed
-buffer before backward writes into ``_full``; if the views were views of ``_full`` that write
-would bump their version and autograd would refuse to run. So the views come from ``_leaf``, a
-tensor that shares ``_full``'s storage (``set_``) but has its own version counter. Freeing is
-``storage.resize_(0)``, which every alias sees, and refilling brings the same bytes back to the
-tensors autograd saved.
-
-[Note: one split per forward]
-The views are produced by one ``torch.split`` of the leaf, so backward assembles the unit's
-flat gradient in one ``SplitWithSizesBackward`` (no per-parameter full-size zero buffers), and
-the leaf's post-accumulate-grad hook fires once per backward with the whole flat gradient:
-that is when the unit's gradient is final and its reduce-scatter can start.
+[Note: one split per forward] One ``torch.split`` of the leaf makes every view, so backward
+assembles the flat gradient in one node and the leaf's post-accumulate-grad hook fires once
+per backward, when the unit's gradient is final.
 """
 
 from __future__ import annotations
@@ -56,13 +35,8 @@ from ._collectives import (
     reduce_scatter_flat,
 )
 from ._common import UnitState
-from ._streams import HostSchedule, Schedule, Waitable
+from ._streams import HostSchedule, Waitable
 from ._wrap import UnitPlan
-
-
-def _pinnable() -> bool:
-    return torch.cuda.is_available()
-
 
 STALE_ATTR = "_ftsdp_stale"  # set on original parameters once their values moved into a shard
 SHARDED_ATTR = "_ftsdp_sharded"  # set on the 1-D local-slice parameters the optimizer sees
@@ -70,11 +44,7 @@ SHARDED_ATTR = "_ftsdp_sharded"  # set on the 1-D local-slice parameters the opt
 
 @dataclass
 class MemoryGauge:
-    """Bytes of full (unsharded) buffers allocated now across a model's units, and the peak.
-
-    Units add on every allocation and subtract on every free, so reading it costs nothing on
-    the hot path.
-    """
+    """Bytes of full (unsharded) buffers allocated now across a model's units, and the peak."""
 
     now: int = 0
     peak: int = 0
@@ -106,19 +76,13 @@ class ParamInfo:
     offset: int  # first element in the (unpadded) flat parameter
     numel: int
     requires_grad: bool
-    # This rank's slice of the parameter: elements [param_start, param_start + length) of the
-    # flattened parameter, stored at [shard_start, shard_start + length) of the local shard.
+    # This rank's slice: elements [param_start, +length) of the flattened parameter, stored
+    # at [shard_start, +length) of the shard.
     param_start: int = 0
     shard_start: int = 0
     length: int = 0
-    # The unit's shard size when the unit is sharded (factor > 1), else 0: the parameter is
-    # elements [offset, offset + numel) of a flat buffer whose chunk r of `chunk` elements
-    # shard rank r holds (FlatShard.layout: lets a checkpoint be planned without exchanging
-    # every rank's ranges).
-    chunk: int = 0
-    # This rank's slice as the Parameter the optimizer sees; FlatParamUnit sets it for every
-    # parameter of its unit when it builds the shard.
-    sharded_param: nn.Parameter = field(init=False, repr=False)
+    chunk: int = 0  # the unit's shard size when sharded, else 0 (ShardView.layout)
+    sharded_param: nn.Parameter = field(init=False, repr=False)  # the slice the optimizer sees
 
 
 class FlatParamUnit:
@@ -134,7 +98,7 @@ class FlatParamUnit:
         broadcast_group: dist.ProcessGroup | None,
         stats: CommStats,
         gauge: MemoryGauge | None = None,
-        schedule: Schedule | None = None,
+        schedule: HostSchedule | None = None,
     ) -> None:
         self.module = plan.module
         self.gauge = gauge or MemoryGauge()
@@ -215,7 +179,11 @@ class FlatParamUnit:
         start = self.rank * self.shard_numel
         shard = flat if self.factor == 1 else flat[start : start + self.shard_numel]
         if self.options.offload:  # CPU offload: the master shard lives on the host
-            return shard.to(self.shard_device).pin_memory() if _pinnable() else shard.cpu()
+            return (
+                shard.to(self.shard_device).pin_memory()
+                if torch.cuda.is_available()
+                else shard.cpu()
+            )
         return shard if self.factor == 1 else shard.clone()
 
     def _make_local_params(self, params: list[nn.Parameter]) -> None:
@@ -248,7 +216,7 @@ class FlatParamUnit:
             self._full = self.shard  # the shard is the whole (padded) flat parameter
         else:
             self._full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.device)
-        self._leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+        self.leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
             self._full.untyped_storage(),
             self._full.storage_offset(),
             (self.padded_numel,),
@@ -256,8 +224,8 @@ class FlatParamUnit:
         )
         self._split_sizes = [info.numel for info in self.infos] + [self.padded_numel - self.numel]
         if self.infos:
-            self._leaf.requires_grad_(True)  # toggled per forward; see expose_unsharded()
-        if self.frees_memory:
+            self.leaf.requires_grad_(True)  # toggled per forward; see expose_unsharded()
+        if not self.aliases_shard:
             self._full.untyped_storage().resize_(0)
 
     # ---------------------------------------------------------------- properties
@@ -270,11 +238,6 @@ class FlatParamUnit:
         )
 
     @property
-    def frees_memory(self) -> bool:
-        """Whether resharding releases the full buffer (it is a separate allocation)."""
-        return not self.aliases_shard
-
-    @property
     def trainable(self) -> list[ParamInfo]:
         """Parameters that train now (``requires_grad`` may change after wrapping)."""
         return [info for info in self.infos if info.sharded_param.requires_grad]
@@ -285,22 +248,14 @@ class FlatParamUnit:
         return None if self._sharded_grad_ref is None else self._sharded_grad_ref()
 
     @property
-    def leaf(self) -> torch.Tensor:
-        """The tensor whose gradient is the unit's flat (unsharded, padded) gradient."""
-        return self._leaf
-
-    @property
     def full_bytes(self) -> int:
         """Bytes of the full (padded, ``param_dtype``) buffer while it is allocated."""
         return self.padded_numel * self._full.element_size()
 
     # ---------------------------------------------------------------- lifecycle
     def start_unshard(self) -> None:
-        """SHARDED -> GATHERING: allocate the full buffer and start the all-gather.
-
-        The shard is moved to the compute device (CPU offload) and cast to ``param_dtype``
-        (mixed precision) first, so the collective itself moves low-precision bytes.
-        """
+        """SHARDED -> GATHERING: allocate the full buffer, move and cast the shard, start the
+        all-gather (in ``param_dtype``)."""
         if self.state is not UnitState.SHARDED:
             return
         if self.aliases_shard:
@@ -345,7 +300,7 @@ class FlatParamUnit:
     def is_stale(self) -> bool:
         """Gathered, but the shard changed since (an optimizer step without a backward)."""
         return (
-            self.frees_memory
+            not self.aliases_shard
             and self.state is not UnitState.SHARDED
             and self.shard._version != self._gathered_version
         )
@@ -357,22 +312,18 @@ class FlatParamUnit:
         if not self.options.offload:
             return host
         if count:
-            self.stats.record_copy("h2d", host.numel() * host.element_size())
+            self.stats.copies["h2d"] += host.numel() * host.element_size()
         return host.to(self.device, non_blocking=True, copy=True)
 
     def expose_unsharded(self) -> None:
-        """Point every module at full-shape views of the unsharded parameter.
-
-        Called before every forward (and before backward, for recomputation). A view is
-        detached when its parameter is frozen now; a trainable view gets a hook recording that
-        the parameter received a gradient (unused parameters keep ``grad=None``).
-        """
+        """Point every module at full-shape views of the unsharded parameter (frozen ones
+        detached; trainable ones hooked to record that they got a gradient)."""
         assert self.state is UnitState.UNSHARDED, self.fqn
         if not self.infos:
             return
         trains = [info.sharded_param.requires_grad for info in self.infos]
-        self._leaf.requires_grad_(any(trains))
-        chunks = torch.split(self._leaf, self._split_sizes)  # see [Note: one split per forward]
+        self.leaf.requires_grad_(any(trains))
+        chunks = torch.split(self.leaf, self._split_sizes)  # see [Note: one split per forward]
         for i, (info, chunk, train) in enumerate(zip(self.infos, chunks, trains, strict=False)):
             view = chunk.view(info.shape)
             if not train:
@@ -394,7 +345,7 @@ class FlatParamUnit:
         for info in self.infos:
             for module, name in info.refs:
                 module._parameters[name] = info.sharded_param
-        if self.frees_memory:
+        if not self.aliases_shard:
             self._full.untyped_storage().resize_(0)
             self.gauge.add(-self.full_bytes)
             self.schedule.freed()
@@ -402,11 +353,8 @@ class FlatParamUnit:
 
     # ---------------------------------------------------------------- gradients
     def add_unsharded_grad(self, grad: torch.Tensor) -> None:
-        """Keep one backward's flat (padded) gradient until it is reduced.
-
-        Summed under ``no_sync``; kept one by one in deterministic mode (see
-        [Note: deterministic reduction]).
-        """
+        """Keep one backward's flat gradient until it is reduced (summed under ``no_sync``,
+        one by one in deterministic mode)."""
         if self.deterministic:
             self._contributions.append(grad)
         elif self._unsharded_grad is None:
@@ -429,11 +377,8 @@ class FlatParamUnit:
         self._used = [False] * len(self.infos)
 
     def reduce_grad(self) -> None:
-        """Start reducing the kept flat gradient, in ``reduce_dtype``.
-
-        Sharded: reduce-scatter in the shard group (then, HYBRID_SHARD, all-reduce the shard
-        in the replicate group when it arrives). Replicated: all-reduce.
-        """
+        """Start reducing the kept flat gradient in ``reduce_dtype``: reduce-scatter (then,
+        HYBRID_SHARD, all-reduce in the replicate group), or all-reduce when replicated."""
         if self.deterministic:
             self._reduce_deterministic()
             return
@@ -469,16 +414,13 @@ class FlatParamUnit:
         self._pending.append((token, out, second_stage, (grad, cast)))
 
     def _reduce_deterministic(self) -> None:
-        """[Note: deterministic reduction]
-        Every rank holds k flat gradients, one per micro-batch, in order. Gathering them all
-        and summing in (rank, order) sequence gives, on every rank, the same left-to-right sum
-        of the same per-micro-batch gradients for ANY world size, provided rank r ran the
-        r-th contiguous block of micro-batches. Divided by the number of micro-batches, it is
-        the mean gradient, bitwise independent of the world size. Costs k x the traffic.
-        """
+        """[Note: deterministic reduction] Gather every rank's per-micro-batch gradients and
+        sum them in (rank, order) sequence, then divide by their count: docs/engine.md,
+        "Deterministic mode"."""
         mine = torch.stack(self._contributions)  # [k, padded_numel]
+        groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
         self._contributions.clear()
-        rows = all_gather_rows(mine, self._dp_groups(), stats=self.stats)  # [W*k, padded]
+        rows = all_gather_rows(mine, groups, stats=self.stats)  # [W*k, padded]
         total = rows[0].to(self.dtype, copy=True)
         for row in rows[1:]:
             total += row
@@ -487,18 +429,12 @@ class FlatParamUnit:
         out = total[start : start + self.shard_numel].clone()
         self._pending.append((None, out, False, mine))
 
-    def _dp_groups(self) -> list[dist.ProcessGroup]:
-        return [g for g in (self.shard_group, self.replicate_group) if g is not None]
-
     def used_mask(self) -> list[bool]:
         return list(self._used)
 
     def complete_reductions(self) -> None:
-        """Wait for the reductions in flight and keep their (small) sharded results.
-
-        Drops the unsharded flat gradients they read from, so at most the reductions the
-        runtime lets run at once hold full-size gradient memory.
-        """
+        """Wait for the reductions in flight, keep their sharded results and drop the flat
+        gradients they read."""
         for token, out, second_stage, _keepalive in self._pending:
             self.schedule.wait(token)
             if second_stage:
@@ -507,21 +443,20 @@ class FlatParamUnit:
             if not self.deterministic:  # deterministic reductions are averaged already
                 out.div_(self.data_parallel_size)
             if self.options.offload:  # device -> host, not blocking: see [Note: streams]
-                self.stats.record_copy("d2h", out.numel() * out.element_size())
+                self.stats.copies["d2h"] += out.numel() * out.element_size()
                 host = torch.empty(
-                    out.shape, dtype=out.dtype, device=self.shard_device, pin_memory=_pinnable()
+                    out.shape,
+                    dtype=out.dtype,
+                    device=self.shard_device,
+                    pin_memory=torch.cuda.is_available(),
                 )
                 out = host.copy_(out, non_blocking=True)
             self._reduced.append(out)
         self._pending.clear()
 
-    def finish_reduction(self, used: list[bool] | None = None) -> None:
-        """Accumulate this unit's reduced gradients into the sharded gradient.
-
-        ``used`` (per parameter, agreed across ranks) says which parameters got a gradient
-        on some rank; the others keep ``grad=None`` as in an unwrapped model.
-        """
-        used = self._used if used is None else used
+    def finish_reduction(self, used: list[bool]) -> None:
+        """Accumulate this unit's reduced gradients into the sharded gradient. ``used`` (per
+        parameter, agreed across ranks): the others keep ``grad=None``, as unwrapped."""
         self.complete_reductions()
         for out in self._reduced:
             self._accumulate_sharded_grad(out, used)

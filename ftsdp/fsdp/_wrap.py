@@ -1,35 +1,8 @@
 """Wrap planning: which modules become units, and which unit owns each parameter.
 
-The root module is always a unit (it takes the parameters no other unit claims). The
-``auto_wrap_policy`` picks more units. ftsdp's own forms: a set of module classes (every
-instance becomes its own unit, nested instances nest) or a callable ``policy(module) -> bool``.
-torch FSDP's forms (see [Note: torch wrap policies]): a ``ModuleWrapPolicy`` / ``CustomPolicy``
-(anything with ``_run_policy``), or a callable ``policy(module, recurse, nonwrapped_numel)``
-such as ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`` or
-``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``.
-
-[Note: shared parameters live in the lowest common ancestor unit]
-A parameter used by modules of several units (a token embedding tied to the output head) must
-be unsharded whenever any of those modules runs. The unit that is the lowest common ancestor
-of all its users is unsharded for the whole time its descendants run, so the parameter is put
-there. For GPT with ``auto_wrap_policy={Block}`` the tied weight lands in the root unit.
-
-[Note: torch wrap policies]
-torch FSDP1 applies a policy by nesting FSDP instances; ftsdp has one wrapper with many units,
-so a torch policy is reduced to the set of modules torch would wrap, and those become units:
-
-- a ``_Policy`` (``ModuleWrapPolicy``, ``CustomPolicy``): its own ``_run_policy(root,
-  ignored_modules, root_kwargs)`` names the modules and their FSDP arguments. ftsdp applies one
-  set of arguments to the whole model, so a module whose arguments differ from the root's
-  (``CustomPolicy`` returning ``{"sharding_strategy": ...}``) is refused with its name.
-- a callable with ``recurse`` and ``nonwrapped_numel``: torch's ``_recursive_wrap`` is
-  replayed: post-order, ``policy(module=m, recurse=True, nonwrapped_numel=n)`` decides whether
-  to descend (``n``: the numel of ``m``'s parameters), then, children done,
-  ``policy(module=m, recurse=False, nonwrapped_numel=n - wrapped)`` whether ``m`` is wrapped
-  (``wrapped``: the numel already claimed by wrapped descendants). The root is never asked.
-
-A torch policy that selects no module leaves one unit, as in torch (logged). ftsdp's own forms
-raise instead, listing the module types present: there a miss is almost always a typo.
+[Note: torch wrap policies] torch's policies become the set of modules torch would wrap, as
+docs/engine.md, "Units and the FlatParameter", describes. [Note: shared parameters live in the
+lowest common ancestor unit]: that unit stays unsharded while any of the parameter's users runs.
 """
 
 from __future__ import annotations
@@ -102,9 +75,8 @@ class Ignored:
                             f"{arg}= contains the wrapped module itself; ignore submodules, or "
                             "do not wrap the model"
                         )
-                    for sub in item.modules():
-                        modules.add(sub)
-                        params.update(sub.parameters(recurse=False))
+                    modules.update(item.modules())
+                    params.update(item.parameters())
                 else:
                     raise ValueError(
                         f"{arg}= must hold nn.Module or nn.Parameter objects, got "
@@ -119,15 +91,13 @@ def policy_predicate(
     ignored: Ignored | None = None,
     root_kwargs: dict[str, Any] | None = None,
 ) -> Callable[[nn.Module], bool]:
-    """Turn an ``auto_wrap_policy`` into ``module -> bool``, rejecting malformed policies.
-
-    torch's policies (see [Note: torch wrap policies]) are evaluated on ``root`` here, once.
-    """
+    """Turn an ``auto_wrap_policy`` into ``module -> bool``, rejecting malformed policies
+    (torch's are evaluated on ``root`` here, once)."""
     if policy is None:
         return lambda module: False
     if isinstance(policy, type):
         policy = {policy}
-    if hasattr(policy, "_run_policy") or is_torch_callable_policy(policy):
+    if is_torch_policy(policy):
         if root is None:
             raise ValueError("a torch FSDP wrap policy needs the root module to be evaluated")
         targets = torch_policy_targets(policy, root, ignored or Ignored(), root_kwargs or {})
@@ -161,12 +131,8 @@ def is_torch_callable_policy(policy: Any) -> bool:
     if not callable(policy) or isinstance(policy, type):
         return False
     try:
-        signature = inspect.signature(policy)
-    except (TypeError, ValueError):
-        return False
-    try:
-        signature.bind(module=None, recurse=True, nonwrapped_numel=0)
-    except TypeError:
+        inspect.signature(policy).bind(module=None, recurse=True, nonwrapped_numel=0)
+    except (TypeError, ValueError):  # ValueError: no signature to read
         return False
     return True
 
@@ -250,11 +216,8 @@ def plan_units(
     ignored: Ignored | None = None,
     root_kwargs: dict[str, Any] | None = None,
 ) -> list[UnitPlan]:
-    """Units in pre-order (root first) with their parameters, shared ones at the LCA unit.
-
-    ``ignored`` modules are not descended into and ``ignored`` parameters belong to no unit.
-    ``root_kwargs``: the FSDP arguments, which a torch ``CustomPolicy`` may not change.
-    """
+    """Units in pre-order (root first) with their parameters, shared ones at the LCA unit;
+    ``root_kwargs``: the FSDP arguments, which a torch ``CustomPolicy`` may not change."""
     ignored = ignored or Ignored()
     wants_unit = policy_predicate(policy, root, ignored, root_kwargs)
     units: list[UnitPlan] = [UnitPlan(module=root, fqn="", parent=None)]

@@ -1,10 +1,6 @@
-"""torch FSDP's wrap policies, for ``from ftsdp.fsdp.wrap import ...``.
+"""torch FSDP's wrap policies (torch's own objects), for ``from ftsdp.fsdp.wrap import ...``.
 
-``torch.distributed.fsdp.wrap`` becomes ``ftsdp.fsdp.wrap``: these are torch's own policy
-objects (importing this module imports torch's FSDP), which ``ftsdp.FSDP(auto_wrap_policy=...)``
-turns into units: the modules torch would wrap (see [Note: torch wrap policies] in
-``_wrap.py``). ``enable_wrap`` / ``wrap`` (manual nested wrapping) are not here: ftsdp has one
-wrapper per model, so pick the units with ``auto_wrap_policy`` instead.
+``enable_wrap`` / ``wrap`` are not here: ftsdp has one wrapper per model (docs/migrating.md).
 """
 
 from __future__ import annotations
