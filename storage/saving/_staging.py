@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -188,9 +190,53 @@ def copy_into(
         if stream is not None:
             stream.synchronize()
     else:
-        with torch.no_grad():
-            torch._foreach_copy_(views, tensors)
+        _copy_cpu(views, tensors)
     return list(raw if as_bytes else views)
+
+
+# [Note: a large host copy on several threads]
+# The staging copy of an async save runs on the caller's thread, and a first save copies into
+# fresh memory: every page is faulted in and zeroed by the kernel as the copy first writes it,
+# which costs more than the copy itself. Page faults in different parts of a buffer and the
+# copies after them proceed in parallel, so a copy of at least ``_BYTES_PER_THREAD`` per thread
+# is cut into that many parts of about equal bytes (a large tensor split among them), copied
+# at once by up to ``_COPY_THREADS`` threads, the caller's among them. torch releases the GIL
+# inside ``_foreach_copy_``. Smaller copies stay one batched call: a thread's start would cost
+# more than it saves.
+_COPY_THREADS = min(8, len(os.sched_getaffinity(0)))
+_BYTES_PER_THREAD = 16 << 20
+
+
+def _copy_cpu(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """``views[i].copy_(tensors[i])`` for 1-D CPU tensors, on several threads when large."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    n = min(_COPY_THREADS, total // _BYTES_PER_THREAD)
+    with torch.no_grad():
+        if n < 2:
+            torch._foreach_copy_(views, tensors)
+            return
+        share = -(-total // n)
+        parts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(n)]
+        k, room = 0, share
+        for view, t in zip(views, tensors, strict=True):
+            size, start, numel = t.element_size(), 0, t.numel()
+            while start < numel:
+                take = min(numel - start, max(1, room // size))
+                parts[k][0].append(view[start : start + take])
+                parts[k][1].append(t[start : start + take])
+                start, room = start + take, room - take * size
+                if room < size and k < n - 1:
+                    k, room = k + 1, share
+        with ThreadPoolExecutor(n - 1, "storage-copy") as pool:
+            futures = [pool.submit(_foreach_copy, *p) for p in parts[1:] if p[0]]
+            torch._foreach_copy_(*parts[0])
+            for f in futures:
+                f.result()
+
+
+def _foreach_copy(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        torch._foreach_copy_(views, tensors)
 
 
 _LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hundred bytes each)
