@@ -141,7 +141,9 @@ class SnapshotArena:
 def _touched(nbytes: int, pinned: bool) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     if not pinned:  # pinned memory is resident already; fresh pageable memory is not
-        buf.numpy()[::4096] = 0  # one write per page maps it
+        pages = buf[::4096]  # one write per page maps it, in parts on several threads
+        n = max(1, min(_COPY_THREADS, nbytes // _BYTES_PER_THREAD))
+        _on_threads([lambda p=p: p.fill_(0) for p in pages.tensor_split(n)])
     return buf
 
 
@@ -200,8 +202,8 @@ def copy_into(
 # which costs more than the copy itself. Page faults in different parts of a buffer and the
 # copies after them proceed in parallel, so a copy of at least ``_BYTES_PER_THREAD`` per thread
 # is cut into that many parts of about equal bytes (a large tensor split among them), copied
-# at once by up to ``_COPY_THREADS`` threads, the caller's among them. torch releases the GIL
-# inside ``_foreach_copy_``. Smaller copies stay one batched call: a thread's start would cost
+# at once by up to ``_COPY_THREADS`` threads, the caller's among them (and so are the pages of
+# the snapshot arena mapped by ``_touched``). torch releases the GIL inside its ops. Smaller copies stay one batched call: a thread's start would cost
 # more than it saves.
 _COPY_THREADS = min(8, len(os.sched_getaffinity(0)))
 _BYTES_PER_THREAD = 16 << 20
@@ -227,16 +229,26 @@ def _copy_cpu(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
                 start, room = start + take, room - take * size
                 if room < size and k < n - 1:
                     k, room = k + 1, share
-        with ThreadPoolExecutor(n - 1, "storage-copy") as pool:
-            futures = [pool.submit(_foreach_copy, *p) for p in parts[1:] if p[0]]
-            torch._foreach_copy_(*parts[0])
-            for f in futures:
-                f.result()
+    _on_threads([lambda p=p: _foreach_copy(*p) for p in parts if p[0]])
 
 
 def _foreach_copy(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     with torch.no_grad():  # grad mode is per thread
         torch._foreach_copy_(views, tensors)
+
+
+def _on_threads(jobs: list[Any]) -> None:
+    """Run the callables ``jobs`` at once, the first on the caller's thread; raise the first
+    error."""
+    if len(jobs) < 2:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(len(jobs) - 1, "storage-copy") as pool:
+        futures = [pool.submit(job) for job in jobs[1:]]
+        jobs[0]()
+        for f in futures:
+            f.result()
 
 
 _LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hundred bytes each)
