@@ -448,8 +448,7 @@ def _reserve_ahead(
     its own while the caller plans the save, so that the copy after the plan writes into
     memory whose pages are there already; the thread, or None where the save stages as
     before (the share exceeds the staging budget, ``reuse_staging=False``, or a tmpfs root
-    with CPU tensors). See
-    [Note: an async save stages into the lane's arena]."""
+    with CPU tensors). See [Note: an async save stages into the lane's arena]."""
     local = [t.local for t in tensors.values()]
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
     cuda = any(t.device.type == "cuda" for t in local)

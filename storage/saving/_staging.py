@@ -203,9 +203,10 @@ def copy_into(
 # copies after them proceed in parallel, so a copy of at least ``_BYTES_PER_THREAD`` per thread
 # is cut into that many parts of about equal bytes (a large tensor split among them), copied
 # at once by up to ``_COPY_THREADS`` threads, the caller's among them (and so are the pages of
-# the snapshot arena mapped by ``_touched``). torch releases the GIL inside its ops. Smaller copies stay one batched call: a thread's start would cost
-# more than it saves.
-_COPY_THREADS = min(8, len(os.sched_getaffinity(0)))
+# the snapshot arena mapped by ``_touched``); torch releases the GIL inside its ops. Smaller
+# copies stay one batched call: a thread's start would cost more than it saves.
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+_COPY_THREADS = min(8, _CPUS or 1)
 _BYTES_PER_THREAD = 16 << 20
 
 
