@@ -447,17 +447,16 @@ def _reserve_ahead(
     """For an async save: map the lane's snapshot memory for this rank's share on a thread of
     its own while the caller plans the save, so that the copy after the plan writes into
     memory whose pages are there already; the thread, or None where the save stages as
-    before (the share exceeds the staging budget, ``reuse_staging=False``, or a tmpfs root
-    with CPU tensors). See [Note: an async save stages into the lane's arena]."""
+    before (a tensor off the CPU, a tmpfs root, the share over the staging budget, or
+    ``reuse_staging=False``). See [Note: an async save stages into the lane's arena]."""
     local = [t.local for t in tensors.values()]
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
-    cuda = any(t.device.type == "cuda" for t in local)
+    if any(t.device.type != "cpu" for t in local) or in_place(store, cuda=False):
+        return None
     if not (0 < total <= options.staging_budget_bytes and options.reuse_staging):
         return None
-    if in_place(store, cuda):
-        return None
     thread = threading.Thread(
-        target=lane.arena.reserve, args=(total, cuda), name="storage-reserve", daemon=True
+        target=lane.arena.reserve, args=(total, False), name="storage-reserve", daemon=True
     )
     thread.start()
     return thread
@@ -469,7 +468,11 @@ def _reserve_ahead(
 # the root, every rank takes part in the exchange), and most of its time is spent waiting for
 # the other ranks: the pages are mapped meanwhile, on another thread, into the lane's snapshot
 # arena (the deferred saves' memory, kept from save to save; a lane's saves never overlap).
-# A share is at most the bytes of this rank's tensors, so that much is reserved.
+# A share is at most the bytes of this rank's tensors, so that much is reserved. CPU tensors
+# only: CUDA tensors stage into pinned memory as before (pinning on another thread would need
+# the caller's device set there), and on tmpfs the staging pool's buffers stay (the arena's
+# path there writes the objects from the live tensors before it returns: the call would block
+# for the writes).
 
 
 def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
@@ -579,11 +582,10 @@ class _SaveJob:
             self._finish_and_commit(futures, error)
 
     def start(self, handle: SaveHandle, arena: SnapshotArena | None = None) -> None:
-        """Stage (blocking: into ``arena`` when given, else within the budget), upload and
-        commit in the background."""
+        """Stage (blocking: into ``arena`` when given, CPU tensors only, else within the
+        budget), upload and commit in the background."""
         pool = ThreadPoolExecutor(self.options.io.threads, "storage-save")
-        stream = None if arena is None else _side_stream(_queued_work_event(self.tensors))
-        futures, error = self.stage_and_submit(pool, handle, arena, stream)
+        futures, error = self.stage_and_submit(pool, handle, arena)
 
         def background() -> None:
             try:
