@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,10 +25,12 @@ _TRANSIENT_CODES = {
 
 
 def _botocore_transient(err: BaseException) -> bool:
-    try:
-        from botocore.exceptions import ClientError, ConnectionError, ReadTimeoutError
-    except ImportError:  # pragma: no cover - s3 extras not installed
+    # A botocore error exists only once botocore is imported: checking that first keeps the
+    # expected errors of a local root (a step not there yet) from importing it.
+    if "botocore.exceptions" not in sys.modules:
         return False
+    from botocore.exceptions import ClientError, ConnectionError, ReadTimeoutError
+
     if isinstance(err, (ConnectionError, ReadTimeoutError)):
         return True
     if isinstance(err, ClientError):

@@ -321,8 +321,10 @@ def _save(
     local_error: Exception | None = None
     lineage: Lineage | None = None
     tensors: dict[str, TensorLeaf] = {}
+    ahead: threading.Thread | None = None
     try:
         tensors, meta = _describe(state)
+        ahead = _reserve_ahead(store, lane, tensors, options) if async_save else None
         if rank == 0:  # decides for every rank, before anything is written
             lineage = plan_lineage(store, step, discard_newer)
             meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
@@ -343,7 +345,9 @@ def _save(
         job.commit_group = None if group is None else own_group(group, lane.key)
     job.lane = lane
     if async_save:
-        job.start(handle)
+        if ahead is not None:
+            ahead.join()
+        job.start(handle, lane.arena if ahead is not None else None)
     else:
         try:
             job.run_inline()
@@ -391,6 +395,40 @@ def prepare_save(
         return 0
     lane.arena.reserve(total, cuda)
     return total
+
+
+def _reserve_ahead(
+    store: Store, lane: _Lane, tensors: dict[str, TensorLeaf], options: SaveOptions
+) -> threading.Thread | None:
+    """For an async save: map the lane's snapshot memory for this rank's share on a thread of
+    its own while the caller plans the save, so that the copy after the plan writes into
+    memory whose pages are there already; the thread, or None where the save stages as
+    before (a tensor off the CPU, a tmpfs root, the share over the staging budget, or
+    ``reuse_staging=False``). See [Note: an async save stages into the lane's arena]."""
+    local = [t.local for t in tensors.values()]
+    total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
+    if any(t.device.type != "cpu" for t in local) or in_place(store, cuda=False):
+        return None
+    if not (0 < total <= options.staging_budget_bytes and options.reuse_staging):
+        return None
+    thread = threading.Thread(
+        target=lane.arena.reserve, args=(total, False), name="storage-reserve", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+# [Note: an async save stages into the lane's arena]
+# An async save copies this rank's share before it returns, and its first one copies into
+# fresh memory, whose page faults cost more than the copy. The plan comes first (rank 0 reads
+# the root, every rank takes part in the exchange), and most of its time is spent waiting for
+# the other ranks: the pages are mapped meanwhile, on another thread, into the lane's snapshot
+# arena (the deferred saves' memory, kept from save to save; a lane's saves never overlap).
+# A share is at most the bytes of this rank's tensors, so that much is reserved. CPU tensors
+# only: CUDA tensors stage into pinned memory as before (pinning on another thread would need
+# the caller's device set there), and on tmpfs the staging pool's buffers stay (the arena's
+# path there writes the objects from the live tensors before it returns: the call would block
+# for the writes).
 
 
 def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
@@ -477,9 +515,10 @@ class _SaveJob:
             error = e
         self._finish_and_commit(futures, error)
 
-    def start(self, handle: SaveHandle) -> None:
-        """Stage within the budget (blocking), upload and commit in the background."""
-        futures, error = self.stage_and_submit(self._writers(), handle)
+    def start(self, handle: SaveHandle, arena: SnapshotArena | None = None) -> None:
+        """Stage (blocking: into ``arena`` when given, CPU tensors only, else within the
+        budget), upload and commit in the background."""
+        futures, error = self.stage_and_submit(self._writers(), handle, arena)
 
         def background() -> None:
             try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -141,7 +143,9 @@ class SnapshotArena:
 def _touched(nbytes: int, pinned: bool) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     if not pinned:  # pinned memory is resident already; fresh pageable memory is not
-        buf.numpy()[::4096] = 0  # one write per page maps it
+        pages = buf[::4096]  # one write per page maps it, in parts on several threads
+        n = max(1, min(_COPY_THREADS, nbytes // _BYTES_PER_THREAD))
+        _on_threads([lambda p=p: p.fill_(0) for p in pages.tensor_split(n)])
     return buf
 
 
@@ -195,9 +199,64 @@ def copy_into(
         if stream is not None:
             stream.synchronize()
     else:
-        with torch.no_grad():
-            torch._foreach_copy_(views, tensors)
+        _copy_cpu(views, tensors)
     return list(raw if as_bytes else views)
+
+
+# [Note: a large host copy on several threads]
+# The staging copy of an async save runs on the caller's thread, and a first save copies into
+# fresh memory: every page is faulted in and zeroed by the kernel as the copy first writes it,
+# which costs more than the copy itself. Page faults in different parts of a buffer and the
+# copies after them proceed in parallel, so a copy of at least ``_BYTES_PER_THREAD`` per thread
+# is cut into that many parts of about equal bytes (a large tensor split among them), copied
+# at once by up to ``_COPY_THREADS`` threads, the caller's among them (and so are the pages of
+# the snapshot arena mapped by ``_touched``); torch releases the GIL inside its ops. Smaller
+# copies stay one batched call: a thread's start would cost more than it saves.
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+_COPY_THREADS = min(8, _CPUS or 1)
+_BYTES_PER_THREAD = 16 << 20
+
+
+def _copy_cpu(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """``views[i].copy_(tensors[i])`` for 1-D CPU tensors, on several threads when large."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    n = min(_COPY_THREADS, total // _BYTES_PER_THREAD)
+    with torch.no_grad():
+        if n < 2:
+            torch._foreach_copy_(views, tensors)
+            return
+        share = -(-total // n)
+        parts: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(n)]
+        k, room = 0, share
+        for view, t in zip(views, tensors, strict=True):
+            size, start, numel = t.element_size(), 0, t.numel()
+            while start < numel:
+                take = min(numel - start, max(1, room // size))
+                parts[k][0].append(view[start : start + take])
+                parts[k][1].append(t[start : start + take])
+                start, room = start + take, room - take * size
+                if room < size and k < n - 1:
+                    k, room = k + 1, share
+    _on_threads([lambda p=p: _foreach_copy(*p) for p in parts if p[0]])
+
+
+def _foreach_copy(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        torch._foreach_copy_(views, tensors)
+
+
+def _on_threads(jobs: list[Any]) -> None:
+    """Run the callables ``jobs`` at once, the first on the caller's thread; raise the first
+    error."""
+    if len(jobs) < 2:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(len(jobs) - 1, "storage-copy") as pool:
+        futures = [pool.submit(job) for job in jobs[1:]]
+        jobs[0]()
+        for f in futures:
+            f.result()
 
 
 _LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hundred bytes each)

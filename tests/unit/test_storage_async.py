@@ -63,6 +63,26 @@ def test_staging_budget_applies_back_pressure(tmp_path: Path, gate: dict) -> Non
         assert torch.equal(target[k], v)
 
 
+def test_an_async_save_within_the_budget_holds_the_values_of_its_call(
+    tmp_path: Path, gate: dict
+) -> None:
+    """Within the staging budget an async save copies this rank's share into its root's
+    snapshot arena before it returns: the writes that follow read the copy."""
+    ref = _state()
+    state = {k: v.clone() for k, v in ref.items()}
+    handle = storage.save(state, str(tmp_path), step=1, async_save=True)
+    assert not handle.done(), "the writes wait for the gate: save() returned before them"
+    for t in state.values():
+        t.zero_()
+    gate["open"].set()
+    handle.wait()
+    assert handle.staging_peak_bytes >= sum(v.numel() * v.element_size() for v in ref.values())
+    target = {k: torch.zeros(1000) for k in ref}
+    storage.load(target, str(tmp_path))
+    for k, v in ref.items():
+        assert torch.equal(target[k], v)
+
+
 def test_error_surfaces_on_wait(tmp_path: Path, gate: dict) -> None:
     gate["fail"], url = OSError("injected upload failure"), str(tmp_path)
     gate["open"].set()
