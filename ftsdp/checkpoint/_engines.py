@@ -1,12 +1,7 @@
 """Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them.
 
-``CheckpointManager`` talks to :class:`Engine`; :func:`engine_for` picks the adapter (kinds
-``ftsdp``, ``dtensor``, ``ddp``, ``module``: the table in docs/elastic.md, "Any engine"). The
-last three go through ``torch.distributed.checkpoint.state_dict`` (canonical names, torch's own
-handling of each parallelism). Every adapter gives the same layout: ``model.<name>``,
-``optim.state.<name>.<key>`` (sharded like its parameter; a 0-dim tensor whole; a non-tensor
-JSON) and ``optim.param_groups`` (JSON). A state tensor that cannot be resharded (another size
-on a sharded parameter, e.g. a factored second moment) is refused, naming it.
+:func:`engine_for` picks the adapter (kinds ``ftsdp``, ``dtensor``, ``ddp``, ``module``; the
+layout they share and what is refused: docs/elastic.md, "Any engine").
 """
 
 from __future__ import annotations
@@ -27,13 +22,8 @@ if TYPE_CHECKING:
 
 
 class Engine(abc.ABC):
-    """How one kind of model hands its state to storage and takes it back.
-
-    ``model_state()`` and ``optim_state()`` return nested dicts of storage leaves that alias the
-    live tensors where the engine allows it (``storage.load`` fills them in place); after a load,
-    :meth:`load` puts everything, including what could not be aliased (JSON values, copies), back
-    into the model and the optimizer.
-    """
+    """How one kind of model hands its state to storage (leaves aliasing the live tensors where
+    it can, so that ``storage.load`` fills them in place) and takes it back (:meth:`load`)."""
 
     kind = "module"
 
@@ -82,8 +72,9 @@ class Engine(abc.ABC):
 
     def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state`` (as :meth:`model_state` gives it) with every leaf that holds one of the
-        model's buffers replaced by a copy taken now; the parameters stay aliased. See [Note:
-        buffers change in forward]. ``state`` itself when it holds no buffer."""
+        model's buffers replaced by a copy taken now (forward may change buffers in place: a
+        deferred save's fence holds back only ``optimizer.step()``); the parameters stay
+        aliased. ``state`` itself when it holds no buffer."""
         buffers = {
             getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
             for module in self.model.modules()
@@ -288,25 +279,11 @@ class TorchEngine(Engine):
 
 
 # [Note: reusing the state dicts between saves]
-# Building the state walks every module and parameter name on the caller's thread (torch's
-# ``get_model_state_dict`` / ``get_optimizer_state_dict`` are the costly part; docs/elastic.md)
-# and gives the same leaves every time: they alias the live tensors, which training changes in
-# place. So an adapter keeps the leaves of its last call and reuses them while nothing was
-# replaced: the same tensor objects over the same memory (object ids, data pointers, shapes and
-# dtypes of every parameter, buffer and optimizer state tensor) and the same non-tensor optimizer
-# state values (by ``repr``). This check is what keeps the reuse correct. The param groups'
-# hyper-parameters (the learning rate changes every step) are read at every call. A model state
-# with non-tensor entries (a module's extra state) is never reused.
-
-
-# [Note: buffers change in forward]
-# A deferred save copies the state while the next forward and backward run, and the fence holds
-# back only ``optimizer.step()``. Parameters and optimizer state change nowhere else, but buffers
-# may change in place in forward: BatchNorm's running statistics and ``num_batches_tracked``,
-# spectral norm's power-iteration vectors, the buffers DDP broadcasts from rank 0 at every
-# forward. So the manager copies the buffers when ``save`` is called (``copy_buffers``: they are
-# small next to the parameters and their optimizer state) and leaves only the rest to the
-# background copy.
+# The leaves alias the live tensors, so an adapter reuses its last call's leaves while nothing was
+# replaced: the same objects over the same memory (ids, data pointers, shapes, dtypes of every
+# parameter, buffer and optimizer state tensor) and the same non-tensor optimizer values (by
+# repr). Param groups are read at every call; a model state with extra state is never reused.
+# docs/elastic.md, "Saves that do not stop training".
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:

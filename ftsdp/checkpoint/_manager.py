@@ -1,41 +1,9 @@
 """``CheckpointManager``: periodic (async) saves, retention, and resume at any world size.
 
-```python
-ckpt = CheckpointManager(url, model, optimizer, lr_scheduler=sched, every_steps=50, keep_last=3)
-resumed = ckpt.resume(trainer)          # newest committed step, resharded; None on a fresh start
-for step in ...:
-    ...
-    if ckpt.due(step):                  # agree on it across ranks when it is time-based
-        ckpt.save(step, trainer)        # returns at once; optimizer.step() waits for the copy
-ckpt.close()                            # waits for the last save; raises its error
-```
-
 A step is one ``storage`` state: the engine's ``model.*`` and ``optim.*`` (``_engines.py``),
-``scheduler``, ``rng`` (per rank), ``trainer.*`` (the caller's values) and the tier's own values
-(docs/elastic.md has the table). Each tier (``_tier.py``) is one root: the durable one
-(``_durable.py``) and optionally a node-local memory tier (``_memory.py``).
-
-[Note: resume agreement and fallback]
-Rank 0 lists each tier's committed steps and broadcasts them, so every rank tries the same
-steps in the same order. ``storage.load`` is collective and all-or-nothing. After each attempt
-the ranks agree (all_reduce MAX) on the outcome: loaded; unusable (corrupt, incomplete, I/O
-error: logged loudly, the next older step is tried); or a mismatch with this model/optimizer
-(raised: an older step would not help; a memory step's is only unusable).
-
-[Note: the optimizer state to load into]
-``storage.load`` fills a template in place, so a fresh optimizer first takes one step with zero
-gradients and lr 0 (``init_optimizer_state``). A parameter without state in the saved step (a
-save before the first step, a parameter no step reached) must end without state again: rank 0
-reads the manifest's ``optim.state.*`` names; the other parameters are left out of the load and
-their state is dropped afterwards.
-
-[Note: continuing after a fallback]
-The steps a resume fell back past are newer than the one it loaded, and ``storage.save`` refuses
-to save behind newer committed steps; so the first save after such a resume passes
-``discard_newer=True``: once committed, the newer steps (the abandoned timeline, including an
-earlier commit of the same step number) are deleted. Steps whose manifest is not readable are
-not provably ours and stay. Without a fallback a newer committed step means another writer: the
-save's error surfaces.
+``scheduler``, ``rng`` (per rank), ``trainer.*`` and the tier's own values; usage, the state's
+table, resume agreement, fallback and the first save after one: docs/elastic.md,
+"CheckpointManager".
 """
 
 from __future__ import annotations
@@ -106,8 +74,8 @@ class CheckpointManager:
             optimizer's ``step()`` waits for that copy. Buffers (which forward may change) are
             copied at once. Change saved tensors in place outside ``optimizer.step()`` only
             after :meth:`wait_snapshot` (see [Note: deferred snapshots] in storage).
-        memory_url / memory_every / memory_keep: the memory tier ([Note: the memory tier] in
-            ``_memory.py``): :meth:`save_to_memory` saves every ``memory_every`` steps under
+        memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md):
+            :meth:`save_to_memory` saves every ``memory_every`` steps under
             ``memory_url`` (e.g. ``/dev/shm/...``), keeping ``memory_keep`` steps.
         save_options: how saves are laid out and written (its retention and ``discard_newer``
             are the manager's own, set per save).
@@ -188,8 +156,7 @@ class CheckpointManager:
 
     def _state(self, trainer: Mapping[str, Any], tier: Tier, *, target: bool = False) -> dict:
         """The state to save to ``tier``, or with ``target`` the one to load into (aliasing
-        the live tensors; the buffers of a deferred save copied: see [Note: buffers change in
-        forward] in _engines.py)."""
+        the live tensors; the buffers of a deferred save copied: forward may change them)."""
         model: Mapping[str, Any] = self.engine.model_state()
         if self.defer_copy and not target:
             model = self.engine.copy_buffers(model)
@@ -218,8 +185,7 @@ class CheckpointManager:
     def save(self, step: int, trainer: Mapping[str, Any], *, block: bool = False) -> float:
         """Save ``step`` (collective); ``block`` (or ``async_save=False``) returns once it is
         committed. Raises a previous async save's error. Saving the step saved last is a no-op.
-        Returns the seconds this call blocked the caller. See [Note: continuing after a
-        fallback] for the first save after a resume."""
+        Returns the seconds this call blocked the caller."""
         if step == self.last_saved_step:
             if block:
                 self.wait()
@@ -317,8 +283,8 @@ class CheckpointManager:
     def _load_newest(
         self, candidates: list[tuple[int, Tier]], trainer: dict[str, Any]
     ) -> _Loaded | None:
-        """Load the first usable candidate (see [Note: resume agreement and fallback]); None
-        when only memory steps were there and none was usable (a fresh start)."""
+        """Load the first usable candidate (docs/elastic.md, "Resume"); None when only memory
+        steps were there and none was usable (a fresh start)."""
         rank = self._group.rank_world()[0]
         durable = [s for s, tier in candidates if tier is self._durable]
         skipped: list[tuple[int, str]] = []

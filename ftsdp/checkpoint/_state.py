@@ -1,9 +1,7 @@
 """What a checkpoint holds besides the engine's tensors: optimizer set-up, param groups, RNG.
 
-The model's and the optimizer's tensors come from the engine adapters (``_engines.py``).
-Everything that is not a tensor (param group hyper-parameters, LR scheduler, RNG states) is one
-JSON string per entry, so a checkpoint's key set does not change when torch adds a field to a
-scheduler's state dict.
+Every non-tensor entry is one JSON string, so a checkpoint's key set does not change when torch
+adds a field to a scheduler's state dict.
 """
 
 from __future__ import annotations

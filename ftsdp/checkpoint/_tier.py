@@ -1,9 +1,6 @@
-"""A tier: one storage root that ``CheckpointManager`` saves to and resumes from.
-
-The manager has a durable tier (``_durable.py``) and optionally a node-local memory tier
-(``_memory.py``). Each saves on its own schedule and lane (another root); :meth:`Tier.steps`,
-:meth:`Tier.peek` and :meth:`Tier.load` let a resume take the newest usable step of either.
-A tier that is a ``cache`` never fails a run: its errors are logged and its steps passed over.
+"""A tier: one storage root that ``CheckpointManager`` saves to and resumes from (the durable
+one, ``_durable.py``, or the memory tier, ``_memory.py``). A ``cache`` tier never fails a run: its
+errors are logged and its steps passed over.
 """
 
 from __future__ import annotations
@@ -161,8 +158,7 @@ class Tier:
 
     def peek(self, step: int, durable: list[int]) -> tuple[set[str] | None, str | None]:
         """Read by rank 0 from ``step``'s manifest: the names of its optimizer state (None when
-        it cannot be read: the load reports why; see [Note: the optimizer state to load into])
-        and :meth:`foreign`'s answer (collective)."""
+        it cannot be read: the load reports why) and :meth:`foreign`'s answer (collective)."""
 
         def peek() -> tuple[list[str] | None, str | None]:
             try:
