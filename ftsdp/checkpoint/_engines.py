@@ -10,6 +10,7 @@ import abc
 import json
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,30 +38,26 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def _model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer."""
-        ...
 
     @abc.abstractmethod
     def _raw_optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
         """``(state by parameter name, param groups naming their parameters)``."""
-        ...
 
     @abc.abstractmethod
     def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
         """The storage leaf of one optimizer state value of ``param`` (or raise: it cannot be
         resharded)."""
-        ...
 
     @abc.abstractmethod
     def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
         """Put the loaded ``model_state`` / ``optim_state`` (as filled by ``storage.load``) into
         the live model and optimizer."""
-        ...
 
     # -- shared -----------------------------------------------------------------------------------
     def model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer, a dict of its own (the
         leaves reused from the previous call while no tensor was replaced)."""
-        key = _identities(_module_tensors(self.model))
+        key = tuple(_identity(t) for t in _module_tensors(self.model))
         if self._model_cache is None or self._model_cache[0] != key:
             state = self._model_state()
             # extra state (a non-tensor value) may change without any tensor changing
@@ -85,16 +82,14 @@ class Engine(abc.ABC):
             return state
         copies = {}
         for name, leaf in state.items():
-            local = leaf.local if isinstance(leaf, storage.FlatShard) else leaf
+            flat = isinstance(leaf, storage.FlatShard)
+            local = leaf.local if flat else leaf
             if not isinstance(local, torch.Tensor) or not local.numel():
                 continue
             if getattr(local, "_local_tensor", local).untyped_storage().data_ptr() in buffers:
-                if isinstance(leaf, storage.FlatShard):
-                    copies[name] = storage.FlatShard(
-                        leaf.global_shape, leaf.offset, local.clone(), leaf.layout
-                    )
-                else:
-                    copies[name] = leaf.detach().clone()
+                copies[name] = (
+                    replace(leaf, local=local.clone()) if flat else local.detach().clone()
+                )
         return {**state, **copies} if copies else state
 
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
@@ -311,10 +306,6 @@ def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def _identities(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
-    return tuple(_identity(t) for t in tensors)
-
-
 def _optim_identities(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
     """What makes a cached optimizer state dict stale; None: do not cache (no state yet)."""
     if not optimizer.state:
@@ -326,9 +317,10 @@ def _optim_identities(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | Non
             if entry is None:
                 out.append((id(p), None))
                 continue
-            values = []
-            for k, v in entry.items():
-                values.append((k, _identity(v) if isinstance(v, torch.Tensor) else repr(v)))
+            values = (
+                (k, _identity(v) if isinstance(v, torch.Tensor) else repr(v))
+                for k, v in entry.items()
+            )
             out.append((id(p), tuple(values)))
     return tuple(out)
 
@@ -368,15 +360,12 @@ def engine_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Engine:
             "FSDP2 (torch.distributed.fsdp.fully_shard) or ftsdp.FSDP"
         )
     mine = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in mine:
-                raise ValueError(
-                    "CheckpointManager: the optimizer holds a parameter that is not one of the "
-                    "model's; create the optimizer from model.parameters() after wrapping"
-                )
+    if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "CheckpointManager: the optimizer holds a parameter that is not one of the "
+            "model's; create the optimizer from model.parameters() after wrapping"
+        )
     if any(_is_dtensor(p) for p in model.parameters()):
         return TorchEngine(model, optimizer, "dtensor")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return TorchEngine(model, optimizer, "ddp")
-    return TorchEngine(model, optimizer, "module")
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    return TorchEngine(model, optimizer, "ddp" if ddp else "module")

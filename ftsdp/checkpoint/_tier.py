@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -70,7 +71,6 @@ class Tier:
         self.pending: storage.SaveHandle | None = None  # kept even when done: errors surface
         self.discard_newer = False  # the next save starts a new timeline here
         self.newest: int | None = None  # the newest step known to be committed here
-        self.saved = False  # a save was started here (not just a resume)
 
     def values(self) -> dict[str, Any]:
         """JSON values this tier saves beside the manager's state (and loads back)."""
@@ -93,19 +93,12 @@ class Tier:
             discard_newer=self.discard_newer,
         )
         where = dict(process_group=self.group.pg, storage_options=self.storage_options)
+        save = storage.save if node is None else partial(storage.saving.save_on_nodes, node=node)
         try:
-            if node is None:
-                self.pending = storage.save(state, self.url, step, options=options, **where, **kw)
-            else:
-                self.pending = storage.saving.save_on_nodes(
-                    state, self.url, step, node=node, options=options, **where, **kw
-                )
+            self.pending = save(state, self.url, step, options=options, **where, **kw)
         except storage.CheckpointError as e:
-            if not self.cache:
-                raise
-            self.log(f"ftsdp: a save to {self.name} {self.url} failed: {e}")
+            self._failed(e)
         self.discard_newer = False  # once: after this save the newer steps are gone
-        self.saved = True
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error (a cache logs it)."""
@@ -115,11 +108,15 @@ class Tier:
         try:
             pending.wait()
         except Exception as e:
-            if not self.cache:
-                raise
-            self.log(f"ftsdp: a save to {self.name} {self.url} failed: {e}")
+            self._failed(e)
         else:
             self.newest = pending.step
+
+    def _failed(self, error: Exception) -> None:
+        """A save's error: raised, or logged by a cache."""
+        if not self.cache:
+            raise error
+        self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
 
     def in_flight(self) -> bool:
         """Whether a save is still uploading or committing."""
