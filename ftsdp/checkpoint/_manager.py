@@ -20,7 +20,6 @@ import torch
 from ftsdp import storage
 from ftsdp.checkpoint import _engines
 from ftsdp.checkpoint import _state as cs
-from ftsdp.checkpoint._durable import DurableTier
 from ftsdp.checkpoint._memory import MemoryTier
 from ftsdp.checkpoint._tier import Group, Tier
 
@@ -60,20 +59,17 @@ class CheckpointManager:
     size.
 
     Args:
-        model: an ``ftsdp.FSDP``, a torch FSDP2 (``fully_shard``) or other DTensor model, a
-            ``DistributedDataParallel``, or a plain module (one process, or replicated by hand:
-            identical on every rank, saved once). torch FSDP1 is refused.
-        optimizer: any element-wise torch optimizer over the model's parameters (created after
-            wrapping). A state tensor that cannot be resharded is refused when saving.
+        model: an ``ftsdp.FSDP``, torch FSDP2 or other DTensor model, ``DistributedDataParallel``
+            or plain module (docs/elastic.md, "Any engine"); torch FSDP1 is refused.
+        optimizer: an element-wise torch optimizer over the model's parameters, created after
+            wrapping (a state tensor that cannot be resharded is refused when saving).
         every_steps / every_seconds: when :meth:`due` says a save is due (either may be None).
         keep_last / keep_every: retention after each commit (``storage.catalog.apply_retention``).
-        async_save: :meth:`save` returns once the shards are staged; the upload and commit run
-            in the background (errors surface at the next save, :meth:`wait` or :meth:`close`).
-        defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied: a
-            background thread copies them while the next forward and backward run, and the
-            optimizer's ``step()`` waits for that copy. Buffers (which forward may change) are
-            copied at once. Change saved tensors in place outside ``optimizer.step()`` only
-            after :meth:`wait_snapshot` (see [Note: deferred snapshots] in storage).
+        async_save: :meth:`save` returns once the shards are staged; errors surface at the next
+            save, :meth:`wait` or :meth:`close`.
+        defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied (the
+            buffers are, at once); ``optimizer.step()`` waits for the copy. Change saved tensors
+            in place elsewhere only after :meth:`wait_snapshot`.
         memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md):
             :meth:`save_to_memory` saves every ``memory_every`` steps under
             ``memory_url`` (e.g. ``/dev/shm/...``), keeping ``memory_keep`` steps.
@@ -120,7 +116,7 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager: every_seconds={every_seconds} must be > 0")
         self._log = log or logger.warning
         self._group = Group(process_group)
-        self._durable = DurableTier(
+        self._durable = Tier(
             url,
             self._group,
             self._log,
@@ -191,8 +187,7 @@ class CheckpointManager:
                 self.wait()
             return 0.0
         start = time.perf_counter()
-        self._durable.wait()  # one save at a time; surfaces the previous one's error
-        self._durable.save(
+        self._durable.save(  # waits for the previous save first, surfacing its error
             self._state(trainer, self._durable),
             step,
             async_save=self.async_save and not block,
@@ -215,7 +210,6 @@ class CheckpointManager:
             return 0.0
         assert self._memory is not None
         start = time.perf_counter()
-        self._memory.wait()
         self._memory.save(self._state(trainer, self._memory), step, defer_copy=self.defer_copy)
         self.last_memory_step = step
         return time.perf_counter() - start

@@ -15,7 +15,6 @@ from typing import Any
 import torch.distributed as dist
 
 from ftsdp import storage
-from ftsdp.checkpoint._durable import DurableTier
 from ftsdp.checkpoint._tier import Tier
 
 NODE_ENV = "FTSDP_NODE"  # overrides _machine(): e.g. to simulate several nodes on one machine
@@ -49,7 +48,7 @@ class MemoryTier(Tier):
     name = "the memory tier"
 
     def __init__(
-        self, url: str, durable: DurableTier, *, options: storage.SaveOptions | None, **kw: Any
+        self, url: str, durable: Tier, *, options: storage.SaveOptions | None, **kw: Any
     ) -> None:
         if _place(url) == _place(durable.url):
             raise ValueError(

@@ -1,6 +1,6 @@
-"""A tier: one storage root that ``CheckpointManager`` saves to and resumes from (the durable
-one, ``_durable.py``, or the memory tier, ``_memory.py``). A ``cache`` tier never fails a run: its
-errors are logged and its steps passed over.
+"""A tier: one storage root that ``CheckpointManager`` saves to and resumes from. A plain
+``Tier`` is the durable one (the checkpoint root, its errors raised); a ``cache`` tier (the
+memory tier, ``_memory.py``) never fails a run: its errors are logged and its steps passed over.
 """
 
 from __future__ import annotations
@@ -117,6 +117,18 @@ class Tier:
         if not self.cache:
             raise error
         self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
+
+    def newest_committed(self) -> int | None:
+        """The newest step known to be committed by now, without waiting (a failed save's
+        error is left for :meth:`wait`)."""
+        pending = self.pending
+        if pending is not None and pending.done():
+            try:
+                pending.wait(0)
+            except Exception:
+                return self.newest
+            self.newest = pending.step
+        return self.newest
 
     def in_flight(self) -> bool:
         """Whether a save is still uploading or committing."""
