@@ -247,10 +247,9 @@ class TorchEngine(Engine):
         empty = not self.optimizer.state
         # torch types each entry as either shape; "state" is a dict, "param_groups" a list
         sd: dict[str, Any] = self._dsd.get_optimizer_state_dict(self.model, self.optimizer)
-        if empty and self.optimizer.state:
+        if empty:
             self.optimizer.state.clear()
-            return {}, sd["param_groups"]
-        return sd["state"], sd["param_groups"]
+        return ({} if empty else sd["state"]), sd["param_groups"]
 
     def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
         if isinstance(value, torch.Tensor):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -18,7 +19,6 @@ from ftsdp import storage
 from ftsdp.checkpoint._tier import Tier
 
 NODE_ENV = "FTSDP_NODE"  # overrides _machine(): e.g. to simulate several nodes on one machine
-_DURABLE_STEP = "memory_tier.durable_step"
 
 
 def _machine() -> str:
@@ -26,8 +26,7 @@ def _machine() -> str:
     if os.environ.get(NODE_ENV):
         return os.environ[NODE_ENV]
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
@@ -35,7 +34,7 @@ def _machine() -> str:
 
 def _place(url: str) -> str:
     """Where a root is: a local path (plain or ``file://``) resolved, a URL as written."""
-    path = url[len("file://") :] if url.startswith("file://") else url
+    path = url.removeprefix("file://")
     if "://" in path:
         return url.rstrip("/")
     return os.path.realpath(path)
@@ -74,7 +73,7 @@ class MemoryTier(Tier):
     def foreign(self, step: int, values: dict[str, Any], durable: list[int]) -> str | None:
         """Another run's when it followed a durable step later than every step under the root
         (a re-created root)."""
-        base = values.get(_DURABLE_STEP)
+        base = values.get("memory_tier.durable_step")
         if not isinstance(base, int) or base < 0:
             return None  # saved before any durable commit (or by an older version)
         if durable and max(durable) >= base:
