@@ -390,11 +390,10 @@ class CheckpointManager:
 
 
 def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | None) -> list[str]:
-    """Remove from the template ``state`` (``{param: {key: leaf}}``) the parameters that have no
-    optimizer state in the checkpoint (``saved``: its ``optim.state.*`` names; None: unknown,
-    keep all); returns their names. A parameter with some of its keys saved stays, so that a
-    missing key is a mismatch. (A parameter's name is never another's name plus a dot: one is
-    a module attribute, the other would need that attribute to be a module.)"""
+    """Remove from ``state`` (``{param: {key: leaf}}``) the parameters without optimizer state
+    among ``saved`` (the ``optim.state.*`` names; None: keep all); returns their names. One with
+    some keys saved stays (a missing key is a mismatch). No parameter's name is another's plus a
+    dot (that attribute would have to be a module)."""
     if saved is None:
         return []
     heads: set[str] = set()  # every dotted prefix of every saved name, after "optim.state."
