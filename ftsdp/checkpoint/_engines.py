@@ -1,12 +1,7 @@
 """Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them.
 
-``CheckpointManager`` talks to :class:`Engine`; :func:`engine_for` picks the adapter (kinds
-``ftsdp``, ``dtensor``, ``ddp``, ``module``: the table in docs/elastic.md, "Any engine"). The
-last three go through ``torch.distributed.checkpoint.state_dict`` (canonical names, torch's own
-handling of each parallelism). Every adapter gives the same layout: ``model.<name>``,
-``optim.state.<name>.<key>`` (sharded like its parameter; a 0-dim tensor whole; a non-tensor
-JSON) and ``optim.param_groups`` (JSON). A state tensor that cannot be resharded (another size
-on a sharded parameter, e.g. a factored second moment) is refused, naming it.
+:func:`engine_for` picks the adapter (kinds ``ftsdp``, ``dtensor``, ``ddp``, ``module``; the
+layout they share and what is refused: docs/elastic.md, "Any engine").
 """
 
 from __future__ import annotations
@@ -15,6 +10,7 @@ import abc
 import json
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,13 +23,8 @@ if TYPE_CHECKING:
 
 
 class Engine(abc.ABC):
-    """How one kind of model hands its state to storage and takes it back.
-
-    ``model_state()`` and ``optim_state()`` return nested dicts of storage leaves that alias the
-    live tensors where the engine allows it (``storage.load`` fills them in place); after a load,
-    :meth:`load` puts everything, including what could not be aliased (JSON values, copies), back
-    into the model and the optimizer.
-    """
+    """How one kind of model hands its state to storage (leaves aliasing the live tensors where
+    it can, so that ``storage.load`` fills them in place) and takes it back (:meth:`load`)."""
 
     kind = "module"
 
@@ -47,30 +38,26 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def _model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer."""
-        ...
 
     @abc.abstractmethod
     def _raw_optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
         """``(state by parameter name, param groups naming their parameters)``."""
-        ...
 
     @abc.abstractmethod
     def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
         """The storage leaf of one optimizer state value of ``param`` (or raise: it cannot be
         resharded)."""
-        ...
 
     @abc.abstractmethod
     def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
         """Put the loaded ``model_state`` / ``optim_state`` (as filled by ``storage.load``) into
         the live model and optimizer."""
-        ...
 
     # -- shared -----------------------------------------------------------------------------------
     def model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer, a dict of its own (the
         leaves reused from the previous call while no tensor was replaced)."""
-        key = _identities(_module_tensors(self.model))
+        key = tuple(_identity(t) for t in _module_tensors(self.model))
         if self._model_cache is None or self._model_cache[0] != key:
             state = self._model_state()
             # extra state (a non-tensor value) may change without any tensor changing
@@ -82,8 +69,9 @@ class Engine(abc.ABC):
 
     def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state`` (as :meth:`model_state` gives it) with every leaf that holds one of the
-        model's buffers replaced by a copy taken now; the parameters stay aliased. See [Note:
-        buffers change in forward]. ``state`` itself when it holds no buffer."""
+        model's buffers replaced by a copy taken now (forward may change buffers in place: a
+        deferred save's fence holds back only ``optimizer.step()``); the parameters stay
+        aliased. ``state`` itself when it holds no buffer."""
         buffers = {
             getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
             for module in self.model.modules()
@@ -94,16 +82,14 @@ class Engine(abc.ABC):
             return state
         copies = {}
         for name, leaf in state.items():
-            local = leaf.local if isinstance(leaf, storage.FlatShard) else leaf
+            flat = isinstance(leaf, storage.FlatShard)
+            local = leaf.local if flat else leaf
             if not isinstance(local, torch.Tensor) or not local.numel():
                 continue
             if getattr(local, "_local_tensor", local).untyped_storage().data_ptr() in buffers:
-                if isinstance(leaf, storage.FlatShard):
-                    copies[name] = storage.FlatShard(
-                        leaf.global_shape, leaf.offset, local.clone(), leaf.layout
-                    )
-                else:
-                    copies[name] = leaf.detach().clone()
+                copies[name] = (
+                    replace(leaf, local=local.clone()) if flat else local.detach().clone()
+                )
         return {**state, **copies} if copies else state
 
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
@@ -261,10 +247,9 @@ class TorchEngine(Engine):
         empty = not self.optimizer.state
         # torch types each entry as either shape; "state" is a dict, "param_groups" a list
         sd: dict[str, Any] = self._dsd.get_optimizer_state_dict(self.model, self.optimizer)
-        if empty and self.optimizer.state:
+        if empty:
             self.optimizer.state.clear()
-            return {}, sd["param_groups"]
-        return sd["state"], sd["param_groups"]
+        return ({} if empty else sd["state"]), sd["param_groups"]
 
     def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
         if isinstance(value, torch.Tensor):
@@ -288,25 +273,11 @@ class TorchEngine(Engine):
 
 
 # [Note: reusing the state dicts between saves]
-# Building the state walks every module and parameter name on the caller's thread (torch's
-# ``get_model_state_dict`` / ``get_optimizer_state_dict`` are the costly part; docs/elastic.md)
-# and gives the same leaves every time: they alias the live tensors, which training changes in
-# place. So an adapter keeps the leaves of its last call and reuses them while nothing was
-# replaced: the same tensor objects over the same memory (object ids, data pointers, shapes and
-# dtypes of every parameter, buffer and optimizer state tensor) and the same non-tensor optimizer
-# state values (by ``repr``). This check is what keeps the reuse correct. The param groups'
-# hyper-parameters (the learning rate changes every step) are read at every call. A model state
-# with non-tensor entries (a module's extra state) is never reused.
-
-
-# [Note: buffers change in forward]
-# A deferred save copies the state while the next forward and backward run, and the fence holds
-# back only ``optimizer.step()``. Parameters and optimizer state change nowhere else, but buffers
-# may change in place in forward: BatchNorm's running statistics and ``num_batches_tracked``,
-# spectral norm's power-iteration vectors, the buffers DDP broadcasts from rank 0 at every
-# forward. So the manager copies the buffers when ``save`` is called (``copy_buffers``: they are
-# small next to the parameters and their optimizer state) and leaves only the rest to the
-# background copy.
+# The leaves alias the live tensors, so an adapter reuses its last call's leaves while nothing was
+# replaced: the same objects over the same memory (ids, data pointers, shapes, dtypes of every
+# parameter, buffer and optimizer state tensor) and the same non-tensor optimizer values (by
+# repr). Param groups are read at every call; a model state with extra state is never reused.
+# docs/elastic.md, "Saves that do not stop training".
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:
@@ -334,10 +305,6 @@ def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def _identities(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
-    return tuple(_identity(t) for t in tensors)
-
-
 def _optim_identities(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
     """What makes a cached optimizer state dict stale; None: do not cache (no state yet)."""
     if not optimizer.state:
@@ -349,9 +316,10 @@ def _optim_identities(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | Non
             if entry is None:
                 out.append((id(p), None))
                 continue
-            values = []
-            for k, v in entry.items():
-                values.append((k, _identity(v) if isinstance(v, torch.Tensor) else repr(v)))
+            values = (
+                (k, _identity(v) if isinstance(v, torch.Tensor) else repr(v))
+                for k, v in entry.items()
+            )
             out.append((id(p), tuple(values)))
     return tuple(out)
 
@@ -391,15 +359,12 @@ def engine_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Engine:
             "FSDP2 (torch.distributed.fsdp.fully_shard) or ftsdp.FSDP"
         )
     mine = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in mine:
-                raise ValueError(
-                    "CheckpointManager: the optimizer holds a parameter that is not one of the "
-                    "model's; create the optimizer from model.parameters() after wrapping"
-                )
+    if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "CheckpointManager: the optimizer holds a parameter that is not one of the "
+            "model's; create the optimizer from model.parameters() after wrapping"
+        )
     if any(_is_dtensor(p) for p in model.parameters()):
         return TorchEngine(model, optimizer, "dtensor")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return TorchEngine(model, optimizer, "ddp")
-    return TorchEngine(model, optimizer, "module")
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    return TorchEngine(model, optimizer, "ddp" if ddp else "module")

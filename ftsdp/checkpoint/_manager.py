@@ -1,41 +1,9 @@
 """``CheckpointManager``: periodic (async) saves, retention, and resume at any world size.
 
-```python
-ckpt = CheckpointManager(url, model, optimizer, lr_scheduler=sched, every_steps=50, keep_last=3)
-resumed = ckpt.resume(trainer)          # newest committed step, resharded; None on a fresh start
-for step in ...:
-    ...
-    if ckpt.due(step):                  # agree on it across ranks when it is time-based
-        ckpt.save(step, trainer)        # returns at once; optimizer.step() waits for the copy
-ckpt.close()                            # waits for the last save; raises its error
-```
-
 A step is one ``storage`` state: the engine's ``model.*`` and ``optim.*`` (``_engines.py``),
-``scheduler``, ``rng`` (per rank), ``trainer.*`` (the caller's values) and the tier's own values
-(docs/elastic.md has the table). Each tier (``_tier.py``) is one root: the durable one
-(``_durable.py``) and optionally a node-local memory tier (``_memory.py``).
-
-[Note: resume agreement and fallback]
-Rank 0 lists each tier's committed steps and broadcasts them, so every rank tries the same
-steps in the same order. ``storage.load`` is collective and all-or-nothing. After each attempt
-the ranks agree (all_reduce MAX) on the outcome: loaded; unusable (corrupt, incomplete, I/O
-error: logged loudly, the next older step is tried); or a mismatch with this model/optimizer
-(raised: an older step would not help; a memory step's is only unusable).
-
-[Note: the optimizer state to load into]
-``storage.load`` fills a template in place, so a fresh optimizer first takes one step with zero
-gradients and lr 0 (``init_optimizer_state``). A parameter without state in the saved step (a
-save before the first step, a parameter no step reached) must end without state again: rank 0
-reads the manifest's ``optim.state.*`` names; the other parameters are left out of the load and
-their state is dropped afterwards.
-
-[Note: continuing after a fallback]
-The steps a resume fell back past are newer than the one it loaded, and ``storage.save`` refuses
-to save behind newer committed steps; so the first save after such a resume passes
-``discard_newer=True``: once committed, the newer steps (the abandoned timeline, including an
-earlier commit of the same step number) are deleted. Steps whose manifest is not readable are
-not provably ours and stay. Without a fallback a newer committed step means another writer: the
-save's error surfaces.
+``scheduler``, ``rng`` (per rank), ``trainer.*`` and the tier's own values; usage, the state's
+table, resume agreement, fallback and the first save after one: docs/elastic.md,
+"CheckpointManager".
 """
 
 from __future__ import annotations
@@ -52,7 +20,6 @@ import torch
 from ftsdp import storage
 from ftsdp.checkpoint import _engines
 from ftsdp.checkpoint import _state as cs
-from ftsdp.checkpoint._durable import DurableTier
 from ftsdp.checkpoint._memory import MemoryTier
 from ftsdp.checkpoint._tier import Group, Tier
 
@@ -92,22 +59,19 @@ class CheckpointManager:
     size.
 
     Args:
-        model: an ``ftsdp.FSDP``, a torch FSDP2 (``fully_shard``) or other DTensor model, a
-            ``DistributedDataParallel``, or a plain module (one process, or replicated by hand:
-            identical on every rank, saved once). torch FSDP1 is refused.
-        optimizer: any element-wise torch optimizer over the model's parameters (created after
-            wrapping). A state tensor that cannot be resharded is refused when saving.
+        model: an ``ftsdp.FSDP``, torch FSDP2 or other DTensor model, ``DistributedDataParallel``
+            or plain module (docs/elastic.md, "Any engine"); torch FSDP1 is refused.
+        optimizer: an element-wise torch optimizer over the model's parameters, created after
+            wrapping (a state tensor that cannot be resharded is refused when saving).
         every_steps / every_seconds: when :meth:`due` says a save is due (either may be None).
         keep_last / keep_every: retention after each commit (``storage.catalog.apply_retention``).
-        async_save: :meth:`save` returns once the shards are staged; the upload and commit run
-            in the background (errors surface at the next save, :meth:`wait` or :meth:`close`).
-        defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied: a
-            background thread copies them while the next forward and backward run, and the
-            optimizer's ``step()`` waits for that copy. Buffers (which forward may change) are
-            copied at once. Change saved tensors in place outside ``optimizer.step()`` only
-            after :meth:`wait_snapshot` (see [Note: deferred snapshots] in storage).
-        memory_url / memory_every / memory_keep: the memory tier ([Note: the memory tier] in
-            ``_memory.py``): :meth:`save_to_memory` saves every ``memory_every`` steps under
+        async_save: :meth:`save` returns once the shards are staged; errors surface at the next
+            save, :meth:`wait` or :meth:`close`.
+        defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied (the
+            buffers are, at once); ``optimizer.step()`` waits for the copy. Change saved tensors
+            in place elsewhere only after :meth:`wait_snapshot`.
+        memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md):
+            :meth:`save_to_memory` saves every ``memory_every`` steps under
             ``memory_url`` (e.g. ``/dev/shm/...``), keeping ``memory_keep`` steps.
         save_options: how saves are laid out and written (its retention and ``discard_newer``
             are the manager's own, set per save).
@@ -152,7 +116,7 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager: every_seconds={every_seconds} must be > 0")
         self._log = log or logger.warning
         self._group = Group(process_group)
-        self._durable = DurableTier(
+        self._durable = Tier(
             url,
             self._group,
             self._log,
@@ -188,8 +152,7 @@ class CheckpointManager:
 
     def _state(self, trainer: Mapping[str, Any], tier: Tier, *, target: bool = False) -> dict:
         """The state to save to ``tier``, or with ``target`` the one to load into (aliasing
-        the live tensors; the buffers of a deferred save copied: see [Note: buffers change in
-        forward] in _engines.py)."""
+        the live tensors; the buffers of a deferred save copied: forward may change them)."""
         model: Mapping[str, Any] = self.engine.model_state()
         if self.defer_copy and not target:
             model = self.engine.copy_buffers(model)
@@ -218,15 +181,13 @@ class CheckpointManager:
     def save(self, step: int, trainer: Mapping[str, Any], *, block: bool = False) -> float:
         """Save ``step`` (collective); ``block`` (or ``async_save=False``) returns once it is
         committed. Raises a previous async save's error. Saving the step saved last is a no-op.
-        Returns the seconds this call blocked the caller. See [Note: continuing after a
-        fallback] for the first save after a resume."""
+        Returns the seconds this call blocked the caller."""
         if step == self.last_saved_step:
             if block:
                 self.wait()
             return 0.0
         start = time.perf_counter()
-        self._durable.wait()  # one save at a time; surfaces the previous one's error
-        self._durable.save(
+        self._durable.save(  # waits for the previous save first, surfacing its error
             self._state(trainer, self._durable),
             step,
             async_save=self.async_save and not block,
@@ -249,7 +210,6 @@ class CheckpointManager:
             return 0.0
         assert self._memory is not None
         start = time.perf_counter()
-        self._memory.wait()
         self._memory.save(self._state(trainer, self._memory), step, defer_copy=self.defer_copy)
         self.last_memory_step = step
         return time.perf_counter() - start
@@ -317,8 +277,8 @@ class CheckpointManager:
     def _load_newest(
         self, candidates: list[tuple[int, Tier]], trainer: dict[str, Any]
     ) -> _Loaded | None:
-        """Load the first usable candidate (see [Note: resume agreement and fallback]); None
-        when only memory steps were there and none was usable (a fresh start)."""
+        """Load the first usable candidate (docs/elastic.md, "Resume"); None when only memory
+        steps were there and none was usable (a fresh start)."""
         rank = self._group.rank_world()[0]
         durable = [s for s, tier in candidates if tier is self._durable]
         skipped: list[tuple[int, str]] = []
@@ -430,11 +390,10 @@ class CheckpointManager:
 
 
 def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | None) -> list[str]:
-    """Remove from the template ``state`` (``{param: {key: leaf}}``) the parameters that have no
-    optimizer state in the checkpoint (``saved``: its ``optim.state.*`` names; None: unknown,
-    keep all); returns their names. A parameter with some of its keys saved stays, so that a
-    missing key is a mismatch. (A parameter's name is never another's name plus a dot: one is
-    a module attribute, the other would need that attribute to be a module.)"""
+    """Remove from ``state`` (``{param: {key: leaf}}``) the parameters without optimizer state
+    among ``saved`` (the ``optim.state.*`` names; None: keep all); returns their names. One with
+    some keys saved stays (a missing key is a mismatch). No parameter's name is another's plus a
+    dot (that attribute would have to be a module)."""
     if saved is None:
         return []
     heads: set[str] = set()  # every dotted prefix of every saved name, after "optim.state."

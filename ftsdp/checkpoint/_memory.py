@@ -1,46 +1,24 @@
 """The memory tier: a node-local cache of the newest steps in host shared memory.
 
-[Note: the memory tier]
-A worker killed between two durable saves loses the steps since the last one; so with
-``memory_url`` (``/dev/shm``: it outlives the worker, not the machine) the manager also saves
-every ``memory_every`` steps there, in the same format, keeping ``memory_keep`` steps, in a
-storage lane of its own (another root: a slow durable upload holds neither these saves nor the
-optimizer's fence). Resume takes the newest usable step of either tier (memory first at equal
-steps). The tier is a cache: a failed save is logged, a step that does not load is passed over,
-and with nothing durable left the run starts from scratch. Its first save of a run discards
-newer memory steps (an abandoned timeline); ``close`` clears it, a failed run leaves it for its
-restart. docs/elastic.md, "A memory tier", has the whole story.
-
-[Note: the memory tier on several machines]
-Resume compares the ranks' machines (host name and boot id, or ``$FTSDP_NODE``). On several,
-no root is seen by every rank: saves go through ``storage.saving.save_on_nodes(..., node=<this machine>)`` (each
-machine keeps its own root and a replica of the previous machine's: [Note: node-local roots] in
-storage/saving/_nodes.py), and resume offers the one step ``storage.saving.restore_on_nodes`` makes
-whole on every machine. Over a subgroup of such a job the tier is off (storage's own group
-spans the job). A manager that saves without resuming first treats the ranks as on one machine.
-
-[Note: whose memory tier]
-A start may find another run's steps (a job killed before ``close``, then started over on a
-re-created root). One of the same model would load, silently continuing the deleted run; so
-each memory save records the newest durable step committed when it was taken
-(``memory_tier.durable_step``, -1 before the first), and resume passes over a memory step that
-followed a durable step later than every step under the checkpoint root.
+A cache (errors logged, its steps never fatal) in a storage lane of its own; on several machines
+each keeps its own root through ``storage.saving.save_on_nodes``; a memory step that followed a
+durable step the root no longer holds is another run's. See docs/elastic.md, "A memory tier"
+and "The memory tier on several machines".
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ftsdp import storage
-from ftsdp.checkpoint._durable import DurableTier
 from ftsdp.checkpoint._tier import Tier
 
 NODE_ENV = "FTSDP_NODE"  # overrides _machine(): e.g. to simulate several nodes on one machine
-_DURABLE_STEP = "memory_tier.durable_step"
 
 
 def _machine() -> str:
@@ -48,8 +26,7 @@ def _machine() -> str:
     if os.environ.get(NODE_ENV):
         return os.environ[NODE_ENV]
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
@@ -57,20 +34,20 @@ def _machine() -> str:
 
 def _place(url: str) -> str:
     """Where a root is: a local path (plain or ``file://``) resolved, a URL as written."""
-    path = url[len("file://") :] if url.startswith("file://") else url
+    path = url.removeprefix("file://")
     if "://" in path:
         return url.rstrip("/")
     return os.path.realpath(path)
 
 
 class MemoryTier(Tier):
-    """Saves to host shared memory beside ``durable``; a cache (see [Note: the memory tier])."""
+    """Saves to host shared memory beside ``durable``; a cache."""
 
     cache = True
     name = "the memory tier"
 
     def __init__(
-        self, url: str, durable: DurableTier, *, options: storage.SaveOptions | None, **kw: Any
+        self, url: str, durable: Tier, *, options: storage.SaveOptions | None, **kw: Any
     ) -> None:
         if _place(url) == _place(durable.url):
             raise ValueError(
@@ -94,8 +71,9 @@ class MemoryTier(Tier):
         super().save(state, step, node=self.node, async_save=True, **kw)
 
     def foreign(self, step: int, values: dict[str, Any], durable: list[int]) -> str | None:
-        """See [Note: whose memory tier]."""
-        base = values.get(_DURABLE_STEP)
+        """Another run's when it followed a durable step later than every step under the root
+        (a re-created root)."""
+        base = values.get("memory_tier.durable_step")
         if not isinstance(base, int) or base < 0:
             return None  # saved before any durable commit (or by an older version)
         if durable and max(durable) >= base:
@@ -108,9 +86,8 @@ class MemoryTier(Tier):
         )
 
     def steps(self) -> list[int]:
-        """Decides how the tier is shared (collective: see [Note: the memory tier on several
-        machines]); then the committed steps, or on several machines the one step made whole
-        on every machine."""
+        """Decides how the tier is shared (collective); then the committed steps, or on several
+        machines the one step made whole on every machine."""
         if not self.on or not self._shared():
             return []
         if self.node is None:

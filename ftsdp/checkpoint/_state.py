@@ -1,9 +1,7 @@
 """What a checkpoint holds besides the engine's tensors: optimizer set-up, param groups, RNG.
 
-The model's and the optimizer's tensors come from the engine adapters (``_engines.py``).
-Everything that is not a tensor (param group hyper-parameters, LR scheduler, RNG states) is one
-JSON string per entry, so a checkpoint's key set does not change when torch adds a field to a
-scheduler's state dict.
+Every non-tensor entry is one JSON string, so a checkpoint's key set does not change when torch
+adds a field to a scheduler's state dict.
 """
 
 from __future__ import annotations
@@ -19,10 +17,8 @@ from ftsdp import storage
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create a fresh optimizer's state to load a checkpoint into: one ``step()`` with zero
-    gradients and every ``lr`` at 0 (as ``torch.distributed.checkpoint`` does; the load
-    overwrites whatever moved), gradients and learning rates put back. Nothing when every
-    trainable parameter has state already."""
+    """Create a fresh optimizer's state to load into: one ``step()`` with zero gradients and
+    ``lr`` 0, gradients and learning rates put back; nothing when every parameter has state."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if all(optimizer.state.get(p) for p in params):
         return
@@ -50,9 +46,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def restore_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, current: str) -> None:
-    """Set the saved hyper-parameters on the optimizer's groups (the same parameter names in the
-    same groups required). A tensor-valued hyper-parameter (e.g. a tensor ``lr``) is filled in
-    place; a tuple stays a tuple."""
+    """Set the saved hyper-parameters on the optimizer's groups (which must hold the same
+    parameter names); a tensor one is filled in place, a tuple stays a tuple."""
     saved, mine = json.loads(saved_json), json.loads(current)
     if [g["params"] for g in saved] != [g["params"] for g in mine]:
         raise storage.StateMismatchError(
@@ -94,9 +89,8 @@ def _first_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
 
 
 def rng_state() -> str:
-    """This process's torch CPU, numpy and Python RNG states as one JSON string; the Mersenne
-    Twister key arrays as base64 of their little-endian uint32 words (older checkpoints hold
-    JSON lists, which ``set_rng_state`` reads too)."""
+    """This process's torch CPU, numpy and Python RNG states as one JSON string (key arrays as
+    base64 of little-endian uint32 words; older checkpoints hold JSON lists)."""
     legacy = np.random.get_state()
     assert isinstance(legacy, tuple)  # the global generator is always an MT19937
     kind, keys, pos, has_gauss, gauss = legacy

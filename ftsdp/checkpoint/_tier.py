@@ -1,15 +1,13 @@
-"""A tier: one storage root that ``CheckpointManager`` saves to and resumes from.
-
-The manager has a durable tier (``_durable.py``) and optionally a node-local memory tier
-(``_memory.py``). Each saves on its own schedule and lane (another root); :meth:`Tier.steps`,
-:meth:`Tier.peek` and :meth:`Tier.load` let a resume take the newest usable step of either.
-A tier that is a ``cache`` never fails a run: its errors are logged and its steps passed over.
+"""A tier: one storage root that ``CheckpointManager`` saves to and resumes from. A plain
+``Tier`` is the durable one (the checkpoint root, its errors raised); a ``cache`` tier (the
+memory tier, ``_memory.py``) never fails a run: its errors are logged and its steps passed over.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -73,7 +71,6 @@ class Tier:
         self.pending: storage.SaveHandle | None = None  # kept even when done: errors surface
         self.discard_newer = False  # the next save starts a new timeline here
         self.newest: int | None = None  # the newest step known to be committed here
-        self.saved = False  # a save was started here (not just a resume)
 
     def values(self) -> dict[str, Any]:
         """JSON values this tier saves beside the manager's state (and loads back)."""
@@ -96,19 +93,12 @@ class Tier:
             discard_newer=self.discard_newer,
         )
         where = dict(process_group=self.group.pg, storage_options=self.storage_options)
+        save = storage.save if node is None else partial(storage.saving.save_on_nodes, node=node)
         try:
-            if node is None:
-                self.pending = storage.save(state, self.url, step, options=options, **where, **kw)
-            else:
-                self.pending = storage.saving.save_on_nodes(
-                    state, self.url, step, node=node, options=options, **where, **kw
-                )
+            self.pending = save(state, self.url, step, options=options, **where, **kw)
         except storage.CheckpointError as e:
-            if not self.cache:
-                raise
-            self.log(f"ftsdp: a save to {self.name} {self.url} failed: {e}")
+            self._failed(e)
         self.discard_newer = False  # once: after this save the newer steps are gone
-        self.saved = True
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error (a cache logs it)."""
@@ -118,11 +108,27 @@ class Tier:
         try:
             pending.wait()
         except Exception as e:
-            if not self.cache:
-                raise
-            self.log(f"ftsdp: a save to {self.name} {self.url} failed: {e}")
+            self._failed(e)
         else:
             self.newest = pending.step
+
+    def _failed(self, error: Exception) -> None:
+        """A save's error: raised, or logged by a cache."""
+        if not self.cache:
+            raise error
+        self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
+
+    def newest_committed(self) -> int | None:
+        """The newest step known to be committed by now, without waiting (a failed save's
+        error is left for :meth:`wait`)."""
+        pending = self.pending
+        if pending is not None and pending.done():
+            try:
+                pending.wait(0)
+            except Exception:
+                return self.newest
+            self.newest = pending.step
+        return self.newest
 
     def in_flight(self) -> bool:
         """Whether a save is still uploading or committing."""
@@ -161,8 +167,7 @@ class Tier:
 
     def peek(self, step: int, durable: list[int]) -> tuple[set[str] | None, str | None]:
         """Read by rank 0 from ``step``'s manifest: the names of its optimizer state (None when
-        it cannot be read: the load reports why; see [Note: the optimizer state to load into])
-        and :meth:`foreign`'s answer (collective)."""
+        it cannot be read: the load reports why) and :meth:`foreign`'s answer (collective)."""
 
         def peek() -> tuple[list[str] | None, str | None]:
             try:
