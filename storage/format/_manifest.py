@@ -1,25 +1,10 @@
-"""The versioned manifest (format version 3, see docs/format.md): encode, decode, validate.
+"""The versioned manifest (docs/format.md, "manifest.json"): encode, decode, validate.
 
-Everything a reader trusts comes from here, so ``Manifest.from_json`` validates the whole document
-before any byte is read: its size, nesting and own checksum first (see [Note: hostile
-manifests]), then unknown versions, unsafe object names, ranges that overlap, leave gaps or
-disagree with the shape and dtype, and byte ranges past an object's end. Every failure is a
-``CheckpointError`` (``CorruptCheckpointError`` or ``NewerFormatError``), never another exception.
-
-[Note: hostile manifests]
-A manifest is input from outside (docs/format.md, "Threat model"). Decoding one must end in a
-``Manifest`` or a ``CheckpointError``, whatever its bytes: its size is checked before it is read
-(``read_manifest_file``), a JSON decoder that runs out of stack or meets an integer longer than
-Python's int-string limit is turned into ``CorruptCheckpointError``, the nesting of arrays and
-objects is capped (walked iteratively), every integer the format uses is bounded by 2**63 - 1
-(so products and messages stay small), and messages show foreign values through a bounded repr.
-The manifest checksum (``manifest_checksum``: CRC-32C, CRC-32 before version 3, of the
-document's canonical encoding,
-without that field) then catches a manifest that was corrupted or edited by hand, including
-edits that stay self-consistent, such as relabelling a float32 tensor int32. It detects damage,
-not tampering: whoever can write the manifest can recompute it. It is required from version 2
-on: were it optional, one damaged byte in its key would switch the check off (the fuzz test
-found two bit flips that did); a version 1 manifest has none, or one that is checked.
+``Manifest.from_json`` validates the whole document before any byte is read and fails only
+with a ``CheckpointError`` whatever its bytes ([Note: hostile manifests]: docs/format.md,
+"Rules a reader enforces" and "Threat model"): size, nesting and integers are bounded, foreign
+values are shown through a bounded repr, and the manifest checksum (required from version 2)
+catches damage, not tampering.
 """
 
 from __future__ import annotations
@@ -80,8 +65,7 @@ def _show(x: Any) -> str:
 def canonical_json(doc: dict[str, Any]) -> bytes:
     """The bytes the manifest checksum covers: ``doc`` without its checksum field, as compact
     JSON with sorted keys and ASCII escapes (floats as Python's shortest round-trip repr)."""
-    body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return _canonical_value({k: v for k, v in doc.items() if k != SELF_CHECKSUM}).encode()
 
 
 def seal(doc: dict[str, Any]) -> dict[str, Any]:
@@ -487,8 +471,7 @@ def _decode(doc: Any, where: str) -> Manifest:
         if not cond:
             fail(msg)
 
-    _check_version(doc, where)
-    version = doc["version"]
+    version = doc["version"]  # checked by _check_version
     for key in ("step", "world_size"):
         need(
             _is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={_show(doc.get(key))} invalid"
@@ -540,9 +523,9 @@ def _decode(doc: Any, where: str) -> Manifest:
             rules[name] = (tuple(shape), dtype, rule)
             continue
         need(isinstance(t.get("pieces"), list), f"{what}: pieces is not a list")
-        pieces = []
-        for p in t["pieces"]:
-            pieces.append(_decode_piece(p, what, size, block, algorithm, objects, fail))
+        pieces = [
+            _decode_piece(p, what, size, block, algorithm, objects, fail) for p in t["pieces"]
+        ]
         pieces.sort(key=lambda p: p.offset)
         try:
             check_disjoint_cover([p.range for p in pieces], numel, what)

@@ -94,27 +94,10 @@ def resolve_manifest(
 # -- what is ours: scanning a root, deleting steps ------------------------------------------------
 #
 # [Note: deleting only what is ours]
-# A checkpoint root may share its folder with other things, and a step directory can hold anything
-# a person or another program put there. Every deletion decision therefore rests on content:
-#
-# - A step is *committed* (for deletion decisions) when its manifest decodes and validates as this
-#   format (``Manifest.from_json``: format, version, structure) and its ``step`` is the
-#   directory's number. A manifest that does not is *unreadable*: that step is not committed,
-#   never counts toward ``keep_last``, and is never deleted, only reported.
-# - A committed step is deleted manifest first (a crash midway leaves a torn step, never a
-#   damaged committed one), then exactly the objects its manifest lists and the names this
-#   format writes there (``_layout.is_own_name``: objects of other attempts, done and abort
-#   markers, temporary names), then the directory if it is empty by then. Anything else stays and
-#   is reported. Nothing is ever removed recursively.
-# - A step directory without a manifest is a torn attempt. It is deleted only when it holds
-#   nothing but such names (and is older than the newest committed step: a newer one may be a
-#   save in progress); otherwise it is left alone and reported.
-# - Links are never followed: a ``step-<N>`` entry that is a link is skipped and reported, and a
-#   file is deleted only when it is no link and resolves inside the root.
-#
-# Readers keep their cheaper rule (``committed_steps``: a manifest exists) and validate before
-# reading, so a step whose manifest is damaged is reported loudly as unusable by the loader (and
-# a resume falls back past it) instead of being skipped in silence.
+# Every deletion rests on content, never on names alone: a step counts as committed only when
+# its manifest validates and names its own step; only this format's names are deleted, manifest
+# first, never recursively and never through a link (docs/format.md, "Retention and garbage
+# collection"). Readers keep the cheaper rule of ``committed_steps`` and validate before reading.
 
 
 @dataclass
