@@ -1,44 +1,19 @@
 """The commit protocol of the native format (docs/design.md, "The commit protocol"): its one owner.
 
-Every writer of the format makes a step committed here, by the same code:
-
-- the distributed ``save``: rank 0 draws the attempt (``new_attempt``) before the plan is
-  gathered; after writing its objects every rank calls ``finish``: ranks > 0 report through a
-  done marker and wait, rank 0 collects the markers and commits (or aborts);
-- the single-process writer behind ``convert`` and ``reshard``, which lays a step out for any
-  world size but is its only writer (no other ranks, so no markers): ``new_attempt``, write the
-  objects, then ``commit(store, build_manifest(...))``.
+Every writer of the format commits here: the distributed ``save`` (``new_attempt`` on rank 0,
+then ``finish`` on every rank) and the single-process writer behind ``convert`` and
+``reshard`` (``new_attempt``, its objects, then ``commit(store, build_manifest(...))``).
 
 [Note: commit without collectives in the background]
-After the planning all-gather (on the caller's thread, where every rank calls ``save`` in the
-same order) no collective is used: a rank > 0 writes its objects, then a small done-marker
-object with its sizes and checksums; rank 0 waits for every marker, writes the manifest (the
-commit) and the ``latest`` marker. A failure becomes an error marker (rank > 0) or an abort
-marker (rank 0), so every rank fails the same save instead of hanging; a silent rank is a
-timeout. This works the same whether the upload runs inline or in a background thread, so
-async save cannot deadlock with the training loop's collectives.
+After the planning exchange no collective is used: ranks > 0 write done (or error) markers,
+rank 0 waits for them and writes the manifest or an abort marker, so every rank fails the same
+save and a background commit cannot deadlock with training's collectives.
 
 [Note: one writer per step, one timeline]
-Two writers can meet on one root: two jobs given the same URL, or a rank of a stale incarnation
-(SIGSTOPped, resumed after torchrun restarted the job) that finishes a save the new incarnation
-has already moved past. Neither may silently replace or outrun the other:
-
-- The manifest is created exclusively (``Store.write_exclusive``: a hard link on a local disk,
-  ``If-None-Match: *`` on S3). Of two commits of one step exactly one succeeds; the other gets
-  ``CommitConflictError`` naming the winner's attempt and removes its own objects and markers
-  (their names carry its attempt id).
-- Rank 0 remembers which steps had a manifest when it planned the save (``Lineage.seen``). Just
-  before the commit it lists them again; a step that appeared meanwhile means another writer is
-  active, and the save is abandoned (``CommitConflictError``). Right after the commit it lists
-  them once more and backs its own commit out when a step appeared in between, so of two writers
-  whose commits overlap at most one keeps its step. What stays open: in that last case ranks > 0
-  of the writer that backs out may already have returned (rank 0 raises), and a reader may have
-  seen the step for that moment.
-- A save never goes behind a newer committed step (``plan_lineage``): the newer steps would
-  stay the newest, so a resume would load them and retention would keep them over the new one.
-  It is refused before anything is written, unless ``discard_newer`` says the newer steps are
-  an abandoned timeline: then they (and an earlier commit of the same step) are deleted once
-  the new step is committed, and the newest step a resume sees is the one just saved.
+The manifest is created exclusively; rank 0 lists the committed steps before and right after
+its commit (``Lineage.seen``) and gives up, or backs its commit out, when another writer
+committed meanwhile; a save never goes behind newer committed steps unless ``discard_newer``
+(docs/design.md, "One timeline"; the residual windows in docs/format.md).
 """
 
 from __future__ import annotations

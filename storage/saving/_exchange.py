@@ -2,27 +2,14 @@
 regular layouts, gathered to one coordinator for the rest.
 
 [Note: the save exchange]
-Every rank of a save, on the same group and in the same order:
-  1. a broadcast of rank 0's header: whether it failed to describe its state, the step, its
-     checksum block size, a digest of its tensors' names, shapes and dtypes and of the options
-     that shape its objects, a digest of its rules, its attempt id and the attempt it replaces;
-  2. an all-reduce (max) of four flags, each rank comparing its own with that header: a rank
-     failed, a rank saves another step or checksums other blocks (one manifest, one size),
-     a rank holds other tensors, a rank has other rules. Only when one of the first two is set:
-     an all-gather of each rank's error, step and block size, so that every rank raises the
-     same message;
-  3. only when the tensors are the same everywhere but the rules are not: an all-reduce (max)
-     of each tensor's rule as three integers and their negations, which finds the rules every
-     rank agrees on, compared exactly; a tensor whose rule differs somewhere (a rank holding it
-     whole where the others hold parts) has none. That is 48 bytes per tensor;
-  4. only when some tensor has no agreed rule: a gather to rank 0 of the ranges of those
-     tensors, with the number of regular objects the rank writes, and a scatter from rank 0 of
-     each rank's share of the plan of those tensors.
-With agreed rules a rank plans its regular objects from the table alone (see [Note: regular
-layouts] in _regular.py). The ranks' JSON values are not exchanged here: each rank other than
-rank 0 reports its own in its done marker with its checksums, and rank 0 keeps in the manifest
-those that differ from its own (storage/saving/_commit.py). Nothing here grows with the world
-size on any rank while the save succeeds, and rank 0 receives only the irregular ranges.
+Every rank of a save, on the same group and in the same order (docs/format.md, "Commit
+protocol", step 1): a broadcast of rank 0's header (failure, step, block size, digests of its
+tensors, options and rules, attempt ids); an all-reduce (max) of four flags (a rank failed,
+differs in step or block size, in tensors, in rules), then an all-gather of the errors only when
+one of the first two is set, so every rank raises the same message; an all-reduce of each rule
+as three integers and their negations only when just the rules differ (a tensor whose rule
+differs somewhere has none); a gather and scatter through rank 0 only for the tensors with no
+agreed rule. Nothing here grows with the world size on any rank but rank 0.
 """
 
 from __future__ import annotations

@@ -8,31 +8,12 @@ saving.clear_on_nodes("/dev/shm/run", node=node_id)           # at a clean end
 ```
 
 [Note: node-local roots]
-Host shared memory (``/dev/shm``) outlives a worker process but not its machine, and no other
-machine can read it. ``save_on_nodes`` writes every rank's objects into the root as this
-rank's machine sees it: the same path names a different directory on each node. The ordinary
-commit cannot work there (rank 0 reads the other ranks' done markers from the root, and only its
-own node's are in its root), so this mode commits through collectives on storage's own gloo
-group (the save's background thread, never the training loop's group):
-
-1. every rank writes its objects, then all ranks gather each rank's report (its node, its
-   objects' sizes and checksums, its error: what a done marker holds);
-2. the replica: each rank sends its objects' bytes to the rank of the same local index on the
-   next node (a ring over the nodes, in the order of their lowest rank), which writes them under
-   the same names into its node's root;
-3. rank 0 checks the reports against the plan and builds the manifest (``build_manifest``, the
-   same as a shared root's), and broadcasts it;
-4. the first rank of each node commits it into its node's root (``commit``: the same exclusive
-   create, ``latest`` and retention; only the objects that node holds are checked), and the
-   outcome is agreed: a failure anywhere fails the save on every rank.
-
-A committed step is one directory with the usual manifest on every node; each node holds its
-own ranks' objects and the previous node's. ``restore_on_nodes`` (collective, before a load)
-gathers what each node of the current job holds, picks the newest step whose manifest some node
-has and whose objects the nodes hold together, and sends every node the manifest and objects it
-lacks, so that the ordinary ``load`` (same manifest, same checks) runs on each node's root. A
-lost node is thus covered by the next node's replica; losing two neighbouring nodes loses the
-tier's steps (the caller falls back to its durable checkpoints).
+The same path names a different directory on each machine, so rank 0 cannot read the other
+ranks' done markers: the commit runs through collectives on storage's own gloo group (reports
+gathered, each rank's objects replicated to the same local rank of the next node, rank 0's
+manifest broadcast, the first rank of each node commits it). ``restore_on_nodes`` sends every
+node what it lacks of the newest step the nodes hold together (docs/elastic.md, "The memory
+tier on several machines").
 """
 
 from __future__ import annotations
