@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
@@ -123,11 +122,6 @@ class RegularLayout:
     world: int
     object_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, Rule], ...]
-
-    @cached_property
-    def by_name(self) -> dict[str, tuple[tuple[int, ...], str, Rule]]:
-        """``name -> (shape, dtype name, rule)``."""
-        return {name: (shape, dtype, rule) for name, shape, dtype, rule in self.entries}
 
     def rank_pieces(self, rank: int) -> list[PlannedPiece]:
         """The pieces ``rank`` writes, in name order (one per tensor it holds part of)."""
