@@ -376,14 +376,9 @@ def apply_retention(
     keep_every: int | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Keep the newest ``keep_last`` committed steps and every step divisible by ``keep_every``.
-
-    Deletes only what is provably ours (see [Note: deleting only what is ours]): committed steps
-    past retention, torn step dirs older than the newest committed step that hold nothing but
-    this format's files, and such files of torn attempts inside kept steps. Never the newest
-    committed step, an uncommitted step newer than it (a save in progress), a step whose
-    manifest is unreadable, anything reached through a link. Returns the removed steps.
-    """
+    """Keep the newest ``keep_last`` committed steps and every step divisible by ``keep_every``,
+    deleting only what is provably ours (see [Note: deleting only what is ours]); returns the
+    removed steps."""
     return retain(Store(url, storage_options), keep_last, keep_every)
 
 
@@ -396,12 +391,8 @@ def read_manifest(
 
 def clear_steps(url: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """Delete every step under ``url`` that is provably ours, committed or torn, then ``latest``
-    and the root directory itself when nothing else is left in it; returns the removed steps.
-
-    For roots that are caches of a run (``CheckpointManager``'s memory tier, cleared at a clean
-    exit): unlike retention it keeps nothing. Like every deletion it never touches a file this
-    format did not write, a step whose manifest is not this format's, or a link.
-    """
+    and the root itself when nothing else is left (a cache of a run, such as the memory tier);
+    returns the removed steps."""
     store = Store(url, storage_options)
     scan = scan_root(store)
     removed = []

@@ -342,10 +342,8 @@ def _abandon(store: Store, step: int, attempt: str) -> None:
 
 
 def _attempt_at(store: Store, step: int) -> str | None:
-    """The attempt named by the manifest of ``step`` now; None when there is none (or it cannot
-    be read as JSON). Every rank > 0 asks this at each commit, so it reads the manifest's first
-    4 KiB, where this format puts ``attempt`` (before the tensors and values), and the whole
-    manifest only when it is not there."""
+    """The attempt named by the manifest of ``step`` now (None: none, or not JSON); from its first
+    4 KiB, where this format puts it, since every rank > 0 asks at each commit."""
     rel = manifest_path(step)
     try:
         head = store.read_range(rel, 0, min(store.size(rel), _HEAD_BYTES))
@@ -471,11 +469,8 @@ def _regular_count(plan: SavePlan, rank: int) -> int:
 def _collect_markers(
     store: Store, step: int, plan: SavePlan, world: int, timeout_s: float
 ) -> tuple[Crcs, dict[str, int], list[int], list[dict[str, Any]]]:
-    """Rank 0: every other rank's checksums and JSON values, from its done marker, each listed
-    object's size checked against the plan; with a regular layout also each rank's regular
-    objects (their number and sizes, as the rank reports them: see [Note: regular layouts] in
-    storage/format/_regular.py). Returns those and the values by rank (rank 0's left empty). Raises a
-    rank's reported error, or TimeoutError."""
+    """Rank 0: every other rank's report from its done marker (``take_report``), and the values
+    by rank (rank 0's left empty); raises a rank's reported error, or TimeoutError."""
     crcs: Crcs = {}
     sizes: dict[str, int] = {}
     counts = [0] * world

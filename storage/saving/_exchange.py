@@ -60,13 +60,9 @@ def exchange(
     """Agree on and plan the save of ``step``; collective over ``group``.
 
     ``meta``: this rank's ``error`` (or None), JSON ``values`` and, on rank 0, ``attempt`` and
-    ``replaces`` (elsewhere absent); the rows of the tensors to coordinate come from ``leaves``.
-    Returns the plan, this rank's values (reported at the commit; the caller's copy, which
-    nothing changes any more) and the number of ranks. Raises the same error on every rank
-    when a rank failed, the ranks save different steps, or the ranges do not fit together.
-    ``wire``: the collectives (``rank_world``, ``all_reduce_max``, ``all_gather_json``,
-    ``broadcast_json``, ``gather_json``, ``scatter_json`` of storage/io/_collectives.py),
-    replaced only by the scale simulation (``ftsdp.tools.dev.simulation``).
+    ``replaces``. Returns the plan, this rank's values and the number of ranks; raises the same
+    error on every rank when a rank failed, the steps differ, or the ranges do not fit together.
+    ``wire``: storage/io/_collectives.py, replaced only by ``ftsdp.tools.dev.simulation``.
     """
     rank, world = wire.rank_world(group)
     error = meta.get("error")
@@ -134,10 +130,8 @@ def exchange(
 
 
 def _raise_for(reports: list[dict[str, Any]], step: int) -> None:
-    """Raise, on every rank alike, for every rank's ``{"error", "step", "block"}`` when a rank
-    failed to describe its state, the ranks are not saving the same step (a loop that went on
-    after a save failed on some ranks only: every later exchange would pair different saves),
-    or they checksum blocks of different sizes."""
+    """Raise, on every rank alike, the first failure, different steps or different checksum
+    blocks in every rank's ``{"error", "step", "block"}``."""
     for r, m in enumerate(reports):
         if m["error"]:
             raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")

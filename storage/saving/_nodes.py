@@ -128,10 +128,9 @@ def _transfer(
     moves: list[tuple[int, int, str, int]],
     group: dist.ProcessGroup | None,
 ) -> dict[str, bytes]:
-    """Run ``moves`` ``(src, dst, rel, size)`` (the same list on every rank): ``src`` sends the
-    file ``rel`` of its root to ``dst`` (gloo, uint8 tensors, one tag per move). Returns what
-    this rank received, ``{rel: bytes}``, unwritten. A source that cannot read its file sends
-    zeros and raises afterwards (the caller agrees on the outcome before writing anything)."""
+    """Run ``moves`` ``(src, dst, rel, size)`` (the same on every rank): ``src`` sends its file
+    ``rel`` to ``dst``. Returns what this rank received, unwritten; a source that cannot read
+    its file sends zeros and raises afterwards (the caller agrees on the outcome)."""
     if group is None:  # a world of one: one node, no replica to move
         return {}
     works: list[dist.Work | None] = []  # None: this rank is not in the group (never here)

@@ -88,10 +88,8 @@ def _lane(key: str) -> _Lane:
 
 
 def _forget_in_child() -> None:
-    """After ``os.fork()``, in the child: the saves in flight belong to the parent, whose
-    threads copy and commit them; the child has none of those threads, so a fence or a save
-    there would wait forever for a handle nothing sets. The child starts with no lanes (and
-    fresh locks: a parent's thread may have held one at the fork)."""
+    """After ``os.fork()``, in the child: no lanes and fresh locks (the parent's saves and their
+    threads are not the child's; waiting on them would never end)."""
     global _lock, _lanes, _staging_pool
     _lock = threading.Lock()
     _lanes = {}
@@ -362,14 +360,11 @@ def prepare_save(
     """Get ready for ``save(..., async_save=True, defer_copy=True)`` to ``url``; collective over
     ``process_group`` the first time. Returns the bytes of host memory reserved.
 
-    Creates storage's own process group for the saves to ``url`` (the deferred saves exchange
-    their metadata on it, off the caller's thread; see [Note: one lane per root]) and, given
-    the ``state`` to be saved, allocates the snapshot memory for this rank's share and maps its
-    pages (a rank's share is at most the bytes of its tensors: that much is reserved, when it
-    fits in ``options.staging_budget_bytes``; nothing for a tmpfs root and CPU tensors, which
-    are written to their files directly: see [Note: a tmpfs root written from the live
-    tensors]). Without this call the first deferred save does both; the caller then waits for
-    the group, and the first copy into fresh memory takes longer.
+    Creates storage's own process group for the saves to ``url`` (see [Note: one lane per
+    root]) and, given the ``state`` to be saved, reserves snapshot memory for this rank's
+    tensors when it fits in ``options.staging_budget_bytes`` (none for a tmpfs root and CPU
+    tensors: see [Note: a tmpfs root written from the live tensors]). Otherwise the first
+    deferred save does both.
     """
     options = options or SaveOptions()
     store = Store(url, storage_options, options.io)
