@@ -315,7 +315,7 @@ class Manifest:
             doc["regular"] = {
                 "object_bytes": self.regular.layout.object_bytes,
                 "ranks": [
-                    [k, c] for k, c in zip(self.regular.counts, self.regular.checksums, strict=True)
+                    list(r) for r in zip(self.regular.counts, self.regular.checksums, strict=True)
                 ],
             }
         user = {"values": self.values, "rank_values": self.rank_values}  # at the same depth

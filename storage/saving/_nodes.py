@@ -145,15 +145,14 @@ def _transfer(
                     raise CheckpointError(f"{store.where(rel)} has {len(data)} bytes, not {size}")
             except Exception as e:
                 read_error, data = read_error or e, bytes(size)
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else None
-            if buf is not None:
+            if size:
+                buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 works.append(dist.isend(buf, dist.get_global_rank(group, dst), group, tag))
-        elif dst == rank and size:
-            buf = torch.empty(size, dtype=torch.uint8)
-            works.append(dist.irecv(buf, dist.get_global_rank(group, src), group, tag))
-            received.append((rel, buf))
         elif dst == rank:
-            received.append((rel, torch.empty(0, dtype=torch.uint8)))
+            buf = torch.empty(size, dtype=torch.uint8)
+            if size:
+                works.append(dist.irecv(buf, dist.get_global_rank(group, src), group, tag))
+            received.append((rel, buf))
     for w in works:
         if w is not None:
             w.wait()
@@ -271,9 +270,7 @@ def _manifest(
     sizes: dict[str, int] = {}
     counts = [0] * world_size
     rank_values: list[dict[str, Any]] = [values] + [{} for _ in range(world_size - 1)]
-    for rank, marker in enumerate(reports):
-        if rank == 0:
-            continue
+    for rank, marker in enumerate(reports[1:], 1):
         take_report(plan, step, rank, marker, crcs, sizes, counts, rank_values)
     return manifest_of_reports(plan, crcs, sizes, counts, step, checksum_block_bytes, rank_values)
 
