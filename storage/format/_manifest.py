@@ -37,9 +37,7 @@ from ftsdp.storage.format._regular import RegularLayout, Rule, rule_from_json
 from ftsdp.storage.io._fs import Store
 
 FORMAT_NAME = "ftsdp.storage"
-# 2 added the required manifest checksum, 3 made every checksum CRC-32C (was CRC-32), 4 added
-# tensors described by a layout rule (storage/format/_regular.py); versions 1 to 3 still load
-# (tests/golden/). A manifest without rule tensors is still written as version 3.
+# Versions 1 to 4 load (docs/format.md, "Versions"); one without rule tensors is written as 3.
 FORMAT_VERSION = 4
 PLAIN_VERSION = 3  # the version of a manifest that lists every piece
 SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}

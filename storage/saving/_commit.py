@@ -384,17 +384,8 @@ def finish(
     this save; ``replaces``: the attempt of an earlier commit of this step that it replaces
     (every rank knows it from the plan)."""
     if rank != 0:  # report, then wait for rank 0's verdict
-        objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
-        regular = _regular_count(plan, rank)
-        _write_marker(
-            store,
-            done_marker(step, plan.attempt, rank),
-            error,
-            rank=rank,
-            objects=objects,
-            regular=regular,
-            values=values,
-        )
+        report = report_of(plan, rank, crcs, values)
+        _write_marker(store, done_marker(step, plan.attempt, rank), error, rank=rank, **report)
         if error is not None:
             raise error
         _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces)
@@ -459,6 +450,12 @@ def _wait_for_commit(
         f"rank {rank}: step {step} at {store.where()} was not committed within {timeout_s}s "
         "(is rank 0 alive?)"
     )
+
+
+def report_of(plan: SavePlan, rank: int, crcs: Crcs, values: dict[str, Any]) -> dict[str, Any]:
+    """What rank ``rank`` reports of its objects at the commit (``take_report`` reads it)."""
+    objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
+    return {"objects": objects, "regular": _regular_count(plan, rank), "values": values}
 
 
 def _regular_count(plan: SavePlan, rank: int) -> int:

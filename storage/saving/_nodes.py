@@ -42,10 +42,10 @@ from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._commit import (
     Crcs,
     Lineage,
-    _regular_count,
     commit,
     manifest_of_reports,
     plan_lineage,
+    report_of,
     take_report,
 )
 from ftsdp.storage.saving._save_plan import SavePlan
@@ -184,14 +184,8 @@ def finish_on_nodes(
     JSON values (rank 0's are the manifest's). Returns when the step is committed on every
     node; raises on every rank otherwise."""
     own = plan.own(rank)
-    full = gather_json(  # rank 0 builds the manifest from them: what done markers would hold
-        {
-            "objects": {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in own},
-            "regular": _regular_count(plan, rank),
-            "values": values,
-        },
-        group,
-    )
+    # rank 0 builds the manifest from them: what done markers would hold
+    full = gather_json(report_of(plan, rank, crcs, values), group)
     report = {"node": node, "error": _error(error), "objects": {o.name: o.size for o in own}}
     reports = all_gather_json(report, group)
     failed = [(r, x["error"]) for r, x in enumerate(reports) if x["error"]]

@@ -235,14 +235,11 @@ def save(
     optimizer's ``step()``. See [Note: deferred snapshots]. :func:`prepare_save` ahead of the
     first such save creates that group and the host staging memory.
 
-    A committed ``step`` is never overwritten (FileExistsError), and a save behind newer
-    committed steps is refused (CheckpointError naming them), both on every rank before anything
-    is written: after a save, the newest committed step is the one just saved. When those steps
-    belong to an abandoned timeline (a resume fell back past them),
-    ``SaveOptions(discard_newer=True)`` deletes them, and an earlier commit of ``step`` itself,
-    once this step is committed. A concurrent or stale writer on the same root loses with
-    ``CommitConflictError`` (see [Note: one writer per step, one timeline] in
-    ``storage/saving/_commit.py``). :func:`save_on_nodes` saves to node-local roots.
+    Before anything is written, on every rank: a committed ``step`` is never overwritten
+    (FileExistsError) and a save behind newer committed steps is refused (CheckpointError),
+    unless ``SaveOptions(discard_newer=True)`` (they are deleted once this step is committed). A
+    concurrent or stale writer loses with ``CommitConflictError`` (docs/design.md, "One
+    timeline"). :func:`save_on_nodes` saves to node-local roots.
     """
     return _save(state, url, step, process_group, async_save, storage_options, options, defer_copy)
 
