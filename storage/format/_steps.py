@@ -207,14 +207,9 @@ def plan_removal(store: Store, d: StepDir) -> Deletion | None:
     None when the step must stay (an unreadable manifest, or a torn dir holding other things)."""
     if d.problem is not None:
         return None
-    plan = Deletion(d.step)
     listed = d.manifest.objects if d.manifest is not None else {}
     names = sorted(d.entries, key=lambda n: (n != MANIFEST, n not in listed, n))
-    for name in names:
-        if _mine(store, d, name, listed):
-            plan.files.append((f"{step_dir(d.step)}/{name}", d.entries[name][1]))
-        else:
-            plan.left.append(name)
+    plan = _sort_out(store, d, Deletion(d.step), names, listed)
     if d.manifest is None and plan.left:
         return None  # a torn directory holding things that are not ours: not ours to clean
     return plan
@@ -224,11 +219,16 @@ def plan_strays(store: Store, d: StepDir) -> Deletion:
     """Names this format writes in committed step ``d`` that its manifest does not list (objects
     of torn attempts, markers, temporary names): garbage. Other names stay, in ``left``."""
     assert d.manifest is not None
-    plan = Deletion(d.step, whole=False)
-    for name in sorted(d.entries):
-        if name == MANIFEST or name in d.manifest.objects:
-            continue
-        if is_own_name(name) and _mine(store, d, name):
+    names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
+    return _sort_out(store, d, Deletion(d.step, whole=False), names)
+
+
+def _sort_out(
+    store: Store, d: StepDir, plan: Deletion, names: list[str], listed: Collection[str] = ()
+) -> Deletion:
+    """``plan`` with each of ``names`` in ``d`` added to its files when ours, else to ``left``."""
+    for name in names:
+        if _mine(store, d, name, listed):
             plan.files.append((f"{step_dir(d.step)}/{name}", d.entries[name][1]))
         else:
             plan.left.append(name)
@@ -239,9 +239,8 @@ def execute(store: Store, plan: Deletion) -> None:
     """Delete the files of ``plan`` in order (each checked again: no link, inside the root), then
     its directory if the step goes and nothing is left in it."""
     for rel, _ in plan.files:
-        if store.is_link(rel) or not store.inside_root(rel):
-            continue
-        store.remove(rel)
+        if not store.is_link(rel) and store.inside_root(rel):
+            store.remove(rel)
     if plan.whole and not plan.left:
         store.remove_empty_dir(step_dir(plan.step))
 
