@@ -20,7 +20,7 @@ import struct
 import threading
 from bisect import bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NoReturn, TypeGuard
 
 from ftsdp.storage._errors import (
@@ -148,27 +148,23 @@ class Piece:
         return Range(self.offset, self.length)
 
 
+@dataclass(eq=False)
 class RegularIndex:
     """The regular objects of a manifest (version 4): per rank, how many objects its rule
     tensors fill and the checksums of their blocks, in order; a rank's pieces are derived from
     the layout on first use and checked against the object sizes and the checksum count (see
     [Note: regular layouts] in storage/format/_regular.py)."""
 
-    def __init__(
-        self,
-        layout: RegularLayout,
-        counts: tuple[int, ...],
-        checksums: tuple[str, ...],
-        *,
-        attempt: str,
-        step: int,
-        block: int,
-        objects: dict[str, int],
-    ) -> None:
-        self.layout, self.counts, self.checksums = layout, counts, checksums
-        self.attempt, self.step, self.block, self.objects = attempt, step, block, objects
-        self._ranks: dict[int, dict[str, list[Piece]]] = {}
-        self._lock = threading.Lock()
+    layout: RegularLayout
+    counts: tuple[int, ...]
+    checksums: tuple[str, ...]
+    _: KW_ONLY
+    attempt: str
+    step: int
+    block: int
+    objects: dict[str, int]
+    _ranks: dict[int, dict[str, list[Piece]]] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def names(self, rank: int) -> list[str]:
         """The names of rank ``rank``'s regular objects."""
