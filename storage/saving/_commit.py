@@ -377,12 +377,9 @@ def finish(
     replaces: str | None = None,
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
-    checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
-    every rank when it is not. ``values``: this rank's JSON values (a rank > 0 reports them in
-    its done marker; rank 0's are the manifest's ``values``, and it keeps the others' that
-    differ); ``world_size``: the number of ranks. ``lineage``: rank 0's ``plan_lineage`` of
-    this save; ``replaces``: the attempt of an earlier commit of this step that it replaces
-    (every rank knows it from the plan)."""
+    checksums: ``crcs``) or failed (``error``); returns when the step is committed, raises on
+    every rank when it is not. ``values``: this rank's JSON values; ``lineage``: rank 0's
+    ``plan_lineage``; ``replaces``: the attempt of an earlier commit this one replaces."""
     if rank != 0:  # report, then wait for rank 0's verdict
         report = report_of(plan, rank, crcs, values)
         _write_marker(store, done_marker(step, plan.attempt, rank), error, rank=rank, **report)
