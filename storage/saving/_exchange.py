@@ -25,7 +25,6 @@ from ftsdp.storage.format._dtypes import dtype_name
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._objects import PlannedObject, PlannedPiece
 from ftsdp.storage.format._regular import RegularLayout, infer_rule, resolve
-from ftsdp.storage.format._safetensors import layout as safetensors_layout
 from ftsdp.storage.format._state import TensorLeaf
 from ftsdp.storage.io import _collectives
 from ftsdp.storage.saving._save_plan import SavePlan, make_plan, renamed
@@ -205,15 +204,11 @@ def _objects(
     rank: int, first: int, attempt: str, share: list[Any], leaves: dict[str, TensorLeaf]
 ) -> list[PlannedObject]:
     """This rank's listed objects from its share of the coordinator's plan."""
-    out = []
-    for i, pieces in enumerate(share):
-        obj = PlannedObject(
+    return [
+        PlannedObject.laid_out(
             object_name(rank, first + i, attempt),
             rank,
             [PlannedPiece(n, o, ln, leaves[n].dtype) for n, o, ln in pieces],
         )
-        obj.head, obj.byte_ranges, obj.size = safetensors_layout(
-            [(p.key, p.dtype, p.length) for p in obj.pieces]
-        )
-        out.append(obj)
-    return out
+        for i, pieces in enumerate(share)
+    ]
