@@ -75,7 +75,17 @@ def write_object(
                 crcs[current].append(crc)
             current, crc, n = i, 0, 0
         mv = t if isinstance(t, memoryview) else tensor_bytes(t)
-        size, off = len(mv), 0
+        size = len(mv)
+        if size <= block_bytes - n and pos % _WRITE_SPAN + size <= _WRITE_SPAN:
+            # most chunks are small tensors within one block and one span: no loop
+            crc, n = checksum(mv, crc), n + size
+            f.write(mv)
+            pos += size
+            if n == block_bytes:
+                crcs[i].append(crc)
+                crc, n = 0, 0
+            continue
+        off = 0
         while off < size:
             end = min(size, off + _WRITE_SPAN - pos % _WRITE_SPAN)
             span = mv[off:end]
