@@ -1,19 +1,9 @@
-"""The checksum algorithms of the format: which one each manifest version uses, and its function.
+"""The checksum algorithms of the format: which one each manifest version uses, and its function
+(docs/format.md, "Integrity").
 
-A manifest's version fixes its algorithm (``ALGORITHM_OF_VERSION``); the document names it too
-(``checksum.algorithm`` and the manifest checksum's ``algorithm``), and a reader refuses a name
-that does not match the version, so one damaged byte cannot switch a reader to another function.
-
-- ``crc32c`` (CRC-32C, Castagnoli; version 3 on, what is written): the ``crc32c`` package, which
-  uses the CPU's CRC instruction (SSE4.2 on x86-64, the CRC extension on ARMv8): faster than a
-  memory copy on this project's machines (docs/benchmarks.md), so a checksum costs about what
-  reading the bytes costs. It is also the checksum object stores offer for uploads (S3's
-  ``CRC32C``).
-- ``crc32`` (the CRC-32 of zlib and gzip; versions 1 and 2, read only): ISA-L's implementation
-  when the optional ``isal`` package is installed, else zlib's (slower).
-
-Every function has zlib's shape: ``f(data, value=0) -> int``, ``value`` being the running
-checksum of the bytes before ``data`` (so a stream is checksummed in parts).
+A manifest's version fixes its algorithm (``ALGORITHM_OF_VERSION``) and a reader refuses a
+document naming another, so one damaged byte cannot switch a reader to another function. Every
+function has zlib's shape, ``f(data, value=0) -> int``, ``value`` the running checksum so far.
 """
 
 from __future__ import annotations
@@ -43,8 +33,3 @@ def checksum_function(algorithm: str) -> Checksum:
         raise ValueError(
             f"unknown checksum algorithm {algorithm!r}; known: {sorted(FUNCTIONS)}"
         ) from None
-
-
-def crc32c(data: Any, value: int = 0) -> int:
-    """CRC-32C of ``data`` (any buffer), continuing from ``value``."""
-    return _crc32c.crc32c(data, value)

@@ -12,10 +12,7 @@ from ftsdp.storage.format._ranges import Range
 
 
 def is_dtensor(obj: Any) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor``.
-
-    No DTensor can exist before its module is imported, so this never imports it (seconds).
-    """
+    """True for a ``torch.distributed.tensor.DTensor`` (never imports it: none exists before)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(obj, module.DTensor)
 

@@ -50,10 +50,4 @@ def safetensors_code(dtype: torch.dtype) -> str:
 
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element."""
-    size = _ITEMSIZE.get(dtype)
-    if size is None:  # torch.dtype.itemsize exists since torch 2.1; this works on any
-        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
-    return size
-
-
-_ITEMSIZE: dict[torch.dtype, int] = {}
+    return dtype.itemsize

@@ -18,9 +18,8 @@ class FlatShard:
     ``layout``, optional: ``(start, chunk)`` when the tensor is elements ``[start, start +
     numel)`` of a flat buffer split over the ranks of the save in chunks of ``chunk`` elements,
     rank r holding chunk r (a FlatParameter's parameter: its offset in the unit's flat buffer
-    and the shard size). It lets a save at any scale be planned without exchanging every
-    rank's ranges (see [Note: regular layouts] in storage/format/_regular.py); a wrong one only costs
-    that (the ranges are checked against it).
+    and the shard size): see [Note: regular layouts] in storage/format/_regular.py (a wrong one
+    is caught: the ranges are checked against it).
     """
 
     global_shape: tuple[int, ...]

@@ -8,10 +8,9 @@ import re
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")
-# Every name this format writes inside a step directory (see object_name, done_marker,
-# abort_marker; the manifest), each also as the local store's temporary name of a write in
-# progress (``<name>.tmp-<8 hex>``, storage/io/_fs.py). Deletion decisions rely on it: only such
-# names are ever deleted (storage/format/_steps.py, [Note: deleting only what is ours]).
+# Every name this format writes in a step directory, also as a write's temporary name
+# (``<name>.tmp-<8 hex>``, storage/io/_fs.py): only such names are ever deleted
+# ([Note: deleting only what is ours] in storage/format/_steps.py).
 _OWN = re.compile(
     r"(?:rank\d{5,}-\d{3,}-(?P<object>[0-9a-f]{8})\.safetensors"
     r"|_done-(?P<done>[0-9a-f]{8})-rank\d{5,}\.json"

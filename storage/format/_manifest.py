@@ -1,25 +1,10 @@
-"""The versioned manifest (format version 3, see docs/format.md): encode, decode, validate.
+"""The versioned manifest (docs/format.md, "manifest.json"): encode, decode, validate.
 
-Everything a reader trusts comes from here, so ``Manifest.from_json`` validates the whole document
-before any byte is read: its size, nesting and own checksum first (see [Note: hostile
-manifests]), then unknown versions, unsafe object names, ranges that overlap, leave gaps or
-disagree with the shape and dtype, and byte ranges past an object's end. Every failure is a
-``CheckpointError`` (``CorruptCheckpointError`` or ``NewerFormatError``), never another exception.
-
-[Note: hostile manifests]
-A manifest is input from outside (docs/format.md, "Threat model"). Decoding one must end in a
-``Manifest`` or a ``CheckpointError``, whatever its bytes: its size is checked before it is read
-(``read_manifest_file``), a JSON decoder that runs out of stack or meets an integer longer than
-Python's int-string limit is turned into ``CorruptCheckpointError``, the nesting of arrays and
-objects is capped (walked iteratively), every integer the format uses is bounded by 2**63 - 1
-(so products and messages stay small), and messages show foreign values through a bounded repr.
-The manifest checksum (``manifest_checksum``: CRC-32C, CRC-32 before version 3, of the
-document's canonical encoding,
-without that field) then catches a manifest that was corrupted or edited by hand, including
-edits that stay self-consistent, such as relabelling a float32 tensor int32. It detects damage,
-not tampering: whoever can write the manifest can recompute it. It is required from version 2
-on: were it optional, one damaged byte in its key would switch the check off (the fuzz test
-found two bit flips that did); a version 1 manifest has none, or one that is checked.
+``Manifest.from_json`` validates the whole document before any byte is read and fails only
+with a ``CheckpointError`` whatever its bytes ([Note: hostile manifests]: docs/format.md,
+"Rules a reader enforces" and "Threat model"): size, nesting and integers are bounded, foreign
+values are shown through a bounded repr, and the manifest checksum (required from version 2)
+catches damage, not tampering.
 """
 
 from __future__ import annotations
@@ -35,7 +20,7 @@ import struct
 import threading
 from bisect import bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NoReturn, TypeGuard
 
 from ftsdp.storage._errors import (
@@ -52,9 +37,7 @@ from ftsdp.storage.format._regular import RegularLayout, Rule, rule_from_json
 from ftsdp.storage.io._fs import Store
 
 FORMAT_NAME = "ftsdp.storage"
-# 2 added the required manifest checksum, 3 made every checksum CRC-32C (was CRC-32), 4 added
-# tensors described by a layout rule (storage/format/_regular.py); versions 1 to 3 still load
-# (tests/golden/). A manifest without rule tensors is still written as version 3.
+# Versions 1 to 4 load (docs/format.md, "Versions"); one without rule tensors is written as 3.
 FORMAT_VERSION = 4
 PLAIN_VERSION = 3  # the version of a manifest that lists every piece
 SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
@@ -80,8 +63,7 @@ def _show(x: Any) -> str:
 def canonical_json(doc: dict[str, Any]) -> bytes:
     """The bytes the manifest checksum covers: ``doc`` without its checksum field, as compact
     JSON with sorted keys and ASCII escapes (floats as Python's shortest round-trip repr)."""
-    body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return _canonical_value({k: v for k, v in doc.items() if k != SELF_CHECKSUM}).encode()
 
 
 def seal(doc: dict[str, Any]) -> dict[str, Any]:
@@ -166,27 +148,23 @@ class Piece:
         return Range(self.offset, self.length)
 
 
+@dataclass(eq=False)
 class RegularIndex:
     """The regular objects of a manifest (version 4): per rank, how many objects its rule
     tensors fill and the checksums of their blocks, in order; a rank's pieces are derived from
     the layout on first use and checked against the object sizes and the checksum count (see
     [Note: regular layouts] in storage/format/_regular.py)."""
 
-    def __init__(
-        self,
-        layout: RegularLayout,
-        counts: tuple[int, ...],
-        checksums: tuple[str, ...],
-        *,
-        attempt: str,
-        step: int,
-        block: int,
-        objects: dict[str, int],
-    ) -> None:
-        self.layout, self.counts, self.checksums = layout, counts, checksums
-        self.attempt, self.step, self.block, self.objects = attempt, step, block, objects
-        self._ranks: dict[int, dict[str, list[Piece]]] = {}
-        self._lock = threading.Lock()
+    layout: RegularLayout
+    counts: tuple[int, ...]
+    checksums: tuple[str, ...]
+    _: KW_ONLY
+    attempt: str
+    step: int
+    block: int
+    objects: dict[str, int]
+    _ranks: dict[int, dict[str, list[Piece]]] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def names(self, rank: int) -> list[str]:
         """The names of rank ``rank``'s regular objects."""
@@ -331,7 +309,7 @@ class Manifest:
             doc["regular"] = {
                 "object_bytes": self.regular.layout.object_bytes,
                 "ranks": [
-                    [k, c] for k, c in zip(self.regular.counts, self.regular.checksums, strict=True)
+                    list(r) for r in zip(self.regular.counts, self.regular.checksums, strict=True)
                 ],
             }
         user = {"values": self.values, "rank_values": self.rank_values}  # at the same depth
@@ -487,8 +465,7 @@ def _decode(doc: Any, where: str) -> Manifest:
         if not cond:
             fail(msg)
 
-    _check_version(doc, where)
-    version = doc["version"]
+    version = doc["version"]  # checked by _check_version
     for key in ("step", "world_size"):
         need(
             _is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={_show(doc.get(key))} invalid"
@@ -540,9 +517,9 @@ def _decode(doc: Any, where: str) -> Manifest:
             rules[name] = (tuple(shape), dtype, rule)
             continue
         need(isinstance(t.get("pieces"), list), f"{what}: pieces is not a list")
-        pieces = []
-        for p in t["pieces"]:
-            pieces.append(_decode_piece(p, what, size, block, algorithm, objects, fail))
+        pieces = [
+            _decode_piece(p, what, size, block, algorithm, objects, fail) for p in t["pieces"]
+        ]
         pieces.sort(key=lambda p: p.offset)
         try:
             check_disjoint_cover([p.range for p in pieces], numel, what)

@@ -39,6 +39,12 @@ class PlannedObject:
     def payload_bytes(self) -> int:
         return self.size - len(self.head)
 
+    @classmethod
+    def laid_out(cls, name: str, rank: int, pieces: list[PlannedPiece]) -> PlannedObject:
+        """The object ``name`` of ``rank`` holding ``pieces``, with its header and byte ranges."""
+        head, byte_ranges, size = layout([(p.key, p.dtype, p.length) for p in pieces])
+        return cls(name, rank, pieces, head, byte_ranges, size)
+
 
 def pack(
     rank: int, pieces: list[PlannedPiece], attempt: str, cap: int, limit: int | None = None
@@ -55,11 +61,8 @@ def pack(
         if current:
             if limit is not None and len(objects) >= limit:
                 raise ValueError(f"rank {rank}'s pieces fill more than {limit} objects")
-            obj = PlannedObject(object_name(rank, len(objects), attempt), rank, current)
-            obj.head, obj.byte_ranges, obj.size = layout(
-                [(p.key, p.dtype, p.length) for p in current]
-            )
-            objects.append(obj)
+            name = object_name(rank, len(objects), attempt)
+            objects.append(PlannedObject.laid_out(name, rank, current))
         current, used = [], 0
 
     for piece in pieces:

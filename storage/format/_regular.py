@@ -1,36 +1,19 @@
 """Regular layouts: tensors split over the ranks by a rule that every rank can evaluate alone.
 
 [Note: regular layouts]
-Most sharded state follows a rule. A DTensor ``Shard(0)`` over W ranks holds rows
-``[r*c, (r+1)*c)`` of its tensor on rank r (``c = ceil(rows / W)``); a FlatParameter concatenates
-its unit's parameters into one buffer split into W equal chunks, so rank r holds the part of
-each parameter that falls into ``[r*L, (r+1)*L)`` of that buffer; a replicated tensor is whole on
-every rank. All three are one rule, ``even(start, chunk)``: element e of the tensor is element
-``start + e`` of a buffer cut into chunks of ``chunk`` elements, rank r holding chunk r (a
-``Shard(0)`` tensor has ``start = 0`` and ``chunk = c * row``), or ``whole``.
-
-A rank derives the rule of each of its tensors from its own range (``infer_rule``), with the
-buffer position from ``FlatShard.layout`` where the range alone does not tell it, and checks
-that its range is what the rule gives its rank. When every rank's table of ``(name, shape,
-dtype, rule)`` is the same (rank 0 compares their digests), the table is the whole save
-layout: every rank knows which elements every other rank holds without having seen their
-metadata, and plans its own objects from the table alone (``RegularLayout.rank_objects``),
-in O(T) per rank. Whole tensors are written once: small ones by one rank (round robin over
-the ranks in name order), large ones (at least ``replica_split_bytes``) split evenly, as an
-``even(0, ceil(numel / W))`` rule. Tensors whose ranges follow no rule, or a table that differs
-between ranks, go to a coordinator (rank 0) instead, which plans them as before.
-
-The manifest (docs/format.md, version 4) then describes a regular tensor by its rule, not by
-its W pieces, and each rank's objects by their number and the checksums of their blocks in
-order: a reader derives a rank's pieces with the same ``rank_objects`` and checks them against
-the object sizes and the checksum count, for the ranks it reads only.
+A DTensor ``Shard(0)``, a FlatParameter's slice and a replicated tensor are all one rule,
+``even(start, chunk)``, or ``writer`` (docs/format.md, "Tensors described by a rule"). A rank
+derives its rules from its own range (``infer_rule``, with ``FlatShard.layout`` where the range
+alone does not tell) and checks its range is what the rule gives it. When every rank's table of
+``(name, shape, dtype, rule)`` agrees, each rank plans its own objects from the table alone
+(``RegularLayout.rank_objects``) and a reader derives any rank's pieces with the same code;
+whole tensors go to one rank round robin, or split evenly from ``replica_split_bytes`` on.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
@@ -139,11 +122,6 @@ class RegularLayout:
     world: int
     object_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, Rule], ...]
-
-    @cached_property
-    def by_name(self) -> dict[str, tuple[tuple[int, ...], str, Rule]]:
-        """``name -> (shape, dtype name, rule)``."""
-        return {name: (shape, dtype, rule) for name, shape, dtype, rule in self.entries}
 
     def rank_pieces(self, rank: int) -> list[PlannedPiece]:
         """The pieces ``rank`` writes, in name order (one per tensor it holds part of)."""

@@ -64,13 +64,9 @@ def write_object(
     f.write(head)
     crcs: list[list[int]] = [[] for _ in range(pieces)]
     checksum = checksum_function(WRITTEN)
-    # The data is written in spans that end on multiples of _WRITE_SPAN in the object (the first
-    # one shorter, to get there): a local filesystem then caches it in large folios, which loads
-    # and verify map far faster (see [Note: reading local files through the page cache]). Each
-    # span is checksummed right before it is written, so its bytes are still in the CPU cache
-    # when the write copies them. Most chunks are small tensors, each within one checksum block
-    # and one span: those take one checksum call and one write, without the loop (an object of
-    # the built-in GPT holds ~140 pieces).
+    # The data is written in spans that end on multiples of _WRITE_SPAN in the object, so that a
+    # local filesystem caches it in large folios (docs/format.md, "Integrity"); each span is
+    # checksummed right before it is written, while its bytes are still in the CPU cache.
     pos = len(head)
     current, crc, n = -1, 0, 0  # the piece being checksummed, its running checksum, its bytes
     for i, t in chunks:
@@ -81,6 +77,7 @@ def write_object(
         mv = t if isinstance(t, memoryview) else tensor_bytes(t)
         size = len(mv)
         if size <= block_bytes - n and pos % _WRITE_SPAN + size <= _WRITE_SPAN:
+            # most chunks are small tensors within one block and one span: no loop
             crc, n = checksum(mv, crc), n + size
             f.write(mv)
             pos += size

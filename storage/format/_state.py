@@ -42,14 +42,15 @@ class ValueLeaf:
     key: Any
 
 
+_TENSORS = (torch.Tensor, FlatShard)
+
+
 def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, (torch.Tensor, FlatShard)):
-        return True
     if isinstance(obj, Mapping):
-        return any(_has_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
-    return False
+        obj = list(obj.values())
+    return isinstance(obj, _TENSORS) or (
+        isinstance(obj, (list, tuple)) and any(map(_has_tensor, obj))
+    )
 
 
 def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
@@ -64,9 +65,6 @@ def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
         shape, rng, local = tuple(obj.shape), Range(0, obj.numel()), obj
     dtype_name(local.dtype)  # raises for dtypes the format cannot hold
     return TensorLeaf(name, shape, local.dtype, rng, local, hint)
-
-
-_TENSORS = (torch.Tensor, FlatShard)
 
 
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:

@@ -94,27 +94,10 @@ def resolve_manifest(
 # -- what is ours: scanning a root, deleting steps ------------------------------------------------
 #
 # [Note: deleting only what is ours]
-# A checkpoint root may share its folder with other things, and a step directory can hold anything
-# a person or another program put there. Every deletion decision therefore rests on content:
-#
-# - A step is *committed* (for deletion decisions) when its manifest decodes and validates as this
-#   format (``Manifest.from_json``: format, version, structure) and its ``step`` is the
-#   directory's number. A manifest that does not is *unreadable*: that step is not committed,
-#   never counts toward ``keep_last``, and is never deleted, only reported.
-# - A committed step is deleted manifest first (a crash midway leaves a torn step, never a
-#   damaged committed one), then exactly the objects its manifest lists and the names this
-#   format writes there (``_layout.is_own_name``: objects of other attempts, done and abort
-#   markers, temporary names), then the directory if it is empty by then. Anything else stays and
-#   is reported. Nothing is ever removed recursively.
-# - A step directory without a manifest is a torn attempt. It is deleted only when it holds
-#   nothing but such names (and is older than the newest committed step: a newer one may be a
-#   save in progress); otherwise it is left alone and reported.
-# - Links are never followed: a ``step-<N>`` entry that is a link is skipped and reported, and a
-#   file is deleted only when it is no link and resolves inside the root.
-#
-# Readers keep their cheaper rule (``committed_steps``: a manifest exists) and validate before
-# reading, so a step whose manifest is damaged is reported loudly as unusable by the loader (and
-# a resume falls back past it) instead of being skipped in silence.
+# Every deletion rests on content, never on names alone: a step counts as committed only when
+# its manifest validates and names its own step; only this format's names are deleted, manifest
+# first, never recursively and never through a link (docs/format.md, "Retention and garbage
+# collection"). Readers keep the cheaper rule of ``committed_steps`` and validate before reading.
 
 
 @dataclass
@@ -224,14 +207,9 @@ def plan_removal(store: Store, d: StepDir) -> Deletion | None:
     None when the step must stay (an unreadable manifest, or a torn dir holding other things)."""
     if d.problem is not None:
         return None
-    plan = Deletion(d.step)
     listed = d.manifest.objects if d.manifest is not None else {}
     names = sorted(d.entries, key=lambda n: (n != MANIFEST, n not in listed, n))
-    for name in names:
-        if _mine(store, d, name, listed):
-            plan.files.append((f"{step_dir(d.step)}/{name}", d.entries[name][1]))
-        else:
-            plan.left.append(name)
+    plan = _sort_out(store, d, Deletion(d.step), names, listed)
     if d.manifest is None and plan.left:
         return None  # a torn directory holding things that are not ours: not ours to clean
     return plan
@@ -241,11 +219,16 @@ def plan_strays(store: Store, d: StepDir) -> Deletion:
     """Names this format writes in committed step ``d`` that its manifest does not list (objects
     of torn attempts, markers, temporary names): garbage. Other names stay, in ``left``."""
     assert d.manifest is not None
-    plan = Deletion(d.step, whole=False)
-    for name in sorted(d.entries):
-        if name == MANIFEST or name in d.manifest.objects:
-            continue
-        if is_own_name(name) and _mine(store, d, name):
+    names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
+    return _sort_out(store, d, Deletion(d.step, whole=False), names)
+
+
+def _sort_out(
+    store: Store, d: StepDir, plan: Deletion, names: list[str], listed: Collection[str] = ()
+) -> Deletion:
+    """``plan`` with each of ``names`` in ``d`` added to its files when ours, else to ``left``."""
+    for name in names:
+        if _mine(store, d, name, listed):
             plan.files.append((f"{step_dir(d.step)}/{name}", d.entries[name][1]))
         else:
             plan.left.append(name)
@@ -256,9 +239,8 @@ def execute(store: Store, plan: Deletion) -> None:
     """Delete the files of ``plan`` in order (each checked again: no link, inside the root), then
     its directory if the step goes and nothing is left in it."""
     for rel, _ in plan.files:
-        if store.is_link(rel) or not store.inside_root(rel):
-            continue
-        store.remove(rel)
+        if not store.is_link(rel) and store.inside_root(rel):
+            store.remove(rel)
     if plan.whole and not plan.left:
         store.remove_empty_dir(step_dir(plan.step))
 
@@ -393,14 +375,9 @@ def apply_retention(
     keep_every: int | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Keep the newest ``keep_last`` committed steps and every step divisible by ``keep_every``.
-
-    Deletes only what is provably ours (see [Note: deleting only what is ours]): committed steps
-    past retention, torn step dirs older than the newest committed step that hold nothing but
-    this format's files, and such files of torn attempts inside kept steps. Never the newest
-    committed step, an uncommitted step newer than it (a save in progress), a step whose
-    manifest is unreadable, anything reached through a link. Returns the removed steps.
-    """
+    """Keep the newest ``keep_last`` committed steps and every step divisible by ``keep_every``,
+    deleting only what is provably ours (see [Note: deleting only what is ours]); returns the
+    removed steps."""
     return retain(Store(url, storage_options), keep_last, keep_every)
 
 
@@ -413,12 +390,8 @@ def read_manifest(
 
 def clear_steps(url: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """Delete every step under ``url`` that is provably ours, committed or torn, then ``latest``
-    and the root directory itself when nothing else is left in it; returns the removed steps.
-
-    For roots that are caches of a run (``CheckpointManager``'s memory tier, cleared at a clean
-    exit): unlike retention it keeps nothing. Like every deletion it never touches a file this
-    format did not write, a step whose manifest is not this format's, or a link.
-    """
+    and the root itself when nothing else is left (a cache of a run, such as the memory tier);
+    returns the removed steps."""
     store = Store(url, storage_options)
     scan = scan_root(store)
     removed = []

@@ -1,44 +1,19 @@
 """The commit protocol of the native format (docs/design.md, "The commit protocol"): its one owner.
 
-Every writer of the format makes a step committed here, by the same code:
-
-- the distributed ``save``: rank 0 draws the attempt (``new_attempt``) before the plan is
-  gathered; after writing its objects every rank calls ``finish``: ranks > 0 report through a
-  done marker and wait, rank 0 collects the markers and commits (or aborts);
-- the single-process writer behind ``convert`` and ``reshard``, which lays a step out for any
-  world size but is its only writer (no other ranks, so no markers): ``new_attempt``, write the
-  objects, then ``commit(store, build_manifest(...))``.
+Every writer of the format commits here: the distributed ``save`` (``new_attempt`` on rank 0,
+then ``finish`` on every rank) and the single-process writer behind ``convert`` and
+``reshard`` (``new_attempt``, its objects, then ``commit(store, build_manifest(...))``).
 
 [Note: commit without collectives in the background]
-After the planning all-gather (on the caller's thread, where every rank calls ``save`` in the
-same order) no collective is used: a rank > 0 writes its objects, then a small done-marker
-object with its sizes and checksums; rank 0 waits for every marker, writes the manifest (the
-commit) and the ``latest`` marker. A failure becomes an error marker (rank > 0) or an abort
-marker (rank 0), so every rank fails the same save instead of hanging; a silent rank is a
-timeout. This works the same whether the upload runs inline or in a background thread, so
-async save cannot deadlock with the training loop's collectives.
+After the planning exchange no collective is used: ranks > 0 write done (or error) markers,
+rank 0 waits for them and writes the manifest or an abort marker, so every rank fails the same
+save and a background commit cannot deadlock with training's collectives.
 
 [Note: one writer per step, one timeline]
-Two writers can meet on one root: two jobs given the same URL, or a rank of a stale incarnation
-(SIGSTOPped, resumed after torchrun restarted the job) that finishes a save the new incarnation
-has already moved past. Neither may silently replace or outrun the other:
-
-- The manifest is created exclusively (``Store.write_exclusive``: a hard link on a local disk,
-  ``If-None-Match: *`` on S3). Of two commits of one step exactly one succeeds; the other gets
-  ``CommitConflictError`` naming the winner's attempt and removes its own objects and markers
-  (their names carry its attempt id).
-- Rank 0 remembers which steps had a manifest when it planned the save (``Lineage.seen``). Just
-  before the commit it lists them again; a step that appeared meanwhile means another writer is
-  active, and the save is abandoned (``CommitConflictError``). Right after the commit it lists
-  them once more and backs its own commit out when a step appeared in between, so of two writers
-  whose commits overlap at most one keeps its step. What stays open: in that last case ranks > 0
-  of the writer that backs out may already have returned (rank 0 raises), and a reader may have
-  seen the step for that moment.
-- A save never goes behind a newer committed step (``plan_lineage``): the newer steps would
-  stay the newest, so a resume would load them and retention would keep them over the new one.
-  It is refused before anything is written, unless ``discard_newer`` says the newer steps are
-  an abandoned timeline: then they (and an earlier commit of the same step) are deleted once
-  the new step is committed, and the newest step a resume sees is the one just saved.
+The manifest is created exclusively; rank 0 lists the committed steps before and right after
+its commit (``Lineage.seen``) and gives up, or backs its commit out, when another writer
+committed meanwhile; a save never goes behind newer committed steps unless ``discard_newer``
+(docs/design.md, "One timeline"; the residual windows in docs/format.md).
 """
 
 from __future__ import annotations
@@ -367,10 +342,8 @@ def _abandon(store: Store, step: int, attempt: str) -> None:
 
 
 def _attempt_at(store: Store, step: int) -> str | None:
-    """The attempt named by the manifest of ``step`` now; None when there is none (or it cannot
-    be read as JSON). Every rank > 0 asks this at each commit, so it reads the manifest's first
-    4 KiB, where this format puts ``attempt`` (before the tensors and values), and the whole
-    manifest only when it is not there."""
+    """The attempt named by the manifest of ``step`` now (None: none, or not JSON); from its first
+    4 KiB, where this format puts it, since every rank > 0 asks at each commit."""
     rel = manifest_path(step)
     try:
         head = store.read_range(rel, 0, min(store.size(rel), _HEAD_BYTES))
@@ -404,24 +377,12 @@ def finish(
     replaces: str | None = None,
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
-    checksums: ``crcs``) or failed (``error``). Returns when the step is committed; raises on
-    every rank when it is not. ``values``: this rank's JSON values (a rank > 0 reports them in
-    its done marker; rank 0's are the manifest's ``values``, and it keeps the others' that
-    differ); ``world_size``: the number of ranks. ``lineage``: rank 0's ``plan_lineage`` of
-    this save; ``replaces``: the attempt of an earlier commit of this step that it replaces
-    (every rank knows it from the plan)."""
+    checksums: ``crcs``) or failed (``error``); returns when the step is committed, raises on
+    every rank when it is not. ``values``: this rank's JSON values; ``lineage``: rank 0's
+    ``plan_lineage``; ``replaces``: the attempt of an earlier commit this one replaces."""
     if rank != 0:  # report, then wait for rank 0's verdict
-        objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
-        regular = _regular_count(plan, rank)
-        _write_marker(
-            store,
-            done_marker(step, plan.attempt, rank),
-            error,
-            rank=rank,
-            objects=objects,
-            regular=regular,
-            values=values,
-        )
+        report = report_of(plan, rank, crcs, values)
+        _write_marker(store, done_marker(step, plan.attempt, rank), error, rank=rank, **report)
         if error is not None:
             raise error
         _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces)
@@ -488,6 +449,12 @@ def _wait_for_commit(
     )
 
 
+def report_of(plan: SavePlan, rank: int, crcs: Crcs, values: dict[str, Any]) -> dict[str, Any]:
+    """What rank ``rank`` reports of its objects at the commit (``take_report`` reads it)."""
+    objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
+    return {"objects": objects, "regular": _regular_count(plan, rank), "values": values}
+
+
 def _regular_count(plan: SavePlan, rank: int) -> int:
     """How many of ``rank``'s own objects are regular ones (they come first)."""
     return len(plan.own(rank)) - len(plan.for_rank(rank)) if plan.regular is not None else 0
@@ -496,11 +463,8 @@ def _regular_count(plan: SavePlan, rank: int) -> int:
 def _collect_markers(
     store: Store, step: int, plan: SavePlan, world: int, timeout_s: float
 ) -> tuple[Crcs, dict[str, int], list[int], list[dict[str, Any]]]:
-    """Rank 0: every other rank's checksums and JSON values, from its done marker, each listed
-    object's size checked against the plan; with a regular layout also each rank's regular
-    objects (their number and sizes, as the rank reports them: see [Note: regular layouts] in
-    storage/format/_regular.py). Returns those and the values by rank (rank 0's left empty). Raises a
-    rank's reported error, or TimeoutError."""
+    """Rank 0: every other rank's report from its done marker (``take_report``), and the values
+    by rank (rank 0's left empty); raises a rank's reported error, or TimeoutError."""
     crcs: Crcs = {}
     sizes: dict[str, int] = {}
     counts = [0] * world

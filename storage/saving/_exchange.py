@@ -2,27 +2,14 @@
 regular layouts, gathered to one coordinator for the rest.
 
 [Note: the save exchange]
-Every rank of a save, on the same group and in the same order:
-  1. a broadcast of rank 0's header: whether it failed to describe its state, the step, its
-     checksum block size, a digest of its tensors' names, shapes and dtypes and of the options
-     that shape its objects, a digest of its rules, its attempt id and the attempt it replaces;
-  2. an all-reduce (max) of four flags, each rank comparing its own with that header: a rank
-     failed, a rank saves another step or checksums other blocks (one manifest, one size),
-     a rank holds other tensors, a rank has other rules. Only when one of the first two is set:
-     an all-gather of each rank's error, step and block size, so that every rank raises the
-     same message;
-  3. only when the tensors are the same everywhere but the rules are not: an all-reduce (max)
-     of each tensor's rule as three integers and their negations, which finds the rules every
-     rank agrees on, compared exactly; a tensor whose rule differs somewhere (a rank holding it
-     whole where the others hold parts) has none. That is 48 bytes per tensor;
-  4. only when some tensor has no agreed rule: a gather to rank 0 of the ranges of those
-     tensors, with the number of regular objects the rank writes, and a scatter from rank 0 of
-     each rank's share of the plan of those tensors.
-With agreed rules a rank plans its regular objects from the table alone (see [Note: regular
-layouts] in _regular.py). The ranks' JSON values are not exchanged here: each rank other than
-rank 0 reports its own in its done marker with its checksums, and rank 0 keeps in the manifest
-those that differ from its own (storage/saving/_commit.py). Nothing here grows with the world
-size on any rank while the save succeeds, and rank 0 receives only the irregular ranges.
+Every rank of a save, on the same group and in the same order (docs/format.md, "Commit
+protocol", step 1): a broadcast of rank 0's header (failure, step, block size, digests of its
+tensors, options and rules, attempt ids); an all-reduce (max) of four flags (a rank failed,
+differs in step or block size, in tensors, in rules), then an all-gather of the errors only when
+one of the first two is set, so every rank raises the same message; an all-reduce of each rule
+as three integers and their negations only when just the rules differ (a tensor whose rule
+differs somewhere has none); a gather and scatter through rank 0 only for the tensors with no
+agreed rule. Nothing here grows with the world size on any rank but rank 0.
 """
 
 from __future__ import annotations
@@ -38,7 +25,6 @@ from ftsdp.storage.format._dtypes import dtype_name
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._objects import PlannedObject, PlannedPiece
 from ftsdp.storage.format._regular import RegularLayout, infer_rule, resolve
-from ftsdp.storage.format._safetensors import layout as safetensors_layout
 from ftsdp.storage.format._state import TensorLeaf
 from ftsdp.storage.io import _collectives
 from ftsdp.storage.saving._save_plan import SavePlan, make_plan, renamed
@@ -73,13 +59,9 @@ def exchange(
     """Agree on and plan the save of ``step``; collective over ``group``.
 
     ``meta``: this rank's ``error`` (or None), JSON ``values`` and, on rank 0, ``attempt`` and
-    ``replaces`` (elsewhere absent); the rows of the tensors to coordinate come from ``leaves``.
-    Returns the plan, this rank's values (reported at the commit; the caller's copy, which
-    nothing changes any more) and the number of ranks. Raises the same error on every rank
-    when a rank failed, the ranks save different steps, or the ranges do not fit together.
-    ``wire``: the collectives (``rank_world``, ``all_reduce_max``, ``all_gather_json``,
-    ``broadcast_json``, ``gather_json``, ``scatter_json`` of storage/io/_collectives.py),
-    replaced only by the scale simulation (``ftsdp.tools.dev.simulation``).
+    ``replaces``. Returns the plan, this rank's values and the number of ranks; raises the same
+    error on every rank when a rank failed, the steps differ, or the ranges do not fit together.
+    ``wire``: storage/io/_collectives.py, replaced only by ``ftsdp.tools.dev.simulation``.
     """
     rank, world = wire.rank_world(group)
     error = meta.get("error")
@@ -147,10 +129,8 @@ def exchange(
 
 
 def _raise_for(reports: list[dict[str, Any]], step: int) -> None:
-    """Raise, on every rank alike, for every rank's ``{"error", "step", "block"}`` when a rank
-    failed to describe its state, the ranks are not saving the same step (a loop that went on
-    after a save failed on some ranks only: every later exchange would pair different saves),
-    or they checksum blocks of different sizes."""
+    """Raise, on every rank alike, the first failure, different steps or different checksum
+    blocks in every rank's ``{"error", "step", "block"}``."""
     for r, m in enumerate(reports):
         if m["error"]:
             raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
@@ -224,15 +204,11 @@ def _objects(
     rank: int, first: int, attempt: str, share: list[Any], leaves: dict[str, TensorLeaf]
 ) -> list[PlannedObject]:
     """This rank's listed objects from its share of the coordinator's plan."""
-    out = []
-    for i, pieces in enumerate(share):
-        obj = PlannedObject(
+    return [
+        PlannedObject.laid_out(
             object_name(rank, first + i, attempt),
             rank,
             [PlannedPiece(n, o, ln, leaves[n].dtype) for n, o, ln in pieces],
         )
-        obj.head, obj.byte_ranges, obj.size = safetensors_layout(
-            [(p.key, p.dtype, p.length) for p in obj.pieces]
-        )
-        out.append(obj)
-    return out
+        for i, pieces in enumerate(share)
+    ]

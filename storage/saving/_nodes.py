@@ -8,31 +8,12 @@ saving.clear_on_nodes("/dev/shm/run", node=node_id)           # at a clean end
 ```
 
 [Note: node-local roots]
-Host shared memory (``/dev/shm``) outlives a worker process but not its machine, and no other
-machine can read it. ``save_on_nodes`` writes every rank's objects into the root as this
-rank's machine sees it: the same path names a different directory on each node. The ordinary
-commit cannot work there (rank 0 reads the other ranks' done markers from the root, and only its
-own node's are in its root), so this mode commits through collectives on storage's own gloo
-group (the save's background thread, never the training loop's group):
-
-1. every rank writes its objects, then all ranks gather each rank's report (its node, its
-   objects' sizes and checksums, its error: what a done marker holds);
-2. the replica: each rank sends its objects' bytes to the rank of the same local index on the
-   next node (a ring over the nodes, in the order of their lowest rank), which writes them under
-   the same names into its node's root;
-3. rank 0 checks the reports against the plan and builds the manifest (``build_manifest``, the
-   same as a shared root's), and broadcasts it;
-4. the first rank of each node commits it into its node's root (``commit``: the same exclusive
-   create, ``latest`` and retention; only the objects that node holds are checked), and the
-   outcome is agreed: a failure anywhere fails the save on every rank.
-
-A committed step is one directory with the usual manifest on every node; each node holds its
-own ranks' objects and the previous node's. ``restore_on_nodes`` (collective, before a load)
-gathers what each node of the current job holds, picks the newest step whose manifest some node
-has and whose objects the nodes hold together, and sends every node the manifest and objects it
-lacks, so that the ordinary ``load`` (same manifest, same checks) runs on each node's root. A
-lost node is thus covered by the next node's replica; losing two neighbouring nodes loses the
-tier's steps (the caller falls back to its durable checkpoints).
+The same path names a different directory on each machine, so rank 0 cannot read the other
+ranks' done markers: the commit runs through collectives on storage's own gloo group (reports
+gathered, each rank's objects replicated to the same local rank of the next node, rank 0's
+manifest broadcast, the first rank of each node commits it). ``restore_on_nodes`` sends every
+node what it lacks of the newest step the nodes hold together (docs/elastic.md, "The memory
+tier on several machines").
 """
 
 from __future__ import annotations
@@ -61,10 +42,10 @@ from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._commit import (
     Crcs,
     Lineage,
-    _regular_count,
     commit,
     manifest_of_reports,
     plan_lineage,
+    report_of,
     take_report,
 )
 from ftsdp.storage.saving._save_plan import SavePlan
@@ -147,10 +128,9 @@ def _transfer(
     moves: list[tuple[int, int, str, int]],
     group: dist.ProcessGroup | None,
 ) -> dict[str, bytes]:
-    """Run ``moves`` ``(src, dst, rel, size)`` (the same list on every rank): ``src`` sends the
-    file ``rel`` of its root to ``dst`` (gloo, uint8 tensors, one tag per move). Returns what
-    this rank received, ``{rel: bytes}``, unwritten. A source that cannot read its file sends
-    zeros and raises afterwards (the caller agrees on the outcome before writing anything)."""
+    """Run ``moves`` ``(src, dst, rel, size)`` (the same on every rank): ``src`` sends its file
+    ``rel`` to ``dst``. Returns what this rank received, unwritten; a source that cannot read
+    its file sends zeros and raises afterwards (the caller agrees on the outcome)."""
     if group is None:  # a world of one: one node, no replica to move
         return {}
     works: list[dist.Work | None] = []  # None: this rank is not in the group (never here)
@@ -165,15 +145,14 @@ def _transfer(
                     raise CheckpointError(f"{store.where(rel)} has {len(data)} bytes, not {size}")
             except Exception as e:
                 read_error, data = read_error or e, bytes(size)
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else None
-            if buf is not None:
+            if size:
+                buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 works.append(dist.isend(buf, dist.get_global_rank(group, dst), group, tag))
-        elif dst == rank and size:
-            buf = torch.empty(size, dtype=torch.uint8)
-            works.append(dist.irecv(buf, dist.get_global_rank(group, src), group, tag))
-            received.append((rel, buf))
         elif dst == rank:
-            received.append((rel, torch.empty(0, dtype=torch.uint8)))
+            buf = torch.empty(size, dtype=torch.uint8)
+            if size:
+                works.append(dist.irecv(buf, dist.get_global_rank(group, src), group, tag))
+            received.append((rel, buf))
     for w in works:
         if w is not None:
             w.wait()
@@ -205,14 +184,8 @@ def finish_on_nodes(
     JSON values (rank 0's are the manifest's). Returns when the step is committed on every
     node; raises on every rank otherwise."""
     own = plan.own(rank)
-    full = gather_json(  # rank 0 builds the manifest from them: what done markers would hold
-        {
-            "objects": {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in own},
-            "regular": _regular_count(plan, rank),
-            "values": values,
-        },
-        group,
-    )
+    # rank 0 builds the manifest from them: what done markers would hold
+    full = gather_json(report_of(plan, rank, crcs, values), group)
     report = {"node": node, "error": _error(error), "objects": {o.name: o.size for o in own}}
     reports = all_gather_json(report, group)
     failed = [(r, x["error"]) for r, x in enumerate(reports) if x["error"]]
@@ -291,9 +264,7 @@ def _manifest(
     sizes: dict[str, int] = {}
     counts = [0] * world_size
     rank_values: list[dict[str, Any]] = [values] + [{} for _ in range(world_size - 1)]
-    for rank, marker in enumerate(reports):
-        if rank == 0:
-            continue
+    for rank, marker in enumerate(reports[1:], 1):
         take_report(plan, step, rank, marker, crcs, sizes, counts, rank_values)
     return manifest_of_reports(plan, crcs, sizes, counts, step, checksum_block_bytes, rank_values)
 

@@ -72,14 +72,10 @@ class _Lane:
 
 
 # [Note: one lane per root]
-# Saves to one root follow each other: a new one waits for the previous one to commit (errors
-# surface in order, and a step never races its predecessor's retention). Saves to different
-# roots are independent: a training job's fast tier (shared memory, every step) must not wait
-# for its durable tier's upload, which may take minutes. So each root (``Store.where()``) has
-# a lane of its own: its latest handle, its snapshot arena, its writer threads and, for
-# deferred saves, its own process group (created by the first deferred save to that root, a collective
-# all ranks reach in the same order because they save in the same order). ``wait_snapshot``
-# waits for the latest snapshot of every lane.
+# Saves to one root follow each other (errors surface in order; a step never races its
+# predecessor's retention); saves to different roots are independent, so each root
+# (``Store.where()``) has its own lane: latest handle, snapshot arena, writer threads and process
+# group for deferred saves (docs/elastic.md, the memory tier).
 _lanes: dict[str, _Lane] = {}
 
 
@@ -92,10 +88,8 @@ def _lane(key: str) -> _Lane:
 
 
 def _forget_in_child() -> None:
-    """After ``os.fork()``, in the child: the saves in flight belong to the parent, whose
-    threads copy and commit them; the child has none of those threads, so a fence or a save
-    there would wait forever for a handle nothing sets. The child starts with no lanes (and
-    fresh locks: a parent's thread may have held one at the fork)."""
+    """After ``os.fork()``, in the child: no lanes and fresh locks (the parent's saves and their
+    threads are not the child's; waiting on them would never end)."""
     global _lock, _lanes, _staging_pool
     _lock = threading.Lock()
     _lanes = {}
@@ -241,14 +235,11 @@ def save(
     optimizer's ``step()``. See [Note: deferred snapshots]. :func:`prepare_save` ahead of the
     first such save creates that group and the host staging memory.
 
-    A committed ``step`` is never overwritten (FileExistsError), and a save behind newer
-    committed steps is refused (CheckpointError naming them), both on every rank before anything
-    is written: after a save, the newest committed step is the one just saved. When those steps
-    belong to an abandoned timeline (a resume fell back past them),
-    ``SaveOptions(discard_newer=True)`` deletes them, and an earlier commit of ``step`` itself,
-    once this step is committed. A concurrent or stale writer on the same root loses with
-    ``CommitConflictError`` (see [Note: one writer per step, one timeline] in
-    ``storage/saving/_commit.py``). :func:`save_on_nodes` saves to node-local roots.
+    Before anything is written, on every rank: a committed ``step`` is never overwritten
+    (FileExistsError) and a save behind newer committed steps is refused (CheckpointError),
+    unless ``SaveOptions(discard_newer=True)`` (they are deleted once this step is committed). A
+    concurrent or stale writer loses with ``CommitConflictError`` (docs/design.md, "One
+    timeline"). :func:`save_on_nodes` saves to node-local roots.
     """
     return _save(state, url, step, process_group, async_save, storage_options, options, defer_copy)
 
@@ -293,8 +284,6 @@ def _save(
     """``save`` and ``save_on_nodes`` (``node``: None for a shared root)."""
     start = time.perf_counter()
     options = options or SaveOptions()
-    keep_last, keep_every = options.keep_last, options.keep_every
-    discard_newer = options.discard_newer
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int")
     if defer_copy and not async_save:
@@ -312,7 +301,7 @@ def _save(
     if defer_copy:
         deferred = _DeferredSave(store, step, rank, group, options, lane)
         deferred.node = node
-        handle = deferred.begin(state, keep_last, keep_every, discard_newer)
+        handle = deferred.begin(state)
         handle.blocking_seconds = time.perf_counter() - start
         return handle
 
@@ -326,7 +315,7 @@ def _save(
         tensors, meta = _describe(state)
         ahead = _reserve_ahead(store, lane, tensors, options) if async_save else None
         if rank == 0:  # decides for every rank, before anything is written
-            lineage = plan_lineage(store, step, discard_newer)
+            lineage = plan_lineage(store, step, options.discard_newer)
             meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
     except Exception as e:
         local_error, meta["error"] = e, f"{type(e).__name__}: {e}"
@@ -338,10 +327,10 @@ def _save(
         raise
 
     handle = _register(SaveHandle(step, store.where()), lane)
-    job = _SaveJob(store, step, rank, plan, values, world, tensors, options, keep_last, keep_every)
+    job = _SaveJob(store, step, rank, plan, values, world, tensors, options)
     job.lineage, job.replaces = lineage, plan.replaces
     if node is not None:
-        job.node, job.discard_newer = node, discard_newer
+        job.node = node
         job.commit_group = None if group is None else own_group(group, lane.key)
     job.lane = lane
     if async_save:
@@ -372,14 +361,11 @@ def prepare_save(
     """Get ready for ``save(..., async_save=True, defer_copy=True)`` to ``url``; collective over
     ``process_group`` the first time. Returns the bytes of host memory reserved.
 
-    Creates storage's own process group for the saves to ``url`` (the deferred saves exchange
-    their metadata on it, off the caller's thread; see [Note: one lane per root]) and, given
-    the ``state`` to be saved, allocates the snapshot memory for this rank's share and maps its
-    pages (a rank's share is at most the bytes of its tensors: that much is reserved, when it
-    fits in ``options.staging_budget_bytes``; nothing for a tmpfs root and CPU tensors, which
-    are written to their files directly: see [Note: a tmpfs root written from the live
-    tensors]). Without this call the first deferred save does both; the caller then waits for
-    the group, and the first copy into fresh memory takes longer.
+    Creates storage's own process group for the saves to ``url`` (see [Note: one lane per
+    root]) and, given the ``state`` to be saved, reserves snapshot memory for this rank's
+    tensors when it fits in ``options.staging_budget_bytes`` (none for a tmpfs root and CPU
+    tensors: see [Note: a tmpfs root written from the live tensors]). Otherwise the first
+    deferred save does both.
     """
     options = options or SaveOptions()
     store = Store(url, storage_options, options.io)
@@ -456,19 +442,15 @@ class _SaveJob:
         world_size: int,
         tensors: dict[str, TensorLeaf],
         options: SaveOptions,
-        keep_last: int | None,
-        keep_every: int | None,
     ) -> None:
         self.store, self.step, self.rank = store, step, rank
         self.plan, self.tensors, self.options = plan, tensors, options
         self.values, self.world_size = values, world_size  # this rank's JSON values
-        self.keep_last, self.keep_every = keep_last, keep_every
         self.mine = plan.own(rank)
         self.lineage: Lineage | None = None  # rank 0's view of the root when it planned
         self.replaces: str | None = None
         self.node: str | None = None  # a node-local root (storage/saving/_nodes.py)
         self.commit_group: ProcessGroup | None = None  # there: storage's own group, for the commit
-        self.discard_newer = False
         self.lane: _Lane | None = None  # set before it runs
 
     # -- writing this rank's objects ------------------------------------------------------------
@@ -616,8 +598,8 @@ class _SaveJob:
             "values": self.values,
             "world_size": self.world_size,
             "checksum_block_bytes": self.options.checksum_block_bytes,
-            "keep_last": self.keep_last,
-            "keep_every": self.keep_every,
+            "keep_last": self.options.keep_last,
+            "keep_every": self.options.keep_every,
             "lineage": self.lineage,
         }
         args = (self.store, self.step, self.plan, self.rank, crcs, error)
@@ -626,7 +608,7 @@ class _SaveJob:
                 *args,
                 node=self.node,
                 group=self.commit_group,
-                discard_newer=self.discard_newer,
+                discard_newer=self.options.discard_newer,
                 **common,
             )
             return
@@ -634,22 +616,12 @@ class _SaveJob:
 
 
 # [Note: deferred snapshots]
-# Training changes the saved state only in the optimizer step (and in loads), so a save does not
-# need to copy anything before it returns: it records which tensors to save (the state's
-# structure is walked and its JSON values copied on the caller's thread) and a background
-# thread does the rest while the next forward and backward run:
-#   1. rank 0 checks the root (``plan_lineage``); every rank exchanges its metadata on storage's
-#      own process group (see [Note: storage's own process group] in _collectives.py), and the
-#      plan is made, as a synchronous save would;
-#   2. this rank's pieces are copied into the snapshot arena, one host buffer kept from save to
-#      save (CUDA tensors on a side stream that first waits for the work queued before save());
-#      then the handle's snapshot event is set: the live tensors may change from here on;
-#   3. the objects are written from the arena and committed as any async save.
-# The contract for the caller is the fence: nothing saved may change in place until
-# ``wait_snapshot()``. ``snapshot_fence(optimizer)`` installs it as a step pre-hook, where it
-# costs nothing once the copy is done, which it usually is long before the step: the copy runs at
-# memory speed during a forward and backward. A failure anywhere sets the snapshot event too
-# (nothing is being read any more) and is raised by ``wait()`` or the next save.
+# A deferred save records the tensors and copies the JSON values on the caller's thread; a
+# background thread plans (on storage's own group), copies this rank's pieces into the lane's
+# arena (CUDA ones on a side stream that first waits for the work queued before save()), sets
+# the snapshot event, then writes and commits. Nothing saved may change in place until
+# ``wait_snapshot()``; a failure sets the snapshot event too (docs/elastic.md, "Saves that do not
+# stop training").
 
 
 class _DeferredSave:
@@ -670,13 +642,7 @@ class _DeferredSave:
         self.group = group if self.own is None else self.own
         self.node: str | None = None  # a node-local root (storage/saving/_nodes.py)
 
-    def begin(
-        self,
-        state: Mapping[str, Any],
-        keep_last: int | None,
-        keep_every: int | None,
-        discard_newer: bool,
-    ) -> SaveHandle:
+    def begin(self, state: Mapping[str, Any]) -> SaveHandle:
         start = time.perf_counter()
         handle = _register(SaveHandle(self.step, self.store.where()), self.lane)
         local_error: Exception | None = None
@@ -689,7 +655,7 @@ class _DeferredSave:
         planned: list[_SaveJob] = []  # the job, when planned on this thread
         if self.own is None and self.group is not None:  # a subgroup: exchange on this thread
             try:
-                planned.append(self._plan(meta, tensors, keep_last, keep_every, discard_newer))
+                planned.append(self._plan(meta, tensors))
             except BaseException as e:
                 handle._observed = True  # raised here, not again by the next save
                 handle._finish(e)
@@ -699,10 +665,7 @@ class _DeferredSave:
 
         def run() -> None:
             try:
-                if planned:
-                    job = planned[0]
-                else:
-                    job = self._plan(meta, tensors, keep_last, keep_every, discard_newer)
+                job = planned[0] if planned else self._plan(meta, tensors)
                 stream = _side_stream(ready)
                 futures, error = job.stage_and_submit(
                     job._writers(), handle, self.lane.arena, stream
@@ -722,37 +685,19 @@ class _DeferredSave:
             raise local_error
         return handle
 
-    def _plan(
-        self,
-        meta: dict[str, Any],
-        tensors: dict[str, TensorLeaf],
-        keep_last: int | None,
-        keep_every: int | None,
-        discard_newer: bool,
-    ) -> _SaveJob:
+    def _plan(self, meta: dict[str, Any], tensors: dict[str, TensorLeaf]) -> _SaveJob:
         lineage: Lineage | None = None
         if self.rank == 0 and meta["error"] is None:  # decides for every rank
             try:
-                lineage = plan_lineage(self.store, self.step, discard_newer)
+                lineage = plan_lineage(self.store, self.step, self.options.discard_newer)
                 meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
             except Exception as e:
                 meta["error"] = f"{type(e).__name__}: {e}"
         plan, values, world = exchange(tensors, meta, self.group, self.step, self.options)
-        job = _SaveJob(
-            self.store,
-            self.step,
-            self.rank,
-            plan,
-            values,
-            world,
-            tensors,
-            self.options,
-            keep_last,
-            keep_every,
-        )
+        job = _SaveJob(self.store, self.step, self.rank, plan, values, world, tensors, self.options)
         job.lineage, job.replaces = lineage, plan.replaces
         if self.node is not None:
-            job.node, job.commit_group, job.discard_newer = self.node, self.own, discard_newer
+            job.node, job.commit_group = self.node, self.own
         job.lane = self.lane
         return job
 
@@ -765,15 +710,10 @@ def in_place(store: Store, cuda: bool) -> bool:
 
 
 # [Note: a tmpfs root written from the live tensors]
-# On tmpfs a file's bytes are host memory, so the snapshot copy and the write that follows it
-# would move every byte twice through the same memory (and keep a second copy of the rank's
-# share in the arena). When every saved tensor is on the CPU, a deferred save to a tmpfs root
-# writes its objects (checksummed as they go out, as always) from the live tensors instead,
-# and the snapshot is done when the writes are: the fence then covers the writes, which take
-# about as long as the copy into fresh arena memory did (a write into tmpfs allocates and fills
-# pages at memory speed). ``prepare_save`` reserves no arena for such a save. Anywhere else the
-# arena stays: a disk or an object store may take far longer than a forward and backward, and
-# CUDA tensors need a host copy anyway.
+# A file on tmpfs is host memory: with every saved tensor on the CPU a deferred save writes its
+# objects from the live tensors and the snapshot is done when the writes are (no arena, nothing
+# reserved by ``prepare_save``); elsewhere the arena stays (docs/elastic.md, "Saves that do not
+# stop training").
 
 
 def _queued_work_event(tensors: dict[str, TensorLeaf]) -> Any:

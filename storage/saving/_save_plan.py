@@ -10,7 +10,7 @@ once: split evenly among its holders when large, otherwise given to the least-lo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ftsdp.storage._options import SaveOptions
@@ -52,16 +52,7 @@ def renamed(
     index = {r: i - 1 for r, i in (first or {}).items()}
     for o in objects:
         i = index[o.rank] = index.get(o.rank, -1) + 1
-        out.append(
-            PlannedObject(
-                object_name(o.rank, i, attempt),
-                o.rank,
-                list(o.pieces),
-                o.head,
-                o.byte_ranges,
-                o.size,
-            )
-        )
+        out.append(replace(o, name=object_name(o.rank, i, attempt), pieces=list(o.pieces)))
     return out
 
 
