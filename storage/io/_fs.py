@@ -46,17 +46,6 @@ def is_plain_name(name: object) -> bool:
     )
 
 
-def _backend(fs: Any) -> type[Store]:
-    # Imported here: the backends subclass Store.
-    from ftsdp.storage.io._local import LocalStore
-    from ftsdp.storage.io._s3 import S3Store
-
-    if isinstance(fs, LocalFileSystem):
-        return LocalStore
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    return S3Store if protocols & {"s3", "s3a"} else Store
-
-
 class Store:
     """An fsspec filesystem rooted at ``url``; every path argument is relative to the root."""
 
@@ -68,12 +57,12 @@ class Store:
         storage_options: dict[str, Any] | None = None,
         io: IOOptions | None = None,
     ) -> Store:
-        # ``Store(url, ...)`` is the backend for the URL's filesystem (the defaults serve
-        # unpickling, which calls ``__new__`` bare on the class already chosen).
+        # ``Store(url, ...)`` is the backend that serves the URL's filesystem: a subclass, known
+        # once imported (the io room's ``__init__`` imports them); the defaults serve unpickling,
+        # which calls ``__new__`` bare on the class already chosen.
         if cls is Store and isinstance(url, (str, os.PathLike)):
-            cls = _backend(
-                fsspec.core.url_to_fs(str(url).rstrip("/"), **(storage_options or {}))[0]
-            )
+            fs = fsspec.core.url_to_fs(str(url).rstrip("/"), **(storage_options or {}))[0]
+            cls = next((b for b in Store.__subclasses__() if b.serves(fs)), Store)
         return super().__new__(cls)
 
     def __init__(
@@ -88,6 +77,12 @@ class Store:
         self.io = io or IOOptions()
         self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.root = root.rstrip("/")
+
+    @staticmethod
+    def serves(fs: Any) -> bool:
+        """Whether this backend is the one for the fsspec filesystem ``fs`` (the generic
+        ``Store`` takes what no subclass serves)."""
+        return False
 
     def full(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root

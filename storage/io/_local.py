@@ -27,9 +27,10 @@ import shutil
 import stat
 import uuid
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from ftsdp.storage.io._fs import Store
 
@@ -41,6 +42,10 @@ class LocalStore(Store):
     (links followed, a dangling one absent)."""
 
     local = True
+
+    @staticmethod
+    def serves(fs: Any) -> bool:
+        return isinstance(fs, LocalFileSystem)
 
     @functools.cached_property
     def tmpfs(self) -> bool:

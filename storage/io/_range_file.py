@@ -6,10 +6,14 @@ reads cost one request to an object store."""
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ftsdp.storage.io._fs import Store
+
+class _Store(Protocol):  # what RangeFile needs of a Store (_fs.py imports this module)
+    def read_range(self, rel: str, start: int, end: int) -> bytes: ...
+
+    def read_into(self, rel: str, start: int, out: Any) -> None: ...
+
 
 _READ_AHEAD = 64 << 10  # what a small read fetches
 
@@ -21,7 +25,7 @@ class RangeFile(io.RawIOBase):
     a large read goes straight into the caller's buffer.
     """
 
-    def __init__(self, store: Store, rel: str, start: int, length: int) -> None:
+    def __init__(self, store: _Store, rel: str, start: int, length: int) -> None:
         super().__init__()
         self.store, self.rel, self.start, self.length, self.pos = store, rel, start, length, 0
         self._ahead, self._ahead_at = b"", 0

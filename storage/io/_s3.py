@@ -18,6 +18,11 @@ from ftsdp.storage.io._fs import Store
 class S3Store(Store):
     """A ``Store`` on S3: exclusive creates are native, uploads checksummed (``S3Upload``)."""
 
+    @staticmethod
+    def serves(fs: Any) -> bool:
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        return bool(protocols & {"s3", "s3a"})
+
     def _creates_exclusively(self) -> bool:
         return True
 
