@@ -1,13 +1,10 @@
-"""The one store layer: every read and write of every format goes through a ``Store``.
-
-A ``Store`` is an fsspec filesystem rooted at a URL; every path argument is relative to the root,
-and ``""`` is the root itself, a directory (a checkpoint root, an hf or DCP folder) or a single
-file (a ``.safetensors`` or ``torch.save`` file). Each operation retries known-transient errors
-(``_retry.py``) and every write is atomic (docs/format.md, "Commit protocol"). This module holds
-what every backend shares: paths, containment, reads and writes through fsspec (any scheme:
-``memory://``, ``faulty://``); ``Store(url, ...)`` builds the backend of the URL's filesystem:
-``LocalStore`` (``_local.py``) or ``S3Store`` (``_s3.py``). Only the io room touches fsspec.
-"""
+"""The one store layer: every read and write of every format goes through a ``Store``, an
+fsspec filesystem rooted at a URL. Every path argument is relative to the root; ``""`` is the
+root itself, a directory or a single file (a ``.safetensors`` or ``torch.save`` file). Each
+operation retries known-transient errors (``_retry.py``); writes are atomic (docs/format.md,
+"Commit protocol"). This module holds what every backend shares, through fsspec (any scheme:
+``memory://``, ``faulty://``); ``Store(url, ...)`` builds the backend for the URL's filesystem,
+``LocalStore`` (``_local.py``) or ``S3Store`` (``_s3.py``)."""
 
 from __future__ import annotations
 
@@ -27,8 +24,6 @@ from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage._options import IOOptions
 from ftsdp.storage.io._range_file import RangeFile
 from ftsdp.storage.io._retry import retry
-
-MiB = 1 << 20
 
 _PLAIN_NAME = re.compile(r"[^/\\:\x00-\x1f\x7f]{1,255}")
 
@@ -80,8 +75,7 @@ class Store:
 
     @staticmethod
     def serves(fs: Any) -> bool:
-        """Whether this backend is the one for the fsspec filesystem ``fs`` (the generic
-        ``Store`` takes what no subclass serves)."""
+        """Whether this backend is the one for fsspec filesystem ``fs`` (else ``Store`` is)."""
         return False
 
     def full(self, rel: str) -> str:
@@ -285,7 +279,7 @@ class Store:
         native = exclusive and self._creates_exclusively()
         if exclusive and not native and self.fs.exists(path):
             raise FileExistsError(f"{path} already exists")
-        f = self._upload(path, max(self.io.part_bytes, 5 * MiB), native)  # S3's smallest part
+        f = self._upload(path, max(self.io.part_bytes, 5 << 20), native)  # S3's smallest part
         try:
             yield f
         except BaseException:

@@ -1,19 +1,16 @@
-"""The store on a local disk: metadata and listings straight from the OS (``os.stat``, one
-``scandir``) instead of fsspec's path handling, since a save asks a few dozen times; reads into
-buffers and memory-mapped ranges; atomic writes (a temporary name, fsync, rename, fsync of the
-folder) and exclusive creates (a hard link, or ``O_EXCL`` where links are missing); symlink
-containment; and whether the root is on tmpfs, from the mount table.
+"""The store on a local disk: metadata and listings from the OS (``os.stat``, one ``scandir``;
+a save asks a few dozen times), reads into buffers and memory-mapped ranges, atomic writes
+(temporary name, fsync, rename, fsync of the folder), exclusive creates (a hard link, or
+``O_EXCL`` without links), symlink containment, and tmpfs detection from the mount table.
 
 [Note: reading local files through the page cache]
 A local object is read by mapping the byte range (``mmap``, populated up front) instead of
-``read()`` into fresh memory: the checksums are computed on the page cache's own pages and the
-bytes are copied once, into the target, after every rank has verified its reads, which saves
-the kernel's copy into the process and the zero-filling of a fresh buffer. Objects are immutable
-once written (new names, rename), so a mapping never sees them change; the size is checked
-before mapping, so a truncated object raises instead of faulting. A range cached in large
-folios maps far faster than one in 4 KiB pages, so ``write_object`` (``_safetensors.py``) hands
-the data to the file in spans that end on multiples of 2 MiB of the object (docs/format.md,
-docs/benchmarks.md "Verify (warm)").
+``read()`` into fresh memory: checksums run on the page cache's own pages and the bytes are
+copied once, into the target, after every rank has verified its reads (no kernel copy into the
+process, no zero-filled buffer). Objects are immutable once written (new names, rename), so a
+mapping never sees them change; the size is checked before mapping, so a truncated object
+raises instead of faulting. Large folios map far faster than 4 KiB pages, hence the 2 MiB write
+spans (docs/format.md; docs/benchmarks.md, "Verify (warm)").
 """
 
 from __future__ import annotations
@@ -204,9 +201,6 @@ def _scan_local(path: str) -> dict[str, tuple[str, int]]:
     return out
 
 
-_mount_types: dict[int, str | None] = {}
-
-
 def _mount_type(path: str) -> str | None:
     """The filesystem type of the mount holding ``path`` (its nearest existing ancestor): the
     mount table's entry whose device (``major:minor``) is that of ``path``, so that neither a
@@ -214,13 +208,11 @@ def _mount_type(path: str) -> str | None:
     path = os.path.realpath(path)
     while not os.path.exists(path) and path != "/":
         path = os.path.dirname(path)
-    dev = os.stat(path).st_dev
-    if dev not in _mount_types:
-        _mount_types[dev] = _read_mount_type(f"{os.major(dev)}:{os.minor(dev)}")
-    return _mount_types[dev]
+    return _device_fs_type(os.stat(path).st_dev)
 
 
-def _read_mount_type(device: str) -> str | None:
+@functools.cache
+def _device_fs_type(dev: int) -> str | None:
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
@@ -230,6 +222,6 @@ def _read_mount_type(device: str) -> str | None:
     for line in lines:
         left, _, right = line.partition(" - ")
         fields = left.split()
-        if len(fields) >= 3 and fields[2] == device and right:
+        if len(fields) >= 3 and fields[2] == f"{os.major(dev)}:{os.minor(dev)}" and right:
             kinds.add(right.split()[0])
     return kinds.pop() if len(kinds) == 1 else None  # one device, one filesystem

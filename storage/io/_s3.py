@@ -1,8 +1,7 @@
-"""The store on S3 (s3fs): creates are conditional (``If-None-Match: *``), and uploads carry a
-CRC-32C as S3's own checksum, which S3 verifies on arrival (docs/format.md, the paragraph on S3
-checksums). s3fs's own file cannot send it: it drops the parts' checksums when it completes a
-multipart upload, so ``S3Upload`` talks to the S3 API itself; ``IOOptions(object_checksums=False)``
-falls back to s3fs's file for an S3-compatible store that refuses CRC-32C."""
+"""The store on S3 (s3fs): creates are conditional (``If-None-Match: *``) and every upload
+carries a CRC-32C that S3 verifies on arrival (docs/format.md). s3fs's own file drops the parts'
+checksums when it completes a multipart upload, so ``S3Upload`` calls the S3 API itself;
+``IOOptions(object_checksums=False)`` uses s3fs's file, for a store that refuses CRC-32C."""
 
 from __future__ import annotations
 
@@ -38,14 +37,11 @@ def _b64_crc(value: int) -> str:
 
 
 class S3Upload:
-    """A write-only file that uploads one S3 object carrying its CRC-32C as S3's own checksum.
-
-    One ``put_object`` when the object fits in a part, else a multipart upload of ``part_bytes``
-    parts (sent as they fill, one at a time, each with its CRC-32C; the object keeps the CRC-32C
-    of its whole content, type ``FULL_OBJECT``). ``close()`` publishes the object; ``discard()``
-    aborts, so nothing appears. With ``exclusive`` the object is created only if its name is
-    free (``If-None-Match: *``): ``close()`` raises FileExistsError otherwise.
-    """
+    """A write-only file that uploads one S3 object with CRC-32C checksums: one ``put_object``
+    when it fits in a part, else a multipart upload of ``part_bytes`` parts (each sent when full,
+    with its own CRC-32C; the object keeps its whole content's, ``FULL_OBJECT``). ``close()``
+    publishes it (with ``exclusive``: FileExistsError when the name is taken); ``discard()``
+    aborts, so nothing appears."""
 
     def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:
         self.fs, self.path, self.part_bytes = fs, path, part_bytes
