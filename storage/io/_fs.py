@@ -57,7 +57,7 @@ class Store:
         # which calls ``__new__`` bare on the class already chosen.
         if cls is Store and isinstance(url, (str, os.PathLike)):
             fs = fsspec.core.url_to_fs(str(url).rstrip("/"), **(storage_options or {}))[0]
-            cls = next((b for b in Store.__subclasses__() if b.serves(fs)), Store)
+            cls = next((b for b in Store.__subclasses__() if b._serves(fs)), Store)
         return super().__new__(cls)
 
     def __init__(
@@ -74,7 +74,7 @@ class Store:
         self.root = root.rstrip("/")
 
     @staticmethod
-    def serves(fs: Any) -> bool:
+    def _serves(fs: Any) -> bool:
         """Whether this backend is the one for fsspec filesystem ``fs`` (else ``Store`` is)."""
         return False
 

@@ -41,7 +41,7 @@ class LocalStore(Store):
     local = True
 
     @staticmethod
-    def serves(fs: Any) -> bool:
+    def _serves(fs: Any) -> bool:
         return isinstance(fs, LocalFileSystem)
 
     @functools.cached_property

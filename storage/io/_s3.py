@@ -18,7 +18,7 @@ class S3Store(Store):
     """A ``Store`` on S3: exclusive creates are native, uploads checksummed (``S3Upload``)."""
 
     @staticmethod
-    def serves(fs: Any) -> bool:
+    def _serves(fs: Any) -> bool:
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         return bool(protocols & {"s3", "s3a"})
 
