@@ -46,25 +46,16 @@ class Store:
 
     local = False  # a local disk (``LocalStore``): ``map_range`` works, objects have real paths
 
-    def __new__(
-        cls,
-        url: str | os.PathLike[str] | None = None,
-        storage_options: dict[str, Any] | None = None,
-        io: IOOptions | None = None,
-    ) -> Store:
-        # ``Store(url, ...)`` is the backend that serves the URL's filesystem: a subclass, known
-        # once imported (the io room's ``__init__`` imports them); the defaults serve unpickling,
-        # which calls ``__new__`` bare on the class already chosen.
+    def __new__(cls, url: Any = None, storage_options: Any = None, io: Any = None) -> Store:
+        # The backend that serves the URL's filesystem, among the subclasses (the io room imports
+        # them); no url: unpickling, on the class already chosen.
         if cls is Store and isinstance(url, (str, os.PathLike)):
             fs = fsspec.core.url_to_fs(str(url).rstrip("/"), **(storage_options or {}))[0]
             cls = next((b for b in Store.__subclasses__() if b._serves(fs)), Store)
         return super().__new__(cls)
 
     def __init__(
-        self,
-        url: str | os.PathLike[str],
-        storage_options: dict[str, Any] | None,
-        io: IOOptions | None = None,
+        self, url: str, storage_options: dict[str, Any] | None, io: IOOptions | None = None
     ) -> None:
         if not isinstance(url, (str, os.PathLike)):
             raise TypeError(f"url must be a str or path, got {type(url).__name__}")
