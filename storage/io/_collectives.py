@@ -104,10 +104,6 @@ def _received(n: int, device: torch.device) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8, device=device)
 
 
-def _to_bytes(buf: torch.Tensor, n: int) -> bytes:
-    return bytes(buf[:n].cpu().numpy())
-
-
 def gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
     """Every rank's JSON-able ``obj`` in rank order on group rank 0, None on the others: the
     longest length agreed on, then one gather of frames that long."""
@@ -131,8 +127,7 @@ def scatter_json(objs: list[Any] | None, group: dist.ProcessGroup | None) -> Any
     if group is None:
         assert objs is not None
         return json.loads(json.dumps(objs[0]))
-    device, _world, me = _device(group), dist.get_world_size(group), dist.get_rank(group)
-    src = dist.get_global_rank(group, 0)
+    device, me, src = _device(group), dist.get_rank(group), dist.get_global_rank(group, 0)
     datas = [json.dumps(o).encode() for o in objs] if me == 0 and objs is not None else []
     head = torch.tensor([max(map(len, datas), default=0)], dtype=torch.int64, device=device)
     dist.broadcast(head, src=src, group=group)
@@ -143,7 +138,7 @@ def scatter_json(objs: list[Any] | None, group: dist.ProcessGroup | None) -> Any
     bufs = [_padded(d, longest).to(device) for d in datas] if me == 0 else None
     buf = _received(longest, device)
     dist.scatter(buf, bufs, src=src, group=group)
-    return json.loads(_to_bytes(buf, int(size.item())))
+    return json.loads(bytes(buf[: int(size.item())].cpu().numpy()))
 
 
 def all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:

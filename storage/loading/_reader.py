@@ -5,7 +5,7 @@ Each span is cut into parts of about ``part_bytes`` at checksum-block boundaries
 whole blocks only and a worker thread reads it and verifies its blocks on its own (CRC-32, the
 reads and numpy's copies release the GIL; the caller's thread only waits). ``fetch`` returns,
 for every planned copy, verified source bytes: a view of the page cache for a local file (see
-[Note: reading local files through the page cache] in _fs.py), the response body for an object
+[Note: reading local files through the page cache] in io/_local.py), the response body for an object
 store. Nothing has been written anywhere yet, so a load can still fail cleanly. ``deliver`` then
 copies the sources straight into the targets (one copy), going through the staging tensors only
 where a target needs a conversion (another dtype, device or memory layout); ``execute`` fills

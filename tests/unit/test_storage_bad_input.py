@@ -14,6 +14,7 @@ import torch
 from ftsdp import storage
 from ftsdp.storage.format._manifest import SELF_CHECKSUM, seal
 from ftsdp.storage.io._fs import Store
+from ftsdp.storage.io._local import LocalStore
 from tests.make_storage_golden import GOLDEN, STEP
 
 OPTS = storage.SaveOptions(object_bytes=64, checksum_block_bytes=32)  # 'w' spans 3 objects
@@ -235,9 +236,9 @@ def test_manifest_size_is_capped_before_reading(
     storage.load(target, str(ckpt), options=storage.LoadOptions(max_manifest_bytes=size))
     assert target["step"] == 3
     # The default cap (1 GiB): a store that reports a 2 GiB manifest is refused unread.
-    real_size = Store.size
+    real_size = LocalStore.size  # the local backend's own (it asks the OS)
     monkeypatch.setattr(
-        Store,
+        LocalStore,
         "size",
         lambda s, rel="": 2 << 30 if rel.endswith("manifest.json") else real_size(s, rel),
     )

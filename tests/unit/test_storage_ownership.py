@@ -470,8 +470,8 @@ def test_a_reader_or_a_link_keeps_the_bytes_of_a_retired_step(tmp_path, how) -> 
 def test_the_filesystem_type_is_the_one_of_the_roots_device() -> None:
     """``Store.tmpfs`` (a deferred save writes a tmpfs root from the live tensors) reads the
     mount table's filesystem of the root's device, for paths not created yet too."""
-    from ftsdp.storage.io import _fs
+    from ftsdp.storage.io import _local
 
-    assert _fs._mount_type("/dev/shm/not/there/yet") == "tmpfs"
-    assert _fs._mount_type("/proc/self") == "proc"
+    assert _local._mount_type("/dev/shm/not/there/yet") == "tmpfs"
+    assert _local._mount_type("/proc/self") == "proc"
     assert Store("memory://x", None).tmpfs is False

@@ -1,6 +1,6 @@
-"""The one store layer (storage/io/_fs.py): a store rooted at a single file, ranged views for
-``torch.load``, and the rules that keep every format on it (only _fs.py touches fsspec; DCP's
-pickle is loaded in one function)."""
+"""The one store layer (storage/io): a store rooted at a single file, ranged views for
+``torch.load``, the backend chosen by the URL, and the rules that keep every format on it (only
+the io room touches fsspec; DCP's pickle is loaded in one function)."""
 
 from __future__ import annotations
 
@@ -115,8 +115,25 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 def test_only_the_store_touches_fsspec() -> None:
-    users = sorted(p.name for p in STORAGE.rglob("*.py") if "fsspec" in _imports(p))
-    assert users == ["_fs.py"]
+    users = {p.parent.name for p in STORAGE.rglob("*.py") if "fsspec" in _imports(p)}
+    assert users == {"io"}
+
+
+def test_a_store_is_the_backend_of_its_urls_filesystem(tmp_path: pathlib.Path) -> None:
+    """``Store(url)`` builds the local, S3 or generic fsspec backend, by the URL's filesystem."""
+    from ftsdp.storage.io._local import LocalStore
+    from ftsdp.storage.io._s3 import S3Store
+
+    pytest.importorskip("s3fs")
+    for url, kind in (
+        (str(tmp_path), LocalStore),
+        (f"file://{tmp_path}", LocalStore),
+        ("memory://x", Store),
+        ("s3://bucket/x", S3Store),
+        ("s3a://bucket/x", S3Store),
+    ):
+        store = Store(url, None)
+        assert type(store) is kind and store.local == (kind is LocalStore), url
 
 
 def test_dcp_metadata_is_unpickled_in_one_function(

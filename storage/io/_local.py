@@ -1,0 +1,227 @@
+"""The store on a local disk: metadata and listings from the OS (``os.stat``, one ``scandir``;
+a save asks a few dozen times), reads into buffers and memory-mapped ranges, atomic writes
+(temporary name, fsync, rename, fsync of the folder), exclusive creates (a hard link, or
+``O_EXCL`` without links), symlink containment, and tmpfs detection from the mount table.
+
+[Note: reading local files through the page cache]
+A local object is read by mapping the byte range (``mmap``, populated up front) instead of
+``read()`` into fresh memory: checksums run on the page cache's own pages and the bytes are
+copied once, into the target, after every rank has verified its reads (no kernel copy into the
+process, no zero-filled buffer). Objects are immutable once written (new names, rename), so a
+mapping never sees them change; the size is checked before mapping, so a truncated object
+raises instead of faulting. Large folios map far faster than 4 KiB pages, hence the 2 MiB write
+spans (docs/format.md; docs/benchmarks.md, "Verify (warm)").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import mmap
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Iterator
+from typing import IO, Any
+
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+
+from ftsdp.storage.io._fs import Store
+
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+
+
+class LocalStore(Store):
+    """A ``Store`` on a local disk (fsspec's ``LocalFileSystem``); the answers are fsspec's
+    (links followed, a dangling one absent)."""
+
+    local = True
+
+    @staticmethod
+    def _serves(fs: Any) -> bool:
+        return isinstance(fs, LocalFileSystem)
+
+    @functools.cached_property
+    def tmpfs(self) -> bool:
+        """Whether the root is on a tmpfs mount (host memory: ``/dev/shm``), by the mount table."""
+        return _mount_type(self.root) == "tmpfs"
+
+    def exists(self, rel: str = "") -> bool:
+        return self._retry(lambda: os.path.exists(self.full(rel)))
+
+    def isfile(self, rel: str = "") -> bool:
+        return self._retry(lambda: os.path.isfile(self.full(rel)))
+
+    def isdir(self, rel: str = "") -> bool:
+        return self._retry(lambda: os.path.isdir(self.full(rel)))
+
+    def size(self, rel: str = "") -> int:
+        return self._retry(lambda: os.stat(self.full(rel)).st_size)
+
+    def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
+        try:
+            return self._retry(lambda: _scan_local(self.full(rel)))
+        except FileNotFoundError:
+            return {}
+
+    def is_link(self, rel: str) -> bool:
+        return os.path.islink(self.full(rel))
+
+    def inside_root(self, rel: str) -> bool:
+        # Without a link or ".." below the root, rel stays inside whatever the root resolves to:
+        # one lstat per component of rel, where resolving both paths lstats every component of
+        # both (it runs twice per file a retention removes).
+        path = self.root
+        for part in rel.split("/"):
+            if part in ("", "."):
+                continue
+            path = f"{path}/{part}"
+            if part == ".." or os.path.islink(path):
+                root = os.path.realpath(self.root)
+                return os.path.commonpath([root, os.path.realpath(self.full(rel))]) == root
+        return True
+
+    def _read_at(self, rel: str, start: int, view: memoryview) -> int:
+        with open(self.full(rel), "rb") as f:
+            f.seek(start)
+            return f.readinto(view)
+
+    def map_range(self, rel: str, start: int, end: int) -> np.ndarray:
+        fd = os.open(self.full(rel), os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < end:  # mapping past the end would fault (SIGBUS) on access
+                raise OSError(
+                    f"short read of {self.where(rel)} bytes [{start}, {end}): the object has "
+                    f"{size} bytes; it is truncated"
+                )
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(
+                fd,
+                end - base,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ,
+                offset=base,
+            )
+        finally:
+            os.close(fd)
+        return np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start - base)
+
+    @contextlib.contextmanager
+    def _atomic_write(self, path: str, exclusive: bool = False) -> Iterator[IO[bytes]]:
+        """``path`` exists only complete: a temporary name (``<name>.tmp-<8 hex>``), fsynced and
+        renamed, or with ``exclusive`` linked (FileExistsError when ``path`` exists)."""
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "xb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+                if exclusive:
+                    _link_exclusive(tmp, path)
+                else:
+                    os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # make the rename itself durable
+        finally:
+            os.close(fd)
+
+    def remove_empty_dir(self, rel: str) -> bool:
+        try:
+            os.rmdir(self.full(rel))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+        self.invalidate(self._parent(rel))
+        return True
+
+
+def _link_exclusive(tmp: str, path: str) -> None:
+    """Publish the complete file ``tmp`` as ``path`` unless ``path`` exists (FileExistsError):
+    a hard link, or where the file system has none, a copy into a file created with
+    ``O_EXCL`` (removed again if the copy fails)."""
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as dst, open(tmp, "rb") as src:
+            shutil.copyfileobj(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
+
+
+def _scan_local(path: str) -> dict[str, tuple[str, int]]:
+    """What ``LocalFileSystem.ls(path, detail=True)`` tells of each entry, in one ``scandir``:
+    the type of the entry itself ("directory", "file", or "other" for a link or a device), and
+    its size, a link's that of its target (0 when dangling). ``path`` itself is followed when it
+    is a link; a file lists itself."""
+    st = os.stat(path)  # FileNotFoundError when absent
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "file" if stat.S_ISREG(st.st_mode) else "other"
+        return {path.rstrip("/").rsplit("/", 1)[-1]: (kind, st.st_size)}
+    out = {}
+    with os.scandir(path) as entries:
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    kind = "directory"
+                elif e.is_file(follow_symlinks=False):
+                    kind = "file"
+                else:
+                    kind = "other"
+                size = e.stat(follow_symlinks=False).st_size
+                if e.is_symlink():
+                    try:
+                        size = e.stat(follow_symlinks=True).st_size
+                    except OSError:
+                        size = 0
+            except FileNotFoundError:  # removed while listed
+                continue
+            out[e.name] = (kind, size)
+    return out
+
+
+def _mount_type(path: str) -> str | None:
+    """The filesystem type of the mount holding ``path`` (its nearest existing ancestor): the
+    mount table's entry whose device (``major:minor``) is that of ``path``, so that neither a
+    bind mount nor a mount hidden under another one is taken for it; None when unknown."""
+    path = os.path.realpath(path)
+    while not os.path.exists(path) and path != "/":
+        path = os.path.dirname(path)
+    return _device_fs_type(os.stat(path).st_dev)
+
+
+@functools.cache
+def _device_fs_type(dev: int) -> str | None:
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    kinds = set()
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) >= 3 and fields[2] == f"{os.major(dev)}:{os.minor(dev)}" and right:
+            kinds.add(right.split()[0])
+    return kinds.pop() if len(kinds) == 1 else None  # one device, one filesystem

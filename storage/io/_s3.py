@@ -1,0 +1,156 @@
+"""The store on S3 (s3fs): creates are conditional (``If-None-Match: *``) and every upload
+carries a CRC-32C that S3 verifies on arrival (docs/format.md). s3fs's own file drops the parts'
+checksums when it completes a multipart upload, so ``S3Upload`` calls the S3 API itself;
+``IOOptions(object_checksums=False)`` uses s3fs's file, for a store that refuses CRC-32C."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from typing import Any
+
+from crc32c import crc32c  # the checksum S3 verifies on upload (x-amz-checksum-crc32c)
+
+from ftsdp.storage.io._fs import Store
+
+
+class S3Store(Store):
+    """A ``Store`` on S3: exclusive creates are native, uploads checksummed (``S3Upload``)."""
+
+    @staticmethod
+    def _serves(fs: Any) -> bool:
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        return bool(protocols & {"s3", "s3a"})
+
+    def _creates_exclusively(self) -> bool:
+        return True
+
+    def _upload(self, path: str, part_bytes: int, exclusive: bool) -> Any:
+        if self.io.object_checksums:
+            return S3Upload(self.fs, path, part_bytes, exclusive)
+        return super()._upload(path, part_bytes, exclusive)
+
+
+def _b64_crc(value: int) -> str:
+    """A CRC-32C as S3 spells it: the 4 bytes big-endian, base64."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+class S3Upload:
+    """A write-only file that uploads one S3 object with CRC-32C checksums: one ``put_object``
+    when it fits in a part, else a multipart upload of ``part_bytes`` parts (each sent when full,
+    with its own CRC-32C; the object keeps its whole content's, ``FULL_OBJECT``). ``close()``
+    publishes it (with ``exclusive``: FileExistsError when the name is taken); ``discard()``
+    aborts, so nothing appears."""
+
+    def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:
+        self.fs, self.path, self.part_bytes = fs, path, part_bytes
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.match = {"IfNoneMatch": "*"} if exclusive else {}
+        self.buf = bytearray()
+        self.size = 0
+        self.crc = 0  # of the whole object so far
+        self.part_crc = 0  # of the bytes in ``buf``
+        self.upload_id: str | None = None
+        self.parts: list[dict[str, Any]] = []
+        self.closed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        """Nothing to do: a part is sent once it is full, the rest on ``close``."""
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        while len(mv):
+            take = min(len(mv), self.part_bytes - len(self.buf))
+            chunk = mv[:take]
+            self.crc = crc32c(chunk, self.crc)
+            self.part_crc = crc32c(chunk, self.part_crc)
+            self.buf += chunk
+            mv = mv[take:]
+            if len(self.buf) == self.part_bytes:
+                self._send_part()
+        self.size += n
+        return n
+
+    def _send_part(self) -> None:
+        if self.upload_id is None:
+            self.upload_id = self.fs.call_s3(
+                "create_multipart_upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumType="FULL_OBJECT",
+            )["UploadId"]
+        number = len(self.parts) + 1
+        checksum = _b64_crc(self.part_crc)
+        out = self.fs.call_s3(
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            PartNumber=number,
+            Body=bytes(self.buf),
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=checksum,
+        )
+        self.parts.append({"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum})
+        self.buf, self.part_crc = bytearray(), 0
+
+    def close(self) -> None:
+        """Publish the object (FileExistsError: ``exclusive`` and the name is taken)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.upload_id is None:
+            self.fs.call_s3(
+                "put_object",
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=bytes(self.buf),
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=_b64_crc(self.crc),
+                **self.match,
+            )
+        else:
+            try:
+                if self.buf:
+                    self._send_part()
+                self.fs.call_s3(
+                    "complete_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": self.parts},
+                    ChecksumCRC32C=_b64_crc(self.crc),
+                    ChecksumType="FULL_OBJECT",
+                    **self.match,
+                )
+            except BaseException:
+                self._abort()
+                raise
+        self.buf = bytearray()
+        self.fs.invalidate_cache(self.path)
+
+    def discard(self) -> None:
+        """Abandon the upload: no object appears, and the parts sent so far are deleted."""
+        self.closed = True
+        self.buf = bytearray()
+        self._abort()
+
+    def _abort(self) -> None:
+        if self.upload_id is not None:
+            upload_id, self.upload_id = self.upload_id, None
+            with contextlib.suppress(Exception):
+                self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
+                )
