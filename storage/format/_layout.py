@@ -9,7 +9,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")
 # Every name this format writes in a step directory, also as a write's temporary name
-# (``<name>.tmp-<8 hex>``, storage/io/_fs.py): only such names are ever deleted
+# (``<name>.tmp-<8 hex>``, storage/io/_local.py): only such names are ever deleted
 # ([Note: deleting only what is ours] in storage/format/_steps.py).
 _OWN = re.compile(
     r"(?:rank\d{5,}-\d{3,}-(?P<object>[0-9a-f]{8})\.safetensors"
