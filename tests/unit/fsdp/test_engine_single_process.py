@@ -170,7 +170,7 @@ def test_attribute_access_reaches_the_wrapped_module() -> None:
 
 
 def test_unknown_arguments_get_a_clear_error() -> None:
-    # torch FSDP's own arguments are accepted: tests/unit/test_wrap_policies.py
+    # torch FSDP's own arguments are accepted: tests/unit/fsdp/test_wrap_policies.py
     with pytest.raises(TypeError, match="unexpected keyword arguments"):
         ftsdp.FSDP(tiny_gpt(), no_such_option=1)
 
