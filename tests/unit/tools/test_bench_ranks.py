@@ -61,7 +61,7 @@ def test_the_rows_are_sane(run: dict[str, Any]) -> None:
     assert names[:3] == ["save GB/s", "load 2 -> 2 GB/s", "load 2 -> 2 GB/s, warm cache"], names
     for name, st, dc, s3, _, _ in rows:
         assert s3 is None, name  # no S3 backend in this run
-        if name.startswith("storage.prepare_save"):
+        if name.startswith("storage.saving.prepare_save"):
             assert st > 0 and dc is None, name
             continue
         assert st is not None and dc is not None, name
