@@ -322,6 +322,8 @@ def _save(
     try:
         plan, values, world = exchange(tensors, meta, group, step, options)
     except CheckpointError:
+        if ahead is not None:  # the lane's arena is the next save's: leave it settled
+            ahead.join()
         if local_error is not None:
             raise local_error from None
         raise
