@@ -202,18 +202,24 @@ class _Run:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
+    def _pending(self) -> Any:
+        """The manager's save in flight to the tier this loop saves to (None: none)."""
+        assert self.ckpt is not None
+        tier = self.ckpt._memory if self.mode == "memory" else self.ckpt._durable
+        return None if tier is None else tier.pending
+
     def save(self) -> None:
         """Save the current step (nothing without checkpointing)."""
         if self.mode == "none":
             return
         if self.mode == "memory":
-            pending = self.ckpt._pending_memory
+            pending = self._pending()
             if pending is not None:
                 self.fence.append(pending.fence_wait_seconds)
             self.blocking.append(self.ckpt.save_to_memory(self.step, {"step": self.step}))
             return
         if self.ckpt is not None:
-            pending = self.ckpt._pending
+            pending = self._pending()
             if pending is not None:
                 self.fence.append(pending.fence_wait_seconds)
             self.blocking.append(self.ckpt.save(self.step, {"step": self.step}))
@@ -235,7 +241,7 @@ class _Run:
     def finish_saves(self) -> None:
         """Wait until the last save committed; drop DCP's older checkpoints (not timed)."""
         if self.ckpt is not None:
-            pending = self.ckpt._pending_memory if self.mode == "memory" else self.ckpt._pending
+            pending = self._pending()
             self.ckpt.wait()
             if pending is not None:
                 self.fence.append(pending.fence_wait_seconds)

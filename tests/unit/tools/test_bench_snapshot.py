@@ -141,3 +141,23 @@ def test_save_cpu_reads_each_threads_cpu_and_tables_what_saving_adds() -> None:
     assert "| 0 | the whole process | 180.0 | 192.0 | +12.0 | +24.0 |" in text
     assert "| 1 | storage-save | 0.0 | 4.0 | +4.0 | +8.0 |" in text
     assert "| 0 | wall time, barrier to barrier | 200.0 | 210.0 | +10.0 | +20.0 |" in text
+
+
+@pytest.mark.timeout(300)
+def test_the_saving_configurations_run_end_to_end(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A smoke run of the real loop (two gloo ranks) through CheckpointManager's durable and
+    memory tiers: every saving round saved, blocked a positive time and committed."""
+    from ftsdp.tools import bench_snapshot
+
+    bench_snapshot.main(
+        ["--only", "ftsdp/storage,ftsdp/memory", "--rounds", "1", "--steps", "4"]
+        + ["--warmup", "0", "--dir", str(tmp_path)]
+    )
+    lines = [line for line in capsys.readouterr().out.splitlines() if "CheckpointManager" in line]
+    assert len(lines) == 2, lines
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[5]) > 0 and float(cells[6]) > 0, line  # blocking, first and later
+        assert int(cells[-1]) == 2, line  # saves: every 2 steps of 4
