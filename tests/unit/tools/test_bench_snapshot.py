@@ -151,10 +151,8 @@ def test_the_saving_configurations_run_end_to_end(
     memory tiers: every saving round saved, blocked a positive time and committed."""
     from ftsdp.tools import bench_snapshot
 
-    bench_snapshot.main(
-        ["--only", "ftsdp/storage,ftsdp/memory", "--rounds", "1", "--steps", "4"]
-        + ["--warmup", "0", "--dir", str(tmp_path)]
-    )
+    args = ["--only", "ftsdp/storage,ftsdp/memory", "--rounds", "1", "--steps", "4"]
+    bench_snapshot.main([*args, "--warmup", "0", "--dir", str(tmp_path)])
     lines = [line for line in capsys.readouterr().out.splitlines() if "CheckpointManager" in line]
     assert len(lines) == 2, lines
     for line in lines:
