@@ -10,42 +10,30 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from ftsdp import storage
+from ftsdp.storage.io import all_reduce_max, broadcast_json, rank_world, resolve_group
 
 
 class Group:
-    """The manager's process group (None: the default one, or a single process)."""
+    """The manager's process group (None: the default one, or a single process), with the two
+    agreements it needs, on storage's JSON collectives (nothing pickled)."""
 
     def __init__(self, process_group: Any) -> None:
         self.pg = process_group
 
     def rank_world(self) -> tuple[int, int]:
         """This rank and the world size (0, 1 without torch.distributed)."""
-        if not dist.is_initialized():
-            return 0, 1
-        return dist.get_rank(self.pg), dist.get_world_size(self.pg)
+        return rank_world(resolve_group(self.pg))
 
     def from_rank0(self, compute: Callable[[], Any]) -> Any:
-        """``compute()`` on rank 0, its result on every rank (rank 0 must not raise)."""
-        rank, world = self.rank_world()
-        msg: list[Any] = [compute() if rank == 0 else None]
-        if world > 1:
-            src = dist.get_global_rank(self.pg, 0) if self.pg else 0
-            dist.broadcast_object_list(msg, src=src, group=self.pg)
-        return msg[0]
+        """``compute()`` (JSON-able) on rank 0, its result on every rank (rank 0 must not
+        raise)."""
+        group = resolve_group(self.pg)
+        return broadcast_json(compute() if self.rank_world()[0] == 0 else None, group)
 
     def agree(self, code: int) -> int:
         """The largest ``code`` of every rank."""
-        if self.rank_world()[1] == 1:
-            return code
-        t = torch.tensor([code], dtype=torch.int32)
-        if dist.get_backend(self.pg) == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
-        return int(t.item())
+        return all_reduce_max([code], resolve_group(self.pg))[0]
 
 
 class Tier:

@@ -35,11 +35,9 @@ from ftsdp.storage.saving._save_plan import SavePlan
 from ftsdp.storage.saving._staging import (
     SnapshotArena,
     StagingBudget,
-    StagingPool,
     aligned_bytes,
     copy_into,
     stage,
-    staged_bytes,
 )
 
 if TYPE_CHECKING:
@@ -47,7 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
-_staging_pool = StagingPool()  # async saves of this process (thread-safe)
 
 
 class _Lane:
@@ -90,10 +87,9 @@ def _lane(key: str) -> _Lane:
 def _forget_in_child() -> None:
     """After ``os.fork()``, in the child: no lanes and fresh locks (the parent's saves and their
     threads are not the child's; waiting on them would never end)."""
-    global _lock, _lanes, _staging_pool
+    global _lock, _lanes
     _lock = threading.Lock()
     _lanes = {}
-    _staging_pool = StagingPool()
 
 
 def _warn_in_flight_at_exit() -> None:
@@ -281,7 +277,8 @@ def _save(
     defer_copy: bool,
     node: str | None = None,
 ) -> SaveHandle:
-    """``save`` and ``save_on_nodes`` (``node``: None for a shared root)."""
+    """``save`` and ``save_on_nodes`` (``node``: None for a shared root): see [Note: one save,
+    three callers]."""
     start = time.perf_counter()
     options = options or SaveOptions()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -292,64 +289,345 @@ def _save(
     lane = _lane(store.where())
     _wait_previous(lane)
     group = resolve_group(process_group)
-    rank, _ = rank_world(group)
-    if node is not None and group is not None and own_group(group, lane.key) is None:
+    own = own_group(group, lane.key) if node is not None or defer_copy else None
+    if node is not None and group is not None and own is None:
         raise ValueError(
             f"save_on_nodes(node={node!r}) to {url}: node-local roots need every rank of the "
             "job (a gloo group of storage's own); the process group given is a subgroup"
         )
-    if defer_copy:
-        deferred = _DeferredSave(store, step, rank, group, options, lane)
-        deferred.node = node
-        handle = deferred.begin(state)
-        handle.blocking_seconds = time.perf_counter() - start
-        return handle
-
-    # Every rank reaches the gather even when its own state is bad, so errors never hang.
-    meta: dict[str, Any] = {"error": None}
-    local_error: Exception | None = None
-    lineage: Lineage | None = None
-    tensors: dict[str, TensorLeaf] = {}
-    ahead: threading.Thread | None = None
-    try:
-        tensors, meta = _describe(state)
-        ahead = _reserve_ahead(store, lane, tensors, options) if async_save else None
-        if rank == 0:  # decides for every rank, before anything is written
-            lineage = plan_lineage(store, step, options.discard_newer)
-            meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
-    except Exception as e:
-        local_error, meta["error"] = e, f"{type(e).__name__}: {e}"
-    try:
-        plan, values, world = exchange(tensors, meta, group, step, options)
-    except CheckpointError:
-        if ahead is not None:  # the lane's arena is the next save's: leave it settled
-            ahead.join()
-        if local_error is not None:
-            raise local_error from None
-        raise
-
+    save = _Save(store, step, group, options, lane, node, own)
     handle = _register(SaveHandle(step, store.where()), lane)
-    job = _SaveJob(store, step, rank, plan, values, world, tensors, options)
-    job.lineage, job.replaces = lineage, plan.replaces
-    if node is not None:
-        job.node = node
-        job.commit_group = None if group is None else own_group(group, lane.key)
-    job.lane = lane
-    if async_save:
-        if ahead is not None:
-            ahead.join()
-        job.start(handle, lane.arena if ahead is not None else None)
-    else:
+    # Every rank reaches the exchange even when its own state is bad, so errors never hang.
+    try:
+        save.tensors, save.meta = _describe(state)
+    except Exception as e:
+        save.failed(e)
+    snapshot = _Snapshot.start(save, defer_copy) if async_save else None
+    job: _SaveJob | None = None
+    if not defer_copy or own is None:  # plan here (a deferred save over a subgroup too)
         try:
-            job.run_inline()
+            job = save.plan(group)
+        except BaseException as e:
+            if snapshot is not None:  # the lane's arena is the next save's: leave it settled
+                snapshot.settle()
+            handle._observed = True  # raised here, not again by the next save
+            handle._finish(e)
+            raise
+    if defer_copy:  # the peers learn of a local error in the background's exchange
+        _in_background(handle, save, job, snapshot, start)
+        if save.error is not None:
+            handle._observed = True  # raised here, not again by the next save
+            raise save.error
+    elif not async_save:
+        assert job is not None
+        try:
+            job.write_and_commit(job.submit_live())
         except BaseException as e:
             handle._observed = True
             handle._finish(e)
             raise
         handle._finish(None)
-    handle._snapshot_done(start)
+    else:
+        assert job is not None
+        uploads = job.submit_staged(snapshot, handle)  # blocks until this rank's share is copied
+        handle._snapshot_done(start)
+        _in_background(handle, save, job, None, start, uploads)
     handle.blocking_seconds = time.perf_counter() - start
     return handle
+
+
+# [Note: one save, three callers]
+# A save describes the state (which tensors, their shapes, a copy of the JSON values), plans
+# it with the other ranks (rank 0 reads the root; one exchange), copies this rank's tensors
+# into host memory (the snapshot), writes this rank's objects and commits. Only where the
+# phases run differs:
+#   sync:                 everything on the caller's thread; no snapshot (writes read the
+#                         live tensors);
+#   async_save:           the snapshot on a thread of its own *while* the caller plans (the
+#                         plan mostly waits for other ranks), so the call blocks for the longer
+#                         of the two, not their sum; writes and commit in the background;
+#   async + defer_copy:   only the description on the caller's thread; plan and snapshot in
+#                         the background (the plan on storage's own group), then the fence
+#                         opens, then writes and commit.
+# The snapshot copies every tensor this rank holds (like DCP's stager), before the plan says
+# which pieces are this rank's to write, into the lane's arena, kept for the next save (the
+# first save's copy also maps its pages). It needs the share to fit in the staging budget;
+# above it, the owned objects are staged one by one within the budget after the plan. A
+# deferred save of CPU tensors to a tmpfs root has no snapshot: see [Note: a tmpfs root
+# written from the live tensors].
+
+
+def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
+    with _lock:
+        lane.previous = handle
+    return handle
+
+
+def _describe(
+    state: Mapping[str, Any],
+) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
+    tensors, values = flatten_state(state)
+    copied = json.loads(json.dumps({n: v.value for n, v in values.items()}))  # may change after
+    return tensors, {"error": None, "values": copied}
+
+
+class _Save:
+    """What one ``save`` call knows before its plan."""
+
+    def __init__(
+        self,
+        store: Store,
+        step: int,
+        group: ProcessGroup | None,
+        options: SaveOptions,
+        lane: _Lane,
+        node: str | None,
+        own: ProcessGroup | None,
+    ) -> None:
+        self.store, self.step, self.options, self.lane = store, step, options, lane
+        self.rank, _ = rank_world(group)
+        self.node, self.own = node, own  # own: storage's group over every rank (or None)
+        self.tensors: dict[str, TensorLeaf] = {}
+        self.meta: dict[str, Any] = {"error": None}
+        self.error: Exception | None = None  # this rank's own, reported in the exchange
+
+    def failed(self, error: Exception) -> None:
+        self.error, self.meta["error"] = error, f"{type(error).__name__}: {error}"
+
+    def plan(self, group: ProcessGroup | None) -> _SaveJob:
+        """Rank 0 reads the root and decides for every rank; then the exchange over ``group``
+        (collective; raises on every rank when any rank failed)."""
+        lineage: Lineage | None = None
+        if self.rank == 0 and self.error is None:
+            try:
+                lineage = plan_lineage(self.store, self.step, self.options.discard_newer)
+                self.meta["attempt"], self.meta["replaces"] = fresh_attempt(), lineage.replaces
+            except Exception as e:
+                self.failed(e)
+        try:
+            plan, values, world = exchange(self.tensors, self.meta, group, self.step, self.options)
+        except CheckpointError:
+            if self.error is not None:  # this rank's own error, as it was raised
+                raise self.error from None
+            raise
+        return _SaveJob(self, plan, values, world, lineage)
+
+
+class _Snapshot:
+    """This rank's tensors copied into the lane's arena on a thread of its own."""
+
+    def __init__(self, save: _Save) -> None:
+        self.leaves = list(save.tensors.values())
+        self.flat = [leaf.local.reshape(-1) for leaf in self.leaves]  # views, mostly
+        self.ready = _queued_work_event(self.flat)  # CUDA: copy after the work queued so far
+        self.arena = save.lane.arena
+        self.bytes: dict[str, memoryview] = {}
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._copy, name="storage-snapshot", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, save: _Save, deferred: bool) -> _Snapshot | None:
+        """The snapshot of ``save``'s tensors, started; None where there is none: a deferred
+        save written from the live tensors, or a share over the staging budget."""
+        local = [t.local for t in save.tensors.values()]
+        cuda = any(t.device.type == "cuda" for t in local)
+        total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
+        if (deferred and in_place(save.store, cuda)) or total > save.options.staging_budget_bytes:
+            return None
+        return cls(save)
+
+    def _copy(self) -> None:
+        try:
+            stream = _side_stream(self.ready)
+            total = sum(aligned_bytes(t.numel() * t.element_size()) for t in self.flat)
+            buf = self.arena.take(total, stream is not None)
+            raw = copy_into(self.flat, buf, stream, self.arena.layouts, as_bytes=True)
+            self.bytes = {leaf.name: b for leaf, b in zip(self.leaves, raw, strict=True)}
+        except BaseException as e:
+            self.error = e
+
+    def join(self) -> None:
+        """Wait for the copy; raise its error."""
+        self.settle()
+        if self.error is not None:
+            raise self.error
+
+    def settle(self) -> None:
+        """Wait for the copy, whatever its outcome."""
+        self._thread.join()
+
+
+def _in_background(
+    handle: SaveHandle,
+    save: _Save,
+    job: _SaveJob | None,
+    snapshot: _Snapshot | None,
+    start: float,
+    uploads: tuple[list[Future], BaseException | None] | None = None,
+) -> None:
+    """The rest of an async save on a daemon thread: plan (deferred saves), take the snapshot
+    and open the fence, write, commit. A daemon: a save waiting on a dead peer never holds up
+    the exit (a save still in flight then is lost, with a warning: _warn_in_flight_at_exit)."""
+
+    def run() -> None:
+        try:
+            planned = job or save.plan(save.own)
+            done = uploads or planned.submit_staged(snapshot, handle)
+            handle._snapshot_done(start)
+            planned.write_and_commit(done)
+            if not save.options.reuse_staging:
+                save.lane.arena.clear()
+        except BaseException as e:
+            handle._finish(e)
+        else:
+            handle._finish(None)
+
+    threading.Thread(target=run, name=f"storage-save-{save.step}", daemon=True).start()
+
+
+class _SaveJob:
+    """A planned save on one rank: its objects to write, then the commit."""
+
+    def __init__(
+        self,
+        save: _Save,
+        plan: SavePlan,
+        values: dict[str, Any],
+        world_size: int,
+        lineage: Lineage | None,
+    ) -> None:
+        self.save, self.plan, self.values, self.world_size = save, plan, values, world_size
+        self.lineage = lineage  # rank 0's view of the root when it planned
+        self.mine = plan.own(save.rank)
+        self.options = save.options
+
+    def _pieces(
+        self, obj: PlannedObject, snapshot: _Snapshot | None = None, in_place: bool = False
+    ) -> list[Any]:
+        """``obj``'s pieces: bytes of the ``snapshot`` when given, else of the live tensors
+        read in place (``in_place``: ``piece_bytes``), else 1-D views of the live tensors."""
+        out: list[Any] = []
+        for p in obj.pieces:
+            leaf = self.save.tensors[p.name]
+            start = p.offset - leaf.range.offset
+            if snapshot is not None:
+                size = p.dtype.itemsize
+                out.append(snapshot.bytes[p.name][start * size : (start + p.length) * size])
+            elif in_place:
+                out.append(piece_bytes(leaf.local, start, p.length))
+            elif start == 0 and leaf.local.dim() == 1 and p.length == leaf.local.numel():
+                out.append(leaf.local)  # the whole leaf (most pieces): no view to make
+            else:
+                out.append(leaf.local.reshape(-1)[start : start + p.length])
+        return out
+
+    def _write(self, obj: PlannedObject, payloads: list[Any]) -> list[list[int]]:
+        result: list[list[int]] = []
+
+        def produce(f: Any) -> None:
+            result[:] = write_object(
+                f, obj.head, len(payloads), enumerate(payloads), self.options.checksum_block_bytes
+            )
+
+        self.save.store.write(f"{step_dir(self.save.step)}/{obj.name}", produce)
+        return result
+
+    def _writers(self) -> ThreadPoolExecutor:
+        return self.save.lane.writers(self.options.io.threads)
+
+    def submit_live(self) -> tuple[list[Future], BaseException | None]:
+        """Hand each object, read from the live tensors, to the writer threads (a sync save)."""
+        futures: list[Future] = []
+        try:
+            for obj in self.mine:
+                futures.append(self._writers().submit(self._write, obj, self._pieces(obj)))
+        except BaseException as e:  # still take part in the commit protocol, as a failure
+            return futures, e
+        return futures, None
+
+    def submit_staged(
+        self, snapshot: _Snapshot | None, handle: SaveHandle
+    ) -> tuple[list[Future], BaseException | None]:
+        """Hand each object to the writer threads once this rank's share is safe from changes:
+        from the ``snapshot``; without one, written from the live tensors on a tmpfs root (the
+        writes done before this returns), or staged object by object within the budget.
+        Returns the uploads and the first error (the commit protocol still runs, as a
+        failure)."""
+        pool, futures = self._writers(), []
+        try:
+            if snapshot is not None:
+                snapshot.join()
+                handle.staging_peak_bytes = sum(len(b) for b in snapshot.bytes.values())
+                for obj in self.mine:
+                    futures.append(pool.submit(self._write, obj, self._pieces(obj, snapshot)))
+                return futures, None
+            if in_place(self.save.store, cuda=self._on_cuda()):
+                # [Note: a tmpfs root written from the live tensors]
+                live = [self._pieces(obj, in_place=True) for obj in self.mine]  # before any write
+                futures = [
+                    pool.submit(self._write, o, b) for o, b in zip(self.mine, live, strict=True)
+                ]
+                wait(futures)  # the snapshot: the bytes are in the files now
+                return futures, None
+            return self._stage_in_budget(pool, handle, futures)
+        except BaseException as e:
+            return futures, e
+
+    def _on_cuda(self) -> bool:
+        return any(t.local.device.type == "cuda" for t in self.save.tensors.values())
+
+    def _stage_in_budget(
+        self, pool: ThreadPoolExecutor, handle: SaveHandle, futures: list[Future]
+    ) -> tuple[list[Future], BaseException | None]:
+        budget = StagingBudget(self.options.staging_budget_bytes)
+
+        def upload(obj: PlannedObject, staged: list[torch.Tensor]) -> Any:
+            try:
+                return self._write(obj, staged)
+            finally:
+                budget.release(obj.payload_bytes)
+
+        error: BaseException | None = None
+        try:
+            for obj in self.mine:
+                budget.acquire(obj.payload_bytes)
+                futures.append(pool.submit(upload, obj, stage(self._pieces(obj))))
+        except BaseException as e:  # still take part in the commit protocol, as a failure
+            error = e
+        handle.staging_peak_bytes = budget.peak
+        return futures, error
+
+    def write_and_commit(self, uploads: tuple[list[Future], BaseException | None]) -> None:
+        """Wait for this rank's writes, then the commit (storage/saving/_commit.py)."""
+        futures, error = uploads
+        crcs: dict[str, list[list[int]]] = {}
+        for obj, fut in zip(self.mine, futures, strict=False):
+            try:
+                crcs[obj.name] = fut.result()
+            except BaseException as e:
+                error = error or e
+        save = self.save
+        common: dict[str, Any] = {
+            "values": self.values,
+            "world_size": self.world_size,
+            "checksum_block_bytes": self.options.checksum_block_bytes,
+            "keep_last": self.options.keep_last,
+            "keep_every": self.options.keep_every,
+            "lineage": self.lineage,
+        }
+        args = (save.store, save.step, self.plan, save.rank, crcs, error)
+        if save.node is not None:
+            finish_on_nodes(
+                *args,
+                node=save.node,
+                group=save.own,
+                discard_newer=self.options.discard_newer,
+                **common,
+            )
+            return
+        timeout = self.options.commit_timeout_s
+        finish(*args, timeout_s=timeout, replaces=self.plan.replaces, **common)
 
 
 def prepare_save(
@@ -360,14 +638,14 @@ def prepare_save(
     storage_options: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
 ) -> int:
-    """Get ready for ``save(..., async_save=True, defer_copy=True)`` to ``url``; collective over
+    """Get ready for ``save(..., async_save=True)`` to ``url``; collective over
     ``process_group`` the first time. Returns the bytes of host memory reserved.
 
-    Creates storage's own process group for the saves to ``url`` (see [Note: one lane per
+    Creates storage's own process group for deferred saves to ``url`` (see [Note: one lane per
     root]) and, given the ``state`` to be saved, reserves snapshot memory for this rank's
     tensors when it fits in ``options.staging_budget_bytes`` (none for a tmpfs root and CPU
     tensors: see [Note: a tmpfs root written from the live tensors]). Otherwise the first
-    deferred save does both.
+    save does both.
     """
     options = options or SaveOptions()
     store = Store(url, storage_options, options.io)
@@ -385,323 +663,13 @@ def prepare_save(
     return total
 
 
-def _reserve_ahead(
-    store: Store, lane: _Lane, tensors: dict[str, TensorLeaf], options: SaveOptions
-) -> threading.Thread | None:
-    """For an async save: map the lane's snapshot memory for this rank's share on a thread of
-    its own while the caller plans the save, so that the copy after the plan writes into
-    memory whose pages are there already; the thread, or None where the save stages as
-    before (a tensor off the CPU, a tmpfs root, the share over the staging budget, or
-    ``reuse_staging=False``). See [Note: an async save stages into the lane's arena]."""
-    local = [t.local for t in tensors.values()]
-    total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
-    if any(t.device.type != "cpu" for t in local) or in_place(store, cuda=False):
-        return None
-    if not (0 < total <= options.staging_budget_bytes and options.reuse_staging):
-        return None
-    thread = threading.Thread(
-        target=lane.arena.reserve, args=(total, False), name="storage-reserve", daemon=True
-    )
-    thread.start()
-    return thread
-
-
-# [Note: an async save stages into the lane's arena]
-# An async save copies this rank's share before it returns, and its first one copies into
-# fresh memory, whose page faults cost more than the copy. The plan comes first (rank 0 reads
-# the root, every rank takes part in the exchange), and most of its time is spent waiting for
-# the other ranks: the pages are mapped meanwhile, on another thread, into the lane's snapshot
-# arena (the deferred saves' memory, kept from save to save; a lane's saves never overlap).
-# A share is at most the bytes of this rank's tensors, so that much is reserved. CPU tensors
-# only: CUDA tensors stage into pinned memory as before (pinning on another thread would need
-# the caller's device set there), and on tmpfs the staging pool's buffers stay (the arena's
-# path there writes the objects from the live tensors before it returns: the call would block
-# for the writes).
-
-
-def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
-    with _lock:
-        lane.previous = handle
-    return handle
-
-
-def _describe(
-    state: Mapping[str, Any],
-) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
-    tensors, values = flatten_state(state)
-    copied = json.loads(json.dumps({n: v.value for n, v in values.items()}))  # may change after
-    return tensors, {"error": None, "values": copied}
-
-
-class _SaveJob:
-    def __init__(
-        self,
-        store: Store,
-        step: int,
-        rank: int,
-        plan: SavePlan,
-        values: dict[str, Any],
-        world_size: int,
-        tensors: dict[str, TensorLeaf],
-        options: SaveOptions,
-    ) -> None:
-        self.store, self.step, self.rank = store, step, rank
-        self.plan, self.tensors, self.options = plan, tensors, options
-        self.values, self.world_size = values, world_size  # this rank's JSON values
-        self.mine = plan.own(rank)
-        self.lineage: Lineage | None = None  # rank 0's view of the root when it planned
-        self.replaces: str | None = None
-        self.node: str | None = None  # a node-local root (storage/saving/_nodes.py)
-        self.commit_group: ProcessGroup | None = None  # there: storage's own group, for the commit
-        self.lane: _Lane | None = None  # set before it runs
-
-    # -- writing this rank's objects ------------------------------------------------------------
-
-    def _payloads(self, obj: PlannedObject, in_place: bool = False) -> list[Any]:
-        """``obj``'s pieces as 1-D views of the live tensors, or with ``in_place`` their bytes
-        read in place (``piece_bytes``; this job holds the tensors in ``self.tensors``): see
-        [Note: a tmpfs root written from the live tensors]."""
-        out: list[Any] = []
-        for p in obj.pieces:
-            leaf = self.tensors[p.name]
-            local, start = leaf.local, p.offset - leaf.range.offset
-            if in_place:
-                out.append(piece_bytes(local, start, p.length))
-            elif start == 0 and local.dim() == 1 and p.length == local.numel():
-                out.append(local)  # the whole leaf (most pieces): no view to make
-            else:
-                out.append(local.reshape(-1)[start : start + p.length])  # 1D
-        return out
-
-    def _write(self, obj: PlannedObject, payloads: list[Any]) -> list[list[int]]:
-        result: list[list[int]] = []
-
-        def produce(f: Any) -> None:
-            result[:] = write_object(
-                f, obj.head, len(payloads), enumerate(payloads), self.options.checksum_block_bytes
-            )
-
-        self.store.write(f"{step_dir(self.step)}/{obj.name}", produce)
-        return result
-
-    def _writers(self) -> ThreadPoolExecutor:
-        assert self.lane is not None, "a save job runs in a lane"
-        return self.lane.writers(self.options.io.threads)
-
-    def run_inline(self) -> None:
-        futures: list[Future] = []
-        error: BaseException | None = None
-        pool = self._writers()
-        try:
-            for obj in self.mine:
-                futures.append(pool.submit(self._write, obj, self._payloads(obj)))
-        except BaseException as e:  # still take part in the commit protocol, as a failure
-            error = e
-        self._finish_and_commit(futures, error)
-
-    def start(self, handle: SaveHandle, arena: SnapshotArena | None = None) -> None:
-        """Stage (blocking: into ``arena`` when given, CPU tensors only, else within the
-        budget), upload and commit in the background."""
-        futures, error = self.stage_and_submit(self._writers(), handle, arena)
-
-        def background() -> None:
-            try:
-                self._finish_and_commit(futures, error)
-            except BaseException as e:
-                handle._finish(e)
-            else:
-                handle._finish(None)
-
-        threading.Thread(target=background, name=f"storage-save-{self.step}", daemon=True).start()
-
-    def stage_and_submit(
-        self,
-        pool: ThreadPoolExecutor,
-        handle: SaveHandle,
-        arena: SnapshotArena | None = None,
-        stream: Any = None,
-    ) -> tuple[list[Future], BaseException | None]:
-        """Copy this rank's pieces to host memory and hand each object to ``pool`` to upload.
-
-        A deferred save (CUDA copies on ``stream``) puts everything into its lane's ``arena``
-        when it fits in the staging budget; otherwise objects are staged one by one within the budget, into
-        buffers kept for the next save. Returns the uploads and the first error (the commit
-        protocol still runs, as a failure)."""
-        futures: list[Future] = []
-        try:
-            if arena is not None and in_place(self.store, cuda=stream is not None):
-                # [Note: a tmpfs root written from the live tensors]
-                live = [self._payloads(obj, in_place=True) for obj in self.mine]  # before any write
-                futures = [
-                    pool.submit(self._write, o, b) for o, b in zip(self.mine, live, strict=True)
-                ]
-                wait(futures)  # the snapshot: the bytes are in the files now
-                return futures, None
-            payloads = [self._payloads(obj) for obj in self.mine]
-            sizes = [staged_bytes(obj) for obj in self.mine]
-            if arena is not None and sum(sizes) <= self.options.staging_budget_bytes:
-                buf, off = arena.take(sum(sizes), stream is not None), 0  # (a stream: CUDA)
-                for obj, tensors, size in zip(self.mine, payloads, sizes, strict=True):
-                    staged = copy_into(
-                        tensors, buf[off : off + size], stream, arena.layouts, as_bytes=True
-                    )
-                    futures.append(pool.submit(self._write, obj, staged))
-                    off += size
-                handle.staging_peak_bytes = sum(sizes)
-                return futures, None
-            return self._stage_in_budget(pool, handle, payloads, futures)
-        except BaseException as e:
-            return futures, e
-
-    def _stage_in_budget(
-        self,
-        pool: ThreadPoolExecutor,
-        handle: SaveHandle,
-        payloads: list[list[torch.Tensor]],
-        futures: list[Future],
-    ) -> tuple[list[Future], BaseException | None]:
-        budget = StagingBudget(self.options.staging_budget_bytes)
-        reuse = self.options.reuse_staging
-        if not reuse:
-            _staging_pool.clear()
-
-        def upload(obj: PlannedObject, staged: list[torch.Tensor], buf: torch.Tensor) -> Any:
-            try:
-                return self._write(obj, staged)
-            finally:
-                budget.release(obj.payload_bytes)
-                if reuse:
-                    _staging_pool.give(buf, self.options.staging_budget_bytes)
-
-        kinds = set()
-        error: BaseException | None = None
-        try:
-            for obj, tensors in zip(self.mine, payloads, strict=True):
-                budget.acquire(obj.payload_bytes)
-                staged, buf = stage(tensors, _staging_pool if reuse else None)
-                kinds.add((buf.numel(), buf.is_pinned()))
-                futures.append(pool.submit(upload, obj, staged, buf))
-        except BaseException as e:  # still take part in the commit protocol, as a failure
-            error = e
-        _staging_pool.clear(keep=kinds)  # buffers of earlier, other states: free them
-        handle.staging_peak_bytes = budget.peak
-        return futures, error
-
-    # -- the commit (storage/saving/_commit.py) ---------------------------------------------------------
-
-    def _finish_and_commit(self, futures: list[Future], error: BaseException | None) -> None:
-        crcs: dict[str, list[list[int]]] = {}
-        for obj, fut in zip(self.mine, futures, strict=False):
-            try:
-                crcs[obj.name] = fut.result()
-            except BaseException as e:
-                error = error or e
-        common: dict[str, Any] = {
-            "values": self.values,
-            "world_size": self.world_size,
-            "checksum_block_bytes": self.options.checksum_block_bytes,
-            "keep_last": self.options.keep_last,
-            "keep_every": self.options.keep_every,
-            "lineage": self.lineage,
-        }
-        args = (self.store, self.step, self.plan, self.rank, crcs, error)
-        if self.node is not None:
-            finish_on_nodes(
-                *args,
-                node=self.node,
-                group=self.commit_group,
-                discard_newer=self.options.discard_newer,
-                **common,
-            )
-            return
-        finish(*args, timeout_s=self.options.commit_timeout_s, replaces=self.replaces, **common)
-
-
 # [Note: deferred snapshots]
 # A deferred save records the tensors and copies the JSON values on the caller's thread; a
-# background thread plans (on storage's own group), copies this rank's pieces into the lane's
-# arena (CUDA ones on a side stream that first waits for the work queued before save()), sets
-# the snapshot event, then writes and commits. Nothing saved may change in place until
-# ``wait_snapshot()``; a failure sets the snapshot event too (docs/elastic.md, "Saves that do not
-# stop training").
-
-
-class _DeferredSave:
-    """One ``save(..., defer_copy=True)``: records on the caller's thread, works on its own."""
-
-    def __init__(
-        self,
-        store: Store,
-        step: int,
-        rank: int,
-        group: ProcessGroup | None,
-        options: SaveOptions,
-        lane: _Lane,
-    ) -> None:
-        self.store, self.step, self.rank, self.options = store, step, rank, options
-        self.lane = lane
-        self.own = own_group(group, lane.key)  # None: exchange here, on the caller's group
-        self.group = group if self.own is None else self.own
-        self.node: str | None = None  # a node-local root (storage/saving/_nodes.py)
-
-    def begin(self, state: Mapping[str, Any]) -> SaveHandle:
-        start = time.perf_counter()
-        handle = _register(SaveHandle(self.step, self.store.where()), self.lane)
-        local_error: Exception | None = None
-        tensors: dict[str, TensorLeaf] = {}
-        try:
-            tensors, meta = _describe(state)
-        except Exception as e:  # the peers still learn of it in the exchange: nobody hangs
-            local_error, meta = e, {"error": f"{type(e).__name__}: {e}"}
-        ready = _queued_work_event(tensors)
-        planned: list[_SaveJob] = []  # the job, when planned on this thread
-        if self.own is None and self.group is not None:  # a subgroup: exchange on this thread
-            try:
-                planned.append(self._plan(meta, tensors))
-            except BaseException as e:
-                handle._observed = True  # raised here, not again by the next save
-                handle._finish(e)
-                raise local_error or e from None
-            if local_error is not None:
-                raise local_error
-
-        def run() -> None:
-            try:
-                job = planned[0] if planned else self._plan(meta, tensors)
-                stream = _side_stream(ready)
-                futures, error = job.stage_and_submit(
-                    job._writers(), handle, self.lane.arena, stream
-                )
-                handle._snapshot_done(start)
-                job._finish_and_commit(futures, error)
-            except BaseException as e:
-                handle._finish(e)
-            else:
-                handle._finish(None)
-
-        # A daemon: a save waiting on a dead peer never holds up the exit (a save still in
-        # flight then is lost, with a warning: see _warn_in_flight_at_exit).
-        threading.Thread(target=run, name=f"storage-snapshot-{self.step}", daemon=True).start()
-        if local_error is not None:
-            handle._observed = True  # raised here, not again by the next save
-            raise local_error
-        return handle
-
-    def _plan(self, meta: dict[str, Any], tensors: dict[str, TensorLeaf]) -> _SaveJob:
-        lineage: Lineage | None = None
-        if self.rank == 0 and meta["error"] is None:  # decides for every rank
-            try:
-                lineage = plan_lineage(self.store, self.step, self.options.discard_newer)
-                meta["attempt"], meta["replaces"] = fresh_attempt(), lineage.replaces
-            except Exception as e:
-                meta["error"] = f"{type(e).__name__}: {e}"
-        plan, values, world = exchange(tensors, meta, self.group, self.step, self.options)
-        job = _SaveJob(self.store, self.step, self.rank, plan, values, world, tensors, self.options)
-        job.lineage, job.replaces = lineage, plan.replaces
-        if self.node is not None:
-            job.node, job.commit_group = self.node, self.own
-        job.lane = self.lane
-        return job
+# background thread plans (on storage's own group) while another copies this rank's tensors
+# into the lane's arena (CUDA ones on a side stream that first waits for the work queued
+# before save()); the snapshot event is set, then the objects are written and committed.
+# Nothing saved may change in place until ``wait_snapshot()``; a failure sets the snapshot
+# event too (docs/elastic.md, "Saves that do not stop training").
 
 
 def in_place(store: Store, cuda: bool) -> bool:
@@ -718,10 +686,10 @@ def in_place(store: Store, cuda: bool) -> bool:
 # stop training").
 
 
-def _queued_work_event(tensors: dict[str, TensorLeaf]) -> Any:
+def _queued_work_event(tensors: list[torch.Tensor]) -> Any:
     """A CUDA event after the work queued so far on the caller's current stream, when a saved
     tensor lives on CUDA (the copy must not start before the values are computed); else None."""
-    if any(t.local.device.type == "cuda" for t in tensors.values()):
+    if any(t.device.type == "cuda" for t in tensors):
         event = torch.cuda.Event()
         event.record()
         return event, torch.cuda.current_device()
@@ -734,6 +702,7 @@ def _side_stream(ready: Any) -> Any:
     if ready is None:
         return None
     event, device = ready
+    torch.cuda.set_device(device)  # this thread's pinned memory and copies: the caller's device
     stream = torch.cuda.Stream(device=device)
     stream.wait_event(event)
     return stream

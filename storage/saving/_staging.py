@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-from ftsdp.storage.format._objects import PlannedObject
-
 
 class StagingBudget:
     """At most ``limit`` bytes staged at once; ``acquire`` blocks until uploads release enough.
@@ -42,69 +40,26 @@ class StagingBudget:
 _ALIGN = 64  # bytes: every staged piece starts aligned for any dtype
 
 
-class StagingPool:
-    """Host buffers of finished async saves, handed to the next one.
-
-    Periodic saves of the same state stage the same object sizes every time, so the buffers fit
-    again; reusing them saves the page faults of fresh memory (about two thirds of the copy's
-    time on CPU) and, on CUDA, the expensive allocation of pinned memory. At most ``limit``
-    bytes are kept (the save's staging budget), of the sizes the latest save used;
-    ``SaveOptions(reuse_staging=False)`` empties it.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        """A uint8 host buffer of ``nbytes``: a kept one of that size, else a new one."""
-        with self._lock:
-            free = self._free.get((nbytes, pinned))
-            if free:
-                self._bytes -= nbytes
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-
-    def give(self, buf: torch.Tensor, limit: int) -> None:
-        """Keep ``buf`` for a later save unless that would hold more than ``limit`` bytes."""
-        with self._lock:
-            if self._bytes + buf.numel() <= limit:
-                self._free.setdefault((buf.numel(), buf.is_pinned()), []).append(buf)
-                self._bytes += buf.numel()
-
-    def clear(self, keep: set[tuple[int, bool]] | frozenset = frozenset()) -> None:
-        """Drop the kept buffers, except those of the ``(nbytes, pinned)`` kinds in ``keep``."""
-        with self._lock:
-            for kind in [k for k in self._free if k not in keep]:
-                self._bytes -= kind[0] * len(self._free.pop(kind))
-
-
-def stage(
-    tensors: list[torch.Tensor], pool: StagingPool | None = None
-) -> tuple[list[torch.Tensor], torch.Tensor]:  # (1D copies, the uint8 buffer holding them)
+def stage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Host copies of 1-D tensors, packed into one uint8 buffer (pinned when a tensor lives on
-    CUDA; from ``pool`` when given), complete when this returns: the copies and the buffer."""
+    CUDA), complete when this returns."""
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in tensors)
     cuda = any(t.device.type == "cuda" for t in tensors)
-    buf = pool.take(total, cuda) if pool is not None else None
-    if buf is None:
-        buf = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
-    out = copy_into(tensors, buf)
+    out = copy_into(tensors, torch.empty(total, dtype=torch.uint8, pin_memory=cuda))
     if cuda:
         torch.cuda.synchronize()
-    return out, buf
+    return out
 
 
 class SnapshotArena:
     """One host buffer per kind (pinned or not) that deferred snapshots pack a rank's pieces into.
 
-    A deferred save copies the whole share of a rank at once (it must be complete before the
-    next optimizer step), so it takes one buffer of at least that size and keeps it for the next
-    save: periodic saves of the same state then copy into memory that is already mapped.
-    :meth:`reserve` allocates ahead of the first save and touches every page, so that the first
-    snapshot is as fast as the later ones. One save uses the arena at a time (``save`` waits
-    for the previous one to commit before it starts).
+    An async save copies the whole share of a rank at once, so it takes one buffer of at least
+    that size and keeps it for the next save: periodic saves of the same state then copy into
+    memory that is already mapped (``SaveOptions(reuse_staging=False)`` frees it after each
+    save). A new buffer has every page touched before the copy, on several threads;
+    ``prepare_save`` does that ahead of the first save. One save uses the arena at a time
+    (``save`` waits for the previous one to commit before it starts).
     """
 
     def __init__(self) -> None:
@@ -147,11 +102,6 @@ def _touched(nbytes: int, pinned: bool) -> torch.Tensor:
         n = max(1, min(_COPY_THREADS, nbytes // _BYTES_PER_THREAD))
         _on_threads([lambda p=p: p.fill_(0) for p in pages.tensor_split(n)])
     return buf
-
-
-def staged_bytes(obj: PlannedObject) -> int:
-    """Host memory an object's pieces take when staged (each at the staging alignment)."""
-    return sum(aligned_bytes(p.length * p.dtype.itemsize) for p in obj.pieces)
 
 
 def aligned_bytes(nbytes: int) -> int:
@@ -222,6 +172,8 @@ def _copy_cpu(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     total = sum(t.numel() * t.element_size() for t in tensors)
     n = min(_COPY_THREADS, total // _BYTES_PER_THREAD)
     with torch.no_grad():
+        if not tensors:
+            return
         if n < 2:
             torch._foreach_copy_(views, tensors)
             return

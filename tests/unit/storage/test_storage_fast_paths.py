@@ -78,7 +78,7 @@ def test_async_save_reuses_staging_memory(tmp_path: Path) -> None:
             assert torch.equal(target[k], v), (step, k)
     off = storage.SaveOptions(checksum_block_bytes=64, object_bytes=1000, reuse_staging=False)
     storage.save(state, str(tmp_path), 3, async_save=True, options=off).wait()
-    assert not _save._staging_pool._free
+    assert arena.held_bytes() == 0, "reuse_staging=False frees the snapshot memory"
 
 
 def test_mapping_a_truncated_object_raises(tmp_path: Path) -> None:
