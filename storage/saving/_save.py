@@ -289,7 +289,7 @@ def _save(
     lane = _lane(store.where())
     _wait_previous(lane)
     group = resolve_group(process_group)
-    own = own_group(group, lane.key) if node is not None or defer_copy else None
+    own = own_group(group, lane.key) if node is not None or async_save else None
     if node is not None and group is not None and own is None:
         raise ValueError(
             f"save_on_nodes(node={node!r}) to {url}: node-local roots need every rank of the "
@@ -302,9 +302,9 @@ def _save(
         save.tensors, save.meta = _describe(state)
     except Exception as e:
         save.failed(e)
-    snapshot = _Snapshot.start(save, defer_copy) if async_save else None
+    snapshot = _Snapshot.start(save, handle, start, defer_copy) if async_save else None
     job: _SaveJob | None = None
-    if not defer_copy or own is None:  # plan here (a deferred save over a subgroup too)
+    if not async_save or (group is not None and own is None):  # sync, or over a subgroup
         try:
             job = save.plan(group)
         except BaseException as e:
@@ -313,12 +313,7 @@ def _save(
             handle._observed = True  # raised here, not again by the next save
             handle._finish(e)
             raise
-    if defer_copy:  # the peers learn of a local error in the background's exchange
-        _in_background(handle, save, job, snapshot, start)
-        if save.error is not None:
-            handle._observed = True  # raised here, not again by the next save
-            raise save.error
-    elif not async_save:
+    if not async_save:
         assert job is not None
         try:
             job.write_and_commit(job.submit_live())
@@ -328,10 +323,12 @@ def _save(
             raise
         handle._finish(None)
     else:
-        assert job is not None
-        uploads = job.submit_staged(snapshot, handle)  # blocks until this rank's share is copied
-        handle._snapshot_done(start)
-        _in_background(handle, save, job, None, start, uploads)
+        _in_background(handle, save, job, snapshot, start)  # peers learn of errors there
+        if save.error is not None:
+            handle._observed = True  # raised here, not again by the next save
+            raise save.error
+        if not defer_copy:
+            handle._snapshot.wait()  # the copy is done (or the save failed: wait() says)
     handle.blocking_seconds = time.perf_counter() - start
     return handle
 
@@ -416,7 +413,8 @@ class _Save:
 class _Snapshot:
     """This rank's tensors copied into the lane's arena on a thread of its own."""
 
-    def __init__(self, save: _Save) -> None:
+    def __init__(self, save: _Save, handle: SaveHandle, start: float) -> None:
+        self.handle, self.start = handle, start  # its event is set once the copy is done
         self.leaves = list(save.tensors.values())
         self.flat = [leaf.local.reshape(-1) for leaf in self.leaves]  # views, mostly
         self.ready = _queued_work_event(self.flat)  # CUDA: copy after the work queued so far
@@ -427,7 +425,9 @@ class _Snapshot:
         self._thread.start()
 
     @classmethod
-    def start(cls, save: _Save, deferred: bool) -> _Snapshot | None:
+    def start(
+        cls, save: _Save, handle: SaveHandle, start: float, deferred: bool
+    ) -> _Snapshot | None:
         """The snapshot of ``save``'s tensors, started; None where there is none: a deferred
         save written from the live tensors, or a share over the staging budget."""
         local = [t.local for t in save.tensors.values()]
@@ -435,7 +435,7 @@ class _Snapshot:
         total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
         if (deferred and in_place(save.store, cuda)) or total > save.options.staging_budget_bytes:
             return None
-        return cls(save)
+        return cls(save, handle, start)
 
     def _copy(self) -> None:
         try:
@@ -446,6 +446,7 @@ class _Snapshot:
             self.bytes = {leaf.name: b for leaf, b in zip(self.leaves, raw, strict=True)}
         except BaseException as e:
             self.error = e
+        self.handle._snapshot_done(self.start)  # a failure too: the save fails, at wait()
 
     def join(self) -> None:
         """Wait for the copy; raise its error."""
@@ -464,18 +465,19 @@ def _in_background(
     job: _SaveJob | None,
     snapshot: _Snapshot | None,
     start: float,
-    uploads: tuple[list[Future], BaseException | None] | None = None,
 ) -> None:
-    """The rest of an async save on a daemon thread: plan (deferred saves), take the snapshot
-    and open the fence, write, commit. A daemon: a save waiting on a dead peer never holds up
-    the exit (a save still in flight then is lost, with a warning: _warn_in_flight_at_exit)."""
+    """The rest of an async save on a daemon thread: plan (on storage's own group), stage
+    (when there is no snapshot: then the fence opens here), write, commit. A daemon: a save
+    waiting on a dead peer never holds up the exit (a save still in flight then is lost, with
+    a warning: _warn_in_flight_at_exit)."""
 
     def run() -> None:
         try:
             planned = job or save.plan(save.own)
-            done = uploads or planned.submit_staged(snapshot, handle)
-            handle._snapshot_done(start)
-            planned.write_and_commit(done)
+            uploads = planned.submit_staged(snapshot, handle)
+            if snapshot is None:
+                handle._snapshot_done(start)
+            planned.write_and_commit(uploads)
             if not save.options.reuse_staging:
                 save.lane.arena.clear()
         except BaseException as e:
