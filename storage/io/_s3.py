@@ -1,7 +1,6 @@
-"""The store on S3 (s3fs): creates are conditional (``If-None-Match: *``) and every upload
-carries a CRC-32C that S3 verifies on arrival (docs/format.md). s3fs's own file drops the parts'
-checksums when it completes a multipart upload, so ``S3Upload`` calls the S3 API itself;
-``IOOptions(object_checksums=False)`` uses s3fs's file, for a store that refuses CRC-32C."""
+"""The store on S3 (s3fs): conditional creates and CRC-32C checksummed uploads (docs/format.md,
+"Integrity"); ``S3Upload`` calls the S3 API itself because s3fs's file drops the parts'
+checksums of a multipart upload."""
 
 from __future__ import annotations
 
@@ -37,11 +36,9 @@ def _b64_crc(value: int) -> str:
 
 
 class S3Upload:
-    """A write-only file that uploads one S3 object with CRC-32C checksums: one ``put_object``
-    when it fits in a part, else a multipart upload of ``part_bytes`` parts (each sent when full,
-    with its own CRC-32C; the object keeps its whole content's, ``FULL_OBJECT``). ``close()``
-    publishes it (with ``exclusive``: FileExistsError when the name is taken); ``discard()``
-    aborts, so nothing appears."""
+    """A write-only file uploading one S3 object with CRC-32C checksums: one ``put_object``, or a
+    multipart upload of ``part_bytes`` parts. ``close()`` publishes it (``exclusive``:
+    FileExistsError when the name is taken); ``discard()`` aborts, so nothing appears."""
 
     def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:
         self.fs, self.path, self.part_bytes = fs, path, part_bytes
