@@ -370,20 +370,10 @@ def finish(
         return
     if error is None:
         try:
-            theirs, sizes, counts, rank_values = _collect_markers(
-                store, step, plan, world_size, timeout_s
-            )
-            rank_values[0] = values
-            manifest = manifest_of_reports(
-                plan, {**crcs, **theirs}, sizes, counts, step, checksum_block_bytes, rank_values
-            )
-            commit(
-                store,
-                manifest,
-                keep_last=keep_last,
-                keep_every=keep_every,
-                lineage=lineage,
-            )
+            reports = Reports(plan, step, world_size, crcs, values)
+            _collect_markers(store, step, plan, reports, timeout_s)
+            manifest = reports.manifest(checksum_block_bytes)
+            commit(store, manifest, keep_last=keep_last, keep_every=keep_every, lineage=lineage)
             return
         except BaseException as e:
             error = e
@@ -429,7 +419,7 @@ def _wait_for_commit(
 
 
 def report_of(plan: SavePlan, rank: int, crcs: Crcs, values: dict[str, Any]) -> dict[str, Any]:
-    """What rank ``rank`` reports of its objects at the commit (``take_report`` reads it)."""
+    """What rank ``rank`` reports of its objects at the commit (``Reports.take`` reads it)."""
     objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
     return {"objects": objects, "regular": _regular_count(plan, rank), "values": values}
 
@@ -440,15 +430,11 @@ def _regular_count(plan: SavePlan, rank: int) -> int:
 
 
 def _collect_markers(
-    store: Store, step: int, plan: SavePlan, world: int, timeout_s: float
-) -> tuple[Crcs, dict[str, int], list[int], list[dict[str, Any]]]:
-    """Rank 0: every other rank's report from its done marker; raises a reported error, or
-    TimeoutError."""
-    crcs: Crcs = {}
-    sizes: dict[str, int] = {}
-    counts = [0] * world
-    values: list[dict[str, Any]] = [{} for _ in range(world)]
-    waiting = set(range(1, world))
+    store: Store, step: int, plan: SavePlan, reports: Reports, timeout_s: float
+) -> None:
+    """Rank 0: take every other rank's report from its done marker into ``reports``; raises a
+    reported error, or TimeoutError."""
+    waiting = set(range(1, len(reports.counts)))
     for _ in _poll(timeout_s):
         listing = store.listdir(step_dir(step)) if waiting else {}
         for name in sorted(listing):
@@ -461,83 +447,74 @@ def _collect_markers(
             )
             if marker["error"]:
                 raise CheckpointError(f"rank {rank} failed to write step {step}: {marker['error']}")
-            take_report(plan, step, rank, marker, crcs, sizes, counts, values)
+            reports.take(rank, marker)
             waiting.discard(rank)
         if not waiting:
-            return crcs, sizes, counts, values
+            return
     raise TimeoutError(
         f"step {step} at {store.where()}: ranks {sorted(waiting)} did not finish writing within "
         f"{timeout_s}s"
     )
 
 
-def manifest_of_reports(
-    plan: SavePlan,
-    crcs: Crcs,
-    sizes: dict[str, int],
-    counts: list[int],
-    step: int,
-    checksum_block_bytes: int,
-    rank_values: list[dict[str, Any]],
-) -> Manifest:
-    """Rank 0: the manifest once every other rank's report is taken (``take_report``); rank 0's
-    own regular objects are added here."""
-    if plan.regular is not None:
-        counts[0] = _regular_count(plan, 0)
-        sizes.update((o.name, o.size) for o in plan.own(0)[: counts[0]])
-    return build_manifest(
-        plan,
-        crcs,
-        step=step,
-        world_size=len(counts),
-        checksum_block_bytes=checksum_block_bytes,
-        values=rank_values[0],
-        rank_values=rank_values,
-        regular=(counts, sizes) if plan.regular is not None else None,
-    )
+class Reports:
+    """Rank 0's tally of the other ranks' reports (``report_of``, a done marker's content), each
+    checked against the plan as it is taken, and the manifest they make with rank 0's own."""
 
+    def __init__(
+        self, plan: SavePlan, step: int, world: int, crcs: Crcs, values: dict[str, Any]
+    ) -> None:
+        self.plan, self.step, self.crcs = plan, step, dict(crcs)
+        self.sizes: dict[str, int] = {}  # regular objects as their ranks report them
+        self.counts = [0] * world  # regular objects per rank
+        self.values: list[dict[str, Any]] = [values] + [{} for _ in range(world - 1)]
 
-def take_report(
-    plan: SavePlan,
-    step: int,
-    rank: int,
-    marker: dict[str, Any],
-    crcs: Crcs,
-    sizes: dict[str, int],
-    counts: list[int],
-    values: list[dict[str, Any]],
-) -> None:
-    """Take rank ``rank``'s report (a done marker's content) into ``crcs``, ``values[rank]``
-    and, with a regular layout, ``sizes`` and ``counts``; listed sizes checked against the plan."""
-    for obj in plan.for_rank(rank):
-        got = marker["objects"].get(obj.name, {})
-        if got.get("size") != obj.size or got.get("checksums") is None:
+    def take(self, rank: int, marker: dict[str, Any]) -> None:
+        """Take rank ``rank``'s report; CheckpointError when it disagrees with the plan."""
+        for obj in self.plan.for_rank(rank):
+            got = marker["objects"].get(obj.name, {})
+            if got.get("size") != obj.size or got.get("checksums") is None:
+                raise CheckpointError(
+                    f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
+                    f"the plan says {obj.size}"
+                )
+            self.crcs[obj.name] = got["checksums"]
+        if not isinstance(marker.get("values"), dict):
+            raise CheckpointError(f"rank {rank}'s report of step {self.step} has no values")
+        self.values[rank] = marker["values"]
+        if self.plan.regular is None:
+            return
+        count = marker.get("regular")
+        if type(count) is not int or count < 0:
             raise CheckpointError(
-                f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
-                f"the plan says {obj.size}"
+                f"rank {rank}'s done marker of step {self.step} has no regular count"
             )
-        crcs[obj.name] = got["checksums"]
-    if not isinstance(marker.get("values"), dict):
-        raise CheckpointError(f"rank {rank}'s report of step {step} has no values")
-    values[rank] = marker["values"]
-    if plan.regular is not None:
-        counts[rank] = _reported_regular(marker, rank, step, plan.attempt, crcs, sizes)
+        for i in range(count):
+            name = object_name(rank, i, self.plan.attempt)
+            got = marker["objects"].get(name, {})
+            if type(got.get("size")) is not int or not isinstance(got.get("checksums"), list):
+                raise CheckpointError(f"rank {rank} did not report its regular object {name}")
+            self.crcs[name], self.sizes[name] = got["checksums"], got["size"]
+        self.counts[rank] = count
 
-
-def _reported_regular(
-    marker: dict[str, Any], rank: int, step: int, attempt: str, crcs: Crcs, sizes: dict[str, int]
-) -> int:
-    """The regular object count a done marker reports (checksums, sizes taken in)."""
-    count = marker.get("regular")
-    if type(count) is not int or count < 0:
-        raise CheckpointError(f"rank {rank}'s done marker of step {step} has no regular count")
-    for i in range(count):
-        name = object_name(rank, i, attempt)
-        got = marker["objects"].get(name, {})
-        if type(got.get("size")) is not int or not isinstance(got.get("checksums"), list):
-            raise CheckpointError(f"rank {rank} did not report its regular object {name}")
-        crcs[name], sizes[name] = got["checksums"], got["size"]
-    return count
+    def manifest(self, checksum_block_bytes: int) -> Manifest:
+        """The manifest, once every other rank's report is taken (rank 0's regular objects are
+        added here)."""
+        plan, regular = self.plan, None
+        if plan.regular is not None:
+            self.counts[0] = _regular_count(plan, 0)
+            self.sizes.update((o.name, o.size) for o in plan.own(0)[: self.counts[0]])
+            regular = (self.counts, self.sizes)
+        return build_manifest(
+            plan,
+            self.crcs,
+            step=self.step,
+            world_size=len(self.counts),
+            checksum_block_bytes=checksum_block_bytes,
+            values=self.values[0],
+            rank_values=self.values,
+            regular=regular,
+        )
 
 
 def _poll(timeout: float) -> Iterator[None]:

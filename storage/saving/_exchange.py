@@ -19,7 +19,7 @@ from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._dtypes import dtype_name
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._objects import PlannedObject, PlannedPiece
-from ftsdp.storage.format._regular import RegularLayout, infer_rule, resolve
+from ftsdp.storage.format._regular import IRREGULAR, RegularLayout, infer_rule, resolve
 from ftsdp.storage.format._state import TensorLeaf
 from ftsdp.storage.io import _collectives
 from ftsdp.storage.saving._save_plan import SavePlan, make_plan, renamed
@@ -34,12 +34,9 @@ def rule_table(leaves: dict[str, TensorLeaf], rank: int, world: int) -> list[lis
     """This rank's rule table: ``[name, shape, dtype, rule]`` per tensor in name order (every
     rule ``irregular`` for a single rank: nothing to gain there)."""
     rows = []
-    for name, leaf in sorted(leaves.items()):
-        if world < 2:
-            rule = _IRREGULAR
-        else:
-            rule = infer_rule(leaf.shape, leaf.range, rank, world, leaf.layout).as_json()
-        rows.append([name, list(leaf.shape), dtype_name(leaf.dtype), rule])
+    for name, t in sorted(leaves.items()):
+        rule = infer_rule(t.shape, t.range, rank, world, t.layout) if world > 1 else IRREGULAR
+        rows.append([name, list(t.shape), dtype_name(t.dtype), rule.as_json()])
     return rows
 
 
@@ -97,10 +94,16 @@ def exchange(
         both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)
         n = len(rules)
         same = [both[i] == -both[n + i] for i in range(n)]
-        table = keep_agreed(table, [all(same[3 * i : 3 * i + 3]) for i in range(len(table))])
-    regular, mine_objects = (
-        regular_share(table, world, options, rank, attempt) if agreed else (None, [])
-    )
+        # a rule not every rank agreed on is made irregular
+        table = [
+            r if all(same[3 * i : 3 * i + 3]) else [*r[:3], _IRREGULAR] for i, r in enumerate(table)
+        ]
+    regular: RegularLayout | None = None
+    mine_objects: list[PlannedObject] = []
+    if agreed:
+        layout = resolve(table, world, options.object_bytes, options.replica_split_bytes)
+        if layout.entries:  # some tensor has a rule
+            regular, mine_objects = layout, layout.rank_objects(rank, attempt)
     irregular = {row[0] for row in table if row[3] == _IRREGULAR} if agreed else set(leaves)
     # The same on every rank (``irregular`` is not, when the tables differ: a rank may hold
     # none of the tensors, and once skipped the gather and scatter its peers waited in).
@@ -157,21 +160,6 @@ def tensor_rows(leaves: dict[str, TensorLeaf], names: Collection[str]) -> list[l
         for n, t in sorted(leaves.items())
         if n in names
     ]
-
-
-def keep_agreed(table: list[list[Any]], agreed: list[bool]) -> list[list[Any]]:
-    """``table`` with the rules not every rank agreed on (``agreed[i]`` false) made irregular."""
-    return [row if ok else [*row[:3], _IRREGULAR] for row, ok in zip(table, agreed, strict=True)]
-
-
-def regular_share(
-    table: list[list[Any]], world: int, options: SaveOptions, rank: int, attempt: str
-) -> tuple[RegularLayout | None, list[PlannedObject]]:
-    """The layout of an agreed table (None without rules) and ``rank``'s regular objects."""
-    regular = resolve(table, world, options.object_bytes, options.replica_split_bytes)
-    if not regular.entries:
-        return None, []
-    return regular, regular.rank_objects(rank, attempt)
 
 
 def _coordinate(

@@ -33,11 +33,10 @@ from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._commit import (
     Crcs,
     Lineage,
+    Reports,
     commit,
-    manifest_of_reports,
     plan_lineage,
     report_of,
-    take_report,
 )
 from ftsdp.storage.saving._save_plan import SavePlan
 
@@ -200,11 +199,10 @@ def finish_on_nodes(
     if rank == 0 and replica_error is None:
         assert full is not None
         try:
-            outcome["manifest"] = (
-                _manifest(plan, crcs, full, step, world_size, checksum_block_bytes, values)
-                .to_json()
-                .decode()
-            )
+            tally = Reports(plan, step, world_size, crcs, values)
+            for r, marker in enumerate(full[1:], 1):
+                tally.take(r, marker)
+            outcome["manifest"] = tally.manifest(checksum_block_bytes).to_json().decode()
         except Exception as e:
             outcome["error"] = _error(e)
     errors = [x for x in all_gather_json(outcome["error"], group) if x]
@@ -235,25 +233,6 @@ def finish_on_nodes(
         raise commit_error
     if errors:
         raise CheckpointError(f"step {step} was not committed on every node: {errors[0]}")
-
-
-def _manifest(
-    plan: SavePlan,
-    crcs: Crcs,
-    reports: list[dict[str, Any]],
-    step: int,
-    world_size: int,
-    checksum_block_bytes: int,
-    values: dict[str, Any],
-) -> Manifest:
-    """Rank 0: the manifest, from its own checksums and the other ranks' reports."""
-    crcs = dict(crcs)
-    sizes: dict[str, int] = {}
-    counts = [0] * world_size
-    rank_values: list[dict[str, Any]] = [values] + [{} for _ in range(world_size - 1)]
-    for rank, marker in enumerate(reports[1:], 1):
-        take_report(plan, step, rank, marker, crcs, sizes, counts, rank_values)
-    return manifest_of_reports(plan, crcs, sizes, counts, step, checksum_block_bytes, rank_values)
 
 
 def _holdings(store: Store) -> dict[str, Any]:
@@ -375,20 +354,13 @@ def restore_on_nodes(
     return step
 
 
-def is_node_leader(node: str, process_group: dist.ProcessGroup | None = None) -> bool:
-    """Whether this rank is the lowest rank of its node (collective over ``process_group``:
-    every rank passes its node id)."""
-    group = resolve_group(process_group)
-    rank, _ = rank_world(group)
-    nodes = Nodes(tuple(all_gather_json(node, group)))
-    return nodes.leader(rank) == rank
-
-
 def clear_on_nodes(
     url: str, *, node: str, process_group: dist.ProcessGroup | None = None
 ) -> list[int]:
     """``clear_steps(url)`` once on every node (collective): the lowest rank of each node
     clears its root. Returns the steps it removed (``[]`` on the other ranks)."""
-    if not is_node_leader(node, process_group):
+    group = resolve_group(process_group)
+    rank, _ = rank_world(group)
+    if Nodes(tuple(all_gather_json(node, group))).leader(rank) != rank:
         return []
     return clear_steps(url)
