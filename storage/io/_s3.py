@@ -79,21 +79,18 @@ class S3Upload:
         self.size += n
         return n
 
+    def _call(self, operation: str, **kwargs: Any) -> Any:
+        return self.fs.call_s3(operation, Bucket=self.bucket, Key=self.key, **kwargs)
+
     def _send_part(self) -> None:
         if self.upload_id is None:
-            self.upload_id = self.fs.call_s3(
-                "create_multipart_upload",
-                Bucket=self.bucket,
-                Key=self.key,
-                ChecksumAlgorithm="CRC32C",
-                ChecksumType="FULL_OBJECT",
+            self.upload_id = self._call(
+                "create_multipart_upload", ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
             )["UploadId"]
         number = len(self.parts) + 1
         checksum = _b64_crc(self.part_crc)
-        out = self.fs.call_s3(
+        out = self._call(
             "upload_part",
-            Bucket=self.bucket,
-            Key=self.key,
             UploadId=self.upload_id,
             PartNumber=number,
             Body=bytes(self.buf),
@@ -109,10 +106,8 @@ class S3Upload:
             return
         self.closed = True
         if self.upload_id is None:
-            self.fs.call_s3(
+            self._call(
                 "put_object",
-                Bucket=self.bucket,
-                Key=self.key,
                 Body=bytes(self.buf),
                 ChecksumAlgorithm="CRC32C",
                 ChecksumCRC32C=_b64_crc(self.crc),
@@ -122,10 +117,8 @@ class S3Upload:
             try:
                 if self.buf:
                     self._send_part()
-                self.fs.call_s3(
+                self._call(
                     "complete_multipart_upload",
-                    Bucket=self.bucket,
-                    Key=self.key,
                     UploadId=self.upload_id,
                     MultipartUpload={"Parts": self.parts},
                     ChecksumCRC32C=_b64_crc(self.crc),
@@ -148,6 +141,4 @@ class S3Upload:
         if self.upload_id is not None:
             upload_id, self.upload_id = self.upload_id, None
             with contextlib.suppress(Exception):
-                self.fs.call_s3(
-                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
-                )
+                self._call("abort_multipart_upload", UploadId=upload_id)
