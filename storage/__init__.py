@@ -1,4 +1,5 @@
-"""storage: sharded, resharding-capable checkpoints on any fsspec URL (format: docs/format.md).
+"""storage: sharded, resharding-capable checkpoints on any fsspec URL (docs/format.md; the rooms
+and what each exports: docs/design.md, "The map"). ``storage`` never imports the rest of ``ftsdp``.
 
 ```python
 h = storage.save(state, url, step=100, async_save=True)  # h.wait(), h.done(), h.blocking_seconds
@@ -10,13 +11,7 @@ storage.load_into(module, url)                           # also a module on the 
 storage.LazyStateDict(url)                               # tensors read on first access
 ```
 Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's flat range) or
-JSON-able values. The rest lives in the rooms, each with its own exports:
-``storage.saving`` (deferred snapshots: ``save(..., defer_copy=True)``, ``snapshot_fence``,
-``prepare_save``; node-local roots: ``save_on_nodes``, ``restore_on_nodes``),
-``storage.catalog`` (``verify``, ``diff``, ``read_manifest``, retention, garbage collection),
-``storage.conversion`` (``convert`` to and from hf / torch / dcp, ``reshard``),
-``storage.format`` (``Manifest``), ``storage.loading``, ``storage.inference``, ``storage.io``.
-``storage`` never imports the rest of ``ftsdp``.
+JSON-able values.
 """
 
 import importlib as _importlib

@@ -1,17 +1,5 @@
 """The checkpoint exception hierarchy: what state a checkpoint is in, mapped to built-ins."""
 
-from __future__ import annotations
-
-__all__ = [
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CorruptCheckpointError",
-    "IncompleteCheckpointError",
-    "NewerFormatError",
-    "StateMismatchError",
-    "UnsafeCheckpointError",
-]
-
 
 class CheckpointError(Exception):
     """Base class of every error about a checkpoint's contents or state."""

@@ -7,21 +7,17 @@ from dataclasses import dataclass, field
 MiB = 1 << 20
 GiB = 1 << 30
 
-# [Note: manifest limits]
-# A manifest is read whole and decoded before anything is checked, so its size and nesting are
-# capped first. A piece costs about 170 bytes of manifest (plus 11 per checksum block): a 70B
-# model with Adam state saved by 512 ranks with FSDP2 (every tensor cut into 512 pieces) has
-# about a million pieces, ~200 MB. 1 GiB leaves room for five times that and still refuses a
-# manifest that would take tens of GiB to decode. The format's own structure nests 6 levels; the
-# rest of ``MAX_JSON_DEPTH`` is for the non-tensor values a user saves (lists inside lists).
+# [Note: manifest limits] A manifest is decoded whole before it is checked, so its size and
+# nesting are capped first (docs/format.md, "Rules a reader enforces": why these values).
 MAX_MANIFEST_BYTES = 1 * GiB
 MAX_JSON_DEPTH = 64
 
 
-def _positive(owner: str, **fields: float) -> None:
-    for name, value in fields.items():
+def _positive(options: object, *names: str) -> None:
+    for name in names:
+        value = getattr(options, name)
         if not value > 0:
-            raise ValueError(f"{owner}: {name}={value!r} must be > 0")
+            raise ValueError(f"{type(options).__name__}: {name}={value!r} must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,26 +34,17 @@ class IOOptions:
     object_checksums: bool = True
 
     def __post_init__(self) -> None:
-        _positive(
-            "IOOptions",
-            threads=self.threads,
-            part_bytes=self.part_bytes,
-            max_attempts=self.max_attempts,
-            backoff_s=self.backoff_s,
-            backoff_cap_s=self.backoff_cap_s,
-        )
+        _positive(self, "threads", "part_bytes", "max_attempts", "backoff_s", "backoff_cap_s")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SaveOptions:
     """How ``save`` lays out, writes and retires a step.
 
-    ``keep_last``: after the commit, rank 0 keeps the newest ``keep_last`` committed steps and,
-    with ``keep_every``, every step divisible by it (see ``catalog.apply_retention``; the step
-    just saved is never removed); None: no retention. ``discard_newer``: the committed steps
-    newer than this one belong to an abandoned timeline (a resume fell back past them) and are
-    deleted, with an earlier commit of this step, once this step is committed; False: a save
-    behind newer committed steps is refused."""
+    ``keep_last``/``keep_every``: retention after the commit (``catalog.apply_retention``; the
+    step just saved is never removed); None: none. ``discard_newer``: newer committed steps (an
+    abandoned timeline) and an earlier commit of this step are deleted once this step is
+    committed; False: a save behind newer committed steps is refused."""
 
     object_bytes: int = 256 * MiB  # a data object holds at most this many payload bytes
     checksum_block_bytes: int = 1 * MiB  # one checksum per block; bounds read amplification
@@ -76,12 +63,9 @@ class SaveOptions:
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"SaveOptions: {name}={value!r} must be an int >= 1 or None")
         _positive(
-            "SaveOptions",
-            object_bytes=self.object_bytes,
-            checksum_block_bytes=self.checksum_block_bytes,
-            replica_split_bytes=self.replica_split_bytes,
-            staging_budget_bytes=self.staging_budget_bytes,
-            commit_timeout_s=self.commit_timeout_s,
+            self,
+            *("object_bytes", "checksum_block_bytes", "replica_split_bytes"),
+            *("staging_budget_bytes", "commit_timeout_s"),
         )
         if self.checksum_block_bytes % 16:
             raise ValueError(
@@ -106,8 +90,4 @@ class LoadOptions:
             raise ValueError(
                 f"LoadOptions: coalesce_gap_bytes={self.coalesce_gap_bytes} must be >= 0"
             )
-        _positive(
-            "LoadOptions",
-            max_manifest_bytes=self.max_manifest_bytes,
-            max_json_depth=self.max_json_depth,
-        )
+        _positive(self, "max_manifest_bytes", "max_json_depth")

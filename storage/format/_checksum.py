@@ -1,10 +1,6 @@
-"""The checksum algorithms of the format: which one each manifest version uses, and its function
-(docs/format.md, "Integrity").
-
-A manifest's version fixes its algorithm (``ALGORITHM_OF_VERSION``) and a reader refuses a
-document naming another, so one damaged byte cannot switch a reader to another function. Every
-function has zlib's shape, ``f(data, value=0) -> int``, ``value`` the running checksum so far.
-"""
+"""The checksum algorithms of the format (docs/format.md, "Integrity"): a manifest's version fixes
+its algorithm (``ALGORITHM_OF_VERSION``), so damage cannot switch a reader to another function.
+Every function is ``f(data, value=0) -> int``, ``value`` the running checksum so far."""
 
 from __future__ import annotations
 

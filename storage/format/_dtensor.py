@@ -27,8 +27,7 @@ def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Ten
 
 
 def _local(dt: Any) -> torch.Tensor:
-    """The shard a DTensor holds: the tensor itself, which DTensor keeps as ``_local_tensor``
-    (``to_local()`` goes through an autograd function, which saving and loading do not need)."""
+    """The shard a DTensor holds (``_local_tensor``: ``to_local()`` goes through autograd)."""
     local = getattr(dt, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else dt.to_local()
 

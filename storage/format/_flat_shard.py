@@ -15,11 +15,9 @@ class FlatShard:
     ``global_shape`` is the shape of the whole (unsharded) tensor; ``local`` is the 1-D tensor this
     rank holds (on any device). ``save`` reads it, ``load`` fills it in place.
 
-    ``layout``, optional: ``(start, chunk)`` when the tensor is elements ``[start, start +
-    numel)`` of a flat buffer split over the ranks of the save in chunks of ``chunk`` elements,
-    rank r holding chunk r (a FlatParameter's parameter: its offset in the unit's flat buffer
-    and the shard size): see [Note: regular layouts] in storage/format/_regular.py (a wrong one
-    is caught: the ranges are checked against it).
+    ``layout``, optional: ``(start, chunk)`` of an ``even`` rule (docs/format.md, "Tensors
+    described by a rule"): a FlatParameter's offset in its unit's flat buffer and the shard size
+    (a wrong one is caught: the ranges are checked against it).
     """
 
     global_shape: tuple[int, ...]

@@ -64,6 +64,4 @@ def is_own_name(name: str) -> bool:
 def attempt_of(name: str) -> str | None:
     """The save attempt a data object or marker name belongs to (None for other names)."""
     m = _OWN.fullmatch(name)
-    if m is None:
-        return None
-    return m.group("object") or m.group("done") or m.group("abort")
+    return (m.group("object") or m.group("done") or m.group("abort")) if m else None

@@ -1,10 +1,7 @@
 """The versioned manifest (docs/format.md, "manifest.json"): encode, decode, validate.
 
-``Manifest.from_json`` validates the whole document before any byte is read and fails only
-with a ``CheckpointError`` whatever its bytes ([Note: hostile manifests]: docs/format.md,
-"Rules a reader enforces" and "Threat model"): size, nesting and integers are bounded, foreign
-values are shown through a bounded repr, and the manifest checksum (required from version 2)
-catches damage, not tampering.
+``Manifest.from_json`` fails only with a ``CheckpointError`` whatever its bytes, and bounds the
+work a hostile document can cause (docs/format.md, "Rules a reader enforces", "Threat model").
 """
 
 from __future__ import annotations
@@ -61,15 +58,12 @@ def _show(x: Any) -> str:
 
 
 def canonical_json(doc: dict[str, Any]) -> bytes:
-    """The bytes the manifest checksum covers: ``doc`` without its checksum field, as compact
-    JSON with sorted keys and ASCII escapes (floats as Python's shortest round-trip repr)."""
+    """The bytes the manifest checksum covers (docs/format.md, "manifest.json")."""
     return _canonical_value({k: v for k, v in doc.items() if k != SELF_CHECKSUM}).encode()
 
 
 def seal(doc: dict[str, Any]) -> dict[str, Any]:
-    """Set ``doc``'s manifest checksum to match its content (in place), with the algorithm of
-    ``doc["version"]`` (of the version written, for a version this code does not know);
-    returns ``doc``."""
+    """Set ``doc``'s manifest checksum (in place) to match its content; returns ``doc``."""
     doc[SELF_CHECKSUM] = _self_checksum(doc, canonical_json(doc))
     return doc
 
@@ -81,11 +75,9 @@ def _self_checksum(doc: dict[str, Any], canonical: bytes) -> dict[str, Any]:
 
 
 def sealed_json(doc: dict[str, Any]) -> bytes:
-    """``doc`` as written, sealed: its top-level keys in ``doc``'s order (``format`` first, where
-    format detection looks for it), ``manifest_checksum`` last. The checksum covers
-    :func:`canonical_json`, joined from each top-level value encoded with sorted keys; the file
-    reuses those pieces, except for the user's ``values`` and ``rank_values``, encoded a second
-    time in their own order (a load gives back dicts in the order they were saved)."""
+    """``doc`` as written, sealed: top-level keys in ``doc``'s order (``format`` first, where
+    format detection looks), ``manifest_checksum`` last. Each top-level value is encoded once,
+    canonically, except the user's ``values`` and ``rank_values``, also kept in their own order."""
     compact = (",", ":")
     canonical = {
         k: f"{json.dumps(k)}:{_canonical_value(v)}" for k, v in doc.items() if k != SELF_CHECKSUM
@@ -108,8 +100,8 @@ _USER_ORDER = frozenset({"values", "rank_values"})  # written in the order the u
 
 
 def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = None) -> Manifest:
-    """Read and decode the manifest at ``rel`` of ``store`` within ``options``' limits: its size
-    is checked first and only that many bytes are read (a link to an endless device reads none)."""
+    """Read and decode the manifest at ``rel`` of ``store`` within ``options``' limits (the size
+    is checked before any byte is read)."""
     options = options or LoadOptions()
     max_bytes, max_depth = options.max_manifest_bytes, options.max_json_depth
     where = store.where(rel)
@@ -139,9 +131,7 @@ class Piece:
     length: int
     byte_start: int
     byte_end: int
-    checksums: tuple[
-        int, ...
-    ]  # one per checksum block of the piece's bytes (the manifest's algorithm)
+    checksums: tuple[int, ...]  # one per checksum block of the piece's bytes
 
     @property
     def range(self) -> Range:
@@ -150,10 +140,8 @@ class Piece:
 
 @dataclass(eq=False)
 class RegularIndex:
-    """The regular objects of a manifest (version 4): per rank, how many objects its rule
-    tensors fill and the checksums of their blocks, in order; a rank's pieces are derived from
-    the layout on first use and checked against the object sizes and the checksum count (see
-    [Note: regular layouts] in storage/format/_regular.py)."""
+    """The regular objects of a manifest (version 4): per rank, its object count and block
+    checksums; a rank's pieces are derived on first use and checked (docs/format.md)."""
 
     layout: RegularLayout
     counts: tuple[int, ...]
@@ -219,11 +207,8 @@ class RegularIndex:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """Global shape, dtype and the pieces (sorted by offset, tiling the tensor) of one tensor.
-
-    The pieces are listed (``explicit``) or, for a tensor saved under a layout rule (``rule``,
-    format version 4), derived per rank from the manifest's ``RegularIndex`` when read.
-    """
+    """Global shape, dtype and pieces (sorted by offset, tiling the tensor) of one tensor: listed
+    (``explicit``) or, under a layout ``rule`` (version 4), derived from ``regular`` when read."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -244,8 +229,7 @@ class TensorEntry:
         return tuple(self.pieces_in(0, self.numel))
 
     def pieces_in(self, lo: int, hi: int) -> list[Piece]:
-        """The pieces holding any element of ``[lo, hi)``, sorted by offset: the pieces of the
-        ranks the rule names, or a search of the listed ones (never every piece)."""
+        """The pieces holding any element of ``[lo, hi)``, sorted by offset (never a scan)."""
         if self.rule is None:
             pieces = self.explicit
             offsets = self.__dict__.get("_offsets")
@@ -348,10 +332,7 @@ class Manifest:
         max_depth: int = MAX_JSON_DEPTH,
     ) -> Manifest:
         """Decode and validate a manifest; ``where`` (a URL) goes into every error message.
-
-        Raises ``CorruptCheckpointError`` (or ``NewerFormatError``) for any document that is not a
-        valid manifest of a version this code reads: see [Note: hostile manifests].
-        """
+        CorruptCheckpointError (or NewerFormatError) for anything else."""
         if len(data) > max_bytes:
             raise CorruptCheckpointError(
                 f"{where}: manifest of {len(data)} bytes is larger than "
@@ -381,8 +362,8 @@ class Manifest:
 
 
 def _too_deep(doc: Any, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` levels in ``doc``: iteratively, one
-    level at a time (a list comprehension per level, not a Python call per node)."""
+    """Whether arrays and objects nest more than ``limit`` levels in ``doc`` (one level at a
+    time, no recursion)."""
     level = [doc] if type(doc) in _CONTAINERS else []
     for _ in range(limit):
         level = [
@@ -397,8 +378,7 @@ def _too_deep(doc: Any, limit: int) -> bool:
 
 
 def _check_self_checksum(doc: Any, where: str) -> None:
-    """CorruptCheckpointError unless ``doc``'s manifest checksum matches its content (version 1:
-    when it has one)."""
+    """CorruptCheckpointError unless the manifest checksum matches (version 1: if present)."""
     if SELF_CHECKSUM not in doc:
         if doc["version"] == 1:
             return  # written before the field existed
@@ -555,8 +535,7 @@ def _decode(doc: Any, where: str) -> Manifest:
 def _decode_rule(
     t: dict[str, Any], version: int, world: int, numel: int, what: str, fail: Fail
 ) -> Rule | None:
-    """The layout rule of a tensor entry (version 4: ``even: [start, chunk]`` or ``writer:
-    [rank]``), validated against the world size; None for an entry that lists its pieces."""
+    """The validated layout rule of a tensor entry; None for an entry that lists its pieces."""
     kinds = [k for k in ("even", "writer") if k in t]
     if not kinds:
         return None
@@ -588,8 +567,7 @@ def _decode_regular(
     tensors: dict[str, TensorEntry],
     fail: Fail,
 ) -> RegularIndex | None:
-    """The ``regular`` section: present exactly when some tensor has a rule; one ``[objects,
-    base64 checksums]`` per rank; its objects listed, and holding no listed piece."""
+    """The validated ``regular`` section (present exactly when some tensor has a rule)."""
     section = doc.get("regular")
     if not rules:
         if section is not None:
@@ -610,10 +588,8 @@ def _decode_regular(
         fail(f"regular.ranks must list [object count, base64 checksums] for each of {world} ranks")
     if any(r[0] > len(objects) for r in ranks):
         fail("regular.ranks counts more objects for a rank than objects lists")
-    # Bounds on the work a reader can be made to do (see [Note: hostile manifests]): every
-    # piece a rule gives a rank has at least one block, so the pieces cannot outnumber the
-    # checksums listed, and ranks x rule tensors (each rank's derivation scans the rules) is
-    # bounded by them too.
+    # Bounds on a reader's work: every piece has a block, so the pieces cannot outnumber the
+    # checksums, and ranks x rule tensors (each derivation scans the rules) is bounded by them.
     blocks = sum(len(r[1]) // 4 * 3 // 4 for r in ranks)
     pieces = sum(len(rule.ranks_for(0, math.prod(shape))) for shape, _, rule in rules.values())
     if pieces > blocks:
@@ -666,8 +642,7 @@ def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Fail) -> None:
 def _decode_piece(
     p: Any, what: str, size: int, block: int, algorithm: str, objects: dict, fail: Fail
 ) -> Piece:
-    """One piece, validated (messages are built only on failure: this runs once per piece). Its
-    checksums are listed under the name of the manifest's ``algorithm``."""
+    """One piece, validated (messages are built only on failure: this runs once per piece)."""
     if not isinstance(p, dict):
         fail(f"{what}: piece is not a JSON object")
     obj, br, crc, length = p.get("object"), p.get("byte_range"), p.get(algorithm), p.get("length")

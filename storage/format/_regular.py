@@ -1,13 +1,8 @@
-"""Regular layouts: tensors split over the ranks by a rule that every rank can evaluate alone.
+"""Regular layouts: tensors split over the ranks by a rule every rank can evaluate alone.
 
-[Note: regular layouts]
-A DTensor ``Shard(0)``, a FlatParameter's slice and a replicated tensor are all one rule,
-``even(start, chunk)``, or ``writer`` (docs/format.md, "Tensors described by a rule"). A rank
-derives its rules from its own range (``infer_rule``, with ``FlatShard.layout`` where the range
-alone does not tell) and checks its range is what the rule gives it. When every rank's table of
-``(name, shape, dtype, rule)`` agrees, each rank plans its own objects from the table alone
-(``RegularLayout.rank_objects``) and a reader derives any rank's pieces with the same code;
-whole tensors go to one rank round robin, or split evenly from ``replica_split_bytes`` on.
+[Note: regular layouts] (docs/format.md, "Tensors described by a rule"): when every rank's table
+of ``(name, shape, dtype, rule)`` agrees, each rank plans its own objects from the table alone
+(``RegularLayout.rank_objects``) and a reader derives any rank's pieces with the same code.
 """
 
 from __future__ import annotations
@@ -23,13 +18,8 @@ from ftsdp.storage.format._ranges import Range
 
 @dataclass(frozen=True)
 class Rule:
-    """How a tensor's elements are split over the ranks of a save (see [Note: regular layouts]).
-
-    ``kind``: ``"even"`` (element e is element ``start + e`` of a buffer whose chunk r, of
-    ``chunk`` elements, rank r holds), ``"writer"`` (rank ``writer`` holds and writes it whole),
-    ``"whole"`` (every rank holds it; becomes ``even`` or ``writer`` when planned) or
-    ``"irregular"`` (no rule: planned by the coordinator).
-    """
+    """How a tensor's elements are split over the ranks: ``"even"``, ``"writer"`` (as in the
+    manifest), ``"whole"`` (every rank holds it; planned as one of those) or ``"irregular"``."""
 
     kind: str
     start: int = 0
@@ -57,8 +47,7 @@ class Rule:
         return range((self.start + lo) // self.chunk, (self.start + hi - 1) // self.chunk + 1)
 
     def as_json(self) -> list[Any]:
-        """The table form: ``[kind]``, with ``start, chunk`` for ``even``, ``writer`` for
-        ``writer``."""
+        """The table form: ``[kind, *arguments]``."""
         if self.kind == "even":
             return ["even", self.start, self.chunk]
         if self.kind == "writer":
@@ -77,13 +66,9 @@ def infer_rule(
     world: int,
     hint: tuple[int, int] | None = None,
 ) -> Rule:
-    """The rule of a tensor of ``shape`` of which ``rank`` (of ``world``) holds ``rng``.
-
-    ``hint``: ``(start, chunk)`` of an ``even`` rule the holder knows (a FlatParameter's
-    position, ``FlatShard.layout``). Without it a whole range is ``whole`` and a ``Shard(0)``
-    split (rows in chunks of ``ceil(rows / world)``) is ``even``. A rule is returned only if
-    this rank's range is exactly what it gives this rank; otherwise ``IRREGULAR``.
-    """
+    """The rule of a tensor of ``shape`` of which ``rank`` (of ``world``) holds ``rng``, only
+    if it gives this rank exactly ``rng`` (else ``IRREGULAR``). ``hint``: ``FlatShard.layout``;
+    without it a whole range is ``whole`` and a ``Shard(0)`` row split ``even``."""
     numel = math.prod(shape)
     if hint is not None:
         start, chunk = hint
@@ -100,9 +85,8 @@ def infer_rule(
     return IRREGULAR
 
 
-# The largest start or chunk of a rule: the exchange compares rules as int64 (a larger one, from
-# a FlatShard.layout, overflowed on its rank alone while the others waited in the all-reduce),
-# and the manifest allows no larger integer.
+# The largest start or chunk of a rule: the exchange compares rules as int64, and the manifest
+# allows no larger integer.
 _MAX = 2**63 - 1
 
 
@@ -112,12 +96,8 @@ def _same(a: Range, b: Range) -> bool:
 
 @dataclass(frozen=True)
 class RegularLayout:
-    """The regular part of a save: every rule tensor, planned for ``world`` ranks.
-
-    ``entries`` are ``(name, shape, dtype name, rule)`` in name order, each rule ``even`` or
-    ``writer`` (see :func:`resolve`). ``rank_objects(r)`` gives rank r's data objects: its
-    pieces in name order, packed into objects of at most ``object_bytes`` payload bytes.
-    """
+    """The regular part of a save: ``entries`` ``(name, shape, dtype name, rule)`` in name
+    order (rules ``even`` or ``writer``), planned for ``world`` ranks."""
 
     world: int
     object_bytes: int
@@ -135,18 +115,15 @@ class RegularLayout:
     def rank_objects(
         self, rank: int, attempt: str, limit: int | None = None
     ) -> list[PlannedObject]:
-        """Rank ``rank``'s regular objects, named for ``attempt``. ``limit``: ValueError when
-        there are more (a reader of a manifest that counts them: the packing stops there)."""
+        """Rank ``rank``'s regular objects, named for ``attempt`` (``limit``: see ``pack``)."""
         return pack(rank, self.rank_pieces(rank), attempt, self.object_bytes, limit)
 
 
 def resolve(
     table: list[list[Any]], world: int, object_bytes: int, replica_split_bytes: int
 ) -> RegularLayout:
-    """The layout of a table whose rules every rank agreed on: ``whole`` tensors become a
-    ``writer`` (round robin over the ranks, in name order) or, from ``replica_split_bytes`` on,
-    an ``even`` split over every rank; ``irregular`` rows are left out (the coordinator plans
-    them)."""
+    """The layout of an agreed table: ``whole`` tensors become a ``writer`` (round robin) or,
+    from ``replica_split_bytes`` on, ``even``; ``irregular`` rows are left out."""
     entries = []
     turn = 0
     for name, shape, dtype, rule_json in table:

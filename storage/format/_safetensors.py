@@ -1,11 +1,5 @@
-"""Safetensors objects: written piece by piece, checksumming each block as its bytes go out, and
-their headers read and checked.
-
-An object is a standard safetensors file (readable by ``safetensors.torch.load``): an 8-byte
-little-endian header length, a JSON header padded with spaces to 8 bytes, then the data. Every
-tensor in it is 1-D: one saved piece. The header depends only on the list of pieces, so every rank
-can compute every object's byte layout from the save plan without seeing the bytes.
-"""
+"""Safetensors objects (docs/format.md, "Data objects"): written piece by piece, checksumming
+each block as its bytes go out, and their headers read and checked."""
 
 from __future__ import annotations
 
@@ -28,10 +22,7 @@ _WRITE_SPAN = 2 << 20  # the data goes to the file in spans ending on multiples 
 def layout(
     entries: Sequence[tuple[str, torch.dtype, int]],
 ) -> tuple[bytes, list[tuple[int, int]], int]:
-    """Header bytes, absolute ``(start, end)`` byte range of each entry, and the object size.
-
-    ``entries`` are ``(key, dtype, numel)`` in the order their bytes follow the header.
-    """
+    """Header bytes, absolute byte range of each ``(key, dtype, numel)`` entry, object size."""
     header: dict[str, object] = {"__metadata__": {"format": "ftsdp.storage"}}
     pos = 0
     rel = []
@@ -58,15 +49,13 @@ def write_object(
     chunks: Iterable[tuple[int, torch.Tensor | memoryview]],
     block_bytes: int,
 ) -> list[list[int]]:
-    """Write ``head``, then the bytes of ``chunks``: ``(piece index, 1-D tensor or bytes)`` in the
-    order of the object's ``pieces`` pieces, a piece whole or in several consecutive chunks.
-    Returns each piece's per-block checksum list (CRC-32C)."""
+    """Write ``head``, then ``chunks``: ``(piece index, 1-D tensor or bytes)`` in piece order (a
+    piece whole or in consecutive chunks). Returns each piece's per-block checksums."""
     f.write(head)
     crcs: list[list[int]] = [[] for _ in range(pieces)]
     checksum = checksum_function(WRITTEN)
-    # The data is written in spans that end on multiples of _WRITE_SPAN in the object, so that a
-    # local filesystem caches it in large folios (docs/format.md, "Integrity"); each span is
-    # checksummed right before it is written, while its bytes are still in the CPU cache.
+    # Spans end on multiples of _WRITE_SPAN in the object (docs/format.md, "Integrity"); each is
+    # checksummed right before it is written.
     pos = len(head)
     current, crc, n = -1, 0, 0  # the piece being checksummed, its running checksum, its bytes
     for i, t in chunks:

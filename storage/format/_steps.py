@@ -49,11 +49,8 @@ def resolve_manifest(
     store: Store, step: int | None, options: LoadOptions | None = None
 ) -> Manifest:
     """The validated manifest of ``step`` (None: the newest committed), its objects checked.
-
-    Raises CheckpointNotFoundError (no root, nothing committed, step not committed),
-    NewerFormatError, CorruptCheckpointError, or IncompleteCheckpointError (an object listed by
-    the manifest is missing or has another size).
-    """
+    Raises CheckpointNotFoundError, NewerFormatError, CorruptCheckpointError, or
+    IncompleteCheckpointError (a listed object missing or of another size)."""
     if step is None:
         steps = committed_steps(store)
         if not steps:
@@ -92,12 +89,9 @@ def resolve_manifest(
 
 
 # -- what is ours: scanning a root, deleting steps ------------------------------------------------
-#
-# [Note: deleting only what is ours]
-# Every deletion rests on content, never on names alone: a step counts as committed only when
-# its manifest validates and names its own step; only this format's names are deleted, manifest
-# first, never recursively and never through a link (docs/format.md, "Retention and garbage
-# collection"). Readers keep the cheaper rule of ``committed_steps`` and validate before reading.
+# [Note: deleting only what is ours] (docs/format.md, "Retention and garbage collection"): every
+# deletion rests on content (a validated manifest of its own step, this format's names), never
+# recursive, never through a link.
 
 
 @dataclass
@@ -132,8 +126,8 @@ class RootScan:
 
 
 def scan_root(store: Store, read: Callable[[int], bool] = lambda step: True) -> RootScan:
-    """List the step directories under ``store`` (one listing each) and validate the manifests of
-    the steps ``read`` selects. Links named ``step-<N>`` are skipped, never followed."""
+    """List the step directories under ``store`` and validate the manifests of the steps ``read``
+    selects; links are skipped, never followed."""
     scan = RootScan()
     try:
         listing = store.listdir()
@@ -175,8 +169,7 @@ def own_manifest(store: Store, step: int) -> tuple[Manifest | None, str | None]:
 
 @dataclass
 class Deletion:
-    """The files of one step directory to delete, in order (the manifest first), and the names
-    in it that are not ours and stay."""
+    """The files of one step directory to delete, in order, and the names that are not ours."""
 
     step: int
     files: list[tuple[str, int]] = field(default_factory=list)  # (path under the root, size)
@@ -189,8 +182,7 @@ class Deletion:
 
 
 def _mine(store: Store, d: StepDir, name: str, listed: Collection[str] = ()) -> bool:
-    """Whether ``name`` in ``d`` is a file this format wrote (or one the manifest lists) that
-    is no link and stays inside the root."""
+    """Whether ``name`` in ``d`` is ours (or listed), no link, and inside the root."""
     rel = f"{step_dir(d.step)}/{name}"
     kind = d.entries[name][0]
     return (
@@ -202,9 +194,8 @@ def _mine(store: Store, d: StepDir, name: str, listed: Collection[str] = ()) -> 
 
 
 def plan_removal(store: Store, d: StepDir) -> Deletion | None:
-    """What deleting step ``d`` removes: a committed step, manifest first, then what its manifest
-    lists and the other names this format writes; a torn one only when everything in it is ours.
-    None when the step must stay (an unreadable manifest, or a torn dir holding other things)."""
+    """What deleting step ``d`` removes (manifest first); None when the step must stay (an
+    unreadable manifest, or a torn dir holding files not ours)."""
     if d.problem is not None:
         return None
     listed = d.manifest.objects if d.manifest is not None else {}
@@ -216,8 +207,7 @@ def plan_removal(store: Store, d: StepDir) -> Deletion | None:
 
 
 def plan_strays(store: Store, d: StepDir) -> Deletion:
-    """Names this format writes in committed step ``d`` that its manifest does not list (objects
-    of torn attempts, markers, temporary names): garbage. Other names stay, in ``left``."""
+    """The garbage in committed step ``d``: our names its manifest does not list."""
     assert d.manifest is not None
     names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
     return _sort_out(store, d, Deletion(d.step, whole=False), names)
@@ -236,8 +226,8 @@ def _sort_out(
 
 
 def execute(store: Store, plan: Deletion) -> None:
-    """Delete the files of ``plan`` in order (each checked again: no link, inside the root), then
-    its directory if the step goes and nothing is left in it."""
+    """Delete the files of ``plan`` in order (each checked again), then its directory if the
+    step goes and nothing is left in it."""
     for rel, _ in plan.files:
         if not store.is_link(rel) and store.inside_root(rel):
             store.remove(rel)
@@ -246,10 +236,8 @@ def execute(store: Store, plan: Deletion) -> None:
 
 
 def remove_step(store: Store, step: int, *, attempt: str | None = None) -> list[str]:
-    """Delete step ``step`` if it is ours, and only what it owns (see [Note: deleting only what is
-    ours]): a committed step, manifest first, or a torn attempt holding only our files. With
-    ``attempt``, only a committed step written by that attempt. Returns what stays (names not
-    ours, or why the step was left alone)."""
+    """Delete step ``step`` if it is ours, and only what it owns; with ``attempt``, only a
+    committed step of that attempt. Returns what stays, and why."""
     if store.is_link(step_dir(step)):
         return [f"{store.where(step_dir(step))}: a link; never followed"]
     d = StepDir(step, store.listdir(step_dir(step)))
@@ -265,8 +253,8 @@ def remove_step(store: Store, step: int, *, attempt: str | None = None) -> list[
 
 
 def remove_attempt(store: Store, step: int, attempt: str) -> None:
-    """Delete the files of one save attempt in step ``step``: its objects and markers (their
-    names carry the attempt id), and their temporary names. Never the manifest."""
+    """Delete the objects and markers of one save attempt in step ``step`` (never the
+    manifest)."""
     d = StepDir(step, store.listdir(step_dir(step)))
     for name in sorted(d.entries):
         if attempt_of(name) == attempt and _mine(store, d, name):
@@ -311,12 +299,9 @@ def plan_retention(
     protect: int | None = None,
     scan: RootScan | None = None,
 ) -> RetentionPlan:
-    """What retention removes: committed steps beyond the newest ``keep_last`` (None: none) that
-    are not divisible by ``keep_every``, torn attempts older than the newest committed step that
-    hold only our files, and our stray files inside kept steps. ``protect`` (the step just
-    committed) is always kept. Unreadable manifests, links and foreign files are only reported.
-    ``scan``: a ``scan_root`` of ``store`` that read every manifest, taken just before (the
-    commit's), else one is taken here."""
+    """What retention removes (docs/format.md, "Retention and garbage collection"); ``protect``
+    is always kept. ``scan``: a fresh ``scan_root`` that read every manifest (else one is
+    taken)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     if keep_every is not None and keep_every < 1:
@@ -355,9 +340,8 @@ def retain(
     protect: int | None = None,
     scan: RootScan | None = None,
 ) -> list[int]:
-    """Apply retention under ``store`` (see ``plan_retention``); return the removed steps
-    (committed and torn), ascending. What was left alone is logged (WARNING, logger
-    ``ftsdp.storage.format._steps``). ``scan``: see ``plan_retention``."""
+    """Apply retention under ``store`` (``plan_retention``); the removed steps, ascending. What
+    was left alone is logged as a WARNING."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     plan = plan_retention(store, keep_last, keep_every, protect, scan)
@@ -376,8 +360,7 @@ def apply_retention(
     storage_options: dict[str, Any] | None = None,
 ) -> list[int]:
     """Keep the newest ``keep_last`` committed steps and every step divisible by ``keep_every``,
-    deleting only what is provably ours (see [Note: deleting only what is ours]); returns the
-    removed steps."""
+    deleting only what is provably ours; returns the removed steps."""
     return retain(Store(url, storage_options), keep_last, keep_every)
 
 

@@ -51,10 +51,8 @@ def all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 
 def broadcast_json(obj: Any, group: dist.ProcessGroup | None) -> Any:
-    """Group rank 0's JSON-able ``obj`` on every rank (others pass anything, e.g. None).
-
-    One broadcast of ``_FIRST`` bytes (the length, then the start of the JSON) when the message
-    fits in it, as nearly all do, and a second one for the rest of a longer message."""
+    """Group rank 0's JSON-able ``obj`` on every rank (others pass anything, e.g. None): one
+    broadcast of ``_FIRST`` bytes, a second only for the rest of a longer message."""
     if group is None:
         return obj
     device, src = _device(group), dist.get_global_rank(group, 0)
@@ -74,8 +72,7 @@ _FIRST = 64 << 10  # a broadcast's first (usually only) frame
 
 
 def _framed(data: bytes, size: int, device: torch.device) -> torch.Tensor:
-    """``size`` bytes (at least the length field): ``len(data)``, then as much of ``data`` as
-    fits, zeros after it; on the group's device."""
+    """``size`` bytes on ``device``: ``len(data)``, as much of ``data`` as fits, zeros."""
     framed = len(data).to_bytes(_LENGTH, "little") + data[: size - _LENGTH]
     return _padded(framed, size).to(device)
 
@@ -87,10 +84,8 @@ def _unframed(buf: torch.Tensor) -> tuple[int, bytes]:
 
 
 def _padded(data: bytes, n: int) -> torch.Tensor:
-    """The first ``n`` bytes of ``data`` and zeros after them, ``n`` in all, as a CPU uint8
-    tensor over a bytearray (zeroed by the allocator, the bytes written once): ``torch.zeros``
-    of 32 KiB or more fills in parallel, and on storage's background thread that wakes an
-    OpenMP team of its own for every message."""
+    """The first ``n`` bytes of ``data``, zero-padded, as a CPU uint8 tensor over a bytearray
+    (``torch.zeros`` would wake an OpenMP team on storage's background thread)."""
     if not n:
         return torch.empty(0, dtype=torch.uint8)
     buf = bytearray(n)
@@ -105,8 +100,7 @@ def _received(n: int, device: torch.device) -> torch.Tensor:
 
 
 def gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
-    """Every rank's JSON-able ``obj`` in rank order on group rank 0, None on the others: the
-    longest length agreed on, then one gather of frames that long."""
+    """Every rank's JSON-able ``obj`` in rank order on group rank 0, None on the others."""
     if group is None:
         return [json.loads(json.dumps(obj))]
     device, world, me = _device(group), dist.get_world_size(group), dist.get_rank(group)
@@ -150,27 +144,16 @@ def all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[i
     return [int(v) for v in t.cpu().tolist()]
 
 
-# [Note: storage's own process group]
-# A deferred save gathers its metadata on a background thread while the training loop goes on
-# issuing its own collectives. Collectives of one group must be issued in the same order on
-# every rank, which two threads sharing a group cannot promise, so that gather runs on a gloo
-# group of storage's own over the same ranks (on CPU even when training uses NCCL: no device
-# stream is touched from the background). It is made on first use, once, and again if the
-# process group it was made in has been destroyed since, only for a save over every rank of the
-# job: ``new_group`` is a collective of all ranks. For a subgroup the ranks outside it would
-# have to take part, and torch's ``use_local_synchronization=True`` (members only) hangs in
-# torch 2.13 once another subgroup that leaves out some ranks exists, so a deferred save over a
-# subgroup exchanges its metadata on the caller's thread instead (see ``own_group``). Saves to
-# different roots may run at once (see [Note: one lane per root] in _save.py): each root gets
-# its own group, so that two background threads never share one.
+# Storage's own gloo groups, by (ranks, lane): a background save never shares a group with the
+# training loop's collectives (docs/design.md, "The commit protocol").
 _own_groups: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
 _own_lock = threading.Lock()
 
 
 def own_group(group: dist.ProcessGroup | None, lane: str = "") -> dist.ProcessGroup | None:
     """Storage's own gloo group for the saves of ``lane`` (a root) over ``group`` when that is
-    every rank of the job (creating it the first time is a collective of all ranks); None
-    without a process group or for a subgroup (see [Note: storage's own process group])."""
+    every rank of the job (made the first time: a collective of all ranks); None without a
+    process group or for a subgroup."""
     if group is None:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))

@@ -1,10 +1,7 @@
-"""The one store layer: every read and write of every format goes through a ``Store``, an
-fsspec filesystem rooted at a URL. Every path argument is relative to the root; ``""`` is the
-root itself, a directory or a single file (a ``.safetensors`` or ``torch.save`` file). Each
-operation retries known-transient errors (``_retry.py``); writes are atomic (docs/format.md,
-"Commit protocol"). This module holds what every backend shares, through fsspec (any scheme:
-``memory://``, ``faulty://``); ``Store(url, ...)`` builds the backend for the URL's filesystem,
-``LocalStore`` (``_local.py``) or ``S3Store`` (``_s3.py``)."""
+"""The one store layer (docs/design.md, "One store layer"): every read and write of every format
+goes through a ``Store``, an fsspec filesystem rooted at a URL; paths are relative to the root
+(``""``: the root itself, a directory or a single file). ``Store(url)`` builds the backend for the
+URL's filesystem: ``LocalStore`` (``_local.py``), ``S3Store`` (``_s3.py``) or this generic one."""
 
 from __future__ import annotations
 
@@ -30,9 +27,8 @@ _PLAIN_NAME = re.compile(r"[^/\\:\x00-\x1f\x7f]{1,255}")
 
 def is_plain_name(name: object) -> bool:
     """Whether ``name`` is one file name inside a checkpoint's folder, as every pointer inside a
-    checkpoint must be (an hf index's files, DCP's ``relative_path``): a str of 1 to 255
-    characters without ``/``, ``\\``, ``:`` (a scheme or drive), control characters (NUL, newline)
-    or surrounding whitespace, and not ``.`` or ``..``."""
+    checkpoint must be: 1 to 255 characters without ``/``, ``\\``, ``:``, control characters or
+    surrounding whitespace, and not ``.`` or ``..``."""
     return (
         isinstance(name, str)
         and _PLAIN_NAME.fullmatch(name) is not None
@@ -47,8 +43,7 @@ class Store:
     local = False  # a local disk (``LocalStore``): ``map_range`` works, objects have real paths
 
     def __new__(cls, url: Any = None, storage_options: Any = None, io: Any = None) -> Store:
-        # The backend that serves the URL's filesystem, among the subclasses (the io room imports
-        # them); no url: unpickling, on the class already chosen.
+        # The subclass that serves the URL's filesystem; no url: unpickling.
         if cls is Store and isinstance(url, (str, os.PathLike)):
             fs = fsspec.core.url_to_fs(str(url).rstrip("/"), **(storage_options or {}))[0]
             cls = next((b for b in Store.__subclasses__() if b._serves(fs)), Store)
@@ -94,10 +89,9 @@ class Store:
     # -- identity: where the root is, whatever URL names it ----------------------------------------
 
     def location(self) -> tuple[str, str]:
-        """``(filesystem, absolute path)`` of the root, one spelling per place: ``file://``, relative
-        paths and symlinks resolve to one local real path; fsspec's aliases of one filesystem
-        (``s3``/``s3a``, ``gs``/``gcs``) are one filesystem (its class); an object store's
-        ``bucket/key`` is normalised (``//``, ``.``, ``..``); caching wrappers are seen through."""
+        """``(filesystem, absolute path)`` of the root, one spelling per place: local paths
+        resolved, a filesystem named by its class (not its alias), object keys normalised,
+        caching wrappers seen through."""
         fs, root = self.fs, self.root
         inner = getattr(fs, "fs", None)
         while isinstance(inner, fsspec.AbstractFileSystem) and inner is not fs:  # a wrapper
@@ -110,9 +104,8 @@ class Store:
         )
 
     def contains(self, other: Store) -> bool:
-        """Whether ``other``'s root is this root or lies inside it (see ``location``). Local paths
-        are also compared by identity (``os.path.samefile``), which sees through bind mounts and
-        case-insensitive filesystems."""
+        """Whether ``other``'s root is this root or lies inside it (local paths also by
+        ``os.path.samefile``: bind mounts, case-insensitive filesystems)."""
         (kind, mine), (other_kind, path) = self.location(), other.location()
         if kind != other_kind:
             return False
@@ -146,10 +139,6 @@ class Store:
         """The size of an object in bytes; FileNotFoundError when it does not exist."""
         return int(self._retry(lambda: self.fs.size(self.full(rel))))
 
-    def disk_usage(self, rel: str = "") -> int:
-        """Bytes held by an object, or by everything under a directory."""
-        return int(self._retry(lambda: self.fs.du(self.full(rel))))
-
     def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
         """``{name: (type, size)}`` of the entries directly under ``rel``; {} when absent."""
         self.invalidate(rel)
@@ -178,9 +167,8 @@ class Store:
         return self._retry(lambda: self.fs.cat_file(self.full(rel)))
 
     def read_bounded(self, rel: str, max_bytes: int) -> bytes:
-        """A whole metadata file (an index, a marker, DCP's ``.metadata``) of at most
-        ``max_bytes``: the size is asked first and only that many bytes are read, so a huge file
-        or a link to an endless device is refused instead of read (CorruptCheckpointError)."""
+        """A whole metadata file of at most ``max_bytes`` (CorruptCheckpointError otherwise): the
+        size is asked first, so a huge file or an endless device is refused unread."""
         size = self.size(rel)
         if size > max_bytes:
             raise CorruptCheckpointError(
@@ -201,8 +189,7 @@ class Store:
         return data
 
     def read_into(self, rel: str, start: int, out: Any) -> None:
-        """Fill the writable buffer ``out`` (a memoryview, a numpy array, ...) with the bytes of
-        ``rel`` from ``start`` on; local files are read straight into it (no second copy)."""
+        """Fill the writable buffer ``out`` with the bytes of ``rel`` from ``start`` on."""
         view = memoryview(out).cast("B")
         if len(view):
             self._retry(lambda: self._read_into_once(rel, start, view))
@@ -224,25 +211,21 @@ class Store:
         return len(data)
 
     def open(self, rel: str = "", start: int = 0, end: int | None = None) -> RangeFile:
-        """Bytes ``[start, end)`` of ``rel`` (``end``: its size) as a seekable read-only file, for
-        readers that want a file object (``torch.load``). FileNotFoundError when absent."""
+        """Bytes ``[start, end)`` of ``rel`` (``end``: its size) as a seekable read-only file;
+        FileNotFoundError when absent."""
         if end is None:
             end = self.size(rel)
         return RangeFile(self, rel, start, end - start)
 
     def map_range(self, rel: str, start: int, end: int) -> np.ndarray:
-        """Bytes ``[start, end)`` of a local file as a read-only uint8 array over a memory map
-        of the page cache (``LocalStore``)."""
+        """Bytes ``[start, end)`` of a local file as a read-only memory-mapped uint8 array."""
         raise ValueError(f"map_range needs a local file, not {self.where(rel)}")
 
     # -- writing ----------------------------------------------------------------------------------
 
     def write(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
-        """Write an object whose bytes ``produce(f)`` writes to ``f``, atomically.
-
-        A transient error retries the whole object, so ``produce`` must be able to run again
-        from the start (it writes a new file each time); ``io.part_bytes`` is the upload buffer.
-        """
+        """Write an object whose bytes ``produce(f)`` writes to ``f``, atomically; a transient
+        error retries the whole object, so ``produce`` must be able to run again."""
         self._retry(lambda: self._write_once(rel, produce))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
@@ -252,10 +235,8 @@ class Store:
         self.write(rel, produce)
 
     def write_exclusive(self, rel: str, data: bytes) -> None:
-        """Create ``rel`` holding ``data`` only if no object of that name exists; otherwise
-        FileExistsError and nothing is written. Local disks, S3 and memory:// create exclusively
-        (docs/format.md, "Commit protocol"); any other store checks existence first, which a
-        concurrent writer can race."""
+        """Create ``rel`` holding ``data`` only if no object of that name exists, else
+        FileExistsError (docs/format.md, "Commit protocol": which stores can be raced)."""
         self._retry(lambda: self._write_once(rel, _CreateOnly(data)))
 
     def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
@@ -265,8 +246,8 @@ class Store:
 
     @contextlib.contextmanager
     def _atomic_write(self, path: str, exclusive: bool = False) -> Iterator[IO[bytes]]:
-        """``path`` exists only complete: an upload that is discarded (never completed) when the
-        body raises. With ``exclusive``, only if ``path`` does not exist yet."""
+        """``path`` exists only complete (an upload discarded when the body raises); with
+        ``exclusive``, only if it does not exist yet."""
         native = exclusive and self._creates_exclusively()
         if exclusive and not native and self.fs.exists(path):
             raise FileExistsError(f"{path} already exists")
@@ -284,8 +265,8 @@ class Store:
         f.close()
 
     def _upload(self, path: str, part_bytes: int, exclusive: bool) -> Any:
-        """A write-only file whose ``close`` publishes ``path``; with ``exclusive``, close raises
-        FileExistsError when the name is taken (``"xb"``: a 412 from S3)."""
+        """A write-only file whose ``close`` publishes ``path`` (``exclusive``: FileExistsError
+        when the name is taken)."""
         return self.fs.open(path, "xb" if exclusive else "wb", block_size=part_bytes)
 
     def _creates_exclusively(self) -> bool:
@@ -300,8 +281,7 @@ class Store:
         self.invalidate(self._parent(rel))
 
     def remove_empty_dir(self, rel: str) -> bool:
-        """Remove the directory ``rel`` if it is empty (never its contents); True if it is gone.
-        Object stores have no empty directories: there it is gone once nothing is under it."""
+        """Remove the directory ``rel`` if it is empty (never its contents); True if it is gone."""
         if self.listdir(rel):
             return False
         with contextlib.suppress(OSError):  # absent already, or a prefix that is no directory
@@ -310,8 +290,8 @@ class Store:
 
 
 class _CreateOnly:
-    """The producer of ``write_exclusive``: fixed bytes whose object is created only if absent.
-    The flag rides on the producer so that every write goes through ``_write_once``."""
+    """The producer of ``write_exclusive`` (the flag rides on it: every write goes through
+    ``_write_once``)."""
 
     def __init__(self, data: bytes) -> None:
         self.data = data

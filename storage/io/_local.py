@@ -1,17 +1,6 @@
-"""The store on a local disk: metadata and listings from the OS (``os.stat``, one ``scandir``;
-a save asks a few dozen times), reads into buffers and memory-mapped ranges, atomic writes
-(temporary name, fsync, rename, fsync of the folder), exclusive creates (a hard link, or
-``O_EXCL`` without links), symlink containment, and tmpfs detection from the mount table.
-
-[Note: reading local files through the page cache]
-A local object is read by mapping the byte range (``mmap``, populated up front) instead of
-``read()`` into fresh memory: checksums run on the page cache's own pages and the bytes are
-copied once, into the target, after every rank has verified its reads (no kernel copy into the
-process, no zero-filled buffer). Objects are immutable once written (new names, rename), so a
-mapping never sees them change; the size is checked before mapping, so a truncated object
-raises instead of faulting. Large folios map far faster than 4 KiB pages, hence the 2 MiB write
-spans (docs/format.md; docs/benchmarks.md, "Verify (warm)").
-"""
+"""The store on a local disk: metadata and listings from the OS, reads into buffers and
+memory-mapped ranges (docs/format.md, "Integrity"), atomic writes (temporary name, fsync, rename,
+fsync of the folder), exclusive creates, symlink containment, tmpfs detection."""
 
 from __future__ import annotations
 
@@ -35,8 +24,7 @@ _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EM
 
 
 class LocalStore(Store):
-    """A ``Store`` on a local disk (fsspec's ``LocalFileSystem``); the answers are fsspec's
-    (links followed, a dangling one absent)."""
+    """A ``Store`` on a local disk; the answers are fsspec's (links followed, dangling: absent)."""
 
     local = True
 
@@ -71,9 +59,7 @@ class LocalStore(Store):
         return os.path.islink(self.full(rel))
 
     def inside_root(self, rel: str) -> bool:
-        # Without a link or ".." below the root, rel stays inside whatever the root resolves to:
-        # one lstat per component of rel, where resolving both paths lstats every component of
-        # both (it runs twice per file a retention removes).
+        # Without a link or ".." below the root, rel stays inside whatever the root resolves to.
         path = self.root
         for part in rel.split("/"):
             if part in ("", "."):
@@ -147,9 +133,8 @@ class LocalStore(Store):
 
 
 def _link_exclusive(tmp: str, path: str) -> None:
-    """Publish the complete file ``tmp`` as ``path`` unless ``path`` exists (FileExistsError):
-    a hard link, or where the file system has none, a copy into a file created with
-    ``O_EXCL`` (removed again if the copy fails)."""
+    """Publish ``tmp`` as ``path`` unless it exists (FileExistsError): a hard link, or without
+    links a copy into a file created with ``O_EXCL``."""
     try:
         os.link(tmp, path)
         return
@@ -171,10 +156,8 @@ def _link_exclusive(tmp: str, path: str) -> None:
 
 
 def _scan_local(path: str) -> dict[str, tuple[str, int]]:
-    """What ``LocalFileSystem.ls(path, detail=True)`` tells of each entry, in one ``scandir``:
-    the type of the entry itself ("directory", "file", or "other" for a link or a device), and
-    its size, a link's that of its target (0 when dangling). ``path`` itself is followed when it
-    is a link; a file lists itself."""
+    """What ``LocalFileSystem.ls(path, detail=True)`` tells of each entry, in one ``scandir``
+    (a link is "other", sized as its target or 0); a file lists itself."""
     st = os.stat(path)  # FileNotFoundError when absent
     if not stat.S_ISDIR(st.st_mode):
         kind = "file" if stat.S_ISREG(st.st_mode) else "other"
@@ -185,10 +168,8 @@ def _scan_local(path: str) -> dict[str, tuple[str, int]]:
             try:
                 if e.is_dir(follow_symlinks=False):
                     kind = "directory"
-                elif e.is_file(follow_symlinks=False):
-                    kind = "file"
                 else:
-                    kind = "other"
+                    kind = "file" if e.is_file(follow_symlinks=False) else "other"
                 size = e.stat(follow_symlinks=False).st_size
                 if e.is_symlink():
                     try:
@@ -202,9 +183,8 @@ def _scan_local(path: str) -> dict[str, tuple[str, int]]:
 
 
 def _mount_type(path: str) -> str | None:
-    """The filesystem type of the mount holding ``path`` (its nearest existing ancestor): the
-    mount table's entry whose device (``major:minor``) is that of ``path``, so that neither a
-    bind mount nor a mount hidden under another one is taken for it; None when unknown."""
+    """The filesystem type of the mount holding ``path`` (its nearest existing ancestor), matched
+    by device number (not by mount path: bind mounts); None when unknown."""
     path = os.path.realpath(path)
     while not os.path.exists(path) and path != "/":
         path = os.path.dirname(path)

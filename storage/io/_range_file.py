@@ -1,7 +1,5 @@
-"""A byte range of a stored object as a seekable read-only file, for readers that want a file
-object (``torch.load``): ``Store.open`` returns one. Every read is a retried ranged read of the
-store; small reads are served from a read-ahead window so that a zip directory's dozens of tiny
-reads cost one request to an object store."""
+"""A byte range of a stored object as a seekable read-only file (``Store.open``), with a
+read-ahead window so that a zip directory's dozens of tiny reads cost one request."""
 
 from __future__ import annotations
 
@@ -19,11 +17,8 @@ _READ_AHEAD = 64 << 10  # what a small read fetches
 
 
 class RangeFile(io.RawIOBase):
-    """A byte range of an object as a seekable read-only file (``Store.open``).
-
-    A small read fetches up to ``_READ_AHEAD`` bytes and serves the next small reads from them;
-    a large read goes straight into the caller's buffer.
-    """
+    """A byte range of an object as a seekable read-only file: a small read fetches up to
+    ``_READ_AHEAD`` bytes for the next ones, a large one goes straight into the caller's buffer."""
 
     def __init__(self, store: _Store, rel: str, start: int, length: int) -> None:
         super().__init__()

@@ -25,8 +25,7 @@ _TRANSIENT_CODES = {
 
 
 def _botocore_transient(err: BaseException) -> bool:
-    # A botocore error exists only once botocore is imported: checking that first keeps the
-    # expected errors of a local root (a step not there yet) from importing it.
+    # A botocore error exists only once botocore is imported (a local root never imports it).
     if "botocore.exceptions" not in sys.modules:
         return False
     from botocore.exceptions import ClientError, ConnectionError, ReadTimeoutError

@@ -1,7 +1,6 @@
-"""The store on S3 (s3fs): creates are conditional (``If-None-Match: *``) and every upload
-carries a CRC-32C that S3 verifies on arrival (docs/format.md). s3fs's own file drops the parts'
-checksums when it completes a multipart upload, so ``S3Upload`` calls the S3 API itself;
-``IOOptions(object_checksums=False)`` uses s3fs's file, for a store that refuses CRC-32C."""
+"""The store on S3 (s3fs): conditional creates and CRC-32C checksummed uploads (docs/format.md,
+"Integrity"); ``S3Upload`` calls the S3 API itself because s3fs's file drops the parts'
+checksums of a multipart upload."""
 
 from __future__ import annotations
 
@@ -37,11 +36,9 @@ def _b64_crc(value: int) -> str:
 
 
 class S3Upload:
-    """A write-only file that uploads one S3 object with CRC-32C checksums: one ``put_object``
-    when it fits in a part, else a multipart upload of ``part_bytes`` parts (each sent when full,
-    with its own CRC-32C; the object keeps its whole content's, ``FULL_OBJECT``). ``close()``
-    publishes it (with ``exclusive``: FileExistsError when the name is taken); ``discard()``
-    aborts, so nothing appears."""
+    """A write-only file uploading one S3 object with CRC-32C checksums: one ``put_object``, or a
+    multipart upload of ``part_bytes`` parts. ``close()`` publishes it (``exclusive``:
+    FileExistsError when the name is taken); ``discard()`` aborts, so nothing appears."""
 
     def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:
         self.fs, self.path, self.part_bytes = fs, path, part_bytes
@@ -82,21 +79,18 @@ class S3Upload:
         self.size += n
         return n
 
+    def _call(self, operation: str, **kwargs: Any) -> Any:
+        return self.fs.call_s3(operation, Bucket=self.bucket, Key=self.key, **kwargs)
+
     def _send_part(self) -> None:
         if self.upload_id is None:
-            self.upload_id = self.fs.call_s3(
-                "create_multipart_upload",
-                Bucket=self.bucket,
-                Key=self.key,
-                ChecksumAlgorithm="CRC32C",
-                ChecksumType="FULL_OBJECT",
+            self.upload_id = self._call(
+                "create_multipart_upload", ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
             )["UploadId"]
         number = len(self.parts) + 1
         checksum = _b64_crc(self.part_crc)
-        out = self.fs.call_s3(
+        out = self._call(
             "upload_part",
-            Bucket=self.bucket,
-            Key=self.key,
             UploadId=self.upload_id,
             PartNumber=number,
             Body=bytes(self.buf),
@@ -112,10 +106,8 @@ class S3Upload:
             return
         self.closed = True
         if self.upload_id is None:
-            self.fs.call_s3(
+            self._call(
                 "put_object",
-                Bucket=self.bucket,
-                Key=self.key,
                 Body=bytes(self.buf),
                 ChecksumAlgorithm="CRC32C",
                 ChecksumCRC32C=_b64_crc(self.crc),
@@ -125,10 +117,8 @@ class S3Upload:
             try:
                 if self.buf:
                     self._send_part()
-                self.fs.call_s3(
+                self._call(
                     "complete_multipart_upload",
-                    Bucket=self.bucket,
-                    Key=self.key,
                     UploadId=self.upload_id,
                     MultipartUpload={"Parts": self.parts},
                     ChecksumCRC32C=_b64_crc(self.crc),
@@ -151,6 +141,4 @@ class S3Upload:
         if self.upload_id is not None:
             upload_id, self.upload_id = self.upload_id, None
             with contextlib.suppress(Exception):
-                self.fs.call_s3(
-                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
-                )
+                self._call("abort_multipart_upload", UploadId=upload_id)

@@ -1,18 +1,12 @@
 """Streaming under a memory budget: chunk sizes, chunked requests, progress.
 
-[Note: the memory budget]
-Conversions, verification and diffs never hold a whole checkpoint: work is cut into requests of at
-most ``chunk_bytes`` (a budget's eighth, see ``chunk_bytes``) and read, cast and written one group
-of requests at a time. In flight at once: the read buffers of one group (its bytes plus at most
-two checksum blocks per piece), the staging tensors of the group, their cast copies (up to 2x when
-a cast widens), and the writer's buffer (an object store upload's part: one chunk, see
-``make_sink``). A source that can only read whole items (a DCP item, a non-contiguous tensor in a
-torch file) needs the largest such item on top.
-"""
+[Note: the memory budget] (docs/cli.md, "Memory"): work is cut into requests of at most
+``chunk_bytes`` and read, cast and written one group of requests at a time."""
 
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -45,10 +39,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
@@ -109,11 +100,9 @@ class Meter:
 
 
 def piece_bytes(t: torch.Tensor, start: int, length: int) -> memoryview:
-    """The raw bytes of elements ``start`` to ``start + length`` of ``t`` in its memory order,
-    read in place: for a contiguous CPU tensor, a view of its memory made from its address,
-    which holds no reference to ``t``:
-    the caller keeps ``t`` alive and unchanged while it reads them. Anything else is copied by
-    ``tensor_bytes``. A range outside the tensor raises ValueError (it is never read)."""
+    """The raw bytes of elements ``[start, start + length)`` of ``t``: for a contiguous CPU
+    tensor a view of its memory holding no reference to ``t`` (the caller keeps ``t`` alive and
+    unchanged meanwhile), else a copy. ValueError for a range outside the tensor."""
     if start < 0 or length < 0 or start + length > t.numel():
         raise ValueError(
             f"elements [{start}, {start + length}) of a tensor of {t.numel()} elements: the "
@@ -129,9 +118,8 @@ def piece_bytes(t: torch.Tensor, start: int, length: int) -> memoryview:
 
 
 def tensor_bytes(t: torch.Tensor | memoryview) -> memoryview:
-    """The raw bytes of a tensor, without copying a contiguous CPU one. Writing into them fills
-    the tensor (readers pass their contiguous CPU targets). Bytes already (a memoryview of
-    staged bytes) are returned as they are."""
+    """The raw bytes of a tensor (a view of a contiguous CPU one: writing into them fills it);
+    a memoryview is returned as it is."""
     if isinstance(t, memoryview):
         return t
     t = t.detach()

@@ -167,16 +167,13 @@ def load(
     except Exception as e:
         error = e
     if group is not None:
-        report = {
-            "ok": error is None,
-            "error": None if error is None else f"{type(error).__name__}: {error}",
-        }
+        report = None if error is None else f"{type(error).__name__}: {error}"
         reports = all_gather_json(report, group)
-        failed = [r for r, rep in enumerate(reports) if not rep["ok"]]
+        failed = [r for r, rep in enumerate(reports) if rep is not None]
         if error is None and failed:
             raise CheckpointError(
                 f"load of step {manifest.step} failed on rank(s) {failed} "
-                f"({reports[failed[0]]['error']}); nothing was loaded"
+                f"({reports[failed[0]]}); nothing was loaded"
             )
     if error is not None:
         raise error

@@ -1,15 +1,9 @@
 """Execute a read plan: concurrent ranged reads verified per part, then one copy into place.
 
-[Note: fetch, then deliver]
-Each span is cut into parts of about ``part_bytes`` at checksum-block boundaries, so a part holds
-whole blocks only and a worker thread reads it and verifies its blocks on its own (CRC-32, the
-reads and numpy's copies release the GIL; the caller's thread only waits). ``fetch`` returns,
-for every planned copy, verified source bytes: a view of the page cache for a local file (see
-[Note: reading local files through the page cache] in io/_local.py), the response body for an object
-store. Nothing has been written anywhere yet, so a load can still fail cleanly. ``deliver`` then
-copies the sources straight into the targets (one copy), going through the staging tensors only
-where a target needs a conversion (another dtype, device or memory layout); ``execute`` fills
-the staging tensors (``load_state_dict`` returns them).
+``fetch`` reads and verifies parts of whole checksum blocks on worker threads and writes nothing,
+so a load can still fail cleanly; ``deliver`` then copies into the targets (through the staging
+tensors only for a conversion); ``execute`` fills the staging tensors (docs/format.md,
+"Loading and resharding").
 """
 
 from __future__ import annotations
@@ -134,31 +128,18 @@ def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[]
     return [partial(copy, a) for a in range(0, len(src), _COPY_CHUNK)]
 
 
-def _fill_staging(segments: list[Segment]) -> list[Callable[[], object]]:
-    return [t for c, off, src in segments for t in _copy_tasks(c.dst, c.dst_byte + off, src)]
-
-
-def _direct(want: Want, target: torch.Tensor) -> bool:
-    """True when the saved bytes can be copied into ``target`` as they are."""
-    return (
-        target.device.type == "cpu"
-        and target.dtype == want.staging.dtype
-        and target.is_contiguous()
-    )
-
-
 def deliver(
     wants: list[Want], targets: list[torch.Tensor], segments: list[Segment], threads: int
 ) -> None:
     """Copy fetched bytes into each ``targets[i]`` (the tensor ``wants[i]`` describes)."""
-    direct = [_direct(w, t) for w, t in zip(wants, targets, strict=True)]
+    direct = [  # the saved bytes can be copied into the target as they are
+        t.device.type == "cpu" and t.dtype == w.staging.dtype and t.is_contiguous()
+        for w, t in zip(wants, targets, strict=True)
+    ]
     tasks: list[Callable[[], object]] = []
     for c, off, src in segments:
-        if direct[c.want]:
-            dst = targets[c.want].detach().reshape(-1).view(torch.uint8)
-            tasks.extend(_copy_tasks(dst, c.dst_byte + off, src))
-        else:
-            tasks.extend(_copy_tasks(c.dst, c.dst_byte + off, src))
+        dst = targets[c.want].detach().reshape(-1).view(torch.uint8) if direct[c.want] else c.dst
+        tasks.extend(_copy_tasks(dst, c.dst_byte + off, src))
     _run(threads, tasks)
     for t, d in zip(targets, direct, strict=True):
         if d:  # written through numpy: tell autograd, as an in-place copy_ would have
@@ -175,5 +156,6 @@ def execute(store: Store, manifest: Manifest, spans: list[Span]) -> int:
     """Read every span (parts of ``store.io.part_bytes``, ``store.io.threads`` in flight), verify
     every block read, fill the staging tensors; the number of bytes read."""
     segments, nbytes = fetch(store, manifest, spans)
-    _run(store.io.threads, _fill_staging(segments))
+    tasks = [t for c, o, src in segments for t in _copy_tasks(c.dst, c.dst_byte + o, src)]
+    _run(store.io.threads, tasks)
     return nbytes

@@ -1,19 +1,12 @@
-"""The commit protocol of the native format (docs/design.md, "The commit protocol"): its one owner.
+"""The commit protocol of the native format, its one owner (docs/design.md, "The commit protocol";
+docs/format.md, "Commit protocol"): the distributed ``save`` (``new_attempt`` on rank 0, then
+``finish`` on every rank) and the single-process writer of ``convert`` and ``reshard``
+(``new_attempt``, its objects, then ``commit(store, build_manifest(...))``).
 
-Every writer of the format commits here: the distributed ``save`` (``new_attempt`` on rank 0,
-then ``finish`` on every rank) and the single-process writer behind ``convert`` and
-``reshard`` (``new_attempt``, its objects, then ``commit(store, build_manifest(...))``).
-
-[Note: commit without collectives in the background]
-After the planning exchange no collective is used: ranks > 0 write done (or error) markers,
-rank 0 waits for them and writes the manifest or an abort marker, so every rank fails the same
-save and a background commit cannot deadlock with training's collectives.
-
-[Note: one writer per step, one timeline]
-The manifest is created exclusively; rank 0 lists the committed steps before and right after
-its commit (``Lineage.seen``) and gives up, or backs its commit out, when another writer
-committed meanwhile; a save never goes behind newer committed steps unless ``discard_newer``
-(docs/design.md, "One timeline"; the residual windows in docs/format.md).
+[Note: commit without collectives in the background] After the planning exchange no collective
+is used (markers instead), so a background commit cannot deadlock with training's collectives.
+The manifest is created exclusively, and rank 0 gives up or backs its commit out when another
+writer committed a step meanwhile.
 """
 
 from __future__ import annotations
@@ -81,11 +74,9 @@ class Lineage:
 
 
 def plan_lineage(store: Store, step: int, discard_newer: bool = False) -> Lineage:
-    """Check that a save of ``step`` may go ahead, before anything is written: ``step`` is not
-    committed and no committed step is newer, unless ``discard_newer`` (then those are deleted
-    once ``step`` is committed; see [Note: one writer per step, one timeline]). Raises
-    FileExistsError (``step`` committed, or holding a manifest that is not ours) or
-    CheckpointError (newer committed steps)."""
+    """Check, before anything is written, that ``step`` is not committed and no committed step is
+    newer, unless ``discard_newer`` (those are deleted once ``step`` is committed). Raises
+    FileExistsError (``step`` committed, or a foreign manifest) or CheckpointError (newer steps)."""
     if store.is_link(step_dir(step)):
         raise FileExistsError(
             f"{store.where(step_dir(step))} is a link; a step is never written through a link"
@@ -120,9 +111,7 @@ def plan_lineage(store: Store, step: int, discard_newer: bool = False) -> Lineag
 
 
 def new_attempt(store: Store, step: int) -> str:
-    """A fresh attempt id for a save of ``step`` after ``plan_lineage``'s checks: FileExistsError
-    when it is already committed (a committed step is never overwritten), CheckpointError when a
-    newer step is."""
+    """A fresh attempt id for a save of ``step`` once ``plan_lineage``'s checks pass."""
     plan_lineage(store, step)
     return fresh_attempt()
 
@@ -145,10 +134,9 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of a step written by ``plan``, given every object's checksums.
 
-    ``rank_values[r]`` are rank r's values; only those that differ from ``values`` are kept, for
-    the ``world_size`` ranks of the layout (missing ranks have none). With a regular layout
-    (``plan.regular``), ``regular`` is ``(counts, sizes)``: each rank's number of regular
-    objects and their sizes; the manifest is then version 4.
+    ``rank_values[r]``: rank r's values (only those differing from ``values`` are kept).
+    ``regular``: ``(counts, sizes)`` of each rank's regular objects, with ``plan.regular``
+    (the manifest is then version 4).
     """
     pieces: dict[str, list[Piece]] = {name: [] for name in plan.shapes}
     for obj in plan.objects:
@@ -211,15 +199,11 @@ def commit(
     lineage: Lineage | None = None,
     present: Collection[str] | None = None,
 ) -> None:
-    """Create the manifest exclusively: the commit. With ``lineage`` (from ``plan_lineage`` when
-    the save was planned) first check that no other writer committed a step meanwhile, and back
-    out if one did right before the create (see [Note: one writer per step, one timeline]); on
-    a conflict this attempt's objects and markers are removed and ``CommitConflictError`` is
-    raised. Then, as a best effort (the step is saved; a failure is a warning): the steps
-    ``lineage`` discards, ``latest`` when this is the newest committed step, removal of the
-    attempt's done markers, and retention when ``keep_last`` is given (never of this step).
-    ``present``: the objects this root holds, when it holds only some of the manifest's (a
-    node-local root, storage/saving/_nodes.py); only those are checked before the commit."""
+    """Create the manifest exclusively: the commit. With ``lineage`` (``plan_lineage``), a step
+    committed by another writer meanwhile removes this attempt's files and raises
+    ``CommitConflictError``. Then, best effort (a failure is a warning): the steps ``lineage``
+    discards, ``latest``, the done markers, and retention when ``keep_last`` is given.
+    ``present``: the only objects checked before the commit (a node-local root holds some)."""
     step, attempt = manifest.step, manifest.attempt
     rel, data = manifest_path(step), manifest.to_json()
     if lineage is not None:
@@ -304,9 +288,8 @@ def _check_no_other_writer(
     steps: list[int] | None = None,
     data: bytes = b"",
 ) -> None:
-    """Raise CommitConflictError (after removing this attempt's files, and with ``committed``
-    its manifest ``data`` too) when a step other than this one was committed under the root
-    since the save was planned: another writer is active."""
+    """CommitConflictError (this attempt's files, and with ``committed`` its manifest ``data``,
+    removed first) when another step was committed under the root since the save was planned."""
     step = lineage.step
     appeared = sorted(
         set(committed_steps(store) if steps is None else steps) - lineage.seen - {step}
@@ -342,8 +325,7 @@ def _abandon(store: Store, step: int, attempt: str) -> None:
 
 
 def _attempt_at(store: Store, step: int) -> str | None:
-    """The attempt named by the manifest of ``step`` now (None: none, or not JSON); from its first
-    4 KiB, where this format puts it, since every rank > 0 asks at each commit."""
+    """The attempt named by the manifest of ``step`` now (None: none, or not JSON)."""
     rel = manifest_path(step)
     try:
         head = store.read_range(rel, 0, min(store.size(rel), _HEAD_BYTES))
@@ -376,10 +358,9 @@ def finish(
     lineage: Lineage | None = None,
     replaces: str | None = None,
 ) -> None:
-    """Steps 3 to 5 of the protocol on ``rank``, once it wrote its objects of ``plan`` (their
-    checksums: ``crcs``) or failed (``error``); returns when the step is committed, raises on
-    every rank when it is not. ``values``: this rank's JSON values; ``lineage``: rank 0's
-    ``plan_lineage``; ``replaces``: the attempt of an earlier commit this one replaces."""
+    """Steps 3 to 5 of the protocol on ``rank`` once it wrote its objects (checksums ``crcs``)
+    or failed (``error``): returns once committed, raises on every rank otherwise. ``replaces``:
+    the attempt of an earlier commit this one replaces."""
     if rank != 0:  # report, then wait for rank 0's verdict
         report = report_of(plan, rank, crcs, values)
         _write_marker(store, done_marker(step, plan.attempt, rank), error, rank=rank, **report)
@@ -389,20 +370,10 @@ def finish(
         return
     if error is None:
         try:
-            theirs, sizes, counts, rank_values = _collect_markers(
-                store, step, plan, world_size, timeout_s
-            )
-            rank_values[0] = values
-            manifest = manifest_of_reports(
-                plan, {**crcs, **theirs}, sizes, counts, step, checksum_block_bytes, rank_values
-            )
-            commit(
-                store,
-                manifest,
-                keep_last=keep_last,
-                keep_every=keep_every,
-                lineage=lineage,
-            )
+            reports = Reports(plan, step, world_size, crcs, values)
+            _collect_markers(store, step, plan, reports, timeout_s)
+            manifest = reports.manifest(checksum_block_bytes)
+            commit(store, manifest, keep_last=keep_last, keep_every=keep_every, lineage=lineage)
             return
         except BaseException as e:
             error = e
@@ -415,8 +386,7 @@ def finish(
 
 
 def _write_marker(store: Store, rel: str, error: BaseException | None, **fields: Any) -> None:
-    """A done marker (rank > 0: its objects' sizes and checksums, or its error) or an abort
-    marker (rank 0: the error), as JSON."""
+    """A done marker (rank > 0) or an abort marker (rank 0), as JSON."""
     doc = {**fields, "error": None if error is None else f"{type(error).__name__}: {error}"}
     store.write_bytes(rel, json.dumps(doc).encode())
 
@@ -424,9 +394,8 @@ def _write_marker(store: Store, rel: str, error: BaseException | None, **fields:
 def _wait_for_commit(
     store: Store, step: int, attempt: str, rank: int, timeout_s: float, replaces: str | None
 ) -> None:
-    """Rank > 0: wait for this attempt's manifest, or for rank 0's abort marker or another
-    writer's manifest of the step (raised). The manifest of the commit this save replaces is
-    waited past."""
+    """Rank > 0: wait for this attempt's manifest; raise at an abort marker or at another
+    writer's manifest (but that of the commit this save replaces)."""
     abort = abort_marker(step, attempt)
     for _ in _poll(timeout_s):
         if store.exists(abort):
@@ -450,7 +419,7 @@ def _wait_for_commit(
 
 
 def report_of(plan: SavePlan, rank: int, crcs: Crcs, values: dict[str, Any]) -> dict[str, Any]:
-    """What rank ``rank`` reports of its objects at the commit (``take_report`` reads it)."""
+    """What rank ``rank`` reports of its objects at the commit (``Reports.take`` reads it)."""
     objects = {o.name: {"size": o.size, "checksums": crcs.get(o.name)} for o in plan.own(rank)}
     return {"objects": objects, "regular": _regular_count(plan, rank), "values": values}
 
@@ -461,15 +430,11 @@ def _regular_count(plan: SavePlan, rank: int) -> int:
 
 
 def _collect_markers(
-    store: Store, step: int, plan: SavePlan, world: int, timeout_s: float
-) -> tuple[Crcs, dict[str, int], list[int], list[dict[str, Any]]]:
-    """Rank 0: every other rank's report from its done marker (``take_report``), and the values
-    by rank (rank 0's left empty); raises a rank's reported error, or TimeoutError."""
-    crcs: Crcs = {}
-    sizes: dict[str, int] = {}
-    counts = [0] * world
-    values: list[dict[str, Any]] = [{} for _ in range(world)]
-    waiting = set(range(1, world))
+    store: Store, step: int, plan: SavePlan, reports: Reports, timeout_s: float
+) -> None:
+    """Rank 0: take every other rank's report from its done marker into ``reports``; raises a
+    reported error, or TimeoutError."""
+    waiting = set(range(1, len(reports.counts)))
     for _ in _poll(timeout_s):
         listing = store.listdir(step_dir(step)) if waiting else {}
         for name in sorted(listing):
@@ -482,95 +447,82 @@ def _collect_markers(
             )
             if marker["error"]:
                 raise CheckpointError(f"rank {rank} failed to write step {step}: {marker['error']}")
-            take_report(plan, step, rank, marker, crcs, sizes, counts, values)
+            reports.take(rank, marker)
             waiting.discard(rank)
         if not waiting:
-            return crcs, sizes, counts, values
+            return
     raise TimeoutError(
         f"step {step} at {store.where()}: ranks {sorted(waiting)} did not finish writing within "
         f"{timeout_s}s"
     )
 
 
-def manifest_of_reports(
-    plan: SavePlan,
-    crcs: Crcs,
-    sizes: dict[str, int],
-    counts: list[int],
-    step: int,
-    checksum_block_bytes: int,
-    rank_values: list[dict[str, Any]],
-) -> Manifest:
-    """Rank 0: the manifest of a step once every other rank's report is taken (``take_report``):
-    ``crcs`` of every object, the other ranks' regular ``sizes`` and ``counts``; rank 0's own
-    regular objects are added here."""
-    if plan.regular is not None:
-        counts[0] = _regular_count(plan, 0)
-        sizes.update((o.name, o.size) for o in plan.own(0)[: counts[0]])
-    return build_manifest(
-        plan,
-        crcs,
-        step=step,
-        world_size=len(counts),
-        checksum_block_bytes=checksum_block_bytes,
-        values=rank_values[0],
-        rank_values=rank_values,
-        regular=(counts, sizes) if plan.regular is not None else None,
-    )
+class Reports:
+    """Rank 0's tally of the other ranks' reports (``report_of``, a done marker's content), each
+    checked against the plan as it is taken, and the manifest they make with rank 0's own."""
 
+    def __init__(
+        self, plan: SavePlan, step: int, world: int, crcs: Crcs, values: dict[str, Any]
+    ) -> None:
+        self.plan, self.step, self.crcs = plan, step, dict(crcs)
+        self.sizes: dict[str, int] = {}  # regular objects as their ranks report them
+        self.counts = [0] * world  # regular objects per rank
+        self.values: list[dict[str, Any]] = [values] + [{} for _ in range(world - 1)]
 
-def take_report(
-    plan: SavePlan,
-    step: int,
-    rank: int,
-    marker: dict[str, Any],
-    crcs: Crcs,
-    sizes: dict[str, int],
-    counts: list[int],
-    values: list[dict[str, Any]],
-) -> None:
-    """Take rank ``rank``'s report of its objects (a done marker's content) into ``crcs``, its
-    JSON values into ``values[rank]``, and with a regular layout ``sizes`` and ``counts``: each
-    listed object's size checked against the plan, its regular objects as the rank reports
-    them."""
-    for obj in plan.for_rank(rank):
-        got = marker["objects"].get(obj.name, {})
-        if got.get("size") != obj.size or got.get("checksums") is None:
+    def take(self, rank: int, marker: dict[str, Any]) -> None:
+        """Take rank ``rank``'s report; CheckpointError when it disagrees with the plan."""
+        for obj in self.plan.for_rank(rank):
+            got = marker["objects"].get(obj.name, {})
+            if got.get("size") != obj.size or got.get("checksums") is None:
+                raise CheckpointError(
+                    f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
+                    f"the plan says {obj.size}"
+                )
+            self.crcs[obj.name] = got["checksums"]
+        if not isinstance(marker.get("values"), dict):
+            raise CheckpointError(f"rank {rank}'s report of step {self.step} has no values")
+        self.values[rank] = marker["values"]
+        if self.plan.regular is None:
+            return
+        count = marker.get("regular")
+        if type(count) is not int or count < 0:
             raise CheckpointError(
-                f"rank {rank} reported {got.get('size')} bytes for {obj.name}, "
-                f"the plan says {obj.size}"
+                f"rank {rank}'s done marker of step {self.step} has no regular count"
             )
-        crcs[obj.name] = got["checksums"]
-    if not isinstance(marker.get("values"), dict):
-        raise CheckpointError(f"rank {rank}'s report of step {step} has no values")
-    values[rank] = marker["values"]
-    if plan.regular is not None:
-        counts[rank] = _reported_regular(marker, rank, step, plan.attempt, crcs, sizes)
+        for i in range(count):
+            name = object_name(rank, i, self.plan.attempt)
+            got = marker["objects"].get(name, {})
+            if type(got.get("size")) is not int or not isinstance(got.get("checksums"), list):
+                raise CheckpointError(f"rank {rank} did not report its regular object {name}")
+            self.crcs[name], self.sizes[name] = got["checksums"], got["size"]
+        self.counts[rank] = count
+
+    def manifest(self, checksum_block_bytes: int) -> Manifest:
+        """The manifest, once every other rank's report is taken (rank 0's regular objects are
+        added here)."""
+        plan, regular = self.plan, None
+        if plan.regular is not None:
+            self.counts[0] = _regular_count(plan, 0)
+            self.sizes.update((o.name, o.size) for o in plan.own(0)[: self.counts[0]])
+            regular = (self.counts, self.sizes)
+        return build_manifest(
+            plan,
+            self.crcs,
+            step=self.step,
+            world_size=len(self.counts),
+            checksum_block_bytes=checksum_block_bytes,
+            values=self.values[0],
+            rank_values=self.values,
+            regular=regular,
+        )
 
 
-def _reported_regular(
-    marker: dict[str, Any], rank: int, step: int, attempt: str, crcs: Crcs, sizes: dict[str, int]
-) -> int:
-    """The number of regular objects a rank's done marker reports, their checksums and sizes
-    taken into ``crcs`` and ``sizes``."""
-    count = marker.get("regular")
-    if type(count) is not int or count < 0:
-        raise CheckpointError(f"rank {rank}'s done marker of step {step} has no regular count")
-    for i in range(count):
-        name = object_name(rank, i, attempt)
-        got = marker["objects"].get(name, {})
-        if type(got.get("size")) is not int or not isinstance(got.get("checksums"), list):
-            raise CheckpointError(f"rank {rank} did not report its regular object {name}")
-        crcs[name], sizes[name] = got["checksums"], got["size"]
-    return count
-
-
-def _poll(timeout: float) -> Iterator[int]:
+def _poll(timeout: float) -> Iterator[None]:
     """Yield until ``timeout`` seconds have passed, sleeping a little longer each time."""
-    deadline, delay, n = time.monotonic() + timeout, 0.005, 0
+    deadline, delay = time.monotonic() + timeout, 0.005
     while True:
-        yield n
+        yield
         if time.monotonic() > deadline:
             return
         time.sleep(delay)
-        delay, n = min(delay * 1.5, 0.25), n + 1
+        delay = min(delay * 1.5, 0.25)

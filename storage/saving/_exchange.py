@@ -1,15 +1,10 @@
 """The metadata exchange of a save, and its plan: small and independent of the world size for
 regular layouts, gathered to one coordinator for the rest.
 
-[Note: the save exchange]
-Every rank of a save, on the same group and in the same order (docs/format.md, "Commit
-protocol", step 1): a broadcast of rank 0's header (failure, step, block size, digests of its
-tensors, options and rules, attempt ids); an all-reduce (max) of four flags (a rank failed,
-differs in step or block size, in tensors, in rules), then an all-gather of the errors only when
-one of the first two is set, so every rank raises the same message; an all-reduce of each rule
-as three integers and their negations only when just the rules differ (a tensor whose rule
-differs somewhere has none); a gather and scatter through rank 0 only for the tensors with no
-agreed rule. Nothing here grows with the world size on any rank but rank 0.
+[Note: the save exchange] (docs/format.md, "Commit protocol", step 1): every rank issues the
+same collectives in the same order; errors are gathered only when a rank failed or differs in
+step or block size, so every rank raises the same message; nothing grows with the world size on
+any rank but rank 0.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._dtypes import dtype_name
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._objects import PlannedObject, PlannedPiece
-from ftsdp.storage.format._regular import RegularLayout, infer_rule, resolve
+from ftsdp.storage.format._regular import IRREGULAR, RegularLayout, infer_rule, resolve
 from ftsdp.storage.format._state import TensorLeaf
 from ftsdp.storage.io import _collectives
 from ftsdp.storage.saving._save_plan import SavePlan, make_plan, renamed
@@ -39,12 +34,9 @@ def rule_table(leaves: dict[str, TensorLeaf], rank: int, world: int) -> list[lis
     """This rank's rule table: ``[name, shape, dtype, rule]`` per tensor in name order (every
     rule ``irregular`` for a single rank: nothing to gain there)."""
     rows = []
-    for name, leaf in sorted(leaves.items()):
-        if world < 2:
-            rule = _IRREGULAR
-        else:
-            rule = infer_rule(leaf.shape, leaf.range, rank, world, leaf.layout).as_json()
-        rows.append([name, list(leaf.shape), dtype_name(leaf.dtype), rule])
+    for name, t in sorted(leaves.items()):
+        rule = infer_rule(t.shape, t.range, rank, world, t.layout) if world > 1 else IRREGULAR
+        rows.append([name, list(t.shape), dtype_name(t.dtype), rule.as_json()])
     return rows
 
 
@@ -61,7 +53,7 @@ def exchange(
     ``meta``: this rank's ``error`` (or None), JSON ``values`` and, on rank 0, ``attempt`` and
     ``replaces``. Returns the plan, this rank's values and the number of ranks; raises the same
     error on every rank when a rank failed, the steps differ, or the ranges do not fit together.
-    ``wire``: storage/io/_collectives.py, replaced only by ``ftsdp.tools.dev.simulation``.
+    ``wire``: the collectives (``ftsdp.tools.dev.simulation`` replaces them).
     """
     rank, world = wire.rank_world(group)
     error = meta.get("error")
@@ -102,10 +94,16 @@ def exchange(
         both = wire.all_reduce_max([*rules, *(-v for v in rules)], group)
         n = len(rules)
         same = [both[i] == -both[n + i] for i in range(n)]
-        table = keep_agreed(table, [all(same[3 * i : 3 * i + 3]) for i in range(len(table))])
-    regular, mine_objects = (
-        regular_share(table, world, options, rank, attempt) if agreed else (None, [])
-    )
+        # a rule not every rank agreed on is made irregular
+        table = [
+            r if all(same[3 * i : 3 * i + 3]) else [*r[:3], _IRREGULAR] for i, r in enumerate(table)
+        ]
+    regular: RegularLayout | None = None
+    mine_objects: list[PlannedObject] = []
+    if agreed:
+        layout = resolve(table, world, options.object_bytes, options.replica_split_bytes)
+        if layout.entries:  # some tensor has a rule
+            regular, mine_objects = layout, layout.rank_objects(rank, attempt)
     irregular = {row[0] for row in table if row[3] == _IRREGULAR} if agreed else set(leaves)
     # The same on every rank (``irregular`` is not, when the tables differ: a rank may hold
     # none of the tensors, and once skipped the gather and scatter its peers waited in).
@@ -129,8 +127,7 @@ def exchange(
 
 
 def _raise_for(reports: list[dict[str, Any]], step: int) -> None:
-    """Raise, on every rank alike, the first failure, different steps or different checksum
-    blocks in every rank's ``{"error", "step", "block"}``."""
+    """Raise, on every rank alike, the first failure, step or checksum block difference."""
     for r, m in enumerate(reports):
         if m["error"]:
             raise CheckpointError(f"save of step {step} failed on rank {r}: {m['error']}")
@@ -148,8 +145,7 @@ def _raise_for(reports: list[dict[str, Any]], step: int) -> None:
 
 
 def _digest(doc: Any) -> str:
-    """A 64-bit digest of a JSON-able ``doc`` in hex: equal on two ranks iff (up to a hash
-    collision) their docs are."""
+    """A 64-bit hex digest of a JSON-able ``doc``."""
     data = json.dumps(doc, separators=(",", ":")).encode()
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
@@ -158,8 +154,7 @@ _KINDS = {"irregular": 0, "whole": 1, "even": 2}
 
 
 def tensor_rows(leaves: dict[str, TensorLeaf], names: Collection[str]) -> list[list[Any]]:
-    """``[name, shape, dtype, offset, length]`` of the leaves named in ``names``, by name: what
-    the coordinator plans from (built only for the tensors it coordinates)."""
+    """``[name, shape, dtype, offset, length]`` of the leaves named in ``names``, by name."""
     return [
         [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length]
         for n, t in sorted(leaves.items())
@@ -167,27 +162,10 @@ def tensor_rows(leaves: dict[str, TensorLeaf], names: Collection[str]) -> list[l
     ]
 
 
-def keep_agreed(table: list[list[Any]], agreed: list[bool]) -> list[list[Any]]:
-    """``table`` with the rules not every rank agreed on (``agreed[i]`` false) made irregular."""
-    return [row if ok else [*row[:3], _IRREGULAR] for row, ok in zip(table, agreed, strict=True)]
-
-
-def regular_share(
-    table: list[list[Any]], world: int, options: SaveOptions, rank: int, attempt: str
-) -> tuple[RegularLayout | None, list[PlannedObject]]:
-    """The layout of an agreed table (None when no tensor has a rule) and ``rank``'s regular
-    objects, from the table alone."""
-    regular = resolve(table, world, options.object_bytes, options.replica_split_bytes)
-    if not regular.entries:
-        return None, []
-    return regular, regular.rank_objects(rank, attempt)
-
-
 def _coordinate(
     gathered: list[dict[str, Any]], attempt: str, options: SaveOptions, world: int
 ) -> tuple[list[PlannedObject], dict[str, tuple[tuple[int, ...], str]], list[Any]]:
-    """Rank 0: the plan of the irregular tensors (numbered after each rank's regular objects)
-    and each rank's share of it, or the same error for every rank."""
+    """Rank 0: the plan of the irregular tensors and each rank's share (or an error for all)."""
     try:
         plan = make_plan([{"tensors": g["tensors"]} for g in gathered], attempt, options)
     except ValueError as e:

@@ -1,19 +1,10 @@
 """Node-local roots: one step saved across machines that share no storage, each machine keeping
-its own ranks' objects and a replica of another machine's (see [Note: node-local roots]).
+its own ranks' objects and a replica of another machine's.
 
-```python
-saving.save_on_nodes(state, "/dev/shm/run", step, node=node_id, ...)  # each node: its own /dev/shm
-step = saving.restore_on_nodes("/dev/shm/run", node=node_id)  # before storage.load
-saving.clear_on_nodes("/dev/shm/run", node=node_id)           # at a clean end
-```
-
-[Note: node-local roots]
-The same path names a different directory on each machine, so rank 0 cannot read the other
-ranks' done markers: the commit runs through collectives on storage's own gloo group (reports
-gathered, each rank's objects replicated to the same local rank of the next node, rank 0's
-manifest broadcast, the first rank of each node commits it). ``restore_on_nodes`` sends every
-node what it lacks of the newest step the nodes hold together (docs/elastic.md, "The memory
-tier on several machines").
+[Note: node-local roots] (docs/design.md, "The commit protocol"; docs/elastic.md, "The memory
+tier on several machines"): rank 0 cannot read the other machines' done markers, so the commit
+runs through collectives on storage's own gloo group, and ``restore_on_nodes`` sends every node
+what it lacks of the newest step the nodes hold together.
 """
 
 from __future__ import annotations
@@ -42,11 +33,10 @@ from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._commit import (
     Crcs,
     Lineage,
+    Reports,
     commit,
-    manifest_of_reports,
     plan_lineage,
     report_of,
-    take_report,
 )
 from ftsdp.storage.saving._save_plan import SavePlan
 
@@ -55,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Nodes:
-    """Which rank is on which node: ``of[r]`` is rank r's node id. Every lookup is O(1) after
-    one pass over the ranks (a save asks for every rank's peer: O(W), not O(W²))."""
+    """Which rank is on which node: ``of[r]`` is rank r's node id (lookups O(1) after one pass)."""
 
     of: tuple[str, ...]
 
@@ -104,8 +93,7 @@ class Nodes:
 
 
 def _group_for(process_group: dist.ProcessGroup | None, url: str) -> dist.ProcessGroup | None:
-    """Storage's own gloo group for ``url``'s lane over every rank (see [Note: storage's own
-    process group] in _collectives.py); ValueError over a subgroup."""
+    """Storage's own gloo group for ``url``'s lane over every rank; ValueError over a subgroup."""
     group = resolve_group(process_group)
     if group is None:
         return None
@@ -130,10 +118,10 @@ def _transfer(
 ) -> dict[str, bytes]:
     """Run ``moves`` ``(src, dst, rel, size)`` (the same on every rank): ``src`` sends its file
     ``rel`` to ``dst``. Returns what this rank received, unwritten; a source that cannot read
-    its file sends zeros and raises afterwards (the caller agrees on the outcome)."""
+    its file sends zeros and raises afterwards."""
     if group is None:  # a world of one: one node, no replica to move
         return {}
-    works: list[dist.Work | None] = []  # None: this rank is not in the group (never here)
+    works: list[dist.Work | None] = []
     received: list[tuple[str, torch.Tensor]] = []
     read_error: BaseException | None = None
     for tag, (src, dst, rel, size) in enumerate(moves):
@@ -179,10 +167,9 @@ def finish_on_nodes(
     lineage: Lineage | None,
     discard_newer: bool,
 ) -> None:
-    """Steps 1 to 4 of [Note: node-local roots] on ``rank`` (collective over ``group``), once it
-    wrote its objects of ``plan`` (checksums ``crcs``) or failed (``error``); ``values``: its
-    JSON values (rank 0's are the manifest's). Returns when the step is committed on every
-    node; raises on every rank otherwise."""
+    """The commit of a node-local save on ``rank`` (collective over ``group``) once it wrote its
+    objects (checksums ``crcs``) or failed (``error``): returns once the step is committed on
+    every node, raises on every rank otherwise."""
     own = plan.own(rank)
     # rank 0 builds the manifest from them: what done markers would hold
     full = gather_json(report_of(plan, rank, crcs, values), group)
@@ -212,11 +199,10 @@ def finish_on_nodes(
     if rank == 0 and replica_error is None:
         assert full is not None
         try:
-            outcome["manifest"] = (
-                _manifest(plan, crcs, full, step, world_size, checksum_block_bytes, values)
-                .to_json()
-                .decode()
-            )
+            tally = Reports(plan, step, world_size, crcs, values)
+            for r, marker in enumerate(full[1:], 1):
+                tally.take(r, marker)
+            outcome["manifest"] = tally.manifest(checksum_block_bytes).to_json().decode()
         except Exception as e:
             outcome["error"] = _error(e)
     errors = [x for x in all_gather_json(outcome["error"], group) if x]
@@ -249,29 +235,8 @@ def finish_on_nodes(
         raise CheckpointError(f"step {step} was not committed on every node: {errors[0]}")
 
 
-def _manifest(
-    plan: SavePlan,
-    crcs: Crcs,
-    reports: list[dict[str, Any]],
-    step: int,
-    world_size: int,
-    checksum_block_bytes: int,
-    values: dict[str, Any],
-) -> Manifest:
-    """Rank 0: the manifest, from its own checksums and ``values`` and the other ranks' reports
-    (checked against the plan as their done markers would be)."""
-    crcs = dict(crcs)
-    sizes: dict[str, int] = {}
-    counts = [0] * world_size
-    rank_values: list[dict[str, Any]] = [values] + [{} for _ in range(world_size - 1)]
-    for rank, marker in enumerate(reports[1:], 1):
-        take_report(plan, step, rank, marker, crcs, sizes, counts, rank_values)
-    return manifest_of_reports(plan, crcs, sizes, counts, step, checksum_block_bytes, rank_values)
-
-
 def _holdings(store: Store) -> dict[str, Any]:
-    """What this node's root holds: per step, the manifest's attempt and objects (when it has a
-    valid one) and the objects present (name -> size)."""
+    """Per step: the valid manifest's attempt and objects, and the objects present here."""
     out: dict[str, Any] = {}
     for name, (kind, _) in store.listdir().items():
         step = parse_step(name)
@@ -300,8 +265,7 @@ def _choose(
     reports: list[dict[str, Any] | None], leaders: list[int]
 ) -> tuple[int, list[tuple[int, int, str, int]]] | None:
     """The newest step whose manifest some node holds and whose objects the nodes hold
-    together, and the moves ``(src, dst, rel, size)`` that complete every node; None when no
-    step qualifies. The same on every rank (a function of the gathered reports)."""
+    together, and the moves ``(src, dst, rel, size)`` that complete every node; or None."""
     found: dict[tuple[int, str], int] = {}  # (step, attempt) -> the first leader with it
     for leader in leaders:
         for s, entry in (reports[leader] or {}).items():
@@ -334,13 +298,11 @@ def _choose(
 def restore_on_nodes(
     url: str, *, node: str, process_group: dist.ProcessGroup | None = None
 ) -> int | None:
-    """Make every node's root ``url`` hold a whole committed step, and return it (collective
-    over ``process_group``, every rank of the job): the newest step whose manifest one of the
-    nodes of this job holds and whose objects they hold together (see [Note: node-local roots]).
-    The manifest and objects a node lacks are sent to it by a node that has them; then
-    ``load(state, url, step)`` reads on every node as from any root. ``node`` is this rank's
-    node id (ranks with the same id share the root). Returns None, on every rank, when no step
-    qualifies or the exchange failed (logged): fall back to another root."""
+    """Make every node's root ``url`` hold a whole committed step and return it (collective over
+    every rank of the job): the newest step whose manifest a node holds and whose objects the
+    nodes hold together, what a node lacks sent by one that has it; then ``load(state, url,
+    step)`` reads it. ``node``: this rank's node id (ranks with one id share the root). None,
+    on every rank, when no step qualifies or the exchange failed (logged)."""
     group = _group_for(process_group, url)
     rank, _ = rank_world(group)
     store = Store(url, None)
@@ -392,20 +354,13 @@ def restore_on_nodes(
     return step
 
 
-def is_node_leader(node: str, process_group: dist.ProcessGroup | None = None) -> bool:
-    """Whether this rank is the lowest rank of its node (collective over ``process_group``:
-    every rank passes its node id)."""
-    group = resolve_group(process_group)
-    rank, _ = rank_world(group)
-    nodes = Nodes(tuple(all_gather_json(node, group)))
-    return nodes.leader(rank) == rank
-
-
 def clear_on_nodes(
     url: str, *, node: str, process_group: dist.ProcessGroup | None = None
 ) -> list[int]:
     """``clear_steps(url)`` once on every node (collective): the lowest rank of each node
     clears its root. Returns the steps it removed (``[]`` on the other ranks)."""
-    if not is_node_leader(node, process_group):
+    group = resolve_group(process_group)
+    rank, _ = rank_world(group)
+    if Nodes(tuple(all_gather_json(node, group))).leader(rank) != rank:
         return []
     return clear_steps(url)

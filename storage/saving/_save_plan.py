@@ -1,10 +1,6 @@
-"""Decide, from the metadata every rank gathered, which rank writes which bytes into which object.
-
-[Note: deterministic dedupe of replicated ranges]
-Every rank runs this on the same gathered metadata and gets the same plan, so no second round
-of communication is needed. A tensor's ranges from all ranks are cut into elementary segments;
-a segment held by one rank is written by it, a segment held by several (replicas) is written
-once: split evenly among its holders when large, otherwise given to the least-loaded holder.
+"""Decide, from the metadata every rank gathered, which rank writes which bytes into which object
+(docs/format.md, "Data objects"): every rank gets the same plan from the same metadata, and a
+replicated segment is written once (split among its holders when large, else by the least-loaded).
 """
 
 from __future__ import annotations
@@ -22,10 +18,9 @@ from ftsdp.storage.format._ranges import Range, check_disjoint_cover, check_rang
 
 @dataclass
 class SavePlan:
-    """Which rank writes what. ``objects``: the listed (explicitly planned) objects this rank
-    knows, every rank's on the coordinator; ``regular``: the ``RegularLayout`` of the rule
-    tensors (storage/format/_regular.py), whose objects every rank derives; ``mine``: this rank's
-    objects when they are not all in ``objects`` (its regular ones first)."""
+    """Which rank writes what. ``objects``: the listed objects this rank knows (every rank's on
+    the coordinator); ``regular``: the ``RegularLayout`` of the rule tensors; ``mine``: this
+    rank's objects when not all in ``objects`` (its regular ones first)."""
 
     attempt: str
     shapes: dict[str, tuple[tuple[int, ...], str]]  # name -> (global shape, dtype name)
