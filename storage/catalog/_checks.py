@@ -1,9 +1,5 @@
-"""Looking at checkpoints without loading them: ``inspect_checkpoint``, ``verify``, ``diff``.
-
-All three stream (see [Note: the memory budget] in ``storage/io/_streaming.py``), and take
-``trust_pickle`` (DCP's ``.metadata`` unpickled fully; see ``open_source``). ``verify`` reports
-every problem it finds instead of stopping at the first; the others raise like the loaders.
-"""
+"""Looking at checkpoints without loading them, streaming: ``inspect_checkpoint``, ``verify``
+(every problem found, not only the first), ``diff``."""
 
 from __future__ import annotations
 
@@ -204,9 +200,8 @@ def _verify_step(
             bad_objects.add(name)
         elif not _check_header(store, step, name, by_object[name], problems):
             bad_objects.add(name)
-    # Parts are checked on threads (the checksum releases the GIL), results taken in order: a
-    # local object on its mapped pages, one thread per CPU; a remote one read into a buffer per
-    # thread, at most ``chunk`` bytes in flight.
+    # Parts are checked on threads (the checksum releases the GIL): a local object on its mapped
+    # pages, a thread per CPU; a remote one read into a buffer per thread, ``chunk`` in flight.
     if store.local:
         threads = min(store.io.threads, _cpus())
         per = max(block, _MAPPED_PART // block * block)

@@ -1,10 +1,7 @@
 """``convert`` and ``reshard``: any supported format to any other, streamed under a memory budget.
 
-Options are checked, and the source and destination refused when they overlap however spelled,
-before anything is opened; the source is opened before the destination is touched, and the
-destination is cleared (``overwrite``) commit file first (docs/cli.md, "Threat model"). Which
-extra files an hf export gets is the caller's convention (docs/cli.md, "The Hugging Face export").
-"""
+Options and overlapping locations are refused before anything is opened, and the source is opened
+before the destination is touched (docs/cli.md, "Threat model")."""
 
 from __future__ import annotations
 
@@ -23,18 +20,10 @@ from ftsdp.storage.io._fs import Store, is_plain_name
 from ftsdp.storage.io._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, TensorInfo, chunk_bytes
 
 # First components of names that hold optimizer state (dropped by ``model_only``).
-OPTIMIZER_ROOTS = frozenset(
-    [
-        "optim",
-        "optimizer",
-        "optimizers",
-        "opt",
-        "optim_state",
-        "optimizer_state",
-        "optim_state_dict",
-        "optimizer_state_dict",
-    ]
-)
+OPTIMIZER_ROOTS = frozenset((
+    "optim", "optimizer", "optimizers", "opt",
+    "optim_state", "optimizer_state", "optim_state_dict", "optimizer_state_dict",
+))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,9 +48,8 @@ def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) 
     if a.contains(b) and b.contains(a):
         raise ValueError(f"source and destination are the same location ({src}); write elsewhere")
     if a.contains(b) or b.contains(a):
-        inner, outer = f"destination {dst}", f"source {src}"
-        if b.contains(a):
-            inner, outer = outer, inner
+        pair = (f"destination {dst}", f"source {src}")
+        inner, outer = pair if a.contains(b) else pair[::-1]
         raise ValueError(
             f"the {inner} lies inside the {outer} (same location underneath); write elsewhere"
         )

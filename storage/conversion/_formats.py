@@ -1,9 +1,5 @@
-"""The format table: each format's name, its source, its sink and its detector, in one place.
-
-``open_source``, ``make_sink``, ``detect_format`` and ``FORMATS`` all derive from ``_TABLE``; no
-other code chooses what to run by a format's name. The dcp row imports ``_dcp.py`` (and
-``torch.distributed.checkpoint``, slow to import) only when a DCP checkpoint is opened or written.
-"""
+"""The format table: each format's source, sink and detector; no other code chooses what to run
+by a format's name. The dcp row imports ``_dcp.py`` (and DCP) only when it is used."""
 
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ _ZIP_MAGIC = b"PK\x03\x04"  # a torch.save file is a zip file
 
 @dataclass(frozen=True)
 class Probe:
-    """What lies at a URL, as much as the detectors look at: one listing, or a file's first bytes."""
+    """What the detectors look at: a directory's listing, or a file's first bytes."""
 
     url: str
     is_file: bool
@@ -46,8 +42,7 @@ class SinkOptions:
 
 @dataclass(frozen=True)
 class Format:
-    """A row of the table: how to open a checkpoint of this format, make a destination of it,
-    and recognise it."""
+    """A row of the table: how to open, write and recognise a checkpoint of this format."""
 
     name: str
     # (store, step, chunk, trust_pickle, options)
@@ -171,10 +166,9 @@ def open_source(
     options: LoadOptions | None = None,
     trust_pickle: bool = False,
 ) -> Source:
-    """Open ``url`` as format ``fmt`` (None: detected); ``step`` applies to formats with steps
-    (ftsdp); ``chunk`` bounds what a source that reads whole items may hold at once; ``options``
-    gives the store's I/O policy and the metadata bounds. ``trust_pickle`` unpickles DCP's
-    ``.metadata`` fully (see [Note: DCP's metadata is a pickle])."""
+    """Open ``url`` as format ``fmt`` (None: detected); ``step`` for formats with steps; ``chunk``
+    bounds what a source reading whole items holds; ``options``: I/O policy and metadata bounds;
+    ``trust_pickle`` (see [Note: DCP's metadata is a pickle])."""
     f = get_format(fmt or detect_format(url, storage_options))
     if step is not None and not f.steps:
         raise ValueError(f"a step was given but {url} is a {f.name} checkpoint, which has no steps")
@@ -194,9 +188,8 @@ def make_sink(
     overwrite: bool = False,
     extra: Sequence[tuple[str, Callable]] = (),
 ) -> Sink:
-    """The writer of format ``fmt`` at ``url``; its uploads buffer at most ``chunk`` bytes;
-    ``overwrite`` lets it replace files it did not write; ``extra``: (plain name, produce) of
-    further files an hf folder receives before its commit file."""
+    """The writer of format ``fmt`` at ``url`` (uploads buffer at most ``chunk`` bytes); see
+    ``SinkOptions``."""
     store = Store(url, storage_options, IOOptions(part_bytes=chunk))
     options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
     return get_format(fmt).sink(store, options)

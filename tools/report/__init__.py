@@ -1,13 +1,5 @@
 """``ftsdp-report``: a run's metrics, fault logs and the fault suite's report as one page of
-plots (HTML or PNG); the benchmarks' JSON results as bar charts.
-
-    ftsdp-report run/metrics.jsonl [run/faults.jsonl ...] -o report.html   # or -o report.png
-    ftsdp-report --bench docs/benchmarks.json -o benchmarks.png
-
-Inputs, panels, skipped lines and exit codes (0 written; 2 bad usage or input, or matplotlib, an
-optional dependency imported only when a figure is made, missing): docs/report.md.
-``build_report`` and ``build_bench`` are the library entry points.
-"""
+plots (HTML or PNG); the benchmarks' JSON results as bar charts. docs/report.md says more."""
 
 from __future__ import annotations
 
@@ -66,9 +58,8 @@ class NothingToPlotError(ValueError):
 
 @dataclass
 class Report:
-    """A built report: the matplotlib ``figure``, its panels by name (``axes``), the fault
-    table's rows (``faults``), the restart markers, the fault suite's rows (``suite``) and the
-    input lines that were skipped (``skipped``, also summarised by :meth:`skipped_summary`)."""
+    """A built report: the ``figure``, its panels by name (``axes``), the fault table's rows, the
+    restart markers, the fault suite's rows (``suite``) and the input lines ``skipped``."""
 
     figure: Any
     axes: dict[str, Any]
@@ -91,8 +82,7 @@ class Report:
         return buf.getvalue()
 
     def html(self) -> str:
-        """One self-contained HTML page: the figure (an embedded PNG), the fault table, the
-        fault suite's rows and the skipped lines, all as text."""
+        """One self-contained HTML page: the figure (an embedded PNG) and the tables as text."""
         png = base64.b64encode(self.png()).decode("ascii")
         esc = html.escape
         parts = [
@@ -160,10 +150,9 @@ def build_report(
 ) -> Report:
     """Read the JSONL files at ``paths`` and build the report's figure.
 
-    Lines that cannot be used are skipped and listed in ``Report.skipped`` (and, with
-    ``warn_skipped``, logged as one WARNING of this module's logger). Raises OSError for a file
-    that cannot be read, :class:`NothingToPlotError` when no file holds a usable record, and
-    :class:`MissingExtraError` when matplotlib is not installed."""
+    Unusable lines are listed in ``Report.skipped`` (with ``warn_skipped``, also logged as one
+    WARNING). Raises OSError for an unreadable file, :class:`NothingToPlotError` when no file holds
+    a usable record, :class:`MissingExtraError` without matplotlib."""
     names = [os.fspath(p) for p in paths]
     if not names:
         raise NothingToPlotError("no input files: give one or more metrics JSONL files")
