@@ -126,11 +126,9 @@ def select(
 ) -> tuple[list[OutTensor], dict[str, Any]]:
     """Output tensors (renamed, cast) and values for a source; ValueError when names collide.
 
-    ``model_only`` keeps the names under ``model.`` when there are any, otherwise drops names
-    whose first component is an optimizer root (``optim``, ``optimizer``, ...), and drops all
-    non-tensor values. ``rename`` maps prefixes (first match wins); ``strip_prefix`` removes that
-    prefix from the names no ``rename`` rule matched (a last rule ``strip_prefix=``). The source
-    tensors named in ``exclude`` are left out.
+    ``model_only`` keeps the names under ``model.`` when there are any, else drops those under an
+    ``OPTIMIZER_ROOTS`` name, and drops all values. ``rename`` maps prefixes (first match wins), then
+    ``strip_prefix`` is stripped; the tensors named in ``exclude`` are left out.
     """
     exclude = frozenset(exclude)
     rules = [*rename, (strip_prefix, "")] if strip_prefix else list(rename)
@@ -189,20 +187,15 @@ def convert(
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` (format detected unless ``src_format``) to ``to`` at ``dst``.
 
-    Formats: ``ftsdp``, ``hf``, ``torch``, ``dcp``. ``step`` picks an ftsdp source step (newest by
-    default); ``dst_step`` the step written to an ftsdp destination (default: the source's, else
-    0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp destination out for that
-    many ranks; ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``,
-    ``strip_prefix`` and ``exclude`` select and rename tensors (see ``select``). Memory in flight
-    stays within ``max_memory``; ``progress(done, total)`` is called with bytes read.
-    ``trust_pickle`` unpickles a DCP source's ``.metadata`` fully: only for checkpoints you trust.
-    Into an hf folder only: ``extra_files`` (plain name -> bytes) are written as given, and the
-    plain names ``copy_files`` found in the directory URL ``copy_files_from`` are copied, both
-    before the commit file (``ConvertResult.extra`` names them). docs/cli.md says more.
+    ``step`` picks an ftsdp source step (newest by default), ``dst_step`` the step written (default:
+    the source's, else 0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp output out;
+    ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``, ``strip_prefix`` and
+    ``exclude``: see ``select``. ``progress(done, total)`` is told the bytes read; ``trust_pickle``:
+    see ``open_source``. Into an hf folder only, before its commit file: ``extra_files`` (plain
+    name -> bytes), and the ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).
 
-    Raises ``FileExistsError`` when ``dst`` already holds a checkpoint unless ``overwrite`` (which
-    removes only that checkpoint), and ``ValueError`` for invalid options or overlapping
-    ``src`` and ``dst``.
+    Raises ``FileExistsError`` when ``dst`` holds a checkpoint unless ``overwrite`` (which removes
+    only that checkpoint), ``ValueError`` for invalid options or overlapping locations.
     """
     extra_files = dict(extra_files or {})
     get_format(to)  # ValueError for an unknown format
@@ -243,8 +236,7 @@ def convert(
                     f"{dst} already holds a {to} checkpoint; pass overwrite (--overwrite) to replace it"
                 )
             sink.clear()
-        total = sum(source.tensors[o.source_name].nbytes for o in outputs)
-        meter = Meter(total, progress)
+        meter = Meter(sum(source.tensors[o.source_name].nbytes for o in outputs), progress)
         feed = Feed(source, outputs, chunk, meter)
         if hasattr(source, "order"):  # sources that read whole items prefetch in write order
             source.order = sorted(o.source_name for o in outputs)
@@ -273,12 +265,8 @@ def reshard(
     step: int | None = None,
     **kwargs: Any,
 ) -> ConvertResult:
-    """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline.
-
-    Each tensor is split into ``world_size`` even flat ranges, rank ``r`` writing range ``r`` (as a
-    sharded save at that world size would); per-rank values are kept for ranks that exist in both.
-    Other keyword arguments are those of ``convert``.
-    """
+    """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline,
+    each tensor split into even flat ranges as a sharded save would (other arguments: ``convert``)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     return convert(src, dst, to="ftsdp", step=step, world_size=world_size, **kwargs)
