@@ -192,14 +192,13 @@ def _verify_step(
         url = store.where(f"{step_dir(step)}/{name}")
         if name not in listing:
             problems.append(f"step {step}: object {url} is missing")
-            bad_objects.add(name)
         elif listing[name][1] != size:
             problems.append(
                 f"step {step}: object {url} has {listing[name][1]} bytes, the manifest lists {size}"
             )
-            bad_objects.add(name)
-        elif not _check_header(store, step, name, by_object[name], problems):
-            bad_objects.add(name)
+        elif _check_header(store, step, name, by_object[name], problems):
+            continue
+        bad_objects.add(name)
     # Parts are checked on threads (the checksum releases the GIL): a local object on its mapped
     # pages, a thread per CPU; a remote one read into a buffer per thread, ``chunk`` in flight.
     if store.local:
@@ -221,10 +220,9 @@ def _verify_step(
     def part_bytes(rel: str, start: int, end: int) -> memoryview:
         if store.local:
             return store.map_range(rel, start, end).data
-        buf = getattr(buffers, "buf", None)
-        if buf is None:
-            buf = buffers.buf = bytearray(per)
-        mv = memoryview(buf)[: end - start]
+        if not hasattr(buffers, "buf"):
+            buffers.buf = bytearray(per)
+        mv = memoryview(buffers.buf)[: end - start]
         store.read_into(rel, start, mv)
         return mv
 

@@ -3,8 +3,10 @@ by a format's name. The dcp row imports ``_dcp.py`` (and DCP) only when it is us
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError
 from ftsdp.storage._options import IOOptions, LoadOptions
@@ -52,18 +54,9 @@ class Format:
     steps: bool = False  # a checkpoint holds several steps (``step`` picks one)
 
 
-def _open_dcp(
-    store: Store, step: int | None, chunk: int, trust_pickle: bool, options: LoadOptions
-) -> Source:
-    from ftsdp.storage.conversion._dcp import DcpSource
-
-    return DcpSource(store, chunk, trust_pickle)
-
-
-def _dcp_sink(store: Store, options: SinkOptions) -> Sink:
-    from ftsdp.storage.conversion._dcp import DcpSink
-
-    return DcpSink(store, options.overwrite)
+def _dcp() -> ModuleType:
+    """``_dcp.py``, imported when first used."""
+    return importlib.import_module("ftsdp.storage.conversion._dcp")
 
 
 def _is_ftsdp_root(p: Probe) -> bool:
@@ -99,8 +92,8 @@ _TABLE = {
         ),
         Format(
             "dcp",
-            open=_open_dcp,
-            sink=_dcp_sink,
+            open=lambda store, step, chunk, trust, options: _dcp().DcpSource(store, chunk, trust),
+            sink=lambda store, o: _dcp().DcpSink(store, o.overwrite),
             detect=lambda p: not p.is_file and DCP_METADATA in p.names,
         ),
     )

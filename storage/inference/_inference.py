@@ -58,6 +58,11 @@ def _target_dtype(dtype: torch.dtype | None, current: torch.dtype) -> tuple[torc
     return current, False
 
 
+def _empty(info: TensorInfo, dtype: torch.dtype | None, device: str | torch.device) -> torch.Tensor:
+    """A new tensor for ``info`` on ``device``, cast only to a ``dtype`` of its kind."""
+    return torch.empty(info.shape, dtype=_target_dtype(dtype, info.dtype)[0], device=device)
+
+
 def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bool]]) -> None:
     """StateMismatchError for the ``(name, saved, target, explicit)`` casts refused."""
     refused = [(n, s, t) for n, s, t, explicit in casts if not explicit and not _cast_ok(s, t)]
@@ -167,11 +172,7 @@ def load_state_dict(
         if unknown:
             where = f"step {source.step} at {url}" if source.step is not None else url
             raise KeyError(f"{where} has no tensor(s) {unknown}")
-        out: dict[str, torch.Tensor] = {}
-        for n in names:  # only ``dtype`` casts: nothing the cast rule refuses
-            info = source.tensors[n]
-            cast = _target_dtype(dtype, info.dtype)[0]
-            out[n] = torch.empty(info.shape, dtype=cast, device=device)
+        out = {n: _empty(source.tensors[n], dtype, device) for n in names}
         fill(source, list(out.items()))
         return out
 
@@ -223,13 +224,11 @@ def load_into(
             groups.setdefault(id(t), []).append(key)
             tensors[id(t)] = t
         saved = {n[len(prefix) :] for n in source.tensors if n.startswith(prefix)}
-        known = {k for keys in groups.values() for k in keys}
         missing = sorted(
             k for keys in groups.values() if not saved.intersection(keys) for k in keys
         )
-        unexpected = sorted(saved - known)
-        plan: list[tuple[int, str]] = []
-        casts: list[tuple[str, torch.dtype, torch.dtype, bool]] = []
+        unexpected = sorted(saved - {k for keys in groups.values() for k in keys})
+        plan: list[tuple[int, str, torch.dtype, torch.dtype, bool]] = []  # tid, name, the cast
         bad = []
         for tid, keys in groups.items():
             hit = next((k for k in keys if k in saved), None)
@@ -238,24 +237,22 @@ def load_into(
             info: TensorInfo = source.tensors[prefix + hit]
             if tuple(info.shape) != tuple(tensors[tid].shape):
                 bad.append(f"{hit} (saved {list(info.shape)}, module {list(tensors[tid].shape)})")
-            plan.append((tid, hit))
             want_dtype, explicit = _target_dtype(dtype, tensors[tid].dtype)
-            casts.append((prefix + hit, info.dtype, want_dtype, explicit))
+            plan.append((tid, prefix + hit, info.dtype, want_dtype, explicit))
         if bad or (strict and (missing or unexpected)):
             raise StateMismatchError(
                 f"checkpoint {url} (prefix {prefix!r}) does not match the module: missing={missing} "
                 f"unexpected={unexpected} shape mismatches={bad}"
                 + ("" if bad else " (strict=False loads the rest and reports these)")
             )
-        _check_casts(f"checkpoint {url} (prefix {prefix!r})", casts)
+        _check_casts(f"checkpoint {url} (prefix {prefix!r})", [p[1:] for p in plan])
         # Phase one reads and verifies; nothing of the module is written.
         reads: list[tuple[str, torch.Tensor | None]] = []  # new tensors: the result
         replace: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
         in_place: list[tuple[str, torch.Tensor, torch.dtype]] = []  # (name, tensor, staging dtype)
-        for (tid, _), (name, saved_dtype, want_dtype, _) in zip(plan, casts, strict=True):
+        for tid, name, saved_dtype, want_dtype, _ in plan:
             old = tensors[tid]
-            default = "cpu" if old.is_meta else old.device
-            want_device = torch.device(device if device is not None else default)
+            want_device = torch.device(device or ("cpu" if old.is_meta else old.device))
             if (
                 old.is_meta
                 or old.device != want_device
@@ -354,9 +351,7 @@ class LazyStateDict(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._cache:
             return self._cache[name]
-        info = self._source.tensors[name]  # KeyError for unknown names
-        cast = _target_dtype(self.dtype, info.dtype)[0]  # only ``dtype`` casts
-        t = torch.empty(info.shape, dtype=cast, device=self.device)
+        t = _empty(self._source.tensors[name], self.dtype, self.device)  # KeyError: unknown name
         fill(self._source, [(name, t)])
         if self.cache:
             self._cache[name] = t

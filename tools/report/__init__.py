@@ -102,8 +102,7 @@ class Report:
             parts.append(f"<h2>Faults ({len(self.faults)})</h2>")
             if self.faults:
                 header, cells = fault_columns(self.faults, len(self.runs) > 1)
-                parts.append(f"<p>{esc(fault_origin(self.faults))}</p>")
-                parts.append(_table(header, cells))
+                parts += [f"<p>{esc(fault_origin(self.faults))}</p>", _table(header, cells)]
             else:
                 parts.append("<p>None: every incarnation ended with <code>done</code>.</p>")
         if self.suite:
@@ -111,9 +110,8 @@ class Report:
             parts.append("<h2>Fault suite</h2>")
             parts.append(_table(keys, [[cell(r.get(k)) for k in keys] for r in self.suite]))
         if self.skipped:
-            parts.append(f"<h2>Skipped lines ({len(self.skipped)})</h2><ul>")
-            parts += [f"<li>{esc(line)}</li>" for line in self.skipped_summary().splitlines()]
-            parts.append("</ul>")
+            items = [f"<li>{esc(line)}</li>" for line in self.skipped_summary().splitlines()]
+            parts += [f"<h2>Skipped lines ({len(self.skipped)})</h2><ul>", *items, "</ul>"]
         parts.append("</body></html>")
         return "\n".join(parts) + "\n"
 
@@ -254,7 +252,6 @@ def main(
         where = f" {e.filename}" if e.filename else ""
         err.write(f"{PROG}: error:{where}: {e.strerror or e}\n")
         return EXIT_USAGE
-    size = os.path.getsize(args.output)
     parts = []
     if report.runs:
         parts.append(f"{len(report.runs)} run{'s' if len(report.runs) > 1 else ''}")
@@ -262,5 +259,5 @@ def main(
     if report.suite:
         parts.append(f"{len(report.suite)} fault-suite scenarios")
     what = "benchmark charts" if args.bench else ", ".join(parts)
-    out.write(f"wrote {args.output} ({size / 1e3:.0f} kB; {what})\n")
+    out.write(f"wrote {args.output} ({os.path.getsize(args.output) / 1e3:.0f} kB; {what})\n")
     return EXIT_OK
