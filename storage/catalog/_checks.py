@@ -330,9 +330,7 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))
     if bool(same.all()):
         return 0, 0.0
-    d = (a64 - b64).abs()
-    d = torch.where(same, torch.zeros_like(d), d)
-    d = torch.nan_to_num(d, nan=float("inf"))
+    d = torch.where(same, 0.0, (a64 - b64).abs()).nan_to_num(nan=float("inf"))
     return int((~same).sum()), float(d.max())
 
 
