@@ -127,8 +127,8 @@ def select(
     """Output tensors (renamed, cast) and values for a source; ValueError when names collide.
 
     ``model_only`` keeps the names under ``model.`` when there are any, else drops those under an
-    ``OPTIMIZER_ROOTS`` name, and drops all values. ``rename`` maps prefixes (first match wins), then
-    ``strip_prefix`` is stripped; the tensors named in ``exclude`` are left out.
+    ``OPTIMIZER_ROOTS`` name, and drops all values. ``rename`` maps prefixes (first match wins),
+    then ``strip_prefix`` is stripped; the tensors named in ``exclude`` are left out.
     """
     exclude = frozenset(exclude)
     rules = [*rename, (strip_prefix, "")] if strip_prefix else list(rename)
@@ -187,12 +187,13 @@ def convert(
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` (format detected unless ``src_format``) to ``to`` at ``dst``.
 
-    ``step`` picks an ftsdp source step (newest by default), ``dst_step`` the step written (default:
-    the source's, else 0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp output out;
-    ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``, ``strip_prefix`` and
-    ``exclude``: see ``select``. ``progress(done, total)`` is told the bytes read; ``trust_pickle``:
-    see ``open_source``. Into an hf folder only, before its commit file: ``extra_files`` (plain
-    name -> bytes), and the ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).
+    ``step`` picks an ftsdp source step (newest by default), ``dst_step`` the step written
+    (default: the source's, else 0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp
+    output out; ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``, ``strip_prefix``
+    and ``exclude``: see ``select``. Memory in flight stays within ``max_memory``;
+    ``progress(done, total)`` is told the bytes read; ``trust_pickle``: see ``open_source``. Into an
+    hf folder only, before its commit file: ``extra_files`` (plain name -> bytes), and the
+    ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).
 
     Raises ``FileExistsError`` when ``dst`` holds a checkpoint unless ``overwrite`` (which removes
     only that checkpoint), ``ValueError`` for invalid options or overlapping locations.

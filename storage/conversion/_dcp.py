@@ -61,8 +61,7 @@ class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
 
 class DcpSource(Source):
-    """A DCP checkpoint directory (any world size, any chunking); ``trust_pickle``: see [Note:
-    DCP's metadata is a pickle]."""
+    """A DCP checkpoint directory of any world size and chunking."""
 
     format = "dcp"
 
@@ -278,8 +277,7 @@ def write_dcp(
 
 
 class DcpSink(Sink):
-    """A ``torch.distributed.checkpoint`` directory (see [Note: a sink deletes only what it
-    wrote])."""
+    """A DCP checkpoint directory (see [Note: a sink deletes only what it wrote])."""
 
     def __init__(self, store: Store, overwrite: bool = False) -> None:
         super().__init__(store)

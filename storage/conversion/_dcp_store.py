@@ -189,14 +189,13 @@ def check_metadata(metadata: Any, where: str) -> None:
 
 
 def open_item(store: Store, info: _StorageInfo) -> IO[bytes]:
-    """The bytes of one saved item (its ``storage_data`` entry, a plain file name: see
-    ``check_metadata``) as a seekable file (typeshed counts no ``io.RawIOBase`` as ``IO[bytes]``)."""
+    """One saved item's bytes (its ``storage_data`` entry, checked by ``check_metadata``) as a
+    seekable file (cast: typeshed counts no ``io.RawIOBase`` as ``IO[bytes]``)."""
     return cast(IO[bytes], store.open(info.relative_path, info.offset, info.offset + info.length))
 
 
 def read_metadata(store: Store, trust_pickle: bool = False) -> Metadata:
-    """The checked ``.metadata`` of the DCP checkpoint at the store's root (FileNotFoundError
-    when absent)."""
+    """The checked ``.metadata`` at the store's root (FileNotFoundError when absent)."""
     return unpickle_metadata(
         store.read_bounded(DCP_METADATA, MAX_MANIFEST_BYTES),
         store.where(DCP_METADATA),

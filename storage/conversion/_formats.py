@@ -181,8 +181,7 @@ def make_sink(
     overwrite: bool = False,
     extra: Sequence[tuple[str, Callable]] = (),
 ) -> Sink:
-    """The writer of format ``fmt`` at ``url`` (uploads buffer at most ``chunk`` bytes); see
-    ``SinkOptions``."""
+    """The writer of format ``fmt`` at ``url``, its uploads buffering ``chunk`` bytes."""
     store = Store(url, storage_options, IOOptions(part_bytes=chunk))
     options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
     return get_format(fmt).sink(store, options)

@@ -17,7 +17,7 @@ from ftsdp.storage.io._streaming import Meter, Request, TensorInfo, group_reques
 
 
 class Source(abc.ABC):
-    """A checkpoint opened for reading: its tensors and values, known without reading tensor data."""
+    """A checkpoint opened for reading: its tensors and values, known without reading data."""
 
     format: str = ""
 

@@ -129,8 +129,7 @@ DCP_ITEM = re.compile(r"__\d+_\d+\.distcp")  # what our DCP writer names its fil
 
 
 class Pending:
-    """The record of a folder sink's write in progress (see the note); ``scheme`` matches the
-    names the sink writes, the only ones taken from it."""
+    """A folder sink's record of its write in progress; only names ``scheme`` matches count."""
 
     def __init__(self, store: Store, scheme: re.Pattern) -> None:
         self.store, self.scheme = store, scheme

@@ -305,8 +305,7 @@ def fault_rows(run: Run) -> list[FaultRow]:
 def _first_new_step(
     run: Run, nxt: Incarnation, resume: dict[str, Any] | None, end: float
 ) -> dict[str, Any] | None:
-    """The earliest record showing ``nxt`` completed a step past the one it resumed from (a fault
-    fires after its step completed)."""
+    """The earliest record showing ``nxt`` completed a step past the one it resumed from."""
     after = resume["time"] if resume is not None else nxt.t0
     base = int(resume["step"]) if resume is not None else 0
     seen = [
