@@ -104,7 +104,7 @@ class _Scratch:
 
     def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """``n`` elements of ``dtype``: from the buffer while it has room, else fresh."""
-        size = torch.empty(0, dtype=dtype).element_size()
+        size = itemsize(dtype)
         start = -(-self.pos // 16) * 16  # aligned for any dtype
         if start + n * size > self.nbytes:
             return torch.empty(n, dtype=dtype)
