@@ -1,9 +1,5 @@
-"""Looking at checkpoints without loading them: ``inspect_checkpoint``, ``verify``, ``diff``.
-
-All three stream (see [Note: the memory budget] in ``storage/io/_streaming.py``), and take
-``trust_pickle`` (DCP's ``.metadata`` unpickled fully; see ``open_source``). ``verify`` reports
-every problem it finds instead of stopping at the first; the others raise like the loaders.
-"""
+"""Looking at checkpoints without loading them, streaming: ``inspect_checkpoint``, ``verify``
+(every problem found, not only the first), ``diff``."""
 
 from __future__ import annotations
 
@@ -196,17 +192,15 @@ def _verify_step(
         url = store.where(f"{step_dir(step)}/{name}")
         if name not in listing:
             problems.append(f"step {step}: object {url} is missing")
-            bad_objects.add(name)
         elif listing[name][1] != size:
             problems.append(
                 f"step {step}: object {url} has {listing[name][1]} bytes, the manifest lists {size}"
             )
-            bad_objects.add(name)
-        elif not _check_header(store, step, name, by_object[name], problems):
-            bad_objects.add(name)
-    # Parts are checked on threads (the checksum releases the GIL), results taken in order: a
-    # local object on its mapped pages, one thread per CPU; a remote one read into a buffer per
-    # thread, at most ``chunk`` bytes in flight.
+        elif _check_header(store, step, name, by_object[name], problems):
+            continue
+        bad_objects.add(name)
+    # Parts are checked on threads (the checksum releases the GIL): a local object on its mapped
+    # pages, a thread per CPU; a remote one read into a buffer per thread, ``chunk`` in flight.
     if store.local:
         threads = min(store.io.threads, _cpus())
         per = max(block, _MAPPED_PART // block * block)
@@ -226,10 +220,9 @@ def _verify_step(
     def part_bytes(rel: str, start: int, end: int) -> memoryview:
         if store.local:
             return store.map_range(rel, start, end).data
-        buf = getattr(buffers, "buf", None)
-        if buf is None:
-            buf = buffers.buf = bytearray(per)
-        mv = memoryview(buf)[: end - start]
+        if not hasattr(buffers, "buf"):
+            buffers.buf = bytearray(per)
+        mv = memoryview(buffers.buf)[: end - start]
         store.read_into(rel, start, mv)
         return mv
 
@@ -337,9 +330,7 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))
     if bool(same.all()):
         return 0, 0.0
-    d = (a64 - b64).abs()
-    d = torch.where(same, torch.zeros_like(d), d)
-    d = torch.nan_to_num(d, nan=float("inf"))
+    d = torch.where(same, 0.0, (a64 - b64).abs()).nan_to_num(nan=float("inf"))
     return int((~same).sum()), float(d.max())
 
 

@@ -1,8 +1,5 @@
-"""``collect_garbage``: what retention and torn attempts leave behind, removed or only listed.
-
-It deletes exactly what retention would (``plan_retention``, [Note: deleting only what is ours] in
-``storage/format/_steps.py``) and reports what it leaves alone.
-"""
+"""``collect_garbage``: exactly what retention would delete (``plan_retention``, [Note: deleting
+only what is ours]) and torn attempts, removed or only listed."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """``convert`` and ``reshard``: any supported format to any other, streamed under a memory budget.
 
-Options are checked, and the source and destination refused when they overlap however spelled,
-before anything is opened; the source is opened before the destination is touched, and the
-destination is cleared (``overwrite``) commit file first (docs/cli.md, "Threat model"). Which
-extra files an hf export gets is the caller's convention (docs/cli.md, "The Hugging Face export").
-"""
+Options and overlapping locations are refused before anything is opened, and the source is opened
+before the destination is touched (docs/cli.md, "Threat model")."""
 
 from __future__ import annotations
 
@@ -23,18 +20,10 @@ from ftsdp.storage.io._fs import Store, is_plain_name
 from ftsdp.storage.io._streaming import DEFAULT_MAX_MEMORY, Meter, Progress, TensorInfo, chunk_bytes
 
 # First components of names that hold optimizer state (dropped by ``model_only``).
-OPTIMIZER_ROOTS = frozenset(
-    [
-        "optim",
-        "optimizer",
-        "optimizers",
-        "opt",
-        "optim_state",
-        "optimizer_state",
-        "optim_state_dict",
-        "optimizer_state_dict",
-    ]
-)
+OPTIMIZER_ROOTS = frozenset((
+    "optim", "optimizer", "optimizers", "opt",
+    "optim_state", "optimizer_state", "optim_state_dict", "optimizer_state_dict",
+))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,9 +48,8 @@ def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) 
     if a.contains(b) and b.contains(a):
         raise ValueError(f"source and destination are the same location ({src}); write elsewhere")
     if a.contains(b) or b.contains(a):
-        inner, outer = f"destination {dst}", f"source {src}"
-        if b.contains(a):
-            inner, outer = outer, inner
+        pair = (f"destination {dst}", f"source {src}")
+        inner, outer = pair if a.contains(b) else pair[::-1]
         raise ValueError(
             f"the {inner} lies inside the {outer} (same location underneath); write elsewhere"
         )
@@ -138,11 +126,9 @@ def select(
 ) -> tuple[list[OutTensor], dict[str, Any]]:
     """Output tensors (renamed, cast) and values for a source; ValueError when names collide.
 
-    ``model_only`` keeps the names under ``model.`` when there are any, otherwise drops names
-    whose first component is an optimizer root (``optim``, ``optimizer``, ...), and drops all
-    non-tensor values. ``rename`` maps prefixes (first match wins); ``strip_prefix`` removes that
-    prefix from the names no ``rename`` rule matched (a last rule ``strip_prefix=``). The source
-    tensors named in ``exclude`` are left out.
+    ``model_only`` keeps the names under ``model.`` when there are any, else drops those under an
+    ``OPTIMIZER_ROOTS`` name, and drops all values. ``rename`` maps prefixes (first match wins),
+    then ``strip_prefix`` is stripped; the tensors named in ``exclude`` are left out.
     """
     exclude = frozenset(exclude)
     rules = [*rename, (strip_prefix, "")] if strip_prefix else list(rename)
@@ -201,20 +187,16 @@ def convert(
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` (format detected unless ``src_format``) to ``to`` at ``dst``.
 
-    Formats: ``ftsdp``, ``hf``, ``torch``, ``dcp``. ``step`` picks an ftsdp source step (newest by
-    default); ``dst_step`` the step written to an ftsdp destination (default: the source's, else
-    0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp destination out for that
-    many ranks; ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``,
-    ``strip_prefix`` and ``exclude`` select and rename tensors (see ``select``). Memory in flight
-    stays within ``max_memory``; ``progress(done, total)`` is called with bytes read.
-    ``trust_pickle`` unpickles a DCP source's ``.metadata`` fully: only for checkpoints you trust.
-    Into an hf folder only: ``extra_files`` (plain name -> bytes) are written as given, and the
-    plain names ``copy_files`` found in the directory URL ``copy_files_from`` are copied, both
-    before the commit file (``ConvertResult.extra`` names them). docs/cli.md says more.
+    ``step`` picks an ftsdp source step (newest by default), ``dst_step`` the step written
+    (default: the source's, else 0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp
+    output out; ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``, ``strip_prefix``
+    and ``exclude``: see ``select``. Memory in flight stays within ``max_memory``;
+    ``progress(done, total)`` is told the bytes read; ``trust_pickle``: see ``open_source``. Into an
+    hf folder only, before its commit file: ``extra_files`` (plain name -> bytes), and the
+    ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).
 
-    Raises ``FileExistsError`` when ``dst`` already holds a checkpoint unless ``overwrite`` (which
-    removes only that checkpoint), and ``ValueError`` for invalid options or overlapping
-    ``src`` and ``dst``.
+    Raises ``FileExistsError`` when ``dst`` holds a checkpoint unless ``overwrite`` (which removes
+    only that checkpoint), ``ValueError`` for invalid options or overlapping locations.
     """
     extra_files = dict(extra_files or {})
     get_format(to)  # ValueError for an unknown format
@@ -255,8 +237,7 @@ def convert(
                     f"{dst} already holds a {to} checkpoint; pass overwrite (--overwrite) to replace it"
                 )
             sink.clear()
-        total = sum(source.tensors[o.source_name].nbytes for o in outputs)
-        meter = Meter(total, progress)
+        meter = Meter(sum(source.tensors[o.source_name].nbytes for o in outputs), progress)
         feed = Feed(source, outputs, chunk, meter)
         if hasattr(source, "order"):  # sources that read whole items prefetch in write order
             source.order = sorted(o.source_name for o in outputs)
@@ -285,12 +266,8 @@ def reshard(
     step: int | None = None,
     **kwargs: Any,
 ) -> ConvertResult:
-    """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline.
-
-    Each tensor is split into ``world_size`` even flat ranges, rank ``r`` writing range ``r`` (as a
-    sharded save at that world size would); per-rank values are kept for ranks that exist in both.
-    Other keyword arguments are those of ``convert``.
-    """
+    """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline,
+    each tensor split into even flat ranges as a sharded save would (other arguments: ``convert``)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     return convert(src, dst, to="ftsdp", step=step, world_size=world_size, **kwargs)

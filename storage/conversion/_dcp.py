@@ -1,15 +1,11 @@
-"""``torch.distributed.checkpoint`` (DCP) directories as a source and a destination.
-
-Both directions run in one process without a process group (``no_dist=True``), every file through
-the ``Store`` (``_dcp_store.py``, where [Note: DCP's metadata is a pickle] is). Non-tensor items
-are loaded with ``weights_only=True``; one that needs more is dropped and named.
+"""``torch.distributed.checkpoint`` (DCP) directories as a source and a destination, in one
+process (``no_dist=True``), every file through the ``Store`` (``_dcp_store.py``).
 
 [Note: streaming DCP]
-Reading: a tensor whose saved chunks are all row blocks stored as plain ``torch.save`` items (what
-FSDP2, ``Shard(0)`` and our writer produce) is read as flat ranges at the items' data offsets;
-any other is read whole through ``dcp.load`` (a few tensors within the chunk) and served from that
-cache (docs/cli.md, "Memory"). Writing: a planner lists each tensor as row blocks of at most the
-chunk and resolves each only when the writer asks for it, one file per item.
+Reading: a tensor saved as row blocks in plain ``torch.save`` items (FSDP2, ``Shard(0)``, our
+writer) is read as flat ranges at the items' data offsets; any other is read whole through
+``dcp.load``, a few tensors within the chunk at a time (docs/cli.md, "Memory"). Writing: each
+tensor is planned as row blocks of at most the chunk, each resolved when the writer asks for it.
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
 
 class DcpSource(Source):
-    """A DCP checkpoint directory (any world size, any chunking). ``trust_pickle`` unpickles its
-    ``.metadata`` fully (see [Note: DCP's metadata is a pickle])."""
+    """A DCP checkpoint directory of any world size and chunking."""
 
     format = "dcp"
 
@@ -269,9 +264,8 @@ def write_dcp(
     chunk: int,
     claim: Callable[[list[str]], None] | None = None,
 ) -> None:
-    """Write a DCP checkpoint at the store's root; ``block(info, offset, length)`` gives flat
-    elements; ``claim(names)`` is told the item files before the first is written. ``.metadata``
-    is written last (DCP's commit), so an interrupted write never looks complete."""
+    """Write a DCP checkpoint at the store's root, ``.metadata`` last; ``block(info, offset,
+    length)`` gives flat elements; ``claim(names)`` is told the item files before the first."""
     planner = _StreamingSavePlanner(tensors, values, block, chunk)
     writer = StoreWriter(store, claim)
     try:
@@ -283,8 +277,7 @@ def write_dcp(
 
 
 class DcpSink(Sink):
-    """A ``torch.distributed.checkpoint`` directory (see [Note: a sink deletes only what it
-    wrote] in ``_sinks.py``)."""
+    """A DCP checkpoint directory (see [Note: a sink deletes only what it wrote])."""
 
     def __init__(self, store: Store, overwrite: bool = False) -> None:
         super().__init__(store)

@@ -1,14 +1,10 @@
-"""DCP's storage layer over a ``Store``: DCP reads and writes its files through ours (retries,
-atomic writes). The files are what torch's writer writes with ``single_file_per_rank=False``
-(one ``torch.save`` file per item, ``__<rank>_<n>.distcp``, then a pickled ``.metadata``), so
-torch's readers read ours and ours read torch's.
+"""DCP's storage layer over a ``Store``, writing the files torch's writer writes with
+``single_file_per_rank=False`` (``__<rank>_<n>.distcp`` per item, then ``.metadata``).
 
 [Note: DCP's metadata is a pickle]
-A plain ``pickle.load`` of ``.metadata`` (what torch does) runs whatever code the file names. It
-is unpickled only in ``unpickle_metadata``, by a restricted unpickler that admits what
-``_admitted`` lists (constructing those only stores values) and refuses anything else with
-``UnsafeCheckpointError`` before it is called; ``trust_pickle=True`` unpickles fully. Either way
-``check_metadata`` then checks the result (docs/cli.md, "Threat model").
+``.metadata`` is unpickled only in ``unpickle_metadata``, admitting only what ``_admitted`` lists
+(``UnsafeCheckpointError`` for anything else, before it is called) unless ``trust_pickle``; then
+``check_metadata`` checks it (docs/cli.md, "Threat model").
 """
 
 from __future__ import annotations
@@ -119,10 +115,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def unpickle_metadata(
     data: bytes, where: str = ".metadata", trust_pickle: bool = False
 ) -> Metadata:
-    """DCP's ``.metadata`` from its bytes, unpickled by the restricted unpickler (everything when
-    ``trust_pickle``) and checked (see [Note: DCP's metadata is a pickle]). ``where`` names the
-    file in errors: ``UnsafeCheckpointError`` for what is refused, ``CorruptCheckpointError`` for
-    anything else wrong."""
+    """DCP's checked ``.metadata`` from its bytes (see the note); ``where`` names the file in
+    errors: ``UnsafeCheckpointError`` for what is refused, ``CorruptCheckpointError`` else."""
     try:
         metadata = _MetadataUnpickler(data, where, trust_pickle).load()
     except CheckpointError:
@@ -195,20 +189,13 @@ def check_metadata(metadata: Any, where: str) -> None:
 
 
 def open_item(store: Store, info: _StorageInfo) -> IO[bytes]:
-    """The bytes of one saved item (its ``storage_data`` entry) as a seekable file; the entry's
-    file must be a plain name in the checkpoint's folder. Typed as the file torch's readers take:
-    typeshed counts no ``io.RawIOBase`` as an ``IO[bytes]``, and torch only reads and seeks."""
-    if not is_plain_name(info.relative_path):
-        raise CorruptCheckpointError(
-            f"DCP checkpoint {store.url}: item file {info.relative_path!r} is not a plain file "
-            "name in the checkpoint's folder"
-        )
+    """One saved item's bytes (its ``storage_data`` entry, checked by ``check_metadata``) as a
+    seekable file (cast: typeshed counts no ``io.RawIOBase`` as ``IO[bytes]``)."""
     return cast(IO[bytes], store.open(info.relative_path, info.offset, info.offset + info.length))
 
 
 def read_metadata(store: Store, trust_pickle: bool = False) -> Metadata:
-    """The checked ``.metadata`` of the DCP checkpoint at the store's root (FileNotFoundError
-    when absent)."""
+    """The checked ``.metadata`` at the store's root (FileNotFoundError when absent)."""
     return unpickle_metadata(
         store.read_bounded(DCP_METADATA, MAX_MANIFEST_BYTES),
         store.where(DCP_METADATA),
@@ -239,8 +226,7 @@ class _OnStore:
 
 
 class StoreReader(_OnStore, StorageReader):
-    """Reads a DCP checkpoint at the store's root: ``.metadata`` whole, each item as a byte range
-    (a seekable view ``torch.load`` reads from; a large tensor's bytes go straight into it)."""
+    """Reads a DCP checkpoint at the store's root, each item as a seekable byte range."""
 
     def __init__(
         self, store: Store, metadata: Metadata | None = None, trust_pickle: bool = False
@@ -266,8 +252,6 @@ class StoreReader(_OnStore, StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        if metadata.storage_data is None:
-            raise ValueError(f"DCP checkpoint {self.store.url}: .metadata has no storage_data")
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -306,9 +290,8 @@ class StoreReader(_OnStore, StorageReader):
 
 
 class StoreWriter(_OnStore, StorageWriter):
-    """Writes a DCP checkpoint at the store's root: one file per item, ``.metadata`` last (DCP's
-    commit), each file atomic and retried by the store. Items are resolved one at a time, so the
-    writer holds one item (see [Note: streaming DCP] in ``storage/conversion/_dcp.py``)."""
+    """Writes a DCP checkpoint at the store's root: one file per item, resolved one at a time,
+    ``.metadata`` last (see [Note: streaming DCP])."""
 
     def __init__(self, store: Store, claim: Callable[[list[str]], None] | None = None) -> None:
         super().__init__(store)

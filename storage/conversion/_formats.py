@@ -1,14 +1,12 @@
-"""The format table: each format's name, its source, its sink and its detector, in one place.
-
-``open_source``, ``make_sink``, ``detect_format`` and ``FORMATS`` all derive from ``_TABLE``; no
-other code chooses what to run by a format's name. The dcp row imports ``_dcp.py`` (and
-``torch.distributed.checkpoint``, slow to import) only when a DCP checkpoint is opened or written.
-"""
+"""The format table: each format's source, sink and detector; no other code chooses what to run
+by a format's name. The dcp row imports ``_dcp.py`` (and DCP) only when it is used."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError
 from ftsdp.storage._options import IOOptions, LoadOptions
@@ -24,7 +22,7 @@ _ZIP_MAGIC = b"PK\x03\x04"  # a torch.save file is a zip file
 
 @dataclass(frozen=True)
 class Probe:
-    """What lies at a URL, as much as the detectors look at: one listing, or a file's first bytes."""
+    """What the detectors look at: a directory's listing, or a file's first bytes."""
 
     url: str
     is_file: bool
@@ -46,8 +44,7 @@ class SinkOptions:
 
 @dataclass(frozen=True)
 class Format:
-    """A row of the table: how to open a checkpoint of this format, make a destination of it,
-    and recognise it."""
+    """A row of the table: how to open, write and recognise a checkpoint of this format."""
 
     name: str
     # (store, step, chunk, trust_pickle, options)
@@ -57,18 +54,9 @@ class Format:
     steps: bool = False  # a checkpoint holds several steps (``step`` picks one)
 
 
-def _open_dcp(
-    store: Store, step: int | None, chunk: int, trust_pickle: bool, options: LoadOptions
-) -> Source:
-    from ftsdp.storage.conversion._dcp import DcpSource
-
-    return DcpSource(store, chunk, trust_pickle)
-
-
-def _dcp_sink(store: Store, options: SinkOptions) -> Sink:
-    from ftsdp.storage.conversion._dcp import DcpSink
-
-    return DcpSink(store, options.overwrite)
+def _dcp() -> ModuleType:
+    """``_dcp.py``, imported when first used."""
+    return importlib.import_module("ftsdp.storage.conversion._dcp")
 
 
 def _is_ftsdp_root(p: Probe) -> bool:
@@ -104,8 +92,8 @@ _TABLE = {
         ),
         Format(
             "dcp",
-            open=_open_dcp,
-            sink=_dcp_sink,
+            open=lambda store, step, chunk, trust, options: _dcp().DcpSource(store, chunk, trust),
+            sink=lambda store, o: _dcp().DcpSink(store, o.overwrite),
             detect=lambda p: not p.is_file and DCP_METADATA in p.names,
         ),
     )
@@ -171,10 +159,9 @@ def open_source(
     options: LoadOptions | None = None,
     trust_pickle: bool = False,
 ) -> Source:
-    """Open ``url`` as format ``fmt`` (None: detected); ``step`` applies to formats with steps
-    (ftsdp); ``chunk`` bounds what a source that reads whole items may hold at once; ``options``
-    gives the store's I/O policy and the metadata bounds. ``trust_pickle`` unpickles DCP's
-    ``.metadata`` fully (see [Note: DCP's metadata is a pickle])."""
+    """Open ``url`` as format ``fmt`` (None: detected); ``step`` for formats with steps; ``chunk``
+    bounds what a source reading whole items holds; ``options``: I/O policy and metadata bounds;
+    ``trust_pickle`` (see [Note: DCP's metadata is a pickle])."""
     f = get_format(fmt or detect_format(url, storage_options))
     if step is not None and not f.steps:
         raise ValueError(f"a step was given but {url} is a {f.name} checkpoint, which has no steps")
@@ -194,9 +181,7 @@ def make_sink(
     overwrite: bool = False,
     extra: Sequence[tuple[str, Callable]] = (),
 ) -> Sink:
-    """The writer of format ``fmt`` at ``url``; its uploads buffer at most ``chunk`` bytes;
-    ``overwrite`` lets it replace files it did not write; ``extra``: (plain name, produce) of
-    further files an hf folder receives before its commit file."""
+    """The writer of format ``fmt`` at ``url``, its uploads buffering ``chunk`` bytes."""
     store = Store(url, storage_options, IOOptions(part_bytes=chunk))
     options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
     return get_format(fmt).sink(store, options)

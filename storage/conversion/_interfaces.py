@@ -1,9 +1,7 @@
 """What every format implements (``Source``, ``Sink``) and what streams between them (``Feed``).
 
-``storage/conversion/_formats.py`` maps each format's name to its source, sink and detector. A
-sink writes every file through the store (atomic), its commit file last, so an interrupted
-conversion never leaves a destination that looks complete (docs/cli.md, "Errors and exit codes").
-"""
+A sink writes every file atomically through the store, its commit file last (docs/cli.md, "Errors
+and exit codes")."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from ftsdp.storage.io._streaming import Meter, Request, TensorInfo, group_reques
 
 
 class Source(abc.ABC):
-    """A checkpoint opened for reading: its tensors (name, shape, dtype) and non-tensor values
-    known without reading tensor data."""
+    """A checkpoint opened for reading: its tensors and values, known without reading data."""
 
     format: str = ""
 
@@ -52,9 +49,8 @@ class OutTensor:
 
 
 class Feed:
-    """Serves flat ranges of output tensors from ``source`` in requests of at most ``chunk``
-    bytes, consecutive ones read with one ``read_into`` (see [Note: the memory budget] in
-    ``storage/io/_streaming.py``)."""
+    """Serves flat ranges of output tensors from ``source`` in requests of at most ``chunk`` bytes
+    (see [Note: the memory budget] in ``storage/io/_streaming.py``)."""
 
     def __init__(self, source: Source, outputs: list[OutTensor], chunk: int, meter: Meter) -> None:
         self.source, self.chunk, self.meter = source, chunk, meter
@@ -75,12 +71,11 @@ class Feed:
     def stream(self, requests: list[Request]) -> Iterator[torch.Tensor]:
         """One 1-D tensor (output dtype) per request, in order; a group of them read at a time."""
         for group in group_requests(requests, self._sizes, self.chunk):
-            reads = []
-            for r in group:
-                name = self.outputs[r.name].source_name
-                reads.append(
-                    (name, r.offset, torch.empty(r.length, dtype=self.source.tensors[name].dtype))
-                )
+            names = [self.outputs[r.name].source_name for r in group]
+            reads = [
+                (n, r.offset, torch.empty(r.length, dtype=self.source.tensors[n].dtype))
+                for n, r in zip(names, group, strict=True)
+            ]
             self.source.read_into(reads)
             for r, (_, _, o) in zip(group, reads, strict=True):
                 self.meter.add(o.numel() * o.element_size())
@@ -108,8 +103,7 @@ class Sink(abc.ABC):
         return bool(self.existing())
 
     def existing(self) -> list[str]:
-        """The files of this format at the destination (relative to the store), the commit file
-        first; what ``clear`` removes."""
+        """The checkpoint's files there (what ``clear`` removes), the commit file first."""
         return []
 
     def clear(self) -> None:

@@ -1,12 +1,10 @@
 """Writers of the ``ftsdp``, ``hf`` and ``torch`` formats, streaming from a ``Feed`` (``dcp`` is in
-``_dcp.py``); docs/cli.md, "Formats", says what each writes.
+``_dcp.py``); docs/cli.md, "Formats".
 
 [Note: a sink deletes only what it wrote]
-``overwrite`` removes only the checkpoint its commit file names, and a file about to be written
-that is not the sink's own is refused without it. A folder sink first writes ``PENDING`` listing
-the files it will write, and removes it after the commit, so an interrupted write's files are
-known to be its own; only names of the format's own scheme are taken from that record
-(docs/cli.md, "Threat model": "A writer deletes only what it wrote").
+A folder sink records the files it will write in ``PENDING`` until its commit, so an interrupted
+write's leftovers are known to be its own; only names of its own scheme are taken from that record
+(docs/cli.md, "Threat model", "A writer deletes only what it wrote").
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ from ftsdp.storage.saving._save_plan import make_plan
 
 
 class FtsdpSink(Sink):
-    """A checkpoint root in this package's format; writes one step laid out for ``world_size``
-    ranks, as its only writer."""
+    """An ftsdp checkpoint root; writes one step laid out for ``world_size`` ranks."""
 
     def __init__(self, store: Store, world_size: int, object_bytes: int) -> None:
         super().__init__(store)
@@ -132,8 +129,7 @@ DCP_ITEM = re.compile(r"__\d+_\d+\.distcp")  # what our DCP writer names its fil
 
 
 class Pending:
-    """The record of a folder sink's write in progress (see [Note: a sink deletes only what it
-    wrote]); ``scheme`` matches the file names the sink writes, the only ones taken from it."""
+    """A folder sink's record of its write in progress; only names ``scheme`` matches count."""
 
     def __init__(self, store: Store, scheme: re.Pattern) -> None:
         self.store, self.scheme = store, scheme
@@ -184,10 +180,9 @@ class Pending:
 
 
 class HfSink(Sink):
-    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``
-    (see [Note: a sink deletes only what it wrote]). ``extra``: (plain name, produce) of files
-    written before the tensors and recorded with them; no commit file lists them, so
-    ``overwrite`` replaces them but never deletes them."""
+    """Hugging Face style safetensors: one file, or shards plus ``model.safetensors.index.json``.
+    ``extra``: (plain name, produce) of files written before the tensors; no commit file lists
+    them, so ``overwrite`` replaces them but never deletes them."""
 
     def __init__(
         self,
@@ -281,13 +276,9 @@ class HfSink(Sink):
 
 
 class TorchSink(Sink):
-    """One ``torch.save`` file of the flat state dict (tensors and values by dotted name).
-
-    [Note: a torch file without holding its tensors] ``torch.save`` under ``skip_data()`` writes
-    a sparse local skeleton (uninitialised tensors, their bytes skipped); loaded on the meta
-    device it gives each storage's offset. The file is streamed out through the store: skeleton
-    bytes up to a storage, that storage's bytes from the feed, and so on.
-    """
+    """One ``torch.save`` file of the flat state dict, streamed: a skeleton written by
+    ``torch.save`` under ``skip_data()`` gives each storage's offset, and the file is its bytes
+    with each storage's from the feed (docs/cli.md, "Memory")."""
 
     def holds_checkpoint(self) -> bool:
         if self.store.isdir():
@@ -302,8 +293,7 @@ class TorchSink(Sink):
         infos = feed.infos
         skeleton: dict[str, Any] = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in infos}
         skeleton.update((k, v) for k, v in values.items() if k not in skeleton)
-        # Local scratch, not checkpoint I/O (the file goes out through the store below): torch.save
-        # needs a real file to seek over the tensors' bytes without writing them (see the note).
+        # Local scratch: torch.save needs a real file to seek over the tensors' bytes.
         fd, scratch = tempfile.mkstemp(prefix=".ftsdp-ckpt-", suffix=".pt.skeleton")
         os.close(fd)
         try:

@@ -1,8 +1,5 @@
-"""Readers of the ``ftsdp``, ``hf`` and ``torch`` formats (``dcp`` is in ``_dcp.py``).
-
-Every byte is read through the source's ``Store``, and every pointer a checkpoint holds is checked
-to stay inside it before anything is read through it (docs/cli.md, "Threat model").
-"""
+"""Readers of the ``ftsdp``, ``hf`` and ``torch`` formats (``dcp`` is in ``_dcp.py``); every
+pointer a checkpoint holds is checked before it is read through (docs/cli.md, "Threat model")."""
 
 from __future__ import annotations
 
@@ -33,10 +30,9 @@ from ftsdp.storage.loading._reader import execute
 def check_torch_storages(
     f: IO[bytes], size: int, tensors: Iterable[tuple[str, torch.Tensor]], where: str
 ) -> None:
-    """CorruptCheckpointError unless each tensor, loaded on the meta device from the ``torch.save``
-    zip file ``f`` of ``size`` bytes, lies inside its storage, and each storage's bytes (read at
-    ``_checkpoint_offset``) lie inside the file's own record of it (``data/<key>``, the name
-    torch gives it), which lies inside the file: a crafted pickle may claim any storage size."""
+    """CorruptCheckpointError unless each tensor (loaded on meta from the ``torch.save`` zip file
+    ``f`` of ``size`` bytes) lies inside its storage, and each storage inside its ``data/<key>``
+    record of the file: a crafted pickle may claim any storage size."""
     f.seek(0)
     reader = torch._C.PyTorchFileReader(f)
     records = {}  # data offset -> size of each storage record
@@ -66,15 +62,13 @@ def check_torch_storages(
 
 
 class FtsdpSource(Source):
-    """One committed step (``step``; None: the newest) of a checkpoint root in this package's
-    format."""
+    """One committed step (``step``; None: the newest) of an ftsdp checkpoint root."""
 
     format = "ftsdp"
 
     def __init__(self, store: Store, step: int | None, options: LoadOptions | None = None) -> None:
         super().__init__(store)
-        self.manifest = resolve_manifest(store, step, options)
-        m = self.manifest
+        m = self.manifest = resolve_manifest(store, step, options)
         self.step, self.world_size = m.step, m.world_size
         self.values, self.rank_values = dict(m.values), [dict(v) for v in m.rank_values]
         self.tensors = {
@@ -87,8 +81,7 @@ class FtsdpSource(Source):
             for name, offset, out in requests
             if out.numel()
         ]
-        block = self.manifest.checksum_block_bytes
-        execute(self.store, self.manifest, plan_reads(wants, block))
+        execute(self.store, self.manifest, plan_reads(wants, self.manifest.checksum_block_bytes))
 
 
 class HfSource(Source):

@@ -1,13 +1,9 @@
-"""Loading a checkpoint into one process for inference: whole tensors, a module, a lazy mapping.
-
-Memory, the all-or-nothing ``load_into`` and its two-pass mode are in docs/cli.md, "Python API
-for inference". New tensors are read straight into their final buffers a chunk at a time.
+"""Loading a checkpoint into one process for inference: whole tensors, a module, a lazy mapping
+(memory and the all-or-nothing ``load_into``: docs/cli.md, "Python API for inference").
 
 [Note: the cast rule]
-``_cast_ok`` is the one rule for every loader: a saved dtype becomes the target implicitly only
-when every saved value is a value of the target (same kind, not narrower); anything else needs
-``dtype=``, which applies to the tensors of its own kind, and is refused with
-``StateMismatchError`` before anything is read (docs/cli.md, the "Casts" table).
+A saved dtype becomes the target implicitly only when every saved value is a value of the target
+(``_cast_ok``); anything else needs ``dtype=`` (docs/cli.md, the "Casts" table).
 """
 
 from __future__ import annotations
@@ -62,6 +58,11 @@ def _target_dtype(dtype: torch.dtype | None, current: torch.dtype) -> tuple[torc
     return current, False
 
 
+def _empty(info: TensorInfo, dtype: torch.dtype | None, device: str | torch.device) -> torch.Tensor:
+    """A new tensor for ``info`` on ``device``, cast only to a ``dtype`` of its kind."""
+    return torch.empty(info.shape, dtype=_target_dtype(dtype, info.dtype)[0], device=device)
+
+
 def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bool]]) -> None:
     """StateMismatchError for the ``(name, saved, target, explicit)`` casts refused."""
     refused = [(n, s, t) for n, s, t, explicit in casts if not explicit and not _cast_ok(s, t)]
@@ -79,12 +80,9 @@ def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bo
 def fill(
     source: Source, targets: list[tuple[str, torch.Tensor | None]], chunk: int = DEFAULT_CHUNK
 ) -> None:
-    """Fill each contiguous target (any dtype, any device) with the whole source tensor of that name.
-
-    CPU targets of the saved dtype are read into directly; others through one chunk of staging.
-    A target of None is read (and verified, where the format has checksums) but not kept.
-    Consecutive small requests share one read.
-    """
+    """Fill each contiguous target (any dtype, any device) with the whole source tensor of that
+    name: CPU targets of the saved dtype directly, others through one chunk of staging. A target of
+    None is read (and verified) but not kept."""
     by_name = dict(targets)
     assert all(t is None or t.is_contiguous() for t in by_name.values()), list(by_name)
     sizes = {n: source.tensors[n].itemsize for n in by_name}
@@ -97,8 +95,8 @@ def fill(
 
 
 class _Scratch:
-    """One buffer of ``chunk`` bytes that every group of a ``fill`` stages into in turn: a buffer
-    per group, freed and allocated again, made glibc's arenas grow the peak by a few chunks."""
+    """One buffer of ``chunk`` bytes every group of a ``fill`` stages into in turn (a buffer per
+    group, freed and allocated again, grew glibc's arenas by a few chunks)."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes, self.pos = nbytes, 0
@@ -106,7 +104,7 @@ class _Scratch:
 
     def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """``n`` elements of ``dtype``: from the buffer while it has room, else fresh."""
-        size = torch.empty(0, dtype=dtype).element_size()
+        size = itemsize(dtype)
         start = -(-self.pos // 16) * 16  # aligned for any dtype
         if start + n * size > self.nbytes:
             return torch.empty(n, dtype=dtype)
@@ -160,13 +158,11 @@ def load_state_dict(
     options: LoadOptions | None = None,
     trust_pickle: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Whole tensors ``{dotted name: tensor}`` of a checkpoint, in one process (no process group).
+    """Whole tensors ``{dotted name: tensor}`` of a checkpoint of any format, in one process.
 
-    Any format (ftsdp at any world size, hf, torch, dcp); ``step`` picks an ftsdp step (newest by
-    default). Reads only ``keys`` (an unknown key raises ``KeyError``); ``dtype`` casts the
-    tensors of its kind (a floating dtype: floating tensors; see [Note: the cast rule]), the others
-    keep their saved dtype; tensors are created on ``device``. Needs the requested tensors' size
-    plus one chunk.
+    ``step`` picks an ftsdp step (newest by default); only ``keys`` are read (``KeyError`` for an
+    unknown one); ``dtype`` casts the tensors of its kind, the others keep their saved dtype;
+    tensors are created on ``device``.
     """
     with closing(
         open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
@@ -176,11 +172,7 @@ def load_state_dict(
         if unknown:
             where = f"step {source.step} at {url}" if source.step is not None else url
             raise KeyError(f"{where} has no tensor(s) {unknown}")
-        out: dict[str, torch.Tensor] = {}
-        for n in names:  # only ``dtype`` casts: nothing the cast rule refuses
-            info = source.tensors[n]
-            cast = _target_dtype(dtype, info.dtype)[0]
-            out[n] = torch.empty(info.shape, dtype=cast, device=device)
+        out = {n: _empty(source.tensors[n], dtype, device) for n in names}
         fill(source, list(out.items()))
         return out
 
@@ -213,15 +205,12 @@ def load_into(
 ) -> LoadIntoResult:
     """Fill ``module``'s parameters and persistent buffers from checkpoint names ``prefix + key``.
 
-    A module built on the meta device gets new tensors on ``device`` (default: cpu); a real one is
-    filled in place (or moved to ``device`` / cast to ``dtype`` when given). ``dtype`` applies to
-    the tensors of its kind, the others keep the module's dtype, cast only as [Note: the cast
-    rule] allows. Tied parameters stay tied and are satisfied by any of their names. All or
-    nothing: the module is written only after every byte it gets has been read and verified.
-    Tensors filled in place are staged on the CPU (``staged_bytes``); past ``max_staging_bytes``
-    they are read twice instead, verify-only and then straight into the module, and an error of
-    the second pass carries a note that the module is partly overwritten (docs/cli.md, "Python
-    API for inference").
+    A meta module gets new tensors on ``device`` (default: cpu); a real one is filled in place (or
+    moved to ``device`` / cast to ``dtype`` when given). ``dtype`` applies to the tensors of its
+    kind; the others keep the module's dtype ([Note: the cast rule]). Tied parameters stay tied.
+    All or nothing: the module is written only after every byte it gets was read and verified,
+    staged on the CPU (``staged_bytes``) or, past ``max_staging_bytes``, read twice (docs/cli.md,
+    "Python API for inference").
 
     Raises ``StateMismatchError`` before anything is read for a shape mismatch, a refused cast,
     or, when ``strict``, missing and unexpected keys (else reported in the result).
@@ -235,13 +224,11 @@ def load_into(
             groups.setdefault(id(t), []).append(key)
             tensors[id(t)] = t
         saved = {n[len(prefix) :] for n in source.tensors if n.startswith(prefix)}
-        known = {k for keys in groups.values() for k in keys}
         missing = sorted(
             k for keys in groups.values() if not saved.intersection(keys) for k in keys
         )
-        unexpected = sorted(saved - known)
-        plan: list[tuple[int, str]] = []
-        casts: list[tuple[str, torch.dtype, torch.dtype, bool]] = []
+        unexpected = sorted(saved - {k for keys in groups.values() for k in keys})
+        plan: list[tuple[int, str, torch.dtype, torch.dtype, bool]] = []  # tid, name, the cast
         bad = []
         for tid, keys in groups.items():
             hit = next((k for k in keys if k in saved), None)
@@ -250,24 +237,22 @@ def load_into(
             info: TensorInfo = source.tensors[prefix + hit]
             if tuple(info.shape) != tuple(tensors[tid].shape):
                 bad.append(f"{hit} (saved {list(info.shape)}, module {list(tensors[tid].shape)})")
-            plan.append((tid, hit))
             want_dtype, explicit = _target_dtype(dtype, tensors[tid].dtype)
-            casts.append((prefix + hit, info.dtype, want_dtype, explicit))
+            plan.append((tid, prefix + hit, info.dtype, want_dtype, explicit))
         if bad or (strict and (missing or unexpected)):
             raise StateMismatchError(
                 f"checkpoint {url} (prefix {prefix!r}) does not match the module: missing={missing} "
                 f"unexpected={unexpected} shape mismatches={bad}"
                 + ("" if bad else " (strict=False loads the rest and reports these)")
             )
-        _check_casts(f"checkpoint {url} (prefix {prefix!r})", casts)
+        _check_casts(f"checkpoint {url} (prefix {prefix!r})", [p[1:] for p in plan])
         # Phase one reads and verifies; nothing of the module is written.
         reads: list[tuple[str, torch.Tensor | None]] = []  # new tensors: the result
         replace: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
         in_place: list[tuple[str, torch.Tensor, torch.dtype]] = []  # (name, tensor, staging dtype)
-        for (tid, _), (name, saved_dtype, want_dtype, _) in zip(plan, casts, strict=True):
+        for tid, name, saved_dtype, want_dtype, _ in plan:
             old = tensors[tid]
-            default = "cpu" if old.is_meta else old.device
-            want_device = torch.device(device if device is not None else default)
+            want_device = torch.device(device or ("cpu" if old.is_meta else old.device))
             if (
                 old.is_meta
                 or old.device != want_device
@@ -324,18 +309,8 @@ def load_into(
 
 class LazyStateDict(Mapping):
     """A read-only mapping ``{dotted name: tensor}`` over a checkpoint; a tensor is read on first
-    access (and kept unless ``cache=False``). Shapes, dtypes and values need no tensor reads.
-
-    ```python
-    with storage.LazyStateDict(url) as ckpt:
-        ckpt.info("model.w").shape, ckpt.values["trainer.step"]
-        w = ckpt["model.w"]                       # reads this tensor only
-        rows = ckpt.read("model.w", 0, 1024)      # a flat range, not cached
-    ```
-
-    ``dtype`` casts the tensors of its kind, as in ``load_state_dict``; ``read`` keeps the saved
-    dtype.
-    """
+    access (kept unless ``cache=False``); ``info`` and ``values`` read no tensor. ``dtype`` casts
+    as in ``load_state_dict``; ``read(name, offset, length)`` gives a flat range, saved dtype."""
 
     def __init__(
         self,
@@ -376,9 +351,7 @@ class LazyStateDict(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._cache:
             return self._cache[name]
-        info = self._source.tensors[name]  # KeyError for unknown names
-        cast = _target_dtype(self.dtype, info.dtype)[0]  # only ``dtype`` casts
-        t = torch.empty(info.shape, dtype=cast, device=self.device)
+        t = _empty(self._source.tensors[name], self.dtype, self.device)  # KeyError: unknown name
         fill(self._source, [(name, t)])
         if self.cache:
             self._cache[name] = t

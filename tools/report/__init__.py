@@ -1,13 +1,5 @@
 """``ftsdp-report``: a run's metrics, fault logs and the fault suite's report as one page of
-plots (HTML or PNG); the benchmarks' JSON results as bar charts.
-
-    ftsdp-report run/metrics.jsonl [run/faults.jsonl ...] -o report.html   # or -o report.png
-    ftsdp-report --bench docs/benchmarks.json -o benchmarks.png
-
-Inputs, panels, skipped lines and exit codes (0 written; 2 bad usage or input, or matplotlib, an
-optional dependency imported only when a figure is made, missing): docs/report.md.
-``build_report`` and ``build_bench`` are the library entry points.
-"""
+plots (HTML or PNG); the benchmarks' JSON results as bar charts. docs/report.md says more."""
 
 from __future__ import annotations
 
@@ -66,9 +58,8 @@ class NothingToPlotError(ValueError):
 
 @dataclass
 class Report:
-    """A built report: the matplotlib ``figure``, its panels by name (``axes``), the fault
-    table's rows (``faults``), the restart markers, the fault suite's rows (``suite``) and the
-    input lines that were skipped (``skipped``, also summarised by :meth:`skipped_summary`)."""
+    """A built report: the ``figure``, its panels by name (``axes``), the fault table's rows, the
+    restart markers, the fault suite's rows (``suite``) and the input lines ``skipped``."""
 
     figure: Any
     axes: dict[str, Any]
@@ -91,8 +82,7 @@ class Report:
         return buf.getvalue()
 
     def html(self) -> str:
-        """One self-contained HTML page: the figure (an embedded PNG), the fault table, the
-        fault suite's rows and the skipped lines, all as text."""
+        """One self-contained HTML page: the figure (an embedded PNG) and the tables as text."""
         png = base64.b64encode(self.png()).decode("ascii")
         esc = html.escape
         parts = [
@@ -112,8 +102,7 @@ class Report:
             parts.append(f"<h2>Faults ({len(self.faults)})</h2>")
             if self.faults:
                 header, cells = fault_columns(self.faults, len(self.runs) > 1)
-                parts.append(f"<p>{esc(fault_origin(self.faults))}</p>")
-                parts.append(_table(header, cells))
+                parts += [f"<p>{esc(fault_origin(self.faults))}</p>", _table(header, cells)]
             else:
                 parts.append("<p>None: every incarnation ended with <code>done</code>.</p>")
         if self.suite:
@@ -121,9 +110,8 @@ class Report:
             parts.append("<h2>Fault suite</h2>")
             parts.append(_table(keys, [[cell(r.get(k)) for k in keys] for r in self.suite]))
         if self.skipped:
-            parts.append(f"<h2>Skipped lines ({len(self.skipped)})</h2><ul>")
-            parts += [f"<li>{esc(line)}</li>" for line in self.skipped_summary().splitlines()]
-            parts.append("</ul>")
+            items = [f"<li>{esc(line)}</li>" for line in self.skipped_summary().splitlines()]
+            parts += [f"<h2>Skipped lines ({len(self.skipped)})</h2><ul>", *items, "</ul>"]
         parts.append("</body></html>")
         return "\n".join(parts) + "\n"
 
@@ -160,10 +148,9 @@ def build_report(
 ) -> Report:
     """Read the JSONL files at ``paths`` and build the report's figure.
 
-    Lines that cannot be used are skipped and listed in ``Report.skipped`` (and, with
-    ``warn_skipped``, logged as one WARNING of this module's logger). Raises OSError for a file
-    that cannot be read, :class:`NothingToPlotError` when no file holds a usable record, and
-    :class:`MissingExtraError` when matplotlib is not installed."""
+    Unusable lines are listed in ``Report.skipped`` (with ``warn_skipped``, also logged as one
+    WARNING). Raises OSError for an unreadable file, :class:`NothingToPlotError` when no file holds
+    a usable record, :class:`MissingExtraError` without matplotlib."""
     names = [os.fspath(p) for p in paths]
     if not names:
         raise NothingToPlotError("no input files: give one or more metrics JSONL files")
@@ -265,7 +252,6 @@ def main(
         where = f" {e.filename}" if e.filename else ""
         err.write(f"{PROG}: error:{where}: {e.strerror or e}\n")
         return EXIT_USAGE
-    size = os.path.getsize(args.output)
     parts = []
     if report.runs:
         parts.append(f"{len(report.runs)} run{'s' if len(report.runs) > 1 else ''}")
@@ -273,5 +259,5 @@ def main(
     if report.suite:
         parts.append(f"{len(report.suite)} fault-suite scenarios")
     what = "benchmark charts" if args.bench else ", ".join(parts)
-    out.write(f"wrote {args.output} ({size / 1e3:.0f} kB; {what})\n")
+    out.write(f"wrote {args.output} ({os.path.getsize(args.output) / 1e3:.0f} kB; {what})\n")
     return EXIT_OK

@@ -1,6 +1,5 @@
-"""The run report's figure: one matplotlib ``Figure`` on its own Agg canvas (no pyplot, no global
-backend), its panels as named axes; docs/report.md, "The page", describes each panel.
-"""
+"""The run report's figure on its own Agg canvas (no pyplot), its panels as named axes
+(docs/report.md, "The page")."""
 
 from __future__ import annotations
 
@@ -89,9 +88,8 @@ def figure_grid(heights: list[float], dpi: int, title: str, **grid: Any) -> tupl
 def save_slots(
     per_source: list[list[tuple[int, float]]], i: int
 ) -> tuple[list[float], list[float]]:
-    """Bar centres and widths of source ``i``'s saves: each step's slot (0.8 of the smallest
-    gap between saved steps) split between the sources, and a source's share split again
-    between its saves of one step (a step saved again after a restart)."""
+    """Bar centres and widths of source ``i``'s saves: each step's slot split between the
+    sources, a source's share split again between its saves of one step."""
     steps = sorted({step for points in per_source for step, _ in points})
     gaps = [b - a for a, b in itertools.pairwise(steps)]
     slot = 0.8 * min(gaps, default=1)
@@ -223,8 +221,7 @@ def run_figure(
 
 
 def recovery_axes(ax: Any, suite: list[dict[str, Any]]) -> Any:
-    """The fault suite's report rows as horizontal bars: detection seconds and fault-to-first-
-    new-step seconds per scenario, first scenario on top, with world sizes and steps lost."""
+    """The fault suite's rows as horizontal bars per scenario (docs/report.md, "recovery")."""
     ys = list(range(len(suite)))
     detection = [float(r["detection_s"] or 0.0) for r in suite]
     back = [float(r["fault_to_first_new_step_s"] or 0.0) for r in suite]

@@ -1,9 +1,5 @@
-"""Reading the report's inputs (metrics JSONL, fault logs, the fault suite's report) and what
-they say: the series, the restart markers, the fault table. No matplotlib here.
-
-What a run, an incarnation and an interruption are, and how the fault table measures each, is in
-docs/report.md, "The fault table" (the fault suite's own ``measure`` in tests/e2e/test_faults.py).
-"""
+"""Reading the report's inputs and what they say: the series, the restart markers, the fault
+table (docs/report.md, "The fault table"). No matplotlib here."""
 
 from __future__ import annotations
 
@@ -68,8 +64,8 @@ class Marker:
 
 @dataclass(frozen=True)
 class FaultRow:
-    """One interruption of a run (docs/report.md, "The fault table"). ``origin``: ``fault log``
-    or ``last record``; ``back_time``: wall time of the first new step (None: never came back)."""
+    """One interruption of a run. ``origin``: ``fault log`` or ``last record``; ``back_time``:
+    wall time of the first new step (None: never came back)."""
 
     run: str
     kind: str
@@ -143,8 +139,7 @@ def _check(record: dict[str, Any], fields: Iterable[str]) -> str | None:
 
 
 def read_source(path: str, label: str | None = None) -> tuple[Source, list[Skipped]]:
-    """Read one JSONL file: its records by kind, and the lines it skipped (:class:`Skipped`: a
-    malformed line, an unknown record, a record without a field needed). OSError if unreadable."""
+    """Read one JSONL file: its records by kind, and the lines it skipped; OSError if unreadable."""
     source = Source(path=path, label=label or os.path.basename(path))
     skipped: list[Skipped] = []
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -207,7 +202,7 @@ def _run_key(source: Source) -> str:
 
 def group_runs(sources: list[Source]) -> list[Run]:
     """Sources with metrics records grouped into runs (files naming one ``--checkpoint-url``),
-    split into incarnations; each fault-log record goes to the run whose time span holds it."""
+    split into incarnations, each with the fault-log records in its span."""
     groups: dict[str, list[Source]] = {}
     for s in sources:
         if s.events:
@@ -310,8 +305,7 @@ def fault_rows(run: Run) -> list[FaultRow]:
 def _first_new_step(
     run: Run, nxt: Incarnation, resume: dict[str, Any] | None, end: float
 ) -> dict[str, Any] | None:
-    """The earliest record showing that ``nxt`` completed a step past the one it resumed from: a
-    ``step`` or ``checkpoint`` record, or a fault-log fault (fired after its step completed)."""
+    """The earliest record showing ``nxt`` completed a step past the one it resumed from."""
     after = resume["time"] if resume is not None else nxt.t0
     base = int(resume["step"]) if resume is not None else 0
     seen = [
