@@ -26,7 +26,7 @@ import re
 import struct
 import time
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,18 @@ from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._save_plan import SavePlan
 
 Crcs = dict[str, list[list[int]]]  # object name -> per piece, its per-block checksums
+_GUARDS: list[Callable[[], None]] = []  # run before every commit of this process (guard_commits)
+
+
+def guard_commits(check: Callable[[], None]) -> Callable[[], None]:
+    """Call ``check()`` first in every commit this process makes (any root, any thread) until
+    the returned function is called. ``check`` refuses the commit by raising (the save fails on
+    every rank) or ends the process: a worker whose launcher is gone must commit nothing
+    (docs/elastic.md, "A worker without its agent")."""
+    _GUARDS.append(check)
+    return lambda: _GUARDS.remove(check) if check in _GUARDS else None
+
+
 _DONE = re.compile(r"^_done-([0-9a-f]+)-rank(\d+)\.json$")  # not the temporary files of a write
 _ATTEMPT = re.compile(rb'"attempt"\s*:\s*"([0-9a-f]{1,64})"')  # in a manifest's first bytes
 _HEAD_BYTES = 4096
@@ -211,7 +223,8 @@ def commit(
     lineage: Lineage | None = None,
     present: Collection[str] | None = None,
 ) -> None:
-    """Create the manifest exclusively: the commit. With ``lineage`` (from ``plan_lineage`` when
+    """Create the manifest exclusively: the commit, once the checks of ``guard_commits`` pass.
+    With ``lineage`` (from ``plan_lineage`` when
     the save was planned) first check that no other writer committed a step meanwhile, and back
     out if one did right before the create (see [Note: one writer per step, one timeline]); on
     a conflict this attempt's objects and markers are removed and ``CommitConflictError`` is
@@ -220,6 +233,8 @@ def commit(
     attempt's done markers, and retention when ``keep_last`` is given (never of this step).
     ``present``: the objects this root holds, when it holds only some of the manifest's (a
     node-local root, storage/saving/_nodes.py); only those are checked before the commit."""
+    for check in list(_GUARDS):
+        check()
     step, attempt = manifest.step, manifest.attempt
     rel, data = manifest_path(step), manifest.to_json()
     if lineage is not None:
