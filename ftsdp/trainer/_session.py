@@ -289,6 +289,8 @@ class Session:
         if exc is None:
             self.close()
             return
+        # A peer that left because the agent is gone breaks this rank's collectives: say why.
+        self.rm.exit_if_orphaned()
         try:
             self.log.event(
                 {"event": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]},
