@@ -7,6 +7,7 @@ steps and kills the agent, so that the listing is exactly what was committed at 
 
 from __future__ import annotations
 
+import datetime
 import os
 import pathlib
 import signal
@@ -106,6 +107,7 @@ def test_killing_the_agent_alone_ends_its_workers_and_their_commits(
             before = {name: _steps(url) for name, url in roots.items()}
             proc.send_signal(signal.SIGKILL)  # the agent alone, not its process group
             proc.wait()
+            killed = time.time()  # the log's clock, to time each worker's line
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
             gone_s = _wait(
@@ -119,13 +121,20 @@ def test_killing_the_agent_alone_ends_its_workers_and_their_commits(
                 proc.wait()
     after = {name: _steps(url) for name, url in roots.items()}
     output = log.read_text(errors="replace")
-    print(f"workers gone {gone_s:.2f} s after the kill; steps at the kill {before}, after {after}")
 
     # One line per worker says why it left, and nothing says it stalled instead.
     why = f"the torchrun agent (pid {proc.pid}) is gone: exiting with {EXIT_STALL}, "
     lines = [line for line in output.splitlines() if why in line]
     assert sorted(line.split("ftsdp (rank ")[1][0] for line in lines) == ["0", "1"], output[-6000:]
     assert "stalled" not in output, output[-6000:]
+    said = [
+        datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp() - killed
+        for line in lines
+    ]
+    print(
+        f"lines {', '.join(f'{s:.2f}' for s in said)} s and every process under the agent gone "
+        f"{gone_s:.2f} s after the kill; steps at the kill {before}, after {after}"
+    )
 
     # Nothing committed after the kill. The commit guard runs first in every commit, so a save
     # started after the kill is refused; a commit that passed its guard before the kill may
