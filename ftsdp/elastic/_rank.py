@@ -6,9 +6,13 @@
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
+import select
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -21,6 +25,10 @@ import torch.distributed as dist
 
 from ftsdp.elastic._join import client_store, handshake
 from ftsdp.elastic._teardown import CloseReport, close_process_groups
+from ftsdp.elastic._watchdog import EXIT_STALL
+
+logger = logging.getLogger(__name__)
+_LEAVING = threading.Lock()  # one line, even when two threads find the agent gone at once
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -101,6 +109,35 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+class Agent:
+    """The torchrun agent that started this worker, and whether it has exited.
+
+    The agent is the process that created this one: ``multiprocessing.parent_process()`` when
+    it used a start method (fork, spawn, or ``ftsdp.launch``'s forkserver, whose server is the
+    parent), else the parent (torchrun's ``Popen``). A pidfd, held for the life of the process,
+    tells when it exits, reaped or not; without pidfds (not Linux >= 5.3) the parent is
+    watched: an orphan is reparented."""
+
+    def __init__(self) -> None:
+        parent = multiprocessing.parent_process()
+        ppid = os.getppid()
+        self.pid = parent.pid if parent is not None and parent.pid else ppid
+        self._poll: Any = None
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # no pidfds here, or the agent has already exited
+            self.pid = ppid
+        else:
+            self._poll = select.poll()
+            self._poll.register(fd, select.POLLIN)
+
+    def gone(self) -> bool:
+        """Whether the agent has exited (one system call)."""
+        if self._poll is not None:
+            return bool(self._poll.poll(0))
+        return os.getppid() != self.pid
+
+
 @dataclass(frozen=True, kw_only=True)
 class Peer:
     """What every rank knows about every other after ``init`` (for logs and the watchdog)."""
@@ -117,7 +154,8 @@ class RankManager:
 
     Build it with :meth:`init`, leave with :meth:`close`. ``marks``: wall times of ``init``'s
     ``store_connected``, ``joined`` (both only under torchrun) and ``process_group``, for the
-    phases record (docs/elastic.md, "Recovery time").
+    phases record (docs/elastic.md, "Recovery time"). ``agent``: under torchrun, the elastic
+    agent that started this worker (:meth:`exit_if_orphaned`); None otherwise.
     """
 
     info: RankInfo
@@ -127,6 +165,7 @@ class RankManager:
     peers: list[Peer] = field(default_factory=list)
     timeout_s: float = 600.0
     marks: dict[str, float] = field(default_factory=dict)
+    agent: Agent | None = None
     _owns_group: bool = False
     _store: Any = None
 
@@ -149,6 +188,7 @@ class RankManager:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         info = read_env(env)
+        agent = Agent() if info.torchrun else None
         dev = resolve_device(device, info.local_rank)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -197,7 +237,14 @@ class RankManager:
                 f"the process group already initialised has rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, the environment says {info.rank} of {info.world_size}"
             )
-        manager = cls(info=info, device=dev, timeout_s=timeout_s, marks=marks, _owns_group=owns)
+        manager = cls(
+            info=info,
+            device=dev,
+            timeout_s=timeout_s,
+            marks=marks,
+            agent=agent,
+            _owns_group=owns,
+        )
         try:
             manager._agree_on_incarnation(token)
         except BaseException:
@@ -229,6 +276,24 @@ class RankManager:
     @property
     def world_size(self) -> int:
         return self.info.world_size
+
+    def exit_if_orphaned(self) -> None:
+        """End this process with ``EXIT_STALL`` and one log line if its agent is gone; else
+        return at once. The watchdog calls it every interval, and the trainer first in every
+        commit (``storage.saving.guard_commits``), so that an orphan commits nothing
+        (docs/elastic.md, "A worker without its agent")."""
+        agent = self.agent
+        if agent is None or not agent.gone():
+            return
+        with _LEAVING:  # never released: the process ends inside
+            logger.error(
+                "ftsdp (rank %d): the torchrun agent (pid %d) is gone: exiting with %d, "
+                "committing nothing more",
+                self.rank,
+                agent.pid,
+                EXIT_STALL,
+            )
+            os._exit(EXIT_STALL)
 
     # -- agreement ------------------------------------------------------------------------------
     def agree_any(self, *flags: bool) -> tuple[bool, ...]:

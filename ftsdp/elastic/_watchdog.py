@@ -102,8 +102,10 @@ class Watchdog:
     ``local_world_size``: ranks per host, used to choose watched peers when ``peers`` is not
     given (torchrun's contiguous numbering). ``on_stall(stalls)`` replaces the default action
     (log, kill, ``os._exit``). ``log``: one-line messages (default: the
-    ``ftsdp.elastic._watchdog`` logger, at ERROR). Each rank makes three store calls per
-    interval whatever the world size (docs/elastic.md, "The watchdog's keys").
+    ``ftsdp.elastic._watchdog`` logger, at ERROR). ``agent_check``: called first in every
+    interval, before any store call (``RankManager.exit_if_orphaned``: ends the process when
+    the agent is gone). Each rank makes three store calls per interval whatever the world size
+    (docs/elastic.md, "The watchdog's keys").
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class Watchdog:
         on_stall: Callable[[list[Stall]], None] | None = None,
         log: Callable[[str], None] | None = None,
         local_world_size: int | None = None,
+        agent_check: Callable[[], None] | None = None,
     ) -> None:
         if interval_s <= 0 or heartbeat_timeout_s <= interval_s:
             raise ValueError(
@@ -137,6 +140,7 @@ class Watchdog:
         self.progress_timeout_s = progress_timeout_s
         self.peers = list(peers) if peers is not None else None
         self._on_stall = on_stall
+        self._agent_check = agent_check or (lambda: None)
         self._log = log or logger.error
         self._step = 0
         self._beats = 0
@@ -203,6 +207,7 @@ class Watchdog:
             self._log(f"ftsdp watchdog on rank {self.rank} failed: {type(e).__name__}: {e}")
 
     def _loop(self) -> None:
+        self._agent_check()
         self._begin(time.monotonic())
         stalls = self._await_targets()
         if stalls:
@@ -210,6 +215,7 @@ class Watchdog:
             self._fire(stalls, " (never seen)")
             return
         while not self._stop.wait(self.interval_s):
+            self._agent_check()  # first: a store the agent hosted may be gone with it
             stalls = self.beat_once()
             if stalls:
                 self._fire(stalls, self._detail)

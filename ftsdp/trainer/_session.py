@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import IO, Any, Protocol
 
+from ftsdp import storage
 from ftsdp.elastic import PreemptionHandler, RankManager, Watchdog
 from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._hooks import HookFactory, NoStepHook, StepHook
@@ -189,7 +190,7 @@ class Session:
     """One worker's runtime, open from :meth:`open` to :meth:`close`.
 
     Every field is set once, when the session is built. ``watchdog`` is None for a world of one
-    or with ``--heartbeat-timeout-s 0``; ``ledger`` is None without ``--ledger`` or off rank 0.
+    outside torchrun or with ``--heartbeat-timeout-s 0``; ``ledger`` is None without ``--ledger`` or off rank 0.
     ``phases`` collects the worker's start marks (``ftsdp.trainer._phases``): the entry's, the
     rank manager's, ``session_open``; the entry and the loop add the rest.
     """
@@ -234,8 +235,11 @@ class Session:
             )
             preempt = PreemptionHandler(grace_s=cfg.preempt_grace_s).install()
             closers.push(preempt.close)
+            if rm.agent is not None:  # an orphan commits nothing (docs/elastic.md)
+                closers.push(storage.saving.guard_commits(rm.exit_if_orphaned))
             watchdog = None
-            if rm.world_size > 1 and cfg.heartbeat_timeout_s > 0:
+            torchrun = rm.world_size > 1 or rm.agent is not None
+            if torchrun and cfg.heartbeat_timeout_s > 0:
                 watchdog = Watchdog(
                     rm.store("watchdog", timeout_s=cfg.heartbeat_timeout_s),
                     rank,
@@ -244,6 +248,7 @@ class Session:
                     heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                     progress_timeout_s=cfg.progress_timeout_s or None,
                     peers=[(p.host, p.pid) for p in rm.peers],
+                    agent_check=rm.exit_if_orphaned,
                     log=lambda line: log.event(
                         {"event": "stall", "message": line}, line, logging.ERROR
                     ),
@@ -284,6 +289,8 @@ class Session:
         if exc is None:
             self.close()
             return
+        # A peer that left because the agent is gone breaks this rank's collectives: say why.
+        self.rm.exit_if_orphaned()
         try:
             self.log.event(
                 {"event": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]},

@@ -19,7 +19,7 @@ import re
 import struct
 import time
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,18 @@ from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._save_plan import SavePlan
 
 Crcs = dict[str, list[list[int]]]  # object name -> per piece, its per-block checksums
+_GUARDS: list[Callable[[], None]] = []  # run before every commit of this process (guard_commits)
+
+
+def guard_commits(check: Callable[[], None]) -> Callable[[], None]:
+    """Call ``check()`` first in every commit this process makes (any root, any thread) until
+    the returned function is called. ``check`` refuses the commit by raising (the save fails on
+    every rank) or ends the process: a worker whose launcher is gone must commit nothing
+    (docs/elastic.md, "A worker without its agent")."""
+    _GUARDS.append(check)
+    return lambda: _GUARDS.remove(check) if check in _GUARDS else None
+
+
 _DONE = re.compile(r"^_done-([0-9a-f]+)-rank(\d+)\.json$")  # not the temporary files of a write
 _ATTEMPT = re.compile(rb'"attempt"\s*:\s*"([0-9a-f]{1,64})"')  # in a manifest's first bytes
 _HEAD_BYTES = 4096
@@ -199,11 +211,14 @@ def commit(
     lineage: Lineage | None = None,
     present: Collection[str] | None = None,
 ) -> None:
-    """Create the manifest exclusively: the commit. With ``lineage`` (``plan_lineage``), a step
-    committed by another writer meanwhile removes this attempt's files and raises
-    ``CommitConflictError``. Then, best effort (a failure is a warning): the steps ``lineage``
-    discards, ``latest``, the done markers, and retention when ``keep_last`` is given.
-    ``present``: the only objects checked before the commit (a node-local root holds some)."""
+    """Create the manifest exclusively: the commit, once the checks of ``guard_commits`` pass.
+    With ``lineage`` (``plan_lineage``), a step committed by another writer meanwhile removes
+    this attempt's files and raises ``CommitConflictError``. Then, best effort (a failure is a
+    warning): the steps ``lineage`` discards, ``latest``, the done markers, and retention when
+    ``keep_last`` is given. ``present``: the only objects checked before the commit (a
+    node-local root holds some)."""
+    for check in list(_GUARDS):
+        check()
     step, attempt = manifest.step, manifest.attempt
     rel, data = manifest_path(step), manifest.to_json()
     if lineage is not None:

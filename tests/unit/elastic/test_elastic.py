@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 import warnings
 
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ftsdp import storage
-from ftsdp.elastic import PreemptionHandler, RankInfo, Watchdog, read_env
+from ftsdp.elastic import EXIT_STALL, PreemptionHandler, RankInfo, Watchdog, read_env
 from ftsdp.testing import FaultHook, _faulty_fs, _hook, fault_hook_from_env, parse_faults
 from ftsdp.testing._faults import fire, log_fault
 from ftsdp.trainer._hooks import StepHook
@@ -309,6 +312,75 @@ def test_an_unreachable_store_and_a_peer_that_never_appears() -> None:
     lonely.close()
     with pytest.raises(ValueError, match="interval_s"):
         Watchdog(store, 0, 1, interval_s=1, heartbeat_timeout_s=1)
+
+
+def test_the_watchdog_checks_the_agent_first_in_every_interval() -> None:
+    calls: list[float] = []
+    w = Watchdog(
+        dist.HashStore(), 0, 1, interval_s=INTERVAL_S, heartbeat_timeout_s=1.0,
+        agent_check=lambda: calls.append(time.monotonic()),
+    )  # fmt: skip
+    w.start()
+    assert _wait_for(lambda: len(calls) >= 4)
+    w.close()
+    assert w.error is None and w.stalls == []
+
+
+# The agent runs the worker as torchrun does (Popen, a session of its own); the test's helper
+# is a subreaper, so the orphaned worker is reparented to it and it reads the exit status.
+_WORKER = """
+import logging, os, sys, time, torch
+if os.environ.get("NO_PIDFD"):
+    del os.pidfd_open  # as on a kernel without pidfds: the parent is watched
+from ftsdp.elastic import RankInfo, RankManager
+from ftsdp.elastic._rank import Agent
+logging.basicConfig(format="%(message)s")
+rm = RankManager(info=RankInfo(), device=torch.device("cpu"), agent=Agent())
+assert rm.agent.pid == os.getppid()
+rm.exit_if_orphaned()  # the agent lives: nothing happens
+print(os.getpid(), flush=True)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    rm.exit_if_orphaned()
+    time.sleep(0.01)
+"""
+_AGENT = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)
+time.sleep(120)
+"""
+_REAPER = """
+import ctypes, json, os, signal, subprocess, sys, time
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+agent = subprocess.Popen(
+    [sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True
+)
+worker = int(agent.stdout.readline())
+os.kill(agent.pid, signal.SIGKILL)
+agent.wait()
+start = time.monotonic()
+_, status = os.waitpid(worker, 0)
+print(json.dumps([worker, agent.pid, os.waitstatus_to_exitcode(status), time.monotonic() - start]))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a subreaper (prctl) is Linux only")
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "parent"])
+def test_a_worker_whose_agent_is_killed_exits_with_one_line(tmp_path, pidfd: bool) -> None:
+    env = {**os.environ, "NO_PIDFD": "" if pidfd else "1"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    with open(tmp_path / "worker.err", "w") as err:
+        out = subprocess.run(
+            [sys.executable, "-c", *map(textwrap.dedent, (_REAPER, _AGENT, _WORKER))],
+            stdout=subprocess.PIPE, stderr=err, env=env, text=True, timeout=50, check=True,
+        ).stdout  # fmt: skip
+    worker, agent, code, seconds = json.loads(out)
+    assert code == EXIT_STALL and seconds < 5
+    assert (tmp_path / "worker.err").read_text().splitlines() == [
+        f"ftsdp (rank 0): the torchrun agent (pid {agent}) is gone: exiting with {EXIT_STALL}, "
+        "committing nothing more"
+    ]
+    assert not os.path.exists(f"/proc/{worker}")
 
 
 # -- fault specs --------------------------------------------------------------------------------

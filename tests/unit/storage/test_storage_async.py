@@ -127,3 +127,30 @@ def test_load_into_meta_module(tmp_path: Path) -> None:
     storage.load_into(dst, str(tmp_path), prefix="model.")
     x = torch.randn(5, 4)
     assert torch.equal(dst(x), src(x))
+
+
+def test_a_commit_guard_refuses_commits_until_removed(tmp_path: Path) -> None:
+    """A guard runs first in every commit of the process, sync or async, in the save's thread;
+    raising refuses the commit (nothing committed), and once removed commits go on."""
+    url, threads = str(tmp_path), []
+
+    def refuse() -> None:
+        threads.append(threading.current_thread().name)
+        raise RuntimeError("the agent is gone")
+
+    remove = storage.saving.guard_commits(refuse)
+    try:
+        with pytest.raises(RuntimeError, match="the agent is gone"):
+            storage.save(_state(), url, step=1)
+        handle = storage.save(_state(), url, step=2, async_save=True)
+        with pytest.raises(RuntimeError, match="the agent is gone"):
+            handle.wait()
+        assert storage.list_steps(url) == []
+    finally:
+        remove()
+    assert threads[0] == threading.current_thread().name != threads[1]  # async: its own thread
+    storage.save(_state(), url, step=3)
+    remove()  # idempotent
+    assert storage.list_steps(url) == [3]
+    loaded = storage.load_state_dict(url, step=3)
+    assert all(torch.equal(loaded[k], v) for k, v in _state().items())
