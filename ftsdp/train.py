@@ -82,7 +82,8 @@ REPORT_WAIT_S = 10.0
 def parse_or_exit(argv: Sequence[str] | None, rank: int) -> TrainConfig:
     """:func:`parse_args`; a bad command line (or config file) exits 2 with one line on stderr,
     from rank 0 only (another rank says it only if rank 0 has not stopped the job by then).
-    torchrun restarts a failed worker whatever its exit status (docs/training.md, "Errors")."""
+    torchrun restarts a failed worker whatever its exit status (docs/training.md, "What a
+    checkpoint records, and resuming another run")."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -121,8 +121,8 @@ def test_every_world_size_logs_the_same_loss_curve(two_ranks, tmp_path) -> None:
 @pytest.mark.timeout(240)
 def test_a_bad_command_line_is_one_line_from_rank_0_and_no_restart() -> None:
     """Every rank meets the error; rank 0 alone says it, in one line, and exits 2. torchrun
-    restarts any failed worker group (docs/training.md, "Errors"), so ftsdp.launch checks the
-    flags itself before it starts one: with --max-restarts=3 nothing starts and nothing retries."""
+    restarts a failed worker group whatever its status (docs/training.md), so ftsdp.launch checks
+    the flags itself before it starts one: with --max-restarts=3 nothing starts or retries."""
     bad = ["--global-batch", "30", "--micro-batch", "8", "--device", "cpu"]
     message = "ftsdp-train: error: TrainConfig: global_batch=30 must be a multiple of micro_batch=8"
     proc = _launch([*_torchrun(2)[:-2], "--max-restarts=0", "-m", "ftsdp.train", *bad])
