@@ -36,7 +36,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--n-embd", type=int, default=64)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the figures repeat; restored for a caller (the test)
+    try:
+        _compare(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare(args: argparse.Namespace) -> None:
     with open(args.data, "rb") as f:
         tokens = np.frombuffer(f.read(args.bytes), dtype=np.uint8)
     t = args.block_size
