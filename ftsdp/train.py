@@ -76,7 +76,7 @@ logger = logging.getLogger("ftsdp.train")
 EXIT_USER_ERROR = 2  # as argparse's usage errors
 # How long a rank other than 0 waits before it reports a bad command line itself: every rank
 # meets the same error, rank 0 reports it and exits, and torchrun stops the others meanwhile.
-REPORT_WAIT_S = 10.0
+REPORT_WAIT_S = 30.0
 
 
 def parse_or_exit(argv: Sequence[str] | None, rank: int) -> TrainConfig:
