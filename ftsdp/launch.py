@@ -108,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if start_method(ours) in (None, "forkserver"):
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()  # preloads while this process imports
+    from ftsdp.train import parse_or_exit
+
+    parse_or_exit(train, 0)  # a bad flag: one line and exit 2 here, not a failure torchrun retries
     from torch.distributed import run as torchrun
 
     plain_tracebacks("torch", "torch.distributed")  # the handlers torch's import installed

@@ -39,11 +39,13 @@ try:
     with contextlib.suppress(ImportError):  # a torch without it: nothing to import early
         import torch._dynamo  # noqa: F401
     _TORCH_IMPORTED = time.time()
+    import io
     import logging
     import os
+    import sys
     from collections.abc import Sequence
 
-    from ftsdp.trainer._config import parse_args
+    from ftsdp.trainer._config import TrainConfig, parse_args
     from ftsdp.trainer._errors import JobError
     from ftsdp.trainer._hooks import HookFactory
     from ftsdp.trainer._job import build
@@ -72,6 +74,27 @@ def fault_hook() -> HookFactory | None:
 logger = logging.getLogger("ftsdp.train")
 
 EXIT_USER_ERROR = 2  # as argparse's usage errors
+# How long a rank other than 0 waits before it reports a bad command line itself: every rank
+# meets the same error, rank 0 reports it and exits, and torchrun stops the others meanwhile.
+REPORT_WAIT_S = 30.0
+
+
+def parse_or_exit(argv: Sequence[str] | None, rank: int) -> TrainConfig:
+    """:func:`parse_args`; a bad command line (or config file) exits 2 with one line on stderr,
+    from rank 0 only (another rank says it only if rank 0 has not stopped the job by then).
+    torchrun restarts a failed worker whatever its exit status (docs/training.md, "What a
+    checkpoint records, and resuming another run")."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_args(argv)
+    except SystemExit as e:
+        if e.code:  # argparse wrote its usage, then the error on the last line
+            if rank != 0:
+                time.sleep(REPORT_WAIT_S)
+            lines = err.getvalue().strip().splitlines()
+            print(lines[-1] if lines else f"exit {e.code}", file=sys.stderr)
+        raise
 
 
 def start_marks() -> Phases:
@@ -87,7 +110,7 @@ def start_marks() -> Phases:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_args(argv)
+    cfg = parse_or_exit(argv, int(os.environ.get("RANK", "0") or 0))
     phases = start_marks()
     # The session is closed (in reverse) on the way out.
     with Session.open(cfg, hook=fault_hook(), phases=phases) as session:

@@ -3,7 +3,7 @@ hangs, and continue on another world size (docs/elastic.md).
 
 The engine never imports this package and this package never imports the engine."""
 
-from ftsdp.elastic._geometry import BatchGeometry, valid_world_sizes
+from ftsdp.elastic._geometry import BatchGeometry
 from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device
 from ftsdp.elastic._sampler import GlobalSampler, RankBatchSampler
 from ftsdp.elastic._signals import EXIT_GRACE_EXCEEDED, PreemptionHandler
@@ -29,5 +29,4 @@ __all__ = [
     "read_env",
     "resolve_device",
     "simulate_heartbeats",
-    "valid_world_sizes",
 ]

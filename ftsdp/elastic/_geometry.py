@@ -1,27 +1,22 @@
 """Batch geometry: a constant global batch split over however many ranks the job has now.
 
 The micro-batch size and a step's micro-batches never depend on the world size, only their
-assignment to ranks does (docs/elastic.md, "Batch geometry")."""
+assignment to ranks does: rank r runs the r-th contiguous block of the step's ``G``
+micro-batches, the blocks' sizes differing by at most one (the first ``G mod W`` ranks take one
+more). Every rank runs ``ceil(G / W)`` passes, the shorter ones padding (docs/elastic.md,
+"Batch geometry")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-def valid_world_sizes(global_batch: int, micro_batch: int) -> list[int]:
-    """Every world size that splits ``global_batch`` into whole micro-batches on each rank."""
-    if global_batch < 1 or micro_batch < 1 or global_batch % micro_batch:
-        return []
-    n = global_batch // micro_batch
-    return [w for w in range(1, n + 1) if n % w == 0]
-
-
 @dataclass(frozen=True, kw_only=True)
 class BatchGeometry:
     """How one optimizer step of ``global_batch`` samples runs on ``world_size`` ranks.
 
-    Raises ``ValueError`` listing the world sizes that work when ``world_size`` cannot reach the
-    global batch with whole micro-batches of ``micro_batch`` samples on every rank.
+    Any world size works; ``global_batch`` must be a multiple of ``micro_batch`` (else
+    ``ValueError``).
     """
 
     global_batch: int
@@ -38,14 +33,6 @@ class BatchGeometry:
                 f"BatchGeometry: global_batch={self.global_batch} must be a multiple of "
                 f"micro_batch={self.micro_batch}"
             )
-        if self.micro_batches % self.world_size:
-            works = valid_world_sizes(self.global_batch, self.micro_batch)
-            raise ValueError(
-                f"global_batch={self.global_batch} is not divisible by micro_batch="
-                f"{self.micro_batch} * world_size={self.world_size}: the global batch must split "
-                f"into whole micro-batches on every rank. World sizes that work: {works}; "
-                "or change --micro-batch / --global-batch"
-            )
 
     @property
     def micro_batches(self) -> int:
@@ -54,22 +41,30 @@ class BatchGeometry:
 
     @property
     def accum_steps(self) -> int:
-        """Micro-batches each rank runs per step (gradient accumulation steps)."""
-        return self.micro_batches // self.world_size
+        """Forward/backward passes every rank runs per step: ``ceil(G / W)`` (the largest
+        share; a rank with a smaller one pads, see :meth:`share`)."""
+        return -(-self.micro_batches // self.world_size)
 
-    @property
-    def samples_per_rank(self) -> int:
-        return self.global_batch // self.world_size
+    def share(self, rank: int) -> int:
+        """How many of the step's micro-batches rank ``rank`` runs (0 when ``W > G``)."""
+        self._check_rank(rank)
+        base, extra = divmod(self.micro_batches, self.world_size)
+        return base + (rank < extra)
 
     def global_micro_index(self, rank: int, micro: int) -> int:
         """Index in ``[0, G)`` of rank ``rank``'s ``micro``-th micro-batch of a step."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} must be in [0, world_size={self.world_size})")
-        if not 0 <= micro < self.accum_steps:
-            raise ValueError(f"micro={micro} must be in [0, accum_steps={self.accum_steps})")
-        return rank * self.accum_steps + micro
+        if not 0 <= micro < self.share(rank):
+            raise ValueError(
+                f"micro={micro} must be in [0, share={self.share(rank)}) of rank {rank}"
+            )
+        base, extra = divmod(self.micro_batches, self.world_size)
+        return rank * base + min(rank, extra) + micro
 
     def sample_range(self, rank: int, micro: int) -> range:
         """Positions of that micro-batch's samples inside the step's ``global_batch``."""
         start = self.global_micro_index(rank, micro) * self.micro_batch
         return range(start, start + self.micro_batch)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={self.world_size})")

@@ -96,8 +96,10 @@ class GlobalSampler:
 
 
 class RankBatchSampler(Sampler[list[int]]):
-    """A ``DataLoader`` batch sampler over a :class:`GlobalSampler`: rank ``rank``'s micro-batches,
-    step after step, starting at sample ``cursor``; ``steps`` bounds the number of steps.
+    """A ``DataLoader`` batch sampler over a :class:`GlobalSampler`: rank ``rank``'s micro-batches
+    (its :meth:`~BatchGeometry.share` per step), step after step, starting at sample ``cursor``;
+    ``steps`` bounds the number of steps. Where shares differ, a distributed loop still runs
+    ``accum_steps`` passes per step on every rank (``FSDP.padding()`` for the missing ones).
 
     With a prefetching ``DataLoader`` the batches yielded run ahead of the ones trained on, so
     checkpoint the loop's own cursor (``cursor + steps_done * global_batch``), not this object.
@@ -112,14 +114,14 @@ class RankBatchSampler(Sampler[list[int]]):
         cursor: int = 0,
         steps: int | None = None,
     ) -> None:
-        geometry.global_micro_index(rank, 0)  # validates the rank
+        geometry.share(rank)  # validates the rank
         self.sampler, self.geometry, self.rank = sampler, geometry, rank
         self.cursor, self.steps = cursor, steps
 
     def __iter__(self) -> Iterator[list[int]]:
         cursor, done = self.cursor, 0
         while self.steps is None or done < self.steps:
-            for micro in range(self.geometry.accum_steps):
+            for micro in range(self.geometry.share(self.rank)):
                 yield self.sampler.micro_batch(cursor, self.geometry, self.rank, micro)
             cursor += self.geometry.global_batch
             done += 1
@@ -127,4 +129,4 @@ class RankBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         if self.steps is None:
             raise TypeError("RankBatchSampler without steps= is infinite")
-        return self.steps * self.geometry.accum_steps
+        return self.steps * self.geometry.share(self.rank)

@@ -1,10 +1,11 @@
 """The main job's data: a deterministic synthetic language (:class:`MarkovDataset`, the default)
-and windows over a flat array of tokens (:class:`TokenDataset`: a token file, a text file's bytes).
+and windows at seeded random offsets of a flat array of tokens (:class:`TokenDataset`: a token
+file, a text file's bytes).
 
 The language is a fixed, seeded, sparse Markov chain over ``vocab_size`` tokens (``branching``
 successors each); its entropy rate ``H = sum_s pi(s) * H(P[s, :])`` is the achievable loss
-(:attr:`MarkovChain.entropy_rate`). Sample ``i`` depends only on ``(seed, i)``, so it is the same
-in every process, world size and access order, as a global sample cursor needs."""
+(:attr:`MarkovChain.entropy_rate`). In both, sample ``i`` depends only on ``(seed, i)``, so it is
+the same in every process, world size and access order, as a global sample cursor needs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.utils.data import Dataset
 # Distinct SeedSequence spawn keys keep the chain's stream and the samples' streams apart.
 _CHAIN_STREAM = 0
 _SAMPLE_STREAM = 1
+_WINDOW_STREAM = 2
 
 
 def _sample_index(i: int, n: int, what: str) -> int:
@@ -152,14 +154,18 @@ class MarkovDataset(_Samples):
 class TokenDataset(_Samples):
     """Map-style dataset over a flat 1-D array of token ids (a memory-mapped token file, or a
     text file's bytes): item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors from the
-    window ``tokens[i * seq_len : (i + 1) * seq_len + 1]`` (``target[t] = input[t + 1]``).
+    window ``tokens[s : s + seq_len + 1]`` (``target[t] = input[t + 1]``).
 
-    Consecutive windows share one token, so an epoch sees every token once:
-    ``len = (len(tokens) - 1) // seq_len``. Reading an item copies its ``seq_len + 1`` tokens
-    out of the array (a memory map is read only where it is used).
+    The offset ``s`` is drawn uniformly from every possible one by a generator seeded with
+    ``(seed, i)``, as nanoGPT samples its windows: windows on a fixed grid are memorised (the
+    model then fails on the same text one token off), and a pure function of ``(seed, i)`` keeps
+    the global sample order exact across restarts and world sizes. ``len`` is the number of
+    whole windows, ``(len(tokens) - 1) // seq_len``: an epoch reads about as many tokens as the
+    array holds. Reading an item copies its ``seq_len + 1`` tokens out of the array (a memory
+    map is read only where it is used).
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, seed: int = 0):
         if tokens.ndim != 1:
             raise ValueError(f"TokenDataset: tokens must be 1-D, got shape {tokens.shape}")
         if seq_len < 1:
@@ -171,14 +177,20 @@ class TokenDataset(_Samples):
             )
         self.tokens = tokens
         self.seq_len = seq_len
+        self.seed = seed
         self.num_samples = (len(tokens) - 1) // seq_len
 
     def max_token(self, chunk: int = 1 << 26) -> int:
         """The largest token id in the array (read once, ``chunk`` tokens at a time)."""
         return max(int(self.tokens[a : a + chunk].max()) for a in range(0, len(self.tokens), chunk))
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def offset(self, i: int) -> int:
+        """Where item ``i``'s window starts: uniform in ``[0, len(tokens) - seq_len)``."""
         i = _sample_index(i, self.num_samples, "TokenDataset")
-        start = i * self.seq_len
+        rng = np.random.default_rng([self.seed, _WINDOW_STREAM, i])
+        return int(rng.integers(len(self.tokens) - self.seq_len))
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.offset(i)
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]

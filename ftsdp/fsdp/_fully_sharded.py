@@ -99,7 +99,8 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params, ignored_modules, ignored_states: as in torch FSDP
             (docs/migrating.md).
         deterministic: gradients bitwise independent of the world size; the reduced gradient
-            is the MEAN over micro-batches (docs/engine.md, "Deterministic mode").
+            is the MEAN over micro-batches, padding passes left out (docs/engine.md,
+            "Deterministic mode").
 
     Every rank must wrap the same model structure; it is checked once here.
     """
@@ -309,6 +310,18 @@ class FullyShardedDataParallel(nn.Module):
             yield
         finally:
             self._runtime.no_sync = previous
+
+    @contextlib.contextmanager
+    def padding(self) -> Iterator[None]:
+        """A pass that adds no gradient: its forward and backward run every collective (so a
+        rank with fewer micro-batches keeps in step with the others) and its gradients count
+        as zeros; deterministic mode leaves it out of the mean."""
+        previous = self._runtime.padding
+        self._runtime.padding = True
+        try:
+            yield
+        finally:
+            self._runtime.padding = previous
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -108,6 +108,7 @@ class Runtime:
         self.strategy = strategy
         self.phase = Phase.IDLE
         self.no_sync = False
+        self.padding = False  # FSDP.padding(): this backward's gradients count as zeros
         self._callback_queued = False
         self._runs = {id(u): _UnitRun() for u in units}
         self._tickets = itertools.count()
@@ -285,7 +286,7 @@ class Runtime:
             self._ensure_callback()
             grad, leaf.grad = leaf.grad, None
             assert grad is not None, unit.fqn  # the hook runs once a gradient accumulated
-            unit.add_unsharded_grad(grad)
+            unit.add_unsharded_grad(grad, self.padding)
             if not self.no_sync and not unit.deterministic:
                 unit.reduce_grad()  # deterministic reductions wait for the end of backward
                 self._reducing.append(unit)
@@ -360,14 +361,17 @@ class Runtime:
         return out
 
     def _check_contribution_counts(self) -> None:
-        """Deterministic mode gathers equal numbers of micro-batch gradients from every rank."""
-        if not any(u.deterministic for u in self.units) or self.group is None:
+        """Deterministic mode gathers equal numbers of micro-batch gradients from every rank;
+        each unit learns how many of them, over all ranks, are not padding (its divisor)."""
+        if not any(u.deterministic for u in self.units):
             return
-        counts = [u.contribution_count() for u in self.units]
-        everyone = all_gather_ints(counts, self.group)
-        if any(row != everyone[0] for row in everyone):
+        counts = [n for u in self.units for n in u.contribution_counts()]
+        everyone = [counts] if self.group is None else all_gather_ints(counts, self.group)
+        if any(row[0::2] != everyone[0][0::2] for row in everyone):
             raise RuntimeError(
                 "deterministic mode: ranks ran different numbers of backward passes this step "
-                f"(per unit, by rank: {everyone}); every rank must run the same number of "
-                "micro-batches"
+                f"(per unit (passes, padding), by rank: {everyone}); every rank must run the "
+                "same number of micro-batches (FSDP.padding() for a rank with fewer)"
             )
+        for i, unit in enumerate(self.units):
+            unit.real_rows = sum(row[2 * i] - row[2 * i + 1] for row in everyone)

@@ -156,6 +156,8 @@ class FlatParamUnit:
         self._sharded_grad_ref: weakref.ref | None = None
         self._unsharded_grad: torch.Tensor | None = None  # 1-D [padded_numel] (no_sync)
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
+        self._padding = 0  # of those, padding passes' (zeros; not counted in the mean)
+        self.real_rows = 0  # every rank's non-padding contributions: the deterministic divisor
         self._used = [False] * len(self.infos)  # which parameters got a gradient
         self._gathered_version = -1  # the shard's version when it was last all-gathered
         self._gather_token: object = None  # the all-gather in flight (see [Note: streams])
@@ -352,11 +354,14 @@ class FlatParamUnit:
         self.state = UnitState.SHARDED
 
     # ---------------------------------------------------------------- gradients
-    def add_unsharded_grad(self, grad: torch.Tensor) -> None:
+    def add_unsharded_grad(self, grad: torch.Tensor, padding: bool = False) -> None:
         """Keep one backward's flat gradient until it is reduced (summed under ``no_sync``,
-        one by one in deterministic mode)."""
+        one by one in deterministic mode); a padding pass's counts as zeros."""
+        if padding:
+            grad.zero_()  # exact zeros: adding them changes no sum, whatever the loss was
         if self.deterministic:
             self._contributions.append(grad)
+            self._padding += padding
         elif self._unsharded_grad is None:
             self._unsharded_grad = grad
         else:
@@ -365,8 +370,9 @@ class FlatParamUnit:
     def has_unreduced_grad(self) -> bool:
         return self._unsharded_grad is not None or bool(self._contributions)
 
-    def contribution_count(self) -> int:
-        return len(self._contributions)
+    def contribution_counts(self) -> tuple[int, int]:
+        """(contributions kept, of which padding) for deterministic mode's agreement."""
+        return len(self._contributions), self._padding
 
     def drop_unreduced_grad(self) -> None:
         """Forget gradients kept for a later reduction (``model.zero_grad()``), and reduced
@@ -374,6 +380,7 @@ class FlatParamUnit:
         self._unsharded_grad = None
         self._reduced.clear()
         self._contributions.clear()
+        self._padding = 0
         self._used = [False] * len(self.infos)
 
     def reduce_grad(self) -> None:
@@ -415,16 +422,18 @@ class FlatParamUnit:
 
     def _reduce_deterministic(self) -> None:
         """[Note: deterministic reduction] Gather every rank's per-micro-batch gradients and
-        sum them in (rank, order) sequence, then divide by their count: docs/engine.md,
+        sum them in (rank, order) sequence, then divide by the number of non-padding ones
+        (``real_rows``, agreed by the runtime; padding rows are zeros): docs/engine.md,
         "Deterministic mode"."""
         mine = torch.stack(self._contributions)  # [k, padded_numel]
         groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
         self._contributions.clear()
+        self._padding = 0
         rows = all_gather_rows(mine, groups, stats=self.stats)  # [W*k, padded]
         total = rows[0].to(self.dtype, copy=True)
         for row in rows[1:]:
             total += row
-        total /= rows.shape[0]
+        total /= max(1, self.real_rows)
         start = self.rank * self.shard_numel
         out = total[start : start + self.shard_numel].clone()
         self._pending.append((None, out, False, mine))

@@ -228,14 +228,10 @@ class TrainConfig:
         )
 
     def geometry(self, world_size: int) -> BatchGeometry:
-        """The batch geometry at ``world_size``; a ValueError lists the world sizes that work."""
+        """The batch geometry at ``world_size`` (any world size works: ftsdp.elastic)."""
         return BatchGeometry(
             global_batch=self.global_batch, micro_batch=self.micro_batch, world_size=world_size
         )
-
-    def accum_steps(self, world_size: int) -> int:
-        """Micro-batches per rank per step: ``global_batch / (micro_batch * world_size)``."""
-        return self.geometry(world_size).accum_steps
 
 
 def _flag_type(hint: object) -> type:

@@ -86,7 +86,7 @@ def open_data(cfg: TrainConfig) -> Data:
             f"block_size + 1 = {cfg.block_size + 1}; use more data or a smaller --block-size"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    ds = TokenDataset(tokens, cfg.block_size)
+    ds = TokenDataset(tokens, cfg.block_size, seed=cfg.seed)
     record = {
         "spec": cfg.data,
         "dtype": dtype.name,
@@ -97,7 +97,8 @@ def open_data(cfg: TrainConfig) -> Data:
         ds,
         record,
         ds.max_token(),
-        f"{kind} {cfg.data}: {len(tokens)} tokens, {len(ds)} samples of {cfg.block_size + 1}",
+        f"{kind} {cfg.data}: {len(tokens)} tokens, {len(ds)} samples per epoch, windows of "
+        f"{cfg.block_size + 1} at seeded random offsets",
     )
 
 

@@ -164,7 +164,7 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     (after wrapping) and schedule, the checkpoints. Collective; a :class:`JobError` on any rank
     is raised on every rank."""
     rm = session.rm
-    geometry = cfg.geometry(rm.world_size)  # fails fast on a world size that cannot work
+    geometry = cfg.geometry(rm.world_size)
     _attach_tensorboard(cfg, session)
     data, plan = on_every_rank(rm, lambda: (open_data(cfg), plan_model(cfg)))
     url = session.hook.checkpoint_url(cfg.checkpoint_url) if cfg.checkpoint_url else None

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ftsdp import storage
-from ftsdp.elastic import EXIT_PEER_PREEMPTED, RankManager
+from ftsdp.elastic import EXIT_PEER_PREEMPTED, BatchGeometry, RankManager
 from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._job import Job
@@ -100,20 +100,29 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
 def _step(
     job: Job, rm: RankManager, cursor: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on this rank's micro-batches; returns its (accum,) losses and the
-    gradient norm."""
-    accum = job.geometry.accum_steps
-    losses = torch.empty(accum, dtype=torch.float64, device=rm.device)  # no host syncs
-    for micro in range(accum):
-        idx = job.sampler.micro_batch(cursor, job.geometry, rm.rank, micro)
+    """One optimizer step: this rank's share of the step's micro-batches, then padding passes
+    up to ``accum_steps`` (every rank runs as many; see ``FSDP.padding()``). Returns the
+    (accum_steps,) losses, zero for padding passes, and the gradient norm."""
+    g = job.geometry
+    share, passes = g.share(rm.rank), g.accum_steps
+    losses = torch.zeros(passes, dtype=torch.float64, device=rm.device)  # no host syncs
+    for micro in range(passes):
+        real = micro < share
+        # A padding pass trains on one sample of the step; its gradient counts as zeros.
+        idx = (
+            job.sampler.micro_batch(cursor, g, rm.rank, micro)
+            if real
+            else [job.sampler.index(cursor)]
+        )
         x, y = (t.to(rm.device, non_blocking=True) for t in job.dataset.batch(idx))
-        # Gradients reduce across ranks only on the last micro-batch of the step.
-        sync = contextlib.nullcontext() if micro == accum - 1 else job.model.no_sync()
-        with sync:
+        # Gradients reduce across ranks only on the last pass of the step.
+        sync = contextlib.nullcontext() if micro == passes - 1 else job.model.no_sync()
+        with sync, contextlib.nullcontext() if real else job.model.padding():
             loss = job.loss(job.model, x, y)
             scaled = loss * scale
             (scaled if job.scaler is None else job.scaler.scale(scaled)).backward()
-        losses[micro] = loss.detach().double()
+        if real:
+            losses[micro] = loss.detach().double()
     if job.scaler is not None:
         job.scaler.unscale_(job.optimizer)  # the norm and the clip see the true gradients
     grad_norm = job.model.clip_grad_norm_(job.clip)
@@ -127,13 +136,21 @@ def _step(
     return losses, grad_norm
 
 
+def _shares(g: BatchGeometry) -> str:
+    """Micro-batches per rank: ``2`` when even, ``2-1`` when the ranks' shares differ."""
+    most, least = g.share(0), g.share(g.world_size - 1)
+    return str(most) if most == least else f"{most}-{least}"
+
+
 def run(cfg: TrainConfig, session: Session, job: Job) -> int:
     """Log the start, train (:func:`train`), log the end; the worker's exit status."""
     rm, log, g = session.rm, session.log, job.geometry
     log.write(
         f"ftsdp.train | world {rm.world_size} | {rm.device} | {cfg.sharding_strategy} | "
         f"{job.n_params / 1e6:.2f}M params | global batch {cfg.global_batch} = micro "
-        f"{cfg.micro_batch} x accum {g.accum_steps} x ranks {rm.world_size} | "
+        f"{cfg.micro_batch} x {g.micro_batches} over {rm.world_size} rank"
+        f"{'s' if rm.world_size > 1 else ''} "
+        f"({_shares(g)} each) | "
         f"model {cfg.model}"
         + (f" ({cfg.mixed_precision})" if cfg.mixed_precision != "none" else "")
         + f" | {job.data_description} | generation {rm.generation}",
@@ -174,9 +191,12 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     step, cursor = trainer["step"], trainer["cursor"]
     if session.watchdog is not None:
         session.watchdog.beat(step)
-    # Deterministic engines average every micro-batch's gradient themselves.
-    scale = 1.0 if job.deterministic_engine else 1.0 / job.geometry.accum_steps
-    window: list[torch.Tensor] = []  # per step: (accum,) micro-batch losses of this rank
+    # The gradient is the mean over the step's micro-batches at any world size. Deterministic
+    # engines average the micro-batch gradients themselves; otherwise the reduction averages
+    # over W ranks, so each micro-batch's loss weighs W/G (ranks' shares may differ).
+    g = job.geometry
+    scale = 1.0 if job.deterministic_engine else g.world_size / g.micro_batches
+    window: list[torch.Tensor] = []  # per step: (accum_steps,) pass losses of this rank
     blocking = 0.0  # seconds the loop spent inside checkpoint saves since the last log line
     out = Outcome()
     t_window = time.perf_counter()
@@ -275,12 +295,16 @@ def _log_window(
     elapsed: float,
 ) -> float:
     """The window's mean loss over every micro-batch of every rank, summed in the global
-    micro-batch order (rank-major), so it is bitwise the same at any world size."""
-    local = torch.stack(window)  # (steps, accum) float64, on the device
+    micro-batch order (rank-major, padding passes left out), so it is bitwise the same at any
+    world size."""
+    local = torch.stack(window)  # (steps, accum_steps) float64, on the device
+    g = cfg.geometry(rm.world_size)
     if rm.world_size > 1:
         gathered = [torch.empty_like(local) for _ in range(rm.world_size)]
         dist.all_gather(gathered, local)
-        local = torch.cat(gathered, dim=1)  # (steps, G): rank r's block is [r*accum, ...)
+        local = torch.cat(gathered, dim=1)  # (steps, W * accum_steps): rank r's passes
+    real = [r * g.accum_steps + m for r in range(rm.world_size) for m in range(g.share(r))]
+    local = local[:, real]  # (steps, G) in the global micro-batch order
     total = 0.0
     for value in local.reshape(-1).cpu().tolist():
         total += value

@@ -122,26 +122,36 @@ def check_rank_divergent_freezing(rank: int) -> None:
 
 
 MICRO = 2
-MICROBATCHES = 12  # every world size 1..4 divides it
+# 5: uneven shares at world sizes 2, 3 and 4 (the shorter ranks pad); 3 at 4: a rank with no
+# micro-batch at all, only a padding pass.
+MICROBATCHES = (5, 3)
 
 
-def deterministic_run(rank: int, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-    """4 steps of GPT in deterministic mode on ``group``; rank r runs micro-batch block r."""
+def deterministic_run(rank: int, group: dist.ProcessGroup, n: int) -> dict[str, torch.Tensor]:
+    """4 steps of GPT in deterministic mode on ``group``, ``n`` micro-batches each; rank r runs
+    the r-th contiguous block (sizes differing by at most one), then padding passes up to the
+    longest."""
     world = dist.get_world_size(group)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16))
     wrapped = ftsdp.FSDP(model, auto_wrap_policy={Block}, process_group=group, deterministic=True)
     opt = torch.optim.AdamW(param_groups(wrapped, 0.1), lr=1e-2)
     g = torch.Generator().manual_seed(3)
-    per_rank = MICROBATCHES // world
+    base, extra = divmod(n, world)
+    passes = base + (extra > 0)
+    start = rank * base + min(rank, extra)
     for _ in range(4):
-        tokens = torch.randint(0, 23, (MICROBATCHES, MICRO, 9), generator=g)
-        mine = tokens[rank * per_rank : (rank + 1) * per_rank]
-        for i, micro in enumerate(mine):
-            with wrapped.no_sync() if i < per_rank - 1 else contextlib.nullcontext():
-                wrapped(micro[:, :-1], micro[:, 1:])[
-                    1
-                ].backward()  # no 1/accum: the engine averages
+        tokens = torch.randint(0, 23, (n, MICRO, 9), generator=g)
+        mine = list(tokens[start : start + base + (rank < extra)])
+        pads = passes - len(mine)
+        # A padding pass (one sample, its loss scaled up) must add nothing.
+        for i, micro in enumerate(mine + [tokens[0, :1]] * pads):
+            with (
+                wrapped.no_sync() if i < passes - 1 else contextlib.nullcontext(),
+                wrapped.padding() if i >= len(mine) else contextlib.nullcontext(),
+            ):
+                loss = wrapped(micro[:, :-1], micro[:, 1:])[1]
+                (loss * (1e6 if i >= len(mine) else 1.0)).backward()  # no 1/accum: it averages
         wrapped.clip_grad_norm_(0.5)
         opt.step()
         opt.zero_grad()
@@ -149,16 +159,19 @@ def deterministic_run(rank: int, group: dist.ProcessGroup) -> dict[str, torch.Te
 
 
 def check_deterministic_across_world_sizes(rank: int) -> None:
-    results = {}
-    for size in (1, 2, 3, 4):
-        group = dist.new_group(list(range(size)))  # every rank must create every group
-        if rank < size:
-            results[size] = deterministic_run(rank, group)
-        dist.barrier()
-    if rank == 0:
-        for size in (2, 3, 4):
-            for key, value in results[1].items():
-                assert torch.equal(results[size][key], value), f"W={size}: {key} differs from W=1"
+    for n in MICROBATCHES:
+        results = {}
+        for size in (1, 2, 3, 4):
+            group = dist.new_group(list(range(size)))  # every rank must create every group
+            if rank < size:
+                results[size] = deterministic_run(rank, group, n)
+            dist.barrier()
+        if rank == 0:
+            for size in (2, 3, 4):
+                for key, value in results[1].items():
+                    assert torch.equal(results[size][key], value), (
+                        f"{n} micro-batches, W={size}: {key}"
+                    )
 
 
 def edge_cases(rank: int, world: int) -> int:

@@ -38,7 +38,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 12
 TINY = [
     *["--vocab-size", "64", "--block-size", "16", "--n-layer", "2", "--n-head", "2"],
-    *["--n-embd", "32", "--global-batch", "12", "--micro-batch", "1", "--steps", str(STEPS)],
+    # 10 micro-batches: uneven shares at world sizes 3 (4-3-3) and 4 (3-3-2-2)
+    *["--n-embd", "32", "--global-batch", "10", "--micro-batch", "1", "--steps", str(STEPS)],
     *["--lr", "1e-2", "--warmup", "2", "--min-lr", "1e-3", "--log-every", "1", "--device", "cpu"],
     *["--deterministic", "--checkpoint-every", "2", "--keep-last", "20"],
     *["--heartbeat-timeout-s", "4", "--preempt-grace-s", "15", "--pg-timeout-s", "60"],

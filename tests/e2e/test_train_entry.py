@@ -1,6 +1,7 @@
 """The main job end to end: ``torchrun --standalone --nproc-per-node=2 -m ftsdp.train`` with the
-real engine on gloo, a tiny model for a few seconds; then the same job as one plain process,
-which must see the same samples per step and so log (almost) the same losses."""
+real engine on gloo, a tiny model for a few seconds; then the same job as one plain process and
+at world sizes 3 and 4 (uneven shares of the default 4 micro-batches at 3), which must see the
+same samples per step and so log the same losses; and a bad command line under torchrun."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ftsdp.trainer._phases import MARKS, PHASES
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
     *["--vocab-size", "64", "--block-size", "32", "--n-layer", "2", "--n-head", "2"],
-    *["--n-embd", "64", "--global-batch", "16", "--micro-batch", "4", "--steps", "30"],
+    *["--n-embd", "64", "--steps", "30"],  # the default batch: 32 = 4 micro-batches of 8
     *["--lr", "1e-2", "--warmup", "5", "--min-lr", "1e-3", "--log-every", "5", "--device", "cpu"],
 ]
 # The entry's handler prefixes each line: time, rank, level, logger (ftsdp.trainer._session).
@@ -29,27 +30,30 @@ LINE = re.compile(
 )
 
 
-def _run(cmd: list[str], metrics: pathlib.Path) -> tuple[str, list[dict]]:
+def _launch(cmd: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [*cmd, *TINY, "--metrics", str(metrics)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+
+
+def _run(cmd: list[str], metrics: pathlib.Path) -> tuple[str, list[dict]]:
+    proc = _launch([*cmd, *TINY, "--metrics", str(metrics)])
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return proc.stdout, records
 
 
+def _torchrun(world: int) -> list[str]:
+    return [
+        *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
+        *[f"--nproc-per-node={world}", "-m", "ftsdp.train"],
+    ]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[str, list[dict]]:
-    metrics = tmp_path_factory.mktemp("train") / "metrics.jsonl"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    return _run([*torchrun, "-m", "ftsdp.train"], metrics)
+    return _run(_torchrun(2), tmp_path_factory.mktemp("train") / "metrics.jsonl")
 
 
 @pytest.mark.timeout(180)
@@ -92,11 +96,39 @@ def test_the_first_step_records_where_the_worker_start_went(two_ranks) -> None:
     assert float(line) == pytest.approx(phases["total_s"], abs=0.006)
 
 
-@pytest.mark.timeout(180)
-def test_one_plain_process_sees_the_same_batches(two_ranks, tmp_path) -> None:
-    stdout, records = _run([sys.executable, "-m", "ftsdp.train"], tmp_path / "metrics.jsonl")
+@pytest.mark.timeout(480)
+def test_every_world_size_logs_the_same_loss_curve(two_ranks, tmp_path) -> None:
+    """One plain process, and torchrun at 3 (shares 2, 1, 1: the short ranks pad) and 4 ranks:
+    the same global samples per step and the exact mean gradient; only the order of the
+    floating-point reductions differs."""
+    stdout, records = _run([sys.executable, "-m", "ftsdp.train"], tmp_path / "metrics-1.jsonl")
     assert "ftsdp.train | world 1 | cpu" in stdout
+    assert "global batch 32 = micro 8 x 4 over 1 rank (4 each)" in stdout
     one = [r["loss"] for r in records if r["event"] == "step"]
-    two = [r["loss"] for r in two_ranks[1] if r["event"] == "step"]
-    # Same global samples per step and the same math: only the reduction order differs.
-    assert one == pytest.approx(two, rel=1e-3)
+    curves = {2: [r["loss"] for r in two_ranks[1] if r["event"] == "step"]}
+    for world in (3, 4):
+        stdout, records = _run(_torchrun(world), tmp_path / f"metrics-{world}.jsonl")
+        start = next(r for r in records if r["event"] == "start")
+        assert (start["world_size"], start["accum_steps"]) == (world, 2 if world == 3 else 1)
+        curves[world] = [r["loss"] for r in records if r["event"] == "step"]
+        shares = "2-1" if world == 3 else "1"
+        assert f"global batch 32 = micro 8 x 4 over {world} ranks ({shares} each)" in stdout
+    for world, curve in curves.items():
+        assert len(curve) == len(one) == 6
+        assert curve == pytest.approx(one, rel=2e-5, abs=0), world
+
+
+@pytest.mark.timeout(240)
+def test_a_bad_command_line_is_one_line_from_rank_0_and_no_restart() -> None:
+    """Every rank meets the error; rank 0 alone says it, in one line, and exits 2. torchrun
+    restarts a failed worker group whatever its status (docs/training.md), so ftsdp.launch checks
+    the flags itself before it starts one: with --max-restarts=3 nothing starts or retries."""
+    bad = ["--global-batch", "30", "--micro-batch", "8", "--device", "cpu"]
+    message = "ftsdp-train: error: TrainConfig: global_batch=30 must be a multiple of micro_batch=8"
+    proc = _launch([*_torchrun(2)[:-2], "--max-restarts=0", "-m", "ftsdp.train", *bad])
+    assert proc.returncode != 0
+    assert proc.stderr.count("ftsdp-train") == 1 and message in proc.stderr.splitlines()
+    assert "exitcode  : 2" in proc.stderr, proc.stderr  # rank 0's status, in torchrun's summary
+    launch = [sys.executable, "-m", "ftsdp.launch", "--standalone", "--nproc-per-node=2"]
+    proc = _launch([*launch, "--max-restarts=3", "--", *bad])
+    assert (proc.returncode, proc.stderr.splitlines(), proc.stdout) == (2, [message], "")

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from ftsdp.elastic import BatchGeometry, GlobalSampler, RankBatchSampler, valid_world_sizes
+from ftsdp.elastic import BatchGeometry, GlobalSampler, RankBatchSampler
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,14 +34,12 @@ def test_huge_datasets_need_no_materialised_permutation() -> None:
     assert len(set(ids)) == 256 and all(0 <= i < 1 << 40 for i in ids)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 12])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 12, 13])
 def test_a_step_has_the_same_samples_at_every_world_size(world: int) -> None:
     s = GlobalSampler(50, seed=3)  # small: steps cross epoch boundaries
     g = BatchGeometry(global_batch=12, micro_batch=1, world_size=world)
     for cursor in (0, 12, 36, 48, 96):
-        per_rank = [
-            s.micro_batch(cursor, g, r, m) for r in range(world) for m in range(g.accum_steps)
-        ]
+        per_rank = [s.micro_batch(cursor, g, r, m) for r in range(world) for m in range(g.share(r))]
         assert list(itertools.chain(*per_rank)) == s.step_indices(cursor, 12)
 
 
@@ -51,13 +49,13 @@ def test_restarting_from_a_cursor_skips_and_repeats_nothing() -> None:
     stream: list[int] = []
     cursor = 0
     # Restart after every two steps at another world size: the stream is the same.
-    for world in (6, 2, 3, 1, 2):
+    for world in (6, 2, 5, 3, 1, 4):
         g = BatchGeometry(global_batch=gb, micro_batch=2, world_size=world)
-        batches = RankBatchSampler(s, g, 0, cursor=cursor, steps=2)
-        assert len(batches) == 2 * g.accum_steps
+        for r in range(world):
+            assert len(RankBatchSampler(s, g, r, cursor=cursor, steps=2)) == 2 * g.share(r)
         for _ in range(2):
             for r in range(world):
-                for m in range(g.accum_steps):
+                for m in range(g.share(r)):
                     stream += s.micro_batch(cursor, g, r, m)
             cursor += gb
     assert stream == s.indices(0, len(stream))
@@ -75,17 +73,25 @@ def test_restarting_from_a_cursor_skips_and_repeats_nothing() -> None:
 
 def test_geometry_derives_accumulation_and_rank_blocks() -> None:
     g = BatchGeometry(global_batch=24, micro_batch=2, world_size=3)
-    assert (g.micro_batches, g.accum_steps, g.samples_per_rank) == (12, 4, 8)
+    assert (g.micro_batches, g.accum_steps, [g.share(r) for r in range(3)]) == (12, 4, [4, 4, 4])
     assert [g.global_micro_index(r, m) for r in range(3) for m in range(4)] == list(range(12))
     assert g.sample_range(1, 2) == range(12, 14)
-    assert valid_world_sizes(24, 2) == [1, 2, 3, 4, 6, 12]
-    assert valid_world_sizes(24, 5) == []
+
+
+@pytest.mark.parametrize(
+    ("world", "shares"),
+    [(5, [3, 3, 2, 2, 2]), (7, [2, 2, 2, 2, 2, 1, 1]), (12, [1] * 12), (14, [1] * 12 + [0, 0])],
+)
+def test_uneven_shares_differ_by_one_and_keep_the_order(world: int, shares: list[int]) -> None:
+    g = BatchGeometry(global_batch=24, micro_batch=2, world_size=world)
+    assert [g.share(r) for r in range(world)] == shares and g.accum_steps == max(shares)
+    order = [g.global_micro_index(r, m) for r in range(world) for m in range(g.share(r))]
+    assert order == list(range(12))  # rank-major blocks: the global micro-batch order
 
 
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"world_size": 5}, r"World sizes that work: \[1, 2, 3, 4, 6, 12\]"),
         ({"world_size": 0}, "world_size=0 must be a positive int"),
         ({"micro_batch": 5}, "global_batch=24 must be a multiple of micro_batch=5"),
         ({"global_batch": -1}, "global_batch=-1 must be a positive int"),
@@ -107,5 +113,7 @@ def test_bad_sampler_arguments() -> None:
         RankBatchSampler(GlobalSampler(5), g, 2)
     with pytest.raises(ValueError, match="micro=2"):
         g.sample_range(0, 2)
+    with pytest.raises(ValueError, match="micro=0 must be in \\[0, share=0\\) of rank 4"):
+        BatchGeometry(global_batch=4, micro_batch=1, world_size=5).sample_range(4, 0)
     with pytest.raises(TypeError, match="infinite"):
         len(RankBatchSampler(GlobalSampler(5), g, 0))

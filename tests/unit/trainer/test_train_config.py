@@ -13,8 +13,8 @@ from ftsdp.trainer._job import lr_at
 
 def test_defaults_are_valid_and_split_over_two_ranks() -> None:
     cfg = TrainConfig()
-    assert cfg.accum_steps(1) * cfg.micro_batch == cfg.global_batch
-    assert cfg.accum_steps(2) * cfg.micro_batch * 2 == cfg.global_batch
+    assert cfg.geometry(1).accum_steps * cfg.micro_batch == cfg.global_batch
+    assert cfg.geometry(2).accum_steps * cfg.micro_batch * 2 == cfg.global_batch
     assert cfg.model_config().n_layer == cfg.n_layer
 
 
@@ -57,13 +57,15 @@ def test_config_is_keyword_only() -> None:
         TrainConfig(256)  # type: ignore[misc]
 
 
-def test_accum_steps_lists_the_world_sizes_that_work() -> None:
+def test_every_world_size_keeps_the_global_batch() -> None:
+    """Uneven shares where W does not divide the micro-batches; W > G pads whole ranks."""
     cfg = TrainConfig(global_batch=32, micro_batch=4)
-    assert [cfg.accum_steps(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    with pytest.raises(ValueError, match=r"world_size=3.*World sizes that work: \[1, 2, 4, 8\]"):
-        cfg.accum_steps(3)
-    with pytest.raises(ValueError, match="world_size=16"):
-        cfg.accum_steps(16)
+    for world in range(1, 11):
+        g = cfg.geometry(world)
+        shares = [g.share(r) for r in range(world)]
+        assert sum(shares) * cfg.micro_batch == cfg.global_batch
+        assert max(shares) - min(shares) <= 1 and g.accum_steps == max(shares), (world, shares)
+    assert [cfg.geometry(w).accum_steps for w in (1, 2, 3, 7, 8, 9)] == [8, 4, 3, 2, 1, 1]
 
 
 def test_every_field_is_a_flag_with_its_default() -> None:
