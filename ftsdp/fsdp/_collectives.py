@@ -1,8 +1,5 @@
-"""The engine's collectives, as free functions over flat 1-D tensors and a process group.
-
-A group of ``None`` means one rank, nothing to communicate. An optional :class:`CommStats`
-counts calls and the ring-algorithm bytes per rank (docs/engine.md, "Accounting").
-"""
+"""The engine's collectives over flat 1-D tensors; a group of ``None`` is one rank. Byte counts
+are the ring cost per rank (docs/engine.md, "Accounting")."""
 
 from __future__ import annotations
 
@@ -47,29 +44,15 @@ class CommStats:
         """Collective bytes (copies excluded)."""
         return sum(self.bytes.values())
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """Plain dicts, for logs and benchmarks."""
-        return {
-            "calls": dict(self.calls),
-            "bytes": dict(self.bytes),
-            "copies": dict(self.copies),
-            "control": dict(self.control),
-            "max_in_flight": {"all_gather": self.max_in_flight},
-        }
-
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of ``group``; 1 for ``None`` (no group)."""
-    if group is None:
-        return 1
-    return dist.get_world_size(group)
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank inside ``group``; 0 for ``None`` (no group)."""
-    if group is None:
-        return 0
-    return dist.get_rank(group)
+    return 0 if group is None else dist.get_rank(group)
 
 
 def all_gather_flat(
@@ -84,7 +67,7 @@ def all_gather_flat(
     """Gather equal 1-D shards from every rank into ``output`` (``W * shard.numel()``)."""
     world = group_size(group)
     assert output.numel() == world * shard.numel(), (output.numel(), world, shard.numel())
-    if group is None or world == 1:  # None: no group, a world of one
+    if group is None or world == 1:
         output.copy_(shard)
         return None
     if stats is not None:
@@ -111,10 +94,9 @@ class _Works:
 
     def settle(self, async_op: bool) -> _Works | None:
         """``self`` to wait for later (``async_op``), or waited for now and ``None``."""
-        if async_op:
-            return self
-        self.wait()
-        return None
+        if not async_op:
+            self.wait()
+        return self if async_op else None
 
 
 def _gather_by_broadcasts(
@@ -155,7 +137,7 @@ def reduce_scatter_flat(
     ``consume_input=True``: ``full`` may be overwritten (on gloo, no full-size copy)."""
     world = group_size(group)
     assert full.numel() == world * output.numel(), (full.numel(), world, output.numel())
-    if group is None or world == 1:  # None: no group, a world of one
+    if group is None or world == 1:
         output.copy_(full)
         return None
     if stats is not None:
@@ -201,17 +183,14 @@ def broadcast_flat(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None,
     *,
-    src_group_rank: int = 0,
     stats: CommStats | None = None,
 ) -> None:
-    """Overwrite ``tensor`` on every rank with the copy held by ``src_group_rank``."""
-    world = group_size(group)
-    if group is None or world == 1:  # None: no group, a world of one
+    """Overwrite ``tensor`` on every rank with group rank 0's copy."""
+    if group is None or group_size(group) == 1:
         return
     if stats is not None:
         stats.record("broadcast", tensor.numel() * tensor.element_size())
-    src = dist.get_global_rank(group, src_group_rank)
-    dist.broadcast(tensor, src=src, group=group)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
 def all_gather_rows(

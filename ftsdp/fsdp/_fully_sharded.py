@@ -48,7 +48,7 @@ from ._common import (
     as_mixed_precision,
 )
 from ._init import build_units, check_same_structure, resolve_device, resolve_groups
-from ._runtime import PrefetchOptions, Runtime
+from ._runtime import Runtime
 from ._state_dict import (
     ShardView,
     load_full_state_dict,
@@ -206,14 +206,15 @@ class FullyShardedDataParallel(nn.Module):
             for info in unit.infos
             for module, name in info.refs
         }
-        prefetch = PrefetchOptions(
-            backward=backward_prefetch,
-            forward=forward_prefetch,
+        self._runtime = Runtime(
+            units,
+            strategy,
+            groups.world,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
+            cast_inputs_to=mp.param_dtype if mp.cast_forward_inputs else None,
         )
-        cast_to = mp.param_dtype if mp.cast_forward_inputs else None
-        self._runtime = Runtime(units, strategy, groups.world, prefetch, cast_to)
-        self._runtime.register_hooks()
         _install_stale_optimizer_guard()
 
     # ------------------------------------------------------------------ nn.Module surface

@@ -1,13 +1,10 @@
-"""Building a wrapped model's units: device, process groups, deferred initialisation.
-
-[Note: deferred initialisation] A meta-device model is materialised, initialised and sharded
-one unit at a time, in ``modules()`` order (docs/engine.md, "Deferred initialisation").
-"""
+"""Building a wrapped model's units: device, process groups, deferred initialisation (a meta
+model is materialised unit by unit: docs/engine.md, "Deferred initialisation")."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._collectives import CommStats, all_gather_ints, group_size
-from ._common import ShardingStrategy
+from ._common import Groups, ShardingStrategy
 from ._streams import HostSchedule
 from ._unit import STALE_ATTR, FlatParamUnit, MemoryGauge, UnitOptions
 from ._wrap import UnitPlan
@@ -27,15 +24,6 @@ if TYPE_CHECKING:
 
     # process_group=: one group, or (shard group, replicate group) for HYBRID_SHARD
     ProcessGroups: TypeAlias = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup]
-
-
-@dataclass(frozen=True)
-class Groups:
-    """The process groups a wrapped model uses."""
-
-    shard: dist.ProcessGroup | None  # ranks that split a FlatParameter (None: F = 1)
-    replicate: dist.ProcessGroup | None  # ranks holding the same shard (None: no replicas)
-    world: dist.ProcessGroup | None  # every data-parallel rank (None: not distributed)
 
 
 def resolve_groups(
@@ -84,8 +72,6 @@ def resolve_groups(
 
 def _node_groups() -> Groups:
     """HYBRID_SHARD's default: shard inside each node, replicate across nodes."""
-    import os
-
     if not dist.is_initialized():
         raise ValueError("HYBRID_SHARD needs torch.distributed to be initialised")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -162,20 +148,10 @@ def build_units(
     gauge: MemoryGauge,
     schedule: HostSchedule,
 ) -> list[FlatParamUnit]:
-    """One FlatParamUnit per plan; a meta-device model is materialised unit by unit (see
-    [Note: deferred initialisation])."""
+    """One FlatParamUnit per plan; a meta-device model is materialised unit by unit."""
 
     def build(plan: UnitPlan) -> FlatParamUnit:
-        return FlatParamUnit(
-            plan,
-            options,
-            shard_group=groups.shard,
-            replicate_group=groups.replicate,
-            broadcast_group=groups.world,
-            stats=stats,
-            gauge=gauge,
-            schedule=schedule,
-        )
+        return FlatParamUnit(plan, options, groups, stats, gauge, schedule)
 
     # Units are built as the modules() walk passes their last module; an eager model builds
     # in the same order, so a meta-device rank and an eager one pair their broadcasts.

@@ -1,9 +1,5 @@
-"""Hooks that drive every unit through its lifecycle during forward and backward.
-
-One :class:`Runtime` per wrapped model; the hook points are in docs/engine.md, "The unit
-lifecycle". The order of collectives is the autograd order, the same on every rank only if
-every rank runs the same control flow (docs/design.md, "The engine").
-"""
+"""The hooks that drive every unit through its lifecycle (docs/engine.md, "The unit
+lifecycle"); collectives run in autograd order, so every rank must run the same control flow."""
 
 from __future__ import annotations
 
@@ -55,16 +51,6 @@ def _inside_backward() -> bool:
 _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrefetchOptions:
-    """The paper's communication scheduling knobs (Section 3.3): docs/engine.md, "Performance
-    features"."""
-
-    backward: bool = True
-    forward: bool = False
-    limit_all_gathers: bool = True
-
-
 @dataclasses.dataclass(slots=True)
 class _UnitRun:
     """Per-backward bookkeeping of one unit (reset at the end of every backward).
@@ -91,11 +77,17 @@ class Runtime:
         units: list[FlatParamUnit],
         strategy: ShardingStrategy,
         group: dist.ProcessGroup | None,
-        prefetch: PrefetchOptions | None = None,
-        cast_inputs_to: torch.dtype | None = None,
+        *,
+        backward_prefetch: bool,
+        forward_prefetch: bool,
+        limit_all_gathers: bool,
+        cast_inputs_to: torch.dtype | None,
     ) -> None:
         self.units = units
-        self.prefetch = prefetch or PrefetchOptions()
+        # the paper's scheduling knobs (docs/engine.md, "Performance features")
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
         self.cast_inputs_to = cast_inputs_to
         self._gathering: deque[FlatParamUnit] = deque()  # prefetched, oldest first
         self._reducing: deque[FlatParamUnit] = deque()  # reductions in flight, oldest first
@@ -111,8 +103,6 @@ class Runtime:
         self._callback_queued = False
         self._runs = {id(u): _UnitRun() for u in units}
         self._tickets = itertools.count()
-
-    def register_hooks(self) -> None:
         for unit in self.units:
             if unit is not self.root and not unit.infos:
                 continue  # a unit with no parameters of its own has nothing to gather
@@ -133,7 +123,7 @@ class Runtime:
             if not recomputing and unit not in self._forward_order:
                 self._forward_order.append(unit)
             self._unshard(unit)
-            if self.prefetch.forward and not recomputing:
+            if self.forward_prefetch and not recomputing:
                 self._prefetch_after(unit, self._last_forward)
             unit.expose_unsharded()
             if not recomputing and torch.is_grad_enabled():
@@ -162,9 +152,8 @@ class Runtime:
                 unit.reshard()
 
     def _abandon_backward(self) -> None:
-        """A backward raised before its end-of-backward callback ran: finish its collectives,
-        drop its partial gradients and start clean (otherwise the next forward would look
-        like a recomputation and the next backward would produce no gradients)."""
+        """A backward raised before its end: finish its collectives, drop its gradients, start
+        clean (else the next forward looks like a recomputation)."""
         warnings.warn(
             "ftsdp.FSDP: the previous backward did not finish (it raised); its partial "
             "gradients were discarded and every unit resharded",
@@ -192,7 +181,7 @@ class Runtime:
         if index >= len(order) or order[index].state is not UnitState.SHARDED:
             return
         target = order[index]
-        if self.prefetch.limit_all_gathers:
+        if self.limit_all_gathers:
             # At most two prefetches outstanding (docs/engine.md, "rate limiter").
             while len(self._gathering) >= 2:
                 self._unshard(self._gathering[0])
@@ -271,7 +260,7 @@ class Runtime:
         if first_time:
             self._backward_order.append(unit)
         self._unshard(unit)
-        if first_time and self.prefetch.backward:
+        if first_time and self.backward_prefetch:
             order = self._last_backward or [self.root, *reversed(self._forward_order[1:])]
             self._prefetch_after(unit, order)
         # Recomputation (activation checkpointing) reads the modules. With gradients on, so
@@ -345,7 +334,7 @@ class Runtime:
 
     def _agree_used_parameters(self) -> list[list[bool]]:
         """Which parameters got a gradient on any rank (one small all-reduce per step)."""
-        masks = [unit.used_mask() for unit in self.units]
+        masks = [unit.used for unit in self.units]
         flat = [flag for mask in masks for flag in mask]
         if flat and self.group is not None:
             agreed = torch.tensor(flat, dtype=torch.uint8, device=self.root.device)

@@ -1,16 +1,7 @@
 """One unit: its FlatParameter, the shard this rank keeps, and the original-parameter views.
 
-[Note: the unit lifecycle] SHARDED -> (GATHERING) -> UNSHARDED and back; both transitions are
-idempotent. The hook points are in docs/engine.md, "The unit lifecycle".
-
-[Note: why a separate leaf aliases the full buffer] The views autograd saves come from
-``leaf``, which shares ``_full``'s storage (``set_``) but has its own version counter: the
-all-gather that refills ``_full`` before backward must not bump the saved views' version.
-Freeing is ``storage.resize_(0)``, which every alias sees.
-
-[Note: one split per forward] One ``torch.split`` of the leaf makes every view, so backward
-assembles the flat gradient in one node and the leaf's post-accumulate-grad hook fires once
-per backward, when the unit's gradient is final.
+SHARDED -> (GATHERING) -> UNSHARDED and back, both idempotent; why the views come from one
+split of a leaf aliasing the full buffer: docs/engine.md, "The unit lifecycle".
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ from ._collectives import (
     group_size,
     reduce_scatter_flat,
 )
-from ._common import UnitState
+from ._common import Groups, UnitState
 from ._streams import HostSchedule, Waitable
 from ._wrap import UnitPlan
 
@@ -92,28 +83,25 @@ class FlatParamUnit:
         self,
         plan: UnitPlan,
         options: UnitOptions,
-        *,
-        shard_group: dist.ProcessGroup | None,
-        replicate_group: dist.ProcessGroup | None,
-        broadcast_group: dist.ProcessGroup | None,
+        groups: Groups,
         stats: CommStats,
-        gauge: MemoryGauge | None = None,
-        schedule: HostSchedule | None = None,
+        gauge: MemoryGauge,
+        schedule: HostSchedule,
     ) -> None:
         self.module = plan.module
-        self.gauge = gauge or MemoryGauge()
-        self.schedule = schedule or HostSchedule()  # see [Note: streams]
+        self.gauge = gauge
+        self.schedule = schedule  # see [Note: streams]
         self.fqn = plan.fqn
         self.options = options
         self.deterministic = options.deterministic
         self.device = options.device
         self.shard_device = torch.device("cpu") if options.offload else options.device
-        self.shard_group = shard_group
-        self.replicate_group = replicate_group
+        self.shard_group = groups.shard
+        self.replicate_group = groups.replicate
         self.stats = stats
-        self.factor = group_size(shard_group)  # F: how many ranks split this FlatParameter
-        self.rank = group_rank(shard_group)
-        self.data_parallel_size = self.factor * group_size(replicate_group)
+        self.factor = group_size(groups.shard)  # F: how many ranks split this FlatParameter
+        self.rank = group_rank(groups.shard)
+        self.data_parallel_size = self.factor * group_size(groups.replicate)
         self.state = UnitState.SHARDED
 
         params = [pp.param for pp in plan.params]
@@ -148,7 +136,7 @@ class FlatParamUnit:
         self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
         self.padded_numel = self.shard_numel * self.factor
 
-        self.shard = self._build_shard(params, options.sync_module_states, broadcast_group)
+        self.shard = self._build_shard(params, options.sync_module_states, groups.world)
         self._make_local_params(params)
         self._make_full_buffer()
         # The flat sharded gradient the parameters' .grad are views of. Held weakly: once the
@@ -156,7 +144,7 @@ class FlatParamUnit:
         self._sharded_grad_ref: weakref.ref | None = None
         self._unsharded_grad: torch.Tensor | None = None  # 1-D [padded_numel] (no_sync)
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
-        self._used = [False] * len(self.infos)  # which parameters got a gradient
+        self.used = [False] * len(self.infos)  # which parameters got a gradient
         self._gathered_version = -1  # the shard's version when it was last all-gathered
         self._gather_token: object = None  # the all-gather in flight (see [Note: streams])
         # (token, output, second stage needed, keep-alive): reductions not yet accumulated
@@ -177,14 +165,11 @@ class FlatParamUnit:
         if sync_module_states and self.numel:
             broadcast_flat(flat, broadcast_group, stats=self.stats)
         start = self.rank * self.shard_numel
-        shard = flat if self.factor == 1 else flat[start : start + self.shard_numel]
-        if self.options.offload:  # CPU offload: the master shard lives on the host
-            return (
-                shard.to(self.shard_device).pin_memory()
-                if torch.cuda.is_available()
-                else shard.cpu()
-            )
-        return shard if self.factor == 1 else shard.clone()
+        shard = flat if self.factor == 1 else flat[start : start + self.shard_numel].clone()
+        if not self.options.offload:
+            return shard
+        shard = shard.to(self.shard_device)  # CPU offload: the master shard lives on the host
+        return shard.pin_memory() if torch.cuda.is_available() else shard
 
     def _make_local_params(self, params: list[nn.Parameter]) -> None:
         """Give each original parameter its 1-D local slice; retire the original tensor."""
@@ -211,7 +196,8 @@ class FlatParamUnit:
             setattr(original, STALE_ATTR, True)
 
     def _make_full_buffer(self) -> None:
-        # See [Note: why a separate leaf aliases the full buffer].
+        # The leaf has its own version counter: refilling _full must not trip autograd's
+        # checks on the views it saved (docs/engine.md, "The unit lifecycle").
         if self.aliases_shard:
             self._full = self.shard  # the shard is the whole (padded) flat parameter
         else:
@@ -306,9 +292,8 @@ class FlatParamUnit:
         )
 
     def on_device(self, host: torch.Tensor, count: bool = False) -> torch.Tensor:
-        """A shard-side tensor (the shard, the sharded gradient) on the compute device, where
-        collectives need it: under CPU offload a copy from the host (counted in
-        ``comm_stats.copies`` when ``count``), otherwise the tensor itself."""
+        """A shard-side tensor on the compute device (under CPU offload a copy, counted in
+        ``comm_stats.copies`` when ``count``)."""
         if not self.options.offload:
             return host
         if count:
@@ -323,7 +308,7 @@ class FlatParamUnit:
             return
         trains = [info.sharded_param.requires_grad for info in self.infos]
         self.leaf.requires_grad_(any(trains))
-        chunks = torch.split(self.leaf, self._split_sizes)  # see [Note: one split per forward]
+        chunks = torch.split(self.leaf, self._split_sizes)  # one split: one gradient node
         for i, (info, chunk, train) in enumerate(zip(self.infos, chunks, trains, strict=False)):
             view = chunk.view(info.shape)
             if not train:
@@ -335,7 +320,7 @@ class FlatParamUnit:
                 module._parameters[name] = view  # type: ignore[assignment]
 
     def _mark_used(self, index: int, grad: torch.Tensor) -> None:
-        self._used[index] = True
+        self.used[index] = True
 
     def reshard(self) -> None:
         """UNSHARDED -> SHARDED: free the full buffer; modules see their 1-D local slices."""
@@ -374,7 +359,7 @@ class FlatParamUnit:
         self._unsharded_grad = None
         self._reduced.clear()
         self._contributions.clear()
-        self._used = [False] * len(self.infos)
+        self.used = [False] * len(self.infos)
 
     def reduce_grad(self) -> None:
         """Start reducing the kept flat gradient in ``reduce_dtype``: reduce-scatter (then,
@@ -429,9 +414,6 @@ class FlatParamUnit:
         out = total[start : start + self.shard_numel].clone()
         self._pending.append((None, out, False, mine))
 
-    def used_mask(self) -> list[bool]:
-        return list(self._used)
-
     def complete_reductions(self) -> None:
         """Wait for the reductions in flight, keep their sharded results and drop the flat
         gradients they read."""
@@ -461,7 +443,7 @@ class FlatParamUnit:
         for out in self._reduced:
             self._accumulate_sharded_grad(out, used)
         self._reduced.clear()
-        self._used = [False] * len(self.infos)
+        self.used = [False] * len(self.infos)
 
     def _accumulate_sharded_grad(self, new: torch.Tensor, used: list[bool]) -> None:
         """Add ``new`` (1-D, shard_numel) to the gradients the optimizer sees."""
