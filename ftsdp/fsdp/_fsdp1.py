@@ -1,14 +1,6 @@
-"""torch FSDP1's state APIs on ftsdp's units: state-dict types, optimizer state, full params.
-
-What each produces (the same as torch FSDP1) is in docs/migrating.md. ``SHARDED_STATE_DICT``
-is built one unit at a time (one all-gather per unit and state key) and loaded one parameter
-at a time, so memory stays at the shards plus one unit.
-
-[Note: which optimizer state is sharded] A state tensor that is 1-D with this rank's length of
-the parameter (``exp_avg``, ``momentum_buffer``) mirrors the parameter's slice; anything else
-(``step``) passes through. The ranks agree on which keys mirror before any collective on them,
-so a rank whose slice is empty still takes part.
-"""
+"""torch FSDP1's state APIs on ftsdp's units (what each returns: docs/migrating.md); built one
+unit at a time, so memory stays at the shards plus one unit. Which optimizer state mirrors a
+parameter: docs/design.md, "The engine/storage seam"."""
 
 from __future__ import annotations
 
@@ -228,14 +220,11 @@ def optim_state_dict_to_load(
         entry = {}
         for key in sorted(saved):
             value = full_tensor(saved[key]) if is_distributed(saved[key]) else saved[key]
-            param_shaped = isinstance(value, torch.Tensor) and value.dim() > 0
-            if info is not None and param_shaped and tuple(value.shape) == tuple(info.shape):
-                piece = value.reshape(-1)[info.param_start : info.param_start + info.length]
-                entry[key] = piece.clone()
-            elif isinstance(value, torch.Tensor):
-                entry[key] = value.clone()
-            else:
-                entry[key] = value
+            if isinstance(value, torch.Tensor):
+                if info is not None and value.dim() > 0 and value.shape == info.shape:
+                    value = value.reshape(-1)[info.param_start : info.param_start + info.length]
+                value = value.clone()
+            entry[key] = value
         state[index] = entry
     saved_groups = osd["param_groups"]
     groups = []
@@ -257,15 +246,9 @@ def optim_state_dict_to_load(
     return {"state": state, "param_groups": groups}
 
 
-class _TensorMeta:
-    """A tensor's place in a broadcast structure: its shape and dtype."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
-
-
 def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
-    """rank 0's ``osd`` on every rank: its structure as one object, then each tensor."""
+    """rank 0's ``osd`` on every rank: its structure (tensors as meta tensors) as one object,
+    then each tensor."""
     group = model._groups.world
     src = dist.get_global_rank(group, 0)
     device = model._units[0].device
@@ -275,17 +258,17 @@ def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         sent.append(value)
-        return _TensorMeta(value)
+        return value.to("meta")
 
     holder = [tree_map(osd, strip) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(holder, src=src, group=group)
     pending = iter(sent)
 
     def fill(value: Any) -> Any:
-        if not isinstance(value, _TensorMeta):
+        if not isinstance(value, torch.Tensor):
             return value
-        buffer = next(pending, None)
-        if buffer is None:  # a receiving rank
+        buffer = next(pending, None)  # None: a receiving rank
+        if buffer is None:
             buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
         buffer = buffer.to(device)
         dist.broadcast(buffer, src=src, group=group)

@@ -167,8 +167,7 @@ def sharded_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[st
 
 
 def mirrors(value: Any, info: ParamInfo | None) -> bool:
-    """Whether an optimizer state value mirrors its parameter's slice (see [Note: which
-    optimizer state is sharded] in ``_fsdp1.py``)."""
+    """Whether an optimizer state value mirrors its parameter's slice (docs/design.md)."""
     return (
         info is not None
         and isinstance(value, torch.Tensor)

@@ -1,10 +1,6 @@
-"""A test-only fsspec filesystem, ``faulty://``, that dies inside a checkpoint write.
-
-It delegates to the local filesystem and writes every object atomically (buffer, temporary name,
-fsync, rename: an object is absent or whole, as on an object store). Armed with ``crash_in_save``
-faults it ``os._exit``s at a point of ``storage.save``'s real commit protocol: ``after_data``
-(n=K: after this rank's K-th data object is durable), ``before_manifest``, ``before_latest``.
-It imports ``_faults`` and nothing else of ``ftsdp``."""
+"""``faulty://``: the local filesystem with atomic object writes (absent or whole, as on an
+object store) that ``os._exit``s where an armed ``crash_in_save`` fault says: ``after_data``
+(n=K: this rank's K-th data object is durable), ``before_manifest``, ``before_latest``."""
 
 from __future__ import annotations
 
@@ -33,9 +29,7 @@ _lock = threading.Lock()
 
 
 def arm(url: str, faults: list[Fault], rank: int, incarnation: str = "") -> str:
-    """Register the filesystem, arm ``faults`` for ``rank`` and return ``url`` as faulty://.
-
-    ``incarnation`` goes into the fault records (see ``_faults.log_fault``)."""
+    """Register the filesystem, arm ``faults`` for ``rank`` and return ``url`` as faulty://."""
     global _armed, _rank, _incarnation
     if "://" in url and not url.startswith(("file://", f"{PROTOCOL}://")):
         raise ValueError(f"crash_in_save faults need a local checkpoint directory, got {url!r}")
