@@ -106,8 +106,7 @@ def _gather_by_broadcasts(
     world: int,
     async_op: bool,
 ) -> _Works | None:
-    """One broadcast per rank into its slice of ``output``: gloo's all-gather without its
-    full-size staging buffer (docs/engine.md, "Collectives on gloo")."""
+    """gloo's all-gather as one broadcast per rank (docs/engine.md, "Collectives on gloo")."""
     size = shard.numel()
     mine = dist.get_rank(group)
     output[mine * size : (mine + 1) * size].copy_(shard)
@@ -152,8 +151,7 @@ def reduce_scatter_flat(
 def _reduce_scatter_in_place(
     output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> _Works | None:
-    """gloo's ``reduce_scatter_tensor`` (an all-reduce of a copy of the input, torch 2.x) run
-    on the input itself: the same traffic, no full-size copy."""
+    """gloo's reduce-scatter (an all-reduce) run on the input itself, without gloo's copy."""
     size = output.numel()
     start = dist.get_rank(group) * size
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)

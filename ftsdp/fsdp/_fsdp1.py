@@ -38,8 +38,7 @@ def _to_cpu(value: Any, enabled: bool) -> Any:
 
 # ---------------------------------------------------------------------- DTensor layout
 def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) -> Any:
-    """``full`` (identical on every rank) as a ``SHARDED_STATE_DICT`` DTensor: rows split as
-    ``torch.chunk`` does over the shard group, replicated when nothing is sharded."""
+    """``full`` (the same on every rank) as a DTensor: rows chunked over the shard group."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -94,9 +93,7 @@ def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
 def _optim_entries(
     model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any] | None
 ) -> list[tuple[int, str, ParamInfo | None, dict[str, Any]]]:
-    """``optim_entries`` under the names torch FSDP's state dicts use: without the
-    ``_checkpoint_wrapped_module.`` parts activation checkpointing's wrapper adds (its own
-    state-dict hooks drop them from ``state_dict()`` keys too)."""
+    """``optim_entries`` named as torch's state dicts are (checkpoint wrappers' parts dropped)."""
     entries = optim_entries(model._units, model._param_names(), optim, osd)
     clean = "_checkpoint_wrapped_module."
     return [(g, name.replace(clean, ""), info, state) for g, name, info, state in entries]
@@ -145,8 +142,7 @@ def _full_optim_tensors(
 def _gather_params(
     unit: FlatParamUnit, pieces: list[tuple[ParamInfo, torch.Tensor | None]]
 ) -> list[torch.Tensor]:
-    """Each piece's full parameter-shaped tensor from every rank's local slices (a piece of
-    ``None``: zeros here); one all-gather for the unit. The pieces share one dtype."""
+    """Each piece's full tensor from every rank's slices (``None``: zeros); one all-gather."""
     dtype = next((t.dtype for _, t in pieces if t is not None), unit.dtype)
     local = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
     for info, piece in pieces:
@@ -196,8 +192,8 @@ def optim_state_dict(
 def optim_state_dict_to_load(
     model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any]
 ) -> dict[str, Any]:
-    """``FSDP.optim_state_dict_to_load``: a name-keyed state dict (full tensors, or DTensors)
-    as ``optim.state_dict()`` for this rank's shards (collective)."""
+    """``FSDP.optim_state_dict_to_load``: a name-keyed state dict as this rank's
+    ``optim.state_dict()`` (collective)."""
     settings = model._sd_settings
     config = settings.optim_state_dict_config
     if (
@@ -247,8 +243,7 @@ def optim_state_dict_to_load(
 
 
 def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
-    """rank 0's ``osd`` on every rank: its structure (tensors as meta tensors) as one object,
-    then each tensor."""
+    """rank 0's ``osd`` on every rank: its structure (meta tensors) first, then each tensor."""
     group = model._groups.world
     src = dist.get_global_rank(group, 0)
     device = model._units[0].device

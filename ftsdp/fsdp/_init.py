@@ -117,8 +117,7 @@ _DTYPE_CODES = {
 
 
 def check_same_structure(plans: list[UnitPlan], group: dist.ProcessGroup | None) -> None:
-    """Compare unit count, sizes, trainable sizes and dtypes across ranks once: any
-    difference would hang a collective later."""
+    """Refuse a model that differs across ranks (it would hang a collective later)."""
     if group_size(group) == 1:
         return
     mine = [len(plans)]

@@ -41,8 +41,7 @@ def _cast_float(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _inside_backward() -> bool:
-    """Whether autograd is running a backward on this thread now (recomputation for
-    activation checkpointing happens inside one)."""
+    """Whether autograd runs a backward on this thread now (recomputation does)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return True if task_id is None else task_id() != -1
 
@@ -152,8 +151,7 @@ class Runtime:
                 unit.reshard()
 
     def _abandon_backward(self) -> None:
-        """A backward raised before its end: finish its collectives, drop its gradients, start
-        clean (else the next forward looks like a recomputation)."""
+        """A backward raised before its end: finish its collectives, drop its gradients."""
         warnings.warn(
             "ftsdp.FSDP: the previous backward did not finish (it raised); its partial "
             "gradients were discarded and every unit resharded",
@@ -250,9 +248,8 @@ class Runtime:
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _pre_backward(self, unit: FlatParamUnit, ticket: int | None = None) -> None:
-        """Before the unit's backward: make sure its full parameters are there again, and
-        start gathering the unit whose backward comes next (before this unit's
-        reduce-scatter, which its gradient hook issues later)."""
+        """Before the unit's backward: unshard it, and prefetch the next unit (before this
+        unit's reduce-scatter, which its gradient hook issues later)."""
         self._ensure_callback()
         if ticket is not None:
             self._runs[id(unit)].active.add(ticket)

@@ -217,8 +217,7 @@ class FlatParamUnit:
     # ---------------------------------------------------------------- properties
     @property
     def aliases_shard(self) -> bool:
-        """One rank holds everything in the compute dtype on the compute device: the full
-        parameter is the shard itself (NO_SHARD, or a single rank, without MP/offload)."""
+        """The shard is the full parameter (F = 1, no mixed precision, no offload)."""
         return (
             self.factor == 1 and self.param_dtype == self.dtype and self.shard_device == self.device
         )
@@ -240,8 +239,7 @@ class FlatParamUnit:
 
     # ---------------------------------------------------------------- lifecycle
     def start_unshard(self) -> None:
-        """SHARDED -> GATHERING: allocate the full buffer, move and cast the shard, start the
-        all-gather (in ``param_dtype``)."""
+        """SHARDED -> GATHERING: start the all-gather (in ``param_dtype``)."""
         if self.state is not UnitState.SHARDED:
             return
         if self.aliases_shard:
@@ -301,8 +299,7 @@ class FlatParamUnit:
         return host.to(self.device, non_blocking=True, copy=True)
 
     def expose_unsharded(self) -> None:
-        """Point every module at full-shape views of the unsharded parameter (frozen ones
-        detached; trainable ones hooked to record that they got a gradient)."""
+        """Point every module at full-shape views of the unsharded parameter."""
         assert self.state is UnitState.UNSHARDED, self.fqn
         if not self.infos:
             return
@@ -338,8 +335,7 @@ class FlatParamUnit:
 
     # ---------------------------------------------------------------- gradients
     def add_unsharded_grad(self, grad: torch.Tensor) -> None:
-        """Keep one backward's flat gradient until it is reduced (summed under ``no_sync``,
-        one by one in deterministic mode)."""
+        """Keep one backward's flat gradient until it is reduced (summed, unless deterministic)."""
         if self.deterministic:
             self._contributions.append(grad)
         elif self._unsharded_grad is None:
@@ -354,16 +350,14 @@ class FlatParamUnit:
         return len(self._contributions)
 
     def drop_unreduced_grad(self) -> None:
-        """Forget gradients kept for a later reduction (``model.zero_grad()``), and reduced
-        ones not yet added to the sharded gradient."""
+        """Forget gradients not yet added to the sharded gradient (``model.zero_grad()``)."""
         self._unsharded_grad = None
         self._reduced.clear()
         self._contributions.clear()
         self.used = [False] * len(self.infos)
 
     def reduce_grad(self) -> None:
-        """Start reducing the kept flat gradient in ``reduce_dtype``: reduce-scatter (then,
-        HYBRID_SHARD, all-reduce in the replicate group), or all-reduce when replicated."""
+        """Start reducing the kept flat gradient in ``reduce_dtype``."""
         if self.deterministic:
             self._reduce_deterministic()
             return
@@ -399,9 +393,7 @@ class FlatParamUnit:
         self._pending.append((token, out, second_stage, (grad, cast)))
 
     def _reduce_deterministic(self) -> None:
-        """[Note: deterministic reduction] Gather every rank's per-micro-batch gradients and
-        sum them in (rank, order) sequence, then divide by their count: docs/engine.md,
-        "Deterministic mode"."""
+        """The mean of every rank's gradients in (rank, order) sequence (docs/engine.md)."""
         mine = torch.stack(self._contributions)  # [k, padded_numel]
         groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
         self._contributions.clear()
@@ -415,8 +407,7 @@ class FlatParamUnit:
         self._pending.append((None, out, False, mine))
 
     def complete_reductions(self) -> None:
-        """Wait for the reductions in flight, keep their sharded results and drop the flat
-        gradients they read."""
+        """Wait for the reductions in flight and keep their sharded results."""
         for token, out, second_stage, _keepalive in self._pending:
             self.schedule.wait(token)
             if second_stage:
@@ -437,8 +428,8 @@ class FlatParamUnit:
         self._pending.clear()
 
     def finish_reduction(self, used: list[bool]) -> None:
-        """Accumulate this unit's reduced gradients into the sharded gradient. ``used`` (per
-        parameter, agreed across ranks): the others keep ``grad=None``, as unwrapped."""
+        """Add the reduced gradients into the sharded gradient; parameters not ``used`` on
+        any rank keep ``grad=None``."""
         self.complete_reductions()
         for out in self._reduced:
             self._accumulate_sharded_grad(out, used)

@@ -82,8 +82,7 @@ class Ignored:
 def policy_predicate(
     policy: Policy, root: nn.Module, ignored: Ignored, root_kwargs: dict[str, Any]
 ) -> Callable[[nn.Module], bool]:
-    """An ``auto_wrap_policy`` as ``module -> bool``, malformed ones refused (torch's are
-    evaluated on ``root`` here, once)."""
+    """An ``auto_wrap_policy`` as ``module -> bool`` (torch's evaluated on ``root`` once)."""
     if policy is None:
         return lambda module: False
     if isinstance(policy, type):

@@ -53,8 +53,7 @@ class FaultHook:
 def fault_hook_from_env(
     *, rank: int, restart_count: int, incarnation: str = "", env: Mapping[str, str] | None = None
 ) -> FaultHook:
-    """The hook of ``FTSDP_FAULT`` (from ``env``, default ``os.environ``) for this rank; a
-    malformed spec raises ``ValueError``."""
+    """The hook of ``FTSDP_FAULT`` (in ``env``, default ``os.environ``) for this rank."""
     env = os.environ if env is None else env
     return FaultHook(
         parse_faults(env.get("FTSDP_FAULT", "")),
