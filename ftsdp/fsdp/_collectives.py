@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -213,22 +214,12 @@ def all_gather_rows(
     return rows
 
 
-def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
-    """Every rank's list of ints (lists may differ in length). Used for wrap-time checks."""
-    world = group_size(group)
-    if world == 1:
-        return [list(values)]
-    device = comm_device(group)
-    length = torch.tensor([len(values)], dtype=torch.int64, device=device)
-    lengths = torch.empty(world, dtype=torch.int64, device=device)
-    _all_gather_single(lengths, length, group=group)
-    longest = int(lengths.max())
-    mine = torch.full((longest,), -1, dtype=torch.int64, device=device)
-    mine[: len(values)] = torch.tensor(values, dtype=torch.int64, device=device)
-    everyone = torch.empty(world * longest, dtype=torch.int64, device=device)
-    _all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(world, longest).tolist()
-    return [row[: int(n)] for row, n in zip(rows, lengths.tolist(), strict=True)]
+def all_gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order; for checks, not for tensors."""
+    everyone: list[Any] = [value] * group_size(group)
+    if len(everyone) > 1:
+        dist.all_gather_object(everyone, value, group=group)
+    return everyone
 
 
 def comm_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._api import StateDictType
-from ._collectives import all_reduce_flat, group_rank
+from ._collectives import all_gather_objects, all_reduce_flat, group_rank
 from ._common import ShardingStrategy, tree_map
 from ._state_dict import (
     full_state_dict,
@@ -106,11 +106,7 @@ def _agree_mirrors(
     mine = [
         sorted(k for k, v in state.items() if mirrors(v, info)) for _, _, info, state in entries
     ]
-    group = model._groups.world
-    everyone: list[Any] = [mine]
-    if group is not None and dist.get_world_size(group) > 1:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_objects(mine, model._groups.world)
     agreed = [set().union(*(row[i] for row in everyone)) for i in range(len(entries))]
     for (_, name, info, state), keys in zip(entries, agreed, strict=True):
         for key in keys:

@@ -29,7 +29,7 @@ from ._api import (
     as_config,
     as_state_dict_type,
 )
-from ._collectives import CommStats, all_gather_flat, all_reduce_flat, broadcast_flat
+from ._collectives import CommStats, all_reduce_flat, broadcast_flat
 from ._common import (
     CPUOffload,
     MixedPrecision,
@@ -42,6 +42,7 @@ from ._init import build_units, check_same_structure, resolve_device, resolve_gr
 from ._runtime import Runtime
 from ._state_dict import (
     ShardView,
+    gather_flat,
     load_full_state_dict,
     sharded_optim_state_dict,
     sharded_state_dict,
@@ -345,12 +346,10 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             if not unit.trainable or unit.sharded_grad is None:
                 continue
-            full = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
-            all_gather_flat(full, unit.on_device(unit.sharded_grad), unit.shard_group)
-            mask = torch.zeros(unit.padded_numel, dtype=torch.bool, device=unit.device)
+            full = gather_flat(unit, unit.sharded_grad)
             for info in unit.trainable:
-                mask[info.offset : info.offset + info.numel] = True
-            total += full[: unit.numel][mask[: unit.numel]].double().abs().pow(norm_type).sum()
+                piece = full[info.offset : info.offset + info.numel]
+                total += piece.double().abs().pow(norm_type).sum()
         return total.pow(1.0 / norm_type).float()
 
     # ------------------------------------------------------------------ sharded state

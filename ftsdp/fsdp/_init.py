@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._collectives import CommStats, all_gather_ints, group_size
+from ._collectives import CommStats, all_gather_objects, group_size
 from ._common import Groups, ShardingStrategy
 from ._streams import HostSchedule
 from ._unit import STALE_ATTR, FlatParamUnit, MemoryGauge, UnitOptions
@@ -108,33 +108,27 @@ def resolve_device(module: nn.Module, device_id: int | torch.device | None) -> t
     return device
 
 
-_DTYPE_CODES = {
-    dtype: code
-    for code, dtype in enumerate(
-        [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-    )
-}
-
-
 def check_same_structure(plans: list[UnitPlan], group: dist.ProcessGroup | None) -> None:
     """Refuse a model that differs across ranks (it would hang a collective later)."""
     if group_size(group) == 1:
         return
-    mine = [len(plans)]
-    for plan in plans:
-        mine.append(sum(pp.param.numel() for pp in plan.params))
-        mine.append(sum(pp.param.numel() for pp in plan.params if pp.param.requires_grad))
-        mine.append(sum(_DTYPE_CODES.get(pp.param.dtype, 99) for pp in plan.params))
-    everyone = all_gather_ints(mine, group)
-    if all(row == everyone[0] for row in everyone):
-        return
+    mine = [
+        (
+            sum(pp.param.numel() for pp in plan.params),
+            sum(pp.param.numel() for pp in plan.params if pp.param.requires_grad),
+            sorted({str(pp.param.dtype) for pp in plan.params}),
+        )
+        for plan in plans
+    ]
+    everyone = all_gather_objects(mine, group)
     differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
-    raise ValueError(
-        "the wrapped model differs across ranks (unit count, then per unit: parameter count, "
-        f"trainable count, dtype code sum: rank 0 has {everyone[0]}, "
-        + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
-        + "); build the same model on every rank before wrapping"
-    )
+    if differing:
+        raise ValueError(
+            "the wrapped model differs across ranks (per unit: parameter count, trainable "
+            f"count, dtypes): rank 0 has {everyone[0]}, "
+            + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
+            + "; build the same model on every rank before wrapping"
+        )
 
 
 def build_units(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
-from ._collectives import all_gather_ints, all_reduce_flat
+from ._collectives import all_gather_objects, all_reduce_flat
 from ._common import Phase, ShardingStrategy, UnitState, tree_map
 from ._unit import FlatParamUnit
 
@@ -350,7 +350,7 @@ class Runtime:
         if not any(u.deterministic for u in self.units) or self.group is None:
             return
         counts = [u.contribution_count() for u in self.units]
-        everyone = all_gather_ints(counts, self.group)
+        everyone = all_gather_objects(counts, self.group)
         if any(row != everyone[0] for row in everyone):
             raise RuntimeError(
                 "deterministic mode: ranks ran different numbers of backward passes this step "

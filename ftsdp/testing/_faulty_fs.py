@@ -50,19 +50,16 @@ class _Writer(io.BytesIO):
 
     def __init__(self, fs: FaultyFileSystem, path: str) -> None:
         super().__init__()
-        self._fs, self._path, self._done = fs, path, False
+        self._fs, self._path = fs, path
 
     def discard(self) -> None:
-        self._done = True
         super().close()
 
     def close(self) -> None:
-        if self._done or self.closed:
-            return
-        self._done = True
-        data = self.getvalue()
-        super().close()
-        self._fs._commit(self._path, data)
+        if not self.closed:
+            data = self.getvalue()
+            super().close()
+            self._fs._commit(self._path, data)
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         if exc_type is not None:
@@ -109,9 +106,6 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         self._local.makedirs(self._strip_protocol(path), exist_ok=True)
-
-    def invalidate_cache(self, path: str | None = None) -> None:
-        pass
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         path = self._strip_protocol(path)
