@@ -150,37 +150,30 @@ def build_units(
     # in the same order, so a meta-device rank and an eager one pair their broadcasts.
     unit_of = {id(pp.param): i for i, plan in enumerate(plans) for pp in plan.params}
     modules = list(module.modules())
-    last_module: dict[int, int] = {}
-    for index, m in enumerate(modules):
-        for p in m._parameters.values():
-            if p is not None and id(p) in unit_of:  # not an ignored parameter
-                last_module[unit_of[id(p)]] = index
+    # per module, the units holding its parameters (an ignored parameter has none)
+    owners = [
+        sorted({unit_of[id(p)] for p in m._parameters.values() if id(p) in unit_of})
+        for m in modules
+    ]
+    last_module = {u: index for index, us in enumerate(owners) for u in us}
     order = sorted(last_module, key=lambda u: (last_module[u], u))
     order += [u for u in range(len(plans)) if u not in last_module]
     units: list[FlatParamUnit | None] = [None] * len(plans)
     if any(pp.param.is_meta for plan in plans for pp in plan.params):
         materialized: set[int] = set()
         for index, m in enumerate(modules):
-            owners = sorted(
-                {
-                    unit_of[id(p)]
-                    for p in m._parameters.values()
-                    if p is not None and id(p) in unit_of
-                }
-            )
-            for u in owners:
+            for u in owners[index]:
                 if u not in materialized:
-                    for real in _materialize(plans[u], options.device):
-                        unit_of[id(real)] = u
+                    _materialize(plans[u], options.device)
                     materialized.add(u)
             _materialize_buffers(m, options.device)
-            if owners:
+            if owners[index]:
                 with torch.no_grad():
                     if param_init_fn is not None:
                         param_init_fn(m)
                     elif callable(reset := getattr(m, "reset_parameters", None)):
                         reset()
-            for u in owners:
+            for u in owners[index]:
                 if last_module[u] == index:
                     units[u] = build(plans[u])
     else:
@@ -193,9 +186,8 @@ def build_units(
     return units  # type: ignore[return-value]
 
 
-def _materialize(plan: UnitPlan, device: torch.device) -> list[nn.Parameter]:
+def _materialize(plan: UnitPlan, device: torch.device) -> None:
     """Allocate the plan's parameters on ``device`` (uninitialised), keeping ties."""
-    out = []
     for pp in plan.params:
         meta = pp.param
         real = nn.Parameter(
@@ -206,8 +198,6 @@ def _materialize(plan: UnitPlan, device: torch.device) -> list[nn.Parameter]:
             owner._parameters[name] = real
         setattr(meta, STALE_ATTR, True)
         pp.param = real
-        out.append(real)
-    return out
 
 
 def _materialize_buffers(module: nn.Module, device: torch.device) -> None:

@@ -210,13 +210,11 @@ class Runtime:
             else:
                 if unit is not self.root and self.strategy in _FREE_AFTER_FORWARD:
                     unit.reshard()
-                hooked = 0
                 ticket = self._runs[id(unit)].ticket
-                for t in _tensors_in(output):
-                    if t.requires_grad:
-                        self._hook_output(unit, t, ticket)
-                        hooked += 1
-                if unit is self.root and not hooked and any(u.trainable for u in self.units):
+                outputs = [t for t in _tensors_in(output) if t.requires_grad]
+                for t in outputs:
+                    self._hook_output(unit, t, ticket)
+                if unit is self.root and not outputs and any(u.trainable for u in self.units):
                     warnings.warn(
                         "ftsdp.FSDP: the forward ran with gradients enabled but returned no "
                         "tensor that requires grad where ftsdp can see it (tensors inside "

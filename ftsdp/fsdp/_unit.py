@@ -202,12 +202,7 @@ class FlatParamUnit:
             self._full = self.shard  # the shard is the whole (padded) flat parameter
         else:
             self._full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.device)
-        self.leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
-            self._full.untyped_storage(),
-            self._full.storage_offset(),
-            (self.padded_numel,),
-            (1,),
-        )
+        self.leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(self._full)
         self._split_sizes = [info.numel for info in self.infos] + [self.padded_numel - self.numel]
         if self.infos:
             self.leaf.requires_grad_(True)  # toggled per forward; see expose_unsharded()
