@@ -31,12 +31,14 @@ FullyShardedDataParallel = Any
 
 
 def _to_cpu(value: Any, enabled: bool) -> Any:
-    if enabled and isinstance(value, torch.Tensor):
-        return value.cpu()
-    return value
+    return value.cpu() if enabled and isinstance(value, torch.Tensor) else value
 
 
-# ---------------------------------------------------------------------- DTensor layout
+def _not_rank0(model: FullyShardedDataParallel, config: Any) -> bool:
+    """``rank0_only`` is set and this is not rank 0: the state is ``{}`` here."""
+    return getattr(config, "rank0_only", False) and group_rank(model._groups.world) != 0
+
+
 def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) -> Any:
     """``full`` (the same on every rank) as a DTensor: rows chunked over the shard group."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -75,7 +77,6 @@ def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) 
     )
 
 
-# ---------------------------------------------------------------------- model state
 def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
     """``model.state_dict()`` under the model's state-dict settings (collective)."""
     config = model._sd_settings.state_dict_config
@@ -84,12 +85,11 @@ def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
         full = full_state_dict(model._units, model.module, lambda t: _to_dtensor(model, t, cpu))
         return {k: v if is_distributed(v) else _to_cpu(v.clone(), cpu) for k, v in full.items()}
     full = full_state_dict(model._units, model.module)
-    if getattr(config, "rank0_only", False) and group_rank(model._groups.world) != 0:
+    if _not_rank0(model, config):
         return {}
     return {key: _to_cpu(value, cpu) for key, value in full.items()}
 
 
-# ---------------------------------------------------------------------- optimizer state
 def _optim_entries(
     model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any] | None
 ) -> list[tuple[int, str, ParamInfo | None, dict[str, Any]]]:
@@ -161,11 +161,7 @@ def optim_state_dict(
     entries = _optim_entries(model, optim, osd)
     keys = _agree_mirrors(model, entries)
     full = _full_optim_tensors(model, entries, keys)
-    if (
-        not sharded
-        and getattr(config, "rank0_only", False)
-        and group_rank(model._groups.world) != 0
-    ):
+    if not sharded and _not_rank0(model, config):
         return {}
     state: dict[str, dict[str, Any]] = {}
     for i, (_, name, _, values) in enumerate(entries):
@@ -268,7 +264,6 @@ def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
     return tree_map(holder[0], fill)
 
 
-# ---------------------------------------------------------------------- full parameters
 @contextlib.contextmanager
 def summon_full_params(
     model: FullyShardedDataParallel,

@@ -205,7 +205,6 @@ class FullyShardedDataParallel(nn.Module):
         )
         _install_stale_optimizer_guard()
 
-    # ------------------------------------------------------------------ nn.Module surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (its hooks gather and free each unit around its use)."""
         if self._summoned:
@@ -285,7 +284,6 @@ class FullyShardedDataParallel(nn.Module):
         missing, unexpected = load_full_state_dict(self._units, self.module, state_dict, strict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
-    # ------------------------------------------------------------------ training helpers
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without communication; the next backward outside reduces."""
@@ -352,7 +350,6 @@ class FullyShardedDataParallel(nn.Module):
                 total += piece.double().abs().pow(norm_type).sum()
         return total.pow(1.0 / norm_type).float()
 
-    # ------------------------------------------------------------------ sharded state
     def sharded_state_dict(self) -> dict[str, ShardView]:
         """ShardViews of every parameter (tied ones once) and persistent buffer, aliasing the
         live shards (copying into ``local`` loads in place)."""
@@ -362,7 +359,6 @@ class FullyShardedDataParallel(nn.Module):
         """The optimizer's state keyed by parameter name, parameter-shaped state as ShardViews."""
         return sharded_optim_state_dict(self._units, self._param_names(), optimizer)
 
-    # ------------------------------------------------------------------ introspection
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         """The strategy the model was wrapped with."""
@@ -423,7 +419,6 @@ class FullyShardedDataParallel(nn.Module):
         if self._summoned:
             raise RuntimeError(f"{what} cannot run inside summon_full_params()")
 
-    # ------------------------------------------------------------------ torch FSDP1 API
     def __getitem__(self, key: int) -> Any:
         """Index the wrapped module (an ``nn.Sequential``), as torch FSDP does."""
         return self.module[key]  # type: ignore[index]

@@ -111,7 +111,6 @@ class Runtime:
             if unit.infos:
                 unit.leaf.register_post_accumulate_grad_hook(self._grad_hook(unit))
 
-    # ---------------------------------------------------------------- forward
     def _pre_forward_hook(self, unit: FlatParamUnit) -> Callable:
         def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if self.phase is Phase.BACKWARD and not _inside_backward():
@@ -143,9 +142,8 @@ class Runtime:
             self._last_forward = self._forward_order
         self._forward_order = []
         for unit in self.units:
-            # Gathered before an optimizer step that no backward followed (a forward for
-            # metrics, say): the full buffer holds the old weights. Every rank runs the root's
-            # forward, so this local reshard keeps the ranks' collectives in step.
+            # gathered before an optimizer step no backward followed: old weights. Every rank
+            # runs the root's forward, so the ranks' collectives stay in step.
             if unit.is_stale():
                 self._unshard(unit)
                 unit.reshard()
@@ -164,7 +162,6 @@ class Runtime:
         self._backward_order = []
         self._end_backward()
 
-    # ---------------------------------------------------------------- gathering
     def _unshard(self, unit: FlatParamUnit) -> None:
         """Make ``unit`` unsharded now (waiting for its prefetched all-gather if any)."""
         unit.unshard()
@@ -238,7 +235,6 @@ class Runtime:
         else:
             t.register_hook(lambda grad: self._pre_backward(unit, ticket))
 
-    # ---------------------------------------------------------------- backward
     def _ensure_callback(self) -> None:
         if not self._callback_queued:
             self.phase = Phase.BACKWARD
@@ -288,8 +284,7 @@ class Runtime:
         self._maybe_reshard_after_backward(unit)
 
     def _maybe_reshard_after_backward(self, unit: FlatParamUnit) -> None:
-        # Free a unit once its leaf gradient is final and its inputs have their gradients
-        # (docs/engine.md, "The unit lifecycle"); the root waits for the end of backward.
+        # docs/engine.md, "The unit lifecycle"; the root waits for the end of backward
         run = self._runs[id(unit)]
         waiting = run.pending & run.active if run.active else run.pending
         if unit is self.root or waiting or (run.wants_grad and not run.grad_seen):
@@ -337,11 +332,8 @@ class Runtime:
             all_reduce_flat(agreed, self.group, op=dist.ReduceOp.MAX)
             self.root.stats.control["agree_used"] += agreed.numel()
             flat = [bool(v) for v in agreed.tolist()]
-        out, start = [], 0
-        for mask in masks:
-            out.append(flat[start : start + len(mask)])
-            start += len(mask)
-        return out
+        values = iter(flat)
+        return [list(itertools.islice(values, len(mask))) for mask in masks]
 
     def _check_contribution_counts(self) -> None:
         """Deterministic mode gathers equal numbers of micro-batch gradients from every rank."""

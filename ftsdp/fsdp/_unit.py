@@ -131,16 +131,14 @@ class FlatParamUnit:
             )
             offset += pp.param.numel()
         self.numel = offset
-        # [Note: padding] right-pad with at most F-1 zeros so the flat parameter splits into
-        # F equal shards: one all_gather_into_tensor / reduce_scatter_tensor per unit.
+        # right-padded to F equal shards: one flat collective per unit (docs/engine.md)
         self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
         self.padded_numel = self.shard_numel * self.factor
 
         self.shard = self._build_shard(params, options.sync_module_states, groups.world)
         self._make_local_params(params)
         self._make_full_buffer()
-        # The flat sharded gradient the parameters' .grad are views of. Held weakly: once the
-        # user drops the .grad views (zero_grad(set_to_none=True)), its memory is freed.
+        # the flat gradient the .grad are views of, held weakly: zero_grad(None) frees it
         self._sharded_grad_ref: weakref.ref | None = None
         self._unsharded_grad: torch.Tensor | None = None  # 1-D [padded_numel] (no_sync)
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
@@ -151,7 +149,6 @@ class FlatParamUnit:
         self._pending: list[tuple[object, torch.Tensor, bool, object]] = []
         self._reduced: list[torch.Tensor] = []  # completed sharded gradients, not yet added
 
-    # ---------------------------------------------------------------- construction
     def _build_shard(
         self,
         params: list[nn.Parameter],
@@ -209,7 +206,6 @@ class FlatParamUnit:
         if not self.aliases_shard:
             self._full.untyped_storage().resize_(0)
 
-    # ---------------------------------------------------------------- properties
     @property
     def aliases_shard(self) -> bool:
         """The shard is the full parameter (F = 1, no mixed precision, no offload)."""
@@ -232,7 +228,6 @@ class FlatParamUnit:
         """Bytes of the full (padded, ``param_dtype``) buffer while it is allocated."""
         return self.padded_numel * self._full.element_size()
 
-    # ---------------------------------------------------------------- lifecycle
     def start_unshard(self) -> None:
         """SHARDED -> GATHERING: start the all-gather (in ``param_dtype``)."""
         if self.state is not UnitState.SHARDED:
@@ -242,8 +237,7 @@ class FlatParamUnit:
             return
 
         def issue() -> Waitable | None:
-            # Allocated here, inside the schedule: on CUDA the block belongs to the gather
-            # stream (see [Note: streams]).
+            # allocated inside the schedule: on CUDA the gather stream owns it ([Note: streams])
             self._full.untyped_storage().resize_(self.full_bytes)
             with torch.no_grad():
                 source = self.on_device(self.shard, count=True).to(self.param_dtype)
@@ -256,8 +250,7 @@ class FlatParamUnit:
                     tag=self.fqn,
                 )
 
-        # Named for profiles: the full buffer and the collective's own staging show up as
-        # "ftsdp::all_gather <unit>" instead of as the autograd node whose hook ran this.
+        # named for profiles, instead of the autograd node whose hook ran this
         with torch.profiler.record_function(f"ftsdp::all_gather {self.fqn or '<root>'}"):
             token = self.schedule.gather(issue)
         self.gauge.add(self.full_bytes)
@@ -328,7 +321,6 @@ class FlatParamUnit:
             self.schedule.freed()
         self.state = UnitState.SHARDED
 
-    # ---------------------------------------------------------------- gradients
     def add_unsharded_grad(self, grad: torch.Tensor) -> None:
         """Keep one backward's flat gradient until it is reduced (summed, unless deterministic)."""
         if self.deterministic:

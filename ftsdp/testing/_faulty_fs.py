@@ -84,7 +84,6 @@ class FaultyFileSystem(AbstractFileSystem):
             path = path[len(PROTOCOL) + 3 :]
         return LocalFileSystem._strip_protocol(path)
 
-    # -- reads and metadata: straight through -------------------------------------------------
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         return self._local.ls(self._strip_protocol(path), detail=detail)
 
@@ -113,7 +112,6 @@ class FaultyFileSystem(AbstractFileSystem):
             return _Writer(self, path)
         return self._local._open(path, mode)
 
-    # -- the faulty part ---------------------------------------------------------------------
     def _commit(self, path: str, data: bytes) -> None:
         manifest = _MANIFEST.search(path)
         if manifest:

@@ -140,7 +140,8 @@ def run_ranks(
         results.close()
     missing = sorted(set(range(world_size)) - set(got) - set(failures))
     if failures or missing:
-        lines = [f"run_ranks: {world_size} {backend} rank(s) of {_name(fn)}"]
+        name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+        lines = [f"run_ranks: {world_size} {backend} rank(s) of {name}"]
         if failures:
             lines.append(f"rank(s) {sorted(failures)} raised")
         if missing:
@@ -153,7 +154,3 @@ def run_ranks(
             lines.append(f"--- rank {r} ---\n{failures[r]}")
         raise RuntimeError("\n".join(lines))
     return [pickle.loads(got[r]) for r in range(world_size)]
-
-
-def _name(fn: Callable | str) -> str:
-    return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
