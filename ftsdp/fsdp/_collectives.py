@@ -72,7 +72,7 @@ def all_gather_flat(
         output.copy_(shard)
         return None
     if stats is not None:
-        stats.record("all_gather", (world - 1) * shard.numel() * shard.element_size(), tag)
+        stats.record("all_gather", (world - 1) * shard.nbytes, tag)
     if output.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _gather_by_broadcasts(output, shard, group, world, async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
@@ -141,7 +141,7 @@ def reduce_scatter_flat(
         output.copy_(full)
         return None
     if stats is not None:
-        stats.record("reduce_scatter", (world - 1) * output.numel() * output.element_size(), tag)
+        stats.record("reduce_scatter", (world - 1) * output.nbytes, tag)
     if consume_input and full.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _reduce_scatter_in_place(output, full, group, async_op)
     return _reduce_scatter_single(
@@ -173,7 +173,7 @@ def all_reduce_flat(
     if world == 1:
         return None
     if stats is not None:
-        nbytes = 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
+        nbytes = 2 * (world - 1) * tensor.nbytes // world
         stats.record("all_reduce", nbytes, tag)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -188,7 +188,7 @@ def broadcast_flat(
     if group is None or group_size(group) == 1:
         return
     if stats is not None:
-        stats.record("broadcast", tensor.numel() * tensor.element_size())
+        stats.record("broadcast", tensor.nbytes)
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
@@ -208,7 +208,7 @@ def all_gather_rows(
             (world * rows.shape[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device
         )
         if stats is not None:
-            stats.record("all_gather", (world - 1) * rows.numel() * rows.element_size())
+            stats.record("all_gather", (world - 1) * rows.nbytes)
         _all_gather_single(out, rows.contiguous(), group=group)
         rows = out
     return rows

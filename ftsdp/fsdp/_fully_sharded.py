@@ -387,13 +387,9 @@ class FullyShardedDataParallel(nn.Module):
         """Bytes this rank holds, by role (docs/engine.md, "Accounting");
         ``optimizer_state_bytes`` only when ``optimizer`` is given."""
         stats = {
-            "sharded_param_bytes": sum(
-                u.shard.numel() * u.shard.element_size() for u in self._units
-            ),
+            "sharded_param_bytes": sum(u.shard.nbytes for u in self._units),
             "sharded_grad_bytes": sum(
-                g.numel() * g.element_size()
-                for u in self._units
-                if (g := u.sharded_grad) is not None
+                g.nbytes for u in self._units if (g := u.sharded_grad) is not None
             ),
             "unsharded_param_bytes": self._gauge.now,
             "peak_unsharded_param_bytes": self._gauge.peak,
@@ -402,7 +398,7 @@ class FullyShardedDataParallel(nn.Module):
         if optimizer is not None:
             mine = {id(p) for _, p in self.named_parameters()}
             stats["optimizer_state_bytes"] = sum(
-                v.numel() * v.element_size()
+                v.nbytes
                 for p, state in optimizer.state.items()
                 if id(p) in mine
                 for v in state.values()

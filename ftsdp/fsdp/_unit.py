@@ -199,7 +199,10 @@ class FlatParamUnit:
             self._full = self.shard  # the shard is the whole (padded) flat parameter
         else:
             self._full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.device)
-        self.leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(self._full)
+        full = self._full
+        self.leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
+            full.untyped_storage(), full.storage_offset(), full.shape, full.stride()
+        )
         self._split_sizes = [info.numel for info in self.infos] + [self.padded_numel - self.numel]
         if self.infos:
             self.leaf.requires_grad_(True)  # toggled per forward; see expose_unsharded()
@@ -226,7 +229,7 @@ class FlatParamUnit:
     @property
     def full_bytes(self) -> int:
         """Bytes of the full (padded, ``param_dtype``) buffer while it is allocated."""
-        return self.padded_numel * self._full.element_size()
+        return self._full.nbytes
 
     def start_unshard(self) -> None:
         """SHARDED -> GATHERING: start the all-gather (in ``param_dtype``)."""
@@ -283,7 +286,7 @@ class FlatParamUnit:
         if not self.options.offload:
             return host
         if count:
-            self.stats.copies["h2d"] += host.numel() * host.element_size()
+            self.stats.copies["h2d"] += host.nbytes
         return host.to(self.device, non_blocking=True, copy=True)
 
     def expose_unsharded(self) -> None:
@@ -403,7 +406,7 @@ class FlatParamUnit:
             if not self.deterministic:  # deterministic reductions are averaged already
                 out.div_(self.data_parallel_size)
             if self.options.offload:  # device -> host, not blocking: see [Note: streams]
-                self.stats.copies["d2h"] += out.numel() * out.element_size()
+                self.stats.copies["d2h"] += out.nbytes
                 host = torch.empty(
                     out.shape,
                     dtype=out.dtype,

@@ -90,7 +90,7 @@ def policy_predicate(
     if is_torch_policy(policy):
         targets = torch_policy_targets(policy, root, ignored, root_kwargs)
         return lambda module: id(module) in targets
-    if callable(policy) and not isinstance(policy, (set, frozenset, list, tuple)):
+    if callable(policy):
         return policy
     if not isinstance(policy, (set, frozenset, list, tuple)):
         raise ValueError(
