@@ -193,10 +193,7 @@ def broadcast_flat(
 
 
 def all_gather_rows(
-    rows: torch.Tensor,
-    groups: list[dist.ProcessGroup],
-    *,
-    stats: CommStats | None = None,
+    rows: torch.Tensor, groups: list[dist.ProcessGroup], *, stats: CommStats
 ) -> torch.Tensor:
     """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n] in rank order (two
     groups, shard then replicate: by replica, then shard rank)."""
@@ -207,8 +204,7 @@ def all_gather_rows(
         out = torch.empty(
             (world * rows.shape[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device
         )
-        if stats is not None:
-            stats.record("all_gather", (world - 1) * rows.nbytes)
+        stats.record("all_gather", (world - 1) * rows.nbytes)
         _all_gather_single(out, rows.contiguous(), group=group)
         rows = out
     return rows

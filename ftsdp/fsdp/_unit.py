@@ -135,7 +135,7 @@ class FlatParamUnit:
         self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
         self.padded_numel = self.shard_numel * self.factor
 
-        self.shard = self._build_shard(params, options.sync_module_states, groups.world)
+        self.shard = self._build_shard(params, groups.world)
         self._make_local_params(params)
         self._make_full_buffer()
         # the flat gradient the .grad are views of, held weakly: zero_grad(None) frees it
@@ -150,16 +150,13 @@ class FlatParamUnit:
         self._reduced: list[torch.Tensor] = []  # completed sharded gradients, not yet added
 
     def _build_shard(
-        self,
-        params: list[nn.Parameter],
-        sync_module_states: bool,
-        broadcast_group: dist.ProcessGroup | None,
+        self, params: list[nn.Parameter], broadcast_group: dist.ProcessGroup | None
     ) -> torch.Tensor:
         flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)  # 1-D
         with torch.no_grad():
             for info, p in zip(self.infos, params, strict=True):
                 flat[info.offset : info.offset + info.numel].copy_(p.reshape(-1))
-        if sync_module_states and self.numel:
+        if self.options.sync_module_states and self.numel:
             broadcast_flat(flat, broadcast_group, stats=self.stats)
         start = self.rank * self.shard_numel
         shard = flat if self.factor == 1 else flat[start : start + self.shard_numel].clone()
