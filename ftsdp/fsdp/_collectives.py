@@ -85,13 +85,12 @@ class _Works:
         self.works = works
         self.then = then
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
         for work in self.works:
             work.wait()
         if self.then is not None:
             self.then()
             self.then = None
-        return True
 
     def settle(self, async_op: bool) -> _Works | None:
         """``self`` to wait for later (``async_op``), or waited for now and ``None``."""

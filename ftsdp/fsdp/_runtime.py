@@ -52,19 +52,13 @@ _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHAR
 
 @dataclasses.dataclass(slots=True)
 class _UnitRun:
-    """Per-backward bookkeeping of one unit (reset at the end of every backward).
-
-    [Note: forward tickets] Each forward of the unit under grad mode takes a ticket.
-    ``pending``: tickets whose inputs' gradients have not arrived; ``active``: tickets whose
-    outputs' gradients arrived in this backward. A forward whose graph was dropped (no
-    backward) stays pending forever; counting only the active tickets keeps it from holding
-    the unit gathered through the next backward.
-    """
+    """Per-backward bookkeeping of one unit; forward tickets: docs/engine.md, "The unit
+    lifecycle"."""
 
     wants_grad: bool = False  # a forward under grad mode used trainable parameters
     grad_seen: bool = False  # the leaf's gradient arrived in this backward
-    pending: set[int] = dataclasses.field(default_factory=set)
-    active: set[int] = dataclasses.field(default_factory=set)
+    pending: set[int] = dataclasses.field(default_factory=set)  # inputs' gradients not in
+    active: set[int] = dataclasses.field(default_factory=set)  # outputs' gradients arrived
     ticket: int | None = None  # the ticket of the forward running now
 
 
@@ -192,7 +186,7 @@ class Runtime:
         needing = [t for t in _tensors_in(inputs) if t.requires_grad]
         if not needing:
             return
-        ticket = run.ticket = next(self._tickets)  # see [Note: forward tickets]
+        ticket = run.ticket = next(self._tickets)
         run.pending.add(ticket)
         register_multi_grad_hook(
             needing, lambda grads: self._inputs_grad_done(unit, ticket), mode="all"
@@ -226,10 +220,7 @@ class Runtime:
         return hook
 
     def _hook_output(self, unit: FlatParamUnit, t: torch.Tensor, ticket: int | None) -> None:
-        # A pre-hook on the node that produced the output, not a hook on the tensor: node
-        # pre-hooks run after the tensor hooks on the same gradient, so the next unit's
-        # inputs hook (a tensor hook: that unit's backward is done, free it) runs before
-        # this unit gathers. Otherwise two units would be gathered at that moment.
+        # a node pre-hook, so the next unit's inputs hook runs first (docs/engine.md)
         if t.grad_fn is not None:
             t.grad_fn.register_prehook(lambda grads: self._pre_backward(unit, ticket))
         else:
