@@ -1,7 +1,5 @@
-"""torch FSDP1's enums and configuration classes (the same names, fields and defaults as
-``torch.distributed.fsdp.api``), so importing the engine does not import torch's FSDP; the
-``as_*`` functions also accept torch's own instances. See docs/migrating.md.
-"""
+"""torch FSDP1's enums and configs (names, fields and defaults of ``torch.distributed.fsdp.api``);
+the ``as_*`` functions also accept torch's own instances (docs/migrating.md)."""
 
 from __future__ import annotations
 
@@ -13,17 +11,14 @@ from ._common import enum_member
 
 
 class BackwardPrefetch(enum.Enum):
-    """When backward starts the all-gather of the next unit (torch FSDP1's enum):
-    ``BACKWARD_PRE`` (ftsdp's ``backward_prefetch=True``); ``BACKWARD_POST`` is refused."""
+    """When backward prefetches the next unit (``BACKWARD_POST`` is refused)."""
 
     BACKWARD_PRE = enum.auto()
     BACKWARD_POST = enum.auto()
 
 
 class StateDictType(enum.Enum):
-    """What ``model.state_dict()`` returns inside ``FSDP.state_dict_type(model, ...)``:
-    ``FULL_STATE_DICT`` (default) or ``SHARDED_STATE_DICT`` (DTensors); ``LOCAL_STATE_DICT``
-    is refused (docs/migrating.md)."""
+    """What ``model.state_dict()`` returns (``LOCAL_STATE_DICT`` is refused)."""
 
     FULL_STATE_DICT = enum.auto()
     LOCAL_STATE_DICT = enum.auto()
@@ -65,8 +60,7 @@ class OptimStateDictConfig:
 
 @dataclass
 class FullOptimStateDictConfig(OptimStateDictConfig):
-    """``FULL_STATE_DICT`` settings of ``FSDP.optim_state_dict``; ``rank0_only`` also makes
-    ``optim_state_dict_to_load`` broadcast rank 0's input."""
+    """``FULL_STATE_DICT`` optimizer settings (``rank0_only``: load broadcasts rank 0's input)."""
 
     rank0_only: bool = False
 
@@ -107,11 +101,10 @@ def as_state_dict_type(value: Any) -> StateDictType:
 
 
 def as_config(value: Any, cls: type[Any]) -> Any:
-    """``value`` as an instance of the config class ``cls`` (``None``: the defaults; torch's
-    class of the same name: copied field by field)."""
+    """``value`` as a ``cls`` (``None``: the defaults; torch's class of that name: copied)."""
     if value is None:
         return cls()
-    if isinstance(value, cls) and type(value) is cls:
+    if type(value) is cls:
         return value
     if type(value).__name__ == cls.__name__:  # torch's class of the same name
         return cls(**{f.name: getattr(value, f.name) for f in fields(cls)})

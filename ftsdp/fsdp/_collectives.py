@@ -1,14 +1,12 @@
-"""The engine's collectives, as free functions over flat 1-D tensors and a process group.
-
-A group of ``None`` means one rank, nothing to communicate. An optional :class:`CommStats`
-counts calls and the ring-algorithm bytes per rank (docs/engine.md, "Accounting").
-"""
+"""The engine's collectives over flat 1-D tensors; a group of ``None`` is one rank. Byte counts
+are the ring cost per rank (docs/engine.md, "Accounting")."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,29 +45,15 @@ class CommStats:
         """Collective bytes (copies excluded)."""
         return sum(self.bytes.values())
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """Plain dicts, for logs and benchmarks."""
-        return {
-            "calls": dict(self.calls),
-            "bytes": dict(self.bytes),
-            "copies": dict(self.copies),
-            "control": dict(self.control),
-            "max_in_flight": {"all_gather": self.max_in_flight},
-        }
-
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of ``group``; 1 for ``None`` (no group)."""
-    if group is None:
-        return 1
-    return dist.get_world_size(group)
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank inside ``group``; 0 for ``None`` (no group)."""
-    if group is None:
-        return 0
-    return dist.get_rank(group)
+    return 0 if group is None else dist.get_rank(group)
 
 
 def all_gather_flat(
@@ -84,11 +68,11 @@ def all_gather_flat(
     """Gather equal 1-D shards from every rank into ``output`` (``W * shard.numel()``)."""
     world = group_size(group)
     assert output.numel() == world * shard.numel(), (output.numel(), world, shard.numel())
-    if group is None or world == 1:  # None: no group, a world of one
+    if group is None or world == 1:
         output.copy_(shard)
         return None
     if stats is not None:
-        stats.record("all_gather", (world - 1) * shard.numel() * shard.element_size(), tag)
+        stats.record("all_gather", (world - 1) * shard.nbytes, tag)
     if output.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _gather_by_broadcasts(output, shard, group, world, async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
@@ -101,20 +85,18 @@ class _Works:
         self.works = works
         self.then = then
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
         for work in self.works:
             work.wait()
         if self.then is not None:
             self.then()
             self.then = None
-        return True
 
     def settle(self, async_op: bool) -> _Works | None:
         """``self`` to wait for later (``async_op``), or waited for now and ``None``."""
-        if async_op:
-            return self
-        self.wait()
-        return None
+        if not async_op:
+            self.wait()
+        return self if async_op else None
 
 
 def _gather_by_broadcasts(
@@ -124,8 +106,7 @@ def _gather_by_broadcasts(
     world: int,
     async_op: bool,
 ) -> _Works | None:
-    """One broadcast per rank into its slice of ``output``: gloo's all-gather without its
-    full-size staging buffer (docs/engine.md, "Collectives on gloo")."""
+    """gloo's all-gather as one broadcast per rank (docs/engine.md, "Collectives on gloo")."""
     size = shard.numel()
     mine = dist.get_rank(group)
     output[mine * size : (mine + 1) * size].copy_(shard)
@@ -155,11 +136,11 @@ def reduce_scatter_flat(
     ``consume_input=True``: ``full`` may be overwritten (on gloo, no full-size copy)."""
     world = group_size(group)
     assert full.numel() == world * output.numel(), (full.numel(), world, output.numel())
-    if group is None or world == 1:  # None: no group, a world of one
+    if group is None or world == 1:
         output.copy_(full)
         return None
     if stats is not None:
-        stats.record("reduce_scatter", (world - 1) * output.numel() * output.element_size(), tag)
+        stats.record("reduce_scatter", (world - 1) * output.nbytes, tag)
     if consume_input and full.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _reduce_scatter_in_place(output, full, group, async_op)
     return _reduce_scatter_single(
@@ -170,8 +151,7 @@ def reduce_scatter_flat(
 def _reduce_scatter_in_place(
     output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> _Works | None:
-    """gloo's ``reduce_scatter_tensor`` (an all-reduce of a copy of the input, torch 2.x) run
-    on the input itself: the same traffic, no full-size copy."""
+    """gloo's reduce-scatter (an all-reduce) run on the input itself, without gloo's copy."""
     size = output.numel()
     start = dist.get_rank(group) * size
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -192,7 +172,7 @@ def all_reduce_flat(
     if world == 1:
         return None
     if stats is not None:
-        nbytes = 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
+        nbytes = 2 * (world - 1) * tensor.nbytes // world
         stats.record("all_reduce", nbytes, tag)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -201,24 +181,18 @@ def broadcast_flat(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None,
     *,
-    src_group_rank: int = 0,
     stats: CommStats | None = None,
 ) -> None:
-    """Overwrite ``tensor`` on every rank with the copy held by ``src_group_rank``."""
-    world = group_size(group)
-    if group is None or world == 1:  # None: no group, a world of one
+    """Overwrite ``tensor`` on every rank with group rank 0's copy."""
+    if group is None or group_size(group) == 1:
         return
     if stats is not None:
-        stats.record("broadcast", tensor.numel() * tensor.element_size())
-    src = dist.get_global_rank(group, src_group_rank)
-    dist.broadcast(tensor, src=src, group=group)
+        stats.record("broadcast", tensor.nbytes)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
 def all_gather_rows(
-    rows: torch.Tensor,
-    groups: list[dist.ProcessGroup],
-    *,
-    stats: CommStats | None = None,
+    rows: torch.Tensor, groups: list[dist.ProcessGroup], *, stats: CommStats
 ) -> torch.Tensor:
     """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n] in rank order (two
     groups, shard then replicate: by replica, then shard rank)."""
@@ -229,29 +203,18 @@ def all_gather_rows(
         out = torch.empty(
             (world * rows.shape[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device
         )
-        if stats is not None:
-            stats.record("all_gather", (world - 1) * rows.numel() * rows.element_size())
+        stats.record("all_gather", (world - 1) * rows.nbytes)
         _all_gather_single(out, rows.contiguous(), group=group)
         rows = out
     return rows
 
 
-def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
-    """Every rank's list of ints (lists may differ in length). Used for wrap-time checks."""
-    world = group_size(group)
-    if world == 1:
-        return [list(values)]
-    device = comm_device(group)
-    length = torch.tensor([len(values)], dtype=torch.int64, device=device)
-    lengths = torch.empty(world, dtype=torch.int64, device=device)
-    _all_gather_single(lengths, length, group=group)
-    longest = int(lengths.max())
-    mine = torch.full((longest,), -1, dtype=torch.int64, device=device)
-    mine[: len(values)] = torch.tensor(values, dtype=torch.int64, device=device)
-    everyone = torch.empty(world * longest, dtype=torch.int64, device=device)
-    _all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(world, longest).tolist()
-    return [row[: int(n)] for row, n in zip(rows, lengths.tolist(), strict=True)]
+def all_gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order; for checks, not for tensors."""
+    everyone: list[Any] = [value] * group_size(group)
+    if len(everyone) > 1:
+        dist.all_gather_object(everyone, value, group=group)
+    return everyone
 
 
 def comm_device(group: dist.ProcessGroup | None) -> torch.device:

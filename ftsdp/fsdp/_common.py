@@ -1,4 +1,4 @@
-"""Small shared types of the engine: the sharding strategy and the unit lifecycle states."""
+"""Small shared types of the engine: strategy, groups, lifecycle states, torch FSDP configs."""
 
 from __future__ import annotations
 
@@ -8,12 +8,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups a wrapped model uses."""
+
+    shard: dist.ProcessGroup | None  # ranks that split a FlatParameter (None: F = 1)
+    replicate: dist.ProcessGroup | None  # ranks holding the same shard (None: no replicas)
+    world: dist.ProcessGroup | None  # every data-parallel rank (None: not distributed)
 
 
 class ShardingStrategy(enum.Enum):
-    """How a unit's FlatParameter is split across the ranks of its process group:
-    ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD`` (docs/design.md, "The
-    engine", Strategies)."""
+    """How a unit's FlatParameter is split across ranks (docs/engine.md, "The unit lifecycle")."""
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
@@ -22,8 +30,7 @@ class ShardingStrategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        """Accept the enum, torch FSDP's enum of the same name, or its name (case-insensitive);
-        a clear ValueError otherwise."""
+        """The member for itself, torch FSDP's member or its name (any case); else ValueError."""
         if getattr(value, "name", None) == "_HYBRID_SHARD_ZERO2":  # torch's enum only
             raise ValueError(
                 "sharding_strategy=_HYBRID_SHARD_ZERO2 is not supported by ftsdp; use "
@@ -63,15 +70,11 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Low-precision compute and communication with fp32 master shards (paper, Section 4.4).
+    """Low-precision compute and communication with fp32 master shards (docs/engine.md).
 
-    ``param_dtype``: the unsharded parameters and the all-gather; ``reduce_dtype``: the
-    gradient reduction (default: ``param_dtype``); ``buffer_dtype``: floating buffers, cast at
-    wrap time; the root's floating inputs are cast to ``param_dtype`` when both
-    ``cast_forward_inputs`` and torch's ``cast_root_forward_inputs`` are set (the default).
-    ``keep_low_precision_grads=True`` is refused: the optimizer steps on fp32 shards. With
-    fp16, scale the loss with ``ftsdp.ShardedGradScaler``. See docs/engine.md.
-    """
+    ``param_dtype``: unsharded parameters and all-gather; ``reduce_dtype``: gradient reduction
+    (default ``param_dtype``); ``buffer_dtype``: floating buffers; ``cast_forward_inputs``:
+    the root's floating inputs to ``param_dtype``; ``keep_low_precision_grads=True`` raises."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -96,16 +99,13 @@ class MixedPrecision:
 
 @dataclass(frozen=True, kw_only=True)
 class CPUOffload:
-    """Keep the sharded parameters and gradients in host memory (paper, Section 3.2; see
-    docs/engine.md)."""
+    """Keep the sharded parameters and gradients in host memory (docs/engine.md)."""
 
     offload_params: bool = False
 
 
 def as_mixed_precision(value: Any) -> MixedPrecision | None:
-    """``mixed_precision=`` as ftsdp's ``MixedPrecision``: ftsdp's, or torch FSDP's (copied:
-    the root's inputs are cast when its ``cast_root_forward_inputs`` or
-    ``cast_forward_inputs`` is set; ``_module_classes_to_ignore`` is not honoured)."""
+    """``mixed_precision=`` as ftsdp's ``MixedPrecision`` (torch FSDP's is copied)."""
     if value is None or isinstance(value, MixedPrecision):
         return value
     if type(value).__name__ == "MixedPrecision" and hasattr(value, "param_dtype"):

@@ -1,14 +1,6 @@
-"""torch FSDP1's state APIs on ftsdp's units: state-dict types, optimizer state, full params.
-
-What each produces (the same as torch FSDP1) is in docs/migrating.md. ``SHARDED_STATE_DICT``
-is built one unit at a time (one all-gather per unit and state key) and loaded one parameter
-at a time, so memory stays at the shards plus one unit.
-
-[Note: which optimizer state is sharded] A state tensor that is 1-D with this rank's length of
-the parameter (``exp_avg``, ``momentum_buffer``) mirrors the parameter's slice; anything else
-(``step``) passes through. The ranks agree on which keys mirror before any collective on them,
-so a rank whose slice is empty still takes part.
-"""
+"""torch FSDP1's state APIs on ftsdp's units (what each returns: docs/migrating.md); built one
+unit at a time, so memory stays at the shards plus one unit. Which optimizer state mirrors a
+parameter: docs/design.md, "The engine/storage seam"."""
 
 from __future__ import annotations
 
@@ -21,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._api import StateDictType
-from ._collectives import all_reduce_flat, group_rank
+from ._collectives import all_gather_objects, all_reduce_flat, group_rank
 from ._common import ShardingStrategy, tree_map
 from ._state_dict import (
     full_state_dict,
@@ -39,15 +31,16 @@ FullyShardedDataParallel = Any
 
 
 def _to_cpu(value: Any, enabled: bool) -> Any:
-    if enabled and isinstance(value, torch.Tensor):
-        return value.cpu()
-    return value
+    return value.cpu() if enabled and isinstance(value, torch.Tensor) else value
 
 
-# ---------------------------------------------------------------------- DTensor layout
+def _not_rank0(model: FullyShardedDataParallel, config: Any) -> bool:
+    """``rank0_only`` is set and this is not rank 0: the state is ``{}`` here."""
+    return getattr(config, "rank0_only", False) and group_rank(model._groups.world) != 0
+
+
 def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) -> Any:
-    """``full`` (identical on every rank) as a ``SHARDED_STATE_DICT`` DTensor: rows split as
-    ``torch.chunk`` does over the shard group, replicated when nothing is sharded."""
+    """``full`` (the same on every rank) as a DTensor: rows chunked over the shard group."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -84,7 +77,6 @@ def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) 
     )
 
 
-# ---------------------------------------------------------------------- model state
 def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
     """``model.state_dict()`` under the model's state-dict settings (collective)."""
     config = model._sd_settings.state_dict_config
@@ -93,18 +85,15 @@ def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
         full = full_state_dict(model._units, model.module, lambda t: _to_dtensor(model, t, cpu))
         return {k: v if is_distributed(v) else _to_cpu(v.clone(), cpu) for k, v in full.items()}
     full = full_state_dict(model._units, model.module)
-    if getattr(config, "rank0_only", False) and group_rank(model._groups.world) != 0:
+    if _not_rank0(model, config):
         return {}
     return {key: _to_cpu(value, cpu) for key, value in full.items()}
 
 
-# ---------------------------------------------------------------------- optimizer state
 def _optim_entries(
     model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any] | None
 ) -> list[tuple[int, str, ParamInfo | None, dict[str, Any]]]:
-    """``optim_entries`` under the names torch FSDP's state dicts use: without the
-    ``_checkpoint_wrapped_module.`` parts activation checkpointing's wrapper adds (its own
-    state-dict hooks drop them from ``state_dict()`` keys too)."""
+    """``optim_entries`` named as torch's state dicts are (checkpoint wrappers' parts dropped)."""
     entries = optim_entries(model._units, model._param_names(), optim, osd)
     clean = "_checkpoint_wrapped_module."
     return [(g, name.replace(clean, ""), info, state) for g, name, info, state in entries]
@@ -117,11 +106,7 @@ def _agree_mirrors(
     mine = [
         sorted(k for k, v in state.items() if mirrors(v, info)) for _, _, info, state in entries
     ]
-    group = model._groups.world
-    everyone: list[Any] = [mine]
-    if group is not None and dist.get_world_size(group) > 1:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_objects(mine, model._groups.world)
     agreed = [set().union(*(row[i] for row in everyone)) for i in range(len(entries))]
     for (_, name, info, state), keys in zip(entries, agreed, strict=True):
         for key in keys:
@@ -153,8 +138,7 @@ def _full_optim_tensors(
 def _gather_params(
     unit: FlatParamUnit, pieces: list[tuple[ParamInfo, torch.Tensor | None]]
 ) -> list[torch.Tensor]:
-    """Each piece's full parameter-shaped tensor from every rank's local slices (a piece of
-    ``None``: zeros here); one all-gather for the unit. The pieces share one dtype."""
+    """Each piece's full tensor from every rank's slices (``None``: zeros); one all-gather."""
     dtype = next((t.dtype for _, t in pieces if t is not None), unit.dtype)
     local = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
     for info, piece in pieces:
@@ -177,11 +161,7 @@ def optim_state_dict(
     entries = _optim_entries(model, optim, osd)
     keys = _agree_mirrors(model, entries)
     full = _full_optim_tensors(model, entries, keys)
-    if (
-        not sharded
-        and getattr(config, "rank0_only", False)
-        and group_rank(model._groups.world) != 0
-    ):
+    if not sharded and _not_rank0(model, config):
         return {}
     state: dict[str, dict[str, Any]] = {}
     for i, (_, name, _, values) in enumerate(entries):
@@ -204,8 +184,8 @@ def optim_state_dict(
 def optim_state_dict_to_load(
     model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any]
 ) -> dict[str, Any]:
-    """``FSDP.optim_state_dict_to_load``: a name-keyed state dict (full tensors, or DTensors)
-    as ``optim.state_dict()`` for this rank's shards (collective)."""
+    """``FSDP.optim_state_dict_to_load``: a name-keyed state dict as this rank's
+    ``optim.state_dict()`` (collective)."""
     settings = model._sd_settings
     config = settings.optim_state_dict_config
     if (
@@ -228,14 +208,11 @@ def optim_state_dict_to_load(
         entry = {}
         for key in sorted(saved):
             value = full_tensor(saved[key]) if is_distributed(saved[key]) else saved[key]
-            param_shaped = isinstance(value, torch.Tensor) and value.dim() > 0
-            if info is not None and param_shaped and tuple(value.shape) == tuple(info.shape):
-                piece = value.reshape(-1)[info.param_start : info.param_start + info.length]
-                entry[key] = piece.clone()
-            elif isinstance(value, torch.Tensor):
-                entry[key] = value.clone()
-            else:
-                entry[key] = value
+            if isinstance(value, torch.Tensor):
+                if info is not None and value.dim() > 0 and value.shape == info.shape:
+                    value = value.reshape(-1)[info.param_start : info.param_start + info.length]
+                value = value.clone()
+            entry[key] = value
         state[index] = entry
     saved_groups = osd["param_groups"]
     groups = []
@@ -257,15 +234,8 @@ def optim_state_dict_to_load(
     return {"state": state, "param_groups": groups}
 
 
-class _TensorMeta:
-    """A tensor's place in a broadcast structure: its shape and dtype."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
-
-
 def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
-    """rank 0's ``osd`` on every rank: its structure as one object, then each tensor."""
+    """rank 0's ``osd`` on every rank: its structure (meta tensors) first, then each tensor."""
     group = model._groups.world
     src = dist.get_global_rank(group, 0)
     device = model._units[0].device
@@ -275,17 +245,17 @@ def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         sent.append(value)
-        return _TensorMeta(value)
+        return value.to("meta")
 
     holder = [tree_map(osd, strip) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(holder, src=src, group=group)
     pending = iter(sent)
 
     def fill(value: Any) -> Any:
-        if not isinstance(value, _TensorMeta):
+        if not isinstance(value, torch.Tensor):
             return value
-        buffer = next(pending, None)
-        if buffer is None:  # a receiving rank
+        buffer = next(pending, None)  # None: a receiving rank
+        if buffer is None:
             buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
         buffer = buffer.to(device)
         dist.broadcast(buffer, src=src, group=group)
@@ -294,7 +264,6 @@ def _broadcast_from_rank0(osd: Any, model: FullyShardedDataParallel) -> Any:
     return tree_map(holder[0], fill)
 
 
-# ---------------------------------------------------------------------- full parameters
 @contextlib.contextmanager
 def summon_full_params(
     model: FullyShardedDataParallel,

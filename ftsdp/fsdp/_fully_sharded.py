@@ -1,9 +1,5 @@
-"""The public wrapper: ``ftsdp.FullyShardedDataParallel`` (alias ``ftsdp.FSDP``).
-
-Wrapping plans the units (``_wrap``), builds them (``_init``, ``_unit``) and installs the hooks
-(``_runtime``); torch FSDP1's arguments and methods are accepted where ftsdp can honour them
-(docs/migrating.md).
-"""
+"""The public wrapper ``ftsdp.FullyShardedDataParallel`` (alias ``ftsdp.FSDP``); torch FSDP1's
+arguments and methods are accepted where ftsdp can honour them (docs/migrating.md)."""
 
 from __future__ import annotations
 
@@ -33,12 +29,7 @@ from ._api import (
     as_config,
     as_state_dict_type,
 )
-from ._collectives import (
-    CommStats,
-    all_gather_flat,
-    all_reduce_flat,
-    broadcast_flat,
-)
+from ._collectives import CommStats, all_reduce_flat, broadcast_flat
 from ._common import (
     CPUOffload,
     MixedPrecision,
@@ -48,9 +39,10 @@ from ._common import (
     as_mixed_precision,
 )
 from ._init import build_units, check_same_structure, resolve_device, resolve_groups
-from ._runtime import PrefetchOptions, Runtime
+from ._runtime import Runtime
 from ._state_dict import (
     ShardView,
+    gather_flat,
     load_full_state_dict,
     sharded_optim_state_dict,
     sharded_state_dict,
@@ -83,26 +75,21 @@ class FullyShardedDataParallel(nn.Module):
     """Fully sharded data parallel training of ``module`` (PyTorch FSDP paper, VLDB 2023).
 
     Args:
-        module: the model. Its parameters move into per-unit FlatParameters; create the
-            optimizer afterwards from ``wrapped.parameters()``.
+        module: the model; create the optimizer afterwards from ``wrapped.parameters()``.
         process_group: the ranks that train this model together (default: the world).
         sharding_strategy: ``ShardingStrategy`` (or its name, or torch FSDP's enum).
-        auto_wrap_policy: module classes (each instance becomes a unit), a callable
-            ``module -> bool``, or a torch FSDP policy (docs/engine.md); ``None``: one unit.
-        device_id: the CUDA device index (or ``torch.device``) the shards live on; default:
-            the device of the module's parameters.
+        auto_wrap_policy: module classes, a callable ``module -> bool``, or a torch FSDP
+            policy (docs/engine.md); ``None``: one unit.
+        device_id: the CUDA device index (or ``torch.device``); default: the parameters'.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
-        mixed_precision, cpu_offload: ``MixedPrecision`` / ``CPUOffload`` (ftsdp's or torch
-            FSDP's).
+        mixed_precision, cpu_offload: ftsdp's or torch FSDP's config.
         backward_prefetch, forward_prefetch, limit_all_gathers: see docs/engine.md.
-        param_init_fn: initialises a meta-device model's modules (ignored for real tensors).
-        use_orig_params, ignored_modules, ignored_states: as in torch FSDP
-            (docs/migrating.md).
-        deterministic: gradients bitwise independent of the world size; the reduced gradient
-            is the MEAN over micro-batches, padding passes left out (docs/engine.md,
-            "Deterministic mode").
+        param_init_fn: initialises a meta-device model's modules.
+        use_orig_params, ignored_modules, ignored_states: as in torch FSDP.
+        deterministic: gradients bitwise independent of the world size, the MEAN over
+            micro-batches, padding passes left out (docs/engine.md, "Deterministic mode").
 
-    Every rank must wrap the same model structure; it is checked once here.
+    Every rank must wrap the same model structure (checked here).
     """
 
     def __init__(
@@ -207,17 +194,17 @@ class FullyShardedDataParallel(nn.Module):
             for info in unit.infos
             for module, name in info.refs
         }
-        prefetch = PrefetchOptions(
-            backward=backward_prefetch,
-            forward=forward_prefetch,
+        self._runtime = Runtime(
+            units,
+            strategy,
+            groups.world,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
+            cast_inputs_to=mp.param_dtype if mp.cast_forward_inputs else None,
         )
-        cast_to = mp.param_dtype if mp.cast_forward_inputs else None
-        self._runtime = Runtime(units, strategy, groups.world, prefetch, cast_to)
-        self._runtime.register_hooks()
         _install_stale_optimizer_guard()
 
-    # ------------------------------------------------------------------ nn.Module surface
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (its hooks gather and free each unit around its use)."""
         if self._summoned:
@@ -238,9 +225,8 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Original parameter names (no wrapper prefix), each rank's 1-D slice the optimizer
-        updates (maybe empty), also while a unit is gathered; inside ``summon_full_params``
-        the full parameters; ignored parameters whole."""
+        """Original names with this rank's 1-D slices (full parameters inside
+        ``summon_full_params``; ignored ones whole)."""
         return self._named_params(prefix, recurse, remove_duplicate, sharded=not self._summoned)
 
     def _named_params(
@@ -278,8 +264,8 @@ class FullyShardedDataParallel(nn.Module):
         )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The state with exactly the unwrapped module's keys, in the form ``state_dict_type``
-        chose (default: every rank gets the full unsharded state). A collective."""
+        """The unwrapped module's keys, in the form ``state_dict_type`` chose (default: full
+        on every rank). A collective."""
         if args or kwargs:
             raise ValueError(
                 "FSDP.state_dict() takes no arguments: it returns the state with the "
@@ -291,19 +277,16 @@ class FullyShardedDataParallel(nn.Module):
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load a state dict (keys of the unwrapped module) into each rank's shards: full
-        tensors on every rank, or DTensors of them (a collective then)."""
+        """Load full tensors (or DTensors of them: a collective) into each rank's shards."""
         if assign:
             raise ValueError("FSDP.load_state_dict does not support assign=True")
         self._require_idle("load_state_dict()")
         missing, unexpected = load_full_state_dict(self._units, self.module, state_dict, strict)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
-    # ------------------------------------------------------------------ training helpers
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (unsharded) without communication; the first backward
-        outside reduces the sum once."""
+        """Accumulate gradients without communication; the next backward outside reduces."""
         previous = self._runtime.no_sync
         self._runtime.no_sync = True
         try:
@@ -326,7 +309,7 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients in place by their global norm over all shards; returns that norm
-        (ignored parameters' gradients count once, from this rank, as in torch FSDP)."""
+        (ignored parameters count from this rank only, as in torch FSDP)."""
         self._require_idle("clip_grad_norm_()")
         max_norm, norm_type = float(max_norm), float(norm_type)
         grads = [
@@ -364,14 +347,8 @@ class FullyShardedDataParallel(nn.Module):
         return total
 
     def _ignored_grads(self) -> list[torch.Tensor]:
-        if not self._ignored.params:
-            return []
-        managed = set(self._sharded_params.values())
-        return [
-            p.grad
-            for _, p in self._named_params("", True, True, sharded=True)
-            if p not in managed and p.grad is not None
-        ]
+        ignored = self._ignored.params
+        return [p.grad for p in self.module.parameters() if p in ignored and p.grad is not None]
 
     def _deterministic_norm(self, norm_type: float) -> torch.Tensor:
         """The norm over each unit's full gradient in unit order: the same for any world size."""
@@ -379,27 +356,24 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             if not unit.trainable or unit.sharded_grad is None:
                 continue
-            full = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
-            all_gather_flat(full, unit.on_device(unit.sharded_grad), unit.shard_group)
-            mask = torch.zeros(unit.padded_numel, dtype=torch.bool, device=unit.device)
+            full = gather_flat(unit, unit.sharded_grad)
             for info in unit.trainable:
-                mask[info.offset : info.offset + info.numel] = True
-            total += full[: unit.numel][mask[: unit.numel]].double().abs().pow(norm_type).sum()
+                piece = full[info.offset : info.offset + info.numel]
+                total += piece.double().abs().pow(norm_type).sum()
         return total.pow(1.0 / norm_type).float()
 
-    # ------------------------------------------------------------------ sharded state
     def sharded_state_dict(self) -> dict[str, ShardView]:
-        """This rank's flat range of every parameter (tied ones once) and persistent buffer;
-        ``local`` aliases the live shards, so copying into it loads in place."""
+        """ShardViews of every parameter (tied ones once) and persistent buffer, aliasing the
+        live shards (copying into ``local`` loads in place)."""
         return sharded_state_dict(self._units, self.module)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name, parameter-shaped state as ShardViews."""
         return sharded_optim_state_dict(self._units, self._param_names(), optimizer)
 
-    # ------------------------------------------------------------------ introspection
     @property
     def sharding_strategy(self) -> ShardingStrategy:
+        """The strategy the model was wrapped with."""
         return self._strategy
 
     @property
@@ -425,13 +399,9 @@ class FullyShardedDataParallel(nn.Module):
         """Bytes this rank holds, by role (docs/engine.md, "Accounting");
         ``optimizer_state_bytes`` only when ``optimizer`` is given."""
         stats = {
-            "sharded_param_bytes": sum(
-                u.shard.numel() * u.shard.element_size() for u in self._units
-            ),
+            "sharded_param_bytes": sum(u.shard.nbytes for u in self._units),
             "sharded_grad_bytes": sum(
-                g.numel() * g.element_size()
-                for u in self._units
-                if (g := u.sharded_grad) is not None
+                g.nbytes for u in self._units if (g := u.sharded_grad) is not None
             ),
             "unsharded_param_bytes": self._gauge.now,
             "peak_unsharded_param_bytes": self._gauge.peak,
@@ -440,7 +410,7 @@ class FullyShardedDataParallel(nn.Module):
         if optimizer is not None:
             mine = {id(p) for _, p in self.named_parameters()}
             stats["optimizer_state_bytes"] = sum(
-                v.numel() * v.element_size()
+                v.nbytes
                 for p, state in optimizer.state.items()
                 if id(p) in mine
                 for v in state.values()
@@ -457,7 +427,6 @@ class FullyShardedDataParallel(nn.Module):
         if self._summoned:
             raise RuntimeError(f"{what} cannot run inside summon_full_params()")
 
-    # ------------------------------------------------------------------ torch FSDP1 API
     def __getitem__(self, key: int) -> Any:
         """Index the wrapped module (an ``nn.Sequential``), as torch FSDP does."""
         return self.module[key]  # type: ignore[index]
@@ -468,8 +437,7 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
-        """The ftsdp wrappers in ``module`` (itself included). ftsdp has one wrapper per
-        model, however many units, so ``root_only`` makes no difference."""
+        """The ftsdp wrappers in ``module`` (one per model: ``root_only`` changes nothing)."""
         return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
 
     @staticmethod
@@ -480,8 +448,7 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
         """Choose what ``state_dict()`` and ``FSDP.optim_state_dict`` return for the wrappers
-        in ``module`` (torch's or ftsdp's configs, ``None`` for defaults; ``LOCAL_STATE_DICT``
-        raises); returns the previous settings."""
+        in ``module`` (``None``: default configs); returns the previous settings."""
         kind = as_state_dict_type(state_dict_type)
         if kind is StateDictType.LOCAL_STATE_DICT:
             raise ValueError(
@@ -532,9 +499,8 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict: dict[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        """The optimizer's state keyed by parameter name, as torch FSDP's method returns it
-        (docs/migrating.md); ``optim_state_dict``: an ``optim.state_dict()`` to convert
-        instead of the live state. A collective."""
+        """The optimizer's state keyed by parameter name, as torch FSDP returns it;
+        ``optim_state_dict``: a state dict to convert instead of the live state. A collective."""
         wrapper = _wrappers_in(model, "optim_state_dict")[0]
         wrapper._require_idle("optim_state_dict()")
         return _fsdp1.optim_state_dict(wrapper, optim, optim_state_dict)
@@ -572,8 +538,8 @@ class FullyShardedDataParallel(nn.Module):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        """Inside the block the modules hold full ``nn.Parameter``s, as in torch FSDP
-        (docs/migrating.md); in-place edits are written back on exit. A collective."""
+        """Inside the block the modules hold full ``nn.Parameter``s, as in torch FSDP; in-place
+        edits are written back on exit. A collective."""
         with contextlib.ExitStack() as stack:
             for wrapper in _wrappers_in(module, "summon_full_params"):
                 stack.enter_context(
@@ -584,8 +550,7 @@ class FullyShardedDataParallel(nn.Module):
             yield
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
-        """``fn`` on every submodule with full parameters (inside ``summon_full_params``), so
-        an initialisation function sees the original shapes, as in torch FSDP."""
+        """``fn`` on every submodule inside ``summon_full_params`` (original shapes)."""
         with FullyShardedDataParallel.summon_full_params(self):
             super().apply(fn)
         return self

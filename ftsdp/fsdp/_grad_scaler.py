@@ -13,15 +13,10 @@ from ._collectives import comm_device, group_size
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` (same use) whose skip decision is agreed by every rank.
+    """``torch.amp.GradScaler`` (same use) whose skip decision every rank agrees on.
 
-    Args:
-        device: where the gradients live (``"cuda"`` or ``"cpu"``).
-        process_group: the model's data-parallel ranks (default: the world, when
-            ``torch.distributed`` is initialised; otherwise it acts as ``GradScaler``).
-        **kwargs: ``init_scale``, ``growth_factor``, ``backoff_factor``,
-            ``growth_interval``, ``enabled``, as for ``GradScaler``.
-    """
+    ``process_group``: the data-parallel ranks (default: the world, when initialised); the
+    other arguments as for ``GradScaler``."""
 
     def __init__(
         self,
@@ -35,8 +30,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        """The ranks that agree; the world unless given, looked up at each step (a scaler
-        built before ``init_process_group`` still agrees with the other ranks)."""
+        """The ranks that agree (the world unless given, looked up at each step)."""
         if self._group is None and dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return self._group

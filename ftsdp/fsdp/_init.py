@@ -1,21 +1,18 @@
-"""Building a wrapped model's units: device, process groups, deferred initialisation.
-
-[Note: deferred initialisation] A meta-device model is materialised, initialised and sharded
-one unit at a time, in ``modules()`` order (docs/engine.md, "Deferred initialisation").
-"""
+"""Building a wrapped model's units: device, process groups, deferred initialisation (a meta
+model is materialised unit by unit: docs/engine.md, "Deferred initialisation")."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._collectives import CommStats, all_gather_ints, group_size
-from ._common import ShardingStrategy
+from ._collectives import CommStats, all_gather_objects, group_size
+from ._common import Groups, ShardingStrategy
 from ._streams import HostSchedule
 from ._unit import STALE_ATTR, FlatParamUnit, MemoryGauge, UnitOptions
 from ._wrap import UnitPlan
@@ -27,15 +24,6 @@ if TYPE_CHECKING:
 
     # process_group=: one group, or (shard group, replicate group) for HYBRID_SHARD
     ProcessGroups: TypeAlias = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup]
-
-
-@dataclass(frozen=True)
-class Groups:
-    """The process groups a wrapped model uses."""
-
-    shard: dist.ProcessGroup | None  # ranks that split a FlatParameter (None: F = 1)
-    replicate: dist.ProcessGroup | None  # ranks holding the same shard (None: no replicas)
-    world: dist.ProcessGroup | None  # every data-parallel rank (None: not distributed)
 
 
 def resolve_groups(
@@ -84,8 +72,6 @@ def resolve_groups(
 
 def _node_groups() -> Groups:
     """HYBRID_SHARD's default: shard inside each node, replicate across nodes."""
-    import os
-
     if not dist.is_initialized():
         raise ValueError("HYBRID_SHARD needs torch.distributed to be initialised")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -122,34 +108,27 @@ def resolve_device(module: nn.Module, device_id: int | torch.device | None) -> t
     return device
 
 
-_DTYPE_CODES = {
-    dtype: code
-    for code, dtype in enumerate(
-        [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-    )
-}
-
-
 def check_same_structure(plans: list[UnitPlan], group: dist.ProcessGroup | None) -> None:
-    """Compare unit count, sizes, trainable sizes and dtypes across ranks once: any
-    difference would hang a collective later."""
+    """Refuse a model that differs across ranks (it would hang a collective later)."""
     if group_size(group) == 1:
         return
-    mine = [len(plans)]
-    for plan in plans:
-        mine.append(sum(pp.param.numel() for pp in plan.params))
-        mine.append(sum(pp.param.numel() for pp in plan.params if pp.param.requires_grad))
-        mine.append(sum(_DTYPE_CODES.get(pp.param.dtype, 99) for pp in plan.params))
-    everyone = all_gather_ints(mine, group)
-    if all(row == everyone[0] for row in everyone):
-        return
+    mine = [
+        (
+            sum(pp.param.numel() for pp in plan.params),
+            sum(pp.param.numel() for pp in plan.params if pp.param.requires_grad),
+            sorted({str(pp.param.dtype) for pp in plan.params}),
+        )
+        for plan in plans
+    ]
+    everyone = all_gather_objects(mine, group)
     differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
-    raise ValueError(
-        "the wrapped model differs across ranks (unit count, then per unit: parameter count, "
-        f"trainable count, dtype code sum: rank 0 has {everyone[0]}, "
-        + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
-        + "); build the same model on every rank before wrapping"
-    )
+    if differing:
+        raise ValueError(
+            "the wrapped model differs across ranks (per unit: parameter count, trainable "
+            f"count, dtypes): rank 0 has {everyone[0]}, "
+            + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
+            + "; build the same model on every rank before wrapping"
+        )
 
 
 def build_units(
@@ -162,56 +141,39 @@ def build_units(
     gauge: MemoryGauge,
     schedule: HostSchedule,
 ) -> list[FlatParamUnit]:
-    """One FlatParamUnit per plan; a meta-device model is materialised unit by unit (see
-    [Note: deferred initialisation])."""
+    """One FlatParamUnit per plan; a meta-device model is materialised unit by unit."""
 
     def build(plan: UnitPlan) -> FlatParamUnit:
-        return FlatParamUnit(
-            plan,
-            options,
-            shard_group=groups.shard,
-            replicate_group=groups.replicate,
-            broadcast_group=groups.world,
-            stats=stats,
-            gauge=gauge,
-            schedule=schedule,
-        )
+        return FlatParamUnit(plan, options, groups, stats, gauge, schedule)
 
     # Units are built as the modules() walk passes their last module; an eager model builds
     # in the same order, so a meta-device rank and an eager one pair their broadcasts.
     unit_of = {id(pp.param): i for i, plan in enumerate(plans) for pp in plan.params}
     modules = list(module.modules())
-    last_module: dict[int, int] = {}
-    for index, m in enumerate(modules):
-        for p in m._parameters.values():
-            if p is not None and id(p) in unit_of:  # not an ignored parameter
-                last_module[unit_of[id(p)]] = index
+    # per module, the units holding its parameters (an ignored parameter has none)
+    owners = [
+        sorted({unit_of[id(p)] for p in m._parameters.values() if id(p) in unit_of})
+        for m in modules
+    ]
+    last_module = {u: index for index, us in enumerate(owners) for u in us}
     order = sorted(last_module, key=lambda u: (last_module[u], u))
     order += [u for u in range(len(plans)) if u not in last_module]
     units: list[FlatParamUnit | None] = [None] * len(plans)
     if any(pp.param.is_meta for plan in plans for pp in plan.params):
         materialized: set[int] = set()
         for index, m in enumerate(modules):
-            owners = sorted(
-                {
-                    unit_of[id(p)]
-                    for p in m._parameters.values()
-                    if p is not None and id(p) in unit_of
-                }
-            )
-            for u in owners:
+            for u in owners[index]:
                 if u not in materialized:
-                    for real in _materialize(plans[u], options.device):
-                        unit_of[id(real)] = u
+                    _materialize(plans[u], options.device)
                     materialized.add(u)
             _materialize_buffers(m, options.device)
-            if owners:
+            if owners[index]:
                 with torch.no_grad():
                     if param_init_fn is not None:
                         param_init_fn(m)
                     elif callable(reset := getattr(m, "reset_parameters", None)):
                         reset()
-            for u in owners:
+            for u in owners[index]:
                 if last_module[u] == index:
                     units[u] = build(plans[u])
     else:
@@ -224,9 +186,8 @@ def build_units(
     return units  # type: ignore[return-value]
 
 
-def _materialize(plan: UnitPlan, device: torch.device) -> list[nn.Parameter]:
+def _materialize(plan: UnitPlan, device: torch.device) -> None:
     """Allocate the plan's parameters on ``device`` (uninitialised), keeping ties."""
-    out = []
     for pp in plan.params:
         meta = pp.param
         real = nn.Parameter(
@@ -237,8 +198,6 @@ def _materialize(plan: UnitPlan, device: torch.device) -> list[nn.Parameter]:
             owner._parameters[name] = real
         setattr(meta, STALE_ATTR, True)
         pp.param = real
-        out.append(real)
-    return out
 
 
 def _materialize_buffers(module: nn.Module, device: torch.device) -> None:

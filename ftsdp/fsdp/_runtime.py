@@ -1,9 +1,5 @@
-"""Hooks that drive every unit through its lifecycle during forward and backward.
-
-One :class:`Runtime` per wrapped model; the hook points are in docs/engine.md, "The unit
-lifecycle". The order of collectives is the autograd order, the same on every rank only if
-every rank runs the same control flow (docs/design.md, "The engine").
-"""
+"""The hooks that drive every unit through its lifecycle (docs/engine.md, "The unit
+lifecycle"); collectives run in autograd order, so every rank must run the same control flow."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
-from ._collectives import all_gather_ints, all_reduce_flat
+from ._collectives import all_gather_objects, all_reduce_flat
 from ._common import Phase, ShardingStrategy, UnitState, tree_map
 from ._unit import FlatParamUnit
 
@@ -45,8 +41,7 @@ def _cast_float(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _inside_backward() -> bool:
-    """Whether autograd is running a backward on this thread now (recomputation for
-    activation checkpointing happens inside one)."""
+    """Whether autograd runs a backward on this thread now (recomputation does)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return True if task_id is None else task_id() != -1
 
@@ -55,31 +50,15 @@ def _inside_backward() -> bool:
 _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrefetchOptions:
-    """The paper's communication scheduling knobs (Section 3.3): docs/engine.md, "Performance
-    features"."""
-
-    backward: bool = True
-    forward: bool = False
-    limit_all_gathers: bool = True
-
-
 @dataclasses.dataclass(slots=True)
 class _UnitRun:
-    """Per-backward bookkeeping of one unit (reset at the end of every backward).
-
-    [Note: forward tickets] Each forward of the unit under grad mode takes a ticket.
-    ``pending``: tickets whose inputs' gradients have not arrived; ``active``: tickets whose
-    outputs' gradients arrived in this backward. A forward whose graph was dropped (no
-    backward) stays pending forever; counting only the active tickets keeps it from holding
-    the unit gathered through the next backward.
-    """
+    """Per-backward bookkeeping of one unit; forward tickets: docs/engine.md, "The unit
+    lifecycle"."""
 
     wants_grad: bool = False  # a forward under grad mode used trainable parameters
     grad_seen: bool = False  # the leaf's gradient arrived in this backward
-    pending: set[int] = dataclasses.field(default_factory=set)
-    active: set[int] = dataclasses.field(default_factory=set)
+    pending: set[int] = dataclasses.field(default_factory=set)  # inputs' gradients not in
+    active: set[int] = dataclasses.field(default_factory=set)  # outputs' gradients arrived
     ticket: int | None = None  # the ticket of the forward running now
 
 
@@ -91,11 +70,17 @@ class Runtime:
         units: list[FlatParamUnit],
         strategy: ShardingStrategy,
         group: dist.ProcessGroup | None,
-        prefetch: PrefetchOptions | None = None,
-        cast_inputs_to: torch.dtype | None = None,
+        *,
+        backward_prefetch: bool,
+        forward_prefetch: bool,
+        limit_all_gathers: bool,
+        cast_inputs_to: torch.dtype | None,
     ) -> None:
         self.units = units
-        self.prefetch = prefetch or PrefetchOptions()
+        # the paper's scheduling knobs (docs/engine.md, "Performance features")
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
         self.cast_inputs_to = cast_inputs_to
         self._gathering: deque[FlatParamUnit] = deque()  # prefetched, oldest first
         self._reducing: deque[FlatParamUnit] = deque()  # reductions in flight, oldest first
@@ -112,8 +97,6 @@ class Runtime:
         self._callback_queued = False
         self._runs = {id(u): _UnitRun() for u in units}
         self._tickets = itertools.count()
-
-    def register_hooks(self) -> None:
         for unit in self.units:
             if unit is not self.root and not unit.infos:
                 continue  # a unit with no parameters of its own has nothing to gather
@@ -123,7 +106,6 @@ class Runtime:
             if unit.infos:
                 unit.leaf.register_post_accumulate_grad_hook(self._grad_hook(unit))
 
-    # ---------------------------------------------------------------- forward
     def _pre_forward_hook(self, unit: FlatParamUnit) -> Callable:
         def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if self.phase is Phase.BACKWARD and not _inside_backward():
@@ -134,7 +116,7 @@ class Runtime:
             if not recomputing and unit not in self._forward_order:
                 self._forward_order.append(unit)
             self._unshard(unit)
-            if self.prefetch.forward and not recomputing:
+            if self.forward_prefetch and not recomputing:
                 self._prefetch_after(unit, self._last_forward)
             unit.expose_unsharded()
             if not recomputing and torch.is_grad_enabled():
@@ -155,17 +137,14 @@ class Runtime:
             self._last_forward = self._forward_order
         self._forward_order = []
         for unit in self.units:
-            # Gathered before an optimizer step that no backward followed (a forward for
-            # metrics, say): the full buffer holds the old weights. Every rank runs the root's
-            # forward, so this local reshard keeps the ranks' collectives in step.
+            # gathered before an optimizer step no backward followed: old weights. Every rank
+            # runs the root's forward, so the ranks' collectives stay in step.
             if unit.is_stale():
                 self._unshard(unit)
                 unit.reshard()
 
     def _abandon_backward(self) -> None:
-        """A backward raised before its end-of-backward callback ran: finish its collectives,
-        drop its partial gradients and start clean (otherwise the next forward would look
-        like a recomputation and the next backward would produce no gradients)."""
+        """A backward raised before its end: finish its collectives, drop its gradients."""
         warnings.warn(
             "ftsdp.FSDP: the previous backward did not finish (it raised); its partial "
             "gradients were discarded and every unit resharded",
@@ -178,7 +157,6 @@ class Runtime:
         self._backward_order = []
         self._end_backward()
 
-    # ---------------------------------------------------------------- gathering
     def _unshard(self, unit: FlatParamUnit) -> None:
         """Make ``unit`` unsharded now (waiting for its prefetched all-gather if any)."""
         unit.unshard()
@@ -193,7 +171,7 @@ class Runtime:
         if index >= len(order) or order[index].state is not UnitState.SHARDED:
             return
         target = order[index]
-        if self.prefetch.limit_all_gathers:
+        if self.limit_all_gathers:
             # At most two prefetches outstanding (docs/engine.md, "rate limiter").
             while len(self._gathering) >= 2:
                 self._unshard(self._gathering[0])
@@ -209,7 +187,7 @@ class Runtime:
         needing = [t for t in _tensors_in(inputs) if t.requires_grad]
         if not needing:
             return
-        ticket = run.ticket = next(self._tickets)  # see [Note: forward tickets]
+        ticket = run.ticket = next(self._tickets)
         run.pending.add(ticket)
         register_multi_grad_hook(
             needing, lambda grads: self._inputs_grad_done(unit, ticket), mode="all"
@@ -224,13 +202,11 @@ class Runtime:
             else:
                 if unit is not self.root and self.strategy in _FREE_AFTER_FORWARD:
                     unit.reshard()
-                hooked = 0
                 ticket = self._runs[id(unit)].ticket
-                for t in _tensors_in(output):
-                    if t.requires_grad:
-                        self._hook_output(unit, t, ticket)
-                        hooked += 1
-                if unit is self.root and not hooked and any(u.trainable for u in self.units):
+                outputs = [t for t in _tensors_in(output) if t.requires_grad]
+                for t in outputs:
+                    self._hook_output(unit, t, ticket)
+                if unit is self.root and not outputs and any(u.trainable for u in self.units):
                     warnings.warn(
                         "ftsdp.FSDP: the forward ran with gradients enabled but returned no "
                         "tensor that requires grad where ftsdp can see it (tensors inside "
@@ -245,16 +221,12 @@ class Runtime:
         return hook
 
     def _hook_output(self, unit: FlatParamUnit, t: torch.Tensor, ticket: int | None) -> None:
-        # A pre-hook on the node that produced the output, not a hook on the tensor: node
-        # pre-hooks run after the tensor hooks on the same gradient, so the next unit's
-        # inputs hook (a tensor hook: that unit's backward is done, free it) runs before
-        # this unit gathers. Otherwise two units would be gathered at that moment.
+        # a node pre-hook, so the next unit's inputs hook runs first (docs/engine.md)
         if t.grad_fn is not None:
             t.grad_fn.register_prehook(lambda grads: self._pre_backward(unit, ticket))
         else:
             t.register_hook(lambda grad: self._pre_backward(unit, ticket))
 
-    # ---------------------------------------------------------------- backward
     def _ensure_callback(self) -> None:
         if not self._callback_queued:
             self.phase = Phase.BACKWARD
@@ -262,9 +234,8 @@ class Runtime:
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _pre_backward(self, unit: FlatParamUnit, ticket: int | None = None) -> None:
-        """Before the unit's backward: make sure its full parameters are there again, and
-        start gathering the unit whose backward comes next (before this unit's
-        reduce-scatter, which its gradient hook issues later)."""
+        """Before the unit's backward: unshard it, and prefetch the next unit (before this
+        unit's reduce-scatter, which its gradient hook issues later)."""
         self._ensure_callback()
         if ticket is not None:
             self._runs[id(unit)].active.add(ticket)
@@ -272,7 +243,7 @@ class Runtime:
         if first_time:
             self._backward_order.append(unit)
         self._unshard(unit)
-        if first_time and self.prefetch.backward:
+        if first_time and self.backward_prefetch:
             order = self._last_backward or [self.root, *reversed(self._forward_order[1:])]
             self._prefetch_after(unit, order)
         # Recomputation (activation checkpointing) reads the modules. With gradients on, so
@@ -305,8 +276,7 @@ class Runtime:
         self._maybe_reshard_after_backward(unit)
 
     def _maybe_reshard_after_backward(self, unit: FlatParamUnit) -> None:
-        # Free a unit once its leaf gradient is final and its inputs have their gradients
-        # (docs/engine.md, "The unit lifecycle"); the root waits for the end of backward.
+        # docs/engine.md, "The unit lifecycle"; the root waits for the end of backward
         run = self._runs[id(unit)]
         waiting = run.pending & run.active if run.active else run.pending
         if unit is self.root or waiting or (run.wants_grad and not run.grad_seen):
@@ -346,7 +316,7 @@ class Runtime:
 
     def _agree_used_parameters(self) -> list[list[bool]]:
         """Which parameters got a gradient on any rank (one small all-reduce per step)."""
-        masks = [unit.used_mask() for unit in self.units]
+        masks = [unit.used for unit in self.units]
         flat = [flag for mask in masks for flag in mask]
         if flat and self.group is not None:
             agreed = torch.tensor(flat, dtype=torch.uint8, device=self.root.device)
@@ -354,11 +324,8 @@ class Runtime:
             all_reduce_flat(agreed, self.group, op=dist.ReduceOp.MAX)
             self.root.stats.control["agree_used"] += agreed.numel()
             flat = [bool(v) for v in agreed.tolist()]
-        out, start = [], 0
-        for mask in masks:
-            out.append(flat[start : start + len(mask)])
-            start += len(mask)
-        return out
+        values = iter(flat)
+        return [list(itertools.islice(values, len(mask))) for mask in masks]
 
     def _check_contribution_counts(self) -> None:
         """Deterministic mode gathers equal numbers of micro-batch gradients from every rank;
@@ -366,7 +333,7 @@ class Runtime:
         if not any(u.deterministic for u in self.units):
             return
         counts = [n for u in self.units for n in u.contribution_counts()]
-        everyone = [counts] if self.group is None else all_gather_ints(counts, self.group)
+        everyone = all_gather_objects(counts, self.group)
         if any(row[0::2] != everyone[0][0::2] for row in everyone):
             raise RuntimeError(
                 "deterministic mode: ranks ran different numbers of backward passes this step "

@@ -71,10 +71,8 @@ def gather_flat(unit: FlatParamUnit, local: torch.Tensor) -> torch.Tensor:
 
 
 def state_index(units: list[FlatParamUnit], state: dict[str, Any]) -> dict[str, ParamInfo]:
-    """Every key of ``module.state_dict(keep_vars=True)`` whose value is a managed parameter
-    -> its ParamInfo. Matched by identity, not by name, so keys that state-dict hooks rename
-    (activation checkpointing's wrapper) are found too, and so are the full parameters of a
-    unit left gathered (a forward without backward)."""
+    """Each ``state_dict(keep_vars=True)`` key holding a managed parameter -> its ParamInfo;
+    by identity, so renamed keys and a gathered unit's full parameters are found too."""
     by_param: dict[int, ParamInfo] = {}
     for unit in units:
         for info in unit.infos:
@@ -91,9 +89,8 @@ def full_state_dict(
     module: nn.Module,
     convert: Callable[[torch.Tensor], Any] = torch.Tensor.clone,
 ) -> dict[str, Any]:
-    """The unsharded state with exactly the unwrapped module's keys (a collective call):
-    ``convert(full parameter view)`` for parameters, one unit gathered at a time; buffers
-    detached."""
+    """The unwrapped module's state, ``convert``-ed full parameters gathered one unit at a
+    time (a collective)."""
     full_params: dict[int, Any] = {}
     for unit in units:
         if unit.infos:
@@ -112,9 +109,8 @@ def full_state_dict(
 def load_full_state_dict(
     units: list[FlatParamUnit], module: nn.Module, state: dict[str, Any], strict: bool
 ) -> tuple[list[str], list[str]]:
-    """Copy each rank's slice of full tensors (or DTensors / ShardedTensors of them, gathered
-    in key order) into the shards; returns (missing, unexpected). Nothing is written unless
-    every check passes."""
+    """Copy this rank's slice of full tensors (or DTensors / ShardedTensors) into the shards,
+    only once every check passed; returns (missing, unexpected)."""
     expected = module.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
@@ -167,8 +163,7 @@ def sharded_state_dict(units: list[FlatParamUnit], module: nn.Module) -> dict[st
 
 
 def mirrors(value: Any, info: ParamInfo | None) -> bool:
-    """Whether an optimizer state value mirrors its parameter's slice (see [Note: which
-    optimizer state is sharded] in ``_fsdp1.py``)."""
+    """Whether an optimizer state value mirrors its parameter's slice (docs/design.md)."""
     return (
         info is not None
         and isinstance(value, torch.Tensor)
@@ -183,9 +178,8 @@ def optim_entries(
     optim: torch.optim.Optimizer,
     osd: dict[str, Any] | None = None,
 ) -> list[tuple[int, str, ParamInfo | None, dict[str, Any]]]:
-    """(group index, first name, ParamInfo or None if unmanaged, state) per optimizer
-    parameter, in the optimizer's order. ``osd``: an ``optim.state_dict()`` to read the state
-    from instead of the live one."""
+    """(group index, name, ParamInfo or None, state) per optimizer parameter, in order; the
+    state from ``osd`` (an ``optim.state_dict()``) when given."""
     infos = {id(info.sharded_param): info for unit in units for info in unit.infos}
     name_of: dict[int, str] = {}
     for name, p in names:
@@ -220,8 +214,7 @@ def sharded_optim_state_dict(
     names: list[tuple[str, nn.Parameter]],
     optimizer: torch.optim.Optimizer,
 ) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name (``param_groups`` list names); state that
-    mirrors a parameter (``exp_avg``) as ShardViews over its range, the rest as is."""
+    """Optimizer state by parameter name, mirroring state (``exp_avg``) as ShardViews."""
     entries = optim_entries(units, names, optimizer)
     state = {
         name: {

@@ -1,13 +1,8 @@
 """Where a unit's collectives run relative to the computation that uses them.
 
-[Note: streams]
-Two schedules, one interface (``gather``, ``reduce``, ``wait``, ``freed``, ``synchronize``); a
-unit never asks which one it has. :class:`HostSchedule` (CPU): ``async_op=True`` work handles,
-waiting blocks the caller. :class:`StreamSchedule` (CUDA): gather and reduce side streams
-ordered against the compute stream by events. The orderings that keep memory safe are in
-docs/engine.md, "Streams on CUDA"; the one a unit must honour: every side-stream allocation
-(full buffer, cast shard, gradient cast, reduce output) happens inside ``issue``, after the
-side stream waited for the compute stream.
+[Note: streams] One interface, two schedules (host work handles; CUDA side streams ordered by
+events): docs/engine.md, "Streams on CUDA". A unit must make every side-stream allocation
+inside ``issue``, after the side stream waited for the compute stream.
 """
 
 from __future__ import annotations
@@ -56,21 +51,14 @@ class StreamSchedule(HostSchedule):
     (``torch.cuda`` by default; tests pass a recording stand-in)."""
 
     def __init__(
-        self,
-        device: torch.device,
-        *,
-        api: Any = None,
-        limit_all_gathers: bool = True,
-        max_pending_frees: int = 2,
+        self, device: torch.device, *, api: Any = None, limit_all_gathers: bool = True
     ) -> None:
-        if max_pending_frees < 1:
-            raise ValueError(f"max_pending_frees must be >= 1, got {max_pending_frees}")
         self.api = torch.cuda if api is None else api
         self.device = device
         # High priority, as the paper suggests: communication should not queue behind compute.
         self.gather_stream = self.api.Stream(device=device, priority=-1)
         self.reduce_stream = self.api.Stream(device=device, priority=-1)
-        self.limit = max_pending_frees if limit_all_gathers else None
+        self.limit = 2 if limit_all_gathers else None  # frees outstanding (docs/engine.md)
         self._frees: deque[Any] = deque()  # events recorded on the compute stream at reshard
 
     def _compute(self) -> Any:

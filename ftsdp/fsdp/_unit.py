@@ -1,16 +1,7 @@
 """One unit: its FlatParameter, the shard this rank keeps, and the original-parameter views.
 
-[Note: the unit lifecycle] SHARDED -> (GATHERING) -> UNSHARDED and back; both transitions are
-idempotent. The hook points are in docs/engine.md, "The unit lifecycle".
-
-[Note: why a separate leaf aliases the full buffer] The views autograd saves come from
-``leaf``, which shares ``_full``'s storage (``set_``) but has its own version counter: the
-all-gather that refills ``_full`` before backward must not bump the saved views' version.
-Freeing is ``storage.resize_(0)``, which every alias sees.
-
-[Note: one split per forward] One ``torch.split`` of the leaf makes every view, so backward
-assembles the flat gradient in one node and the leaf's post-accumulate-grad hook fires once
-per backward, when the unit's gradient is final.
+SHARDED -> (GATHERING) -> UNSHARDED and back, both idempotent; why the views come from one
+split of a leaf aliasing the full buffer: docs/engine.md, "The unit lifecycle".
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ from ._collectives import (
     group_size,
     reduce_scatter_flat,
 )
-from ._common import UnitState
+from ._common import Groups, UnitState
 from ._streams import HostSchedule, Waitable
 from ._wrap import UnitPlan
 
@@ -92,28 +83,25 @@ class FlatParamUnit:
         self,
         plan: UnitPlan,
         options: UnitOptions,
-        *,
-        shard_group: dist.ProcessGroup | None,
-        replicate_group: dist.ProcessGroup | None,
-        broadcast_group: dist.ProcessGroup | None,
+        groups: Groups,
         stats: CommStats,
-        gauge: MemoryGauge | None = None,
-        schedule: HostSchedule | None = None,
+        gauge: MemoryGauge,
+        schedule: HostSchedule,
     ) -> None:
         self.module = plan.module
-        self.gauge = gauge or MemoryGauge()
-        self.schedule = schedule or HostSchedule()  # see [Note: streams]
+        self.gauge = gauge
+        self.schedule = schedule  # see [Note: streams]
         self.fqn = plan.fqn
         self.options = options
         self.deterministic = options.deterministic
         self.device = options.device
         self.shard_device = torch.device("cpu") if options.offload else options.device
-        self.shard_group = shard_group
-        self.replicate_group = replicate_group
+        self.shard_group = groups.shard
+        self.replicate_group = groups.replicate
         self.stats = stats
-        self.factor = group_size(shard_group)  # F: how many ranks split this FlatParameter
-        self.rank = group_rank(shard_group)
-        self.data_parallel_size = self.factor * group_size(replicate_group)
+        self.factor = group_size(groups.shard)  # F: how many ranks split this FlatParameter
+        self.rank = group_rank(groups.shard)
+        self.data_parallel_size = self.factor * group_size(groups.replicate)
         self.state = UnitState.SHARDED
 
         params = [pp.param for pp in plan.params]
@@ -143,50 +131,41 @@ class FlatParamUnit:
             )
             offset += pp.param.numel()
         self.numel = offset
-        # [Note: padding] right-pad with at most F-1 zeros so the flat parameter splits into
-        # F equal shards: one all_gather_into_tensor / reduce_scatter_tensor per unit.
+        # right-padded to F equal shards: one flat collective per unit (docs/engine.md)
         self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
         self.padded_numel = self.shard_numel * self.factor
 
-        self.shard = self._build_shard(params, options.sync_module_states, broadcast_group)
+        self.shard = self._build_shard(params, groups.world)
         self._make_local_params(params)
         self._make_full_buffer()
-        # The flat sharded gradient the parameters' .grad are views of. Held weakly: once the
-        # user drops the .grad views (zero_grad(set_to_none=True)), its memory is freed.
+        # the flat gradient the .grad are views of, held weakly: zero_grad(None) frees it
         self._sharded_grad_ref: weakref.ref | None = None
         self._unsharded_grad: torch.Tensor | None = None  # 1-D [padded_numel] (no_sync)
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
         self._padding = 0  # of those, padding passes' (zeros; not counted in the mean)
         self.real_rows = 0  # every rank's non-padding contributions: the deterministic divisor
-        self._used = [False] * len(self.infos)  # which parameters got a gradient
+        self.used = [False] * len(self.infos)  # which parameters got a gradient
         self._gathered_version = -1  # the shard's version when it was last all-gathered
         self._gather_token: object = None  # the all-gather in flight (see [Note: streams])
         # (token, output, second stage needed, keep-alive): reductions not yet accumulated
         self._pending: list[tuple[object, torch.Tensor, bool, object]] = []
         self._reduced: list[torch.Tensor] = []  # completed sharded gradients, not yet added
 
-    # ---------------------------------------------------------------- construction
     def _build_shard(
-        self,
-        params: list[nn.Parameter],
-        sync_module_states: bool,
-        broadcast_group: dist.ProcessGroup | None,
+        self, params: list[nn.Parameter], broadcast_group: dist.ProcessGroup | None
     ) -> torch.Tensor:
         flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)  # 1-D
         with torch.no_grad():
             for info, p in zip(self.infos, params, strict=True):
                 flat[info.offset : info.offset + info.numel].copy_(p.reshape(-1))
-        if sync_module_states and self.numel:
+        if self.options.sync_module_states and self.numel:
             broadcast_flat(flat, broadcast_group, stats=self.stats)
         start = self.rank * self.shard_numel
-        shard = flat if self.factor == 1 else flat[start : start + self.shard_numel]
-        if self.options.offload:  # CPU offload: the master shard lives on the host
-            return (
-                shard.to(self.shard_device).pin_memory()
-                if torch.cuda.is_available()
-                else shard.cpu()
-            )
-        return shard if self.factor == 1 else shard.clone()
+        shard = flat if self.factor == 1 else flat[start : start + self.shard_numel].clone()
+        if not self.options.offload:
+            return shard
+        shard = shard.to(self.shard_device)  # CPU offload: the master shard lives on the host
+        return shard.pin_memory() if torch.cuda.is_available() else shard
 
     def _make_local_params(self, params: list[nn.Parameter]) -> None:
         """Give each original parameter its 1-D local slice; retire the original tensor."""
@@ -213,16 +192,15 @@ class FlatParamUnit:
             setattr(original, STALE_ATTR, True)
 
     def _make_full_buffer(self) -> None:
-        # See [Note: why a separate leaf aliases the full buffer].
+        # The leaf has its own version counter: refilling _full must not trip autograd's
+        # checks on the views it saved (docs/engine.md, "The unit lifecycle").
         if self.aliases_shard:
             self._full = self.shard  # the shard is the whole (padded) flat parameter
         else:
             self._full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=self.device)
+        full = self._full
         self.leaf = torch.empty(0, dtype=self.param_dtype, device=self.device).set_(
-            self._full.untyped_storage(),
-            self._full.storage_offset(),
-            (self.padded_numel,),
-            (1,),
+            full.untyped_storage(), full.storage_offset(), full.shape, full.stride()
         )
         self._split_sizes = [info.numel for info in self.infos] + [self.padded_numel - self.numel]
         if self.infos:
@@ -230,11 +208,9 @@ class FlatParamUnit:
         if not self.aliases_shard:
             self._full.untyped_storage().resize_(0)
 
-    # ---------------------------------------------------------------- properties
     @property
     def aliases_shard(self) -> bool:
-        """One rank holds everything in the compute dtype on the compute device: the full
-        parameter is the shard itself (NO_SHARD, or a single rank, without MP/offload)."""
+        """The shard is the full parameter (F = 1, no mixed precision, no offload)."""
         return (
             self.factor == 1 and self.param_dtype == self.dtype and self.shard_device == self.device
         )
@@ -252,12 +228,10 @@ class FlatParamUnit:
     @property
     def full_bytes(self) -> int:
         """Bytes of the full (padded, ``param_dtype``) buffer while it is allocated."""
-        return self.padded_numel * self._full.element_size()
+        return self._full.nbytes
 
-    # ---------------------------------------------------------------- lifecycle
     def start_unshard(self) -> None:
-        """SHARDED -> GATHERING: allocate the full buffer, move and cast the shard, start the
-        all-gather (in ``param_dtype``)."""
+        """SHARDED -> GATHERING: start the all-gather (in ``param_dtype``)."""
         if self.state is not UnitState.SHARDED:
             return
         if self.aliases_shard:
@@ -265,8 +239,7 @@ class FlatParamUnit:
             return
 
         def issue() -> Waitable | None:
-            # Allocated here, inside the schedule: on CUDA the block belongs to the gather
-            # stream (see [Note: streams]).
+            # allocated inside the schedule: on CUDA the gather stream owns it ([Note: streams])
             self._full.untyped_storage().resize_(self.full_bytes)
             with torch.no_grad():
                 source = self.on_device(self.shard, count=True).to(self.param_dtype)
@@ -279,8 +252,7 @@ class FlatParamUnit:
                     tag=self.fqn,
                 )
 
-        # Named for profiles: the full buffer and the collective's own staging show up as
-        # "ftsdp::all_gather <unit>" instead of as the autograd node whose hook ran this.
+        # named for profiles, instead of the autograd node whose hook ran this
         with torch.profiler.record_function(f"ftsdp::all_gather {self.fqn or '<root>'}"):
             token = self.schedule.gather(issue)
         self.gauge.add(self.full_bytes)
@@ -308,24 +280,22 @@ class FlatParamUnit:
         )
 
     def on_device(self, host: torch.Tensor, count: bool = False) -> torch.Tensor:
-        """A shard-side tensor (the shard, the sharded gradient) on the compute device, where
-        collectives need it: under CPU offload a copy from the host (counted in
-        ``comm_stats.copies`` when ``count``), otherwise the tensor itself."""
+        """A shard-side tensor on the compute device (under CPU offload a copy, counted in
+        ``comm_stats.copies`` when ``count``)."""
         if not self.options.offload:
             return host
         if count:
-            self.stats.copies["h2d"] += host.numel() * host.element_size()
+            self.stats.copies["h2d"] += host.nbytes
         return host.to(self.device, non_blocking=True, copy=True)
 
     def expose_unsharded(self) -> None:
-        """Point every module at full-shape views of the unsharded parameter (frozen ones
-        detached; trainable ones hooked to record that they got a gradient)."""
+        """Point every module at full-shape views of the unsharded parameter."""
         assert self.state is UnitState.UNSHARDED, self.fqn
         if not self.infos:
             return
         trains = [info.sharded_param.requires_grad for info in self.infos]
         self.leaf.requires_grad_(any(trains))
-        chunks = torch.split(self.leaf, self._split_sizes)  # see [Note: one split per forward]
+        chunks = torch.split(self.leaf, self._split_sizes)  # one split: one gradient node
         for i, (info, chunk, train) in enumerate(zip(self.infos, chunks, trains, strict=False)):
             view = chunk.view(info.shape)
             if not train:
@@ -337,7 +307,7 @@ class FlatParamUnit:
                 module._parameters[name] = view  # type: ignore[assignment]
 
     def _mark_used(self, index: int, grad: torch.Tensor) -> None:
-        self._used[index] = True
+        self.used[index] = True
 
     def reshard(self) -> None:
         """UNSHARDED -> SHARDED: free the full buffer; modules see their 1-D local slices."""
@@ -353,10 +323,9 @@ class FlatParamUnit:
             self.schedule.freed()
         self.state = UnitState.SHARDED
 
-    # ---------------------------------------------------------------- gradients
     def add_unsharded_grad(self, grad: torch.Tensor, padding: bool = False) -> None:
-        """Keep one backward's flat gradient until it is reduced (summed under ``no_sync``,
-        one by one in deterministic mode); a padding pass's counts as zeros."""
+        """Keep one backward's flat gradient until it is reduced (summed, unless deterministic);
+        a padding pass's counts as zeros."""
         if padding:
             grad.zero_()  # exact zeros: adding them changes no sum, whatever the loss was
         if self.deterministic:
@@ -375,17 +344,15 @@ class FlatParamUnit:
         return len(self._contributions), self._padding
 
     def drop_unreduced_grad(self) -> None:
-        """Forget gradients kept for a later reduction (``model.zero_grad()``), and reduced
-        ones not yet added to the sharded gradient."""
+        """Forget gradients not yet added to the sharded gradient (``model.zero_grad()``)."""
         self._unsharded_grad = None
         self._reduced.clear()
         self._contributions.clear()
         self._padding = 0
-        self._used = [False] * len(self.infos)
+        self.used = [False] * len(self.infos)
 
     def reduce_grad(self) -> None:
-        """Start reducing the kept flat gradient in ``reduce_dtype``: reduce-scatter (then,
-        HYBRID_SHARD, all-reduce in the replicate group), or all-reduce when replicated."""
+        """Start reducing the kept flat gradient in ``reduce_dtype``."""
         if self.deterministic:
             self._reduce_deterministic()
             return
@@ -421,10 +388,8 @@ class FlatParamUnit:
         self._pending.append((token, out, second_stage, (grad, cast)))
 
     def _reduce_deterministic(self) -> None:
-        """[Note: deterministic reduction] Gather every rank's per-micro-batch gradients and
-        sum them in (rank, order) sequence, then divide by the number of non-padding ones
-        (``real_rows``, agreed by the runtime; padding rows are zeros): docs/engine.md,
-        "Deterministic mode"."""
+        """The mean of every rank's gradients in (rank, order) sequence, divided by the
+        non-padding ones (``real_rows``; padding rows are zeros): docs/engine.md."""
         mine = torch.stack(self._contributions)  # [k, padded_numel]
         groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
         self._contributions.clear()
@@ -438,12 +403,8 @@ class FlatParamUnit:
         out = total[start : start + self.shard_numel].clone()
         self._pending.append((None, out, False, mine))
 
-    def used_mask(self) -> list[bool]:
-        return list(self._used)
-
     def complete_reductions(self) -> None:
-        """Wait for the reductions in flight, keep their sharded results and drop the flat
-        gradients they read."""
+        """Wait for the reductions in flight and keep their sharded results."""
         for token, out, second_stage, _keepalive in self._pending:
             self.schedule.wait(token)
             if second_stage:
@@ -452,7 +413,7 @@ class FlatParamUnit:
             if not self.deterministic:  # deterministic reductions are averaged already
                 out.div_(self.data_parallel_size)
             if self.options.offload:  # device -> host, not blocking: see [Note: streams]
-                self.stats.copies["d2h"] += out.numel() * out.element_size()
+                self.stats.copies["d2h"] += out.nbytes
                 host = torch.empty(
                     out.shape,
                     dtype=out.dtype,
@@ -464,13 +425,13 @@ class FlatParamUnit:
         self._pending.clear()
 
     def finish_reduction(self, used: list[bool]) -> None:
-        """Accumulate this unit's reduced gradients into the sharded gradient. ``used`` (per
-        parameter, agreed across ranks): the others keep ``grad=None``, as unwrapped."""
+        """Add the reduced gradients into the sharded gradient; parameters not ``used`` on
+        any rank keep ``grad=None``."""
         self.complete_reductions()
         for out in self._reduced:
             self._accumulate_sharded_grad(out, used)
         self._reduced.clear()
-        self._used = [False] * len(self.infos)
+        self.used = [False] * len(self.infos)
 
     def _accumulate_sharded_grad(self, new: torch.Tensor, used: list[bool]) -> None:
         """Add ``new`` (1-D, shard_numel) to the gradients the optimizer sees."""

@@ -1,9 +1,5 @@
-"""Wrap planning: which modules become units, and which unit owns each parameter.
-
-[Note: torch wrap policies] torch's policies become the set of modules torch would wrap, as
-docs/engine.md, "Units and the FlatParameter", describes. [Note: shared parameters live in the
-lowest common ancestor unit]: that unit stays unsharded while any of the parameter's users runs.
-"""
+"""Wrap planning: which modules become units, and which unit owns each parameter (torch's
+policies and shared parameters: docs/engine.md, "Units and the FlatParameter")."""
 
 from __future__ import annotations
 
@@ -41,17 +37,15 @@ class UnitPlan:
 
 @dataclass(frozen=True)
 class Ignored:
-    """Modules (with all their descendants) and parameters that no unit manages
-    (``ignored_modules`` / ``ignored_states``): they stay whole on every rank, their gradients
-    are not reduced, as in torch FSDP."""
+    """Modules (with their descendants) and parameters no unit manages: whole on every rank,
+    gradients not reduced, as in torch FSDP."""
 
     modules: frozenset[nn.Module] = frozenset()
     params: frozenset[nn.Parameter] = frozenset()
 
     @classmethod
     def build(cls, root: nn.Module, ignored_modules: Any, ignored_states: Any) -> Ignored:
-        """From FSDP's ``ignored_modules`` (modules) and ``ignored_states`` (modules or
-        parameters); a module's descendants and parameters are ignored with it."""
+        """From FSDP's ``ignored_modules`` (modules) and ``ignored_states`` (either kind)."""
         modules: set[nn.Module] = set()
         params: set[nn.Parameter] = set()
         for arg, items in (
@@ -86,23 +80,17 @@ class Ignored:
 
 
 def policy_predicate(
-    policy: Policy,
-    root: nn.Module | None = None,
-    ignored: Ignored | None = None,
-    root_kwargs: dict[str, Any] | None = None,
+    policy: Policy, root: nn.Module, ignored: Ignored, root_kwargs: dict[str, Any]
 ) -> Callable[[nn.Module], bool]:
-    """Turn an ``auto_wrap_policy`` into ``module -> bool``, rejecting malformed policies
-    (torch's are evaluated on ``root`` here, once)."""
+    """An ``auto_wrap_policy`` as ``module -> bool`` (torch's evaluated on ``root`` once)."""
     if policy is None:
         return lambda module: False
     if isinstance(policy, type):
         policy = {policy}
     if is_torch_policy(policy):
-        if root is None:
-            raise ValueError("a torch FSDP wrap policy needs the root module to be evaluated")
-        targets = torch_policy_targets(policy, root, ignored or Ignored(), root_kwargs or {})
+        targets = torch_policy_targets(policy, root, ignored, root_kwargs)
         return lambda module: id(module) in targets
-    if callable(policy) and not isinstance(policy, (set, frozenset, list, tuple)):
+    if callable(policy):
         return policy
     if not isinstance(policy, (set, frozenset, list, tuple)):
         raise ValueError(
@@ -122,12 +110,9 @@ def policy_predicate(
 
 
 def is_torch_policy(policy: Policy) -> bool:
-    """Whether ``policy`` is one of torch FSDP's forms (a ``_Policy`` or a recursive callable)."""
-    return hasattr(policy, "_run_policy") or is_torch_callable_policy(policy)
-
-
-def is_torch_callable_policy(policy: Any) -> bool:
-    """A callable that takes torch's ``(module, recurse, nonwrapped_numel)`` keywords."""
+    """A torch ``_Policy``, or a callable taking ``(module, recurse, nonwrapped_numel)``."""
+    if hasattr(policy, "_run_policy"):
+        return True
     if not callable(policy) or isinstance(policy, type):
         return False
     try:
@@ -151,12 +136,9 @@ def torch_policy_targets(
         return {id(m) for m in chosen if m is not root}
     targets: set[int] = set()
 
-    def numel(module: nn.Module) -> int:
-        return sum(p.numel() for p in module.parameters() if p not in ignored.params)
-
     def visit(module: nn.Module, only_children: bool) -> int:
         """torch's ``_recursive_wrap``: returns the numel wrapped in ``module``'s subtree."""
-        total = numel(module)
+        total = sum(p.numel() for p in module.parameters() if p not in ignored.params)
         if not policy(module=module, recurse=True, nonwrapped_numel=total):
             return 0
         wrapped = 0
@@ -211,14 +193,10 @@ def _check_same_kwargs(name: str, kwargs: dict[str, Any], root_kwargs: dict[str,
 
 
 def plan_units(
-    root: nn.Module,
-    policy: Policy,
-    ignored: Ignored | None = None,
-    root_kwargs: dict[str, Any] | None = None,
+    root: nn.Module, policy: Policy, ignored: Ignored, root_kwargs: dict[str, Any]
 ) -> list[UnitPlan]:
     """Units in pre-order (root first) with their parameters, shared ones at the LCA unit;
     ``root_kwargs``: the FSDP arguments, which a torch ``CustomPolicy`` may not change."""
-    ignored = ignored or Ignored()
     wants_unit = policy_predicate(policy, root, ignored, root_kwargs)
     units: list[UnitPlan] = [UnitPlan(module=root, fqn="", parent=None)]
     unit_of_module: dict[int, int] = {id(root): 0}
@@ -269,12 +247,11 @@ def plan_units(
 
 
 def _lowest_common_ancestor(units: list[UnitPlan], members: set[int]) -> int:
-    def chain(index: int) -> list[int]:
-        out = [index]
-        parent = units[index].parent
-        while parent is not None:
-            out.append(parent)
-            parent = units[parent].parent
+    def chain(index: int | None) -> list[int]:
+        out = []
+        while index is not None:
+            out.append(index)
+            index = units[index].parent
         return out
 
     chains = [chain(i) for i in sorted(members)]

@@ -1,8 +1,5 @@
-"""Deterministic fault injection for the fault suite, driven by the ``FTSDP_FAULT`` variable.
-
-The grammar (``kind:key=value:...`` separated by ``;``), ``when=`` and the fault log
-(``FTSDP_FAULT_LOG``): docs/elastic.md, "Fault injection". Faults fire at step boundaries, never
-on a timer. This module imports nothing else of ``ftsdp``."""
+"""Deterministic fault injection driven by ``FTSDP_FAULT``, fired at step boundaries (grammar
+and fault log: docs/elastic.md, "Fault injection"). Imports nothing else of ``ftsdp``."""
 
 from __future__ import annotations
 
@@ -76,10 +73,8 @@ def parse_faults(spec: str) -> list[Fault]:
 
 
 def log_fault(fault: Fault, rank: int, incarnation: str = "", **extra: object) -> None:
-    """Record the fault (wall time) in ``FTSDP_FAULT_LOG`` and on the log before it fires.
-
-    ``incarnation`` names the start of the worker group that fired it, so a report can tell
-    restarts apart."""
+    """Record the fault in ``FTSDP_FAULT_LOG`` and on the log before it fires (``incarnation``
+    tells restarts apart)."""
     record = {
         "event": "fault",
         "kind": fault.kind,
@@ -102,11 +97,6 @@ def log_fault(fault: Fault, rank: int, incarnation: str = "", **extra: object) -
 
 def _children(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc)."""
-    with (
-        contextlib.suppress(OSError),
-        open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f,
-    ):
-        return [int(c) for c in f.read().split()]
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -1,10 +1,6 @@
-"""A test-only fsspec filesystem, ``faulty://``, that dies inside a checkpoint write.
-
-It delegates to the local filesystem and writes every object atomically (buffer, temporary name,
-fsync, rename: an object is absent or whole, as on an object store). Armed with ``crash_in_save``
-faults it ``os._exit``s at a point of ``storage.save``'s real commit protocol: ``after_data``
-(n=K: after this rank's K-th data object is durable), ``before_manifest``, ``before_latest``.
-It imports ``_faults`` and nothing else of ``ftsdp``."""
+"""``faulty://``: the local filesystem with atomic object writes (absent or whole, as on an
+object store) that ``os._exit``s where an armed ``crash_in_save`` fault says: ``after_data``
+(n=K: this rank's K-th data object is durable), ``before_manifest``, ``before_latest``."""
 
 from __future__ import annotations
 
@@ -33,9 +29,7 @@ _lock = threading.Lock()
 
 
 def arm(url: str, faults: list[Fault], rank: int, incarnation: str = "") -> str:
-    """Register the filesystem, arm ``faults`` for ``rank`` and return ``url`` as faulty://.
-
-    ``incarnation`` goes into the fault records (see ``_faults.log_fault``)."""
+    """Register the filesystem, arm ``faults`` for ``rank`` and return ``url`` as faulty://."""
     global _armed, _rank, _incarnation
     if "://" in url and not url.startswith(("file://", f"{PROTOCOL}://")):
         raise ValueError(f"crash_in_save faults need a local checkpoint directory, got {url!r}")
@@ -56,19 +50,16 @@ class _Writer(io.BytesIO):
 
     def __init__(self, fs: FaultyFileSystem, path: str) -> None:
         super().__init__()
-        self._fs, self._path, self._done = fs, path, False
+        self._fs, self._path = fs, path
 
     def discard(self) -> None:
-        self._done = True
         super().close()
 
     def close(self) -> None:
-        if self._done or self.closed:
-            return
-        self._done = True
-        data = self.getvalue()
-        super().close()
-        self._fs._commit(self._path, data)
+        if not self.closed:
+            data = self.getvalue()
+            super().close()
+            self._fs._commit(self._path, data)
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         if exc_type is not None:
@@ -93,7 +84,6 @@ class FaultyFileSystem(AbstractFileSystem):
             path = path[len(PROTOCOL) + 3 :]
         return LocalFileSystem._strip_protocol(path)
 
-    # -- reads and metadata: straight through -------------------------------------------------
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         return self._local.ls(self._strip_protocol(path), detail=detail)
 
@@ -116,16 +106,12 @@ class FaultyFileSystem(AbstractFileSystem):
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         self._local.makedirs(self._strip_protocol(path), exist_ok=True)
 
-    def invalidate_cache(self, path: str | None = None) -> None:
-        pass
-
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         path = self._strip_protocol(path)
         if "w" in mode:
             return _Writer(self, path)
         return self._local._open(path, mode)
 
-    # -- the faulty part ---------------------------------------------------------------------
     def _commit(self, path: str, data: bytes) -> None:
         manifest = _MANIFEST.search(path)
         if manifest:

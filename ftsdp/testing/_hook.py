@@ -1,6 +1,5 @@
-"""The fault suite's step hook: ``FTSDP_FAULT`` faults fired at the training loop's step
-boundaries, and crash_in_save faults armed on the checkpoint URL (``faulty://``). It is the
-trainer's ``StepHook`` by its shape alone, so this package imports nothing of the trainer."""
+"""The fault suite's step hook (the trainer's ``StepHook`` by shape alone): ``FTSDP_FAULT``
+faults at step boundaries, crash_in_save faults armed on the checkpoint URL."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ class FaultHook:
         self._fire(step, "after_save")
 
     def needs_commit(self, step: int) -> bool:
-        """Whether an ``after_commit`` fault of ``step`` applies here: the loop then waits for
-        the save in flight (started at ``step`` or earlier) to commit and calls
-        :meth:`after_commit`."""
+        """Whether an ``after_commit`` fault of ``step`` applies (the loop then waits for the
+        save in flight to commit and calls :meth:`after_commit`)."""
         return any(f.step == step and f.when == "after_commit" for f in self.faults)
 
     def after_commit(self, step: int) -> None:
@@ -55,8 +53,7 @@ class FaultHook:
 def fault_hook_from_env(
     *, rank: int, restart_count: int, incarnation: str = "", env: Mapping[str, str] | None = None
 ) -> FaultHook:
-    """The hook of ``FTSDP_FAULT`` (from ``env``, default ``os.environ``) for this rank; a
-    malformed spec raises ``ValueError``."""
+    """The hook of ``FTSDP_FAULT`` (in ``env``, default ``os.environ``) for this rank."""
     env = os.environ if env is None else env
     return FaultHook(
         parse_faults(env.get("FTSDP_FAULT", "")),

@@ -1,10 +1,5 @@
-"""The one rank spawner of the tests and the benchmarks.
-
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a process group
-in each, calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank order. A
-failure on any rank, or a rank silent past ``timeout``, raises ``RuntimeError`` with the failed
-ranks' tracebacks or exit codes; the processes are always reaped. The parent never imports torch:
-``fn`` may be a ``"module:function"`` string, resolved in the rank. Results travel by pickle."""
+"""The one rank spawner of the tests and the benchmarks (``run_ranks``); the parent never
+imports torch."""
 
 from __future__ import annotations
 
@@ -90,7 +85,9 @@ def run_ranks(
     threads: int = 1,
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh ranks; their results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh ranks, each with a process
+    group; their results (pickled) in rank order. A rank that fails or stays silent past
+    ``timeout`` raises ``RuntimeError`` with tracebacks or exit codes; ranks are always reaped.
 
     ``fn``: a picklable callable, or ``"module:function"`` (resolved in each rank).
     ``backend``: of the process group (``"nccl"`` for GPU ranks; ``LOCAL_RANK`` is the rank).
@@ -143,7 +140,8 @@ def run_ranks(
         results.close()
     missing = sorted(set(range(world_size)) - set(got) - set(failures))
     if failures or missing:
-        lines = [f"run_ranks: {world_size} {backend} rank(s) of {_name(fn)}"]
+        name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+        lines = [f"run_ranks: {world_size} {backend} rank(s) of {name}"]
         if failures:
             lines.append(f"rank(s) {sorted(failures)} raised")
         if missing:
@@ -156,7 +154,3 @@ def run_ranks(
             lines.append(f"--- rank {r} ---\n{failures[r]}")
         raise RuntimeError("\n".join(lines))
     return [pickle.loads(got[r]) for r in range(world_size)]
-
-
-def _name(fn: Callable | str) -> str:
-    return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
