@@ -414,7 +414,7 @@ class _Snapshot:
     """This rank's tensors copied into the lane's arena on a thread of its own."""
 
     def __init__(self, save: _Save, handle: SaveHandle, start: float) -> None:
-        self.handle, self.start = handle, start  # its event is set once the copy is done
+        self.handle, self.t0 = handle, start  # its event is set once the copy is done
         self.leaves = list(save.tensors.values())
         self.flat = [leaf.local.reshape(-1) for leaf in self.leaves]  # views, mostly
         self.ready = _queued_work_event(self.flat)  # CUDA: copy after the work queued so far
@@ -446,7 +446,7 @@ class _Snapshot:
             self.bytes = {leaf.name: b for leaf, b in zip(self.leaves, raw, strict=True)}
         except BaseException as e:
             self.error = e
-        self.handle._snapshot_done(self.start)  # a failure too: the save fails, at wait()
+        self.handle._snapshot_done(self.t0)  # a failure too: the save fails, at wait()
 
     def join(self) -> None:
         """Wait for the copy; raise its error."""
