@@ -359,10 +359,11 @@ def test_a_stale_writer_cannot_commit_past_the_new_timeline(
         storage.save(_state(step), url, step=step, storage_options=opts, options=SMALL)
     for step in meanwhile:  # the new incarnation's steps, written elsewhere first
         storage.save(_state(step + 100), other, step=step, storage_options=opts, options=SMALL)
-    gate, real = threading.Event(), Store._write_once
+    gate, writing, real = threading.Event(), threading.Event(), Store._write_once
 
     def gated(self: Store, rel: str, produce: Any) -> None:
         if rel.startswith("step-6/") and rel.endswith(".safetensors"):
+            writing.set()  # planned: it writes its objects now
             assert gate.wait(60)
         real(self, rel, produce)
 
@@ -370,6 +371,7 @@ def test_a_stale_writer_cannot_commit_past_the_new_timeline(
     stale = storage.save(
         _state(6), url, step=6, async_save=True, storage_options=opts, options=SMALL
     )
+    assert writing.wait(60)  # the plan runs in the background: the stale rank stops after it
     for step in meanwhile:
         _copy_step(other, url, opts, step)
     gate.set()
