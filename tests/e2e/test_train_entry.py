@@ -29,11 +29,11 @@ LINE = re.compile(
 )
 
 
-def _run(cmd: list[str], metrics: pathlib.Path) -> tuple[str, list[dict]]:
+def _run(cmd: list[str], metrics: pathlib.Path, *extra: str) -> tuple[str, list[dict]]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [*cmd, *TINY, "--metrics", str(metrics)],
+        [*cmd, *TINY, "--metrics", str(metrics), *extra],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -100,3 +100,32 @@ def test_one_plain_process_sees_the_same_batches(two_ranks, tmp_path) -> None:
     two = [r["loss"] for r in two_ranks[1] if r["event"] == "step"]
     # Same global samples per step and the same math: only the reduction order differs.
     assert one == pytest.approx(two, rel=1e-3)
+
+
+@pytest.mark.timeout(180)
+def test_rerunning_a_finished_job_says_so_and_a_resume_counts_its_own_steps(tmp_path) -> None:
+    """The same command again after the job finished: one line saying it is complete at its
+    step with the loss its last log line showed, no training, exit 0. With more --steps it
+    resumes, and its done line counts the steps it trained (``steps 30->40``)."""
+    ckpt = ["--checkpoint-url", str(tmp_path / "ckpt"), "--checkpoint-every", "10"]
+    entry = [sys.executable, "-m", "ftsdp.train"]
+    stdout, records = _run(entry, tmp_path / "m1.jsonl", *ckpt)
+    last = [r for r in records if r["event"] == "step"][-1]
+    assert last["step"] == 30 and "done | 30 steps in" in stdout
+
+    stdout, records = _run(entry, tmp_path / "m2.jsonl", *ckpt)
+    (line,) = re.findall(r"ftsdp\.train: (already complete.*)", stdout)
+    assert line == (
+        f"already complete at step 30 (--steps 30): nothing to train | last logged loss "
+        f"{last['loss']:.4f}"
+    ), stdout
+    assert "done |" not in stdout and "resumed" not in stdout and "nan" not in stdout
+    assert "generation" not in stdout and "restart" not in stdout, stdout
+    assert not [r for r in records if r["event"] in ("step", "resume", "checkpoint")]
+    (done,) = [r for r in records if r["event"] == "done"]
+    assert (done["first_step"], done["loss_step"], done["loss"]) == (30, 30, last["loss"])
+
+    stdout, records = _run(entry, tmp_path / "m3.jsonl", *ckpt, "--steps", "40")
+    assert "resumed step 30" in stdout and "the job's restart 1" in stdout
+    assert [r["step"] for r in records if r["event"] == "step"] == [35, 40]
+    assert re.search(r"done \| steps 30->40 in [\d.]+s \| final loss [\d.]+$", stdout, re.M)
