@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,10 @@ from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._job import Job
 from ftsdp.trainer._records import SavedRun, mismatch, refusal
 from ftsdp.trainer._session import MetricsLog, Session
+
+EXIT_PEER_LOST = 1  # a failure: torchrun restarts the group (within --max-restarts)
+# what a collective's error says when the process of another rank died (gloo's transport)
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def _config_json(cfg: TrainConfig) -> str:
@@ -146,16 +152,23 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
         start_record(cfg, rm, job),
     )
     t0 = time.perf_counter()
-    out = train(cfg, session, job)
+    try:
+        out = train(cfg, session, job)
+    except Exception as e:
+        if not peer_lost(e):
+            raise
+        return _peer_lost(session, job, e)
     wall = time.perf_counter() - t0
     record = {"event": "done", "steps": cfg.steps, "first_step": out.first_step, "wall_s": wall}
     record.update(loss=out.loss, loss_step=out.loss_step, time=time.time())
-    loss = "no loss recorded" if out.loss_step is None else f"loss {out.loss:.4f}"
     if out.steps_run == 0 and out.first_step >= cfg.steps:  # a rerun of a finished job
+        loss = "no loss recorded (a checkpoint of an older version)"
+        if out.loss_step is not None:
+            at = "" if out.loss_step == out.first_step else f" (step {out.loss_step})"
+            loss = f"last logged loss {out.loss:.4f}{at}"
         log.write(
             f"already complete at step {out.first_step} (--steps {cfg.steps}): nothing to train"
-            f" | last logged {loss}"
-            + (f" (step {out.loss_step})" if out.loss_step not in (None, out.first_step) else ""),
+            f" | {loss}",
             record,
         )
     elif not out.preempted:
@@ -267,6 +280,40 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     if job.ckpt is not None:
         job.ckpt.close()
     return out
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank's process died (gloo:
+    ``Connection closed/reset by peer``), not a bug of this rank."""
+    text = str(error)
+    return isinstance(error, dist.DistNetworkError) or (
+        isinstance(error, RuntimeError) and any(p in text for p in _PEER_LOST)
+    )
+
+
+def _peer_lost(session: Session, job: Job, error: BaseException) -> int:
+    """One line instead of the collective's traceback: what happened, and where the restart
+    (torchrun's, on this non-zero exit) resumes from. Nothing more is saved: a save needs every
+    rank."""
+    session.preempt.cannot_save("a peer process was lost")
+    session.rm.close(barrier=False)  # now, without the barrier: the peer will never reach it
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])  # gloo's source
+    reason = reason.split(". ")[0].removesuffix(".")
+    committed = {} if job.ckpt is None else job.ckpt.newest_committed()
+    if job.ckpt is None:
+        where = "step 0 (no --checkpoint-url)"
+    elif committed:
+        tier = max(committed, key=lambda t: (committed[t], t == "durable"))
+        where = f"step {committed[tier]} ({tier})"
+    else:
+        where = "step 0 (nothing committed yet)"
+    signalled = f" after {session.preempt.signal_name}" if session.preempt.requested else ""
+    session.log.event(
+        {"event": "error", "error": f"{type(error).__name__}: {error}"[:2000], "peer_lost": True},
+        f"peer lost{signalled}: {reason}; exiting without saving, the restart resumes from {where}",
+        logging.ERROR,
+    )
+    return EXIT_PEER_LOST
 
 
 def _finished(out: Outcome, step: int, loss: float | None, loss_step: int | None) -> None:
