@@ -88,6 +88,16 @@ def parse_positive(text: str) -> int:
     return int(text)
 
 
+_POSITIONALS = {
+    "url": "a checkpoint: an ftsdp root or step directory (local path or fsspec URL), a Hugging "
+    "Face folder or .safetensors file, a torch.save file or a DCP directory",
+    "src": "the checkpoint to read (any format, detected; see url in inspect --help)",
+    "dst": "where to write it (a new location, or --overwrite)",
+    "diff url": "an ftsdp checkpoint root (local path or fsspec URL)",
+    "gc url": "an ftsdp checkpoint root (local path or fsspec URL)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand."""
     common = _Parser(add_help=False)
@@ -139,14 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str, *positionals: str, parent: Any = reads) -> Any:
         p = sub.add_parser(name, parents=[parent], help=help)
         for positional in positionals:
-            p.add_argument(positional)
+            what = _POSITIONALS.get(f"{name} {positional}", _POSITIONALS[positional])
+            p.add_argument(positional, help=what)
         return p
 
-    p = command("inspect", "steps, tensors, sizes and state keys", parent=reads)
-    p.add_argument(
-        "url", help="a checkpoint: an ftsdp root or step directory (local path or fsspec URL), "
-        "a Hugging Face folder or .safetensors file, a torch.save file or a DCP directory",
-    )  # fmt: skip
+    p = command("inspect", "steps, tensors, sizes and state keys", "url")
     p.add_argument(
         "--step",
         type=parse_step,
