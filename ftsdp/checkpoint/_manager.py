@@ -232,6 +232,12 @@ class CheckpointManager:
             for tier in self._tiers():
                 tier.prepare(state)
 
+    def newest_committed(self) -> dict[str, int]:
+        """The newest step each tier in use is known to have committed by now, without waiting
+        nor a collective (``{"durable": 20, "memory": 22}``; a tier with none is left out)."""
+        tiers = zip(("durable", "memory"), self._tiers(), strict=False)
+        return {name: step for name, tier in tiers if (step := tier.newest_committed()) is not None}
+
     def wait(self) -> None:
         """Block until the in-flight saves are committed; raise the durable one's error (a
         memory save's is logged)."""

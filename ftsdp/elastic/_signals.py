@@ -54,6 +54,7 @@ class PreemptionHandler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._lock = threading.Lock()
+        self._no_save: str | None = None  # why a signal can no longer be answered with a save
 
     @property
     def requested(self) -> bool:
@@ -92,10 +93,21 @@ class PreemptionHandler:
                 self.signal_name = signal.Signals(signum).name
                 self.received_at = time.time()
                 self._arm_locked()
-                self._log(
-                    f"ftsdp: {self.signal_name} received (pid {os.getpid()}): saving at the "
-                    f"next step boundary, exiting within {self.grace_s:g}s"
+                plan = (
+                    "saving at the next step boundary"
+                    if self._no_save is None
+                    else f"nothing will be saved ({self._no_save})"
                 )
+                self._log(
+                    f"ftsdp: {self.signal_name} received (pid {os.getpid()}): {plan}, exiting "
+                    f"within {self.grace_s:g}s"
+                )
+
+    def cannot_save(self, why: str) -> None:
+        """From now on, a signal's line says that nothing will be saved, and ``why`` (the
+        training loop ended on an error: there is no next step boundary)."""
+        with self._lock:
+            self._no_save = why
 
     def arm(self) -> None:
         """Start the grace period now (a rank that learned of a peer's preemption)."""

@@ -242,15 +242,26 @@ def _flag_type(hint: object) -> type:
     return hint
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, as ftsdp-ckpt: not usage first
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""  # a help that names its own default keeps it, once
+        return help if "(default:" in help else super()._get_help_string(action)
+
+
 def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
     """An argparse parser with one ``--flag`` per field of the dataclass ``cls``, and
     ``--config FILE.toml`` (see :func:`parse_args`)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ftsdp-train",
         description="Train a model with the ftsdp FSDP engine, elastically "
         "(torchrun --standalone --nproc-per-node=2 -m ftsdp.train). Every --flag-name is also "
         "accepted as --flag_name.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument(
         "--config",

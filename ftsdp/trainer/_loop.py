@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,10 @@ from ftsdp.trainer._job import Job
 from ftsdp.trainer._records import SavedRun, mismatch, refusal
 from ftsdp.trainer._session import MetricsLog, Session
 
+EXIT_PEER_LOST = 1  # a failure: torchrun restarts the group (within --max-restarts)
+# what a collective's error says when the process of another rank died (gloo's transport)
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
 
 def _config_json(cfg: TrainConfig) -> str:
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
@@ -33,7 +39,9 @@ def _config_json(cfg: TrainConfig) -> str:
 
 @dataclass
 class Outcome:
-    loss: float = math.nan
+    loss: float = math.nan  # the last logged loss (of this run, or the checkpoint's record)
+    loss_step: int | None = None  # the step it was logged at
+    first_step: int = 0  # the step this run started from (the resumed one)
     steps_run: int = 0
     exit_code: int = 0
     preempted: bool = False
@@ -72,12 +80,15 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
         cursor=template["cursor"],
         restarts=template["restarts"] + 1,
         world_size=rm.world_size,
+        # the last logged loss; a checkpoint that predates the record has none
+        loss=template.get("loss"),
+        loss_step=template.get("loss_step"),
     )
     skipped = [s for s, _ in resumed.skipped]
     tier = "memory" if ckpt.memory_url and ckpt.resumed_from == ckpt.memory_url else "durable"
     log.write(
         f"resumed step {resumed.step} (saved at world {resumed.saved_world_size}, now "
-        f"{rm.world_size}) in {resumed.seconds:.2f}s | restart {trainer['restarts']}"
+        f"{rm.world_size}) in {resumed.seconds:.2f}s | the job's restart {trainer['restarts']}"
         + (" | from the memory tier" if tier == "memory" else "")
         + (f" | skipped unusable steps {skipped}" if skipped else ""),
         {
@@ -153,23 +164,33 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
         f"({_shares(g)} each) | "
         f"model {cfg.model}"
         + (f" ({cfg.mixed_precision})" if cfg.mixed_precision != "none" else "")
-        + f" | {job.data_description} | generation {rm.generation}",
+        + f" | {job.data_description}"
+        + (f" | torchrun restart {rm.generation}" if rm.generation else ""),
         start_record(cfg, rm, job),
     )
     t0 = time.perf_counter()
-    out = train(cfg, session, job)
+    try:
+        out = train(cfg, session, job)
+    except Exception as e:
+        if not peer_lost(e):
+            raise
+        return _peer_lost(session, job, e)
     wall = time.perf_counter() - t0
-    if not out.preempted:
+    record = {"event": "done", "steps": cfg.steps, "first_step": out.first_step, "wall_s": wall}
+    record.update(loss=out.loss, loss_step=out.loss_step, time=time.time())
+    if out.steps_run == 0 and out.first_step >= cfg.steps:  # a rerun of a finished job
+        loss = "no loss recorded (a checkpoint of an older version)"
+        if out.loss_step is not None:
+            at = "" if out.loss_step == out.first_step else f" (step {out.loss_step})"
+            loss = f"last logged loss {out.loss:.4f}{at}"
         log.write(
-            f"done | {cfg.steps} steps in {wall:.1f}s | final loss {out.loss:.4f}",
-            {
-                "event": "done",
-                "steps": cfg.steps,
-                "wall_s": wall,
-                "loss": out.loss,
-                "time": time.time(),
-            },
+            f"already complete at step {out.first_step} (--steps {cfg.steps}): nothing to train"
+            f" | {loss}",
+            record,
         )
+    elif not out.preempted:
+        steps = f"steps {out.first_step}->{cfg.steps}" if out.first_step else f"{cfg.steps} steps"
+        log.write(f"done | {steps} in {wall:.1f}s | final loss {out.loss:.4f}", record)
     if out.exit_code or out.preempted:
         return out.exit_code
     return 0 if math.isfinite(out.loss) or out.steps_run == 0 else 1
@@ -184,11 +205,21 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         "restarts": 0,
         "world_size": rm.world_size,
         "config": _config_json(cfg),
+        "loss": None,  # the last logged loss and its step: a rerun of a finished job shows it
+        "loss_step": None,
         **job.records,  # model, data: what is trained (_records)
     }
+    out = Outcome()
+    saved = job.saved
+    if saved is not None and saved.step >= cfg.steps:  # finished: nothing to load nor train
+        _finished(out, saved.step, saved.values.get("loss"), saved.values.get("loss_step"))
+        if job.ckpt is not None:
+            job.ckpt.close()
+        return out
     resumed_from = None if job.ckpt is None else _resume(cfg, session, job, trainer)
     session.phases.mark("resumed")
     step, cursor = trainer["step"], trainer["cursor"]
+    _finished(out, step, trainer["loss"], trainer["loss_step"])
     if session.watchdog is not None:
         session.watchdog.beat(step)
     # The gradient is the mean over the step's micro-batches at any world size. Deterministic
@@ -198,7 +229,6 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     scale = 1.0 if job.deterministic_engine else g.world_size / g.micro_batches
     window: list[torch.Tensor] = []  # per step: (accum_steps,) pass losses of this rank
     blocking = 0.0  # seconds the loop spent inside checkpoint saves since the last log line
-    out = Outcome()
     t_window = time.perf_counter()
     job.model.train()
     while step < cfg.steps:
@@ -229,6 +259,10 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         due = job.ckpt is not None and job.ckpt.due(step)
         stop, save_due = rm.agree_any(preempt.requested, due)
         last = step == cfg.steps
+        logged = step % cfg.log_every == 0 or last or stop
+        if logged:  # before the save, which records it (a collective: every rank, same steps)
+            out.loss, out.loss_step = _window_loss(rm, window), step
+            trainer.update(loss=out.loss, loss_step=step)
         if job.ckpt is not None and job.scaler is not None:
             trainer["grad_scaler"] = json.dumps(job.scaler.state_dict(), sort_keys=True)
         if job.ckpt is not None and not (save_due or stop or last):
@@ -241,10 +275,10 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
                 + (" | async" if job.ckpt.in_flight() else ""),
                 {"event": "checkpoint", "step": step, "blocking_s": seconds, "time": time.time()},
             )
-        if step % cfg.log_every == 0 or last or stop:
+        if logged:
             elapsed = time.perf_counter() - t_window
-            out.loss = _log_window(
-                cfg, rm, log, window, step, lr, grad_norm, blocking, trainer, elapsed
+            _log_window(
+                cfg, rm, log, out.loss, len(window), step, lr, grad_norm, blocking, trainer, elapsed
             )
             window, blocking, t_window = [], 0.0, time.perf_counter()
         hook.after_save(step)
@@ -268,6 +302,47 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
     return out
 
 
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank's process died (gloo:
+    ``Connection closed/reset by peer``), not a bug of this rank."""
+    text = str(error)
+    return isinstance(error, dist.DistNetworkError) or (
+        isinstance(error, RuntimeError) and any(p in text for p in _PEER_LOST)
+    )
+
+
+def _peer_lost(session: Session, job: Job, error: BaseException) -> int:
+    """One line instead of the collective's traceback: what happened, and where the restart
+    (torchrun's, on this non-zero exit) resumes from. Nothing more is saved: a save needs every
+    rank."""
+    session.preempt.cannot_save("a peer process was lost")
+    session.rm.close(barrier=False)  # now, without the barrier: the peer will never reach it
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])  # gloo's source
+    reason = reason.split(". ")[0].removesuffix(".")
+    committed = {} if job.ckpt is None else job.ckpt.newest_committed()
+    if job.ckpt is None:
+        where = "step 0 (no --checkpoint-url)"
+    elif committed:
+        tier = max(committed, key=lambda t: (committed[t], t == "durable"))
+        where = f"step {committed[tier]} ({tier})"
+    else:
+        where = "step 0 (nothing committed yet)"
+    signalled = f" after {session.preempt.signal_name}" if session.preempt.requested else ""
+    session.log.event(
+        {"event": "error", "error": f"{type(error).__name__}: {error}"[:2000], "peer_lost": True},
+        f"peer lost{signalled}: {reason}; exiting without saving, the restart resumes from {where}",
+        logging.ERROR,
+    )
+    return EXIT_PEER_LOST
+
+
+def _finished(out: Outcome, step: int, loss: float | None, loss_step: int | None) -> None:
+    """Start ``out`` at ``step``, with the checkpoint's last logged loss (None: none)."""
+    out.first_step = step
+    if loss is not None and loss_step is not None:
+        out.loss, out.loss_step = float(loss), int(loss_step)
+
+
 def _log_phases(session: Session, resumed_from: int | None) -> None:
     """Mark the first step and write the ``phases`` record (ftsdp.trainer._phases)."""
     phases, rm = session.phases, session.rm
@@ -282,18 +357,7 @@ def _log_phases(session: Session, resumed_from: int | None) -> None:
     session.log.write(phases.line(), record)
 
 
-def _log_window(
-    cfg: TrainConfig,
-    rm: RankManager,
-    log: MetricsLog,
-    window: list[torch.Tensor],
-    step: int,
-    lr: float,
-    grad_norm: torch.Tensor,
-    blocking: float,
-    trainer: dict[str, Any],
-    elapsed: float,
-) -> float:
+def _window_loss(rm: RankManager, window: list[torch.Tensor]) -> float:
     """The window's mean loss over every micro-batch of every rank, summed in the global
     micro-batch order (rank-major, padding passes left out), so it is bitwise the same at any
     world size."""
@@ -308,8 +372,23 @@ def _log_window(
     total = 0.0
     for value in local.reshape(-1).cpu().tolist():
         total += value
-    loss = total / local.numel()
-    n = len(window)
+    return total / local.numel()
+
+
+def _log_window(
+    cfg: TrainConfig,
+    rm: RankManager,
+    log: MetricsLog,
+    loss: float,
+    n: int,
+    step: int,
+    lr: float,
+    grad_norm: torch.Tensor,
+    blocking: float,
+    trainer: dict[str, Any],
+    elapsed: float,
+) -> None:
+    """Rank 0's line and record of the ``n`` steps up to ``step`` (``loss``: their mean)."""
     tokens_per_step = cfg.global_batch * cfg.block_size
     record = {
         "event": "step",
@@ -331,7 +410,6 @@ def _log_window(
         + (f" | ckpt blocking {blocking:.3f}s" if blocking else ""),
         record,
     )
-    return loss
 
 
 def start_record(cfg: TrainConfig, rm: RankManager, job: Job) -> dict:

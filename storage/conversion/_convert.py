@@ -39,6 +39,7 @@ class ConvertResult:
     written: list[str] = field(default_factory=list)  # URLs of what was written
     dropped: list[str] = field(default_factory=list)  # source entries that could not be carried
     extra: list[str] = field(default_factory=list)  # names of the extra and copied files written
+    source_step: int | None = None  # the step read (sources that have steps: ftsdp)
 
 
 def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) -> None:
@@ -255,6 +256,7 @@ def convert(
             written=written,
             dropped=list(source.dropped),
             extra=[name for name, _ in extra],
+            source_step=source.step,
         )
 
 

@@ -328,6 +328,20 @@ def test_kill9_one_worker_restarts_the_group_at_the_same_size(restarts: Run) -> 
     m = measure(restarts, "kill -9 one worker", RESTARTS_COMMAND + RESTART_FAULTS[0], 0)
     assert m["resumed_step"] == 2 and m["steps_lost"] == 1 and m["world_sizes"] == "2 -> 2"
     assert m["detected_by"] in ("error", "stall") and m["detection_s"] < 10
+    # The survivor says it in one line: what happened and where the restart resumes from; no
+    # worker prints a traceback, for this fault or any other of the job (the agent's own log
+    # lines, prefixed, are torchrun's).
+    out = restarts.output()
+    assert not re.search(r"^Traceback", out, re.M), out[-6000:]
+    lost = re.findall(r"rank 0 ERROR ftsdp\.train: (peer lost.*)", out)
+    assert lost and re.fullmatch(
+        r"peer lost( after SIGTERM)?: .*Connection (reset|closed) by peer.*; exiting without "
+        r"saving, the restart resumes from step 2 \(durable\)",
+        lost[0],
+    ), lost
+    # A signal after the loss (torchrun stopping the group) promises no save.
+    for line in re.findall(r"SIGTERM received.*", out):
+        assert "nothing will be saved (a peer process was lost)" in line, line
 
 
 @pytest.mark.timeout(420)

@@ -128,15 +128,29 @@ def test_the_wheel_holds_one_top_level_package(wheel: pathlib.Path) -> None:
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
 
 
+def site_dirs() -> list[str]:
+    """The site-packages folders of the environment running the tests, whatever it is (the
+    base interpreter, a venv, with or without the system's packages, a conda env): where its
+    torch & co. are installed."""
+    return [p for p in sys.path if pathlib.PurePath(p).name in ("site-packages", "dist-packages")]
+
+
 def test_regular_install_beside_the_users_packages(
     wheel: pathlib.Path, user_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    venv = tmp_path / "venv"  # sees torch & co. from this environment, ftsdp from the wheel
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-        check=True, timeout=120,
-    )  # fmt: skip
+    # A fresh venv that sees torch & co. from this environment, ftsdp from the wheel. Not
+    # ``--system-site-packages``: from a venv, that gives the base interpreter's packages, not
+    # this venv's. A .pth file of the new venv names this environment's site folders instead;
+    # they come after its own (the wheel's ftsdp wins), and their .pth files are not run, so
+    # this environment's editable ftsdp stays out (checked below: ftsdp is the wheel's).
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    inner = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    (pathlib.Path(inner) / "outer-environment.pth").write_text("\n".join(site_dirs()) + "\n")
     subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
         check=True, capture_output=True, timeout=240,

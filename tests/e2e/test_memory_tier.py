@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -69,9 +70,15 @@ def test_kill9_resumes_from_the_memory_tier_without_losing_a_step(tmp_path: path
         )
         for c, e in ((ref_cmd, _env()), (cmd, env))
     ]
+    outs = []
     for run in runs:
         out, _ = run.communicate(timeout=200)
         assert run.returncode == 0, out[-3000:]
+        outs.append(out)
+    # the survivor's one line names the step the restart resumes from, and its tier
+    lost = re.findall(r"ERROR ftsdp\.train: (peer lost.*)", outs[1])
+    assert lost and lost[0].endswith("the restart resumes from step 4 (memory)"), outs[1][-3000:]
+    assert not re.search(r"^Traceback", outs[1], re.M), outs[1][-3000:]
 
     records = _jsonl(tmp_path / "m.jsonl")
     resumes = [r for r in records if r["event"] == "resume"]

@@ -37,8 +37,8 @@ def _launch(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
 
 
-def _run(cmd: list[str], metrics: pathlib.Path) -> tuple[str, list[dict]]:
-    proc = _launch([*cmd, *TINY, "--metrics", str(metrics)])
+def _run(cmd: list[str], metrics: pathlib.Path, *extra: str) -> tuple[str, list[dict]]:
+    proc = _launch([*cmd, *TINY, "--metrics", str(metrics), *extra])
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return proc.stdout, records
@@ -132,3 +132,32 @@ def test_a_bad_command_line_is_one_line_from_rank_0_and_no_restart() -> None:
     launch = [sys.executable, "-m", "ftsdp.launch", "--standalone", "--nproc-per-node=2"]
     proc = _launch([*launch, "--max-restarts=3", "--", *bad])
     assert (proc.returncode, proc.stderr.splitlines(), proc.stdout) == (2, [message], "")
+
+
+@pytest.mark.timeout(180)
+def test_rerunning_a_finished_job_says_so_and_a_resume_counts_its_own_steps(tmp_path) -> None:
+    """The same command again after the job finished: one line saying it is complete at its
+    step with the loss its last log line showed, no training, exit 0. With more --steps it
+    resumes, and its done line counts the steps it trained (``steps 30->40``)."""
+    ckpt = ["--checkpoint-url", str(tmp_path / "ckpt"), "--checkpoint-every", "10"]
+    entry = [sys.executable, "-m", "ftsdp.train"]
+    stdout, records = _run(entry, tmp_path / "m1.jsonl", *ckpt)
+    last = [r for r in records if r["event"] == "step"][-1]
+    assert last["step"] == 30 and "done | 30 steps in" in stdout
+
+    stdout, records = _run(entry, tmp_path / "m2.jsonl", *ckpt)
+    (line,) = re.findall(r"ftsdp\.train: (already complete.*)", stdout)
+    assert line == (
+        f"already complete at step 30 (--steps 30): nothing to train | last logged loss "
+        f"{last['loss']:.4f}"
+    ), stdout
+    assert "done |" not in stdout and "resumed" not in stdout and "nan" not in stdout
+    assert "generation" not in stdout and "restart" not in stdout, stdout
+    assert not [r for r in records if r["event"] in ("step", "resume", "checkpoint")]
+    (done,) = [r for r in records if r["event"] == "done"]
+    assert (done["first_step"], done["loss_step"], done["loss"]) == (30, 30, last["loss"])
+
+    stdout, records = _run(entry, tmp_path / "m3.jsonl", *ckpt, "--steps", "40")
+    assert "resumed step 30" in stdout and "the job's restart 1" in stdout
+    assert [r["step"] for r in records if r["event"] == "step"] == [35, 40]
+    assert re.search(r"done \| steps 30->40 in [\d.]+s \| final loss [\d.]+$", stdout, re.M)

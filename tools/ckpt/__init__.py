@@ -2,6 +2,9 @@
 
 Exit codes (docs/cli.md, "Errors and exit codes"): 0 success, 1 ``verify`` found problems, 2 bad
 usage or input (one line), 3 an internal error (a bug here), 130 interrupted.
+
+The commands (and with them ``ftsdp.storage`` and torch) are imported once the command line
+parsed: ``--help`` and a usage error do not wait for torch.
 """
 
 from __future__ import annotations
@@ -12,18 +15,24 @@ import sys
 import traceback
 from typing import TextIO
 
-from ftsdp.storage import CheckpointError
 from ftsdp.tools.ckpt._args import PROG, UsageError, parse
-from ftsdp.tools.ckpt._commands import COMMANDS
 
-# Errors that describe the input, not a bug here: one line and exit code 2.
-USER_ERRORS = (CheckpointError, UsageError, OSError, ValueError, KeyError)
+# Errors that describe the input, not a bug here: one line and exit code 2 (and storage's
+# CheckpointError, see _user_error).
+USER_ERRORS = (UsageError, OSError, ValueError, KeyError)
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def _one_line(error: BaseException) -> str:
     text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
     return " ".join(str(text).split()) or type(error).__name__
+
+
+def _user_error(error: BaseException) -> bool:
+    storage = sys.modules.get("ftsdp.storage")  # not imported: none of its errors was raised
+    return isinstance(error, USER_ERRORS) or (
+        storage is not None and isinstance(error, storage.CheckpointError)
+    )
 
 
 def main(
@@ -34,6 +43,8 @@ def main(
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse(argv)
+        from ftsdp.tools.ckpt._commands import COMMANDS  # see the module docstring
+
         return COMMANDS[args.command](args, out)
     except KeyboardInterrupt:
         err.write(f"{PROG}: interrupted; nothing unfinished was committed\n")
@@ -43,10 +54,11 @@ def main(
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return 0
-    except USER_ERRORS as e:
-        err.write(f"{PROG}: error: {_one_line(e)}\n")
-        return EXIT_USAGE
-    except Exception as e:  # a bug here, not bad input: say so, and how to see the traceback
+    except Exception as e:
+        if _user_error(e):
+            err.write(f"{PROG}: error: {_one_line(e)}\n")
+            return EXIT_USAGE
+        # a bug here, not bad input: say so, and how to see the traceback
         if "--debug" in argv:
             traceback.print_exception(e, file=err)
         hint = "" if "--debug" in argv else "; rerun with --debug for the traceback"

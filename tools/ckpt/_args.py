@@ -1,4 +1,9 @@
-"""The ``ftsdp-ckpt`` command line: subcommands, options and their value parsers."""
+"""The ``ftsdp-ckpt`` command line: subcommands, options and their value parsers.
+
+Parsing does not import torch nor ``ftsdp.storage`` (which imports torch): ``--help`` and a bad
+command line answer at once. The two storage constants the help shows are copied here
+(tests/unit/tools/test_ckpt_cli.py checks they agree); ``--dtype`` becomes a ``torch.dtype`` in
+:func:`parse`, once the command line is known to be good."""
 
 from __future__ import annotations
 
@@ -8,18 +13,17 @@ import json
 import re
 from typing import Any, NoReturn
 
-import torch
-
 import ftsdp
-from ftsdp import storage
 
 PROG = "ftsdp-ckpt"
+DEFAULT_MAX_MEMORY = 256 * 1024**2  # storage.io.DEFAULT_MAX_MEMORY
+FORMATS = ("ftsdp", "hf", "torch", "dcp")  # storage.conversion.FORMATS
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.I)
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+_DTYPES = {  # spelling -> the torch attribute
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float64": "float64", "fp64": "float64", "double": "float64",
 }  # fmt: skip
 
 
@@ -42,7 +46,8 @@ def parse_size(text: str) -> int:
     return int(number * (1024 if binary else 1000) ** power)
 
 
-def parse_dtype(text: str) -> torch.dtype:
+def parse_dtype(text: str) -> str:
+    """``"bf16"`` -> ``"bfloat16"`` (the ``torch`` attribute; :func:`parse` makes it a dtype)."""
     try:
         return _DTYPES[text.lower()]
     except KeyError:
@@ -83,11 +88,21 @@ def parse_positive(text: str) -> int:
     return int(text)
 
 
+_POSITIONALS = {
+    "url": "a checkpoint: an ftsdp root or step directory (local path or fsspec URL), a Hugging "
+    "Face folder or .safetensors file, a torch.save file or a DCP directory",
+    "src": "the checkpoint to read (any format, detected; see url in inspect --help)",
+    "dst": "where to write it (a new location, or --overwrite)",
+    "diff url": "an ftsdp checkpoint root (local path or fsspec URL)",
+    "gc url": "an ftsdp checkpoint root (local path or fsspec URL)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand."""
     common = _Parser(add_help=False)
     common.add_argument(
-        "--max-memory", type=parse_size, default=storage.io.DEFAULT_MAX_MEMORY, metavar="SIZE",
+        "--max-memory", type=parse_size, default=DEFAULT_MAX_MEMORY, metavar="SIZE",
         help="memory budget for data in flight (default 256MiB; e.g. 64MiB, 2GB)",
     )  # fmt: skip
     common.add_argument(
@@ -134,19 +149,30 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str, *positionals: str, parent: Any = reads) -> Any:
         p = sub.add_parser(name, parents=[parent], help=help)
         for positional in positionals:
-            p.add_argument(positional)
+            what = _POSITIONALS.get(f"{name} {positional}", _POSITIONALS[positional])
+            p.add_argument(positional, help=what)
         return p
 
     p = command("inspect", "steps, tensors, sizes and state keys", "url")
-    p.add_argument("--step", type=parse_step)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--step",
+        type=parse_step,
+        help="ftsdp: the committed step to describe (default: the newest)",
+    )
+    p.add_argument(
+        "--tensors", action="store_true",
+        help="also list every tensor (name, shape, dtype, bytes) after the summary",
+    )  # fmt: skip
+    p.add_argument(
+        "--json", action="store_true", help="machine-readable output (every tensor included)"
+    )
 
     p = command("verify", "read every byte and check checksums and sizes", "url")
     p.add_argument("--step", type=parse_step, help="only this step (default: every committed step)")
     p.add_argument("--json", action="store_true")
 
     p = command("convert", "convert between ftsdp, hf, torch and dcp", "src", "dst", parent=writes)
-    formats = ", ".join(storage.conversion.FORMATS)
+    formats = ", ".join(FORMATS)
     p.add_argument("--to", required=True, metavar="FORMAT", help=f"one of {formats}")
     p.add_argument(
         "--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)"
@@ -203,12 +229,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv``; ``UsageError`` (one line) for anything wrong with it."""
     args = _parser().parse_args(argv)
     args.storage_options = dict(args.storage_option) or None
+    if getattr(args, "dtype", None) is not None:
+        import torch  # here, not at the top: see the module docstring
+
+        args.dtype = getattr(torch, args.dtype)
     if args.command != "convert":
         return args
-    formats = storage.conversion.FORMATS
-    if args.src_format and args.src_format not in formats:
+    if args.src_format and args.src_format not in FORMATS:
         raise UsageError(
-            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(formats)}"
+            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(FORMATS)}"
         )
     # --include-optimizer and --keep-names shape the hf export only
     for flag, on in (

@@ -28,6 +28,20 @@ def _with_progress(args: argparse.Namespace, fn: Callable[..., Any], **kwargs: A
             bar.close()
 
 
+def _groups(tensors: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Tensors by the first part of their name (the trainer's ``model.``, ``optim.``): count,
+    bytes and dtype counts, in name order."""
+    groups: dict[str, dict[str, Any]] = {}
+    for t in tensors:
+        group = groups.setdefault(
+            t["name"].split(".", 1)[0], {"tensors": 0, "bytes": 0, "dtypes": Counter()}
+        )
+        group["tensors"] += 1
+        group["bytes"] += t["bytes"]
+        group["dtypes"][t["dtype"]] += 1
+    return groups
+
+
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     info = storage.catalog.inspect_checkpoint(
         args.url, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
@@ -42,16 +56,28 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         if info["step"] is None:
             return 0
         out.write(f"step {info['step']}, saved at world size {info['world_size']}\n")
-    width = max([len(t["name"]) for t in info["tensors"]] + [4])
-    out.write(f"{'name':<{width}}  {'shape':<20} {'dtype':<14} {'bytes':>12}\n")
-    for t in info["tensors"]:
-        out.write(f"{t['name']:<{width}}  {t['shape']!s:<20} {t['dtype']:<14} {t['bytes']:>12}\n")
+    groups = _groups(info["tensors"])
+    width = max([len(g) for g in groups] + [5])
+    for name, g in groups.items():
+        counts = sorted(g["dtypes"].items(), key=lambda kv: (-kv[1], kv[0]))  # most, then a-z
+        dtypes = ", ".join(f"{d} {n}" for d, n in counts)
+        out.write(
+            f"{name:<{width}}  {g['tensors']:>6} tensors {human_bytes(g['bytes']):>11}  {dtypes}\n"
+        )
     out.write(
         f"total: {info['total_tensors']} tensors, {human_bytes(info['total_bytes'])} ({info['total_bytes']} bytes)\n"
     )
     out.write(f"values: {', '.join(info['values']) or 'none'}\n")
     for d in info.get("dropped", []):
         out.write(f"not representable: {d}\n")
+    if not args.tensors:
+        if info["tensors"]:
+            out.write("every tensor's name, shape, dtype and bytes: --tensors\n")
+        return 0
+    width = max([len(t["name"]) for t in info["tensors"]] + [4])
+    out.write(f"\n{'name':<{width}}  {'shape':<20} {'dtype':<14} {'bytes':>12}\n")
+    for t in info["tensors"]:
+        out.write(f"{t['name']:<{width}}  {t['shape']!s:<20} {t['dtype']:<14} {t['bytes']:>12}\n")
     return 0
 
 
@@ -80,9 +106,10 @@ def _report_convert(result: storage.conversion.ConvertResult, out: TextIO) -> No
     where = (
         f" step {result.step} for world size {result.world_size}" if result.step is not None else ""
     )
+    read = "" if result.source_step is None else f" (step {result.source_step})"
     out.write(
         f"wrote {result.dest_format}{where}: {result.tensors} tensors, "
-        f"{human_bytes(result.bytes_read)} from a {result.source_format} checkpoint\n"
+        f"{human_bytes(result.bytes_read)} from a {result.source_format} checkpoint{read}\n"
     )
     for path in result.written:
         out.write(f"  {path}\n")

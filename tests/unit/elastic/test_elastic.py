@@ -104,6 +104,24 @@ def test_sigusr1_sets_the_flag_and_close_restores_handlers() -> None:
         assert h.signal_name == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is before
     assert len(lines) == 1 and "SIGUSR1 received" in lines[0]
+    assert "saving at the next step boundary, exiting within 30s" in lines[0]
+
+
+def test_a_signal_after_cannot_save_promises_no_save() -> None:
+    """Once the loop has ended on an error there is no step boundary to save at: the signal's
+    line says so (and why), and the grace period still bounds the exit."""
+    lines: list[str] = []
+    expired: list[str] = []
+    h = PreemptionHandler(grace_s=0.3, log=lines.append, on_expired=expired.append).install()
+    try:
+        h.cannot_save("a peer process was lost")
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert _wait_for(lambda: expired, timeout=5)
+    finally:
+        h.close()
+    assert len(lines) == 1 and "SIGTERM received" in lines[0], lines
+    assert "nothing will be saved (a peer process was lost), exiting within 0.3s" in lines[0]
+    assert "saving" not in lines[0]
 
 
 def test_the_grace_period_expires_from_the_watcher_thread() -> None:

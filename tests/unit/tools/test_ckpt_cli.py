@@ -7,6 +7,7 @@ import io
 import json
 import pathlib
 import re
+import subprocess
 import sys
 
 import pytest
@@ -47,11 +48,24 @@ def root(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def test_inspect_text_and_json(root: pathlib.Path) -> None:
+    """A summary by name group (model, optimizer state) by default; every tensor with
+    --tensors; everything with --json."""
     code, out, _ = _cli("inspect", str(root))
     assert code == 0
     assert "committed steps: [1, 2, 3, 4]" in out and "torn steps: [0, 9]" in out
     assert "step 4, saved at world size 1" in out and "values: trainer.step" in out
-    assert "model.w" in out and "[20, 30]" in out and "float32" in out
+    groups = {line.split()[0]: line.split() for line in out.splitlines()[4:6]}
+    # model: w (20x30 float32), b (30 bfloat16), n (4 int64); optim: m (20x30 float32)
+    assert groups["model"][1:3] == ["3", "tensors"] and groups["optim"][1:3] == ["1", "tensors"]
+    assert "2.4 KiB" in " ".join(groups["model"]) and "bfloat16 1, float32 1, int64 1" in out
+    assert "total: 4 tensors" in out and "(4892 bytes)" in out
+    assert "model.w" not in out and "--tensors" in out  # the table only on request
+    code, out, _ = _cli("inspect", str(root), "--tensors")
+    assert code == 0 and out.startswith("ftsdp checkpoint") and "total: 4 tensors" in out
+    table = {line.split()[0]: line for line in out.splitlines() if line.startswith("model.")}
+    assert sorted(table) == ["model.b", "model.n", "model.w"]
+    assert "[20, 30]" in table["model.w"] and "float32" in table["model.w"]
+    assert table["model.w"].split()[-1] == "2400" and "bfloat16" in table["model.b"]
     code, out, _ = _cli("inspect", str(root), "--step", "2", "--json")
     assert code == 0
     info = json.loads(out)
@@ -64,6 +78,54 @@ def test_inspect_text_and_json(root: pathlib.Path) -> None:
         "bytes": 60,
     }
     assert info["total_bytes"] == sum(t["bytes"] for t in info["tensors"]) == 2400 + 60 + 32 + 2400
+
+
+def test_inspect_help_describes_its_arguments() -> None:
+    code, out, _ = _cli_exit("inspect", "--help")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "url a checkpoint: an ftsdp root or step directory" in text
+    assert "--step STEP ftsdp: the committed step to describe (default: the newest)" in text
+    assert "--tensors also list every tensor" in text
+
+
+def _cli_exit(*argv: str) -> tuple[int, str, str]:
+    """:func:`_cli` for ``--help`` and ``--version``, which exit through SystemExit."""
+    out = io.StringIO()
+    old, sys.stdout = sys.stdout, out
+    try:
+        try:
+            code = main(list(argv))
+        except SystemExit as e:
+            code = int(e.code or 0)
+    finally:
+        sys.stdout = old
+    return code, out.getvalue(), ""
+
+
+def test_help_and_usage_errors_do_not_import_torch() -> None:
+    """``--help`` and a bad command line answer without importing torch (2 s of imports),
+    and the storage constants they show are storage's own."""
+    from ftsdp.tools.ckpt import _args
+
+    assert _args.DEFAULT_MAX_MEMORY == storage.io.DEFAULT_MAX_MEMORY
+    assert _args.FORMATS == storage.conversion.FORMATS
+    script = (
+        "import sys, runpy\n"
+        "for argv in (['--help'], ['inspect', '--help'], ['convert', '--help'], ['nope']):\n"
+        "    sys.argv = ['ftsdp-ckpt', *argv]\n"
+        "    try:\n"
+        "        runpy.run_module('ftsdp.tools.ckpt', run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, 2), (argv, e.code)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'ftsdp.storage' not in sys.modules, 'ftsdp.storage imported'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: ftsdp-ckpt" in proc.stdout and "invalid choice: 'nope'" in proc.stderr
 
 
 def test_verify_clean_and_damaged(root: pathlib.Path) -> None:

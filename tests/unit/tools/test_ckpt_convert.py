@@ -214,6 +214,7 @@ def test_hf_default_is_the_model_weights(src: str, tmp_path: pathlib.Path) -> No
     there is no recorded config; a --rename rule comes before the prefix strip."""
     code, out, _ = _cli("convert", src, str(tmp_path / "hf"), "--to", "hf", "-q")
     assert code == 0 and "note: " in out and "no config.json" in out
+    assert "from a ftsdp checkpoint (step 17)" in out  # which step was exported
     _same(load_file(str(tmp_path / "hf" / "model.safetensors")), _state()["model"])
     assert storage.LazyStateDict(str(tmp_path / "hf")).values == {}
     argv = ["convert", src, str(tmp_path / "r"), "--to", "hf", "--rename", "model.w=model.w2", "-q"]

@@ -113,7 +113,11 @@ def test_bad_command_lines_exit_with_usage(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    # one line, as ftsdp-ckpt's: the error and where to look, not the whole usage first
+    assert err.count("\n") == 1 and err.startswith("ftsdp-train: error: "), err
+    assert err.endswith("(see ftsdp-train --help)\n") and "usage:" not in err
 
 
 def test_help_lists_the_flags(capsys) -> None:
@@ -123,6 +127,10 @@ def test_help_lists_the_flags(capsys) -> None:
     out = capsys.readouterr().out
     for flag in ("--global-batch", "--micro-batch", "--sharding-strategy", "--metrics"):
         assert flag in out
+    text = " ".join(out.split())
+    assert "(default: 50)" in text  # the defaults are shown, each once
+    assert "(default: /dev/shm/ftsdp-<hash of the checkpoint root>)" in text
+    assert "(default: None)" not in text.split("--memory-url")[1].split("--pg-timeout-s")[0]
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:

@@ -246,3 +246,101 @@ def test_the_loop_calls_the_hook_at_the_step_boundaries(tmp_path, monkeypatch) -
         ("after_save", 4, [2, 4], ("step", 4)),
     ]
     assert ("checkpoint", 2) in [(r["event"], r.get("step")) for r in _records(metrics)]
+
+
+# -- a peer lost: one line, no traceback (ftsdp.trainer._loop) ---------------------------------
+
+GLOO_RESET = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:907: "
+    "Connection reset by peer"
+)
+GLOO_CLOSED = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:228. This is typically caused by a remote worker crashing. Check the logs of "
+    "the remote worker before reporting an error. GLHF!"
+)
+
+
+def test_peer_lost_tells_a_dead_peer_from_a_bug() -> None:
+    import torch.distributed as dist
+
+    from ftsdp.trainer._loop import peer_lost
+
+    assert peer_lost(RuntimeError(GLOO_RESET)) and peer_lost(RuntimeError(GLOO_CLOSED))
+    assert peer_lost(dist.DistNetworkError("store: Broken pipe"))
+    assert not peer_lost(RuntimeError("shape mismatch: [4] vs [5]"))
+    assert not peer_lost(ValueError("Connection reset by peer"))  # not a collective's error
+
+
+class _Preempt:
+    def __init__(self, signal_name: str | None) -> None:
+        self.signal_name, self.why = signal_name, None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def cannot_save(self, why: str) -> None:
+        self.why = why
+
+
+class _Ckpt:
+    def __init__(self, committed: dict[str, int]) -> None:
+        self.committed = committed
+
+    def newest_committed(self) -> dict[str, int]:
+        return self.committed
+
+
+@pytest.mark.parametrize(
+    ("committed", "signal_name", "error", "line"),
+    [
+        (
+            {"durable": 20},
+            None,
+            GLOO_RESET,
+            "peer lost: Read error [127.0.0.1]:907: Connection reset by peer; exiting without "
+            "saving, the restart resumes from step 20 (durable)",
+        ),
+        (
+            {"durable": 20, "memory": 22},
+            "SIGTERM",
+            GLOO_CLOSED,
+            "peer lost after SIGTERM: Connection closed by peer [127.0.0.1]:228; exiting without "
+            "saving, the restart resumes from step 22 (memory)",
+        ),
+        (
+            {},
+            None,
+            GLOO_RESET,
+            "peer lost: Read error [127.0.0.1]:907: Connection reset by peer; exiting without "
+            "saving, the restart resumes from step 0 (nothing committed yet)",
+        ),
+        (
+            None,
+            None,
+            GLOO_RESET,
+            "peer lost: Read error [127.0.0.1]:907: Connection reset by peer; exiting without "
+            "saving, the restart resumes from step 0 (no --checkpoint-url)",
+        ),
+    ],
+)
+def test_a_lost_peer_is_one_line_naming_the_resume_step(committed, signal_name, error, line):
+    from types import SimpleNamespace
+
+    from ftsdp.trainer._loop import EXIT_PEER_LOST, _peer_lost
+
+    events: list[tuple[dict, str, int]] = []
+    closes: list[bool] = []
+    session = SimpleNamespace(
+        preempt=_Preempt(signal_name),
+        rm=SimpleNamespace(close=lambda barrier: closes.append(barrier)),
+        log=SimpleNamespace(event=lambda record, text, level: events.append((record, text, level))),
+    )
+    job = SimpleNamespace(ckpt=None if committed is None else _Ckpt(committed))
+    assert _peer_lost(session, job, RuntimeError(error)) == EXIT_PEER_LOST != 0  # torchrun restarts
+    ((record, text, level),) = events
+    assert text == line and level == logging.ERROR
+    assert record["event"] == "error" and record["peer_lost"] and record["error"].endswith(error)
+    assert session.preempt.why == "a peer process was lost"  # a later SIGTERM promises no save
+    assert closes == [False]  # no barrier: the peer never comes
