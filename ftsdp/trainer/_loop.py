@@ -261,7 +261,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         last = step == cfg.steps
         logged = step % cfg.log_every == 0 or last or stop
         if logged:  # before the save, which records it (a collective: every rank, same steps)
-            out.loss, out.loss_step = _window_loss(rm, window), step
+            out.loss, out.loss_step = _window_loss(rm, job.geometry, window), step
             trainer.update(loss=out.loss, loss_step=step)
         if job.ckpt is not None and job.scaler is not None:
             trainer["grad_scaler"] = json.dumps(job.scaler.state_dict(), sort_keys=True)
@@ -357,12 +357,11 @@ def _log_phases(session: Session, resumed_from: int | None) -> None:
     session.log.write(phases.line(), record)
 
 
-def _window_loss(rm: RankManager, window: list[torch.Tensor]) -> float:
+def _window_loss(rm: RankManager, g: BatchGeometry, window: list[torch.Tensor]) -> float:
     """The window's mean loss over every micro-batch of every rank, summed in the global
     micro-batch order (rank-major, padding passes left out), so it is bitwise the same at any
     world size."""
     local = torch.stack(window)  # (steps, accum_steps) float64, on the device
-    g = cfg.geometry(rm.world_size)
     if rm.world_size > 1:
         gathered = [torch.empty_like(local) for _ in range(rm.world_size)]
         dist.all_gather(gathered, local)
