@@ -217,25 +217,21 @@ def save(
     """Save ``state`` as step ``step`` under ``url``; collective over ``process_group``.
 
     Leaves of ``state`` are tensors (whole, identical on every rank that holds them), DTensors,
-    ``FlatShard``s or JSON-able values. Returns when committed, or with ``async_save=True`` as
-    soon as this rank's pieces are staged in host memory (``handle.wait()`` for the commit; a
-    save still in flight when the interpreter exits is lost, with a warning).
-    ``options`` (``SaveOptions``) also hold retention (``keep_last``, ``keep_every``: applied by
-    rank 0 after the commit, never to the step just saved) and ``discard_newer``.
+    ``FlatShard``s or JSON-able values. Returns when committed; with ``async_save=True`` as soon
+    as this rank's tensors are copied into host memory, the plan, writes and commit going on in
+    the background (``handle.wait()`` raises their error; a save in flight at exit is lost,
+    with a warning). With ``defer_copy=True`` too it returns before the copy: the caller must
+    not change a saved tensor in place until ``handle.wait_snapshot()`` (or
+    :func:`wait_snapshot`; :func:`snapshot_fence` puts it in front of ``optimizer.step()``).
+    :func:`prepare_save` makes the memory and storage's process group ahead of the first save.
+    ``options`` also hold retention (``keep_last``, ``keep_every``: applied by rank 0 after
+    the commit, never to the step just saved) and ``discard_newer``.
 
-    ``defer_copy=True`` (with ``async_save``) returns as soon as the state is recorded: which
-    tensors, their shapes and the JSON values (copied now). The tensors' bytes are copied by a
-    background thread, after a metadata exchange on a process group of storage's own; the
-    caller must not change a saved tensor in place until ``handle.wait_snapshot()`` (or
-    :func:`wait_snapshot`) returns — :func:`snapshot_fence` puts that wait in front of an
-    optimizer's ``step()``. See [Note: deferred snapshots]. :func:`prepare_save` ahead of the
-    first such save creates that group and the host staging memory.
-
-    Before anything is written, on every rank: a committed ``step`` is never overwritten
-    (FileExistsError) and a save behind newer committed steps is refused (CheckpointError),
-    unless ``SaveOptions(discard_newer=True)`` (they are deleted once this step is committed). A
-    concurrent or stale writer loses with ``CommitConflictError`` (docs/design.md, "One
-    timeline"). :func:`save_on_nodes` saves to node-local roots.
+    A committed ``step`` is never overwritten (FileExistsError) and a save behind newer
+    committed steps is refused (CheckpointError), unless ``SaveOptions(discard_newer=True)``
+    (they are deleted once this step is committed); a concurrent or stale writer loses with
+    ``CommitConflictError`` (docs/design.md, "One timeline"). :func:`save_on_nodes` saves to
+    node-local roots.
     """
     return _save(state, url, step, process_group, async_save, storage_options, options, defer_copy)
 
@@ -338,20 +334,18 @@ def _save(
 # it with the other ranks (rank 0 reads the root; one exchange), copies this rank's tensors
 # into host memory (the snapshot), writes this rank's objects and commits. Only where the
 # phases run differs:
-#   sync:                 everything on the caller's thread; no snapshot (writes read the
+#   sync:                 everything on the caller's thread; no snapshot (the writes read the
 #                         live tensors);
-#   async_save:           the snapshot on a thread of its own *while* the caller plans (the
-#                         plan mostly waits for other ranks), so the call blocks for the longer
-#                         of the two, not their sum; writes and commit in the background;
-#   async + defer_copy:   only the description on the caller's thread; plan and snapshot in
-#                         the background (the plan on storage's own group), then the fence
-#                         opens, then writes and commit.
-# The snapshot copies every tensor this rank holds (like DCP's stager), before the plan says
-# which pieces are this rank's to write, into the lane's arena, kept for the next save (the
-# first save's copy also maps its pages). It needs the share to fit in the staging budget;
-# above it, the owned objects are staged one by one within the budget after the plan. A
-# deferred save of CPU tensors to a tmpfs root has no snapshot: see [Note: a tmpfs root
-# written from the live tensors].
+#   async_save:           the caller describes and waits for the snapshot, copied on a thread
+#                         of its own; the plan (on storage's own group, so that it never races
+#                         the caller's collectives), writes and commit run in the background;
+#   async + defer_copy:   the same, but the caller does not wait for the snapshot.
+# Over a subgroup (no group of storage's own: see ``own_group``) the plan runs on the caller's
+# thread. The snapshot copies every tensor this rank holds (like DCP's stager: the plan has not
+# yet said which pieces are this rank's to write) into the lane's arena, kept for the next
+# save. It needs the share to fit in the staging budget; above it, the owned objects are
+# staged one by one within the budget after the plan. A deferred save of CPU tensors to a
+# tmpfs root has no snapshot: see [Note: a tmpfs root written from the live tensors].
 
 
 def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
@@ -663,15 +657,6 @@ def prepare_save(
         return 0
     lane.arena.reserve(total, cuda)
     return total
-
-
-# [Note: deferred snapshots]
-# A deferred save records the tensors and copies the JSON values on the caller's thread; a
-# background thread plans (on storage's own group) while another copies this rank's tensors
-# into the lane's arena (CUDA ones on a side stream that first waits for the work queued
-# before save()); the snapshot event is set, then the objects are written and committed.
-# Nothing saved may change in place until ``wait_snapshot()``; a failure sets the snapshot
-# event too (docs/elastic.md, "Saves that do not stop training").
 
 
 def in_place(store: Store, cuda: bool) -> bool:
