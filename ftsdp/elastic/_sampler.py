@@ -1,8 +1,5 @@
-"""A global, world-size-independent sample order over a map-style dataset.
-
-Position ``p`` of one infinite stream is index ``perm_e(p mod N)`` of epoch ``e = p // N``;
-``perm_e`` is a keyed Feistel network on ``2**b >= N`` with cycle walking into ``[0, N)`` (a
-bijection: nothing repeats or is skipped within an epoch). See docs/elastic.md, "Sample order"."""
+"""A global, world-size-independent sample order: position ``p`` is index ``perm_e(p mod N)`` of
+epoch ``p // N``, ``perm_e`` a keyed Feistel bijection (docs/elastic.md, "Sample order")."""
 
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ def _mix64(x: int) -> int:
 
 
 class _Permutation:
-    """A bijection of ``range(n)`` keyed by ``key`` (see the module docstring)."""
+    """A bijection of ``range(n)`` keyed by ``key``: a Feistel network, cycle walking into it."""
 
     def __init__(self, n: int, key: int) -> None:
         self.n = n
@@ -48,11 +45,8 @@ class _Permutation:
 
 
 class GlobalSampler:
-    """Position in the global sample stream -> dataset index (see the module docstring).
-
-    ``num_samples``: the dataset's length ``N``. ``shuffle=False`` keeps each epoch in index
-    order. Instances with the same arguments agree in every process.
-    """
+    """Position in the global sample stream -> index of a dataset of ``num_samples``, the same
+    in every process; ``shuffle=False`` keeps each epoch in index order."""
 
     def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -96,14 +90,9 @@ class GlobalSampler:
 
 
 class RankBatchSampler(Sampler[list[int]]):
-    """A ``DataLoader`` batch sampler over a :class:`GlobalSampler`: rank ``rank``'s micro-batches
-    (its :meth:`~BatchGeometry.share` per step), step after step, starting at sample ``cursor``;
-    ``steps`` bounds the number of steps. Where shares differ, a distributed loop still runs
-    ``accum_steps`` passes per step on every rank (``FSDP.padding()`` for the missing ones).
-
-    With a prefetching ``DataLoader`` the batches yielded run ahead of the ones trained on, so
-    checkpoint the loop's own cursor (``cursor + steps_done * global_batch``), not this object.
-    """
+    """A ``DataLoader`` batch sampler: rank ``rank``'s micro-batches of a :class:`GlobalSampler`,
+    step after step from sample ``cursor``, for ``steps`` steps (None: forever). A prefetching
+    loader runs ahead: checkpoint the loop's own cursor, not this object."""
 
     def __init__(
         self,
