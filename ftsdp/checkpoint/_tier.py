@@ -76,10 +76,9 @@ class Tier:
             keep_every=self.keep_every,
             discard_newer=self.discard_newer,
         )
-        where = dict(process_group=self.group.pg, storage_options=self.storage_options)
         save = storage.save if node is None else partial(storage.saving.save_on_nodes, node=node)
         try:
-            self.pending = save(state, self.url, step, options=options, **where, **kw)
+            self.pending = save(state, self.url, step, options=options, **self._where(), **kw)
         except storage.CheckpointError as e:
             self._failed(e)
         self.discard_newer = False  # once: after this save the newer steps are gone
@@ -95,6 +94,10 @@ class Tier:
             self._failed(e)
         else:
             self.newest = pending.step
+
+    def _where(self) -> dict[str, Any]:
+        """The process group and storage options of every storage call on this tier."""
+        return {"process_group": self.group.pg, "storage_options": self.storage_options}
 
     def _failed(self, error: Exception) -> None:
         """A save's error: raised, or logged by a cache."""
@@ -119,13 +122,7 @@ class Tier:
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Storage's group and staging memory for deferred saves of ``state`` (collective)."""
-        storage.saving.prepare_save(
-            state,
-            self.url,
-            process_group=self.group.pg,
-            storage_options=self.storage_options,
-            options=self.options,
-        )
+        storage.saving.prepare_save(state, self.url, options=self.options, **self._where())
 
     def steps(self) -> list[int]:
         """The committed steps, as rank 0 lists them (collective)."""
@@ -168,14 +165,7 @@ class Tier:
 
     def load(self, target: dict[str, Any], step: int, options: Any) -> storage.LoadResult:
         """``storage.load`` of ``step`` into ``target`` (collective, all-or-nothing)."""
-        return storage.load(
-            target,
-            self.url,
-            step,
-            process_group=self.group.pg,
-            storage_options=self.storage_options,
-            options=options,
-        )
+        return storage.load(target, self.url, step, options=options, **self._where())
 
     def close(self) -> None:
         """The end of a run, once every save has committed."""

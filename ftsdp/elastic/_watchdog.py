@@ -59,14 +59,6 @@ def _ring_of(hosts: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return ring, tuple(sorted(range(len(ring)), key=ring.__getitem__))  # rank -> position
 
 
-def _hosts(
-    world_size: int, peers: Sequence[tuple[str, int]] | None, local_world_size: int | None
-) -> tuple[Any, ...]:
-    if peers is not None and len(peers) == world_size:
-        return tuple(h for h, _ in peers)
-    return _numbered_hosts(world_size, local_world_size or 1)
-
-
 @functools.lru_cache(maxsize=8)
 def _numbered_hosts(world_size: int, local_world_size: int) -> tuple[int, ...]:
     """Host numbers of torchrun's contiguous ranks (each rank alone for 1: rank order)."""
@@ -131,7 +123,12 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # an unexpected failure of the thread itself
         self.stalls: list[Stall] = []
-        self._ring, pos = _ring_of(_hosts(world_size, self.peers, local_world_size))
+        hosts = (
+            tuple(h for h, _ in self.peers)
+            if self.peers is not None and len(self.peers) == world_size
+            else _numbered_hosts(world_size, local_world_size or 1)
+        )
+        self._ring, pos = _ring_of(hosts)
         self._pos = pos[rank]
         self._reach = 0  # ring positions ahead of this rank already taken as targets
         self._targets: list[int] = []
