@@ -82,9 +82,6 @@ def _first_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
     return ""
 
 
-# -- RNG states ---------------------------------------------------------------------------------
-
-
 def rng_state() -> str:
     """This process's torch CPU, numpy and Python RNG states as one JSON string (key arrays as
     base64 of little-endian uint32 words; older checkpoints hold JSON lists)."""

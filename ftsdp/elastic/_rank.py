@@ -107,9 +107,8 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
 
 
 class Agent:
-    """The torchrun agent that started this worker (the process that created this one), and
-    whether it has exited: a pidfd, else a reparenting (docs/elastic.md, "A worker without its
-    agent")."""
+    """The torchrun agent that started this worker, and whether it has exited (docs/elastic.md,
+    "A worker without its agent")."""
 
     def __init__(self) -> None:
         parent = multiprocessing.parent_process()
@@ -192,7 +191,7 @@ class RankManager:
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s)
             if info.master_addr is not None and info.master_port is not None:
-                # a fresh store namespace per incarnation (docs/elastic.md, "Joining a fresh ...")
+                # a fresh store namespace per incarnation (see _join.py)
                 base = client_store(
                     info.master_addr, info.master_port, info.rank, info.world_size, timeout_s
                 )

@@ -3,6 +3,7 @@ epoch ``p // N``, ``perm_e`` a keyed Feistel bijection (docs/elastic.md, "Sample
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 from torch.utils.data import Sampler
@@ -56,17 +57,11 @@ class GlobalSampler:
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
-        self._perms: dict[int, _Permutation] = {}
+        # epoch -> its permutation; only the current epoch (and a neighbour) is ever hot
+        self._perm = functools.lru_cache(maxsize=4)(self._new_perm)
 
-    def _perm(self, epoch: int) -> _Permutation:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            if len(self._perms) > 4:  # only the current epoch (and a neighbour) is ever hot
-                self._perms.clear()
-            perm = self._perms[epoch] = _Permutation(
-                self.num_samples, _mix64(self.seed) ^ _mix64(epoch + 1)
-            )
-        return perm
+    def _new_perm(self, epoch: int) -> _Permutation:
+        return _Permutation(self.num_samples, _mix64(self.seed) ^ _mix64(epoch + 1))
 
     def index(self, position: int) -> int:
         """The dataset index at ``position`` (>= 0) of the global stream."""

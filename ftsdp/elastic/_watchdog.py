@@ -110,15 +110,13 @@ class Watchdog:
         if local_world_size is not None and local_world_size < 1:
             raise ValueError(f"Watchdog: local_world_size={local_world_size} must be >= 1")
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.interval_s = interval_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.interval_s, self.heartbeat_timeout_s = interval_s, heartbeat_timeout_s
         self.progress_timeout_s = progress_timeout_s
         self.peers = list(peers) if peers is not None else None
         self._on_stall = on_stall
         self._agent_check = agent_check or (lambda: None)
         self._log = log or logger.error
-        self._step = 0
-        self._beats = 0
+        self._step = self._beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # an unexpected failure of the thread itself
@@ -188,15 +186,13 @@ class Watchdog:
     def _loop(self) -> None:
         self._agent_check()
         self._begin(time.monotonic())
-        stalls = self._await_targets()
-        if stalls:
+        if stalls := self._await_targets():
             self._raise_alarm(stalls)
             self._fire(stalls, " (never seen)")
             return
         while not self._stop.wait(self.interval_s):
             self._agent_check()  # first: a store the agent hosted may be gone with it
-            stalls = self.beat_once()
-            if stalls:
+            if stalls := self.beat_once():
                 self._fire(stalls, self._detail)
                 return
 
@@ -465,8 +461,7 @@ def simulate_heartbeats(
             f"local_world_size={local_world_size} all >= 1"
         )
     kill, hang, closed = set(kill), set(hang), set(closed)
-    bad = sorted(r for r in kill | hang | closed if not 0 <= r < world_size)
-    if bad:
+    if bad := sorted(r for r in kill | hang | closed if not 0 <= r < world_size):
         raise ValueError(f"simulate_heartbeats: ranks {bad} are not in [0, {world_size})")
     data: dict[str, bytes] = {}
     stores = [_CountingStore(data) for _ in range(world_size)]
@@ -496,15 +491,13 @@ def simulate_heartbeats(
         for r in ranks:
             dogs[r]._publish()
         for r in ranks:
-            stalls = dogs[r]._interval(now, publish=False)
-            if stalls:
+            if stalls := dogs[r]._interval(now, publish=False):
                 acted[r] = (k, stalls)
 
     for d in dogs:
         d._publish()
         d._begin(0.0)
-    never = [s for d in dogs for s in d._await_targets()]
-    if never:
+    if never := [s for d in dogs for s in d._await_targets()]:
         raise RuntimeError(f"simulate_heartbeats: ranks never seen at startup: {never}")
     startup_ops = sum(counted()[0])
     everyone = list(range(world_size))
