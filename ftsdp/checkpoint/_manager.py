@@ -195,9 +195,8 @@ class CheckpointManager:
         return on and self.memory_every is not None and step % self.memory_every == 0
 
     def save_to_memory(self, step: int, trainer: Mapping[str, Any]) -> float:
-        """Save ``step`` to the memory tier if it is due there and not saved already (collective:
-        every rank calls it at every step). Waits only for the previous memory save; a failure
-        is logged, not raised. Returns the seconds the caller was blocked."""
+        """Save ``step`` to the memory tier when due there and not saved yet (collective, at every
+        step); a failure is logged. Returns the seconds the caller was blocked."""
         if not self.memory_due(step) or step in (self.last_saved_step, self.last_memory_step):
             return 0.0
         assert self._memory is not None
@@ -216,9 +215,8 @@ class CheckpointManager:
         storage.saving.wait_snapshot()
 
     def prepare(self, trainer: Mapping[str, Any]) -> None:
-        """Get the deferred saves ready (collective): storage's own process group and the host
-        memory of this rank's share of the state as it is now, per tier. :meth:`resume` calls
-        it; without either, the first save does it."""
+        """Get the deferred saves ready (collective): storage's process group and snapshot memory
+        per tier (:meth:`resume` calls it, else the first save does)."""
         if self.defer_copy:
             state = self._state(trainer, self._durable)
             for tier in self._tiers():
@@ -356,9 +354,8 @@ class CheckpointManager:
         self._last_save = time.monotonic()
 
     def close(self) -> None:
-        """Wait for the in-flight saves and raise the durable one's error (idempotent); take
-        the fence off the optimizer; remove retired objects and clear the memory tier
-        (collective). Not called when a job fails, so that its restart finds the memory tier."""
+        """Wait for the in-flight saves, raising the durable one's error; take the fence off and
+        clear the memory tier (collective, idempotent; a failed job skips it, for its restart)."""
         try:
             self.wait()
         finally:

@@ -186,9 +186,10 @@ class RankManager:
                 threads = max(1, count // max(1, info.local_world_size))
             torch.set_num_threads(threads)
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        owns, token = False, ""
+        token = ""
         marks: dict[str, float] = {}
-        if not dist.is_initialized():
+        owns = not dist.is_initialized()
+        if owns:
             timeout = timedelta(seconds=timeout_s)
             if info.master_addr is not None and info.master_port is not None:
                 # a fresh store namespace per incarnation (see _join.py)
@@ -211,7 +212,6 @@ class RankManager:
                 dist.init_process_group(
                     backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
                 )
-            owns = True
         elif dist.get_world_size() != info.world_size or dist.get_rank() != info.rank:
             raise ValueError(
                 f"the process group already initialised has rank {dist.get_rank()} of "

@@ -215,9 +215,8 @@ class Watchdog:
             return [Stall(r, 0, now - start, "heartbeat", self.rank) for r in missing]
 
     def beat_once(self, now: float | None = None) -> list[Stall]:
-        """One interval's work (three store calls): the stalls found or announced by another
-        rank's watchdog, empty while all is well. It only detects; acting is the thread's part.
-        ``now``: the monotonic clock reading to judge staleness by (default: now)."""
+        """One interval's work (three store calls, at monotonic time ``now``): the stalls found or
+        announced by another rank, empty while all is well (acting is the thread's part)."""
         return self._interval(time.monotonic() if now is None else now, publish=True)
 
     def _interval(self, now: float, *, publish: bool) -> list[Stall]:
