@@ -1,16 +1,11 @@
 """The main job: train a model on data with the ftsdp FSDP engine, elastically. By default a
 small GPT on a synthetic language; ``--model hf:DIR`` / ``py:MODULE:FUNCTION`` and
-``--data FILE.bin`` / a text file train yours (docs/training.md).
+``--data FILE.bin`` / a text file train yours (docs/training.md; more
+examples there and in docs/elastic.md).
 
     torchrun --standalone --nproc-per-node=2 -m ftsdp.train [--steps N --global-batch B ...]
-    torchrun --standalone --nproc-per-node=2 -m ftsdp.train --model hf:./my-config \
-        --data train.bin --block-size 256 --config run.toml
-    torchrun --nnodes=1:2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --max-restarts=3 \\
-        -m ftsdp.train --checkpoint-url s3://bucket/run --deterministic
-    python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=3 -- \\
-        --checkpoint-url ./ckpt      # torchrun's agent, workers forked with imports done
-    python -m ftsdp.train            # one process, world size 1
-    ftsdp-train --help               # every flag, generated from TrainConfig
+    python -m ftsdp.launch --standalone --nproc-per-node=2 -- --checkpoint-url ./ckpt
+    python -m ftsdp.train            # one process; ftsdp-train --help lists every flag
 
 parse -> build -> run -> close, in ``ftsdp.trainer``; a user error (``JobError``) is one line on
 stderr and exit status 2, no traceback.

@@ -69,7 +69,9 @@ class PreemptionHandler:
         os.set_blocking(wake_w, False)
         try:
             for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+                # a no-op handler: the watcher records the signal from the wakeup fd (a lock in
+                # a handler could deadlock ``arm``)
+                self._previous[sig] = signal.signal(sig, lambda signum, frame: None)
             self._previous_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         except BaseException:
             self.close()
@@ -77,9 +79,6 @@ class PreemptionHandler:
         self._thread = threading.Thread(target=self._watch, name="ftsdp-preemption", daemon=True)
         self._thread.start()
         return self
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        pass  # the watcher records it from the wakeup fd (a lock here could deadlock ``arm``)
 
     def _record(self, signum: int) -> None:
         with self._lock:
