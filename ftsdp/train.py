@@ -1,7 +1,6 @@
 """The main job: train a model on data with the ftsdp FSDP engine, elastically. By default a
-small GPT on a synthetic language; ``--model hf:DIR`` / ``py:MODULE:FUNCTION`` and
-``--data FILE.bin`` / a text file train yours (docs/training.md; more
-examples there and in docs/elastic.md).
+small GPT on a synthetic language; ``--model`` and ``--data`` train yours (docs/training.md;
+more examples there and in docs/elastic.md).
 
     torchrun --standalone --nproc-per-node=2 -m ftsdp.train [--steps N --global-batch B ...]
     python -m ftsdp.launch --standalone --nproc-per-node=2 -- --checkpoint-url ./ckpt
