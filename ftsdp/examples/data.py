@@ -104,10 +104,8 @@ class MarkovChain:
 
 class MarkovDataset(_Samples):
     """Map-style dataset: item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors with
-    ``target[t] = input[t + 1]`` of one walk of ``seq_len + 1`` tokens, fixed by ``(seed, i)``.
-
-    ``num_samples`` only bounds the index range (items are generated on access, not stored).
-    """
+    ``target[t] = input[t + 1]`` of one walk fixed by ``(seed, i)``, generated on access
+    (``num_samples`` only bounds the index range)."""
 
     def __init__(
         self,

@@ -41,11 +41,8 @@ class GPTConfig:
 
 
 class InitLinear(nn.Linear):
-    """``nn.Linear`` with GPT-2 init: weight ~ normal(0, init_std), bias = 0.
-
-    ``init_std=None`` marks a weight owned by another module (a tied output head): this module
-    leaves it alone, so the owner's init is the only one and consumes the RNG only once.
-    """
+    """``nn.Linear`` with GPT-2 init: weight ~ normal(0, init_std), bias = 0; ``init_std=None``
+    leaves the weight to the module owning it (a tied head: the RNG is consumed once)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float | None):
         self.init_std = init_std  # read by reset_parameters(), which nn.Linear's init calls
