@@ -50,7 +50,7 @@ _FTSDP_IMPORTED = time.time()
 
 def fault_hook() -> HookFactory | None:
     """The fault suite's step hook when ``FTSDP_FAULT`` is set, else None; the one place product
-    code imports ``ftsdp.testing`` (docs/design.md, "Import rules")."""
+    code imports ``ftsdp.testing`` (docs/design.md, "The map")."""
     if not os.environ.get("FTSDP_FAULT"):
         return None
     from ftsdp.testing import fault_hook_from_env
