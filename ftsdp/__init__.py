@@ -1,17 +1,8 @@
 """ftsdp: checkpoint-centric, fault-tolerant fully sharded data parallel training for PyTorch.
 
-The public names below are loaded on first use, so ``import ftsdp.storage`` (checkpoints for
-inference, the CLI) does not load the engine or the trainer. Subpackages: ``ftsdp.fsdp`` (the
-engine), ``ftsdp.elastic`` (the rank manager), ``ftsdp.storage`` (checkpoint format and I/O),
-``ftsdp.checkpoint`` (CheckpointManager), ``ftsdp.trainer`` (the training entry's pieces),
-``ftsdp.examples`` (the example GPT and data), ``ftsdp.tools`` (CLIs and benchmarks). See
-docs/design.md.
-
-``ftsdp.__version__`` is the installed distribution's version. Output goes through
-:mod:`logging` (loggers ``ftsdp`` and its children, one per module), never ``print``: the
-library adds no handler, so a program that configures no logging sees warnings and errors on
-stderr (Python's last-resort handler) and nothing else; ``ftsdp-train`` configures one handler
-(``--log-level``).
+The public names below are loaded on first use, so ``import ftsdp.storage`` does not load the
+engine or the trainer; ``__version__`` is the installed distribution's. The subpackages and
+the logging rules: docs/design.md, "The map" and "Architecture".
 """
 
 from __future__ import annotations
@@ -34,8 +25,7 @@ _EXPORTS = {
     "RankManager": "ftsdp.elastic",
 }
 
-# Names exported here before (CHANGELOG.md): torch FSDP1's configuration classes and the engine's
-# accounting, now only in ``ftsdp.fsdp``. They still resolve, with a DeprecationWarning.
+# Names exported here before (CHANGELOG.md), now only in ftsdp.fsdp: a DeprecationWarning.
 _MOVED = dict.fromkeys(
     [
         "CommStats",

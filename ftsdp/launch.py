@@ -3,11 +3,9 @@
     python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=3 -- \\
         --checkpoint-url ./checkpoints/run1 --checkpoint-every 20
 
-Everything before ``--`` is torchrun's, everything after it ``ftsdp.train``'s. torch's elastic agent
-runs in this process and starts its workers with the ``forkserver`` method and ``--run-path``:
-one server imports :data:`PRELOAD` once and every worker is a fork of it. The server only imports
-(no thread, process group or CUDA), so forking it is safe. Why and what it changes for a job:
-docs/elastic.md, "Recovery time"."""
+torch's elastic agent runs here and forks its workers from one ``forkserver`` that imported
+:data:`PRELOAD` (only imports: no thread, process group or CUDA, so forking it is safe). Why and
+what it changes for a job: docs/elastic.md, "Recovery time"."""
 
 from __future__ import annotations
 
@@ -71,9 +69,8 @@ def start_method(ours: Sequence[str]) -> str | None:
 
 
 class PlainTracebacks(logging.Filter):
-    """A handler filter that renders a record's exception into its message with the standard
-    library's formatter and drops ``exc_info``: torch's formatter would import torch._dynamo to
-    format it (docs/elastic.md, "Recovery time"). The text is the same traceback either way."""
+    """A handler filter rendering a record's exception into its message with the standard
+    formatter (torch's would import torch._dynamo; docs/elastic.md, "Recovery time")."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and not record.exc_text:

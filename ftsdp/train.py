@@ -1,22 +1,13 @@
 """The main job: train a model on data with the ftsdp FSDP engine, elastically. By default a
-small GPT on a synthetic language; ``--model hf:DIR`` / ``py:MODULE:FUNCTION`` and
-``--data FILE.bin`` / a text file train yours (docs/training.md).
+small GPT on a synthetic language; ``--model`` and ``--data`` train yours (docs/training.md;
+more examples there and in docs/elastic.md).
 
     torchrun --standalone --nproc-per-node=2 -m ftsdp.train [--steps N --global-batch B ...]
-    torchrun --standalone --nproc-per-node=2 -m ftsdp.train --model hf:./my-config \
-        --data train.bin --block-size 256 --config run.toml
-    torchrun --nnodes=1:2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --max-restarts=3 \\
-        -m ftsdp.train --checkpoint-url s3://bucket/run --deterministic
-    python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=3 -- \\
-        --checkpoint-url ./ckpt      # torchrun's agent, workers forked with imports done
-    python -m ftsdp.train            # one process, world size 1
-    ftsdp-train --help               # every flag, generated from TrainConfig
+    python -m ftsdp.launch --standalone --nproc-per-node=2 -- --checkpoint-url ./ckpt
+    python -m ftsdp.train            # one process; ftsdp-train --help lists every flag
 
-parse -> build -> run -> close; the logic lives in ``ftsdp.trainer._config`` (flags, validation),
-``ftsdp.trainer._session`` (the worker's runtime), ``ftsdp.trainer._job`` (model, optimizer,
-data, CheckpointManager) and ``ftsdp.trainer._loop`` (the step loop, logs). See docs/elastic.md.
-A user error (:class:`~ftsdp.trainer._errors.JobError`: a missing data file, a model that does not
-fit the data, another run's checkpoint) is one line on stderr and exit status 2, no traceback.
+parse -> build -> run -> close, in ``ftsdp.trainer``; a user error (``JobError``) is one line on
+stderr and exit status 2, no traceback.
 """
 
 from __future__ import annotations
@@ -25,11 +16,8 @@ import contextlib
 import gc
 import time
 
-# A worker's imports (torch, torch._dynamo which torch.optim would import later, ftsdp) are timed
-# here for the phases record, with the garbage collector paused (imports make no cycles). Run as
-# a program, the entry then freezes what they made (``gc.freeze()``), so a worker forked by
-# ``ftsdp.launch`` never walks its parent's pages; imported as a library it freezes nothing.
-# Why and the measurements: docs/elastic.md, "Recovery time".
+# The imports, timed for the phases record with the garbage collector paused; a program (not a
+# library import) then freezes what they made (docs/elastic.md, "Recovery time").
 _ENTRY = time.time()
 _GC_WAS_ENABLED = gc.isenabled()
 gc.disable()
@@ -61,9 +49,8 @@ _FTSDP_IMPORTED = time.time()
 
 
 def fault_hook() -> HookFactory | None:
-    """The fault suite's step hook when ``FTSDP_FAULT`` is set, else None (no hook).
-
-    The one place product code imports ``ftsdp.testing`` (docs/design.md, "Import rules")."""
+    """The fault suite's step hook when ``FTSDP_FAULT`` is set, else None; the one place product
+    code imports ``ftsdp.testing`` (docs/design.md, "The map")."""
     if not os.environ.get("FTSDP_FAULT"):
         return None
     from ftsdp.testing import fault_hook_from_env
@@ -74,16 +61,13 @@ def fault_hook() -> HookFactory | None:
 logger = logging.getLogger("ftsdp.train")
 
 EXIT_USER_ERROR = 2  # as argparse's usage errors
-# How long a rank other than 0 waits before it reports a bad command line itself: every rank
-# meets the same error, rank 0 reports it and exits, and torchrun stops the others meanwhile.
+# A bad command line: rank 0 reports it, the others wait this long first (torchrun stops them).
 REPORT_WAIT_S = 30.0
 
 
 def parse_or_exit(argv: Sequence[str] | None, rank: int) -> TrainConfig:
     """:func:`parse_args`; a bad command line (or config file) exits 2 with one line on stderr,
-    from rank 0 only (another rank says it only if rank 0 has not stopped the job by then).
-    torchrun restarts a failed worker whatever its exit status (docs/training.md, "What a
-    checkpoint records, and resuming another run")."""
+    from rank 0 (another rank only if the job was not stopped by then)."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -1,8 +1,5 @@
-"""Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them.
-
-:func:`engine_for` picks the adapter (kinds ``ftsdp``, ``dtensor``, ``ddp``, ``module``; the
-layout they share and what is refused: docs/elastic.md, "Any engine").
-"""
+"""Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them
+(docs/elastic.md, "Any engine")."""
 
 from __future__ import annotations
 
@@ -30,11 +27,11 @@ class Engine(abc.ABC):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
-        # See [Note: reusing the state dicts between saves]: (key, leaves), (key, groups, leaves)
+        # reused between saves while no tensor was replaced (docs/elastic.md, "Saves that do not
+        # stop training"): (key, leaves), (key, groups, leaves)
         self._model_cache: tuple[Any, dict[str, Any]] | None = None
         self._optim_cache: tuple[Any, list, dict[str, dict[str, Any]]] | None = None
 
-    # -- to be provided by each adapter -----------------------------------------------------------
     @abc.abstractmethod
     def _model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer."""
@@ -53,7 +50,6 @@ class Engine(abc.ABC):
         """Put the loaded ``model_state`` / ``optim_state`` (as filled by ``storage.load``) into
         the live model and optimizer."""
 
-    # -- shared -----------------------------------------------------------------------------------
     def model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` for every parameter and persistent buffer, a dict of its own (the
         leaves reused from the previous call while no tensor was replaced)."""
@@ -68,10 +64,8 @@ class Engine(abc.ABC):
         return dict(self._model_cache[1])
 
     def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``state`` (as :meth:`model_state` gives it) with every leaf that holds one of the
-        model's buffers replaced by a copy taken now (forward may change buffers in place: a
-        deferred save's fence holds back only ``optimizer.step()``); the parameters stay
-        aliased. ``state`` itself when it holds no buffer."""
+        """``state`` with every leaf holding one of the model's buffers replaced by a copy taken
+        now (forward may change buffers in place; the fence holds back only the optimizer)."""
         buffers = {
             getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
             for module in self.model.modules()
@@ -171,9 +165,6 @@ def _not_reshardable(name: str, key: str, value: torch.Tensor, expected: str) ->
     )
 
 
-# -- ftsdp.FSDP ---------------------------------------------------------------------------------
-
-
 class FtsdpEngine(Engine):
     """``ftsdp.FSDP``: every view of the engine's flat shards becomes a ``FlatShard``."""
 
@@ -210,9 +201,6 @@ def _flat(view: Any) -> storage.FlatShard:
     return storage.FlatShard(
         tuple(view.global_shape), view.offset, view.local, getattr(view, "layout", None)
     )
-
-
-# -- torch.distributed.checkpoint.state_dict: FSDP2 / DTensor, DDP, a plain module --------------
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -272,14 +260,6 @@ class TorchEngine(Engine):
         )
 
 
-# [Note: reusing the state dicts between saves]
-# The leaves alias the live tensors, so an adapter reuses its last call's leaves while nothing was
-# replaced: the same objects over the same memory (ids, data pointers, shapes, dtypes of every
-# parameter, buffer and optimizer state tensor) and the same non-tensor optimizer values (by
-# repr). Param groups are read at every call; a model state with extra state is never reused.
-# docs/elastic.md, "Saves that do not stop training".
-
-
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     # per tensor at every save, on the caller's thread: the common types skip the getattr
     local = t if type(t) in _PLAIN else getattr(t, "_local_tensor", t)  # a DTensor's shard
@@ -292,9 +272,8 @@ _OWN_ANSWERS = ("parameters", "named_parameters", "buffers", "named_buffers")
 
 
 def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer of ``model``, one walk over its modules (a tensor shared
-    between modules appears once per module). A model whose class answers ``parameters()`` or
-    ``buffers()`` itself (``ftsdp.FSDP``: the local shards) is asked."""
+    """Every parameter and buffer of ``model`` (once per module holding it); a model whose class
+    answers ``parameters()`` or ``buffers()`` itself (``ftsdp.FSDP``) is asked."""
     cls = type(model)
     if any(getattr(cls, name) is not getattr(nn.Module, name) for name in _OWN_ANSWERS):
         return [*model.parameters(), *model.buffers()]
@@ -334,12 +313,8 @@ def _check_tensor(name: str, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-# -- choosing the adapter -----------------------------------------------------------------------
-
-
 def engine_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Engine:
-    """The adapter for ``model`` (see the module docstring for the kinds); raises for what no
-    adapter handles, naming it."""
+    """The adapter for ``model``; raises for what no adapter handles, naming it."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"CheckpointManager: model must be an nn.Module, got {type(model).__name__}"

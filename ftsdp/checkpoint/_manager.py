@@ -1,10 +1,5 @@
-"""``CheckpointManager``: periodic (async) saves, retention, and resume at any world size.
-
-A step is one ``storage`` state: the engine's ``model.*`` and ``optim.*`` (``_engines.py``),
-``scheduler``, ``rng`` (per rank), ``trainer.*`` and the tier's own values; usage, the state's
-table, resume agreement, fallback and the first save after one: docs/elastic.md,
-"CheckpointManager".
-"""
+"""``CheckpointManager``: periodic (async) saves, retention, and resume at any world size
+(docs/elastic.md, "CheckpointManager": the state's table, resume, fallback)."""
 
 from __future__ import annotations
 
@@ -54,9 +49,8 @@ class _Loaded:
 
 
 class CheckpointManager:
-    """Saves and restores a model, its optimizer, an optional LR scheduler, the RNG states and
-    the caller's trainer values under ``url`` (any fsspec URL), and resumes them at any world
-    size.
+    """Saves a model, its optimizer, an optional LR scheduler, the RNG states and the caller's
+    trainer values under ``url`` (any fsspec URL), and resumes them at any world size.
 
     Args:
         model: an ``ftsdp.FSDP``, torch FSDP2 or other DTensor model, ``DistributedDataParallel``
@@ -70,9 +64,8 @@ class CheckpointManager:
         defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied (the
             buffers are, at once); ``optimizer.step()`` waits for the copy. Change saved tensors
             in place elsewhere only after :meth:`wait_snapshot`.
-        memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md):
-            :meth:`save_to_memory` saves every ``memory_every`` steps under
-            ``memory_url`` (e.g. ``/dev/shm/...``), keeping ``memory_keep`` steps.
+        memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md): saves every
+            ``memory_every`` steps under ``memory_url`` (``/dev/shm/...``), keeping the newest.
         save_options: how saves are laid out and written (its retention and ``discard_newer``
             are the manager's own, set per save).
         seed: reseeds the RNGs per rank when the world size changed since the save.
@@ -151,8 +144,8 @@ class CheckpointManager:
         return [self._durable, *memory]
 
     def _state(self, trainer: Mapping[str, Any], tier: Tier, *, target: bool = False) -> dict:
-        """The state to save to ``tier``, or with ``target`` the one to load into (aliasing
-        the live tensors; the buffers of a deferred save copied: forward may change them)."""
+        """The state to save to ``tier``, or with ``target`` the one to load into (aliasing the
+        live tensors; a deferred save's buffers copied: forward may change them)."""
         model: Mapping[str, Any] = self.engine.model_state()
         if self.defer_copy and not target:
             model = self.engine.copy_buffers(model)
@@ -167,7 +160,6 @@ class CheckpointManager:
             state["scheduler"] = json.dumps(self.lr_scheduler.state_dict(), sort_keys=True)
         return state
 
-    # -- saving ---------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         """Whether a periodic save is due at ``step`` on this rank (time-based decisions differ
         between ranks: agree on the answer, e.g. ``RankManager.agree_any``)."""
@@ -203,9 +195,8 @@ class CheckpointManager:
         return on and self.memory_every is not None and step % self.memory_every == 0
 
     def save_to_memory(self, step: int, trainer: Mapping[str, Any]) -> float:
-        """Save ``step`` to the memory tier if it is due there and not saved already (collective:
-        every rank calls it at every step). Waits only for the previous memory save; a failure
-        is logged, not raised. Returns the seconds the caller was blocked."""
+        """Save ``step`` to the memory tier when due there and not saved yet (collective, at every
+        step); a failure is logged. Returns the seconds the caller was blocked."""
         if not self.memory_due(step) or step in (self.last_saved_step, self.last_memory_step):
             return 0.0
         assert self._memory is not None
@@ -224,9 +215,8 @@ class CheckpointManager:
         storage.saving.wait_snapshot()
 
     def prepare(self, trainer: Mapping[str, Any]) -> None:
-        """Get the deferred saves ready (collective): storage's own process group and the host
-        memory of this rank's share of the state as it is now, per tier. :meth:`resume` calls
-        it; without either, the first save does it."""
+        """Get the deferred saves ready (collective): storage's process group and snapshot memory
+        per tier (:meth:`resume` calls it, else the first save does)."""
         if self.defer_copy:
             state = self._state(trainer, self._durable)
             for tier in self._tiers():
@@ -244,7 +234,6 @@ class CheckpointManager:
         for tier in reversed(self._tiers()):
             tier.wait()
 
-    # -- resuming -------------------------------------------------------------------------------
     def resume(self, trainer: dict[str, Any]) -> ResumeInfo | None:
         """Load the newest usable committed step of any tier into the model, optimizer,
         scheduler and RNGs, resharded to the current world size; fill ``trainer`` (a template
@@ -275,16 +264,14 @@ class CheckpointManager:
         )
 
     def _candidates(self) -> list[tuple[int, Tier]]:
-        """Every tier's committed steps, newest first, memory first at equal steps (faster to
-        read); the same on every rank (collective)."""
+        """Every tier's committed steps, newest first, memory first at equal steps (collective)."""
         found = [(step, tier) for tier in self._tiers() for step in tier.steps()]
         return sorted(found, key=lambda c: (c[0], c[1].cache), reverse=True)
 
     def _load_newest(
         self, candidates: list[tuple[int, Tier]], trainer: dict[str, Any]
     ) -> _Loaded | None:
-        """Load the first usable candidate (docs/elastic.md, "Resume"); None when only memory
-        steps were there and none was usable (a fresh start)."""
+        """Load the first usable candidate; None when only unusable memory steps were there."""
         rank = self._group.rank_world()[0]
         durable = [s for s, tier in candidates if tier is self._durable]
         skipped: list[tuple[int, str]] = []
@@ -326,9 +313,8 @@ class CheckpointManager:
         return None
 
     def _agree(self, error: BaseException | None, step: int, tier: Tier) -> int:
-        """The outcome of one load on every rank: ``_OK``, ``_FALLBACK`` (unusable: try an
-        older step) or ``_FATAL`` (raised here: a mismatch, which an older step would not
-        fix). A cache's steps are never fatal (another run's, an older format)."""
+        """One load's outcome agreed by every rank: ``_OK``, ``_FALLBACK`` (try an older step) or
+        ``_FATAL`` (a mismatch: raised here; never for a cache's steps)."""
         unusable = isinstance(error, storage.CheckpointError | OSError) and not isinstance(
             error, storage.StateMismatchError | storage.NewerFormatError
         )
@@ -343,8 +329,7 @@ class CheckpointManager:
         return agreed
 
     def _restore(self, loaded: _Loaded, trainer: dict[str, Any]) -> bool:
-        """Put a loaded step into the trainer values, model, optimizer, scheduler and RNGs;
-        whether the RNG states were restored (else reseeded: another world size)."""
+        """Put a loaded step into place; whether the RNGs were restored (else reseeded)."""
         target = loaded.target
         trainer.update(target["trainer"])
         self.engine.load(target["model"], target["optim"])
@@ -366,8 +351,7 @@ class CheckpointManager:
         return False
 
     def _continue_from(self, loaded: _Loaded, candidates: list[tuple[int, Tier]]) -> None:
-        """Saves go on from the loaded step: the newest durable step at or before it is the
-        last saved, and after a fallback the first save discards the newer steps."""
+        """Saves go on from the loaded step (after a fallback, discarding the newer steps)."""
         durable = [s for s, tier in candidates if tier is self._durable and s <= loaded.step]
         self.last_saved_step = max(durable, default=None)
         self._durable.newest = self.last_saved_step
@@ -376,9 +360,8 @@ class CheckpointManager:
         self._last_save = time.monotonic()
 
     def close(self) -> None:
-        """Wait for the in-flight saves and raise the durable one's error (idempotent); take
-        the fence off the optimizer; remove retired objects and clear the memory tier
-        (collective). Not called when a job fails, so that its restart finds the memory tier."""
+        """Wait for the in-flight saves, raising the durable one's error; take the fence off and
+        clear the memory tier (collective, idempotent; a failed job skips it, for its restart)."""
         try:
             self.wait()
         finally:
@@ -396,10 +379,9 @@ class CheckpointManager:
 
 
 def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | None) -> list[str]:
-    """Remove from ``state`` (``{param: {key: leaf}}``) the parameters without optimizer state
-    among ``saved`` (the ``optim.state.*`` names; None: keep all); returns their names. One with
-    some keys saved stays (a missing key is a mismatch). No parameter's name is another's plus a
-    dot (that attribute would have to be a module)."""
+    """Remove from ``state`` (``{param: {key: leaf}}``) the parameters with no ``optim.state.*``
+    name in ``saved`` (None: keep all) and return their names; one with some keys stays (a
+    missing key is a mismatch). No parameter's name is another's plus a dot."""
     if saved is None:
         return []
     heads: set[str] = set()  # every dotted prefix of every saved name, after "optim.state."

@@ -1,10 +1,5 @@
-"""The memory tier: a node-local cache of the newest steps in host shared memory.
-
-A cache (errors logged, its steps never fatal) in a storage lane of its own; on several machines
-each keeps its own root through ``storage.saving.save_on_nodes``; a memory step that followed a
-durable step the root no longer holds is another run's. See docs/elastic.md, "A memory tier"
-and "The memory tier on several machines".
-"""
+"""The memory tier: a node-local cache of the newest steps in host shared memory
+(docs/elastic.md, "A memory tier" and "The memory tier on several machines")."""
 
 from __future__ import annotations
 
@@ -71,8 +66,7 @@ class MemoryTier(Tier):
         super().save(state, step, node=self.node, async_save=True, **kw)
 
     def foreign(self, step: int, values: dict[str, Any], durable: list[int]) -> str | None:
-        """Another run's when it followed a durable step later than every step under the root
-        (a re-created root)."""
+        """Another run's when it followed a durable step newer than any under the root."""
         base = values.get("memory_tier.durable_step")
         if not isinstance(base, int) or base < 0:
             return None  # saved before any durable commit (or by an older version)
@@ -86,8 +80,8 @@ class MemoryTier(Tier):
         )
 
     def steps(self) -> list[int]:
-        """Decides how the tier is shared (collective); then the committed steps, or on several
-        machines the one step made whole on every machine."""
+        """Decide how the tier is shared (collective), then its committed steps (on several
+        machines, the one step made whole on every machine)."""
         if not self.on or not self._shared():
             return []
         if self.node is None:
@@ -98,8 +92,7 @@ class MemoryTier(Tier):
         return [] if restored is None else [restored]
 
     def _shared(self) -> bool:
-        """Whether every rank sees rank 0's tier (``node`` None) or each machine its own
-        (``node`` set); off (False) over a subgroup of a job on several machines."""
+        """Whether the tier is on: one root (``node`` None) or one per machine (``node`` set)."""
         here = _machine()
         same = self.group.from_rank0(lambda: here) == here
         self.node = None

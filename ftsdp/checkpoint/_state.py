@@ -1,8 +1,5 @@
-"""What a checkpoint holds besides the engine's tensors: optimizer set-up, param groups, RNG.
-
-Every non-tensor entry is one JSON string, so a checkpoint's key set does not change when torch
-adds a field to a scheduler's state dict.
-"""
+"""What a checkpoint holds besides the engine's tensors: optimizer set-up, param groups, RNG
+(each one JSON string: the key set does not change when torch adds a field)."""
 
 from __future__ import annotations
 
@@ -83,9 +80,6 @@ def _first_difference(saved: list[list[str]], mine: list[list[str]]) -> str:
                 f"{only_mine}"
             )
     return ""
-
-
-# -- RNG states ---------------------------------------------------------------------------------
 
 
 def rng_state() -> str:

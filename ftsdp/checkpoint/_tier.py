@@ -1,7 +1,5 @@
-"""A tier: one storage root that ``CheckpointManager`` saves to and resumes from. A plain
-``Tier`` is the durable one (the checkpoint root, its errors raised); a ``cache`` tier (the
-memory tier, ``_memory.py``) never fails a run: its errors are logged and its steps passed over.
-"""
+"""A tier: one storage root ``CheckpointManager`` saves to and resumes from (docs/elastic.md,
+"Tiers"); a ``cache`` tier's errors are logged and its steps passed over, never fatal."""
 
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ from ftsdp.storage.io import all_reduce_max, broadcast_json, rank_world, resolve
 
 
 class Group:
-    """The manager's process group (None: the default one, or a single process), with the two
-    agreements it needs, on storage's JSON collectives (nothing pickled)."""
+    """The manager's process group (None: the default one) and its agreements, on storage's
+    JSON collectives (nothing pickled)."""
 
     def __init__(self, process_group: Any) -> None:
         self.pg = process_group
@@ -26,8 +24,7 @@ class Group:
         return rank_world(resolve_group(self.pg))
 
     def from_rank0(self, compute: Callable[[], Any]) -> Any:
-        """``compute()`` (JSON-able) on rank 0, its result on every rank (rank 0 must not
-        raise)."""
+        """``compute()`` (JSON-able, must not raise) on rank 0, its result on every rank."""
         group = resolve_group(self.pg)
         return broadcast_json(compute() if self.rank_world()[0] == 0 else None, group)
 
@@ -70,9 +67,8 @@ class Tier:
         return None
 
     def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:
-        """Start saving ``state`` as ``step`` (collective); ``kw`` goes to ``storage.save``
-        (``node``: to this machine's node-local root, ``storage.saving.save_on_nodes``).
-        Surfaces the previous save's error (a cache logs it)."""
+        """Start saving ``state`` as ``step`` (collective; ``kw`` to ``storage.save``, ``node``:
+        ``storage.saving.save_on_nodes``), first surfacing the previous save's error."""
         self.wait()
         options = replace(
             self.options or storage.SaveOptions(),
@@ -80,10 +76,9 @@ class Tier:
             keep_every=self.keep_every,
             discard_newer=self.discard_newer,
         )
-        where = dict(process_group=self.group.pg, storage_options=self.storage_options)
         save = storage.save if node is None else partial(storage.saving.save_on_nodes, node=node)
         try:
-            self.pending = save(state, self.url, step, options=options, **where, **kw)
+            self.pending = save(state, self.url, step, options=options, **self._where(), **kw)
         except storage.CheckpointError as e:
             self._failed(e)
         self.discard_newer = False  # once: after this save the newer steps are gone
@@ -100,6 +95,10 @@ class Tier:
         else:
             self.newest = pending.step
 
+    def _where(self) -> dict[str, Any]:
+        """The process group and storage options of every storage call on this tier."""
+        return {"process_group": self.group.pg, "storage_options": self.storage_options}
+
     def _failed(self, error: Exception) -> None:
         """A save's error: raised, or logged by a cache."""
         if not self.cache:
@@ -107,8 +106,7 @@ class Tier:
         self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
 
     def newest_committed(self) -> int | None:
-        """The newest step known to be committed by now, without waiting (a failed save's
-        error is left for :meth:`wait`)."""
+        """The newest step known to be committed, without waiting (errors left to :meth:`wait`)."""
         pending = self.pending
         if pending is not None and pending.done():
             try:
@@ -124,13 +122,7 @@ class Tier:
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Storage's group and staging memory for deferred saves of ``state`` (collective)."""
-        storage.saving.prepare_save(
-            state,
-            self.url,
-            process_group=self.group.pg,
-            storage_options=self.storage_options,
-            options=self.options,
-        )
+        storage.saving.prepare_save(state, self.url, options=self.options, **self._where())
 
     def steps(self) -> list[int]:
         """The committed steps, as rank 0 lists them (collective)."""
@@ -154,8 +146,8 @@ class Tier:
         )
 
     def peek(self, step: int, durable: list[int]) -> tuple[set[str] | None, str | None]:
-        """Read by rank 0 from ``step``'s manifest: the names of its optimizer state (None when
-        it cannot be read: the load reports why) and :meth:`foreign`'s answer (collective)."""
+        """From ``step``'s manifest, read by rank 0 (collective): its ``optim.state.*`` names
+        (None: unreadable, the load says why) and :meth:`foreign`'s answer."""
 
         def peek() -> tuple[list[str] | None, str | None]:
             try:
@@ -173,14 +165,7 @@ class Tier:
 
     def load(self, target: dict[str, Any], step: int, options: Any) -> storage.LoadResult:
         """``storage.load`` of ``step`` into ``target`` (collective, all-or-nothing)."""
-        return storage.load(
-            target,
-            self.url,
-            step,
-            process_group=self.group.pg,
-            storage_options=self.storage_options,
-            options=options,
-        )
+        return storage.load(target, self.url, step, options=options, **self._where())
 
     def close(self) -> None:
         """The end of a run, once every save has committed."""

@@ -1,7 +1,5 @@
 """ftsdp.elastic: the rank manager that lets a torchrun job survive node loss, preemption and
-hangs, and continue on another world size (docs/elastic.md).
-
-The engine never imports this package and this package never imports the engine."""
+hangs, and continue on another world size (docs/elastic.md); it never imports the engine."""
 
 from ftsdp.elastic._geometry import BatchGeometry
 from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device

@@ -1,10 +1,5 @@
-"""Batch geometry: a constant global batch split over however many ranks the job has now.
-
-The micro-batch size and a step's micro-batches never depend on the world size, only their
-assignment to ranks does: rank r runs the r-th contiguous block of the step's ``G``
-micro-batches, the blocks' sizes differing by at most one (the first ``G mod W`` ranks take one
-more). Every rank runs ``ceil(G / W)`` passes, the shorter ones padding (docs/elastic.md,
-"Batch geometry")."""
+"""Batch geometry: a constant global batch split over however many ranks the job has now; rank
+r runs the r-th contiguous block of a step's micro-batches (docs/elastic.md, "Batch geometry")."""
 
 from __future__ import annotations
 
@@ -13,11 +8,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class BatchGeometry:
-    """How one optimizer step of ``global_batch`` samples runs on ``world_size`` ranks.
-
-    Any world size works; ``global_batch`` must be a multiple of ``micro_batch`` (else
-    ``ValueError``).
-    """
+    """How one optimizer step of ``global_batch`` samples runs on ``world_size`` ranks (any);
+    ``global_batch`` must be a multiple of ``micro_batch`` (else ``ValueError``)."""
 
     global_batch: int
     micro_batch: int
@@ -47,7 +39,8 @@ class BatchGeometry:
 
     def share(self, rank: int) -> int:
         """How many of the step's micro-batches rank ``rank`` runs (0 when ``W > G``)."""
-        self._check_rank(rank)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={self.world_size})")
         base, extra = divmod(self.micro_batches, self.world_size)
         return base + (rank < extra)
 
@@ -64,7 +57,3 @@ class BatchGeometry:
         """Positions of that micro-batch's samples inside the step's ``global_batch``."""
         start = self.global_micro_index(rank, micro) * self.micro_batch
         return range(start, start + self.micro_batch)
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} must be in [0, world_size={self.world_size})")

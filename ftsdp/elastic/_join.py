@@ -1,10 +1,9 @@
-"""Join a fresh namespace of the c10d store for every incarnation of the worker group.
-
-The handshake and why torchrun's store needs it: docs/elastic.md, "Joining a fresh store
-namespace". Every rank ends with rank 0's fresh token; stale keys never match a nonce."""
+"""Join a fresh namespace of the c10d store for every incarnation of the worker group: every rank
+ends with rank 0's fresh token (docs/elastic.md, "Joining a fresh store namespace")."""
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from datetime import timedelta
@@ -18,8 +17,6 @@ _POLL_S = 0.01
 def client_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
     """The job's TCPStore as torch's env:// rendezvous would open it: a client of torchrun's
     agent store (``TORCHELASTIC_USE_AGENT_STORE=True``), else hosted by rank 0."""
-    import os
-
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     return dist.TCPStore(
         addr,

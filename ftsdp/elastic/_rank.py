@@ -1,8 +1,5 @@
-"""The rank manager: where this process sits in the (elastic) job, and its process group.
-
-:func:`read_env` parses torchrun's variables (a plain process is a world of one);
-:meth:`RankManager.init` joins the process group and agrees on ``generation`` and
-``incarnation`` (docs/elastic.md, "The rank manager")."""
+"""The rank manager: this process's place in the (elastic) job, and its process group
+(docs/elastic.md, "The rank manager")."""
 
 from __future__ import annotations
 
@@ -33,7 +30,7 @@ _LEAVING = threading.Lock()  # one line, even when two threads find the agent go
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
     value = env.get(name)
-    if value is None or value == "":
+    if not value:
         return default
     try:
         return int(value)
@@ -110,13 +107,8 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
 
 
 class Agent:
-    """The torchrun agent that started this worker, and whether it has exited.
-
-    The agent is the process that created this one: ``multiprocessing.parent_process()`` when
-    it used a start method (fork, spawn, or ``ftsdp.launch``'s forkserver, whose server is the
-    parent), else the parent (torchrun's ``Popen``). A pidfd, held for the life of the process,
-    tells when it exits, reaped or not; without pidfds (not Linux >= 5.3) the parent is
-    watched: an orphan is reparented."""
+    """The torchrun agent that started this worker, and whether it has exited (docs/elastic.md,
+    "A worker without its agent")."""
 
     def __init__(self) -> None:
         parent = multiprocessing.parent_process()
@@ -153,9 +145,8 @@ class RankManager:
     """This process's rank, world size, device and process group, and the job's generation.
 
     Build it with :meth:`init`, leave with :meth:`close`. ``marks``: wall times of ``init``'s
-    ``store_connected``, ``joined`` (both only under torchrun) and ``process_group``, for the
-    phases record (docs/elastic.md, "Recovery time"). ``agent``: under torchrun, the elastic
-    agent that started this worker (:meth:`exit_if_orphaned`); None otherwise.
+    phases (docs/elastic.md, "Recovery time"). ``agent``: under torchrun, the agent that started
+    this worker (:meth:`exit_if_orphaned`); None otherwise.
     """
 
     info: RankInfo
@@ -169,7 +160,6 @@ class RankManager:
     _owns_group: bool = False
     _store: Any = None
 
-    # -- construction ---------------------------------------------------------------------------
     @classmethod
     def init(
         cls,
@@ -179,12 +169,9 @@ class RankManager:
         threads: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> RankManager:
-        """Join the process group torchrun describes, or form a world of one.
-
-        ``timeout_s`` bounds every collective (a dead peer's collective fails after it).
-        ``threads``: torch CPU threads for this rank (default: the host's cores divided among
-        the local ranks).
-        """
+        """Join the process group torchrun describes, or form a world of one. ``timeout_s``
+        bounds every collective; ``threads``: torch CPU threads (default: the host's cores
+        divided among the local ranks)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         info = read_env(env)
@@ -193,24 +180,19 @@ class RankManager:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         else:
-            if threads is None:
-                # Ranks on one host share its cores: oversubscribing them slows every rank.
-                cores = (
-                    len(os.sched_getaffinity(0))
-                    if hasattr(os, "sched_getaffinity")
-                    else os.cpu_count()
-                )
-                threads = max(1, (cores or 1) // max(1, info.local_world_size))
+            if threads is None:  # ranks on one host share its cores
+                cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+                count = len(cores) if cores is not None else os.cpu_count() or 1
+                threads = max(1, count // max(1, info.local_world_size))
             torch.set_num_threads(threads)
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        owns = False
         token = ""
         marks: dict[str, float] = {}
-        if not dist.is_initialized():
+        owns = not dist.is_initialized()
+        if owns:
             timeout = timedelta(seconds=timeout_s)
             if info.master_addr is not None and info.master_port is not None:
-                # A fresh store namespace per incarnation (docs/elastic.md, "Joining a fresh
-                # store namespace").
+                # a fresh store namespace per incarnation (see _join.py)
                 base = client_store(
                     info.master_addr, info.master_port, info.rank, info.world_size, timeout_s
                 )
@@ -226,25 +208,17 @@ class RankManager:
                     timeout=timeout,
                 )
             else:
-                # A plain `python -m ...`: an in-memory store is enough for one rank, so the
-                # engine and the loop run the same code path as under torchrun.
+                # one plain process: an in-memory store, and the same code path as under torchrun
                 dist.init_process_group(
                     backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
                 )
-            owns = True
         elif dist.get_world_size() != info.world_size or dist.get_rank() != info.rank:
             raise ValueError(
                 f"the process group already initialised has rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, the environment says {info.rank} of {info.world_size}"
             )
-        manager = cls(
-            info=info,
-            device=dev,
-            timeout_s=timeout_s,
-            marks=marks,
-            agent=agent,
-            _owns_group=owns,
-        )
+        manager = cls(info=info, device=dev, timeout_s=timeout_s, marks=marks, agent=agent)
+        manager._owns_group = owns
         try:
             manager._agree_on_incarnation(token)
         except BaseException:
@@ -268,7 +242,6 @@ class RankManager:
         self.incarnation = gathered[0][1]
         self.generation = max(p.restart_count for p in self.peers)
 
-    # -- the usual accessors ----------------------------------------------------------------------
     @property
     def rank(self) -> int:
         return self.info.rank
@@ -278,10 +251,8 @@ class RankManager:
         return self.info.world_size
 
     def exit_if_orphaned(self) -> None:
-        """End this process with ``EXIT_STALL`` and one log line if its agent is gone; else
-        return at once. The watchdog calls it every interval, and the trainer first in every
-        commit (``storage.saving.guard_commits``), so that an orphan commits nothing
-        (docs/elastic.md, "A worker without its agent")."""
+        """End this process with ``EXIT_STALL`` and one log line if its agent is gone, else
+        return at once (docs/elastic.md, "A worker without its agent")."""
         agent = self.agent
         if agent is None or not agent.gone():
             return
@@ -295,11 +266,9 @@ class RankManager:
             )
             os._exit(EXIT_STALL)
 
-    # -- agreement ------------------------------------------------------------------------------
     def agree_any(self, *flags: bool) -> tuple[bool, ...]:
-        """For each flag: True on every rank if it is True on any rank (one all_reduce(MAX)).
-
-        Every rank must call it at the same point (a step boundary)."""
+        """For each flag: True on every rank if it is True on any rank (one all_reduce(MAX));
+        every rank calls it at the same point (a step boundary)."""
         if self.world_size == 1:
             return tuple(bool(f) for f in flags)
         t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=self.device)
@@ -307,11 +276,9 @@ class RankManager:
         return tuple(bool(v) for v in t.tolist())
 
     def store(self, prefix: str = "", timeout_s: float | None = None) -> Any:
-        """A client of the job's c10d store (torchrun's), keys under this incarnation + prefix.
-
-        A separate TCP connection, so a background thread (the watchdog) never shares a socket
-        with the process group. None for a world of one without a master address.
-        """
+        """A client of the job's c10d store, keys under this incarnation + ``prefix``, on a
+        connection of its own (the watchdog's thread shares no socket with the process group);
+        None for a world of one without a master address."""
         if self.info.master_addr is None or self.info.master_port is None:
             return None
         if self._store is None:
@@ -327,13 +294,10 @@ class RankManager:
         )
 
     def close(self, *, barrier: bool | None = None, barrier_timeout_s: float = 60.0) -> CloseReport:
-        """Leave the job: destroy the process groups if :meth:`init` created them (idempotent).
-
-        Every rank calls it at the same point. A barrier bounded by ``barrier_timeout_s`` (a
-        peer gone or late is logged), then every group destroyed, subgroups first, and no gloo
-        worker left able to touch Python at exit (docs/elastic.md, "Teardown"). ``barrier``:
-        None (the default) skips the barrier while an exception propagates; True or False
-        decides explicitly. Returns a :class:`CloseReport`."""
+        """Leave the job, every rank at the same point: destroy the process groups if
+        :meth:`init` created them (idempotent; docs/elastic.md, "Teardown"). ``barrier``: None
+        skips it while an exception propagates; its wait is bounded by ``barrier_timeout_s``.
+        Returns a :class:`CloseReport`."""
         if barrier is None:
             barrier = sys.exc_info()[1] is None
         self._store = None  # our client of the job's store; the groups hold their own

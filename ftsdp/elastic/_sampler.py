@@ -1,11 +1,9 @@
-"""A global, world-size-independent sample order over a map-style dataset.
-
-Position ``p`` of one infinite stream is index ``perm_e(p mod N)`` of epoch ``e = p // N``;
-``perm_e`` is a keyed Feistel network on ``2**b >= N`` with cycle walking into ``[0, N)`` (a
-bijection: nothing repeats or is skipped within an epoch). See docs/elastic.md, "Sample order"."""
+"""A global, world-size-independent sample order: position ``p`` is index ``perm_e(p mod N)`` of
+epoch ``p // N``, ``perm_e`` a keyed Feistel bijection (docs/elastic.md, "Sample order")."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 from torch.utils.data import Sampler
@@ -25,7 +23,7 @@ def _mix64(x: int) -> int:
 
 
 class _Permutation:
-    """A bijection of ``range(n)`` keyed by ``key`` (see the module docstring)."""
+    """A bijection of ``range(n)`` keyed by ``key``: a Feistel network, cycle walking into it."""
 
     def __init__(self, n: int, key: int) -> None:
         self.n = n
@@ -48,11 +46,8 @@ class _Permutation:
 
 
 class GlobalSampler:
-    """Position in the global sample stream -> dataset index (see the module docstring).
-
-    ``num_samples``: the dataset's length ``N``. ``shuffle=False`` keeps each epoch in index
-    order. Instances with the same arguments agree in every process.
-    """
+    """Position in the global sample stream -> index of a dataset of ``num_samples``, the same
+    in every process; ``shuffle=False`` keeps each epoch in index order."""
 
     def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -62,17 +57,11 @@ class GlobalSampler:
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
-        self._perms: dict[int, _Permutation] = {}
+        # epoch -> its permutation; only the current epoch (and a neighbour) is ever hot
+        self._perm = functools.lru_cache(maxsize=4)(self._new_perm)
 
-    def _perm(self, epoch: int) -> _Permutation:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            if len(self._perms) > 4:  # only the current epoch (and a neighbour) is ever hot
-                self._perms.clear()
-            perm = self._perms[epoch] = _Permutation(
-                self.num_samples, _mix64(self.seed) ^ _mix64(epoch + 1)
-            )
-        return perm
+    def _new_perm(self, epoch: int) -> _Permutation:
+        return _Permutation(self.num_samples, _mix64(self.seed) ^ _mix64(epoch + 1))
 
     def index(self, position: int) -> int:
         """The dataset index at ``position`` (>= 0) of the global stream."""
@@ -96,14 +85,9 @@ class GlobalSampler:
 
 
 class RankBatchSampler(Sampler[list[int]]):
-    """A ``DataLoader`` batch sampler over a :class:`GlobalSampler`: rank ``rank``'s micro-batches
-    (its :meth:`~BatchGeometry.share` per step), step after step, starting at sample ``cursor``;
-    ``steps`` bounds the number of steps. Where shares differ, a distributed loop still runs
-    ``accum_steps`` passes per step on every rank (``FSDP.padding()`` for the missing ones).
-
-    With a prefetching ``DataLoader`` the batches yielded run ahead of the ones trained on, so
-    checkpoint the loop's own cursor (``cursor + steps_done * global_batch``), not this object.
-    """
+    """A ``DataLoader`` batch sampler: rank ``rank``'s micro-batches of a :class:`GlobalSampler`,
+    step after step from sample ``cursor``, for ``steps`` steps (None: forever). A prefetching
+    loader runs ahead: checkpoint the loop's own cursor, not this object."""
 
     def __init__(
         self,

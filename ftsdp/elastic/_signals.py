@@ -1,8 +1,6 @@
-"""Preemption: SIGTERM / SIGUSR1 set a flag the ranks agree on at the next step boundary.
-
-A daemon thread reads the signal from a ``set_wakeup_fd`` pipe, so the grace deadline holds while
-the main thread is blocked inside a collective; the Python handlers only keep the default action
-(termination) from happening (docs/elastic.md, "Preemption")."""
+"""Preemption: SIGTERM / SIGUSR1 set a flag the ranks agree on at the next step boundary; a
+thread reads the signals from a wakeup fd, so the grace deadline holds while the main thread is
+blocked in a collective (docs/elastic.md, "Preemption")."""
 
 from __future__ import annotations
 
@@ -22,13 +20,12 @@ logger = logging.getLogger(__name__)
 
 
 class PreemptionHandler:
-    """Owns the handlers of ``signals`` in this process from :meth:`install` until :meth:`close`.
+    """Owns the handlers of ``signals`` from :meth:`install` until :meth:`close`.
 
-    ``requested`` turns True when a signal arrives; the training loop agrees on it across ranks
-    at its next step boundary (``RankManager.agree_any``), saves and exits. ``grace_s`` after the
-    signal (or after :meth:`arm`), the process exits with ``EXIT_GRACE_EXCEEDED`` no matter what
-    (``on_expired`` replaces that, for tests). ``log``: one-line messages (default: the
-    ``ftsdp.elastic._signals`` logger, at WARNING).
+    ``requested`` turns True when a signal arrives (the loop agrees on it at its next step
+    boundary, saves and exits). ``grace_s`` after the signal (or :meth:`arm`) the process exits
+    with ``EXIT_GRACE_EXCEEDED`` (``on_expired`` replaces that); ``log`` defaults to this
+    module's logger at WARNING.
     """
 
     def __init__(
@@ -73,7 +70,9 @@ class PreemptionHandler:
         os.set_blocking(wake_w, False)
         try:
             for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+                # a no-op handler: the watcher records the signal from the wakeup fd (a lock in
+                # a handler could deadlock ``arm``)
+                self._previous[sig] = signal.signal(sig, lambda signum, frame: None)
             self._previous_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         except BaseException:
             self.close()
@@ -81,11 +80,6 @@ class PreemptionHandler:
         self._thread = threading.Thread(target=self._watch, name="ftsdp-preemption", daemon=True)
         self._thread.start()
         return self
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        # Nothing to do here: the watcher thread records the signal from the wakeup fd. Taking
-        # the lock in a handler could deadlock the main thread if it holds it (in ``arm``).
-        pass
 
     def _record(self, signum: int) -> None:
         with self._lock:

@@ -1,8 +1,5 @@
-"""Leaving the process group at the end of a job without aborting the process at exit.
-
-Why a finished job could die with SIGABRT at exit, and the four steps of
-:func:`close_process_groups` (barrier, destroy, collect, wait for idle gloo workers; after an
-error only destroy and wait): docs/elastic.md, "Teardown"."""
+"""Leaving the process groups at the end of a job without aborting the process at exit
+(docs/elastic.md, "Teardown")."""
 
 from __future__ import annotations
 
@@ -48,9 +45,8 @@ def _registered_groups() -> list[Any]:
 
 
 def _leave_together(device: torch.device, timeout_s: float) -> None:
-    """One barrier per process group this rank is in, in creation order (the same on every
-    rank, so members of several groups cannot wait on each other in a cycle), all within one
-    deadline. On gloo a barrier also waits for the collectives issued on its group before it."""
+    """One barrier per process group this rank is in, within one deadline, in creation order
+    (the same on every rank: no cycle of groups waiting on each other)."""
     deadline = time.monotonic() + timeout_s
     cuda = device.type == "cuda"
     if cuda:
@@ -91,11 +87,9 @@ def _thread_states(names: tuple[str, ...]) -> dict[str, str] | None:
 def wait_for_idle_workers(
     timeout_s: float = 5.0, names: tuple[str, ...] = WORKER_THREAD_NAMES
 ) -> tuple[bool, float, list[str]]:
-    """Sleep (without the GIL) until every thread named in ``names`` has been blocked (state
-    ``S``) for ``_QUIET_S`` in a row (docs/elastic.md, "Teardown").
-
-    Returns ``(idle, seconds waited, busy threads at the deadline)``; at once without such a
-    thread. Without ``/proc`` it sleeps ``_QUIET_S`` once and returns True."""
+    """Sleep until every thread named in ``names`` has been blocked (state ``S``) for
+    ``_QUIET_S`` in a row; without ``/proc``, sleep ``_QUIET_S`` once. Returns ``(idle,
+    seconds waited, busy threads at the deadline)``."""
     start = time.monotonic()
     deadline = start + timeout_s
     quiet_since: float | None = None
@@ -120,10 +114,8 @@ def wait_for_idle_workers(
 
 
 def _destroy_all() -> list[weakref.ref]:
-    """Destroy the subgroups (newest first), then the world group; weak references to them.
-
-    A function of its own, so that no reference of ours outlives it: a group nothing else
-    holds is destroyed (its worker threads joined) here."""
+    """Destroy the subgroups (newest first), then the world; weak references to them (a
+    function of its own, so that no strong reference of ours outlives it)."""
     groups = _registered_groups()
     refs = [weakref.ref(pg) for pg in groups]
     for subgroup in reversed(groups[1:]):
@@ -139,12 +131,9 @@ def close_process_groups(
     barrier_timeout_s: float = 60.0,
     idle_timeout_s: float = 5.0,
 ) -> CloseReport:
-    """Leave together, destroy every process group, and make sure no worker thread of a group
-    that is still referenced holds a work when the interpreter exits (docs/elastic.md, "Teardown").
-
-    Every rank must call it at the same point when ``barrier`` is True. ``barrier=False``
-    after an error: no barrier and no garbage collection.
-    """
+    """Leave together (every rank at the same point, when ``barrier``), destroy every process
+    group and wait for their gloo workers to be idle; ``barrier=False`` (after an error) skips
+    the barrier and the garbage collection."""
     report = CloseReport()
     if not dist.is_initialized():
         return report

@@ -1,10 +1,5 @@
-"""Hang and silent-rank detection through heartbeats in the c10d store.
-
-See docs/elastic.md, "Watchdog" and "The watchdog's keys". Invariants: staleness is measured on
-the observer's monotonic clock from the moment it last saw a value change; each rank makes three
-store calls per interval whatever the world size; ``hb/sum`` holds the sum of the ranks' steps
-plus ``_ALARM`` per alarm raised, so that sum must stay below 2**44; the keys must be fresh for
-each incarnation (``RankManager.store`` namespaces them)."""
+"""Hang and silent-rank detection through heartbeats in the c10d store (docs/elastic.md,
+"Watchdog" and "The watchdog's keys": the ring, the alarm, the 2**44 bound on ``hb/sum``)."""
 
 from __future__ import annotations
 
@@ -36,11 +31,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Stall:
-    """One stalled rank as a watchdog saw it.
-
-    ``seen_by``: the rank whose watchdog found it (None where unknown); a rank that learns of
-    a stall through the shared alarm reports the watcher's rank and measurement.
-    """
+    """One stalled rank as a watchdog saw it; ``seen_by``: the watching rank (None: unknown)."""
 
     rank: int
     step: int
@@ -55,9 +46,7 @@ class Stall:
 
 @functools.lru_cache(maxsize=8)
 def _ring_of(hosts: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The watch ring for ranks on ``hosts`` (one entry per rank) and each rank's position in
-    it: the first rank of every host (hosts in order of their lowest rank), then the second of
-    every host, and so on."""
+    """The watch ring over ``hosts`` (one entry per rank) and each rank's position in it."""
     first: dict[Any, int] = {}
     index: list[int] = []
     seen: dict[Any, int] = {}
@@ -65,19 +54,9 @@ def _ring_of(hosts: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         first.setdefault(h, len(first))
         index.append(seen.get(h, 0))
         seen[h] = index[-1] + 1
+    # the first rank of every host (hosts in order of their lowest rank), then the second, ...
     ring = tuple(sorted(range(len(hosts)), key=lambda r: (index[r], first[hosts[r]])))
-    pos = [0] * len(ring)
-    for p, r in enumerate(ring):
-        pos[r] = p
-    return ring, tuple(pos)
-
-
-def _hosts(
-    world_size: int, peers: Sequence[tuple[str, int]] | None, local_world_size: int | None
-) -> tuple[Any, ...]:
-    if peers is not None and len(peers) == world_size:
-        return tuple(h for h, _ in peers)
-    return _numbered_hosts(world_size, local_world_size or 1)
+    return ring, tuple(sorted(range(len(ring)), key=ring.__getitem__))  # rank -> position
 
 
 @functools.lru_cache(maxsize=8)
@@ -96,16 +75,12 @@ def _step_of(value: bytes) -> int:
 class Watchdog:
     """A daemon thread publishing this rank's heartbeat and checking a few peers'.
 
-    ``store``: a c10d store shared by the ranks (``RankManager.store("watchdog")``); keys are
-    ``hb/<rank>``, ``hb/sum``, ``hb/alarm`` and ``hb/claim``. ``peers``: optional ``(host, pid)``
-    per rank, to choose watched peers on other hosts and to SIGKILL a stalled peer on this host.
-    ``local_world_size``: ranks per host, used to choose watched peers when ``peers`` is not
-    given (torchrun's contiguous numbering). ``on_stall(stalls)`` replaces the default action
-    (log, kill, ``os._exit``). ``log``: one-line messages (default: the
-    ``ftsdp.elastic._watchdog`` logger, at ERROR). ``agent_check``: called first in every
-    interval, before any store call (``RankManager.exit_if_orphaned``: ends the process when
-    the agent is gone). Each rank makes three store calls per interval whatever the world size
-    (docs/elastic.md, "The watchdog's keys").
+    ``store``: a c10d store shared by the ranks (``RankManager.store("watchdog")``). ``peers``:
+    optional ``(host, pid)`` per rank, to watch peers on other hosts and SIGKILL a stalled one on
+    this host; without it ``local_world_size`` ranks per host (torchrun's numbering).
+    ``on_stall(stalls)`` replaces the default action (log, kill, ``os._exit``); ``log`` defaults
+    to this module's logger at ERROR; ``agent_check`` runs first in every interval, before any
+    store call (``RankManager.exit_if_orphaned``). See docs/elastic.md, "Watchdog".
     """
 
     def __init__(
@@ -135,20 +110,23 @@ class Watchdog:
         if local_world_size is not None and local_world_size < 1:
             raise ValueError(f"Watchdog: local_world_size={local_world_size} must be >= 1")
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.interval_s = interval_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.interval_s, self.heartbeat_timeout_s = interval_s, heartbeat_timeout_s
         self.progress_timeout_s = progress_timeout_s
         self.peers = list(peers) if peers is not None else None
         self._on_stall = on_stall
         self._agent_check = agent_check or (lambda: None)
         self._log = log or logger.error
-        self._step = 0
-        self._beats = 0
+        self._step = self._beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # an unexpected failure of the thread itself
         self.stalls: list[Stall] = []
-        self._ring, pos = _ring_of(_hosts(world_size, self.peers, local_world_size))
+        hosts = (
+            tuple(h for h, _ in self.peers)
+            if self.peers is not None and len(self.peers) == world_size
+            else _numbered_hosts(world_size, local_world_size or 1)
+        )
+        self._ring, pos = _ring_of(hosts)
         self._pos = pos[rank]
         self._reach = 0  # ring positions ahead of this rank already taken as targets
         self._targets: list[int] = []
@@ -167,8 +145,7 @@ class Watchdog:
 
     @property
     def watching(self) -> list[int]:
-        """The ranks whose heartbeats this watchdog reads now (docs/elastic.md, "The watchdog's
-        keys")."""
+        """The ranks whose heartbeats this watchdog reads now."""
         return list(self._targets)
 
     def _key(self, rank: int) -> str:
@@ -209,15 +186,13 @@ class Watchdog:
     def _loop(self) -> None:
         self._agent_check()
         self._begin(time.monotonic())
-        stalls = self._await_targets()
-        if stalls:
+        if stalls := self._await_targets():
             self._raise_alarm(stalls)
             self._fire(stalls, " (never seen)")
             return
         while not self._stop.wait(self.interval_s):
             self._agent_check()  # first: a store the agent hosted may be gone with it
-            stalls = self.beat_once()
-            if stalls:
+            if stalls := self.beat_once():
                 self._fire(stalls, self._detail)
                 return
 
@@ -240,9 +215,8 @@ class Watchdog:
             return [Stall(r, 0, now - start, "heartbeat", self.rank) for r in missing]
 
     def beat_once(self, now: float | None = None) -> list[Stall]:
-        """One interval's work (three store calls): the stalls found or announced by another
-        rank's watchdog, empty while all is well. It only detects; acting is the thread's part.
-        ``now``: the monotonic clock reading to judge staleness by (default: now)."""
+        """One interval's work (three store calls, at monotonic time ``now``): the stalls found or
+        announced by another rank, empty while all is well (acting is the thread's part)."""
         return self._interval(time.monotonic() if now is None else now, publish=True)
 
     def _interval(self, now: float, *, publish: bool) -> list[Stall]:
@@ -402,10 +376,13 @@ class Watchdog:
         self.close()
 
 
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
 class _CountingStore:
-    """An in-memory stand-in for one rank's c10d store client, over a dict shared by all the
-    simulated ranks; it counts this rank's calls and the keys they touch. A missing key raises
-    at once where a real store would wait for it and time out."""
+    """One rank's client of a simulated c10d store (a dict shared by all), counting its calls
+    and keys; a missing key raises at once where a real store would wait."""
 
     def __init__(self, data: dict[str, bytes]) -> None:
         self.data = data
@@ -424,7 +401,7 @@ class _CountingStore:
 
     def set(self, key: str, value: str | bytes) -> None:
         self._count(1)
-        self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+        self.data[key] = _bytes(value)
 
     def get(self, key: str) -> bytes:
         self._count(1)
@@ -442,9 +419,7 @@ class _CountingStore:
 
     def append(self, key: str, value: str | bytes) -> None:
         self._count(1)
-        self.data[key] = self.data.get(key, b"") + (
-            value.encode() if isinstance(value, str) else bytes(value)
-        )
+        self.data[key] = self.data.get(key, b"") + _bytes(value)
 
     def check(self, keys: list[str]) -> bool:
         self._count(len(keys))
@@ -468,23 +443,16 @@ def simulate_heartbeats(
     heartbeat_timeout_s: float = 30.0,
     progress_timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """Run ``world_size`` watchdogs' real per-interval code in this process, on an in-memory
-    store that counts every call, without threads, sockets or sleeping (the clock is simulated).
+    """Run ``world_size`` watchdogs' real per-interval code in this process on a counting
+    in-memory store, the clock simulated (docs/elastic.md, "Watchdog", "At scale").
 
-    Ranks are numbered as torchrun does, ``local_world_size`` to a host. After startup,
-    ``intervals`` healthy intervals run and are measured; then the ranks in ``closed`` close, the
-    ranks in ``kill`` stop beating and, if ``hang`` is given (needs ``progress_timeout_s``), the
-    job stops progressing with the ``hang`` ranks one step behind. Intervals then run until every
-    survivor has acted, or three intervals past the timeout. Each interval publishes every
-    rank's heartbeat first, then runs every rank's reads and checks.
-
-    Returns a dict: ``ops_per_interval``/``keys_per_interval`` (all ranks, one healthy interval,
-    the largest), ``max_ops_per_rank``/``max_keys_per_rank`` (the busiest rank),
-    ``seconds_per_interval_per_rank``, ``startup_ops``, ``detect_intervals`` (from the last change
-    of what failed to the first rank acting), ``today_detect_intervals`` (the same for a watchdog
-    reading every peer), ``act_intervals`` (to the last survivor acting; None if any did not),
-    ``fault_ops``, ``named`` and ``kinds`` (the stalls acted on), ``acted``, ``survivors`` and
-    ``healthy_stalls`` (0 unless broken). Raises ValueError for out-of-range arguments.
+    After ``intervals`` measured healthy intervals the ``closed`` ranks close, the ``kill`` ranks
+    stop beating and the ``hang`` ranks (needs ``progress_timeout_s``) stay one step behind a
+    job that stops progressing; intervals run until every survivor acted, or three past the
+    timeout. Returns a dict of store calls and keys per interval (``ops_per_interval``,
+    ``max_ops_per_rank``, ...), ``detect_intervals`` / ``act_intervals`` (first / last survivor
+    acting after the fault; ``today_detect_intervals`` for a watchdog reading every peer), the
+    stalls acted on (``named``, ``kinds``) and counts. Raises ValueError for bad arguments.
     """
     if world_size < 1 or intervals < 1 or local_world_size < 1:
         raise ValueError(
@@ -492,8 +460,7 @@ def simulate_heartbeats(
             f"local_world_size={local_world_size} all >= 1"
         )
     kill, hang, closed = set(kill), set(hang), set(closed)
-    bad = sorted(r for r in kill | hang | closed if not 0 <= r < world_size)
-    if bad:
+    if bad := sorted(r for r in kill | hang | closed if not 0 <= r < world_size):
         raise ValueError(f"simulate_heartbeats: ranks {bad} are not in [0, {world_size})")
     data: dict[str, bytes] = {}
     stores = [_CountingStore(data) for _ in range(world_size)]
@@ -523,15 +490,13 @@ def simulate_heartbeats(
         for r in ranks:
             dogs[r]._publish()
         for r in ranks:
-            stalls = dogs[r]._interval(now, publish=False)
-            if stalls:
+            if stalls := dogs[r]._interval(now, publish=False):
                 acted[r] = (k, stalls)
 
     for d in dogs:
         d._publish()
         d._begin(0.0)
-    never = [s for d in dogs for s in d._await_targets()]
-    if never:
+    if never := [s for d in dogs for s in d._await_targets()]:
         raise RuntimeError(f"simulate_heartbeats: ranks never seen at startup: {never}")
     startup_ops = sum(counted()[0])
     everyone = list(range(world_size))

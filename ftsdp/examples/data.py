@@ -1,11 +1,5 @@
-"""The main job's data: a deterministic synthetic language (:class:`MarkovDataset`, the default)
-and windows at seeded random offsets of a flat array of tokens (:class:`TokenDataset`: a token
-file, a text file's bytes).
-
-The language is a fixed, seeded, sparse Markov chain over ``vocab_size`` tokens (``branching``
-successors each); its entropy rate ``H = sum_s pi(s) * H(P[s, :])`` is the achievable loss
-(:attr:`MarkovChain.entropy_rate`). In both, sample ``i`` depends only on ``(seed, i)``, so it is
-the same in every process, world size and access order, as a global sample cursor needs."""
+"""The main job's data: a synthetic language (:class:`MarkovDataset`) and windows of a token
+array (:class:`TokenDataset`); sample ``i`` depends only on ``(seed, i)`` (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -72,8 +66,7 @@ class MarkovChain:
         with np.errstate(divide="ignore", invalid="ignore"):
             row_entropy = -np.sum(np.where(self.probs > 0, self.probs * np.log(self.probs), 0), 1)
         self.entropy_rate = float(self.stationary @ row_entropy)
-        # Plain lists: the per-token walk below is a Python loop, where bisect on lists is
-        # several times faster than numpy calls on scalars.
+        # plain lists: the per-token walk is a Python loop, bisecting them (no numpy scalars)
         self._succ_rows = self.successors.tolist()
         self._cdf_rows = self._cdf.tolist()
         self._stationary_cdf_list = self._stationary_cdf.tolist()
@@ -111,10 +104,8 @@ class MarkovChain:
 
 class MarkovDataset(_Samples):
     """Map-style dataset: item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors with
-    ``target[t] = input[t + 1]`` of one walk of ``seq_len + 1`` tokens, fixed by ``(seed, i)``.
-
-    ``num_samples`` only bounds the index range (items are generated on access, not stored).
-    """
+    ``target[t] = input[t + 1]`` of one walk fixed by ``(seed, i)``, generated on access
+    (``num_samples`` only bounds the index range)."""
 
     def __init__(
         self,
@@ -152,18 +143,10 @@ class MarkovDataset(_Samples):
 
 
 class TokenDataset(_Samples):
-    """Map-style dataset over a flat 1-D array of token ids (a memory-mapped token file, or a
-    text file's bytes): item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors from the
-    window ``tokens[s : s + seq_len + 1]`` (``target[t] = input[t + 1]``).
-
-    The offset ``s`` is drawn uniformly from every possible one by a generator seeded with
-    ``(seed, i)``, as nanoGPT samples its windows: windows on a fixed grid are memorised (the
-    model then fails on the same text one token off), and a pure function of ``(seed, i)`` keeps
-    the global sample order exact across restarts and world sizes. ``len`` is the number of
-    whole windows, ``(len(tokens) - 1) // seq_len``: an epoch reads about as many tokens as the
-    array holds. Reading an item copies its ``seq_len + 1`` tokens out of the array (a memory
-    map is read only where it is used).
-    """
+    """Map-style dataset over a flat 1-D array of token ids: item ``i`` is ``(input, target)``,
+    two (seq_len,) int64 tensors from the window ``tokens[s : s + seq_len + 1]`` at an offset
+    ``s`` drawn uniformly with ``(seed, i)``; ``len``: ``(len(tokens) - 1) // seq_len``
+    (docs/training.md, "--data")."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, *, seed: int = 0):
         if tokens.ndim != 1:

@@ -1,11 +1,8 @@
-"""A small GPT-2-like decoder for the training entry and the tests: pre-LN blocks, learned token
-and position embeddings, a final LayerNorm and an output head tied to the token embedding.
+"""A small GPT-2-like decoder (pre-LN blocks, output head tied to the token embedding).
 
-[Note: per-module init] Every parameterised leaf module initialises *itself* in its own
-``reset_parameters()`` (GPT-2's distributions), never a parent walking its children, so a model
-built on the meta device and materialised module by module in ``modules()`` order under the same
-seed reproduces ``GPT(config)`` exactly (a tied head initialises nothing, so the RNG stream lines
-up)."""
+[Note: per-module init] Every parameterised leaf module initialises itself in its own
+``reset_parameters()``, never a parent, and a tied head nothing: a meta-device model materialised
+in ``modules()`` order reproduces ``GPT(config)`` (docs/engine.md, "Deferred initialisation")."""
 
 from __future__ import annotations
 
@@ -44,11 +41,8 @@ class GPTConfig:
 
 
 class InitLinear(nn.Linear):
-    """``nn.Linear`` with GPT-2 init: weight ~ normal(0, init_std), bias = 0.
-
-    ``init_std=None`` marks a weight owned by another module (a tied output head): this module
-    leaves it alone, so the owner's init is the only one and consumes the RNG only once.
-    """
+    """``nn.Linear`` with GPT-2 init: weight ~ normal(0, init_std), bias = 0; ``init_std=None``
+    leaves the weight to the module owning it (a tied head: the RNG is consumed once)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float | None):
         self.init_std = init_std  # read by reset_parameters(), which nn.Linear's init calls
@@ -133,16 +127,14 @@ class GPT(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the token embedding with the output head (when configured). Call again after
-        ``to_empty()``, which gives each module its own tensor and so breaks the tie."""
+        """Share the token embedding with the output head (when configured); call again after
+        ``to_empty()``, which breaks the tie."""
         if self.config.tie_weights:
             self.lm_head.weight = self.wte.weight
 
     def init_weights(self) -> None:
-        """Re-initialise every parameter by calling each module's ``reset_parameters()`` in
-        ``modules()`` order: under the same seed this reproduces the construction-time init
-        (see [Note: per-module init]). GPT and Block own no parameters themselves, so they
-        deliberately define no ``reset_parameters()``."""
+        """Re-initialise every parameter, each module's ``reset_parameters()`` in ``modules()``
+        order: the construction-time init under the same seed ([Note: per-module init])."""
         for module in self.modules():
             if callable(reset := getattr(module, "reset_parameters", None)):
                 reset()
@@ -174,11 +166,8 @@ class GPT(nn.Module):
 
 
 def default_no_decay(name: str) -> bool:
-    """True for parameters that get no weight decay: biases and normalisation weights.
-
-    Decided by *name*, not by ``p.dim()``: under FSDP every parameter a rank sees is a 1-D
-    slice, so nanoGPT's ``p.dim() >= 2`` rule would exempt everything; for this module's names
-    it gives nanoGPT's grouping."""
+    """True for parameters that get no weight decay: biases and normalisation weights, by name
+    (under FSDP every parameter a rank sees is 1-D, so nanoGPT's ``p.dim() >= 2`` cannot tell)."""
     parts = name.split(".")
     if parts[-1] == "bias":
         return True
@@ -190,10 +179,8 @@ def param_groups(
     weight_decay: float,
     no_decay: Callable[[str], bool] = default_no_decay,
 ) -> list[dict]:
-    """Two AdamW param groups: ``[{decay params, weight_decay}, {no-decay params, 0.0}]``.
-
-    ``model``: a module (its ``named_parameters()``; under FSDP each rank's local slices) or an
-    iterable of ``(name, param)``. Frozen parameters are left out; a tied one is kept once."""
+    """Two AdamW param groups, ``[{decay params, weight_decay}, {no-decay params, 0.0}]``, from a
+    module or ``(name, param)`` pairs; frozen parameters left out, a tied one kept once."""
     named = model.named_parameters() if isinstance(model, nn.Module) else model
     decay: list[nn.Parameter] = []
     keep: list[nn.Parameter] = []
