@@ -314,7 +314,9 @@ def peer_lost(error: BaseException) -> bool:
 def _peer_lost(session: Session, job: Job, error: BaseException) -> int:
     """One line instead of the collective's traceback: what happened, and where the restart
     (torchrun's, on this non-zero exit) resumes from. Nothing more is saved: a save needs every
-    rank."""
+    rank. A peer that left because the agent is gone means this rank is orphaned too: it says
+    so instead, and exits."""
+    session.rm.exit_if_orphaned()
     session.preempt.cannot_save("a peer process was lost")
     session.rm.close(barrier=False)  # now, without the barrier: the peer will never reach it
     reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])  # gloo's source
