@@ -1,8 +1,6 @@
-"""The training entry's configuration: one keyword-only dataclass, and its command line.
-
-Every field of :class:`TrainConfig` is a CLI flag (``n_layer`` -> ``--n-layer``, also
-``--n_layer``) whose type, default and help come from the field itself, so the two never drift;
-``--config FILE.toml`` sets flags, the command line overrides it (docs/training.md)."""
+"""The training entry's configuration: every field of :class:`TrainConfig` is a flag
+(``n_layer`` -> ``--n-layer``, also ``--n_layer``) whose type, default and help come from the
+field, so the two never drift; ``--config FILE.toml`` sets flags (docs/training.md)."""
 
 from __future__ import annotations
 

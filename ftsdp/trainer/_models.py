@@ -1,8 +1,5 @@
-"""What the main job trains (``--model``: ``gpt``, ``hf:DIR``, ``py:MODULE:FUNCTION``), the one
-adapter the loop calls for the loss, and ``--init-from`` (docs/training.md, "--model").
-
-The loop needs one thing of a model: ``loss(model, x, y)``, the mean next-token cross-entropy of
-``x`` (B, T) against ``y`` (B, T) as a 0-dim tensor, ``model`` being the FSDP-wrapped module."""
+"""What the main job trains (``--model``), its loss adapter ``loss(model, x, y)`` -> the mean
+next-token cross-entropy (0-dim; ``model`` wrapped), and ``--init-from`` (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -254,11 +251,9 @@ def _few(names: list[str], n: int = 3) -> str:
 def init_weights(
     module: nn.Module, url: str, *, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """Fill ``module``'s parameters and persistent buffers from the checkpoint at ``url``, in any
-    format ``ftsdp-ckpt`` reads (a Hugging Face directory, a ``torch.save`` file, DCP, an ftsdp
-    root: its newest step). Names are the module's own (a bare export) or under ``model.`` (an
-    ftsdp run); the prefix that matches is used. All or nothing (``storage.load_into``). Returns
-    a one-line description; :class:`JobError` when it cannot load or does not match."""
+    """Fill ``module``'s parameters and persistent buffers from the checkpoint at ``url`` (any
+    format ``ftsdp-ckpt`` reads), its names bare or under ``model.``, all or nothing. Returns a
+    one-line description; :class:`JobError` when it cannot load or does not match."""
     try:
         with storage.LazyStateDict(url, storage_options=storage_options) as src:
             fmt, step = src.format, src.step
