@@ -177,14 +177,12 @@ class TrainConfig:
             "progress_timeout_s",
         ):
             need(getattr(self, name) >= 0, name, "must be >= 0 (0 disables it)")
-        for name in ("pg_timeout_s", "preempt_grace_s"):
+        for name in ("pg_timeout_s", "preempt_grace_s", "lr"):
             need(getattr(self, name) > 0, name, "must be > 0")
-        need(self.seed >= 0, "seed", "must be >= 0")
-        need(self.lr > 0, "lr", "must be > 0")
-        need(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
         # warmup > steps is allowed (a short run of a default config): lr then only ramps up.
-        need(self.warmup >= 0, "warmup", "must be >= 0")
-        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        for name in ("seed", "warmup", "weight_decay"):
+            need(getattr(self, name) >= 0, name, "must be >= 0")
+        need(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
         need(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
         need(
             self.global_batch % self.micro_batch == 0,

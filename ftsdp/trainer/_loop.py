@@ -30,10 +30,6 @@ EXIT_PEER_LOST = 1  # a failure: torchrun restarts the group (within --max-resta
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _config_json(cfg: TrainConfig) -> str:
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-
-
 @dataclass
 class Outcome:
     loss: float = math.nan  # the last logged loss (of this run, or the checkpoint's record)
@@ -157,9 +153,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
         f"ftsdp.train | world {rm.world_size} | {rm.device} | {cfg.sharding_strategy} | "
         f"{job.n_params / 1e6:.2f}M params | global batch {cfg.global_batch} = micro "
         f"{cfg.micro_batch} x {g.micro_batches} over {rm.world_size} rank"
-        f"{'s' if rm.world_size > 1 else ''} "
-        f"({_shares(g)} each) | "
-        f"model {cfg.model}"
+        f"{'s' if rm.world_size > 1 else ''} ({_shares(g)} each) | model {cfg.model}"
         + (f" ({cfg.mixed_precision})" if cfg.mixed_precision != "none" else "")
         + f" | {job.data_description}"
         + (f" | torchrun restart {rm.generation}" if rm.generation else ""),
@@ -174,7 +168,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
         return _peer_lost(session, job, e)
     wall = time.perf_counter() - t0
     record = {"event": "done", "steps": cfg.steps, "first_step": out.first_step, "wall_s": wall}
-    record.update(loss=out.loss, loss_step=out.loss_step, time=time.time())
+    record |= {"loss": out.loss, "loss_step": out.loss_step, "time": time.time()}
     if out.steps_run == 0 and out.first_step >= cfg.steps:  # a rerun of a finished job
         loss = "no loss recorded (a checkpoint of an older version)"
         if out.loss_step is not None:
@@ -201,7 +195,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         "cursor": 0,
         "restarts": 0,
         "world_size": rm.world_size,
-        "config": _config_json(cfg),
+        "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True),
         "loss": None,  # the last logged loss and its step: a rerun of a finished job shows it
         "loss_step": None,
         **job.records,  # model, data: what is trained (_records)
