@@ -158,7 +158,11 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     is raised on every rank."""
     rm = session.rm
     geometry = cfg.geometry(rm.world_size)
-    _attach_tensorboard(cfg, session)
+    logdir = cfg.tensorboard  # rank 0 writes; a missing package stops every rank
+    if logdir:
+        writer = on_every_rank(rm, lambda: open_tensorboard(logdir) if rm.rank == 0 else None)
+        if writer is not None:
+            session.log.attach(writer)
     data, plan = on_every_rank(rm, lambda: (open_data(cfg), plan_model(cfg)))
     url = session.hook.checkpoint_url(cfg.checkpoint_url) if cfg.checkpoint_url else None
     storage_options = storage_options_from_env()
@@ -217,17 +221,6 @@ def build(cfg: TrainConfig, session: Session) -> Job:
         saved=saved,
         data_description=data.description,
     )
-
-
-def _attach_tensorboard(cfg: TrainConfig, session: Session) -> None:
-    """``--tensorboard``: rank 0 writes; a missing package stops every rank before training."""
-    logdir = cfg.tensorboard
-    if not logdir:
-        return
-    rm = session.rm
-    writer = on_every_rank(rm, lambda: open_tensorboard(logdir) if rm.rank == 0 else None)
-    if writer is not None:
-        session.log.attach(writer)
 
 
 def _check_saved_run(

@@ -76,10 +76,8 @@ class MetricsLog:
     def __init__(self, path: str | None, enabled: bool, rank: int = 0):
         self.enabled = enabled
         self.rank = rank
-        self._file: IO[str] | None = None
+        self._file: IO[str] | None = _open_append(path) if path else None
         self._sink: TensorBoardScalars | None = None
-        if path:
-            self._file = _open_append(path)
 
     def write(self, line: str, record: dict[str, Any]) -> None:
         """Rank 0's progress ``line`` (logged at INFO) and its JSON ``record``."""
