@@ -225,8 +225,8 @@ def build_model(cfg: TrainConfig, plan: ModelPlan) -> BuiltModel:
             f"--model {cfg.model}: {fn_name}(cfg) returned {type(out).__name__}; it must return "
             "an nn.Module or (nn.Module, auto_wrap_policy)"
         )
-    transformers = sys.modules.get("transformers")  # a transformers model imported it
-    if transformers is not None and isinstance(out, transformers.PreTrainedModel):
+    hf = sys.modules.get("transformers")  # imported by any transformers model
+    if hf is not None and isinstance(out, hf.PreTrainedModel):
         plan.record["hf_config"] = hf_config_dict(out.config)
         return BuiltModel(
             out, policy if policy is not None else no_split_policy(out), causal_lm_loss

@@ -124,10 +124,14 @@ def test_a_bad_command_line_is_one_line_from_rank_0_and_no_restart() -> None:
     restarts a failed worker group whatever its status (docs/training.md), so ftsdp.launch checks
     the flags itself before it starts one: with --max-restarts=3 nothing starts or retries."""
     bad = ["--global-batch", "30", "--micro-batch", "8", "--device", "cpu"]
-    message = "ftsdp-train: error: TrainConfig: global_batch=30 must be a multiple of micro_batch=8"
+    message = (
+        "ftsdp-train: error: TrainConfig: global_batch=30 must be a multiple of micro_batch=8 "
+        "(see ftsdp-train --help)"
+    )
     proc = _launch([*_torchrun(2)[:-2], "--max-restarts=0", "-m", "ftsdp.train", *bad])
     assert proc.returncode != 0
-    assert proc.stderr.count("ftsdp-train") == 1 and message in proc.stderr.splitlines()
+    # the one line names the program twice (the error, then where to look): nothing else does
+    assert proc.stderr.count("ftsdp-train") == 2 and message in proc.stderr.splitlines()
     assert "exitcode  : 2" in proc.stderr, proc.stderr  # rank 0's status, in torchrun's summary
     launch = [sys.executable, "-m", "ftsdp.launch", "--standalone", "--nproc-per-node=2"]
     proc = _launch([*launch, "--max-restarts=3", "--", *bad])
