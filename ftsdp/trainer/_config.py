@@ -249,9 +249,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return help if "(default:" in help else super()._get_help_string(action)
 
 
-def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
-    """An argparse parser with one ``--flag`` per field of the dataclass ``cls``, and
-    ``--config FILE.toml`` (see :func:`parse_args`)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The parser: one ``--flag`` per :class:`TrainConfig` field, and ``--config FILE.toml``."""
     parser = _Parser(
         prog="ftsdp-train",
         description="Train a model with the ftsdp FSDP engine, elastically "
@@ -267,8 +266,8 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
         "flags on the command line override it",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ftsdp.__version__}")
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
         kind = _flag_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         kw = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
@@ -317,13 +316,13 @@ def _read_toml(path: str) -> dict[str, typing.Any]:
         raise ValueError(f"--config {path}: not valid TOML: {e}") from None
 
 
-def config_defaults(path: str, cls: type = TrainConfig) -> dict[str, typing.Any]:
+def config_defaults(path: str) -> dict[str, typing.Any]:
     """The fields set by the TOML file at ``path``: ``{field name: value}``, its keys being flag
     names (``global-batch`` or ``global_batch``). Unknown keys and values of the wrong type raise
     ValueError naming them."""
     table = _read_toml(path)
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(TrainConfig)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     unknown = [k for k in table if k.replace("-", "_") not in fields]
     if unknown:
         raise ValueError(

@@ -89,7 +89,7 @@ def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
 def _tied_groups(config: dict[str, Any]) -> list[list[str]]:
     """The names (in module order) of each parameter the model of ``config`` ties, from
     ``transformers`` built on the meta device. ImportError / ValueError when it cannot be."""
-    import transformers  # only here: importing a model's code takes seconds
+    import transformers  # here only: the export needs it for tied weights alone (optional)
 
     rest = {k: v for k, v in config.items() if k != "model_type"}
     hf_config = transformers.AutoConfig.for_model(config.get("model_type"), **rest)
