@@ -27,23 +27,20 @@ progress = logging.getLogger("ftsdp.train")  # the entry's lines: progress, even
 FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
 
 
-class ConsoleHandler(logging.Handler):
+class ConsoleHandler(logging.StreamHandler):
     """Below WARNING to stdout, the rest to stderr, each looked up per record (pytest's capture
     replaces them) and flushed; records are stamped with ``rank`` for :data:`FORMAT`."""
 
     def __init__(self, rank: int, level: int = logging.NOTSET):
-        super().__init__(level)
+        super().__init__()
+        self.setLevel(level)
         self.rank = rank
         self.setFormatter(logging.Formatter(FORMAT))
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
-            record.rank = self.rank
-            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
-            stream.write(self.format(record) + "\n")
-            stream.flush()
-        except Exception:
-            self.handleError(record)
+        record.rank = self.rank
+        self.stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+        super().emit(record)  # under the handler's lock: the stream is this record's
 
 
 def console_logging(level: str, rank: int) -> Callable[[], None]:
