@@ -1,8 +1,5 @@
-"""ftsdp.trainer: what composes the engine, the rank manager and storage into a training job.
-
-``TrainConfig``/``parse_args`` (``_config``) are the flags, the ``Session`` (``_session``) the
-worker's runtime, ``build`` (``_job``) makes the ``Job``, ``run`` (``_loop``) is the step loop;
-``python -m ftsdp.train`` runs them (docs/training.md, docs/elastic.md, "The training entry")."""
+"""ftsdp.trainer: the engine, the rank manager and storage composed into the training job that
+``python -m ftsdp.train`` runs (docs/training.md; docs/elastic.md, "The training entry")."""
 
 import warnings
 from typing import Any

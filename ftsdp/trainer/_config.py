@@ -1,8 +1,6 @@
-"""The training entry's configuration: one keyword-only dataclass, and its command line.
-
-Every field of :class:`TrainConfig` is a CLI flag (``n_layer`` -> ``--n-layer``, also
-``--n_layer``) whose type, default and help come from the field itself, so the two never drift;
-``--config FILE.toml`` sets flags, the command line overrides it (docs/training.md)."""
+"""The training entry's configuration: every field of :class:`TrainConfig` is a flag
+(``n_layer`` -> ``--n-layer``, also ``--n_layer``) whose type, default and help come from the
+field, so the two never drift; ``--config FILE.toml`` sets flags (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -179,14 +177,12 @@ class TrainConfig:
             "progress_timeout_s",
         ):
             need(getattr(self, name) >= 0, name, "must be >= 0 (0 disables it)")
-        for name in ("pg_timeout_s", "preempt_grace_s"):
+        for name in ("pg_timeout_s", "preempt_grace_s", "lr"):
             need(getattr(self, name) > 0, name, "must be > 0")
-        need(self.seed >= 0, "seed", "must be >= 0")
-        need(self.lr > 0, "lr", "must be > 0")
-        need(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
         # warmup > steps is allowed (a short run of a default config): lr then only ramps up.
-        need(self.warmup >= 0, "warmup", "must be >= 0")
-        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        for name in ("seed", "warmup", "weight_decay"):
+            need(getattr(self, name) >= 0, name, "must be >= 0")
+        need(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
         need(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
         need(
             self.global_batch % self.micro_batch == 0,
@@ -253,9 +249,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return help if "(default:" in help else super()._get_help_string(action)
 
 
-def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
-    """An argparse parser with one ``--flag`` per field of the dataclass ``cls``, and
-    ``--config FILE.toml`` (see :func:`parse_args`)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The parser: one ``--flag`` per :class:`TrainConfig` field, and ``--config FILE.toml``."""
     parser = _Parser(
         prog="ftsdp-train",
         description="Train a model with the ftsdp FSDP engine, elastically "
@@ -271,8 +266,8 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
         "flags on the command line override it",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ftsdp.__version__}")
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
         kind = _flag_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         kw = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
@@ -321,13 +316,13 @@ def _read_toml(path: str) -> dict[str, typing.Any]:
         raise ValueError(f"--config {path}: not valid TOML: {e}") from None
 
 
-def config_defaults(path: str, cls: type = TrainConfig) -> dict[str, typing.Any]:
+def config_defaults(path: str) -> dict[str, typing.Any]:
     """The fields set by the TOML file at ``path``: ``{field name: value}``, its keys being flag
     names (``global-batch`` or ``global_batch``). Unknown keys and values of the wrong type raise
     ValueError naming them."""
     table = _read_toml(path)
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(TrainConfig)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     unknown = [k for k in table if k.replace("-", "_") not in fields]
     if unknown:
         raise ValueError(

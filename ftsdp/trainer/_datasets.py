@@ -35,10 +35,10 @@ def markov_record() -> dict[str, Any]:
     return {"spec": MARKOV, "dtype": None, "head_sha256": None, "tokens": None}
 
 
-def head_sha256(path: str | os.PathLike, size: int = HEAD_BYTES) -> str:
-    """The SHA-256 of the first ``size`` bytes of the file (all of it when shorter)."""
+def head_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of the file's first :data:`HEAD_BYTES` (all of it when shorter)."""
     with open(path, "rb") as f:
-        return hashlib.sha256(f.read(size)).hexdigest()
+        return hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
 
 
 def open_data(cfg: TrainConfig) -> Data:

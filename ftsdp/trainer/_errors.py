@@ -1,5 +1,4 @@
-"""The training entry's user errors: what a user can fix by changing a flag, a file or the
-checkpoint root; ``python -m ftsdp.train`` reports one as one line and exits with status 2."""
+"""The training entry's user errors: one line and exit status 2 (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The training loop's step hook: fixed points where something outside the product may act.
-
-The hook satisfies :class:`StepHook` by its shape, so ``ftsdp.testing`` needs nothing of the
-trainer (docs/elastic.md, "Fault injection")."""
+"""The training loop's step hook, satisfied by its shape so that ``ftsdp.testing`` needs nothing
+of the trainer (docs/elastic.md, "Fault injection")."""
 
 from __future__ import annotations
 
@@ -16,10 +14,8 @@ class StepHook(Protocol):
 
     def after_save(self, step: int) -> None: ...
 
-    # Optional: ``needs_commit(step) -> bool`` and ``after_commit(step)``. When a hook has them
-    # and ``needs_commit(step)`` is true, the loop waits for the save in flight (the one it
-    # started at ``step``, else an earlier one still uploading) to commit, then calls
-    # ``after_commit(step)`` (the fault suite's ``when=after_commit``).
+    # Optional: ``needs_commit(step) -> bool``; when true, the loop waits for the save in flight
+    # to commit, then calls ``after_commit(step)`` (the fault suite's ``when=after_commit``).
 
 
 class HookFactory(Protocol):

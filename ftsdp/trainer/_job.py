@@ -1,8 +1,5 @@
-"""What one training run works on: data, the wrapped model, its loss adapter, optimizer and
-learning-rate schedule, the checkpoints; :func:`build` makes it inside an open session.
-
-Before the model is built, a checkpoint root with committed steps is checked to be this run's
-(``_records``; docs/training.md, "What a checkpoint records")."""
+"""What one training run works on, made by :func:`build` inside an open session, in the phases
+docs/training.md lists ("What a checkpoint records, and resuming another run")."""
 
 from __future__ import annotations
 
@@ -63,10 +60,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def storage_options_from_env() -> dict[str, Any] | None:
-    """``FTSDP_STORAGE_OPTIONS`` (a JSON object, e.g. endpoint_url/key/secret), or None.
-
-    Read from the environment, not a flag: the config is saved in every checkpoint, and
-    secrets do not belong there (nor in ``ps`` output)."""
+    """``FTSDP_STORAGE_OPTIONS`` (a JSON object), or None; not a flag, as the config is saved in
+    every checkpoint and secrets do not belong there (docs/elastic.md, "The training entry")."""
     raw = os.environ.get("FTSDP_STORAGE_OPTIONS")
     if not raw:
         return None
@@ -137,11 +132,9 @@ def memory_root(cfg: TrainConfig, url: str) -> str:
 def drop_another_runs_memory(
     root: str, cfg: TrainConfig, model: dict[str, Any], data: dict[str, Any], rm: RankManager
 ) -> None:
-    """Clear the memory tier at ``root`` when its newest step is another run's (another seed,
-    data, global batch or model than ``cfg``: a job killed before its first durable save, then
-    started again with other flags on the same checkpoint root). Its steps cannot be resumed by
-    this run, whose first memory saves would replace them anyway; left there, the resume would
-    load one and refuse it, at every restart. Collective (rank 0 reads and clears)."""
+    """Clear the memory tier at ``root`` when its newest step is another run's (a job killed before
+    its first durable save, restarted with other flags): left there, every restart's resume would
+    load it and refuse it. Collective (rank 0 reads and clears)."""
     saved = peek(root, rank=rm.rank, world_size=rm.world_size)
     if saved is None:
         return
@@ -165,18 +158,49 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     is raised on every rank."""
     rm = session.rm
     geometry = cfg.geometry(rm.world_size)
-    _attach_tensorboard(cfg, session)
+    logdir = cfg.tensorboard  # rank 0 writes; a missing package stops every rank
+    if logdir:
+        writer = on_every_rank(rm, lambda: open_tensorboard(logdir) if rm.rank == 0 else None)
+        if writer is not None:
+            session.log.attach(writer)
     data, plan = on_every_rank(rm, lambda: (open_data(cfg), plan_model(cfg)))
     url = session.hook.checkpoint_url(cfg.checkpoint_url) if cfg.checkpoint_url else None
     storage_options = storage_options_from_env()
     saved = _check_saved_run(cfg, rm, url, storage_options, plan.record, data.record)
     built = on_every_rank(rm, lambda: _make_model(cfg, session, plan, data, saved, storage_options))
     n_params = sum(p.numel() for p in built.module.parameters())  # a tied weight counts once
-    model = _wrap(cfg, rm, built)
+    model = ftsdp.FSDP(
+        built.module.to(rm.device),
+        auto_wrap_policy=built.policy,
+        sharding_strategy=ftsdp.ShardingStrategy[cfg.sharding_strategy],
+        device_id=rm.device if rm.device.type == "cuda" else None,
+        mixed_precision=MIXED_PRECISION[cfg.mixed_precision],
+        deterministic=cfg.deterministic,
+    )
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95)
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / cfg.lr)
+    ckpt = None
+    if url is not None:
+        ckpt = CheckpointManager(
+            url,
+            model,
+            optimizer,
+            lr_scheduler=scheduler,
+            every_steps=cfg.checkpoint_every or None,
+            every_seconds=cfg.checkpoint_every_s or None,
+            keep_last=cfg.keep_last,
+            async_save=cfg.async_save,
+            defer_copy=cfg.defer_copy,
+            memory_url=memory_root(cfg, url) if cfg.memory_every else None,
+            memory_every=cfg.memory_every or None,
+            storage_options=storage_options,
+            seed=cfg.seed,
+            log=lambda line: session.log.event(
+                {"event": "checkpoint_warning", "message": line}, line
+            ),
+        )
     return Job(
         model=model,
         optimizer=optimizer,
@@ -186,7 +210,7 @@ def build(cfg: TrainConfig, session: Session) -> Job:
         geometry=geometry,
         n_params=n_params,
         loss=built.loss,
-        ckpt=_checkpoints(cfg, session, url, storage_options, model, optimizer, scheduler),
+        ckpt=ckpt,
         deterministic_engine=cfg.deterministic,
         clip=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
         scaler=ftsdp.ShardedGradScaler(rm.device.type) if cfg.mixed_precision == "fp16" else None,
@@ -199,17 +223,6 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     )
 
 
-def _attach_tensorboard(cfg: TrainConfig, session: Session) -> None:
-    """``--tensorboard``: rank 0 writes; a missing package stops every rank before training."""
-    logdir = cfg.tensorboard
-    if not logdir:
-        return
-    rm = session.rm
-    writer = on_every_rank(rm, lambda: open_tensorboard(logdir) if rm.rank == 0 else None)
-    if writer is not None:
-        session.log.attach(writer)
-
-
 def _check_saved_run(
     cfg: TrainConfig,
     rm: RankManager,
@@ -218,9 +231,8 @@ def _check_saved_run(
     model: dict[str, Any],
     data: dict[str, Any],
 ) -> SavedRun | None:
-    """The newest committed step's trainer values under ``url`` (None: none), refused when
-    they are another run's (before anything is loaded);
-    clears a memory tier holding another run's steps."""
+    """The newest committed step's trainer values under ``url`` (None: none); JobError when
+    they are another run's. Clears a memory tier holding another run's steps."""
     if url is None or cfg.checkpoint_url is None:
         return None
     saved = peek(url, storage_options=storage_options, rank=rm.rank, world_size=rm.world_size)
@@ -275,45 +287,3 @@ def _make_model(
         line = init_weights(module, cfg.init_from, storage_options=storage_options)
         session.log.write(line, {"event": "init_from", "url": cfg.init_from, "ignored": False})
     return built
-
-
-def _wrap(cfg: TrainConfig, rm: RankManager, built: BuiltModel) -> ftsdp.FSDP:
-    """The model under ``ftsdp.FSDP`` on this rank's device, as the flags say."""
-    return ftsdp.FSDP(
-        built.module.to(rm.device),
-        auto_wrap_policy=built.policy,
-        sharding_strategy=ftsdp.ShardingStrategy[cfg.sharding_strategy],
-        device_id=rm.device if rm.device.type == "cuda" else None,
-        mixed_precision=MIXED_PRECISION[cfg.mixed_precision],
-        deterministic=cfg.deterministic,
-    )
-
-
-def _checkpoints(
-    cfg: TrainConfig,
-    session: Session,
-    url: str | None,
-    storage_options: dict[str, Any] | None,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-) -> CheckpointManager | None:
-    """The job's checkpoint manager (None without ``--checkpoint-url``)."""
-    if url is None:
-        return None
-    return CheckpointManager(
-        url,
-        model,
-        optimizer,
-        lr_scheduler=scheduler,
-        every_steps=cfg.checkpoint_every or None,
-        every_seconds=cfg.checkpoint_every_s or None,
-        keep_last=cfg.keep_last,
-        async_save=cfg.async_save,
-        defer_copy=cfg.defer_copy,
-        memory_url=memory_root(cfg, url) if cfg.memory_every else None,
-        memory_every=cfg.memory_every or None,
-        storage_options=storage_options,
-        seed=cfg.seed,
-        log=lambda line: session.log.event({"event": "checkpoint_warning", "message": line}, line),
-    )

@@ -1,9 +1,6 @@
-"""The training entry's step loop: resume, gradient accumulation, the step boundary (agreement,
-checkpoints, the step hook), and rank 0's log lines.
-
-At every step boundary the ranks run one ``all_reduce(MAX)`` over "a rank was preempted" and "a
-time-based checkpoint is due", so every rank takes the same decision at the same step; the hook's
-``at_step_end`` runs just before it, ``after_save`` after the checkpoint and its log line."""
+"""The training entry's step loop: resume, gradient accumulation, the step boundary, and rank 0's
+log lines. At every step boundary the ranks agree (one collective) on "a rank was preempted" and
+"a time-based checkpoint is due", so all take the same decision at the same step."""
 
 from __future__ import annotations
 
@@ -26,15 +23,11 @@ from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._job import Job
 from ftsdp.trainer._records import SavedRun, mismatch, refusal
-from ftsdp.trainer._session import MetricsLog, Session
+from ftsdp.trainer._session import Session
 
 EXIT_PEER_LOST = 1  # a failure: torchrun restarts the group (within --max-restarts)
 # what a collective's error says when the process of another rank died (gloo's transport)
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _config_json(cfg: TrainConfig) -> str:
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
 @dataclass
@@ -160,9 +153,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
         f"ftsdp.train | world {rm.world_size} | {rm.device} | {cfg.sharding_strategy} | "
         f"{job.n_params / 1e6:.2f}M params | global batch {cfg.global_batch} = micro "
         f"{cfg.micro_batch} x {g.micro_batches} over {rm.world_size} rank"
-        f"{'s' if rm.world_size > 1 else ''} "
-        f"({_shares(g)} each) | "
-        f"model {cfg.model}"
+        f"{'s' if rm.world_size > 1 else ''} ({_shares(g)} each) | model {cfg.model}"
         + (f" ({cfg.mixed_precision})" if cfg.mixed_precision != "none" else "")
         + f" | {job.data_description}"
         + (f" | torchrun restart {rm.generation}" if rm.generation else ""),
@@ -177,7 +168,7 @@ def run(cfg: TrainConfig, session: Session, job: Job) -> int:
         return _peer_lost(session, job, e)
     wall = time.perf_counter() - t0
     record = {"event": "done", "steps": cfg.steps, "first_step": out.first_step, "wall_s": wall}
-    record.update(loss=out.loss, loss_step=out.loss_step, time=time.time())
+    record |= {"loss": out.loss, "loss_step": out.loss_step, "time": time.time()}
     if out.steps_run == 0 and out.first_step >= cfg.steps:  # a rerun of a finished job
         loss = "no loss recorded (a checkpoint of an older version)"
         if out.loss_step is not None:
@@ -204,7 +195,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         "cursor": 0,
         "restarts": 0,
         "world_size": rm.world_size,
-        "config": _config_json(cfg),
+        "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True),
         "loss": None,  # the last logged loss and its step: a rerun of a finished job shows it
         "loss_step": None,
         **job.records,  # model, data: what is trained (_records)
@@ -254,8 +245,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
             session.watchdog.beat(step)
         window.append(losses)
 
-        # The step boundary: see the module docstring.
-        hook.at_step_end(step)
+        hook.at_step_end(step)  # then the agreement (module docstring)
         due = job.ckpt is not None and job.ckpt.due(step)
         stop, save_due = rm.agree_any(preempt.requested, due)
         last = step == cfg.steps
@@ -265,8 +255,6 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
             trainer.update(loss=out.loss, loss_step=step)
         if job.ckpt is not None and job.scaler is not None:
             trainer["grad_scaler"] = json.dumps(job.scaler.state_dict(), sort_keys=True)
-        if job.ckpt is not None and not (save_due or stop or last):
-            blocking += job.ckpt.save_to_memory(step, trainer)  # when the memory tier is on
         if job.ckpt is not None and (save_due or stop or last):
             seconds = job.ckpt.save(step, trainer, block=stop or last)
             blocking += seconds
@@ -275,10 +263,30 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
                 + (" | async" if job.ckpt.in_flight() else ""),
                 {"event": "checkpoint", "step": step, "blocking_s": seconds, "time": time.time()},
             )
-        if logged:
+        elif job.ckpt is not None:
+            blocking += job.ckpt.save_to_memory(step, trainer)  # when the memory tier is on
+        if logged:  # the line and record of the window's steps
             elapsed = time.perf_counter() - t_window
-            _log_window(
-                cfg, rm, log, out.loss, len(window), step, lr, grad_norm, blocking, trainer, elapsed
+            record = {
+                "event": "step",
+                "step": step,
+                "loss": out.loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": cfg.global_batch * cfg.block_size * len(window) / elapsed,
+                "s_per_step": elapsed / len(window),
+                "ckpt_blocking_s": blocking,
+                "restarts": trainer["restarts"],
+                "generation": rm.generation,
+                "world_size": rm.world_size,
+                "time": time.time(),
+            }
+            log.write(
+                f"step {step}/{cfg.steps} | loss {out.loss:.4f} | tokens/s "
+                f"{record['tokens_per_s']:.0f} | s/step {record['s_per_step']:.3f} | grad_norm "
+                f"{record['grad_norm']:.3f} | lr {lr:.2e}"
+                + (f" | ckpt blocking {blocking:.3f}s" if blocking else ""),
+                record,
             )
             window, blocking, t_window = [], 0.0, time.perf_counter()
         hook.after_save(step)
@@ -374,43 +382,6 @@ def _window_loss(rm: RankManager, g: BatchGeometry, window: list[torch.Tensor]) 
     for value in local.reshape(-1).cpu().tolist():
         total += value
     return total / local.numel()
-
-
-def _log_window(
-    cfg: TrainConfig,
-    rm: RankManager,
-    log: MetricsLog,
-    loss: float,
-    n: int,
-    step: int,
-    lr: float,
-    grad_norm: torch.Tensor,
-    blocking: float,
-    trainer: dict[str, Any],
-    elapsed: float,
-) -> None:
-    """Rank 0's line and record of the ``n`` steps up to ``step`` (``loss``: their mean)."""
-    tokens_per_step = cfg.global_batch * cfg.block_size
-    record = {
-        "event": "step",
-        "step": step,
-        "loss": loss,
-        "lr": lr,
-        "grad_norm": float(grad_norm),
-        "tokens_per_s": tokens_per_step * n / elapsed,
-        "s_per_step": elapsed / n,
-        "ckpt_blocking_s": blocking,
-        "restarts": trainer["restarts"],
-        "generation": rm.generation,
-        "world_size": rm.world_size,
-        "time": time.time(),
-    }
-    log.write(
-        f"step {step}/{cfg.steps} | loss {loss:.4f} | tokens/s {record['tokens_per_s']:.0f} | "
-        f"s/step {record['s_per_step']:.3f} | grad_norm {record['grad_norm']:.3f} | lr {lr:.2e}"
-        + (f" | ckpt blocking {blocking:.3f}s" if blocking else ""),
-        record,
-    )
 
 
 def start_record(cfg: TrainConfig, rm: RankManager, job: Job) -> dict:

@@ -1,8 +1,5 @@
-"""What the main job trains (``--model``: ``gpt``, ``hf:DIR``, ``py:MODULE:FUNCTION``), the one
-adapter the loop calls for the loss, and ``--init-from`` (docs/training.md, "--model").
-
-The loop needs one thing of a model: ``loss(model, x, y)``, the mean next-token cross-entropy of
-``x`` (B, T) against ``y`` (B, T) as a 0-dim tensor, ``model`` being the FSDP-wrapped module."""
+"""What the main job trains (``--model``), its loss adapter ``loss(model, x, y)`` -> the mean
+next-token cross-entropy (0-dim; ``model`` wrapped), and ``--init-from`` (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -85,12 +82,6 @@ def module_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return out
 
 
-def is_transformers_model(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``transformers.PreTrainedModel`` (without importing it)."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
-
-
 def no_split_policy(module: nn.Module) -> set[type[nn.Module]] | None:
     """The classes a ``transformers`` model names in ``_no_split_modules`` (its decoder layers),
     as an ``auto_wrap_policy``; None (one unit) when it names none that it holds."""
@@ -130,17 +121,6 @@ def model_positions(module: nn.Module) -> int | None:
 def has_dropout(module: nn.Module) -> bool:
     """Whether any ``nn.Dropout`` of ``module`` drops something (p > 0)."""
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
-
-
-def _import_transformers(spec: str) -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise JobError(
-            f"--model {spec} needs transformers: pip install 'ftsdp[hf]' "
-            "(or pip install transformers)"
-        ) from None
-    return transformers
 
 
 def hf_config_dict(config: Any) -> dict[str, Any]:
@@ -190,7 +170,13 @@ def plan_model(cfg: TrainConfig) -> ModelPlan:
             f"--model {cfg.model}: no config.json in {path}; write one with "
             "transformers' config.save_pretrained(DIR)"
         )
-    transformers = _import_transformers(cfg.model)
+    try:
+        import transformers
+    except ImportError:
+        raise JobError(
+            f"--model {cfg.model} needs transformers: pip install 'ftsdp[hf]' "
+            "(or pip install transformers)"
+        ) from None
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
@@ -239,7 +225,8 @@ def build_model(cfg: TrainConfig, plan: ModelPlan) -> BuiltModel:
             f"--model {cfg.model}: {fn_name}(cfg) returned {type(out).__name__}; it must return "
             "an nn.Module or (nn.Module, auto_wrap_policy)"
         )
-    if is_transformers_model(out):
+    hf = sys.modules.get("transformers")  # imported by any transformers model
+    if hf is not None and isinstance(out, hf.PreTrainedModel):
         plan.record["hf_config"] = hf_config_dict(out.config)
         return BuiltModel(
             out, policy if policy is not None else no_split_policy(out), causal_lm_loss
@@ -254,11 +241,9 @@ def _few(names: list[str], n: int = 3) -> str:
 def init_weights(
     module: nn.Module, url: str, *, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """Fill ``module``'s parameters and persistent buffers from the checkpoint at ``url``, in any
-    format ``ftsdp-ckpt`` reads (a Hugging Face directory, a ``torch.save`` file, DCP, an ftsdp
-    root: its newest step). Names are the module's own (a bare export) or under ``model.`` (an
-    ftsdp run); the prefix that matches is used. All or nothing (``storage.load_into``). Returns
-    a one-line description; :class:`JobError` when it cannot load or does not match."""
+    """Fill ``module``'s parameters and persistent buffers from the checkpoint at ``url`` (any
+    format ``ftsdp-ckpt`` reads), its names bare or under ``model.``, all or nothing. Returns a
+    one-line description; :class:`JobError` when it cannot load or does not match."""
     try:
         with storage.LazyStateDict(url, storage_options=storage_options) as src:
             fmt, step = src.format, src.step
@@ -271,16 +256,17 @@ def init_weights(
         groups.setdefault(id(t), []).append(key)
         tensors[id(t)] = t
     known = {k for keys in groups.values() for k in keys}
-    best: tuple[int, str, list[str], list[str]] | None = None
-    for prefix in ("", "model."):
+
+    def fit(prefix: str) -> tuple[int, str, list[str], list[str]]:
         saved = {n[len(prefix) :] for n in shapes if n.startswith(prefix)}
         missing = sorted(keys[0] for keys in groups.values() if not saved.intersection(keys))
         unexpected = sorted(saved - known)
-        if best is None or len(missing) + len(unexpected) < best[0]:
-            best = (len(missing) + len(unexpected), prefix, missing, unexpected)
-    assert best is not None
-    _, prefix, missing, unexpected = best
-    where = f"--init-from {url} ({fmt}" + (f", step {step})" if step is not None else ")")
+        return len(missing) + len(unexpected), prefix, missing, unexpected
+
+    # the prefix that matches best; a tie goes to the bare names
+    _, prefix, missing, unexpected = min(map(fit, ("", "model.")), key=lambda f: f[0])
+    source = f"{url} ({fmt}" + (f", step {step})" if step is not None else ")")
+    where = f"--init-from {source}"
     if missing or unexpected:
         raise JobError(
             f"{where} does not match the model: {len(missing)} missing"
@@ -301,4 +287,4 @@ def init_weights(
         storage.load_into(module, url, step, prefix=prefix, storage_options=storage_options)
     except (storage.CheckpointError, OSError) as e:
         raise JobError(f"{where}: loading failed: {type(e).__name__}: {e}") from None
-    return f"initialised from {url} ({fmt}" + (f", step {step})" if step is not None else ")")
+    return f"initialised from {source}"

@@ -71,11 +71,12 @@ class Phases:
 
     def record(self, **extra: Any) -> dict[str, Any]:
         """The ``phases`` metrics record: marks in order, phase durations, ``extra`` fields."""
+        total = self.total()
         return {
             "event": "phases",
             "marks": {m: self.marks[m] for m in MARKS if m in self.marks},
             "seconds": {k: round(v, 4) for k, v in self.seconds().items()},
-            "total_s": None if self.total() is None else round(self.total() or 0.0, 4),
+            "total_s": None if total is None else round(total, 4),
             **extra,
             "time": time.time(),
         }

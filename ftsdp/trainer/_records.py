@@ -1,9 +1,7 @@
 """What a checkpoint of the main job records about what was trained, and the check that a resume
-continues the same run (docs/training.md, "What a checkpoint records").
-
-``trainer.model`` and ``trainer.data`` are JSON strings, not nested objects: storage flattens
-nested mappings into dotted names and a resume must match the saved names exactly. A checkpoint
-that predates them trained the built-in GPT on the synthetic language."""
+continues the same run (docs/training.md, "What a checkpoint records"). ``trainer.model`` and
+``trainer.data`` are JSON strings: storage flattens nested mappings into dotted names, and a
+resume must match the saved names exactly."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """The elastic runtime around one worker: rank manager, logs, step hook, signals, watchdog,
-ledger. Built in order on a ``contextlib.ExitStack``; closed in reverse.
-
-``Session.close`` runs every closer even when one raises, then raises the *first* error (a plain
-``ExitStack.close()`` would raise the last) and logs the later ones. The console log is opened
-first and closed last, so closing errors are still shown. The job's ``CheckpointManager`` is not
-closed here: after an error its in-flight async save is abandoned, as waiting could block on a
-dead peer (docs/elastic.md, "The training entry")."""
+ledger, opened in order and closed in reverse (docs/elastic.md, "The training entry")."""
 
 from __future__ import annotations
 
@@ -18,13 +12,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from ftsdp import storage
 from ftsdp.elastic import PreemptionHandler, RankManager, Watchdog
 from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._hooks import HookFactory, NoStepHook, StepHook
 from ftsdp.trainer._phases import Phases
+from ftsdp.trainer._tensorboard import TensorBoardScalars
 
 logger = logging.getLogger(__name__)
 progress = logging.getLogger("ftsdp.train")  # the entry's lines: progress, events, errors
@@ -32,30 +27,25 @@ progress = logging.getLogger("ftsdp.train")  # the entry's lines: progress, even
 FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
 
 
-class ConsoleHandler(logging.Handler):
-    """INFO and below to ``sys.stdout``, WARNING and above to ``sys.stderr`` (looked up at each
-    record, so a replaced stream, e.g. pytest's capture, is followed), each record flushed.
-    Every record is stamped with ``rank`` for :data:`FORMAT`."""
+class ConsoleHandler(logging.StreamHandler):
+    """Below WARNING to stdout, the rest to stderr, each looked up per record (pytest's capture
+    replaces them) and flushed; records are stamped with ``rank`` for :data:`FORMAT`."""
 
     def __init__(self, rank: int, level: int = logging.NOTSET):
-        super().__init__(level)
+        super().__init__()
+        self.setLevel(level)
         self.rank = rank
         self.setFormatter(logging.Formatter(FORMAT))
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
-            record.rank = self.rank
-            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
-            stream.write(self.format(record) + "\n")
-            stream.flush()
-        except Exception:
-            self.handleError(record)
+        record.rank = self.rank
+        self.stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+        super().emit(record)  # under the handler's lock: the stream is this record's
 
 
 def console_logging(level: str, rank: int) -> Callable[[], None]:
     """Install one :class:`ConsoleHandler` on the ``ftsdp`` logger (rank 0 from ``level``, the
-    others from WARNING, DEBUG on every rank); returns the function that removes it and restores
-    the logger's level."""
+    others from WARNING unless DEBUG); returns the function that removes it."""
     root = logging.getLogger("ftsdp")
     wanted = logging.getLevelName(level.upper())
     if not isinstance(wanted, int):
@@ -75,32 +65,16 @@ def console_logging(level: str, rank: int) -> Callable[[], None]:
     return remove
 
 
-class RecordSink(Protocol):
-    """Where :class:`MetricsLog` also sends its records (``--tensorboard``)."""
-
-    def record(self, record: dict[str, Any]) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class MetricsLog:
-    """Rank 0's log: one line per interval through the ``ftsdp.train`` logger (INFO; on stdout
-    with the entry's handler), and optionally one JSON record each.
-
-    ``event`` records (errors, faults seen, resumes) may come from any rank: each is one
-    ``write`` of one line to a file opened for appending, so ranks do not interleave.
-    A sink attached with :meth:`attach` (``--tensorboard``: ``_tensorboard``) gets every record
-    too, and is closed with the log.
-    """
+    """Rank 0's progress lines (the ``ftsdp.train`` logger, INFO) and their JSON records; any
+    rank's :meth:`event` records, each one ``write`` of one line to a file opened for appending
+    so that ranks do not interleave; and an attached sink (``--tensorboard``)."""
 
     def __init__(self, path: str | None, enabled: bool, rank: int = 0):
         self.enabled = enabled
         self.rank = rank
-        self._file: IO[str] | None = None
-        self._sink: RecordSink | None = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file: IO[str] | None = _open_append(path) if path else None
+        self._sink: TensorBoardScalars | None = None
 
     def write(self, line: str, record: dict[str, Any]) -> None:
         """Rank 0's progress ``line`` (logged at INFO) and its JSON ``record``."""
@@ -118,7 +92,7 @@ class MetricsLog:
             progress.log(level, "%s", line)
         self._append({**record, "rank": self.rank, "time": time.time()})
 
-    def attach(self, sink: RecordSink) -> None:
+    def attach(self, sink: TensorBoardScalars) -> None:
         """Send every later record to ``sink`` as well (one sink; closed by :meth:`close`)."""
         self._sink = sink
 
@@ -142,7 +116,7 @@ class MetricsLog:
 
 class Closers:
     """Closers on an ``ExitStack``: :meth:`close` runs them all in reverse, then raises the
-    first error (see the module docstring)."""
+    first error (a plain ``ExitStack.close()`` raises the last) and logs the later ones."""
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
@@ -166,9 +140,10 @@ class Closers:
             raise errors[0]
 
 
-def _open_ledger(path: str) -> IO[str]:
+def _open_append(path: str) -> IO[str]:
+    """``path`` opened for appending, its folder made; the caller closes it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return open(path, "a", encoding="utf-8")  # closed by the session
+    return open(path, "a", encoding="utf-8")
 
 
 def _close_after(error: BaseException, close: Callable[[], None], what: str) -> None:
@@ -187,13 +162,9 @@ def _close_after(error: BaseException, close: Callable[[], None], what: str) -> 
 
 @dataclass(frozen=True, kw_only=True)
 class Session:
-    """One worker's runtime, open from :meth:`open` to :meth:`close`.
-
-    Every field is set once, when the session is built. ``watchdog`` is None for a world of one
-    outside torchrun or with ``--heartbeat-timeout-s 0``; ``ledger`` is None without ``--ledger`` or off rank 0.
-    ``phases`` collects the worker's start marks (``ftsdp.trainer._phases``): the entry's, the
-    rank manager's, ``session_open``; the entry and the loop add the rest.
-    """
+    """One worker's runtime, open from :meth:`open` to :meth:`close`. ``watchdog``: None for a
+    world of one outside torchrun or with ``--heartbeat-timeout-s 0``; ``ledger``: None without
+    ``--ledger`` or off rank 0; ``phases``: the worker's start marks (``_phases``)."""
 
     cfg: TrainConfig
     rm: RankManager
@@ -214,7 +185,8 @@ class Session:
         closers = Closers()
         phases = Phases() if phases is None else phases
         try:
-            # torchrun sets RANK before the process starts; RankManager.init may log already.
+            # First opened, last closed: closing errors are still shown. torchrun sets RANK
+            # before the process starts; RankManager.init may log already.
             closers.push(console_logging(cfg.log_level, int(os.environ.get("RANK", "0") or 0)))
             rm = RankManager.init(
                 device=cfg.device,
@@ -254,7 +226,7 @@ class Session:
                     ),
                 ).start()
                 closers.push(watchdog.close)
-            ledger = _open_ledger(cfg.ledger) if cfg.ledger and rank == 0 else None
+            ledger = _open_append(cfg.ledger) if cfg.ledger and rank == 0 else None
             if ledger is not None:
                 closers.push(ledger.close)
         except BaseException as opening:

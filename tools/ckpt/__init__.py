@@ -1,11 +1,6 @@
-"""``ftsdp-ckpt``: inspect, verify, convert, reshard, diff and garbage-collect checkpoints.
-
-Exit codes (docs/cli.md, "Errors and exit codes"): 0 success, 1 ``verify`` found problems, 2 bad
-usage or input (one line), 3 an internal error (a bug here), 130 interrupted.
-
-The commands (and with them ``ftsdp.storage`` and torch) are imported once the command line
-parsed: ``--help`` and a usage error do not wait for torch.
-"""
+"""``ftsdp-ckpt``: inspect, verify, convert, reshard, diff and garbage-collect checkpoints
+(docs/cli.md; exit codes: "Errors and exit codes"). The commands, and with them torch, are
+imported once the command line parsed: ``--help`` and a usage error do not wait for torch."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The ``ftsdp-ckpt`` command line: subcommands, options and their value parsers.
-
-Parsing does not import torch nor ``ftsdp.storage`` (which imports torch): ``--help`` and a bad
-command line answer at once. The two storage constants the help shows are copied here
-(tests/unit/tools/test_ckpt_cli.py checks they agree); ``--dtype`` becomes a ``torch.dtype`` in
-:func:`parse`, once the command line is known to be good."""
+"""The ``ftsdp-ckpt`` command line. Parsing imports neither torch nor ``ftsdp.storage``: the two
+storage constants the help shows are copied here (tests/unit/tools/test_ckpt_cli.py checks they
+agree) and ``--dtype`` becomes a ``torch.dtype`` once the command line is known to be good."""
 
 from __future__ import annotations
 
@@ -220,8 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @functools.cache
 def _parser() -> argparse.ArgumentParser:
-    """:func:`build_parser`, once per process (the fuzz tool runs ``main`` once per case);
-    parsing leaves the parser as it was, so one serves every call."""
+    """:func:`build_parser`, once per process: parsing leaves it as it was."""
     return build_parser()
 
 

@@ -1,11 +1,6 @@
-"""What ``ftsdp-ckpt convert --to hf`` makes of a training checkpoint: a Hugging Face model folder
-(docs/cli.md, "The Hugging Face export", says what is written).
-
-Storage knows nothing of the trainer's convention (``model.`` / ``optim.`` names, the
-``trainer.model`` record ``{"spec", "hf_config", "tokenizer_dir"}``): this module reads the record,
-whole, as JSON text or flattened to dotted names, and turns it into storage's generic options
-(``model_only``, ``strip_prefix``, ``exclude``, ``extra_files``, ``copy_files``).
-"""
+"""``ftsdp-ckpt convert --to hf``: the trainer's convention (``model.`` names, the
+``trainer.model`` record) turned into storage's generic convert options (docs/cli.md, "The
+Hugging Face export")."""
 
 from __future__ import annotations
 
@@ -21,8 +16,7 @@ from ftsdp import storage
 
 MODEL_PREFIX = "model."
 RECORD = "trainer.model"
-# Files of a Hugging Face model folder that are not weights nor config.json: the tokenizer's (every
-# kind transformers writes) and the generation defaults. Only these plain names are copied.
+# The tokenizer's files (every kind transformers writes) and the generation defaults: copied.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
@@ -95,7 +89,7 @@ def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
 def _tied_groups(config: dict[str, Any]) -> list[list[str]]:
     """The names (in module order) of each parameter the model of ``config`` ties, from
     ``transformers`` built on the meta device. ImportError / ValueError when it cannot be."""
-    import transformers  # only here: importing a model's code takes seconds
+    import transformers  # here only: the export needs it for tied weights alone (optional)
 
     rest = {k: v for k, v in config.items() if k != "model_type"}
     hf_config = transformers.AutoConfig.for_model(config.get("model_type"), **rest)

@@ -95,7 +95,7 @@ def fakes(monkeypatch) -> _Fakes:
     monkeypatch.setattr(_session, "MetricsLog", MetricsLog)
     monkeypatch.setattr(_session, "PreemptionHandler", PreemptionHandler)
     monkeypatch.setattr(_session, "Watchdog", Watchdog)
-    monkeypatch.setattr(_session, "_open_ledger", lambda path: f.part("ledger"))
+    monkeypatch.setattr(_session, "_open_append", lambda path: f.part("ledger"))
     return f
 
 
