@@ -425,11 +425,10 @@ class _Snapshot:
         """The snapshot of ``save``'s tensors, started; None where there is none: a deferred
         save written from the live tensors, or a share over the staging budget."""
         local = [t.local for t in save.tensors.values()]
-        cuda = any(t.device.type == "cuda" for t in local)
-        total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
-        if (deferred and in_place(save.store, cuda)) or total > save.options.staging_budget_bytes:
+        if deferred and in_place(save.store, any(t.device.type == "cuda" for t in local)):
             return None
-        return cls(save, handle, start)
+        total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
+        return None if total > save.options.staging_budget_bytes else cls(save, handle, start)
 
     def _copy(self) -> None:
         try:
