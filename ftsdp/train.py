@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import time
+
+if __name__ == "__main__" and not {"-h", "--help", "--version"}.isdisjoint(sys.argv[1:]):
+    from ftsdp.trainer._config import parse_args  # answers before torch is imported
+
+    parse_args(sys.argv[1:])
 
 # The imports, timed for the phases record with the garbage collector paused; a program (not a
 # library import) then freezes what they made (docs/elastic.md, "Recovery time").
@@ -30,7 +36,6 @@ try:
     import io
     import logging
     import os
-    import sys
     from collections.abc import Sequence
 
     from ftsdp.trainer._config import TrainConfig, parse_args

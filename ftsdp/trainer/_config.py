@@ -12,10 +12,13 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import ftsdp
-from ftsdp.elastic import BatchGeometry
-from ftsdp.examples.gpt import GPTConfig
+
+if TYPE_CHECKING:  # both import torch, which --help does without (ftsdp/train.py)
+    from ftsdp.elastic import BatchGeometry
+    from ftsdp.examples.gpt import GPTConfig
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 DEVICES = ("auto", "cpu", "cuda")
@@ -215,6 +218,8 @@ class TrainConfig:
             need(self.vocab_size >= 2, "vocab_size", "must be >= 2")
 
     def model_config(self) -> GPTConfig:
+        from ftsdp.examples.gpt import GPTConfig
+
         return GPTConfig(
             vocab_size=self.vocab_size,
             block_size=self.block_size,
@@ -225,6 +230,8 @@ class TrainConfig:
 
     def geometry(self, world_size: int) -> BatchGeometry:
         """The batch geometry at ``world_size`` (any world size works: ftsdp.elastic)."""
+        from ftsdp.elastic import BatchGeometry
+
         return BatchGeometry(
             global_batch=self.global_batch, micro_batch=self.micro_batch, world_size=world_size
         )

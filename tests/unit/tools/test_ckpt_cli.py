@@ -126,6 +126,21 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "usage: ftsdp-ckpt" in proc.stdout and "invalid choice: 'nope'" in proc.stderr
+    script = (  # the training entry's --help and --version too
+        "import sys, runpy\n"
+        "for argv in (['--help'], ['--version']):\n"
+        "    sys.argv = ['ftsdp-train', *argv]\n"
+        "    try:\n"
+        "        runpy.run_module('ftsdp.train', run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, (argv, e.code)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: ftsdp-train" in proc.stdout and "--global-batch" in proc.stdout
 
 
 def test_verify_clean_and_damaged(root: pathlib.Path) -> None:

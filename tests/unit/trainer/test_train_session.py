@@ -334,7 +334,9 @@ def test_a_lost_peer_is_one_line_naming_the_resume_step(committed, signal_name, 
     closes: list[bool] = []
     session = SimpleNamespace(
         preempt=_Preempt(signal_name),
-        rm=SimpleNamespace(close=lambda barrier: closes.append(barrier)),
+        rm=SimpleNamespace(
+            close=lambda barrier: closes.append(barrier), exit_if_orphaned=lambda: None
+        ),
         log=SimpleNamespace(event=lambda record, text, level: events.append((record, text, level))),
     )
     job = SimpleNamespace(ckpt=None if committed is None else _Ckpt(committed))
