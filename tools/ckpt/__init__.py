@@ -11,6 +11,7 @@ import traceback
 from typing import TextIO
 
 from ftsdp.tools.ckpt._args import PROG, UsageError, parse
+from ftsdp.tools.ckpt._progress import printable
 
 # Errors that describe the input, not a bug here: one line and exit code 2 (and storage's
 # CheckpointError, see _user_error).
@@ -20,7 +21,7 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3
 
 def _one_line(error: BaseException) -> str:
     text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-    return " ".join(str(text).split()) or type(error).__name__
+    return printable(" ".join(str(text).split())) or type(error).__name__
 
 
 def _user_error(error: BaseException) -> bool:

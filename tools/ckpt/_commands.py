@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 from ftsdp import storage
 from ftsdp.tools.ckpt._hf_export import hf_export
-from ftsdp.tools.ckpt._progress import human_bytes, progress_for
+from ftsdp.tools.ckpt._progress import human_bytes, printable, progress_for
 
 
 def _emit(out: TextIO, obj: Any) -> None:
@@ -34,11 +34,11 @@ def _groups(tensors: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = {}
     for t in tensors:
         group = groups.setdefault(
-            t["name"].split(".", 1)[0], {"tensors": 0, "bytes": 0, "dtypes": Counter()}
+            printable(t["name"].split(".", 1)[0]), {"tensors": 0, "bytes": 0, "dtypes": Counter()}
         )
         group["tensors"] += 1
         group["bytes"] += t["bytes"]
-        group["dtypes"][t["dtype"]] += 1
+        group["dtypes"][printable(t["dtype"])] += 1
     return groups
 
 
@@ -49,7 +49,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         _emit(out, info)
         return 0
-    out.write(f"{info['format']} checkpoint {info['url']}\n")
+    out.write(f"{info['format']} checkpoint {printable(info['url'])}\n")
     if info["format"] == "ftsdp":
         out.write(f"committed steps: {info['committed_steps'] or 'none'}\n")
         out.write(f"torn steps: {info['torn_steps'] or 'none'}\n")
@@ -67,17 +67,20 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     out.write(
         f"total: {info['total_tensors']} tensors, {human_bytes(info['total_bytes'])} ({info['total_bytes']} bytes)\n"
     )
-    out.write(f"values: {', '.join(info['values']) or 'none'}\n")
+    out.write(f"values: {printable(', '.join(info['values'])) or 'none'}\n")
     for d in info.get("dropped", []):
-        out.write(f"not representable: {d}\n")
+        out.write(f"not representable: {printable(d)}\n")
     if not args.tensors:
         if info["tensors"]:
             out.write("every tensor's name, shape, dtype and bytes: --tensors\n")
         return 0
-    width = max([len(t["name"]) for t in info["tensors"]] + [4])
+    names = [printable(t["name"]) for t in info["tensors"]]
+    width = max([len(n) for n in names] + [4])
     out.write(f"\n{'name':<{width}}  {'shape':<20} {'dtype':<14} {'bytes':>12}\n")
-    for t in info["tensors"]:
-        out.write(f"{t['name']:<{width}}  {t['shape']!s:<20} {t['dtype']:<14} {t['bytes']:>12}\n")
+    for name, t in zip(names, info["tensors"], strict=True):
+        out.write(
+            f"{name:<{width}}  {t['shape']!s:<20} {printable(t['dtype']):<14} {t['bytes']:>12}\n"
+        )
     return 0
 
 
@@ -87,12 +90,12 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
         _emit(out, {**report.__dict__, "ok": report.ok})
         return 0 if report.ok else 1
     for problem in report.problems:
-        out.write(f"PROBLEM: {problem}\n")
+        out.write(f"PROBLEM: {printable(problem)}\n")
     steps = ", ".join("all" if s is None else str(s) for s in report.checked) or "none"
     torn = f"; torn steps (ignored by readers): {report.torn_steps}" if report.torn_steps else ""
     verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
     out.write(
-        f"{verdict}: {report.format} {report.url} step(s) {steps}, {human_bytes(report.bytes_read)} read{torn}\n"
+        f"{verdict}: {report.format} {printable(report.url)} step(s) {steps}, {human_bytes(report.bytes_read)} read{torn}\n"
     )
     return 0 if report.ok else 1
 
@@ -112,9 +115,9 @@ def _report_convert(result: storage.conversion.ConvertResult, out: TextIO) -> No
         f"{human_bytes(result.bytes_read)} from a {result.source_format} checkpoint{read}\n"
     )
     for path in result.written:
-        out.write(f"  {path}\n")
+        out.write(f"  {printable(path)}\n")
     for d in result.dropped:
-        out.write(f"dropped: {d}\n")
+        out.write(f"dropped: {printable(d)}\n")
 
 
 def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
@@ -129,7 +132,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     )  # fmt: skip
     _report_convert(result, out)
     for note in notes(result) if notes else []:
-        out.write(f"note: {note}\n")
+        out.write(f"note: {printable(note)}\n")
     return 0
 
 
@@ -161,9 +164,9 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
             )
         elif row["status"] == "shape":
             detail = f"{row['a']} -> {row['b']}"
-        out.write(f"{row['status']:<8} {row['name']} {detail}\n")
+        out.write(f"{row['status']:<8} {printable(row['name'])} {detail}\n")
     for v in result["values"]:
-        out.write(f"value    {v['name']}: {v['a']!r} -> {v['b']!r}\n")
+        out.write(f"value    {printable(v['name'])}: {v['a']!r} -> {v['b']!r}\n")
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no tensors"
     out.write(
         f"step {args.step_a} -> {args.step_b}: {summary}; {len(result['values'])} values differ\n"
@@ -178,9 +181,9 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
     )  # fmt: skip
     verb = "would remove" if report.dry_run else "removed"
     for path in report.removed_paths:
-        out.write(f"{verb} {path}\n")
+        out.write(f"{verb} {printable(path)}\n")
     for why in report.left_alone:  # not provably this format's: never deleted
-        out.write(f"left alone: {why}\n")
+        out.write(f"left alone: {printable(why)}\n")
     out.write(
         f"{verb} steps {report.removed_steps or 'none'} and {len(report.removed_paths)} paths, "
         f"{human_bytes(report.bytes)}; kept steps {report.kept_steps or 'none'}\n"

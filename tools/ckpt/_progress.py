@@ -1,10 +1,22 @@
-"""A progress line on stderr (bytes, rate, ETA) when it is a terminal; nothing otherwise."""
+"""Terminal output: text made safe to print, sizes for people, and a progress line on stderr
+(bytes, rate, ETA) when it is a terminal (nothing otherwise)."""
 
 from __future__ import annotations
 
 import sys
 import time
 from typing import TextIO
+
+
+def printable(text: object) -> str:
+    """``str(text)`` with each non-printable character escaped as Python writes it (``\\x1b``,
+    ``\\r``, ``\\n``, ``\\u202e``), other unicode kept: tensor and file names come from the
+    checkpoint, and a raw escape sequence or carriage return could hide or forge a line. For
+    human-readable output only (JSON output stays exact)."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def human_bytes(n: float) -> str:

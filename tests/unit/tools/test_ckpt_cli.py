@@ -428,3 +428,37 @@ def test_progress_on_a_terminal_only_and_not_with_quiet(root: pathlib.Path, monk
                 text.rsplit("\r")[-1],
             )
             assert last and len(last[1]) == 24 and last[2] == last[3], text
+
+
+def test_control_characters_in_names_are_escaped_in_text_and_exact_in_json(tmp_path) -> None:
+    """A tensor named with an escape sequence and a carriage return (which on a terminal would
+    erase the line and print a forged one over it), and a stray file named so: the text output
+    of inspect, verify and gc shows them escaped, with no raw control character; --json keeps
+    the exact name."""
+    name = "model.evil\x1b[2K\rOK: all good"
+    shown = "model.evil\\x1b[2K\\rOK: all good"
+    url = str(tmp_path / "ckpt")
+    for step in (1, 2):
+        storage.save({"model": {"evil\x1b[2K\rOK: all good": torch.ones(10)}}, url, step=step)
+    (tmp_path / "ckpt" / "step-0").mkdir()
+    (tmp_path / "ckpt" / "step-0" / "x\x1b]0;title\x07").write_bytes(b"1")
+    piece = storage.catalog.read_manifest(url, 2).tensors[name].pieces[0]
+    obj = tmp_path / "ckpt" / "step-2" / piece.object
+    data = bytearray(obj.read_bytes())
+    data[piece.byte_start] ^= 0xFF
+    obj.write_bytes(bytes(data))
+
+    def raw_controls(text: str) -> list[str]:
+        return [c for c in text if not c.isprintable() and c != "\n"]
+
+    code, out, _ = _cli("inspect", url, "--tensors")
+    assert code == 0 and shown in out and not raw_controls(out), out
+    code, out, _ = _cli("verify", url)
+    assert code == 1 and not raw_controls(out), out
+    assert any(line.startswith("PROBLEM: step 2: tensor " + shown) for line in out.splitlines())
+    code, out, _ = _cli("gc", url, "--dry-run")
+    assert code == 0 and "x\\x1b]0;title\\x07" in out and not raw_controls(out), out
+    code, out, _ = _cli("inspect", url, "--json")
+    assert [t["name"] for t in json.loads(out)["tensors"]] == [name]
+    code, out, _ = _cli("verify", url, "--json")
+    assert any(name in p for p in json.loads(out)["problems"])
