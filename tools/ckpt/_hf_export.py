@@ -86,12 +86,48 @@ def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
+# The config keys that count layers: ties do not depend on depth, so the model is built with one.
+LAYER_KEYS = (
+    "n_layer", "n_layers", "num_layers", "num_hidden_layers", "num_decoder_layers",
+    "decoder_layers", "encoder_layers", "num_encoder_layers",
+)  # fmt: skip
+# Any other integer of a recorded config above this is refused: sizes and counts of real models
+# (vocabularies, context lengths of ten million tokens) stay below it.
+MAX_CONFIG_INT = 1 << 26
+
+
+def _one_layer(config: Any, where: str = "hf_config") -> Any:
+    """``config`` with each layer count (at any depth) set to 1 and each per-layer list cut to its
+    first entry. ValueError naming the key when another integer exceeds ``MAX_CONFIG_INT``."""
+    if isinstance(config, list):
+        return [_one_layer(v, f"{where}[{i}]") for i, v in enumerate(config)]
+    if not isinstance(config, dict):
+        if isinstance(config, int) and not -MAX_CONFIG_INT <= config <= MAX_CONFIG_INT:
+            raise ValueError(
+                f"{where}={config} is beyond +-{MAX_CONFIG_INT}: not a size any model has; fix "
+                "the recorded config, or pass --keep-names to export without it"
+            )
+        return config
+    layers = {config[k] for k in LAYER_KEYS if isinstance(config.get(k), int)}
+    out = {}
+    for key, value in config.items():
+        if key in LAYER_KEYS and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = 1
+        elif isinstance(value, list) and len(value) in layers and len(value) > 1:
+            out[key] = _one_layer(value[:1], f"{where}.{key}")  # one entry per layer
+        else:
+            out[key] = _one_layer(value, f"{where}.{key}")
+    return out
+
+
 def _tied_groups(config: dict[str, Any]) -> list[list[str]]:
     """The names (in module order) of each parameter the model of ``config`` ties, from
-    ``transformers`` built on the meta device. ImportError / ValueError when it cannot be."""
+    ``transformers`` built on the meta device with one layer (a recorded config is untrusted
+    input: its depth would set the time and memory the build takes). ImportError / ValueError
+    when it cannot be."""
     import transformers  # here only: the export needs it for tied weights alone (optional)
 
-    rest = {k: v for k, v in config.items() if k != "model_type"}
+    rest = {k: v for k, v in _one_layer(config).items() if k != "model_type"}
     hf_config = transformers.AutoConfig.for_model(config.get("model_type"), **rest)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)

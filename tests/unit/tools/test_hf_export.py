@@ -285,3 +285,25 @@ def test_interrupted_export_is_resumed_without_overwrite(
     monkeypatch.setattr(Feed, "stream", real)
     assert _cli(*argv)[0] == 0
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json", *TOKENIZER}
+
+
+@pytest.mark.timeout(30)
+def test_a_hostile_config_depth_builds_one_layer_and_huge_integers_are_refused() -> None:
+    """Ties do not depend on depth: a recorded config of ten million layers (a few bytes that
+    took hours and hundreds of GB to build) is built with one and still gives the tie, as the
+    normal GPT-2 does; an integer no model has is a ValueError naming it (the export then writes
+    every tensor with a note)."""
+    from ftsdp.tools.ckpt._hf_export import _tied_groups
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0,
+    ).to_dict()  # fmt: skip
+    tie = [["transformer.wte.weight", "lm_head.weight"]]
+    assert _tied_groups(config) == tie
+    assert _tied_groups({**config, "n_layer": 10**7}) == tie
+    assert _tied_groups({**config, "model_type": "gpt2", "num_hidden_layers": 10**7}) == tie
+    with pytest.raises(ValueError, match=r"hf_config.n_embd=1000000000000 is beyond"):
+        _tied_groups({**config, "n_embd": 10**12})
+    with pytest.raises(ValueError, match=r"hf_config\.task_specific_params\.x\[1\]=1000"):
+        _tied_groups({**config, "task_specific_params": {"x": [1, 10**30]}})
