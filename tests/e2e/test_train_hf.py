@@ -157,9 +157,8 @@ def check_the_records(run: HFRun) -> None:
 
 def check_the_export_loads_in_transformers(run: HFRun, ref: HFRun, config_dir: str, tmp) -> None:
     out, err = io.StringIO(), io.StringIO()
-    assert ckpt_main(["convert", run.url, str(tmp / "hf"), "--to", "hf", "-q"], out, err) == 0, (
-        err.getvalue()
-    )
+    argv = ["convert", run.url, str(tmp / "hf"), "--to", "hf", "--tokenizer", config_dir, "-q"]
+    assert ckpt_main(argv, out, err) == 0, err.getvalue()
     files = set(os.listdir(tmp / "hf"))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files, files
     text = "hello, world"

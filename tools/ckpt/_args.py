@@ -187,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
         "non-tensor values (default: model weights only)",
     )  # fmt: skip
     p.add_argument(
+        "--tokenizer", metavar="DIR",
+        help="hf output: copy the tokenizer files from DIR (default: from the recorded "
+        "tokenizer_dir only when it lies inside the checkpoint)",
+    )  # fmt: skip
+    p.add_argument(
         "--keep-names", action="store_true",
         help="hf output: keep every name as saved (no 'model.' strip, no config.json nor "
         "tokenizer files): a dump that converts back as it was",
@@ -235,16 +240,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(
             f"unknown format {args.src_format!r} for --from; choose one of {', '.join(FORMATS)}"
         )
-    # --include-optimizer and --keep-names shape the hf export only
+    # --include-optimizer, --keep-names and --tokenizer shape the hf export only
     for flag, on in (
         ("--include-optimizer", args.include_optimizer),
         ("--keep-names", args.keep_names),
+        ("--tokenizer", args.tokenizer),
     ):
         if on and args.to != "hf":
             raise UsageError(
                 f"{flag} applies to --to hf only (the {args.to} format keeps every tensor and "
                 "value unless --model-only)"
             )
+    if args.tokenizer and args.keep_names:
+        raise UsageError("--tokenizer contradicts --keep-names (which copies no files); pass one")
     if args.include_optimizer and args.model_only:
         raise UsageError("--include-optimizer contradicts --model-only; pass one of them")
     return args

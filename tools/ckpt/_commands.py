@@ -131,8 +131,8 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         max_shard_bytes=args.max_shard_size, **kwargs,
     )  # fmt: skip
     _report_convert(result, out)
-    for note in notes(result) if notes else []:
-        out.write(f"note: {printable(note)}\n")
+    for line in notes(result) if notes else []:  # the files copied, and notes
+        out.write(f"{printable(line)}\n")
     return 0
 
 

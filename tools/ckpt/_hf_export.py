@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import posixpath
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -184,9 +186,79 @@ def tied_copies(
     return drop, notes
 
 
+def _local(url: str) -> str | None:
+    """The local path a URL names; None for a remote one (no links there)."""
+    if "://" not in url:
+        return url
+    return url.removeprefix("file://") if url.startswith("file://") else None
+
+
+def _link_root(folder: str) -> str:
+    """Where links in ``folder`` may lead: the folder itself, or for a Hugging Face cache snapshot
+    (``models--ORG--NAME/snapshots/REV``, whose files link to ``../../blobs/``) its repository."""
+    real = os.path.realpath(folder)
+    snapshots = os.path.dirname(real)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        return repo
+    return real
+
+
+def _tokenizer_files(folder: str, root: str | None) -> dict[str, str]:
+    """``{name: where it is read from}`` of the tokenizer files in ``folder``. On a local disk
+    each must resolve (links followed) inside ``root``: ValueError naming the file otherwise."""
+    path = _local(folder)
+    if path is None or root is None:  # a remote store has no links
+        return {name: f"{folder.rstrip('/')}/{name}" for name in TOKENIZER_FILES}
+    found = {}
+    for name in TOKENIZER_FILES:
+        file = os.path.join(path, name)
+        if not os.path.lexists(file):
+            continue
+        real = os.path.realpath(file)
+        if os.path.commonpath([root, real]) != root:
+            raise ValueError(
+                f"tokenizer file {file} leads to {real}, outside {root}: refused (a link may only "
+                "stay inside the folder, or inside a Hugging Face cache's models--* folder); copy "
+                "the file into the folder, or pass --tokenizer with another folder"
+            )
+        if os.path.isfile(real):
+            found[name] = file if real == os.path.abspath(file) else f"{file} (a link to {real})"
+    return found
+
+
+def tokenizer_source(
+    src: str, named: str | None, recorded: str | None
+) -> tuple[str | None, dict[str, str], list[str]]:
+    """(folder, ``{name: where from}``, notes) of the tokenizer files an export copies: from the
+    folder the user names (``--tokenizer``), else from the recorded ``tokenizer_dir`` only when
+    it lies inside the checkpoint's own root (resolved against that root): a checkpoint from
+    elsewhere must not make the export copy a file of this machine into its output."""
+    if named:
+        path = _local(named)
+        return named, _tokenizer_files(named, path and _link_root(path)), []
+    if not recorded:
+        return None, {}, []
+    root = _local(src)
+    if root is not None:
+        root = os.path.realpath(root)
+        folder: str | None = os.path.realpath(os.path.join(root, recorded))
+        folder = folder if os.path.commonpath([root, folder]) == root else None
+    else:  # remote: a relative path without ".." stays inside
+        rel = posixpath.normpath(recorded)
+        folder = None if rel.startswith(("/", "..")) else f"{src.rstrip('/')}/{rel}"
+    if folder is None:
+        note = (
+            f"tokenizer files not copied: the checkpoint records tokenizer_dir {recorded}, "
+            "outside the checkpoint; pass --tokenizer DIR to copy them from a folder you trust"
+        )
+        return None, {}, [note]
+    return folder, _tokenizer_files(folder, root), []
+
+
 def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any], list[str]]]:
     """``storage.conversion.convert`` keyword arguments for ``convert --to hf``, and a function
-    giving the one-line notes on its result."""
+    giving the lines to print on its result (each tokenizer file copied and where from; notes)."""
     if args.keep_names:  # the names as saved, nothing added
         return {"model_only": args.model_only or not args.include_optimizer}, lambda r: []
     with storage.LazyStateDict(
@@ -205,27 +277,29 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
     }
     if not config:
         note = (
-            f"{args.src} records no Hugging Face config ({RECORD}.hf_config): wrote the weights "
-            f"without the '{MODEL_PREFIX}' prefix and no config.json ({DOCS})"
+            f"note: {args.src} records no Hugging Face config ({RECORD}.hf_config): wrote the "
+            f"weights without the '{MODEL_PREFIX}' prefix and no config.json ({DOCS})"
         )
         return kwargs, lambda r: [note]
+    notes = [f"note: {n}" for n in tie_notes]
     if args.dst.rstrip("/").endswith(".safetensors"):  # one file
-        note = f"{args.dst} is one file: config.json and tokenizer files not written ({DOCS})"
-        return kwargs, lambda r: [*tie_notes, note]
+        note = f"note: {args.dst} is one file: config.json and tokenizer files not written ({DOCS})"
+        return kwargs, lambda r: [*notes, note]
     kwargs["extra_files"] = {"config.json": config_json(config, dtype)}
     assert record is not None  # config came from it
-    tokenizer_dir = record.get("tokenizer_dir")
-    if tokenizer_dir:
-        kwargs.update(copy_files=TOKENIZER_FILES, copy_files_from=tokenizer_dir)
+    folder, files, tokenizer_notes = tokenizer_source(
+        args.src, args.tokenizer, record.get("tokenizer_dir")
+    )
+    notes += [f"note: {n}" for n in tokenizer_notes]
+    if files:
+        kwargs.update(copy_files=list(files), copy_files_from=folder)
 
-    def notes(result: Any) -> list[str]:
-        if tokenizer_dir and not set(result.extra) & set(TOKENIZER_FILES):
-            return [
-                *tie_notes,
-                f"no tokenizer files copied: the recorded tokenizer_dir {tokenizer_dir} is not "
-                "there or holds none of the known tokenizer files; copy them into "
-                f"{args.dst} yourself",
-            ]
-        return tie_notes
+    def lines(result: Any) -> list[str]:
+        copied = [f"copied {name} from {files[name]}" for name in result.extra if name in files]
+        missing = [
+            f"note: no tokenizer files copied: {folder} is not there or holds none of the "
+            f"known tokenizer files; copy them into {args.dst} yourself"
+        ]
+        return [*copied, *notes, *(missing if folder and not copied else [])]
 
-    return kwargs, notes
+    return kwargs, lines

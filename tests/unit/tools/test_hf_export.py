@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import pathlib
+import shutil
 from typing import Any
 
 import pytest
@@ -94,7 +95,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     storage.save({"model": full, "trainer": {"model": json.dumps(record)}}, str(tmp / "both"), 1)
     return {
         "url": str(tmp / "run"), "tmp": tmp, "batch": batch, "logits": logits, "names": names,
-        "tokenizer": tokenizer, "both": str(tmp / "both"),
+        "tokenizer": tokenizer, "both": str(tmp / "both"), "config_dir": str(config_dir),
     }  # fmt: skip
 
 
@@ -107,9 +108,12 @@ def _load(folder: pathlib.Path, **kwargs: Any) -> tuple[Any, dict[str, list]]:
 
 def test_export_loads_with_from_pretrained(run: dict[str, Any]) -> None:
     out = run["tmp"] / "hf"
-    code, text, err = _cli("convert", run["url"], str(out), "--to", "hf", "-q")
+    argv = ["convert", run["url"], str(out), "--to", "hf", "--tokenizer", run["config_dir"], "-q"]
+    code, text, err = _cli(*argv)
     assert code == 0, err
     assert "note:" not in text
+    for name in TOKENIZER:  # each file copied, and where from
+        assert f"copied {name} from {run['config_dir']}/{name}\n" in text, text
     files = {p.name for p in out.iterdir()}
     assert files == {"model.safetensors", "config.json", *TOKENIZER}, files
     model_names = {n.removeprefix("model.") for n in run["names"] if n.startswith("model.")}
@@ -129,7 +133,8 @@ def test_export_loads_with_from_pretrained(run: dict[str, Any]) -> None:
 
 def test_a_tied_weight_saved_under_both_names_is_written_once(run: dict[str, Any]) -> None:
     out = run["tmp"] / "hf-both"
-    code, text, err = _cli("convert", run["both"], str(out), "--to", "hf", "-q")
+    tokenizer = ("--tokenizer", run["config_dir"])
+    code, text, err = _cli("convert", run["both"], str(out), "--to", "hf", *tokenizer, "-q")
     assert code == 0 and "note:" not in text, (text, err)
     keys = _keys(out / "model.safetensors")
     assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys
@@ -279,7 +284,7 @@ def test_interrupted_export_is_resumed_without_overwrite(
     real = Feed.stream
     monkeypatch.setattr(Feed, "stream", failing)
     out = run["tmp"] / "hf-interrupted"
-    argv = ["convert", run["url"], str(out), "--to", "hf", "-q"]
+    argv = ["convert", run["url"], str(out), "--to", "hf", "--tokenizer", run["config_dir"], "-q"]
     assert _cli(*argv)[0] == 130
     assert (out / "config.json").exists() and not (out / "model.safetensors").exists()
     monkeypatch.setattr(Feed, "stream", real)
@@ -307,3 +312,76 @@ def test_a_hostile_config_depth_builds_one_layer_and_huge_integers_are_refused()
         _tied_groups({**config, "n_embd": 10**12})
     with pytest.raises(ValueError, match=r"hf_config\.task_specific_params\.x\[1\]=1000"):
         _tied_groups({**config, "task_specific_params": {"x": [1, 10**30]}})
+
+
+def test_tokenizer_files_come_only_from_a_named_folder_or_the_checkpoint(
+    run: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    """A checkpoint from elsewhere records a tokenizer_dir holding a private key named
+    tokenizer.json: nothing is copied unless the user names the folder (--tokenizer) or it lies
+    inside the checkpoint; a link leaving the folder is refused; a Hugging Face cache snapshot,
+    whose files link into its repository's blobs/, works; each file copied is printed with
+    where it came from."""
+    secret = b"-----BEGIN OPENSSH PRIVATE KEY-----\nsecret\n"
+    private = tmp_path / "home" / ".ssh"
+    private.mkdir(parents=True)
+    (private / "tokenizer.json").write_bytes(secret)
+    record = json.loads(storage.catalog.read_manifest(run["url"]).values["trainer.model"])
+    state = storage.load_state_dict(run["url"])
+
+    def checkpoint(name: str, tokenizer_dir: str) -> str:
+        url = str(tmp_path / name)
+        model = json.dumps({**record, "tokenizer_dir": tokenizer_dir})
+        storage.save({**state, "trainer": {"model": model, "step": 1}}, url, 1)
+        return url
+
+    def export(url: str, name: str, *flags: str) -> tuple[int, str, str, pathlib.Path]:
+        out = tmp_path / name
+        return (*_cli("convert", url, str(out), "--to", "hf", *flags, "-q"), out)
+
+    def leaked(folder: pathlib.Path) -> bool:
+        return folder.exists() and any(secret in p.read_bytes() for p in folder.iterdir())
+
+    # Recorded outside the checkpoint (absolute, or relative and climbing out): not copied.
+    for recorded in (str(private), "../home/.ssh"):
+        code, text, err, out = export(checkpoint("elsewhere", recorded), "o1", "--overwrite")
+        assert code == 0, err
+        assert not (out / "tokenizer.json").exists() and not leaked(out)
+        assert "tokenizer files not copied" in text and "pass --tokenizer DIR" in text, text
+        assert "copied" not in text.replace("not copied", "")
+        shutil.rmtree(tmp_path / "elsewhere")
+    # Recorded inside the checkpoint (relative to its root): copied, and printed.
+    url = checkpoint("inside", "tok")
+    shutil.copytree(run["config_dir"], tmp_path / "inside" / "tok")
+    code, text, err, out = export(url, "o2")
+    assert code == 0 and "note:" not in text, (text, err)
+    assert f"copied tokenizer.json from {tmp_path}/inside/tok/tokenizer.json\n" in text, text
+    names = {"tokenizer.json", "tokenizer_config.json"}
+    for name in names:
+        assert (out / name).read_bytes() == (pathlib.Path(run["config_dir"]) / name).read_bytes()
+    # ... but not through a link out of it, nor from a named folder whose link leaves it.
+    (tmp_path / "inside" / "tok" / "tokenizer.json").unlink()
+    (tmp_path / "inside" / "tok" / "tokenizer.json").symlink_to(private / "tokenizer.json")
+    code, _, err, out = export(url, "o3")
+    assert code == 2 and "leads to" in err and "outside" in err and not leaked(out), err
+    code, _, err, out = export(url, "o4", "--tokenizer", str(tmp_path / "inside" / "tok"))
+    assert code == 2 and "leads to" in err and "outside" in err and not leaked(out), err
+    # A Hugging Face cache snapshot: its files link to ../../blobs/<hash>, inside models--*.
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for i, name in enumerate(sorted(names)):
+        (repo / "blobs" / f"blob{i}").write_bytes(
+            (pathlib.Path(run["config_dir"]) / name).read_bytes()
+        )
+        (snapshot / name).symlink_to(f"../../blobs/blob{i}")
+    code, text, err, out = export(
+        checkpoint("cached", str(private)), "o5", "--tokenizer", str(snapshot)
+    )
+    assert code == 0 and "note:" not in text, (text, err)
+    blob = (repo / "blobs" / "blob0").resolve()
+    assert f"copied tokenizer.json from {snapshot}/tokenizer.json (a link to {blob})\n" in text
+    assert not leaked(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer("hello, world")["input_ids"] == run["tokenizer"]("hello, world")["input_ids"]
