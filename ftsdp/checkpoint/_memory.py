@@ -4,7 +4,6 @@ user can reach (docs/format.md, "On a shared machine")."""
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import stat
@@ -56,7 +55,7 @@ class PrivateRoot:
                 self.fd = _open_private(self.path)
             held, now = os.fstat(self.fd), os.lstat(self.path)
         except OSError as e:
-            if e.errno == errno.ELOOP:
+            if os.path.islink(self.path):  # O_NOFOLLOW's error: ELOOP, or ENOTDIR with O_DIRECTORY
                 return "it is a symbolic link"
             return f"it cannot be opened as a directory ({e.strerror or e})"
         if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
@@ -146,8 +145,8 @@ class MemoryTier(Tier):
             return True
         self.log(
             f"ftsdp: the memory tier {self.url} is off: {why or 'it failed a check on another rank'}"
-            "; nothing in it is loaded or cleared (only durable checkpoints are used). Give "
-            "--memory-url a directory of your own with mode 0700, or remove this one."
+            "; nothing in it is loaded or cleared (only durable checkpoints are used); give "
+            "memory_url (--memory-url) a directory of your own with mode 0700, or remove this one"
         )
         self._off()
         return False
