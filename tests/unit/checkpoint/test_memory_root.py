@@ -65,12 +65,13 @@ def test_a_link_planted_at_the_memory_root_is_refused_and_close_deletes_nothing(
     os.symlink(durable, shm)  # after the manager was built: its path check saw nothing
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         info = ckpt.resume({"step": 0})
-    assert info is not None and info.step == 6 and ckpt.resumed_from == durable
-    assert f"the memory tier {shm} is off: it is a symbolic link" in caplog.text
-    assert not ckpt.memory_due(7)
+    due = ckpt.memory_due(7)
     ckpt.close()
     assert storage.list_steps(durable) == [2, 4, 6]
     assert os.path.islink(shm)  # not ours to remove either
+    assert info is not None and info.step == 6 and ckpt.resumed_from == durable
+    assert f"the memory tier {shm} is off: it is a symbolic link" in caplog.text
+    assert not due
 
 
 def test_a_root_swapped_for_a_link_between_saves_turns_the_tier_off(
@@ -143,13 +144,35 @@ def test_a_root_that_is_not_this_users_own_is_never_loaded_nor_cleared(
 def test_ftsdp_train_leaves_a_memory_root_open_to_others_alone(tmp_path: Any) -> None:
     """``build`` clears a memory tier of another configuration; not one whose root lets other
     users in (whose files could be anyone's, or a link's target)."""
+    import dataclasses
+    import json
+
+    from ftsdp.trainer._config import TrainConfig
+    from ftsdp.trainer._datasets import open_data
+    from ftsdp.trainer._models import plan_model
+
     shm = str(tmp_path / "shm")
-    storage.save({"trainer": {"step": 1}, "w": torch.zeros(3)}, shm, 1)
+    cfg = TrainConfig(
+        vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, global_batch=4,
+        micro_batch=2, device="cpu", checkpoint_url=str(tmp_path / "ckpt"), memory_every=1,
+        memory_url=shm,
+    )  # fmt: skip
+    plan, data = plan_model(cfg), open_data(cfg)
+    trainer = {
+        "step": 1,
+        "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True),
+        "model": json.dumps(plan.record),
+        "data": json.dumps(data.record),
+    }
+    storage.save({"trainer": trainer, "w": torch.zeros(3)}, shm, 1)
     os.chmod(shm, 0o755)
-    cfg: Any = types.SimpleNamespace(seed=0)
     rm: Any = types.SimpleNamespace(rank=0, world_size=1, agree_any=lambda *flags: flags)
-    drop_another_runs_memory(shm, cfg, {}, {}, rm)
+    other = dataclasses.replace(cfg, seed=1)  # another configuration's tier: cleared when private
+    drop_another_runs_memory(shm, other, plan.record, data.record, rm)
     assert storage.list_steps(shm) == [1]
+    os.chmod(shm, 0o700)
+    drop_another_runs_memory(shm, other, plan.record, data.record, rm)
+    assert storage.list_steps(shm) == []
 
 
 def test_the_memory_root_is_0700_and_its_files_0600(tmp_path: Any, umask_022: None) -> None:
