@@ -199,7 +199,9 @@ def test_the_memory_root_is_0700_and_its_files_0600(tmp_path: Any, umask_022: No
             files += 1
     assert files >= 2  # the step's shard and its manifest at least
     durable_modes = {
-        stat.S_IMODE(os.stat(os.path.join(f, n)).st_mode) for f, _, ns in os.walk(durable) for n in ns
+        stat.S_IMODE(os.stat(os.path.join(f, n)).st_mode)
+        for f, _, ns in os.walk(durable)
+        for n in ns
     }
     assert durable_modes == {0o644}
     ckpt.close()
