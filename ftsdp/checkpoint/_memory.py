@@ -1,10 +1,12 @@
 """The memory tier: a node-local cache of the newest steps in host shared memory
-(docs/elastic.md, "A memory tier" and "The memory tier on several machines")."""
+(docs/elastic.md, "A memory tier" and "The memory tier on several machines"), in a root only this
+user can reach (docs/format.md, "On a shared machine")."""
 
 from __future__ import annotations
 
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,82 @@ def _place(url: str) -> str:
     return os.path.realpath(path)
 
 
+class PrivateRoot:
+    """A local root that only this process's user can reach: a directory, not a link, owned by
+    the effective uid, without group or other permission bits. Created exclusively (mode 0700)
+    or opened without following links on first use; its identity (device, inode) is checked
+    again before each use, so a link or another directory swapped in at its path is refused."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)  # not resolved: a link at the path must be seen
+        self.fd: int | None = None  # held while in use: the inode cannot be reused meanwhile
+
+    def problem(self) -> str | None:
+        """Why the root must not be used now (opening it first, creating it when absent); None
+        when it is this user's private directory, the one opened first."""
+        try:
+            if self.fd is None:
+                self.fd = _open_private(self.path)
+            held, now = os.fstat(self.fd), os.lstat(self.path)
+        except OSError as e:
+            if os.path.islink(self.path):  # O_NOFOLLOW's error: ELOOP, or ENOTDIR with O_DIRECTORY
+                return "it is a symbolic link"
+            return f"it cannot be opened as a directory ({e.strerror or e})"
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return "something else was put at its path since it was opened (a link or a directory)"
+        return unsafe(held)
+
+    def close(self) -> None:
+        """Let go of the descriptor."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _open_private(path: str) -> int:
+    """A descriptor of the directory ``path``, created with mode 0700 when absent; a link at
+    ``path`` is not followed (OSError ELOOP)."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)  # exclusive: an existing path is checked, never adopted blindly
+        made = True
+    except FileExistsError:
+        made = False
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    if made and os.fstat(fd).st_uid == os.geteuid():
+        os.fchmod(fd, 0o700)  # the umask may have taken owner bits away
+    return fd
+
+
+def unsafe(st: os.stat_result) -> str | None:
+    """Why a directory with status ``st`` is not a private root of this user (None: it is)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
+    if st.st_mode & 0o077:
+        return f"its mode {stat.S_IMODE(st.st_mode):04o} lets other users in (0700 is required)"
+    return None
+
+
+def root_problem(url: str) -> str | None:
+    """Why the existing local root ``url`` is not a private root of this user, without creating
+    or opening it (None: it is, it is absent, or ``url`` is not a local path)."""
+    path = _local_path(url)
+    if path is None:
+        return None
+    try:
+        return unsafe(os.lstat(path)) if not os.path.islink(path) else "it is a symbolic link"
+    except FileNotFoundError:
+        return None
+
+
+def _local_path(url: str) -> str | None:
+    """The path of a local root (plain or ``file://``); None for a URL of another filesystem."""
+    path = url.removeprefix("file://")
+    return None if "://" in path else path
+
+
 class MemoryTier(Tier):
     """Saves to host shared memory beside ``durable``; a cache."""
 
@@ -56,14 +134,38 @@ class MemoryTier(Tier):
         self.on = True  # off after close, or over a subgroup on several machines
         self.node: str | None = None  # ranks on several machines: this rank's machine
         self.discard_newer = True  # the tier follows this run's timeline
+        path = _local_path(url)  # another filesystem's URL (memory://) has no owner or mode
+        self.root = None if path is None else PrivateRoot(path)
+
+    def _private(self) -> bool:
+        """Whether the root passes :class:`PrivateRoot`'s checks on every rank (collective);
+        if not, the tier is off, and its root is never loaded nor cleared."""
+        why = None if self.root is None else self.root.problem()
+        if self.group.agree(0 if why is None else 1) == 0:
+            return True
+        self.log(
+            f"ftsdp: the memory tier {self.url} is off: {why or 'it failed a check on another rank'}"
+            "; nothing in it is loaded or cleared (only durable checkpoints are used); give "
+            "memory_url (--memory-url) a directory of your own with mode 0700, or remove this one"
+        )
+        self._off()
+        return False
+
+    def _off(self) -> None:
+        self.on = False
+        if self.root is not None:
+            self.root.close()
 
     def values(self) -> dict[str, Any]:
         base = self.durable.newest_committed()
         return {"memory_tier": {"durable_step": -1 if base is None else base}}
 
     def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:
-        """See :meth:`Tier.save`; always asynchronous, to this machine's root on several."""
-        super().save(state, step, node=self.node, async_save=True, **kw)
+        """See :meth:`Tier.save`; always asynchronous, to this machine's root on several, once
+        the root passed its checks again (collective)."""
+        self.wait()
+        if self._private():
+            super().save(state, step, node=self.node, async_save=True, **kw)
 
     def foreign(self, step: int, values: dict[str, Any], durable: list[int]) -> str | None:
         """Another run's when it followed a durable step newer than any under the root."""
@@ -82,7 +184,7 @@ class MemoryTier(Tier):
     def steps(self) -> list[int]:
         """Decide how the tier is shared (collective), then its committed steps (on several
         machines, the one step made whole on every machine)."""
-        if not self.on or not self._shared():
+        if not self.on or not self._private() or not self._shared():
             return []
         if self.node is None:
             return super().steps()
@@ -90,6 +192,13 @@ class MemoryTier(Tier):
             self.url, node=self.node, process_group=self.group.pg
         )
         return [] if restored is None else [restored]
+
+    def load(self, target: dict[str, Any], step: int, options: Any) -> storage.LoadResult:
+        """See :meth:`Tier.load`; refused when the root failed its checks since :meth:`steps`."""
+        why = None if self.root is None else self.root.problem()
+        if why is not None:
+            raise storage.CheckpointError(f"the memory tier {self.url} is not loaded: {why}")
+        return super().load(target, step, options)
 
     def _shared(self) -> bool:
         """Whether the tier is on: one root (``node`` None) or one per machine (``node`` set)."""
@@ -105,7 +214,7 @@ class MemoryTier(Tier):
                 "machine and the process group is a subgroup (node-local memory tiers need "
                 "every rank of the job; only durable checkpoints are used)"
             )
-            self.on = False
+            self._off()
             return False
         self.node = here
         return True
@@ -117,6 +226,8 @@ class MemoryTier(Tier):
         rank, world = self.group.rank_world()
         if world > 1:
             dist.barrier(group=self.group.pg)
+        if not self._private():  # a link to the durable root would have it cleared
+            return
         try:
             if self.node is not None:  # one rank per machine clears its own
                 storage.saving.clear_on_nodes(self.url, node=self.node, process_group=self.group.pg)
@@ -124,4 +235,4 @@ class MemoryTier(Tier):
                 storage.catalog.clear_steps(self.url)
         except OSError as e:
             self.log(f"ftsdp: clearing the memory tier {self.url} failed: {e}")
-        self.on = False
+        self._off()

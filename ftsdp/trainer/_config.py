@@ -151,7 +151,7 @@ class TrainConfig:
         "machines each also keeps a replica of another's, for a lost machine (0: off)",
     )
     memory_url: str | None = _opt(
-        None, "root of those saves (default: /dev/shm/ftsdp-<hash of the checkpoint root>)"
+        None, "root of those saves (default: /dev/shm/ftsdp-<uid>-<hash of the checkpoint root>)"
     )
     # elastic runtime
     pg_timeout_s: float = _opt(300.0, "timeout of every collective (seconds)")

@@ -17,6 +17,7 @@ import torch
 import ftsdp
 from ftsdp import storage
 from ftsdp.checkpoint._manager import CheckpointManager
+from ftsdp.checkpoint._memory import root_problem
 from ftsdp.elastic import BatchGeometry, GlobalSampler, RankManager
 from ftsdp.examples.data import MarkovDataset, TokenDataset
 from ftsdp.examples.gpt import param_groups
@@ -118,15 +119,17 @@ def on_every_rank(rm: RankManager, fn: Callable[[], T]) -> T:
 
 
 def memory_root(cfg: TrainConfig, url: str) -> str:
-    """``--memory-url``, else ``/dev/shm/ftsdp-<16 hex digits of the checkpoint root's hash>``:
-    the same for every incarnation of the job, different for another checkpoint root. A local
-    root is hashed as an absolute path: ``./ckpt`` of two jobs in two folders are two roots."""
+    """``--memory-url``, else ``/dev/shm/ftsdp-<uid>-<16 hex digits of the checkpoint root's
+    hash>``: the same for every incarnation of the job, different for another checkpoint root or
+    another user (whose root this one could not use: it must be the user's own, mode 0700). A
+    local root is hashed as an absolute path: ``./ckpt`` of two jobs in two folders are two
+    roots."""
     if cfg.memory_url:
         return cfg.memory_url
     path = url[len("file://") :] if url.startswith("file://") else url
     where = url if "://" in path else os.path.abspath(path)
     digest = hashlib.sha256(where.encode()).hexdigest()[:16]
-    return os.path.join("/dev/shm", f"ftsdp-{digest}")
+    return os.path.join("/dev/shm", f"ftsdp-{os.geteuid()}-{digest}")
 
 
 def drop_another_runs_memory(
@@ -134,7 +137,10 @@ def drop_another_runs_memory(
 ) -> None:
     """Clear the memory tier at ``root`` when its newest step is another run's (a job killed before
     its first durable save, restarted with other flags): left there, every restart's resume would
-    load it and refuse it. Collective (rank 0 reads and clears)."""
+    load it and refuse it. Collective (rank 0 reads and clears); a root that is not this user's
+    private directory on some rank is left alone (the memory tier then turns itself off)."""
+    if any(rm.agree_any(root_problem(root) is not None)):
+        return
     saved = peek(root, rank=rm.rank, world_size=rm.world_size)
     if saved is None:
         return
@@ -147,7 +153,8 @@ def drop_another_runs_memory(
             "; ".join(diffs[:3]),
         )
         try:
-            storage.catalog.clear_steps(root)
+            if root_problem(root) is None:  # again: the path could have changed since
+                storage.catalog.clear_steps(root)
         except OSError as e:  # the resume then passes its steps over, or refuses them
             logger.warning("ftsdp.train: clearing the memory tier %s failed: %s", root, e)
 

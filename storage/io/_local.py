@@ -1,6 +1,7 @@
 """The store on a local disk: metadata and listings from the OS, reads into buffers and
 memory-mapped ranges (docs/format.md, "Integrity"), atomic writes (temporary name, fsync, rename,
-fsync of the folder), exclusive creates, symlink containment, tmpfs detection."""
+fsync of the folder; private under a private root), exclusive creates, symlink containment, tmpfs
+detection."""
 
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ class LocalStore(Store):
     def tmpfs(self) -> bool:
         """Whether the root is on a tmpfs mount (host memory: ``/dev/shm``), by the mount table."""
         return _mount_type(self.root) == "tmpfs"
+
+    @functools.cached_property
+    def _private(self) -> bool:
+        """Whether the root lets no group or other user in (the memory tier's, mode 0700): its
+        files are then written 0600 and its folders 0700, whatever the umask. Other roots keep
+        the umask's modes (a shared root on a team's disk may grant its group access)."""
+        try:
+            return os.stat(self.root).st_mode & 0o077 == 0
+        except OSError:
+            return False
 
     def exists(self, rel: str = "") -> bool:
         return self._retry(lambda: os.path.exists(self.full(rel)))
@@ -101,15 +112,18 @@ class LocalStore(Store):
         """``path`` exists only complete: a temporary name (``<name>.tmp-<8 hex>``), fsynced and
         renamed, or with ``exclusive`` linked (FileExistsError when ``path`` exists)."""
         folder = os.path.dirname(path) or "."
-        os.makedirs(folder, exist_ok=True)
+        private = self._private
+        os.makedirs(folder, mode=0o700 if private else 0o777, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        mode = 0o600 if private else 0o666
         try:
-            with open(tmp, "xb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with os.fdopen(fd, "wb") as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
                 if exclusive:
-                    _link_exclusive(tmp, path)
+                    _link_exclusive(tmp, path, mode)
                 else:
                     os.replace(tmp, path)
         finally:
@@ -132,7 +146,7 @@ class LocalStore(Store):
         return True
 
 
-def _link_exclusive(tmp: str, path: str) -> None:
+def _link_exclusive(tmp: str, path: str, mode: int) -> None:
     """Publish ``tmp`` as ``path`` unless it exists (FileExistsError): a hard link, or without
     links a copy into a file created with ``O_EXCL``."""
     try:
@@ -143,7 +157,7 @@ def _link_exclusive(tmp: str, path: str) -> None:
     except OSError as e:
         if e.errno not in _NO_LINKS:
             raise
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as dst, open(tmp, "rb") as src:
             shutil.copyfileobj(src, dst)

@@ -7,6 +7,7 @@ References: the state cloned at the moment of the save, and a fresh optimizer.""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import types
 from typing import Any
@@ -287,8 +288,9 @@ def test_ftsdp_train_clears_a_memory_tier_of_another_configuration(tmp_path: Any
         "model": json.dumps(plan.record),
         "data": json.dumps(data.record),
     }
+    os.mkdir(shm, 0o700)  # a memory root must be private (else it is never cleared)
     storage.save({"trainer": trainer, "w": torch.zeros(3)}, shm, 2)
-    rm: Any = types.SimpleNamespace(rank=0, world_size=1)
+    rm: Any = types.SimpleNamespace(rank=0, world_size=1, agree_any=lambda *flags: flags)
     drop_another_runs_memory(shm, cfg, plan.record, data.record, rm)
     assert storage.list_steps(shm) == [2]  # this run's own: kept
     drop_another_runs_memory(shm, dataclasses.replace(cfg, seed=1), plan.record, data.record, rm)

@@ -129,7 +129,7 @@ def test_help_lists_the_flags(capsys) -> None:
         assert flag in out
     text = " ".join(out.split())
     assert "(default: 50)" in text  # the defaults are shown, each once
-    assert "(default: /dev/shm/ftsdp-<hash of the checkpoint root>)" in text
+    assert "(default: /dev/shm/ftsdp-<uid>-<hash of the checkpoint root>)" in text
     assert "(default: None)" not in text.split("--memory-url")[1].split("--pg-timeout-s")[0]
 
 
