@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError, Corr
 from ftsdp.storage.conversion._dcp_store import StoreReader, StoreWriter, open_item, read_metadata
 from ftsdp.storage.conversion._interfaces import Feed, Sink, Source
 from ftsdp.storage.conversion._sinks import DCP_ITEM, Pending
-from ftsdp.storage.conversion._sources import check_torch_storages
+from ftsdp.storage.conversion._sources import as_json, check_torch_storages
 from ftsdp.storage.format._dtypes import SUPPORTED
 from ftsdp.storage.format._layout import DCP_METADATA
 from ftsdp.storage.io._fs import Store
@@ -86,6 +85,11 @@ class DcpSource(Source):
                 if md.properties.dtype not in SUPPORTED:
                     self.dropped.append(f"{fqn} (dtype {md.properties.dtype} unsupported)")
                     continue
+                if not all(type(d) is int and d >= 0 for d in md.size):
+                    raise CorruptCheckpointError(
+                        f"DCP checkpoint {self.url}: tensor {fqn!r} has size {list(md.size)}, "
+                        "not non-negative integers"
+                    )
                 self.tensors[fqn] = TensorInfo(fqn, tuple(md.size), md.properties.dtype)
             elif isinstance(md, BytesStorageMetadata):
                 value_keys.append(fqn)
@@ -120,7 +124,7 @@ class DcpSource(Source):
                 self.dropped.append(f"{key} (not loadable with weights_only=True)")
                 continue
             try:  # a tuple becomes a list, as JSON has it
-                self.values[key] = json.loads(json.dumps(state[key]))
+                self.values[key] = as_json(state[key], key, f"DCP checkpoint {self.url}")
             except (TypeError, ValueError):
                 self.dropped.append(f"{key} ({type(state[key]).__name__} is not JSON)")
 
