@@ -35,7 +35,7 @@ from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError, Corr
 from ftsdp.storage.conversion._dcp_store import StoreReader, StoreWriter, open_item, read_metadata
 from ftsdp.storage.conversion._interfaces import Feed, Sink, Source
 from ftsdp.storage.conversion._sinks import DCP_ITEM, Pending
-from ftsdp.storage.conversion._sources import as_json, check_torch_storages
+from ftsdp.storage.conversion._sources import check_torch_storages
 from ftsdp.storage.format._dtypes import SUPPORTED
 from ftsdp.storage.format._layout import DCP_METADATA
 from ftsdp.storage.io._fs import Store
@@ -107,7 +107,7 @@ class DcpSource(Source):
                     planner=_SafeLoadPlanner(failed),
                     no_dist=True,
                 )
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
             cause = _unwrap(e)
             if not isinstance(cause, Exception):
                 raise cause from None
@@ -123,10 +123,7 @@ class DcpSource(Source):
             if key in failed:
                 self.dropped.append(f"{key} (not loadable with weights_only=True)")
                 continue
-            try:  # a tuple becomes a list, as JSON has it
-                self.values[key] = as_json(state[key], key, f"DCP checkpoint {self.url}")
-            except (TypeError, ValueError):
-                self.dropped.append(f"{key} ({type(state[key]).__name__} is not JSON)")
+            self.keep_value(key, state[key])
 
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
         """(flat offset, length, file, byte offset) of each saved row block; None if not all are."""
@@ -148,11 +145,14 @@ class DcpSource(Source):
                 if f.read(4) != b"PK\x03\x04":
                     return None
                 f.seek(0)
-                t = torch.load(f, map_location="meta", weights_only=True)
+                where = f"DCP checkpoint {self.url}: item {info.relative_path!r}"
+                try:
+                    t = torch.load(f, map_location="meta", weights_only=True)
+                except Exception as e:  # the unpickler's and zip reader's errors are many
+                    raise CorruptCheckpointError(f"{where} cannot be read: {e}") from None
                 numel = math.prod(c.sizes)
                 if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() != numel:
                     return None
-                where = f"DCP checkpoint {self.url}: item {info.relative_path!r}"
                 check_torch_storages(f, info.length, [(name, t)], where)
             base = t.untyped_storage()._checkpoint_offset
             assert base is not None, name  # check_torch_storages found its record

@@ -3,9 +3,8 @@ pointer a checkpoint holds is checked before it is read through (docs/cli.md, "T
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Sequence
-from typing import IO, Any, cast
+from typing import IO, cast
 
 import torch
 
@@ -14,11 +13,11 @@ from ftsdp.storage._errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ftsdp.storage._options import MAX_MANIFEST_BYTES, LoadOptions
+from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._dtypes import BY_SAFETENSORS_CODE, torch_dtype
+from ftsdp.storage.format._json import decode_json, show
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE, HF_VALUES_KEY
-from ftsdp.storage.format._manifest import MAX_JSON_DEPTH, decode_json, show, too_deep
 from ftsdp.storage.format._ranges import Range
 from ftsdp.storage.format._safetensors import read_header
 from ftsdp.storage.format._steps import resolve_manifest
@@ -60,22 +59,6 @@ def check_torch_storages(
                 f"{t.storage_offset()}, {nbytes} storage bytes at {base}) does not lie inside "
                 "its storage record"
             )
-
-
-def as_json(value: Any, name: str, where: str) -> Any:
-    """``value`` as the JSON a manifest holds (a tuple becomes a list); TypeError or ValueError
-    when it is not JSON, CorruptCheckpointError when it nests deeper than a manifest may."""
-    try:
-        out = json.loads(json.dumps(value))
-        deep = too_deep({"values": {name: out}}, MAX_JSON_DEPTH)  # as a manifest nests it
-    except RecursionError:  # the encoder's own depth guard: deeper still
-        deep = True
-    if deep:
-        raise CorruptCheckpointError(
-            f"{where}: value {name!r} nests deeper than {MAX_JSON_DEPTH} levels of JSON arrays "
-            "and objects, more than a manifest holds; flatten it"
-        )
-    return out
 
 
 class FtsdpSource(Source):
@@ -154,7 +137,8 @@ class HfSource(Source):
                     raise CorruptCheckpointError(
                         f"{where}: {what} holds {show(values)}, not a JSON object of named values"
                     )
-                self.values.update((k, as_json(v, k, where)) for k, v in values.items())
+                for name, value in values.items():
+                    self.keep_value(name, value)
             for name, entry in header.items():  # read_header checked each entry's types
                 if entry["dtype"] not in BY_SAFETENSORS_CODE:
                     self.dropped.append(f"{name} (safetensors dtype {entry['dtype']} unsupported)")
@@ -236,10 +220,7 @@ class TorchSource(Source):
                     stack.append((name, iter(children)))
                     break
                 else:
-                    try:
-                        self.values[name] = as_json(value, name, f"torch file {url}")
-                    except (TypeError, ValueError):
-                        self.dropped.append(f"{name} ({type(value).__name__} is not JSON)")
+                    self.keep_value(name, value)
             else:
                 stack.pop()  # every item seen
 

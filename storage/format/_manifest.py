@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import re
-import reprlib
 import struct
 import threading
 from bisect import bisect_right
@@ -28,6 +27,7 @@ from ftsdp.storage._errors import (
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.format._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._json import MAX_INT, decode_json, show, too_deep
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._ranges import Range, check_disjoint_cover
 from ftsdp.storage.format._regular import RegularLayout, Rule, rule_from_json
@@ -38,23 +38,11 @@ FORMAT_NAME = "ftsdp.storage"
 FORMAT_VERSION = 4
 PLAIN_VERSION = 3  # the version of a manifest that lists every piece
 SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
-MAX_INT = 2**63 - 1  # the largest integer the format uses anywhere (sizes, offsets, steps)
 Fail = Callable[[str], NoReturn]  # a decoder's error: raises, naming where
 
 # An object name is one path component inside the step prefix: no separators, no "..", no scheme,
 # no control characters (fullmatch: "$" would also accept a trailing newline).
 _OBJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-_CONTAINERS = frozenset({dict, list})  # what json.loads nests
-_SHOW = reprlib.Repr()  # bounded: nesting, lengths and big numbers are elided
-_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 80, 80, 40
-
-
-def show(x: Any) -> str:
-    """A short repr of a value from a manifest, safe for any nesting or size."""
-    try:
-        return _SHOW.repr(x)
-    except (RecursionError, ValueError):  # pragma: no cover - reprlib bounds both
-        return f"<{type(x).__name__}>"
 
 
 def canonical_json(doc: dict[str, Any]) -> bytes:
@@ -339,59 +327,6 @@ class Manifest:
         _check_version(doc, where)  # first: a newer version may checksum differently
         _check_self_checksum(doc, where)
         return _decode(doc, where)
-
-
-def decode_json(
-    data: bytes,
-    *,
-    where: str,
-    what: str,
-    max_bytes: int = MAX_MANIFEST_BYTES,
-    max_depth: int = MAX_JSON_DEPTH,
-) -> Any:
-    """The JSON document ``data`` (``what`` at ``where``, for messages): UTF-8, at most
-    ``max_bytes`` bytes and ``max_depth`` levels of arrays and objects; CorruptCheckpointError
-    otherwise, whatever the bytes."""
-    if len(data) > max_bytes:
-        raise CorruptCheckpointError(
-            f"{where}: {what} of {len(data)} bytes is larger than "
-            f"max_manifest_bytes={max_bytes} (LoadOptions)"
-        )
-    try:
-        text = data.decode()  # UTF-8 only (json.loads would also guess UTF-16 and UTF-32)
-    except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(f"{where}: {what} is not UTF-8 ({e})") from None
-    try:
-        doc = json.loads(text)
-    except RecursionError:  # the decoder's stack ran out (nesting past ~1000 levels)
-        raise CorruptCheckpointError(
-            f"{where}: {what} nests JSON arrays or objects too deeply to decode "
-            f"(max_json_depth={max_depth})"
-        ) from None
-    except ValueError as e:  # JSONDecodeError; an integer longer than Python's str limit
-        raise CorruptCheckpointError(f"{where}: {what} is not valid JSON ({e})") from None
-    if too_deep(doc, max_depth):
-        raise CorruptCheckpointError(
-            f"{where}: {what} nests JSON arrays or objects deeper than "
-            f"max_json_depth={max_depth} (LoadOptions) levels"
-        )
-    return doc
-
-
-def too_deep(doc: Any, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` levels in ``doc`` (one level at a
-    time, no recursion)."""
-    level = [doc] if type(doc) in _CONTAINERS else []
-    for _ in range(limit):
-        level = [
-            c
-            for x in level
-            for c in (x.values() if type(x) is dict else x)
-            if type(c) in _CONTAINERS
-        ]
-        if not level:
-            return False
-    return bool(level)
 
 
 def _check_self_checksum(doc: Any, where: str) -> None:

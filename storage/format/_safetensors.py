@@ -13,6 +13,7 @@ import torch
 from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError
 from ftsdp.storage.format._checksum import WRITTEN, checksum_function
 from ftsdp.storage.format._dtypes import itemsize, safetensors_code
+from ftsdp.storage.format._json import MAX_INT, decode_json, show
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import tensor_bytes
 
@@ -109,9 +110,6 @@ def read_header(store: Store, rel: str) -> tuple[dict[str, Any], int]:
         raise CorruptCheckpointError(
             f"{where}: header length {n} is past the end of the file ({size} bytes)"
         )
-    # _manifest imports this module (through _objects): import its decoder here
-    from ftsdp.storage.format._manifest import MAX_INT, decode_json, show
-
     header = decode_json(store.read_range(rel, 8, 8 + n), where=where, what="header")
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: header is not a JSON object")
