@@ -9,6 +9,7 @@ write's leftovers are known to be its own; only names of its own scheme are take
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -94,7 +95,10 @@ class FtsdpSink(Sink):
             except CheckpointError as e:
                 raise ValueError(f"not committed, a reader would refuse it: {e}") from None
         except BaseException:
-            remove_attempt(self.store, step, attempt)  # only this attempt's own objects
+            # Only this attempt's own objects; what a failed removal leaves is a torn attempt
+            # for gc, and the error to report is the first one.
+            with contextlib.suppress(Exception):
+                remove_attempt(self.store, step, attempt)
             raise
         commit(self.store, manifest)
         return [self.store.where(step_dir(step))]

@@ -129,7 +129,7 @@ class HfSource(Source):
         self._where: dict[str, tuple[str, int, int]] = {}  # name -> (file, data start, byte start)
         for file in files:
             header, base = read_header(store, file)
-            meta = header.pop("__metadata__", {})  # read_header checked: str -> str
+            meta = header.pop("__metadata__", None) or {}  # read_header checked: str -> str
             if HF_VALUES_KEY in meta:
                 where, what = store.where(file), f"__metadata__[{HF_VALUES_KEY!r}]"
                 values = decode_json(meta[HF_VALUES_KEY].encode(), where=where, what=what)

@@ -113,8 +113,8 @@ def read_header(store: Store, rel: str) -> tuple[dict[str, Any], int]:
     header = decode_json(store.read_range(rel, 8, 8 + n), where=where, what="header")
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: header is not a JSON object")
-    meta = header.get("__metadata__", {})
-    if not (
+    meta = header.get("__metadata__")  # null: none, as the safetensors library reads it
+    if meta is not None and not (
         isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
     ):  # json.loads gives str keys
         raise CorruptCheckpointError(
