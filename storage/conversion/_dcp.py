@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -86,6 +85,11 @@ class DcpSource(Source):
                 if md.properties.dtype not in SUPPORTED:
                     self.dropped.append(f"{fqn} (dtype {md.properties.dtype} unsupported)")
                     continue
+                if not all(type(d) is int and d >= 0 for d in md.size):
+                    raise CorruptCheckpointError(
+                        f"DCP checkpoint {self.url}: tensor {fqn!r} has size {list(md.size)}, "
+                        "not non-negative integers"
+                    )
                 self.tensors[fqn] = TensorInfo(fqn, tuple(md.size), md.properties.dtype)
             elif isinstance(md, BytesStorageMetadata):
                 value_keys.append(fqn)
@@ -103,7 +107,7 @@ class DcpSource(Source):
                     planner=_SafeLoadPlanner(failed),
                     no_dist=True,
                 )
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
             cause = _unwrap(e)
             if not isinstance(cause, Exception):
                 raise cause from None
@@ -119,10 +123,7 @@ class DcpSource(Source):
             if key in failed:
                 self.dropped.append(f"{key} (not loadable with weights_only=True)")
                 continue
-            try:  # a tuple becomes a list, as JSON has it
-                self.values[key] = json.loads(json.dumps(state[key]))
-            except (TypeError, ValueError):
-                self.dropped.append(f"{key} ({type(state[key]).__name__} is not JSON)")
+            self.keep_value(key, state[key])
 
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
         """(flat offset, length, file, byte offset) of each saved row block; None if not all are."""
@@ -144,11 +145,14 @@ class DcpSource(Source):
                 if f.read(4) != b"PK\x03\x04":
                     return None
                 f.seek(0)
-                t = torch.load(f, map_location="meta", weights_only=True)
+                where = f"DCP checkpoint {self.url}: item {info.relative_path!r}"
+                try:
+                    t = torch.load(f, map_location="meta", weights_only=True)
+                except Exception as e:  # the unpickler's and zip reader's errors are many
+                    raise CorruptCheckpointError(f"{where} cannot be read: {e}") from None
                 numel = math.prod(c.sizes)
                 if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() != numel:
                     return None
-                where = f"DCP checkpoint {self.url}: item {info.relative_path!r}"
                 check_torch_storages(f, info.length, [(name, t)], where)
             base = t.untyped_storage()._checkpoint_offset
             assert base is not None, name  # check_torch_storages found its record

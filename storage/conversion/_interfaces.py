@@ -6,12 +6,15 @@ and exit codes")."""
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ftsdp.storage._options import MAX_JSON_DEPTH
+from ftsdp.storage.format._json import too_deep
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import Meter, Request, TensorInfo, group_requests, split_request
 
@@ -38,6 +41,22 @@ class Source(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the reader holds (files, caches)."""
+
+    def keep_value(self, name: str, value: Any) -> None:
+        """Keep ``value`` as the JSON value ``name`` (a tuple becomes a list), or name it in
+        ``dropped`` with why: not JSON, or nested deeper than a manifest may hold."""
+        try:
+            out = json.loads(json.dumps(value))
+            deep = too_deep({"values": {name: out}}, MAX_JSON_DEPTH)  # as a manifest nests it
+        except (TypeError, ValueError):
+            self.dropped.append(f"{name} ({type(value).__name__} is not JSON)")
+            return
+        except RecursionError:  # the encoder's own depth guard: deeper still
+            deep = True
+        if deep:
+            self.dropped.append(f"{name} (nests deeper than {MAX_JSON_DEPTH} JSON levels)")
+        else:
+            self.values[name] = out
 
 
 @dataclass(frozen=True)

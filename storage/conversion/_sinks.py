@@ -9,6 +9,7 @@ write's leftovers are known to be its own; only names of its own scheme are take
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from typing import IO, Any
 
 import torch
 
+from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import MAX_MANIFEST_BYTES, SaveOptions
 from ftsdp.storage.conversion._interfaces import Feed, Sink
 from ftsdp.storage.format._dtypes import dtype_name, safetensors_code
@@ -28,12 +30,14 @@ from ftsdp.storage.format._layout import (
     HF_SINGLE,
     HF_VALUES_KEY,
     LATEST,
+    manifest_path,
     parse_step,
     step_dir,
 )
+from ftsdp.storage.format._manifest import Manifest
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
-from ftsdp.storage.format._steps import committed_steps, remove_step
+from ftsdp.storage.format._steps import committed_steps, remove_attempt, remove_step
 from ftsdp.storage.io._fs import Store, is_plain_name
 from ftsdp.storage.io._streaming import tensor_bytes
 from ftsdp.storage.saving._commit import build_manifest, commit, new_attempt
@@ -70,17 +74,32 @@ class FtsdpSink(Sink):
                     metas[r]["tensors"].append(
                         [t.name, list(t.shape), dtype_name(t.dtype), lo, hi - lo]
                     )
-        plan = make_plan(metas, new_attempt(self.store, step), self.options)
-        crcs = {obj.name: self._write_object(feed, step, obj) for obj in plan.objects}
-        manifest = build_manifest(
-            plan,
-            crcs,
-            step=step,
-            world_size=w,
-            checksum_block_bytes=self.options.checksum_block_bytes,
-            values=values,
-            rank_values=rank_values,
-        )
+        attempt = new_attempt(self.store, step)
+        plan = make_plan(metas, attempt, self.options)
+        try:
+            crcs = {obj.name: self._write_object(feed, step, obj) for obj in plan.objects}
+            manifest = build_manifest(
+                plan,
+                crcs,
+                step=step,
+                world_size=w,
+                checksum_block_bytes=self.options.checksum_block_bytes,
+                values=values,
+                rank_values=rank_values,
+            )
+            # The reader's checks before the commit: a step committed is one that load,
+            # inspect and verify accept, whatever the source held.
+            where = self.store.where(manifest_path(step))
+            try:
+                Manifest.from_json(manifest.to_json(), where=where)
+            except CheckpointError as e:
+                raise ValueError(f"not committed, a reader would refuse it: {e}") from None
+        except BaseException:
+            # Only this attempt's own objects; what a failed removal leaves is a torn attempt
+            # for gc, and the error to report is the first one.
+            with contextlib.suppress(Exception):
+                remove_attempt(self.store, step, attempt)
+            raise
         commit(self.store, manifest)
         return [self.store.where(step_dir(step))]
 

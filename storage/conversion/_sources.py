@@ -3,9 +3,8 @@ pointer a checkpoint holds is checked before it is read through (docs/cli.md, "T
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
-from typing import IO, Any, cast
+from collections.abc import Iterable, Iterator, Sequence
+from typing import IO, cast
 
 import torch
 
@@ -14,9 +13,10 @@ from ftsdp.storage._errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ftsdp.storage._options import MAX_MANIFEST_BYTES, LoadOptions
+from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._dtypes import BY_SAFETENSORS_CODE, torch_dtype
+from ftsdp.storage.format._json import decode_json, show
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE, HF_VALUES_KEY
 from ftsdp.storage.format._ranges import Range
 from ftsdp.storage.format._safetensors import read_header
@@ -96,13 +96,20 @@ class HfSource(Source):
         if url.endswith(".safetensors") and store.isfile():
             files = [""]  # the store is rooted at the file itself
         elif store.exists(HF_INDEX):
-            try:
-                index = json.loads(store.read_bounded(HF_INDEX, MAX_MANIFEST_BYTES))
-                files = sorted(set(index["weight_map"].values()))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
+            where = f"{url}/{HF_INDEX}"
+            index = decode_json(
+                store.read_bounded(HF_INDEX, MAX_MANIFEST_BYTES), where=where, what="index"
+            )
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not (
+                isinstance(weight_map, dict)
+                and all(isinstance(f, str) for f in weight_map.values())
+            ):
                 raise CorruptCheckpointError(
-                    f"{url}/{HF_INDEX}: not a valid index ({e!r})"
-                ) from None
+                    f"{where}: not a valid index (its weight_map must map tensor names to file "
+                    f"names, got {show(weight_map)})"
+                )
+            files = sorted(set(weight_map.values()))
             outside = [f for f in files if not is_plain_name(f)]
             if outside:
                 raise CorruptCheckpointError(
@@ -122,14 +129,19 @@ class HfSource(Source):
         self._where: dict[str, tuple[str, int, int]] = {}  # name -> (file, data start, byte start)
         for file in files:
             header, base = read_header(store, file)
-            meta = header.pop("__metadata__", None) or {}
-            if isinstance(meta.get(HF_VALUES_KEY), str):
-                self.values.update(json.loads(meta[HF_VALUES_KEY]))
-            for name, entry in header.items():
-                if entry.get("dtype") not in BY_SAFETENSORS_CODE:
-                    self.dropped.append(
-                        f"{name} (safetensors dtype {entry.get('dtype')} unsupported)"
+            meta = header.pop("__metadata__", None) or {}  # read_header checked: str -> str
+            if HF_VALUES_KEY in meta:
+                where, what = store.where(file), f"__metadata__[{HF_VALUES_KEY!r}]"
+                values = decode_json(meta[HF_VALUES_KEY].encode(), where=where, what=what)
+                if not isinstance(values, dict):
+                    raise CorruptCheckpointError(
+                        f"{where}: {what} holds {show(values)}, not a JSON object of named values"
                     )
+                for name, value in values.items():
+                    self.keep_value(name, value)
+            for name, entry in header.items():  # read_header checked each entry's types
+                if entry["dtype"] not in BY_SAFETENSORS_CODE:
+                    self.dropped.append(f"{name} (safetensors dtype {entry['dtype']} unsupported)")
                     continue
                 info = TensorInfo(name, tuple(entry["shape"]), BY_SAFETENSORS_CODE[entry["dtype"]])
                 start, end = entry["data_offsets"]
@@ -175,29 +187,42 @@ class TorchSource(Source):
             )
         self._meta: dict[str, torch.Tensor] = {}
         self._cache: tuple[str, torch.Tensor] | None = None
-        self._walk("", obj)
+        self._walk(obj, url)
         with store.open() as f:
             check_torch_storages(cast(IO[bytes], f), size, self._meta.items(), f"torch file {url}")
 
-    def _walk(self, prefix: str, obj: Any) -> None:
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        for key, value in items:
-            name = f"{prefix}.{key}" if prefix else str(key)
-            if isinstance(value, torch.Tensor):
-                if value.dtype not in BY_SAFETENSORS_CODE.values():
-                    self.dropped.append(f"{name} (dtype {value.dtype} unsupported)")
-                    continue
-                self._meta[name] = value
-                self.tensors[name] = TensorInfo(name, tuple(value.shape), value.dtype)
-            elif isinstance(value, dict) or (
-                isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
-            ):
-                self._walk(name, value)
+    def _walk(self, obj: dict, url: str) -> None:
+        """Flatten ``obj`` into tensors and JSON values, one container at a time (no recursion:
+        an unpickled structure may nest arbitrarily deep); CorruptCheckpointError past
+        MAX_JSON_DEPTH levels, which no manifest could hold."""
+        # (prefix, its items not yet seen): depth first, in the order the recursion had
+        stack: list[tuple[str, Iterator]] = [("", iter(obj.items()))]
+        while stack:
+            prefix, items = stack[-1]
+            for key, value in items:
+                name = f"{prefix}.{key}" if prefix else str(key)
+                if isinstance(value, torch.Tensor):
+                    if value.dtype not in BY_SAFETENSORS_CODE.values():
+                        self.dropped.append(f"{name} (dtype {value.dtype} unsupported)")
+                        continue
+                    self._meta[name] = value
+                    self.tensors[name] = TensorInfo(name, tuple(value.shape), value.dtype)
+                elif isinstance(value, dict) or (
+                    isinstance(value, (list, tuple))
+                    and any(isinstance(v, torch.Tensor) for v in value)
+                ):
+                    if len(stack) >= MAX_JSON_DEPTH:
+                        raise CorruptCheckpointError(
+                            f"torch file {url}: {show(name)} nests dicts or lists deeper than "
+                            f"{MAX_JSON_DEPTH} levels; flatten the state dict"
+                        )
+                    children = value.items() if isinstance(value, dict) else enumerate(value)
+                    stack.append((name, iter(children)))
+                    break
+                else:
+                    self.keep_value(name, value)
             else:
-                try:
-                    self.values[name] = json.loads(json.dumps(value))
-                except (TypeError, ValueError):
-                    self.dropped.append(f"{name} ({type(value).__name__} is not JSON)")
+                stack.pop()  # every item seen
 
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         for name, offset, out in requests:

@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import re
-import reprlib
 import struct
 import threading
 from bisect import bisect_right
@@ -28,6 +27,7 @@ from ftsdp.storage._errors import (
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.format._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._json import MAX_INT, decode_json, show, too_deep
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._ranges import Range, check_disjoint_cover
 from ftsdp.storage.format._regular import RegularLayout, Rule, rule_from_json
@@ -38,23 +38,11 @@ FORMAT_NAME = "ftsdp.storage"
 FORMAT_VERSION = 4
 PLAIN_VERSION = 3  # the version of a manifest that lists every piece
 SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
-MAX_INT = 2**63 - 1  # the largest integer the format uses anywhere (sizes, offsets, steps)
 Fail = Callable[[str], NoReturn]  # a decoder's error: raises, naming where
 
 # An object name is one path component inside the step prefix: no separators, no "..", no scheme,
 # no control characters (fullmatch: "$" would also accept a trailing newline).
 _OBJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-_CONTAINERS = frozenset({dict, list})  # what json.loads nests
-_SHOW = reprlib.Repr()  # bounded: nesting, lengths and big numbers are elided
-_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 80, 80, 40
-
-
-def _show(x: Any) -> str:
-    """A short repr of a value from a manifest, safe for any nesting or size."""
-    try:
-        return _SHOW.repr(x)
-    except (RecursionError, ValueError):  # pragma: no cover - reprlib bounds both
-        return f"<{type(x).__name__}>"
 
 
 def canonical_json(doc: dict[str, Any]) -> bytes:
@@ -297,7 +285,7 @@ class Manifest:
                 ],
             }
         user = {"values": self.values, "rank_values": self.rank_values}  # at the same depth
-        if _too_deep(user, MAX_JSON_DEPTH):  # readers would refuse it: fail the save instead
+        if too_deep(user, MAX_JSON_DEPTH):  # readers would refuse it: fail the save instead
             raise ValueError(
                 f"the non-tensor values of step {self.step} nest deeper than a manifest may "
                 f"({MAX_JSON_DEPTH} levels of JSON arrays and objects); flatten them"
@@ -333,48 +321,12 @@ class Manifest:
     ) -> Manifest:
         """Decode and validate a manifest; ``where`` (a URL) goes into every error message.
         CorruptCheckpointError (or NewerFormatError) for anything else."""
-        if len(data) > max_bytes:
-            raise CorruptCheckpointError(
-                f"{where}: manifest of {len(data)} bytes is larger than "
-                f"max_manifest_bytes={max_bytes} (LoadOptions)"
-            )
-        try:
-            text = data.decode()  # UTF-8 only (json.loads would also guess UTF-16 and UTF-32)
-        except UnicodeDecodeError as e:
-            raise CorruptCheckpointError(f"{where}: manifest is not UTF-8 ({e})") from None
-        try:
-            doc = json.loads(text)
-        except RecursionError:  # the decoder's stack ran out (nesting past ~1000 levels)
-            raise CorruptCheckpointError(
-                f"{where}: manifest nests JSON arrays or objects too deeply to decode "
-                f"(max_json_depth={max_depth})"
-            ) from None
-        except ValueError as e:  # JSONDecodeError; an integer longer than Python's str limit
-            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
-        if _too_deep(doc, max_depth):
-            raise CorruptCheckpointError(
-                f"{where}: manifest nests JSON arrays or objects deeper than "
-                f"max_json_depth={max_depth} (LoadOptions) levels"
-            )
+        doc = decode_json(
+            data, where=where, what="manifest", max_bytes=max_bytes, max_depth=max_depth
+        )
         _check_version(doc, where)  # first: a newer version may checksum differently
         _check_self_checksum(doc, where)
         return _decode(doc, where)
-
-
-def _too_deep(doc: Any, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` levels in ``doc`` (one level at a
-    time, no recursion)."""
-    level = [doc] if type(doc) in _CONTAINERS else []
-    for _ in range(limit):
-        level = [
-            c
-            for x in level
-            for c in (x.values() if type(x) is dict else x)
-            if type(c) in _CONTAINERS
-        ]
-        if not level:
-            return False
-    return bool(level)
 
 
 def _check_self_checksum(doc: Any, where: str) -> None:
@@ -395,12 +347,12 @@ def _check_self_checksum(doc: Any, where: str) -> None:
     ):
         raise CorruptCheckpointError(
             f"{where}: {SELF_CHECKSUM} must be {{'algorithm': {algorithm!r}, 'value': "
-            f"unsigned int}}, got {_show(field_)}"
+            f"unsigned int}}, got {show(field_)}"
         )
     actual = checksum_function(algorithm)(canonical_json(doc), 0)
     if actual != field_["value"]:
         raise CorruptCheckpointError(
-            f"{where}: manifest checksum mismatch (stored {_show(field_['value'])}, content "
+            f"{where}: manifest checksum mismatch (stored {show(field_['value'])}, content "
             f"{actual}): the manifest is corrupt or was edited; load another step"
         )
 
@@ -425,11 +377,11 @@ def _check_version(doc: Any, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: manifest is not a JSON object")
     if doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(
-            f"{where}: format is {_show(doc.get('format'))}, not {FORMAT_NAME!r}"
+            f"{where}: format is {show(doc.get('format'))}, not {FORMAT_NAME!r}"
         )
     version = doc.get("version")
     if not _is_int(version, 1):
-        raise CorruptCheckpointError(f"{where}: version {_show(version)} is not a positive integer")
+        raise CorruptCheckpointError(f"{where}: version {show(version)} is not a positive integer")
     if version > FORMAT_VERSION:
         raise NewerFormatError(
             f"{where}: manifest format version {version} is newer than this code reads "
@@ -448,26 +400,26 @@ def _decode(doc: Any, where: str) -> Manifest:
     version = doc["version"]  # checked by _check_version
     for key in ("step", "world_size"):
         need(
-            _is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={_show(doc.get(key))} invalid"
+            _is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={show(doc.get(key))} invalid"
         )
     attempt = doc.get("attempt", "")
-    need(isinstance(attempt, str), f"attempt={_show(attempt)} is not a string")
+    need(isinstance(attempt, str), f"attempt={show(attempt)} is not a string")
     checksum = doc.get("checksum")
     algorithm = ALGORITHM_OF_VERSION[version]
     need(
         isinstance(checksum, dict) and checksum.get("algorithm") == algorithm,
         f"checksum algorithm must be {algorithm!r} (format version {version}), got "
-        f"{_show(checksum)}",
+        f"{show(checksum)}",
     )
     block = checksum.get("block_bytes")
-    need(_is_int(block, 1), f"checksum block_bytes={_show(block)} invalid")
+    need(_is_int(block, 1), f"checksum block_bytes={show(block)} invalid")
 
     objects: dict[str, int] = {}
     need(isinstance(doc.get("objects"), dict), "objects is not a JSON object")
     for name, meta in doc["objects"].items():
         if not (_OBJECT_NAME.fullmatch(name) and ".." not in name):
             fail(
-                f"object name {_show(name)} escapes the step prefix (only a plain file name is "
+                f"object name {show(name)} escapes the step prefix (only a plain file name is "
                 "allowed)"
             )
         need(isinstance(meta, dict) and _is_int(meta.get("size")), f"object {name}: bad size")
@@ -477,20 +429,20 @@ def _decode(doc: Any, where: str) -> Manifest:
     rules: dict[str, tuple[tuple[int, ...], str, Rule]] = {}
     need(isinstance(doc.get("tensors"), dict), "tensors is not a JSON object")
     for name, t in doc["tensors"].items():
-        what = f"tensor {_show(name)}"
+        what = f"tensor {show(name)}"
         need(isinstance(t, dict), f"{what}: not a JSON object")
         shape = t.get("shape")
         if not (isinstance(shape, list) and all(_is_int(d) for d in shape)):
-            fail(f"{what}: shape={_show(shape)} must be a list of non-negative integers")
+            fail(f"{what}: shape={show(shape)} must be a list of non-negative integers")
         numel = _numel(shape)
         if numel > MAX_INT:
-            fail(f"{what}: shape={_show(shape)} has more than 2**63-1 elements")
+            fail(f"{what}: shape={show(shape)} has more than 2**63-1 elements")
         dtype = t.get("dtype")
         try:
             size = itemsize(torch_dtype(dtype))
         except (KeyError, TypeError):
             raise CorruptCheckpointError(
-                f"{where}: {what}: unknown dtype {_show(dtype)} in manifest"
+                f"{where}: {what}: unknown dtype {show(dtype)} in manifest"
             ) from None
         rule = _decode_rule(t, version, doc["world_size"], numel, what, fail)
         if rule is not None:
@@ -504,7 +456,7 @@ def _decode(doc: Any, where: str) -> Manifest:
         try:
             check_disjoint_cover([p.range for p in pieces], numel, what)
         except ValueError as e:
-            raise CorruptCheckpointError(f"{where}: {e} (shape {_show(shape)})") from None
+            raise CorruptCheckpointError(f"{where}: {e} (shape {show(shape)})") from None
         tensors[name] = TensorEntry(tuple(shape), dtype, tuple(pieces))
 
     _check_disjoint_bytes(tensors, fail)
@@ -543,11 +495,11 @@ def _decode_rule(
         fail(f"{what}: a version {version} manifest entry cannot hold {[*kinds, 'pieces']}")
     args = t[kinds[0]]
     if not (isinstance(args, list) and all(_is_int(a) for a in args)):
-        fail(f"{what}: {kinds[0]}={_show(args)} must be a list of non-negative integers")
+        fail(f"{what}: {kinds[0]}={show(args)} must be a list of non-negative integers")
     try:
         rule = rule_from_json([kinds[0], *args])
     except ValueError:
-        fail(f"{what}: {kinds[0]}={_show(args)} has the wrong number of arguments")
+        fail(f"{what}: {kinds[0]}={show(args)} has the wrong number of arguments")
     if rule.kind == "writer" and rule.writer >= world:
         fail(f"{what}: writer rank {rule.writer} is not below world_size={world}")
     if rule.kind == "even" and (rule.chunk < 1 or rule.start + numel > world * rule.chunk):
@@ -575,7 +527,7 @@ def _decode_regular(
         return None
     world = doc["world_size"]
     if not (isinstance(section, dict) and _is_int(section.get("object_bytes"), 1)):
-        fail(f"regular={_show(section)} must be an object with object_bytes >= 1")
+        fail(f"regular={show(section)} must be an object with object_bytes >= 1")
     ranks = section.get("ranks")
     if not (
         isinstance(ranks, list)
@@ -619,7 +571,7 @@ def _decode_regular(
     for name, t in tensors.items():
         for p in t.explicit:
             if p.object in owned:
-                fail(f"tensor {_show(name)}: a listed piece is in regular object {p.object}")
+                fail(f"tensor {show(name)}: a listed piece is in regular object {p.object}")
     return index
 
 
@@ -634,7 +586,7 @@ def _check_disjoint_bytes(tensors: dict[str, TensorEntry], fail: Fail) -> None:
         for a, b in itertools.pairwise(spans):
             if b[0] < a[1]:
                 fail(
-                    f"pieces of tensors {_show(a[2])} and {_show(b[2])} overlap in object {obj} "
+                    f"pieces of tensors {show(a[2])} and {show(b[2])} overlap in object {obj} "
                     f"(bytes [{a[0]}, {a[1]}) and [{b[0]}, {b[1]}))"
                 )
 
@@ -648,16 +600,16 @@ def _decode_piece(
     obj, br, crc, length = p.get("object"), p.get("byte_range"), p.get(algorithm), p.get("length")
 
     def at() -> str:
-        return f"{what} piece at offset {_show(p.get('offset'))}"
+        return f"{what} piece at offset {show(p.get('offset'))}"
 
     if not (isinstance(obj, str) and obj in objects):
-        fail(f"{at()}: object {_show(obj)} is not listed in objects")
+        fail(f"{at()}: object {show(obj)} is not listed in objects")
     if not _is_int(p.get("offset")):
         fail(f"{at()}: offset must be a non-negative integer")
     if not _is_int(length, 1):
-        fail(f"{at()}: length={_show(length)} must be positive")
+        fail(f"{at()}: length={show(length)} must be positive")
     if not (isinstance(br, list) and len(br) == 2 and _is_int(br[0]) and _is_int(br[1])):
-        fail(f"{at()}: byte_range={_show(br)} must be [start, end] with non-negative integers")
+        fail(f"{at()}: byte_range={show(br)} must be [start, end] with non-negative integers")
     nbytes = br[1] - br[0]
     if nbytes != length * size:
         fail(

@@ -13,6 +13,7 @@ import torch
 from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError
 from ftsdp.storage.format._checksum import WRITTEN, checksum_function
 from ftsdp.storage.format._dtypes import itemsize, safetensors_code
+from ftsdp.storage.format._json import MAX_INT, decode_json, show
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import tensor_bytes
 
@@ -109,17 +110,36 @@ def read_header(store: Store, rel: str) -> tuple[dict[str, Any], int]:
         raise CorruptCheckpointError(
             f"{where}: header length {n} is past the end of the file ({size} bytes)"
         )
-    try:
-        header = json.loads(store.read_range(rel, 8, 8 + n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{where}: header is not valid JSON ({e})") from None
+    header = decode_json(store.read_range(rel, 8, 8 + n), where=where, what="header")
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: header is not a JSON object")
+    meta = header.get("__metadata__")  # null: none, as the safetensors library reads it
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):  # json.loads gives str keys
+        raise CorruptCheckpointError(
+            f"{where}: __metadata__ must map strings to strings, got {show(meta)}"
+        )
     data_len = size - 8 - n
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} is described by {show(entry)}, not a JSON object"
+            )
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not (
+            isinstance(shape, list) and all(type(d) is int and 0 <= d <= MAX_INT for d in shape)
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} has shape {show(shape)}, not a list of non-negative "
+                "integers"
+            )
+        if not isinstance(dtype, str):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} has dtype {show(dtype)}, not a string"
+            )
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
@@ -127,7 +147,7 @@ def read_header(store: Store, rel: str) -> tuple[dict[str, Any], int]:
             and 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise CorruptCheckpointError(
-                f"{where}: tensor {key!r} has data_offsets {offsets} outside the {data_len} data "
-                "bytes (truncated or corrupt file)"
+                f"{where}: tensor {key!r} has data_offsets {show(offsets)} outside the "
+                f"{data_len} data bytes (truncated or corrupt file)"
             )
     return header, 8 + n
