@@ -242,8 +242,8 @@ def tokenizer_source(
     root = _local(src)
     if root is not None:
         root = os.path.realpath(root)
-        folder: str | None = os.path.realpath(os.path.join(root, recorded))
-        folder = folder if os.path.commonpath([root, folder]) == root else None
+        inside = os.path.realpath(os.path.join(root, recorded))
+        folder: str | None = inside if os.path.commonpath([root, inside]) == root else None
     else:  # remote: a relative path without ".." stays inside
         rel = posixpath.normpath(recorded)
         folder = None if rel.startswith(("/", "..")) else f"{src.rstrip('/')}/{rel}"
