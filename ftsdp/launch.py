@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+log = logging.getLogger(__name__)
+
 USAGE = (
     "usage: python -m ftsdp.launch [torchrun's flags] -- [ftsdp.train's flags]\n\n"
     "torchrun's elastic agent over ftsdp.train, with workers forked from a process that did "
@@ -26,6 +28,18 @@ PRELOAD = ["ftsdp.train"]  # what the fork server imports once (torch and torch.
 # torchrun flags that choose what runs: this launcher always runs ftsdp.train.
 _SCRIPT_FLAGS = ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
 _START_FLAGS = ("--start-method", "--start_method")
+_FORKSERVER_FLAW = (
+    "the forkserver of CPython 3.10.0-3.10.8 and 3.11.0 accepts any local user's connection "
+    "(CVE-2022-42919)"
+)
+
+
+def forkserver_is_safe(version: Sequence[int] | None = None) -> bool:
+    """False on the CPython releases whose forkserver socket any local user can reach
+    (CVE-2022-42919; ``version`` defaults to ``sys.version_info``)."""
+    major, minor, micro = tuple(sys.version_info if version is None else version)[:3]
+    flawed = ((major, minor) == (3, 10) and micro < 9) or (major, minor, micro) == (3, 11, 0)
+    return sys.implementation.name != "cpython" or not flawed
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -49,13 +63,28 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def torchrun_argv(ours: Sequence[str], train: Sequence[str]) -> list[str]:
-    """torchrun's command line that runs ``ftsdp/train.py`` in forked workers."""
+    """torchrun's command line that runs ``ftsdp/train.py`` in forked workers (spawned ones on a
+    Python whose forkserver is unsafe, :func:`forkserver_is_safe`).
+
+    Raises ``ValueError`` for an explicit forkserver on such a Python."""
     spec = importlib.util.find_spec("ftsdp.train")
     if spec is None or spec.origin is None:
         raise RuntimeError("ftsdp.train is not importable: is ftsdp installed?")
     start: list[str] = []
-    if start_method(ours) is None:
-        start = ["--start-method=forkserver"]
+    chosen = start_method(ours)
+    if chosen == "forkserver" and not forkserver_is_safe():
+        raise ValueError(
+            f"--start-method=forkserver: {_FORKSERVER_FLAW}; upgrade Python (3.10.9+, 3.11.1+) "
+            "or use --start-method=spawn"
+        )
+    if chosen is None:
+        if forkserver_is_safe():
+            start = ["--start-method=forkserver"]
+        else:  # spawn: each restarted worker imports again, but no socket for others to reach
+            log.warning(
+                "%s: workers start with spawn; upgrade Python for preloaded ones", _FORKSERVER_FLAW
+            )
+            start = ["--start-method=spawn"]
     return [*ours, *start, "--run-path", spec.origin, *train]
 
 
@@ -102,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from torch.distributed import run as torchrun
 
         torchrun.main(["--help"])
-    if start_method(ours) in (None, "forkserver"):
+    if start_method(command) == "forkserver":  # never on a flawed Python (torchrun_argv)
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()  # preloads while this process imports
     from ftsdp.train import parse_or_exit

@@ -79,3 +79,26 @@ def test_the_agent_logs_a_workers_failure_without_importing_torch_dynamo() -> No
     assert lines[0].endswith("] failed (exitcode: 1)"), out.stderr
     assert "Traceback (most recent call last):" in lines[1], out.stderr
     assert lines[-1].endswith("] ZeroDivisionError: division by zero"), out.stderr
+
+
+@pytest.mark.parametrize(
+    ("version", "safe"),
+    [((3, 10, 0), False), ((3, 10, 8), False), ((3, 11, 0), False), ((3, 10, 9), True)]
+    + [((3, 11, 1), True), ((3, 12, 0), True), ((3, 13, 2), True)],
+)
+def test_the_forkserver_is_used_only_where_other_users_cannot_reach_it(
+    monkeypatch, version, safe
+) -> None:
+    """CVE-2022-42919: on CPython 3.10.0-3.10.8 and 3.11.0 any local user can connect to the
+    forkserver's socket and run code as the job. There the launcher spawns its workers, and an
+    explicit forkserver is refused with one line."""
+    monkeypatch.delenv("PET_START_METHOD", raising=False)
+    monkeypatch.setattr(sys, "version_info", (*version, "final", 0))
+    assert launch.forkserver_is_safe() is safe
+    cmd = launch.torchrun_argv(["--standalone"], [])
+    assert launch.start_method(cmd) == ("forkserver" if safe else "spawn")
+    if safe:
+        return
+    with pytest.raises(ValueError, match="CVE-2022-42919.*--start-method=spawn"):
+        launch.torchrun_argv(["--start-method=forkserver"], [])
+    assert launch.start_method(launch.torchrun_argv(["--start-method=fork"], [])) == "fork"
