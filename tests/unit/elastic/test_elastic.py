@@ -332,6 +332,38 @@ def test_an_unreachable_store_and_a_peer_that_never_appears() -> None:
         Watchdog(store, 0, 1, interval_s=1, heartbeat_timeout_s=1)
 
 
+def test_the_watchdog_kills_a_stalled_local_peer_but_never_a_process_that_reused_its_pid() -> None:
+    """The watchdog opens a pidfd of each local peer at start and signals through it: a stalled
+    peer that is alive dies; once the peer has exited, the process that now holds its pid (a pid
+    reused, simulated by pointing the peer's entry at a new child) survives the kill path."""
+    import socket
+
+    from ftsdp.elastic._watchdog import Stall
+
+    host, me = socket.gethostname(), os.getpid()
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    stalled = subprocess.Popen(sleep)
+    exited = subprocess.Popen(sleep)
+    store, log = dist.HashStore(), []
+    peers = [(host, me), (host, stalled.pid), (host, exited.pid)]
+    w = Watchdog(store, 0, 3, interval_s=0.05, heartbeat_timeout_s=0.3, peers=peers, log=log.append)
+    exited.kill()
+    exited.wait()
+    newcomer = subprocess.Popen(sleep)
+    try:
+        w.peers[2] = (host, newcomer.pid)  # the pid the watchdog knew now names another process
+        w._kill_local([Stall(1, 3, 1.0, "heartbeat"), Stall(2, 3, 1.0, "heartbeat")])
+        assert stalled.wait(timeout=30) == -signal.SIGKILL
+        time.sleep(0.2)
+        assert newcomer.poll() is None, "the watchdog killed a process that reused a peer's pid"
+        assert log == [f"ftsdp watchdog (rank 0): killed rank 1 (pid {stalled.pid})"]
+    finally:
+        w.close()
+        for p in (stalled, newcomer):
+            p.kill()
+            p.wait()
+
+
 def test_the_watchdog_checks_the_agent_first_in_every_interval() -> None:
     calls: list[float] = []
     w = Watchdog(
