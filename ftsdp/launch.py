@@ -125,10 +125,17 @@ def bound_store(make: typing.Callable[..., typing.Any]) -> typing.Callable[..., 
     (``master_listen_fd``), which torch's rendezvous never passes."""
 
     @functools.wraps(make)
-    def store(host_name: str, port: int, *args: typing.Any, **kw: typing.Any) -> typing.Any:
+    def store(
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        *args: typing.Any,
+        **kw: typing.Any,
+    ) -> typing.Any:
         address = listen_address(host_name)
-        if not kw.get("is_master") or address is None or kw.get("master_listen_fd") is not None:
-            return make(host_name, port, *args, **kw)
+        if not is_master or address is None or kw.get("master_listen_fd") is not None:
+            return make(host_name, port, world_size, is_master, *args, **kw)
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         try:
             sock = socket.create_server((address, port), family=family, backlog=4096)
@@ -136,7 +143,7 @@ def bound_store(make: typing.Callable[..., typing.Any]) -> typing.Callable[..., 
             raise RuntimeError(f"the c10d store cannot listen on {address}:{port}: {e}") from None
         fd = sock.detach()  # the store owns it from here
         try:
-            return make(host_name, port, *args, master_listen_fd=fd, **kw)
+            return make(host_name, port, world_size, is_master, *args, master_listen_fd=fd, **kw)
         except BaseException:
             os.close(fd)
             raise
@@ -145,14 +152,19 @@ def bound_store(make: typing.Callable[..., typing.Any]) -> typing.Callable[..., 
 
 
 def bind_rendezvous_stores() -> None:
-    """Make the stores torch's agent hosts (the c10d rendezvous' and the workers' shared one)
-    listen only on their own address, where :func:`listen_address` names one (docs/cli.md, "On
-    a shared machine"); a torch without these hooks keeps its stores as they are."""
+    """Make the stores torch's agent hosts (the c10d or static rendezvous' and the workers'
+    shared one) listen only on their own address, where :func:`listen_address` names one
+    (docs/cli.md, "On a shared machine"); a torch without these hooks keeps its stores as is."""
     import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous import (
+        c10d_rendezvous_backend,
+        dynamic_rendezvous,
+        static_tcp_rendezvous,
+    )
 
-    if hasattr(c10d_rendezvous_backend, "TCPStore"):
-        c10d_rendezvous_backend.TCPStore = bound_store(dist.TCPStore)
+    for module in (c10d_rendezvous_backend, static_tcp_rendezvous):
+        if hasattr(module, "TCPStore"):
+            module.TCPStore = bound_store(dist.TCPStore)
     handler = dynamic_rendezvous.DynamicRendezvousHandler
     if hasattr(handler, "_create_tcp_store_server"):
 

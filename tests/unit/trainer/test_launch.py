@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 
@@ -127,11 +128,13 @@ def test_the_stores_the_launcher_hosts_listen_only_on_their_own_address(monkeypa
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous as static
 
     loopback = "0100007F"
     plain = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     assert _listening_on(plain.port) - {loopback}, "torch's own store listens beyond loopback"
     monkeypatch.setattr(backend, "TCPStore", backend.TCPStore)  # restored after the test
+    monkeypatch.setattr(static, "TCPStore", static.TCPStore)
     handler = dynamic_rendezvous.DynamicRendezvousHandler
     monkeypatch.setattr(handler, "_create_tcp_store_server", handler._create_tcp_store_server)
     launch.bind_rendezvous_stores()
@@ -140,6 +143,8 @@ def test_the_stores_the_launcher_hosts_listen_only_on_their_own_address(monkeypa
     assert _listening_on(rendezvous.port) == {loopback}
     workers = handler._create_tcp_store_server(None, "127.0.0.1", 0)
     assert _listening_on(workers.port) == {loopback}
+    fixed = static.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), multi_tenant=True)
+    assert _listening_on(fixed.port) == {loopback}  # --rdzv-backend=static --master-addr=...
     assert [launch.listen_address(h) for h in ("localhost", "10.0.0.7", "[::1]", "node7")] == [
         "127.0.0.1",
         "10.0.0.7",
