@@ -42,7 +42,7 @@ _FORKSERVER_FLAW = (
 def forkserver_is_safe(version: Sequence[int] | None = None) -> bool:
     """False on the CPython releases whose forkserver socket any local user can reach
     (CVE-2022-42919; ``version`` defaults to ``sys.version_info``)."""
-    major, minor, micro = tuple(sys.version_info if version is None else version)[:3]
+    major, minor, micro = (int(v) for v in (version or sys.version_info)[:3])
     flawed = ((major, minor) == (3, 10) and micro < 9) or (major, minor, micro) == (3, 11, 0)
     return sys.implementation.name != "cpython" or not flawed
 
@@ -164,7 +164,7 @@ def bind_rendezvous_stores() -> None:
 
     for module in (c10d_rendezvous_backend, static_tcp_rendezvous):
         if hasattr(module, "TCPStore"):
-            module.TCPStore = bound_store(dist.TCPStore)
+            setattr(module, "TCPStore", bound_store(dist.TCPStore))  # noqa: B010 (mypy)
     handler = dynamic_rendezvous.DynamicRendezvousHandler
     if hasattr(handler, "_create_tcp_store_server"):
 
@@ -173,7 +173,7 @@ def bind_rendezvous_stores() -> None:
                 master_addr, master_port, is_master=True, multi_tenant=True
             )
 
-        handler._create_tcp_store_server = create
+        setattr(handler, "_create_tcp_store_server", create)  # noqa: B010 (mypy)
 
 
 class PlainTracebacks(logging.Filter):
