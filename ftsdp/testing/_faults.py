@@ -170,9 +170,8 @@ def fire(fault: Fault, rank: int, incarnation: str = "", agent: int | None = Non
     elif fault.kind == "hang":
         while True:
             time.sleep(3600)
-    elif (
-        fault.kind == "kill_node" and agent is not None
-    ):  # the workers are the agent's children or its fork server's
+    elif fault.kind == "kill_node" and agent is not None:
+        # the workers are the agent's children, or under ftsdp.launch its fork server's
         siblings = {*_children(agent), *_children(os.getppid())}
         os.kill(agent, signal.SIGKILL)
         for pid in siblings:
