@@ -9,13 +9,19 @@ what it changes for a job: docs/elastic.md, "Recovery time"."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import ipaddress
 import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import socket
 import sys
+import typing
 from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
 
 USAGE = (
     "usage: python -m ftsdp.launch [torchrun's flags] -- [ftsdp.train's flags]\n\n"
@@ -26,6 +32,19 @@ PRELOAD = ["ftsdp.train"]  # what the fork server imports once (torch and torch.
 # torchrun flags that choose what runs: this launcher always runs ftsdp.train.
 _SCRIPT_FLAGS = ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
 _START_FLAGS = ("--start-method", "--start_method")
+_LOCAL_ADDR_FLAGS = ("--local-addr", "--local_addr")
+_FORKSERVER_FLAW = (
+    "the forkserver of CPython 3.10.0-3.10.8 and 3.11.0 accepts any local user's connection "
+    "(CVE-2022-42919)"
+)
+
+
+def forkserver_is_safe(version: Sequence[int] | None = None) -> bool:
+    """False on the CPython releases whose forkserver socket any local user can reach
+    (CVE-2022-42919; ``version`` defaults to ``sys.version_info``)."""
+    major, minor, micro = (int(v) for v in (version or sys.version_info)[:3])
+    flawed = ((major, minor) == (3, 10) and micro < 9) or (major, minor, micro) == (3, 11, 0)
+    return sys.implementation.name != "cpython" or not flawed
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -49,23 +68,112 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def torchrun_argv(ours: Sequence[str], train: Sequence[str]) -> list[str]:
-    """torchrun's command line that runs ``ftsdp/train.py`` in forked workers."""
+    """torchrun's command line that runs ``ftsdp/train.py`` in forked workers (spawned ones on a
+    Python whose forkserver is unsafe, :func:`forkserver_is_safe`).
+
+    Raises ``ValueError`` for an explicit forkserver on such a Python."""
     spec = importlib.util.find_spec("ftsdp.train")
     if spec is None or spec.origin is None:
         raise RuntimeError("ftsdp.train is not importable: is ftsdp installed?")
     start: list[str] = []
-    if start_method(ours) is None:
-        start = ["--start-method=forkserver"]
+    chosen = start_method(ours)
+    if chosen == "forkserver" and not forkserver_is_safe():
+        raise ValueError(
+            f"--start-method=forkserver: {_FORKSERVER_FLAW}; upgrade Python (3.10.9+, 3.11.1+) "
+            "or use --start-method=spawn"
+        )
+    if chosen is None:
+        if forkserver_is_safe():
+            start = ["--start-method=forkserver"]
+        else:  # spawn: each restarted worker imports again, but no socket for others to reach
+            log.warning(
+                "%s: workers start with spawn; upgrade Python for preloaded ones", _FORKSERVER_FLAW
+            )
+            start = ["--start-method=spawn"]
+    if "--standalone" in ours and _flag_value(ours, _LOCAL_ADDR_FLAGS) is None:
+        start.append("--local-addr=127.0.0.1")  # one node: the workers' store on loopback only
     return [*ours, *start, "--run-path", spec.origin, *train]
 
 
 def start_method(ours: Sequence[str]) -> str | None:
     """The start method the caller chose (flag, or torchrun's ``PET_START_METHOD``), or None."""
-    for i, arg in enumerate(ours):
+    return _flag_value(ours, _START_FLAGS) or os.environ.get("PET_START_METHOD") or None
+
+
+def _flag_value(argv: Sequence[str], names: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
-        if name in _START_FLAGS:
-            return value if eq else (ours[i + 1] if i + 1 < len(ours) else None)
-    return os.environ.get("PET_START_METHOD") or None
+        if name in names:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def listen_address(host: str) -> str | None:
+    """The one address a store named ``host`` may listen on: ``host`` when it is an IP address,
+    127.0.0.1 for localhost; None for another name (its address may differ between machines)."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return None
+
+
+def bound_store(make: typing.Callable[..., typing.Any]) -> typing.Callable[..., typing.Any]:
+    """``make`` (``TCPStore``'s signature) whose server listens only on :func:`listen_address`
+    of its host: torch's store listens on every interface unless given a listening socket
+    (``master_listen_fd``), which torch's rendezvous never passes."""
+
+    @functools.wraps(make)
+    def store(
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        *args: typing.Any,
+        **kw: typing.Any,
+    ) -> typing.Any:
+        address = listen_address(host_name)
+        if not is_master or address is None or kw.get("master_listen_fd") is not None:
+            return make(host_name, port, world_size, is_master, *args, **kw)
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            sock = socket.create_server((address, port), family=family, backlog=4096)
+        except OSError as e:  # torch's rendezvous then joins the store as a client
+            raise RuntimeError(f"the c10d store cannot listen on {address}:{port}: {e}") from None
+        fd = sock.detach()  # the store owns it from here
+        try:
+            return make(host_name, port, world_size, is_master, *args, master_listen_fd=fd, **kw)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    return store
+
+
+def bind_rendezvous_stores() -> None:
+    """Make the stores torch's agent hosts (the c10d or static rendezvous' and the workers'
+    shared one) listen only on their own address, where :func:`listen_address` names one
+    (docs/cli.md, "On a shared machine"); a torch without these hooks keeps its stores as is."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import (
+        c10d_rendezvous_backend,
+        dynamic_rendezvous,
+        static_tcp_rendezvous,
+    )
+
+    for module in (c10d_rendezvous_backend, static_tcp_rendezvous):
+        if hasattr(module, "TCPStore"):
+            setattr(module, "TCPStore", bound_store(dist.TCPStore))  # noqa: B010 (mypy)
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    if hasattr(handler, "_create_tcp_store_server"):
+
+        def create(self: typing.Any, master_addr: str, master_port: int) -> typing.Any:
+            return bound_store(dist.TCPStore)(
+                master_addr, master_port, is_master=True, multi_tenant=True
+            )
+
+        setattr(handler, "_create_tcp_store_server", create)  # noqa: B010 (mypy)
 
 
 class PlainTracebacks(logging.Filter):
@@ -102,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from torch.distributed import run as torchrun
 
         torchrun.main(["--help"])
-    if start_method(ours) in (None, "forkserver"):
+    if start_method(command) == "forkserver":  # never on a flawed Python (torchrun_argv)
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()  # preloads while this process imports
     from ftsdp.train import parse_or_exit
@@ -111,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
     plain_tracebacks("torch", "torch.distributed")  # the handlers torch's import installed
+    bind_rendezvous_stores()
     torchrun.main(command)
 
 

@@ -77,7 +77,7 @@ class Watchdog:
 
     ``store``: a c10d store shared by the ranks (``RankManager.store("watchdog")``). ``peers``:
     optional ``(host, pid)`` per rank, to watch peers on other hosts and SIGKILL a stalled one on
-    this host; without it ``local_world_size`` ranks per host (torchrun's numbering).
+    this host (through a pidfd opened here, so a reused pid is never signalled); without it ``local_world_size`` ranks per host (torchrun's numbering).
     ``on_stall(stalls)`` replaces the default action (log, kill, ``os._exit``); ``log`` defaults
     to this module's logger at ERROR; ``agent_check`` runs first in every interval, before any
     store call (``RankManager.exit_if_orphaned``). See docs/elastic.md, "Watchdog".
@@ -113,6 +113,7 @@ class Watchdog:
         self.interval_s, self.heartbeat_timeout_s = interval_s, heartbeat_timeout_s
         self.progress_timeout_s = progress_timeout_s
         self.peers = list(peers) if peers is not None else None
+        self._pidfds = self._open_local_peers()
         self._on_stall = on_stall
         self._agent_check = agent_check or (lambda: None)
         self._log = log or logger.error
@@ -345,20 +346,33 @@ class Watchdog:
         self._kill_local(stalls)
         os._exit(EXIT_STALL)
 
-    def _kill_local(self, stalls: list[Stall]) -> None:
+    def _open_local_peers(self) -> dict[int, int]:
+        """rank -> a pidfd of each peer on this host, opened now while the peer is alive: a pidfd
+        names one process, so after the peer exits and its pid is reused, signalling it kills
+        nothing (a bare pid would kill the newcomer). No pidfds here: no kills, only the exit."""
+        fds: dict[int, int] = {}
         if self.peers is None:
-            return
+            return fds
         host = socket.gethostname()
+        for rank, (peer_host, pid) in enumerate(self.peers):
+            if peer_host == host and pid != os.getpid() and rank != self.rank:
+                try:
+                    fds[rank] = os.pidfd_open(pid)
+                except (AttributeError, OSError):  # no pidfds (not Linux 5.3+) or already gone
+                    continue
+        return fds
+
+    def _kill_local(self, stalls: list[Stall]) -> None:
         for s in stalls:
-            if s.kind == "store" or not 0 <= s.rank < len(self.peers):
+            fd = self._pidfds.get(s.rank) if s.kind != "store" else None
+            if fd is None or self.peers is None:
                 continue
-            peer_host, pid = self.peers[s.rank]
-            if peer_host == host and pid != os.getpid():
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                    self._log(
-                        f"ftsdp watchdog (rank {self.rank}): killed rank {s.rank} (pid {pid})"
-                    )
+            with contextlib.suppress(OSError):  # ESRCH: it has exited; the pid is not looked at
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                self._log(
+                    f"ftsdp watchdog (rank {self.rank}): killed rank {s.rank} "
+                    f"(pid {self.peers[s.rank][1]})"
+                )
 
     def close(self) -> None:
         """Stop the thread and mark this rank closed, so peers do not take it for a stall."""
@@ -368,6 +382,9 @@ class Watchdog:
             self._thread = None
         with contextlib.suppress(Exception):
             self.store.set(self._key(self.rank), _CLOSED)
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
 
     def __enter__(self) -> Watchdog:
         return self.start()

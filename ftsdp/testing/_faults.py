@@ -110,6 +110,29 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+_AGENTS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "ftsdp.launch")
+
+
+def is_agent(pid: int | None) -> bool:
+    """Whether ``pid`` is the torchrun agent or ``ftsdp.launch`` that started this worker: this
+    process's parent (its grandparent under the launcher's fork server), running one of those.
+    Faults that signal the agent act only then: outside them the parent is e.g. a shell."""
+    if pid is None or pid <= 1:
+        return False
+    ancestors = {os.getppid()}
+    with (
+        contextlib.suppress(OSError, IndexError, ValueError),
+        open(f"/proc/{os.getppid()}/stat", encoding="ascii") as f,
+    ):
+        ancestors.add(int(f.read().rsplit(")", 1)[1].split()[1]))  # field 4: ppid
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return pid in ancestors and any(a.endswith(_AGENTS) for a in argv[:3])
+
+
 def applicable(faults: list[Fault], rank: int, restart_count: int) -> list[Fault]:
     """The faults that apply to ``rank`` in the restart ``restart_count``."""
     return [
@@ -119,10 +142,21 @@ def applicable(faults: list[Fault], rank: int, restart_count: int) -> list[Fault
     ]
 
 
-def fire(fault: Fault, rank: int, incarnation: str = "") -> None:
-    """Log ``fault``, then do it to this process (a step-boundary fault, not crash_in_save)."""
+def fire(fault: Fault, rank: int, incarnation: str = "", agent: int | None = None) -> None:
+    """Log ``fault``, then do it to this process (a step-boundary fault, not crash_in_save);
+    ``agent``: the pid of the torchrun agent or launcher, the target of ``kill_node`` and
+    ``target=agent``, which are refused (logged, not done) unless :func:`is_agent`."""
     if fault.kind == "crash_in_save":
         raise ValueError("crash_in_save fires inside a checkpoint write (faulty://), not here")
+    if (fault.kind == "kill_node" or fault.target == "agent") and not is_agent(agent):
+        logger.error(
+            "ftsdp: refusing fault %s on rank %d: it signals the agent, and this process was "
+            "not started by torchrun or ftsdp.launch (parent pid %d)",
+            fault.describe(),
+            rank,
+            os.getppid(),
+        )
+        return
     log_fault(fault, rank, incarnation)
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -130,15 +164,15 @@ def fire(fault: Fault, rank: int, incarnation: str = "") -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind in ("term", "usr1"):
         sig = signal.SIGTERM if fault.kind == "term" else signal.SIGUSR1
-        os.kill(os.getppid() if fault.target == "agent" else os.getpid(), sig)
+        os.kill(agent if agent is not None and fault.target == "agent" else os.getpid(), sig)
     elif fault.kind == "exit":
         os._exit(fault.code)
     elif fault.kind == "hang":
         while True:
             time.sleep(3600)
-    elif fault.kind == "kill_node":
-        agent = os.getppid()
-        siblings = _children(agent)
+    elif fault.kind == "kill_node" and agent is not None:
+        # the workers are the agent's children, or under ftsdp.launch its fork server's
+        siblings = {*_children(agent), *_children(os.getppid())}
         os.kill(agent, signal.SIGKILL)
         for pid in siblings:
             if pid != os.getpid():

@@ -3,21 +3,32 @@ faults at step boundaries, crash_in_save faults armed on the checkpoint URL."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 
 from ftsdp.testing import _faulty_fs
-from ftsdp.testing._faults import Fault, applicable, fire, parse_faults
+from ftsdp.testing._faults import Fault, applicable, fire, is_agent, parse_faults
+
+logger = logging.getLogger(__name__)
 
 
 class FaultHook:
-    """The faults that apply to this rank and restart count, fired where the loop calls in."""
+    """The faults that apply to this rank and restart count, fired where the loop calls in;
+    ``agent``: the pid of the torchrun agent or launcher that started this worker (None: none)."""
 
     def __init__(
-        self, faults: list[Fault], *, rank: int, restart_count: int, incarnation: str = ""
+        self,
+        faults: list[Fault],
+        *,
+        rank: int,
+        restart_count: int,
+        incarnation: str = "",
+        agent: int | None = None,
     ) -> None:
         self.rank = rank
         self.incarnation = incarnation
+        self.agent = agent
         self.faults = applicable(faults, rank, restart_count)
 
     def checkpoint_url(self, url: str) -> str:
@@ -47,17 +58,42 @@ class FaultHook:
     def _fire(self, step: int, when: str) -> None:
         for f in self.faults:
             if f.step == step and f.when == when and f.kind != "crash_in_save":
-                fire(f, self.rank, self.incarnation)
+                fire(f, self.rank, self.incarnation, self.agent)
 
 
 def fault_hook_from_env(
-    *, rank: int, restart_count: int, incarnation: str = "", env: Mapping[str, str] | None = None
+    *,
+    rank: int,
+    restart_count: int,
+    incarnation: str = "",
+    agent: int | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> FaultHook:
-    """The hook of ``FTSDP_FAULT`` (in ``env``, default ``os.environ``) for this rank."""
+    """The hook of ``FTSDP_FAULT`` (in ``env``, default ``os.environ``) for this rank; a set
+    ``FTSDP_FAULT`` is logged (a warning), so that no job fails on purpose unannounced."""
     env = os.environ if env is None else env
-    return FaultHook(
-        parse_faults(env.get("FTSDP_FAULT", "")),
+    spec = env.get("FTSDP_FAULT", "")
+    hook = FaultHook(
+        parse_faults(spec),
         rank=rank,
         restart_count=restart_count,
         incarnation=incarnation,
+        agent=agent,
     )
+    if spec:
+        logger.warning(
+            "ftsdp (rank %d): fault injection armed by FTSDP_FAULT=%r (%d fault(s) for this rank)"
+            "; unset it outside the fault suite",
+            rank,
+            spec,
+            len(hook.faults),
+        )
+        if any(f.kind == "kill_node" or f.target == "agent" for f in hook.faults) and not is_agent(
+            agent
+        ):
+            logger.warning(
+                "ftsdp (rank %d): FTSDP_FAULT's kill_node and target=agent faults will be refused: "
+                "this process was not started by torchrun or ftsdp.launch",
+                rank,
+            )
+    return hook

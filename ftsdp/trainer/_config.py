@@ -10,6 +10,7 @@ import re
 import sys
 import types
 import typing
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,6 +28,23 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MIXED_PRECISION = ("none", "bf16", "fp16")
 GPT_SPEC = "gpt"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # a URL's start, also inside hf:https://...
+
+
+def redact_url(value: str) -> str:
+    """``value`` (unchanged when it has none) without the userinfo (``user:password@``), query and
+    fragment of the URL in it: what may be shown of a URL whose credentials travel in it."""
+    m = _URL.search(value)
+    if m is None:
+        return value
+    try:
+        scheme, netloc, path, query, fragment = urllib.parse.urlsplit(value[m.start() :])
+    except ValueError:  # e.g. an unclosed [ in the host: nothing of it is shown
+        return value[: m.end()] + "<not a URL>"
+    if "@" not in netloc and not query and not fragment:
+        return value
+    host = netloc.rpartition("@")[2]
+    return value[: m.start()] + urllib.parse.urlunsplit((scheme, host, path, "", ""))
 
 
 @dataclass(frozen=True)
@@ -170,6 +188,19 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"TrainConfig: {name}={getattr(self, name)!r} {rule}")
 
+        # first, as the other checks show the values: a URL's credentials never reach the saved
+        # config, the metrics or a log line (docs/cli.md, "On a shared machine")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, str) and redact_url(value) != value:
+                raise ValueError(
+                    f"TrainConfig: {f.name}={redact_url(value)!r} (shown without them) must not "
+                    "carry credentials, a query or a fragment in its URL: the config is saved in "
+                    "every checkpoint, the metrics and the logs. Pass credentials through "
+                    "FTSDP_STORAGE_OPTIONS (a JSON object of fsspec storage options, e.g. "
+                    '{"key": ..., "secret": ...}) or the storage\'s own environment variables '
+                    "(AWS_ACCESS_KEY_ID, ...)"
+                )
         for name in ("global_batch", "micro_batch", "steps", "log_every", "keep_last"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         for name in (

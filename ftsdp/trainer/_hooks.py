@@ -19,9 +19,12 @@ class StepHook(Protocol):
 
 
 class HookFactory(Protocol):
-    """Makes the hook of one worker once its rank, restart count and incarnation are known."""
+    """Makes the hook of one worker once its rank, restart count and incarnation are known;
+    ``agent``: the pid of the torchrun agent that started it (``RankManager.agent``), or None."""
 
-    def __call__(self, *, rank: int, restart_count: int, incarnation: str) -> StepHook: ...
+    def __call__(
+        self, *, rank: int, restart_count: int, incarnation: str, agent: int | None
+    ) -> StepHook: ...
 
 
 class NoStepHook:

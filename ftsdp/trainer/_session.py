@@ -202,7 +202,10 @@ class Session:
                 NoStepHook()
                 if hook is None
                 else hook(
-                    rank=rank, restart_count=rm.info.restart_count, incarnation=rm.incarnation
+                    rank=rank,
+                    restart_count=rm.info.restart_count,
+                    incarnation=rm.incarnation,
+                    agent=rm.agent.pid if rm.agent is not None else None,
                 )
             )
             preempt = PreemptionHandler(grace_s=cfg.preempt_grace_s).install()

@@ -332,6 +332,38 @@ def test_an_unreachable_store_and_a_peer_that_never_appears() -> None:
         Watchdog(store, 0, 1, interval_s=1, heartbeat_timeout_s=1)
 
 
+def test_the_watchdog_kills_a_stalled_local_peer_but_never_a_process_that_reused_its_pid() -> None:
+    """The watchdog opens a pidfd of each local peer at start and signals through it: a stalled
+    peer that is alive dies; once the peer has exited, the process that now holds its pid (a pid
+    reused, simulated by pointing the peer's entry at a new child) survives the kill path."""
+    import socket
+
+    from ftsdp.elastic._watchdog import Stall
+
+    host, me = socket.gethostname(), os.getpid()
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    stalled = subprocess.Popen(sleep)
+    exited = subprocess.Popen(sleep)
+    store, log = dist.HashStore(), []
+    peers = [(host, me), (host, stalled.pid), (host, exited.pid)]
+    w = Watchdog(store, 0, 3, interval_s=0.05, heartbeat_timeout_s=0.3, peers=peers, log=log.append)
+    exited.kill()
+    exited.wait()
+    newcomer = subprocess.Popen(sleep)
+    try:
+        w.peers[2] = (host, newcomer.pid)  # the pid the watchdog knew now names another process
+        w._kill_local([Stall(1, 3, 1.0, "heartbeat"), Stall(2, 3, 1.0, "heartbeat")])
+        assert stalled.wait(timeout=30) == -signal.SIGKILL
+        time.sleep(0.2)
+        assert newcomer.poll() is None, "the watchdog killed a process that reused a peer's pid"
+        assert log == [f"ftsdp watchdog (rank 0): killed rank 1 (pid {stalled.pid})"]
+    finally:
+        w.close()
+        for p in (stalled, newcomer):
+            p.kill()
+            p.wait()
+
+
 def test_the_watchdog_checks_the_agent_first_in_every_interval() -> None:
     calls: list[float] = []
     w = Watchdog(
@@ -439,7 +471,9 @@ def test_the_fault_hook_is_the_trainers_step_hook_and_fires_at_its_boundary(
     tmp_path, monkeypatch
 ) -> None:
     fired = []
-    monkeypatch.setattr(_hook, "fire", lambda f, rank, inc: fired.append((f.kind, rank, inc)))
+    monkeypatch.setattr(
+        _hook, "fire", lambda f, rank, inc, agent: fired.append((f.kind, rank, inc))
+    )
     spec = "kill:step=3; term:step=3:target=agent; crash_in_save:point=after_data:step=3"
     hook = fault_hook_from_env(
         rank=1, restart_count=0, incarnation="inc7", env={"FTSDP_FAULT": spec}
@@ -471,6 +505,54 @@ def test_a_fault_is_logged_with_its_incarnation_before_it_fires(tmp_path, monkey
     assert record["pid"] == os.getpid() and abs(record["time"] - time.time()) < 60
     with pytest.raises(ValueError, match="faulty://"):
         fire(parse_faults("crash_in_save:point=before_latest:step=1")[0], 0)
+
+
+def test_fault_injection_is_logged_and_signals_only_a_torchrun_agent_or_the_launcher(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """An armed FTSDP_FAULT is logged at start. kill_node and term:target=agent signal the agent,
+    so they act only when the given agent is this process's parent running torchrun or
+    ftsdp.launch: here (under pytest, whose parent is a shell or CI runner) they are refused and
+    nothing is signalled; under a parent named torchrun the SIGTERM reaches it."""
+    spec = "kill_node:step=2; term:step=3:target=agent"
+    with caplog.at_level("WARNING", logger="ftsdp.testing"):
+        hook = fault_hook_from_env(
+            rank=0, restart_count=0, agent=os.getppid(), env={"FTSDP_FAULT": spec}
+        )
+    text = caplog.text
+    assert "fault injection armed by FTSDP_FAULT='kill_node:step=2; term" in text
+    assert "will be refused" in text
+    assert fault_hook_from_env(rank=0, restart_count=0, env={}).faults == []
+    killed: list = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    for agent in (None, os.getppid(), os.getpid()):
+        for fault in parse_faults(spec):
+            fire(fault, 0, "inc", agent)
+    hook.agent = os.getppid()
+    hook.at_step_end(2)
+    hook.after_save(3)
+    assert killed == [], "a fault signalled a process that is not the job's agent"
+    assert "refusing fault kill_node at step 2 on rank 0" in caplog.text
+    monkeypatch.undo()
+
+    agent = tmp_path / "torchrun"  # an agent by name, the worker's parent, as torchrun is
+    agent.write_text(
+        textwrap.dedent(
+            """
+            import signal, subprocess, sys
+            signal.signal(signal.SIGTERM, lambda *a: print("agent got SIGTERM", flush=True))
+            worker = (
+                "import os; from ftsdp.testing._faults import fire, parse_faults; "
+                "fire(parse_faults('term:step=1:target=agent')[0], 0, 'inc', os.getppid())"
+            )
+            subprocess.run([sys.executable, "-c", worker], check=True)
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(agent)], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout == "agent got SIGTERM\n", out.stderr
 
 
 # -- the faulty filesystem ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 
@@ -31,6 +32,7 @@ def test_torchrun_runs_the_entry_file_in_forked_workers(monkeypatch) -> None:
     assert cmd == [
         "--standalone",
         "--start-method=forkserver",
+        "--local-addr=127.0.0.1",  # one node: the workers' store listens on loopback only
         "--run-path",
         ftsdp.train.__file__,
         "--steps",
@@ -79,3 +81,76 @@ def test_the_agent_logs_a_workers_failure_without_importing_torch_dynamo() -> No
     assert lines[0].endswith("] failed (exitcode: 1)"), out.stderr
     assert "Traceback (most recent call last):" in lines[1], out.stderr
     assert lines[-1].endswith("] ZeroDivisionError: division by zero"), out.stderr
+
+
+@pytest.mark.parametrize(
+    ("version", "safe"),
+    [
+        *(((3, 10, 0), False), ((3, 10, 8), False), ((3, 11, 0), False), ((3, 10, 9), True)),
+        *(((3, 11, 1), True), ((3, 12, 0), True), ((3, 13, 2), True)),
+    ],
+)
+def test_the_forkserver_is_used_only_where_other_users_cannot_reach_it(
+    monkeypatch, version, safe
+) -> None:
+    """CVE-2022-42919: on CPython 3.10.0-3.10.8 and 3.11.0 any local user can connect to the
+    forkserver's socket and run code as the job. There the launcher spawns its workers, and an
+    explicit forkserver is refused with one line."""
+    monkeypatch.delenv("PET_START_METHOD", raising=False)
+    monkeypatch.setattr(sys, "version_info", (*version, "final", 0))
+    assert launch.forkserver_is_safe() is safe
+    cmd = launch.torchrun_argv(["--standalone"], [])
+    assert launch.start_method(cmd) == ("forkserver" if safe else "spawn")
+    if safe:
+        return
+    with pytest.raises(ValueError, match="CVE-2022-42919.*--start-method=spawn"):
+        launch.torchrun_argv(["--start-method=forkserver"], [])
+    assert launch.start_method(launch.torchrun_argv(["--start-method=fork"], [])) == "fork"
+
+
+def _listening_on(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address)
+    return found
+
+
+def test_the_stores_the_launcher_hosts_listen_only_on_their_own_address(monkeypatch) -> None:
+    """torch's c10d store listens on every interface whatever its host name (reference: a plain
+    TCPStore); under ftsdp.launch the rendezvous store and the workers' store listen on their
+    address only, when it is an IP address or localhost (--standalone's)."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous as static
+
+    loopback = "0100007F"
+    plain = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    assert _listening_on(plain.port) - {loopback}, "torch's own store listens beyond loopback"
+    monkeypatch.setattr(backend, "TCPStore", backend.TCPStore)  # restored after the test
+    monkeypatch.setattr(static, "TCPStore", static.TCPStore)
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    monkeypatch.setattr(handler, "_create_tcp_store_server", handler._create_tcp_store_server)
+    launch.bind_rendezvous_stores()
+    params = RendezvousParameters("c10d", "localhost:0", "run1", 1, 1, is_host=True)
+    rendezvous = backend._create_tcp_store(params)
+    assert _listening_on(rendezvous.port) == {loopback}
+    workers = handler._create_tcp_store_server(None, "127.0.0.1", 0)
+    assert _listening_on(workers.port) == {loopback}
+    fixed = static.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30), multi_tenant=True)
+    assert _listening_on(fixed.port) == {loopback}  # --rdzv-backend=static --master-addr=...
+    assert [launch.listen_address(h) for h in ("localhost", "10.0.0.7", "[::1]", "node7")] == [
+        "127.0.0.1",
+        "10.0.0.7",
+        "::1",
+        None,  # a name may resolve differently on each node: torch's store, unchanged
+    ]
+    client = backend.TCPStore("127.0.0.1", rendezvous.port, is_master=False)
+    client.set("k", "v")
+    assert rendezvous.get("k") == b"v"

@@ -226,3 +226,53 @@ def test_a_missing_toml_config_is_a_usage_error(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--config", str(tmp_path / "nope.toml")])
     assert "--config" in capsys.readouterr().err
+
+
+SECRET_URL = "https://user:SECRET@host.example/bucket/ckpt?X-Amz-Signature=SIGNED#frag"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--init-from", SECRET_URL],
+        ["--checkpoint-url", SECRET_URL],
+        ["--checkpoint-url", "s3://b/run", "--memory-every", "2", "--memory-url", SECRET_URL],
+        ["--metrics", "s3://b/m.jsonl?token=SIGNED"],
+        ["--init-from", "s3://ghp_SECRET@b/step"],
+        ["--model", "hf:" + SECRET_URL],
+    ],
+)
+def test_a_url_with_credentials_is_refused_without_showing_them(argv, capsys, tmp_path) -> None:
+    """The config is saved in every checkpoint (trainer.config), the metrics' start record and
+    log lines: a URL carrying credentials (userinfo, a signed query) is refused before any of
+    these exist, on the command line and in a TOML config alike, and the refusal says how to
+    pass credentials without echoing them."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "FTSDP_STORAGE_OPTIONS" in err and "must not carry credentials" in err
+    assert "SECRET" not in err and "SIGNED" not in err and "user" not in err.split("(")[0]
+    toml = tmp_path / "c.toml"
+    pairs = zip(argv[::2], argv[1::2], strict=True)
+    toml.write_text("".join(f"{k[2:]} = {v if v.isdigit() else repr(v)}\n" for k, v in pairs))
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(toml)])
+    err = capsys.readouterr().err
+    assert "must not carry credentials" in err and "SECRET" not in err and "SIGNED" not in err
+    with pytest.raises(ValueError, match="must not carry credentials") as raised:
+        TrainConfig(init_from=SECRET_URL)
+    assert "SECRET" not in str(raised.value) and "https://host.example/bucket/ckpt" in str(
+        raised.value
+    )
+
+
+def test_urls_and_paths_without_credentials_are_kept_as_given() -> None:
+    cfg = parse_args(
+        [
+            *("--init-from", "s3://bucket/run/step_10", "--checkpoint-url", "HTTPS://H/x/"),
+            *("--data", "./tokens?.bin", "--metrics", "file:///tmp/m.jsonl"),
+        ]
+    )
+    assert (cfg.init_from, cfg.checkpoint_url) == ("s3://bucket/run/step_10", "HTTPS://H/x/")
+    assert (cfg.data, cfg.metrics) == ("./tokens?.bin", "file:///tmp/m.jsonl")

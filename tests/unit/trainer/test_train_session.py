@@ -111,7 +111,7 @@ def test_the_session_is_built_in_order_and_closed_in_reverse(fakes) -> None:
         return NoStepHook()
 
     session = Session.open(CFG, hook=hook)
-    assert made == [{"rank": 0, "restart_count": 3, "incarnation": "inc0"}]
+    assert made == [{"rank": 0, "restart_count": 3, "incarnation": "inc0", "agent": None}]
     assert isinstance(session.hook, StepHook)
     assert session.watchdog is not None and session.ledger is not None
     with pytest.raises(dataclasses.FrozenInstanceError):
