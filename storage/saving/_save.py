@@ -95,9 +95,16 @@ def _forget_in_child() -> None:
 def _warn_in_flight_at_exit() -> None:
     """At interpreter exit: a save still in flight dies with the process (the threads that
     exchange and commit are daemons, so that a save waiting on a dead peer never holds a
-    failing job up) and is not committed; say so, rather than exit as if it were saved."""
+    failing job up) and is not committed; say so, rather than exit as if it were saved.
+
+    A snapshot still being copied is waited for first (up to ``_EXIT_COPY_WAIT_S``): a daemon
+    thread that leaves a torch op while the interpreter finalizes aborts the process
+    ("terminate called without an active exception"), and a copy always ends."""
     with _lock:
         pending = [lane.previous for lane in _lanes.values() if lane.previous is not None]
+    deadline = time.monotonic() + _EXIT_COPY_WAIT_S
+    for handle in pending:
+        handle._snapshot.wait(max(0.0, deadline - time.monotonic()))
     for handle in pending:
         if not handle.done():
             logger.warning(
@@ -109,6 +116,7 @@ def _warn_in_flight_at_exit() -> None:
             )
 
 
+_EXIT_COPY_WAIT_S = 30.0
 os.register_at_fork(after_in_child=_forget_in_child)
 atexit.register(_warn_in_flight_at_exit)
 

@@ -237,9 +237,10 @@ def test_a_save_in_flight_at_exit_is_reported(
 
 
 def test_a_process_exits_with_a_save_stuck_in_flight(tmp_path: Any) -> None:
-    """A deferred save that never finishes (its peer died) does not hold the interpreter's exit
-    up: the thread that exchanges, copies and commits is a daemon, and exit warns that the save
-    is not committed."""
+    """A deferred save that never finishes (its peer died: the exchange never returns) does not
+    hold the interpreter's exit up: the thread that exchanges and commits is a daemon, exit waits
+    only for the snapshot's copy (a daemon thread leaving a torch op during finalization aborts
+    the process), and warns that the save is not committed."""
     import subprocess
     import sys
 
@@ -248,7 +249,7 @@ def test_a_process_exits_with_a_save_stuck_in_flight(tmp_path: Any) -> None:
         "from ftsdp import storage\n"
         "from ftsdp.storage.saving import _save\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "_save.copy_into = lambda *a, **k: threading.Event().wait()  # stuck for good\n"
+        "_save.exchange = lambda *a, **k: threading.Event().wait()  # a dead peer: for good\n"
         "storage.save({'x': torch.arange(4.0)}, sys.argv[1], 1, async_save=True, "
         "defer_copy=True)\n"
     )
