@@ -221,10 +221,14 @@ def test_a_child_forked_during_a_save_is_not_fenced_by_it(
 
 
 def test_a_save_in_flight_at_exit_is_reported(
-    tmp_path: Any, held_copy: threading.Event, caplog: pytest.LogCaptureFixture
+    tmp_path: Any,
+    held_copy: threading.Event,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Its threads are daemons: a save still in flight when the interpreter exits is lost, and
-    exit says so instead of looking like a clean save."""
+    exit says so instead of looking like a clean save (also when its copy outlasts the wait)."""
+    monkeypatch.setattr(_save, "_EXIT_COPY_WAIT_S", 0.1)
     h = storage.save({"x": torch.arange(4.0)}, str(tmp_path), 3, async_save=True, defer_copy=True)
     with caplog.at_level(logging.WARNING, logger="ftsdp.storage.saving._save"):
         _save._warn_in_flight_at_exit()  # what atexit runs
