@@ -412,11 +412,25 @@ class _Save:
         return _SaveJob(self, plan, values, world, lineage)
 
 
+def _snapshot_size(
+    store: Store, tensors: dict[str, TensorLeaf], options: SaveOptions, deferred: bool
+) -> tuple[int, bool] | None:
+    """``(bytes, on CUDA)`` of the snapshot of ``tensors``; None where a save takes none: a
+    deferred save written from the live tensors, or a share over the staging budget."""
+    local = [t.local for t in tensors.values()]
+    cuda = any(t.device.type == "cuda" for t in local)
+    if deferred and in_place(store, cuda):
+        return None
+    total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
+    return None if total > options.staging_budget_bytes else (total, cuda)
+
+
 class _Snapshot:
     """This rank's tensors copied into the lane's arena on a thread of its own."""
 
-    def __init__(self, save: _Save, handle: SaveHandle, start: float) -> None:
+    def __init__(self, save: _Save, handle: SaveHandle, start: float, total: int) -> None:
         self.handle, self.t0 = handle, start  # its event is set once the copy is done
+        self.total = total  # bytes of the arena it takes
         self.leaves = list(save.tensors.values())
         self.flat = [leaf.local.reshape(-1) for leaf in self.leaves]  # views, mostly
         self.ready = _queued_work_event(self.flat)  # CUDA: copy after the work queued so far
@@ -430,19 +444,15 @@ class _Snapshot:
     def start(
         cls, save: _Save, handle: SaveHandle, start: float, deferred: bool
     ) -> _Snapshot | None:
-        """The snapshot of ``save``'s tensors, started; None where there is none: a deferred
-        save written from the live tensors, or a share over the staging budget."""
-        local = [t.local for t in save.tensors.values()]
-        if deferred and in_place(save.store, any(t.device.type == "cuda" for t in local)):
-            return None
-        total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
-        return None if total > save.options.staging_budget_bytes else cls(save, handle, start)
+        """The snapshot of ``save``'s tensors, started; None where there is none (see
+        :func:`_snapshot_size`)."""
+        size = _snapshot_size(save.store, save.tensors, save.options, deferred)
+        return None if size is None else cls(save, handle, start, size[0])
 
     def _copy(self) -> None:
         try:
             stream = _side_stream(self.ready)
-            total = sum(aligned_bytes(t.numel() * t.element_size()) for t in self.flat)
-            buf = self.arena.take(total, stream is not None)
+            buf = self.arena.take(self.total, stream is not None)
             raw = copy_into(self.flat, buf, stream, self.arena.layouts, as_bytes=True)
             self.bytes = {leaf.name: b for leaf, b in zip(self.leaves, raw, strict=True)}
         except BaseException as e:
@@ -656,14 +666,11 @@ def prepare_save(
     own_group(resolve_group(process_group), lane.key)
     if state is None:
         return 0
-    tensors, _ = flatten_state(state)
-    local = [t.local for t in tensors.values()]
-    total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
-    cuda = any(t.device.type == "cuda" for t in local)
-    if total > options.staging_budget_bytes or in_place(store, cuda):
+    size = _snapshot_size(store, flatten_state(state)[0], options, deferred=True)
+    if size is None:
         return 0
-    lane.arena.reserve(total, cuda)
-    return total
+    lane.arena.reserve(*size)
+    return size[0]
 
 
 def in_place(store: Store, cuda: bool) -> bool:
