@@ -110,37 +110,43 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
 
     assert _args.DEFAULT_MAX_MEMORY == storage.io.DEFAULT_MAX_MEMORY
     assert _args.FORMATS == storage.conversion.FORMATS
+    proc = _answer_without_torch(
+        "ftsdp.tools.ckpt",
+        "ftsdp-ckpt",
+        [["--help"], ["inspect", "--help"], ["convert", "--help"], ["nope"]],
+        codes=(0, 2),
+        also_absent="ftsdp.storage",
+    )
+    assert "usage: ftsdp-ckpt" in proc.stdout and "invalid choice: 'nope'" in proc.stderr
+    proc = _answer_without_torch("ftsdp.train", "ftsdp-train", [["--help"], ["--version"]])
+    assert "usage: ftsdp-train" in proc.stdout and "--global-batch" in proc.stdout
+
+
+def _answer_without_torch(
+    module: str,
+    prog: str,
+    argvs: list[list[str]],
+    codes: tuple[int, ...] = (0,),
+    also_absent: str = "torch",
+) -> subprocess.CompletedProcess:
+    """Run ``module`` as ``prog`` with each of ``argvs`` in one fresh interpreter; each exits
+    with one of ``codes``, and neither torch nor ``also_absent`` was imported."""
     script = (
         "import sys, runpy\n"
-        "for argv in (['--help'], ['inspect', '--help'], ['convert', '--help'], ['nope']):\n"
-        "    sys.argv = ['ftsdp-ckpt', *argv]\n"
+        f"for argv in {argvs!r}:\n"
+        f"    sys.argv = [{prog!r}, *argv]\n"
         "    try:\n"
-        "        runpy.run_module('ftsdp.tools.ckpt', run_name='__main__')\n"
+        f"        runpy.run_module({module!r}, run_name='__main__')\n"
         "    except SystemExit as e:\n"
-        "        assert e.code in (0, 2), (argv, e.code)\n"
+        f"        assert e.code in {codes!r}, (argv, e.code)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
-        "assert 'ftsdp.storage' not in sys.modules, 'ftsdp.storage imported'\n"
+        f"assert {also_absent!r} not in sys.modules, '{also_absent} imported'\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    assert "usage: ftsdp-ckpt" in proc.stdout and "invalid choice: 'nope'" in proc.stderr
-    script = (  # the training entry's --help and --version too
-        "import sys, runpy\n"
-        "for argv in (['--help'], ['--version']):\n"
-        "    sys.argv = ['ftsdp-train', *argv]\n"
-        "    try:\n"
-        "        runpy.run_module('ftsdp.train', run_name='__main__')\n"
-        "    except SystemExit as e:\n"
-        "        assert e.code == 0, (argv, e.code)\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "usage: ftsdp-train" in proc.stdout and "--global-batch" in proc.stdout
+    return proc
 
 
 def test_verify_clean_and_damaged(root: pathlib.Path) -> None:
