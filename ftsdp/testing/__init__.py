@@ -3,6 +3,7 @@ training entry, when ``FTSDP_FAULT`` is set (docs/design.md, "Import rules")."""
 
 from ftsdp.testing._faults import EXIT_INJECTED, Fault, parse_faults
 from ftsdp.testing._hook import FaultHook, fault_hook_from_env
+from ftsdp.testing._seaweedfs import seaweedfs_server
 from ftsdp.testing._spawn import free_port, run_ranks
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "free_port",
     "parse_faults",
     "run_ranks",
+    "seaweedfs_server",
 ]

