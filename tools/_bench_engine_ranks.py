@@ -30,6 +30,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -53,6 +54,7 @@ class Engine:
         # Any: ftsdp's FSDP, DDP or an FSDP2 module; each kind's own methods are called on it
         self.name, self.kind = name, kind
         self.model: Any = model
+        self.call: Any = model  # what a step calls: the model, or torch.compile of it
         self.opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=lr)
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -66,7 +68,7 @@ class Engine:
 
     def fwd_bwd(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.opt.zero_grad(set_to_none=True)
-        _, loss = self.model(x, y)
+        _, loss = self.call(x, y)
         loss.backward()
         self._loss = loss.detach()
 
@@ -179,6 +181,12 @@ def build_all(cfg: dict, device: torch.device) -> tuple[list[Engine], dict[str, 
                 skipped[name] = f"{type(e).__name__}: {e}"
         elif name == "ddp":
             engines.append(build_ddp(name, cfg, device))
+    for engine in list(engines) if cfg.get("compile") else []:
+        if engine.kind in ("ftsdp", "fsdp2"):  # the same model again, compiled whole
+            build = build_fsdp2 if engine.kind == "fsdp2" else partial(build_ftsdp, extra={})
+            compiled = build(f"{engine.name}-compiled", cfg, device)
+            compiled.call = torch.compile(compiled.model)
+            engines.append(compiled)
     for variant in cfg["variants"]:
         name = f"ftsdp+{variant}"
         try:

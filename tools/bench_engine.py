@@ -54,6 +54,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="extra ftsdp runs, comma-separated, of: " + ",".join(VARIANTS) + " (a variant the "
         "installed ftsdp cannot build is listed as skipped, with the reason)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time ftsdp and FSDP2 with the whole model under torch.compile (engines "
+        "ftsdp-compiled, fsdp2-compiled; warm-up steps include the compilation)",
+    )
     p.add_argument("--schedule", choices=("interleaved", "blocked"), default="interleaved")
     p.add_argument(
         "--cuda",
@@ -111,6 +117,7 @@ def config(args: argparse.Namespace, device: str) -> dict:
         "warmup": args.warmup,
         "engines": args.engines,
         "variants": args.variants,
+        "compile": args.compile,
         "schedule": args.schedule,
         "profile_dir": args.profile,
         "profile_steps": args.profile_steps,
@@ -165,6 +172,20 @@ def profile_notes(runs: list[report.Run], top: int = 12) -> str:
     return "\n".join(out)
 
 
+def compile_table(runs: list[report.Run]) -> str:
+    """Eager vs compiled median step time of ftsdp and FSDP2, per run."""
+    rows = ["| run | engine | eager ms | compiled ms | compiled / eager |", "|---|---|---|---|---|"]
+    for run in runs:
+        for base in ("ftsdp", "fsdp2"):
+            if base in run.engines and f"{base}-compiled" in run.engines:
+                eager, compiled = run.median_ms(base), run.median_ms(f"{base}-compiled")
+                rows.append(
+                    f"| {run.label} | {base} | {eager:.1f} | {compiled:.1f} | "
+                    f"{compiled / eager:.2f} |"
+                )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     command = "python -m ftsdp.tools.bench_engine " + " ".join(
@@ -183,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     detail = report.comm_detail(runs)
     live = report.live_detail(runs)
     lines = report.verdicts(runs) + report.variant_notes(runs)
+    if args.compile:
+        tables += "\n\ntorch.compile of the whole model, step time (median ms):\n\n"
+        tables += compile_table(runs)
     if args.steps < 10:
         lines.append(f"- note: only {args.steps} timed steps (a smoke run, not a measurement)")
     lines += [f"- skipped {k}: {v}" for k, v in skipped.items()]

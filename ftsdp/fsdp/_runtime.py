@@ -101,8 +101,11 @@ class Runtime:
             if unit is not self.root and not unit.infos:
                 continue  # a unit with no parameters of its own has nothing to gather
             module = unit.module
-            module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook(unit))
+            # Outside any torch.compile graph: the hooks run eagerly at a graph break, and the
+            # module code between them compiles (docs/engine.md, "torch.compile").
+            pre, post = self._pre_forward_hook(unit), self._post_forward_hook(unit)
+            module.register_forward_pre_hook(torch.compiler.disable(pre), with_kwargs=True)
+            module.register_forward_hook(torch.compiler.disable(post))
             if unit.infos:
                 unit.leaf.register_post_accumulate_grad_hook(self._grad_hook(unit))
 

@@ -10,14 +10,15 @@ traceback); a phase that hangs or kills its rank fails every test of that spawn.
 - W=2: ``test_checkpoint_manager.py`` (save, corrupt copy, follow-ups),
   ``test_checkpoint_manager_engines.py`` (the save grid), ``test_engine_streams.py``,
   ``test_engine_grad_scaler.py``, ``test_engine_parity.py``,
-  ``test_engine_mixed_precision_fsdp2.py``;
+  ``test_engine_mixed_precision_fsdp2.py``, ``test_engine_compile.py``;
 - W=3: the two CheckpointManager modules' resumes (after the W=2 spawn, and after
   ``_damage_and_keep`` between the two), ``test_engine_behaviour.py``,
-  ``test_engine_parity.py``, ``test_engine_mixed_precision_fsdp2.py``;
+  ``test_engine_parity.py``, ``test_engine_mixed_precision_fsdp2.py``,
+  ``test_engine_compile.py``;
 - W=4: ``test_engine_features.py`` first (its memory checks read this process's RSS; its
   ``MALLOC_MMAP_THRESHOLD_`` is in the environment of the whole spawn), then
-  ``test_engine_edge_cases.py``, ``test_engine_parity.py`` and ``test_checkpoint_manager.py``'s
-  memory tier on two simulated nodes.
+  ``test_engine_edge_cases.py``, ``test_engine_parity.py``, ``test_engine_compile.py`` and
+  ``test_checkpoint_manager.py``'s memory tier on two simulated nodes.
 
 Only the phases of modules that have a selected test run, so running one module alone still
 costs one spawn per world size it uses.
@@ -45,16 +46,19 @@ ENGINE_PHASES: dict[int, list[tuple[str, str]]] = {
         ("test_engine_grad_scaler", "rank_main"),
         ("test_engine_parity", "parity_grid"),
         ("test_engine_mixed_precision_fsdp2", "mixed_precision"),
+        ("test_engine_compile", "compile_grid"),
     ],
     3: [
         ("test_engine_behaviour", "behaviour"),
         ("test_engine_parity", "parity_grid"),
         ("test_engine_mixed_precision_fsdp2", "mixed_precision"),
+        ("test_engine_compile", "compile_grid"),
     ],
     4: [
         ("test_engine_features", "features"),
         ("test_engine_edge_cases", "edge_cases"),
         ("test_engine_parity", "parity_grid"),
+        ("test_engine_compile", "compile_grid"),
     ],
 }
 SPAWN_ENV = {4: {"MALLOC_MMAP_THRESHOLD_": "65536"}}  # test_engine_features: see its test
