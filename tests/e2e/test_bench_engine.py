@@ -1,5 +1,5 @@
 """Smoke test of the engine benchmark: ``python -m ftsdp.tools.bench_engine`` at the tiniest size, 2 steps,
-world size 2; it must print its tables and one MET / MISSED line per target, and write its
+world size 2, with ``--compile``; it must print its tables and one MET / MISSED line per target, and write its
 section of the Markdown file without touching anyone else's."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
     *["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--vocab-size", "64"],
     *["--block-size", "16", "--batch", "2", "--seq", "8", "--steps", "2", "--warmup", "1"],
-    *["--world-sizes", "2", "--cuda", "off"],
+    *["--world-sizes", "2", "--cuda", "off", "--compile"],
 ]
 OTHERS = "# Benchmarks\n\n## Checkpoint\n\ntheir table\n\n## Checkpoint: notes\n\ntheir notes\n"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_tiny_run_prints_tables_and_verdicts_and_writes_only_its_section(tmp_path) -> None:
     out = tmp_path / "benchmarks.md"
     out.write_text(OTHERS)
@@ -35,7 +35,7 @@ def test_tiny_run_prints_tables_and_verdicts_and_writes_only_its_section(tmp_pat
         env=env,
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=230,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     stdout = proc.stdout
@@ -53,6 +53,10 @@ def test_tiny_run_prints_tables_and_verdicts_and_writes_only_its_section(tmp_pat
             stdout,
         )
     assert "load average" in stdout
+    # --compile: both engines again, the whole model compiled, beside their eager step times
+    for engine in ("ftsdp", "fsdp2"):
+        row = rf"^\| W=2 CPU/gloo \| {engine} \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$"
+        assert re.search(row, stdout, re.M), stdout
     # The ring-cost bytes are exact at this size (no padding): FULL_SHARD less the root's re-gather.
     assert "bytes communicated = theory within padding: MET" in stdout, stdout
 
@@ -64,7 +68,8 @@ def test_tiny_run_prints_tables_and_verdicts_and_writes_only_its_section(tmp_pat
 
     # The JSON entry (ftsdp-report --bench) holds the tables' numbers.
     (run,) = json.loads((tmp_path / "benchmarks.json").read_text())["engine"]["runs"]
-    assert list(run["engines"]) == ["ftsdp", "fsdp2", "ddp"]  # the tables' order
+    # the tables' order; --compile adds the compiled engines last
+    assert list(run["engines"]) == ["ftsdp", "fsdp2", "ddp", "ftsdp-compiled", "fsdp2-compiled"]
     for engine, v in run["engines"].items():
         assert f"| W=2 CPU/gloo | {engine} | {v['step_ms']:.1f} |" in text, engine
         peak = v["memory"]["peak_fwd_bwd"]
