@@ -1,6 +1,5 @@
-"""torch FSDP1's state APIs on ftsdp's units (what each returns: docs/migrating.md); built one
-unit at a time, so memory stays at the shards plus one unit. Which optimizer state mirrors a
-parameter: docs/design.md, "The engine/storage seam"."""
+"""torch FSDP1's state APIs on ftsdp's units (docs/migrating.md), built one unit at a time, so
+memory stays at the shards plus one unit (mirroring optimizer state: docs/design.md)."""
 
 from __future__ import annotations
 
@@ -67,13 +66,9 @@ def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) 
         rank = mesh.get_local_rank()
         local = chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
         placements = [Shard(0)]
+    local = _to_cpu(local.clone(), cpu)
     return DTensor.from_local(
-        _to_cpu(local.clone(), cpu),
-        mesh,
-        placements,
-        run_check=False,
-        shape=full.shape,
-        stride=full.stride(),
+        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
     )
 
 

@@ -42,8 +42,7 @@ def _cast_float(value: Any, dtype: torch.dtype) -> Any:
 
 def _inside_backward() -> bool:
     """Whether autograd runs a backward on this thread now (recomputation does)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return True if task_id is None else task_id() != -1
+    return torch._C._current_graph_task_id() != -1
 
 
 # HYBRID_SHARD is FULL_SHARD inside each shard group (the paper's hybrid), so it frees too.
@@ -52,8 +51,7 @@ _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHAR
 
 @dataclasses.dataclass(slots=True)
 class _UnitRun:
-    """Per-backward bookkeeping of one unit; forward tickets: docs/engine.md, "The unit
-    lifecycle"."""
+    """Per-backward bookkeeping of one unit (forward tickets: docs/engine.md)."""
 
     wants_grad: bool = False  # a forward under grad mode used trainable parameters
     grad_seen: bool = False  # the leaf's gradient arrived in this backward

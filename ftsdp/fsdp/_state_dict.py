@@ -1,6 +1,4 @@
-"""State of a wrapped model as plain data: full state dicts and sharded views (what
-checkpointing consumes: docs/design.md, "The engine/storage seam").
-"""
+"""A wrapped model's state as plain data: full state dicts and ShardViews (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -18,11 +16,8 @@ from ._unit import FlatParamUnit, ParamInfo
 
 @dataclass(frozen=True)
 class ShardView:
-    """This rank's flat range of one tensor: elements ``[offset, offset + length)``.
-
-    ``local`` is 1-D with ``length`` elements and aliases the live storage (the parameter's
-    shard, or the optimizer's state tensor), so writing into it updates the model in place.
-    """
+    """This rank's flat range ``[offset, offset + length)`` of one tensor; ``local`` (1-D) aliases
+    the live storage (the parameter's shard, or an optimizer state), so writes load in place."""
 
     name: str
     global_shape: tuple[int, ...]
@@ -227,12 +222,6 @@ def sharded_optim_state_dict(
 
 
 def _view_of(name: str, info: ParamInfo, local: torch.Tensor) -> ShardView:
-    return ShardView(
-        name=name,
-        global_shape=tuple(info.shape),
-        dtype=local.dtype,
-        offset=info.param_start,
-        length=info.length,
-        local=local,
-        layout=(info.offset, info.chunk) if info.chunk else None,
-    )
+    layout = (info.offset, info.chunk) if info.chunk else None
+    shape = tuple(info.shape)
+    return ShardView(name, shape, local.dtype, info.param_start, info.length, local, layout)

@@ -1,11 +1,9 @@
-"""One unit: its FlatParameter, the shard this rank keeps, and the original-parameter views.
-
-SHARDED -> (GATHERING) -> UNSHARDED and back, both idempotent; why the views come from one
-split of a leaf aliasing the full buffer: docs/engine.md, "The unit lifecycle".
-"""
+"""One unit: its FlatParameter, this rank's shard, the original-parameter views; SHARDED ->
+(GATHERING) -> UNSHARDED and back, both idempotent (docs/engine.md, "The unit lifecycle")."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -116,21 +114,12 @@ class FlatParamUnit:
         self.dtype = dtypes.pop() if dtypes else torch.float32  # the master (shard) dtype
         self.param_dtype = options.param_dtype or self.dtype  # unsharded params, all-gather
         self.reduce_dtype = options.reduce_dtype or self.param_dtype
-        self.infos: list[ParamInfo] = []
-        offset = 0
-        for pp in plan.params:
-            self.infos.append(
-                ParamInfo(
-                    fqn=pp.fqn,
-                    refs=pp.refs,
-                    shape=pp.param.shape,
-                    offset=offset,
-                    numel=pp.param.numel(),
-                    requires_grad=pp.param.requires_grad,
-                )
-            )
-            offset += pp.param.numel()
-        self.numel = offset
+        offsets = itertools.accumulate((p.numel() for p in params), initial=0)
+        self.infos = [
+            ParamInfo(pp.fqn, pp.refs, p.shape, offset, p.numel(), p.requires_grad)
+            for pp, p, offset in zip(plan.params, params, offsets, strict=False)
+        ]
+        self.numel = sum(p.numel() for p in params)
         # right-padded to F equal shards: one flat collective per unit (docs/engine.md)
         self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
         self.padded_numel = self.shard_numel * self.factor
