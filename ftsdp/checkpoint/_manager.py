@@ -379,9 +379,8 @@ class CheckpointManager:
 
 
 def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | None) -> list[str]:
-    """Remove from ``state`` (``{param: {key: leaf}}``) the parameters with no ``optim.state.*``
-    name in ``saved`` (None: keep all) and return their names; one with some keys stays (a
-    missing key is a mismatch). No parameter's name is another's plus a dot."""
+    """Remove (and return) the parameters with no ``optim.state.*`` name in ``saved`` (None: keep
+    all); one with some keys stays. No parameter's name is another's plus a dot."""
     if saved is None:
         return []
     heads: set[str] = set()  # every dotted prefix of every saved name, after "optim.state."

@@ -258,11 +258,8 @@ class RankManager:
             return
         with _LEAVING:  # never released: the process ends inside
             logger.error(
-                "ftsdp (rank %d): the torchrun agent (pid %d) is gone: exiting with %d, "
-                "committing nothing more",
-                self.rank,
-                agent.pid,
-                EXIT_STALL,
+                f"ftsdp (rank {self.rank}): the torchrun agent (pid {agent.pid}) is gone: exiting "
+                f"with {EXIT_STALL}, committing nothing more"
             )
             os._exit(EXIT_STALL)
 

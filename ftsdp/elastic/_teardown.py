@@ -144,11 +144,9 @@ def close_process_groups(
         except Exception as e:  # a peer gone or late: go on closing, say so
             report.barrier_error = f"{type(e).__name__}: {e}"
             logger.warning(
-                "rank %d: not every rank reached close() within %.0f s (%s); closing without "
-                "them. A peer that failed or hung is the likely cause (see its log).",
-                dist.get_rank(),
-                barrier_timeout_s,
-                report.barrier_error.splitlines()[0][:300],
+                f"rank {dist.get_rank()}: not every rank reached close() within "
+                f"{barrier_timeout_s:.0f} s ({report.barrier_error.splitlines()[0][:300]}); "
+                "closing without them. A peer that failed or hung is the likely cause (see its log)."
             )
         report.barrier_s = time.monotonic() - t0
     rank = dist.get_rank()
@@ -160,14 +158,11 @@ def close_process_groups(
     report.idle, report.idle_wait_s, report.busy_threads = wait_for_idle_workers(idle_timeout_s)
     if not report.idle:
         logger.warning(
-            "rank %d: close() destroyed the process groups, but %d of them are still "
-            "referenced (by a model?) and their worker threads %s were still busy after "
-            "%.1f s: the process may abort at exit. Call close() when no collective is in "
-            "flight (after the last one was waited for).",
-            rank,
-            report.still_referenced,
-            report.busy_threads,
-            idle_timeout_s,
+            f"rank {rank}: close() destroyed the process groups, but {report.still_referenced} "
+            f"of them are still referenced (by a model?) and their worker threads "
+            f"{report.busy_threads} were still busy after {idle_timeout_s:.1f} s: the process may "
+            "abort at exit. Call close() when no collective is in flight (after the last one "
+            "was waited for)."
         )
     logger.debug("close_process_groups: %s", report)
     return report

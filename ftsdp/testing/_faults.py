@@ -95,19 +95,19 @@ def log_fault(fault: Fault, rank: int, incarnation: str = "", **extra: object) -
             os.fsync(f.fileno())
 
 
+def _parent(pid: int) -> int | None:
+    """The parent of ``pid`` (Linux /proc; None: unreadable)."""
+    with (
+        contextlib.suppress(OSError, IndexError, ValueError),
+        open(f"/proc/{pid}/stat", encoding="ascii") as f,
+    ):
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # field 4: ppid
+    return None
+
+
 def _children(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with (
-            contextlib.suppress(OSError, IndexError, ValueError),
-            open(f"/proc/{entry}/stat", encoding="ascii") as f,
-        ):
-            if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:  # field 4: ppid
-                out.append(int(entry))
-    return out
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _parent(int(e)) == pid]
 
 
 _AGENTS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "ftsdp.launch")
@@ -119,12 +119,7 @@ def is_agent(pid: int | None) -> bool:
     Faults that signal the agent act only then: outside them the parent is e.g. a shell."""
     if pid is None or pid <= 1:
         return False
-    ancestors = {os.getppid()}
-    with (
-        contextlib.suppress(OSError, IndexError, ValueError),
-        open(f"/proc/{os.getppid()}/stat", encoding="ascii") as f,
-    ):
-        ancestors.add(int(f.read().rsplit(")", 1)[1].split()[1]))  # field 4: ppid
+    ancestors = {os.getppid(), _parent(os.getppid())}
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
@@ -150,11 +145,8 @@ def fire(fault: Fault, rank: int, incarnation: str = "", agent: int | None = Non
         raise ValueError("crash_in_save fires inside a checkpoint write (faulty://), not here")
     if (fault.kind == "kill_node" or fault.target == "agent") and not is_agent(agent):
         logger.error(
-            "ftsdp: refusing fault %s on rank %d: it signals the agent, and this process was "
-            "not started by torchrun or ftsdp.launch (parent pid %d)",
-            fault.describe(),
-            rank,
-            os.getppid(),
+            f"ftsdp: refusing fault {fault.describe()} on rank {rank}: it signals the agent, and "
+            f"this process was not started by torchrun or ftsdp.launch (parent pid {os.getppid()})"
         )
         return
     log_fault(fault, rank, incarnation)

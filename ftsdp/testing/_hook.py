@@ -82,11 +82,8 @@ def fault_hook_from_env(
     )
     if spec:
         logger.warning(
-            "ftsdp (rank %d): fault injection armed by FTSDP_FAULT=%r (%d fault(s) for this rank)"
-            "; unset it outside the fault suite",
-            rank,
-            spec,
-            len(hook.faults),
+            f"ftsdp (rank {rank}): fault injection armed by FTSDP_FAULT={spec!r} "
+            f"({len(hook.faults)} fault(s) for this rank); unset it outside the fault suite"
         )
         if any(f.kind == "kill_node" or f.target == "agent" for f in hook.faults) and not is_agent(
             agent

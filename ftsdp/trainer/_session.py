@@ -151,13 +151,8 @@ def _close_after(error: BaseException, close: Callable[[], None], what: str) -> 
     try:
         close()
     except BaseException as closing:
-        logger.warning(
-            "%s after %s also failed: %s: %s",
-            what,
-            type(error).__name__,
-            type(closing).__name__,
-            closing,
-        )
+        failed = f"{type(closing).__name__}: {closing}"
+        logger.warning(f"{what} after {type(error).__name__} also failed: {failed}")
 
 
 @dataclass(frozen=True, kw_only=True)
