@@ -1,9 +1,5 @@
-"""ftsdp: checkpoint-centric, fault-tolerant fully sharded data parallel training for PyTorch.
-
-The public names below are loaded on first use, so ``import ftsdp.storage`` does not load the
-engine or the trainer; ``__version__`` is the installed distribution's. The subpackages and
-the logging rules: docs/design.md, "The map" and "Architecture".
-"""
+"""ftsdp: checkpoint-centric, fault-tolerant FSDP training for PyTorch; the public names load on
+first use, so ``import ftsdp.storage`` loads no engine (docs/design.md, "The map")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""torchrun for ``ftsdp.train`` with preloaded workers: a restarted worker starts without importing.
-
-    python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=3 -- \\
-        --checkpoint-url ./checkpoints/run1 --checkpoint-every 20
-
-torch's elastic agent runs here and forks its workers from one ``forkserver`` that imported
-:data:`PRELOAD` (only imports: no thread, process group or CUDA, so forking it is safe). Why and
-what it changes for a job: docs/elastic.md, "Recovery time"."""
+"""torchrun for ``ftsdp.train`` with workers forked from a ``forkserver`` that imported
+:data:`PRELOAD` (only imports: forking it is safe), so a restarted worker starts without importing
+(docs/elastic.md, "Recovery time"); ``python -m ftsdp.launch [torchrun's flags] -- [its flags]``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The memory tier: a node-local cache of the newest steps in host shared memory
-(docs/elastic.md, "A memory tier" and "The memory tier on several machines"), in a root only this
-user can reach (docs/format.md, "On a shared machine")."""
+"""The memory tier: a node-local cache of the newest steps in host shared memory, in a root only
+this user can reach (docs/elastic.md, "A memory tier"; docs/format.md, "On a shared machine")."""
 
 from __future__ import annotations
 
@@ -31,10 +30,8 @@ def _machine() -> str:
 
 def _place(url: str) -> str:
     """Where a root is: a local path (plain or ``file://``) resolved, a URL as written."""
-    path = url.removeprefix("file://")
-    if "://" in path:
-        return url.rstrip("/")
-    return os.path.realpath(path)
+    path = _local_path(url)
+    return url.rstrip("/") if path is None else os.path.realpath(path)
 
 
 class PrivateRoot:

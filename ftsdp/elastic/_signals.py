@@ -1,6 +1,5 @@
 """Preemption: SIGTERM / SIGUSR1 set a flag the ranks agree on at the next step boundary; a
-thread reads the signals from a wakeup fd, so the grace deadline holds while the main thread is
-blocked in a collective (docs/elastic.md, "Preemption")."""
+watcher thread keeps the grace deadline while the main thread blocks (docs/elastic.md)."""
 
 from __future__ import annotations
 

@@ -168,10 +168,8 @@ class GPT(nn.Module):
 def default_no_decay(name: str) -> bool:
     """True for parameters that get no weight decay: biases and normalisation weights, by name
     (under FSDP every parameter a rank sees is 1-D, so nanoGPT's ``p.dim() >= 2`` cannot tell)."""
-    parts = name.split(".")
-    if parts[-1] == "bias":
-        return True
-    return any(p.startswith("ln") or "norm" in p.lower() for p in parts[:-1])
+    *modules, last = name.split(".")
+    return last == "bias" or any(p.startswith("ln") or "norm" in p.lower() for p in modules)
 
 
 def param_groups(

@@ -1,9 +1,5 @@
-"""ftsdp.fsdp: the fully sharded data parallel engine (see docs/engine.md).
-
-``_api`` and ``_fsdp1`` hold torch FSDP1's enums, configs and state APIs, so a torch FSDP
-script runs with only its imports changed (docs/migrating.md). This package never imports
-``ftsdp.elastic``, ``ftsdp.trainer`` or ``ftsdp.storage``.
-"""
+"""ftsdp.fsdp: the fully sharded data parallel engine (docs/engine.md), with torch FSDP1's enums,
+configs and state APIs (docs/migrating.md); it never imports another room of ftsdp."""
 
 from ._api import (
     BackwardPrefetch,

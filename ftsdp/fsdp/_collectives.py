@@ -219,7 +219,6 @@ def all_gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]
 
 def comm_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device collectives on ``group`` expect (cuda for NCCL, cpu otherwise)."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -1,6 +1,4 @@
-"""Loss scaling for fp16 training with sharded gradients (docs/engine.md, "fp16 and loss
-scaling"): the ranks agree on the found-inf flag, so they skip a step together.
-"""
+"""fp16 loss scaling whose found-inf flag every rank agrees on (docs/engine.md, "fp16")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Where a unit's collectives run relative to the computation that uses them.
-
-[Note: streams] One interface, two schedules (host work handles; CUDA side streams ordered by
-events): docs/engine.md, "Streams on CUDA". A unit must make every side-stream allocation
-inside ``issue``, after the side stream waited for the compute stream.
-"""
+"""Where a unit's collectives run relative to the computation that uses them. [Note: streams]
+host work handles, or CUDA side streams ordered by events (docs/engine.md, "Streams on CUDA"):
+a unit makes every side-stream allocation inside ``issue``, after the side stream waited."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``faulty://``: the local filesystem with atomic object writes (absent or whole, as on an
-object store) that ``os._exit``s where an armed ``crash_in_save`` fault says: ``after_data``
-(n=K: this rank's K-th data object is durable), ``before_manifest``, ``before_latest``."""
+"""``faulty://``: local files written atomically (as on an object store), crashing where an armed
+``crash_in_save`` fault says (``after_data`` n=K, ``before_manifest``, ``before_latest``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The training entry's configuration: every field of :class:`TrainConfig` is a flag
-(``n_layer`` -> ``--n-layer``, also ``--n_layer``) whose type, default and help come from the
-field, so the two never drift; ``--config FILE.toml`` sets flags (docs/training.md)."""
+"""The training entry's configuration: each :class:`TrainConfig` field is a flag (``--n-layer``,
+also ``--n_layer``) with the field's type, default and help; ``--config FILE.toml`` sets flags."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Where a worker's time goes from its process start to its first step: the ``phases`` record.
-
-A phase is named after the mark that ends it and lasts from the previous mark present
-(:data:`PHASES`); the marks and the record: docs/elastic.md, "Recovery time"."""
+"""The ``phases`` record: a worker's time from process start to its first step, each phase ending
+at its mark (:data:`PHASES`; docs/elastic.md, "Recovery time")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What a checkpoint of the main job records about what was trained, and the check that a resume
-continues the same run (docs/training.md, "What a checkpoint records"). ``trainer.model`` and
-``trainer.data`` are JSON strings: storage flattens nested mappings into dotted names, and a
-resume must match the saved names exactly."""
+"""What a checkpoint records about what was trained (``trainer.model``/``trainer.data``, JSON
+strings) and the check that a resume continues the same run (docs/training.md)."""
 
 from __future__ import annotations
 
