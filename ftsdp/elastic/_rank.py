@@ -142,12 +142,9 @@ class Peer:
 
 @dataclass(kw_only=True)
 class RankManager:
-    """This process's rank, world size, device and process group, and the job's generation.
-
-    Build it with :meth:`init`, leave with :meth:`close`. ``marks``: wall times of ``init``'s
-    phases (docs/elastic.md, "Recovery time"). ``agent``: under torchrun, the agent that started
-    this worker (:meth:`exit_if_orphaned`); None otherwise.
-    """
+    """This process's rank, world size, device, process group and the job's generation, from
+    :meth:`init` to :meth:`close`; ``marks``: wall times of ``init``'s phases; ``agent``: under
+    torchrun, the agent that started this worker (:meth:`exit_if_orphaned`), else None."""
 
     info: RankInfo
     device: torch.device
@@ -228,11 +225,9 @@ class RankManager:
         return manager
 
     def _agree_on_incarnation(self, token: str) -> None:
+        restarts = self.info.restart_count
         me = Peer(
-            rank=self.rank,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            restart_count=self.info.restart_count,
+            rank=self.rank, host=socket.gethostname(), pid=os.getpid(), restart_count=restarts
         )
         if self.rank == 0 and not token:
             token = uuid.uuid4().hex[:12]

@@ -19,13 +19,9 @@ logger = logging.getLogger(__name__)
 
 
 class PreemptionHandler:
-    """Owns the handlers of ``signals`` from :meth:`install` until :meth:`close`.
-
-    ``requested`` turns True when a signal arrives (the loop agrees on it at its next step
-    boundary, saves and exits). ``grace_s`` after the signal (or :meth:`arm`) the process exits
-    with ``EXIT_GRACE_EXCEEDED`` (``on_expired`` replaces that); ``log`` defaults to this
-    module's logger at WARNING.
-    """
+    """Owns the handlers of ``signals`` from :meth:`install` to :meth:`close`: ``requested`` turns
+    True when one arrives; ``grace_s`` after it (or :meth:`arm`) the process exits with
+    ``EXIT_GRACE_EXCEEDED`` (``on_expired`` replaces that); ``log``: default logger, WARNING."""
 
     def __init__(
         self,

@@ -73,15 +73,12 @@ def _step_of(value: bytes) -> int:
 
 
 class Watchdog:
-    """A daemon thread publishing this rank's heartbeat and checking a few peers'.
-
-    ``store``: a c10d store shared by the ranks (``RankManager.store("watchdog")``). ``peers``:
-    optional ``(host, pid)`` per rank, to watch peers on other hosts and SIGKILL a stalled one on
-    this host (through a pidfd opened here, so a reused pid is never signalled); without it ``local_world_size`` ranks per host (torchrun's numbering).
-    ``on_stall(stalls)`` replaces the default action (log, kill, ``os._exit``); ``log`` defaults
-    to this module's logger at ERROR; ``agent_check`` runs first in every interval, before any
-    store call (``RankManager.exit_if_orphaned``). See docs/elastic.md, "Watchdog".
-    """
+    """A daemon thread publishing this rank's heartbeat and checking a few peers' (docs/elastic.md,
+    "Watchdog"). ``store``: a c10d store of the ranks (``RankManager.store("watchdog")``);
+    ``peers``: ``(host, pid)`` per rank, to watch peers on other hosts and SIGKILL a stalled one on
+    this host by pidfd (without: ``local_world_size`` ranks per host); ``on_stall(stalls)``
+    replaces the default action (log, kill, ``os._exit``); ``log``: default this module's logger
+    at ERROR; ``agent_check`` runs first in every interval (``RankManager.exit_if_orphaned``)."""
 
     def __init__(
         self,

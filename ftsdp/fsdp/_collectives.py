@@ -18,9 +18,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Counts of collective calls and per-rank bytes moved, by collective kind; ``copies``
-    (host <-> device, CPU offload) and ``control`` (bookkeeping collectives) apart;
-    ``max_in_flight``: the most prefetched all-gathers ever outstanding at once."""
+    """Collective calls and per-rank bytes by kind; ``copies`` (CPU offload) and ``control``
+    (bookkeeping) apart; ``max_in_flight``: the most prefetched all-gathers outstanding."""
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))

@@ -202,13 +202,8 @@ class TrainConfig:
                 )
         for name in ("global_batch", "micro_batch", "steps", "log_every", "keep_last"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in (
-            "checkpoint_every",
-            "memory_every",
-            "checkpoint_every_s",
-            "heartbeat_timeout_s",
-            "progress_timeout_s",
-        ):
+        periods = ("checkpoint_every", "memory_every", "checkpoint_every_s")
+        for name in (*periods, "heartbeat_timeout_s", "progress_timeout_s"):
             need(getattr(self, name) >= 0, name, "must be >= 0 (0 disables it)")
         for name in ("pg_timeout_s", "preempt_grace_s", "lr"):
             need(getattr(self, name) > 0, name, "must be > 0")
