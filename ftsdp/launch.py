@@ -35,8 +35,7 @@ _FORKSERVER_FLAW = (
 
 
 def forkserver_is_safe(version: Sequence[int] | None = None) -> bool:
-    """False on the CPython releases whose forkserver socket any local user can reach
-    (CVE-2022-42919; ``version`` defaults to ``sys.version_info``)."""
+    """False on CPython releases whose forkserver any local user reaches (CVE-2022-42919)."""
     major, minor, micro = (int(v) for v in (version or sys.version_info)[:3])
     flawed = ((major, minor) == (3, 10) and micro < 9) or (major, minor, micro) == (3, 11, 0)
     return sys.implementation.name != "cpython" or not flawed

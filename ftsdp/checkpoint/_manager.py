@@ -229,8 +229,7 @@ class CheckpointManager:
         return {name: step for name, tier in tiers if (step := tier.newest_committed()) is not None}
 
     def wait(self) -> None:
-        """Block until the in-flight saves are committed; raise the durable one's error (a
-        memory save's is logged)."""
+        """Block until the saves in flight commit; raise the durable one's error."""
         for tier in reversed(self._tiers()):
             tier.wait()
 
@@ -255,12 +254,9 @@ class CheckpointManager:
         rng_restored = self._restore(loaded, trainer)
         self._continue_from(loaded, candidates)
         self.prepare(trainer)
+        seconds = time.perf_counter() - start
         return ResumeInfo(
-            step=loaded.step,
-            saved_world_size=loaded.saved_world_size,
-            seconds=time.perf_counter() - start,
-            skipped=loaded.skipped,
-            rng_restored=rng_restored,
+            loaded.step, loaded.saved_world_size, seconds, loaded.skipped, rng_restored
         )
 
     def _candidates(self) -> list[tuple[int, Tier]]:
@@ -313,8 +309,7 @@ class CheckpointManager:
         return None
 
     def _agree(self, error: BaseException | None, step: int, tier: Tier) -> int:
-        """One load's outcome agreed by every rank: ``_OK``, ``_FALLBACK`` (try an older step) or
-        ``_FATAL`` (a mismatch: raised here; never for a cache's steps)."""
+        """Every rank's agreed load outcome: ``_OK``, ``_FALLBACK`` or ``_FATAL`` (raised here)."""
         unusable = isinstance(error, storage.CheckpointError | OSError) and not isinstance(
             error, storage.StateMismatchError | storage.NewerFormatError
         )

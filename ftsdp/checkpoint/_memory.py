@@ -67,8 +67,7 @@ class PrivateRoot:
 
 
 def _open_private(path: str) -> int:
-    """A descriptor of the directory ``path``, created with mode 0700 when absent; a link at
-    ``path`` is not followed (OSError ELOOP)."""
+    """A descriptor of directory ``path``, made 0700 when absent; a link is not followed."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     try:
         os.mkdir(path, 0o700)  # exclusive: an existing path is checked, never adopted blindly
@@ -135,8 +134,7 @@ class MemoryTier(Tier):
         self.root = None if path is None else PrivateRoot(path)
 
     def _private(self) -> bool:
-        """Whether the root passes :class:`PrivateRoot`'s checks on every rank (collective);
-        if not, the tier is off, and its root is never loaded nor cleared."""
+        """Whether the root passes its checks on every rank (collective); else the tier is off."""
         why = None if self.root is None else self.root.problem()
         if self.group.agree(0 if why is None else 1) == 0:
             return True
@@ -158,8 +156,7 @@ class MemoryTier(Tier):
         return {"memory_tier": {"durable_step": -1 if base is None else base}}
 
     def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:
-        """See :meth:`Tier.save`; always asynchronous, to this machine's root on several, once
-        the root passed its checks again (collective)."""
+        """An async :meth:`Tier.save`, once the root passed its checks again (collective)."""
         self.wait()
         if self._private():
             super().save(state, step, node=self.node, async_save=True, **kw)
@@ -179,8 +176,7 @@ class MemoryTier(Tier):
         )
 
     def steps(self) -> list[int]:
-        """Decide how the tier is shared (collective), then its committed steps (on several
-        machines, the one step made whole on every machine)."""
+        """Decide how the tier is shared (collective), then its committed steps."""
         if not self.on or not self._private() or not self._shared():
             return []
         if self.node is None:

@@ -13,8 +13,7 @@ from ftsdp.storage.io import all_reduce_max, broadcast_json, rank_world, resolve
 
 
 class Group:
-    """The manager's process group (None: the default one) and its agreements, on storage's
-    JSON collectives (nothing pickled)."""
+    """The manager's process group (None: the default) and its agreements (JSON collectives)."""
 
     def __init__(self, process_group: Any) -> None:
         self.pg = process_group
@@ -62,8 +61,7 @@ class Tier:
         return {}
 
     def foreign(self, step: int, values: dict[str, Any], durable: list[int]) -> str | None:
-        """Why ``step`` (its manifest's ``values``) is not this run's, given the ``durable``
-        steps; None: it is. Runs on rank 0."""
+        """Why ``step`` (with its manifest's ``values``) is not this run's; None: it is (rank 0)."""
         return None
 
     def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:

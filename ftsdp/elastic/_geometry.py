@@ -33,8 +33,7 @@ class BatchGeometry:
 
     @property
     def accum_steps(self) -> int:
-        """Forward/backward passes every rank runs per step: ``ceil(G / W)`` (the largest
-        share; a rank with a smaller one pads, see :meth:`share`)."""
+        """Passes every rank runs per step: ``ceil(G / W)`` (a smaller :meth:`share` pads)."""
         return -(-self.micro_batches // self.world_size)
 
     def share(self, rank: int) -> int:

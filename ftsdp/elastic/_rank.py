@@ -107,8 +107,7 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
 
 
 class Agent:
-    """The torchrun agent that started this worker, and whether it has exited (docs/elastic.md,
-    "A worker without its agent")."""
+    """The torchrun agent that started this worker, and whether it has exited (docs/elastic.md)."""
 
     def __init__(self) -> None:
         parent = multiprocessing.parent_process()
@@ -259,8 +258,7 @@ class RankManager:
             os._exit(EXIT_STALL)
 
     def agree_any(self, *flags: bool) -> tuple[bool, ...]:
-        """For each flag: True on every rank if it is True on any rank (one all_reduce(MAX));
-        every rank calls it at the same point (a step boundary)."""
+        """Per flag, True on every rank if True on any (one all_reduce); call on every rank."""
         if self.world_size == 1:
             return tuple(bool(f) for f in flags)
         t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=self.device)

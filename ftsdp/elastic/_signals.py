@@ -93,8 +93,7 @@ class PreemptionHandler:
                 )
 
     def cannot_save(self, why: str) -> None:
-        """From now on, a signal's line says that nothing will be saved, and ``why`` (the
-        training loop ended on an error: there is no next step boundary)."""
+        """From now on a signal's line says nothing will be saved, and ``why``."""
         with self._lock:
             self._no_save = why
 

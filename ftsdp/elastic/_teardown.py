@@ -45,8 +45,7 @@ def _registered_groups() -> list[Any]:
 
 
 def _leave_together(device: torch.device, timeout_s: float) -> None:
-    """One barrier per process group this rank is in, within one deadline, in creation order
-    (the same on every rank: no cycle of groups waiting on each other)."""
+    """One barrier per process group, one deadline, in creation order (the same on every rank)."""
     deadline = time.monotonic() + timeout_s
     cuda = device.type == "cuda"
     if cuda:
@@ -65,8 +64,7 @@ def _leave_together(device: torch.device, timeout_s: float) -> None:
 
 
 def _thread_states(names: tuple[str, ...]) -> dict[str, str] | None:
-    """``{"tid name": state}`` of this process's threads with one of ``names``; None where
-    ``/proc`` is not available."""
+    """``{"tid name": state}`` of this process's threads named ``names``; None without /proc."""
     try:
         tids = os.listdir(_TASKS)
     except OSError:

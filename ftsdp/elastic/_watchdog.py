@@ -395,8 +395,7 @@ def _bytes(value: str | bytes) -> bytes:
 
 
 class _CountingStore:
-    """One rank's client of a simulated c10d store (a dict shared by all), counting its calls
-    and keys; a missing key raises at once where a real store would wait."""
+    """One rank's client of a simulated store (a shared dict), counting calls and keys."""
 
     def __init__(self, data: dict[str, bytes]) -> None:
         self.data = data

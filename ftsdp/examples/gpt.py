@@ -63,8 +63,7 @@ class InitEmbedding(nn.Embedding):
 
 
 def _linear(config: GPTConfig, n_in: int, n_out: int, *, residual: bool = False) -> InitLinear:
-    """A block's linear layer; a residual projection's init is scaled down so the residual
-    stream's variance does not grow with depth."""
+    """A block's linear layer; residual projections scaled down (depth-independent variance)."""
     std = INIT_STD / math.sqrt(2 * config.n_layer) if residual else INIT_STD
     return InitLinear(n_in, n_out, bias=config.bias, init_std=std)
 
@@ -127,8 +126,7 @@ class GPT(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the token embedding with the output head (when configured); call again after
-        ``to_empty()``, which breaks the tie."""
+        """Tie the head to the token embedding (if configured); call again after ``to_empty()``."""
         if self.config.tie_weights:
             self.lm_head.weight = self.wte.weight
 

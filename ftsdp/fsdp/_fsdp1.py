@@ -179,8 +179,7 @@ def optim_state_dict(
 def optim_state_dict_to_load(
     model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any]
 ) -> dict[str, Any]:
-    """``FSDP.optim_state_dict_to_load``: a name-keyed state dict as this rank's
-    ``optim.state_dict()`` (collective)."""
+    """``FSDP.optim_state_dict_to_load``: as this rank's ``optim.state_dict()`` (collective)."""
     settings = model._sd_settings
     config = settings.optim_state_dict_config
     if (

@@ -211,8 +211,7 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Original names with this rank's 1-D slices (full parameters inside
-        ``summon_full_params``; ignored ones whole)."""
+        """Original names, this rank's 1-D slices (full inside ``summon_full_params``)."""
         return self._named_params(prefix, recurse, remove_duplicate, sharded=not self._summoned)
 
     def _named_params(
@@ -250,8 +249,7 @@ class FullyShardedDataParallel(nn.Module):
         )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The unwrapped module's keys, in the form ``state_dict_type`` chose (default: full
-        on every rank). A collective."""
+        """The unwrapped module's keys, in the ``state_dict_type``'s form (a collective)."""
         if args or kwargs:
             raise ValueError(
                 "FSDP.state_dict() takes no arguments: it returns the state with the "
@@ -382,8 +380,7 @@ class FullyShardedDataParallel(nn.Module):
         ]
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds, by role (docs/engine.md, "Accounting");
-        ``optimizer_state_bytes`` only when ``optimizer`` is given."""
+        """Bytes this rank holds, by role (docs/engine.md, "Accounting")."""
         stats = {
             "sharded_param_bytes": sum(u.shard.nbytes for u in self._units),
             "sharded_grad_bytes": sum(
@@ -524,8 +521,7 @@ class FullyShardedDataParallel(nn.Module):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        """Inside the block the modules hold full ``nn.Parameter``s, as in torch FSDP; in-place
-        edits are written back on exit. A collective."""
+        """Full ``nn.Parameter``s in the block, edits written back on exit, as in torch FSDP."""
         with contextlib.ExitStack() as stack:
             for wrapper in _wrappers_in(module, "summon_full_params"):
                 stack.enter_context(

@@ -232,8 +232,7 @@ class Runtime:
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _pre_backward(self, unit: FlatParamUnit, ticket: int | None = None) -> None:
-        """Before the unit's backward: unshard it, and prefetch the next unit (before this
-        unit's reduce-scatter, which its gradient hook issues later)."""
+        """Before the unit's backward: unshard it, prefetch the next (before its reduce-scatter)."""
         self._ensure_callback()
         if ticket is not None:
             self._runs[id(unit)].active.add(ticket)
@@ -326,8 +325,7 @@ class Runtime:
         return [list(itertools.islice(values, len(mask))) for mask in masks]
 
     def _check_contribution_counts(self) -> None:
-        """Deterministic mode gathers equal numbers of micro-batch gradients from every rank;
-        each unit learns how many of them, over all ranks, are not padding (its divisor)."""
+        """Deterministic mode: each unit's non-padding contributions on all ranks (its divisor)."""
         if not any(u.deterministic for u in self.units):
             return
         counts = [n for u in self.units for n in u.contribution_counts()]

@@ -84,8 +84,7 @@ def full_state_dict(
     module: nn.Module,
     convert: Callable[[torch.Tensor], Any] = torch.Tensor.clone,
 ) -> dict[str, Any]:
-    """The unwrapped module's state, ``convert``-ed full parameters gathered one unit at a
-    time (a collective)."""
+    """The unwrapped module's state, full parameters gathered a unit at a time (collective)."""
     full_params: dict[int, Any] = {}
     for unit in units:
         if unit.infos:
@@ -173,8 +172,7 @@ def optim_entries(
     optim: torch.optim.Optimizer,
     osd: dict[str, Any] | None = None,
 ) -> list[tuple[int, str, ParamInfo | None, dict[str, Any]]]:
-    """(group index, name, ParamInfo or None, state) per optimizer parameter, in order; the
-    state from ``osd`` (an ``optim.state_dict()``) when given."""
+    """``(group, name, ParamInfo or None, state)`` per optimizer parameter (state from ``osd``)."""
     infos = {id(info.sharded_param): info for unit in units for info in unit.infos}
     name_of: dict[int, str] = {}
     for name, p in names:

@@ -44,8 +44,7 @@ class HostSchedule:
 
 
 class StreamSchedule(HostSchedule):
-    """Dedicated gather and reduce streams ordered by events (CUDA). ``api``: the stream API
-    (``torch.cuda`` by default; tests pass a recording stand-in)."""
+    """Gather and reduce streams ordered by events (CUDA); ``api``: ``torch.cuda`` or a stand-in."""
 
     def __init__(
         self, device: torch.device, *, api: Any = None, limit_all_gathers: bool = True

@@ -269,8 +269,7 @@ class FlatParamUnit:
         )
 
     def on_device(self, host: torch.Tensor, count: bool = False) -> torch.Tensor:
-        """A shard-side tensor on the compute device (under CPU offload a copy, counted in
-        ``comm_stats.copies`` when ``count``)."""
+        """``host`` on the compute device (under offload a copy, counted if ``count``)."""
         if not self.options.offload:
             return host
         if count:
@@ -313,8 +312,7 @@ class FlatParamUnit:
         self.state = UnitState.SHARDED
 
     def add_unsharded_grad(self, grad: torch.Tensor, padding: bool = False) -> None:
-        """Keep one backward's flat gradient until it is reduced (summed, unless deterministic);
-        a padding pass's counts as zeros."""
+        """Keep one backward's flat gradient until reduced (a padding pass's as zeros)."""
         if padding:
             grad.zero_()  # exact zeros: adding them changes no sum, whatever the loss was
         if self.deterministic:
@@ -377,8 +375,7 @@ class FlatParamUnit:
         self._pending.append((token, out, second_stage, (grad, cast)))
 
     def _reduce_deterministic(self) -> None:
-        """The mean of every rank's gradients in (rank, order) sequence, divided by the
-        non-padding ones (``real_rows``; padding rows are zeros): docs/engine.md."""
+        """The mean of every rank's gradients in (rank, order) sequence (docs/engine.md)."""
         mine = torch.stack(self._contributions)  # [k, padded_numel]
         groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
         self._contributions.clear()
@@ -414,8 +411,7 @@ class FlatParamUnit:
         self._pending.clear()
 
     def finish_reduction(self, used: list[bool]) -> None:
-        """Add the reduced gradients into the sharded gradient; parameters not ``used`` on
-        any rank keep ``grad=None``."""
+        """Add the reduced gradients in; a parameter no rank ``used`` keeps ``grad=None``."""
         self.complete_reductions()
         for out in self._reduced:
             self._accumulate_sharded_grad(out, used)

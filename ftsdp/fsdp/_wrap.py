@@ -37,8 +37,7 @@ class UnitPlan:
 
 @dataclass(frozen=True)
 class Ignored:
-    """Modules (with their descendants) and parameters no unit manages: whole on every rank,
-    gradients not reduced, as in torch FSDP."""
+    """Modules and parameters no unit manages: whole on every rank, not reduced (as torch)."""
 
     modules: frozenset[nn.Module] = frozenset()
     params: frozenset[nn.Parameter] = frozenset()

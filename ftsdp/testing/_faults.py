@@ -73,8 +73,7 @@ def parse_faults(spec: str) -> list[Fault]:
 
 
 def log_fault(fault: Fault, rank: int, incarnation: str = "", **extra: object) -> None:
-    """Record the fault in ``FTSDP_FAULT_LOG`` and on the log before it fires (``incarnation``
-    tells restarts apart)."""
+    """Record the fault in ``FTSDP_FAULT_LOG`` and on the log before it fires."""
     record = {
         "event": "fault",
         "kind": fault.kind,

@@ -47,8 +47,7 @@ class FaultHook:
         self._fire(step, "after_save")
 
     def needs_commit(self, step: int) -> bool:
-        """Whether an ``after_commit`` fault of ``step`` applies (the loop then waits for the
-        save in flight to commit and calls :meth:`after_commit`)."""
+        """Whether an ``after_commit`` fault of ``step`` applies (the loop then waits)."""
         return any(f.step == step and f.when == "after_commit" for f in self.faults)
 
     def after_commit(self, step: int) -> None:

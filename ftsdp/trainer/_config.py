@@ -48,8 +48,7 @@ def redact_url(value: str) -> str:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed ``--model``: ``kind`` is ``gpt``, ``hf`` (``arg``: the directory) or ``py``
-    (``arg``: ``MODULE:FUNCTION``)."""
+    """A parsed ``--model``: ``kind`` gpt, hf (``arg``: DIR) or py (``arg``: MODULE:FUNCTION)."""
 
     kind: str
     arg: str = ""
@@ -367,14 +366,9 @@ def config_defaults(path: str) -> dict[str, typing.Any]:
         if name in values:
             raise ValueError(f"--config {path}: {name} is set twice (as - and _ spellings)")
         kind = _flag_type(hints[name])
-        ok = (
-            isinstance(value, bool)
-            if kind is bool
-            else isinstance(value, (int, float)) and not isinstance(value, bool)
-            if kind is float
-            else isinstance(value, kind) and not isinstance(value, bool)
-        )
-        if not ok:
+        # a bool is an int to isinstance: only a bool field takes one; a float field takes an int
+        allowed = (int, float) if kind is float else kind
+        if not isinstance(value, allowed) or isinstance(value, bool) != (kind is bool):
             raise ValueError(
                 f"--config {path}: {key} = {value!r} must be a TOML {kind.__name__}"
                 + (" (a quoted string)" if kind is str else "")
@@ -388,8 +382,7 @@ def config_defaults(path: str) -> dict[str, typing.Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """CLI (and ``--config FILE.toml``) -> validated :class:`TrainConfig`; a bad value exits with
-    argparse's usage error (status 2)."""
+    """CLI and ``--config`` -> a validated :class:`TrainConfig`; a bad value exits 2."""
     parser = build_parser()
     argv = normalise_flags(sys.argv[1:] if argv is None else list(argv), parser)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)

@@ -42,8 +42,7 @@ def head_sha256(path: str | os.PathLike) -> str:
 
 
 def open_data(cfg: TrainConfig) -> Data:
-    """``cfg.data`` opened: see the module docstring. Raises :class:`JobError` for a missing or
-    unusable file."""
+    """``cfg.data`` opened; :class:`JobError` for a missing or unusable file."""
     if cfg.data == MARKOV:
         markov = MarkovDataset(cfg.vocab_size, cfg.block_size, seed=cfg.seed)
         return Data(

@@ -238,8 +238,7 @@ def _check_saved_run(
     model: dict[str, Any],
     data: dict[str, Any],
 ) -> SavedRun | None:
-    """The newest committed step's trainer values under ``url`` (None: none); JobError when
-    they are another run's. Clears a memory tier holding another run's steps."""
+    """The newest committed trainer values (JobError: another run's); clears a stale memory tier."""
     if url is None or cfg.checkpoint_url is None:
         return None
     saved = peek(url, storage_options=storage_options, rank=rm.rank, world_size=rm.world_size)
@@ -260,8 +259,7 @@ def _make_model(
     saved: SavedRun | None,
     storage_options: dict[str, Any] | None,
 ) -> BuiltModel:
-    """The unwrapped model, the same on every rank, checked against the data and the flags;
-    ``--init-from``'s weights loaded unless resuming."""
+    """The unwrapped model (same on every rank), checked; ``--init-from`` unless resuming."""
     torch.manual_seed(cfg.seed)  # same init on every rank
     built = build_model(cfg, plan)
     module = built.module

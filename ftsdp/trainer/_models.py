@@ -158,8 +158,7 @@ class BuiltModel:
 
 
 def plan_model(cfg: TrainConfig) -> ModelPlan:
-    """Resolve ``cfg.model`` (cheap: reads an ``hf:`` directory's config.json). JobError when
-    it cannot be."""
+    """Resolve ``cfg.model`` cheaply (an ``hf:`` config.json); JobError when it cannot be."""
     spec = ModelSpec.parse(cfg.model)
     record: dict[str, Any] = {"spec": cfg.model, "hf_config": None, "tokenizer_dir": None}
     if spec.kind != "hf":

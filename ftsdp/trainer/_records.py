@@ -86,8 +86,7 @@ def peek(
 def mismatch(
     saved: SavedRun, cfg: TrainConfig, model: dict[str, Any], data: dict[str, Any]
 ) -> list[str]:
-    """How the run saved in ``saved`` differs from this one (``model``/``data``: this run's
-    records): ``["what: saved -> now", ...]``, empty when it is the same run."""
+    """How the saved run differs from this one: ``["what: saved -> now", ...]``."""
     diffs: list[str] = []
     old_model, old_data, old_cfg = saved.record("model"), saved.record("data"), saved.config()
     old_kind = _kind(old_model.get("spec"))

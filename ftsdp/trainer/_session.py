@@ -85,8 +85,7 @@ class MetricsLog:
     def event(
         self, record: dict[str, Any], line: str | None = None, level: int = logging.WARNING
     ) -> None:
-        """A record from any rank (stamped with rank and wall time); ``line`` is logged at
-        ``level`` (default WARNING: shown on stderr by every rank)."""
+        """A record from any rank (rank and time stamped); ``line`` logged at ``level``."""
         if line:
             progress.log(level, "%s", line)
         self._append({**record, "rank": self.rank, "time": time.time()})

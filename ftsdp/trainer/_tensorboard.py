@@ -54,8 +54,7 @@ class TensorBoardScalars:
 
 
 def open_tensorboard(logdir: str) -> TensorBoardScalars:
-    """A writer into ``logdir`` (created if needed). :class:`JobError` naming the flag and the
-    install command when the ``tensorboard`` package is missing."""
+    """A writer into ``logdir``; :class:`JobError` naming the install if tensorboard is missing."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
