@@ -42,9 +42,8 @@ def forkserver_is_safe(version: Sequence[int] | None = None) -> bool:
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``[torchrun flags] -- [ftsdp.train flags]`` -> the two lists (no ``--``: all torchrun's).
-
-    Raises ``ValueError`` for a torchrun flag that would choose another program."""
+    """``[torchrun flags] -- [ftsdp.train flags]`` -> the two lists; ``ValueError`` for a
+    torchrun flag choosing another program."""
     argv = list(argv)
     if "--" in argv:
         cut = argv.index("--")
@@ -62,10 +61,8 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def torchrun_argv(ours: Sequence[str], train: Sequence[str]) -> list[str]:
-    """torchrun's command line that runs ``ftsdp/train.py`` in forked workers (spawned ones on a
-    Python whose forkserver is unsafe, :func:`forkserver_is_safe`).
-
-    Raises ``ValueError`` for an explicit forkserver on such a Python."""
+    """torchrun's command line running ``ftsdp/train.py`` in forked workers (spawned where the
+    forkserver is unsafe; ``ValueError`` for an explicit forkserver there)."""
     spec = importlib.util.find_spec("ftsdp.train")
     if spec is None or spec.origin is None:
         raise RuntimeError("ftsdp.train is not importable: is ftsdp installed?")
@@ -114,9 +111,8 @@ def listen_address(host: str) -> str | None:
 
 
 def bound_store(make: typing.Callable[..., typing.Any]) -> typing.Callable[..., typing.Any]:
-    """``make`` (``TCPStore``'s signature) whose server listens only on :func:`listen_address`
-    of its host: torch's store listens on every interface unless given a listening socket
-    (``master_listen_fd``), which torch's rendezvous never passes."""
+    """``make`` (``TCPStore``'s signature) whose server listens only on its host's
+    :func:`listen_address` (torch's rendezvous never passes ``master_listen_fd``)."""
 
     @functools.wraps(make)
     def store(
@@ -146,9 +142,8 @@ def bound_store(make: typing.Callable[..., typing.Any]) -> typing.Callable[..., 
 
 
 def bind_rendezvous_stores() -> None:
-    """Make the stores torch's agent hosts (the c10d or static rendezvous' and the workers'
-    shared one) listen only on their own address, where :func:`listen_address` names one
-    (docs/cli.md, "On a shared machine"); a torch without these hooks keeps its stores as is."""
+    """Make the stores torch's agent hosts listen only on their own address, where
+    :func:`listen_address` names one (docs/cli.md, "On a shared machine")."""
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import (
         c10d_rendezvous_backend,

@@ -234,9 +234,8 @@ class CheckpointManager:
             tier.wait()
 
     def resume(self, trainer: dict[str, Any]) -> ResumeInfo | None:
-        """Load the newest usable committed step of any tier into the model, optimizer,
-        scheduler and RNGs, resharded to the current world size; fill ``trainer`` (a template
-        with the keys the saves used) in place. None when there is nothing to resume."""
+        """Load the newest usable committed step of any tier at this world size; fill
+        ``trainer`` (a template with the saved keys) in place. None: nothing to resume."""
         start = time.perf_counter()
         self.wait()  # the load writes into the saved tensors: no save may be reading them
         candidates = self._candidates()

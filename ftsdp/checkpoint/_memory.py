@@ -35,10 +35,8 @@ def _place(url: str) -> str:
 
 
 class PrivateRoot:
-    """A local root that only this process's user can reach: a directory, not a link, owned by
-    the effective uid, without group or other permission bits. Created exclusively (mode 0700)
-    or opened without following links on first use; its identity (device, inode) is checked
-    again before each use, so a link or another directory swapped in at its path is refused."""
+    """A local root only this user can reach (a directory owned by the effective uid, mode 0700,
+    not a link), its identity checked before each use, so a path swapped meanwhile is refused."""
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)  # not resolved: a link at the path must be seen

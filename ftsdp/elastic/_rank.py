@@ -72,9 +72,8 @@ class RankInfo:
 
 
 def read_env(env: Mapping[str, str] | None = None) -> RankInfo:
-    """Parse torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-    TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, MASTER_ADDR,
-    MASTER_PORT); absent ones default to a world of one."""
+    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ..., TORCHELASTIC_*, MASTER_*);
+    absent variables default to a world of one."""
     env = os.environ if env is None else env
     world = _int(env, "WORLD_SIZE", 1)
     port = env.get("MASTER_PORT")
@@ -165,9 +164,8 @@ class RankManager:
         threads: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> RankManager:
-        """Join the process group torchrun describes, or form a world of one. ``timeout_s``
-        bounds every collective; ``threads``: torch CPU threads (default: the host's cores
-        divided among the local ranks)."""
+        """Join the process group torchrun describes, or a world of one; ``timeout_s`` bounds every
+        collective; ``threads``: torch CPU threads (default: the host's cores per local rank)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         info = read_env(env)
@@ -266,9 +264,8 @@ class RankManager:
         return tuple(bool(v) for v in t.tolist())
 
     def store(self, prefix: str = "", timeout_s: float | None = None) -> Any:
-        """A client of the job's c10d store, keys under this incarnation + ``prefix``, on a
-        connection of its own (the watchdog's thread shares no socket with the process group);
-        None for a world of one without a master address."""
+        """A client of the job's c10d store on a connection of its own, keys under this incarnation
+        and ``prefix``; None for a world of one without a master address."""
         if self.info.master_addr is None or self.info.master_port is None:
             return None
         if self._store is None:
@@ -284,10 +281,8 @@ class RankManager:
         )
 
     def close(self, *, barrier: bool | None = None, barrier_timeout_s: float = 60.0) -> CloseReport:
-        """Leave the job, every rank at the same point: destroy the process groups if
-        :meth:`init` created them (idempotent; docs/elastic.md, "Teardown"). ``barrier``: None
-        skips it while an exception propagates; its wait is bounded by ``barrier_timeout_s``.
-        Returns a :class:`CloseReport`."""
+        """Leave the job, every rank at one point; destroy the groups :meth:`init` made (idempotent,
+        docs/elastic.md). ``barrier`` None: skipped while an exception propagates; a CloseReport."""
         if barrier is None:
             barrier = sys.exc_info()[1] is None
         self._store = None  # our client of the job's store; the groups hold their own

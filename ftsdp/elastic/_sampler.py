@@ -85,9 +85,8 @@ class GlobalSampler:
 
 
 class RankBatchSampler(Sampler[list[int]]):
-    """A ``DataLoader`` batch sampler: rank ``rank``'s micro-batches of a :class:`GlobalSampler`,
-    step after step from sample ``cursor``, for ``steps`` steps (None: forever). A prefetching
-    loader runs ahead: checkpoint the loop's own cursor, not this object."""
+    """A ``DataLoader`` batch sampler: ``rank``'s micro-batches from sample ``cursor`` for
+    ``steps`` steps (None: forever); a prefetching loader runs ahead: checkpoint your own cursor."""
 
     def __init__(
         self,

@@ -85,9 +85,8 @@ def _thread_states(names: tuple[str, ...]) -> dict[str, str] | None:
 def wait_for_idle_workers(
     timeout_s: float = 5.0, names: tuple[str, ...] = WORKER_THREAD_NAMES
 ) -> tuple[bool, float, list[str]]:
-    """Sleep until every thread named in ``names`` has been blocked (state ``S``) for
-    ``_QUIET_S`` in a row; without ``/proc``, sleep ``_QUIET_S`` once. Returns ``(idle,
-    seconds waited, busy threads at the deadline)``."""
+    """Sleep until the threads named ``names`` have been blocked for ``_QUIET_S`` in a row (no
+    /proc: sleep that once); ``(idle, seconds waited, busy threads at the deadline)``."""
     start = time.monotonic()
     deadline = start + timeout_s
     quiet_since: float | None = None
@@ -129,9 +128,8 @@ def close_process_groups(
     barrier_timeout_s: float = 60.0,
     idle_timeout_s: float = 5.0,
 ) -> CloseReport:
-    """Leave together (every rank at the same point, when ``barrier``), destroy every process
-    group and wait for their gloo workers to be idle; ``barrier=False`` (after an error) skips
-    the barrier and the garbage collection."""
+    """Leave together (``barrier``), destroy every process group and wait for their gloo workers
+    to be idle; ``barrier=False`` (after an error) skips the barrier and the garbage collection."""
     report = CloseReport()
     if not dist.is_initialized():
         return report

@@ -103,9 +103,8 @@ class MarkovChain:
 
 
 class MarkovDataset(_Samples):
-    """Map-style dataset: item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors with
-    ``target[t] = input[t + 1]`` of one walk fixed by ``(seed, i)``, generated on access
-    (``num_samples`` only bounds the index range)."""
+    """Item ``i``: ``(input, target)``, (seq_len,) int64 tensors of one walk fixed by ``(seed,
+    i)``, ``target`` shifted by one, made on access (``num_samples`` only bounds the index)."""
 
     def __init__(
         self,
@@ -143,10 +142,8 @@ class MarkovDataset(_Samples):
 
 
 class TokenDataset(_Samples):
-    """Map-style dataset over a flat 1-D array of token ids: item ``i`` is ``(input, target)``,
-    two (seq_len,) int64 tensors from the window ``tokens[s : s + seq_len + 1]`` at an offset
-    ``s`` drawn uniformly with ``(seed, i)``; ``len``: ``(len(tokens) - 1) // seq_len``
-    (docs/training.md, "--data")."""
+    """Item ``i``: ``(input, target)`` from the window of ``seq_len + 1`` tokens at an offset
+    drawn with ``(seed, i)``; ``len``: ``(len(tokens) - 1) // seq_len`` (docs/training.md)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, *, seed: int = 0):
         if tokens.ndim != 1:

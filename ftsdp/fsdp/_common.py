@@ -70,11 +70,8 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Low-precision compute and communication with fp32 master shards (docs/engine.md).
-
-    ``param_dtype``: unsharded parameters and all-gather; ``reduce_dtype``: gradient reduction
-    (default ``param_dtype``); ``buffer_dtype``: floating buffers; ``cast_forward_inputs``:
-    the root's floating inputs to ``param_dtype``; ``keep_low_precision_grads=True`` raises."""
+    """Low-precision compute and communication, fp32 master shards (docs/engine.md); torch
+    FSDP's fields (``keep_low_precision_grads=True`` raises)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -280,9 +280,8 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def padding(self) -> Iterator[None]:
-        """A pass that adds no gradient: its forward and backward run every collective (so a
-        rank with fewer micro-batches keeps in step with the others) and its gradients count
-        as zeros; deterministic mode leaves it out of the mean."""
+        """A pass adding no gradient: it runs every collective (a rank with fewer micro-batches
+        keeps in step), its gradients count as zeros, left out of the deterministic mean."""
         previous = self._runtime.padding
         self._runtime.padding = True
         try:

@@ -11,10 +11,8 @@ from ._collectives import comm_device, group_size
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` (same use) whose skip decision every rank agrees on.
-
-    ``process_group``: the data-parallel ranks (default: the world, when initialised); the
-    other arguments as for ``GradScaler``."""
+    """``torch.amp.GradScaler`` whose skip decision every rank of ``process_group`` (default:
+    the world) agrees on."""
 
     def __init__(
         self,

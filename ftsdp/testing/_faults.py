@@ -113,9 +113,8 @@ _AGENTS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "fts
 
 
 def is_agent(pid: int | None) -> bool:
-    """Whether ``pid`` is the torchrun agent or ``ftsdp.launch`` that started this worker: this
-    process's parent (its grandparent under the launcher's fork server), running one of those.
-    Faults that signal the agent act only then: outside them the parent is e.g. a shell."""
+    """Whether ``pid`` is the torchrun agent or ``ftsdp.launch`` that started this worker
+    (parent, or grandparent under a fork server): faults that signal the agent act only then."""
     if pid is None or pid <= 1:
         return False
     ancestors = {os.getppid(), _parent(os.getppid())}
@@ -137,9 +136,8 @@ def applicable(faults: list[Fault], rank: int, restart_count: int) -> list[Fault
 
 
 def fire(fault: Fault, rank: int, incarnation: str = "", agent: int | None = None) -> None:
-    """Log ``fault``, then do it to this process (a step-boundary fault, not crash_in_save);
-    ``agent``: the pid of the torchrun agent or launcher, the target of ``kill_node`` and
-    ``target=agent``, which are refused (logged, not done) unless :func:`is_agent`."""
+    """Log ``fault``, then do it (a step-boundary fault); one signalling ``agent`` (the launcher's
+    pid) is refused unless :func:`is_agent`."""
     if fault.kind == "crash_in_save":
         raise ValueError("crash_in_save fires inside a checkpoint write (faulty://), not here")
     if (fault.kind == "kill_node" or fault.target == "agent") and not is_agent(agent):

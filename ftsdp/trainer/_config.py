@@ -348,9 +348,8 @@ def _read_toml(path: str) -> dict[str, typing.Any]:
 
 
 def config_defaults(path: str) -> dict[str, typing.Any]:
-    """The fields set by the TOML file at ``path``: ``{field name: value}``, its keys being flag
-    names (``global-batch`` or ``global_batch``). Unknown keys and values of the wrong type raise
-    ValueError naming them."""
+    """``{field name: value}`` set by the TOML file at ``path`` (keys: flag names, ``-`` or
+    ``_``); ValueError naming unknown keys and values of the wrong type."""
     table = _read_toml(path)
     hints = typing.get_type_hints(TrainConfig)
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}

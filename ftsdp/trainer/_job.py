@@ -98,9 +98,8 @@ class Job:
 
 
 def on_every_rank(rm: RankManager, fn: Callable[[], T]) -> T:
-    """``fn()`` on every rank; when it raises :class:`JobError` on any rank, every rank raises
-    (instead of the others waiting in the next collective). Only rank 0 reports an error it met
-    itself (the others presumably met the same); a rank that alone met one reports it."""
+    """``fn()`` on every rank; a :class:`JobError` on any rank is raised on every rank (rank 0
+    reports one it met, a rank alone in meeting one reports it)."""
     error: JobError | None = None
     result: Any = None
     try:
@@ -119,11 +118,8 @@ def on_every_rank(rm: RankManager, fn: Callable[[], T]) -> T:
 
 
 def memory_root(cfg: TrainConfig, url: str) -> str:
-    """``--memory-url``, else ``/dev/shm/ftsdp-<uid>-<16 hex digits of the checkpoint root's
-    hash>``: the same for every incarnation of the job, different for another checkpoint root or
-    another user (whose root this one could not use: it must be the user's own, mode 0700). A
-    local root is hashed as an absolute path: ``./ckpt`` of two jobs in two folders are two
-    roots."""
+    """``--memory-url``, else ``/dev/shm/ftsdp-<uid>-<16 hex of the checkpoint root's hash>``:
+    the same for every incarnation, other for another root (local: its absolute path) or user."""
     if cfg.memory_url:
         return cfg.memory_url
     path = url[len("file://") :] if url.startswith("file://") else url
@@ -135,10 +131,8 @@ def memory_root(cfg: TrainConfig, url: str) -> str:
 def drop_another_runs_memory(
     root: str, cfg: TrainConfig, model: dict[str, Any], data: dict[str, Any], rm: RankManager
 ) -> None:
-    """Clear the memory tier at ``root`` when its newest step is another run's (a job killed before
-    its first durable save, restarted with other flags): left there, every restart's resume would
-    load it and refuse it. Collective (rank 0 reads and clears); a root that is not this user's
-    private directory on some rank is left alone (the memory tier then turns itself off)."""
+    """Clear the memory tier at ``root`` when its newest step is another run's (else every resume
+    refuses it); collective; a root not private to this user on some rank is left alone."""
     if any(rm.agree_any(root_problem(root) is not None)):
         return
     saved = peek(root, rank=rm.rank, world_size=rm.world_size)
@@ -160,9 +154,8 @@ def drop_another_runs_memory(
 
 
 def build(cfg: TrainConfig, session: Session) -> Job:
-    """Data, the model (checked against the checkpoint root first), wrapped; its optimizer
-    (after wrapping) and schedule, the checkpoints. Collective; a :class:`JobError` on any rank
-    is raised on every rank."""
+    """Data, the model (checked against the checkpoint root first), wrapped, its optimizer and
+    schedule, the checkpoints; collective: a :class:`JobError` on any rank is raised on all."""
     rm = session.rm
     geometry = cfg.geometry(rm.world_size)
     logdir = cfg.tensorboard  # rank 0 writes; a missing package stops every rank

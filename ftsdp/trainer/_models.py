@@ -240,9 +240,8 @@ def _few(names: list[str], n: int = 3) -> str:
 def init_weights(
     module: nn.Module, url: str, *, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """Fill ``module``'s parameters and persistent buffers from the checkpoint at ``url`` (any
-    format ``ftsdp-ckpt`` reads), its names bare or under ``model.``, all or nothing. Returns a
-    one-line description; :class:`JobError` when it cannot load or does not match."""
+    """Fill ``module`` from the checkpoint at ``url`` (any format ``ftsdp-ckpt`` reads; names bare
+    or under ``model.``), all or nothing; a one-line description, :class:`JobError` if it cannot."""
     try:
         with storage.LazyStateDict(url, storage_options=storage_options) as src:
             fmt, step = src.format, src.step

@@ -25,9 +25,8 @@ MARKS = ("process_start", *(mark for _, mark in PHASES))
 
 
 def process_start_time() -> float | None:
-    """The wall time this process started, from the kernel (``/proc/self/stat``'s start time in
-    clock ticks since boot, plus the wall time of the boot); None where that is not available.
-    Resolution: one clock tick (10 ms on Linux)."""
+    """This process's start (wall time) from ``/proc/self/stat`` and the boot time, to one clock
+    tick; None where that is not available."""
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces
