@@ -139,9 +139,7 @@ def groups_json(groups: list[dict[str, Any]]) -> str:
     def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.detach().cpu().tolist()
-        if isinstance(value, tuple | list):
-            return [plain(v) for v in value]
-        return value
+        return [plain(v) for v in value] if isinstance(value, tuple | list) else value
 
     doc = [{k: (v if k == "params" else plain(v)) for k, v in g.items()} for g in groups]
     try:

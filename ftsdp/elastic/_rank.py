@@ -123,9 +123,7 @@ class Agent:
 
     def gone(self) -> bool:
         """Whether the agent has exited (one system call)."""
-        if self._poll is not None:
-            return bool(self._poll.poll(0))
-        return os.getppid() != self.pid
+        return bool(self._poll.poll(0)) if self._poll is not None else os.getppid() != self.pid
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -107,9 +107,7 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         path = self._strip_protocol(path)
-        if "w" in mode:
-            return _Writer(self, path)
-        return self._local._open(path, mode)
+        return _Writer(self, path) if "w" in mode else self._local._open(path, mode)
 
     def _commit(self, path: str, data: bytes) -> None:
         manifest = _MANIFEST.search(path)

@@ -34,9 +34,7 @@ class FaultHook:
     def checkpoint_url(self, url: str) -> str:
         """``url`` rewritten to the faulty filesystem when a crash_in_save fault applies here."""
         saves = [f for f in self.faults if f.kind == "crash_in_save"]
-        if not saves:
-            return url
-        return _faulty_fs.arm(url, saves, self.rank, self.incarnation)
+        return _faulty_fs.arm(url, saves, self.rank, self.incarnation) if saves else url
 
     def at_step_end(self, step: int) -> None:
         """Fire the ``before_save`` faults of ``step``."""

@@ -37,8 +37,7 @@ from ftsdp.trainer._models import (
     plan_model,
 )
 from ftsdp.trainer._records import SavedRun, mismatch, peek, refusal
-from ftsdp.trainer._session import Session
-from ftsdp.trainer._tensorboard import open_tensorboard
+from ftsdp.trainer._session import Session, open_tensorboard
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
