@@ -15,8 +15,7 @@ import torch
 from ftsdp import storage
 from ftsdp.checkpoint import _engines
 from ftsdp.checkpoint import _state as cs
-from ftsdp.checkpoint._memory import MemoryTier
-from ftsdp.checkpoint._tier import Group, Tier
+from ftsdp.checkpoint._tiers import Group, MemoryTier, Tier
 
 if TYPE_CHECKING:
     import torch.distributed as dist

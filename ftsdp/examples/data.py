@@ -92,8 +92,7 @@ class MarkovChain:
     def sample(self, length: int, rng: np.random.Generator) -> np.ndarray:
         """A walk of ``length`` tokens starting from a stationary draw."""
         u = rng.random(length).tolist()
-        last = self.vocab_size - 1
-        tok = min(bisect.bisect_right(self._stationary_cdf_list, u[0]), last)
+        tok = min(bisect.bisect_right(self._stationary_cdf_list, u[0]), self.vocab_size - 1)
         walk = [tok]
         for t in range(1, length):
             k = bisect.bisect_right(self._cdf_rows[tok], u[t])

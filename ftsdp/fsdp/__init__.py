@@ -1,21 +1,23 @@
 """ftsdp.fsdp: the fully sharded data parallel engine (docs/engine.md), with torch FSDP1's enums,
 configs and state APIs (docs/migrating.md); it never imports another room of ftsdp."""
 
-from ._api import (
+from ._collectives import CommStats
+from ._common import (
     BackwardPrefetch,
+    CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
+    MixedPrecision,
     OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
+    ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
 )
-from ._collectives import CommStats
-from ._common import CPUOffload, MixedPrecision, ShardingStrategy
 from ._fully_sharded import FSDP, FullyShardedDataParallel
 from ._grad_scaler import ShardedGradScaler
 from ._state_dict import ShardView

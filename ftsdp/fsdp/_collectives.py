@@ -171,8 +171,7 @@ def all_reduce_flat(
     if world == 1:
         return None
     if stats is not None:
-        nbytes = 2 * (world - 1) * tensor.nbytes // world
-        stats.record("all_reduce", nbytes, tag)
+        stats.record("all_reduce", 2 * (world - 1) * tensor.nbytes // world, tag)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 

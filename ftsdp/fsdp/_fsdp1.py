@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._api import StateDictType
 from ._collectives import all_gather_objects, all_reduce_flat, group_rank
-from ._common import ShardingStrategy, tree_map
+from ._common import ShardingStrategy, StateDictType, tree_map
 from ._state_dict import (
     full_state_dict,
     full_tensor,

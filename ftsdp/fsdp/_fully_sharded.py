@@ -16,27 +16,25 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _fsdp1
-from ._api import (
+from ._collectives import CommStats, all_reduce_flat, broadcast_flat
+from ._common import (
     CONFIG_TYPES,
     BackwardPrefetch,
+    CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    MixedPrecision,
     OptimStateDictConfig,
+    Phase,
+    ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
     as_backward_prefetch,
     as_config,
-    as_state_dict_type,
-)
-from ._collectives import CommStats, all_reduce_flat, broadcast_flat
-from ._common import (
-    CPUOffload,
-    MixedPrecision,
-    Phase,
-    ShardingStrategy,
     as_cpu_offload,
     as_mixed_precision,
+    as_state_dict_type,
 )
 from ._init import build_units, check_same_structure, resolve_device, resolve_groups
 from ._runtime import Runtime

@@ -157,8 +157,7 @@ def torch_policy_targets(
 
 def _normal(key: str, value: Any) -> Any:
     """An FSDP argument in ftsdp's form, so torch's and ftsdp's spellings compare equal."""
-    from ._api import as_backward_prefetch
-    from ._common import ShardingStrategy, as_cpu_offload, as_mixed_precision
+    from ._common import ShardingStrategy, as_backward_prefetch, as_cpu_offload, as_mixed_precision
 
     convert = {
         "sharding_strategy": ShardingStrategy.parse,

@@ -17,7 +17,7 @@ import torch
 import ftsdp
 from ftsdp import storage
 from ftsdp.checkpoint._manager import CheckpointManager
-from ftsdp.checkpoint._memory import root_problem
+from ftsdp.checkpoint._tiers import root_problem
 from ftsdp.elastic import BatchGeometry, GlobalSampler, RankManager
 from ftsdp.examples.data import MarkovDataset, TokenDataset
 from ftsdp.examples.gpt import param_groups
