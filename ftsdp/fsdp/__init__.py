@@ -1,7 +1,7 @@
 """ftsdp.fsdp: the fully sharded data parallel engine (docs/engine.md), with torch FSDP1's enums,
 configs and state APIs (docs/migrating.md); it never imports another room of ftsdp."""
 
-from ._collectives import CommStats
+from ._collectives import CommStats, ShardedGradScaler
 from ._common import (
     BackwardPrefetch,
     CPUOffload,
@@ -19,7 +19,6 @@ from ._common import (
     StateDictType,
 )
 from ._fully_sharded import FSDP, FullyShardedDataParallel
-from ._grad_scaler import ShardedGradScaler
 from ._state_dict import ShardView
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _fsdp1
+from . import _state_dict
 from ._collectives import CommStats, all_reduce_flat, broadcast_flat
 from ._common import (
     CONFIG_TYPES,
@@ -38,13 +38,6 @@ from ._common import (
 )
 from ._init import build_units, check_same_structure, resolve_device, resolve_groups
 from ._runtime import Runtime
-from ._state_dict import (
-    ShardView,
-    gather_flat,
-    load_full_state_dict,
-    sharded_optim_state_dict,
-    sharded_state_dict,
-)
 from ._streams import schedule_for
 from ._unit import SHARDED_ATTR, STALE_ATTR, MemoryGauge, UnitOptions
 from ._wrap import Ignored, Policy, plan_units
@@ -254,7 +247,7 @@ class FullyShardedDataParallel(nn.Module):
                 "unwrapped module's keys (choose its form with FSDP.state_dict_type)"
             )
         self._require_idle("state_dict()")
-        return _fsdp1.model_state_dict(self)
+        return _state_dict.model_state_dict(self)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
@@ -263,7 +256,9 @@ class FullyShardedDataParallel(nn.Module):
         if assign:
             raise ValueError("FSDP.load_state_dict does not support assign=True")
         self._require_idle("load_state_dict()")
-        missing, unexpected = load_full_state_dict(self._units, self.module, state_dict, strict)
+        missing, unexpected = _state_dict.load_full_state_dict(
+            self._units, self.module, state_dict, strict
+        )
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     @contextlib.contextmanager
@@ -337,20 +332,20 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             if not unit.trainable or unit.sharded_grad is None:
                 continue
-            full = gather_flat(unit, unit.sharded_grad)
+            full = _state_dict.gather_flat(unit, unit.sharded_grad)
             for info in unit.trainable:
                 piece = full[info.offset : info.offset + info.numel]
                 total += piece.double().abs().pow(norm_type).sum()
         return total.pow(1.0 / norm_type).float()
 
-    def sharded_state_dict(self) -> dict[str, ShardView]:
+    def sharded_state_dict(self) -> dict[str, _state_dict.ShardView]:
         """ShardViews of every parameter (tied ones once) and persistent buffer, aliasing the
         live shards (copying into ``local`` loads in place)."""
-        return sharded_state_dict(self._units, self.module)
+        return _state_dict.sharded_state_dict(self._units, self.module)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name, parameter-shaped state as ShardViews."""
-        return sharded_optim_state_dict(self._units, self._param_names(), optimizer)
+        return _state_dict.sharded_optim_state_dict(self._units, self._param_names(), optimizer)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -483,7 +478,7 @@ class FullyShardedDataParallel(nn.Module):
         ``optim_state_dict``: a state dict to convert instead of the live state. A collective."""
         wrapper = _wrappers_in(model, "optim_state_dict")[0]
         wrapper._require_idle("optim_state_dict()")
-        return _fsdp1.optim_state_dict(wrapper, optim, optim_state_dict)
+        return _state_dict.optim_state_dict(wrapper, optim, optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -503,7 +498,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         wrapper = _wrappers_in(model, "optim_state_dict_to_load")[0]
         wrapper._require_idle("optim_state_dict_to_load()")
-        result = _fsdp1.optim_state_dict_to_load(wrapper, optim, optim_state_dict)
+        result = _state_dict.optim_state_dict_to_load(wrapper, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -522,7 +517,7 @@ class FullyShardedDataParallel(nn.Module):
         with contextlib.ExitStack() as stack:
             for wrapper in _wrappers_in(module, "summon_full_params"):
                 stack.enter_context(
-                    _fsdp1.summon_full_params(
+                    _state_dict.summon_full_params(
                         wrapper, recurse, writeback, rank0_only, offload_to_cpu, with_grads
                     )
                 )
