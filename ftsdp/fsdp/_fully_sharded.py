@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _state_dict
+from . import _state_dict, _unit
 from ._collectives import CommStats, all_reduce_flat, broadcast_flat
 from ._common import (
     CONFIG_TYPES,
@@ -36,7 +36,6 @@ from ._common import (
     as_mixed_precision,
     as_state_dict_type,
 )
-from ._init import build_units, check_same_structure, resolve_device, resolve_groups
 from ._runtime import Runtime
 from ._streams import schedule_for
 from ._unit import SHARDED_ATTR, STALE_ATTR, MemoryGauge, UnitOptions
@@ -45,7 +44,7 @@ from ._wrap import Ignored, Policy, plan_units
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ._init import ProcessGroups
+    from ._unit import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +128,12 @@ class FullyShardedDataParallel(nn.Module):
                 "in torch FSDP; training is the same"
             )
         ignored = Ignored.build(module, ignored_modules, ignored_states)
-        groups = resolve_groups(strategy, process_group, device_mesh)
+        groups = _unit.resolve_groups(strategy, process_group, device_mesh)
         if groups.world is None and sync_module_states:
             raise ValueError("sync_module_states=True needs torch.distributed to be initialised")
         mp = mixed_precision or MixedPrecision()
         options = UnitOptions(
-            device=resolve_device(module, device_id),
+            device=_unit.resolve_device(module, device_id),
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype,
             offload=bool(cpu_offload and cpu_offload.offload_params),
@@ -142,11 +141,11 @@ class FullyShardedDataParallel(nn.Module):
             sync_module_states=sync_module_states,
         )
         plans = plan_units(module, auto_wrap_policy, ignored, root_kwargs)
-        check_same_structure(plans, groups.world)
+        _unit.check_same_structure(plans, groups.world)
         self._comm_stats = CommStats()
         self._gauge = MemoryGauge()
         schedule = schedule_for(options.device, limit_all_gathers=limit_all_gathers)
-        units = build_units(
+        units = _unit.build_units(
             module, plans, options, groups, self._comm_stats, param_init_fn, self._gauge, schedule
         )
         for buffer in module.buffers():
