@@ -58,15 +58,11 @@ class CheckpointManager:
             wrapping (a state tensor that cannot be resharded is refused when saving).
         every_steps / every_seconds: when :meth:`due` says a save is due (either may be None).
         keep_last / keep_every: retention after each commit (``storage.catalog.apply_retention``).
-        async_save: :meth:`save` returns once the shards are staged; errors surface at the next
-            save, :meth:`wait` or :meth:`close`.
-        defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied (the
-            buffers are, at once); ``optimizer.step()`` waits for the copy. Change saved tensors
-            in place elsewhere only after :meth:`wait_snapshot`.
-        memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md): saves every
-            ``memory_every`` steps under ``memory_url`` (``/dev/shm/...``), keeping the newest.
-        save_options: how saves are laid out and written (its retention and ``discard_newer``
-            are the manager's own, set per save).
+        async_save: :meth:`save` returns once the shards are staged (errors surface later).
+        defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied;
+            ``optimizer.step()`` waits for the copy, other in-place changes :meth:`wait_snapshot`.
+        memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md).
+        save_options: how saves are laid out and written (retention: the manager's own).
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages, fallbacks loudly (default: this module's logger, WARNING).
     """

@@ -78,9 +78,7 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params, ignored_modules, ignored_states: as in torch FSDP.
         deterministic: gradients bitwise independent of the world size, the MEAN over
             micro-batches, padding passes left out (docs/engine.md, "Deterministic mode").
-
-    Every rank must wrap the same model structure (checked here).
-    """
+    Every rank must wrap the same model structure (checked here)."""
 
     def __init__(
         self,
