@@ -1,5 +1,4 @@
-"""ftsdp: checkpoint-centric, fault-tolerant FSDP training for PyTorch; the public names load on
-first use, so ``import ftsdp.storage`` loads no engine (docs/design.md, "The map")."""
+"""ftsdp: fault-tolerant FSDP training; public names load on first use (docs/design.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them
-(docs/elastic.md, "Any engine")."""
+"""Engine adapters: any engine's model and optimizer state (docs/elastic.md, "Any engine")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``CheckpointManager``: periodic (async) saves, retention, and resume at any world size
-(docs/elastic.md, "CheckpointManager": the state's table, resume, fallback)."""
+"""``CheckpointManager``: saves, retention, resume at any world size (docs/elastic.md)."""
 
 from __future__ import annotations
 

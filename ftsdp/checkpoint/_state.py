@@ -1,5 +1,5 @@
-"""What a checkpoint holds besides the engine's tensors: optimizer set-up, param groups, RNG
-(each one JSON string: the key set does not change when torch adds a field)."""
+"""A checkpoint's optimizer set-up, param groups and RNG, each one JSON string (a key set that
+does not change when torch adds a field)."""
 
 from __future__ import annotations
 

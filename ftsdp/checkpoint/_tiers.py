@@ -1,6 +1,4 @@
-"""The tiers ``CheckpointManager`` saves to and resumes from (docs/elastic.md, "Tiers"): a storage
-root, and the memory tier, a node-local cache in host shared memory, in a root only this user can
-reach (docs/elastic.md, "A memory tier"; docs/format.md, "On a shared machine")."""
+"""The durable root and the memory tier, a private node-local cache (docs/elastic.md, "Tiers")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""ftsdp.elastic: the rank manager that lets a torchrun job survive node loss, preemption and
-hangs, and continue on another world size (docs/elastic.md); it never imports the engine."""
+"""ftsdp.elastic: the rank manager of elastic torchrun jobs (docs/elastic.md); no engine import."""
 
 from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device
 from ftsdp.elastic._sampler import BatchGeometry, GlobalSampler, RankBatchSampler

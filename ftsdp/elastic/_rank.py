@@ -1,5 +1,4 @@
-"""The rank manager: this process's place in the (elastic) job, and its process group
-(docs/elastic.md, "The rank manager")."""
+"""The rank manager: this process's place in the job, its process group (docs/elastic.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Batch geometry (a constant global batch over the ranks there are now) and a world-size-
-independent sample order: position ``p`` is index ``perm_e(p mod N)`` of epoch ``p // N``,
-``perm_e`` a keyed Feistel bijection (docs/elastic.md, "Batch geometry" and "Sample order")."""
+"""Batch geometry and a world-size-independent sample order (docs/elastic.md, "Sample order")."""
 
 from __future__ import annotations
 

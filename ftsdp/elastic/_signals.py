@@ -1,5 +1,4 @@
-"""Preemption: SIGTERM / SIGUSR1 set a flag the ranks agree on at the next step boundary; a
-watcher thread keeps the grace deadline while the main thread blocks (docs/elastic.md)."""
+"""Preemption: SIGTERM / SIGUSR1, agreed at the next step boundary (docs/elastic.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Leaving the process groups at the end of a job without aborting the process at exit
-(docs/elastic.md, "Teardown")."""
+"""Leaving the process groups without aborting the process at exit (docs/elastic.md, "Teardown")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Hang and silent-rank detection through heartbeats in the c10d store (docs/elastic.md,
-"Watchdog" and "The watchdog's keys": the ring, the alarm, the 2**44 bound on ``hb/sum``)."""
+"""Hang and silent-rank detection by heartbeats in the c10d store (docs/elastic.md, "Watchdog")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The main job's data: a synthetic language (:class:`MarkovDataset`) and windows of a token
-array (:class:`TokenDataset`); sample ``i`` depends only on ``(seed, i)`` (docs/training.md)."""
+"""The main job's data; sample ``i`` depends only on ``(seed, i)`` (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""ftsdp.fsdp: the fully sharded data parallel engine (docs/engine.md), with torch FSDP1's enums,
-configs and state APIs (docs/migrating.md); it never imports another room of ftsdp."""
+"""ftsdp.fsdp: the FSDP engine (docs/engine.md, docs/migrating.md); it imports no other room."""
 
 from ._collectives import CommStats, ShardedGradScaler
 from ._common import (

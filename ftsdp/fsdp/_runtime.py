@@ -1,5 +1,5 @@
-"""The hooks that drive every unit through its lifecycle (docs/engine.md, "The unit
-lifecycle"); collectives run in autograd order, so every rank must run the same control flow."""
+"""The hooks driving every unit (docs/engine.md): collectives in autograd order, so every rank runs
+the same control flow."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Wrap planning: which modules become units, and which unit owns each parameter (torch's
-policies and shared parameters: docs/engine.md, "Units and the FlatParameter")."""
+"""Wrap planning: which modules become units and own which parameters (docs/engine.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Deterministic fault injection driven by ``FTSDP_FAULT``, fired at step boundaries (grammar
-and fault log: docs/elastic.md, "Fault injection"). Imports nothing else of ``ftsdp``."""
+"""Fault injection driven by ``FTSDP_FAULT`` (docs/elastic.md); imports nothing else of ftsdp."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The fault suite's step hook (the trainer's ``StepHook`` by shape alone): ``FTSDP_FAULT``
-faults at step boundaries, crash_in_save faults armed on the checkpoint URL."""
+"""The fault suite's step hook (the trainer's ``StepHook`` by shape alone)."""
 
 from __future__ import annotations
 

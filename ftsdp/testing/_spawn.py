@@ -1,5 +1,4 @@
-"""The one rank spawner of the tests and the benchmarks (``run_ranks``); the parent never
-imports torch."""
+"""The one rank spawner of the tests and the benchmarks; the parent never imports torch."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What the main job trains on (``--data``): the synthetic language, a token file or a text file,
-and what a checkpoint records about it (docs/training.md, "--data")."""
+"""What the main job trains on (``--data``) and its record (docs/training.md, "--data")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The training loop's step hook, satisfied by its shape so that ``ftsdp.testing`` needs nothing
-of the trainer (docs/elastic.md, "Fault injection")."""
+"""The step hook, satisfied by shape: ``ftsdp.testing`` needs nothing of the trainer."""
 
 from __future__ import annotations
 

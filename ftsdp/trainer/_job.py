@@ -1,5 +1,4 @@
-"""What one training run works on, made by :func:`build` inside an open session, in the phases
-docs/training.md lists ("What a checkpoint records, and resuming another run")."""
+"""What one training run works on, made by :func:`build` in an open session (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What the main job trains (``--model``), its loss adapter ``loss(model, x, y)`` -> the mean
-next-token cross-entropy (0-dim; ``model`` wrapped), and ``--init-from`` (docs/training.md)."""
+"""What the main job trains (``--model``), its loss adapter, ``--init-from`` (docs/training.md)."""
 
 from __future__ import annotations
 

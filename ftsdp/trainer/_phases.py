@@ -1,5 +1,4 @@
-"""The ``phases`` record: a worker's time from process start to its first step, each phase ending
-at its mark (:data:`PHASES`; docs/elastic.md, "Recovery time")."""
+"""The ``phases`` record: process start to first step (docs/elastic.md, "Recovery time")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a checkpoint records about what was trained (``trainer.model``/``trainer.data``, JSON
-strings) and the check that a resume continues the same run (docs/training.md)."""
+"""What a checkpoint records of the run, and the same-run check on resume (docs/training.md)."""
 
 from __future__ import annotations
 

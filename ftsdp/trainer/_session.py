@@ -1,5 +1,4 @@
-"""The elastic runtime around one worker: rank manager, logs (and TensorBoard scalars), step hook,
-signals, watchdog, ledger, opened in order and closed in reverse (docs/elastic.md)."""
+"""One worker's runtime, opened in order and closed in reverse (docs/elastic.md)."""
 
 from __future__ import annotations
 
