@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 
 class Engine(abc.ABC):
-    """How one kind of model hands its state to storage (leaves aliasing the live tensors where
-    it can, so that ``storage.load`` fills them in place) and takes it back (:meth:`load`)."""
+    """How one kind of model hands its state to storage (leaves aliasing live tensors) and back."""
 
     kind = "module"
 
@@ -48,8 +47,7 @@ class Engine(abc.ABC):
         """Put the state ``storage.load`` filled into the live model and optimizer."""
 
     def model_state(self) -> dict[str, Any]:
-        """``{name: leaf}`` for every parameter and persistent buffer, a dict of its own (the
-        leaves reused from the previous call while no tensor was replaced)."""
+        """``{name: leaf}`` of every parameter and persistent buffer (leaves reused: unchanged)."""
         key = tuple(_identity(t) for t in _module_tensors(self.model))
         if self._model_cache is None or self._model_cache[0] != key:
             state = self._model_state()

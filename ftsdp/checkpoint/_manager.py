@@ -138,8 +138,7 @@ class CheckpointManager:
         return [self._durable, *memory]
 
     def _state(self, trainer: Mapping[str, Any], tier: Tier, *, target: bool = False) -> dict:
-        """The state to save to ``tier``, or with ``target`` the one to load into (aliasing the
-        live tensors; a deferred save's buffers copied: forward may change them)."""
+        """The state to save to ``tier`` (buffers copied if deferred), or, ``target``, to load."""
         model: Mapping[str, Any] = self.engine.model_state()
         if self.defer_copy and not target:
             model = self.engine.copy_buffers(model)
@@ -155,8 +154,7 @@ class CheckpointManager:
         return state
 
     def due(self, step: int) -> bool:
-        """Whether a periodic save is due at ``step`` on this rank (time-based decisions differ
-        between ranks: agree on the answer, e.g. ``RankManager.agree_any``)."""
+        """Whether a periodic save is due at ``step`` on this rank (agree on it across ranks)."""
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
         return (
@@ -189,8 +187,7 @@ class CheckpointManager:
         return on and self.memory_every is not None and step % self.memory_every == 0
 
     def save_to_memory(self, step: int, trainer: Mapping[str, Any]) -> float:
-        """Save ``step`` to the memory tier when due there and not saved yet (collective, at every
-        step); a failure is logged. Returns the seconds the caller was blocked."""
+        """Save ``step`` to the memory tier when due (collective, each step); seconds blocked."""
         if not self.memory_due(step) or step in (self.last_saved_step, self.last_memory_step):
             return 0.0
         assert self._memory is not None
@@ -204,21 +201,18 @@ class CheckpointManager:
         return any(tier.in_flight() for tier in self._tiers())
 
     def wait_snapshot(self) -> None:
-        """Block until the latest save has copied this rank's state: needed before changing a
-        saved tensor in place outside ``optimizer.step()`` (which waits by itself)."""
+        """Block until the latest save copied this rank's state (before changing it in place)."""
         storage.saving.wait_snapshot()
 
     def prepare(self, trainer: Mapping[str, Any]) -> None:
-        """Get the deferred saves ready (collective): storage's process group and snapshot memory
-        per tier (:meth:`resume` calls it, else the first save does)."""
+        """Get the deferred saves ready (collective; :meth:`resume` or the first save calls it)."""
         if self.defer_copy:
             state = self._state(trainer, self._durable)
             for tier in self._tiers():
                 tier.prepare(state)
 
     def newest_committed(self) -> dict[str, int]:
-        """The newest step each tier in use is known to have committed by now, without waiting
-        nor a collective (``{"durable": 20, "memory": 22}``; a tier with none is left out)."""
+        """Each tier's newest known committed step (no wait, no collective): ``{"durable": 20}``."""
         tiers = zip(("durable", "memory"), self._tiers(), strict=False)
         return {name: step for name, tier in tiers if (step := tier.newest_committed()) is not None}
 

@@ -72,8 +72,7 @@ class Tier:
         return None
 
     def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:
-        """Start saving ``state`` as ``step`` (collective; ``kw`` to ``storage.save``, ``node``:
-        ``storage.saving.save_on_nodes``), first surfacing the previous save's error."""
+        """Start saving ``state`` as ``step`` (collective), raising the previous save's error."""
         self.wait()
         options = replace(
             self.options or storage.SaveOptions(),
@@ -202,8 +201,7 @@ class PrivateRoot:
         self.fd: int | None = None  # held while in use: the inode cannot be reused meanwhile
 
     def problem(self) -> str | None:
-        """Why the root must not be used now (opening it first, creating it when absent); None
-        when it is this user's private directory, the one opened first."""
+        """Why the root must not be used now (opened or made first); None: it is this user's."""
         try:
             if self.fd is None:
                 self.fd = _open_private(self.path)
@@ -249,8 +247,7 @@ def unsafe(st: os.stat_result) -> str | None:
 
 
 def root_problem(url: str) -> str | None:
-    """Why the existing local root ``url`` is not a private root of this user, without creating
-    or opening it (None: it is, it is absent, or ``url`` is not a local path)."""
+    """Why the existing local root ``url`` is not this user's private root, without opening it."""
     path = _local_path(url)
     if path is None:
         return None

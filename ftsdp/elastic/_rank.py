@@ -240,8 +240,7 @@ class RankManager:
         return self.info.world_size
 
     def exit_if_orphaned(self) -> None:
-        """End this process with ``EXIT_STALL`` and one log line if its agent is gone, else
-        return at once (docs/elastic.md, "A worker without its agent")."""
+        """Exit with ``EXIT_STALL`` and one log line if the torchrun agent is gone."""
         agent = self.agent
         if agent is None or not agent.gone():
             return

@@ -96,8 +96,7 @@ class _Permutation:
 
 
 class GlobalSampler:
-    """Position in the global sample stream -> index of a dataset of ``num_samples``, the same
-    in every process; ``shuffle=False`` keeps each epoch in index order."""
+    """Global sample position -> dataset index, the same everywhere (``shuffle=False``: ordered)."""
 
     def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:

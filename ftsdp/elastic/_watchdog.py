@@ -212,8 +212,7 @@ class Watchdog:
             return [Stall(r, 0, now - start, "heartbeat", self.rank) for r in missing]
 
     def beat_once(self, now: float | None = None) -> list[Stall]:
-        """One interval's work (three store calls, at monotonic time ``now``): the stalls found or
-        announced by another rank, empty while all is well (acting is the thread's part)."""
+        """One interval's work at monotonic ``now``: the stalls found or announced, if any."""
         return self._interval(time.monotonic() if now is None else now, publish=True)
 
     def _interval(self, now: float, *, publish: bool) -> list[Stall]:
@@ -275,8 +274,7 @@ class Watchdog:
         return stalls
 
     def _progress_stalls(self, now: float) -> list[Stall]:
-        """The job made no progress: the first rank to claim it reads every rank's step (once)
-        and names the ranks at the lowest; the others wait for its alarm."""
+        """No progress: the first rank to claim it names the ranks at the lowest step."""
         keys = [self._key(r) for r in range(self.world_size)]
         try:
             if not self._claim_won:

@@ -131,8 +131,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def init_weights(self) -> None:
-        """Re-initialise every parameter, each module's ``reset_parameters()`` in ``modules()``
-        order: the construction-time init under the same seed ([Note: per-module init])."""
+        """Re-initialise every parameter in ``modules()`` order: ``GPT(config)``'s init."""
         for module in self.modules():
             if callable(reset := getattr(module, "reset_parameters", None)):
                 reset()

@@ -224,8 +224,7 @@ def comm_device(group: dist.ProcessGroup | None) -> torch.device:
 
 # fp16 loss scaling whose found-inf flag every rank agrees on (docs/engine.md, "fp16")
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose skip decision every rank of ``process_group`` (default:
-    the world) agrees on."""
+    """``torch.amp.GradScaler`` whose skip decision every rank of ``process_group`` agrees on."""
 
     def __init__(
         self,

@@ -70,8 +70,7 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Low-precision compute and communication, fp32 master shards (docs/engine.md); torch
-    FSDP's fields (``keep_low_precision_grads=True`` raises)."""
+    """Low-precision compute and communication over fp32 master shards (torch FSDP's fields)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -336,8 +336,7 @@ class FullyShardedDataParallel(nn.Module):
         return total.pow(1.0 / norm_type).float()
 
     def sharded_state_dict(self) -> dict[str, _state_dict.ShardView]:
-        """ShardViews of every parameter (tied ones once) and persistent buffer, aliasing the
-        live shards (copying into ``local`` loads in place)."""
+        """ShardViews of every parameter (tied once) and persistent buffer, aliasing the shards."""
         return _state_dict.sharded_state_dict(self._units, self.module)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -13,8 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 class FaultHook:
-    """The faults that apply to this rank and restart count, fired where the loop calls in;
-    ``agent``: the pid of the torchrun agent or launcher that started this worker (None: none)."""
+    """The faults of this rank and restart, fired where the loop calls in (``agent``: its pid)."""
 
     def __init__(
         self,

@@ -18,8 +18,7 @@ class StepHook(Protocol):
 
 
 class HookFactory(Protocol):
-    """Makes the hook of one worker once its rank, restart count and incarnation are known;
-    ``agent``: the pid of the torchrun agent that started it (``RankManager.agent``), or None."""
+    """Makes a worker's hook from its rank, restart count, incarnation and ``agent`` pid."""
 
     def __call__(
         self, *, rank: int, restart_count: int, incarnation: str, agent: int | None

@@ -307,8 +307,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
 
 
 def peer_lost(error: BaseException) -> bool:
-    """Whether ``error`` is a collective failing because another rank's process died (gloo:
-    ``Connection closed/reset by peer``), not a bug of this rank."""
+    """Whether ``error`` is a collective failing because another rank's process died (gloo)."""
     text = str(error)
     return isinstance(error, dist.DistNetworkError) or (
         isinstance(error, RuntimeError) and any(p in text for p in _PEER_LOST)

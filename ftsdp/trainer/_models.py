@@ -139,8 +139,7 @@ def hf_config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 @dataclass
 class ModelPlan:
-    """What ``--model`` names, resolved without building the weights: its record for the
-    checkpoint (``trainer.model``) and, for ``hf:``, the ``transformers`` config."""
+    """``--model`` resolved without weights: its record (``trainer.model``), an ``hf:`` config."""
 
     spec: ModelSpec
     record: dict[str, Any]
