@@ -185,7 +185,4 @@ def param_groups(
             continue
         seen.add(id(p))
         (keep if no_decay(name) else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": keep, "weight_decay": 0.0},
-    ]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]

@@ -99,11 +99,7 @@ class _Works:
 
 
 def _gather_by_broadcasts(
-    output: torch.Tensor,
-    shard: torch.Tensor,
-    group: dist.ProcessGroup,
-    world: int,
-    async_op: bool,
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, world: int, async_op: bool
 ) -> _Works | None:
     """gloo's all-gather as one broadcast per rank (docs/engine.md, "Collectives on gloo")."""
     size = shard.numel()
@@ -176,10 +172,7 @@ def all_reduce_flat(
 
 
 def broadcast_flat(
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    *,
-    stats: CommStats | None = None,
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, *, stats: CommStats | None = None
 ) -> None:
     """Overwrite ``tensor`` on every rank with group rank 0's copy."""
     if group is None or group_size(group) == 1:
@@ -227,11 +220,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose skip decision every rank of ``process_group`` agrees on."""
 
     def __init__(
-        self,
-        device: str = "cuda",
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        **kwargs: Any,
+        self, device: str = "cuda", *, process_group: dist.ProcessGroup | None = None, **kwargs: Any
     ) -> None:
         super().__init__(device, **kwargs)
         self._group = process_group

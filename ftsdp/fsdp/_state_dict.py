@@ -354,9 +354,7 @@ def _gather_params(
 
 
 def optim_state_dict(
-    model: FullyShardedDataParallel,
-    optim: torch.optim.Optimizer,
-    osd: dict[str, Any] | None,
+    model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any] | None
 ) -> dict[str, Any]:
     """``FSDP.optim_state_dict``: the optimizer state keyed by parameter name (collective)."""
     settings = model._sd_settings

@@ -458,9 +458,7 @@ class FlatParamUnit:
 
 
 def resolve_groups(
-    strategy: ShardingStrategy,
-    process_group: ProcessGroups | None,
-    device_mesh: DeviceMesh | None,
+    strategy: ShardingStrategy, process_group: ProcessGroups | None, device_mesh: DeviceMesh | None
 ) -> Groups:
     """Shard / replicate / world groups from ``process_group`` or a ``DeviceMesh``."""
     if device_mesh is not None:
