@@ -93,7 +93,6 @@ def start_marks() -> Phases:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_or_exit(argv, int(os.environ.get("RANK", "0") or 0))
     phases = start_marks()
-    # The session is closed (in reverse) on the way out.
     with Session.open(cfg, hook=fault_hook(), phases=phases) as session:
         try:
             job = build(cfg, session)

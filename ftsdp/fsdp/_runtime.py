@@ -40,11 +40,6 @@ def _cast_float(value: Any, dtype: torch.dtype) -> Any:
     return value.to(dtype) if floating else value
 
 
-def _inside_backward() -> bool:
-    """Whether autograd runs a backward on this thread now (recomputation does)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 # HYBRID_SHARD is FULL_SHARD inside each shard group (the paper's hybrid), so it frees too.
 _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
@@ -106,7 +101,8 @@ class Runtime:
 
     def _pre_forward_hook(self, unit: FlatParamUnit) -> Callable:
         def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if self.phase is Phase.BACKWARD and not _inside_backward():
+            # in backward, but autograd runs none on this thread (recomputation would be in one):
+            if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
                 self._abandon_backward()  # the last backward raised before it finished
             recomputing = self.phase is Phase.BACKWARD  # activation checkpointing
             if unit is self.root and not recomputing:
