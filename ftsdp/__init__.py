@@ -1,9 +1,4 @@
-"""ftsdp: checkpoint-centric, fault-tolerant fully sharded data parallel training for PyTorch.
-
-The public names below are loaded on first use, so ``import ftsdp.storage`` does not load the
-engine or the trainer; ``__version__`` is the installed distribution's. The subpackages and
-the logging rules: docs/design.md, "The map" and "Architecture".
-"""
+"""ftsdp: fault-tolerant FSDP training; public names load on first use (docs/design.md)."""
 
 from __future__ import annotations
 

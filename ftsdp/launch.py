@@ -1,11 +1,6 @@
-"""torchrun for ``ftsdp.train`` with preloaded workers: a restarted worker starts without importing.
-
-    python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=3 -- \\
-        --checkpoint-url ./checkpoints/run1 --checkpoint-every 20
-
-torch's elastic agent runs here and forks its workers from one ``forkserver`` that imported
-:data:`PRELOAD` (only imports: no thread, process group or CUDA, so forking it is safe). Why and
-what it changes for a job: docs/elastic.md, "Recovery time"."""
+"""torchrun for ``ftsdp.train`` with workers forked from a ``forkserver`` that imported
+:data:`PRELOAD` (only imports: forking it is safe), so a restarted worker starts without importing
+(docs/elastic.md, "Recovery time"); ``python -m ftsdp.launch [torchrun's flags] -- [its flags]``."""
 
 from __future__ import annotations
 
@@ -40,17 +35,15 @@ _FORKSERVER_FLAW = (
 
 
 def forkserver_is_safe(version: Sequence[int] | None = None) -> bool:
-    """False on the CPython releases whose forkserver socket any local user can reach
-    (CVE-2022-42919; ``version`` defaults to ``sys.version_info``)."""
+    """False on CPython releases whose forkserver any local user reaches (CVE-2022-42919)."""
     major, minor, micro = (int(v) for v in (version or sys.version_info)[:3])
     flawed = ((major, minor) == (3, 10) and micro < 9) or (major, minor, micro) == (3, 11, 0)
     return sys.implementation.name != "cpython" or not flawed
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``[torchrun flags] -- [ftsdp.train flags]`` -> the two lists (no ``--``: all torchrun's).
-
-    Raises ``ValueError`` for a torchrun flag that would choose another program."""
+    """``[torchrun flags] -- [ftsdp.train flags]`` -> the two lists; ``ValueError`` for a
+    torchrun flag choosing another program."""
     argv = list(argv)
     if "--" in argv:
         cut = argv.index("--")
@@ -68,10 +61,8 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def torchrun_argv(ours: Sequence[str], train: Sequence[str]) -> list[str]:
-    """torchrun's command line that runs ``ftsdp/train.py`` in forked workers (spawned ones on a
-    Python whose forkserver is unsafe, :func:`forkserver_is_safe`).
-
-    Raises ``ValueError`` for an explicit forkserver on such a Python."""
+    """torchrun's command line running ``ftsdp/train.py`` in forked workers (spawned where the
+    forkserver is unsafe; ``ValueError`` for an explicit forkserver there)."""
     spec = importlib.util.find_spec("ftsdp.train")
     if spec is None or spec.origin is None:
         raise RuntimeError("ftsdp.train is not importable: is ftsdp installed?")
@@ -120,9 +111,8 @@ def listen_address(host: str) -> str | None:
 
 
 def bound_store(make: typing.Callable[..., typing.Any]) -> typing.Callable[..., typing.Any]:
-    """``make`` (``TCPStore``'s signature) whose server listens only on :func:`listen_address`
-    of its host: torch's store listens on every interface unless given a listening socket
-    (``master_listen_fd``), which torch's rendezvous never passes."""
+    """``make`` (``TCPStore``'s signature) whose server listens only on its host's
+    :func:`listen_address` (torch's rendezvous never passes ``master_listen_fd``)."""
 
     @functools.wraps(make)
     def store(
@@ -152,9 +142,8 @@ def bound_store(make: typing.Callable[..., typing.Any]) -> typing.Callable[..., 
 
 
 def bind_rendezvous_stores() -> None:
-    """Make the stores torch's agent hosts (the c10d or static rendezvous' and the workers'
-    shared one) listen only on their own address, where :func:`listen_address` names one
-    (docs/cli.md, "On a shared machine"); a torch without these hooks keeps its stores as is."""
+    """Make the stores torch's agent hosts listen only on their own address, where
+    :func:`listen_address` names one (docs/cli.md, "On a shared machine")."""
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import (
         c10d_rendezvous_backend,

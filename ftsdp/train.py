@@ -1,14 +1,6 @@
-"""The main job: train a model on data with the ftsdp FSDP engine, elastically. By default a
-small GPT on a synthetic language; ``--model`` and ``--data`` train yours (docs/training.md;
-more examples there and in docs/elastic.md).
-
-    torchrun --standalone --nproc-per-node=2 -m ftsdp.train [--steps N --global-batch B ...]
-    python -m ftsdp.launch --standalone --nproc-per-node=2 -- --checkpoint-url ./ckpt
-    python -m ftsdp.train            # one process; ftsdp-train --help lists every flag
-
-parse -> build -> run -> close, in ``ftsdp.trainer``; a user error (``JobError``) is one line on
-stderr and exit status 2, no traceback.
-"""
+"""The main job: train a model (a small GPT on a synthetic language by default) with the ftsdp
+engine, elastically: ``torchrun ... -m ftsdp.train``, ``python -m ftsdp.launch``, or one process
+(docs/training.md). A user error (``JobError``) is one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
@@ -101,7 +93,6 @@ def start_marks() -> Phases:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_or_exit(argv, int(os.environ.get("RANK", "0") or 0))
     phases = start_marks()
-    # The session is closed (in reverse) on the way out.
     with Session.open(cfg, hook=fault_hook(), phases=phases) as session:
         try:
             job = build(cfg, session)

@@ -1,5 +1,4 @@
-"""ftsdp.checkpoint: save and resume any training job's state at any world size
-(:class:`CheckpointManager`, docs/elastic.md); it knows nothing of the training entry."""
+"""ftsdp.checkpoint: any job's state saved and resumed at any world size (docs/elastic.md)."""
 
 from ftsdp.checkpoint._manager import CheckpointManager, ResumeInfo
 

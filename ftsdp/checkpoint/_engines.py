@@ -1,5 +1,4 @@
-"""Engine adapters: the checkpoint state of a model and its optimizer, whatever trains them
-(docs/elastic.md, "Any engine")."""
+"""Engine adapters: any engine's model and optimizer state (docs/elastic.md, "Any engine")."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ if TYPE_CHECKING:
 
 
 class Engine(abc.ABC):
-    """How one kind of model hands its state to storage (leaves aliasing the live tensors where
-    it can, so that ``storage.load`` fills them in place) and takes it back (:meth:`load`)."""
+    """How one kind of model hands its state to storage (leaves aliasing live tensors) and back."""
 
     kind = "module"
 
@@ -42,17 +40,14 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def _leaf(self, name: str, key: str, value: Any, param: torch.Tensor) -> Any:
-        """The storage leaf of one optimizer state value of ``param`` (or raise: it cannot be
-        resharded)."""
+        """One optimizer state value of ``param`` as a storage leaf (raise: not reshardable)."""
 
     @abc.abstractmethod
     def load(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
-        """Put the loaded ``model_state`` / ``optim_state`` (as filled by ``storage.load``) into
-        the live model and optimizer."""
+        """Put the state ``storage.load`` filled into the live model and optimizer."""
 
     def model_state(self) -> dict[str, Any]:
-        """``{name: leaf}`` for every parameter and persistent buffer, a dict of its own (the
-        leaves reused from the previous call while no tensor was replaced)."""
+        """``{name: leaf}`` of every parameter and persistent buffer (leaves reused: unchanged)."""
         key = tuple(_identity(t) for t in _module_tensors(self.model))
         if self._model_cache is None or self._model_cache[0] != key:
             state = self._model_state()
@@ -87,8 +82,7 @@ class Engine(abc.ABC):
         return {**state, **copies} if copies else state
 
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-        """``(leaves by parameter name, param groups)``: the leaves reused from the previous
-        call while no state was replaced; the groups' hyper-parameters always current."""
+        """``(leaves by name, param groups)``; leaves cached while no state was replaced."""
         key = _optim_identities(self.optimizer)
         cached = self._optim_cache
         if key is not None and cached is not None and cached[0] == key:
@@ -142,9 +136,7 @@ def groups_json(groups: list[dict[str, Any]]) -> str:
     def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.detach().cpu().tolist()
-        if isinstance(value, tuple | list):
-            return [plain(v) for v in value]
-        return value
+        return [plain(v) for v in value] if isinstance(value, tuple | list) else value
 
     doc = [{k: (v if k == "params" else plain(v)) for k, v in g.items()} for g in groups]
     try:
@@ -210,8 +202,7 @@ def _is_dtensor(value: Any) -> bool:
 
 
 class TorchEngine(Engine):
-    """FSDP2 / DTensor models, DDP and plain modules, through
-    ``torch.distributed.checkpoint.state_dict``."""
+    """FSDP2 / DTensor models, DDP and plain modules, through torch's DCP ``state_dict``."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, kind: str) -> None:
         super().__init__(model, optimizer)
@@ -272,8 +263,7 @@ _OWN_ANSWERS = ("parameters", "named_parameters", "buffers", "named_buffers")
 
 
 def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer of ``model`` (once per module holding it); a model whose class
-    answers ``parameters()`` or ``buffers()`` itself (``ftsdp.FSDP``) is asked."""
+    """Every parameter and buffer (per module holding it); ``ftsdp.FSDP`` is asked for its own."""
     cls = type(model)
     if any(getattr(cls, name) is not getattr(nn.Module, name) for name in _OWN_ANSWERS):
         return [*model.parameters(), *model.buffers()]

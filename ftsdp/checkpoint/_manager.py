@@ -1,5 +1,4 @@
-"""``CheckpointManager``: periodic (async) saves, retention, and resume at any world size
-(docs/elastic.md, "CheckpointManager": the state's table, resume, fallback)."""
+"""``CheckpointManager``: saves, retention, resume at any world size (docs/elastic.md)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ import torch
 from ftsdp import storage
 from ftsdp.checkpoint import _engines
 from ftsdp.checkpoint import _state as cs
-from ftsdp.checkpoint._memory import MemoryTier
-from ftsdp.checkpoint._tier import Group, Tier
+from ftsdp.checkpoint._tiers import Group, MemoryTier, Tier
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -59,15 +57,11 @@ class CheckpointManager:
             wrapping (a state tensor that cannot be resharded is refused when saving).
         every_steps / every_seconds: when :meth:`due` says a save is due (either may be None).
         keep_last / keep_every: retention after each commit (``storage.catalog.apply_retention``).
-        async_save: :meth:`save` returns once the shards are staged; errors surface at the next
-            save, :meth:`wait` or :meth:`close`.
-        defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied (the
-            buffers are, at once); ``optimizer.step()`` waits for the copy. Change saved tensors
-            in place elsewhere only after :meth:`wait_snapshot`.
-        memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md): saves every
-            ``memory_every`` steps under ``memory_url`` (``/dev/shm/...``), keeping the newest.
-        save_options: how saves are laid out and written (its retention and ``discard_newer``
-            are the manager's own, set per save).
+        async_save: :meth:`save` returns once the shards are staged (errors surface later).
+        defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied;
+            ``optimizer.step()`` waits for the copy, other in-place changes :meth:`wait_snapshot`.
+        memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md).
+        save_options: how saves are laid out and written (retention: the manager's own).
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages, fallbacks loudly (default: this module's logger, WARNING).
     """
@@ -144,8 +138,7 @@ class CheckpointManager:
         return [self._durable, *memory]
 
     def _state(self, trainer: Mapping[str, Any], tier: Tier, *, target: bool = False) -> dict:
-        """The state to save to ``tier``, or with ``target`` the one to load into (aliasing the
-        live tensors; a deferred save's buffers copied: forward may change them)."""
+        """The state to save to ``tier`` (buffers copied if deferred), or, ``target``, to load."""
         model: Mapping[str, Any] = self.engine.model_state()
         if self.defer_copy and not target:
             model = self.engine.copy_buffers(model)
@@ -161,8 +154,7 @@ class CheckpointManager:
         return state
 
     def due(self, step: int) -> bool:
-        """Whether a periodic save is due at ``step`` on this rank (time-based decisions differ
-        between ranks: agree on the answer, e.g. ``RankManager.agree_any``)."""
+        """Whether a periodic save is due at ``step`` on this rank (agree on it across ranks)."""
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
         return (
@@ -195,8 +187,7 @@ class CheckpointManager:
         return on and self.memory_every is not None and step % self.memory_every == 0
 
     def save_to_memory(self, step: int, trainer: Mapping[str, Any]) -> float:
-        """Save ``step`` to the memory tier when due there and not saved yet (collective, at every
-        step); a failure is logged. Returns the seconds the caller was blocked."""
+        """Save ``step`` to the memory tier when due (collective, each step); seconds blocked."""
         if not self.memory_due(step) or step in (self.last_saved_step, self.last_memory_step):
             return 0.0
         assert self._memory is not None
@@ -210,34 +201,29 @@ class CheckpointManager:
         return any(tier.in_flight() for tier in self._tiers())
 
     def wait_snapshot(self) -> None:
-        """Block until the latest save has copied this rank's state: needed before changing a
-        saved tensor in place outside ``optimizer.step()`` (which waits by itself)."""
+        """Block until the latest save copied this rank's state (before changing it in place)."""
         storage.saving.wait_snapshot()
 
     def prepare(self, trainer: Mapping[str, Any]) -> None:
-        """Get the deferred saves ready (collective): storage's process group and snapshot memory
-        per tier (:meth:`resume` calls it, else the first save does)."""
+        """Get the deferred saves ready (collective; :meth:`resume` or the first save calls it)."""
         if self.defer_copy:
             state = self._state(trainer, self._durable)
             for tier in self._tiers():
                 tier.prepare(state)
 
     def newest_committed(self) -> dict[str, int]:
-        """The newest step each tier in use is known to have committed by now, without waiting
-        nor a collective (``{"durable": 20, "memory": 22}``; a tier with none is left out)."""
+        """Each tier's newest known committed step (no wait, no collective): ``{"durable": 20}``."""
         tiers = zip(("durable", "memory"), self._tiers(), strict=False)
         return {name: step for name, tier in tiers if (step := tier.newest_committed()) is not None}
 
     def wait(self) -> None:
-        """Block until the in-flight saves are committed; raise the durable one's error (a
-        memory save's is logged)."""
+        """Block until the saves in flight commit; raise the durable one's error."""
         for tier in reversed(self._tiers()):
             tier.wait()
 
     def resume(self, trainer: dict[str, Any]) -> ResumeInfo | None:
-        """Load the newest usable committed step of any tier into the model, optimizer,
-        scheduler and RNGs, resharded to the current world size; fill ``trainer`` (a template
-        with the keys the saves used) in place. None when there is nothing to resume."""
+        """Load the newest usable committed step of any tier at this world size; fill
+        ``trainer`` (a template with the saved keys) in place. None: nothing to resume."""
         start = time.perf_counter()
         self.wait()  # the load writes into the saved tensors: no save may be reading them
         candidates = self._candidates()
@@ -255,12 +241,9 @@ class CheckpointManager:
         rng_restored = self._restore(loaded, trainer)
         self._continue_from(loaded, candidates)
         self.prepare(trainer)
+        seconds = time.perf_counter() - start
         return ResumeInfo(
-            step=loaded.step,
-            saved_world_size=loaded.saved_world_size,
-            seconds=time.perf_counter() - start,
-            skipped=loaded.skipped,
-            rng_restored=rng_restored,
+            loaded.step, loaded.saved_world_size, seconds, loaded.skipped, rng_restored
         )
 
     def _candidates(self) -> list[tuple[int, Tier]]:
@@ -313,8 +296,7 @@ class CheckpointManager:
         return None
 
     def _agree(self, error: BaseException | None, step: int, tier: Tier) -> int:
-        """One load's outcome agreed by every rank: ``_OK``, ``_FALLBACK`` (try an older step) or
-        ``_FATAL`` (a mismatch: raised here; never for a cache's steps)."""
+        """Every rank's agreed load outcome: ``_OK``, ``_FALLBACK`` or ``_FATAL`` (raised here)."""
         unusable = isinstance(error, storage.CheckpointError | OSError) and not isinstance(
             error, storage.StateMismatchError | storage.NewerFormatError
         )
@@ -379,9 +361,8 @@ class CheckpointManager:
 
 
 def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | None) -> list[str]:
-    """Remove from ``state`` (``{param: {key: leaf}}``) the parameters with no ``optim.state.*``
-    name in ``saved`` (None: keep all) and return their names; one with some keys stays (a
-    missing key is a mismatch). No parameter's name is another's plus a dot."""
+    """Remove (and return) the parameters with no ``optim.state.*`` name in ``saved`` (None: keep
+    all); one with some keys stays. No parameter's name is another's plus a dot."""
     if saved is None:
         return []
     heads: set[str] = set()  # every dotted prefix of every saved name, after "optim.state."

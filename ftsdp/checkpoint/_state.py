@@ -1,5 +1,5 @@
-"""What a checkpoint holds besides the engine's tensors: optimizer set-up, param groups, RNG
-(each one JSON string: the key set does not change when torch adds a field)."""
+"""A checkpoint's optimizer set-up, param groups and RNG, each one JSON string (a key set that
+does not change when torch adds a field)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def restore_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, current: str) -> None:
-    """Set the saved hyper-parameters on the optimizer's groups (which must hold the same
-    parameter names); a tensor one is filled in place, a tuple stays a tuple."""
+    """Set the saved hyper-parameters on the optimizer's groups (same parameter names)."""
     saved, mine = json.loads(saved_json), json.loads(current)
     if [g["params"] for g in saved] != [g["params"] for g in mine]:
         raise storage.StateMismatchError(

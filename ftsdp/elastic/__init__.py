@@ -1,9 +1,7 @@
-"""ftsdp.elastic: the rank manager that lets a torchrun job survive node loss, preemption and
-hangs, and continue on another world size (docs/elastic.md); it never imports the engine."""
+"""ftsdp.elastic: the rank manager of elastic torchrun jobs (docs/elastic.md); no engine import."""
 
-from ftsdp.elastic._geometry import BatchGeometry
 from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device
-from ftsdp.elastic._sampler import GlobalSampler, RankBatchSampler
+from ftsdp.elastic._sampler import BatchGeometry, GlobalSampler, RankBatchSampler
 from ftsdp.elastic._signals import EXIT_GRACE_EXCEEDED, PreemptionHandler
 from ftsdp.elastic._teardown import CloseReport
 from ftsdp.elastic._watchdog import EXIT_STALL, Stall, Watchdog, simulate_heartbeats

@@ -1,5 +1,4 @@
-"""Join a fresh namespace of the c10d store for every incarnation of the worker group: every rank
-ends with rank 0's fresh token (docs/elastic.md, "Joining a fresh store namespace")."""
+"""Every incarnation joins a fresh store namespace, rank 0's token (docs/elastic.md)."""
 
 from __future__ import annotations
 

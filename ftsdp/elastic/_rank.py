@@ -1,5 +1,4 @@
-"""The rank manager: this process's place in the (elastic) job, and its process group
-(docs/elastic.md, "The rank manager")."""
+"""The rank manager: this process's place in the job, its process group (docs/elastic.md)."""
 
 from __future__ import annotations
 
@@ -72,9 +71,8 @@ class RankInfo:
 
 
 def read_env(env: Mapping[str, str] | None = None) -> RankInfo:
-    """Parse torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-    TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, MASTER_ADDR,
-    MASTER_PORT); absent ones default to a world of one."""
+    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ..., TORCHELASTIC_*, MASTER_*);
+    absent variables default to a world of one."""
     env = os.environ if env is None else env
     world = _int(env, "WORLD_SIZE", 1)
     port = env.get("MASTER_PORT")
@@ -107,8 +105,7 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
 
 
 class Agent:
-    """The torchrun agent that started this worker, and whether it has exited (docs/elastic.md,
-    "A worker without its agent")."""
+    """The torchrun agent that started this worker, and whether it has exited (docs/elastic.md)."""
 
     def __init__(self) -> None:
         parent = multiprocessing.parent_process()
@@ -125,9 +122,7 @@ class Agent:
 
     def gone(self) -> bool:
         """Whether the agent has exited (one system call)."""
-        if self._poll is not None:
-            return bool(self._poll.poll(0))
-        return os.getppid() != self.pid
+        return bool(self._poll.poll(0)) if self._poll is not None else os.getppid() != self.pid
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,12 +137,9 @@ class Peer:
 
 @dataclass(kw_only=True)
 class RankManager:
-    """This process's rank, world size, device and process group, and the job's generation.
-
-    Build it with :meth:`init`, leave with :meth:`close`. ``marks``: wall times of ``init``'s
-    phases (docs/elastic.md, "Recovery time"). ``agent``: under torchrun, the agent that started
-    this worker (:meth:`exit_if_orphaned`); None otherwise.
-    """
+    """This process's rank, world size, device, process group and the job's generation, from
+    :meth:`init` to :meth:`close`; ``marks``: wall times of ``init``'s phases; ``agent``: under
+    torchrun, the agent that started this worker (:meth:`exit_if_orphaned`), else None."""
 
     info: RankInfo
     device: torch.device
@@ -169,9 +161,8 @@ class RankManager:
         threads: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> RankManager:
-        """Join the process group torchrun describes, or form a world of one. ``timeout_s``
-        bounds every collective; ``threads``: torch CPU threads (default: the host's cores
-        divided among the local ranks)."""
+        """Join the process group torchrun describes, or a world of one; ``timeout_s`` bounds every
+        collective; ``threads``: torch CPU threads (default: the host's cores per local rank)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         info = read_env(env)
@@ -228,11 +219,9 @@ class RankManager:
         return manager
 
     def _agree_on_incarnation(self, token: str) -> None:
+        restarts = self.info.restart_count
         me = Peer(
-            rank=self.rank,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            restart_count=self.info.restart_count,
+            rank=self.rank, host=socket.gethostname(), pid=os.getpid(), restart_count=restarts
         )
         if self.rank == 0 and not token:
             token = uuid.uuid4().hex[:12]
@@ -251,24 +240,19 @@ class RankManager:
         return self.info.world_size
 
     def exit_if_orphaned(self) -> None:
-        """End this process with ``EXIT_STALL`` and one log line if its agent is gone, else
-        return at once (docs/elastic.md, "A worker without its agent")."""
+        """Exit with ``EXIT_STALL`` and one log line if the torchrun agent is gone."""
         agent = self.agent
         if agent is None or not agent.gone():
             return
         with _LEAVING:  # never released: the process ends inside
             logger.error(
-                "ftsdp (rank %d): the torchrun agent (pid %d) is gone: exiting with %d, "
-                "committing nothing more",
-                self.rank,
-                agent.pid,
-                EXIT_STALL,
+                f"ftsdp (rank {self.rank}): the torchrun agent (pid {agent.pid}) is gone: exiting "
+                f"with {EXIT_STALL}, committing nothing more"
             )
             os._exit(EXIT_STALL)
 
     def agree_any(self, *flags: bool) -> tuple[bool, ...]:
-        """For each flag: True on every rank if it is True on any rank (one all_reduce(MAX));
-        every rank calls it at the same point (a step boundary)."""
+        """Per flag, True on every rank if True on any (one all_reduce); call on every rank."""
         if self.world_size == 1:
             return tuple(bool(f) for f in flags)
         t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=self.device)
@@ -276,9 +260,8 @@ class RankManager:
         return tuple(bool(v) for v in t.tolist())
 
     def store(self, prefix: str = "", timeout_s: float | None = None) -> Any:
-        """A client of the job's c10d store, keys under this incarnation + ``prefix``, on a
-        connection of its own (the watchdog's thread shares no socket with the process group);
-        None for a world of one without a master address."""
+        """A client of the job's c10d store on a connection of its own, keys under this incarnation
+        and ``prefix``; None for a world of one without a master address."""
         if self.info.master_addr is None or self.info.master_port is None:
             return None
         if self._store is None:
@@ -294,10 +277,8 @@ class RankManager:
         )
 
     def close(self, *, barrier: bool | None = None, barrier_timeout_s: float = 60.0) -> CloseReport:
-        """Leave the job, every rank at the same point: destroy the process groups if
-        :meth:`init` created them (idempotent; docs/elastic.md, "Teardown"). ``barrier``: None
-        skips it while an exception propagates; its wait is bounded by ``barrier_timeout_s``.
-        Returns a :class:`CloseReport`."""
+        """Leave the job, every rank at one point; destroy the groups :meth:`init` made (idempotent,
+        docs/elastic.md). ``barrier`` None: skipped while an exception propagates; a CloseReport."""
         if barrier is None:
             barrier = sys.exc_info()[1] is None
         self._store = None  # our client of the job's store; the groups hold their own

@@ -1,17 +1,67 @@
-"""A global, world-size-independent sample order: position ``p`` is index ``perm_e(p mod N)`` of
-epoch ``p // N``, ``perm_e`` a keyed Feistel bijection (docs/elastic.md, "Sample order")."""
+"""Batch geometry and a world-size-independent sample order (docs/elastic.md, "Sample order")."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from torch.utils.data import Sampler
 
-from ftsdp.elastic._geometry import BatchGeometry
-
 _M64 = (1 << 64) - 1
 _ROUNDS = 6
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchGeometry:
+    """How one optimizer step of ``global_batch`` samples runs on ``world_size`` ranks (any);
+    ``global_batch`` must be a multiple of ``micro_batch`` (else ``ValueError``)."""
+
+    global_batch: int
+    micro_batch: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BatchGeometry: {name}={value!r} must be a positive int")
+        if self.global_batch % self.micro_batch:
+            raise ValueError(
+                f"BatchGeometry: global_batch={self.global_batch} must be a multiple of "
+                f"micro_batch={self.micro_batch}"
+            )
+
+    @property
+    def micro_batches(self) -> int:
+        """``G``: micro-batches per optimizer step, over all ranks."""
+        return self.global_batch // self.micro_batch
+
+    @property
+    def accum_steps(self) -> int:
+        """Passes every rank runs per step: ``ceil(G / W)`` (a smaller :meth:`share` pads)."""
+        return -(-self.micro_batches // self.world_size)
+
+    def share(self, rank: int) -> int:
+        """How many of the step's micro-batches rank ``rank`` runs (0 when ``W > G``)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={self.world_size})")
+        base, extra = divmod(self.micro_batches, self.world_size)
+        return base + (rank < extra)
+
+    def global_micro_index(self, rank: int, micro: int) -> int:
+        """Index in ``[0, G)`` of rank ``rank``'s ``micro``-th micro-batch of a step."""
+        if not 0 <= micro < self.share(rank):
+            raise ValueError(
+                f"micro={micro} must be in [0, share={self.share(rank)}) of rank {rank}"
+            )
+        base, extra = divmod(self.micro_batches, self.world_size)
+        return rank * base + min(rank, extra) + micro
+
+    def sample_range(self, rank: int, micro: int) -> range:
+        """Positions of that micro-batch's samples inside the step's ``global_batch``."""
+        start = self.global_micro_index(rank, micro) * self.micro_batch
+        return range(start, start + self.micro_batch)
 
 
 def _mix64(x: int) -> int:
@@ -46,8 +96,7 @@ class _Permutation:
 
 
 class GlobalSampler:
-    """Position in the global sample stream -> index of a dataset of ``num_samples``, the same
-    in every process; ``shuffle=False`` keeps each epoch in index order."""
+    """Global sample position -> dataset index, the same everywhere (``shuffle=False``: ordered)."""
 
     def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -85,9 +134,8 @@ class GlobalSampler:
 
 
 class RankBatchSampler(Sampler[list[int]]):
-    """A ``DataLoader`` batch sampler: rank ``rank``'s micro-batches of a :class:`GlobalSampler`,
-    step after step from sample ``cursor``, for ``steps`` steps (None: forever). A prefetching
-    loader runs ahead: checkpoint the loop's own cursor, not this object."""
+    """A ``DataLoader`` batch sampler: ``rank``'s micro-batches from sample ``cursor`` for
+    ``steps`` steps (None: forever); a prefetching loader runs ahead: checkpoint your own cursor."""
 
     def __init__(
         self,

@@ -1,6 +1,4 @@
-"""Preemption: SIGTERM / SIGUSR1 set a flag the ranks agree on at the next step boundary; a
-thread reads the signals from a wakeup fd, so the grace deadline holds while the main thread is
-blocked in a collective (docs/elastic.md, "Preemption")."""
+"""Preemption: SIGTERM / SIGUSR1, agreed at the next step boundary (docs/elastic.md)."""
 
 from __future__ import annotations
 
@@ -20,13 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 class PreemptionHandler:
-    """Owns the handlers of ``signals`` from :meth:`install` until :meth:`close`.
-
-    ``requested`` turns True when a signal arrives (the loop agrees on it at its next step
-    boundary, saves and exits). ``grace_s`` after the signal (or :meth:`arm`) the process exits
-    with ``EXIT_GRACE_EXCEEDED`` (``on_expired`` replaces that); ``log`` defaults to this
-    module's logger at WARNING.
-    """
+    """Owns the handlers of ``signals`` from :meth:`install` to :meth:`close`: ``requested`` turns
+    True when one arrives; ``grace_s`` after it (or :meth:`arm`) the process exits with
+    ``EXIT_GRACE_EXCEEDED`` (``on_expired`` replaces that); ``log``: default logger, WARNING."""
 
     def __init__(
         self,
@@ -98,8 +92,7 @@ class PreemptionHandler:
                 )
 
     def cannot_save(self, why: str) -> None:
-        """From now on, a signal's line says that nothing will be saved, and ``why`` (the
-        training loop ended on an error: there is no next step boundary)."""
+        """From now on a signal's line says nothing will be saved, and ``why``."""
         with self._lock:
             self._no_save = why
 

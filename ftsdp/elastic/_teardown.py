@@ -1,5 +1,4 @@
-"""Leaving the process groups at the end of a job without aborting the process at exit
-(docs/elastic.md, "Teardown")."""
+"""Leaving the process groups without aborting the process at exit (docs/elastic.md, "Teardown")."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def _registered_groups() -> list[Any]:
 
 
 def _leave_together(device: torch.device, timeout_s: float) -> None:
-    """One barrier per process group this rank is in, within one deadline, in creation order
-    (the same on every rank: no cycle of groups waiting on each other)."""
+    """One barrier per process group, one deadline, in creation order (the same on every rank)."""
     deadline = time.monotonic() + timeout_s
     cuda = device.type == "cuda"
     if cuda:
@@ -65,8 +63,7 @@ def _leave_together(device: torch.device, timeout_s: float) -> None:
 
 
 def _thread_states(names: tuple[str, ...]) -> dict[str, str] | None:
-    """``{"tid name": state}`` of this process's threads with one of ``names``; None where
-    ``/proc`` is not available."""
+    """``{"tid name": state}`` of this process's threads named ``names``; None without /proc."""
     try:
         tids = os.listdir(_TASKS)
     except OSError:
@@ -87,9 +84,8 @@ def _thread_states(names: tuple[str, ...]) -> dict[str, str] | None:
 def wait_for_idle_workers(
     timeout_s: float = 5.0, names: tuple[str, ...] = WORKER_THREAD_NAMES
 ) -> tuple[bool, float, list[str]]:
-    """Sleep until every thread named in ``names`` has been blocked (state ``S``) for
-    ``_QUIET_S`` in a row; without ``/proc``, sleep ``_QUIET_S`` once. Returns ``(idle,
-    seconds waited, busy threads at the deadline)``."""
+    """Sleep until the threads named ``names`` have been blocked for ``_QUIET_S`` in a row (no
+    /proc: sleep that once); ``(idle, seconds waited, busy threads at the deadline)``."""
     start = time.monotonic()
     deadline = start + timeout_s
     quiet_since: float | None = None
@@ -131,9 +127,8 @@ def close_process_groups(
     barrier_timeout_s: float = 60.0,
     idle_timeout_s: float = 5.0,
 ) -> CloseReport:
-    """Leave together (every rank at the same point, when ``barrier``), destroy every process
-    group and wait for their gloo workers to be idle; ``barrier=False`` (after an error) skips
-    the barrier and the garbage collection."""
+    """Leave together (``barrier``), destroy every process group and wait for their gloo workers
+    to be idle; ``barrier=False`` (after an error) skips the barrier and the garbage collection."""
     report = CloseReport()
     if not dist.is_initialized():
         return report
@@ -144,11 +139,9 @@ def close_process_groups(
         except Exception as e:  # a peer gone or late: go on closing, say so
             report.barrier_error = f"{type(e).__name__}: {e}"
             logger.warning(
-                "rank %d: not every rank reached close() within %.0f s (%s); closing without "
-                "them. A peer that failed or hung is the likely cause (see its log).",
-                dist.get_rank(),
-                barrier_timeout_s,
-                report.barrier_error.splitlines()[0][:300],
+                f"rank {dist.get_rank()}: not every rank reached close() within "
+                f"{barrier_timeout_s:.0f} s ({report.barrier_error.splitlines()[0][:300]}); "
+                "closing without them. A peer that failed or hung is the likely cause (see its log)."
             )
         report.barrier_s = time.monotonic() - t0
     rank = dist.get_rank()
@@ -160,14 +153,11 @@ def close_process_groups(
     report.idle, report.idle_wait_s, report.busy_threads = wait_for_idle_workers(idle_timeout_s)
     if not report.idle:
         logger.warning(
-            "rank %d: close() destroyed the process groups, but %d of them are still "
-            "referenced (by a model?) and their worker threads %s were still busy after "
-            "%.1f s: the process may abort at exit. Call close() when no collective is in "
-            "flight (after the last one was waited for).",
-            rank,
-            report.still_referenced,
-            report.busy_threads,
-            idle_timeout_s,
+            f"rank {rank}: close() destroyed the process groups, but {report.still_referenced} "
+            f"of them are still referenced (by a model?) and their worker threads "
+            f"{report.busy_threads} were still busy after {idle_timeout_s:.1f} s: the process may "
+            "abort at exit. Call close() when no collective is in flight (after the last one "
+            "was waited for)."
         )
     logger.debug("close_process_groups: %s", report)
     return report

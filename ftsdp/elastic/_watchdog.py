@@ -1,5 +1,4 @@
-"""Hang and silent-rank detection through heartbeats in the c10d store (docs/elastic.md,
-"Watchdog" and "The watchdog's keys": the ring, the alarm, the 2**44 bound on ``hb/sum``)."""
+"""Hang and silent-rank detection by heartbeats in the c10d store (docs/elastic.md, "Watchdog")."""
 
 from __future__ import annotations
 
@@ -73,15 +72,12 @@ def _step_of(value: bytes) -> int:
 
 
 class Watchdog:
-    """A daemon thread publishing this rank's heartbeat and checking a few peers'.
-
-    ``store``: a c10d store shared by the ranks (``RankManager.store("watchdog")``). ``peers``:
-    optional ``(host, pid)`` per rank, to watch peers on other hosts and SIGKILL a stalled one on
-    this host (through a pidfd opened here, so a reused pid is never signalled); without it ``local_world_size`` ranks per host (torchrun's numbering).
-    ``on_stall(stalls)`` replaces the default action (log, kill, ``os._exit``); ``log`` defaults
-    to this module's logger at ERROR; ``agent_check`` runs first in every interval, before any
-    store call (``RankManager.exit_if_orphaned``). See docs/elastic.md, "Watchdog".
-    """
+    """A daemon thread publishing this rank's heartbeat and checking a few peers' (docs/elastic.md,
+    "Watchdog"). ``store``: a c10d store of the ranks (``RankManager.store("watchdog")``);
+    ``peers``: ``(host, pid)`` per rank, to watch peers on other hosts and SIGKILL a stalled one on
+    this host by pidfd (without: ``local_world_size`` ranks per host); ``on_stall(stalls)``
+    replaces the default action (log, kill, ``os._exit``); ``log``: default this module's logger
+    at ERROR; ``agent_check`` runs first in every interval (``RankManager.exit_if_orphaned``)."""
 
     def __init__(
         self,
@@ -216,8 +212,7 @@ class Watchdog:
             return [Stall(r, 0, now - start, "heartbeat", self.rank) for r in missing]
 
     def beat_once(self, now: float | None = None) -> list[Stall]:
-        """One interval's work (three store calls, at monotonic time ``now``): the stalls found or
-        announced by another rank, empty while all is well (acting is the thread's part)."""
+        """One interval's work at monotonic ``now``: the stalls found or announced, if any."""
         return self._interval(time.monotonic() if now is None else now, publish=True)
 
     def _interval(self, now: float, *, publish: bool) -> list[Stall]:
@@ -279,8 +274,7 @@ class Watchdog:
         return stalls
 
     def _progress_stalls(self, now: float) -> list[Stall]:
-        """The job made no progress: the first rank to claim it reads every rank's step (once)
-        and names the ranks at the lowest; the others wait for its alarm."""
+        """No progress: the first rank to claim it names the ranks at the lowest step."""
         keys = [self._key(r) for r in range(self.world_size)]
         try:
             if not self._claim_won:
@@ -398,8 +392,7 @@ def _bytes(value: str | bytes) -> bytes:
 
 
 class _CountingStore:
-    """One rank's client of a simulated c10d store (a dict shared by all), counting its calls
-    and keys; a missing key raises at once where a real store would wait."""
+    """One rank's client of a simulated store (a shared dict), counting calls and keys."""
 
     def __init__(self, data: dict[str, bytes]) -> None:
         self.data = data

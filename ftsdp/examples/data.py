@@ -1,5 +1,4 @@
-"""The main job's data: a synthetic language (:class:`MarkovDataset`) and windows of a token
-array (:class:`TokenDataset`); sample ``i`` depends only on ``(seed, i)`` (docs/training.md)."""
+"""The main job's data; sample ``i`` depends only on ``(seed, i)`` (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -92,8 +91,7 @@ class MarkovChain:
     def sample(self, length: int, rng: np.random.Generator) -> np.ndarray:
         """A walk of ``length`` tokens starting from a stationary draw."""
         u = rng.random(length).tolist()
-        last = self.vocab_size - 1
-        tok = min(bisect.bisect_right(self._stationary_cdf_list, u[0]), last)
+        tok = min(bisect.bisect_right(self._stationary_cdf_list, u[0]), self.vocab_size - 1)
         walk = [tok]
         for t in range(1, length):
             k = bisect.bisect_right(self._cdf_rows[tok], u[t])
@@ -103,9 +101,8 @@ class MarkovChain:
 
 
 class MarkovDataset(_Samples):
-    """Map-style dataset: item ``i`` is ``(input, target)``, two (seq_len,) int64 tensors with
-    ``target[t] = input[t + 1]`` of one walk fixed by ``(seed, i)``, generated on access
-    (``num_samples`` only bounds the index range)."""
+    """Item ``i``: ``(input, target)``, (seq_len,) int64 tensors of one walk fixed by ``(seed,
+    i)``, ``target`` shifted by one, made on access (``num_samples`` only bounds the index)."""
 
     def __init__(
         self,
@@ -143,10 +140,8 @@ class MarkovDataset(_Samples):
 
 
 class TokenDataset(_Samples):
-    """Map-style dataset over a flat 1-D array of token ids: item ``i`` is ``(input, target)``,
-    two (seq_len,) int64 tensors from the window ``tokens[s : s + seq_len + 1]`` at an offset
-    ``s`` drawn uniformly with ``(seed, i)``; ``len``: ``(len(tokens) - 1) // seq_len``
-    (docs/training.md, "--data")."""
+    """Item ``i``: ``(input, target)`` from the window of ``seq_len + 1`` tokens at an offset
+    drawn with ``(seed, i)``; ``len``: ``(len(tokens) - 1) // seq_len`` (docs/training.md)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, *, seed: int = 0):
         if tokens.ndim != 1:

@@ -63,8 +63,7 @@ class InitEmbedding(nn.Embedding):
 
 
 def _linear(config: GPTConfig, n_in: int, n_out: int, *, residual: bool = False) -> InitLinear:
-    """A block's linear layer; a residual projection's init is scaled down so the residual
-    stream's variance does not grow with depth."""
+    """A block's linear layer; residual projections scaled down (depth-independent variance)."""
     std = INIT_STD / math.sqrt(2 * config.n_layer) if residual else INIT_STD
     return InitLinear(n_in, n_out, bias=config.bias, init_std=std)
 
@@ -127,14 +126,12 @@ class GPT(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the token embedding with the output head (when configured); call again after
-        ``to_empty()``, which breaks the tie."""
+        """Tie the head to the token embedding (if configured); call again after ``to_empty()``."""
         if self.config.tie_weights:
             self.lm_head.weight = self.wte.weight
 
     def init_weights(self) -> None:
-        """Re-initialise every parameter, each module's ``reset_parameters()`` in ``modules()``
-        order: the construction-time init under the same seed ([Note: per-module init])."""
+        """Re-initialise every parameter in ``modules()`` order: ``GPT(config)``'s init."""
         for module in self.modules():
             if callable(reset := getattr(module, "reset_parameters", None)):
                 reset()
@@ -168,10 +165,8 @@ class GPT(nn.Module):
 def default_no_decay(name: str) -> bool:
     """True for parameters that get no weight decay: biases and normalisation weights, by name
     (under FSDP every parameter a rank sees is 1-D, so nanoGPT's ``p.dim() >= 2`` cannot tell)."""
-    parts = name.split(".")
-    if parts[-1] == "bias":
-        return True
-    return any(p.startswith("ln") or "norm" in p.lower() for p in parts[:-1])
+    *modules, last = name.split(".")
+    return last == "bias" or any(p.startswith("ln") or "norm" in p.lower() for p in modules)
 
 
 def param_groups(
@@ -190,7 +185,4 @@ def param_groups(
             continue
         seen.add(id(p))
         (keep if no_decay(name) else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": keep, "weight_decay": 0.0},
-    ]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]

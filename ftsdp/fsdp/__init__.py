@@ -1,27 +1,23 @@
-"""ftsdp.fsdp: the fully sharded data parallel engine (see docs/engine.md).
+"""ftsdp.fsdp: the FSDP engine (docs/engine.md, docs/migrating.md); it imports no other room."""
 
-``_api`` and ``_fsdp1`` hold torch FSDP1's enums, configs and state APIs, so a torch FSDP
-script runs with only its imports changed (docs/migrating.md). This package never imports
-``ftsdp.elastic``, ``ftsdp.trainer`` or ``ftsdp.storage``.
-"""
-
-from ._api import (
+from ._collectives import CommStats, ShardedGradScaler
+from ._common import (
     BackwardPrefetch,
+    CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
+    MixedPrecision,
     OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
+    ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
 )
-from ._collectives import CommStats
-from ._common import CPUOffload, MixedPrecision, ShardingStrategy
 from ._fully_sharded import FSDP, FullyShardedDataParallel
-from ._grad_scaler import ShardedGradScaler
 from ._state_dict import ShardView
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""The engine's collectives over flat 1-D tensors; a group of ``None`` is one rank. Byte counts
-are the ring cost per rank (docs/engine.md, "Accounting")."""
+"""The engine's collectives over flat 1-D tensors (a group of ``None`` is one rank; bytes: the ring
+cost per rank, docs/engine.md "Accounting"), and the grad scaler whose ranks agree on skipping."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Counts of collective calls and per-rank bytes moved, by collective kind; ``copies``
-    (host <-> device, CPU offload) and ``control`` (bookkeeping collectives) apart;
-    ``max_in_flight``: the most prefetched all-gathers ever outstanding at once."""
+    """Collective calls and per-rank bytes by kind; ``copies`` (CPU offload) and ``control``
+    (bookkeeping) apart; ``max_in_flight``: the most prefetched all-gathers outstanding."""
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -100,11 +99,7 @@ class _Works:
 
 
 def _gather_by_broadcasts(
-    output: torch.Tensor,
-    shard: torch.Tensor,
-    group: dist.ProcessGroup,
-    world: int,
-    async_op: bool,
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, world: int, async_op: bool
 ) -> _Works | None:
     """gloo's all-gather as one broadcast per rank (docs/engine.md, "Collectives on gloo")."""
     size = shard.numel()
@@ -172,16 +167,12 @@ def all_reduce_flat(
     if world == 1:
         return None
     if stats is not None:
-        nbytes = 2 * (world - 1) * tensor.nbytes // world
-        stats.record("all_reduce", nbytes, tag)
+        stats.record("all_reduce", 2 * (world - 1) * tensor.nbytes // world, tag)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def broadcast_flat(
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    *,
-    stats: CommStats | None = None,
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, *, stats: CommStats | None = None
 ) -> None:
     """Overwrite ``tensor`` on every rank with group rank 0's copy."""
     if group is None or group_size(group) == 1:
@@ -219,7 +210,49 @@ def all_gather_objects(value: Any, group: dist.ProcessGroup | None) -> list[Any]
 
 def comm_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device collectives on ``group`` expect (cuda for NCCL, cpu otherwise)."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# fp16 loss scaling whose found-inf flag every rank agrees on (docs/engine.md, "fp16")
+class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose skip decision every rank of ``process_group`` agrees on."""
+
+    def __init__(
+        self, device: str = "cuda", *, process_group: dist.ProcessGroup | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(device, **kwargs)
+        self._group = process_group
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The ranks that agree (the world unless given, looked up at each step)."""
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return self._group
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        # fp16 gradients are allowed: a model kept in fp16 without MixedPrecision has them.
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+        group = self.process_group
+        if group_size(group) == 1:
+            return per_device
+        # One flag for the whole rank, on the device the group communicates on. A rank with
+        # no gradient at all (every shard empty) still takes part, or the others would hang.
+        comm = comm_device(group)
+        flag = torch.zeros(1, dtype=torch.float32, device=comm)
+        for value in per_device.values():
+            flag = torch.maximum(flag, value.to(comm, torch.float32).reshape(1))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not per_device:
+            per_device[found_inf.device] = found_inf
+        for device, value in per_device.items():
+            value.copy_(flag.to(device).reshape(value.shape))
+        return per_device

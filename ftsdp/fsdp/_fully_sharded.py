@@ -1,10 +1,10 @@
-"""The public wrapper ``ftsdp.FullyShardedDataParallel`` (alias ``ftsdp.FSDP``); torch FSDP1's
-arguments and methods are accepted where ftsdp can honour them (docs/migrating.md)."""
+"""``ftsdp.FSDP``, with torch FSDP1's arguments and methods (docs/migrating.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -15,38 +15,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _fsdp1
-from ._api import (
+from . import _state_dict, _unit
+from ._collectives import CommStats, all_reduce_flat, broadcast_flat
+from ._common import (
     CONFIG_TYPES,
     BackwardPrefetch,
+    CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    MixedPrecision,
     OptimStateDictConfig,
+    Phase,
+    ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
     as_backward_prefetch,
     as_config,
-    as_state_dict_type,
-)
-from ._collectives import CommStats, all_reduce_flat, broadcast_flat
-from ._common import (
-    CPUOffload,
-    MixedPrecision,
-    Phase,
-    ShardingStrategy,
     as_cpu_offload,
     as_mixed_precision,
+    as_state_dict_type,
 )
-from ._init import build_units, check_same_structure, resolve_device, resolve_groups
 from ._runtime import Runtime
-from ._state_dict import (
-    ShardView,
-    gather_flat,
-    load_full_state_dict,
-    sharded_optim_state_dict,
-    sharded_state_dict,
-)
 from ._streams import schedule_for
 from ._unit import SHARDED_ATTR, STALE_ATTR, MemoryGauge, UnitOptions
 from ._wrap import Ignored, Policy, plan_units
@@ -54,7 +44,7 @@ from ._wrap import Ignored, Policy, plan_units
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ._init import ProcessGroups
+    from ._unit import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +78,7 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params, ignored_modules, ignored_states: as in torch FSDP.
         deterministic: gradients bitwise independent of the world size, the MEAN over
             micro-batches, padding passes left out (docs/engine.md, "Deterministic mode").
-
-    Every rank must wrap the same model structure (checked here).
-    """
+    Every rank must wrap the same model structure (checked here)."""
 
     def __init__(
         self,
@@ -123,23 +111,9 @@ class FullyShardedDataParallel(nn.Module):
                 "lists the arguments ftsdp takes, torch FSDP's among them"
             )
         _reject_wrapped(module)
-        # What torch FSDP would hand every auto-wrapped unit: a CustomPolicy may not differ.
-        root_kwargs = {
-            "process_group": process_group,
-            "sharding_strategy": sharding_strategy,
-            "cpu_offload": cpu_offload,
-            "backward_prefetch": backward_prefetch,
-            "mixed_precision": mixed_precision,
-            "param_init_fn": param_init_fn,
-            "device_id": device_id,
-            "sync_module_states": sync_module_states,
-            "forward_prefetch": forward_prefetch,
-            "limit_all_gathers": limit_all_gathers,
-            "use_orig_params": use_orig_params,
-            "ignored_states": ignored_states,
-            "device_mesh": device_mesh,
-            "deterministic": deterministic,
-        }
+        # What torch FSDP would hand every auto-wrapped unit (the arguments as given, before any
+        # is converted below): a CustomPolicy may not differ.
+        root_kwargs = {k: v for k, v in locals().items() if k in _PER_UNIT}
         strategy = ShardingStrategy.parse(sharding_strategy)
         mixed_precision = as_mixed_precision(mixed_precision)
         cpu_offload = as_cpu_offload(cpu_offload)
@@ -152,12 +126,12 @@ class FullyShardedDataParallel(nn.Module):
                 "in torch FSDP; training is the same"
             )
         ignored = Ignored.build(module, ignored_modules, ignored_states)
-        groups = resolve_groups(strategy, process_group, device_mesh)
+        groups = _unit.resolve_groups(strategy, process_group, device_mesh)
         if groups.world is None and sync_module_states:
             raise ValueError("sync_module_states=True needs torch.distributed to be initialised")
         mp = mixed_precision or MixedPrecision()
         options = UnitOptions(
-            device=resolve_device(module, device_id),
+            device=_unit.resolve_device(module, device_id),
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype,
             offload=bool(cpu_offload and cpu_offload.offload_params),
@@ -165,11 +139,11 @@ class FullyShardedDataParallel(nn.Module):
             sync_module_states=sync_module_states,
         )
         plans = plan_units(module, auto_wrap_policy, ignored, root_kwargs)
-        check_same_structure(plans, groups.world)
+        _unit.check_same_structure(plans, groups.world)
         self._comm_stats = CommStats()
         self._gauge = MemoryGauge()
         schedule = schedule_for(options.device, limit_all_gathers=limit_all_gathers)
-        units = build_units(
+        units = _unit.build_units(
             module, plans, options, groups, self._comm_stats, param_init_fn, self._gauge, schedule
         )
         for buffer in module.buffers():
@@ -225,8 +199,7 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Original names with this rank's 1-D slices (full parameters inside
-        ``summon_full_params``; ignored ones whole)."""
+        """Original names, this rank's 1-D slices (full inside ``summon_full_params``)."""
         return self._named_params(prefix, recurse, remove_duplicate, sharded=not self._summoned)
 
     def _named_params(
@@ -264,15 +237,14 @@ class FullyShardedDataParallel(nn.Module):
         )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The unwrapped module's keys, in the form ``state_dict_type`` chose (default: full
-        on every rank). A collective."""
+        """The unwrapped module's keys, in the ``state_dict_type``'s form (a collective)."""
         if args or kwargs:
             raise ValueError(
                 "FSDP.state_dict() takes no arguments: it returns the state with the "
                 "unwrapped module's keys (choose its form with FSDP.state_dict_type)"
             )
         self._require_idle("state_dict()")
-        return _fsdp1.model_state_dict(self)
+        return _state_dict.model_state_dict(self)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
@@ -281,7 +253,9 @@ class FullyShardedDataParallel(nn.Module):
         if assign:
             raise ValueError("FSDP.load_state_dict does not support assign=True")
         self._require_idle("load_state_dict()")
-        missing, unexpected = load_full_state_dict(self._units, self.module, state_dict, strict)
+        missing, unexpected = _state_dict.load_full_state_dict(
+            self._units, self.module, state_dict, strict
+        )
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     @contextlib.contextmanager
@@ -296,9 +270,8 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def padding(self) -> Iterator[None]:
-        """A pass that adds no gradient: its forward and backward run every collective (so a
-        rank with fewer micro-batches keeps in step with the others) and its gradients count
-        as zeros; deterministic mode leaves it out of the mean."""
+        """A pass adding no gradient: it runs every collective (a rank with fewer micro-batches
+        keeps in step), its gradients count as zeros, left out of the deterministic mean."""
         previous = self._runtime.padding
         self._runtime.padding = True
         try:
@@ -356,20 +329,19 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             if not unit.trainable or unit.sharded_grad is None:
                 continue
-            full = gather_flat(unit, unit.sharded_grad)
+            full = _state_dict.gather_flat(unit, unit.sharded_grad)
             for info in unit.trainable:
                 piece = full[info.offset : info.offset + info.numel]
                 total += piece.double().abs().pow(norm_type).sum()
         return total.pow(1.0 / norm_type).float()
 
-    def sharded_state_dict(self) -> dict[str, ShardView]:
-        """ShardViews of every parameter (tied ones once) and persistent buffer, aliasing the
-        live shards (copying into ``local`` loads in place)."""
-        return sharded_state_dict(self._units, self.module)
+    def sharded_state_dict(self) -> dict[str, _state_dict.ShardView]:
+        """ShardViews of every parameter (tied once) and persistent buffer, aliasing the shards."""
+        return _state_dict.sharded_state_dict(self._units, self.module)
 
     def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name, parameter-shaped state as ShardViews."""
-        return sharded_optim_state_dict(self._units, self._param_names(), optimizer)
+        return _state_dict.sharded_optim_state_dict(self._units, self._param_names(), optimizer)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -396,8 +368,7 @@ class FullyShardedDataParallel(nn.Module):
         ]
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds, by role (docs/engine.md, "Accounting");
-        ``optimizer_state_bytes`` only when ``optimizer`` is given."""
+        """Bytes this rank holds, by role (docs/engine.md, "Accounting")."""
         stats = {
             "sharded_param_bytes": sum(u.shard.nbytes for u in self._units),
             "sharded_grad_bytes": sum(
@@ -503,7 +474,7 @@ class FullyShardedDataParallel(nn.Module):
         ``optim_state_dict``: a state dict to convert instead of the live state. A collective."""
         wrapper = _wrappers_in(model, "optim_state_dict")[0]
         wrapper._require_idle("optim_state_dict()")
-        return _fsdp1.optim_state_dict(wrapper, optim, optim_state_dict)
+        return _state_dict.optim_state_dict(wrapper, optim, optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -523,7 +494,7 @@ class FullyShardedDataParallel(nn.Module):
             )
         wrapper = _wrappers_in(model, "optim_state_dict_to_load")[0]
         wrapper._require_idle("optim_state_dict_to_load()")
-        result = _fsdp1.optim_state_dict_to_load(wrapper, optim, optim_state_dict)
+        result = _state_dict.optim_state_dict_to_load(wrapper, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -538,12 +509,11 @@ class FullyShardedDataParallel(nn.Module):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        """Inside the block the modules hold full ``nn.Parameter``s, as in torch FSDP; in-place
-        edits are written back on exit. A collective."""
+        """Full ``nn.Parameter``s in the block, edits written back on exit, as in torch FSDP."""
         with contextlib.ExitStack() as stack:
             for wrapper in _wrappers_in(module, "summon_full_params"):
                 stack.enter_context(
-                    _fsdp1.summon_full_params(
+                    _state_dict.summon_full_params(
                         wrapper, recurse, writeback, rank0_only, offload_to_cpu, with_grads
                     )
                 )
@@ -555,24 +525,6 @@ class FullyShardedDataParallel(nn.Module):
             super().apply(fn)
         return self
 
-    # torch FSDP's deprecated optimizer-state APIs, each refused naming its replacement
-    full_optim_state_dict = _deprecated(
-        "full_optim_state_dict", "FSDP.optim_state_dict(model, optim)"
-    )
-    shard_full_optim_state_dict = _deprecated(
-        "shard_full_optim_state_dict", "FSDP.optim_state_dict_to_load"
-    )
-    scatter_full_optim_state_dict = _deprecated(
-        "scatter_full_optim_state_dict",
-        "FSDP.optim_state_dict_to_load under FullOptimStateDictConfig(rank0_only=True)",
-    )
-    flatten_sharded_optim_state_dict = _deprecated(
-        "flatten_sharded_optim_state_dict", "FSDP.optim_state_dict_to_load"
-    )
-    rekey_optim_state_dict = _deprecated(
-        "rekey_optim_state_dict", "FSDP.optim_state_dict (keyed by name)"
-    )
-
     def register_comm_hook(self, *args: Any, **kwargs: Any) -> None:
         """Not supported: ftsdp's collectives are fixed (see docs/engine.md)."""
         raise NotImplementedError(
@@ -583,6 +535,20 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+# torch FSDP's deprecated optimizer-state APIs, each refused naming its replacement
+for _name, _alternative in {
+    "full_optim_state_dict": "FSDP.optim_state_dict(model, optim)",
+    "shard_full_optim_state_dict": "FSDP.optim_state_dict_to_load",
+    "scatter_full_optim_state_dict": "FSDP.optim_state_dict_to_load under "
+    "FullOptimStateDictConfig(rank0_only=True)",
+    "flatten_sharded_optim_state_dict": "FSDP.optim_state_dict_to_load",
+    "rekey_optim_state_dict": "FSDP.optim_state_dict (keyed by name)",
+}.items():
+    setattr(FSDP, _name, _deprecated(_name, _alternative))
+# the FSDP arguments torch FSDP would hand each auto-wrapped unit
+_PER_UNIT = set(inspect.signature(FSDP).parameters).difference(
+    ("module", "auto_wrap_policy", "ignored_modules", "unsupported")
+)
 
 
 def _reject_wrapped(module: nn.Module) -> None:

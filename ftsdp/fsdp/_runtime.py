@@ -1,5 +1,5 @@
-"""The hooks that drive every unit through its lifecycle (docs/engine.md, "The unit
-lifecycle"); collectives run in autograd order, so every rank must run the same control flow."""
+"""The hooks driving every unit (docs/engine.md): collectives in autograd order, so every rank runs
+the same control flow."""
 
 from __future__ import annotations
 
@@ -40,20 +40,13 @@ def _cast_float(value: Any, dtype: torch.dtype) -> Any:
     return value.to(dtype) if floating else value
 
 
-def _inside_backward() -> bool:
-    """Whether autograd runs a backward on this thread now (recomputation does)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return True if task_id is None else task_id() != -1
-
-
 # HYBRID_SHARD is FULL_SHARD inside each shard group (the paper's hybrid), so it frees too.
 _FREE_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 @dataclasses.dataclass(slots=True)
 class _UnitRun:
-    """Per-backward bookkeeping of one unit; forward tickets: docs/engine.md, "The unit
-    lifecycle"."""
+    """Per-backward bookkeeping of one unit (forward tickets: docs/engine.md)."""
 
     wants_grad: bool = False  # a forward under grad mode used trainable parameters
     grad_seen: bool = False  # the leaf's gradient arrived in this backward
@@ -111,7 +104,8 @@ class Runtime:
 
     def _pre_forward_hook(self, unit: FlatParamUnit) -> Callable:
         def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if self.phase is Phase.BACKWARD and not _inside_backward():
+            # in backward, but autograd runs none on this thread (recomputation would be in one):
+            if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
                 self._abandon_backward()  # the last backward raised before it finished
             recomputing = self.phase is Phase.BACKWARD  # activation checkpointing
             if unit is self.root and not recomputing:
@@ -237,8 +231,7 @@ class Runtime:
             Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _pre_backward(self, unit: FlatParamUnit, ticket: int | None = None) -> None:
-        """Before the unit's backward: unshard it, and prefetch the next unit (before this
-        unit's reduce-scatter, which its gradient hook issues later)."""
+        """Before the unit's backward: unshard it, prefetch the next (before its reduce-scatter)."""
         self._ensure_callback()
         if ticket is not None:
             self._runs[id(unit)].active.add(ticket)
@@ -331,8 +324,7 @@ class Runtime:
         return [list(itertools.islice(values, len(mask))) for mask in masks]
 
     def _check_contribution_counts(self) -> None:
-        """Deterministic mode gathers equal numbers of micro-batch gradients from every rank;
-        each unit learns how many of them, over all ranks, are not padding (its divisor)."""
+        """Deterministic mode: each unit's non-padding contributions on all ranks (its divisor)."""
         if not any(u.deterministic for u in self.units):
             return
         counts = [n for u in self.units for n in u.contribution_counts()]

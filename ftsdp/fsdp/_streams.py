@@ -1,9 +1,6 @@
-"""Where a unit's collectives run relative to the computation that uses them.
-
-[Note: streams] One interface, two schedules (host work handles; CUDA side streams ordered by
-events): docs/engine.md, "Streams on CUDA". A unit must make every side-stream allocation
-inside ``issue``, after the side stream waited for the compute stream.
-"""
+"""Where a unit's collectives run relative to the computation that uses them. [Note: streams]
+host work handles, or CUDA side streams ordered by events (docs/engine.md, "Streams on CUDA"):
+a unit makes every side-stream allocation inside ``issue``, after the side stream waited."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ class HostSchedule:
 
 
 class StreamSchedule(HostSchedule):
-    """Dedicated gather and reduce streams ordered by events (CUDA). ``api``: the stream API
-    (``torch.cuda`` by default; tests pass a recording stand-in)."""
+    """Gather and reduce streams ordered by events (CUDA); ``api``: ``torch.cuda`` or a stand-in."""
 
     def __init__(
         self, device: torch.device, *, api: Any = None, limit_all_gathers: bool = True

@@ -1,15 +1,17 @@
-"""One unit: its FlatParameter, the shard this rank keeps, and the original-parameter views.
-
-SHARDED -> (GATHERING) -> UNSHARDED and back, both idempotent; why the views come from one
-split of a leaf aliasing the full buffer: docs/engine.md, "The unit lifecycle".
-"""
+"""One unit: its FlatParameter, this rank's shard, the original-parameter views; SHARDED ->
+(GATHERING) -> UNSHARDED and back, both idempotent (docs/engine.md, "The unit lifecycle"). Building
+a model's units: device, process groups, a meta model materialised unit by unit (docs/engine.md)."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ from torch import nn
 from ._collectives import (
     CommStats,
     all_gather_flat,
+    all_gather_objects,
     all_gather_rows,
     all_reduce_flat,
     broadcast_flat,
@@ -25,9 +28,18 @@ from ._collectives import (
     group_size,
     reduce_scatter_flat,
 )
-from ._common import Groups, UnitState
+from ._common import Groups, ShardingStrategy, UnitState
 from ._streams import HostSchedule, Waitable
 from ._wrap import UnitPlan
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # process_group=: one group, or (shard group, replicate group) for HYBRID_SHARD
+    ProcessGroups: TypeAlias = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup]
+
 
 STALE_ATTR = "_ftsdp_stale"  # set on original parameters once their values moved into a shard
 SHARDED_ATTR = "_ftsdp_sharded"  # set on the 1-D local-slice parameters the optimizer sees
@@ -116,21 +128,12 @@ class FlatParamUnit:
         self.dtype = dtypes.pop() if dtypes else torch.float32  # the master (shard) dtype
         self.param_dtype = options.param_dtype or self.dtype  # unsharded params, all-gather
         self.reduce_dtype = options.reduce_dtype or self.param_dtype
-        self.infos: list[ParamInfo] = []
-        offset = 0
-        for pp in plan.params:
-            self.infos.append(
-                ParamInfo(
-                    fqn=pp.fqn,
-                    refs=pp.refs,
-                    shape=pp.param.shape,
-                    offset=offset,
-                    numel=pp.param.numel(),
-                    requires_grad=pp.param.requires_grad,
-                )
-            )
-            offset += pp.param.numel()
-        self.numel = offset
+        offsets = itertools.accumulate((p.numel() for p in params), initial=0)
+        self.infos = [
+            ParamInfo(pp.fqn, pp.refs, p.shape, offset, p.numel(), p.requires_grad)
+            for pp, p, offset in zip(plan.params, params, offsets, strict=False)
+        ]
+        self.numel = sum(p.numel() for p in params)
         # right-padded to F equal shards: one flat collective per unit (docs/engine.md)
         self.shard_numel = math.ceil(self.numel / self.factor) if self.numel else 0
         self.padded_numel = self.shard_numel * self.factor
@@ -280,8 +283,7 @@ class FlatParamUnit:
         )
 
     def on_device(self, host: torch.Tensor, count: bool = False) -> torch.Tensor:
-        """A shard-side tensor on the compute device (under CPU offload a copy, counted in
-        ``comm_stats.copies`` when ``count``)."""
+        """``host`` on the compute device (under offload a copy, counted if ``count``)."""
         if not self.options.offload:
             return host
         if count:
@@ -324,8 +326,7 @@ class FlatParamUnit:
         self.state = UnitState.SHARDED
 
     def add_unsharded_grad(self, grad: torch.Tensor, padding: bool = False) -> None:
-        """Keep one backward's flat gradient until it is reduced (summed, unless deterministic);
-        a padding pass's counts as zeros."""
+        """Keep one backward's flat gradient until reduced (a padding pass's as zeros)."""
         if padding:
             grad.zero_()  # exact zeros: adding them changes no sum, whatever the loss was
         if self.deterministic:
@@ -388,8 +389,7 @@ class FlatParamUnit:
         self._pending.append((token, out, second_stage, (grad, cast)))
 
     def _reduce_deterministic(self) -> None:
-        """The mean of every rank's gradients in (rank, order) sequence, divided by the
-        non-padding ones (``real_rows``; padding rows are zeros): docs/engine.md."""
+        """The mean of every rank's gradients in (rank, order) sequence (docs/engine.md)."""
         mine = torch.stack(self._contributions)  # [k, padded_numel]
         groups = [g for g in (self.shard_group, self.replicate_group) if g is not None]
         self._contributions.clear()
@@ -425,8 +425,7 @@ class FlatParamUnit:
         self._pending.clear()
 
     def finish_reduction(self, used: list[bool]) -> None:
-        """Add the reduced gradients into the sharded gradient; parameters not ``used`` on
-        any rank keep ``grad=None``."""
+        """Add the reduced gradients in; a parameter no rank ``used`` keeps ``grad=None``."""
         self.complete_reductions()
         for out in self._reduced:
             self._accumulate_sharded_grad(out, used)
@@ -456,3 +455,182 @@ class FlatParamUnit:
         for i, info in trainable:
             if used[i] or info.sharded_param.grad is not None:
                 info.sharded_param.grad = new[info.shard_start : info.shard_start + info.length]
+
+
+def resolve_groups(
+    strategy: ShardingStrategy, process_group: ProcessGroups | None, device_mesh: DeviceMesh | None
+) -> Groups:
+    """Shard / replicate / world groups from ``process_group`` or a ``DeviceMesh``."""
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group= or device_mesh=, not both")
+        if device_mesh.ndim == 2:
+            if strategy is not ShardingStrategy.HYBRID_SHARD:
+                raise ValueError(
+                    f"a 2-D device_mesh means HYBRID_SHARD (replicate x shard); got "
+                    f"sharding_strategy={strategy.name}"
+                )
+            return Groups(device_mesh.get_group(1), device_mesh.get_group(0), dist.group.WORLD)
+        if device_mesh.ndim != 1:
+            raise ValueError(f"device_mesh must be 1-D or 2-D, got {device_mesh.ndim}-D")
+        process_group = device_mesh.get_group()
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if isinstance(process_group, tuple):
+            if len(process_group) != 2 or not all(
+                isinstance(g, dist.ProcessGroup) for g in process_group
+            ):
+                raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group)")
+            return Groups(process_group[0], process_group[1], dist.group.WORLD)
+        if process_group is not None:
+            raise ValueError(
+                "HYBRID_SHARD needs a 2-D device_mesh=, a (shard_group, replicate_group) "
+                "tuple, or nothing (shard within each node of LOCAL_WORLD_SIZE ranks)"
+            )
+        return _node_groups()
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise ValueError(
+            f"process_group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(process_group).__name__}"
+        )
+    if process_group is None and dist.is_initialized():
+        process_group = dist.group.WORLD
+    if strategy is ShardingStrategy.NO_SHARD:
+        return Groups(None, process_group, process_group)
+    return Groups(process_group, None, process_group)
+
+
+def _node_groups() -> Groups:
+    """HYBRID_SHARD's default: shard inside each node, replicate across nodes."""
+    if not dist.is_initialized():
+        raise ValueError("HYBRID_SHARD needs torch.distributed to be initialised")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local:
+        raise ValueError(f"HYBRID_SHARD: world size {world} is not a multiple of {local=}")
+    shard = replicate = None
+    for start in range(0, world, local):  # every rank creates every group, in order
+        group = dist.new_group(list(range(start, start + local)))
+        if start <= rank < start + local:
+            shard = group
+    for offset in range(local):
+        group = dist.new_group(list(range(offset, world, local)))
+        if rank % local == offset:
+            replicate = group
+    return Groups(shard, replicate, dist.group.WORLD)
+
+
+def resolve_device(module: nn.Module, device_id: int | torch.device | None) -> torch.device:
+    """The device the shards and compute live on."""
+    if device_id is None:
+        devices = {p.device for p in module.parameters() if not p.is_meta}
+        if len(devices) > 1:
+            raise ValueError(
+                f"the module's parameters are on several devices {sorted(map(str, devices))}; "
+                "pass device_id= or move the module to one device first"
+            )
+        return devices.pop() if devices else torch.device("cpu")
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+    if not isinstance(device, torch.device):
+        raise ValueError(f"device_id must be an int or a torch.device, got {device_id!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device_id={device_id!r} names a CUDA device, but CUDA is not available")
+    return device
+
+
+def check_same_structure(plans: list[UnitPlan], group: dist.ProcessGroup | None) -> None:
+    """Refuse a model that differs across ranks (it would hang a collective later)."""
+    if group_size(group) == 1:
+        return
+    mine = [
+        (
+            sum(pp.param.numel() for pp in plan.params),
+            sum(pp.param.numel() for pp in plan.params if pp.param.requires_grad),
+            sorted({str(pp.param.dtype) for pp in plan.params}),
+        )
+        for plan in plans
+    ]
+    everyone = all_gather_objects(mine, group)
+    differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
+    if differing:
+        raise ValueError(
+            "the wrapped model differs across ranks (per unit: parameter count, trainable "
+            f"count, dtypes): rank 0 has {everyone[0]}, "
+            + ", ".join(f"rank {r} has {everyone[r]}" for r in differing)
+            + "; build the same model on every rank before wrapping"
+        )
+
+
+def build_units(
+    module: nn.Module,
+    plans: list[UnitPlan],
+    options: UnitOptions,
+    groups: Groups,
+    stats: CommStats,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    gauge: MemoryGauge,
+    schedule: HostSchedule,
+) -> list[FlatParamUnit]:
+    """One FlatParamUnit per plan; a meta-device model is materialised unit by unit."""
+
+    def build(plan: UnitPlan) -> FlatParamUnit:
+        return FlatParamUnit(plan, options, groups, stats, gauge, schedule)
+
+    # Units are built as the modules() walk passes their last module; an eager model builds
+    # in the same order, so a meta-device rank and an eager one pair their broadcasts.
+    unit_of = {id(pp.param): i for i, plan in enumerate(plans) for pp in plan.params}
+    modules = list(module.modules())
+    # per module, the units holding its parameters (an ignored parameter has none)
+    owners = [
+        sorted({unit_of[id(p)] for p in m._parameters.values() if id(p) in unit_of})
+        for m in modules
+    ]
+    last_module = {u: index for index, us in enumerate(owners) for u in us}
+    order = sorted(last_module, key=lambda u: (last_module[u], u))
+    order += [u for u in range(len(plans)) if u not in last_module]
+    units: list[FlatParamUnit | None] = [None] * len(plans)
+    if any(pp.param.is_meta for plan in plans for pp in plan.params):
+        materialized: set[int] = set()
+        for index, m in enumerate(modules):
+            for u in owners[index]:
+                if u not in materialized:
+                    _materialize(plans[u], options.device)
+                    materialized.add(u)
+            _materialize_buffers(m, options.device)
+            if owners[index]:
+                with torch.no_grad():
+                    if param_init_fn is not None:
+                        param_init_fn(m)
+                    elif callable(reset := getattr(m, "reset_parameters", None)):
+                        reset()
+            for u in owners[index]:
+                if last_module[u] == index:
+                    units[u] = build(plans[u])
+    else:
+        # param_init_fn only initialises meta parameters (as in torch FSDP): rank 0 may hold
+        # real weights while the others build on meta and receive them by sync_module_states.
+        module.to(options.device)
+    for u in order:
+        if units[u] is None:
+            units[u] = build(plans[u])
+    return units  # type: ignore[return-value]
+
+
+def _materialize(plan: UnitPlan, device: torch.device) -> None:
+    """Allocate the plan's parameters on ``device`` (uninitialised), keeping ties."""
+    for pp in plan.params:
+        meta = pp.param
+        real = nn.Parameter(
+            torch.empty(meta.shape, dtype=meta.dtype, device=device),
+            requires_grad=meta.requires_grad,
+        )
+        for owner, name in pp.refs:
+            owner._parameters[name] = real
+        setattr(meta, STALE_ATTR, True)
+        pp.param = real
+
+
+def _materialize_buffers(module: nn.Module, device: torch.device) -> None:
+    """Meta buffers become zeros on ``device`` (``reset_parameters`` may fill them)."""
+    for name, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)

@@ -1,5 +1,4 @@
-"""Wrap planning: which modules become units, and which unit owns each parameter (torch's
-policies and shared parameters: docs/engine.md, "Units and the FlatParameter")."""
+"""Wrap planning: which modules become units and own which parameters (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class UnitPlan:
 
 @dataclass(frozen=True)
 class Ignored:
-    """Modules (with their descendants) and parameters no unit manages: whole on every rank,
-    gradients not reduced, as in torch FSDP."""
+    """Modules and parameters no unit manages: whole on every rank, not reduced (as torch)."""
 
     modules: frozenset[nn.Module] = frozenset()
     params: frozenset[nn.Parameter] = frozenset()
@@ -158,8 +156,7 @@ def torch_policy_targets(
 
 def _normal(key: str, value: Any) -> Any:
     """An FSDP argument in ftsdp's form, so torch's and ftsdp's spellings compare equal."""
-    from ._api import as_backward_prefetch
-    from ._common import ShardingStrategy, as_cpu_offload, as_mixed_precision
+    from ._common import ShardingStrategy, as_backward_prefetch, as_cpu_offload, as_mixed_precision
 
     convert = {
         "sharding_strategy": ShardingStrategy.parse,

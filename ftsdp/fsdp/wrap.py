@@ -1,7 +1,4 @@
-"""torch FSDP's wrap policies (torch's own objects), for ``from ftsdp.fsdp.wrap import ...``.
-
-``enable_wrap`` / ``wrap`` are not here: ftsdp has one wrapper per model (docs/migrating.md).
-"""
+"""torch FSDP's wrap policies (torch's own objects); no ``enable_wrap``/``wrap`` (docs/migrating.md)."""
 
 from __future__ import annotations
 

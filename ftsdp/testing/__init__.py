@@ -1,5 +1,4 @@
-"""ftsdp.testing: fault injection and the rank spawner; the product imports it only in the
-training entry, when ``FTSDP_FAULT`` is set (docs/design.md, "Import rules")."""
+"""ftsdp.testing: fault injection, rank spawner; the product imports it only under FTSDP_FAULT."""
 
 from ftsdp.testing._faults import EXIT_INJECTED, Fault, parse_faults
 from ftsdp.testing._hook import FaultHook, fault_hook_from_env

@@ -1,5 +1,4 @@
-"""Deterministic fault injection driven by ``FTSDP_FAULT``, fired at step boundaries (grammar
-and fault log: docs/elastic.md, "Fault injection"). Imports nothing else of ``ftsdp``."""
+"""Fault injection driven by ``FTSDP_FAULT`` (docs/elastic.md); imports nothing else of ftsdp."""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ def parse_faults(spec: str) -> list[Fault]:
 
 
 def log_fault(fault: Fault, rank: int, incarnation: str = "", **extra: object) -> None:
-    """Record the fault in ``FTSDP_FAULT_LOG`` and on the log before it fires (``incarnation``
-    tells restarts apart)."""
+    """Record the fault in ``FTSDP_FAULT_LOG`` and on the log before it fires."""
     record = {
         "event": "fault",
         "kind": fault.kind,
@@ -95,36 +93,30 @@ def log_fault(fault: Fault, rank: int, incarnation: str = "", **extra: object) -
             os.fsync(f.fileno())
 
 
+def _parent(pid: int) -> int | None:
+    """The parent of ``pid`` (Linux /proc; None: unreadable)."""
+    with (
+        contextlib.suppress(OSError, IndexError, ValueError),
+        open(f"/proc/{pid}/stat", encoding="ascii") as f,
+    ):
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # field 4: ppid
+    return None
+
+
 def _children(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with (
-            contextlib.suppress(OSError, IndexError, ValueError),
-            open(f"/proc/{entry}/stat", encoding="ascii") as f,
-        ):
-            if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:  # field 4: ppid
-                out.append(int(entry))
-    return out
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _parent(int(e)) == pid]
 
 
 _AGENTS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "ftsdp.launch")
 
 
 def is_agent(pid: int | None) -> bool:
-    """Whether ``pid`` is the torchrun agent or ``ftsdp.launch`` that started this worker: this
-    process's parent (its grandparent under the launcher's fork server), running one of those.
-    Faults that signal the agent act only then: outside them the parent is e.g. a shell."""
+    """Whether ``pid`` is the torchrun agent or ``ftsdp.launch`` that started this worker
+    (parent, or grandparent under a fork server): faults that signal the agent act only then."""
     if pid is None or pid <= 1:
         return False
-    ancestors = {os.getppid()}
-    with (
-        contextlib.suppress(OSError, IndexError, ValueError),
-        open(f"/proc/{os.getppid()}/stat", encoding="ascii") as f,
-    ):
-        ancestors.add(int(f.read().rsplit(")", 1)[1].split()[1]))  # field 4: ppid
+    ancestors = {os.getppid(), _parent(os.getppid())}
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
@@ -143,18 +135,14 @@ def applicable(faults: list[Fault], rank: int, restart_count: int) -> list[Fault
 
 
 def fire(fault: Fault, rank: int, incarnation: str = "", agent: int | None = None) -> None:
-    """Log ``fault``, then do it to this process (a step-boundary fault, not crash_in_save);
-    ``agent``: the pid of the torchrun agent or launcher, the target of ``kill_node`` and
-    ``target=agent``, which are refused (logged, not done) unless :func:`is_agent`."""
+    """Log ``fault``, then do it (a step-boundary fault); one signalling ``agent`` (the launcher's
+    pid) is refused unless :func:`is_agent`."""
     if fault.kind == "crash_in_save":
         raise ValueError("crash_in_save fires inside a checkpoint write (faulty://), not here")
     if (fault.kind == "kill_node" or fault.target == "agent") and not is_agent(agent):
         logger.error(
-            "ftsdp: refusing fault %s on rank %d: it signals the agent, and this process was "
-            "not started by torchrun or ftsdp.launch (parent pid %d)",
-            fault.describe(),
-            rank,
-            os.getppid(),
+            f"ftsdp: refusing fault {fault.describe()} on rank {rank}: it signals the agent, and "
+            f"this process was not started by torchrun or ftsdp.launch (parent pid {os.getppid()})"
         )
         return
     log_fault(fault, rank, incarnation)

@@ -1,6 +1,5 @@
-"""``faulty://``: the local filesystem with atomic object writes (absent or whole, as on an
-object store) that ``os._exit``s where an armed ``crash_in_save`` fault says: ``after_data``
-(n=K: this rank's K-th data object is durable), ``before_manifest``, ``before_latest``."""
+"""``faulty://``: local files written atomically (as on an object store), crashing where an armed
+``crash_in_save`` fault says (``after_data`` n=K, ``before_manifest``, ``before_latest``)."""
 
 from __future__ import annotations
 
@@ -108,9 +107,7 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         path = self._strip_protocol(path)
-        if "w" in mode:
-            return _Writer(self, path)
-        return self._local._open(path, mode)
+        return _Writer(self, path) if "w" in mode else self._local._open(path, mode)
 
     def _commit(self, path: str, data: bytes) -> None:
         manifest = _MANIFEST.search(path)

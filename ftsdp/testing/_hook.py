@@ -1,5 +1,4 @@
-"""The fault suite's step hook (the trainer's ``StepHook`` by shape alone): ``FTSDP_FAULT``
-faults at step boundaries, crash_in_save faults armed on the checkpoint URL."""
+"""The fault suite's step hook (the trainer's ``StepHook`` by shape alone)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 class FaultHook:
-    """The faults that apply to this rank and restart count, fired where the loop calls in;
-    ``agent``: the pid of the torchrun agent or launcher that started this worker (None: none)."""
+    """The faults of this rank and restart, fired where the loop calls in (``agent``: its pid)."""
 
     def __init__(
         self,
@@ -34,9 +32,7 @@ class FaultHook:
     def checkpoint_url(self, url: str) -> str:
         """``url`` rewritten to the faulty filesystem when a crash_in_save fault applies here."""
         saves = [f for f in self.faults if f.kind == "crash_in_save"]
-        if not saves:
-            return url
-        return _faulty_fs.arm(url, saves, self.rank, self.incarnation)
+        return _faulty_fs.arm(url, saves, self.rank, self.incarnation) if saves else url
 
     def at_step_end(self, step: int) -> None:
         """Fire the ``before_save`` faults of ``step``."""
@@ -47,8 +43,7 @@ class FaultHook:
         self._fire(step, "after_save")
 
     def needs_commit(self, step: int) -> bool:
-        """Whether an ``after_commit`` fault of ``step`` applies (the loop then waits for the
-        save in flight to commit and calls :meth:`after_commit`)."""
+        """Whether an ``after_commit`` fault of ``step`` applies (the loop then waits)."""
         return any(f.step == step and f.when == "after_commit" for f in self.faults)
 
     def after_commit(self, step: int) -> None:
@@ -82,11 +77,8 @@ def fault_hook_from_env(
     )
     if spec:
         logger.warning(
-            "ftsdp (rank %d): fault injection armed by FTSDP_FAULT=%r (%d fault(s) for this rank)"
-            "; unset it outside the fault suite",
-            rank,
-            spec,
-            len(hook.faults),
+            f"ftsdp (rank {rank}): fault injection armed by FTSDP_FAULT={spec!r} "
+            f"({len(hook.faults)} fault(s) for this rank); unset it outside the fault suite"
         )
         if any(f.kind == "kill_node" or f.target == "agent" for f in hook.faults) and not is_agent(
             agent

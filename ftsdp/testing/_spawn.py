@@ -1,5 +1,4 @@
-"""The one rank spawner of the tests and the benchmarks (``run_ranks``); the parent never
-imports torch."""
+"""The one rank spawner of the tests and the benchmarks; the parent never imports torch."""
 
 from __future__ import annotations
 
@@ -34,18 +33,8 @@ def _resolve(target: str | bytes) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _rank_entry(
-    rank: int,
-    world_size: int,
-    port: int,
-    backend: str,
-    timeout: float,
-    threads: int,
-    env: dict[str, str],
-    target: str | bytes,
-    args: bytes,
-    results: Any,
-) -> None:
+def _rank_entry(rank: int, world_size: int, spec: tuple[Any, ...]) -> None:
+    port, backend, timeout, threads, env, target, args, results = spec
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -85,23 +74,18 @@ def run_ranks(
     threads: int = 1,
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh ranks, each with a process
-    group; their results (pickled) in rank order. A rank that fails or stays silent past
-    ``timeout`` raises ``RuntimeError`` with tracebacks or exit codes; ranks are always reaped.
-
-    ``fn``: a picklable callable, or ``"module:function"`` (resolved in each rank).
-    ``backend``: of the process group (``"nccl"`` for GPU ranks; ``LOCAL_RANK`` is the rank).
-    ``timeout``: seconds for the whole run, and the process group's timeout.
-    ``threads``: ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` in each rank.
-    ``env``: more environment variables for the ranks (set last: they may override).
-    """
+    """``fn(rank, world_size, *args)`` (a picklable callable or ``"module:function"``) on fresh
+    ranks with a ``backend`` process group (``LOCAL_RANK`` = rank); their results in rank order.
+    ``timeout``: seconds for the run and the group; ``threads``: each rank's torch threads;
+    ``env``: set last in each rank. A rank that fails or stays silent raises ``RuntimeError``
+    (tracebacks, exit codes); ranks are always reaped."""
     target = fn if isinstance(fn, str) else pickle.dumps(fn)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     spec = (port, backend, timeout, threads, dict(env or {}), target, pickle.dumps(args), results)
     procs = [
-        ctx.Process(target=_rank_entry, args=(r, world_size, *spec), name=f"rank{r}")
+        ctx.Process(target=_rank_entry, args=(r, world_size, spec), name=f"rank{r}")
         for r in range(world_size)
     ]
     got: dict[int, Any] = {}

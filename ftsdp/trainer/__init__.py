@@ -1,5 +1,4 @@
-"""ftsdp.trainer: the engine, the rank manager and storage composed into the training job that
-``python -m ftsdp.train`` runs (docs/training.md; docs/elastic.md, "The training entry")."""
+"""ftsdp.trainer: the training job ``python -m ftsdp.train`` runs (docs/training.md)."""
 
 import warnings
 from typing import Any

@@ -1,6 +1,5 @@
-"""The training entry's configuration: every field of :class:`TrainConfig` is a flag
-(``n_layer`` -> ``--n-layer``, also ``--n_layer``) whose type, default and help come from the
-field, so the two never drift; ``--config FILE.toml`` sets flags (docs/training.md)."""
+"""The training entry's configuration: each :class:`TrainConfig` field is a flag (``--n-layer``,
+also ``--n_layer``) with the field's type, default and help; ``--config FILE.toml`` sets flags."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ def redact_url(value: str) -> str:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed ``--model``: ``kind`` is ``gpt``, ``hf`` (``arg``: the directory) or ``py``
-    (``arg``: ``MODULE:FUNCTION``)."""
+    """A parsed ``--model``: ``kind`` gpt, hf (``arg``: DIR) or py (``arg``: MODULE:FUNCTION)."""
 
     kind: str
     arg: str = ""
@@ -203,13 +201,8 @@ class TrainConfig:
                 )
         for name in ("global_batch", "micro_batch", "steps", "log_every", "keep_last"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in (
-            "checkpoint_every",
-            "memory_every",
-            "checkpoint_every_s",
-            "heartbeat_timeout_s",
-            "progress_timeout_s",
-        ):
+        periods = ("checkpoint_every", "memory_every", "checkpoint_every_s")
+        for name in (*periods, "heartbeat_timeout_s", "progress_timeout_s"):
             need(getattr(self, name) >= 0, name, "must be >= 0 (0 disables it)")
         for name in ("pg_timeout_s", "preempt_grace_s", "lr"):
             need(getattr(self, name) > 0, name, "must be > 0")
@@ -355,9 +348,8 @@ def _read_toml(path: str) -> dict[str, typing.Any]:
 
 
 def config_defaults(path: str) -> dict[str, typing.Any]:
-    """The fields set by the TOML file at ``path``: ``{field name: value}``, its keys being flag
-    names (``global-batch`` or ``global_batch``). Unknown keys and values of the wrong type raise
-    ValueError naming them."""
+    """``{field name: value}`` set by the TOML file at ``path`` (keys: flag names, ``-`` or
+    ``_``); ValueError naming unknown keys and values of the wrong type."""
     table = _read_toml(path)
     hints = typing.get_type_hints(TrainConfig)
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -373,14 +365,9 @@ def config_defaults(path: str) -> dict[str, typing.Any]:
         if name in values:
             raise ValueError(f"--config {path}: {name} is set twice (as - and _ spellings)")
         kind = _flag_type(hints[name])
-        ok = (
-            isinstance(value, bool)
-            if kind is bool
-            else isinstance(value, (int, float)) and not isinstance(value, bool)
-            if kind is float
-            else isinstance(value, kind) and not isinstance(value, bool)
-        )
-        if not ok:
+        # a bool is an int to isinstance: only a bool field takes one; a float field takes an int
+        allowed = (int, float) if kind is float else kind
+        if not isinstance(value, allowed) or isinstance(value, bool) != (kind is bool):
             raise ValueError(
                 f"--config {path}: {key} = {value!r} must be a TOML {kind.__name__}"
                 + (" (a quoted string)" if kind is str else "")
@@ -394,8 +381,7 @@ def config_defaults(path: str) -> dict[str, typing.Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """CLI (and ``--config FILE.toml``) -> validated :class:`TrainConfig`; a bad value exits with
-    argparse's usage error (status 2)."""
+    """CLI and ``--config`` -> a validated :class:`TrainConfig`; a bad value exits 2."""
     parser = build_parser()
     argv = normalise_flags(sys.argv[1:] if argv is None else list(argv), parser)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)

@@ -1,5 +1,4 @@
-"""What the main job trains on (``--data``): the synthetic language, a token file or a text file,
-and what a checkpoint records about it (docs/training.md, "--data")."""
+"""What the main job trains on (``--data``) and its record (docs/training.md, "--data")."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def head_sha256(path: str | os.PathLike) -> str:
 
 
 def open_data(cfg: TrainConfig) -> Data:
-    """``cfg.data`` opened: see the module docstring. Raises :class:`JobError` for a missing or
-    unusable file."""
+    """``cfg.data`` opened; :class:`JobError` for a missing or unusable file."""
     if cfg.data == MARKOV:
         markov = MarkovDataset(cfg.vocab_size, cfg.block_size, seed=cfg.seed)
         return Data(

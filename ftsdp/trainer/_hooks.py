@@ -1,5 +1,4 @@
-"""The training loop's step hook, satisfied by its shape so that ``ftsdp.testing`` needs nothing
-of the trainer (docs/elastic.md, "Fault injection")."""
+"""The step hook, satisfied by shape: ``ftsdp.testing`` needs nothing of the trainer."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ class StepHook(Protocol):
 
 
 class HookFactory(Protocol):
-    """Makes the hook of one worker once its rank, restart count and incarnation are known;
-    ``agent``: the pid of the torchrun agent that started it (``RankManager.agent``), or None."""
+    """Makes a worker's hook from its rank, restart count, incarnation and ``agent`` pid."""
 
     def __call__(
         self, *, rank: int, restart_count: int, incarnation: str, agent: int | None

@@ -1,5 +1,4 @@
-"""What one training run works on, made by :func:`build` inside an open session, in the phases
-docs/training.md lists ("What a checkpoint records, and resuming another run")."""
+"""What one training run works on, made by :func:`build` in an open session (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import torch
 import ftsdp
 from ftsdp import storage
 from ftsdp.checkpoint._manager import CheckpointManager
-from ftsdp.checkpoint._memory import root_problem
+from ftsdp.checkpoint._tiers import root_problem
 from ftsdp.elastic import BatchGeometry, GlobalSampler, RankManager
 from ftsdp.examples.data import MarkovDataset, TokenDataset
 from ftsdp.examples.gpt import param_groups
@@ -37,8 +36,7 @@ from ftsdp.trainer._models import (
     plan_model,
 )
 from ftsdp.trainer._records import SavedRun, mismatch, peek, refusal
-from ftsdp.trainer._session import Session
-from ftsdp.trainer._tensorboard import open_tensorboard
+from ftsdp.trainer._session import Session, open_tensorboard
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,9 +96,8 @@ class Job:
 
 
 def on_every_rank(rm: RankManager, fn: Callable[[], T]) -> T:
-    """``fn()`` on every rank; when it raises :class:`JobError` on any rank, every rank raises
-    (instead of the others waiting in the next collective). Only rank 0 reports an error it met
-    itself (the others presumably met the same); a rank that alone met one reports it."""
+    """``fn()`` on every rank; a :class:`JobError` on any rank is raised on every rank (rank 0
+    reports one it met, a rank alone in meeting one reports it)."""
     error: JobError | None = None
     result: Any = None
     try:
@@ -119,11 +116,8 @@ def on_every_rank(rm: RankManager, fn: Callable[[], T]) -> T:
 
 
 def memory_root(cfg: TrainConfig, url: str) -> str:
-    """``--memory-url``, else ``/dev/shm/ftsdp-<uid>-<16 hex digits of the checkpoint root's
-    hash>``: the same for every incarnation of the job, different for another checkpoint root or
-    another user (whose root this one could not use: it must be the user's own, mode 0700). A
-    local root is hashed as an absolute path: ``./ckpt`` of two jobs in two folders are two
-    roots."""
+    """``--memory-url``, else ``/dev/shm/ftsdp-<uid>-<16 hex of the checkpoint root's hash>``:
+    the same for every incarnation, other for another root (local: its absolute path) or user."""
     if cfg.memory_url:
         return cfg.memory_url
     path = url[len("file://") :] if url.startswith("file://") else url
@@ -135,10 +129,8 @@ def memory_root(cfg: TrainConfig, url: str) -> str:
 def drop_another_runs_memory(
     root: str, cfg: TrainConfig, model: dict[str, Any], data: dict[str, Any], rm: RankManager
 ) -> None:
-    """Clear the memory tier at ``root`` when its newest step is another run's (a job killed before
-    its first durable save, restarted with other flags): left there, every restart's resume would
-    load it and refuse it. Collective (rank 0 reads and clears); a root that is not this user's
-    private directory on some rank is left alone (the memory tier then turns itself off)."""
+    """Clear the memory tier at ``root`` when its newest step is another run's (else every resume
+    refuses it); collective; a root not private to this user on some rank is left alone."""
     if any(rm.agree_any(root_problem(root) is not None)):
         return
     saved = peek(root, rank=rm.rank, world_size=rm.world_size)
@@ -160,9 +152,8 @@ def drop_another_runs_memory(
 
 
 def build(cfg: TrainConfig, session: Session) -> Job:
-    """Data, the model (checked against the checkpoint root first), wrapped; its optimizer
-    (after wrapping) and schedule, the checkpoints. Collective; a :class:`JobError` on any rank
-    is raised on every rank."""
+    """Data, the model (checked against the checkpoint root first), wrapped, its optimizer and
+    schedule, the checkpoints; collective: a :class:`JobError` on any rank is raised on all."""
     rm = session.rm
     geometry = cfg.geometry(rm.world_size)
     logdir = cfg.tensorboard  # rank 0 writes; a missing package stops every rank
@@ -238,8 +229,7 @@ def _check_saved_run(
     model: dict[str, Any],
     data: dict[str, Any],
 ) -> SavedRun | None:
-    """The newest committed step's trainer values under ``url`` (None: none); JobError when
-    they are another run's. Clears a memory tier holding another run's steps."""
+    """The newest committed trainer values (JobError: another run's); clears a stale memory tier."""
     if url is None or cfg.checkpoint_url is None:
         return None
     saved = peek(url, storage_options=storage_options, rank=rm.rank, world_size=rm.world_size)
@@ -260,8 +250,7 @@ def _make_model(
     saved: SavedRun | None,
     storage_options: dict[str, Any] | None,
 ) -> BuiltModel:
-    """The unwrapped model, the same on every rank, checked against the data and the flags;
-    ``--init-from``'s weights loaded unless resuming."""
+    """The unwrapped model (same on every rank), checked; ``--init-from`` unless resuming."""
     torch.manual_seed(cfg.seed)  # same init on every rank
     built = build_model(cfg, plan)
     module = built.module

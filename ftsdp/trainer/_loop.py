@@ -1,6 +1,5 @@
-"""The training entry's step loop: resume, gradient accumulation, the step boundary, and rank 0's
-log lines. At every step boundary the ranks agree (one collective) on "a rank was preempted" and
-"a time-based checkpoint is due", so all take the same decision at the same step."""
+"""The training entry's step loop; at every step boundary the ranks agree (one collective) on
+"a rank was preempted" and "a time-based save is due", so all decide alike at the same step."""
 
 from __future__ import annotations
 
@@ -41,10 +40,8 @@ class Outcome:
 
 
 def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any]) -> int | None:
-    """Load the newest usable checkpoint into the job and ``trainer``, log it, and return its
-    step (None: none). The template has exactly the trainer keys the newest step saved (one
-    without ``model``/``data`` records, or with a grad scaler's state, still loads); what it
-    recorded is checked again, in case the resume fell back to an older step."""
+    """Load the newest usable checkpoint (its trainer keys as saved), log it, return its step
+    (None: none); its records are checked again, as the resume may have fallen back."""
     rm, log, ckpt = session.rm, session.log, job.ckpt
     assert ckpt is not None
     template: dict[str, Any] = (
@@ -104,9 +101,8 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
 def _step(
     job: Job, rm: RankManager, cursor: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step: this rank's share of the step's micro-batches, then padding passes
-    up to ``accum_steps`` (every rank runs as many; see ``FSDP.padding()``). Returns the
-    (accum_steps,) losses, zero for padding passes, and the gradient norm."""
+    """One optimizer step: this rank's micro-batches, then padding passes up to ``accum_steps``
+    (``FSDP.padding()``); the (accum_steps,) losses (padding's zero) and the gradient norm."""
     g = job.geometry
     share, passes = g.share(rm.rank), g.accum_steps
     losses = torch.zeros(passes, dtype=torch.float64, device=rm.device)  # no host syncs
@@ -311,8 +307,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
 
 
 def peer_lost(error: BaseException) -> bool:
-    """Whether ``error`` is a collective failing because another rank's process died (gloo:
-    ``Connection closed/reset by peer``), not a bug of this rank."""
+    """Whether ``error`` is a collective failing because another rank's process died (gloo)."""
     text = str(error)
     return isinstance(error, dist.DistNetworkError) or (
         isinstance(error, RuntimeError) and any(p in text for p in _PEER_LOST)
@@ -320,10 +315,8 @@ def peer_lost(error: BaseException) -> bool:
 
 
 def _peer_lost(session: Session, job: Job, error: BaseException) -> int:
-    """One line instead of the collective's traceback: what happened, and where the restart
-    (torchrun's, on this non-zero exit) resumes from. Nothing more is saved: a save needs every
-    rank. A peer that left because the agent is gone means this rank is orphaned too: it says
-    so instead, and exits."""
+    """One line instead of the traceback: what happened, where torchrun's restart resumes from
+    (nothing is saved: a save needs every rank); an orphaned rank says so instead and exits."""
     session.rm.exit_if_orphaned()
     session.preempt.cannot_save("a peer process was lost")
     session.rm.close(barrier=False)  # now, without the barrier: the peer will never reach it
@@ -368,9 +361,8 @@ def _log_phases(session: Session, resumed_from: int | None) -> None:
 
 
 def _window_loss(rm: RankManager, g: BatchGeometry, window: list[torch.Tensor]) -> float:
-    """The window's mean loss over every micro-batch of every rank, summed in the global
-    micro-batch order (rank-major, padding passes left out), so it is bitwise the same at any
-    world size."""
+    """The window's mean loss over every rank's micro-batches (padding left out), summed in the
+    global micro-batch order: bitwise the same at any world size."""
     local = torch.stack(window)  # (steps, accum_steps) float64, on the device
     if rm.world_size > 1:
         gathered = [torch.empty_like(local) for _ in range(rm.world_size)]

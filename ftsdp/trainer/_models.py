@@ -1,5 +1,4 @@
-"""What the main job trains (``--model``), its loss adapter ``loss(model, x, y)`` -> the mean
-next-token cross-entropy (0-dim; ``model`` wrapped), and ``--init-from`` (docs/training.md)."""
+"""What the main job trains (``--model``), its loss adapter, ``--init-from`` (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -140,8 +139,7 @@ def hf_config_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 @dataclass
 class ModelPlan:
-    """What ``--model`` names, resolved without building the weights: its record for the
-    checkpoint (``trainer.model``) and, for ``hf:``, the ``transformers`` config."""
+    """``--model`` resolved without weights: its record (``trainer.model``), an ``hf:`` config."""
 
     spec: ModelSpec
     record: dict[str, Any]
@@ -158,8 +156,7 @@ class BuiltModel:
 
 
 def plan_model(cfg: TrainConfig) -> ModelPlan:
-    """Resolve ``cfg.model`` (cheap: reads an ``hf:`` directory's config.json). JobError when
-    it cannot be."""
+    """Resolve ``cfg.model`` cheaply (an ``hf:`` config.json); JobError when it cannot be."""
     spec = ModelSpec.parse(cfg.model)
     record: dict[str, Any] = {"spec": cfg.model, "hf_config": None, "tokenizer_dir": None}
     if spec.kind != "hf":
@@ -241,9 +238,8 @@ def _few(names: list[str], n: int = 3) -> str:
 def init_weights(
     module: nn.Module, url: str, *, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """Fill ``module``'s parameters and persistent buffers from the checkpoint at ``url`` (any
-    format ``ftsdp-ckpt`` reads), its names bare or under ``model.``, all or nothing. Returns a
-    one-line description; :class:`JobError` when it cannot load or does not match."""
+    """Fill ``module`` from the checkpoint at ``url`` (any format ``ftsdp-ckpt`` reads; names bare
+    or under ``model.``), all or nothing; a one-line description, :class:`JobError` if it cannot."""
     try:
         with storage.LazyStateDict(url, storage_options=storage_options) as src:
             fmt, step = src.format, src.step

@@ -1,7 +1,4 @@
-"""Where a worker's time goes from its process start to its first step: the ``phases`` record.
-
-A phase is named after the mark that ends it and lasts from the previous mark present
-(:data:`PHASES`); the marks and the record: docs/elastic.md, "Recovery time"."""
+"""The ``phases`` record: process start to first step (docs/elastic.md, "Recovery time")."""
 
 from __future__ import annotations
 
@@ -27,9 +24,8 @@ MARKS = ("process_start", *(mark for _, mark in PHASES))
 
 
 def process_start_time() -> float | None:
-    """The wall time this process started, from the kernel (``/proc/self/stat``'s start time in
-    clock ticks since boot, plus the wall time of the boot); None where that is not available.
-    Resolution: one clock tick (10 ms on Linux)."""
+    """This process's start (wall time) from ``/proc/self/stat`` and the boot time, to one clock
+    tick; None where that is not available."""
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces

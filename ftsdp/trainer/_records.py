@@ -1,7 +1,4 @@
-"""What a checkpoint of the main job records about what was trained, and the check that a resume
-continues the same run (docs/training.md, "What a checkpoint records"). ``trainer.model`` and
-``trainer.data`` are JSON strings: storage flattens nested mappings into dotted names, and a
-resume must match the saved names exactly."""
+"""What a checkpoint records of the run, and the same-run check on resume (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -88,8 +85,7 @@ def peek(
 def mismatch(
     saved: SavedRun, cfg: TrainConfig, model: dict[str, Any], data: dict[str, Any]
 ) -> list[str]:
-    """How the run saved in ``saved`` differs from this one (``model``/``data``: this run's
-    records): ``["what: saved -> now", ...]``, empty when it is the same run."""
+    """How the saved run differs from this one: ``["what: saved -> now", ...]``."""
     diffs: list[str] = []
     old_model, old_data, old_cfg = saved.record("model"), saved.record("data"), saved.config()
     old_kind = _kind(old_model.get("spec"))

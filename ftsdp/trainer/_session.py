@@ -1,5 +1,4 @@
-"""The elastic runtime around one worker: rank manager, logs, step hook, signals, watchdog,
-ledger, opened in order and closed in reverse (docs/elastic.md, "The training entry")."""
+"""One worker's runtime, opened in order and closed in reverse (docs/elastic.md)."""
 
 from __future__ import annotations
 
@@ -11,20 +10,76 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import IO, Any
 
 from ftsdp import storage
 from ftsdp.elastic import PreemptionHandler, RankManager, Watchdog
 from ftsdp.trainer._config import TrainConfig
+from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._hooks import HookFactory, NoStepHook, StepHook
 from ftsdp.trainer._phases import Phases
-from ftsdp.trainer._tensorboard import TensorBoardScalars
 
 logger = logging.getLogger(__name__)
 progress = logging.getLogger("ftsdp.train")  # the entry's lines: progress, events, errors
 
 FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
+# --tensorboard: which fields of which records become which scalars
+TAGS: dict[str, dict[str, str]] = {
+    "step": {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "tokens_per_s": "perf/tokens_per_s",
+        "s_per_step": "perf/s_per_step",
+        "world_size": "elastic/world_size",
+        "restarts": "elastic/restarts",
+    },
+    "checkpoint": {"blocking_s": "checkpoint/blocking_s"},
+    "resume": {"seconds": "elastic/resume_s", "world_size": "elastic/world_size"},
+}
+INSTALL = "pip install 'ftsdp[tensorboard]' (or pip install tensorboard)"
+
+
+class TensorBoardScalars:
+    """``--tensorboard DIR``: a ``SummaryWriter`` fed rank 0's metrics records, flushed as each is
+    written, so a SIGKILL loses nothing it logged (docs/report.md, "TensorBoard")."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def record(self, record: dict[str, Any]) -> None:
+        """Write the record's scalars (:data:`TAGS`); other records are ignored."""
+        event, step, when = record.get("event", ""), record.get("step"), record.get("time")
+        if not isinstance(step, int):
+            return
+        wrote = False
+        for key, tag in TAGS.get(event, {}).items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tag, float(value), global_step=step, walltime=when)
+                wrote = True
+        if event == "preempted":
+            self.writer.add_scalar("elastic/preempted", 1.0, global_step=step, walltime=when)
+            wrote = True
+        if wrote:
+            self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_tensorboard(logdir: str) -> TensorBoardScalars:
+    """A writer into ``logdir``; :class:`JobError` naming the install if tensorboard is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise JobError(f"--tensorboard {logdir} needs the tensorboard package: {INSTALL}") from None
+    try:
+        writer = SummaryWriter(log_dir=logdir)
+    except OSError as e:
+        raise JobError(f"--tensorboard {logdir}: cannot write there: {e.strerror or e}") from None
+    logger.info("TensorBoard scalars in %s (tensorboard --logdir %s)", logdir, logdir)
+    return TensorBoardScalars(writer)
 
 
 class ConsoleHandler(logging.StreamHandler):
@@ -86,8 +141,7 @@ class MetricsLog:
     def event(
         self, record: dict[str, Any], line: str | None = None, level: int = logging.WARNING
     ) -> None:
-        """A record from any rank (stamped with rank and wall time); ``line`` is logged at
-        ``level`` (default WARNING: shown on stderr by every rank)."""
+        """A record from any rank (rank and time stamped); ``line`` logged at ``level``."""
         if line:
             progress.log(level, "%s", line)
         self._append({**record, "rank": self.rank, "time": time.time()})
@@ -151,13 +205,8 @@ def _close_after(error: BaseException, close: Callable[[], None], what: str) -> 
     try:
         close()
     except BaseException as closing:
-        logger.warning(
-            "%s after %s also failed: %s: %s",
-            what,
-            type(error).__name__,
-            type(closing).__name__,
-            closing,
-        )
+        failed = f"{type(closing).__name__}: {closing}"
+        logger.warning(f"{what} after {type(error).__name__} also failed: {failed}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,12 +304,7 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is None:
             self.close()
             return

@@ -1,21 +1,178 @@
-"""The memory tier: a node-local cache of the newest steps in host shared memory
-(docs/elastic.md, "A memory tier" and "The memory tier on several machines"), in a root only this
-user can reach (docs/format.md, "On a shared machine")."""
+"""The durable root and the memory tier, a private node-local cache (docs/elastic.md, "Tiers")."""
 
 from __future__ import annotations
 
 import os
 import socket
 import stat
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ftsdp import storage
-from ftsdp.checkpoint._tier import Tier
+from ftsdp.storage.io import all_reduce_max, broadcast_json, rank_world, resolve_group
 
 NODE_ENV = "FTSDP_NODE"  # overrides _machine(): e.g. to simulate several nodes on one machine
+
+
+class Group:
+    """The manager's process group (None: the default) and its agreements (JSON collectives)."""
+
+    def __init__(self, process_group: Any) -> None:
+        self.pg = process_group
+
+    def rank_world(self) -> tuple[int, int]:
+        """This rank and the world size (0, 1 without torch.distributed)."""
+        return rank_world(resolve_group(self.pg))
+
+    def from_rank0(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` (JSON-able, must not raise) on rank 0, its result on every rank."""
+        group = resolve_group(self.pg)
+        return broadcast_json(compute() if self.rank_world()[0] == 0 else None, group)
+
+    def agree(self, code: int) -> int:
+        """The largest ``code`` of every rank."""
+        return all_reduce_max([code], resolve_group(self.pg))[0]
+
+
+class Tier:
+    """One storage root: its saves (one in flight at a time), its committed steps, its loads."""
+
+    cache = False  # True: errors are logged, never raised, and its steps never fatal
+    name = "the checkpoint root"
+
+    def __init__(
+        self,
+        url: str,
+        group: Group,
+        log: Callable[[str], None],
+        *,
+        keep_last: int | None,
+        keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        options: storage.SaveOptions | None = None,
+    ) -> None:
+        self.url, self.group, self.log = url, group, log
+        self.keep_last, self.keep_every = keep_last, keep_every  # retention after each commit
+        self.storage_options, self.options = storage_options, options
+        self.pending: storage.SaveHandle | None = None  # kept even when done: errors surface
+        self.discard_newer = False  # the next save starts a new timeline here
+        self.newest: int | None = None  # the newest step known to be committed here
+
+    def values(self) -> dict[str, Any]:
+        """JSON values this tier saves beside the manager's state (and loads back)."""
+        return {}
+
+    def foreign(self, step: int, values: dict[str, Any], durable: list[int]) -> str | None:
+        """Why ``step`` (with its manifest's ``values``) is not this run's; None: it is (rank 0)."""
+        return None
+
+    def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:
+        """Start saving ``state`` as ``step`` (collective), raising the previous save's error."""
+        self.wait()
+        options = replace(
+            self.options or storage.SaveOptions(),
+            keep_last=self.keep_last,  # applied by the committing rank only
+            keep_every=self.keep_every,
+            discard_newer=self.discard_newer,
+        )
+        save = storage.save if node is None else partial(storage.saving.save_on_nodes, node=node)
+        try:
+            self.pending = save(state, self.url, step, options=options, **self._where(), **kw)
+        except storage.CheckpointError as e:
+            self._failed(e)
+        self.discard_newer = False  # once: after this save the newer steps are gone
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its error (a cache logs it)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except Exception as e:
+            self._failed(e)
+        else:
+            self.newest = pending.step
+
+    def _where(self) -> dict[str, Any]:
+        """The process group and storage options of every storage call on this tier."""
+        return {"process_group": self.group.pg, "storage_options": self.storage_options}
+
+    def _failed(self, error: Exception) -> None:
+        """A save's error: raised, or logged by a cache."""
+        if not self.cache:
+            raise error
+        self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
+
+    def newest_committed(self) -> int | None:
+        """The newest step known to be committed, without waiting (errors left to :meth:`wait`)."""
+        pending = self.pending
+        if pending is not None and pending.done():
+            try:
+                pending.wait(0)
+            except Exception:
+                return self.newest
+            self.newest = pending.step
+        return self.newest
+
+    def in_flight(self) -> bool:
+        """Whether a save is still uploading or committing."""
+        return self.pending is not None and not self.pending.done()
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Storage's group and staging memory for deferred saves of ``state`` (collective)."""
+        storage.saving.prepare_save(state, self.url, options=self.options, **self._where())
+
+    def steps(self) -> list[int]:
+        """The committed steps, as rank 0 lists them (collective)."""
+
+        def listing() -> tuple[str, Any]:
+            try:
+                return "ok", storage.list_steps(self.url, storage_options=self.storage_options)
+            except FileNotFoundError:
+                return "ok", []
+            except Exception as e:
+                return "error", f"{type(e).__name__}: {e}"
+
+        kind, value = self.group.from_rank0(listing)
+        if kind == "ok":
+            return list(value)
+        if self.cache:
+            self.log(f"ftsdp: listing {self.name} {self.url} failed on rank 0: {value}")
+            return []
+        raise storage.CheckpointError(
+            f"listing the checkpoints under {self.url} failed on rank 0: {value}"
+        )
+
+    def peek(self, step: int, durable: list[int]) -> tuple[set[str] | None, str | None]:
+        """From ``step``'s manifest, read by rank 0 (collective): its ``optim.state.*`` names
+        (None: unreadable, the load says why) and :meth:`foreign`'s answer."""
+
+        def peek() -> tuple[list[str] | None, str | None]:
+            try:
+                m = storage.catalog.read_manifest(
+                    self.url, step, storage_options=self.storage_options
+                )
+            except Exception:
+                return None, None
+            found = {*m.tensors, *m.values, *(k for values in m.rank_values for k in values)}
+            names = sorted(n for n in found if n.startswith("optim.state."))
+            return names, self.foreign(step, m.values, durable)
+
+        names, foreign = self.group.from_rank0(peek)
+        return (None if names is None else set(names)), foreign
+
+    def load(self, target: dict[str, Any], step: int, options: Any) -> storage.LoadResult:
+        """``storage.load`` of ``step`` into ``target`` (collective, all-or-nothing)."""
+        return storage.load(target, self.url, step, options=options, **self._where())
+
+    def close(self) -> None:
+        """The end of a run, once every save has committed."""
 
 
 def _machine() -> str:
@@ -31,25 +188,20 @@ def _machine() -> str:
 
 def _place(url: str) -> str:
     """Where a root is: a local path (plain or ``file://``) resolved, a URL as written."""
-    path = url.removeprefix("file://")
-    if "://" in path:
-        return url.rstrip("/")
-    return os.path.realpath(path)
+    path = _local_path(url)
+    return url.rstrip("/") if path is None else os.path.realpath(path)
 
 
 class PrivateRoot:
-    """A local root that only this process's user can reach: a directory, not a link, owned by
-    the effective uid, without group or other permission bits. Created exclusively (mode 0700)
-    or opened without following links on first use; its identity (device, inode) is checked
-    again before each use, so a link or another directory swapped in at its path is refused."""
+    """A local root only this user can reach (a directory owned by the effective uid, mode 0700,
+    not a link), its identity checked before each use, so a path swapped meanwhile is refused."""
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)  # not resolved: a link at the path must be seen
         self.fd: int | None = None  # held while in use: the inode cannot be reused meanwhile
 
     def problem(self) -> str | None:
-        """Why the root must not be used now (opening it first, creating it when absent); None
-        when it is this user's private directory, the one opened first."""
+        """Why the root must not be used now (opened or made first); None: it is this user's."""
         try:
             if self.fd is None:
                 self.fd = _open_private(self.path)
@@ -70,8 +222,7 @@ class PrivateRoot:
 
 
 def _open_private(path: str) -> int:
-    """A descriptor of the directory ``path``, created with mode 0700 when absent; a link at
-    ``path`` is not followed (OSError ELOOP)."""
+    """A descriptor of directory ``path``, made 0700 when absent; a link is not followed."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     try:
         os.mkdir(path, 0o700)  # exclusive: an existing path is checked, never adopted blindly
@@ -96,8 +247,7 @@ def unsafe(st: os.stat_result) -> str | None:
 
 
 def root_problem(url: str) -> str | None:
-    """Why the existing local root ``url`` is not a private root of this user, without creating
-    or opening it (None: it is, it is absent, or ``url`` is not a local path)."""
+    """Why the existing local root ``url`` is not this user's private root, without opening it."""
     path = _local_path(url)
     if path is None:
         return None
@@ -138,8 +288,7 @@ class MemoryTier(Tier):
         self.root = None if path is None else PrivateRoot(path)
 
     def _private(self) -> bool:
-        """Whether the root passes :class:`PrivateRoot`'s checks on every rank (collective);
-        if not, the tier is off, and its root is never loaded nor cleared."""
+        """Whether the root passes its checks on every rank (collective); else the tier is off."""
         why = None if self.root is None else self.root.problem()
         if self.group.agree(0 if why is None else 1) == 0:
             return True
@@ -161,8 +310,7 @@ class MemoryTier(Tier):
         return {"memory_tier": {"durable_step": -1 if base is None else base}}
 
     def save(self, state: dict[str, Any], step: int, node: str | None = None, **kw: Any) -> None:
-        """See :meth:`Tier.save`; always asynchronous, to this machine's root on several, once
-        the root passed its checks again (collective)."""
+        """An async :meth:`Tier.save`, once the root passed its checks again (collective)."""
         self.wait()
         if self._private():
             super().save(state, step, node=self.node, async_save=True, **kw)
@@ -182,8 +330,7 @@ class MemoryTier(Tier):
         )
 
     def steps(self) -> list[int]:
-        """Decide how the tier is shared (collective), then its committed steps (on several
-        machines, the one step made whole on every machine)."""
+        """Decide how the tier is shared (collective), then its committed steps."""
         if not self.on or not self._private() or not self._shared():
             return []
         if self.node is None:
