@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -113,7 +112,22 @@ class FullyShardedDataParallel(nn.Module):
         _reject_wrapped(module)
         # What torch FSDP would hand every auto-wrapped unit (the arguments as given, before any
         # is converted below): a CustomPolicy may not differ.
-        root_kwargs = {k: v for k, v in locals().items() if k in _PER_UNIT}
+        root_kwargs = {
+            "process_group": process_group,
+            "sharding_strategy": sharding_strategy,
+            "cpu_offload": cpu_offload,
+            "backward_prefetch": backward_prefetch,
+            "mixed_precision": mixed_precision,
+            "param_init_fn": param_init_fn,
+            "device_id": device_id,
+            "sync_module_states": sync_module_states,
+            "forward_prefetch": forward_prefetch,
+            "limit_all_gathers": limit_all_gathers,
+            "use_orig_params": use_orig_params,
+            "ignored_states": ignored_states,
+            "device_mesh": device_mesh,
+            "deterministic": deterministic,
+        }
         strategy = ShardingStrategy.parse(sharding_strategy)
         mixed_precision = as_mixed_precision(mixed_precision)
         cpu_offload = as_cpu_offload(cpu_offload)
@@ -525,6 +539,24 @@ class FullyShardedDataParallel(nn.Module):
             super().apply(fn)
         return self
 
+    # torch FSDP's deprecated optimizer-state APIs, each refused naming its replacement
+    full_optim_state_dict = _deprecated(
+        "full_optim_state_dict", "FSDP.optim_state_dict(model, optim)"
+    )
+    shard_full_optim_state_dict = _deprecated(
+        "shard_full_optim_state_dict", "FSDP.optim_state_dict_to_load"
+    )
+    scatter_full_optim_state_dict = _deprecated(
+        "scatter_full_optim_state_dict",
+        "FSDP.optim_state_dict_to_load under FullOptimStateDictConfig(rank0_only=True)",
+    )
+    flatten_sharded_optim_state_dict = _deprecated(
+        "flatten_sharded_optim_state_dict", "FSDP.optim_state_dict_to_load"
+    )
+    rekey_optim_state_dict = _deprecated(
+        "rekey_optim_state_dict", "FSDP.optim_state_dict (keyed by name)"
+    )
+
     def register_comm_hook(self, *args: Any, **kwargs: Any) -> None:
         """Not supported: ftsdp's collectives are fixed (see docs/engine.md)."""
         raise NotImplementedError(
@@ -535,20 +567,6 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
-# torch FSDP's deprecated optimizer-state APIs, each refused naming its replacement
-for _name, _alternative in {
-    "full_optim_state_dict": "FSDP.optim_state_dict(model, optim)",
-    "shard_full_optim_state_dict": "FSDP.optim_state_dict_to_load",
-    "scatter_full_optim_state_dict": "FSDP.optim_state_dict_to_load under "
-    "FullOptimStateDictConfig(rank0_only=True)",
-    "flatten_sharded_optim_state_dict": "FSDP.optim_state_dict_to_load",
-    "rekey_optim_state_dict": "FSDP.optim_state_dict (keyed by name)",
-}.items():
-    setattr(FSDP, _name, _deprecated(_name, _alternative))
-# the FSDP arguments torch FSDP would hand each auto-wrapped unit
-_PER_UNIT = set(inspect.signature(FSDP).parameters).difference(
-    ("module", "auto_wrap_policy", "ignored_modules", "unsupported")
-)
 
 
 def _reject_wrapped(module: nn.Module) -> None:

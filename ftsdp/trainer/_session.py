@@ -206,7 +206,7 @@ def _close_after(error: BaseException, close: Callable[[], None], what: str) -> 
         close()
     except BaseException as closing:
         failed = f"{type(closing).__name__}: {closing}"
-        logger.warning(f"{what} after {type(error).__name__} also failed: {failed}")
+        logger.warning("%s after %s also failed: %s", what, type(error).__name__, failed)
 
 
 @dataclass(frozen=True, kw_only=True)
