@@ -3,8 +3,9 @@
 from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device
 from ftsdp.elastic._sampler import BatchGeometry, GlobalSampler, RankBatchSampler
 from ftsdp.elastic._signals import EXIT_GRACE_EXCEEDED, PreemptionHandler
+from ftsdp.elastic._simulation import simulate_heartbeats
 from ftsdp.elastic._teardown import CloseReport
-from ftsdp.elastic._watchdog import EXIT_STALL, Stall, Watchdog, simulate_heartbeats
+from ftsdp.elastic._watchdog import EXIT_STALL, Stall, Watchdog
 
 EXIT_PEER_PREEMPTED = 75  # EX_TEMPFAIL: a peer was preempted; restart me (docs/elastic.md)
 
