@@ -129,9 +129,5 @@ def seaweedfs_server(
             log.info("SeaweedFS S3 gateway at %s (data in %s)", endpoint, data)
             yield {"endpoint_url": endpoint, "key": "ftsdp", "secret": "ftsdp"}
         finally:
-            proc.terminate()  # its data dies with it: no need to wait for a graceful stop
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.kill()  # its data dies with it: no need for a graceful stop
+            proc.wait()
