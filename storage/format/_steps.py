@@ -334,8 +334,8 @@ def plan_retention(
 ) -> RetentionPlan:
     """What retention removes (docs/format.md, "Retention and garbage collection"); ``protect``
     is always kept. ``scan``: a fresh ``scan_root`` that read every manifest (else one is
-    taken, with ``known``). A kept step of ``known`` is not listed (its strays were looked for
-    when it was); one that goes is listed now."""
+    taken, with ``known``). A kept step of ``known`` is neither listed (its strays were looked
+    for when it was) nor read; one that goes is listed and its manifest read again."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     if keep_every is not None and keep_every < 1:
@@ -355,9 +355,10 @@ def plan_retention(
                 plan.strays.append(strays)
                 plan.notes += [_foreign(store, step, n) for n in strays.left]
             continue
-        if not d.listed:  # a known step that goes: what its directory holds now
-            d = StepDir(step, store.listdir(step_dir(step)), d.manifest)
-            d.manifest = d.manifest if d.has_manifest else None
+        if not d.listed:  # a known step that goes: as it is now (a deletion rests on content)
+            d = StepDir(step, store.listdir(step_dir(step)))
+            if d.has_manifest:
+                d.manifest, d.problem = own_manifest(store, step)
         if d.manifest is None and not d.has_manifest and (newest is None or step > newest):
             plan.in_progress.append(step)  # a save may be writing it
             continue
