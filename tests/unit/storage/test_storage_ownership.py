@@ -8,7 +8,7 @@
 - one writer per step: the manifest is created exclusively; of two writers exactly one commits,
   the other fails and removes its objects; a stale writer cannot commit past a newer step.
 
-Local directory and S3 (moto) where the store matters.
+Local directory and S3 (SeaweedFS) where the store matters.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=3000)
 
 @pytest.fixture(params=["local", "s3"])
 def backend(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> tuple[str, dict | None]:
-    """``(url, storage_options)`` of an empty root on a local disk and on S3 (moto)."""
+    """``(url, storage_options)`` of an empty root on a local disk and on S3 (SeaweedFS)."""
     if request.param == "local":
         return str(tmp_path / "ckpt"), None
     return request.getfixturevalue("s3_bucket_url"), dict(request.getfixturevalue("s3_endpoint"))
@@ -264,7 +264,7 @@ def any_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Store:
 
 
 def test_write_exclusive_creates_only_once(any_store: Store) -> None:
-    """Local: a hard link; S3: ``If-None-Match: *`` (moto answers the second create with 412)."""
+    """Local: a hard link; S3: ``If-None-Match: *`` (the server answers the second create with 412)."""
     any_store.write_exclusive("step-1/manifest.json", b"first")
     with pytest.raises(FileExistsError):
         any_store.write_exclusive("step-1/manifest.json", b"second")
