@@ -477,3 +477,24 @@ def test_the_filesystem_type_is_the_one_of_the_roots_device() -> None:
     assert _local._mount_type("/dev/shm/not/there/yet") == "tmpfs"
     assert _local._mount_type("/proc/self") == "proc"
     assert Store("memory://x", None).tmpfs is False
+
+
+def test_a_step_another_writer_replaced_is_discarded_as_it_is_now(backend) -> None:
+    """This process committed step 3 (its saves remember that commit); another writer then
+    replaced step 3 with its own commit. A save of step 2 that discards the newer steps must
+    discard the replacement: what a saver remembers never decides what it deletes."""
+    url, opts = backend
+    other = url + "-other"
+    for step in (1, 3):
+        storage.save(_state(step), url, step=step, storage_options=opts, options=SMALL)
+    storage.save(_state(103), other, step=3, storage_options=opts, options=SMALL)
+    fs, root = _fs(url, opts)
+    fs.rm(f"{root}/step-3", recursive=True)
+    fs.invalidate_cache()
+    _copy_step(other, url, opts, 3)  # the other writer's commit of step 3
+    _same(_load(url, opts, 3), _state(103))
+    discard = replace(SMALL, discard_newer=True)
+    storage.save(_state(2), url, step=2, storage_options=opts, options=discard)
+    assert storage.list_steps(url, storage_options=opts) == [1, 2]
+    assert not any(p.startswith("step-3/") for p in _tree(url, opts))
+    _same(_load(url, opts, 2), _state(2))
