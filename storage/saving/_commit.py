@@ -99,8 +99,9 @@ def plan_lineage(
         raise FileExistsError(
             f"{store.where(step_dir(step))} is a link; a step is never written through a link"
         )
-    for s in [s for s in known.manifests if s >= step] if known is not None else []:
-        del known.manifests[s]  # read as they are now (no such step, but on a refusal or discard)
+    if known is not None:  # read as they are now (there are none, but on a refusal or discard)
+        for s in [s for s in known.manifests if s >= step]:
+            del known.manifests[s]
     scan = scan_root(store, read=lambda s: s >= step, known=known)  # reads only these
     newer = {s: d.manifest.attempt for s, d in scan.dirs.items() if d.manifest and s > step}
     own = scan.dirs.get(step)
