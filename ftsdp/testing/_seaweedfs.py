@@ -9,8 +9,10 @@ one is chosen here, all at once, so that two servers on one machine never collid
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -59,6 +61,13 @@ def weed_binary() -> str:
     return found
 
 
+def _die_with_parent() -> None:
+    # In the child before exec (Linux): SIGKILL when the thread that started it dies, so that a
+    # killed test run leaves no server behind.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2):
@@ -93,10 +102,19 @@ def seaweedfs_server(
         ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
         cmd = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3"]
         cmd += [f"-{flag}={port}" for flag, port in ports.items()]
-        cmd += ["-master.telemetry=false", "-volume.max=16", "-master.volumeSizeLimitMB=1024"]
+        # Every bucket is a collection of volumes of its own, 7 by default: a test session makes
+        # hundreds of buckets. One volume per bucket (master.toml, read from the working
+        # directory), small and not preallocated, so that a volume costs no disk until written.
+        (data / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
+        cmd += ["-master.telemetry=false", "-volume.max=10000", "-master.volumeSizeLimitMB=256"]
         log_file = stack.enter_context(open(data / "weed.log", "wb"))
         proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=data,
+            preexec_fn=_die_with_parent,
         )
         endpoint = f"http://127.0.0.1:{ports['s3.port']}"
         try:
@@ -111,9 +129,5 @@ def seaweedfs_server(
             log.info("SeaweedFS S3 gateway at %s (data in %s)", endpoint, data)
             yield {"endpoint_url": endpoint, "key": "ftsdp", "secret": "ftsdp"}
         finally:
-            proc.terminate()  # its data dies with it: no need to wait for a graceful stop
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.kill()  # its data dies with it: no need for a graceful stop
+            proc.wait()

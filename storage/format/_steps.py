@@ -40,6 +40,16 @@ def committed_steps(store: Store) -> list[int]:
     return sorted(steps)
 
 
+def _newest_committed(store: Store) -> list[int]:
+    """``[newest committed step]`` or ``[]``: the step directories newest first, each asked for
+    its manifest until one has it (one listing and usually one request, whatever the steps)."""
+    names = store.listdir().items()
+    dirs = sorted(
+        (s for n, (k, _) in names if k == "directory" and (s := parse_step(n)) is not None)
+    )
+    return next(([s] for s in reversed(dirs) if store.exists(manifest_path(s))), [])
+
+
 def list_steps(url: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """Committed steps under ``url``, ascending; ``[]`` when the root does not exist (yet)."""
     return committed_steps(Store(url, storage_options))
@@ -52,7 +62,7 @@ def resolve_manifest(
     Raises CheckpointNotFoundError, NewerFormatError, CorruptCheckpointError, or
     IncompleteCheckpointError (a listed object missing or of another size)."""
     if step is None:
-        steps = committed_steps(store)
+        steps = _newest_committed(store)
         if not steps:
             if not store.exists():
                 raise CheckpointNotFoundError(f"checkpoint root {store.where()} does not exist")
@@ -102,10 +112,22 @@ class StepDir:
     entries: dict[str, tuple[str, int]]  # its listing: name -> (type, size)
     manifest: Manifest | None = None  # validated and of this step: the step is committed
     problem: str | None = None  # why its manifest.json is not a committed step of this format
+    listed: bool = True  # False: a step of ``Known``, its directory not listed (``entries`` {})
 
     @property
     def has_manifest(self) -> bool:
-        return MANIFEST in self.entries
+        return MANIFEST in self.entries or not self.listed
+
+
+@dataclass
+class Known:
+    """What the saves of one process to one root learned of it: the manifests of the steps they
+    committed or read there, so that later saves neither list those step directories again nor
+    read their manifests (on S3 each is a request). A committed manifest does not change while
+    its step exists; a step that left the root's listing, or that retention or a discard
+    removed, is forgotten. Owned by whoever saves (``saving``'s lane of the root)."""
+
+    manifests: dict[int, Manifest] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,9 +147,12 @@ class RootScan:
         return sorted(s for s, d in self.dirs.items() if d.has_manifest)
 
 
-def scan_root(store: Store, read: Callable[[int], bool] = lambda step: True) -> RootScan:
+def scan_root(
+    store: Store, read: Callable[[int], bool] = lambda step: True, known: Known | None = None
+) -> RootScan:
     """List the step directories under ``store`` and validate the manifests of the steps ``read``
-    selects; links are skipped, never followed."""
+    selects; links are skipped, never followed. The steps of ``known`` are taken from it
+    unlisted (``StepDir.listed`` False); the manifests read are added to it."""
     scan = RootScan()
     try:
         listing = store.listdir()
@@ -143,10 +168,17 @@ def scan_root(store: Store, read: Callable[[int], bool] = lambda step: True) -> 
             scan.skipped.append(f"{store.where(name)}: not a step name of this format")
         elif kind != "directory":
             scan.skipped.append(f"{store.where(name)}: not a directory")
+        elif known is not None and step in known.manifests:
+            scan.dirs[step] = StepDir(step, {}, known.manifests[step], listed=False)
         else:
             d = scan.dirs[step] = StepDir(step, store.listdir(step_dir(step)))
             if d.has_manifest and read(step):
                 d.manifest, d.problem = own_manifest(store, step)
+            if known is not None and d.manifest is not None:
+                known.manifests[step] = d.manifest
+    if known is not None:
+        for step in set(known.manifests) - set(scan.dirs):  # gone from the root
+            del known.manifests[step]
     return scan
 
 
@@ -298,15 +330,17 @@ def plan_retention(
     keep_every: int | None,
     protect: int | None = None,
     scan: RootScan | None = None,
+    known: Known | None = None,
 ) -> RetentionPlan:
     """What retention removes (docs/format.md, "Retention and garbage collection"); ``protect``
     is always kept. ``scan``: a fresh ``scan_root`` that read every manifest (else one is
-    taken)."""
+    taken, with ``known``). A kept step of ``known`` is neither listed (its strays were looked
+    for when it was) nor read; one that goes is listed and its manifest read again."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
-    scan = scan_root(store) if scan is None else scan
+    scan = scan_root(store, known=known) if scan is None else scan
     plan = RetentionPlan(notes=list(scan.skipped))
     committed = scan.committed
     keep = set(committed if keep_last is None else committed[-keep_last:])
@@ -316,10 +350,15 @@ def plan_retention(
     newest = committed[-1] if committed else None
     for step, d in sorted(scan.dirs.items()):
         if step in keep:
-            strays = plan_strays(store, d)
-            plan.strays.append(strays)
-            plan.notes += [_foreign(store, step, n) for n in strays.left]
+            if d.listed:
+                strays = plan_strays(store, d)
+                plan.strays.append(strays)
+                plan.notes += [_foreign(store, step, n) for n in strays.left]
             continue
+        if not d.listed:  # a known step that goes: as it is now (a deletion rests on content)
+            d = StepDir(step, store.listdir(step_dir(step)))
+            if d.has_manifest:
+                d.manifest, d.problem = own_manifest(store, step)
         if d.manifest is None and not d.has_manifest and (newest is None or step > newest):
             plan.in_progress.append(step)  # a save may be writing it
             continue
@@ -339,13 +378,16 @@ def retain(
     keep_every: int | None,
     protect: int | None = None,
     scan: RootScan | None = None,
+    known: Known | None = None,
 ) -> list[int]:
-    """Apply retention under ``store`` (``plan_retention``); the removed steps, ascending. What
-    was left alone is logged as a WARNING."""
+    """Apply retention under ``store`` (``plan_retention``); the removed steps, ascending (and
+    forgotten by ``known``). What was left alone is logged as a WARNING."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
-    plan = plan_retention(store, keep_last, keep_every, protect, scan)
+    plan = plan_retention(store, keep_last, keep_every, protect, scan, known)
     for removal in plan.removals + plan.strays:
+        if known is not None and removal.whole:
+            known.manifests.pop(removal.step, None)
         execute(store, removal)
     if plan.notes:
         logger.warning("retention left alone: %s", "; ".join(plan.notes))

@@ -146,8 +146,10 @@ class Store:
             entries = self._retry(lambda: self.fs.ls(self.full(rel), detail=True))
         except FileNotFoundError:
             return {}
-        out = {}
+        out, here = {}, self.full(rel).rstrip("/")
         for e in entries:
+            if e["name"].rstrip("/") == here:  # the directory's own marker (SeaweedFS keeps one)
+                continue
             name = e["name"].rstrip("/").rsplit("/", 1)[-1]
             out[name] = (e.get("type", "file"), int(e.get("size") or 0))
         return out

@@ -6,11 +6,32 @@ from __future__ import annotations
 
 import base64
 import contextlib
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
 from crc32c import crc32c  # the checksum S3 verifies on upload (x-amz-checksum-crc32c)
 
 from ftsdp.storage.io._fs import Store
+
+# The answers to a conditional create (If-None-Match: *) whose name is taken, as AWS documents
+# them: 412 PreconditionFailed (an object has the name), 409 ConditionalRequestConflict (another
+# conditional write of the name is in flight).
+_TAKEN_CODES = {"PreconditionFailed", "ConditionalRequestConflict"}
+
+
+def name_taken(err: BaseException) -> bool:
+    """Whether ``err`` (s3fs's OSError, with botocore's ClientError as its ``__cause__``) is the
+    server refusing a conditional create because the name is taken. s3fs makes this answer a
+    FileExistsError only when the server names the condition (moto does, SeaweedFS does not)."""
+    for e in (err, err.__cause__):
+        if isinstance(e, FileExistsError):
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return code in _TAKEN_CODES or status == 412
+    return False
 
 
 class S3Store(Store):
@@ -23,6 +44,33 @@ class S3Store(Store):
 
     def _creates_exclusively(self) -> bool:
         return True
+
+    def remove_empty_dir(self, rel: str) -> bool:
+        """Remove the directory ``rel`` if it is empty: its marker object, where the server keeps
+        one (SeaweedFS lists an emptied directory until its ``<key>/`` object is deleted)."""
+        bucket, key, _ = self.fs.split_path(self.full(rel))
+        if not key:  # the bucket itself
+            return super().remove_empty_dir(rel)
+        if self.listdir(rel):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            self._retry(lambda: self.fs.call_s3("delete_object", Bucket=bucket, Key=f"{key}/"))
+        self.invalidate(self._parent(rel))
+        return True
+
+    @contextlib.contextmanager
+    def _atomic_write(self, path: str, exclusive: bool = False) -> Iterator[IO[bytes]]:
+        # One answer for a taken name on every server: FileExistsError, as on a local disk
+        # (the commit turns it into CommitConflictError).
+        try:
+            with super()._atomic_write(path, exclusive) as f:
+                yield f
+        except OSError as e:
+            if not exclusive or isinstance(e, FileExistsError) or not name_taken(e):
+                raise
+            raise FileExistsError(
+                f"{path} already exists (the server refused to create it: {e})"
+            ) from e
 
     def _upload(self, path: str, part_bytes: int, exclusive: bool) -> Any:
         if self.io.object_checksums:
@@ -37,8 +85,9 @@ def _b64_crc(value: int) -> str:
 
 class S3Upload:
     """A write-only file uploading one S3 object with CRC-32C checksums: one ``put_object``, or a
-    multipart upload of ``part_bytes`` parts. ``close()`` publishes it (``exclusive``:
-    FileExistsError when the name is taken); ``discard()`` aborts, so nothing appears."""
+    multipart upload of ``part_bytes`` parts. ``close()`` publishes it (``exclusive``: only if the
+    name is free; the server's refusal is mapped by ``S3Store``); ``discard()`` aborts, so
+    nothing appears."""
 
     def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:
         self.fs, self.path, self.part_bytes = fs, path, part_bytes
@@ -101,7 +150,7 @@ class S3Upload:
         self.buf, self.part_crc = bytearray(), 0
 
     def close(self) -> None:
-        """Publish the object (FileExistsError: ``exclusive`` and the name is taken)."""
+        """Publish the object (``exclusive``: the server refuses when the name is taken)."""
         if self.closed:
             return
         self.closed = True

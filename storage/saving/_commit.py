@@ -27,6 +27,7 @@ from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import MAX_MANIFEST_BYTES
 from ftsdp.storage.format._layout import (
     LATEST,
+    MANIFEST,
     abort_marker,
     done_marker,
     manifest_path,
@@ -41,7 +42,9 @@ from ftsdp.storage.format._manifest import (
     TensorEntry,
 )
 from ftsdp.storage.format._steps import (
-    committed_steps,
+    Known,
+    RootScan,
+    StepDir,
     remove_attempt,
     remove_step,
     retain,
@@ -85,15 +88,21 @@ class Lineage:
     replaces: str | None = None  # the attempt of an earlier commit of ``step`` being replaced
 
 
-def plan_lineage(store: Store, step: int, discard_newer: bool = False) -> Lineage:
+def plan_lineage(
+    store: Store, step: int, discard_newer: bool = False, known: Known | None = None
+) -> Lineage:
     """Check, before anything is written, that ``step`` is not committed and no committed step is
     newer, unless ``discard_newer`` (those are deleted once ``step`` is committed). Raises
-    FileExistsError (``step`` committed, or a foreign manifest) or CheckpointError (newer steps)."""
+    FileExistsError (``step`` committed, or a foreign manifest) or CheckpointError (newer steps).
+    ``known``: what this saver learned of the root (``scan_root``)."""
     if store.is_link(step_dir(step)):
         raise FileExistsError(
             f"{store.where(step_dir(step))} is a link; a step is never written through a link"
         )
-    scan = scan_root(store, read=lambda s: s >= step)  # reads only these manifests
+    if known is not None:  # read as they are now (there are none, but on a refusal or discard)
+        for s in [s for s in known.manifests if s >= step]:
+            del known.manifests[s]
+    scan = scan_root(store, read=lambda s: s >= step, known=known)  # reads only these
     newer = {s: d.manifest.attempt for s, d in scan.dirs.items() if d.manifest and s > step}
     own = scan.dirs.get(step)
     replaces = None
@@ -210,23 +219,32 @@ def commit(
     keep_every: int | None = None,
     lineage: Lineage | None = None,
     present: Collection[str] | None = None,
+    known: Known | None = None,
 ) -> None:
     """Create the manifest exclusively: the commit, once the checks of ``guard_commits`` pass.
     With ``lineage`` (``plan_lineage``), a step committed by another writer meanwhile removes
     this attempt's files and raises ``CommitConflictError``. Then, best effort (a failure is a
     warning): the steps ``lineage`` discards, ``latest``, the done markers, and retention when
     ``keep_last`` is given. ``present``: the only objects checked before the commit (a
-    node-local root holds some)."""
+    node-local root holds some). ``known``: what this saver learned of the root (kept up to
+    date here), so that the commit lists no step directory it knows and reads no manifest it
+    knows: a constant number of requests whatever the steps (docs/format.md, "Requests")."""
     for check in list(_GUARDS):
         check()
     step, attempt = manifest.step, manifest.attempt
     rel, data = manifest_path(step), manifest.to_json()
+    own = None
     if lineage is not None:
-        _check_no_other_writer(store, lineage, attempt, committed=False)
+        before = scan_root(store, read=lambda s: False, known=known)
+        _check_no_other_writer(store, lineage, attempt, committed=False, steps=before)
+        own = before.dirs.get(step)
         # An earlier commit of this step that is being replaced: take it down first.
         if lineage.replaces is not None and _attempt_at(store, step) == lineage.replaces:
             store.remove(rel)
-    listing = store.listdir(step_dir(step))
+            own = None
+            if known is not None:
+                known.manifests.pop(step, None)
+    listing = own.entries if own is not None and own.listed else store.listdir(step_dir(step))
     gone = sorted(
         n
         for n, size in manifest.objects.items()
@@ -250,15 +268,27 @@ def commit(
                 "committed step is the other writer's, and this save's objects were removed"
             ) from e
     # One scan of the root after the commit serves its check, the markers' removal and the
-    # retention (which reads every manifest; without retention none is read).
-    scan = scan_root(store, read=lambda s: keep_last is not None)
+    # retention (which reads the manifests it does not know; without retention none is read).
+    # This step's directory is not listed again: its listing before the commit is current.
+    if known is not None:
+        known.manifests[step] = manifest
+    scan = scan_root(store, read=lambda s: keep_last is not None, known=known)
+    if known is not None and step in scan.dirs:
+        scan.dirs[step] = StepDir(step, {**listing, MANIFEST: ("file", len(data))}, manifest)
     steps = scan.with_manifest
     if lineage is not None:
-        _check_no_other_writer(store, lineage, attempt, committed=True, steps=steps, data=data)
+        try:
+            _check_no_other_writer(store, lineage, attempt, committed=True, steps=scan, data=data)
+        except CommitConflictError:
+            if known is not None:
+                known.manifests.pop(step, None)
+            raise
     try:
         changed = False  # by this commit beyond its markers: then retention scans again
         if lineage is not None:
             for newer, newer_attempt in sorted(lineage.discard.items()):
+                if known is not None:
+                    known.manifests.pop(newer, None)
                 left = remove_step(store, newer, attempt=newer_attempt)
                 if left:
                     logger.warning("discarding step %d: %s", newer, "; ".join(left))
@@ -282,6 +312,7 @@ def commit(
                 keep_every,
                 protect=step,
                 scan=scan if not changed else None,
+                known=known,
             )
     except Exception as e:
         logger.warning(
@@ -300,15 +331,14 @@ def _check_no_other_writer(
     attempt: str,
     *,
     committed: bool,
-    steps: list[int] | None = None,
+    steps: RootScan,
     data: bytes = b"",
 ) -> None:
     """CommitConflictError (this attempt's files, and with ``committed`` its manifest ``data``,
-    removed first) when another step was committed under the root since the save was planned."""
+    removed first) when another step was committed under the root since the save was planned
+    (``steps``: a scan of the root now)."""
     step = lineage.step
-    appeared = sorted(
-        set(committed_steps(store) if steps is None else steps) - lineage.seen - {step}
-    )
+    appeared = sorted(set(steps.with_manifest) - lineage.seen - {step})
     if not appeared:
         return
     if committed:  # back our commit out: of two overlapping writers at most one keeps its step
@@ -372,10 +402,11 @@ def finish(
     keep_every: int | None = None,
     lineage: Lineage | None = None,
     replaces: str | None = None,
+    known: Known | None = None,
 ) -> None:
     """Steps 3 to 5 of the protocol on ``rank`` once it wrote its objects (checksums ``crcs``)
     or failed (``error``): returns once committed, raises on every rank otherwise. ``replaces``:
-    the attempt of an earlier commit this one replaces."""
+    the attempt of an earlier commit this one replaces; ``known``: see ``commit``."""
     if rank != 0:  # report, then wait for rank 0's verdict
         report = report_of(plan, rank, crcs, values)
         _write_marker(store, done_marker(step, plan.attempt, rank), error, rank=rank, **report)
@@ -388,7 +419,14 @@ def finish(
             reports = Reports(plan, step, world_size, crcs, values)
             _collect_markers(store, step, plan, reports, timeout_s)
             manifest = reports.manifest(checksum_block_bytes)
-            commit(store, manifest, keep_last=keep_last, keep_every=keep_every, lineage=lineage)
+            commit(
+                store,
+                manifest,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                lineage=lineage,
+                known=known,
+            )
             return
         except BaseException as e:
             error = e
@@ -413,12 +451,13 @@ def _wait_for_commit(
     writer's manifest (but that of the commit this save replaces)."""
     abort = abort_marker(step, attempt)
     for _ in _poll(timeout_s):
-        if store.exists(abort):
+        names = store.listdir(step_dir(step))  # one request a poll on S3, for both
+        if abort.rsplit("/", 1)[-1] in names:
             reason = json.loads(store.read_bounded(abort, MAX_MANIFEST_BYTES)).get("error")
             raise CheckpointError(
                 f"save of step {step} to {store.where()} was aborted by rank 0: {reason}"
             )
-        if store.exists(manifest_path(step)):
+        if MANIFEST in names:
             winner = _attempt_at(store, step)
             if winner == attempt:
                 return

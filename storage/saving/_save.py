@@ -25,6 +25,7 @@ from ftsdp.storage.format._layout import step_dir
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
 from ftsdp.storage.format._state import TensorLeaf, flatten_state
+from ftsdp.storage.format._steps import Known
 from ftsdp.storage.io._collectives import own_group, rank_world, resolve_group
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import piece_bytes
@@ -49,10 +50,12 @@ _lock = threading.Lock()
 
 class _Lane:
     """The saves of this process to one root, one after the other (see [Note: one lane per
-    root]): the latest save's handle, the snapshot memory and the threads writing objects."""
+    root]): the latest save's handle, the snapshot memory, the threads writing objects and what
+    the saves learned of the root (``Known``: the next save lists and reads less)."""
 
     def __init__(self, key: str) -> None:
         self.key = key
+        self.known = Known()
         self.previous: SaveHandle | None = None
         self.arena = SnapshotArena()
         self._writers: tuple[int, ThreadPoolExecutor] | None = None
@@ -399,7 +402,8 @@ class _Save:
         lineage: Lineage | None = None
         if self.rank == 0 and self.error is None:
             try:
-                lineage = plan_lineage(self.store, self.step, self.options.discard_newer)
+                discard = self.options.discard_newer
+                lineage = plan_lineage(self.store, self.step, discard, self.lane.known)
                 self.meta["attempt"], self.meta["replaces"] = fresh_attempt(), lineage.replaces
             except Exception as e:
                 self.failed(e)
@@ -640,7 +644,9 @@ class _SaveJob:
             )
             return
         timeout = self.options.commit_timeout_s
-        finish(*args, timeout_s=timeout, replaces=self.plan.replaces, **common)
+        finish(
+            *args, timeout_s=timeout, replaces=self.plan.replaces, known=save.lane.known, **common
+        )
 
 
 def prepare_save(

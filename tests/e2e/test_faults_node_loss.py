@@ -7,7 +7,7 @@ resumes from the newest committed step resharded, and the job ends equal to the 
 run. Once with the checkpoints in a local directory and a memory tier every step (each agent
 a simulated node with a memory root of its own, ``$FTSDP_NODE``; the lost node's root is wiped
 once it is gone, and the survivor resumes step 5 from its replica of the lost node's shards: no
-step lost), once on a local S3 endpoint (moto; durable checkpoints only: step 4, one step lost).
+step lost), once on a local S3 server (SeaweedFS; durable checkpoints only: step 4, one step lost).
 
 The scenario is a node lost after step 5 with step 4's checkpoint committed. ``when=after_commit``
 makes the doomed worker wait for the async save still in flight (step 4's) to commit before it
@@ -208,7 +208,7 @@ def test_node_loss_with_checkpoints_on_s3(jobs, ref, s3_endpoint) -> None:  # no
     check_against_reference(run, ref)
     m = measure(
         run,
-        "node loss (2 agents -> 1), S3 (moto)",
+        "node loss (2 agents -> 1), S3 (SeaweedFS)",
         "2 x torchrun --nnodes=1:2 --rdzv-backend=c10d --max-restarts=3, "
         f"--checkpoint-url s3://..., FTSDP_FAULT={FAULT} on the second",
     )

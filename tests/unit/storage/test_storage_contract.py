@@ -1,4 +1,4 @@
-"""The storage contract, run against every backend: local directory, memory://, S3 (moto).
+"""The storage contract, run against every backend: local directory, memory://, S3 (SeaweedFS).
 
 Each test compares what comes back with the original tensors, bitwise.
 """
@@ -185,6 +185,8 @@ def test_flipped_byte_is_detected(backend: tuple[str, dict | None]) -> None:
     msg = str(err.value)
     assert "optim.exp_avg" in msg and "step 4" in msg and piece["object"] in msg
     _assert_same(target, _zeros_like(ref))  # nothing was loaded
+    report = storage.catalog.verify(url, storage_options=opts)
+    assert not report.ok and any(piece["object"] in p for p in report.problems), report
     # Tensors in other byte ranges still load.
     other = {"model": {"w": torch.zeros(40, 30)}}
     storage.load(other, url, storage_options=opts, strict=False)

@@ -8,7 +8,7 @@
 - one writer per step: the manifest is created exclusively; of two writers exactly one commits,
   the other fails and removes its objects; a stale writer cannot commit past a newer step.
 
-Local directory and S3 (moto) where the store matters.
+Local directory and S3 (SeaweedFS) where the store matters.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=3000)
 
 @pytest.fixture(params=["local", "s3"])
 def backend(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> tuple[str, dict | None]:
-    """``(url, storage_options)`` of an empty root on a local disk and on S3 (moto)."""
+    """``(url, storage_options)`` of an empty root on a local disk and on S3 (SeaweedFS)."""
     if request.param == "local":
         return str(tmp_path / "ckpt"), None
     return request.getfixturevalue("s3_bucket_url"), dict(request.getfixturevalue("s3_endpoint"))
@@ -264,7 +264,7 @@ def any_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Store:
 
 
 def test_write_exclusive_creates_only_once(any_store: Store) -> None:
-    """Local: a hard link; S3: ``If-None-Match: *`` (moto answers the second create with 412)."""
+    """Local: a hard link; S3: ``If-None-Match: *`` (the server answers the second create with 412)."""
     any_store.write_exclusive("step-1/manifest.json", b"first")
     with pytest.raises(FileExistsError):
         any_store.write_exclusive("step-1/manifest.json", b"second")
@@ -477,3 +477,24 @@ def test_the_filesystem_type_is_the_one_of_the_roots_device() -> None:
     assert _local._mount_type("/dev/shm/not/there/yet") == "tmpfs"
     assert _local._mount_type("/proc/self") == "proc"
     assert Store("memory://x", None).tmpfs is False
+
+
+def test_a_step_another_writer_replaced_is_discarded_as_it_is_now(backend) -> None:
+    """This process committed step 3 (its saves remember that commit); another writer then
+    replaced step 3 with its own commit. A save of step 2 that discards the newer steps must
+    discard the replacement: what a saver remembers never decides what it deletes."""
+    url, opts = backend
+    other = url + "-other"
+    for step in (1, 3):
+        storage.save(_state(step), url, step=step, storage_options=opts, options=SMALL)
+    storage.save(_state(103), other, step=3, storage_options=opts, options=SMALL)
+    fs, root = _fs(url, opts)
+    fs.rm(f"{root}/step-3", recursive=True)
+    fs.invalidate_cache()
+    _copy_step(other, url, opts, 3)  # the other writer's commit of step 3
+    _same(_load(url, opts, 3), _state(103))
+    discard = replace(SMALL, discard_newer=True)
+    storage.save(_state(2), url, step=2, storage_options=opts, options=discard)
+    assert storage.list_steps(url, storage_options=opts) == [1, 2]
+    assert not any(p.startswith("step-3/") for p in _tree(url, opts))
+    _same(_load(url, opts, 2), _state(2))

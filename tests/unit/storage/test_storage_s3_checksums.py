@@ -1,5 +1,5 @@
 """S3 uploads carry their CRC-32C as S3's own checksum (``x-amz-checksum-crc32c``), checked
-against moto's S3 server and the ``crc32c`` package: every request's body, and the whole object's
+against a real S3 server (SeaweedFS) and the ``crc32c`` package: every request's body, and the whole object's
 value that S3 keeps (a multipart upload's ``FULL_OBJECT`` one included)."""
 
 from __future__ import annotations
