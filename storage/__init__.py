@@ -19,15 +19,7 @@ import typing as _typing
 import warnings as _warnings
 
 # the rooms, as attributes (``storage.catalog.verify``)
-from ftsdp.storage import (  # noqa: F401
-    catalog,
-    conversion,
-    format,
-    inference,
-    io,
-    loading,
-    saving,
-)
+from ftsdp.storage import catalog, conversion, format, inference, io, loading, saving  # noqa: F401
 from ftsdp.storage._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -71,31 +63,17 @@ __all__ = [
 # Names exported here before the rooms had their own (CHANGELOG.md): they still resolve, with a
 # DeprecationWarning naming the room.
 _MOVED = {
-    **dict.fromkeys(
-        [
-            "GcReport",
-            "VerifyReport",
-            "apply_retention",
-            "clear_steps",
-            "collect_garbage",
-            "diff",
-            "inspect_checkpoint",
-            "read_manifest",
-            "verify",
-        ],
-        "ftsdp.storage.catalog",
-    ),
-    **dict.fromkeys(
-        ["FORMATS", "ConvertResult", "convert", "detect_format", "reshard"],
-        "ftsdp.storage.conversion",
-    ),
-    **dict.fromkeys(["FORMAT_VERSION", "Manifest"], "ftsdp.storage.format"),
-    **dict.fromkeys(
-        ["clear_on_nodes", "prepare_save", "restore_on_nodes", "snapshot_fence", "wait_snapshot"],
-        "ftsdp.storage.saving",
-    ),
-    "DEFAULT_MAX_MEMORY": "ftsdp.storage.io",
-    "LoadIntoResult": "ftsdp.storage.inference",
+    name: f"ftsdp.storage.{room}"
+    for room, names in {
+        "catalog": "GcReport VerifyReport apply_retention clear_steps collect_garbage diff "
+        "inspect_checkpoint read_manifest verify",
+        "conversion": "FORMATS ConvertResult convert detect_format reshard",
+        "format": "FORMAT_VERSION Manifest",
+        "saving": "clear_on_nodes prepare_save restore_on_nodes snapshot_fence wait_snapshot",
+        "io": "DEFAULT_MAX_MEMORY",
+        "inference": "LoadIntoResult",
+    }.items()
+    for name in names.split()
 }
 
 

@@ -23,7 +23,7 @@ import torch
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import MAX_MANIFEST_BYTES, SaveOptions
 from ftsdp.storage.conversion._interfaces import Feed, Sink
-from ftsdp.storage.format._dtypes import dtype_name, safetensors_code
+from ftsdp.storage.format._dtypes import dtype_name
 from ftsdp.storage.format._layout import (
     HF_INDEX,
     HF_SHARD,
@@ -36,7 +36,7 @@ from ftsdp.storage.format._layout import (
 )
 from ftsdp.storage.format._manifest import Manifest
 from ftsdp.storage.format._objects import PlannedObject
-from ftsdp.storage.format._safetensors import write_object
+from ftsdp.storage.format._safetensors import layout, write_object
 from ftsdp.storage.format._steps import committed_steps, remove_attempt, remove_step
 from ftsdp.storage.io._fs import Store, is_plain_name
 from ftsdp.storage.io._streaming import tensor_bytes
@@ -125,22 +125,11 @@ class FtsdpSink(Sink):
 
 
 def _safetensors_head(infos: list, values: dict[str, Any] | None) -> bytes:
-    """Header bytes (8-byte length + JSON padded to 8) of a safetensors file."""
+    """Header bytes of a safetensors file of ``infos`` (``values`` in its metadata)."""
     meta = {"format": "pt"}
     if values:
         meta[HF_VALUES_KEY] = json.dumps(values, separators=(",", ":"))
-    header: dict[str, Any] = {"__metadata__": meta}
-    pos = 0
-    for t in infos:
-        header[t.name] = {
-            "dtype": safetensors_code(t.dtype),
-            "shape": list(t.shape),
-            "data_offsets": [pos, pos + t.nbytes],
-        }
-        pos += t.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
+    return layout([(t.name, t.dtype, t.shape) for t in infos], meta)[0]
 
 
 PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)

@@ -19,11 +19,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NoReturn, TypeGuard
 
-from ftsdp.storage._errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    NewerFormatError,
-)
+from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError, NewerFormatError
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.format._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype

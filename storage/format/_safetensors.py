@@ -4,6 +4,7 @@ each block as its bytes go out, and their headers read and checked."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable, Sequence
 from typing import IO, Any
@@ -21,17 +22,19 @@ _WRITE_SPAN = 2 << 20  # the data goes to the file in spans ending on multiples 
 
 
 def layout(
-    entries: Sequence[tuple[str, torch.dtype, int]],
+    entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    metadata: dict[str, str] | None = None,
 ) -> tuple[bytes, list[tuple[int, int]], int]:
-    """Header bytes, absolute byte range of each ``(key, dtype, numel)`` entry, object size."""
-    header: dict[str, object] = {"__metadata__": {"format": "ftsdp.storage"}}
+    """Header bytes (``metadata`` as ``__metadata__``), absolute byte range of each ``(key,
+    dtype, shape)`` entry, file size."""
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "ftsdp.storage"}}
     pos = 0
     rel = []
-    for key, dtype, numel in entries:
-        nbytes = numel * itemsize(dtype)
+    for key, dtype, shape in entries:
+        nbytes = math.prod(shape) * itemsize(dtype)
         header[key] = {
             "dtype": safetensors_code(dtype),
-            "shape": [numel],
+            "shape": list(shape),
             "data_offsets": [pos, pos + nbytes],
         }
         rel.append((pos, pos + nbytes))

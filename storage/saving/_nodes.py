@@ -30,14 +30,7 @@ from ftsdp.storage.io._collectives import (
     resolve_group,
 )
 from ftsdp.storage.io._fs import Store
-from ftsdp.storage.saving._commit import (
-    Crcs,
-    Lineage,
-    Reports,
-    commit,
-    plan_lineage,
-    report_of,
-)
+from ftsdp.storage.saving._commit import Crcs, Lineage, Reports, commit, plan_lineage, report_of
 from ftsdp.storage.saving._save_plan import SavePlan
 
 logger = logging.getLogger(__name__)
