@@ -261,12 +261,7 @@ def convert(
 
 
 def reshard(
-    src: str,
-    dst: str,
-    world_size: int,
-    *,
-    step: int | None = None,
-    **kwargs: Any,
+    src: str, dst: str, world_size: int, *, step: int | None = None, **kwargs: Any
 ) -> ConvertResult:
     """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline,
     each tensor split into even flat ranges as a sharded save would (other arguments: ``convert``)."""

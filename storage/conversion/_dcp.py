@@ -1,12 +1,7 @@
 """``torch.distributed.checkpoint`` (DCP) directories as a source and a destination, in one
-process (``no_dist=True``), every file through the ``Store`` (``_dcp_store.py``).
-
-[Note: streaming DCP]
-Reading: a tensor saved as row blocks in plain ``torch.save`` items (FSDP2, ``Shard(0)``, our
-writer) is read as flat ranges at the items' data offsets; any other is read whole through
-``dcp.load``, a few tensors within the chunk at a time (docs/cli.md, "Memory"). Writing: each
-tensor is planned as row blocks of at most the chunk, each resolved when the writer asks for it.
-"""
+process (``no_dist=True``), every file through the ``Store`` (``_dcp_store.py``); streamed within
+the chunk (docs/cli.md, "Memory"): row blocks in plain items are read as flat ranges, other
+tensors whole through ``dcp.load``; written as row blocks resolved one at a time."""
 
 from __future__ import annotations
 
@@ -38,6 +33,7 @@ from ftsdp.storage.conversion._sinks import DCP_ITEM, Pending
 from ftsdp.storage.conversion._sources import check_torch_storages
 from ftsdp.storage.format._dtypes import SUPPORTED
 from ftsdp.storage.format._layout import DCP_METADATA
+from ftsdp.storage.format._ranges import Range, check_disjoint_cover
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import TensorInfo, tensor_bytes
 
@@ -160,12 +156,9 @@ class DcpSource(Source):
             flat = (c.offsets[0] if shape else 0) * row
             out.append((flat, numel, info.relative_path, info.offset + start))
         out.sort()
-        pos = 0
-        for flat, numel, _, _ in out:  # the chunks must tile the tensor
-            if flat != pos:
-                return None
-            pos += numel
-        if pos != math.prod(shape):
+        try:  # the chunks must tile the tensor
+            check_disjoint_cover([Range(f, n) for f, n, _, _ in out], math.prod(shape), name)
+        except ValueError:
             return None
         self._layouts[name] = out
         return out

@@ -291,7 +291,7 @@ class StoreReader(_OnStore, StorageReader):
 
 class StoreWriter(_OnStore, StorageWriter):
     """Writes a DCP checkpoint at the store's root: one file per item, resolved one at a time,
-    ``.metadata`` last (see [Note: streaming DCP])."""
+    ``.metadata`` last."""
 
     def __init__(self, store: Store, claim: Callable[[list[str]], None] | None = None) -> None:
         super().__init__(store)

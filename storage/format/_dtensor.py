@@ -23,16 +23,6 @@ def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Ten
     Supports any mix of ``Replicate()`` and ``Shard(d)`` whose local chunk is contiguous in the
     row-major flattening (``Shard(0)`` always is); ``Partial`` and non-contiguous chunks raise.
     """
-    return tuple(dt.shape), _range(name, dt), _local(dt)
-
-
-def _local(dt: Any) -> torch.Tensor:
-    """The shard a DTensor holds (``_local_tensor``: ``to_local()`` goes through autograd)."""
-    local = getattr(dt, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else dt.to_local()
-
-
-def _range(name: str, dt: Any) -> Range:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -47,8 +37,10 @@ def _range(name: str, dt: Any) -> Range:
         shape, dt.device_mesh, dt.placements
     )
     numel = math.prod(local_shape)
+    local = getattr(dt, "_local_tensor", None)  # to_local() goes through autograd
+    local = local if isinstance(local, torch.Tensor) else dt.to_local()
     if numel == 0:
-        return Range(0, 0)
+        return shape, Range(0, 0), local
     # Contiguous iff every dim after the last partial one is full and every dim before it is 1.
     partial = [i for i, (s, g) in enumerate(zip(local_shape, shape, strict=True)) if s != g]
     if partial and any(local_shape[i] != 1 for i in range(partial[-1])):
@@ -58,4 +50,4 @@ def _range(name: str, dt: Any) -> Range:
         )
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     start = sum(o * s for o, s in zip(offsets, strides, strict=True))
-    return Range(start, numel)
+    return shape, Range(start, numel), local

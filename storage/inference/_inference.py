@@ -1,10 +1,6 @@
 """Loading a checkpoint into one process for inference: whole tensors, a module, a lazy mapping
-(memory and the all-or-nothing ``load_into``: docs/cli.md, "Python API for inference").
-
-[Note: the cast rule]
-A saved dtype becomes the target implicitly only when every saved value is a value of the target
-(``_cast_ok``); anything else needs ``dtype=`` (docs/cli.md, the "Casts" table).
-"""
+(docs/cli.md, "Python API for inference"). [Note: the cast rule]: a saved dtype becomes the
+target implicitly only when every saved value is one of the target's (``_cast_ok``; "Casts")."""
 
 from __future__ import annotations
 
@@ -115,10 +111,7 @@ class _Scratch:
 
 
 def _read_group(
-    source: Source,
-    group: list[Request],
-    targets: dict[str, torch.Tensor | None],
-    scratch: _Scratch,
+    source: Source, group: list[Request], targets: dict[str, torch.Tensor | None], scratch: _Scratch
 ) -> None:
     requests, staged = [], []
     scratch.pos = 0  # the previous group's staging is copied out: reuse it
@@ -295,12 +288,9 @@ def load_into(
                 if isinstance(old, torch.nn.Parameter)
                 else new
             )
-            for key in keys:
+            for key in keys:  # a Parameter exactly where the old value was one
                 owner_name, _, attr = key.rpartition(".")
-                owner = module.get_submodule(owner_name)
-                table = owner._parameters if attr in owner._parameters else owner._buffers
-                # a Parameter exactly where the old value was one (the tables' types differ)
-                table[attr] = value  # type: ignore[assignment]
+                setattr(module.get_submodule(owner_name), attr, value)
         still_meta = [
             n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta
         ]

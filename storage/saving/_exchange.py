@@ -1,11 +1,6 @@
-"""The metadata exchange of a save, and its plan: small and independent of the world size for
-regular layouts, gathered to one coordinator for the rest.
-
-[Note: the save exchange] (docs/format.md, "Commit protocol", step 1): every rank issues the
-same collectives in the same order; errors are gathered only when a rank failed or differs in
-step or block size, so every rank raises the same message; nothing grows with the world size on
-any rank but rank 0.
-"""
+"""[Note: the save exchange] (docs/format.md, "Commit protocol", step 1): every rank issues the
+same collectives in the same order and raises the same error; nothing grows with the world size
+on any rank but rank 0 (regular layouts agreed by digests, the rest gathered to rank 0)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Node-local roots: one step saved across machines that share no storage, each machine keeping
-its own ranks' objects and a replica of another machine's.
-
-[Note: node-local roots] (docs/design.md, "The commit protocol"; docs/elastic.md, "The memory
-tier on several machines"): rank 0 cannot read the other machines' done markers, so the commit
-runs through collectives on storage's own gloo group, and ``restore_on_nodes`` sends every node
-what it lacks of the newest step the nodes hold together.
-"""
+"""[Note: node-local roots]: one step saved across machines that share no storage, each keeping
+its ranks' objects and a replica of the next machine's; committed through collectives on
+storage's own gloo group (docs/design.md, "The commit protocol")."""
 
 from __future__ import annotations
 
@@ -104,10 +99,7 @@ def _error(e: BaseException | None) -> str | None:
 
 
 def _transfer(
-    store: Store,
-    rank: int,
-    moves: list[tuple[int, int, str, int]],
-    group: dist.ProcessGroup | None,
+    store: Store, rank: int, moves: list[tuple[int, int, str, int]], group: dist.ProcessGroup | None
 ) -> dict[str, bytes]:
     """Run ``moves`` ``(src, dst, rel, size)`` (the same on every rank): ``src`` sends its file
     ``rel`` to ``dst``. Returns what this rank received, unwritten; a source that cannot read
