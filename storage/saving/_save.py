@@ -205,21 +205,14 @@ def save(
     """Save ``state`` as step ``step`` under ``url``; collective over ``process_group``.
 
     Leaves of ``state`` are tensors (whole, identical on every rank that holds them), DTensors,
-    ``FlatShard``s or JSON-able values. Returns when committed; with ``async_save=True`` as soon
-    as this rank's tensors are copied into host memory, the plan, writes and commit going on in
-    the background (``handle.wait()`` raises their error; a save in flight at exit is lost,
-    with a warning). With ``defer_copy=True`` too it returns before the copy: the caller must
-    not change a saved tensor in place until ``handle.wait_snapshot()`` (or
-    :func:`wait_snapshot`; :func:`snapshot_fence` puts it in front of ``optimizer.step()``).
-    :func:`prepare_save` makes the memory and storage's process group ahead of the first save.
-    ``options`` also hold retention (``keep_last``, ``keep_every``: applied by rank 0 after
-    the commit, never to the step just saved) and ``discard_newer``.
+    ``FlatShard``s or JSON-able values. Returns when committed; with ``async_save=True`` once
+    this rank's tensors are copied to host memory (``handle.wait()`` raises the background's
+    error); with ``defer_copy=True`` too before the copy: saved tensors change in place only
+    after ``handle.wait_snapshot()`` (:func:`wait_snapshot`, :func:`snapshot_fence`).
 
-    A committed ``step`` is never overwritten (FileExistsError) and a save behind newer
-    committed steps is refused (CheckpointError), unless ``SaveOptions(discard_newer=True)``
-    (they are deleted once this step is committed); a concurrent or stale writer loses with
-    ``CommitConflictError`` (docs/design.md, "One timeline"). :func:`save_on_nodes` saves to
-    node-local roots.
+    Raises FileExistsError for a committed ``step``, CheckpointError behind newer committed
+    steps (unless ``SaveOptions(discard_newer=True)``), ``CommitConflictError`` for a
+    concurrent or stale writer (docs/design.md, "One timeline").
     """
     return _save(state, url, step, process_group, async_save, storage_options, options, defer_copy)
 
@@ -238,11 +231,8 @@ def save_on_nodes(
 ) -> SaveHandle:
     """:func:`save` to a node-local root; collective over every rank of the job.
 
-    ``node`` (this rank's node id; every rank passes one) makes ``url`` a node-local root: the
-    ranks with the same id share it, other nodes see their own directory under the same path
-    (host shared memory). The step is committed through collectives and each node also keeps a
-    replica of the previous node's objects: see [Note: node-local roots] in
-    ``storage/saving/_nodes.py`` (:func:`restore_on_nodes` before loading from such a root).
+    ``node``: this rank's node id; the ranks with one id share ``url``, each node has its own
+    directory there ([Note: node-local roots]; :func:`restore_on_nodes` before loading).
     """
     if not isinstance(node, str) or not node:
         raise ValueError(f"save_on_nodes(node={node!r}): node must be a non-empty str")
@@ -610,10 +600,8 @@ def prepare_save(
     """Get ready for ``save(..., async_save=True)`` to ``url``; collective over
     ``process_group`` the first time. Returns the bytes of host memory reserved.
 
-    Creates storage's own process group for deferred saves to ``url`` (see [Note: one lane per
-    root]) and, given the ``state`` to be saved, reserves snapshot memory for this rank's
-    tensors when it fits in ``options.staging_budget_bytes`` (none for a tmpfs root and CPU
-    tensors). Otherwise the first save does both.
+    Creates storage's own process group for saves to ``url`` and, given the ``state``, reserves
+    its snapshot memory when it fits in ``options.staging_budget_bytes`` (else the first save).
     """
     options = options or SaveOptions()
     store = Store(url, storage_options, options.io)
