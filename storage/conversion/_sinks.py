@@ -1,11 +1,7 @@
-"""Writers of the ``ftsdp``, ``hf`` and ``torch`` formats, streaming from a ``Feed`` (``dcp`` is in
-``_dcp.py``); docs/cli.md, "Formats".
-
-[Note: a sink deletes only what it wrote]
-A folder sink records the files it will write in ``PENDING`` until its commit, so an interrupted
-write's leftovers are known to be its own; only names of its own scheme are taken from that record
-(docs/cli.md, "Threat model", "A writer deletes only what it wrote").
-"""
+"""Writers of the ``ftsdp``, ``hf`` and ``torch`` formats, streaming from a ``Feed`` (``dcp``:
+``_dcp.py``). [Note: a sink deletes only what it wrote]: a folder sink records the files it will
+write in ``PENDING`` until its commit and takes only names of its own scheme from that record
+(docs/cli.md, "Threat model")."""
 
 from __future__ import annotations
 
@@ -247,11 +243,8 @@ class HfSink(Sink):
                 f"{url}: a single .safetensors file cannot be split into {n} shards; "
                 "give a directory as destination or drop --max-shard-size"
             )
-        names = (
-            [HF_SINGLE]
-            if n == 1
-            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        )
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        names = names if n > 1 else [HF_SINGLE]
         extra_names = [name for name, _ in self.extra]
         if not self.single_file:  # extra files are the write's own too; a lone model.safetensors
             # is its own commit, recorded only with extra files

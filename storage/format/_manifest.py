@@ -147,12 +147,11 @@ class RegularIndex:
         derived layout disagrees with the manifest."""
         with self._lock:
             hit = self._ranks.get(rank)
-        if hit is not None:
-            return hit
-        out = self._derive(rank)
-        with self._lock:
-            self._ranks[rank] = out
-        return out
+        if hit is None:
+            hit = self._derive(rank)
+            with self._lock:
+                self._ranks[rank] = hit
+        return hit
 
     def _derive(self, rank: int) -> dict[str, list[Piece]]:
         def corrupt(msg: str) -> NoReturn:

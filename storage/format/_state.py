@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +25,6 @@ class TensorLeaf:
     range: Range  # the elements of the global tensor this rank holds
     local: torch.Tensor  # numel == range.length, values in row-major order
     layout: tuple[int, int] | None = None  # FlatShard.layout: (start, chunk) of an even split
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass

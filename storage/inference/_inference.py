@@ -178,8 +178,7 @@ class LoadIntoResult:
     missing: list[str] = field(default_factory=list)  # in the module, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the module
     still_meta: list[str] = field(default_factory=list)  # module tensors left on the meta device
-    # bytes of staging held on top of the module's tensors (see load_into's peak memory)
-    staged_bytes: int = 0
+    staged_bytes: int = 0  # staging held on top of the module's tensors
 
 
 def load_into(
@@ -246,12 +245,8 @@ def load_into(
         for tid, name, saved_dtype, want_dtype, _ in plan:
             old = tensors[tid]
             want_device = torch.device(device or ("cpu" if old.is_meta else old.device))
-            if (
-                old.is_meta
-                or old.device != want_device
-                or old.dtype != want_dtype
-                or not old.is_contiguous()
-            ):
+            moved = old.is_meta or old.device != want_device or old.dtype != want_dtype
+            if moved or not old.is_contiguous():
                 new = torch.empty(old.shape, dtype=want_dtype, device=want_device)
                 replace.append((groups[tid], old, new))
                 reads.append((name, new))
@@ -283,11 +278,9 @@ def load_into(
                     logger.error(note)
                 raise
         for keys, old, new in replace:
-            value = (
-                torch.nn.Parameter(new, requires_grad=old.requires_grad)
-                if isinstance(old, torch.nn.Parameter)
-                else new
-            )
+            value = new
+            if isinstance(old, torch.nn.Parameter):
+                value = torch.nn.Parameter(new, requires_grad=old.requires_grad)
             for key in keys:  # a Parameter exactly where the old value was one
                 owner_name, _, attr = key.rpartition(".")
                 setattr(module.get_submodule(owner_name), attr, value)
