@@ -253,26 +253,6 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
         return self._block(info, first * row, n).view(chunk.sizes)
 
 
-def write_dcp(
-    store: Store,
-    tensors: list[TensorInfo],
-    values: dict[str, Any],
-    block: Callable[[TensorInfo, int, int], torch.Tensor],
-    chunk: int,
-    claim: Callable[[list[str]], None] | None = None,
-) -> None:
-    """Write a DCP checkpoint at the store's root, ``.metadata`` last; ``block(info, offset,
-    length)`` gives flat elements; ``claim(names)`` is told the item files before the first."""
-    planner = _StreamingSavePlanner(tensors, values, block, chunk)
-    writer = StoreWriter(store, claim)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
-    except CheckpointException as e:
-        raise _unwrap(e) from None
-
-
 class DcpSink(Sink):
     """A DCP checkpoint directory (see [Note: a sink deletes only what it wrote])."""
 
@@ -297,9 +277,16 @@ class DcpSink(Sink):
     def write(
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
     ) -> list[str]:
+        """Write the checkpoint, ``.metadata`` last; the item files are claimed before the first."""
         pending = Pending(self.store, DCP_ITEM)
-        claim = functools.partial(pending.claim, overwrite=self.overwrite)
-        write_dcp(self.store, feed.infos, values, feed.block, feed.chunk, claim)
+        writer = StoreWriter(self.store, functools.partial(pending.claim, overwrite=self.overwrite))
+        planner = _StreamingSavePlanner(feed.infos, values, feed.block, feed.chunk)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
+                dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            raise _unwrap(e) from None
         pending.release()
         return [self.store.url]
 

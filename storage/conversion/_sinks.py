@@ -120,14 +120,6 @@ class FtsdpSink(Sink):
         return crcs
 
 
-def _safetensors_head(infos: list, values: dict[str, Any] | None) -> bytes:
-    """Header bytes of a safetensors file of ``infos`` (``values`` in its metadata)."""
-    meta = {"format": "pt"}
-    if values:
-        meta[HF_VALUES_KEY] = json.dumps(values, separators=(",", ":"))
-    return layout([(t.name, t.dtype, t.shape) for t in infos], meta)[0]
-
-
 PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)
 DCP_ITEM = re.compile(r"__\d+_\d+\.distcp")  # what our DCP writer names its files
 
@@ -253,8 +245,11 @@ class HfSink(Sink):
             pending.claim([*extra_names, *names], self.overwrite, record=n > 1 or bool(extra_names))
         for name, produce_extra in self.extra:  # before the tensors: a complete look has them
             self.store.write(name, produce_extra)
+        meta = [{"format": "pt"} for _ in shards]  # the first file also holds the values
+        if values:
+            meta[0][HF_VALUES_KEY] = json.dumps(values, separators=(",", ":"))
         for i, (shard, name) in enumerate(zip(shards, names, strict=True)):
-            head = _safetensors_head(shard, values if i == 0 else None)
+            head = layout([(t.name, t.dtype, t.shape) for t in shard], meta[i])[0]
             requests = [r for t in shard for r in feed.requests(t.name, 0, t.numel)]
 
             def produce(f: IO[bytes], head: bytes = head, requests: list = requests) -> None:
