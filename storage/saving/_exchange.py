@@ -25,16 +25,6 @@ if TYPE_CHECKING:
 _IRREGULAR = ["irregular"]
 
 
-def rule_table(leaves: dict[str, TensorLeaf], rank: int, world: int) -> list[list[Any]]:
-    """This rank's rule table: ``[name, shape, dtype, rule]`` per tensor in name order (every
-    rule ``irregular`` for a single rank: nothing to gain there)."""
-    rows = []
-    for name, t in sorted(leaves.items()):
-        rule = infer_rule(t.shape, t.range, rank, world, t.layout) if world > 1 else IRREGULAR
-        rows.append([name, list(t.shape), dtype_name(t.dtype), rule.as_json()])
-    return rows
-
-
 def exchange(
     leaves: dict[str, TensorLeaf],
     meta: dict[str, Any],
@@ -53,10 +43,13 @@ def exchange(
     rank, world = wire.rank_world(group)
     error = meta.get("error")
     values = meta.get("values", {}) if error is None else {}
-    table, rules = (rule_table(leaves, rank, world), []) if error is None else ([], [])
-    for row in table:
-        rule = row[3]
-        rules += [_KINDS[rule[0]], *(rule[1:] if rule[0] == "even" else (0, 0))]
+    table: list[list[Any]] = []  # [name, shape, dtype, rule] per tensor, in name order
+    rules: list[int] = []
+    for name, t in sorted(leaves.items()) if error is None else ():
+        # every rule irregular for a single rank: nothing to gain there
+        rule = infer_rule(t.shape, t.range, rank, world, t.layout) if world > 1 else IRREGULAR
+        table.append([name, list(t.shape), dtype_name(t.dtype), rule.as_json()])
+        rules += [_KINDS[rule.kind], *((rule.start, rule.chunk) if rule.kind == "even" else (0, 0))]
     # Ranks whose options pack objects differently would derive other ranks' objects unlike
     # those written (a committed step no reader could derive): such tables never agree.
     shaped = [world, options.object_bytes, options.replica_split_bytes, [r[:3] for r in table]]

@@ -80,20 +80,6 @@ class Nodes:
         return nxt[self._local[rank] % len(nxt)]
 
 
-def _group_for(process_group: dist.ProcessGroup | None, url: str) -> dist.ProcessGroup | None:
-    """Storage's own gloo group for ``url``'s lane over every rank; ValueError over a subgroup."""
-    group = resolve_group(process_group)
-    if group is None:
-        return None
-    own = own_group(group, Store(url, None).where())
-    if own is None:
-        raise ValueError(
-            f"node-local saves to {url} need every rank of the job (storage's own gloo group); "
-            "the process group given is a subgroup: save over the whole job, or to a shared root"
-        )
-    return own
-
-
 def _error(e: BaseException | None) -> str | None:
     return None if e is None else f"{type(e).__name__}: {e}"
 
@@ -288,9 +274,17 @@ def restore_on_nodes(
     nodes hold together, what a node lacks sent by one that has it; then ``load(state, url,
     step)`` reads it. ``node``: this rank's node id (ranks with one id share the root). None,
     on every rank, when no step qualifies or the exchange failed (logged)."""
-    group = _group_for(process_group, url)
-    rank, _ = rank_world(group)
     store = Store(url, None)
+    group = resolve_group(process_group)
+    if group is not None:  # storage's own gloo group for the root's lane, over every rank
+        group = own_group(group, store.where())
+        if group is None:
+            raise ValueError(
+                f"node-local saves to {url} need every rank of the job (storage's own gloo "
+                "group); the process group given is a subgroup: save over the whole job, or to "
+                "a shared root"
+            )
+    rank, _ = rank_world(group)
     nodes = Nodes(tuple(all_gather_json(node, group)))
     leaders = [nodes.ranks(n)[0] for n in nodes.order]
     mine: dict[str, Any] | None = None
