@@ -4,12 +4,12 @@ by a format's name. The dcp row imports ``_dcp.py`` (and DCP) only when it is us
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError
-from ftsdp.storage._options import IOOptions, LoadOptions
+from ftsdp.storage._options import LoadOptions
 from ftsdp.storage.conversion._interfaces import Sink, Source
 from ftsdp.storage.conversion._sinks import FtsdpSink, HfSink, TorchSink
 from ftsdp.storage.conversion._sources import FtsdpSource, HfSource, TorchSource
@@ -167,21 +167,3 @@ def open_source(
         raise ValueError(f"a step was given but {url} is a {f.name} checkpoint, which has no steps")
     options = options or LoadOptions()
     return f.open(Store(url, storage_options, options.io), step, chunk, trust_pickle, options)
-
-
-def make_sink(
-    fmt: str,
-    url: str,
-    storage_options: dict | None,
-    *,
-    world_size: int | None,
-    max_shard_bytes: int | None,
-    object_bytes: int,
-    chunk: int,
-    overwrite: bool = False,
-    extra: Sequence[tuple[str, Callable]] = (),
-) -> Sink:
-    """The writer of format ``fmt`` at ``url``, its uploads buffering ``chunk`` bytes."""
-    store = Store(url, storage_options, IOOptions(part_bytes=chunk))
-    options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
-    return get_format(fmt).sink(store, options)
