@@ -90,7 +90,14 @@ class DcpSource(Source):
             elif isinstance(md, BytesStorageMetadata):
                 value_keys.append(fqn)
         if value_keys:
-            self._load_values(value_keys)
+            state: dict[str, Any] = dict.fromkeys(value_keys)
+            failed: list[str] = []
+            self._load(state, failed)
+            for key in value_keys:
+                if key in failed:
+                    self.dropped.append(f"{key} (not loadable with weights_only=True)")
+                else:
+                    self.keep_value(key, state[key])
         self.order = list(self.tensors)
 
     def _load(self, state: dict[str, Any], failed: list[str]) -> None:
@@ -110,16 +117,6 @@ class DcpSource(Source):
             raise CorruptCheckpointError(
                 f"DCP checkpoint {self.url}: read failed ({cause})"
             ) from None
-
-    def _load_values(self, keys: list[str]) -> None:
-        state: dict[str, Any] = dict.fromkeys(keys)
-        failed: list[str] = []
-        self._load(state, failed)
-        for key in keys:
-            if key in failed:
-                self.dropped.append(f"{key} (not loadable with weights_only=True)")
-                continue
-            self.keep_value(key, state[key])
 
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
         """(flat offset, length, file, byte offset) of each saved row block; None if not all are."""

@@ -59,11 +59,6 @@ def _dcp() -> ModuleType:
     return importlib.import_module("ftsdp.storage.conversion._dcp")
 
 
-def _is_ftsdp_root(p: Probe) -> bool:
-    """A directory with ``latest`` or a ``step-<N>`` directory, whatever else it holds."""
-    return not p.is_file and (LATEST in p.names or any(parse_step(n) is not None for n in p.dirs))
-
-
 _TABLE = {
     f.name: f
     for f in (
@@ -71,7 +66,10 @@ _TABLE = {
             "ftsdp",
             open=lambda store, step, chunk, trust, options: FtsdpSource(store, step, options),
             sink=lambda store, o: FtsdpSink(store, o.world_size or 1, o.object_bytes),
-            detect=_is_ftsdp_root,
+            detect=lambda p: (  # latest or a step-<N> directory, whatever else it holds
+                not p.is_file
+                and (LATEST in p.names or any(parse_step(n) is not None for n in p.dirs))
+            ),
             steps=True,
         ),
         Format(

@@ -70,13 +70,6 @@ def read_record(values: Mapping[str, Any], src: str) -> dict[str, Any] | None:
     return {**record, "hf_config": config}
 
 
-def _weights_dtype(ckpt: storage.LazyStateDict, dtype: torch.dtype | None) -> str | None:
-    """The dtype name the exported floating model weights have (None when they mix dtypes)."""
-    kinds = {dtype} if dtype else {ckpt.info(n).dtype for n in ckpt if n.startswith(MODEL_PREFIX)}
-    kinds = {k for k in kinds if k.is_floating_point}
-    return str(kinds.pop()).removeprefix("torch.") if len(kinds) == 1 else None
-
-
 def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
     """``config.json`` of the recorded config, its dtype (``dtype``, and ``torch_dtype`` when the
     config has that older key) set to the weights' as ``save_pretrained`` would."""
@@ -265,7 +258,10 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
         args.src, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
     ) as ckpt:
         record = read_record(ckpt.values, args.src)
-        dtype = _weights_dtype(ckpt, args.dtype)
+        # the exported floating weights' dtype name (None when they mix dtypes)
+        kinds = {ckpt.info(n).dtype for n in ckpt if n.startswith(MODEL_PREFIX)}
+        kinds = {k for k in ({args.dtype} if args.dtype else kinds) if k.is_floating_point}
+        dtype = str(kinds.pop()).removeprefix("torch.") if len(kinds) == 1 else None
         step = ckpt.step  # pinned: a job committing meanwhile does not change what is exported
         config = record and record.get("hf_config")
         tied, tie_notes = tied_copies(ckpt, config, args.max_memory // 8) if config else ([], [])
