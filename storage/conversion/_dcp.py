@@ -104,12 +104,8 @@ class DcpSource(Source):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
-                dcp.load(
-                    state,
-                    storage_reader=StoreReader(self.store, self._meta),
-                    planner=_SafeLoadPlanner(failed),
-                    no_dist=True,
-                )
+                reader, planner = StoreReader(self.store, self._meta), _SafeLoadPlanner(failed)
+                dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             cause = _unwrap(e)
             if not isinstance(cause, Exception):
@@ -220,15 +216,9 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
                 n = min(step, rows - r0)
                 offsets = torch.Size([r0, *[0] * (len(shape) - 1)]) if shape else torch.Size([])
                 sizes = torch.Size([n, *shape[1:]]) if shape else torch.Size([])
-                items.append(
-                    WriteItem(
-                        index=MetadataIndex(t.name, offsets),
-                        type=WriteItemType.TENSOR if n == rows else WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            ChunkStorageMetadata(offsets, sizes), props, shape
-                        ),
-                    )
-                )
+                data = TensorWriteData(ChunkStorageMetadata(offsets, sizes), props, shape)
+                kind = WriteItemType.TENSOR if n == rows else WriteItemType.SHARD
+                items.append(WriteItem(MetadataIndex(t.name, offsets), kind, tensor_data=data))
         for name in self._values:
             items.append(WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items)

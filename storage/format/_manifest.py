@@ -548,14 +548,9 @@ def _decode_regular(
     layout = RegularLayout(
         world, section["object_bytes"], tuple((n, *rules[n]) for n in sorted(rules))
     )
+    counts, sums = (tuple(column) for column in zip(*ranks, strict=True))
     index = RegularIndex(
-        layout,
-        tuple(r[0] for r in ranks),
-        tuple(r[1] for r in ranks),
-        attempt=attempt,
-        step=doc["step"],
-        block=block,
-        objects=objects,
+        layout, counts, sums, attempt=attempt, step=doc["step"], block=block, objects=objects
     )
     owned = set()
     for rank in range(world):
