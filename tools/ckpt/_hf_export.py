@@ -70,17 +70,6 @@ def read_record(values: Mapping[str, Any], src: str) -> dict[str, Any] | None:
     return {**record, "hf_config": config}
 
 
-def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
-    """``config.json`` of the recorded config, its dtype (``dtype``, and ``torch_dtype`` when the
-    config has that older key) set to the weights' as ``save_pretrained`` would."""
-    config = dict(config)
-    if dtype is not None:
-        config["dtype"] = dtype
-        if "torch_dtype" in config:
-            config["torch_dtype"] = dtype
-    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
-
-
 # The config keys that count layers: ties do not depend on depth, so the model is built with one.
 LAYER_KEYS = (
     "n_layer", "n_layers", "num_layers", "num_hidden_layers", "num_decoder_layers",
@@ -281,7 +270,13 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
     if args.dst.rstrip("/").endswith(".safetensors"):  # one file
         note = f"note: {args.dst} is one file: config.json and tokenizer files not written ({DOCS})"
         return kwargs, lambda r: [*notes, note]
-    kwargs["extra_files"] = {"config.json": config_json(config, dtype)}
+    config = dict(config)  # its dtype set to the weights' as save_pretrained does
+    if dtype is not None:
+        config["dtype"] = dtype
+        if "torch_dtype" in config:  # the older key
+            config["torch_dtype"] = dtype
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    kwargs["extra_files"] = {"config.json": text.encode()}
     assert record is not None  # config came from it
     folder, files, tokenizer_notes = tokenizer_source(
         args.src, args.tokenizer, record.get("tokenizer_dir")
