@@ -1,18 +1,6 @@
-"""storage: sharded, resharding-capable checkpoints on any fsspec URL (docs/format.md; the rooms
-and what each exports: docs/design.md, "The map"). ``storage`` never imports the rest of ``ftsdp``.
-
-```python
-h = storage.save(state, url, step=100, async_save=True)  # h.wait(), h.done(), h.blocking_seconds
-storage.save(state, url, 200, options=storage.SaveOptions(keep_last=3))  # with retention
-storage.load(state, url)                                 # in place, newest committed step
-storage.list_steps(url)                                  # committed steps, ascending
-storage.load_state_dict(url, keys=None, dtype=None)      # full tensors in one process
-storage.load_into(module, url)                           # also a module on the meta device
-storage.LazyStateDict(url)                               # tensors read on first access
-```
-Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's flat range) or
-JSON-able values.
-"""
+"""storage: sharded, resharding-capable checkpoints on any fsspec URL; ``storage`` never imports the
+rest of ``ftsdp``. The calls in brief: docs/format.md, "The calls"; the rooms and what each
+exports: docs/design.md, "The map"."""
 
 import importlib as _importlib
 import typing as _typing
