@@ -18,7 +18,7 @@ from ftsdp.storage._errors import (
     UnsafeCheckpointError,
 )
 from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
-from ftsdp.storage.format._flat_shard import FlatShard
+from ftsdp.storage.format._state import FlatShard
 from ftsdp.storage.format._steps import list_steps
 from ftsdp.storage.inference._inference import LazyStateDict, load_into, load_state_dict
 from ftsdp.storage.loading._load import LoadResult, load
