@@ -83,16 +83,14 @@ class FtsdpSink(Sink):
                 values=values,
                 rank_values=rank_values,
             )
-            # The reader's checks before the commit: a step committed is one that load,
-            # inspect and verify accept, whatever the source held.
+            # The reader's checks first: a step committed is one load, inspect and verify accept.
             where = self.store.where(manifest_path(step))
             try:
                 Manifest.from_json(manifest.to_json(), where=where)
             except CheckpointError as e:
                 raise ValueError(f"not committed, a reader would refuse it: {e}") from None
         except BaseException:
-            # Only this attempt's own objects; what a failed removal leaves is a torn attempt
-            # for gc, and the error to report is the first one.
+            # Only this attempt's objects; a failed removal is left to gc, the first error raised.
             with contextlib.suppress(Exception):
                 remove_attempt(self.store, step, attempt)
             raise

@@ -10,9 +10,7 @@ from typing import TextIO
 
 def printable(text: object) -> str:
     """``str(text)`` with each non-printable character escaped as Python writes it (``\\x1b``,
-    ``\\r``, ``\\n``, ``\\u202e``), other unicode kept: tensor and file names come from the
-    checkpoint, and a raw escape sequence or carriage return could hide or forge a line. For
-    human-readable output only (JSON output stays exact)."""
+    ``\\u202e``): names from a checkpoint must not hide or forge a line (not for JSON output)."""
     text = str(text)
     if text.isprintable():
         return text
