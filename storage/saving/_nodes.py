@@ -323,13 +323,8 @@ def restore_on_nodes(
         logger.warning("node-local root %s: restoring step %d failed: %s", url, step, failures[0])
         return None
     if moves:
-        logger.info(
-            "node-local root %s: step %d restored on every node (%d files, %d bytes sent)",
-            url,
-            step,
-            len(moves),
-            sum(m[3] for m in moves),
-        )
+        what = f"{len(moves)} files, {sum(m[3] for m in moves)} bytes sent"
+        logger.info("node-local root %s: step %d restored on every node (%s)", url, step, what)
     return step
 
 

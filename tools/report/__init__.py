@@ -178,17 +178,7 @@ def build_report(
         title = title or "ftsdp run report: " + ", ".join(r.label for r in runs)
     title = title or f"ftsdp fault suite: {len(suite)} scenarios"
     figure, axes = run_figure(runs, sources, marks, rows, suite, title, dpi=dpi)
-    return Report(
-        figure=figure,
-        axes=axes,
-        title=title,
-        inputs=names,
-        faults=rows,
-        markers=marks,
-        suite=suite,
-        runs=runs,
-        skipped=skipped,
-    )
+    return Report(figure, axes, title, names, rows, marks, suite, runs, skipped)
 
 
 def build_bench(path: str | os.PathLike[str], *, title: str | None = None, dpi: int = 80) -> Report:
