@@ -215,11 +215,8 @@ def open_item(store: Store, info: _StorageInfo) -> IO[bytes]:
 
 def read_metadata(store: Store, trust_pickle: bool = False) -> Metadata:
     """The checked ``.metadata`` at the store's root (FileNotFoundError when absent)."""
-    return unpickle_metadata(
-        store.read_bounded(DCP_METADATA, MAX_MANIFEST_BYTES),
-        store.where(DCP_METADATA),
-        trust_pickle,
-    )
+    data = store.read_bounded(DCP_METADATA, MAX_MANIFEST_BYTES)
+    return unpickle_metadata(data, store.where(DCP_METADATA), trust_pickle)
 
 
 def _done(value: Any = None) -> Future:
@@ -242,6 +239,9 @@ class _OnStore:
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False  # never picked by DCP's own guessing: it is passed explicitly
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
 
 
 class StoreReader(_OnStore, StorageReader):
@@ -272,9 +272,6 @@ class StoreReader(_OnStore, StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
@@ -325,9 +322,6 @@ class StoreWriter(_OnStore, StorageWriter):
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=self.store.url, save_id=self.save_id)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return [

@@ -443,10 +443,8 @@ def _decode(doc: Any, where: str) -> Manifest:
     values = doc.get("values", {})
     rank_values = doc.get("rank_values", [])
     need(isinstance(values, dict), "values is not a JSON object")
-    need(
-        isinstance(rank_values, list) and all(isinstance(v, dict) for v in rank_values),
-        "rank_values is not a list of JSON objects",
-    )
+    if not (isinstance(rank_values, list) and all(isinstance(v, dict) for v in rank_values)):
+        fail("rank_values is not a list of JSON objects")
     return Manifest(
         step=doc["step"],
         world_size=doc["world_size"],
