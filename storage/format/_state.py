@@ -18,15 +18,11 @@ from ftsdp.storage.format._ranges import Range
 
 @dataclass(frozen=True)
 class FlatShard:
-    """Elements ``[offset, offset + local.numel())`` of the row-major flattening of a tensor.
-
-    ``global_shape`` is the shape of the whole (unsharded) tensor; ``local`` is the 1-D tensor this
-    rank holds (on any device). ``save`` reads it, ``load`` fills it in place.
-
-    ``layout``, optional: ``(start, chunk)`` of an ``even`` rule (docs/format.md, "Tensors
-    described by a rule"): a FlatParameter's offset in its unit's flat buffer and the shard size
-    (a wrong one is caught: the ranges are checked against it).
-    """
+    """Elements ``[offset, offset + local.numel())`` of the row-major flattening of a tensor of
+    ``global_shape``; ``local`` (1-D, any device) is what this rank holds: ``save`` reads it,
+    ``load`` fills it in place. ``layout``, optional: ``(start, chunk)`` of an ``even`` rule (a
+    FlatParameter's offset in its unit's buffer and the shard size, checked against the ranges;
+    docs/format.md, "Tensors described by a rule")."""
 
     global_shape: tuple[int, ...]
     offset: int
