@@ -66,11 +66,8 @@ def is_dtensor(obj: Any) -> bool:
 
 
 def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Tensor]:
-    """``(global_shape, flat range, local tensor)`` of this rank's shard of DTensor ``dt``.
-
-    Supports any mix of ``Replicate()`` and ``Shard(d)`` whose local chunk is contiguous in the
-    row-major flattening (``Shard(0)`` always is); ``Partial`` and non-contiguous chunks raise.
-    """
+    """``(global_shape, flat range, local tensor)`` of this rank's shard of DTensor ``dt``: any
+    ``Replicate()``/``Shard(d)`` mix whose chunk is contiguous (``Partial`` and others raise)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -149,12 +146,9 @@ def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
 
 
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:
-    """Split ``state`` into tensor leaves and JSON value leaves keyed by dotted name.
-
-    Mappings (str or int keys) and lists holding tensors are walked; any other leaf must be a
-    tensor, a ``FlatShard``, a DTensor, or JSON-serialisable. Two paths that flatten to the same
-    dotted name raise ``ValueError``.
-    """
+    """Tensor leaves (tensors, ``FlatShard``s, DTensors) and JSON value leaves of ``state`` by
+    dotted name, walking mappings (str or int keys) and lists holding tensors; TypeError for
+    another leaf, ValueError when two paths flatten to one name."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping, got {type(state).__name__}")
     tensors: dict[str, TensorLeaf] = {}

@@ -33,13 +33,10 @@ def exchange(
     options: SaveOptions,
     wire: Any = _collectives,
 ) -> tuple[SavePlan, dict[str, Any], int]:
-    """Agree on and plan the save of ``step``; collective over ``group``.
-
-    ``meta``: this rank's ``error`` (or None), JSON ``values`` and, on rank 0, ``attempt`` and
-    ``replaces``. Returns the plan, this rank's values and the number of ranks; raises the same
-    error on every rank when a rank failed, the steps differ, or the ranges do not fit together.
-    ``wire``: the collectives (``ftsdp.tools.dev.simulation`` replaces them).
-    """
+    """The plan of ``step``, this rank's values and the world size; collective over ``group``.
+    ``meta``: this rank's ``error``, ``values`` and (rank 0) ``attempt`` and ``replaces``;
+    ``wire``: the collectives (the scale simulation's stand-ins). Raises the same error on every
+    rank when a rank failed, the steps differ or the ranges do not fit together."""
     rank, world = wire.rank_world(group)
     error = meta.get("error")
     values = meta.get("values", {}) if error is None else {}

@@ -108,13 +108,9 @@ def copy_into(
     *,
     as_bytes: bool = False,
 ) -> list[Any]:
-    """Copy 1-D ``tensors`` into ``buf`` packed at aligned offsets; returns the views (with
-    ``as_bytes``, memoryviews of their bytes, which is what a writer wants).
-
-    CUDA tensors are copied on ``stream`` when given, synchronised before this returns.
-    ``layouts`` (kept as long as ``buf``'s memory) keeps the views for the next copy of the same
-    dtypes and sizes into ``buf`` (docs/elastic.md, "Saves that do not stop training").
-    """
+    """Copy 1-D ``tensors`` into ``buf`` at aligned offsets (CUDA ones on ``stream``, synchronised
+    here); the views (``as_bytes``: memoryviews), kept in ``layouts`` for the next copy of the same
+    dtypes and sizes (docs/elastic.md, "Saves that do not stop training")."""
     key = (buf.data_ptr(), buf.numel(), tuple((t.dtype, t.numel()) for t in tensors))
     kept = None if layouts is None else layouts.get(key)
     if kept is None:
