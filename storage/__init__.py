@@ -1,33 +1,13 @@
-"""storage: sharded, resharding-capable checkpoints on any fsspec URL (docs/format.md; the rooms
-and what each exports: docs/design.md, "The map"). ``storage`` never imports the rest of ``ftsdp``.
-
-```python
-h = storage.save(state, url, step=100, async_save=True)  # h.wait(), h.done(), h.blocking_seconds
-storage.save(state, url, 200, options=storage.SaveOptions(keep_last=3))  # with retention
-storage.load(state, url)                                 # in place, newest committed step
-storage.list_steps(url)                                  # committed steps, ascending
-storage.load_state_dict(url, keys=None, dtype=None)      # full tensors in one process
-storage.load_into(module, url)                           # also a module on the meta device
-storage.LazyStateDict(url)                               # tensors read on first access
-```
-Leaves of ``state``: ``torch.Tensor`` (whole), DTensor, ``FlatShard`` (a rank's flat range) or
-JSON-able values.
-"""
+"""storage: sharded, resharding-capable checkpoints on any fsspec URL; ``storage`` never imports the
+rest of ``ftsdp``. The calls in brief: docs/format.md, "The calls"; the rooms and what each
+exports: docs/design.md, "The map"."""
 
 import importlib as _importlib
 import typing as _typing
 import warnings as _warnings
 
 # the rooms, as attributes (``storage.catalog.verify``)
-from ftsdp.storage import (  # noqa: F401
-    catalog,
-    conversion,
-    format,
-    inference,
-    io,
-    loading,
-    saving,
-)
+from ftsdp.storage import catalog, conversion, format, inference, io, loading, saving  # noqa: F401
 from ftsdp.storage._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -38,7 +18,7 @@ from ftsdp.storage._errors import (
     UnsafeCheckpointError,
 )
 from ftsdp.storage._options import IOOptions, LoadOptions, SaveOptions
-from ftsdp.storage.format._flat_shard import FlatShard
+from ftsdp.storage.format._state import FlatShard
 from ftsdp.storage.format._steps import list_steps
 from ftsdp.storage.inference._inference import LazyStateDict, load_into, load_state_dict
 from ftsdp.storage.loading._load import LoadResult, load
@@ -71,31 +51,17 @@ __all__ = [
 # Names exported here before the rooms had their own (CHANGELOG.md): they still resolve, with a
 # DeprecationWarning naming the room.
 _MOVED = {
-    **dict.fromkeys(
-        [
-            "GcReport",
-            "VerifyReport",
-            "apply_retention",
-            "clear_steps",
-            "collect_garbage",
-            "diff",
-            "inspect_checkpoint",
-            "read_manifest",
-            "verify",
-        ],
-        "ftsdp.storage.catalog",
-    ),
-    **dict.fromkeys(
-        ["FORMATS", "ConvertResult", "convert", "detect_format", "reshard"],
-        "ftsdp.storage.conversion",
-    ),
-    **dict.fromkeys(["FORMAT_VERSION", "Manifest"], "ftsdp.storage.format"),
-    **dict.fromkeys(
-        ["clear_on_nodes", "prepare_save", "restore_on_nodes", "snapshot_fence", "wait_snapshot"],
-        "ftsdp.storage.saving",
-    ),
-    "DEFAULT_MAX_MEMORY": "ftsdp.storage.io",
-    "LoadIntoResult": "ftsdp.storage.inference",
+    name: f"ftsdp.storage.{room}"
+    for room, names in {
+        "catalog": "GcReport VerifyReport apply_retention clear_steps collect_garbage diff "
+        "inspect_checkpoint read_manifest verify",
+        "conversion": "FORMATS ConvertResult convert detect_format reshard",
+        "format": "FORMAT_VERSION Manifest",
+        "saving": "clear_on_nodes prepare_save restore_on_nodes snapshot_fence wait_snapshot",
+        "io": "DEFAULT_MAX_MEMORY",
+        "inference": "LoadIntoResult",
+    }.items()
+    for name in names.split()
 }
 
 

@@ -18,9 +18,8 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):
-    """Reading the checkpoint would need trust it was not given: a pickle that names something
-    other than the plain data its format is made of (reading it could run code). Opening it with
-    ``trust_pickle=True`` (``--trust-pickle``) unpickles it fully: only for checkpoints you trust."""
+    """A pickle names something other than its format's plain data (unpickling it could run
+    code); ``trust_pickle=True`` (``--trust-pickle``) opens it: only for checkpoints you trust."""
 
 
 class NewerFormatError(CheckpointError):

@@ -62,11 +62,8 @@ class SaveOptions:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"SaveOptions: {name}={value!r} must be an int >= 1 or None")
-        _positive(
-            self,
-            *("object_bytes", "checksum_block_bytes", "replica_split_bytes"),
-            *("staging_budget_bytes", "commit_timeout_s"),
-        )
+        _positive(self, "object_bytes", "checksum_block_bytes", "replica_split_bytes")
+        _positive(self, "staging_budget_bytes", "commit_timeout_s")
         if self.checksum_block_bytes % 16:
             raise ValueError(
                 f"SaveOptions: checksum_block_bytes={self.checksum_block_bytes} must be a "

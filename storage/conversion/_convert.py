@@ -12,7 +12,8 @@ from typing import IO, Any
 
 import torch
 
-from ftsdp.storage.conversion._formats import get_format, make_sink, open_source
+from ftsdp.storage._options import IOOptions
+from ftsdp.storage.conversion._formats import SinkOptions, get_format, open_source
 from ftsdp.storage.conversion._interfaces import Feed, OutTensor, Source
 from ftsdp.storage.conversion._sinks import PENDING
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE
@@ -227,11 +228,9 @@ def convert(
             strip_prefix=strip_prefix, exclude=exclude,
         )  # fmt: skip
         extra = _extra_writers(extra_files, copy_files, copy_files_from, storage_options, chunk)
-        sink = make_sink(
-            to, dst, storage_options, world_size=world_size,
-            max_shard_bytes=max_shard_bytes, object_bytes=object_bytes, chunk=chunk,
-            overwrite=overwrite, extra=extra,
-        )  # fmt: skip
+        store = Store(dst, storage_options, IOOptions(part_bytes=chunk))  # uploads buffer a chunk
+        options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
+        sink = get_format(to).sink(store, options)
         if sink.holds_checkpoint():
             if not overwrite:
                 raise FileExistsError(
@@ -261,12 +260,7 @@ def convert(
 
 
 def reshard(
-    src: str,
-    dst: str,
-    world_size: int,
-    *,
-    step: int | None = None,
-    **kwargs: Any,
+    src: str, dst: str, world_size: int, *, step: int | None = None, **kwargs: Any
 ) -> ConvertResult:
     """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline,
     each tensor split into even flat ranges as a sharded save would (other arguments: ``convert``)."""

@@ -4,12 +4,12 @@ by a format's name. The dcp row imports ``_dcp.py`` (and DCP) only when it is us
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 from ftsdp.storage._errors import CheckpointError, CheckpointNotFoundError
-from ftsdp.storage._options import IOOptions, LoadOptions
+from ftsdp.storage._options import LoadOptions
 from ftsdp.storage.conversion._interfaces import Sink, Source
 from ftsdp.storage.conversion._sinks import FtsdpSink, HfSink, TorchSink
 from ftsdp.storage.conversion._sources import FtsdpSource, HfSource, TorchSource
@@ -59,11 +59,6 @@ def _dcp() -> ModuleType:
     return importlib.import_module("ftsdp.storage.conversion._dcp")
 
 
-def _is_ftsdp_root(p: Probe) -> bool:
-    """A directory with ``latest`` or a ``step-<N>`` directory, whatever else it holds."""
-    return not p.is_file and (LATEST in p.names or any(parse_step(n) is not None for n in p.dirs))
-
-
 _TABLE = {
     f.name: f
     for f in (
@@ -71,7 +66,10 @@ _TABLE = {
             "ftsdp",
             open=lambda store, step, chunk, trust, options: FtsdpSource(store, step, options),
             sink=lambda store, o: FtsdpSink(store, o.world_size or 1, o.object_bytes),
-            detect=_is_ftsdp_root,
+            detect=lambda p: (  # latest or a step-<N> directory, whatever else it holds
+                not p.is_file
+                and (LATEST in p.names or any(parse_step(n) is not None for n in p.dirs))
+            ),
             steps=True,
         ),
         Format(
@@ -167,21 +165,3 @@ def open_source(
         raise ValueError(f"a step was given but {url} is a {f.name} checkpoint, which has no steps")
     options = options or LoadOptions()
     return f.open(Store(url, storage_options, options.io), step, chunk, trust_pickle, options)
-
-
-def make_sink(
-    fmt: str,
-    url: str,
-    storage_options: dict | None,
-    *,
-    world_size: int | None,
-    max_shard_bytes: int | None,
-    object_bytes: int,
-    chunk: int,
-    overwrite: bool = False,
-    extra: Sequence[tuple[str, Callable]] = (),
-) -> Sink:
-    """The writer of format ``fmt`` at ``url``, its uploads buffering ``chunk`` bytes."""
-    store = Store(url, storage_options, IOOptions(part_bytes=chunk))
-    options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
-    return get_format(fmt).sink(store, options)

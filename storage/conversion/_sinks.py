@@ -1,11 +1,7 @@
-"""Writers of the ``ftsdp``, ``hf`` and ``torch`` formats, streaming from a ``Feed`` (``dcp`` is in
-``_dcp.py``); docs/cli.md, "Formats".
-
-[Note: a sink deletes only what it wrote]
-A folder sink records the files it will write in ``PENDING`` until its commit, so an interrupted
-write's leftovers are known to be its own; only names of its own scheme are taken from that record
-(docs/cli.md, "Threat model", "A writer deletes only what it wrote").
-"""
+"""Writers of the ``ftsdp``, ``hf`` and ``torch`` formats, streaming from a ``Feed`` (``dcp``:
+``_dcp.py``). [Note: a sink deletes only what it wrote]: a folder sink records the files it will
+write in ``PENDING`` until its commit and takes only names of its own scheme from that record
+(docs/cli.md, "Threat model")."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ import torch
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import MAX_MANIFEST_BYTES, SaveOptions
 from ftsdp.storage.conversion._interfaces import Feed, Sink
-from ftsdp.storage.format._dtypes import dtype_name, safetensors_code
+from ftsdp.storage.format._dtypes import dtype_name
 from ftsdp.storage.format._layout import (
     HF_INDEX,
     HF_SHARD,
@@ -36,7 +32,7 @@ from ftsdp.storage.format._layout import (
 )
 from ftsdp.storage.format._manifest import Manifest
 from ftsdp.storage.format._objects import PlannedObject
-from ftsdp.storage.format._safetensors import write_object
+from ftsdp.storage.format._safetensors import layout, write_object
 from ftsdp.storage.format._steps import committed_steps, remove_attempt, remove_step
 from ftsdp.storage.io._fs import Store, is_plain_name
 from ftsdp.storage.io._streaming import tensor_bytes
@@ -87,16 +83,14 @@ class FtsdpSink(Sink):
                 values=values,
                 rank_values=rank_values,
             )
-            # The reader's checks before the commit: a step committed is one that load,
-            # inspect and verify accept, whatever the source held.
+            # The reader's checks first: a step committed is one load, inspect and verify accept.
             where = self.store.where(manifest_path(step))
             try:
                 Manifest.from_json(manifest.to_json(), where=where)
             except CheckpointError as e:
                 raise ValueError(f"not committed, a reader would refuse it: {e}") from None
         except BaseException:
-            # Only this attempt's own objects; what a failed removal leaves is a torn attempt
-            # for gc, and the error to report is the first one.
+            # Only this attempt's objects; a failed removal is left to gc, the first error raised.
             with contextlib.suppress(Exception):
                 remove_attempt(self.store, step, attempt)
             raise
@@ -122,25 +116,6 @@ class FtsdpSink(Sink):
 
         self.store.write(f"{step_dir(step)}/{obj.name}", produce)
         return crcs
-
-
-def _safetensors_head(infos: list, values: dict[str, Any] | None) -> bytes:
-    """Header bytes (8-byte length + JSON padded to 8) of a safetensors file."""
-    meta = {"format": "pt"}
-    if values:
-        meta[HF_VALUES_KEY] = json.dumps(values, separators=(",", ":"))
-    header: dict[str, Any] = {"__metadata__": meta}
-    pos = 0
-    for t in infos:
-        header[t.name] = {
-            "dtype": safetensors_code(t.dtype),
-            "shape": list(t.shape),
-            "data_offsets": [pos, pos + t.nbytes],
-        }
-        pos += t.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
 
 
 PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)
@@ -258,11 +233,8 @@ class HfSink(Sink):
                 f"{url}: a single .safetensors file cannot be split into {n} shards; "
                 "give a directory as destination or drop --max-shard-size"
             )
-        names = (
-            [HF_SINGLE]
-            if n == 1
-            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        )
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        names = names if n > 1 else [HF_SINGLE]
         extra_names = [name for name, _ in self.extra]
         if not self.single_file:  # extra files are the write's own too; a lone model.safetensors
             # is its own commit, recorded only with extra files
@@ -271,8 +243,11 @@ class HfSink(Sink):
             pending.claim([*extra_names, *names], self.overwrite, record=n > 1 or bool(extra_names))
         for name, produce_extra in self.extra:  # before the tensors: a complete look has them
             self.store.write(name, produce_extra)
+        meta = [{"format": "pt"} for _ in shards]  # the first file also holds the values
+        if values:
+            meta[0][HF_VALUES_KEY] = json.dumps(values, separators=(",", ":"))
         for i, (shard, name) in enumerate(zip(shards, names, strict=True)):
-            head = _safetensors_head(shard, values if i == 0 else None)
+            head = layout([(t.name, t.dtype, t.shape) for t in shard], meta[i])[0]
             requests = [r for t in shard for r in feed.requests(t.name, 0, t.numel)]
 
             def produce(f: IO[bytes], head: bytes = head, requests: list = requests) -> None:

@@ -19,11 +19,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NoReturn, TypeGuard
 
-from ftsdp.storage._errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    NewerFormatError,
-)
+from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError, NewerFormatError
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.format._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
@@ -151,12 +147,11 @@ class RegularIndex:
         derived layout disagrees with the manifest."""
         with self._lock:
             hit = self._ranks.get(rank)
-        if hit is not None:
-            return hit
-        out = self._derive(rank)
-        with self._lock:
-            self._ranks[rank] = out
-        return out
+        if hit is None:
+            hit = self._derive(rank)
+            with self._lock:
+                self._ranks[rank] = hit
+        return hit
 
     def _derive(self, rank: int) -> dict[str, list[Piece]]:
         def corrupt(msg: str) -> NoReturn:
@@ -324,37 +319,7 @@ class Manifest:
         doc = decode_json(
             data, where=where, what="manifest", max_bytes=max_bytes, max_depth=max_depth
         )
-        _check_version(doc, where)  # first: a newer version may checksum differently
-        _check_self_checksum(doc, where)
         return _decode(doc, where)
-
-
-def _check_self_checksum(doc: Any, where: str) -> None:
-    """CorruptCheckpointError unless the manifest checksum matches (version 1: if present)."""
-    if SELF_CHECKSUM not in doc:
-        if doc["version"] == 1:
-            return  # written before the field existed
-        raise CorruptCheckpointError(
-            f"{where}: a version {doc['version']} manifest must carry {SELF_CHECKSUM}: it is "
-            "corrupt"
-        )
-    field_ = doc[SELF_CHECKSUM]
-    algorithm = ALGORITHM_OF_VERSION[doc["version"]]
-    if not (
-        isinstance(field_, dict)
-        and field_.get("algorithm") == algorithm
-        and _is_int(field_.get("value"))
-    ):
-        raise CorruptCheckpointError(
-            f"{where}: {SELF_CHECKSUM} must be {{'algorithm': {algorithm!r}, 'value': "
-            f"unsigned int}}, got {show(field_)}"
-        )
-    actual = checksum_function(algorithm)(canonical_json(doc), 0)
-    if actual != field_["value"]:
-        raise CorruptCheckpointError(
-            f"{where}: manifest checksum mismatch (stored {show(field_['value'])}, content "
-            f"{actual}): the manifest is corrupt or was edited; load another step"
-        )
 
 
 def _is_int(x: Any, minimum: int = 0) -> TypeGuard[int]:
@@ -371,24 +336,6 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _check_version(doc: Any, where: str) -> None:
-    """A JSON object of this format, of a version this code reads (else NewerFormatError)."""
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: manifest is not a JSON object")
-    if doc.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(
-            f"{where}: format is {show(doc.get('format'))}, not {FORMAT_NAME!r}"
-        )
-    version = doc.get("version")
-    if not _is_int(version, 1):
-        raise CorruptCheckpointError(f"{where}: version {show(version)} is not a positive integer")
-    if version > FORMAT_VERSION:
-        raise NewerFormatError(
-            f"{where}: manifest format version {version} is newer than this code reads "
-            f"({FORMAT_VERSION}); upgrade the storage package"
-        )
-
-
 def _decode(doc: Any, where: str) -> Manifest:
     def fail(msg: str) -> NoReturn:
         raise CorruptCheckpointError(f"{where}: {msg}")
@@ -397,7 +344,38 @@ def _decode(doc: Any, where: str) -> Manifest:
         if not cond:
             fail(msg)
 
-    version = doc["version"]  # checked by _check_version
+    # A JSON object of this format, of a version this code reads, first: a newer version may
+    # checksum differently.
+    need(isinstance(doc, dict), "manifest is not a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        fail(f"format is {show(doc.get('format'))}, not {FORMAT_NAME!r}")
+    version = doc.get("version")
+    need(_is_int(version, 1), f"version {show(version)} is not a positive integer")
+    if version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"{where}: manifest format version {version} is newer than this code reads "
+            f"({FORMAT_VERSION}); upgrade the storage package"
+        )
+    algorithm = ALGORITHM_OF_VERSION[version]
+    field_ = doc.get(SELF_CHECKSUM)
+    if SELF_CHECKSUM in doc or version > 1:  # version 1 was written before the field existed
+        if SELF_CHECKSUM not in doc:
+            fail(f"a version {version} manifest must carry {SELF_CHECKSUM}: it is corrupt")
+        if not (
+            isinstance(field_, dict)
+            and field_.get("algorithm") == algorithm
+            and _is_int(field_.get("value"))
+        ):
+            fail(
+                f"{SELF_CHECKSUM} must be {{'algorithm': {algorithm!r}, 'value': unsigned int}}, "
+                f"got {show(field_)}"
+            )
+        actual = checksum_function(algorithm)(canonical_json(doc), 0)
+        if actual != field_["value"]:
+            fail(
+                f"manifest checksum mismatch (stored {show(field_['value'])}, content {actual}): "
+                "the manifest is corrupt or was edited; load another step"
+            )
     for key in ("step", "world_size"):
         need(
             _is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={show(doc.get(key))} invalid"
@@ -405,7 +383,6 @@ def _decode(doc: Any, where: str) -> Manifest:
     attempt = doc.get("attempt", "")
     need(isinstance(attempt, str), f"attempt={show(attempt)} is not a string")
     checksum = doc.get("checksum")
-    algorithm = ALGORITHM_OF_VERSION[version]
     need(
         isinstance(checksum, dict) and checksum.get("algorithm") == algorithm,
         f"checksum algorithm must be {algorithm!r} (format version {version}), got "
@@ -466,10 +443,8 @@ def _decode(doc: Any, where: str) -> Manifest:
     values = doc.get("values", {})
     rank_values = doc.get("rank_values", [])
     need(isinstance(values, dict), "values is not a JSON object")
-    need(
-        isinstance(rank_values, list) and all(isinstance(v, dict) for v in rank_values),
-        "rank_values is not a list of JSON objects",
-    )
+    if not (isinstance(rank_values, list) and all(isinstance(v, dict) for v in rank_values)):
+        fail("rank_values is not a list of JSON objects")
     return Manifest(
         step=doc["step"],
         world_size=doc["world_size"],
@@ -553,14 +528,9 @@ def _decode_regular(
     layout = RegularLayout(
         world, section["object_bytes"], tuple((n, *rules[n]) for n in sorted(rules))
     )
+    counts, sums = (tuple(column) for column in zip(*ranks, strict=True))
     index = RegularIndex(
-        layout,
-        tuple(r[0] for r in ranks),
-        tuple(r[1] for r in ranks),
-        attempt=attempt,
-        step=doc["step"],
-        block=block,
-        objects=objects,
+        layout, counts, sums, attempt=attempt, step=doc["step"], block=block, objects=objects
     )
     owned = set()
     for rank in range(world):

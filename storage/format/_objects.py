@@ -42,7 +42,7 @@ class PlannedObject:
     @classmethod
     def laid_out(cls, name: str, rank: int, pieces: list[PlannedPiece]) -> PlannedObject:
         """The object ``name`` of ``rank`` holding ``pieces``, with its header and byte ranges."""
-        head, byte_ranges, size = layout([(p.key, p.dtype, p.length) for p in pieces])
+        head, byte_ranges, size = layout([(p.key, p.dtype, [p.length]) for p in pieces])
         return cls(name, rank, pieces, head, byte_ranges, size)
 
 

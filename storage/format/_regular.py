@@ -1,9 +1,6 @@
-"""Regular layouts: tensors split over the ranks by a rule every rank can evaluate alone.
-
-[Note: regular layouts] (docs/format.md, "Tensors described by a rule"): when every rank's table
-of ``(name, shape, dtype, rule)`` agrees, each rank plans its own objects from the table alone
-(``RegularLayout.rank_objects``) and a reader derives any rank's pieces with the same code.
-"""
+"""Regular layouts: tensors split over the ranks by a rule every rank can evaluate alone; a
+writer plans its objects and a reader derives any rank's pieces with the same code
+(``RegularLayout.rank_objects``; docs/format.md, "Tensors described by a rule")."""
 
 from __future__ import annotations
 
@@ -60,11 +57,7 @@ IRREGULAR = Rule("irregular")
 
 
 def infer_rule(
-    shape: tuple[int, ...],
-    rng: Range,
-    rank: int,
-    world: int,
-    hint: tuple[int, int] | None = None,
+    shape: tuple[int, ...], rng: Range, rank: int, world: int, hint: tuple[int, int] | None = None
 ) -> Rule:
     """The rule of a tensor of ``shape`` of which ``rank`` (of ``world``) holds ``rng``, only
     if it gives this rank exactly ``rng`` (else ``IRREGULAR``). ``hint``: ``FlatShard.layout``;
@@ -103,20 +96,17 @@ class RegularLayout:
     object_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, Rule], ...]
 
-    def rank_pieces(self, rank: int) -> list[PlannedPiece]:
-        """The pieces ``rank`` writes, in name order (one per tensor it holds part of)."""
-        out = []
-        for name, shape, dtype, rule in self.entries:
-            rng = rule.held(rank, math.prod(shape))
-            if rng.length:
-                out.append(PlannedPiece(name, rng.offset, rng.length, torch_dtype(dtype)))
-        return out
-
     def rank_objects(
         self, rank: int, attempt: str, limit: int | None = None
     ) -> list[PlannedObject]:
-        """Rank ``rank``'s regular objects, named for ``attempt`` (``limit``: see ``pack``)."""
-        return pack(rank, self.rank_pieces(rank), attempt, self.object_bytes, limit)
+        """Rank ``rank``'s regular objects, named for ``attempt`` (``limit``: see ``pack``): a
+        piece per tensor it holds part of, in name order."""
+        pieces = []
+        for name, shape, dtype, rule in self.entries:
+            rng = rule.held(rank, math.prod(shape))
+            if rng.length:
+                pieces.append(PlannedPiece(name, rng.offset, rng.length, torch_dtype(dtype)))
+        return pack(rank, pieces, attempt, self.object_bytes, limit)
 
 
 def resolve(

@@ -4,9 +4,10 @@ each block as its bytes go out, and their headers read and checked."""
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable, Sequence
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 
@@ -21,17 +22,19 @@ _WRITE_SPAN = 2 << 20  # the data goes to the file in spans ending on multiples 
 
 
 def layout(
-    entries: Sequence[tuple[str, torch.dtype, int]],
+    entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    metadata: dict[str, str] | None = None,
 ) -> tuple[bytes, list[tuple[int, int]], int]:
-    """Header bytes, absolute byte range of each ``(key, dtype, numel)`` entry, object size."""
-    header: dict[str, object] = {"__metadata__": {"format": "ftsdp.storage"}}
+    """Header bytes (``metadata`` as ``__metadata__``), absolute byte range of each ``(key,
+    dtype, shape)`` entry, file size."""
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "ftsdp.storage"}}
     pos = 0
     rel = []
-    for key, dtype, numel in entries:
-        nbytes = numel * itemsize(dtype)
+    for key, dtype, shape in entries:
+        nbytes = math.prod(shape) * itemsize(dtype)
         header[key] = {
             "dtype": safetensors_code(dtype),
-            "shape": [numel],
+            "shape": list(shape),
             "data_offsets": [pos, pos + nbytes],
         }
         rel.append((pos, pos + nbytes))
@@ -99,55 +102,48 @@ def read_header(store: Store, rel: str) -> tuple[dict[str, Any], int]:
     """The JSON header of the safetensors file ``rel`` and the byte offset where its data starts;
     CorruptCheckpointError unless every tensor's data lies inside the file."""
     where = f"safetensors file {store.where(rel)}"
+
+    def bad(msg: str) -> NoReturn:
+        raise CorruptCheckpointError(f"{where}{msg}")
+
     try:
         size = store.size(rel)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{where} does not exist") from None
     if size < 8:
-        raise CorruptCheckpointError(f"{where} is shorter than 8 bytes: not a safetensors file")
+        bad(" is shorter than 8 bytes: not a safetensors file")
     (n,) = struct.unpack("<Q", store.read_range(rel, 0, 8))
     if n > min(size - 8, 100 << 20):
-        raise CorruptCheckpointError(
-            f"{where}: header length {n} is past the end of the file ({size} bytes)"
-        )
+        bad(f": header length {n} is past the end of the file ({size} bytes)")
     header = decode_json(store.read_range(rel, 8, 8 + n), where=where, what="header")
     if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{where}: header is not a JSON object")
+        bad(": header is not a JSON object")
     meta = header.get("__metadata__")  # null: none, as the safetensors library reads it
     if meta is not None and not (
         isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
     ):  # json.loads gives str keys
-        raise CorruptCheckpointError(
-            f"{where}: __metadata__ must map strings to strings, got {show(meta)}"
-        )
+        bad(f": __metadata__ must map strings to strings, got {show(meta)}")
     data_len = size - 8 - n
     for key, entry in header.items():
         if key == "__metadata__":
             continue
         if not isinstance(entry, dict):
-            raise CorruptCheckpointError(
-                f"{where}: tensor {key!r} is described by {show(entry)}, not a JSON object"
-            )
+            bad(f": tensor {key!r} is described by {show(entry)}, not a JSON object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not (
             isinstance(shape, list) and all(type(d) is int and 0 <= d <= MAX_INT for d in shape)
         ):
-            raise CorruptCheckpointError(
-                f"{where}: tensor {key!r} has shape {show(shape)}, not a list of non-negative "
-                "integers"
-            )
+            bad(f": tensor {key!r} has shape {show(shape)}, not a list of non-negative integers")
         if not isinstance(dtype, str):
-            raise CorruptCheckpointError(
-                f"{where}: tensor {key!r} has dtype {show(dtype)}, not a string"
-            )
+            bad(f": tensor {key!r} has dtype {show(dtype)}, not a string")
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
             and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= data_len
         ):
-            raise CorruptCheckpointError(
-                f"{where}: tensor {key!r} has data_offsets {show(offsets)} outside the "
-                f"{data_len} data bytes (truncated or corrupt file)"
+            bad(
+                f": tensor {key!r} has data_offsets {show(offsets)} outside the {data_len} data "
+                "bytes (truncated or corrupt file)"
             )
     return header, 8 + n

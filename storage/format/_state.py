@@ -1,19 +1,101 @@
-"""Flatten a nested state into dotted names: tensor leaves (with a flat range) and JSON values."""
+"""Flatten a nested state into dotted names: tensor leaves (with a flat range: a ``FlatShard``, a
+DTensor's contiguous local shard) and JSON values."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ftsdp.storage.format._dtensor import dtensor_range, is_dtensor
 from ftsdp.storage.format._dtypes import dtype_name
-from ftsdp.storage.format._flat_shard import FlatShard
 from ftsdp.storage.format._ranges import Range
+
+
+@dataclass(frozen=True)
+class FlatShard:
+    """Elements ``[offset, offset + local.numel())`` of the row-major flattening of a tensor of
+    ``global_shape``; ``local`` (1-D, any device) is what this rank holds: ``save`` reads it,
+    ``load`` fills it in place. ``layout``, optional: ``(start, chunk)`` of an ``even`` rule (a
+    FlatParameter's offset in its unit's buffer and the shard size, checked against the ranges;
+    docs/format.md, "Tensors described by a rule")."""
+
+    global_shape: tuple[int, ...]
+    offset: int
+    local: torch.Tensor  # 1-D, numel = this rank's length
+    layout: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(d) for d in self.global_shape)
+        object.__setattr__(self, "global_shape", shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"FlatShard: global_shape={shape} has a negative dimension")
+        if not isinstance(self.local, torch.Tensor) or self.local.dim() != 1:
+            raise ValueError(
+                "FlatShard: local must be a 1-D torch.Tensor, got "
+                f"{type(self.local).__name__} of shape {getattr(self.local, 'shape', None)}"
+            )
+        numel = math.prod(shape)
+        if self.layout is not None:
+            start, chunk = (int(v) for v in self.layout)
+            if start < 0 or chunk < 1:
+                raise ValueError(
+                    f"FlatShard: layout={self.layout} must be (start >= 0, chunk >= 1)"
+                )
+            object.__setattr__(self, "layout", (start, chunk))
+        if self.offset < 0 or self.offset + self.local.numel() > numel:
+            raise ValueError(
+                f"FlatShard: offset={self.offset} length={self.local.numel()} does not fit in "
+                f"global_shape={shape} ({numel} elements)"
+            )
+
+    @property
+    def length(self) -> int:
+        """Number of elements this rank holds."""
+        return self.local.numel()
+
+
+def is_dtensor(obj: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (never imports it: none exists before)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
+
+
+def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Tensor]:
+    """``(global_shape, flat range, local tensor)`` of this rank's shard of DTensor ``dt``: any
+    ``Replicate()``/``Shard(d)`` mix whose chunk is contiguous (``Partial`` and others raise)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in dt.placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise ValueError(
+                f"{name}: DTensor placement {p} is not supported; redistribute to Shard(0) or "
+                "Replicate() before saving"
+            )
+    shape = tuple(dt.shape)
+    local_shape, offsets = compute_local_shape_and_global_offset(
+        shape, dt.device_mesh, dt.placements
+    )
+    numel = math.prod(local_shape)
+    local = getattr(dt, "_local_tensor", None)  # to_local() goes through autograd
+    local = local if isinstance(local, torch.Tensor) else dt.to_local()
+    if numel == 0:
+        return shape, Range(0, 0), local
+    # Contiguous iff every dim after the last partial one is full and every dim before it is 1.
+    partial = [i for i, (s, g) in enumerate(zip(local_shape, shape, strict=True)) if s != g]
+    if partial and any(local_shape[i] != 1 for i in range(partial[-1])):
+        raise ValueError(
+            f"{name}: DTensor shard of shape {tuple(local_shape)} at {tuple(offsets)} of "
+            f"{shape} is not contiguous in row-major order; use Shard(0)"
+        )
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    start = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    return shape, Range(start, numel), local
 
 
 @dataclass(slots=True)
@@ -26,10 +108,6 @@ class TensorLeaf:
     range: Range  # the elements of the global tensor this rank holds
     local: torch.Tensor  # numel == range.length, values in row-major order
     layout: tuple[int, int] | None = None  # FlatShard.layout: (start, chunk) of an even split
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass
@@ -68,12 +146,9 @@ def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
 
 
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:
-    """Split ``state`` into tensor leaves and JSON value leaves keyed by dotted name.
-
-    Mappings (str or int keys) and lists holding tensors are walked; any other leaf must be a
-    tensor, a ``FlatShard``, a DTensor, or JSON-serialisable. Two paths that flatten to the same
-    dotted name raise ``ValueError``.
-    """
+    """Tensor leaves (tensors, ``FlatShard``s, DTensors) and JSON value leaves of ``state`` by
+    dotted name, walking mappings (str or int keys) and lists holding tensors; TypeError for
+    another leaf, ValueError when two paths flatten to one name."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping, got {type(state).__name__}")
     tensors: dict[str, TensorLeaf] = {}

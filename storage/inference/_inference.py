@@ -1,10 +1,6 @@
 """Loading a checkpoint into one process for inference: whole tensors, a module, a lazy mapping
-(memory and the all-or-nothing ``load_into``: docs/cli.md, "Python API for inference").
-
-[Note: the cast rule]
-A saved dtype becomes the target implicitly only when every saved value is a value of the target
-(``_cast_ok``); anything else needs ``dtype=`` (docs/cli.md, the "Casts" table).
-"""
+(docs/cli.md, "Python API for inference"). [Note: the cast rule]: a saved dtype becomes the
+target implicitly only when every saved value is one of the target's (``_cast_ok``; "Casts")."""
 
 from __future__ import annotations
 
@@ -115,10 +111,7 @@ class _Scratch:
 
 
 def _read_group(
-    source: Source,
-    group: list[Request],
-    targets: dict[str, torch.Tensor | None],
-    scratch: _Scratch,
+    source: Source, group: list[Request], targets: dict[str, torch.Tensor | None], scratch: _Scratch
 ) -> None:
     requests, staged = [], []
     scratch.pos = 0  # the previous group's staging is copied out: reuse it
@@ -185,8 +178,7 @@ class LoadIntoResult:
     missing: list[str] = field(default_factory=list)  # in the module, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the module
     still_meta: list[str] = field(default_factory=list)  # module tensors left on the meta device
-    # bytes of staging held on top of the module's tensors (see load_into's peak memory)
-    staged_bytes: int = 0
+    staged_bytes: int = 0  # staging held on top of the module's tensors
 
 
 def load_into(
@@ -253,12 +245,8 @@ def load_into(
         for tid, name, saved_dtype, want_dtype, _ in plan:
             old = tensors[tid]
             want_device = torch.device(device or ("cpu" if old.is_meta else old.device))
-            if (
-                old.is_meta
-                or old.device != want_device
-                or old.dtype != want_dtype
-                or not old.is_contiguous()
-            ):
+            moved = old.is_meta or old.device != want_device or old.dtype != want_dtype
+            if moved or not old.is_contiguous():
                 new = torch.empty(old.shape, dtype=want_dtype, device=want_device)
                 replace.append((groups[tid], old, new))
                 reads.append((name, new))
@@ -290,17 +278,12 @@ def load_into(
                     logger.error(note)
                 raise
         for keys, old, new in replace:
-            value = (
-                torch.nn.Parameter(new, requires_grad=old.requires_grad)
-                if isinstance(old, torch.nn.Parameter)
-                else new
-            )
-            for key in keys:
+            value = new
+            if isinstance(old, torch.nn.Parameter):
+                value = torch.nn.Parameter(new, requires_grad=old.requires_grad)
+            for key in keys:  # a Parameter exactly where the old value was one
                 owner_name, _, attr = key.rpartition(".")
-                owner = module.get_submodule(owner_name)
-                table = owner._parameters if attr in owner._parameters else owner._buffers
-                # a Parameter exactly where the old value was one (the tables' types differ)
-                table[attr] = value  # type: ignore[assignment]
+                setattr(module.get_submodule(owner_name), attr, value)
         still_meta = [
             n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta
         ]

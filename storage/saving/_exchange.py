@@ -1,11 +1,6 @@
-"""The metadata exchange of a save, and its plan: small and independent of the world size for
-regular layouts, gathered to one coordinator for the rest.
-
-[Note: the save exchange] (docs/format.md, "Commit protocol", step 1): every rank issues the
-same collectives in the same order; errors are gathered only when a rank failed or differs in
-step or block size, so every rank raises the same message; nothing grows with the world size on
-any rank but rank 0.
-"""
+"""[Note: the save exchange] (docs/format.md, "Commit protocol", step 1): every rank issues the
+same collectives in the same order and raises the same error; nothing grows with the world size
+on any rank but rank 0 (regular layouts agreed by digests, the rest gathered to rank 0)."""
 
 from __future__ import annotations
 
@@ -30,16 +25,6 @@ if TYPE_CHECKING:
 _IRREGULAR = ["irregular"]
 
 
-def rule_table(leaves: dict[str, TensorLeaf], rank: int, world: int) -> list[list[Any]]:
-    """This rank's rule table: ``[name, shape, dtype, rule]`` per tensor in name order (every
-    rule ``irregular`` for a single rank: nothing to gain there)."""
-    rows = []
-    for name, t in sorted(leaves.items()):
-        rule = infer_rule(t.shape, t.range, rank, world, t.layout) if world > 1 else IRREGULAR
-        rows.append([name, list(t.shape), dtype_name(t.dtype), rule.as_json()])
-    return rows
-
-
 def exchange(
     leaves: dict[str, TensorLeaf],
     meta: dict[str, Any],
@@ -48,20 +33,20 @@ def exchange(
     options: SaveOptions,
     wire: Any = _collectives,
 ) -> tuple[SavePlan, dict[str, Any], int]:
-    """Agree on and plan the save of ``step``; collective over ``group``.
-
-    ``meta``: this rank's ``error`` (or None), JSON ``values`` and, on rank 0, ``attempt`` and
-    ``replaces``. Returns the plan, this rank's values and the number of ranks; raises the same
-    error on every rank when a rank failed, the steps differ, or the ranges do not fit together.
-    ``wire``: the collectives (``ftsdp.tools.dev.simulation`` replaces them).
-    """
+    """The plan of ``step``, this rank's values and the world size; collective over ``group``.
+    ``meta``: this rank's ``error``, ``values`` and (rank 0) ``attempt`` and ``replaces``;
+    ``wire``: the collectives (the scale simulation's stand-ins). Raises the same error on every
+    rank when a rank failed, the steps differ or the ranges do not fit together."""
     rank, world = wire.rank_world(group)
     error = meta.get("error")
     values = meta.get("values", {}) if error is None else {}
-    table, rules = (rule_table(leaves, rank, world), []) if error is None else ([], [])
-    for row in table:
-        rule = row[3]
-        rules += [_KINDS[rule[0]], *(rule[1:] if rule[0] == "even" else (0, 0))]
+    table: list[list[Any]] = []  # [name, shape, dtype, rule] per tensor, in name order
+    rules: list[int] = []
+    for name, t in sorted(leaves.items()) if error is None else ():
+        # every rule irregular for a single rank: nothing to gain there
+        rule = infer_rule(t.shape, t.range, rank, world, t.layout) if world > 1 else IRREGULAR
+        table.append([name, list(t.shape), dtype_name(t.dtype), rule.as_json()])
+        rules += [_KINDS[rule.kind], *((rule.start, rule.chunk) if rule.kind == "even" else (0, 0))]
     # Ranks whose options pack objects differently would derive other ranks' objects unlike
     # those written (a committed step no reader could derive): such tables never agree.
     shaped = [world, options.object_bytes, options.replica_split_bytes, [r[:3] for r in table]]

@@ -1,11 +1,6 @@
-"""Node-local roots: one step saved across machines that share no storage, each machine keeping
-its own ranks' objects and a replica of another machine's.
-
-[Note: node-local roots] (docs/design.md, "The commit protocol"; docs/elastic.md, "The memory
-tier on several machines"): rank 0 cannot read the other machines' done markers, so the commit
-runs through collectives on storage's own gloo group, and ``restore_on_nodes`` sends every node
-what it lacks of the newest step the nodes hold together.
-"""
+"""[Note: node-local roots]: one step saved across machines that share no storage, each keeping
+its ranks' objects and a replica of the next machine's; committed through collectives on
+storage's own gloo group (docs/design.md, "The commit protocol")."""
 
 from __future__ import annotations
 
@@ -30,14 +25,7 @@ from ftsdp.storage.io._collectives import (
     resolve_group,
 )
 from ftsdp.storage.io._fs import Store
-from ftsdp.storage.saving._commit import (
-    Crcs,
-    Lineage,
-    Reports,
-    commit,
-    plan_lineage,
-    report_of,
-)
+from ftsdp.storage.saving._commit import Crcs, Lineage, Reports, commit, plan_lineage, report_of
 from ftsdp.storage.saving._save_plan import SavePlan
 
 logger = logging.getLogger(__name__)
@@ -92,29 +80,12 @@ class Nodes:
         return nxt[self._local[rank] % len(nxt)]
 
 
-def _group_for(process_group: dist.ProcessGroup | None, url: str) -> dist.ProcessGroup | None:
-    """Storage's own gloo group for ``url``'s lane over every rank; ValueError over a subgroup."""
-    group = resolve_group(process_group)
-    if group is None:
-        return None
-    own = own_group(group, Store(url, None).where())
-    if own is None:
-        raise ValueError(
-            f"node-local saves to {url} need every rank of the job (storage's own gloo group); "
-            "the process group given is a subgroup: save over the whole job, or to a shared root"
-        )
-    return own
-
-
 def _error(e: BaseException | None) -> str | None:
     return None if e is None else f"{type(e).__name__}: {e}"
 
 
 def _transfer(
-    store: Store,
-    rank: int,
-    moves: list[tuple[int, int, str, int]],
-    group: dist.ProcessGroup | None,
+    store: Store, rank: int, moves: list[tuple[int, int, str, int]], group: dist.ProcessGroup | None
 ) -> dict[str, bytes]:
     """Run ``moves`` ``(src, dst, rel, size)`` (the same on every rank): ``src`` sends its file
     ``rel`` to ``dst``. Returns what this rank received, unwritten; a source that cannot read
@@ -303,9 +274,17 @@ def restore_on_nodes(
     nodes hold together, what a node lacks sent by one that has it; then ``load(state, url,
     step)`` reads it. ``node``: this rank's node id (ranks with one id share the root). None,
     on every rank, when no step qualifies or the exchange failed (logged)."""
-    group = _group_for(process_group, url)
-    rank, _ = rank_world(group)
     store = Store(url, None)
+    group = resolve_group(process_group)
+    if group is not None:  # storage's own gloo group for the root's lane, over every rank
+        group = own_group(group, store.where())
+        if group is None:
+            raise ValueError(
+                f"node-local saves to {url} need every rank of the job (storage's own gloo "
+                "group); the process group given is a subgroup: save over the whole job, or to "
+                "a shared root"
+            )
+    rank, _ = rank_world(group)
     nodes = Nodes(tuple(all_gather_json(node, group)))
     leaders = [nodes.ranks(n)[0] for n in nodes.order]
     mine: dict[str, Any] | None = None
@@ -344,13 +323,8 @@ def restore_on_nodes(
         logger.warning("node-local root %s: restoring step %d failed: %s", url, step, failures[0])
         return None
     if moves:
-        logger.info(
-            "node-local root %s: step %d restored on every node (%d files, %d bytes sent)",
-            url,
-            step,
-            len(moves),
-            sum(m[3] for m in moves),
-        )
+        what = f"{len(moves)} files, {sum(m[3] for m in moves)} bytes sent"
+        logger.info("node-local root %s: step %d restored on every node (%s)", url, step, what)
     return step
 
 

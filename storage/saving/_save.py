@@ -1,9 +1,5 @@
-"""``save``: plan collectively, write this rank's objects, commit (see docs/format.md).
-
-This module plans, stages and writes this rank's objects and owns the async handle; the commit
-itself (done and abort markers, the manifest, ``latest``, retention) is ``storage/saving/_commit.py``'s
-(see [Note: commit without collectives in the background] there).
-"""
+"""``save``: plan, stage and write this rank's objects, then commit (``_commit.py``); the async
+handle. The phases and threads: docs/design.md, "The commit protocol"."""
 
 from __future__ import annotations
 
@@ -49,8 +45,8 @@ _lock = threading.Lock()
 
 
 class _Lane:
-    """The saves of this process to one root, one after the other (see [Note: one lane per
-    root]): the latest save's handle, the snapshot memory, the threads writing objects and what
+    """The saves of this process to one root (``Store.where()``), one after the other: the
+    latest handle, the snapshot arena, the writer threads (and storage's own group), and what
     the saves learned of the root (``Known``: the next save lists and reads less)."""
 
     def __init__(self, key: str) -> None:
@@ -71,11 +67,6 @@ class _Lane:
             return self._writers[1]
 
 
-# [Note: one lane per root]
-# Saves to one root follow each other (errors surface in order; a step never races its
-# predecessor's retention); saves to different roots are independent, so each root
-# (``Store.where()``) has its own lane: latest handle, snapshot arena, writer threads and process
-# group for deferred saves (docs/elastic.md, the memory tier).
 _lanes: dict[str, _Lane] = {}
 
 
@@ -88,21 +79,16 @@ def _lane(key: str) -> _Lane:
 
 
 def _forget_in_child() -> None:
-    """After ``os.fork()``, in the child: no lanes and fresh locks (the parent's saves and their
-    threads are not the child's; waiting on them would never end)."""
+    """After ``os.fork()``: the parent's saves and threads are not the child's."""
     global _lock, _lanes
     _lock = threading.Lock()
     _lanes = {}
 
 
 def _warn_in_flight_at_exit() -> None:
-    """At interpreter exit: a save still in flight dies with the process (the threads that
-    exchange and commit are daemons, so that a save waiting on a dead peer never holds a
-    failing job up) and is not committed; say so, rather than exit as if it were saved.
-
-    A snapshot still being copied is waited for first (up to ``_EXIT_COPY_WAIT_S``): a daemon
-    thread that leaves a torch op while the interpreter finalizes aborts the process
-    ("terminate called without an active exception"), and a copy always ends."""
+    """At exit, warn of each save still in flight (its daemon threads die uncommitted). A copy
+    still running is waited for first: a daemon thread leaving a torch op during finalization
+    aborts the process."""
     with _lock:
         pending = [lane.previous for lane in _lanes.values() if lane.previous is not None]
     deadline = time.monotonic() + _EXIT_COPY_WAIT_S
@@ -179,9 +165,8 @@ class SaveHandle:
 
 def wait_snapshot(timeout: float | None = None) -> None:
     """Block until the latest save of this process has copied this rank's share of its state
-    (at once when there is none): the fence a training loop puts before the first in-place
-    change of saved tensors after a ``save(..., defer_copy=True)``. See
-    :func:`snapshot_fence` for an optimizer hook that calls it."""
+    (at once when there is none): the fence before changing saved tensors in place after a
+    ``save(..., defer_copy=True)``."""
     with _lock:
         latest = [lane.previous for lane in _lanes.values() if lane.previous is not None]
     for prev in latest:
@@ -189,19 +174,14 @@ def wait_snapshot(timeout: float | None = None) -> None:
 
 
 def snapshot_fence(optimizer: torch.optim.Optimizer) -> Any:
-    """Make ``optimizer.step()`` wait for the latest deferred save's snapshot before it changes
-    anything; returns the hook's handle (``.remove()`` takes the fence away).
-
-    A step pre-hook that calls :func:`wait_snapshot`: free when no snapshot is being copied.
-    Install it on every optimizer whose state or parameters are saved with ``defer_copy``; any
-    other in-place change of saved tensors needs an explicit :func:`wait_snapshot` first.
-    """
+    """Make ``optimizer.step()`` wait for the latest deferred save's snapshot (a step pre-hook
+    calling :func:`wait_snapshot`); returns the hook's handle (``.remove()`` takes it away).
+    Other in-place changes of saved tensors need an explicit :func:`wait_snapshot` first."""
     return optimizer.register_step_pre_hook(lambda *_: wait_snapshot())
 
 
 def _wait_previous(lane: _Lane) -> None:
-    """A new save waits for the previous one to the same root; an error nobody has seen is
-    raised here."""
+    """Wait for the lane's previous save; raise its error if nobody has seen it."""
     with _lock:
         prev = lane.previous
     if prev is None:
@@ -228,21 +208,14 @@ def save(
     """Save ``state`` as step ``step`` under ``url``; collective over ``process_group``.
 
     Leaves of ``state`` are tensors (whole, identical on every rank that holds them), DTensors,
-    ``FlatShard``s or JSON-able values. Returns when committed; with ``async_save=True`` as soon
-    as this rank's tensors are copied into host memory, the plan, writes and commit going on in
-    the background (``handle.wait()`` raises their error; a save in flight at exit is lost,
-    with a warning). With ``defer_copy=True`` too it returns before the copy: the caller must
-    not change a saved tensor in place until ``handle.wait_snapshot()`` (or
-    :func:`wait_snapshot`; :func:`snapshot_fence` puts it in front of ``optimizer.step()``).
-    :func:`prepare_save` makes the memory and storage's process group ahead of the first save.
-    ``options`` also hold retention (``keep_last``, ``keep_every``: applied by rank 0 after
-    the commit, never to the step just saved) and ``discard_newer``.
+    ``FlatShard``s or JSON-able values. Returns when committed; with ``async_save=True`` once
+    this rank's tensors are copied to host memory (``handle.wait()`` raises the background's
+    error); with ``defer_copy=True`` too before the copy: saved tensors change in place only
+    after ``handle.wait_snapshot()`` (:func:`wait_snapshot`, :func:`snapshot_fence`).
 
-    A committed ``step`` is never overwritten (FileExistsError) and a save behind newer
-    committed steps is refused (CheckpointError), unless ``SaveOptions(discard_newer=True)``
-    (they are deleted once this step is committed); a concurrent or stale writer loses with
-    ``CommitConflictError`` (docs/design.md, "One timeline"). :func:`save_on_nodes` saves to
-    node-local roots.
+    Raises FileExistsError for a committed ``step``, CheckpointError behind newer committed
+    steps (unless ``SaveOptions(discard_newer=True)``), ``CommitConflictError`` for a
+    concurrent or stale writer (docs/design.md, "One timeline").
     """
     return _save(state, url, step, process_group, async_save, storage_options, options, defer_copy)
 
@@ -261,11 +234,8 @@ def save_on_nodes(
 ) -> SaveHandle:
     """:func:`save` to a node-local root; collective over every rank of the job.
 
-    ``node`` (this rank's node id; every rank passes one) makes ``url`` a node-local root: the
-    ranks with the same id share it, other nodes see their own directory under the same path
-    (host shared memory). The step is committed through collectives and each node also keeps a
-    replica of the previous node's objects: see [Note: node-local roots] in
-    ``storage/saving/_nodes.py`` (:func:`restore_on_nodes` before loading from such a root).
+    ``node``: this rank's node id; the ranks with one id share ``url``, each node has its own
+    directory there ([Note: node-local roots]; :func:`restore_on_nodes` before loading).
     """
     if not isinstance(node, str) or not node:
         raise ValueError(f"save_on_nodes(node={node!r}): node must be a non-empty str")
@@ -284,8 +254,7 @@ def _save(
     defer_copy: bool,
     node: str | None = None,
 ) -> SaveHandle:
-    """``save`` and ``save_on_nodes`` (``node``: None for a shared root): see [Note: one save,
-    three callers]."""
+    """``save`` and ``save_on_nodes`` (``node``: None for a shared root)."""
     start = time.perf_counter()
     options = options or SaveOptions()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -338,25 +307,6 @@ def _save(
             handle._snapshot.wait()  # the copy is done (or the save failed: wait() says)
     handle.blocking_seconds = time.perf_counter() - start
     return handle
-
-
-# [Note: one save, three callers]
-# A save describes the state (which tensors, their shapes, a copy of the JSON values), plans
-# it with the other ranks (rank 0 reads the root; one exchange), copies this rank's tensors
-# into host memory (the snapshot), writes this rank's objects and commits. Only where the
-# phases run differs:
-#   sync:                 everything on the caller's thread; no snapshot (the writes read the
-#                         live tensors);
-#   async_save:           the caller describes and waits for the snapshot, copied on a thread
-#                         of its own; the plan (on storage's own group, so that it never races
-#                         the caller's collectives), writes and commit run in the background;
-#   async + defer_copy:   the same, but the caller does not wait for the snapshot.
-# Over a subgroup (no group of storage's own: see ``own_group``) the plan runs on the caller's
-# thread. The snapshot copies every tensor this rank holds (like DCP's stager: the plan has not
-# yet said which pieces are this rank's to write) into the lane's arena, kept for the next
-# save. It needs the share to fit in the staging budget; above it, the owned objects are
-# staged one by one within the budget after the plan. A deferred save of CPU tensors to a
-# tmpfs root has no snapshot: see [Note: a tmpfs root written from the live tensors].
 
 
 def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
@@ -448,8 +398,7 @@ class _Snapshot:
     def start(
         cls, save: _Save, handle: SaveHandle, start: float, deferred: bool
     ) -> _Snapshot | None:
-        """The snapshot of ``save``'s tensors, started; None where there is none (see
-        :func:`_snapshot_size`)."""
+        """The snapshot of ``save``'s tensors, started; None where there is none."""
         size = _snapshot_size(save.store, save.tensors, save.options, deferred)
         return None if size is None else cls(save, handle, start, size[0])
 
@@ -482,9 +431,7 @@ def _in_background(
     start: float,
 ) -> None:
     """The rest of an async save on a daemon thread: plan (on storage's own group), stage
-    (when there is no snapshot: then the fence opens here), write, commit. A daemon: a save
-    waiting on a dead peer never holds up the exit (a save still in flight then is lost, with
-    a warning: _warn_in_flight_at_exit)."""
+    (without a snapshot: then the fence opens here), write, commit."""
 
     def run() -> None:
         try:
@@ -580,7 +527,6 @@ class _SaveJob:
                     futures.append(pool.submit(self._write, obj, self._pieces(obj, snapshot)))
                 return futures, None
             if in_place(self.save.store, cuda=self._on_cuda()):
-                # [Note: a tmpfs root written from the live tensors]
                 live = [self._pieces(obj, in_place=True) for obj in self.mine]  # before any write
                 futures = [
                     pool.submit(self._write, o, b) for o, b in zip(self.mine, live, strict=True)
@@ -660,11 +606,8 @@ def prepare_save(
     """Get ready for ``save(..., async_save=True)`` to ``url``; collective over
     ``process_group`` the first time. Returns the bytes of host memory reserved.
 
-    Creates storage's own process group for deferred saves to ``url`` (see [Note: one lane per
-    root]) and, given the ``state`` to be saved, reserves snapshot memory for this rank's
-    tensors when it fits in ``options.staging_budget_bytes`` (none for a tmpfs root and CPU
-    tensors: see [Note: a tmpfs root written from the live tensors]). Otherwise the first
-    save does both.
+    Creates storage's own process group for saves to ``url`` and, given the ``state``, reserves
+    its snapshot memory when it fits in ``options.staging_budget_bytes`` (else the first save).
     """
     options = options or SaveOptions()
     store = Store(url, storage_options, options.io)
@@ -681,21 +624,13 @@ def prepare_save(
 
 def in_place(store: Store, cuda: bool) -> bool:
     """Whether a deferred save writes its objects straight from the live tensors (the root on
-    tmpfs, no tensor on CUDA) instead of copying them into the snapshot arena first: see
-    [Note: a tmpfs root written from the live tensors]."""
+    tmpfs, no tensor on CUDA) instead of copying them into the snapshot arena first."""
     return not cuda and store.tmpfs
 
 
-# [Note: a tmpfs root written from the live tensors]
-# A file on tmpfs is host memory: with every saved tensor on the CPU a deferred save writes its
-# objects from the live tensors and the snapshot is done when the writes are (no arena, nothing
-# reserved by ``prepare_save``); elsewhere the arena stays (docs/elastic.md, "Saves that do not
-# stop training").
-
-
 def _queued_work_event(tensors: list[torch.Tensor]) -> Any:
-    """A CUDA event after the work queued so far on the caller's current stream, when a saved
-    tensor lives on CUDA (the copy must not start before the values are computed); else None."""
+    """(event, device) after the work queued so far on the caller's stream, when a saved tensor
+    is on CUDA (the copy must wait for the values); else None."""
     if any(t.device.type == "cuda" for t in tensors):
         event = torch.cuda.Event()
         event.record()
@@ -704,8 +639,7 @@ def _queued_work_event(tensors: list[torch.Tensor]) -> Any:
 
 
 def _side_stream(ready: Any) -> Any:
-    """A CUDA stream on the caller's device for the snapshot copies, waiting for the event of
-    :func:`_queued_work_event`; None without CUDA."""
+    """A CUDA stream for the snapshot copies after ``ready``'s event; None without CUDA."""
     if ready is None:
         return None
     event, device = ready

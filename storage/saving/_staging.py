@@ -12,11 +12,8 @@ import torch
 
 
 class StagingBudget:
-    """At most ``limit`` bytes staged at once; ``acquire`` blocks until uploads release enough.
-
-    A request larger than the whole budget is admitted when nothing else is held, so a save
-    always makes progress (it then stages one object at a time).
-    """
+    """At most ``limit`` bytes staged at once; ``acquire`` blocks until uploads release enough
+    (a request over the whole budget is admitted when nothing else is held: progress)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -52,15 +49,9 @@ def stage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class SnapshotArena:
-    """One host buffer per kind (pinned or not) that deferred snapshots pack a rank's pieces into.
-
-    An async save copies the whole share of a rank at once, so it takes one buffer of at least
-    that size and keeps it for the next save: periodic saves of the same state then copy into
-    memory that is already mapped (``SaveOptions(reuse_staging=False)`` frees it after each
-    save). A new buffer has every page touched before the copy, on several threads;
-    ``prepare_save`` does that ahead of the first save. One save uses the arena at a time
-    (``save`` waits for the previous one to commit before it starts).
-    """
+    """One host buffer per kind (pinned or not) that snapshots pack a rank's share into, kept
+    for the next save (``reuse_staging=False`` frees it), its pages touched when new. One save
+    of the lane uses it at a time."""
 
     def __init__(self) -> None:
         self._bufs: dict[bool, torch.Tensor] = {}
@@ -117,15 +108,9 @@ def copy_into(
     *,
     as_bytes: bool = False,
 ) -> list[Any]:
-    """Copy 1-D ``tensors`` into ``buf`` packed at aligned offsets; returns the views (with
-    ``as_bytes``, memoryviews of their bytes, which is what a writer wants).
-
-    CUDA tensors are copied on ``stream`` when given (a ``torch.cuda.Stream``, non-blocking),
-    which is synchronised before this returns; CPU tensors in one batched copy. ``layouts`` (a
-    dict the caller keeps as long as ``buf``'s memory, such as ``SnapshotArena.layouts``) keeps
-    the views, so that the next copy of the same dtypes and sizes into the same buffer reuses
-    them: see [Note: the snapshot copy's cost].
-    """
+    """Copy 1-D ``tensors`` into ``buf`` at aligned offsets (CUDA ones on ``stream``, synchronised
+    here); the views (``as_bytes``: memoryviews), kept in ``layouts`` for the next copy of the same
+    dtypes and sizes (docs/elastic.md, "Saves that do not stop training")."""
     key = (buf.data_ptr(), buf.numel(), tuple((t.dtype, t.numel()) for t in tensors))
     kept = None if layouts is None else layouts.get(key)
     if kept is None:
@@ -153,15 +138,9 @@ def copy_into(
     return list(raw if as_bytes else views)
 
 
-# [Note: a large host copy on several threads]
-# The staging copy of an async save runs on the caller's thread, and a first save copies into
-# fresh memory: every page is faulted in and zeroed by the kernel as the copy first writes it,
-# which costs more than the copy itself. Page faults in different parts of a buffer and the
-# copies after them proceed in parallel, so a copy of at least ``_BYTES_PER_THREAD`` per thread
-# is cut into that many parts of about equal bytes (a large tensor split among them), copied
-# at once by up to ``_COPY_THREADS`` threads, the caller's among them (and so are the pages of
-# the snapshot arena mapped by ``_touched``); torch releases the GIL inside its ops. Smaller
-# copies stay one batched call: a thread's start would cost more than it saves.
+# A large host copy (and the page faults of fresh memory) runs in parts of at least
+# _BYTES_PER_THREAD on up to _COPY_THREADS threads: page faults proceed in parallel
+# (docs/benchmarks.md, "Where the first async save lost").
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 _COPY_THREADS = min(8, _CPUS or 1)
 _BYTES_PER_THREAD = 16 << 20
@@ -212,13 +191,3 @@ def _on_threads(jobs: list[Any]) -> None:
 
 
 _LAYOUTS_KEPT = 256  # objects per rank and save whose views are kept (a few hundred bytes each)
-
-
-# [Note: the snapshot copy's cost]
-# A rank's share of a state is a few hundred tensors: one view of the flat parameter per
-# parameter, one per optimizer state tensor, one 1-element step counter each. Copied one by
-# one from Python, the slicing, views and checks cost several times the memcpy itself. The
-# views into a kept buffer are the same from one save to the next when the layout is, so they
-# are made once; the copy is then one ``torch._foreach_copy_`` (torch's batched copy, a C++
-# loop of ``copy_``). The writer gets memoryviews of the staged bytes, also made once per
-# layout, instead of turning each tensor into bytes again (detach, views, numpy).

@@ -10,8 +10,7 @@ import sys
 import traceback
 from typing import TextIO
 
-from ftsdp.tools.ckpt._args import PROG, UsageError, parse
-from ftsdp.tools.ckpt._progress import printable
+from ftsdp.tools.ckpt._args import PROG, UsageError, parse, printable
 
 # Errors that describe the input, not a bug here: one line and exit code 2 (and storage's
 # CheckpointError, see _user_error).

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from ftsdp import storage
+from ftsdp.tools.ckpt._args import human_bytes, printable, progress_for
 from ftsdp.tools.ckpt._hf_export import hf_export
-from ftsdp.tools.ckpt._progress import human_bytes, printable, progress_for
 
 
 def _emit(out: TextIO, obj: Any) -> None:

@@ -70,24 +70,6 @@ def read_record(values: Mapping[str, Any], src: str) -> dict[str, Any] | None:
     return {**record, "hf_config": config}
 
 
-def _weights_dtype(ckpt: storage.LazyStateDict, dtype: torch.dtype | None) -> str | None:
-    """The dtype name the exported floating model weights have (None when they mix dtypes)."""
-    kinds = {dtype} if dtype else {ckpt.info(n).dtype for n in ckpt if n.startswith(MODEL_PREFIX)}
-    kinds = {k for k in kinds if k.is_floating_point}
-    return str(kinds.pop()).removeprefix("torch.") if len(kinds) == 1 else None
-
-
-def config_json(config: dict[str, Any], dtype: str | None) -> bytes:
-    """``config.json`` of the recorded config, its dtype (``dtype``, and ``torch_dtype`` when the
-    config has that older key) set to the weights' as ``save_pretrained`` would."""
-    config = dict(config)
-    if dtype is not None:
-        config["dtype"] = dtype
-        if "torch_dtype" in config:
-            config["torch_dtype"] = dtype
-    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
-
-
 # The config keys that count layers: ties do not depend on depth, so the model is built with one.
 LAYER_KEYS = (
     "n_layer", "n_layers", "num_layers", "num_hidden_layers", "num_decoder_layers",
@@ -265,7 +247,10 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
         args.src, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
     ) as ckpt:
         record = read_record(ckpt.values, args.src)
-        dtype = _weights_dtype(ckpt, args.dtype)
+        # the exported floating weights' dtype name (None when they mix dtypes)
+        kinds = {ckpt.info(n).dtype for n in ckpt if n.startswith(MODEL_PREFIX)}
+        kinds = {k for k in ({args.dtype} if args.dtype else kinds) if k.is_floating_point}
+        dtype = str(kinds.pop()).removeprefix("torch.") if len(kinds) == 1 else None
         step = ckpt.step  # pinned: a job committing meanwhile does not change what is exported
         config = record and record.get("hf_config")
         tied, tie_notes = tied_copies(ckpt, config, args.max_memory // 8) if config else ([], [])
@@ -285,7 +270,13 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
     if args.dst.rstrip("/").endswith(".safetensors"):  # one file
         note = f"note: {args.dst} is one file: config.json and tokenizer files not written ({DOCS})"
         return kwargs, lambda r: [*notes, note]
-    kwargs["extra_files"] = {"config.json": config_json(config, dtype)}
+    config = dict(config)  # its dtype set to the weights' as save_pretrained does
+    if dtype is not None:
+        config["dtype"] = dtype
+        if "torch_dtype" in config:  # the older key
+            config["torch_dtype"] = dtype
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    kwargs["extra_files"] = {"config.json": text.encode()}
     assert record is not None  # config came from it
     folder, files, tokenizer_notes = tokenizer_source(
         args.src, args.tokenizer, record.get("tokenizer_dir")

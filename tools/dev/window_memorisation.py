@@ -1,13 +1,7 @@
 """Do windows on a fixed grid get memorised? Train the built-in GPT on a text file's bytes twice,
-on the windows ``TokenDataset`` draws (seeded random offsets) and on windows at multiples of the
-block size (what it read before), then evaluate both on the grid windows and on the same
-windows shifted by one byte.
-
-    python -m ftsdp.tools.dev.window_memorisation --data docs/elastic.md --bytes 16384 --steps 600
-
-A model that learnt the text scores about the same on both; one that memorised the grid scores
-far worse one byte off. One process, one thread, seeded: the figures repeat (docs/training.md,
-"--data")."""
+on the windows ``TokenDataset`` draws and on windows at multiples of the block size, then
+evaluate both on the grid and one byte off (docs/training.md, "--data": the command and figures).
+"""
 
 from __future__ import annotations
 

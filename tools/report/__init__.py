@@ -154,7 +154,12 @@ def build_report(
     names = [os.fspath(p) for p in paths]
     if not names:
         raise NothingToPlotError("no input files: give one or more metrics JSONL files")
-    labels = _labels(names)
+    base = {n: os.path.basename(n) for n in names}
+    seen = Counter(os.path.basename(n) for n in names)  # a file given twice counts twice
+    labels = {  # each file's legend label: its name, or enough of its path to tell it apart
+        n: f"{os.path.basename(os.path.dirname(os.path.abspath(n)))}/{b}" if seen[b] > 1 else b
+        for n, b in base.items()
+    }
     read = [read_source(name, labels[name]) for name in names]
     sources = [source for source, _ in read]
     skipped = [s for _, lost in read for s in lost]
@@ -173,17 +178,7 @@ def build_report(
         title = title or "ftsdp run report: " + ", ".join(r.label for r in runs)
     title = title or f"ftsdp fault suite: {len(suite)} scenarios"
     figure, axes = run_figure(runs, sources, marks, rows, suite, title, dpi=dpi)
-    return Report(
-        figure=figure,
-        axes=axes,
-        title=title,
-        inputs=names,
-        faults=rows,
-        markers=marks,
-        suite=suite,
-        runs=runs,
-        skipped=skipped,
-    )
+    return Report(figure, axes, title, names, rows, marks, suite, runs, skipped)
 
 
 def build_bench(path: str | os.PathLike[str], *, title: str | None = None, dpi: int = 80) -> Report:
@@ -193,16 +188,6 @@ def build_bench(path: str | os.PathLike[str], *, title: str | None = None, dpi: 
     title = title or f"ftsdp benchmarks ({os.path.basename(name)})"
     figure, axes = bench_figure(data, title, dpi=dpi)
     return Report(figure=figure, axes=axes, title=title, inputs=[name])
-
-
-def _labels(names: list[str]) -> dict[str, str]:
-    """Each file's legend label: its name, or enough of its path to tell it apart."""
-    base = {n: os.path.basename(n) for n in names}
-    seen = Counter(os.path.basename(n) for n in names)  # a file given twice counts twice
-    return {
-        n: f"{os.path.basename(os.path.dirname(os.path.abspath(n)))}/{b}" if seen[b] > 1 else b
-        for n, b in base.items()
-    }
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:

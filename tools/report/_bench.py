@@ -1,22 +1,5 @@
-"""``ftsdp-report --bench FILE.json``: the benchmarks' JSON results as bar charts.
-
-The file is what ``python -m ftsdp.tools.bench_engine / bench_checkpoint / bench_checksum
---json FILE`` write (``tools/_bench_json.py``): one entry per benchmark. Panels (the keys of
-``axes``), for the entries present:
-
-- ``engine_time``: median step time (ms) per engine and run, the IQR as an error bar;
-- ``engine_memory``: per run and engine, a stacked bar of the model-state peak of forward +
-  backward on the rank with the highest peak: what was held at the step's start (parameters,
-  AdamW state, anything else), then what was live at the peak above it, by role, and what the
-  profiler's breakdown did not attribute; a black tick at the ZeRO target (16ψ/W + the largest
-  unit);
-- ``checkpoint_throughput``: GB/s of save and of each resharded load, storage against DCP (and
-  storage on S3 when measured);
-- ``checkpoint_async``: the async save's blocking and until-committed seconds, storage against
-  DCP;
-- ``checksums``: GB/s of each checksum and of ``storage.catalog.verify`` against a memory copy;
-- ``sources``: the command and date of every entry (the charts are only as good as the run).
-"""
+"""``ftsdp-report --bench FILE.json``: the benchmarks' JSON results (``tools/_bench_json.py``) as
+bar charts, one panel (a key of ``axes``) per drawing function (docs/report.md, "Benchmark charts")."""
 
 from __future__ import annotations
 
@@ -86,9 +69,7 @@ def engine_time(ax: Any, entry: dict[str, Any]) -> None:
 def memory_parts(mem: dict[str, Any]) -> dict[str, float]:
     """The stacked bar of one engine's peak, in bytes: parts held at the step's start, then the
     roles above it, then what the breakdown left unattributed; the parts sum to the peak."""
-    parts: dict[str, float] = {}
-    for key, name in HELD:
-        parts[name] = float(mem[key])
+    parts = {name: float(mem[key]) for key, name in HELD}
     parts["other held at start"] = max(0.0, mem["start"] - sum(parts.values()))
     above = mem["peak_fwd_bwd"] - mem["start"]
     for role, nbytes in sorted(mem.get("above_start_by_role", {}).items(), key=lambda kv: -kv[1]):
@@ -114,15 +95,9 @@ def engine_memory(ax: Any, entry: dict[str, Any]) -> None:
             continue
         ax.bar(range(len(bars)), heights, bottom=bottom, width=0.7, label=name)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    ax.scatter(
-        range(len(bars)),
-        [m["zero_target"] / MB for _, m in bars],
-        marker="_",
-        s=300,
-        color="black",
-        zorder=3,
-        label="ZeRO: 16ψ/W + largest unit",
-    )
+    zero = [m["zero_target"] / MB for _, m in bars]
+    label = "ZeRO: 16ψ/W + largest unit"
+    ax.scatter(range(len(bars)), zero, marker="_", s=300, color="black", zorder=3, label=label)
     ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
     ax.set(title="engine: model-state peak (fwd + bwd) by role", ylabel="MB per rank")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
@@ -175,13 +150,6 @@ ENTRIES = {
     "checkpoint": (checkpoint_throughput, checkpoint_async),
     "checksum": (checksums,),
 }
-NAMES = {
-    engine_time: "engine_time",
-    engine_memory: "engine_memory",
-    checkpoint_throughput: "checkpoint_throughput",
-    checkpoint_async: "checkpoint_async",
-    checksums: "checksums",
-}
 
 
 def bench_figure(data: dict[str, Any], title: str, dpi: int = 80) -> tuple[Any, dict[str, Any]]:
@@ -209,7 +177,7 @@ def bench_figure(data: dict[str, Any], title: str, dpi: int = 80) -> tuple[Any, 
                 cell = grid[i, :].subgridspec(1, 2, width_ratios=[0.72, 0.28])[0, 0]
             else:
                 cell = grid[i, j]
-            ax = axes[NAMES[draw]] = fig.add_subplot(cell)
+            ax = axes[draw.__name__] = fig.add_subplot(cell)
             draw(ax, data[entry_of[draw]])
     sources = axes["sources"] = fig.add_subplot(grid[len(rows), :])
     sources.axis("off")

@@ -23,20 +23,6 @@ class MissingExtraError(ImportError):
     """An optional dependency of the report (matplotlib) is not installed."""
 
 
-def matplotlib_figure(**kw: Any) -> Any:
-    """A new ``Figure`` on an Agg canvas (matplotlib imported lazily); MissingExtraError without."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise MissingExtraError(
-            f"the report needs matplotlib, which is not installed: {EXTRA_HINT}"
-        ) from None
-    fig = Figure(**kw)
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def cell(value: Any) -> str:
     """A table cell: a float with two decimals, None as ``-``."""
     if value is None:
@@ -68,8 +54,16 @@ TOP_IN, BOTTOM_IN = 0.65, 0.45
 def figure_grid(heights: list[float], dpi: int, title: str, **grid: Any) -> tuple[Any, Any]:
     """A titled figure whose panel rows are ``heights`` inches tall, and its 2-column grid; a
     fixed layout, as constrained layout draws every figure twice to measure it."""
+    try:  # imported here: the report's optional dependency
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise MissingExtraError(
+            f"the report needs matplotlib, which is not installed: {EXTRA_HINT}"
+        ) from None
     total = sum(heights) + GAP_IN * (len(heights) - 1) + TOP_IN + BOTTOM_IN
-    fig = matplotlib_figure(figsize=(11.0, total), dpi=dpi)
+    fig = Figure(figsize=(11.0, total), dpi=dpi)
+    FigureCanvasAgg(fig)  # its own canvas: no pyplot
     fig.suptitle(title, fontsize=11, y=1 - 0.1 / total, va="top")
     spec = fig.add_gridspec(
         len(heights),

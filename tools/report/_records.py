@@ -193,20 +193,15 @@ def summarise(skipped: list[Skipped]) -> str:
     return "\n".join(out)
 
 
-def _run_key(source: Source) -> str:
-    """The ``--checkpoint-url`` of the file's first ``start`` record, else the file itself."""
-    start = next((r for r in source.events if r["event"] == "start"), None)
-    url = (start.get("config") or {}).get("checkpoint_url") if start else None
-    return f"url:{url}" if url else f"file:{source.path}"
-
-
 def group_runs(sources: list[Source]) -> list[Run]:
     """Sources with metrics records grouped into runs (files naming one ``--checkpoint-url``),
     split into incarnations, each with the fault-log records in its span."""
     groups: dict[str, list[Source]] = {}
-    for s in sources:
+    for s in sources:  # by the --checkpoint-url of the file's first start record, else the file
+        start = next((r for r in s.events if r["event"] == "start"), None)
+        url = (start.get("config") or {}).get("checkpoint_url") if start else None
         if s.events:
-            groups.setdefault(_run_key(s), []).append(s)
+            groups.setdefault(f"url:{url}" if url else f"file:{s.path}", []).append(s)
     runs = []
     for members in groups.values():
         label = members[0].label if len(members) == 1 else " + ".join(m.label for m in members)

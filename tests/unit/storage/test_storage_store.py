@@ -150,22 +150,22 @@ def test_dcp_metadata_is_unpickled_in_one_function(
         and isinstance(node.value, ast.Name)
         and node.value.id == "pickle"
     ]
-    assert len(loads) == 1 and loads[0][0] == "_dcp_store.py", loads
-    from ftsdp.storage.conversion import _dcp_store
+    assert len(loads) == 1 and loads[0][0] == "_dcp.py", loads
+    from ftsdp.storage.conversion import _dcp
 
     storage.save({"w": torch.randn(30), "step": 2}, str(tmp_path / "src"), step=1)
     storage.conversion.convert(str(tmp_path / "src"), str(tmp_path / "dcp"), to="dcp")
     seen: list[int] = []
-    real = _dcp_store.unpickle_metadata
+    real = _dcp.unpickle_metadata
 
     def spy(data: bytes, *args: Any) -> Any:
         seen.append(len(data))
         return real(data, *args)
 
-    monkeypatch.setattr(_dcp_store, "unpickle_metadata", spy)
+    monkeypatch.setattr(_dcp, "unpickle_metadata", spy)
     assert storage.load_state_dict(str(tmp_path / "dcp"))["w"].numel() == 30
     assert seen
-    monkeypatch.setattr(_dcp_store, "unpickle_metadata", lambda data, *args: 1 / 0)
+    monkeypatch.setattr(_dcp, "unpickle_metadata", lambda data, *args: 1 / 0)
     with pytest.raises(storage.CorruptCheckpointError, match="cannot read .metadata"):
         storage.load_state_dict(str(tmp_path / "dcp"))
 

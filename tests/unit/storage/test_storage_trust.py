@@ -71,7 +71,7 @@ def _dcp(tmp_path: pathlib.Path, name: str = "dcp") -> pathlib.Path:
 
 
 def _metadata(folder: pathlib.Path) -> Any:
-    from ftsdp.storage.conversion._dcp_store import unpickle_metadata
+    from ftsdp.storage.conversion._dcp import unpickle_metadata
 
     return unpickle_metadata((folder / ".metadata").read_bytes())
 
