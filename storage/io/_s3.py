@@ -1,6 +1,6 @@
-"""The store on S3 (s3fs): conditional creates and CRC-32C checksummed uploads (docs/format.md,
-"Integrity"); ``S3Upload`` calls the S3 API itself because s3fs's file drops the parts'
-checksums of a multipart upload."""
+"""The store on S3 (s3fs): ranged reads streamed into the caller's buffer, conditional creates and
+CRC-32C checksummed uploads (docs/format.md, "Integrity"); ``S3Upload`` calls the S3 API itself
+because s3fs's file drops the parts' checksums of a multipart upload."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 from crc32c import crc32c  # the checksum S3 verifies on upload (x-amz-checksum-crc32c)
 
 from ftsdp.storage.io._fs import Store
+
+_CHUNK = 1 << 20  # the most a ranged read holds beside the caller's buffer
 
 
 class S3Store(Store):
@@ -23,6 +25,35 @@ class S3Store(Store):
 
     def _creates_exclusively(self) -> bool:
         return True
+
+    def _read_at(self, rel: str, start: int, view: memoryview) -> int:
+        # One GET whose body streams into ``view``: no second copy of the range is ever held.
+        # It runs on the filesystem's event loop, so every thread shares its connection pool.
+        from fsspec.asyn import sync
+
+        return int(sync(self.fs.loop, self._get_into, self.full(rel), start, view))
+
+    async def _get_into(self, path: str, start: int, view: memoryview) -> int:
+        bucket, key, version = self.fs.split_path(path)
+        extra = {"VersionId": version} if version else {}
+        resp = await self.fs._call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={start}-{start + len(view) - 1}",
+            **extra,
+        )
+        body, got = resp["Body"], 0
+        try:
+            while got < len(view):
+                chunk = await body.read(min(_CHUNK, len(view) - got))
+                if not chunk:
+                    break
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+        finally:
+            body.close()
+        return got
 
     def _upload(self, path: str, part_bytes: int, exclusive: bool) -> Any:
         if self.io.object_checksums:
