@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from crc32c import crc32c  # the checksum S3 verifies on upload (x-amz-checksum-crc32c)
@@ -13,6 +14,7 @@ from crc32c import crc32c  # the checksum S3 verifies on upload (x-amz-checksum-
 from ftsdp.storage.io._fs import Store
 
 _CHUNK = 1 << 20  # the most a ranged read holds beside the caller's buffer
+_PARTS_IN_FLIGHT = 4  # parts of one multipart upload sent at once (each held until it is sent)
 
 
 class S3Store(Store):
@@ -68,7 +70,8 @@ def _b64_crc(value: int) -> str:
 
 class S3Upload:
     """A write-only file uploading one S3 object with CRC-32C checksums: one ``put_object``, or a
-    multipart upload of ``part_bytes`` parts. ``close()`` publishes it (``exclusive``:
+    multipart upload of ``part_bytes`` parts, ``_PARTS_IN_FLIGHT`` sent at once while the next ones
+    are written. ``close()`` publishes it (``exclusive``:
     FileExistsError when the name is taken); ``discard()`` aborts, so nothing appears."""
 
     def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:
@@ -81,6 +84,8 @@ class S3Upload:
         self.part_crc = 0  # of the bytes in ``buf``
         self.upload_id: str | None = None
         self.parts: list[dict[str, Any]] = []
+        self.sending: list[tuple[int, str, Future]] = []  # (part number, checksum, upload_part)
+        self.pool: ThreadPoolExecutor | None = None
         self.closed = False
 
     def writable(self) -> bool:
@@ -118,9 +123,14 @@ class S3Upload:
             self.upload_id = self._call(
                 "create_multipart_upload", ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
             )["UploadId"]
-        number = len(self.parts) + 1
+        number = len(self.sending) + 1
         checksum = _b64_crc(self.part_crc)
-        out = self._call(
+        if len(self.sending) >= _PARTS_IN_FLIGHT:  # wait for room (and raise a failed part's error)
+            self.sending[-_PARTS_IN_FLIGHT][2].result()
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(_PARTS_IN_FLIGHT, "storage-s3-part")
+        sent = self.pool.submit(
+            self._call,
             "upload_part",
             UploadId=self.upload_id,
             PartNumber=number,
@@ -128,8 +138,15 @@ class S3Upload:
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=checksum,
         )
-        self.parts.append({"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum})
+        self.sending.append((number, checksum, sent))
         self.buf, self.part_crc = bytearray(), 0
+
+    def _sent(self) -> None:
+        """Wait for every part sent (the first error raises) and list them for the completion."""
+        self.parts = [
+            {"PartNumber": n, "ETag": f.result()["ETag"], "ChecksumCRC32C": c}
+            for n, c, f in self.sending
+        ]
 
     def close(self) -> None:
         """Publish the object (FileExistsError: ``exclusive`` and the name is taken)."""
@@ -148,6 +165,7 @@ class S3Upload:
             try:
                 if self.buf:
                     self._send_part()
+                self._sent()
                 self._call(
                     "complete_multipart_upload",
                     UploadId=self.upload_id,
@@ -160,6 +178,8 @@ class S3Upload:
                 self._abort()
                 raise
         self.buf = bytearray()
+        if self.pool is not None:
+            self.pool.shutdown()
         self.fs.invalidate_cache(self.path)
 
     def discard(self) -> None:
@@ -169,6 +189,8 @@ class S3Upload:
         self._abort()
 
     def _abort(self) -> None:
+        if self.pool is not None:  # no part may land after the abort
+            self.pool.shutdown(wait=True, cancel_futures=True)
         if self.upload_id is not None:
             upload_id, self.upload_id = self.upload_id, None
             with contextlib.suppress(Exception):
