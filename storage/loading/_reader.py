@@ -10,6 +10,7 @@ in-flight budget streams instead: ``fetch`` hands each verified part to ``Delive
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -68,7 +69,9 @@ def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[S
     if store.local:
         data = store._retry(lambda: store.map_range(rel, part.start, part.end))
     else:
-        data = np.empty(part.end - part.start, dtype=np.uint8)
+        # a mapping of its own, returned to the system when its last view goes (a heap block
+        # could stay with its thread's arena): the in-flight budget bounds the memory held
+        data = np.frombuffer(mmap.mmap(-1, part.end - part.start), dtype=np.uint8)
         store.read_into(rel, part.start, data)
     for lo, hi, name, piece, k in part.blocks:
         if check(data[lo - part.start : hi - part.start], 0) != piece.checksums[k]:
