@@ -395,10 +395,44 @@ def s3_save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[
     return out
 
 
+def _needed_ranges(state: dict[str, Any], manifest: Any, part: int) -> list[tuple[str, int, int]]:
+    """``(object, start, end)``: the bytes of the saved objects holding this rank's elements of
+    every tensor (from the manifest's pieces), adjacent ones merged, cut into ``part`` bytes."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    wanted: list[tuple[str, int, int]] = []
+    for name, dt in state["model"].items():
+        moments = state["optim"]["state"][name]
+        for key, t in (
+            (f"model.{name}", dt),
+            (f"optim.state.{name}.exp_avg", moments["exp_avg"]),
+            (f"optim.state.{name}.exp_avg_sq", moments["exp_avg_sq"]),
+        ):
+            shape, offsets = compute_local_shape_and_global_offset(
+                t.shape, t.device_mesh, t.placements
+            )
+            lo = offsets[0] * math.prod(t.shape[1:])
+            hi = lo + math.prod(shape)
+            for p in manifest.tensors[key].pieces_in(lo, hi):
+                a, b = max(lo, p.offset), min(hi, p.offset + p.length)
+                if b > a:
+                    size = t.element_size()
+                    start = p.byte_start + (a - p.offset) * size
+                    wanted.append((p.object, start, start + (b - a) * size))
+    merged: list[tuple[str, int, int]] = []
+    for obj, a, b in sorted(wanted):
+        if merged and merged[-1][0] == obj and merged[-1][2] == a:
+            merged[-1] = (obj, merged[-1][1], b)
+        else:
+            merged.append((obj, a, b))
+    return [(o, x, min(x + part, b)) for o, a, b in merged for x in range(a, b, part)]
+
+
 def s3_load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float]]:
     """Load the last round of ``s3_save_phase`` into a ``world``-rank layout with storage and with
-    DCP's ``FsspecReader``; and get with s3fs this rank's 1/``world`` of the raw objects' bytes
-    as ranged GETs of ``IOOptions().part_bytes``, all at once (``S3FileSystem.cat_ranges``)."""
+    DCP's ``FsspecReader``; and get with s3fs, from storage's objects, exactly the bytes that hold
+    this rank's elements (per the manifest; adjacent ranges merged, cut into ranged GETs of
+    ``IOOptions().part_bytes``), all at once (``S3FileSystem.cat_ranges``)."""
     import s3fs
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -409,16 +443,13 @@ def s3_load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[
     s3 = cfg["s3"]
     opts, bucket, last = s3["options"], s3["bucket"], cfg["rounds"] - 1
     fs = s3fs.S3FileSystem(**opts)
-    objects = sorted(fs.find(f"{bucket}/raw-{last}"))
-    sizes = [fs.size(p) for p in objects]
-    total = sum(sizes)
-    lo, hi = total * rank // world, total * (rank + 1) // world
-    ranges, at, part = [], 0, storage.IOOptions().part_bytes
-    for path, size in zip(objects, sizes, strict=True):  # this rank's share, cut into parts
-        for a in range(max(lo - at, 0), min(hi - at, size), part):
-            ranges.append((path, a, min(a + part, hi - at, size)))
-        at += size
-    paths, starts, ends = (list(x) for x in zip(*ranges, strict=True)) if ranges else ([], [], [])
+    step_dir = f"{bucket}/ckpt/step-{100 + last}"
+    where = f"{step_dir}/manifest.json"
+    manifest = storage.format.Manifest.from_json(fs.cat(where), where=where)
+    ranges = _needed_ranges(target, manifest, storage.IOOptions().part_bytes)
+    paths = [f"{step_dir}/{o}" for o, _, _ in ranges]
+    starts, ends = [a for _, a, _ in ranges], [b for _, _, b in ranges]
+    total = _sum(sum(b - a for _, a, b in ranges))
     stats: dict[str, int] = {}
 
     def run(lib: str, dcp_path: str) -> float:

@@ -1,6 +1,6 @@
 """Checkpoint benchmark: ``storage`` vs ``torch.distributed.checkpoint`` on local disk, and S3.
 
-    python -m ftsdp.tools.bench_checkpoint --size-mb 400 --ranks 2 --out docs/benchmarks.md
+    python -m ftsdp.tools.bench_checkpoint --size-mb 250 --ranks 2 --out docs/benchmarks.md
 
 One run saves an FSDP2-style model + AdamW state (DTensor ``Shard(0)``, see the note in
 ``tools/_bench_ranks.py``) with ``--ranks`` gloo CPU ranks, with ``storage`` and with DCP (sync and
@@ -41,7 +41,7 @@ GB = 1e9
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-mb", type=int, default=400, help="state bytes across all ranks (MB)")
+    p.add_argument("--size-mb", type=int, default=250, help="state bytes across all ranks (MB)")
     p.add_argument("--dim", type=int, default=1024, help="model width (shapes of the state)")
     p.add_argument("--ranks", type=int, default=2, help="world size of the save")
     p.add_argument("--load-ranks", default="1,3", help="world sizes to load into, comma-separated")
