@@ -150,16 +150,14 @@ def fetch(
     parts = [p for s in spans for p in _parts(s, block, part_bytes)]
     budget = _Budget(max(inflight_bytes, 1))
 
-    def streamed(p: _Part) -> None:
+    def streamed(p: _Part) -> list[Segment]:
         assert place is not None
         with budget.take(p.end - p.start):
             place(_fetch_part(store, step, check, p))
+        return []
 
-    if place is None:
-        tasks = [partial(_fetch_part, store, step, check, p) for p in parts]
-    else:
-        tasks = [partial(streamed, p) for p in parts]
-    results = _run(threads, tasks)
+    task = partial(_fetch_part, store, step, check) if place is None else streamed
+    results = _run(threads, [partial(task, p) for p in parts])
     segments = [seg for r in results if r for seg in r]
     return segments, sum(s.end - s.start for s in spans)
 
