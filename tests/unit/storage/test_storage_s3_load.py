@@ -238,3 +238,27 @@ def test_host_memory_is_the_state_plus_the_budget(
     assert streamed["sum"] == held["sum"] == want
     assert streamed["above"] <= BUDGET + 8 * MiB, (streamed, nbytes)
     assert held["above"] >= 0.9 * nbytes, (held, nbytes)
+
+
+@pytest.mark.timeout(120)
+def test_a_flipped_byte_fails_the_load_held_untouched_or_streamed(s3: dict[str, Any]) -> None:
+    """A corrupt block fails either kind of load; only a load within the budget (held until
+    everything is verified) promises an untouched target."""
+    import s3fs
+
+    state = {f"t{i}": torch.randn(1_000_000) for i in range(4)}  # 16 MB, one object
+    url = _bucket_url(s3)
+    storage.save(state, url, 1, storage_options=s3)
+    fs = s3fs.S3FileSystem(**s3)
+    (obj,) = [p for p in fs.find(url.removeprefix("s3://")) if p.endswith(".safetensors")]
+    data = bytearray(fs.cat(obj))
+    data[-100] ^= 0x01  # in the last tensor's last block
+    fs.pipe(obj, bytes(data))
+    for budget in (64 * MiB, 2 * MiB):
+        target = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+        with pytest.raises(storage.CorruptCheckpointError, match="checksum mismatch"):
+            storage.load(
+                target, url, storage_options=s3, options=storage.LoadOptions(inflight_bytes=budget)
+            )
+        if budget > 16 * MiB:
+            assert all(torch.isnan(t).all() for t in target.values())
