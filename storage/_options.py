@@ -75,9 +75,15 @@ class SaveOptions:
 class LoadOptions:
     """How ``load`` reads: gaps up to ``coalesce_gap_bytes`` between ranged reads are merged; a
     manifest larger than ``max_manifest_bytes`` or nested deeper than ``max_json_depth`` levels
-    of JSON arrays and objects is refused unread (see [Note: manifest limits])."""
+    of JSON arrays and objects is refused unread (see [Note: manifest limits]).
+
+    ``inflight_bytes`` bounds the host memory a rank's load from an object store holds beside its
+    target: a rank reading at most that many bytes holds them all, verified, until every rank
+    has read (a failed load leaves the targets untouched); a larger one copies each verified part
+    into its target as it arrives, so that a failure can leave the target partly loaded."""
 
     coalesce_gap_bytes: int = 0
+    inflight_bytes: int = 1 * GiB
     max_manifest_bytes: int = MAX_MANIFEST_BYTES
     max_json_depth: int = MAX_JSON_DEPTH
     io: IOOptions = field(default_factory=IOOptions)
@@ -87,4 +93,4 @@ class LoadOptions:
             raise ValueError(
                 f"LoadOptions: coalesce_gap_bytes={self.coalesce_gap_bytes} must be >= 0"
             )
-        _positive(self, "max_manifest_bytes", "max_json_depth")
+        _positive(self, "inflight_bytes", "max_manifest_bytes", "max_json_depth")

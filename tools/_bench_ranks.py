@@ -231,7 +231,7 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
     mesh = init_device_mesh("cpu", (world,))
     async_group = dist.new_group(backend="gloo")  # DCP's background save gets its own group
     state = make_state(cfg["shapes"], mesh, fill=True)
-    root, s3 = cfg["root"], cfg.get("s3")
+    root = cfg["root"]
     out: dict[str, list[float]] = {}
 
     def record(key: str, value: float) -> None:
@@ -278,10 +278,6 @@ def save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
                 dt, blocking = _timed(partial(dcp_async, f"{root}/dcp/async-{rep}"))
                 record("dcp.async_total_s", dt)
                 record("dcp.async_blocking_s", _max(blocking))
-        if s3 is not None:
-            save = partial(storage.save, state, s3["url"], 100 + rep, storage_options=s3["options"])
-            dt, _ = _timed(save)
-            record("s3.save_s", dt)
     return out
 
 
@@ -292,7 +288,7 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
 
     mesh = init_device_mesh("cpu", (world,))
     target = make_state(cfg["shapes"], mesh, fill=False)
-    root, s3 = cfg["root"], cfg.get("s3")
+    root = cfg["root"]
     last = cfg["repeats"] - 1
     out: dict[str, list[float]] = {}
 
@@ -317,8 +313,6 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
     if "dcp" in cfg["backends"]:
         dcp_dir = f"{root}/dcp/save-{last}"
         runs.append(("dcp", partial(dcp_load, dcp_dir), dcp_dir))
-    if s3 is not None:
-        runs.append(("s3", partial(storage_load, s3["url"], 100 + last, s3["options"]), None))
     for rep in range(cfg["repeats"]):
         for lib, fn, evict in runs if rep % 2 == 0 else runs[::-1]:
             dt, (disk, logical, want) = _timed(fn, evict)
@@ -333,10 +327,158 @@ def load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[flo
                 record(f"{lib}.read_ratio", _sum(logical) / _sum(want))
                 if evict is not None:
                     record(f"{lib}.disk_ratio", _sum(disk) / _sum(want))
-            for moments in target["optim"]["state"].values():
-                moments["exp_avg"].to_local().zero_()
-                moments["exp_avg_sq"].to_local().zero_()
-                moments["step"].zero_()
-            for t in target["model"].values():
-                t.to_local().zero_()
+            _zero(target)
+    return out
+
+
+def _zero(state: dict[str, Any]) -> None:
+    for moments in state["optim"]["state"].values():
+        moments["exp_avg"].to_local().zero_()
+        moments["exp_avg_sq"].to_local().zero_()
+        moments["step"].zero_()
+    for t in state["model"].values():
+        t.to_local().zero_()
+
+
+# -- S3 (SeaweedFS): the raw s3fs ceiling, storage, and DCP's fsspec writer and reader -------------
+#
+# Every round runs the three contenders one after the other, the order rotating by one per round,
+# each timed barrier to barrier; a warm-up of each comes first, so that no contender pays for a
+# fresh client. GB/s: the bytes each wrote or read (all ranks) over the slowest rank's time.
+
+S3_CONTENDERS = ("raw", "storage", "dcp")
+
+
+def _rotated(rnd: int) -> tuple[str, ...]:
+    k = rnd % len(S3_CONTENDERS)
+    return S3_CONTENDERS[k:] + S3_CONTENDERS[:k]
+
+
+def s3_save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float]]:
+    """Save to S3 each round with storage, with DCP's ``FsspecWriter``, and put with s3fs the bytes
+    of this rank's storage objects as as many objects, all at once (``S3FileSystem.pipe``)."""
+    import s3fs
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = make_state(cfg["shapes"], mesh, fill=True)
+    s3 = cfg["s3"]
+    opts, bucket = s3["options"], s3["bucket"]
+    fs = s3fs.S3FileSystem(**opts)
+    storage.save(state, s3["url"], 90, storage_options=opts)  # warm-up; its objects' sizes
+    mine = [p for p in fs.find(f"{bucket}/ckpt/step-90") if f"/rank{rank:05d}-" in p]
+    blobs = [os.urandom(fs.size(p)) for p in mine]
+    nbytes = sum(len(b) for b in blobs)
+    out: dict[str, list[float]] = {}
+
+    def run(lib: str, tag: str, step: int) -> float:
+        if lib == "raw":
+            fn = partial(
+                fs.pipe, {f"{bucket}/raw-{tag}/{rank}-{i}": b for i, b in enumerate(blobs)}
+            )
+        elif lib == "storage":
+            fn = partial(storage.save, state, s3["url"], step, storage_options=opts)
+        else:
+            writer = FsspecWriter(f"s3://{bucket}/dcp-{tag}", **opts)
+            fn = partial(dcp.save, state, storage_writer=writer)
+        return _timed(fn)[0]
+
+    for lib in S3_CONTENDERS:
+        run(lib, "warm", 91)
+    total = {"raw": _sum(nbytes), "storage": cfg["bytes"], "dcp": cfg["bytes"]}
+    for rnd in range(cfg["rounds"]):
+        for lib in _rotated(rnd):
+            dt = run(lib, str(rnd), 100 + rnd)
+            out.setdefault(f"{lib}.save_gbps", []).append(total[lib] / dt / 1e9)
+    return out
+
+
+def _needed_ranges(state: dict[str, Any], manifest: Any, part: int) -> list[tuple[str, int, int]]:
+    """``(object, start, end)``: the bytes of the saved objects holding this rank's elements of
+    every tensor (from the manifest's pieces), adjacent ones merged, cut into ``part`` bytes."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    wanted: list[tuple[str, int, int]] = []
+    for name, dt in state["model"].items():
+        moments = state["optim"]["state"][name]
+        for key, t in (
+            (f"model.{name}", dt),
+            (f"optim.state.{name}.exp_avg", moments["exp_avg"]),
+            (f"optim.state.{name}.exp_avg_sq", moments["exp_avg_sq"]),
+        ):
+            shape, offsets = compute_local_shape_and_global_offset(
+                t.shape, t.device_mesh, t.placements
+            )
+            lo = offsets[0] * math.prod(t.shape[1:])
+            hi = lo + math.prod(shape)
+            for p in manifest.tensors[key].pieces_in(lo, hi):
+                a, b = max(lo, p.offset), min(hi, p.offset + p.length)
+                if b > a:
+                    size = t.element_size()
+                    start = p.byte_start + (a - p.offset) * size
+                    wanted.append((p.object, start, start + (b - a) * size))
+    merged: list[tuple[str, int, int]] = []
+    for obj, a, b in sorted(wanted):
+        if merged and merged[-1][0] == obj and merged[-1][2] == a:
+            merged[-1] = (obj, merged[-1][1], b)
+        else:
+            merged.append((obj, a, b))
+    return [(o, x, min(x + part, b)) for o, a, b in merged for x in range(a, b, part)]
+
+
+def s3_load_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[float]]:
+    """Load the last round of ``s3_save_phase`` into a ``world``-rank layout with storage and with
+    DCP's ``FsspecReader``; and get with s3fs, from storage's objects, exactly the bytes that hold
+    this rank's elements (per the manifest; adjacent ranges merged, cut into ranged GETs of
+    ``IOOptions().part_bytes``), all at once (``S3FileSystem.cat_ranges``)."""
+    import s3fs
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    target = make_state(cfg["shapes"], mesh, fill=False)
+    s3 = cfg["s3"]
+    opts, bucket, last = s3["options"], s3["bucket"], cfg["rounds"] - 1
+    fs = s3fs.S3FileSystem(**opts)
+    step_dir = f"{bucket}/ckpt/step-{100 + last}"
+    where = f"{step_dir}/manifest.json"
+    manifest = storage.format.Manifest.from_json(fs.cat(where), where=where)
+    ranges = _needed_ranges(target, manifest, storage.IOOptions().part_bytes)
+    paths = [f"{step_dir}/{o}" for o, _, _ in ranges]
+    starts, ends = [a for _, a, _ in ranges], [b for _, _, b in ranges]
+    total = _sum(sum(b - a for _, a, b in ranges))
+    stats: dict[str, int] = {}
+
+    def run(lib: str, dcp_path: str) -> float:
+        if lib == "raw":
+            fn: Callable[[], Any] = partial(fs.cat_ranges, paths, starts, ends)
+        elif lib == "storage":
+
+            def fn() -> None:
+                res = storage.load(target, s3["url"], 100 + last, storage_options=opts)
+                stats.update(read=res.bytes_read, needed=res.bytes_needed)
+        else:
+            reader = FsspecReader(dcp_path, **opts)
+            fn = partial(dcp.load, target, storage_reader=reader)
+        return _timed(fn)[0]
+
+    for lib in S3_CONTENDERS:  # warm-up
+        run(lib, f"s3://{bucket}/dcp-{last}")
+        _zero(target)
+    out: dict[str, list[float]] = {
+        "storage.read_ratio": [_sum(stats["read"]) / _sum(stats["needed"])]
+    }
+    for rnd in range(cfg["rounds"]):
+        for lib in _rotated(rnd):
+            dt = run(lib, f"s3://{bucket}/dcp-{last}")
+            out.setdefault(f"{lib}.load_gbps", []).append(
+                (total if lib == "raw" else cfg["bytes"]) / dt / 1e9
+            )
+            if lib != "raw":
+                if rnd == 0:
+                    check_state(target)
+                _zero(target)
     return out

@@ -1,17 +1,21 @@
-"""The store on S3 (s3fs): conditional creates and CRC-32C checksummed uploads (docs/format.md,
-"Integrity"); ``S3Upload`` calls the S3 API itself because s3fs's file drops the parts'
-checksums of a multipart upload."""
+"""The store on S3 (s3fs): ranged reads streamed into the caller's buffer, conditional creates and
+CRC-32C checksummed uploads (docs/format.md, "Integrity"); ``S3Upload`` calls the S3 API itself
+because s3fs's file drops the parts' checksums of a multipart upload."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
 from crc32c import crc32c  # the checksum S3 verifies on upload (x-amz-checksum-crc32c)
 
 from ftsdp.storage.io._fs import Store
+
+_CHUNK = 1 << 20  # the most a ranged read holds beside the caller's buffer
+_PARTS_IN_FLIGHT = 4  # parts of one multipart upload sent at once (each held until it is sent)
 
 # The answers to a conditional create (If-None-Match: *) whose name is taken, as AWS documents
 # them: 412 PreconditionFailed (an object has the name), 409 ConditionalRequestConflict (another
@@ -72,6 +76,35 @@ class S3Store(Store):
                 f"{path} already exists (the server refused to create it: {e})"
             ) from e
 
+    def _read_at(self, rel: str, start: int, view: memoryview) -> int:
+        # One GET whose body streams into ``view``: no second copy of the range is ever held.
+        # It runs on the filesystem's event loop, so every thread shares its connection pool.
+        from fsspec.asyn import sync
+
+        return int(sync(self.fs.loop, self._get_into, self.full(rel), start, view))
+
+    async def _get_into(self, path: str, start: int, view: memoryview) -> int:
+        bucket, key, version = self.fs.split_path(path)
+        extra = {"VersionId": version} if version else {}
+        resp = await self.fs._call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={start}-{start + len(view) - 1}",
+            **extra,
+        )
+        body, got = resp["Body"], 0
+        try:
+            while got < len(view):
+                chunk = await body.read(min(_CHUNK, len(view) - got))
+                if not chunk:
+                    break
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+        finally:
+            body.close()
+        return got
+
     def _upload(self, path: str, part_bytes: int, exclusive: bool) -> Any:
         if self.io.object_checksums:
             return S3Upload(self.fs, path, part_bytes, exclusive)
@@ -85,9 +118,9 @@ def _b64_crc(value: int) -> str:
 
 class S3Upload:
     """A write-only file uploading one S3 object with CRC-32C checksums: one ``put_object``, or a
-    multipart upload of ``part_bytes`` parts. ``close()`` publishes it (``exclusive``: only if the
-    name is free; the server's refusal is mapped by ``S3Store``); ``discard()`` aborts, so
-    nothing appears."""
+    multipart upload of ``part_bytes`` parts, ``_PARTS_IN_FLIGHT`` sent at once while the next ones
+    are written. ``close()`` publishes it (``exclusive``: only if the name is free; the server's
+    refusal is mapped by ``S3Store``); ``discard()`` aborts, so nothing appears."""
 
     def __init__(self, fs: Any, path: str, part_bytes: int, exclusive: bool) -> None:
         self.fs, self.path, self.part_bytes = fs, path, part_bytes
@@ -99,6 +132,8 @@ class S3Upload:
         self.part_crc = 0  # of the bytes in ``buf``
         self.upload_id: str | None = None
         self.parts: list[dict[str, Any]] = []
+        self.sending: list[tuple[int, str, Future]] = []  # (part number, checksum, upload_part)
+        self.pool: ThreadPoolExecutor | None = None
         self.closed = False
 
     def writable(self) -> bool:
@@ -136,9 +171,14 @@ class S3Upload:
             self.upload_id = self._call(
                 "create_multipart_upload", ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
             )["UploadId"]
-        number = len(self.parts) + 1
+        number = len(self.sending) + 1
         checksum = _b64_crc(self.part_crc)
-        out = self._call(
+        if len(self.sending) >= _PARTS_IN_FLIGHT:  # wait for room (and raise a failed part's error)
+            self.sending[-_PARTS_IN_FLIGHT][2].result()
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(_PARTS_IN_FLIGHT, "storage-s3-part")
+        sent = self.pool.submit(
+            self._call,
             "upload_part",
             UploadId=self.upload_id,
             PartNumber=number,
@@ -146,8 +186,15 @@ class S3Upload:
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=checksum,
         )
-        self.parts.append({"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum})
+        self.sending.append((number, checksum, sent))
         self.buf, self.part_crc = bytearray(), 0
+
+    def _sent(self) -> None:
+        """Wait for every part sent (the first error raises) and list them for the completion."""
+        self.parts = [
+            {"PartNumber": n, "ETag": f.result()["ETag"], "ChecksumCRC32C": c}
+            for n, c, f in self.sending
+        ]
 
     def close(self) -> None:
         """Publish the object (``exclusive``: the server refuses when the name is taken)."""
@@ -166,6 +213,7 @@ class S3Upload:
             try:
                 if self.buf:
                     self._send_part()
+                self._sent()
                 self._call(
                     "complete_multipart_upload",
                     UploadId=self.upload_id,
@@ -178,6 +226,8 @@ class S3Upload:
                 self._abort()
                 raise
         self.buf = bytearray()
+        if self.pool is not None:
+            self.pool.shutdown()
         self.fs.invalidate_cache(self.path)
 
     def discard(self) -> None:
@@ -187,6 +237,8 @@ class S3Upload:
         self._abort()
 
     def _abort(self) -> None:
+        if self.pool is not None:  # no part may land after the abort
+            self.pool.shutdown(wait=True, cancel_futures=True)
         if self.upload_id is not None:
             upload_id, self.upload_id = self.upload_id, None
             with contextlib.suppress(Exception):

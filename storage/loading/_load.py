@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,10 +18,12 @@ from ftsdp.storage.format._steps import resolve_manifest
 from ftsdp.storage.io._collectives import all_gather_json, broadcast_json, rank_world, resolve_group
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.loading._read_plan import Want, make_want, plan_reads
-from ftsdp.storage.loading._reader import deliver, fetch
+from ftsdp.storage.loading._reader import Delivery, fetch
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,9 @@ def load(
     dtype mismatches raise ``StateMismatchError`` naming them (``strict=False``: reported in the
     result, mismatched entries skipped); dtypes convert only with ``cast=True``. Everything is
     read and verified before anything is written, and all ranks agree first: a failed load
-    leaves the target untouched on every rank. Collective over ``process_group``.
+    leaves the target untouched on every rank (unless a rank reads more than
+    ``options.inflight_bytes`` from an object store: see ``LoadOptions``). Collective over
+    ``process_group``.
     """
     options = options or LoadOptions()
     group = resolve_group(process_group)
@@ -152,6 +157,7 @@ def load(
     manifest = _shared_manifest(store, step, group, options)
 
     error: Exception | None = None
+    stream = False
     try:
         tensors, values = flatten_state(state)
         wants, targets, restored, result = _match(manifest, tensors, values, rank, cast)
@@ -163,7 +169,17 @@ def load(
                 f"mismatched={result.mismatched} (strict=False loads the rest and reports these)"
             )
         spans = plan_reads(wants, manifest.checksum_block_bytes, options.coalesce_gap_bytes)
-        segments, bytes_read = fetch(store, manifest, spans)
+        delivery = Delivery(wants, [leaf.local for leaf in targets])
+        # A local object is read through its memory map (page cache): nothing to bound.
+        stream = not store.local and sum(s.end - s.start for s in spans) > options.inflight_bytes
+        if stream:
+            log.info(
+                "loading step %d from %s: more than inflight_bytes=%d to read on rank %d, so "
+                "each verified part goes into the target as it arrives",
+                *(manifest.step, store.where(), options.inflight_bytes, rank),
+            )
+        place = delivery.place if stream else None
+        segments, bytes_read = fetch(store, manifest, spans, place, options.inflight_bytes)
     except Exception as e:
         error = e
     if group is not None:
@@ -173,12 +189,13 @@ def load(
         if error is None and failed:
             raise CheckpointError(
                 f"load of step {manifest.step} failed on rank(s) {failed} "
-                f"({reports[failed[0]]}); nothing was loaded"
+                f"({reports[failed[0]]}); "
+                + ("this rank's target is partly loaded" if stream else "nothing was loaded")
             )
     if error is not None:
         raise error
 
-    deliver(wants, [leaf.local for leaf in targets], segments, options.io.threads)
+    delivery.finish(segments, options.io.threads)
     for name, value in restored.items():
         leaf = values[name]
         leaf.parent[leaf.key] = value

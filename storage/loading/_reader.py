@@ -1,14 +1,18 @@
 """Execute a read plan: concurrent ranged reads verified per part, then one copy into place.
 
 ``fetch`` reads and verifies parts of whole checksum blocks on worker threads and writes nothing,
-so a load can still fail cleanly; ``deliver`` then copies into the targets (through the staging
-tensors only for a conversion); ``execute`` fills the staging tensors (docs/format.md,
-"Loading and resharding").
+so a load can still fail cleanly; ``Delivery.finish`` then copies into the targets (through the staging
+tensors only for a conversion); ``execute`` fills the staging tensors. A load larger than its
+in-flight budget streams instead: ``fetch`` hands each verified part to ``Delivery.place``
+(docs/format.md, "Loading and resharding").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import mmap
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
@@ -65,7 +69,10 @@ def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[S
     if store.local:
         data = store._retry(lambda: store.map_range(rel, part.start, part.end))
     else:
-        data = np.frombuffer(store.read_range(rel, part.start, part.end), dtype=np.uint8)
+        # a mapping of its own, returned to the system when its last view goes (a heap block
+        # could stay with its thread's arena): the in-flight budget bounds the memory held
+        data = np.frombuffer(mmap.mmap(-1, part.end - part.start), dtype=np.uint8)
+        store.read_into(rel, part.start, data)
     for lo, hi, name, piece, k in part.blocks:
         if check(data[lo - part.start : hi - part.start], 0) != piece.checksums[k]:
             raise CorruptCheckpointError(
@@ -79,6 +86,26 @@ def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[S
         if hi > lo:
             out.append((c, lo - c.src, data[lo - part.start : hi - part.start]))
     return out
+
+
+class _Budget:
+    """At most ``limit`` bytes taken at once (a request above it waits for everything)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used, self.cond = limit, 0, threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, n: int) -> Iterator[None]:
+        n = min(n, self.limit)
+        with self.cond:
+            self.cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.used -= n
+                self.cond.notify_all()
 
 
 def _run(threads: int, tasks: Sequence[Callable[[], object]]) -> list:
@@ -104,15 +131,35 @@ def _run(threads: int, tasks: Sequence[Callable[[], object]]) -> list:
     return results
 
 
-def fetch(store: Store, manifest: Manifest, spans: list[Span]) -> tuple[list[Segment], int]:
+def fetch(
+    store: Store,
+    manifest: Manifest,
+    spans: list[Span],
+    place: Callable[[list[Segment]], object] | None = None,
+    inflight_bytes: int = 0,
+) -> tuple[list[Segment], int]:
     """Read ``spans`` of ``manifest``'s step and verify every block against the manifest's
-    checksums; the source bytes of every copy and the bytes read."""
+    checksums; the source bytes of every copy and the bytes read. With ``place``, each part's
+    verified segments go to ``place`` as soon as they are read (none are returned), and at most
+    ``inflight_bytes`` are read and not yet placed (but one part, if a part is larger)."""
     step, block = manifest.step, manifest.checksum_block_bytes
     check = checksum_function(manifest.checksum_algorithm)
-    parts = [p for s in spans for p in _parts(s, block, store.io.part_bytes)]
-    tasks = [lambda p=p: _fetch_part(store, step, check, p) for p in parts]
-    results = _run(store.io.threads, tasks)
-    return [seg for r in results for seg in r], sum(s.end - s.start for s in spans)
+    threads, part_bytes = store.io.threads, store.io.part_bytes
+    if place is not None:  # parts small enough that ``threads`` of them fit in the budget
+        part_bytes = min(part_bytes, max(block, inflight_bytes // threads))
+    parts = [p for s in spans for p in _parts(s, block, part_bytes)]
+    budget = _Budget(max(inflight_bytes, 1))
+
+    def streamed(p: _Part) -> list[Segment]:
+        assert place is not None
+        with budget.take(p.end - p.start):
+            place(_fetch_part(store, step, check, p))
+        return []
+
+    task = partial(_fetch_part, store, step, check) if place is None else streamed
+    results = _run(threads, [partial(task, p) for p in parts])
+    segments = [seg for r in results if r for seg in r]
+    return segments, sum(s.end - s.start for s in spans)
 
 
 def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], object]]:
@@ -128,28 +175,43 @@ def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[]
     return [partial(copy, a) for a in range(0, len(src), _COPY_CHUNK)]
 
 
-def deliver(
-    wants: list[Want], targets: list[torch.Tensor], segments: list[Segment], threads: int
-) -> None:
-    """Copy fetched bytes into each ``targets[i]`` (the tensor ``wants[i]`` describes)."""
-    direct = [  # the saved bytes can be copied into the target as they are
-        t.device.type == "cpu" and t.dtype == w.staging.dtype and t.is_contiguous()
-        for w, t in zip(wants, targets, strict=True)
-    ]
-    tasks: list[Callable[[], object]] = []
-    for c, off, src in segments:
-        dst = targets[c.want].detach().reshape(-1).view(torch.uint8) if direct[c.want] else c.dst
-        tasks.extend(_copy_tasks(dst, c.dst_byte + off, src))
-    _run(threads, tasks)
-    for t, d in zip(targets, direct, strict=True):
-        if d:  # written through numpy: tell autograd, as an in-place copy_ would have
-            torch.autograd.graph.increment_version(t)
-    converts = [  # detach: grad mode is per thread, and these may be parameters
-        lambda w=w, t=t: t.detach().copy_(w.staging.view(t.shape))
-        for w, t, d in zip(wants, targets, direct, strict=True)
-        if not d
-    ]
-    _run(threads, converts)
+class Delivery:
+    """Copies of fetched bytes into each ``targets[i]`` (the tensor ``wants[i]`` describes)."""
+
+    def __init__(self, wants: list[Want], targets: list[torch.Tensor]) -> None:
+        self.wants, self.targets = wants, targets
+        self.direct = [  # the saved bytes can be copied into the target as they are
+            t.device.type == "cpu" and t.dtype == w.staging.dtype and t.is_contiguous()
+            for w, t in zip(wants, targets, strict=True)
+        ]
+
+    def tasks(self, segments: list[Segment]) -> list[Callable[[], object]]:
+        """The copies of ``segments`` into the targets (or the staging tensors)."""
+        out: list[Callable[[], object]] = []
+        for c, off, src in segments:
+            t = self.targets[c.want]
+            dst = t.detach().reshape(-1).view(torch.uint8) if self.direct[c.want] else c.dst
+            out.extend(_copy_tasks(dst, c.dst_byte + off, src))
+        return out
+
+    def place(self, segments: list[Segment]) -> None:
+        """Copy ``segments`` on the calling thread."""
+        for task in self.tasks(segments):
+            task()
+
+    def finish(self, segments: list[Segment], threads: int) -> None:
+        """Copy ``segments`` (none left when streamed), then convert the staged tensors into
+        their targets."""
+        _run(threads, self.tasks(segments))
+        for t, d in zip(self.targets, self.direct, strict=True):
+            if d:  # written through numpy: tell autograd, as an in-place copy_ would have
+                torch.autograd.graph.increment_version(t)
+        converts = [  # detach: grad mode is per thread, and these may be parameters
+            lambda w=w, t=t: t.detach().copy_(w.staging.view(t.shape))
+            for w, t, d in zip(self.wants, self.targets, self.direct, strict=True)
+            if not d
+        ]
+        _run(threads, converts)
 
 
 def execute(store: Store, manifest: Manifest, spans: list[Span]) -> int:

@@ -9,7 +9,11 @@ from typing import Any
 from ftsdp.tools.report._figure import figure_grid
 
 MB = 1e6
-LIBRARIES = (("storage", "storage (local)"), ("dcp", "DCP (local)"), ("s3", "storage (S3, moto)"))
+LIBRARIES = (
+    ("storage", "storage (local)"),
+    ("dcp", "DCP (local)"),
+    ("s3", "storage (S3, SeaweedFS)"),
+)
 HELD = (("params", "parameters"), ("optim", "AdamW state"))
 
 

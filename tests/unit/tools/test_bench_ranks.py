@@ -109,3 +109,35 @@ def test_bytes_are_the_states_size_and_the_checkpoints_hold_its_values(
     for k, v in expected.items():
         assert torch.equal(target[k], v), k
         assert torch.equal(got[k], v), k
+
+
+def test_the_s3_table_gives_medians_spreads_and_per_round_ratios() -> None:
+    args = bench_checkpoint.parse(["--ranks", "2"])
+    res = {
+        "bytes": 10**9,
+        "s3save": {
+            "raw.save_gbps": [1.0, 2.0, 4.0],
+            "storage.save_gbps": [1.0, 1.0, 4.0],
+            "dcp.save_gbps": [0.5, 0.5, 1.0],
+        },
+        "s3load3": {
+            "raw.load_gbps": [2.0, 2.0, 2.0],
+            "storage.load_gbps": [1.0, 2.0, 3.0],
+            "dcp.load_gbps": [1.0, 1.0, 1.0],
+            "storage.read_ratio": [1.1],
+        },
+    }
+    text, verdicts, rows = bench_checkpoint.s3_table(args, res)
+    lines = text.splitlines()
+    # storage / raw per round: 1.0, 0.5, 1.0 -> median 1.00x, spread 0.50-1.00
+    assert "| save, W=2 | 2.000 (1.000-4.000) | 1.000 (1.000-4.000) |" in lines[2]
+    assert "| 1.00x (0.50-1.00) | 2.00x (2.00-4.00) | >= 0.9x raw |" in lines[2]
+    assert lines[3].startswith("| load 2 -> 3 | 2.000 (2.000-2.000) | 2.000 (1.000-3.000) |")
+    assert "| 1.00x (0.50-1.50) | 2.00x (1.00-3.00) |" in lines[3]
+    assert "| bytes read / needed, load 2 -> 3 | | 1.100 |" in lines[4]
+    assert verdicts == [
+        "- S3 save, W=2 >= 0.9x raw: MET (1.00x, median of the rounds' ratios)",
+        "- S3 load 2 -> 3 >= 0.9x raw: MET (1.00x, median of the rounds' ratios)",
+        "- S3 load 2 -> 3 >= 1.5x DCP: MET (2.00x)",
+    ]
+    assert [r["measurement"] for r in rows] == ["S3 save, W=2", "S3 load 2 -> 3"]
