@@ -77,13 +77,14 @@ class LoadOptions:
     manifest larger than ``max_manifest_bytes`` or nested deeper than ``max_json_depth`` levels
     of JSON arrays and objects is refused unread (see [Note: manifest limits]).
 
-    ``inflight_bytes`` bounds the host memory a rank's load from an object store holds beside its
-    target: a rank reading at most that many bytes holds them all, verified, until every rank
-    has read (a failed load leaves the targets untouched); a larger one copies each verified part
-    into its target as it arrives, so that a failure can leave the target partly loaded."""
+    ``inflight_bytes`` (None: no bound) bounds the host memory a rank's load from an object store
+    holds beside its target. By default a rank holds everything it read, verified, until every
+    rank has read, so that a failed load leaves every target untouched. With a bound, a rank
+    reading more than that copies each verified part into its target as it arrives: its memory
+    stays the state plus the bound, and a failure partway leaves its target partly loaded."""
 
     coalesce_gap_bytes: int = 0
-    inflight_bytes: int = 1 * GiB
+    inflight_bytes: int | None = None
     max_manifest_bytes: int = MAX_MANIFEST_BYTES
     max_json_depth: int = MAX_JSON_DEPTH
     io: IOOptions = field(default_factory=IOOptions)
@@ -93,4 +94,6 @@ class LoadOptions:
             raise ValueError(
                 f"LoadOptions: coalesce_gap_bytes={self.coalesce_gap_bytes} must be >= 0"
             )
-        _positive(self, "inflight_bytes", "max_manifest_bytes", "max_json_depth")
+        _positive(self, "max_manifest_bytes", "max_json_depth")
+        if self.inflight_bytes is not None:
+            _positive(self, "inflight_bytes")

@@ -171,15 +171,18 @@ def load(
         spans = plan_reads(wants, manifest.checksum_block_bytes, options.coalesce_gap_bytes)
         delivery = Delivery(wants, [leaf.local for leaf in targets])
         # A local object is read through its memory map (page cache): nothing to bound.
-        stream = not store.local and sum(s.end - s.start for s in spans) > options.inflight_bytes
+        budget = options.inflight_bytes
+        stream = (
+            budget is not None and not store.local and sum(s.end - s.start for s in spans) > budget
+        )
         if stream:
             log.info(
                 "loading step %d from %s: more than inflight_bytes=%d to read on rank %d, so "
                 "each verified part goes into the target as it arrives",
-                *(manifest.step, store.where(), options.inflight_bytes, rank),
+                *(manifest.step, store.where(), budget, rank),
             )
         place = delivery.place if stream else None
-        segments, bytes_read = fetch(store, manifest, spans, place, options.inflight_bytes)
+        segments, bytes_read = fetch(store, manifest, spans, place, budget or 0)
     except Exception as e:
         error = e
     if group is not None:
