@@ -9,6 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
+# The S3 fixtures (one SeaweedFS server for the whole session), for every test module.
+pytest_plugins = ["tests.s3_fixture"]
+
 _TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e", "gpu": "gpu"}
 
 

@@ -126,19 +126,22 @@ def run_case(rank: int, world: int, mode: str, strategy: str, prefetch: bool, mi
 
 
 def cases_for(world: int) -> list[tuple[str, str, bool, bool]]:
-    """At W=2 every mode x strategy, and per mode prefetching off and mixed precision once; at
-    1, 3 and 4 the whole-model compile (the one that needs the engine's help) in every strategy
-    (HYBRID_SHARD, 2 x 2, at 4), prefetching off and mixed precision once each. (Each case
-    traces anew: the full cross product would cost minutes of the suite.)"""
+    """Every (mode, strategy) at W=2, and at 1, 3 and 4 the whole-model compile (the one that
+    needs the engine's help) in every strategy (HYBRID_SHARD, 2 x 2, at 4). The settings rotate
+    along the list (prefetching on, prefetching off, mixed precision with prefetching), so each
+    mode and each world size meets every one: each case traces anew, and the full cross product
+    would cost minutes of the suite."""
+    settings = [(True, False), (False, False), (True, True)]
     if world == 2:
-        cases = [(m, s, True, False) for m in MODES for s in STRATEGIES]
-        return cases + [
-            (m, "FULL_SHARD", p, mp) for m in MODES for p, mp in ((False, False), (True, True))
-        ]
-    strategies = {1: ["FULL_SHARD"], 3: STRATEGIES, 4: [*STRATEGIES, "HYBRID_SHARD"]}[world]
-    last = strategies[-1]
-    cases = [("whole", s, True, False) for s in strategies]
-    return [*cases, ("whole", last, False, False), ("whole", last, True, True)]
+        pairs = [(m, s) for m in MODES for s in STRATEGIES]
+    else:
+        extra = {1: [], 3: [], 4: ["HYBRID_SHARD"]}[world]
+        pairs = [("whole", s) for s in [*STRATEGIES, *extra]]
+    shift = world  # so that each strategy meets a different setting at each world size
+    return [
+        (m, s, *settings[(i + shift + (m == "wrap_then_blocks")) % 3])
+        for i, (m, s) in enumerate(pairs)
+    ]
 
 
 def compile_grid(rank: int, world: int) -> int:

@@ -26,7 +26,7 @@ from ftsdp.storage.format._manifest import Manifest
 from ftsdp.storage.format._manifest import seal as storage_seal
 from ftsdp.storage.saving import _save
 from ftsdp.testing import run_ranks
-from tests.s3_fixture import new_bucket_url, s3_endpoint  # noqa: F401 - fixtures
+from tests.s3_fixture import new_bucket_url
 
 # Small checksum blocks so that bytes read stay within 5% of bytes needed for these sizes.
 OPTIONS = storage.SaveOptions(checksum_block_bytes=256, object_bytes=300_000)
@@ -713,7 +713,7 @@ def _main(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> dict
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: dict) -> list[dict]:  # noqa: F811
+def outcomes(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: dict) -> list[dict]:
     """One spawn of 4 ranks for the whole module: every rank's outcome of every scenario."""
     import s3fs
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ftsdp.testing import run_ranks
-from tests.s3_fixture import new_bucket_url, s3_endpoint  # noqa: F401 - fixtures
+from tests.s3_fixture import new_bucket_url
 
 SAVES = 10
 
@@ -81,7 +81,7 @@ def _tally(calls: list[tuple[str, str]], step: int) -> tuple[int, int, collectio
 
 
 @pytest.mark.timeout(300)
-def test_two_ranks_requests_per_save_stay_constant(s3_endpoint) -> None:  # noqa: F811
+def test_two_ranks_requests_per_save_stay_constant(s3_endpoint) -> None:
     url = new_bucket_url(s3_endpoint)
     ranks = run_ranks(_rank, 2, url, dict(s3_endpoint), timeout=240)
     for rank, got in enumerate(ranks):

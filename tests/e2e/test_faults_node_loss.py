@@ -47,7 +47,7 @@ from tests.e2e.test_faults import (
     reference,
     side_by_side,
 )
-from tests.s3_fixture import new_bucket_url, s3_endpoint  # noqa: F401 - fixtures
+from tests.s3_fixture import new_bucket_url
 
 FAULT = "kill_node:step=5:when=after_commit"  # see the module docstring
 # last_call_timeout: how long a round stays open for more agents once one has joined (see
@@ -166,7 +166,7 @@ def _ports(n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory, s3_endpoint) -> Iterator[dict[str, tuple[Run, Future]]]:  # noqa: F811
+def jobs(tmp_path_factory, s3_endpoint) -> Iterator[dict[str, tuple[Run, Future]]]:
     """Both jobs, started side by side (see the module docstring): per job its run and the
     future of :func:`node_loss`, which each test waits for."""
     root = tmp_path_factory.mktemp("node-loss")
@@ -200,7 +200,7 @@ def test_node_loss_survivor_continues_at_the_smaller_world_size(jobs, ref) -> No
 
 
 @pytest.mark.timeout(300)
-def test_node_loss_with_checkpoints_on_s3(jobs, ref, s3_endpoint) -> None:  # noqa: F811
+def test_node_loss_with_checkpoints_on_s3(jobs, ref, s3_endpoint) -> None:
     run, job = jobs["s3"]
     job.result(timeout=280)
     assert storage.list_steps(run.url, storage_options=s3_endpoint)[-1] == STEPS

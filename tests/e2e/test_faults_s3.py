@@ -15,13 +15,13 @@ import pytest
 
 from ftsdp import storage
 from tests.e2e.test_faults import STEPS, Run, check_against_reference, reference
-from tests.s3_fixture import new_bucket_url, s3_endpoint  # noqa: F401 - fixtures
+from tests.s3_fixture import new_bucket_url
 
 
 @pytest.mark.timeout(480)
 def test_kill9_then_resume_at_world_3_from_s3_equals_the_uninterrupted_run(
     tmp_path_factory,
-    s3_endpoint,  # noqa: F811
+    s3_endpoint,
 ) -> None:
     ref = reference(tmp_path_factory.getbasetemp())
     run = Run(tmp_path_factory.mktemp("kill9-s3") / "job", url=new_bucket_url(s3_endpoint))

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from ftsdp import storage
-from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 SMALL_BLOCKS = storage.SaveOptions(checksum_block_bytes=64, object_bytes=6000)
 

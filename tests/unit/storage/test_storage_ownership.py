@@ -32,7 +32,6 @@ from ftsdp import storage
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._commit import CommitConflictError, _wait_for_commit
 from ftsdp.tools.ckpt import main as cli
-from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(180)
 SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=3000)

@@ -20,7 +20,6 @@ from s3fs.errors import translate_boto_error
 from ftsdp import storage
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._s3 import name_taken
-from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 Calls = list[tuple[str, str]]  # (operation, key or prefix under the bucket)
 
@@ -50,8 +49,8 @@ def test_only_a_refused_conditional_create_means_the_name_is_taken(status, code)
 @pytest.mark.parametrize("checksums", [True, False], ids=["S3Upload", "s3fs-file"])
 @pytest.mark.parametrize(("status", "code"), TAKEN + OTHER)
 def test_a_commit_refused_by_the_server_is_a_conflict_only_when_the_name_is_taken(
-    s3_bucket_url,  # noqa: F811
-    s3_endpoint,  # noqa: F811
+    s3_bucket_url,
+    s3_endpoint,
     monkeypatch: pytest.MonkeyPatch,
     status: int,
     code: str,
@@ -88,7 +87,7 @@ def test_a_commit_refused_by_the_server_is_a_conflict_only_when_the_name_is_take
     assert storage.list_steps(s3_bucket_url, storage_options=s3_endpoint) == [1]
 
 
-def test_write_exclusive_maps_a_real_servers_refusal(s3_bucket_url, s3_endpoint) -> None:  # noqa: F811
+def test_write_exclusive_maps_a_real_servers_refusal(s3_bucket_url, s3_endpoint) -> None:
     """SeaweedFS answers 412 PreconditionFailed without naming the condition (s3fs: EINVAL)."""
     store = Store(s3_bucket_url, s3_endpoint, storage.IOOptions(max_attempts=1))
     store.write_exclusive("a", b"first")
@@ -129,8 +128,8 @@ def _split(calls: Calls, retired: set[int]) -> tuple[int, int, Calls]:
 
 
 def test_a_save_costs_its_objects_and_a_constant_number_of_requests(
-    s3_bucket_url,  # noqa: F811
-    s3_endpoint,  # noqa: F811
+    s3_bucket_url,
+    s3_endpoint,
     calls: Calls,
 ) -> None:
     """Ten saves with retention (keep_last=2, keep_every=3: the kept steps grow). From the 2nd

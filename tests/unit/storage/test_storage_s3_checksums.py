@@ -14,7 +14,6 @@ import torch
 
 from ftsdp import storage
 from ftsdp.storage.io._fs import Store
-from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 PARTS = storage.SaveOptions(io=storage.IOOptions(part_bytes=5 << 20))  # S3's smallest part
 
@@ -43,7 +42,7 @@ def _objects(url: str, opts: dict) -> tuple[s3fs.S3FileSystem, list[str]]:
     return fs, sorted(fs.find(root))
 
 
-def test_every_upload_carries_the_crc32c_s3_keeps(s3_bucket_url, s3_endpoint, calls) -> None:  # noqa: F811
+def test_every_upload_carries_the_crc32c_s3_keeps(s3_bucket_url, s3_endpoint, calls) -> None:
     state = {"big": torch.randn(7 << 18), "small": torch.arange(10.0)}  # 7 MiB: two parts
     storage.save(state, s3_bucket_url, step=1, storage_options=s3_endpoint, options=PARTS)
 
@@ -75,7 +74,7 @@ def test_every_upload_carries_the_crc32c_s3_keeps(s3_bucket_url, s3_endpoint, ca
     assert all(torch.equal(target[k], v) for k, v in state.items())
 
 
-def test_a_failed_multipart_write_leaves_no_object_and_no_parts(s3_bucket_url, s3_endpoint) -> None:  # noqa: F811
+def test_a_failed_multipart_write_leaves_no_object_and_no_parts(s3_bucket_url, s3_endpoint) -> None:
     store = Store(s3_bucket_url, s3_endpoint, storage.IOOptions(part_bytes=5 << 20, max_attempts=1))
 
     def produce(f: Any) -> None:
@@ -91,8 +90,8 @@ def test_a_failed_multipart_write_leaves_no_object_and_no_parts(s3_bucket_url, s
 
 
 def test_checksums_can_be_turned_off_for_stores_that_refuse_them(
-    s3_bucket_url,  # noqa: F811
-    s3_endpoint,  # noqa: F811
+    s3_bucket_url,
+    s3_endpoint,
     calls,
 ) -> None:
     off = storage.SaveOptions(io=storage.IOOptions(object_checksums=False))

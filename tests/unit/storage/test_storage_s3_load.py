@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,25 +22,16 @@ import pytest
 import torch
 
 from ftsdp import storage
-from ftsdp.testing import seaweedfs_server
+from tests.s3_fixture import new_bucket_url
 
 MiB = 1 << 20
 BUDGET = 8 * MiB
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[dict[str, Any]]:
-    """``storage_options`` of a SeaweedFS server for this module."""
-    with seaweedfs_server() as options:
-        yield options
-
-
-def _bucket_url(options: dict[str, Any]) -> str:
-    import s3fs
-
-    bucket = f"load-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(**options).mkdir(bucket)
-    return f"s3://{bucket}/ckpt"
+def s3(s3_endpoint: dict[str, Any]) -> dict[str, Any]:
+    """``storage_options`` of the session's SeaweedFS server."""
+    return s3_endpoint
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +39,7 @@ def saved(s3: dict[str, Any]) -> tuple[str, dict[str, torch.Tensor]]:
     """48 MB in 6 tensors, saved as objects of at most 16 MiB (step 1)."""
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(2_000_000, generator=g) for i in range(6)}
-    url = _bucket_url(s3)
+    url = new_bucket_url(s3)
     storage.save(
         state, url, 1, storage_options=s3, options=storage.SaveOptions(object_bytes=16 * MiB)
     )
@@ -144,7 +134,7 @@ def test_adjacent_ranges_are_one_get_and_a_second_load_opens_no_client(
     import aiobotocore.session
 
     state = {f"p{i}": torch.randn(65_536) for i in range(64)}  # 16 MiB, one object
-    url = _bucket_url(s3)
+    url = new_bucket_url(s3)
     storage.save(state, url, 1, storage_options=s3)
     clients = []
     create = aiobotocore.session.AioSession.create_client
@@ -247,7 +237,7 @@ def test_a_flipped_byte_fails_the_load_held_untouched_or_streamed(s3: dict[str, 
     import s3fs
 
     state = {f"t{i}": torch.randn(1_000_000) for i in range(4)}  # 16 MB, one object
-    url = _bucket_url(s3)
+    url = new_bucket_url(s3)
     storage.save(state, url, 1, storage_options=s3)
     fs = s3fs.S3FileSystem(**s3)
     (obj,) = [p for p in fs.find(url.removeprefix("s3://")) if p.endswith(".safetensors")]

@@ -26,7 +26,6 @@ import torch
 
 from ftsdp import storage
 from ftsdp.tools.ckpt import main
-from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 
 def _state() -> dict[str, Any]:

@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 
 from ftsdp import storage
 from ftsdp.tools.ckpt import main
-from tests.s3_fixture import s3_bucket_url, s3_endpoint  # noqa: F401 - fixtures
 
 SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=6000)
 
