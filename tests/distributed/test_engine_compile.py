@@ -126,29 +126,40 @@ def run_case(rank: int, world: int, mode: str, strategy: str, prefetch: bool, mi
 
 
 def cases_for(world: int) -> list[tuple[str, str, bool, bool]]:
-    """Every (mode, strategy) at W=2, and at 1, 3 and 4 the whole-model compile (the one that
-    needs the engine's help) in every strategy (HYBRID_SHARD, 2 x 2, at 4). The settings rotate
-    along the list (prefetching on, prefetching off, mixed precision with prefetching), so each
-    mode and each world size meets every one: each case traces anew, and the full cross product
+    """The suite's cover: every (mode, strategy) at W=2, settings rotating (prefetching on,
+    off, mixed precision with prefetching); at 1, 3 and 4 the whole-model compile (the one that
+    needs the engine's help), with HYBRID_SHARD (2 x 2) at 4. Each case traces anew, so the
+    full cross product (``python -m tests.distributed.test_engine_compile W``, docs/engine.md)
     would cost minutes of the suite."""
-    settings = [(True, False), (False, False), (True, True)]
     if world == 2:
+        settings = [(True, True), (True, False), (False, False)]
         pairs = [(m, s) for m in MODES for s in STRATEGIES]
-    else:
-        extra = {1: [], 3: [], 4: ["HYBRID_SHARD"]}[world]
-        pairs = [("whole", s) for s in [*STRATEGIES, *extra]]
-    shift = world  # so that each strategy meets a different setting at each world size
+        return [(m, s, *settings[(i + (m == MODES[2])) % 3]) for i, (m, s) in enumerate(pairs)]
+    return {
+        1: [("whole", "FULL_SHARD", True, False), ("whole", "SHARD_GRAD_OP", True, True)],
+        3: [("whole", "FULL_SHARD", False, False), ("whole", "NO_SHARD", True, True)],
+        4: [("whole", "FULL_SHARD", True, True), ("whole", "HYBRID_SHARD", True, False)],
+    }[world]
+
+
+def full_matrix(world: int) -> list[tuple[str, str, bool, bool]]:
+    """Every mode x strategy x prefetching x mixed precision at ``world``."""
+    strategies = [*STRATEGIES, *(["HYBRID_SHARD"] if world == 4 else [])]
     return [
-        (m, s, *settings[(i + shift + (m == "wrap_then_blocks")) % 3])
-        for i, (m, s) in enumerate(pairs)
+        (m, s, p, mp)
+        for m in MODES
+        for s in strategies
+        for p in (True, False)
+        for mp in (False, True)
     ]
 
 
-def compile_grid(rank: int, world: int) -> int:
-    """Conftest phase: every case of ``cases_for(world)``; the number run."""
-    for case in cases_for(world):
+def compile_grid(rank: int, world: int, cases: list | None = None) -> int:
+    """Conftest phase: every case of ``cases`` (default ``cases_for(world)``); the number run."""
+    cases = cases_for(world) if cases is None else cases
+    for case in cases:
         run_case(rank, world, *case)
-    return len(cases_for(world))
+    return len(cases)
 
 
 @pytest.mark.timeout(600)
@@ -160,3 +171,11 @@ def test_compiled_training_matches_eager(spawns, world: int) -> None:
     else:
         done = spawns.result(world, "test_engine_compile.compile_grid")
     assert done == [len(cases_for(world))] * world
+
+
+if __name__ == "__main__":  # the full matrix at one world size: python -m ... W
+    import sys
+
+    w = int(sys.argv[1])
+    done = run_ranks(compile_grid, w, full_matrix(w), timeout=3600)
+    print(f"W={w}: {done[0]} cases, every gradient within 1e-6 of eager training")
