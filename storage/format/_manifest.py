@@ -83,14 +83,16 @@ def _canonical_value(value: Any) -> str:
 _USER_ORDER = frozenset({"values", "rank_values"})  # written in the order the user gave
 
 
-def read_manifest_file(store: Store, rel: str, options: LoadOptions | None = None) -> Manifest:
-    """Read and decode the manifest at ``rel`` of ``store`` within ``options``' limits (the size
-    is checked before any byte is read)."""
+def read_manifest_file(
+    store: Store, rel: str, options: LoadOptions | None = None, size: int | None = None
+) -> Manifest:
+    """Read and decode the manifest at ``rel`` of ``store`` within ``options``' limits (the size,
+    asked unless a listing gave it, is checked before any byte is read)."""
     options = options or LoadOptions()
     max_bytes, max_depth = options.max_manifest_bytes, options.max_json_depth
     where = store.where(rel)
     try:
-        size = store.size(rel)
+        size = store.size(rel) if size is None else size
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{where} does not exist (removed meanwhile?)") from None
     if size > max_bytes:

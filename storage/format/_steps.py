@@ -40,14 +40,18 @@ def committed_steps(store: Store) -> list[int]:
     return sorted(steps)
 
 
-def _newest_committed(store: Store) -> list[int]:
-    """``[newest committed step]`` or ``[]``: the step directories newest first, each asked for
-    its manifest until one has it (one listing and usually one request, whatever the steps)."""
+def _newest_committed(store: Store) -> tuple[int, dict[str, tuple[str, int]]] | None:
+    """The newest committed step and its directory's listing, or None: the step directories
+    newest first, each listed until one holds a manifest (one listing of the root and usually one
+    of a step, whatever the steps)."""
     names = store.listdir().items()
     dirs = sorted(
         (s for n, (k, _) in names if k == "directory" and (s := parse_step(n)) is not None)
     )
-    return next(([s] for s in reversed(dirs) if store.exists(manifest_path(s))), [])
+    for step in reversed(dirs):
+        if MANIFEST in (listing := store.listdir(step_dir(step))):
+            return step, listing
+    return None
 
 
 def list_steps(url: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -61,9 +65,12 @@ def resolve_manifest(
     """The validated manifest of ``step`` (None: the newest committed), its objects checked.
     Raises CheckpointNotFoundError, NewerFormatError, CorruptCheckpointError, or
     IncompleteCheckpointError (a listed object missing or of another size)."""
+    # One listing of the step directory answers whether it is committed, the manifest's size
+    # (capped before it is read) and the objects' sizes: taken with the manifest present, it
+    # lists every object (a commit creates the manifest last).
     if step is None:
-        steps = _newest_committed(store)
-        if not steps:
+        newest = _newest_committed(store)
+        if newest is None:
             if not store.exists():
                 raise CheckpointNotFoundError(f"checkpoint root {store.where()} does not exist")
             torn = sorted(s for s in map(parse_step, store.listdir()) if s is not None)
@@ -71,8 +78,8 @@ def resolve_manifest(
                 f"no committed step under {store.where()} (uncommitted step dirs: {torn}); "
                 "a step is committed once its manifest.json exists"
             )
-        step = steps[-1]
-    elif not store.exists(manifest_path(step)):
+        step, listing = newest
+    elif MANIFEST not in (listing := store.listdir(step_dir(step))):
         if not store.exists():
             raise CheckpointNotFoundError(f"checkpoint root {store.where()} does not exist")
         raise CheckpointNotFoundError(
@@ -80,10 +87,11 @@ def resolve_manifest(
             f"committed steps: {committed_steps(store)}"
         )
     where = store.where(manifest_path(step))
-    manifest = read_manifest_file(store, manifest_path(step), options)  # size-capped, validated
+    manifest = read_manifest_file(
+        store, manifest_path(step), options, size=listing[MANIFEST][1]
+    )  # size-capped, validated
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}")
-    listing = store.listdir(step_dir(step))
     for name, size in sorted(manifest.objects.items()):
         if name not in listing:
             raise IncompleteCheckpointError(

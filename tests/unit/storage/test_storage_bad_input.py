@@ -235,8 +235,17 @@ def test_manifest_size_is_capped_before_reading(
     assert not [r for r in reads if r.endswith("manifest.json")]
     storage.load(target, str(ckpt), options=storage.LoadOptions(max_manifest_bytes=size))
     assert target["step"] == 3
-    # The default cap (1 GiB): a store that reports a 2 GiB manifest is refused unread.
-    real_size = LocalStore.size  # the local backend's own (it asks the OS)
+    # The default cap (1 GiB): a store that reports a 2 GiB manifest is refused unread, whether
+    # its size comes from asking for it or from the listing of its step.
+    real_size, real_listdir = LocalStore.size, LocalStore.listdir  # the local backend's own
+
+    def listdir(s: LocalStore, rel: str = "") -> dict[str, tuple[str, int]]:
+        listing = real_listdir(s, rel)
+        if "manifest.json" in listing:
+            listing["manifest.json"] = (listing["manifest.json"][0], 2 << 30)
+        return listing
+
+    monkeypatch.setattr(LocalStore, "listdir", listdir)
     monkeypatch.setattr(
         LocalStore,
         "size",
