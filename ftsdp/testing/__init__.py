@@ -3,7 +3,7 @@
 from ftsdp.testing._faults import EXIT_INJECTED, Fault, parse_faults
 from ftsdp.testing._hook import FaultHook, fault_hook_from_env
 from ftsdp.testing._seaweedfs import seaweedfs_server
-from ftsdp.testing._spawn import free_port, run_ranks
+from ftsdp.testing._spawn import free_port, free_ports, run_ranks
 
 __all__ = [
     "EXIT_INJECTED",
@@ -11,6 +11,7 @@ __all__ = [
     "FaultHook",
     "fault_hook_from_env",
     "free_port",
+    "free_ports",
     "parse_faults",
     "run_ranks",
     "seaweedfs_server",

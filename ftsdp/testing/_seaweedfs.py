@@ -13,7 +13,6 @@ import ctypes
 import logging
 import shutil
 import signal
-import socket
 import subprocess
 import sysconfig
 import tempfile
@@ -23,6 +22,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ftsdp.testing._spawn import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +41,6 @@ _PORT_FLAGS = (
     "s3.port.lance",
     "metricsPort",
 )
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports on 127.0.0.1, free a moment ago (all held while choosing)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def weed_binary() -> str:
@@ -101,7 +93,7 @@ def seaweedfs_server(
             data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="ftsdp-weed-"))
         data = Path(data_dir)
         data.mkdir(parents=True, exist_ok=True)
-        ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+        ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
         cmd = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3"]
         cmd += [f"-{flag}={port}" for flag, port in ports.items()]
         # Every bucket is a collection of volumes of its own, 7 by default: a test session makes

@@ -25,11 +25,9 @@ in one agent, and losing that one ends the job (docs/elastic.md).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from ftsdp import storage
+from ftsdp.testing import free_ports
 from tests.e2e.test_faults import (
     STEPS,
     Run,
@@ -156,15 +155,6 @@ def node_loss(
     return resume
 
 
-def _ports(n: int) -> list[int]:
-    """``n`` distinct free ports (held together while they are picked)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory, s3_endpoint) -> Iterator[dict[str, tuple[Run, Future]]]:
     """Both jobs, started side by side (see the module docstring): per job its run and the
@@ -174,7 +164,7 @@ def jobs(tmp_path_factory, s3_endpoint) -> Iterator[dict[str, tuple[Run, Future]
     shm = root / "shm"
     s3 = Run(root / "node-loss-s3", url=new_bucket_url(s3_endpoint))
     s3_env = {"FTSDP_STORAGE_OPTIONS": json.dumps(s3_endpoint)}
-    port_local, port_s3 = _ports(2)
+    port_local, port_s3 = free_ports(2)
     if not side_by_side():  # measuring: the reference first, then one job after the other
         reference(tmp_path_factory.getbasetemp())
     with ThreadPoolExecutor(2 if side_by_side() else 1, thread_name_prefix="node-loss") as pool:
