@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -148,10 +148,26 @@ def dcp_bytes_read(path: str, state: dict[str, Any]) -> int:
     overlaps a target shard is read whole (then narrowed), per its metadata."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     total = 0
+    for key, t, shape, offsets in _rank_shards(state):
+        md = meta[key]
+        assert isinstance(md, TensorStorageMetadata), key  # every key here is a tensor's
+        for chunk in md.chunks:
+            if all(
+                o < co + cs and co < o + s
+                for o, s, co, cs in zip(offsets, shape, chunk.offsets, chunk.sizes, strict=True)
+            ):
+                total += math.prod(chunk.sizes) * t.element_size()
+    return total
+
+
+def _rank_shards(state: dict[str, Any]) -> Iterator[tuple[str, Any, tuple, tuple]]:
+    """``(saved key, DTensor, local shape, global offsets)`` of every tensor of the benchmark's
+    state (each parameter and its two AdamW moments) on this rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     for name, dt in state["model"].items():
         moments = state["optim"]["state"][name]
         for key, t in (
@@ -162,15 +178,7 @@ def dcp_bytes_read(path: str, state: dict[str, Any]) -> int:
             shape, offsets = compute_local_shape_and_global_offset(
                 t.shape, t.device_mesh, t.placements
             )
-            md = meta[key]
-            assert isinstance(md, TensorStorageMetadata), key  # every key here is a tensor's
-            for chunk in md.chunks:
-                if all(
-                    o < co + cs and co < o + s
-                    for o, s, co, cs in zip(offsets, shape, chunk.offsets, chunk.sizes, strict=True)
-                ):
-                    total += math.prod(chunk.sizes) * t.element_size()
-    return total
+            yield key, t, tuple(shape), tuple(offsets)
 
 
 def _timed(fn: Callable[[], Any], evict: str | None = None) -> tuple[float, Any]:
@@ -398,27 +406,16 @@ def s3_save_phase(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, list[
 def _needed_ranges(state: dict[str, Any], manifest: Any, part: int) -> list[tuple[str, int, int]]:
     """``(object, start, end)``: the bytes of the saved objects holding this rank's elements of
     every tensor (from the manifest's pieces), adjacent ones merged, cut into ``part`` bytes."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     wanted: list[tuple[str, int, int]] = []
-    for name, dt in state["model"].items():
-        moments = state["optim"]["state"][name]
-        for key, t in (
-            (f"model.{name}", dt),
-            (f"optim.state.{name}.exp_avg", moments["exp_avg"]),
-            (f"optim.state.{name}.exp_avg_sq", moments["exp_avg_sq"]),
-        ):
-            shape, offsets = compute_local_shape_and_global_offset(
-                t.shape, t.device_mesh, t.placements
-            )
-            lo = offsets[0] * math.prod(t.shape[1:])
-            hi = lo + math.prod(shape)
-            for p in manifest.tensors[key].pieces_in(lo, hi):
-                a, b = max(lo, p.offset), min(hi, p.offset + p.length)
-                if b > a:
-                    size = t.element_size()
-                    start = p.byte_start + (a - p.offset) * size
-                    wanted.append((p.object, start, start + (b - a) * size))
+    for key, t, shape, offsets in _rank_shards(state):
+        lo = offsets[0] * math.prod(t.shape[1:])
+        hi = lo + math.prod(shape)
+        for p in manifest.tensors[key].pieces_in(lo, hi):
+            a, b = max(lo, p.offset), min(hi, p.offset + p.length)
+            if b > a:
+                size = t.element_size()
+                start = p.byte_start + (a - p.offset) * size
+                wanted.append((p.object, start, start + (b - a) * size))
     merged: list[tuple[str, int, int]] = []
     for obj, a, b in sorted(wanted):
         if merged and merged[-1][0] == obj and merged[-1][2] == a:
