@@ -87,8 +87,9 @@ def resolve_manifest(
             f"committed steps: {committed_steps(store)}"
         )
     where = store.where(manifest_path(step))
+    kind, size = listing[MANIFEST]  # not a file: read_manifest_file says so
     manifest = read_manifest_file(
-        store, manifest_path(step), options, size=listing[MANIFEST][1]
+        store, manifest_path(step), options, size=size if kind == "file" else None
     )  # size-capped, validated
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}")

@@ -148,10 +148,10 @@ def fetch(
     if place is not None:  # parts small enough that ``threads`` of them fit in the budget
         part_bytes = min(part_bytes, max(block, inflight_bytes // threads))
     parts = [p for s in spans for p in _parts(s, block, part_bytes)]
-    budget = _Budget(max(inflight_bytes, 1))
+    budget = _Budget(max(inflight_bytes, 1)) if place is not None else None
 
     def streamed(p: _Part) -> list[Segment]:
-        assert place is not None
+        assert place is not None and budget is not None
         with budget.take(p.end - p.start):
             place(_fetch_part(store, step, check, p))
         return []

@@ -406,3 +406,14 @@ def test_verify_of_a_large_step_lists_every_mismatch_in_order(tmp_path: Path) ->
         assert f"tensor {name}: checksum mismatch" in problem, problems
         start = int(problem.split("bytes [")[1].split(",")[0])
         assert start <= at < start + manifest.checksum_block_bytes, (problem, at)
+
+
+def test_a_manifest_that_is_a_directory_is_refused_as_not_a_file(ckpt: Path) -> None:
+    """The step's listing finds ``manifest.json``, a directory: the load says so, unread."""
+    manifest = ckpt / "step-1" / "manifest.json"
+    manifest.unlink()
+    manifest.mkdir()
+    target = _blank()
+    with pytest.raises(storage.CorruptCheckpointError, match="the manifest is not a file"):
+        storage.load(target, str(ckpt), step=1)
+    _untouched(target)
