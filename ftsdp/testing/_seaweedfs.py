@@ -9,11 +9,10 @@ one is chosen here, all at once, so that two servers on one machine never collid
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import shutil
-import signal
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import time
@@ -55,11 +54,15 @@ def weed_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:
-    # In the child before exec (Linux): SIGKILL when the thread that started it dies, so that a
-    # killed test run leaves no server behind.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# Run first in the child, a fresh single-threaded interpreter that then becomes ``weed``: it asks
+# the kernel for SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG survives exec), so
+# a killed test run leaves no server behind. (A preexec_fn would run Python between fork and exec
+# in a process whose other threads are gone: unsafe where the parent has threads, as tests do.)
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # 1: PR_SET_PDEATHSIG
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def _answers(url: str) -> bool:
@@ -94,7 +97,17 @@ def seaweedfs_server(
         data = Path(data_dir)
         data.mkdir(parents=True, exist_ok=True)
         ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
-        cmd = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3"]
+        cmd = [
+            sys.executable,
+            "-c",
+            _EXEC_DYING_WITH_PARENT,
+            binary,
+            "server",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-s3",
+        ]
         cmd += [f"-{flag}={port}" for flag, port in ports.items()]
         # Every bucket is a collection of volumes of its own, 7 by default: a test session makes
         # hundreds of buckets. One volume per bucket (master.toml, read from the working
@@ -108,7 +121,6 @@ def seaweedfs_server(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=data,
-            preexec_fn=_die_with_parent,
         )
         endpoint = f"http://127.0.0.1:{ports['s3.port']}"
         try:
