@@ -14,6 +14,7 @@ import torch
 from ftsdp import storage
 from ftsdp.checkpoint import _engines
 from ftsdp.checkpoint import _state as cs
+from ftsdp.checkpoint._snapshots import Snapshots
 from ftsdp.checkpoint._tiers import Group, MemoryTier, Tier
 
 if TYPE_CHECKING:
@@ -61,6 +62,9 @@ class CheckpointManager:
         defer_copy: with ``async_save``, :meth:`save` returns before the shards are copied;
             ``optimizer.step()`` waits for the copy, other in-place changes :meth:`wait_snapshot`.
         memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md).
+        persister: with ``async_save``, a save copies this rank's state once into shared memory
+            and a persister process writes and commits it (docs/elastic.md, "Snapshots"); the
+            ranks must then be on one machine (else saves run in each rank's process).
         save_options: how saves are laid out and written (retention: the manager's own).
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages, fallbacks loudly (default: this module's logger, WARNING).
@@ -82,6 +86,7 @@ class CheckpointManager:
         memory_url: str | None = None,
         memory_every: int | None = None,
         memory_keep: int = 2,
+        persister: bool = False,
         storage_options: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         save_options: storage.SaveOptions | None = None,
@@ -123,7 +128,9 @@ class CheckpointManager:
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.memory_every = (memory_every or 1) if memory_url else None
         self.async_save = async_save
-        self.defer_copy = async_save and defer_copy
+        self._snap = Snapshots(self._durable, self._memory, save_options) if persister else None
+        self._snap = self._snap if async_save else None
+        self.defer_copy = async_save and defer_copy and self._snap is None
         # the fence: optimizer.step() waits until the latest deferred save has copied the state
         self._fence = storage.saving.snapshot_fence(optimizer) if self.defer_copy else None
         self.load_options, self.seed = load_options, seed
@@ -171,12 +178,15 @@ class CheckpointManager:
                 self.wait()
             return 0.0
         start = time.perf_counter()
-        self._durable.save(  # waits for the previous save first, surfacing its error
-            self._state(trainer, self._durable),
-            step,
-            async_save=self.async_save and not block,
-            defer_copy=self.defer_copy and not block,
-        )
+        if self._snapshots():
+            self._snapshot(step, trainer, durable=True, block=block)
+        else:
+            self._durable.save(  # waits for the previous save first, surfacing its error
+                self._state(trainer, self._durable),
+                step,
+                async_save=self.async_save and not block,
+                defer_copy=self.defer_copy and not block,
+            )
         self._last_save = time.monotonic()
         self.last_saved_step = step
         return time.perf_counter() - start
@@ -192,12 +202,40 @@ class CheckpointManager:
             return 0.0
         assert self._memory is not None
         start = time.perf_counter()
-        self._memory.save(self._state(trainer, self._memory), step, defer_copy=self.defer_copy)
+        if self._snapshots():
+            self._snapshot(step, trainer, durable=False)
+        else:
+            self._memory.save(self._state(trainer, self._memory), step, defer_copy=self.defer_copy)
         self.last_memory_step = step
         return time.perf_counter() - start
 
+    def _snapshots(self) -> bool:
+        """Whether saves go through the persister (collective the first time)."""
+        return self._snap is not None and self._snap.start()
+
+    def _snapshot(
+        self, step: int, trainer: Mapping[str, Any], *, durable: bool, block: bool = False
+    ) -> None:
+        """A save through the persister: to the durable root when ``durable``, to the memory
+        tier when it is due."""
+        assert self._snap is not None
+        memory = self.memory_due(step) and step != self.last_memory_step
+        extra = {}
+        if memory and self._memory is not None:
+            extra = {
+                "memory_tier.durable_step": self._memory.values()["memory_tier"]["durable_step"]
+            }
+        state = self._state(trainer, self._durable, target=True)
+        self._snap.save(
+            state, step, durable=durable, memory=memory, memory_values=extra, block=block
+        )
+        if memory:
+            self.last_memory_step = step
+
     def in_flight(self) -> bool:
         """True while an async save (durable or memory) is uploading or committing."""
+        if self._snap is not None and self._snap.on:
+            return self._snap.in_flight()
         return any(tier.in_flight() for tier in self._tiers())
 
     def wait_snapshot(self) -> None:
@@ -213,11 +251,16 @@ class CheckpointManager:
 
     def newest_committed(self) -> dict[str, int]:
         """Each tier's newest known committed step (no wait, no collective): ``{"durable": 20}``."""
+        if self._snap is not None and self._snap.on:
+            self._snap.in_flight()  # reads the persister's answers
+            return dict(self._snap.newest)
         tiers = zip(("durable", "memory"), self._tiers(), strict=False)
         return {name: step for name, tier in tiers if (step := tier.newest_committed()) is not None}
 
     def wait(self) -> None:
         """Block until the saves in flight commit; raise the durable one's error."""
+        if self._snap is not None and self._snap.on:
+            self._snap.wait()
         for tier in reversed(self._tiers()):
             tier.wait()
 
@@ -226,6 +269,7 @@ class CheckpointManager:
         ``trainer`` (a template with the saved keys) in place. None: nothing to resume."""
         start = time.perf_counter()
         self.wait()  # the load writes into the saved tensors: no save may be reading them
+        self._snapshots()  # memory steps a dead persister left complete are committed first
         candidates = self._candidates()
         loaded = None
         if candidates:
@@ -350,6 +394,8 @@ class CheckpointManager:
             if self._fence is not None:
                 self._fence.remove()
                 self._fence = None
+            if self._snap is not None:
+                self._snap.close()
         for tier in self._tiers():
             tier.close()
 

@@ -10,12 +10,24 @@ from ftsdp.storage.saving._save import (
     snapshot_fence,
     wait_snapshot,
 )
+from ftsdp.storage.saving._shares import (
+    RootForRanks,
+    describe,
+    leaf_rows,
+    object_checksums,
+    plan_for_ranks,
+)
 
 __all__ = [
     "CommitConflictError",
+    "RootForRanks",
     "SaveHandle",
     "clear_on_nodes",
+    "describe",
     "guard_commits",
+    "leaf_rows",
+    "object_checksums",
+    "plan_for_ranks",
     "prepare_save",
     "restore_on_nodes",
     "save",

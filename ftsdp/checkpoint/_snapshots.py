@@ -1,0 +1,402 @@
+"""Snapshots through the persister, the training side (docs/elastic.md, "Snapshots"): a save
+copies this rank's tensors once into one of its two slots in shared memory, records it and tells
+the persister (``_persister.py``), which does the rest. Nothing else runs on the training
+process: between saves, no checkpoint thread; at a save, one agreement of three integers
+(persister lost, layout changed, a save failed) so that every rank acts alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from ftsdp import storage
+from ftsdp.checkpoint import _persister as p
+from ftsdp.checkpoint._tiers import MemoryTier, Tier, _local_path, _machine
+from ftsdp.storage.io import all_reduce_max, resolve_group
+
+_CONNECT_TIMEOUT_S = 120.0  # the persister imports torch before it listens
+
+
+class Snapshots:
+    """This rank's side of the persister: its slots, its connection, the saves in flight."""
+
+    def __init__(
+        self,
+        durable: Tier,
+        memory: MemoryTier | None,
+        options: storage.SaveOptions | None,
+    ) -> None:
+        self.durable, self.memory, self.group = durable, memory, durable.group
+        self.log = durable.log
+        self.options = options or storage.SaveOptions()
+        self.on: bool | None = None  # decided by start(): one machine, plain local roots
+        self.folder = ""
+        self.proc: subprocess.Popen[bytes] | None = None  # rank 0's persister
+        self.conn: socket.socket | None = None
+        self.buffer = bytearray()
+        self.lost = False
+        self.layout: int | None = None
+        self.rows: list[Any] | None = None
+        self.views: list[list[tuple[str, int, int, torch.Tensor]]] = [[], []]
+        self.maps: list[mmap.mmap] = []
+        self.busy: dict[int, tuple[int, bool, bool]] = {}  # slot -> (step, durable, memory)
+        self.protect: int | None = None  # the slot of the newest memory snapshot
+        self.last_slot = 1
+        self.errors: list[str] = []  # durable saves that failed, raised at the next save
+        self.newest: dict[str, int] = {}  # "durable" / "memory" -> newest committed step
+
+    # -- starting -----------------------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Decide whether the persister is used (collective, once); rank 0 commits what a dead
+        persister left complete in the memory tier, then starts a persister."""
+        if self.on is not None:
+            return self.on
+        rank, world = self.group.rank_world()
+        here = _machine()
+        whole = (
+            world == 1
+            or resolve_group(self.group.pg) is None
+            or (
+                torch.distributed.get_world_size(self.group.pg)
+                == torch.distributed.get_world_size()
+            )
+        )
+        local = self.memory is None or _local_path(self.memory.url) is not None
+        same = self.group.from_rank0(lambda: here) == here
+        self.on = self.group.agree(0 if (same and whole and local) else 1) == 0
+        if not self.on:
+            self.log(
+                "ftsdp: snapshots are saved in each rank's process (the persister needs every "
+                "rank on one machine and a local memory tier)"
+            )
+            return False
+        if self.memory is not None:
+            ok = self.memory._private()  # collective
+            mem_path = _local_path(self.memory.url)
+            assert mem_path is not None
+            self.folder = os.path.join(mem_path, "slots")
+            if rank == 0 and ok:
+                os.makedirs(self.folder, mode=0o700, exist_ok=True)
+                committed = p.recover(self.folder, self.memory.url)
+                if committed:
+                    self.log(
+                        f"ftsdp: snapshot steps {committed} were complete in shared memory but "
+                        "not committed (their persister died first): committed now"
+                    )
+            self.on = ok
+        else:
+            made = tempfile.mkdtemp(prefix="ftsdp-snapshots-", dir=_shm()) if rank == 0 else ""
+            self.folder = self.group.from_rank0(lambda: made)
+        if self.on and rank == 0:
+            self._spawn()
+        return bool(self.on)
+
+    def _spawn(self) -> None:
+        config = {
+            "dir": self.folder,
+            "world": self.group.rank_world()[1],
+            "options": asdict(self.options),
+            "durable": self.durable.url,
+            "storage_options": self.durable.storage_options,
+            "memory": None if self.memory is None else self.memory.url,
+            "parent": os.getpid(),
+        }
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.folder, p.SOCKET))  # not to connect to a dead one
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from ftsdp.checkpoint._persister import main; main()"],
+            stdin=subprocess.PIPE,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(config).encode() + b"\n")
+        self.proc.stdin.close()
+
+    def _connect(self) -> None:
+        path = os.path.join(self.folder, p.SOCKET)
+        deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                st = os.lstat(path)
+                if st.st_uid != os.geteuid():
+                    raise storage.CheckpointError(
+                        f"{path} belongs to uid {st.st_uid}: not this user's persister"
+                    )
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise storage.CheckpointError(
+                        f"the snapshot persister exited with code {self.proc.returncode} before "
+                        "it listened (its error is above)"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise storage.CheckpointError(
+                        f"no snapshot persister answered at {path} in {_CONNECT_TIMEOUT_S:.0f}s"
+                    ) from None
+                time.sleep(0.02)
+        self.conn, self.lost = sock, False
+        self.buffer.clear()
+
+    def _hello(self, rows: list[Any], leaves: dict[str, Any]) -> None:
+        """Send this rank's rows; map the slot files the persister answers with."""
+        if self.conn is None:
+            self._connect()
+        rank = self.group.rank_world()[0]
+        self._send({"op": "hello", "rank": rank, "rows": rows})
+        while True:
+            msg = self._receive(block=True)
+            if msg is None:
+                raise storage.CheckpointError("the snapshot persister died during the set-up")
+            if msg["op"] == "slots":
+                break
+        if "error" in msg:
+            raise storage.CheckpointError(
+                f"the snapshot persister refused the state: {msg['error']}"
+            )
+        self._unmap()
+        for path0, path1, size, pieces in msg["files"]:
+            for slot, path in ((0, path0), (1, path1)):
+                mm = _open_slot(path, size)
+                self.maps.append(mm)
+                for name, offset, length, start, _ in pieces:
+                    leaf = leaves[name]
+                    dst = torch.frombuffer(mm, dtype=leaf.dtype, count=length, offset=start)
+                    self.views[slot].append((name, offset, length, dst))
+        self.layout, self.rows, self.busy = msg["layout"], rows, {}
+        self.protect = msg["protect"]
+
+    def _unmap(self) -> None:
+        self.views = [[], []]
+        maps, self.maps = self.maps, []
+        for mm in maps:
+            with contextlib.suppress(BufferError):  # a view still alive: freed with it
+                mm.close()
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        try:
+            assert self.conn is not None
+            self.conn.sendall(json.dumps(msg).encode() + b"\n")
+        except OSError:
+            self.lost = True
+
+    def _receive(self, block: bool) -> dict[str, Any] | None:
+        """One message (None: none waiting, or the persister is gone: ``lost``)."""
+        while b"\n" not in self.buffer:
+            if self.conn is None or self.lost:
+                return None
+            self.conn.setblocking(block)
+            try:
+                data = self.conn.recv(1 << 16)
+            except BlockingIOError:
+                return None
+            except OSError:
+                data = b""
+            finally:
+                self.conn.setblocking(True)
+            if not data:
+                self.lost = True
+                return None
+            self.buffer += data
+        cut = self.buffer.index(b"\n")
+        msg = json.loads(bytes(self.buffer[:cut]))
+        del self.buffer[: cut + 1]
+        if msg["op"] == "done":
+            self._done(msg)
+        return msg
+
+    def _done(self, msg: dict[str, Any]) -> None:
+        step, durable, memory = self.busy.pop(msg["slot"], (msg["step"], False, False))
+        if durable:
+            if msg["durable"] is None:
+                self.newest["durable"] = max(step, self.newest.get("durable", -1))
+                self.durable.newest = self.newest["durable"]
+            else:
+                self.errors.append(f"saving step {step} to {self.durable.url}: {msg['durable']}")
+        if memory:
+            if msg["memory"] is None:
+                self.newest["memory"] = step
+            else:
+                self.log(f"ftsdp: a save to the memory tier failed (step {step}): {msg['memory']}")
+
+    def _drain(self) -> None:
+        while self._receive(block=False) is not None:
+            pass
+
+    def _wait_free(self, slot: int | None = None) -> None:
+        """Block until ``slot`` (None: every slot) is free again, or the persister is gone."""
+        while (self.busy if slot is None else slot in self.busy) and not self.lost:
+            self._receive(block=True)
+        if self.lost:
+            self.busy.clear()
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        state: dict[str, Any],
+        step: int,
+        *,
+        durable: bool,
+        memory: bool,
+        memory_values: dict[str, Any],
+        block: bool = False,
+    ) -> None:
+        """Snapshot ``state`` as ``step`` for the durable root (``durable``) and the memory tier
+        (``memory``); collective. ``block``: return once committed. Raises an earlier durable
+        save's error (on every rank)."""
+        leaves, values = storage.saving.describe(state)
+        rows = storage.saving.leaf_rows(leaves)
+        self._drain()
+        if self.proc is not None and self.proc.poll() is not None:
+            self.lost = True
+        lost, changed, failed = all_reduce_max(
+            [int(self.lost), int(rows != self.rows), int(bool(self.errors))],
+            resolve_group(self.group.pg),
+        )
+        if failed:
+            self._wait_free()
+            errors, self.errors = self.errors, []
+            raise storage.CheckpointError(
+                "; ".join(errors) or "a save to the durable root failed on another rank"
+            )
+        if lost:
+            self._restart()
+        if lost or changed:
+            self._hello(rows, leaves)
+        slot = 1 - self.protect if self.protect is not None else 1 - self.last_slot
+        self._wait_free(slot)
+        rank = self.group.rank_world()[0]
+        record = p.record_file(self.folder, rank, slot)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(record)  # the slot holds no complete step from here to its new record
+        for name, offset, length, dst in self.views[slot]:
+            leaf = leaves[name]
+            start = offset - leaf.range.offset
+            dst.copy_(leaf.local.reshape(-1)[start : start + length])
+        mem_values = {**values, **memory_values}
+        doc = {"step": step, "layout": self.layout, "memory_values": mem_values}
+        p.write_private(record, json.dumps(doc).encode())
+        self._send(
+            {
+                "op": "saved",
+                "rank": rank,
+                "step": step,
+                "slot": slot,
+                "layout": self.layout,
+                "values": values,
+                "memory_values": mem_values,
+                "durable": durable,
+                "memory": memory and self.memory is not None,
+                "keep_last": self.durable.keep_last,
+                "keep_every": self.durable.keep_every,
+                "discard_newer": self.durable.discard_newer,
+            }
+        )
+        self.busy[slot], self.last_slot = (step, durable, memory), slot
+        if durable:
+            self.durable.discard_newer = False
+        if memory:
+            self.protect = slot
+        if block:
+            self.wait()
+
+    def _restart(self) -> None:
+        """Every rank (collective): the persister is gone; rank 0 starts another."""
+        lost = sorted(step for step, durable, _ in self.busy.values() if durable)
+        self.busy.clear()
+        if self.conn is not None:
+            self.conn.close()
+        self.conn, self.layout, self.rows = None, None, None
+        if self.group.rank_world()[0] == 0:
+            code = None if self.proc is None else self.proc.poll()
+            self.log(
+                f"ftsdp: THE SNAPSHOT PERSISTER DIED (exit code {code}): restarting it; durable "
+                f"steps in flight, not committed: {lost or 'none'}; the checkpoint root holds "
+                f"committed steps only (newest {self.newest.get('durable')})"
+            )
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+            self._spawn()
+
+    def in_flight(self) -> bool:
+        """Whether a save is still being written or committed."""
+        self._drain()
+        return bool(self.busy)
+
+    def wait(self) -> None:
+        """Block until every save sent is committed or failed; raise a durable failure."""
+        self._wait_free()
+        if self.errors:
+            errors, self.errors = self.errors, []
+            raise storage.CheckpointError("; ".join(errors))
+
+    def close(self) -> None:
+        """Wait for the saves, stop the persister, remove the slots (rank 0, after a barrier)."""
+        if not self.on:
+            return
+        try:
+            self.wait()
+        finally:
+            rank, world = self.group.rank_world()
+            if rank == 0 and self.conn is not None and not self.lost:
+                self._send({"op": "stop"})
+                while (msg := self._receive(block=True)) is not None and msg["op"] != "stopped":
+                    pass
+            self._unmap()
+            if self.conn is not None:
+                self.conn.close()
+            self.conn = None
+            if world > 1:
+                torch.distributed.barrier(group=self.group.pg)
+            if rank == 0:
+                if self.proc is not None:
+                    self.proc.wait()
+                _remove_own_files(self.folder, temporary=self.memory is None)
+            self.on = False
+
+
+def _open_slot(path: str, size: int) -> mmap.mmap:
+    """Slot file ``path``, this user's and ``size`` bytes, mapped read-write."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_size != size:
+            raise storage.CheckpointError(f"{path} is not this user's slot of {size} bytes")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _remove_own_files(folder: str, temporary: bool) -> None:
+    """The slot files, records, layout and socket in ``folder`` (and the folder when it is
+    empty then); nothing else."""
+    own = (p.SOCKET, p.LAYOUT)
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(folder):
+            if name in own or (name[:1] == "r" and ".s" in name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+def _shm() -> str | None:
+    """``/dev/shm`` when this machine has one (the snapshots in memory), else the default."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
