@@ -360,16 +360,21 @@ class Snapshots:
                 while (msg := self._receive(block=True)) is not None and msg["op"] != "stopped":
                     pass
             self._unmap()
-            if self.conn is not None:
-                self.conn.close()
-            self.conn = None
             if world > 1:
                 torch.distributed.barrier(group=self.group.pg)
             if rank == 0:
                 if self.proc is not None:
-                    self.proc.wait()
+                    if self.conn is None or self.lost:  # never asked to stop: it holds nothing
+                        self.proc.kill()
+                    try:
+                        self.proc.wait(_CONNECT_TIMEOUT_S)
+                    except subprocess.TimeoutExpired:
+                        self.proc.kill()
+                        self.proc.wait()
                 _remove_own_files(self.folder, temporary=self.memory is None)
-            self.on = False
+            if self.conn is not None:
+                self.conn.close()
+            self.conn, self.on = None, False
 
 
 def _open_slot(path: str, size: int) -> mmap.mmap:

@@ -161,6 +161,11 @@ class TrainConfig:
     defer_copy: bool = _opt(
         True, "async saves copy the state in the background too (the optimizer step waits)"
     )
+    persister: bool = _opt(
+        False,
+        "saves copy the state once into shared memory and a persister process writes and "
+        "commits it (ranks on one machine)",
+    )
     memory_every: int = _opt(
         0,
         "also save every N steps to host shared memory, for restarts on this machine; on several "

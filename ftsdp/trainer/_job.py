@@ -193,6 +193,7 @@ def build(cfg: TrainConfig, session: Session) -> Job:
             defer_copy=cfg.defer_copy,
             memory_url=memory_root(cfg, url) if cfg.memory_every else None,
             memory_every=cfg.memory_every or None,
+            persister=cfg.persister,
             storage_options=storage_options,
             seed=cfg.seed,
             log=lambda line: session.log.event(

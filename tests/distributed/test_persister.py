@@ -1,0 +1,187 @@
+"""Snapshots through the persister (``CheckpointManager(persister=True)``) on real gloo ranks.
+
+One W=2 spawn runs a job that saves to the durable root every 2 steps and to the memory tier
+every step, and checks:
+- the durable steps the persister wrote equal, tensor by tensor, the same state saved by
+  ``storage.save`` in the ranks' own processes (the reference), and so do the memory tier's;
+- the slot directory, its files and the control socket are private to the user;
+- a persister killed with SIGKILL is noticed at the next save, said so, restarted, and the job
+  goes on committing; the durable root holds only committed steps;
+- a persister that dies after every rank copied a step but before it committed it: the next
+  manager's resume commits that step from shared memory and loads it (0 steps lost);
+- after ``close()`` no persister is left and the slot files are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import stat
+import time
+
+import pytest
+import torch
+
+from ftsdp import storage
+from tests.distributed.test_checkpoint_manager import _build, _np, _train
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _save(ck, step: int, trainer: dict) -> None:
+    if ck.due(step):
+        ck.save(step, trainer)
+    else:
+        ck.save_to_memory(step, trainer)
+
+
+def _job(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from ftsdp.checkpoint import CheckpointManager
+
+    logs: list[str] = []
+    model, opt, sched = _build(0)
+
+    def manager(**kw):
+        return CheckpointManager(
+            f"{root}/durable",
+            model,
+            opt,
+            lr_scheduler=sched,
+            every_steps=2,
+            memory_url=f"{root}/shm",
+            memory_every=1,
+            persister=True,
+            log=logs.append,
+            **kw,
+        )
+
+    ck = manager()
+    trainer = {"step": 0, "cursor": 0, "tag": "persisted"}
+    assert ck.resume(trainer) is None
+    for s in range(1, 5):
+        _train(model, opt, sched, rank, world, trainer, 1)
+        _save(ck, s, trainer)
+    ck.wait()
+    folder = ck._snap.folder
+    modes = {n: stat.S_IMODE(os.lstat(f"{folder}/{n}").st_mode) for n in os.listdir(folder)}
+    modes["."] = stat.S_IMODE(os.lstat(folder).st_mode)
+    first = ck._snap.proc.pid if rank == 0 else None
+    if rank == 0:  # the persister dies between two saves
+        os.kill(first, signal.SIGKILL)
+        while _alive(first):
+            time.sleep(0.01)
+    dist.barrier()
+    for s in range(5, 7):
+        _train(model, opt, sched, rank, world, trainer, 1)
+        _save(ck, s, trainer)
+    ck.wait()
+    at_6 = _np(model.state_dict())
+    reference = CheckpointManager(f"{root}/ref", model, opt, lr_scheduler=sched, async_save=False)
+    reference.save(6, trainer)
+    second = ck._snap.proc.pid if rank == 0 else None
+
+    # Step 7: every rank copies it, then its persister dies before committing it.
+    if rank == 0:
+        os.kill(second, signal.SIGSTOP)
+    dist.barrier()
+    _train(model, opt, sched, rank, world, trainer, 1)
+    ck.save_to_memory(7, trainer)
+    at_7, trainer_7 = _np(model.state_dict()), dict(trainer)
+    dist.barrier()
+    if rank == 0:
+        os.kill(second, signal.SIGKILL)
+        while _alive(second):
+            time.sleep(0.01)
+    dist.barrier()
+    ck._snap.conn.close()  # the job died: nothing closes this manager
+
+    model, opt, sched = _build(1)  # the restarted job
+    ck = manager()
+    trainer = {"step": 0, "cursor": 0, "tag": ""}
+    info = ck.resume(trainer)
+    resumed = {
+        "step": info.step,
+        "trainer": trainer == trainer_7,
+        "from": ck.resumed_from,
+        "model": _np(model.state_dict()),
+    }
+    third = ck._snap.proc.pid if rank == 0 else None
+    ck.close()
+    return {
+        "logs": logs,
+        "modes": modes,
+        "pids": [first, second, third],
+        "folder": folder,
+        "at_6": at_6,
+        "at_7": at_7,
+        "resumed": resumed,
+    }
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    from ftsdp.testing import run_ranks
+
+    root = tmp_path_factory.mktemp("persister")
+    return root, run_ranks(_job, 2, str(root), timeout=240)
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_the_persisted_steps_equal_the_same_state_saved_in_process(job) -> None:
+    root, _ = job
+    assert storage.list_steps(f"{root}/durable") == [2, 4, 6]  # keep_last=3
+    _same(storage.load_state_dict(f"{root}/durable", 6), storage.load_state_dict(f"{root}/ref", 6))
+
+
+def test_the_slots_and_the_socket_are_private(job) -> None:
+    _, results = job
+    for r in results:
+        modes = r["modes"]
+        assert modes.pop(".") == 0o700
+        assert "persister.sock" in modes and any(n.endswith(".o0") for n in modes), modes
+        assert set(modes.values()) == {0o600}, modes
+
+
+def test_a_killed_persister_is_restarted_and_the_job_goes_on(job) -> None:
+    _, results = job
+    died = [line for line in results[0]["logs"] if "THE SNAPSHOT PERSISTER DIED" in line]
+    assert len(died) == 1, results[0]["logs"]
+    first, second, _ = results[0]["pids"]
+    assert first != second
+
+
+def test_a_step_copied_but_not_committed_is_resumed_from_shared_memory(job) -> None:
+    root, results = job
+    for r in results:
+        resumed = r["resumed"]
+        assert resumed["step"] == 7 and resumed["trainer"], resumed
+        assert resumed["from"] == f"{root}/shm"
+        for k, v in r["at_7"].items():
+            assert (resumed["model"][k] == v).all(), k
+    assert any("were complete in shared memory" in line for line in results[0]["logs"])
+
+
+def test_close_leaves_no_persister_and_no_slot(job) -> None:
+    root, results = job
+    assert not any(_alive(pid) for pid in results[0]["pids"])
+    assert not os.path.exists(results[0]["folder"])
+    assert storage.list_steps(f"{root}/shm") == []
