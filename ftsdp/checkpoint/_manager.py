@@ -206,7 +206,7 @@ class CheckpointManager:
             self._snapshot(step, trainer, durable=False)
         else:
             self._memory.save(self._state(trainer, self._memory), step, defer_copy=self.defer_copy)
-        self.last_memory_step = step
+            self.last_memory_step = step
         return time.perf_counter() - start
 
     def _snapshots(self) -> bool:
@@ -226,10 +226,10 @@ class CheckpointManager:
                 "memory_tier.durable_step": self._memory.values()["memory_tier"]["durable_step"]
             }
         state = self._state(trainer, self._durable, target=True)
-        self._snap.save(
+        saved = self._snap.save(
             state, step, durable=durable, memory=memory, memory_values=extra, block=block
         )
-        if memory:
+        if memory and saved:
             self.last_memory_step = step
 
     def in_flight(self) -> bool:

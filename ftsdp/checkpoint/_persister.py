@@ -175,8 +175,8 @@ def recover(folder: str, memory_url: str) -> list[int]:
     plans = plan_for_ranks(rows, 0, options)  # the objects' layout
     committed = []
     for step, slot, values in sorted(found):
-        if step in done:
-            continue
+        if step <= max(done, default=-1):
+            continue  # committed, or older than a committed one (its commit would discard that)
         slots = _Slots.__new__(_Slots)
         slots.paths = {
             (r, slot, i): slot_file(folder, r, slot, i)

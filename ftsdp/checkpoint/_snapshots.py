@@ -47,6 +47,7 @@ class Snapshots:
         self.conn: socket.socket | None = None
         self.buffer = bytearray()
         self.lost = False
+        self.starting = False  # memory snapshots skipped until the persister listens
         self.layout: int | None = None
         self.rows: list[Any] | None = None
         self.views: list[list[tuple[str, int, int, torch.Tensor]]] = [[], []]
@@ -124,7 +125,8 @@ class Snapshots:
         self.proc.stdin.write(json.dumps(config).encode() + b"\n")
         self.proc.stdin.close()
 
-    def _connect(self) -> None:
+    def _connect(self, wait: bool = True) -> None:
+        """Connect to the persister: waiting until it listens, or (``wait`` False) trying once."""
         path = os.path.join(self.folder, p.SOCKET)
         deadline = time.monotonic() + _CONNECT_TIMEOUT_S
         while True:
@@ -139,6 +141,8 @@ class Snapshots:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
+                if not wait:
+                    return
                 if self.proc is not None and self.proc.poll() is not None:
                     raise storage.CheckpointError(
                         f"the snapshot persister exited with code {self.proc.returncode} before "
@@ -257,17 +261,20 @@ class Snapshots:
         memory: bool,
         memory_values: dict[str, Any],
         block: bool = False,
-    ) -> None:
+    ) -> bool:
         """Snapshot ``state`` as ``step`` for the durable root (``durable``) and the memory tier
         (``memory``); collective. ``block``: return once committed. Raises an earlier durable
-        save's error (on every rank)."""
+        save's error (on every rank). False: a memory snapshot skipped while the persister
+        starts."""
         leaves, values = storage.saving.describe(state)
         rows = storage.saving.leaf_rows(leaves)
         self._drain()
         if self.proc is not None and self.proc.poll() is not None:
             self.lost = True
-        lost, changed, failed = all_reduce_max(
-            [int(self.lost), int(rows != self.rows), int(bool(self.errors))],
+        if self.conn is None:
+            self._connect(wait=False)
+        lost, changed, failed, absent = all_reduce_max(
+            [int(self.lost), int(rows != self.rows), int(bool(self.errors)), int(not self.conn)],
             resolve_group(self.group.pg),
         )
         if failed:
@@ -278,7 +285,19 @@ class Snapshots:
             )
         if lost:
             self._restart()
-        if lost or changed:
+        if (lost or absent) and not (durable or block):
+            # A persister starting (after a restart: the interpreter and torch to import) is not
+            # waited for by a memory snapshot: training goes on, the next one tries again.
+            if self.group.rank_world()[0] == 0 and not self.starting:
+                self.log(
+                    f"ftsdp: the snapshot persister is starting: memory snapshot of step {step} skipped"
+                )
+            self.starting = True
+            return False
+        if self.conn is None:
+            self._connect()
+        self.starting = False
+        if lost or changed or absent:
             self._hello(rows, leaves)
         slot = 1 - self.protect if self.protect is not None else 1 - self.last_slot
         self._wait_free(slot)
@@ -316,6 +335,7 @@ class Snapshots:
             self.protect = slot
         if block:
             self.wait()
+        return True
 
     def _restart(self) -> None:
         """Every rank (collective): the persister is gone; rank 0 starts another."""
