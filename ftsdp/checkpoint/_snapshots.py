@@ -343,7 +343,7 @@ class Snapshots:
         self.busy.clear()
         if self.conn is not None:
             self.conn.close()
-        self.conn, self.layout, self.rows = None, None, None
+        self.conn, self.layout, self.rows, self.lost = None, None, None, False
         if self.group.rank_world()[0] == 0:
             code = None if self.proc is None else self.proc.poll()
             self.log(
