@@ -393,5 +393,9 @@ def main() -> None:
     """The persister process (started by ``Snapshots``): its configuration as JSON on stdin."""
     config = json.loads(sys.stdin.readline())
     _die_with(config["parent"])
+    # A job's SIGTERM or Ctrl-C reaches every process: the persister finishes what the ranks
+    # ask (their last save) and ends with rank 0 (PR_SET_PDEATHSIG) or when it says stop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="ftsdp persister: %(message)s")
     Persister(config).serve()

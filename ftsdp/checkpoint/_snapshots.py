@@ -248,6 +248,9 @@ class Snapshots:
         while (self.busy if slot is None else slot in self.busy) and not self.lost:
             self._receive(block=True)
         if self.lost:
+            for step, durable, _ in self.busy.values():
+                if durable:
+                    self.errors.append(f"the snapshot persister died before committing step {step}")
             self.busy.clear()
 
     # -- saving -------------------------------------------------------------------------------
