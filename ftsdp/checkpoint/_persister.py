@@ -109,7 +109,9 @@ def _map(path: str, size: int) -> memoryview:
         os.close(fd)
 
 
-def _checksums(pool: ThreadPoolExecutor, slots: _Slots, plans: list[Any], slot: int, block: int):
+def _checksums(
+    pool: ThreadPoolExecutor, slots: _Slots, plans: list[Any], slot: int, block: int
+) -> list[list[Any]]:
     """Each rank's checksums per object index (the same under any attempt's names)."""
     futures = {
         (r, i): pool.submit(object_checksums, obj, slots.views[r, slot, i], block)

@@ -114,7 +114,8 @@ def plan_for_ranks(
         if rank == 0:
             meta["attempt"], meta["replaces"] = attempt, replaces
         try:
-            plans[rank] = exchange(leaves, meta, rank, step, options, wire)[0]
+            group: Any = rank  # the wire's group: the thread's rank
+            plans[rank] = exchange(leaves, meta, group, step, options, wire)[0]
         except BaseException as e:
             errors[rank] = e
             wire.barrier.abort()  # a rank that fails alone leaves no other waiting
@@ -177,7 +178,11 @@ class StepForRanks:
 
     def write(self, obj: PlannedObject, data: memoryview) -> None:
         """Object ``obj`` from ``data`` (its whole file) to the root."""
-        self.store.write(f"{step_dir(self.step)}/{obj.name}", lambda f: f.write(data))
+
+        def produce(f: Any) -> None:
+            f.write(data)
+
+        self.store.write(f"{step_dir(self.step)}/{obj.name}", produce)
 
     def link(self, obj: PlannedObject, path: str) -> None:
         """Object ``obj`` as a hard link to file ``path`` (a local root on its filesystem)."""
