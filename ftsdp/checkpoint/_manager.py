@@ -131,8 +131,11 @@ class CheckpointManager:
         self._snap = Snapshots(self._durable, self._memory, save_options) if persister else None
         self._snap = self._snap if async_save else None
         self.defer_copy = async_save and defer_copy and self._snap is None
+        self._defer_snapshot = async_save and defer_copy and self._snap is not None
         # the fence: optimizer.step() waits until the latest deferred save has copied the state
         self._fence = storage.saving.snapshot_fence(optimizer) if self.defer_copy else None
+        if self._defer_snapshot:
+            self._fence = optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
         self.load_options, self.seed = load_options, seed
         self._last_save = time.monotonic()
         self.last_saved_step: int | None = None
@@ -147,8 +150,8 @@ class CheckpointManager:
     def _state(self, trainer: Mapping[str, Any], tier: Tier, *, target: bool = False) -> dict:
         """The state to save to ``tier`` (buffers copied if deferred), or, ``target``, to load."""
         model: Mapping[str, Any] = self.engine.model_state()
-        if self.defer_copy and not target:
-            model = self.engine.copy_buffers(model)
+        if (self.defer_copy or self._defer_snapshot) and not target:
+            model = self.engine.copy_buffers(model)  # they change in forward(), not in step()
         state: dict[str, Any] = {
             "model": model,
             "optim": self.engine.optim_state(),
@@ -225,9 +228,15 @@ class CheckpointManager:
             extra = {
                 "memory_tier.durable_step": self._memory.values()["memory_tier"]["durable_step"]
             }
-        state = self._state(trainer, self._durable, target=True)
+        state = self._state(trainer, self._durable, target=block)  # a deferred copy: buffers now
         saved = self._snap.save(
-            state, step, durable=durable, memory=memory, memory_values=extra, block=block
+            state,
+            step,
+            durable=durable,
+            memory=memory,
+            memory_values=extra,
+            block=block,
+            defer=self._defer_snapshot,
         )
         if memory and saved:
             self.last_memory_step = step
@@ -240,6 +249,8 @@ class CheckpointManager:
 
     def wait_snapshot(self) -> None:
         """Block until the latest save copied this rank's state (before changing it in place)."""
+        if self._snap is not None:
+            self._snap.wait_copy()
         storage.saving.wait_snapshot()
 
     def prepare(self, trainer: Mapping[str, Any]) -> None:

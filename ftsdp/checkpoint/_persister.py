@@ -305,7 +305,7 @@ class Persister:
             return
         errors: dict[str, str | None] = {"memory": None, "durable": None}
         if self.memory is not None and saved[0]["memory"]:
-            values = [saved[r]["memory_values"] for r in range(self.world)]
+            values = [{**saved[r]["values"], **saved[r]["memory_extra"]} for r in range(self.world)]
             try:
                 commit_to_memory(
                     self.memory,

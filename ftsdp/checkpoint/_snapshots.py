@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from typing import Any
@@ -48,6 +49,7 @@ class Snapshots:
         self.buffer = bytearray()
         self.lost = False
         self.starting = False  # memory snapshots skipped until the persister listens
+        self.copying: threading.Thread | None = None  # a deferred save's copy
         self.layout: int | None = None
         self.rows: list[Any] | None = None
         self.views: list[list[tuple[str, int, int, torch.Tensor]]] = [[], []]
@@ -205,15 +207,12 @@ class Snapshots:
         while b"\n" not in self.buffer:
             if self.conn is None or self.lost:
                 return None
-            self.conn.setblocking(block)
-            try:
-                data = self.conn.recv(1 << 16)
+            try:  # the socket stays blocking: a copy thread may be sending on it
+                data = self.conn.recv(1 << 16, 0 if block else socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return None
             except OSError:
                 data = b""
-            finally:
-                self.conn.setblocking(True)
             if not data:
                 self.lost = True
                 return None
@@ -264,11 +263,13 @@ class Snapshots:
         memory: bool,
         memory_values: dict[str, Any],
         block: bool = False,
+        defer: bool = False,
     ) -> bool:
         """Snapshot ``state`` as ``step`` for the durable root (``durable``) and the memory tier
         (``memory``); collective. ``block``: return once committed. Raises an earlier durable
-        save's error (on every rank). False: a memory snapshot skipped while the persister
-        starts."""
+        save's error (on every rank). ``defer``: copy on a thread (:meth:`wait_copy` before the
+        saved tensors change). False: a memory snapshot skipped while the persister starts."""
+        self.wait_copy()
         leaves, values = storage.saving.describe(state)
         rows = storage.saving.leaf_rows(leaves)
         self._drain()
@@ -304,41 +305,55 @@ class Snapshots:
             self._hello(rows, leaves)
         slot = 1 - self.protect if self.protect is not None else 1 - self.last_slot
         self._wait_free(slot)
-        rank = self.group.rank_world()[0]
-        record = p.record_file(self.folder, rank, slot)
+        message = {
+            "op": "saved",
+            "rank": self.group.rank_world()[0],
+            "step": step,
+            "slot": slot,
+            "layout": self.layout,
+            "values": values,
+            "memory_extra": memory_values,
+            "durable": durable,
+            "memory": memory and self.memory is not None,
+            "keep_last": self.durable.keep_last,
+            "keep_every": self.durable.keep_every,
+            "discard_newer": self.durable.discard_newer,
+        }
+        self.busy[slot], self.last_slot = (step, durable, memory), slot
+        if durable:
+            self.durable.discard_newer = False
+        if memory:
+            self.protect = slot
+        if defer and not block:  # the optimizer's next step waits for it (wait_copy)
+            self.copying = threading.Thread(
+                target=self._fill, args=(slot, leaves, message), name="ftsdp-snapshot", daemon=True
+            )
+            self.copying.start()
+        else:
+            self._fill(slot, leaves, message)
+        if block:
+            self.wait()
+        return True
+
+    def _fill(self, slot: int, leaves: dict[str, Any], message: dict[str, Any]) -> None:
+        """Copy this rank's pieces into ``slot``, record it, tell the persister."""
+        record = p.record_file(self.folder, message["rank"], slot)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(record)  # the slot holds no complete step from here to its new record
         for name, offset, length, dst in self.views[slot]:
             leaf = leaves[name]
             start = offset - leaf.range.offset
             dst.copy_(leaf.local.reshape(-1)[start : start + length])
-        mem_values = {**values, **memory_values}
-        doc = {"step": step, "layout": self.layout, "memory_values": mem_values}
+        values = {**message["values"], **message["memory_extra"]}
+        doc = {"step": message["step"], "layout": self.layout, "memory_values": values}
         p.write_private(record, json.dumps(doc).encode())
-        self._send(
-            {
-                "op": "saved",
-                "rank": rank,
-                "step": step,
-                "slot": slot,
-                "layout": self.layout,
-                "values": values,
-                "memory_values": mem_values,
-                "durable": durable,
-                "memory": memory and self.memory is not None,
-                "keep_last": self.durable.keep_last,
-                "keep_every": self.durable.keep_every,
-                "discard_newer": self.durable.discard_newer,
-            }
-        )
-        self.busy[slot], self.last_slot = (step, durable, memory), slot
-        if durable:
-            self.durable.discard_newer = False
-        if memory:
-            self.protect = slot
-        if block:
-            self.wait()
-        return True
+        self._send(message)
+
+    def wait_copy(self) -> None:
+        """Block until the latest save's copy is done (before the saved tensors change)."""
+        copying, self.copying = self.copying, None
+        if copying is not None:
+            copying.join()
 
     def _restart(self) -> None:
         """Every rank (collective): the persister is gone; rank 0 starts another."""
@@ -360,11 +375,13 @@ class Snapshots:
 
     def in_flight(self) -> bool:
         """Whether a save is still being written or committed."""
+        self.wait_copy()
         self._drain()
         return bool(self.busy)
 
     def wait(self) -> None:
         """Block until every save sent is committed or failed; raise a durable failure."""
+        self.wait_copy()
         self._wait_free()
         if self.errors:
             errors, self.errors = self.errors, []

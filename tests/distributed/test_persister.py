@@ -73,6 +73,7 @@ def _job(rank: int, world: int, root: str) -> dict:
         _train(model, opt, sched, rank, world, trainer, 1)
         _save(ck, s, trainer)
     ck.wait()
+    dist.barrier()  # every rank has its answers before the persister dies
     folder = ck._snap.folder
     modes = {n: stat.S_IMODE(os.lstat(f"{folder}/{n}").st_mode) for n in os.listdir(folder)}
     modes["."] = stat.S_IMODE(os.lstat(folder).st_mode)
