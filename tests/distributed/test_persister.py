@@ -3,7 +3,8 @@
 One W=2 spawn runs a job that saves to the durable root every 2 steps and to the memory tier
 every step, and checks:
 - the durable steps the persister wrote equal, tensor by tensor, the same state saved by
-  ``storage.save`` in the ranks' own processes (the reference), and so do the memory tier's;
+  ``storage.save`` in the ranks' own processes (the reference), on a local root and on S3 (a
+  real server, SeaweedFS);
 - the slot directory, its files and the control socket are private to the user;
 - a persister killed with SIGKILL is noticed at the next save, said so, restarted, and the job
   goes on committing; the durable root holds only committed steps;
@@ -44,7 +45,7 @@ def _save(ck, step: int, trainer: dict) -> None:
         ck.save_to_memory(step, trainer)
 
 
-def _job(rank: int, world: int, root: str) -> dict:
+def _job(rank: int, world: int, root: str, s3_url: str, s3_options: dict) -> dict:
     import torch.distributed as dist
 
     from ftsdp.checkpoint import CheckpointManager
@@ -119,10 +120,21 @@ def _job(rank: int, world: int, root: str) -> dict:
     }
     third = ck._snap.proc.pid if rank == 0 else None
     ck.close()
+
+    # The durable root on S3 (a real server), no memory tier: the persister uploads.
+    s3 = CheckpointManager(
+        s3_url, model, opt, lr_scheduler=sched, persister=True, storage_options=s3_options
+    )
+    s3.save(8, trainer, block=True)
+    CheckpointManager(f"{root}/ref", model, opt, lr_scheduler=sched, async_save=False).save(
+        8, trainer
+    )
+    fourth = s3._snap.proc.pid if rank == 0 else None
+    s3.close()
     return {
         "logs": logs,
         "modes": modes,
-        "pids": [first, second, third],
+        "pids": [first, second, third, fourth],
         "folder": folder,
         "at_6": at_6,
         "at_7": at_7,
@@ -131,11 +143,14 @@ def _job(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, s3_endpoint):
     from ftsdp.testing import run_ranks
+    from tests.s3_fixture import new_bucket_url
 
     root = tmp_path_factory.mktemp("persister")
-    return root, run_ranks(_job, 2, str(root), timeout=240)
+    s3_url = new_bucket_url(s3_endpoint)
+    results = run_ranks(_job, 2, str(root), s3_url, s3_endpoint, timeout=240)
+    return root, results, s3_url, s3_endpoint
 
 
 def _same(a: dict, b: dict) -> None:
@@ -148,13 +163,15 @@ def _same(a: dict, b: dict) -> None:
 
 
 def test_the_persisted_steps_equal_the_same_state_saved_in_process(job) -> None:
-    root, _ = job
+    root, _, s3_url, s3_options = job
     assert storage.list_steps(f"{root}/durable") == [2, 4, 6]  # keep_last=3
     _same(storage.load_state_dict(f"{root}/durable", 6), storage.load_state_dict(f"{root}/ref", 6))
+    on_s3 = storage.load_state_dict(s3_url, 8, storage_options=s3_options)
+    _same(on_s3, storage.load_state_dict(f"{root}/ref", 8))
 
 
 def test_the_slots_and_the_socket_are_private(job) -> None:
-    _, results = job
+    _, results, *_ = job
     for r in results:
         modes = r["modes"]
         assert modes.pop(".") == 0o700
@@ -163,15 +180,15 @@ def test_the_slots_and_the_socket_are_private(job) -> None:
 
 
 def test_a_killed_persister_is_restarted_and_the_job_goes_on(job) -> None:
-    _, results = job
+    _, results, *_ = job
     died = [line for line in results[0]["logs"] if "THE SNAPSHOT PERSISTER DIED" in line]
     assert len(died) == 1, results[0]["logs"]
-    first, second, _ = results[0]["pids"]
+    first, second, *_ = results[0]["pids"]
     assert first != second
 
 
 def test_a_step_copied_but_not_committed_is_resumed_from_shared_memory(job) -> None:
-    root, results = job
+    root, results, *_ = job
     for r in results:
         resumed = r["resumed"]
         assert resumed["step"] == 7 and resumed["trainer"], resumed
@@ -182,7 +199,7 @@ def test_a_step_copied_but_not_committed_is_resumed_from_shared_memory(job) -> N
 
 
 def test_close_leaves_no_persister_and_no_slot(job) -> None:
-    root, results = job
+    root, results, *_ = job
     assert not any(_alive(pid) for pid in results[0]["pids"])
     assert not os.path.exists(results[0]["folder"])
     assert storage.list_steps(f"{root}/shm") == []
