@@ -542,11 +542,11 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None
         pairs = results[0][key].get("pairs") or range(len(mine))
         ratios = [t / base[j] - 1 for t, j in zip(mine, pairs, strict=True)]
         row["overhead_q1"], row["overhead"], row["overhead_q3"] = _quartiles(ratios)
-    floor = out.get("ftsdp/floor")
+    floor = out["ftsdp/floor"]["overhead"] if "ftsdp/floor" in out else None
     for key, row in out.items():
-        saves = not key.endswith("/none")
-        usable = saves and floor is not None and floor["overhead"] > 0
-        row["overhead_per_floor"] = row["overhead"] / floor["overhead"] if usable else None
+        mine, row["overhead_per_floor"] = row["overhead"], None
+        if not key.endswith("/none") and mine is not None and floor is not None and floor > 0:
+            row["overhead_per_floor"] = mine / floor
     return out
 
 
