@@ -303,8 +303,8 @@ class _Dcp(_Saver):
 
         super().__init__(run)
         self.group = dist.new_group(backend="gloo")
-        kind = AsyncCheckpointerType
-        self.kind = kind.PROCESS if process else kind.THREAD
+        self.process = process
+        self.kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         self.future: Any = None
 
     def save(self, step: int) -> float:
@@ -336,9 +336,7 @@ class _Dcp(_Saver):
                 shutil.rmtree(os.path.join(url, name), ignore_errors=True)
 
     def close(self) -> None:
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        if self.kind == AsyncCheckpointerType.PROCESS:
+        if self.process:
             stop_dcp_process()
 
 
@@ -608,27 +606,26 @@ def verdicts(rows: dict[str, dict[str, Any]], every: int) -> list[str]:
             f"- saving every {every} steps adds <= {OVERHEAD_TARGET:.0%} to ftsdp's step: "
             f"{'MET' if ok else 'MISSED'} ({ours['overhead'] * 100:+.1f}%)"
         )
+    if ours is not None and theirs is not None and same is not None:  # (--only) all three
+        ok = ours["overhead"] < theirs["overhead"]
+        out.append(
+            f"- ... and less than DCP adds to FSDP2: {'MET' if ok else 'MISSED'} "
+            f"({ours['overhead'] * 100:+.1f}% against {theirs['overhead'] * 100:+.1f}%)"
+        )
+        for which in ("first", "later"):
+            mine, dcp = same[f"{which}_blocking_s"], theirs[f"{which}_blocking_s"]
+            if mine is None or dcp is None:
+                continue
+            ratio = mine / dcp
+            ok = ratio <= BLOCKING_TARGET
+            out.append(
+                f"- blocking of the {which} save <= {BLOCKING_TARGET}x dcp.async_save's (same "
+                f"FSDP2 state): {'MET' if ok else 'MISSED'} ({ratio:.3f}x: {mine * 1e3:.2f} ms "
+                f"against {dcp * 1e3:.2f} ms)"
+            )
     for key in FLOOR_TARGETED:
         if key in rows:
             out += floor_verdicts(rows, key)
-    if ours is None or theirs is None or same is None:
-        return out  # (--only) the comparisons need all three
-    ok = ours["overhead"] < theirs["overhead"]
-    out.append(
-        f"- ... and less than DCP adds to FSDP2: {'MET' if ok else 'MISSED'} "
-        f"({ours['overhead'] * 100:+.1f}% against {theirs['overhead'] * 100:+.1f}%)"
-    )
-    for which in ("first", "later"):
-        mine, dcp = same[f"{which}_blocking_s"], theirs[f"{which}_blocking_s"]
-        if mine is None or dcp is None:
-            continue
-        ratio = mine / dcp
-        ok = ratio <= BLOCKING_TARGET
-        out.append(
-            f"- blocking of the {which} save <= {BLOCKING_TARGET}x dcp.async_save's (same FSDP2 "
-            f"state): {'MET' if ok else 'MISSED'} ({ratio:.3f}x: {mine * 1e3:.2f} ms against "
-            f"{dcp * 1e3:.2f} ms)"
-        )
     return out
 
 
