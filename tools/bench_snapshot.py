@@ -669,12 +669,14 @@ def floor_verdicts(rows: dict[str, dict[str, Any]], key: str) -> list[str]:
 
 
 def environment(args: argparse.Namespace) -> str:
-    """What the figures depend on besides the code."""
+    """What the figures depend on besides the code (``args``: ``loop_arguments``' options, and
+    ``--model`` and ``--mlp-batch`` where the benchmark has them)."""
     load = os.getloadavg()[0]
-    net, _ = network({"workload": args.model, "model": model_config(args)})
+    workload = getattr(args, "model", "gpt")  # (bench_save_cpu: the GPT alone)
+    net, _ = network({"workload": workload, "model": model_config(args)})
     # model, exp_avg and exp_avg_sq in fp32, sharded evenly
     state_mb = sum(p.numel() for p in net.parameters()) * 4 * 3 / args.world / 1e6
-    if args.model == "mlp":
+    if workload == "mlp":
         shape = (
             f"MLP {MLP_LAYERS} x Linear({MLP_WIDTH}, {MLP_WIDTH}), {args.micro_steps} x "
             f"{args.mlp_batch} samples per step and rank"
