@@ -88,8 +88,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             for name, seconds in used.items():
                 cpu[mode][name] = cpu[mode].get(name, 0.0) + seconds
     for run in runs.values():
-        if run.ckpt is not None:
-            run.ckpt.close()
+        run.saver.close()
     steps = cfg["rounds"] * cfg["steps"]
     return {
         "cpu": {m: {k: v / steps for k, v in c.items()} for m, c in cpu.items()},

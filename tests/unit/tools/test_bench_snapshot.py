@@ -20,6 +20,7 @@ def test_each_save_is_followed_by_every_steps_inside_the_round(
     monkeypatch.setattr(bench_snapshot, "dist", types.SimpleNamespace(barrier=lambda: None))
     run: Any = bench_snapshot._Run.__new__(bench_snapshot._Run)
     run.cfg, run.step, run.times, run.mode = {"steps": steps, "every": every}, 2, [], "storage"
+    run.saver = bench_snapshot._Saver(run)
     run.train_step = lambda: (setattr(run, "step", run.step + 1), events.append(run.step))
     run.save = lambda: events.append(f"save {run.step}")
     run.finish_saves = lambda: events.append("wait")
@@ -49,7 +50,13 @@ def test_overhead_pairs_each_round_with_the_unsaved_one() -> None:
     pairs = {"ftsdp/storage": [0, 2, 3]}
     ranks = [
         {
-            k: {"times": v, "blocking": [0.01, 0.02], "fence": [], "pairs": pairs.get(k)}
+            k: {
+                "times": v,
+                "blocking": [0.01, 0.02],
+                "fence": [],
+                "copy": [],
+                "pairs": pairs.get(k),
+            }
             for k, v in times.items()
         }
         for _ in range(2)
@@ -76,7 +83,7 @@ def test_the_busy_rank_bench_runs_its_python_work_inside_the_round(
     run.cfg, run.step, run.times, run.mode = {"steps": 4, "every": 2}, 0, [], "none"
     run.seconds, run.threads = 0.02, []
     run.train_step = lambda: setattr(run, "step", run.step + 1)
-    run.prune_dcp = lambda: None
+    run.saver = bench_snapshot._Saver(run)
     cpu = time.process_time()
     run.round()
     assert time.process_time() - cpu >= 2 * 0.02  # two would-be saves (at 0 and after step 2)
@@ -85,6 +92,16 @@ def test_the_busy_rank_bench_runs_its_python_work_inside_the_round(
 
 def test_only_runs_the_named_saving_configurations_with_their_unsaved_rounds() -> None:
     assert bench_snapshot.configs(None) == list(bench_snapshot.CONFIGS)
+    # a bare mode names it on every engine that has it
+    assert bench_snapshot.configs(["floor", "storage", "dcp", "dcp-process"]) == [
+        ("ftsdp", "none"),
+        ("ftsdp", "floor"),
+        ("ftsdp", "storage"),
+        ("fsdp2", "none"),
+        ("fsdp2", "dcp"),
+        ("fsdp2", "dcp-process"),
+        ("fsdp2", "storage"),
+    ]
     assert bench_snapshot.configs(["ftsdp/storage"]) == [("ftsdp", "none"), ("ftsdp", "storage")]
     picked = bench_snapshot.configs(["fsdp2/dcp", "ftsdp/memory"])
     assert picked == [("ftsdp", "none"), ("ftsdp", "memory"), ("fsdp2", "none"), ("fsdp2", "dcp")]
@@ -148,14 +165,162 @@ def test_the_saving_configurations_run_end_to_end(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A smoke run of the real loop (two gloo ranks) through CheckpointManager's durable and
-    memory tiers: every saving round saved, blocked a positive time and committed."""
+    memory tiers and the floor: every saving round saved, blocked a positive time and
+    committed; the floor's copies took a positive time, and the rows are set against it."""
     from ftsdp.tools import bench_snapshot
 
-    args = ["--only", "ftsdp/storage,ftsdp/memory", "--rounds", "1", "--steps", "4"]
-    bench_snapshot.main([*args, "--warmup", "0", "--dir", str(tmp_path)])
-    lines = [line for line in capsys.readouterr().out.splitlines() if "CheckpointManager" in line]
-    assert len(lines) == 2, lines
+    args = ["--only", "ftsdp/storage,ftsdp/memory,floor", "--rounds", "1", "--steps", "4"]
+    bench_snapshot.main([*args, "--warmup", "1", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "CheckpointManager" in line or "floor" in line]
+    lines = [line for line in lines if line.startswith("| ftsdp")]
+    assert len(lines) == 3, out
     for line in lines:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert float(cells[5]) > 0 and float(cells[6]) > 0, line  # blocking, first and later
+        assert float(cells[6]) > 0 and float(cells[7]) > 0, line  # blocking, first and later
         assert int(cells[-1]) == 2, line  # saves: every 2 steps of 4
+        assert cells[5] == "n/a" or cells[5].endswith("x"), line  # overhead / floor
+        # copy ms: the floor's alone
+        assert float(cells[9]) > 0 if "floor" in cells[1] else cells[9] == "-", line
+
+
+def _floor_and_dcp_process(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One floor save and one ``dcp-process`` save of the MLP, each followed by a step; what
+    they hold against the state at the save, and whether DCP's process has ended."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import _async_process_executor as ape
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out: dict[str, Any] = {}
+    run = bench_snapshot._Run("ftsdp", "floor", cfg, cfg["root"])
+    floor = run.saver
+    assert isinstance(floor, bench_snapshot._Floor)
+    at_save = [t.clone() for t in floor.sources]
+    run.save()
+    run.train_step()  # waits for the copy before it changes the state
+    run.finish_saves()
+    out["floor_copied"] = all(
+        torch.equal(b, s) for b, s in zip(floor.buffers, at_save, strict=True)
+    )
+    out["floor_stepped"] = not all(
+        torch.equal(b, s) for b, s in zip(floor.buffers, floor.sources, strict=True)
+    )
+    out["floor_bytes"] = sum(t.numel() * t.element_size() for t in floor.buffers)
+    # the reference: this rank's parameter slices and the optimizer's own state
+    out["state_bytes"] = sum(p.numel() * p.element_size() for p in run.model.parameters()) + sum(
+        v.numel() * v.element_size()
+        for entry in run.opt.state.values()
+        for v in entry.values()
+        if isinstance(v, torch.Tensor)
+    )
+    out["floor_saves"] = (len(floor.blocking), len(floor.copy), len(floor.fence))
+    floor.close()
+
+    run = bench_snapshot._Run("fsdp2", "dcp-process", cfg, cfg["root"])
+    model_sd, optim_sd = get_state_dict(run.model, run.opt)
+    expected = {k: v.full_tensor().clone() for k, v in model_sd.items()}
+    run.save()
+    run.train_step()
+    run.finish_saves()
+    process = ape._CHECKPOINT_PROCESS._save_process  # type: ignore[union-attr]
+    model_sd, optim_sd = get_state_dict(run.model, run.opt)  # the step's values
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{run.url}/step-{run.step - 1}")
+    out["dcp_loaded"] = all(torch.equal(v.full_tensor(), expected[k]) for k, v in model_sd.items())
+    run.saver.close()
+    out["dcp_process_ended"] = not process.is_alive() and ape._CHECKPOINT_PROCESS is None
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_floor_copies_the_state_and_dcp_process_saves_it(tmp_path: Any) -> None:
+    """The floor copies every byte of the rank's state (its parameter shards and AdamW state),
+    the values at the save although the next step follows at once; DCP's process mode saves the
+    state of its save (read back with ``dcp.load``) on gloo, and its process ends at close."""
+    from ftsdp.testing import run_ranks
+
+    cfg = {
+        "workload": "mlp",
+        "mlp_batch": 2,
+        "model": {},
+        "seed": 0,
+        "every": 2,
+        "steps": 2,
+        "warmup": 1,
+        "micro_steps": 1,
+        "root": str(tmp_path),
+    }
+    for out in run_ranks(_floor_and_dcp_process, 2, cfg, timeout=240):
+        assert out["floor_copied"] and out["floor_stepped"], out
+        # 8 x (1024 x 1024 + 1024) fp32 parameters, AdamW's two moments, halved; and 16 steps
+        assert out["floor_bytes"] == out["state_bytes"] == 8 * 1049600 * 4 * 3 // 2 + 16 * 4
+        assert out["floor_saves"] == (1, 1, 1), out
+        assert out["dcp_loaded"] and out["dcp_process_ended"], out
+
+
+def _ranks(overheads: dict[str, float], floor_copies: list[list[float]]) -> list[dict[str, Any]]:
+    """Two ranks' results of one round per configuration, each unsaved round at 1 s, the later
+    saves blocking 2 ms, the floor's copies per rank as given."""
+    times = {"ftsdp/none": [1.0], "fsdp2/none": [1.0]}
+    times.update({k: [1.0 + v] for k, v in overheads.items()})
+    return [
+        {
+            k: {
+                "times": v,
+                "blocking": [0.01, 0.002, 0.002],
+                "fence": [],
+                "copy": copies if k == "ftsdp/floor" else [],
+                "pairs": None,
+            }
+            for k, v in times.items()
+        }
+        for copies in floor_copies
+    ]
+
+
+def test_each_saving_row_is_set_against_the_floor_and_the_better_dcp_mode() -> None:
+    """The floor's copy is the slowest rank's per save, median; every saving row's overhead is
+    divided by the floor's; the targeted row's verdicts compare it with 2x the floor's, 0.25x
+    the better DCP mode's, and its later saves' blocking with the floor's copy + 1 ms."""
+    overheads = {
+        "ftsdp/floor": 0.02,
+        "ftsdp/storage": 0.03,
+        "fsdp2/dcp": 0.40,
+        "fsdp2/dcp-process": 0.10,
+    }
+    # slowest rank per save: 5, 6 and 8 ms; median 6 (either rank's own median is 5)
+    rows = bench_snapshot.summarize(
+        _ranks(overheads, [[0.004, 0.006, 0.005], [0.005, 0.003, 0.008]])
+    )
+    assert rows["ftsdp/floor"]["copy_s"] == pytest.approx(0.006)
+    assert rows["ftsdp/storage"]["copy_s"] is None
+    assert rows["ftsdp/storage"]["overhead_per_floor"] == pytest.approx(1.5)
+    assert rows["fsdp2/dcp"]["overhead_per_floor"] == pytest.approx(20.0)
+    assert rows["ftsdp/floor"]["overhead_per_floor"] == pytest.approx(1.0)
+    assert rows["ftsdp/none"]["overhead_per_floor"] is None
+
+    lines = bench_snapshot.floor_verdicts(rows, "ftsdp/storage")
+    assert len(lines) == 3, lines
+    assert lines[0].endswith("MET (1.50x: +3.0% against +2.0%)"), lines
+    # +3% > 0.25 x +10% (dcp-process, the better of the two modes)
+    assert lines[1].endswith("MISSED (0.30x: +3.0% against fsdp2/dcp-process's +10.0%)"), lines
+    assert lines[2].endswith("MET (2.00 ms against 6.00 + 1 ms)"), lines
+    assert all(line in bench_snapshot.verdicts(rows, 2) for line in lines)
+    text = bench_snapshot.table(rows, "cmd", "env", 2)
+    assert "| 1.50x | 10.00 | 2.00 | - | - | 3 |" in text  # ftsdp/storage
+    assert "| 1.00x | 10.00 | 2.00 | - | 6.00 | 3 |" in text  # the floor and its copy
+
+
+def test_a_floor_that_cost_nothing_gives_no_ratio() -> None:
+    """A floor whose overhead is not above zero (noise) divides nothing: "n/a", no verdict."""
+    overheads = {"ftsdp/floor": -0.01, "ftsdp/storage": 0.03, "fsdp2/dcp": 0.40}
+    rows = bench_snapshot.summarize(_ranks(overheads, [[0.004], [0.004]]))
+    assert rows["ftsdp/storage"]["overhead_per_floor"] is None
+    assert "| +3.0% to +3.0% | n/a |" in bench_snapshot.table(rows, "cmd", "env", 2)
+    first = bench_snapshot.floor_verdicts(rows, "ftsdp/storage")[0]
+    assert first.endswith("n/a (+3.0% against -1.0%)"), first
+    # without the floor in the run, the column is "-" and only DCP's verdict remains
+    del rows["ftsdp/floor"]
+    assert "| +3.0% to +3.0% | - |" in bench_snapshot.table(rows, "cmd", "env", 2)
+    (only,) = bench_snapshot.floor_verdicts(rows, "ftsdp/storage")
+    assert "MET (0.08x: +3.0% against fsdp2/dcp's +40.0%)" in only
