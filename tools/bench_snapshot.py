@@ -83,7 +83,10 @@ BLOCKING_TARGET = 0.1  # blocking at most 0.1x dcp.async_save's, first and later
 FLOOR_TARGET = 2.0  # overhead at most 2x the memcpy floor's
 DCP_TARGET = 0.25  # overhead at most 0.25x the better of DCP's two async modes
 FLOOR_BLOCKING_SLACK_S = 1e-3  # blocking (later saves) at most the floor's copy plus 1 ms
-FLOOR_TARGETED = ("ftsdp/storage",)  # the rows held to the floor's and DCP's targets
+FLOOR_TARGETED = (
+    "ftsdp/storage",
+    "ftsdp/persister",
+)  # the rows held to the floor's and DCP's targets
 MLP_WIDTH, MLP_LAYERS = 1024, 8
 
 
@@ -209,6 +212,29 @@ class _Manager(_Saver):
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class _Persisted(_Manager):
+    """``CheckpointManager(persister=True)``: the copy into shared memory, the rest in the
+    persister process; the fence is the optimizer step waiting for that copy."""
+
+    def __init__(self, run: _Run, **kwargs: Any) -> None:
+        super().__init__(run, persister=True, **kwargs)
+        self.waited = 0.0
+
+    def _fenced(self) -> None:
+        snap = self.ckpt._snap
+        if snap is not None and snap.on:
+            self.fence.append(snap.fence_seconds - self.waited)
+            self.waited = snap.fence_seconds
+
+    def save(self, step: int) -> float:
+        self._fenced()
+        return self._save(step)
+
+    def finish(self) -> None:
+        self.ckpt.wait()
+        self._fenced()
 
 
 class _MemoryTier(_Manager):
@@ -371,10 +397,12 @@ CONFIGS: dict[tuple[str, str], tuple[str, type[_Saver], dict[str, Any]]] = {
         {"defer_copy": False},
     ),
     ("ftsdp", "memory"): ("CheckpointManager memory tier (deferred copy)", _MemoryTier, {}),
+    ("ftsdp", "persister"): ("CheckpointManager (persister)", _Persisted, {}),
     ("fsdp2", "none"): ("no saves", _Saver, {}),
     ("fsdp2", "dcp"): ("dcp.async_save", _Dcp, {"process": False}),
     ("fsdp2", "dcp-process"): ("dcp.async_save (process)", _Dcp, {"process": True}),
     ("fsdp2", "storage"): ("CheckpointManager (deferred copy)", _Manager, {"defer_copy": True}),
+    ("fsdp2", "persister"): ("CheckpointManager (persister)", _Persisted, {}),
 }
 
 

@@ -63,8 +63,9 @@ class CheckpointManager:
             ``optimizer.step()`` waits for the copy, other in-place changes :meth:`wait_snapshot`.
         memory_url / memory_every / memory_keep: the memory tier (docs/elastic.md).
         persister: with ``async_save``, a save copies this rank's state once into shared memory
-            and a persister process writes and commits it (docs/elastic.md, "Snapshots"); the
-            ranks must then be on one machine (else saves run in each rank's process).
+            and a persister process writes and commits it (docs/elastic.md, "Snapshots through
+            a persister"); the ranks must then be on one machine (else saves run in each rank's
+            process). The memory tier then keeps its newest step only.
         save_options: how saves are laid out and written (retention: the manager's own).
         seed: reseeds the RNGs per rank when the world size changed since the save.
         log: one-line messages, fallbacks loudly (default: this module's logger, WARNING).

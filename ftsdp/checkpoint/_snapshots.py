@@ -50,6 +50,7 @@ class Snapshots:
         self.lost = False
         self.starting = False  # memory snapshots skipped until the persister listens
         self.copying: threading.Thread | None = None  # a deferred save's copy
+        self.fence_seconds = 0.0  # time wait_copy() blocked, in total
         self.layout: int | None = None
         self.rows: list[Any] | None = None
         self.views: list[list[tuple[str, int, int, torch.Tensor]]] = [[], []]
@@ -353,7 +354,9 @@ class Snapshots:
         """Block until the latest save's copy is done (before the saved tensors change)."""
         copying, self.copying = self.copying, None
         if copying is not None:
+            start = time.perf_counter()
             copying.join()
+            self.fence_seconds += time.perf_counter() - start
 
     def _restart(self) -> None:
         """Every rank (collective): the persister is gone; rank 0 starts another."""

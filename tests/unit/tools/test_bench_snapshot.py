@@ -165,16 +165,18 @@ def test_the_saving_configurations_run_end_to_end(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A smoke run of the real loop (two gloo ranks) through CheckpointManager's durable and
-    memory tiers and the floor: every saving round saved, blocked a positive time and
-    committed; the floor's copies took a positive time, and the rows are set against it."""
+    memory tiers, its persister, and the floor: every saving round saved, blocked a positive
+    time and committed; the floor's copies took a positive time, and the rows are set against
+    it."""
     from ftsdp.tools import bench_snapshot
 
-    args = ["--only", "ftsdp/storage,ftsdp/memory,floor", "--rounds", "1", "--steps", "4"]
+    only = "ftsdp/storage,ftsdp/memory,ftsdp/persister,floor"
+    args = ["--only", only, "--rounds", "1", "--steps", "4"]
     bench_snapshot.main([*args, "--warmup", "1", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "CheckpointManager" in line or "floor" in line]
     lines = [line for line in lines if line.startswith("| ftsdp")]
-    assert len(lines) == 3, out
+    assert len(lines) == 4, out
     for line in lines:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[6]) > 0 and float(cells[7]) > 0, line  # blocking, first and later
