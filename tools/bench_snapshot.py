@@ -51,8 +51,9 @@ time ``optimizer.step()`` waited for a snapshot, per save; ``copy`` the floor th
 copy (the slowest rank's per save, median). ``--only`` (comma-separated ``engine/mode`` keys or
 bare modes, ``storage`` being both engines') runs only those saving configurations, with their
 engines' unsaved rounds: more rounds of one configuration in the same time. Prints a table;
-``--out FILE`` writes it into FILE's "Snapshots" section, ``--json FILE`` its numbers into the
-``snapshot`` entry of a JSON results file.
+``--out FILE`` writes it into FILE's "Snapshots" section ("Snapshots, MLP" for the MLP),
+``--json FILE`` its numbers into the ``snapshot`` (``snapshot_mlp``) entry of a JSON results
+file.
 """
 
 from __future__ import annotations
@@ -587,10 +588,17 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.2f}"
 
 
-def table(rows: dict[str, dict[str, Any]], command: str, header: str, every: int) -> str:
+def section(model: str) -> str:
+    """The Markdown section a workload's results go to."""
+    return "## Snapshots" if model == "gpt" else f"## Snapshots, {model.upper()}"
+
+
+def table(
+    rows: dict[str, dict[str, Any]], command: str, header: str, every: int, model: str = "gpt"
+) -> str:
     """The Markdown section: the table and the verdicts."""
     lines = [
-        "## Snapshots",
+        section(model),
         "",
         f"`{command}` ({datetime.date.today().isoformat()}; {header})",
         "",
@@ -765,12 +773,13 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(root, ignore_errors=True)
     rows = summarize(results)
     header += speed_note(before)
-    text = table(rows, command, header, args.every)
+    text = table(rows, command, header, args.every, args.model)
     sys.stdout.write(text)
     if args.out:
-        replace_section(args.out, text, "## Snapshots")
+        replace_section(args.out, text, section(args.model))
     if args.json:
-        _bench_json.write_entry(args.json, "snapshot", rows, command, header)
+        entry = "snapshot" if args.model == "gpt" else f"snapshot_{args.model}"
+        _bench_json.write_entry(args.json, entry, rows, command, header)
 
 
 if __name__ == "__main__":

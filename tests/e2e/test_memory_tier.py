@@ -59,10 +59,41 @@ def persisters(tag: str) -> list[int]:
     return found
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """The uninterrupted run (one plain process), started once beside the module's jobs;
+    calling the fixture's value waits for it and gives its checkpoint root."""
+    root = tmp_path_factory.mktemp("reference") / "ckpt"
+    cmd = [sys.executable, "-m", "ftsdp.train", *TINY, "--checkpoint-url", str(root)]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    done: list[str] = []
+
+    def result() -> str:
+        if not done:
+            out, _ = proc.communicate(timeout=200)
+            assert proc.returncode == 0, out[-3000:]
+            done.append(str(root))
+        return done[0]
+
+    yield result
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _same_final_state(reference: str, ckpt: str) -> None:
+    want = storage.load_state_dict(reference, step=STEPS)
+    got = storage.load_state_dict(ckpt, step=STEPS)
+    tensors = [k for k in want if k.startswith(("model.", "optim.state."))]
+    assert tensors and all(torch.equal(got[k], want[k]) for k in tensors)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("persister", [False, True], ids=["in-process", "persister"])
 def test_kill9_resumes_from_the_memory_tier_without_losing_a_step(
-    tmp_path: pathlib.Path, persister: bool
+    tmp_path: pathlib.Path, persister: bool, reference
 ) -> None:
     shm = tmp_path / "shm"
     cmd = [  # ftsdp.launch: torchrun's agent, workers forked with their imports done
@@ -77,26 +108,18 @@ def test_kill9_resumes_from_the_memory_tier_without_losing_a_step(
         FTSDP_FAULT_LOG=str(tmp_path / "faults.jsonl"),
         FTSDP_TEST_TAG=str(tmp_path),
     )
-    ref_cmd = [
-        sys.executable,
-        "-m",
-        "ftsdp.train",
-        *TINY,
-        "--checkpoint-url",
-        str(tmp_path / "ref"),
-    ]
-    # the uninterrupted reference runs beside the job (they share the CPUs, not their files)
-    runs = [
-        subprocess.Popen(
-            c, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for c, e in ((ref_cmd, _env()), (cmd, env))
-    ]
-    outs = []
-    for run in runs:
-        out, _ = run.communicate(timeout=200)
-        assert run.returncode == 0, out[-3000:]
-        outs.append(out)
+    job = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=200,
+        check=False,
+    )
+    assert job.returncode == 0, job.stdout[-3000:]
+    outs = [None, job.stdout]
     # the survivor's one line names the step the restart resumes from, and its tier
     lost = re.findall(r"ERROR ftsdp\.train: (peer lost.*)", outs[1])
     # (the persister tells a rank of a commit a little later: the survivor may not know of 4's)
@@ -117,33 +140,22 @@ def test_kill9_resumes_from_the_memory_tier_without_losing_a_step(
     assert storage.list_steps(str(tmp_path / "ckpt")) == [3, 6]  # durable saves unchanged
     assert not shm.exists()  # cleared at the clean end
     assert persisters(str(tmp_path)) == []
-
-    want = storage.load_state_dict(str(tmp_path / "ref"), step=STEPS)
-    got = storage.load_state_dict(str(tmp_path / "ckpt"), step=STEPS)
-    tensors = [k for k in want if k.startswith(("model.", "optim.state."))]
-    assert tensors and all(torch.equal(got[k], want[k]) for k in tensors)
+    _same_final_state(reference(), str(tmp_path / "ckpt"))
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_commits_the_persisted_step_and_leaves_no_persister(tmp_path: pathlib.Path) -> None:
+def test_sigterm_commits_the_persisted_step_and_leaves_no_persister(
+    tmp_path: pathlib.Path, reference
+) -> None:
     """SIGTERM to the agent at step 4 with the persister: the preemption's save of step 4 is
     committed to the durable root before the job exits (every process of the job gets the
-    signal, the persister too), no persister is left, and the job resumed at world size 3
+    signal, the persister too), no persister is left, and the job resumed at world size 1
     from step 4 ends bitwise equal to the uninterrupted run."""
     args = [
         *TINY,
         *["--checkpoint-url", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "m.jsonl")],
         *["--memory-every", "1", "--memory-url", str(tmp_path / "shm"), "--persister"],
     ]
-    ref_cmd = [
-        sys.executable,
-        "-m",
-        "ftsdp.train",
-        *TINY,
-        "--checkpoint-url",
-        str(tmp_path / "ref"),
-    ]
-    ref = subprocess.Popen(ref_cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, text=True)
 
     def launch(nproc: int, **extra: str) -> str:
         # torchrun -m: under ftsdp.launch's forked workers a preempted worker waits for the
@@ -168,13 +180,9 @@ def test_sigterm_commits_the_persisted_step_and_leaves_no_persister(tmp_path: pa
     assert "SignalException" in out, out[-3000:]
     stops = [r for r in _jsonl(tmp_path / "m.jsonl") if r["event"] == "preempted"]
     assert len(stops) == 1 and stops[0]["step"] in storage.list_steps(str(tmp_path / "ckpt"))
-    out = launch(3)
+    out = launch(1)
     resumes = [r for r in _jsonl(tmp_path / "m.jsonl") if r["event"] == "resume"]
     assert [(r["step"], r["tier"], r["world_size"]) for r in resumes] == [
-        (stops[0]["step"], "durable", 3)
+        (stops[0]["step"], "durable", 1)
     ], out[-3000:]
-    assert ref.wait(timeout=150) == 0
-    want = storage.load_state_dict(str(tmp_path / "ref"), step=STEPS)
-    got = storage.load_state_dict(str(tmp_path / "ckpt"), step=STEPS)
-    tensors = [k for k in want if k.startswith(("model.", "optim.state."))]
-    assert tensors and all(torch.equal(got[k], want[k]) for k in tensors)
+    _same_final_state(reference(), str(tmp_path / "ckpt"))
