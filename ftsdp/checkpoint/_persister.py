@@ -298,15 +298,13 @@ class Persister:
             return
         rows, plans, slots = self.layout
         slot = saved[0]["slot"]
-        try:
-            crcs = _checksums(self.pool, slots, plans, slot, self.options.checksum_block_bytes)
-        except Exception as e:
-            self._finish(saved, f"checksums: {type(e).__name__}: {e}")
-            return
         errors: dict[str, str | None] = {"memory": None, "durable": None}
+        crcs = None  # computed here for the memory tier, else as the durable root is written
         if self.memory is not None and saved[0]["memory"]:
             values = [{**saved[r]["values"], **saved[r]["memory_extra"]} for r in range(self.world)]
             try:
+                block = self.options.checksum_block_bytes
+                crcs = _checksums(self.pool, slots, plans, slot, block)
                 commit_to_memory(
                     self.memory,
                     step,
@@ -340,7 +338,9 @@ class Persister:
             finally:
                 self.durable_jobs.task_done()
 
-    def _write_durable(self, saved: dict[int, dict[str, Any]], slot: int, crcs: list[Any]) -> None:
+    def _write_durable(
+        self, saved: dict[int, dict[str, Any]], slot: int, crcs: list[Any] | None
+    ) -> None:
         assert self.layout is not None
         rows, _, slots = self.layout
         first = saved[0]
@@ -351,14 +351,15 @@ class Persister:
             discard_newer=first["discard_newer"],
         )
         job = self.durable.begin(first["step"], rows, options)
-        writes, named = [], []
-        for r in range(self.world):
-            objs = job.objects(r)
-            for i, obj in enumerate(objs):
-                writes.append(self.pool.submit(job.write, obj, slots.views[r, slot, i]))
-            named.append({o.name: crcs[r][i] for i, o in enumerate(objs)})
-        for w in writes:
-            w.result()
+        writes = {
+            (r, i): self.pool.submit(job.write, obj, slots.views[r, slot, i], crcs is None)
+            for r in range(self.world)
+            for i, obj in enumerate(job.objects(r))
+        }
+        named: list[dict[str, Any]] = [{} for _ in range(self.world)]
+        for (r, i), w in writes.items():
+            written = w.result()  # every write done before the commit
+            named[r][job.objects(r)[i].name] = written if crcs is None else crcs[r][i]
         job.commit(named, [saved[r]["values"] for r in range(self.world)])
 
     def _finish(self, saved: dict[int, Any], error: str | None, errors: Any = None) -> None:

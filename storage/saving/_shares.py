@@ -176,13 +176,21 @@ class StepForRanks:
         """Rank ``rank``'s objects, in the order of its files."""
         return self.plans[rank].own(rank)
 
-    def write(self, obj: PlannedObject, data: memoryview) -> None:
-        """Object ``obj`` from ``data`` (its whole file) to the root."""
+    def write(self, obj: PlannedObject, data: memoryview, checksums: bool) -> list[list[int]]:
+        """Object ``obj`` from ``data`` (its whole file) to the root; with ``checksums``, its
+        checksums, computed as it is written (else ``[]``: the caller has them)."""
+        crcs: list[list[int]] = []
 
         def produce(f: Any) -> None:
-            f.write(data)
+            if not checksums:
+                f.write(data)
+                return
+            chunks = ((i, data[s:e]) for i, (s, e) in enumerate(obj.byte_ranges))
+            block = self.options.checksum_block_bytes
+            crcs[:] = write_object(f, obj.head, len(obj.pieces), chunks, block)
 
         self.store.write(f"{step_dir(self.step)}/{obj.name}", produce)
+        return crcs
 
     def link(self, obj: PlannedObject, path: str) -> None:
         """Object ``obj`` as a hard link to file ``path`` (a local root on its filesystem)."""
