@@ -165,6 +165,27 @@ def bind_rendezvous_stores() -> None:
         setattr(handler, "_create_tcp_store_server", create)  # noqa: B010 (mypy)
 
 
+def release_finished_workers() -> None:
+    """Let the agent's shutdown free the workers that finished: a forked worker whose function
+    returned waits for the agent to read its result, which an agent stopping (SIGTERM) never
+    does, so it was killed only at the end of the agent's 30 s wait."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    context = api.MultiprocessContext
+    close = context._close
+    if getattr(close, "releases_workers", False):
+        return
+
+    def _close(self: typing.Any, death_sig: typing.Any, timeout: int = 30) -> None:
+        finished = getattr(self, "_worker_finished_event", None)
+        if finished is not None:
+            finished.set()  # no result is read any more
+        close(self, death_sig, timeout)
+
+    _close.releases_workers = True  # type: ignore[attr-defined]
+    context._close = _close  # type: ignore[method-assign]
+
+
 class PlainTracebacks(logging.Filter):
     """A handler filter rendering a record's exception into its message with the standard
     formatter (torch's would import torch._dynamo; docs/elastic.md, "Recovery time")."""
@@ -209,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     plain_tracebacks("torch", "torch.distributed")  # the handlers torch's import installed
     bind_rendezvous_stores()
+    release_finished_workers()
     torchrun.main(command)
 
 

@@ -158,19 +158,20 @@ def test_sigterm_commits_the_persisted_step_and_leaves_no_persister(
     ]
 
     def launch(nproc: int, **extra: str) -> str:
-        # torchrun -m: under ftsdp.launch's forked workers a preempted worker waits for the
-        # agent, which is shutting down, to read its result: killed 30 s later (a known flaw)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd = [sys.executable, "-m", "ftsdp.launch", "--standalone", f"--nproc-per-node={nproc}"]
         run = subprocess.run(
-            [*cmd, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "ftsdp.train", *args],
+            [*cmd, "--max-restarts=0", "--", *args],
             cwd=REPO,
             env=_env(FTSDP_TEST_TAG=str(tmp_path), **extra),
             capture_output=True,
             text=True,
             timeout=150,
         )
+        out = run.stdout + run.stderr
         assert not persisters(str(tmp_path))  # every way the job ended: no persister left
-        return run.stdout + run.stderr
+        # the agent's shutdown frees its finished workers (none killed after its 30 s wait)
+        assert "forcefully exiting" not in out, out[-3000:]
+        return out
 
     out = launch(
         2,

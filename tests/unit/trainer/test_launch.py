@@ -154,3 +154,23 @@ def test_the_stores_the_launcher_hosts_listen_only_on_their_own_address(monkeypa
     client = backend.TCPStore("127.0.0.1", rendezvous.port, is_master=False)
     client.set("k", "v")
     assert rendezvous.get("k") == b"v"
+
+
+def test_the_agents_shutdown_frees_the_workers_that_finished(monkeypatch) -> None:
+    """A forked worker whose function returned waits on the context's finished event; closing
+    the context (the agent stopping) sets it first, so such a worker exits at once instead of
+    being killed after the close's timeout (the e2e SIGTERM test runs the whole job)."""
+    import signal
+    import threading
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    monkeypatch.setattr(api.MultiprocessContext, "_close", api.MultiprocessContext._close)
+    launch.release_finished_workers()
+    launch.release_finished_workers()  # once only: not wrapped twice
+    assert getattr(api.MultiprocessContext._close, "releases_workers", False)
+    context = api.MultiprocessContext.__new__(api.MultiprocessContext)
+    context._pc = None  # no processes: torch's close returns at once
+    context._worker_finished_event = threading.Event()
+    context._close(signal.SIGTERM, timeout=0)
+    assert context._worker_finished_event.is_set()
