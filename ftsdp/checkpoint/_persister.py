@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import queue
+import select
 import signal
 import socket
 import sys
@@ -392,10 +393,30 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
+def _commit_only_under(pid: int | None) -> None:
+    """Refuse every commit of this process once process ``pid`` is gone: the one that started
+    rank 0 (torchrun's agent), so that a job whose agent died commits nothing more here either
+    (docs/elastic.md, "A worker without its agent"); the persister then exits."""
+    if pid is None:
+        return
+    try:
+        fd = os.pidfd_open(pid)  # names that process, not a later one with its pid
+    except (AttributeError, OSError):
+        return  # no pidfds (not Linux 5.3+), or gone already: rank 0 is leaving too
+
+    def check() -> None:
+        if select.select([fd], [], [], 0)[0]:
+            logger.error("the job's agent (pid %d) is gone: committing nothing more", pid)
+            os._exit(1)
+
+    storage.saving.guard_commits(check)
+
+
 def main() -> None:
     """The persister process (started by ``Snapshots``): its configuration as JSON on stdin."""
     config = json.loads(sys.stdin.readline())
     _die_with(config["parent"])
+    _commit_only_under(config.get("agent"))
     # A job's SIGTERM or Ctrl-C reaches every process: the persister finishes what the ranks
     # ask (their last save) and ends with rank 0 (PR_SET_PDEATHSIG) or when it says stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

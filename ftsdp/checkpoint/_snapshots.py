@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -117,6 +118,7 @@ class Snapshots:
             "storage_options": self.durable.storage_options,
             "memory": None if self.memory is None else self.memory.url,
             "parent": os.getpid(),
+            "agent": _starter(),  # commits stop when it is gone (_persister._commit_only_under)
         }
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.folder, p.SOCKET))  # not to connect to a dead one
@@ -418,6 +420,13 @@ class Snapshots:
             if self.conn is not None:
                 self.conn.close()
             self.conn, self.on = None, False
+
+
+def _starter() -> int:
+    """The process that started this one: torchrun's agent (the multiprocessing parent of a
+    worker forked from ``ftsdp.launch``'s fork server), else the parent."""
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid else os.getppid()
 
 
 def _open_slot(path: str, size: int) -> mmap.mmap:

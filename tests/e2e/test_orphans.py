@@ -87,6 +87,8 @@ def test_killing_the_agent_alone_ends_its_workers_and_their_commits(
     train = [*run.args(), "--steps", "100000", "--checkpoint-every", "2", "--keep-last", "1000"]
     train += ["--memory-every", "1", "--memory-url", memory]
     train += ["--heartbeat-timeout-s", str(DEADLINE_S)]
+    if launch:  # the persister writes this job's saves: it must end and commit nothing either
+        train += ["--persister"]
     log = run.log_path("agent")
     roots = {"durable": run.url, "memory": memory}
     pids: list[int] = []
