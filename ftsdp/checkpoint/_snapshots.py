@@ -1,8 +1,10 @@
 """Snapshots through the persister, the training side (docs/elastic.md, "Snapshots"): a save
 copies this rank's tensors once into one of its two slots in shared memory, records it and tells
 the persister (``_persister.py``), which does the rest. Nothing else runs on the training
-process: between saves, no checkpoint thread; at a save, one agreement of three integers
-(persister lost, layout changed, a save failed) so that every rank acts alike.
+process: between saves, no checkpoint thread but a deferred copy until the next optimizer
+step; at a save, the walk of the state and one agreement of four integers
+(persister lost, layout changed, a save failed, persister not listening yet) so that every rank
+acts alike.
 """
 
 from __future__ import annotations
