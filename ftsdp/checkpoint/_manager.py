@@ -129,8 +129,8 @@ class CheckpointManager:
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.memory_every = (memory_every or 1) if memory_url else None
         self.async_save = async_save
-        self._snap = Snapshots(self._durable, self._memory, save_options) if persister else None
-        self._snap = self._snap if async_save else None
+        on = persister and async_save
+        self._snap = Snapshots(self._durable, self._memory, save_options) if on else None
         self.defer_copy = async_save and defer_copy and self._snap is None
         self._defer_snapshot = async_save and defer_copy and self._snap is not None
         # the fence: optimizer.step() waits until the latest deferred save has copied the state

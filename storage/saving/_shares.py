@@ -125,9 +125,9 @@ def plan_for_ranks(
         t.start()
     for t in threads:
         t.join()
-    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
-    if real or any(e is not None for e in errors):
-        raise real[0] if real else CheckpointError(f"planning step {step} failed")
+    raised = [e for e in errors if e is not None]
+    if raised:  # a rank's own error first: the others' broken barrier is its consequence
+        raise min(raised, key=lambda e: isinstance(e, threading.BrokenBarrierError))
     return plans
 
 
