@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any
@@ -49,6 +50,17 @@ def save_options(doc: dict[str, Any]) -> storage.SaveOptions:
     return storage.SaveOptions(**{**doc, "io": storage.IOOptions(**doc["io"])})
 
 
+@contextlib.contextmanager
+def socket_address(folder: str) -> Iterator[str]:
+    """The control socket's address in ``folder``, through a descriptor of the folder: a Unix
+    socket's path is limited to 107 bytes, a user's memory root is not."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{SOCKET}"
+    finally:
+        os.close(fd)
+
+
 def write_private(path: str, data: bytes) -> None:
     """``data`` at ``path`` (mode 0600), replacing it atomically."""
     tmp = f"{path}.tmp"
@@ -61,15 +73,20 @@ def write_private(path: str, data: bytes) -> None:
 class _Slots:
     """The slot files of every rank, mapped read-only."""
 
-    def __init__(self, folder: str, plans: list[Any]) -> None:
+    def __init__(
+        self, folder: str, plans: list[Any], slots: tuple[int, ...] = (0, 1), make: bool = True
+    ) -> None:
+        """``make``: create the files that are not laid out as planned; else map them as they
+        are (their checksums then refuse one that is not)."""
         self.paths: dict[tuple[int, int, int], str] = {}
         self.views: dict[tuple[int, int, int], memoryview] = {}
         for rank, plan in enumerate(plans):
             for i, obj in enumerate(plan.own(rank)):
-                for slot in (0, 1):
+                for slot in slots:
                     path = slot_file(folder, rank, slot, i)
                     self.paths[rank, slot, i] = path
-                    self.views[rank, slot, i] = _prepared(path, obj.head, obj.size)
+                    made = _prepared(path, obj.head, obj.size) if make else _map(path, obj.size)
+                    self.views[rank, slot, i] = made
 
     def answer(self, plans: list[Any], rank: int) -> list[Any]:
         """Rank ``rank``'s files: per object its two paths, size and piece byte ranges."""
@@ -147,51 +164,56 @@ def commit_to_memory(
     saved.commit(named, values)
 
 
-def recover(folder: str, memory_url: str) -> list[int]:
-    """Commit to the memory root each slot every rank finished copying that is not committed
-    there (its persister died first): the steps committed. Run by rank 0 before a resume lists
-    the memory tier, while no persister runs."""
+def recover(folder: str, memory_url: str) -> tuple[list[int], list[str]]:
+    """Commit to the memory root each slot every rank finished copying that is newer than the
+    tier's newest step (its persister died first): the steps committed, and why others were
+    not. Run by rank 0 before a resume lists the memory tier, while no persister runs; it never
+    raises (the other ranks wait for rank 0)."""
+    committed: list[int] = []
+    problems: list[str] = []
     try:
         with open(os.path.join(folder, LAYOUT), "rb") as f:
             layout = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return []
-    rows, world = layout["rows"], len(layout["rows"])
-    options = save_options(layout["options"])
-    found: list[tuple[int, int, list[dict[str, Any]]]] = []
-    for slot in (0, 1):
-        records = []
-        for rank in range(world):
-            try:
-                with open(record_file(folder, rank, slot), "rb") as f:
-                    records.append(json.load(f))
-            except (FileNotFoundError, ValueError):
-                break
-        steps = {(r.get("step"), r.get("layout")) for r in records}
-        if len(records) == world and len(steps) == 1 and records[0]["layout"] == layout["id"]:
-            found.append((records[0]["step"], slot, [r["memory_values"] for r in records]))
-    try:
-        done = set(storage.list_steps(memory_url))
+        rows, world = layout["rows"], len(layout["rows"])
+        options = save_options(layout["options"])
+        found = [r for slot in (0, 1) if (r := _complete(folder, slot, world, layout["id"]))]
+        try:
+            newest = max(storage.list_steps(memory_url), default=-1)
+        except FileNotFoundError:
+            newest = -1
+        plans = plan_for_ranks(rows, 0, options)  # the objects' layout
     except FileNotFoundError:
-        done = set()
+        return committed, problems  # no snapshot was ever laid out here
+    except Exception as e:
+        return committed, [f"{os.path.join(folder, LAYOUT)}: {type(e).__name__}: {e}"]
     root = RootForRanks(memory_url)
-    plans = plan_for_ranks(rows, 0, options)  # the objects' layout
-    committed = []
     for step, slot, values in sorted(found):
-        if step <= max(done, default=-1):
+        if step <= newest:
             continue  # committed, or older than a committed one (its commit would discard that)
-        slots = _Slots.__new__(_Slots)
-        slots.paths = {
-            (r, slot, i): slot_file(folder, r, slot, i)
-            for r, plan in enumerate(plans)
-            for i in range(len(plan.own(r)))
-        }
-        slots.views = {key: _map(path, os.path.getsize(path)) for key, path in slots.paths.items()}
-        with ThreadPoolExecutor(4) as pool:
-            crcs = _checksums(pool, slots, plans, slot, options.checksum_block_bytes)
-        commit_to_memory(root, step, rows, options, slots.paths, slot, crcs, values)
-        committed.append(step)
-    return committed
+        try:
+            slots = _Slots(folder, plans, (slot,), make=False)
+            with ThreadPoolExecutor(4) as pool:
+                crcs = _checksums(pool, slots, plans, slot, options.checksum_block_bytes)
+            commit_to_memory(root, step, rows, options, slots.paths, slot, crcs, values)
+            committed.append(step)
+        except Exception as e:
+            problems.append(f"step {step} in slot {slot}: {type(e).__name__}: {e}")
+    return committed, problems
+
+
+def _complete(folder: str, slot: int, world: int, layout: int) -> Any:
+    """``(step, slot, each rank's values)`` when every rank's record of ``slot`` names the same
+    step of ``layout``; else None."""
+    records = []
+    for rank in range(world):
+        try:
+            with open(record_file(folder, rank, slot), "rb") as f:
+                records.append(json.load(f))
+        except (FileNotFoundError, ValueError):
+            return None
+    if {(r.get("step"), r.get("layout")) for r in records} != {(records[0]["step"], layout)}:
+        return None
+    return records[0]["step"], slot, [r["memory_values"] for r in records]
 
 
 class Persister:
@@ -221,7 +243,8 @@ class Persister:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            listener.bind(path)  # 0600, in a 0700 directory
+            with socket_address(self.folder) as address:
+                listener.bind(address)  # 0600, in a 0700 directory
         finally:
             os.umask(old)
         listener.listen(64)

@@ -97,12 +97,14 @@ class Snapshots:
             self.folder = os.path.join(mem_path, "slots")
             if rank == 0 and ok:
                 os.makedirs(self.folder, mode=0o700, exist_ok=True)
-                committed = p.recover(self.folder, self.memory.url)
+                committed, problems = p.recover(self.folder, self.memory.url)
                 if committed:
                     self.log(
                         f"ftsdp: snapshot steps {committed} were complete in shared memory but "
                         "not committed (their persister died first): committed now"
                     )
+                for problem in problems:
+                    self.log(f"ftsdp: a snapshot in shared memory is not used: {problem}")
             self.on = ok
         else:
             made = tempfile.mkdtemp(prefix="ftsdp-snapshots-", dir=_shm()) if rank == 0 else ""
@@ -144,7 +146,8 @@ class Snapshots:
                     raise storage.CheckpointError(
                         f"{path} belongs to uid {st.st_uid}: not this user's persister"
                     )
-                sock.connect(path)
+                with p.socket_address(self.folder) as address:
+                    sock.connect(address)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
