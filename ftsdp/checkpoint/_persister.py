@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
@@ -201,7 +202,7 @@ def recover(folder: str, memory_url: str) -> tuple[list[int], list[str]]:
     return committed, problems
 
 
-def _complete(folder: str, slot: int, world: int, layout: int) -> Any:
+def _complete(folder: str, slot: int, world: int, layout: str) -> Any:
     """``(step, slot, each rank's values)`` when every rank's record of ``slot`` names the same
     step of ``layout``; else None."""
     records = []
@@ -229,7 +230,7 @@ class Persister:
         self.conns: dict[int, Any] = {}
         self.rows: dict[int, Any] = {}
         self.layout: tuple[list[Any], list[Any], _Slots] | None = None  # rows, plans, slots
-        self.layout_id = 0
+        self.layout_id = ""  # random: a record of an earlier persister's layout never matches
         self.pending: dict[int, dict[int, dict[str, Any]]] = {}  # step -> rank -> saved message
         self.durable_jobs: queue.Queue[Any] = queue.Queue()
         self.pool = ThreadPoolExecutor(self.options.io.threads, "persister")
@@ -299,7 +300,7 @@ class Persister:
             for c in self.conns.values():
                 self._send(c, {"op": "slots", "error": f"{type(e).__name__}: {e}"})
             return
-        self.layout_id += 1
+        self.layout_id = uuid.uuid4().hex
         self.layout = rows, plans, slots
         doc = {"id": self.layout_id, "rows": rows, "options": asdict(self.options)}
         write_private(os.path.join(self.folder, LAYOUT), json.dumps(doc).encode())

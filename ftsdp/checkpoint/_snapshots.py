@@ -10,6 +10,7 @@ acts alike.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import mmap
 import multiprocessing
@@ -27,7 +28,7 @@ import torch
 
 from ftsdp import storage
 from ftsdp.checkpoint import _persister as p
-from ftsdp.checkpoint._tiers import MemoryTier, Tier, _local_path, _machine
+from ftsdp.checkpoint._tiers import MemoryTier, PrivateRoot, Tier, _local_path, _machine, _place
 from ftsdp.storage.io import all_reduce_max, resolve_group
 
 _CONNECT_TIMEOUT_S = 120.0  # the persister imports torch before it listens
@@ -54,7 +55,7 @@ class Snapshots:
         self.starting = False  # memory snapshots skipped until the persister listens
         self.copying: threading.Thread | None = None  # a deferred save's copy
         self.fence_seconds = 0.0  # time wait_copy() blocked, in total
-        self.layout: int | None = None
+        self.layout: str | None = None
         self.rows: list[Any] | None = None
         self.views: list[list[tuple[str, int, int, torch.Tensor]]] = [[], []]
         self.maps: list[mmap.mmap] = []
@@ -107,8 +108,21 @@ class Snapshots:
                     self.log(f"ftsdp: a snapshot in shared memory is not used: {problem}")
             self.on = ok
         else:
-            made = tempfile.mkdtemp(prefix="ftsdp-snapshots-", dir=_shm()) if rank == 0 else ""
-            self.folder = self.group.from_rank0(lambda: made)
+            # One folder per user and checkpoint root, the same for every incarnation: a crashed
+            # job's slots are reused by its restart, not left behind in memory.
+            where = hashlib.sha256(_place(self.durable.url).encode()).hexdigest()[:16]
+            name = f"ftsdp-{os.geteuid()}-snapshots-{where}"
+            self.folder = os.path.join(_shm() or tempfile.gettempdir(), name)
+            root = PrivateRoot(self.folder)
+            why = root.problem()  # made 0700 when absent; else this user's and private
+            root.close()
+            self.on = self.group.agree(0 if why is None else 1) == 0
+            if not self.on:
+                why = why or "it failed a check on another rank"
+                self.log(
+                    f"ftsdp: the snapshot folder {self.folder} is not usable ({why}): saves run "
+                    "in each rank's process"
+                )
         if self.on and rank == 0:
             self._spawn()
         return bool(self.on)
@@ -421,7 +435,7 @@ class Snapshots:
                     except subprocess.TimeoutExpired:
                         self.proc.kill()
                         self.proc.wait()
-                _remove_own_files(self.folder, temporary=self.memory is None)
+                _remove_own_files(self.folder)
             if self.conn is not None:
                 self.conn.close()
             self.conn, self.on = None, False
@@ -446,7 +460,7 @@ def _open_slot(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _remove_own_files(folder: str, temporary: bool) -> None:
+def _remove_own_files(folder: str) -> None:
     """The slot files, records, layout and socket in ``folder`` (and the folder when it is
     empty then); nothing else."""
     own = (p.SOCKET, p.LAYOUT)

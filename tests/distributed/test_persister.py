@@ -135,12 +135,14 @@ def _job(rank: int, world: int, root: str, s3_url: str, s3_options: dict) -> dic
         8, trainer
     )
     fourth = s3._snap.proc.pid if rank == 0 else None
+    s3_slots = s3._snap.folder  # without a memory tier: one folder per user and root
     s3.close()
     return {
         "logs": logs,
         "modes": modes,
         "pids": [first, second, third, fourth],
         "folder": folder,
+        "s3_slots": s3_slots,
         "at_6": at_6,
         "at_7": at_7,
         "resumed": resumed,
@@ -207,4 +209,6 @@ def test_close_leaves_no_persister_and_no_slot(job) -> None:
     root, results, *_ = job
     assert not any(_alive(pid) for pid in results[0]["pids"])
     assert not os.path.exists(results[0]["folder"])
+    slots = results[0]["s3_slots"]
+    assert f"ftsdp-{os.geteuid()}-snapshots-" in slots and not os.path.exists(slots)
     assert storage.list_steps(_memory(str(root))) == []
