@@ -398,10 +398,11 @@ class Snapshots:
             self._spawn()
 
     def in_flight(self) -> bool:
-        """Whether a save is still being written or committed."""
-        self.wait_copy()
+        """Whether a save is still being copied, written or committed (never waits: a log line
+        asks right after each save)."""
         self._drain()
-        return bool(self.busy)
+        copying = self.copying is not None and self.copying.is_alive()
+        return copying or bool(self.busy)
 
     def wait(self) -> None:
         """Block until every save sent is committed or failed; raise a durable failure."""

@@ -75,9 +75,12 @@ def _job(rank: int, world: int, root: str, s3_url: str, s3_options: dict) -> dic
     ck = manager()
     trainer = {"step": 0, "cursor": 0, "tag": "persisted"}
     assert ck.resume(trainer) is None
+    deferred = []
     for s in range(1, 5):
         _train(model, opt, sched, rank, world, trainer, 1)
         _save(ck, s, trainer)
+        ck.in_flight()  # the loop's log line asks: it must not wait for the deferred copy
+        deferred.append(ck._snap.copying is not None)
     ck.wait()
     dist.barrier()  # every rank has its answers before the persister dies
     folder = ck._snap.folder
@@ -143,6 +146,7 @@ def _job(rank: int, world: int, root: str, s3_url: str, s3_options: dict) -> dic
         "pids": [first, second, third, fourth],
         "folder": folder,
         "s3_slots": s3_slots,
+        "deferred": deferred,
         "at_6": at_6,
         "at_7": at_7,
         "resumed": resumed,
@@ -175,6 +179,12 @@ def test_the_persisted_steps_equal_the_same_state_saved_in_process(job) -> None:
     _same(storage.load_state_dict(f"{root}/durable", 6), storage.load_state_dict(f"{root}/ref", 6))
     on_s3 = storage.load_state_dict(s3_url, 8, storage_options=s3_options)
     _same(on_s3, storage.load_state_dict(f"{root}/ref", 8))
+
+
+def test_a_save_returns_before_its_copy_and_in_flight_does_not_wait_for_it(job) -> None:
+    _, results, *_ = job
+    for r in results:
+        assert r["deferred"][1:] == [True] * 3, r["deferred"]  # step 1: the persister starting
 
 
 def test_the_slots_and_the_socket_are_private(job) -> None:
