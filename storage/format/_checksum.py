@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 Checksum = Callable[[Any, int], int]
 
 WRITTEN = "crc32c"  # the algorithm of what this code writes (format version 3)
-ALGORITHM_OF_VERSION = {1: "crc32", 2: "crc32", 3: "crc32c", 4: "crc32c"}
+ALGORITHM_OF_VERSION = {1: "crc32", 2: "crc32", 3: "crc32c", 4: "crc32c", 5: "crc32c"}
 FUNCTIONS: dict[str, Checksum] = {"crc32": crc32, "crc32c": _crc32c.crc32c}
 
 

@@ -23,6 +23,7 @@ from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointErro
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.format._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._grid import Cuts, check_cuts
 from ftsdp.storage.format._json import MAX_INT, decode_json, show, too_deep
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._ranges import Range, check_disjoint_cover
@@ -30,9 +31,12 @@ from ftsdp.storage.format._regular import RegularLayout, Rule, rule_from_json
 from ftsdp.storage.io._fs import Store
 
 FORMAT_NAME = "ftsdp.storage"
-# Versions 1 to 4 load (docs/format.md, "Versions"); one without rule tensors is written as 3.
-FORMAT_VERSION = 4
+# Versions 1 to 5 load (docs/format.md, "Versions"); a manifest is written with the lowest
+# version that holds it: 5 with a grid, 4 with rule tensors, else 3.
+FORMAT_VERSION = 5
+RULES_VERSION = 4  # the first version with layout rules
 PLAIN_VERSION = 3  # the version of a manifest that lists every piece
+MAX_GRID_CELLS = 1 << 20  # per tensor: a reader's bound (a grid has a cell per distinct shard)
 SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
 Fail = Callable[[str], NoReturn]  # a decoder's error: raises, naming where
 
@@ -193,7 +197,8 @@ class RegularIndex:
 @dataclass(frozen=True)
 class TensorEntry:
     """Global shape, dtype and pieces (sorted by offset, tiling the tensor) of one tensor: listed
-    (``explicit``) or, under a layout ``rule`` (version 4), derived from ``regular`` when read."""
+    (``explicit``) or, under a layout ``rule`` (version 4), derived from ``regular`` when read.
+    Offsets are in the grid order of ``grid`` (version 5), else row-major."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -201,6 +206,7 @@ class TensorEntry:
     rule: Rule | None = None
     name: str = ""
     regular: RegularIndex | None = field(default=None, compare=False, repr=False)
+    grid: Cuts | None = None
 
     @property
     def numel(self) -> int:
@@ -291,6 +297,8 @@ class Manifest:
 
     def _tensor_json(self, t: TensorEntry) -> dict[str, Any]:
         doc: dict[str, Any] = {"shape": list(t.shape), "dtype": t.dtype}
+        if t.grid is not None:
+            doc["grid"] = [list(c) for c in t.grid]
         if t.rule is not None:
             doc[t.rule.kind] = t.rule.as_json()[1:]
             return doc
@@ -405,7 +413,7 @@ def _decode(doc: Any, where: str) -> Manifest:
         objects[name] = meta["size"]
 
     tensors: dict[str, TensorEntry] = {}
-    rules: dict[str, tuple[tuple[int, ...], str, Rule]] = {}
+    rules: dict[str, tuple[tuple[int, ...], str, Rule, Cuts | None]] = {}
     need(isinstance(doc.get("tensors"), dict), "tensors is not a JSON object")
     for name, t in doc["tensors"].items():
         what = f"tensor {show(name)}"
@@ -423,9 +431,10 @@ def _decode(doc: Any, where: str) -> Manifest:
             raise CorruptCheckpointError(
                 f"{where}: {what}: unknown dtype {show(dtype)} in manifest"
             ) from None
+        grid = _decode_grid(t, version, shape, what, fail)
         rule = _decode_rule(t, version, doc["world_size"], numel, what, fail)
         if rule is not None:
-            rules[name] = (tuple(shape), dtype, rule)
+            rules[name] = (tuple(shape), dtype, rule, grid)
             continue
         need(isinstance(t.get("pieces"), list), f"{what}: pieces is not a list")
         pieces = [
@@ -436,12 +445,14 @@ def _decode(doc: Any, where: str) -> Manifest:
             check_disjoint_cover([p.range for p in pieces], numel, what)
         except ValueError as e:
             raise CorruptCheckpointError(f"{where}: {e} (shape {show(shape)})") from None
-        tensors[name] = TensorEntry(tuple(shape), dtype, tuple(pieces))
+        tensors[name] = TensorEntry(tuple(shape), dtype, tuple(pieces), grid=grid)
 
     _check_disjoint_bytes(tensors, fail)
-    regular = _decode_regular(doc, rules, attempt, block, objects, tensors, fail)
-    for name, (shape, dtype, rule) in rules.items():
-        tensors[name] = TensorEntry(shape, dtype, (), rule, name, regular)
+    regular = _decode_regular(
+        doc, {n: r[:3] for n, r in rules.items()}, attempt, block, objects, tensors, fail
+    )
+    for name, (shape, dtype, rule, grid) in rules.items():
+        tensors[name] = TensorEntry(shape, dtype, (), rule, name, regular, grid)
     values = doc.get("values", {})
     rank_values = doc.get("rank_values", [])
     need(isinstance(values, dict), "values is not a JSON object")
@@ -459,6 +470,27 @@ def _decode(doc: Any, where: str) -> Manifest:
         version=version,
         regular=regular,
     )
+
+
+def _decode_grid(
+    t: dict[str, Any], version: int, shape: list[int], what: str, fail: Fail
+) -> Cuts | None:
+    """The validated grid of a tensor entry (version 5); None for a row-major one."""
+    if "grid" not in t:
+        return None
+    if version < 5:
+        fail(f"{what}: a version {version} manifest entry cannot hold a grid")
+    problem = check_cuts(t["grid"], shape, MAX_GRID_CELLS)
+    if problem is not None:
+        fail(f"{what}: {problem} (shape {show(shape)})")
+    return tuple(tuple(c) for c in t["grid"])
+
+
+def manifest_version(tensors: dict[str, TensorEntry], regular: RegularIndex | None) -> int:
+    """The lowest version that holds these tensors (docs/format.md, "Versions")."""
+    if any(t.grid is not None for t in tensors.values()):
+        return FORMAT_VERSION
+    return RULES_VERSION if regular is not None else PLAIN_VERSION
 
 
 def _decode_rule(

@@ -1,5 +1,5 @@
 """Flatten a nested state into dotted names: tensor leaves (with a flat range: a ``FlatShard``, a
-DTensor's contiguous local shard) and JSON values."""
+DTensor's shard in its grid order) and JSON values."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ftsdp.storage.format._dtypes import dtype_name
+from ftsdp.storage.format._grid import Box, Cuts, box_range, dtensor_grid, is_plain
 from ftsdp.storage.format._ranges import Range
 
 
@@ -65,37 +66,36 @@ def is_dtensor(obj: Any) -> bool:
     return module is not None and isinstance(obj, module.DTensor)
 
 
-def dtensor_range(name: str, dt: Any) -> tuple[tuple[int, ...], Range, torch.Tensor]:
-    """``(global_shape, flat range, local tensor)`` of this rank's shard of DTensor ``dt``: any
-    ``Replicate()``/``Shard(d)`` mix whose chunk is contiguous (``Partial`` and others raise)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for p in dt.placements:
-        if not isinstance(p, (Shard, Replicate)):
-            raise ValueError(
-                f"{name}: DTensor placement {p} is not supported; redistribute to Shard(0) or "
-                "Replicate() before saving"
-            )
-    shape = tuple(dt.shape)
-    local_shape, offsets = compute_local_shape_and_global_offset(
-        shape, dt.device_mesh, dt.placements
-    )
-    numel = math.prod(local_shape)
+def dtensor_leaf(
+    name: str, dt: Any, memo: dict | None = None
+) -> tuple[tuple[int, ...], Range, torch.Tensor, Cuts | None, Box | None]:
+    """``(global shape, range, local tensor, grid, box)`` of this rank's shard of DTensor ``dt``:
+    any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate`` whose shards are boxes. The range
+    is in the grid order of the shards (docs/format.md, "Tensors saved on a grid"); grid and box
+    are None when that order is the row-major one. ``memo`` keeps grids by layout for one walk."""
+    shape = tuple(int(d) for d in dt.shape)
+    mesh = dt.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"{name}: this rank is not in the DTensor's device mesh")
+    key = (shape, tuple(mesh.shape), tuple(coordinate), tuple(dt.placements))
+    hit = memo.get(key) if memo is not None else None
+    if hit is None:
+        try:
+            hit = dtensor_grid(shape, mesh.shape, coordinate, dt.placements)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if memo is not None:
+            memo[key] = hit
+    box, cuts = hit
     local = getattr(dt, "_local_tensor", None)  # to_local() goes through autograd
     local = local if isinstance(local, torch.Tensor) else dt.to_local()
-    if numel == 0:
-        return shape, Range(0, 0), local
-    # Contiguous iff every dim after the last partial one is full and every dim before it is 1.
-    partial = [i for i, (s, g) in enumerate(zip(local_shape, shape, strict=True)) if s != g]
-    if partial and any(local_shape[i] != 1 for i in range(partial[-1])):
-        raise ValueError(
-            f"{name}: DTensor shard of shape {tuple(local_shape)} at {tuple(offsets)} of "
-            f"{shape} is not contiguous in row-major order; use Shard(0)"
-        )
-    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-    start = sum(o * s for o, s in zip(offsets, strides, strict=True))
-    return shape, Range(start, numel), local
+    if box.numel == 0:
+        return shape, Range(0, 0), local, None, None
+    start, length = box_range(cuts, shape, box)
+    if is_plain(cuts, shape):
+        return shape, Range(start, length), local, None, None
+    return shape, Range(start, length), local, cuts, box
 
 
 @dataclass(slots=True)
@@ -108,6 +108,8 @@ class TensorLeaf:
     range: Range  # the elements of the global tensor this rank holds
     local: torch.Tensor  # numel == range.length, values in row-major order
     layout: tuple[int, int] | None = None  # FlatShard.layout: (start, chunk) of an even split
+    grid: Cuts | None = None  # the cuts whose grid order ``range`` is in; None: row-major
+    box: Box | None = None  # with a grid: the box of the tensor this rank holds
 
 
 @dataclass
@@ -131,18 +133,17 @@ def _has_tensor(obj: Any) -> bool:
     )
 
 
-def _tensor_leaf(name: str, obj: Any) -> TensorLeaf:
-    hint = None
+def _tensor_leaf(name: str, obj: Any, memo: dict) -> TensorLeaf:
+    hint, grid, box = None, None, None
     if isinstance(obj, FlatShard):  # (a subclass may override global_shape and length)
         shape, rng, local = obj.global_shape, Range(obj.offset, obj.length), obj.local
         shape, hint = tuple(int(d) for d in shape), obj.layout
     elif is_dtensor(obj):
-        shape, rng, local = dtensor_range(name, obj)
-        shape = tuple(int(d) for d in shape)
+        shape, rng, local, grid, box = dtensor_leaf(name, obj, memo)
     else:
         shape, rng, local = tuple(obj.shape), Range(0, obj.numel()), obj
     dtype_name(local.dtype)  # raises for dtypes the format cannot hold
-    return TensorLeaf(name, shape, local.dtype, rng, local, hint)
+    return TensorLeaf(name, shape, local.dtype, rng, local, hint, grid, box)
 
 
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:
@@ -153,6 +154,7 @@ def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, Valu
         raise TypeError(f"state must be a mapping, got {type(state).__name__}")
     tensors: dict[str, TensorLeaf] = {}
     values: dict[str, ValueLeaf] = {}
+    memo: dict = {}  # DTensor grids by layout: the layers of a model and their states share them
 
     def walk(prefix: str, obj: Any) -> None:
         items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
@@ -163,7 +165,7 @@ def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, Valu
             if name in tensors or name in values:
                 raise ValueError(f"two entries of the state flatten to the same name {name!r}")
             if isinstance(child, _TENSORS):
-                tensors[name] = _tensor_leaf(name, child)
+                tensors[name] = _tensor_leaf(name, child, memo)
             elif isinstance(child, Mapping) or (isinstance(child, list) and _has_tensor(child)):
                 walk(name, child)
             elif isinstance(child, tuple) and _has_tensor(child):

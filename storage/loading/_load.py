@@ -106,7 +106,7 @@ def _match(
                 "pass cast=True to convert)"
             )
         else:
-            wants.append(make_want(name, entry, leaf.range))
+            wants.append(make_want(name, entry, leaf.range, leaf.box))
             targets.append(leaf)
     restored = {}
     for name in sorted(values):
@@ -123,7 +123,7 @@ def _match(
         missing=missing,
         unexpected=unexpected,
         mismatched=mismatched,
-        bytes_needed=sum(w.range.length * itemsize(w.staging.dtype) for w in wants),
+        bytes_needed=sum(w.numel * itemsize(w.staging.dtype) for w in wants),
         values=restored,
     )
     return wants, targets, restored, result

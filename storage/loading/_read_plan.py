@@ -1,4 +1,5 @@
-"""Which byte ranges to read: wanted flat ranges intersected with saved pieces, then coalesced.
+"""Which byte ranges to read: wanted regions (a flat range or a box of a tensor) turned into runs
+of the saved order (storage/format/_grid.py), intersected with saved pieces, then coalesced.
 
 Reads are widened to whole checksum blocks of the piece (so every byte read is verified); with
 blocks small against the ranges wanted, the bytes read stay close to the bytes needed.
@@ -12,27 +13,41 @@ from dataclasses import dataclass, field
 import torch
 
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._grid import Box, Run, flat_tiles, runs, whole
 from ftsdp.storage.format._manifest import Piece, TensorEntry
 from ftsdp.storage.format._ranges import Range, coalesce, intersect
 
 
 @dataclass
 class Want:
-    """Elements ``range`` of tensor ``name`` go into ``staging`` (1-D, the saved dtype)."""
+    """Row-major elements ``range`` of tensor ``name`` (or, with ``box``, that box's elements,
+    row-major in the box) go into ``staging`` (1-D, the saved dtype)."""
 
     name: str
     entry: TensorEntry
     range: Range
     staging: torch.Tensor
+    box: Box | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.range.length if self.box is None else self.box.numel
 
 
 @dataclass
 class Copy:
+    """Source bytes ``[src, src + nbytes)`` of an object go to ``dst`` from byte ``dst_byte``;
+    with ``row``, they are bytes ``[lead, lead + nbytes)`` of rows of ``row`` bytes, row ``i``
+    going to ``dst`` from byte ``dst_byte + i * pitch``."""
+
     src: int  # absolute byte offset in the object
     nbytes: int
     dst: torch.Tensor  # uint8 view of a staging tensor
     dst_byte: int
     want: int = -1  # index of the Want it fills
+    row: int = 0
+    pitch: int = 0
+    lead: int = 0
 
 
 @dataclass
@@ -47,8 +62,31 @@ class Span:
     copies: list[Copy] = field(default_factory=list)
 
 
-def make_want(name: str, entry: TensorEntry, rng: Range) -> Want:
-    return Want(name, entry, rng, torch.empty(rng.length, dtype=torch_dtype(entry.dtype)))
+def make_want(name: str, entry: TensorEntry, rng: Range, box: Box | None = None) -> Want:
+    n = rng.length if box is None else box.numel
+    return Want(name, entry, rng, torch.empty(n, dtype=torch_dtype(entry.dtype)), box)
+
+
+def _runs(w: Want) -> list[Run]:
+    """The runs of the saved order that fill ``w``."""
+    entry = w.entry
+    if w.box is None and entry.grid is None:  # row-major both: one run
+        return [Run(w.range.offset, 0, w.range.length)] if w.range.length else []
+    tiles = [(w.box, 0)] if w.box is not None else flat_tiles(*w.range, entry.shape)
+    return runs(entry.shape, entry.grid or whole(entry.shape), tiles)
+
+
+def _spans(run: Run) -> list[tuple[int, int, int, int, int]]:
+    """``(src, length, dst, row, pitch)``: ``run`` as spans contiguous in the saved order, each
+    going to ``dst`` on, or (with ``row``) to rows of ``row`` elements ``pitch`` apart."""
+    if run.rows == 1 or (run.src_pitch == run.length and run.dst_pitch == run.length):
+        return [(run.src, run.length * run.rows, run.dst, 0, 0)]
+    if run.src_pitch == run.length:
+        return [(run.src, run.length * run.rows, run.dst, run.length, run.dst_pitch)]
+    return [  # gaps in the saved order: one read each (the block widening may merge them)
+        (run.src + i * run.src_pitch, run.length, run.dst + i * run.dst_pitch, 0, 0)
+        for i in range(run.rows)
+    ]
 
 
 def plan_reads(wants: list[Want], block: int, gap: int = 0) -> list[Span]:
@@ -57,20 +95,28 @@ def plan_reads(wants: list[Want], block: int, gap: int = 0) -> list[Span]:
     for index, w in enumerate(wants):
         size = itemsize(w.staging.dtype)
         dst = w.staging.view(torch.uint8)
-        for p in w.entry.pieces_in(w.range.offset, w.range.end):
-            inter = intersect(p.range, w.range)
-            if inter is None:
-                continue
-            b0 = (inter.offset - p.offset) * size
-            b1 = b0 + inter.length * size
-            a0, a1 = b0 // block * block, min(-(-b1 // block) * block, p.length * size)
-            blocks = [(w.name, p, k) for k in range(a0 // block, -(-a1 // block))]
-            copy = Copy(
-                p.byte_start + b0, b1 - b0, dst, (inter.offset - w.range.offset) * size, index
-            )
-            requests.setdefault(p.object, []).append(
-                (p.byte_start + a0, p.byte_start + a1, blocks, copy)
-            )
+        for run in _runs(w):
+            for src, length, at, row, pitch in _spans(run):
+                want = Range(src, length)
+                for p in w.entry.pieces_in(src, src + length):
+                    inter = intersect(p.range, want)
+                    if inter is None:
+                        continue
+                    b0 = (inter.offset - p.offset) * size
+                    b1 = b0 + inter.length * size
+                    a0, a1 = b0 // block * block, min(-(-b1 // block) * block, p.length * size)
+                    blocks = [(w.name, p, k) for k in range(a0 // block, -(-a1 // block))]
+                    skip = inter.offset - src
+                    if row:
+                        copy = Copy(
+                            p.byte_start + b0, b1 - b0, dst, at * size, index,
+                            row * size, pitch * size, skip * size,
+                        )  # fmt: skip
+                    else:
+                        copy = Copy(p.byte_start + b0, b1 - b0, dst, (at + skip) * size, index)
+                    requests.setdefault(p.object, []).append(
+                        (p.byte_start + a0, p.byte_start + a1, blocks, copy)
+                    )
     spans: list[Span] = []
     for obj, reqs in sorted(requests.items()):
         merged = coalesce([(s, e) for s, e, _, _ in reqs], gap)

@@ -162,6 +162,44 @@ def fetch(
     return segments, sum(s.end - s.start for s in spans)
 
 
+def copy_tasks(dst: torch.Tensor, c: Copy, off: int, src: np.ndarray) -> list[Callable[[], object]]:
+    """Tasks copying ``src``, bytes ``[off, off + len(src))`` of copy ``c``, into ``dst``."""
+    if not c.row:
+        return _copy_tasks(dst, c.dst_byte + off, src)
+    return [partial(_copy_rows, dst, c, off, src)]
+
+
+def _copy_rows(dst: torch.Tensor, c: Copy, off: int, src: np.ndarray) -> None:
+    """``src`` (bytes ``[c.lead + off, ...)`` of rows of ``c.row`` bytes) into rows of ``dst``
+    ``c.pitch`` bytes apart: a head, the whole rows at once, a tail."""
+    out = dst.detach().numpy() if dst.device.type == "cpu" else None
+    row, pitch, pos, i = c.row, c.pitch, c.lead + off, 0
+
+    def put(at: int, data: np.ndarray) -> None:
+        if out is not None:
+            out[at : at + len(data)] = data
+        else:
+            dst[at : at + len(data)].copy_(torch.from_numpy(data.copy()))
+
+    r, col = divmod(pos, row)
+    if col:
+        n = min(row - col, len(src))
+        put(c.dst_byte + r * pitch + col, src[:n])
+        i, r = n, r + 1
+    whole = (len(src) - i) // row
+    if whole and out is not None:
+        rows = np.lib.stride_tricks.as_strided(
+            out[c.dst_byte + r * pitch :], (whole, row), (pitch, 1), writeable=True
+        )
+        np.copyto(rows, src[i : i + whole * row].reshape(whole, row))
+        i, r = i + whole * row, r + whole
+    while len(src) - i >= row:  # off the CPU: row by row
+        put(c.dst_byte + r * pitch, src[i : i + row])
+        i, r = i + row, r + 1
+    if i < len(src):
+        put(c.dst_byte + r * pitch, src[i:])
+
+
 def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], object]]:
     """Tasks copying ``src`` into bytes ``[at, at + len(src))`` of the uint8 tensor ``dst``."""
     if dst.device.type != "cpu":
@@ -191,7 +229,7 @@ class Delivery:
         for c, off, src in segments:
             t = self.targets[c.want]
             dst = t.detach().reshape(-1).view(torch.uint8) if self.direct[c.want] else c.dst
-            out.extend(_copy_tasks(dst, c.dst_byte + off, src))
+            out.extend(copy_tasks(dst, c, off, src))
         return out
 
     def place(self, segments: list[Segment]) -> None:
@@ -218,6 +256,6 @@ def execute(store: Store, manifest: Manifest, spans: list[Span]) -> int:
     """Read every span (parts of ``store.io.part_bytes``, ``store.io.threads`` in flight), verify
     every block read, fill the staging tensors; the number of bytes read."""
     segments, nbytes = fetch(store, manifest, spans)
-    tasks = [t for c, o, src in segments for t in _copy_tasks(c.dst, c.dst_byte + o, src)]
+    tasks = [t for c, o, src in segments for t in copy_tasks(c.dst, c, o, src)]
     _run(store.io.threads, tasks)
     return nbytes

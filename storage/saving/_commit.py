@@ -35,11 +35,11 @@ from ftsdp.storage.format._layout import (
     step_dir,
 )
 from ftsdp.storage.format._manifest import (
-    FORMAT_VERSION,
     Manifest,
     Piece,
     RegularIndex,
     TensorEntry,
+    manifest_version,
 )
 from ftsdp.storage.format._steps import (
     Known,
@@ -168,7 +168,12 @@ def build_manifest(
     ranks = [dict(rank_values[r]) if r < len(rank_values) else {} for r in range(world_size)]
     objects = {o.name: o.size for o in plan.objects}
     tensors = {
-        name: TensorEntry(shape, dtype, tuple(sorted(pieces[name], key=lambda p: p.offset)))
+        name: TensorEntry(
+            shape,
+            dtype,
+            tuple(sorted(pieces[name], key=lambda p: p.offset)),
+            grid=plan.grids.get(name),
+        )
         for name, (shape, dtype) in plan.shapes.items()
     }
     index = None
@@ -194,7 +199,7 @@ def build_manifest(
             objects=objects,
         )
         for name, shape, dtype, rule in plan.regular.entries:
-            tensors[name] = TensorEntry(shape, dtype, (), rule, name, index)
+            tensors[name] = TensorEntry(shape, dtype, (), rule, name, index, plan.grids.get(name))
     return Manifest(
         step=step,
         world_size=world_size,
@@ -206,7 +211,7 @@ def build_manifest(
         rank_values=[
             {k: v for k, v in r.items() if k not in values or values[k] != v} for r in ranks
         ],
-        version=FORMAT_VERSION if index is not None else Manifest.version,
+        version=manifest_version(tensors, index),
         regular=index,
     )
 

@@ -49,7 +49,14 @@ def exchange(
         rules += [_KINDS[rule.kind], *((rule.start, rule.chunk) if rule.kind == "even" else (0, 0))]
     # Ranks whose options pack objects differently would derive other ranks' objects unlike
     # those written (a committed step no reader could derive): such tables never agree.
-    shaped = [world, options.object_bytes, options.replica_split_bytes, [r[:3] for r in table]]
+    grids = {n: t.grid for n, t in leaves.items() if t.grid is not None} if error is None else {}
+    shaped = [
+        world,
+        options.object_bytes,
+        options.replica_split_bytes,
+        [r[:3] for r in table],
+        sorted(grids.items()),
+    ]
     mine = {
         "failed": error is not None,
         "step": step,
@@ -100,14 +107,15 @@ def exchange(
         gathered = wire.gather_json(send, group)
         shares: list[Any] | None = None
         if rank == 0 and gathered is not None:
-            listed, shapes, shares = _coordinate(gathered, attempt, options, world)
+            listed, shapes, shares, listed_grids = _coordinate(gathered, attempt, options, world)
+            grids = {**grids, **listed_grids}
         share = wire.scatter_json(shares, group)
         if isinstance(share, dict):
             raise ValueError(share["error"])
         if rank != 0:
             listed = _objects(rank, len(mine_objects), attempt, share, leaves)
         mine_objects = mine_objects + [o for o in listed if o.rank == rank]
-    plan = SavePlan(attempt, shapes, listed, regular, mine_objects, replaces)
+    plan = SavePlan(attempt, shapes, listed, regular, mine_objects, replaces, grids)
     return plan, values, world
 
 
@@ -139,9 +147,11 @@ _KINDS = {"irregular": 0, "whole": 1, "even": 2}
 
 
 def tensor_rows(leaves: dict[str, TensorLeaf], names: Collection[str]) -> list[list[Any]]:
-    """``[name, shape, dtype, offset, length]`` of the leaves named in ``names``, by name."""
+    """``[name, shape, dtype, offset, length]`` of the leaves named in ``names``, by name, and
+    the grid of a leaf on one (``make_plan``)."""
     return [
         [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length]
+        + ([] if t.grid is None else [t.grid])
         for n, t in sorted(leaves.items())
         if n in names
     ]
@@ -149,18 +159,19 @@ def tensor_rows(leaves: dict[str, TensorLeaf], names: Collection[str]) -> list[l
 
 def _coordinate(
     gathered: list[dict[str, Any]], attempt: str, options: SaveOptions, world: int
-) -> tuple[list[PlannedObject], dict[str, tuple[tuple[int, ...], str]], list[Any]]:
-    """Rank 0: the plan of the irregular tensors and each rank's share (or an error for all)."""
+) -> tuple[list[PlannedObject], dict[str, tuple[tuple[int, ...], str]], list[Any], dict]:
+    """Rank 0: the plan of the irregular tensors, each rank's share (or an error for all), and
+    the grids of every rank's tensors."""
     try:
         plan = make_plan([{"tensors": g["tensors"]} for g in gathered], attempt, options)
     except ValueError as e:
-        return [], {}, [{"error": str(e)}] * world
+        return [], {}, [{"error": str(e)}] * world, {}
     first = {r: g["first"] for r, g in enumerate(gathered)}
     listed = renamed(plan.objects, attempt, first)
     shares: list[list[Any]] = [[] for _ in range(world)]
     for o in listed:
         shares[o.rank].append([[p.name, p.offset, p.length] for p in o.pieces])
-    return listed, plan.shapes, shares
+    return listed, plan.shapes, shares, plan.grids
 
 
 def _objects(

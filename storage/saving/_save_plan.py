@@ -6,11 +6,12 @@ replicated segment is written once (split among its holders when large, else by 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._grid import Cuts
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._objects import PlannedObject, PlannedPiece, pack
 from ftsdp.storage.format._ranges import Range, check_disjoint_cover, check_range, segments
@@ -28,6 +29,7 @@ class SavePlan:
     regular: Any = None
     mine: list[PlannedObject] | None = None
     replaces: str | None = None  # the attempt of an earlier commit of the step it replaces
+    grids: dict[str, Cuts] = field(default_factory=dict)  # name -> grid, for tensors on one
 
     def for_rank(self, rank: int) -> list[PlannedObject]:
         """Rank ``rank``'s listed objects."""
@@ -54,20 +56,24 @@ def renamed(
 def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -> SavePlan:
     """The plan for gathered per-rank metadata; ValueError (same on every rank) if inconsistent.
 
-    ``metas[r]["tensors"]`` lists ``[name, shape, dtype, offset, length]`` for rank r.
+    ``metas[r]["tensors"]`` lists ``[name, shape, dtype, offset, length]`` for rank r, and the
+    grid as a sixth item for a tensor on one (the range is then in its grid order).
     """
     held: dict[str, dict[int, Range]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    grids: dict[str, Cuts | None] = {}
     for rank, meta in enumerate(metas):
-        for name, shape, dtype, offset, length in meta["tensors"]:
+        for name, shape, dtype, offset, length, *rest in meta["tensors"]:
             shape = tuple(shape)
-            if name in shapes and shapes[name] != (shape, dtype):
+            grid = tuple(tuple(c) for c in rest[0]) if rest and rest[0] is not None else None
+            if name in shapes and (shapes[name], grids[name]) != ((shape, dtype), grid):
                 first = min(held[name])
                 raise ValueError(
-                    f"tensor {name!r}: rank {rank} has shape={shape} dtype={dtype} but rank "
-                    f"{first} has shape={shapes[name][0]} dtype={shapes[name][1]}"
+                    f"tensor {name!r}: rank {rank} has shape={shape} dtype={dtype} grid={grid} "
+                    f"but rank {first} has shape={shapes[name][0]} dtype={shapes[name][1]} "
+                    f"grid={grids[name]}"
                 )
-            shapes[name] = (shape, dtype)
+            shapes[name], grids[name] = (shape, dtype), grid
             rng = Range(offset, length)
             check_range(rng, math.prod(shape), f"tensor {name!r} on rank {rank}")
             held.setdefault(name, {})[rank] = rng
@@ -111,4 +117,6 @@ def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -
     objects: list[PlannedObject] = []
     for rank, pieces in per_rank.items():
         objects.extend(pack(rank, pieces, attempt, options.object_bytes))
-    return SavePlan(attempt, shapes, objects)
+    return SavePlan(
+        attempt, shapes, objects, grids={n: g for n, g in grids.items() if g is not None}
+    )

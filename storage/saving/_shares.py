@@ -30,7 +30,7 @@ from ftsdp.storage.saving._commit import Reports, commit, fresh_attempt, plan_li
 from ftsdp.storage.saving._exchange import exchange
 from ftsdp.storage.saving._save_plan import SavePlan
 
-Rows = list[list[Any]]  # one rank's tensors: [name, shape, dtype name, offset, length, layout]
+Rows = list[list[Any]]  # a rank's tensors: [name, shape, dtype name, offset, length, layout, grid]
 
 
 def describe(state: Any) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:
@@ -43,7 +43,7 @@ def describe(state: Any) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:
 def leaf_rows(leaves: dict[str, TensorLeaf]) -> Rows:
     """A rank's tensor leaves as JSON rows, for :func:`plan_for_ranks` in another process."""
     return [
-        [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length, t.layout]
+        [n, list(t.shape), dtype_name(t.dtype), t.range.offset, t.range.length, t.layout, t.grid]
         for n, t in sorted(leaves.items())
     ]
 
@@ -107,8 +107,9 @@ def plan_for_ranks(
                 Range(offset, length),
                 torch.empty(0, device="meta"),  # the exchange reads no values
                 None if layout is None else (int(layout[0]), int(layout[1])),
+                None if grid is None else tuple(tuple(int(c) for c in cuts) for cuts in grid),
             )
-            for name, shape, dtype, offset, length, layout in rows[rank]
+            for name, shape, dtype, offset, length, layout, grid in rows[rank]
         }
         meta: dict[str, Any] = {"error": None, "values": {}}
         if rank == 0:

@@ -265,3 +265,89 @@ def test_v4_a_huge_rule_tensor_in_tiny_objects_is_refused_at_once(
         manifest.tensors["big"].pieces_in(0, 1)  # what a load of any part of it derives
     report = storage.catalog.verify(str(root))  # a problem of the step, not an exception
     assert not report.ok and "more objects than the manifest's 3" in report.problems[0], report
+
+
+def test_golden_v5_reads_exactly(tmp_path: pathlib.Path) -> None:
+    """Version 5 (tests/golden/storage_v5: 4 ranks on a 2 x 2 mesh, DTensor shards that are boxes
+    of 2 and 3 dims, one under a layout rule): the tensors come back exactly, whole and as any
+    box or flat range, the objects verify, and a flipped byte is caught."""
+    from ftsdp.storage.format._grid import Box
+    from ftsdp.storage.format._ranges import Range
+    from ftsdp.storage.io._fs import Store
+    from ftsdp.storage.loading._read_plan import make_want, plan_reads
+    from ftsdp.storage.loading._reader import execute
+    from tests.make_storage_golden_v5 import GOLDEN_V5, reference
+    from tests.make_storage_golden_v5 import STEP as STEP5
+
+    root = tmp_path / "golden"
+    shutil.copytree(GOLDEN_V5, root)
+    manifest = storage.catalog.read_manifest(str(root))
+    assert manifest.version == 5 and manifest.world_size == 4
+    grids = {n: t.grid for n, t in manifest.tensors.items()}
+    assert grids == {
+        "model.down": ((0, 3, 5), (0, 4, 7)),
+        "model.up": None,  # row slabs: the row-major order
+        "model.cols": ((0, 4), (0, 3, 6)),
+        "model.cube": ((0, 2), (0, 2, 4), (0, 3, 6)),
+        "model.bias": None,
+        "model.even": ((0, 2, 4), (0, 3, 6)),
+    }
+    assert manifest.tensors["model.even"].rule is not None
+    ref = {f"model.{k}": v for k, v in reference().items()}
+    full = storage.load_state_dict(str(root))
+    lazy = storage.LazyStateDict(str(root))
+    for name, t in ref.items():
+        assert full[name].dtype == t.dtype and torch.equal(full[name], t), name
+        assert torch.equal(lazy[name], t), name
+    assert storage.catalog.verify(str(root)).ok
+
+    # Any box and any flat range of a grid tensor, read alone.
+    store = Store(str(root), None)
+    gen = torch.Generator().manual_seed(0)
+    for name in ("model.down", "model.cube", "model.cols", "model.even"):
+        entry, t = manifest.tensors[name], ref[name]
+        for _ in range(20):
+            lo = [int(torch.randint(0, n, (1,), generator=gen)) for n in t.shape]
+            ln = [
+                int(torch.randint(1, n - o + 1, (1,), generator=gen)) for n, o in zip(t.shape, lo, strict=True)
+            ]
+            box = Box(tuple(lo), tuple(ln))
+            a = int(torch.randint(0, t.numel(), (1,), generator=gen))
+            b = int(torch.randint(a + 1, t.numel() + 1, (1,), generator=gen))
+            wants = [
+                make_want(name, entry, Range(0, 0), box),
+                make_want(name, entry, Range(a, b - a)),
+            ]
+            execute(store, manifest, plan_reads(wants, manifest.checksum_block_bytes))
+            sub = t[tuple(slice(o, o + n) for o, n in zip(lo, ln, strict=True))]
+            assert torch.equal(wants[0].staging.view(sub.shape), sub), (name, box)
+            assert torch.equal(wants[1].staging, t.reshape(-1)[a:b]), (name, a, b)
+
+    piece = manifest.tensors["model.down"].pieces[-1]
+    path = root / f"step-{STEP5}" / piece.object
+    data = bytearray(path.read_bytes())
+    data[piece.byte_end - 1] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(storage.CorruptCheckpointError, match="checksum mismatch"):
+        storage.load_state_dict(str(root))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(version=4), "cannot hold a grid"),
+        (lambda d: d["tensors"]["model.down"].update(grid=[[0, 3, 5], [0, 4, 4, 7]]), "rise"),
+        (lambda d: d["tensors"]["model.down"].update(grid=[[0, 3, 5]]), "each of the 2 dims"),
+        (lambda d: d["tensors"]["model.down"].update(grid=[[0, 3, 6], [0, 4, 7]]), "rise"),
+    ],
+)
+def test_v5_a_bad_grid_is_refused(edit: Any, message: str) -> None:
+    from ftsdp.storage.format._manifest import Manifest
+    from tests.make_storage_golden_v5 import GOLDEN_V5
+    from tests.make_storage_golden_v5 import STEP as STEP5
+
+    doc = json.loads((GOLDEN_V5 / f"step-{STEP5}" / "manifest.json").read_bytes())
+    edit(doc)
+    data = json.dumps(seal(doc)).encode()
+    with pytest.raises(storage.CorruptCheckpointError, match=message):
+        Manifest.from_json(data, where="edited golden v5")
