@@ -1,4 +1,5 @@
-"""N-D states (FSDP2 over tensor parallelism) saved and resharded, against torch DCP.
+"""N-D states (FSDP2 over tensor parallelism): storage and CheckpointManager, against torch DCP
+and an unwrapped model.
 
 A model of two blocks, each an up projection (``ColwiseParallel``) and a down projection
 (``RowwiseParallel``), is ``fully_shard``-ed over the dp dim of a 2-D mesh: its state holds
@@ -15,6 +16,14 @@ same state; in one process, ``load_state_dict`` and ``LazyStateDict`` against th
 gathered at save time. Bytes read against bytes needed are reported per rank: the checkpoints
 use 64-byte checksum blocks, so that the amplification measured is the plan's, not the widening
 of these small tensors to the default 1 MiB blocks.
+
+The same spawns (and one of a single rank) run a job under ``CheckpointManager`` (its defaults:
+async, deferred copy): 4 steps at dp=2 x tp=2 saving every 2 and going on to step 5, then
+resumed from step 4 at dp=3, at tp=2 and on one rank with the model unwrapped; each resume runs
+step 5. Data: a global batch of 12 samples in the elastic sampler's order, split over the dp
+ranks only (the tp ranks of a dp rank share its samples). Every step 5 must equal the unwrapped
+reference: a model in this process that loaded step 4 with ``load_state_dict`` and took the step
+on the whole batch.
 """
 
 from __future__ import annotations
@@ -52,8 +61,12 @@ class _Net(torch.nn.Module):
         return x
 
 
-def _build(dp: int, tp: int, step: bool = True) -> tuple:
-    """The model on a dp x tp mesh (tp=1: FSDP2 alone), after one AdamW step, and its state."""
+_MODEL: list = []  # the last model _build made and its dp rank
+
+
+def _build(dp: int, tp: int, step: bool = True) -> dict:
+    """The model on a dp x tp mesh (tp=1: FSDP2 alone), after one AdamW step (``step``), and its
+    state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -75,6 +88,9 @@ def _build(dp: int, tp: int, step: bool = True) -> tuple:
     for b in model.blocks:
         fully_shard(b, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    _MODEL[:] = [model, dp_mesh.get_local_rank()]
+    if not step:
+        return {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randn(4, 3, D, generator=torch.Generator().manual_seed(1))
     model(x).square().mean().backward()
@@ -159,6 +175,74 @@ def _saves(rank: int, world: int, root: str) -> dict:
         out["partial"] = str(e)
     out["back"] = _load_both(2, 2, f"{root}/nd", f"{root}/nd-dcp")
     out["flat_to_nd"] = _load_both(2, 2, f"{root}/flat", f"{root}/flat-dcp")
+    out["job"] = _job(root, 2, 2, resume=False)
+    return out
+
+
+GLOBAL_BATCH, SAMPLES = 12, 40
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(SAMPLES, 3, D, generator=g), torch.randn(SAMPLES, 3, D, generator=g)
+
+
+def _batch(cursor: int, dp: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This dp rank's samples of the step at ``cursor`` (all its micro-batches)."""
+    from ftsdp.elastic import BatchGeometry, GlobalSampler
+
+    geometry = BatchGeometry(global_batch=GLOBAL_BATCH, micro_batch=2, world_size=dp)
+    sampler = GlobalSampler(SAMPLES, seed=3)
+    index = [
+        i
+        for micro in range(geometry.share(dp_rank))
+        for i in sampler.micro_batch(cursor, geometry, dp_rank, micro)
+    ]
+    x, y = _data()
+    return x[index], y[index]
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dp: int) -> torch.Tensor:
+    # FSDP2 averages gradients over dp: scaled so that the step is the global batch's mean
+    return (model(x) - y).square().mean(dim=(1, 2)).sum() * dp / GLOBAL_BATCH
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _job(root: str, dp: int, tp: int, resume: bool) -> dict:
+    """The CheckpointManager job (see the module docstring); its step-5 parameters."""
+    from ftsdp.checkpoint import CheckpointManager
+
+    if dp * tp == 1:
+        torch.manual_seed(0)
+        model = _Net()  # unwrapped
+        dp_rank = 0
+    else:
+        _build(dp, tp, step=False)
+        model, dp_rank = _MODEL[0], _MODEL[1]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out: dict = {}
+    with CheckpointManager(f"{root}/job", model, opt, every_steps=2, keep_last=None) as ck:
+        trainer = {"step": 0, "cursor": 0}
+        if resume:
+            info = ck.resume(trainer)
+            assert info is not None
+            out["resumed"] = (info.step, info.saved_world_size, dict(trainer))
+        while trainer["step"] < 5:
+            x, y = _batch(trainer["cursor"], dp, dp_rank)
+            _loss(model, x, y, dp).backward()
+            opt.step()
+            opt.zero_grad()
+            trainer = {"step": trainer["step"] + 1, "cursor": trainer["cursor"] + GLOBAL_BATCH}
+            if ck.due(trainer["step"]) and trainer["step"] <= 4 and not resume:
+                ck.save(trainer["step"], trainer)
+        ck.wait()
+    out["params"] = _params(model)
     return out
 
 
@@ -166,7 +250,12 @@ def _loads(rank: int, world: int, root: str, dp: int, tp: int) -> dict:
     return {
         "nd": _load_both(dp, tp, f"{root}/nd", f"{root}/nd-dcp"),
         "flat": _load_both(dp, tp, f"{root}/flat", f"{root}/flat-dcp"),
+        "job": _job(root, dp, tp, resume=True),
     }
+
+
+def _resume_alone(rank: int, world: int, root: str) -> dict:
+    return {"job": _job(root, 1, 1, resume=True)}
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +269,7 @@ def runs(tmp_path_factory) -> dict:
         "saved": saved,
         "dp3": run_ranks(_loads, 3, root, 3, 1, timeout=240),
         "tp2": run_ranks(_loads, 2, root, 1, 2, timeout=240),
+        "alone": run_ranks(_resume_alone, 1, root, timeout=240),
     }
 
 
@@ -242,3 +332,44 @@ def test_one_process_reads_the_full_tensors(runs) -> None:
 def test_a_partial_dtensor_is_refused_with_a_clear_error(runs) -> None:
     message = runs["saved"][0]["partial"]
     assert message is not None and "Partial" in message and "redistribute" in message
+
+
+def _reference(root: str) -> dict[str, torch.Tensor]:
+    """Step 5 of an unwrapped model that loaded step 4 in this process (no manager involved)."""
+    saved = storage.load_state_dict(f"{root}/job", step=4)
+    torch.manual_seed(0)
+    model = _Net()
+    model.load_state_dict(
+        {n[len("model.") :]: t for n, t in saved.items() if n.startswith("model.")}
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    names = [n for n, _ in model.named_parameters()]
+    opt.load_state_dict(
+        {
+            "state": {
+                i: {k: saved[f"optim.state.{n}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
+                for i, n in enumerate(names)
+            },
+            "param_groups": opt.state_dict()["param_groups"],
+        }
+    )
+    x, y = _batch(4 * GLOBAL_BATCH, 1, 0)
+    _loss(model, x, y, 1).backward()
+    opt.step()
+    return _params(model)
+
+
+@pytest.mark.parametrize("spawn", ["saved", "dp3", "tp2", "alone"])
+def test_the_job_resumed_at_any_layout_takes_the_unwrapped_references_step(runs, spawn) -> None:
+    reference = _reference(runs["root"])
+    for rank, r in enumerate(runs[spawn]):
+        job = r["job"]
+        if spawn != "saved":
+            step, saved_world, trainer = job["resumed"]
+            assert (step, saved_world) == (4, 4) and trainer == {
+                "step": 4,
+                "cursor": 4 * GLOBAL_BATCH,
+            }
+        for name, ref in reference.items():
+            got = job["params"][name]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=f"{spawn} {rank} {name}")
