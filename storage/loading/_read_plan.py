@@ -36,9 +36,10 @@ class Want:
 
 @dataclass
 class Copy:
-    """Source bytes ``[src, src + nbytes)`` of an object go to ``dst`` from byte ``dst_byte``;
-    with ``row``, they are bytes ``[lead, lead + nbytes)`` of rows of ``row`` bytes, row ``i``
-    going to ``dst`` from byte ``dst_byte + i * pitch``."""
+    """Source bytes ``[src, src + nbytes)`` of an object go to ``dst`` from byte ``dst_byte``.
+    With ``row``, they are bytes ``[lead, lead + nbytes)`` of a run of rows: row ``i`` is its
+    bytes ``[i * stride, i * stride + row)`` (the rest of a stride is a gap, not copied) and goes
+    to ``dst`` from byte ``dst_byte + i * pitch``."""
 
     src: int  # absolute byte offset in the object
     nbytes: int
@@ -48,6 +49,7 @@ class Copy:
     row: int = 0
     pitch: int = 0
     lead: int = 0
+    stride: int = 0
 
 
 @dataclass
@@ -76,15 +78,13 @@ def _runs(w: Want) -> list[Run]:
     return runs(entry.shape, entry.grid or whole(entry.shape), tiles)
 
 
-def _spans(run: Run) -> list[tuple[int, int, int, int, int]]:
-    """``(src, length, dst, row, pitch)``: ``run`` as spans contiguous in the saved order, each
-    going to ``dst`` on, or (with ``row``) to rows of ``row`` elements ``pitch`` apart."""
-    if run.rows == 1 or (run.src_pitch == run.length and run.dst_pitch == run.length):
-        return [(run.src, run.length * run.rows, run.dst, 0, 0)]
-    if run.src_pitch == run.length:
-        return [(run.src, run.length * run.rows, run.dst, run.length, run.dst_pitch)]
-    return [  # gaps in the saved order: one read each (the block widening may merge them)
-        (run.src + i * run.src_pitch, run.length, run.dst + i * run.dst_pitch, 0, 0)
+def _spans(run: Run, gap: int) -> list[Run]:
+    """``run`` as runs each read as one span of the saved order: one, unless its rows are more
+    than ``gap`` elements apart there (then a run per row: the gaps are not read)."""
+    if run.rows == 1 or run.src_pitch - run.length <= gap:
+        return [run]
+    return [
+        Run(run.src + i * run.src_pitch, run.dst + i * run.dst_pitch, run.length)
         for i in range(run.rows)
     ]
 
@@ -95,11 +95,13 @@ def plan_reads(wants: list[Want], block: int, gap: int = 0) -> list[Span]:
     for index, w in enumerate(wants):
         size = itemsize(w.staging.dtype)
         dst = w.staging.view(torch.uint8)
-        for run in _runs(w):
-            for src, length, at, row, pitch in _spans(run):
-                want = Range(src, length)
-                for p in w.entry.pieces_in(src, src + length):
-                    inter = intersect(p.range, want)
+        gap = max(block // size, 1)  # a gap within a checksum block is read anyway
+        for whole_run in _runs(w):
+            for run in _spans(whole_run, gap):
+                plain = run.rows == 1 or run.src_pitch == run.dst_pitch == run.length
+                src, end = run.src, run.src + (run.rows - 1) * run.src_pitch + run.length
+                for p in w.entry.pieces_in(src, end):
+                    inter = intersect(p.range, Range(src, end - src))
                     if inter is None:
                         continue
                     b0 = (inter.offset - p.offset) * size
@@ -107,13 +109,14 @@ def plan_reads(wants: list[Want], block: int, gap: int = 0) -> list[Span]:
                     a0, a1 = b0 // block * block, min(-(-b1 // block) * block, p.length * size)
                     blocks = [(w.name, p, k) for k in range(a0 // block, -(-a1 // block))]
                     skip = inter.offset - src
-                    if row:
-                        copy = Copy(
-                            p.byte_start + b0, b1 - b0, dst, at * size, index,
-                            row * size, pitch * size, skip * size,
-                        )  # fmt: skip
+                    if plain:
+                        copy = Copy(p.byte_start + b0, b1 - b0, dst, (run.dst + skip) * size, index)
                     else:
-                        copy = Copy(p.byte_start + b0, b1 - b0, dst, (at + skip) * size, index)
+                        copy = Copy(
+                            p.byte_start + b0, b1 - b0, dst, run.dst * size, index,
+                            run.length * size, run.dst_pitch * size, skip * size,
+                            run.src_pitch * size,
+                        )  # fmt: skip
                     requests.setdefault(p.object, []).append(
                         (p.byte_start + a0, p.byte_start + a1, blocks, copy)
                     )

@@ -170,10 +170,11 @@ def copy_tasks(dst: torch.Tensor, c: Copy, off: int, src: np.ndarray) -> list[Ca
 
 
 def _copy_rows(dst: torch.Tensor, c: Copy, off: int, src: np.ndarray) -> None:
-    """``src`` (bytes ``[c.lead + off, ...)`` of rows of ``c.row`` bytes) into rows of ``dst``
-    ``c.pitch`` bytes apart: a head, the whole rows at once, a tail."""
+    """``src``, bytes ``[c.lead + off, ...)`` of a run of rows (``c.row`` bytes every
+    ``c.stride``), into rows of ``dst`` ``c.pitch`` bytes apart: a head, the whole rows at
+    once, a tail."""
     out = dst.detach().numpy() if dst.device.type == "cpu" else None
-    row, pitch, pos, i = c.row, c.pitch, c.lead + off, 0
+    row, pitch, stride = c.row, c.pitch, c.stride or c.row
 
     def put(at: int, data: np.ndarray) -> None:
         if out is not None:
@@ -181,23 +182,23 @@ def _copy_rows(dst: torch.Tensor, c: Copy, off: int, src: np.ndarray) -> None:
         else:
             dst[at : at + len(data)].copy_(torch.from_numpy(data.copy()))
 
-    r, col = divmod(pos, row)
-    if col:
-        n = min(row - col, len(src))
-        put(c.dst_byte + r * pitch + col, src[:n])
-        i, r = n, r + 1
-    whole = (len(src) - i) // row
+    r, col = divmod(c.lead + off, stride)
+    i = 0
+    if col:  # the head: the end of a row (and its gap)
+        if col < row:
+            put(c.dst_byte + r * pitch + col, src[: min(row - col, len(src))])
+        i, r = stride - col, r + 1
+    whole = max(len(src) - i - row, -1) // stride + 1 if len(src) - i >= row else 0
     if whole and out is not None:
-        rows = np.lib.stride_tricks.as_strided(
-            out[c.dst_byte + r * pitch :], (whole, row), (pitch, 1), writeable=True
-        )
-        np.copyto(rows, src[i : i + whole * row].reshape(whole, row))
-        i, r = i + whole * row, r + whole
+        view = np.lib.stride_tricks.as_strided
+        rows = view(out[c.dst_byte + r * pitch :], (whole, row), (pitch, 1), writeable=True)
+        np.copyto(rows, view(src[i:], (whole, row), (stride, 1), writeable=False))
+        i, r = i + whole * stride, r + whole
     while len(src) - i >= row:  # off the CPU: row by row
         put(c.dst_byte + r * pitch, src[i : i + row])
-        i, r = i + row, r + 1
-    if i < len(src):
-        put(c.dst_byte + r * pitch, src[i:])
+        i, r = i + stride, r + 1
+    if i < len(src):  # the tail: the start of a row
+        put(c.dst_byte + r * pitch, src[i : i + min(row, len(src) - i)])
 
 
 def _copy_tasks(dst: torch.Tensor, at: int, src: np.ndarray) -> list[Callable[[], object]]:
