@@ -95,9 +95,9 @@ def plan_reads(wants: list[Want], block: int, gap: int = 0) -> list[Span]:
     for index, w in enumerate(wants):
         size = itemsize(w.staging.dtype)
         dst = w.staging.view(torch.uint8)
-        gap = max(block // size, 1)  # a gap within a checksum block is read anyway
+        within = max(block // size, 1)  # a gap inside a checksum block is read anyway
         for whole_run in _runs(w):
-            for run in _spans(whole_run, gap):
+            for run in _spans(whole_run, within):
                 plain = run.rows == 1 or run.src_pitch == run.dst_pitch == run.length
                 src, end = run.src, run.src + (run.rows - 1) * run.src_pitch + run.length
                 for p in w.entry.pieces_in(src, end):
