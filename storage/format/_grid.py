@@ -77,7 +77,7 @@ def check_cuts(cuts: Any, shape: Sequence[int], max_cells: int) -> str | None:
             return f"grid dim {d} must rise strictly from 0 to its size {size}"
         cells *= max(len(c) - 1, 1)
         if cells > max_cells:
-            return f"grid has more than {max_cells} cells"
+            return f"grid has more than {max_cells} cells (one per distinct shard at most)"
     return None
 
 

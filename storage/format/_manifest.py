@@ -36,7 +36,6 @@ FORMAT_NAME = "ftsdp.storage"
 FORMAT_VERSION = 5
 RULES_VERSION = 4  # the first version with layout rules
 PLAIN_VERSION = 3  # the version of a manifest that lists every piece
-MAX_GRID_CELLS = 1 << 20  # per tensor: a reader's bound (a grid has a cell per distinct shard)
 SELF_CHECKSUM = "manifest_checksum"  # {"algorithm": the version's algorithm, "value": uint32}
 Fail = Callable[[str], NoReturn]  # a decoder's error: raises, naming where
 
@@ -431,7 +430,7 @@ def _decode(doc: Any, where: str) -> Manifest:
             raise CorruptCheckpointError(
                 f"{where}: {what}: unknown dtype {show(dtype)} in manifest"
             ) from None
-        grid = _decode_grid(t, version, shape, what, fail)
+        grid = _decode_grid(t, version, shape, doc["world_size"], what, fail)
         rule = _decode_rule(t, version, doc["world_size"], numel, what, fail)
         if rule is not None:
             rules[name] = (tuple(shape), dtype, rule, grid)
@@ -473,14 +472,15 @@ def _decode(doc: Any, where: str) -> Manifest:
 
 
 def _decode_grid(
-    t: dict[str, Any], version: int, shape: list[int], what: str, fail: Fail
+    t: dict[str, Any], version: int, shape: list[int], world: int, what: str, fail: Fail
 ) -> Cuts | None:
-    """The validated grid of a tensor entry (version 5); None for a row-major one."""
+    """The validated grid of a tensor entry (version 5); None for a row-major one. A grid has
+    a cell per distinct shard, so at most ``world`` cells (which bounds a reader's work)."""
     if "grid" not in t:
         return None
     if version < 5:
         fail(f"{what}: a version {version} manifest entry cannot hold a grid")
-    problem = check_cuts(t["grid"], shape, MAX_GRID_CELLS)
+    problem = check_cuts(t["grid"], shape, world)
     if problem is not None:
         fail(f"{what}: {problem} (shape {show(shape)})")
     return tuple(tuple(c) for c in t["grid"])

@@ -309,7 +309,8 @@ def test_golden_v5_reads_exactly(tmp_path: pathlib.Path) -> None:
         for _ in range(20):
             lo = [int(torch.randint(0, n, (1,), generator=gen)) for n in t.shape]
             ln = [
-                int(torch.randint(1, n - o + 1, (1,), generator=gen)) for n, o in zip(t.shape, lo, strict=True)
+                int(torch.randint(1, n - o + 1, (1,), generator=gen))
+                for n, o in zip(t.shape, lo, strict=True)
             ]
             box = Box(tuple(lo), tuple(ln))
             a = int(torch.randint(0, t.numel(), (1,), generator=gen))
@@ -339,6 +340,7 @@ def test_golden_v5_reads_exactly(tmp_path: pathlib.Path) -> None:
         (lambda d: d["tensors"]["model.down"].update(grid=[[0, 3, 5], [0, 4, 4, 7]]), "rise"),
         (lambda d: d["tensors"]["model.down"].update(grid=[[0, 3, 5]]), "each of the 2 dims"),
         (lambda d: d["tensors"]["model.down"].update(grid=[[0, 3, 6], [0, 4, 7]]), "rise"),
+        (lambda d: d["tensors"]["model.down"].update(grid=[[0, 1, 3, 5], [0, 4, 7]]), "4 cells"),
     ],
 )
 def test_v5_a_bad_grid_is_refused(edit: Any, message: str) -> None:
