@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import itertools
 import json
 import math
@@ -98,6 +99,10 @@ def read_manifest_file(
         size = store.size(rel) if size is None else size
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{where} does not exist (removed meanwhile?)") from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise CorruptCheckpointError(f"{where}: a symbolic link loop, not a manifest") from None
     if size > max_bytes:
         raise CorruptCheckpointError(
             f"{where}: manifest of {size} bytes is larger than max_manifest_bytes={max_bytes} "
@@ -439,6 +444,9 @@ def _decode(doc: Any, where: str) -> Manifest:
         pieces = [
             _decode_piece(p, what, size, block, algorithm, objects, fail) for p in t["pieces"]
         ]
+        for p in pieces:  # the key names the piece's place: verify binds it to the bytes
+            if p.key != f"{name}@{p.offset}":
+                fail(f"{what}: the piece at offset {p.offset} is keyed {show(p.key)}")
         pieces.sort(key=lambda p: p.offset)
         try:
             check_disjoint_cover([p.range for p in pieces], numel, what)

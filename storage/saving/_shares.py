@@ -48,6 +48,12 @@ def leaf_rows(leaves: dict[str, TensorLeaf]) -> Rows:
     ]
 
 
+def _grid(rest: list[Any]) -> tuple[tuple[int, ...], ...] | None:
+    """The grid of a row (its seventh item; rows written before grids have six)."""
+    grid = rest[0] if rest else None
+    return None if grid is None else tuple(tuple(int(c) for c in cuts) for cuts in grid)
+
+
 class _ThreadWire:
     """The exchange's collectives between the threads of one process, one per rank (the
     ``group`` argument is the thread's rank). Values are copied, as over a real wire."""
@@ -107,9 +113,9 @@ def plan_for_ranks(
                 Range(offset, length),
                 torch.empty(0, device="meta"),  # the exchange reads no values
                 None if layout is None else (int(layout[0]), int(layout[1])),
-                None if grid is None else tuple(tuple(int(c) for c in cuts) for cuts in grid),
+                _grid(rest),
             )
-            for name, shape, dtype, offset, length, layout, grid in rows[rank]
+            for name, shape, dtype, offset, length, layout, *rest in rows[rank]
         }
         meta: dict[str, Any] = {"error": None, "values": {}}
         if rank == 0:

@@ -3,6 +3,7 @@
     python -m ftsdp.tools.dev.fuzz_checkpoint --cases 20000 --seed 1      # a table of outcomes
     python -m ftsdp.tools.dev.fuzz_checkpoint --seed 1 --case 4711 -v     # replay one case
     python -m ftsdp.tools.dev.fuzz_checkpoint --sharded --cases 5000      # a 3-rank, version 4 one
+    python -m ftsdp.tools.dev.fuzz_checkpoint --grid --cases 5000         # a 2 x 2 mesh, version 5
 
 A tiny checkpoint (a few small tensors of several dtypes spread over several objects, an empty
 tensor, nested non-tensor values) is saved once. Each case copies it, applies one random
@@ -108,6 +109,34 @@ def rank_state(rank: int, world: int) -> dict[str, Any]:
 def save_sharded(rank: int, world: int, url: str) -> None:
     """Save ``rank_state`` on every rank of a process group (``ftsdp.testing.run_ranks``)."""
     storage.save(rank_state(rank, world), url, step=STEP, options=OPTIONS)
+
+
+GRID_MESH = (2, 2)  # the mesh of the checkpoint saved on a grid (format version 5)
+
+
+def save_on_grid(rank: int, world: int, url: str) -> None:
+    """Save ``reference_state()`` as DTensors on a 2 x 2 mesh (``ftsdp.testing.run_ranks``):
+    ``w`` in boxes of both dims (a grid), the mask cut twice along its one dim, the rest
+    replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from ftsdp.storage.format._grid import dtensor_grid
+
+    mesh = init_device_mesh("cpu", GRID_MESH)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    ref = reference_state()
+
+    def shard(t: torch.Tensor, placements: tuple) -> Any:
+        box, _ = dtensor_grid(t.shape, GRID_MESH, coordinate, placements)
+        local = t[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))].clone()
+        return DTensor.from_local(local, mesh, placements, shape=t.shape, stride=t.stride())
+
+    ref["model"]["w"] = shard(ref["model"]["w"], (Shard(1), Shard(0)))
+    ref["model"]["n"] = shard(ref["model"]["n"], (Replicate(), Shard(0)))
+    ref["optim"]["mask"] = shard(ref["optim"]["mask"], (Shard(0), Shard(0)))
+    storage.save(ref, url, step=STEP, options=OPTIONS)
 
 
 def blank(state: Any) -> Any:
@@ -425,9 +454,11 @@ class Mutator:
 
 def _semantic(path: tuple) -> bool:
     """Whether a resealed edit at ``path`` may leave a valid checkpoint of other content: a
-    value, or what a tensor is (its name, shape or dtype; the whole entry deleted)."""
+    value, or what a tensor is (its name, shape, dtype or grid order; the whole entry
+    deleted)."""
     return path[0] in ("values", "rank_values") or (
-        path[0] == "tensors" and (len(path) == 2 or path[2:3] in (("shape",), ("dtype",)))
+        path[0] == "tensors"
+        and (len(path) == 2 or path[2:3] in (("shape",), ("dtype",), ("grid",)))
     )
 
 
@@ -571,10 +602,12 @@ def run(
     workdir: str | None = None,
     call_timeout_s: int = 0,
     sharded: bool = False,
+    grid: bool = False,
 ) -> Summary:
     """Cases ``start`` to ``start + cases - 1`` of ``seed``; each is replayable on its own.
     ``call_timeout_s``: fail a read that takes longer (SIGALRM; 0: no limit). ``sharded``: the
-    checkpoint is saved by ``SHARDED_WORLD`` ranks under layout rules (format version 4)."""
+    checkpoint is saved by ``SHARDED_WORLD`` ranks under layout rules (format version 4);
+    ``grid``: by 4 ranks on a 2 x 2 mesh, a tensor on a grid (format version 5)."""
     global CALL_TIMEOUT_S
     CALL_TIMEOUT_S = call_timeout_s
     ref = reference_state()
@@ -587,6 +620,11 @@ def run(
 
             run_ranks("ftsdp.tools.dev.fuzz_checkpoint:save_sharded", SHARDED_WORLD, str(pristine))
             assert storage.catalog.read_manifest(str(pristine)).version == 4
+        elif grid:
+            from ftsdp.testing import run_ranks
+
+            run_ranks("ftsdp.tools.dev.fuzz_checkpoint:save_on_grid", 4, str(pristine))
+            assert storage.catalog.read_manifest(str(pristine)).version == 5
         else:
             storage.save(ref, str(pristine), step=STEP, options=OPTIONS)
         for i in range(start, start + cases):
@@ -627,9 +665,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"fuzz a checkpoint saved by {SHARDED_WORLD} ranks under layout rules (version 4)",
     )
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="fuzz a checkpoint saved by 4 ranks on a 2 x 2 mesh, a tensor on a grid (version 5)",
+    )
     args = p.parse_args(argv)
     start, n = (args.case, 1) if args.case is not None else (0, args.cases)
-    summary = run(n, args.seed, start, call_timeout_s=args.call_timeout, sharded=args.sharded)
+    summary = run(
+        n, args.seed, start, call_timeout_s=args.call_timeout, sharded=args.sharded, grid=args.grid
+    )
     for c in summary.cases if args.verbose else summary.failures:
         print(describe(c, args.seed))
     print(summary.table())
