@@ -444,14 +444,14 @@ def _decode(doc: Any, where: str) -> Manifest:
         pieces = [
             _decode_piece(p, what, size, block, algorithm, objects, fail) for p in t["pieces"]
         ]
-        for p in pieces:  # the key names the piece's place: verify binds it to the bytes
-            if p.key != f"{name}@{p.offset}":
-                fail(f"{what}: the piece at offset {p.offset} is keyed {show(p.key)}")
         pieces.sort(key=lambda p: p.offset)
         try:
             check_disjoint_cover([p.range for p in pieces], numel, what)
         except ValueError as e:
             raise CorruptCheckpointError(f"{where}: {e} (shape {show(shape)})") from None
+        for p in pieces:  # the key names the piece's place: verify binds it to the bytes
+            if p.key != f"{name}@{p.offset}":
+                fail(f"{what}: the piece at offset {p.offset} is keyed {show(p.key)}")
         tensors[name] = TensorEntry(tuple(shape), dtype, tuple(pieces), grid=grid)
 
     _check_disjoint_bytes(tensors, fail)

@@ -91,6 +91,11 @@ CASES = {
         storage.CorruptCheckpointError,
         "not covered",
     ),
+    "key names another place": (
+        lambda d: _w(d)[0].update(key="w@999"),
+        storage.CorruptCheckpointError,
+        "keyed 'w@999'",
+    ),
     "past object end": (
         lambda d: _shift(_w(d)[-1], 8),
         storage.CorruptCheckpointError,
