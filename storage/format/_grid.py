@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -106,8 +107,7 @@ def box_range(cuts: Cuts, shape: Sequence[int], box: Box) -> tuple[int, int]:
 
 
 def _position(c: Sequence[int], x: int) -> int | None:
-    from bisect import bisect_left
-
+    """The index of cut ``x`` in ``c``, or None when ``x`` is not a cut."""
     i = bisect_left(c, x)
     return i if i < len(c) and c[i] == x else None
 
@@ -164,8 +164,8 @@ def runs(shape: Sequence[int], cuts: Cuts, tiles: Sequence[tuple[Box, int]]) -> 
         ranges = []  # per dim: the cells overlapping the tile
         for d in range(ndim):
             c = cuts[d]
-            lo = max(_bisect(c, t_lo[d]) - 1, 0)
-            hi = _bisect(c, t_lo[d] + t_len[d] - 1)
+            lo = max(bisect_right(c, t_lo[d]) - 1, 0)
+            hi = bisect_right(c, t_lo[d] + t_len[d] - 1)
             ranges.append(range(lo, min(hi, len(c) - 1)))
         for index in itertools.product(*ranges):
             c_lo = tuple(cuts[d][i] for d, i in enumerate(index))
@@ -184,12 +184,6 @@ def runs(shape: Sequence[int], cuts: Cuts, tiles: Sequence[tuple[Box, int]]) -> 
             dst0 = base + sum((s - t) * k for s, t, k in zip(s_lo, t_lo, t_st, strict=True))
             out.extend(_box_runs(s_len, c_len, t_len, c_st, t_st, src0, dst0))
     return out
-
-
-def _bisect(c: Sequence[int], x: int) -> int:
-    from bisect import bisect_right
-
-    return bisect_right(c, x)
 
 
 def _box_runs(
