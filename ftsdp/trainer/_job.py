@@ -30,9 +30,10 @@ from ftsdp.trainer._models import (
     build_model,
     gpt_loss,
     has_dropout,
-    init_weights,
+    init_sharded,
     model_positions,
     model_vocab,
+    plan_init,
     plan_model,
 )
 from ftsdp.trainer._records import SavedRun, mismatch, peek, refusal
@@ -175,6 +176,10 @@ def build(cfg: TrainConfig, session: Session) -> Job:
         mixed_precision=MIXED_PRECISION[cfg.mixed_precision],
         deterministic=cfg.deterministic,
     )
+    if built.init is not None:  # after sharding: each rank reads only its own shards
+        init = built.init
+        line = on_every_rank(rm, lambda: init_sharded(model, init, storage_options=storage_options))
+        session.log.write(line, {"event": "init_from", "url": cfg.init_from, "ignored": False})
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95)
     )
@@ -251,7 +256,8 @@ def _make_model(
     saved: SavedRun | None,
     storage_options: dict[str, Any] | None,
 ) -> BuiltModel:
-    """The unwrapped model (same on every rank), checked; ``--init-from`` unless resuming."""
+    """The unwrapped model (same on every rank), checked; ``--init-from`` (unless resuming)
+    checked against it, to be read after wrapping."""
     torch.manual_seed(cfg.seed)  # same init on every rank
     built = build_model(cfg, plan)
     module = built.module
@@ -280,7 +286,6 @@ def _make_model(
             f"(step {saved.step})",
             {"event": "init_from", "url": cfg.init_from, "ignored": True},
         )
-    elif cfg.init_from:
-        line = init_weights(module, cfg.init_from, storage_options=storage_options)
-        session.log.write(line, {"event": "init_from", "url": cfg.init_from, "ignored": False})
+    elif cfg.init_from:  # checked here, on the unwrapped model; read once it is wrapped
+        built.init = plan_init(module, cfg.init_from, storage_options=storage_options)
     return built

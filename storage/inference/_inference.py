@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +130,26 @@ def _read_group(
     source.read_into(requests)
     for flat, buf in staged:
         flat.copy_(buf)
+
+
+def _read_pieces(
+    source: Source, group: list[tuple[Request, torch.Tensor]], scratch: _Scratch
+) -> None:
+    """Read each request of ``group`` into its staging slice: straight in when the dtypes agree,
+    else through ``scratch`` (the saved dtype) and a cast."""
+    requests, staged = [], []
+    scratch.pos = 0  # the previous group's staging is copied out: reuse it
+    for r, dst in group:
+        saved = source.tensors[r.name].dtype
+        if dst.dtype == saved:
+            requests.append((r.name, r.offset, dst))
+        else:
+            buf = scratch.take(r.length, saved)
+            requests.append((r.name, r.offset, buf))
+            staged.append((dst, buf))
+    source.read_into(requests)
+    for dst, buf in staged:
+        dst.copy_(buf)
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
@@ -351,6 +371,59 @@ class LazyStateDict(Mapping):
         if length:
             self._source.read_into([(name, offset, out)])
         return out
+
+    def fill_ranges(
+        self, targets: Sequence[tuple[str, int, torch.Tensor]], chunk: int = DEFAULT_CHUNK
+    ) -> int:
+        """Fill each ``(name, offset, out)``: ``out`` (1-D, contiguous, any dtype and device) gets
+        elements ``[offset, offset + out.numel())`` of the row-major flattening of tensor
+        ``name``; the number of elements read. Only those ranges are read (a sharded model's
+        init: each rank asks for its own shard; docs/training.md, "--init-from").
+
+        All or nothing: every range is read (and verified, where the format has checksums) into
+        CPU staging of the targets' dtypes, ``chunk`` bytes of requests at a time, before any
+        ``out`` is written. ``KeyError`` for an unknown name, ``ValueError`` for a range outside
+        its tensor, ``StateMismatchError`` for a cast refused by [Note: the cast rule], all
+        before anything is read."""
+        source = self._source
+        unknown = [n for n, _, _ in targets if n not in source.tensors]
+        if unknown:
+            raise KeyError(f"{self.url} has no tensor(s) {sorted(set(unknown))}")
+        for name, offset, out in targets:
+            numel = source.tensors[name].numel
+            if out.dim() != 1 or not out.is_contiguous():
+                raise ValueError(f"{name}: the target must be 1-D and contiguous")
+            if offset < 0 or offset + out.numel() > numel:
+                raise ValueError(
+                    f"{name}: range offset={offset} length={out.numel()} is outside [0, {numel})"
+                )
+        _check_casts(
+            f"checkpoint {self.url}",
+            [(n, source.tensors[n].dtype, out.dtype, False) for n, _, out in targets],
+        )
+        # Phase one: read everything into staging (nothing of the targets is written).
+        staging = [torch.empty(out.numel(), dtype=out.dtype) for _, _, out in targets]
+        pieces: list[tuple[Request, torch.Tensor]] = []  # (request, where it goes in staging)
+        for (name, offset, _), stage in zip(targets, staging, strict=True):
+            size = source.tensors[name].itemsize
+            for r in split_request(name, offset, stage.numel(), size, chunk):
+                pieces.append((r, stage[r.offset - offset : r.offset - offset + r.length]))
+        scratch = _Scratch(chunk)
+        group: list[tuple[Request, torch.Tensor]] = []
+        used = 0
+        for r, dst in pieces:  # groups of at most a chunk (the ftsdp reader holds a group's bytes)
+            nbytes = r.length * source.tensors[r.name].itemsize
+            if group and used + nbytes > chunk:
+                _read_pieces(source, group, scratch)
+                group, used = [], 0
+            group.append((r, dst))
+            used += nbytes
+        if group:
+            _read_pieces(source, group, scratch)
+        # Phase two: write the targets.
+        for (_, _, out), stage in zip(targets, staging, strict=True):
+            _copy_in(out, stage)
+        return sum(stage.numel() for stage in staging)
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._source.tensors))

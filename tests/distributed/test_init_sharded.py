@@ -1,0 +1,162 @@
+"""``--init-from`` after sharding (``ftsdp.trainer._models.init_sharded``): each rank reads only
+the flat ranges of its own FlatParameter shards, from a Hugging Face safetensors file, an ftsdp
+checkpoint, a DCP checkpoint and a ``torch.save`` file.
+
+One spawn of W=2 ranks. Per format, each rank builds the model (128 MiB of fp32, tied embedding
+and head, a persistent and a non-persistent buffer), wraps it in ``ftsdp.FSDP`` (one unit per
+layer, so shards cut parameters in the middle) and initialises it sharded; then builds it again
+and initialises the unwrapped model whole (``init_weights``, the reference, itself checked
+against the saved tensors). Each shard must equal the same range of the whole init, bitwise.
+
+Peak host memory: each rank resets its RSS high-water mark (``/proc/self/clear_refs``) right
+before an init and reads ``VmHWM`` minus the RSS at that moment after it. The ranks start with a
+fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_``), so large blocks go back to the system when
+freed and are not reused unseen. The sharded init must stay at most 1.3 x (model bytes / W +
+largest tensor bytes); the whole init must exceed that bound (it stages the whole model), which
+shows the measurement can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+WORLD = 2
+WIDTH, LAYERS = 1024, 16  # 2 x 16 Linear(1024, 1024) + a tied 1024 x 1024 embedding: 132 MiB
+SOURCE_SEED, INIT_SEED = 11, 12
+FORMATS = ("hf", "ftsdp", "dcp", "torch")
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, WIDTH)
+        self.down = nn.Linear(WIDTH, WIDTH)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.head.weight = self.emb.weight  # tied: saved once
+        self.register_buffer("scale", torch.randn(WIDTH))
+        self.register_buffer("cache", torch.randn(WIDTH), persistent=False)
+
+
+def _net(seed: int) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def _model_bytes(net: nn.Module) -> tuple[int, int]:
+    """(bytes of every distinct parameter and persistent buffer, bytes of the largest)."""
+    sizes = {id(t): t.numel() * t.element_size() for t in net.state_dict(keep_vars=True).values()}
+    return sum(sizes.values()), max(sizes.values())
+
+
+def _write_sources(root: str) -> dict[str, str]:
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from ftsdp import storage
+
+    state = _net(SOURCE_SEED).state_dict()
+    bare = {k: v for k, v in state.items() if k != "head.weight"}
+    urls = {f: f"{root}/{f}" for f in FORMATS}
+    urls["hf"] += ".safetensors"
+    urls["torch"] += ".pt"
+    save_file(bare, urls["hf"])
+    storage.save({"model": bare}, urls["ftsdp"], 3).wait()
+    dcp.save({"model": bare}, checkpoint_id=urls["dcp"], no_dist=True)
+    torch.save(state, urls["torch"])
+    return urls
+
+
+def _peak_above_now() -> tuple[int, int]:
+    """Reset the RSS high-water mark; (now, the mark) in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    return _status("VmRSS"), _status("VmHWM")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def rank_main(rank: int, world_size: int, urls: dict[str, str]) -> dict[str, tuple]:
+    import gc
+
+    import ftsdp
+    from ftsdp.trainer._models import init_sharded, init_weights, plan_init
+
+    source = _net(SOURCE_SEED).state_dict()
+    out: dict[str, tuple] = {}
+    for fmt, url in urls.items():
+        net = _net(INIT_SEED)
+        plan = plan_init(net, url)
+        model = ftsdp.FSDP(net, auto_wrap_policy={Layer})
+        gc.collect()
+        base, _ = _peak_above_now()
+        line = init_sharded(model, plan)
+        sharded_peak = _status("VmHWM") - base
+        shards = {k: (v.offset, v.local.clone()) for k, v in model.sharded_state_dict().items()}
+        del model, net
+        gc.collect()
+
+        whole = _net(INIT_SEED)
+        base, _ = _peak_above_now()
+        whole_line = init_weights(whole, url)
+        whole_peak = _status("VmHWM") - base
+        state = whole.state_dict()
+        ref_ok = all(torch.equal(state[k], source[k]) for k in source)
+        # every element of this rank's shards, against the same range of the whole init
+        same = all(
+            torch.equal(local, state[k].reshape(-1)[offset : offset + local.numel()])
+            for k, (offset, local) in shards.items()
+        )
+        tied = whole.head.weight is whole.emb.weight
+        cache_kept = torch.equal(whole.cache, _net(INIT_SEED).cache)
+        covered = sum(local.numel() for local in (s for _, s in shards.values()))
+        del whole, state, shards
+        gc.collect()
+        out[fmt] = (
+            line == whole_line,
+            ref_ok,
+            same,
+            tied,
+            cache_kept,
+            covered,
+            sharded_peak,
+            whole_peak,
+        )
+    return out
+
+
+def test_sharded_init_equals_the_whole_init_and_holds_a_shard_of_host_memory(
+    tmp_path, monkeypatch
+) -> None:
+    from ftsdp.testing import run_ranks
+
+    urls = _write_sources(str(tmp_path))
+    model_bytes, largest = _model_bytes(_net(SOURCE_SEED))
+    bound = 1.3 * (model_bytes / WORLD + largest)
+    # large blocks from mmap, returned when freed (glibc otherwise keeps them for reuse)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    results = run_ranks(f"{__name__}:rank_main", WORLD, urls, timeout=500)
+    params = sum(p.numel() for p in _net(SOURCE_SEED).parameters())
+    for fmt in FORMATS:
+        rows = [r[fmt] for r in results]
+        for rank, (line_same, ref_ok, same, tied, cache_kept, _, sharded, whole) in enumerate(rows):
+            where = f"{fmt}, rank {rank}"
+            assert line_same and ref_ok and same and tied and cache_kept, (where, rows)
+            assert sharded <= bound, f"{where}: sharded init peaked {sharded} > bound {bound:.0f}"
+            assert whole > bound, f"{where}: the whole init peaked {whole} <= {bound:.0f}"
+        # the shards of the ranks cover every parameter (padding aside) and each buffer per rank
+        assert sum(r[5] for r in rows) == params + WORLD * WIDTH, (fmt, rows)
