@@ -232,6 +232,42 @@ def test_init_from_another_model_is_refused_in_one_line_and_changes_nothing(tmp_
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
 
 
+def test_the_job_starts_from_the_init_from_weights_read_after_wrapping(world_of_one, caplog):
+    tmp = world_of_one
+    data, metrics, ledger = _text(tmp), tmp / "m.jsonl", tmp / "l.jsonl"
+    torch.manual_seed(9)  # not the job's seed: its own init would give another loss
+    source = GPT(GPTConfig(vocab_size=128, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    saved = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}  # tied
+    url = str(tmp / "init.safetensors")
+    save_file(saved, url)
+    gpt = [*BASE, "--vocab-size", "128", "--n-layer", "1", "--n-head", "2", "--n-embd", "16"]
+    argv = [*gpt, "--data", data, "--seed", "3", "--init-from", url]
+    assert main([*argv, "--metrics", str(metrics), "--ledger", str(ledger)]) == 0
+    events = _records(metrics)
+    assert {"event": "init_from", "url": url, "ignored": False} in events
+    ids = _records(ledger)[0]["ids"]
+    x, y = TokenDataset(np.fromfile(data, dtype=np.uint8), 8, seed=3).batch(ids)
+    with torch.no_grad():
+        expected = (source(x[:2], y[:2])[1].item() + source(x[2:], y[2:])[1].item()) / 2
+    first = next(r for r in events if r["event"] == "step")
+    assert first["loss"] == pytest.approx(expected, abs=1e-6)
+    # A checkpoint that passes the checks but whose bytes are damaged: one line, exit 2.
+    run = str(tmp / "run")
+    storage.save({"model": saved}, run, 1).wait()
+    objects = sorted((tmp / "run").glob("step-*/*.safetensors"), key=lambda p: p.stat().st_size)
+    with open(objects[-1], "r+b") as f:
+        f.seek(-8, 2)
+        last = f.read(1)
+        f.seek(-8, 2)
+        f.write(bytes([last[0] ^ 1]))
+    with caplog.at_level(logging.ERROR, logger="ftsdp.train"):
+        assert main([*argv[:-1], run, "--steps", "1"]) == 2
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert f"--init-from {run} (ftsdp, step 1): loading failed: CorruptCheckpointError" in lines[0]
+    assert "checksum mismatch" in lines[0]
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains_close_to_fp32_and_fp16_resumes_its_scaler(
     world_of_one, precision
