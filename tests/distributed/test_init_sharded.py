@@ -2,7 +2,7 @@
 the flat ranges of its own FlatParameter shards, from a Hugging Face safetensors file, an ftsdp
 checkpoint, a DCP checkpoint and a ``torch.save`` file.
 
-One spawn of W=2 ranks. Per format, each rank builds the model (128 MiB of fp32, tied embedding
+One spawn of W=2 ranks. Per format, each rank builds the model (132 MiB of fp32, tied embedding
 and head, a persistent and a non-persistent buffer), wraps it in ``ftsdp.FSDP`` (one unit per
 layer, so shards cut parameters in the middle) and initialises it sharded; then builds it again
 and initialises the unwrapped model whole (``init_weights``, the reference, itself checked
@@ -14,18 +14,32 @@ fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_``), so large blocks go back to th
 freed and are not reused unseen. The sharded init must stay at most 1.3 x (model bytes / W +
 largest tensor bytes); the whole init must exceed that bound (it stages the whole model), which
 shows the measurement can fail.
+
+Then, in the same ranks, the main job (``ftsdp.train.main``, as under torchrun) with
+``--init-from`` a GPT's safetensors file: its first loss must be that GPT's on the same samples.
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
+
+from ftsdp.examples.data import TokenDataset
+from ftsdp.examples.gpt import GPT, GPTConfig
 
 WORLD = 2
 WIDTH, LAYERS = 1024, 16  # 2 x 16 Linear(1024, 1024) + a tied 1024 x 1024 embedding: 132 MiB
 SOURCE_SEED, INIT_SEED = 11, 12
 FORMATS = ("hf", "ftsdp", "dcp", "torch")
+
+JOB_FLAGS = ["--vocab-size", "128", "--n-layer", "2", "--n-head", "2", "--n-embd", "32"]
+JOB_FLAGS += ["--block-size", "8", "--global-batch", "4", "--micro-batch", "2", "--steps", "1"]
+JOB_FLAGS += ["--device", "cpu", "--heartbeat-timeout-s", "0", "--seed", "3"]
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -91,6 +105,8 @@ def _status(field: str) -> int:
 
 
 def rank_main(rank: int, world_size: int, urls: dict[str, str]) -> dict[str, tuple]:
+    urls = dict(urls)
+    job_dir = urls.pop("job_dir")
     import gc
 
     import ftsdp
@@ -136,9 +152,33 @@ def rank_main(rank: int, world_size: int, urls: dict[str, str]) -> dict[str, tup
             sharded_peak,
             whole_peak,
         )
+    out["job"] = _run_the_job(rank, job_dir)
     return out
 
 
+def _run_the_job(rank: int, root: str) -> tuple:
+    """``ftsdp.train`` with ``--init-from`` on this group (as under torchrun): its exit code."""
+    from ftsdp.train import main
+
+    argv = [*JOB_FLAGS, "--data", f"{root}/corpus.txt", "--init-from", f"{root}/gpt.safetensors"]
+    argv += ["--metrics", f"{root}/metrics-{rank}.jsonl", "--ledger", f"{root}/ledger.jsonl"]
+    return (main(argv),)
+
+
+def _write_job_inputs(root: pathlib.Path) -> GPT:
+    """A GPT saved as safetensors (the tied head once) and a text file; the GPT."""
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    torch.manual_seed(9)  # not the job's seed: its own init gives another loss
+    gpt = GPT(GPTConfig(vocab_size=128, block_size=8, n_layer=2, n_head=2, n_embd=32))
+    saved = {k: v for k, v in gpt.state_dict().items() if k != "lm_head.weight"}
+    save_file(saved, str(root / "gpt.safetensors"))
+    return gpt
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP saved in one process
 def test_sharded_init_equals_the_whole_init_and_holds_a_shard_of_host_memory(
     tmp_path, monkeypatch
 ) -> None:
@@ -149,7 +189,22 @@ def test_sharded_init_equals_the_whole_init_and_holds_a_shard_of_host_memory(
     bound = 1.3 * (model_bytes / WORLD + largest)
     # large blocks from mmap, returned when freed (glibc otherwise keeps them for reuse)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    gpt = _write_job_inputs(tmp_path / "job")
+    urls["job_dir"] = str(tmp_path / "job")
     results = run_ranks(f"{__name__}:rank_main", WORLD, urls, timeout=500)
+    # The job under this group: its first loss is the saved GPT's on the same samples.
+    assert [r["job"] for r in results] == [(0,)] * WORLD, results
+    job = tmp_path / "job"
+    events = [json.loads(line) for line in (job / "metrics-0.jsonl").read_text().splitlines()]
+    assert {"event": "init_from", "url": f"{job}/gpt.safetensors", "ignored": False} in events
+    assert [r["world_size"] for r in events if r["event"] == "start"] == [WORLD]
+    ids = json.loads((job / "ledger.jsonl").read_text().splitlines()[0])["ids"]
+    x, y = TokenDataset(np.fromfile(job / "corpus.txt", dtype=np.uint8), 8, seed=3).batch(ids)
+    with torch.no_grad():  # the mean over the global batch (micro-batches of equal size)
+        expected = gpt(x, y)[1].item()
+    first = next(r for r in events if r["event"] == "step")
+    assert first["loss"] == pytest.approx(expected, abs=1e-5)
+    del urls["job_dir"]
     params = sum(p.numel() for p in _net(SOURCE_SEED).parameters())
     for fmt in FORMATS:
         rows = [r[fmt] for r in results]
