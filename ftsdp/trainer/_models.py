@@ -331,11 +331,18 @@ def init_sharded(
     unknown = sorted(k for k in views if k not in plan.names)
     if unknown:  # the wrapped model names what the unwrapped one did: a bug if not
         raise JobError(f"{plan.where}: the wrapped model has keys the plan lacks: {_few(unknown)}")
+    # A view of a tensor that is not contiguous (a buffer, an ignored parameter) is a copy:
+    # read into it, then copy it back into the tensor.
+    state = model.module.state_dict(keep_vars=True)
+    copies = [(state[k], v.local) for k, v in views.items() if not state[k].is_contiguous()]
     requests = [(plan.names[k], v.offset, v.local) for k, v in views.items() if v.length]
     try:
         with storage.LazyStateDict(plan.url, plan.step, storage_options=storage_options) as src:
             n = src.fill_ranges(requests)
     except (storage.CheckpointError, ValueError, KeyError, OSError) as e:
         raise JobError(f"{plan.where}: loading failed: {type(e).__name__}: {e}") from None
+    with torch.no_grad():
+        for tensor, flat in copies:
+            tensor.copy_(flat.view(tensor.shape))
     logger.debug("%s: read %d elements of this rank's shards", plan.where, n)
     return f"initialised from {plan.source}"

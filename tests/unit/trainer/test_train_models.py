@@ -17,12 +17,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
+import ftsdp
 from ftsdp import storage
 from ftsdp.examples.data import TokenDataset
 from ftsdp.examples.gpt import GPT, GPTConfig
 from ftsdp.train import main
 from ftsdp.trainer._errors import JobError
-from ftsdp.trainer._models import init_weights
+from ftsdp.trainer._models import init_sharded, init_weights, plan_init
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -266,6 +267,33 @@ def test_the_job_starts_from_the_init_from_weights_read_after_wrapping(world_of_
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert f"--init-from {run} (ftsdp, step 1): loading failed: CorruptCheckpointError" in lines[0]
     assert "checksum mismatch" in lines[0]
+
+
+class _Strided(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 6)
+        self.register_buffer("t", torch.randn(3, 5).t())  # not contiguous: its view is a copy
+
+
+def test_init_sharded_fills_a_wrapped_model_as_the_whole_init_does(tmp_path) -> None:
+    torch.manual_seed(1)
+    source = _Strided()
+    url = str(tmp_path / "m.safetensors")
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, url)
+    torch.manual_seed(2)
+    whole, module = _Strided(), _Strided()
+    assert init_weights(whole, url) == f"initialised from {url} (hf)"
+    plan = plan_init(module, url)
+    model = ftsdp.FSDP(module)  # one process, no group
+    assert init_sharded(model, plan) == f"initialised from {url} (hf)"
+    expected = whole.state_dict()
+    assert all(torch.equal(expected[k], source.state_dict()[k]) for k in expected)
+    views = model.sharded_state_dict()
+    assert sorted(views) == sorted(expected)
+    for k, v in views.items():
+        assert torch.equal(v.local, expected[k].reshape(-1)[v.offset : v.offset + v.length]), k
+    assert torch.equal(module.t, expected["t"]) and not module.t.is_contiguous()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
