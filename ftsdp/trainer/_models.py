@@ -7,7 +7,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,6 +232,45 @@ def build_model(cfg: TrainConfig, plan: ModelPlan) -> BuiltModel:
             out, policy if policy is not None else no_split_policy(out), causal_lm_loss
         )
     return BuiltModel(out, policy, module_loss)
+
+
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Every parameter registered inside moves to the meta device as it is registered (its
+    initialisers then run on meta: no memory, no RNG); buffers stay real. For a model whose every
+    parameter ``--init-from`` fills once it is wrapped (the engine allocates it unit by unit)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # attributes some libraries set on parameters
+            param = meta
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_deferred(cfg: TrainConfig, plan: ModelPlan) -> BuiltModel | None:
+    """:func:`build_model` with its parameters on the meta device (:func:`params_on_meta`), or
+    None (the caller builds it eagerly) when the build fails that way or leaves a buffer on
+    meta (a value computed from parameters: no checkpoint can give a non-persistent one)."""
+    try:
+        with params_on_meta():
+            built = build_model(cfg, plan)
+    except JobError:
+        raise
+    except Exception as e:  # a factory that reads parameter values while building
+        logger.debug("--init-from: the model cannot be built on meta (%s); building it whole", e)
+        return None
+    if any(b.is_meta for b in built.module.buffers()):
+        logger.debug("--init-from: the model has buffers derived from meta parameters")
+        return None
+    return built
 
 
 def _few(names: list[str], n: int = 3) -> str:

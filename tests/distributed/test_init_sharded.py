@@ -196,7 +196,8 @@ def test_sharded_init_equals_the_whole_init_and_holds_a_shard_of_host_memory(
     assert [r["job"] for r in results] == [(0,)] * WORLD, results
     job = tmp_path / "job"
     events = [json.loads(line) for line in (job / "metrics-0.jsonl").read_text().splitlines()]
-    assert {"event": "init_from", "url": f"{job}/gpt.safetensors", "ignored": False} in events
+    init = {"event": "init_from", "url": f"{job}/gpt.safetensors", "ignored": False}
+    assert {**init, "deferred": True} in events
     assert [r["world_size"] for r in events if r["event"] == "start"] == [WORLD]
     ids = json.loads((job / "ledger.jsonl").read_text().splitlines()[0])["ids"]
     x, y = TokenDataset(np.fromfile(job / "corpus.txt", dtype=np.uint8), 8, seed=3).batch(ids)

@@ -22,8 +22,9 @@ from ftsdp import storage
 from ftsdp.examples.data import TokenDataset
 from ftsdp.examples.gpt import GPT, GPTConfig
 from ftsdp.train import main
+from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._errors import JobError
-from ftsdp.trainer._models import init_sharded, init_weights, plan_init
+from ftsdp.trainer._models import build_deferred, init_sharded, init_weights, plan_init, plan_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,6 +67,18 @@ def make_plain(cfg):
 
 def make_nothing(cfg):
     return "not a module"
+
+
+def make_derived(cfg):  # a buffer computed from a parameter: no checkpoint holds it
+    tiny = Tiny(256, 16)
+    tiny.register_buffer("norm", tiny.head.weight.detach().norm(dim=1), persistent=False)
+    return tiny
+
+
+def make_reading(cfg):  # reads a parameter's value while building
+    tiny = Tiny(256, 16)
+    tiny.first = float(tiny.head.bias.detach()[0])
+    return tiny
 
 
 def make_sized(cfg):  # the same spec, another model: a width from the environment
@@ -245,7 +258,8 @@ def test_the_job_starts_from_the_init_from_weights_read_after_wrapping(world_of_
     argv = [*gpt, "--data", data, "--seed", "3", "--init-from", url]
     assert main([*argv, "--metrics", str(metrics), "--ledger", str(ledger)]) == 0
     events = _records(metrics)
-    assert {"event": "init_from", "url": url, "ignored": False} in events
+    # built with its parameters on meta: the checkpoint fills each shard
+    assert {"event": "init_from", "url": url, "ignored": False, "deferred": True} in events
     ids = _records(ledger)[0]["ids"]
     x, y = TokenDataset(np.fromfile(data, dtype=np.uint8), 8, seed=3).batch(ids)
     with torch.no_grad():
@@ -294,6 +308,23 @@ def test_init_sharded_fills_a_wrapped_model_as_the_whole_init_does(tmp_path) -> 
     for k, v in views.items():
         assert torch.equal(v.local, expected[k].reshape(-1)[v.offset : v.offset + v.length]), k
     assert torch.equal(module.t, expected["t"]) and not module.t.is_contiguous()
+
+
+def test_a_model_built_on_meta_unless_it_needs_parameter_values(world_of_one) -> None:
+    def deferred(spec: str) -> bool:
+        cfg = TrainConfig(model=spec, init_from="/x")
+        return build_deferred(cfg, plan_model(cfg)) is not None
+
+    assert deferred("gpt") and deferred("py:byo_factory:make")
+    cfg = TrainConfig(model="gpt")
+    built = build_deferred(cfg, plan_model(cfg))
+    assert built is not None and all(p.is_meta for p in built.module.parameters())
+    gpt = built.module
+    assert gpt.lm_head.weight is gpt.wte.weight  # still tied
+    assert not any(b.is_meta for b in gpt.buffers())
+    assert torch.empty(1).device.type == "cpu"  # the patch is gone
+    assert not deferred("py:byo_factory:make_derived")  # its buffer would be zeros
+    assert not deferred("py:byo_factory:make_reading")  # built whole instead
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
