@@ -132,26 +132,6 @@ def _read_group(
         flat.copy_(buf)
 
 
-def _read_pieces(
-    source: Source, group: list[tuple[Request, torch.Tensor]], scratch: _Scratch
-) -> None:
-    """Read each request of ``group`` into its staging slice: straight in when the dtypes agree,
-    else through ``scratch`` (the saved dtype) and a cast."""
-    requests, staged = [], []
-    scratch.pos = 0  # the previous group's staging is copied out: reuse it
-    for r, dst in group:
-        saved = source.tensors[r.name].dtype
-        if dst.dtype == saved:
-            requests.append((r.name, r.offset, dst))
-        else:
-            buf = scratch.take(r.length, saved)
-            requests.append((r.name, r.offset, buf))
-            staged.append((dst, buf))
-    source.read_into(requests)
-    for dst, buf in staged:
-        dst.copy_(buf)
-
-
 def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
     """Copy ``src`` (CPU) into ``dst`` (any dtype and device) a chunk at a time."""
     d, s = dst.detach().view(-1), src.view(-1)
@@ -381,8 +361,8 @@ class LazyStateDict(Mapping):
         init: each rank asks for its own shard; docs/training.md, "--init-from").
 
         All or nothing: every range is read (and verified, where the format has checksums) into
-        CPU staging of the targets' dtypes, ``chunk`` bytes of requests at a time, before any
-        ``out`` is written. ``KeyError`` for an unknown name, ``ValueError`` for a range outside
+        CPU staging of the saved dtype, ``chunk`` bytes of requests at a time, before any ``out``
+        is written. ``KeyError`` for an unknown name, ``ValueError`` for a range outside
         its tensor, ``StateMismatchError`` for a cast refused by [Note: the cast rule], all
         before anything is read."""
         source = self._source
@@ -401,25 +381,26 @@ class LazyStateDict(Mapping):
             f"checkpoint {self.url}",
             [(n, source.tensors[n].dtype, out.dtype, False) for n, _, out in targets],
         )
-        # Phase one: read everything into staging (nothing of the targets is written).
-        staging = [torch.empty(out.numel(), dtype=out.dtype) for _, _, out in targets]
-        pieces: list[tuple[Request, torch.Tensor]] = []  # (request, where it goes in staging)
-        for (name, offset, _), stage in zip(targets, staging, strict=True):
-            size = source.tensors[name].itemsize
-            for r in split_request(name, offset, stage.numel(), size, chunk):
-                pieces.append((r, stage[r.offset - offset : r.offset - offset + r.length]))
-        scratch = _Scratch(chunk)
-        group: list[tuple[Request, torch.Tensor]] = []
+        # Phase one: read everything into staging of the saved dtypes (an allowed cast only
+        # widens: the narrower of the two, as load_into stages); nothing of the targets is
+        # written. Requests go in groups of at most a chunk (the ftsdp reader holds a group).
+        staging = [torch.empty(out.numel(), dtype=source.tensors[n].dtype) for n, _, out in targets]
+        pieces = [
+            (r.name, r.offset, stage[r.offset - offset : r.offset - offset + r.length])
+            for (name, offset, _), stage in zip(targets, staging, strict=True)
+            for r in split_request(name, offset, stage.numel(), stage.element_size(), chunk)
+        ]
+        group: list[tuple[str, int, torch.Tensor]] = []
         used = 0
-        for r, dst in pieces:  # groups of at most a chunk (the ftsdp reader holds a group's bytes)
-            nbytes = r.length * source.tensors[r.name].itemsize
+        for piece in pieces:
+            nbytes = piece[2].numel() * piece[2].element_size()
             if group and used + nbytes > chunk:
-                _read_pieces(source, group, scratch)
+                source.read_into(group)
                 group, used = [], 0
-            group.append((r, dst))
+            group.append(piece)
             used += nbytes
         if group:
-            _read_pieces(source, group, scratch)
+            source.read_into(group)
         # Phase two: write the targets.
         for (_, _, out), stage in zip(targets, staging, strict=True):
             _copy_in(out, stage)

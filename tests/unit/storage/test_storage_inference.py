@@ -196,6 +196,15 @@ def test_fill_ranges_reads_only_its_ranges_all_or_nothing(
         with pytest.raises(OSError, match="injected"):
             ckpt.fill_ranges([("model.emb.weight", 0, c), ("model.emb.weight", 16, d)], chunk=64)
         assert len(calls) == 2 and bool((c == 7).all()) and bool((d == 7).all())
+    # bf16 saved, fp32 targets (pretrained weights into fp32 master weights): a widening
+    from safetensors.torch import save_file
+
+    half = torch.randn(6, 5).to(torch.bfloat16)
+    save_file({"w": half}, str(tmp_path / "half.safetensors"))
+    with storage.LazyStateDict(str(tmp_path / "half.safetensors")) as ckpt:
+        e = torch.empty(11)
+        ckpt.fill_ranges([("w", 13, e)])
+    assert torch.equal(e, half.reshape(-1)[13:24].float())
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
