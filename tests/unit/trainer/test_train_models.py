@@ -281,6 +281,14 @@ def test_the_job_starts_from_the_init_from_weights_read_after_wrapping(world_of_
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert f"--init-from {run} (ftsdp, step 1): loading failed: CorruptCheckpointError" in lines[0]
     assert "checksum mismatch" in lines[0]
+    # Another model's checkpoint: refused before the model is wrapped, as the whole load was.
+    other = GPT(GPTConfig(vocab_size=128, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    torch.save(other.state_dict(), tmp / "other.pt")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="ftsdp.train"):
+        assert main([*argv[:-1], str(tmp / "other.pt"), "--steps", "1"]) == 2
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "does not match the model: 0 missing, 12 unexpected" in lines[0]
 
 
 class _Strided(torch.nn.Module):
