@@ -27,12 +27,14 @@ from ftsdp.trainer._models import (
     BuiltModel,
     LossFn,
     ModelPlan,
+    build_deferred,
     build_model,
     gpt_loss,
     has_dropout,
-    init_weights,
+    init_sharded,
     model_positions,
     model_vocab,
+    plan_init,
     plan_model,
 )
 from ftsdp.trainer._records import SavedRun, mismatch, peek, refusal
@@ -167,14 +169,29 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     saved = _check_saved_run(cfg, rm, url, storage_options, plan.record, data.record)
     built = on_every_rank(rm, lambda: _make_model(cfg, session, plan, data, saved, storage_options))
     n_params = sum(p.numel() for p in built.module.parameters())  # a tied weight counts once
+    module = built.module
+    deferred = any(p.is_meta for p in module.parameters())  # --init-from fills every one
+    if deferred:
+        for m in module.modules():  # the buffers are real: to the device, as .to() would
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(rm.device)
+    else:
+        module = module.to(rm.device)
     model = ftsdp.FSDP(
-        built.module.to(rm.device),
+        module,
+        param_init_fn=_uninitialised if deferred else None,
         auto_wrap_policy=built.policy,
         sharding_strategy=ftsdp.ShardingStrategy[cfg.sharding_strategy],
         device_id=rm.device if rm.device.type == "cuda" else None,
         mixed_precision=MIXED_PRECISION[cfg.mixed_precision],
         deterministic=cfg.deterministic,
     )
+    if built.init is not None:  # after sharding: each rank reads only its own shards
+        init = built.init
+        line = on_every_rank(rm, lambda: init_sharded(model, init, storage_options=storage_options))
+        event = {"event": "init_from", "url": cfg.init_from, "ignored": False}
+        session.log.write(line, {**event, "deferred": deferred})
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95)
     )
@@ -222,6 +239,10 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     )
 
 
+def _uninitialised(module: torch.nn.Module) -> None:
+    """``param_init_fn`` of a model ``--init-from`` fills: its parameters stay as allocated."""
+
+
 def _check_saved_run(
     cfg: TrainConfig,
     rm: RankManager,
@@ -251,9 +272,14 @@ def _make_model(
     saved: SavedRun | None,
     storage_options: dict[str, Any] | None,
 ) -> BuiltModel:
-    """The unwrapped model (same on every rank), checked; ``--init-from`` unless resuming."""
+    """The unwrapped model (same on every rank), checked; ``--init-from`` (unless resuming)
+    checked against it, to be read after wrapping: then the model is built with its parameters
+    on the meta device where it can be (the engine allocates them unit by unit)."""
     torch.manual_seed(cfg.seed)  # same init on every rank
-    built = build_model(cfg, plan)
+    built = build_deferred(cfg, plan) if cfg.init_from and saved is None else None
+    if built is None:
+        torch.manual_seed(cfg.seed)
+        built = build_model(cfg, plan)
     module = built.module
     vocab = model_vocab(module)
     if vocab is not None and data.max_token >= vocab:
@@ -280,7 +306,6 @@ def _make_model(
             f"(step {saved.step})",
             {"event": "init_from", "url": cfg.init_from, "ignored": True},
         )
-    elif cfg.init_from:
-        line = init_weights(module, cfg.init_from, storage_options=storage_options)
-        session.log.write(line, {"event": "init_from", "url": cfg.init_from, "ignored": False})
+    elif cfg.init_from:  # checked here, on the unwrapped model; read once it is wrapped
+        built.init = plan_init(module, cfg.init_from, storage_options=storage_options)
     return built

@@ -7,7 +7,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import ftsdp
 from ftsdp import storage
 from ftsdp.examples.gpt import GPT, Block
 from ftsdp.trainer._config import ModelSpec, TrainConfig
@@ -153,6 +155,7 @@ class BuiltModel:
     module: nn.Module
     policy: Policy
     loss: LossFn
+    init: InitPlan | None = None  # --init-from, checked; read after wrapping (init_sharded)
 
 
 def plan_model(cfg: TrainConfig) -> ModelPlan:
@@ -231,15 +234,70 @@ def build_model(cfg: TrainConfig, plan: ModelPlan) -> BuiltModel:
     return BuiltModel(out, policy, module_loss)
 
 
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Every parameter registered inside moves to the meta device as it is registered (its
+    initialisers then run on meta: no memory, no RNG); buffers stay real. For a model whose every
+    parameter ``--init-from`` fills once it is wrapped (the engine allocates it unit by unit)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # attributes some libraries set on parameters
+            param = meta
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_deferred(cfg: TrainConfig, plan: ModelPlan) -> BuiltModel | None:
+    """:func:`build_model` with its parameters on the meta device (:func:`params_on_meta`), or
+    None (the caller builds it eagerly) when the build fails that way or leaves a buffer on
+    meta (a value computed from parameters: no checkpoint can give a non-persistent one)."""
+    try:
+        with params_on_meta():
+            built = build_model(cfg, plan)
+    except JobError:
+        raise
+    except Exception as e:  # a factory that reads parameter values while building
+        logger.debug("--init-from: the model cannot be built on meta (%s); building it whole", e)
+        return None
+    if any(b.is_meta for b in built.module.buffers()):
+        logger.debug("--init-from: the model has buffers derived from meta parameters")
+        return None
+    return built
+
+
 def _few(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
 
 
-def init_weights(
+@dataclass
+class InitPlan:
+    """``--init-from`` checked against the unwrapped model: what to read and from where."""
+
+    url: str
+    step: int | None  # the ftsdp step read (pinned: a newer commit does not change it)
+    prefix: str  # "" or "model.": the names that matched
+    names: dict[str, str]  # every state-dict key of the model -> its checkpoint name
+    source: str  # "URL (format, step N)"
+
+    @property
+    def where(self) -> str:
+        return f"--init-from {self.source}"
+
+
+def plan_init(
     module: nn.Module, url: str, *, storage_options: dict[str, Any] | None = None
-) -> str:
-    """Fill ``module`` from the checkpoint at ``url`` (any format ``ftsdp-ckpt`` reads; names bare
-    or under ``model.``), all or nothing; a one-line description, :class:`JobError` if it cannot."""
+) -> InitPlan:
+    """Check the checkpoint at ``url`` (any format ``ftsdp-ckpt`` reads; names bare or under
+    ``model.``) against ``module`` without reading a tensor: every parameter and persistent
+    buffer there with its shape; :class:`JobError` naming what does not match."""
     try:
         with storage.LazyStateDict(url, storage_options=storage_options) as src:
             fmt, step = src.format, src.step
@@ -273,14 +331,58 @@ def init_weights(
             "an ftsdp run saves them)"
         )
     bad = []
+    names: dict[str, str] = {}
     for tid, keys in groups.items():
         hit = next(k for k in keys if prefix + k in shapes)
+        names.update(dict.fromkeys(keys, prefix + hit))  # tied keys read the one saved
         if shapes[prefix + hit] != tuple(tensors[tid].shape):
             bad.append(f"{hit} {list(shapes[prefix + hit])} vs {list(tensors[tid].shape)}")
     if bad:
         raise JobError(f"{where} has other shapes than the model (saved vs model): {_few(bad)}")
+    return InitPlan(url, step, prefix, names, source)
+
+
+def init_weights(
+    module: nn.Module, url: str, *, storage_options: dict[str, Any] | None = None
+) -> str:
+    """Fill the unwrapped ``module`` from the checkpoint at ``url`` (checked by
+    :func:`plan_init`), all or nothing: every tensor whole, in this process; a one-line
+    description, :class:`JobError` if it cannot. A wrapped model reads only its shards:
+    :func:`init_sharded`."""
+    plan = plan_init(module, url, storage_options=storage_options)
     try:
-        storage.load_into(module, url, step, prefix=prefix, storage_options=storage_options)
+        storage.load_into(
+            module, url, plan.step, prefix=plan.prefix, storage_options=storage_options
+        )
     except (storage.CheckpointError, OSError) as e:
-        raise JobError(f"{where}: loading failed: {type(e).__name__}: {e}") from None
-    return f"initialised from {source}"
+        raise JobError(f"{plan.where}: loading failed: {type(e).__name__}: {e}") from None
+    return f"initialised from {plan.source}"
+
+
+def init_sharded(
+    model: ftsdp.FSDP, plan: InitPlan, *, storage_options: dict[str, Any] | None = None
+) -> str:
+    """Fill a wrapped ``model`` from ``plan`` (made by :func:`plan_init` on the model before
+    it was wrapped): each rank reads only the flat ranges of its own shards (and the whole
+    persistent buffers), all or nothing on this rank: nothing is written before every range was
+    read. The same tensors as :func:`init_weights` on the unwrapped model, bitwise; a one-line
+    description, :class:`JobError` if it cannot."""
+    views = model.sharded_state_dict()
+    unknown = sorted(k for k in views if k not in plan.names)
+    if unknown:  # the wrapped model names what the unwrapped one did: a bug if not
+        raise JobError(f"{plan.where}: the wrapped model has keys the plan lacks: {_few(unknown)}")
+    # A view of a tensor that is not contiguous (a buffer, an ignored parameter) is a copy:
+    # read into it, then copy it back into the tensor.
+    state = model.module.state_dict(keep_vars=True)
+    copies = [(state[k], v.local) for k, v in views.items() if not state[k].is_contiguous()]
+    requests = [(plan.names[k], v.offset, v.local) for k, v in views.items() if v.length]
+    try:
+        with storage.LazyStateDict(plan.url, plan.step, storage_options=storage_options) as src:
+            n = src.fill_ranges(requests)
+    except (storage.CheckpointError, ValueError, KeyError, OSError) as e:
+        raise JobError(f"{plan.where}: loading failed: {type(e).__name__}: {e}") from None
+    with torch.no_grad():
+        for tensor, flat in copies:
+            tensor.copy_(flat.view(tensor.shape))
+    logger.debug("%s: read %d elements of this rank's shards", plan.where, n)
+    return f"initialised from {plan.source}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
@@ -351,6 +351,60 @@ class LazyStateDict(Mapping):
         if length:
             self._source.read_into([(name, offset, out)])
         return out
+
+    def fill_ranges(
+        self, targets: Sequence[tuple[str, int, torch.Tensor]], chunk: int = DEFAULT_CHUNK
+    ) -> int:
+        """Fill each ``(name, offset, out)``: ``out`` (1-D, contiguous, any dtype and device) gets
+        elements ``[offset, offset + out.numel())`` of the row-major flattening of tensor
+        ``name``; the number of elements read. Only those ranges are read (a sharded model's
+        init: each rank asks for its own shard; docs/training.md, "--init-from").
+
+        All or nothing: every range is read (and verified, where the format has checksums) into
+        CPU staging of the saved dtype, ``chunk`` bytes of requests at a time, before any ``out``
+        is written. ``KeyError`` for an unknown name, ``ValueError`` for a range outside
+        its tensor, ``StateMismatchError`` for a cast refused by [Note: the cast rule], all
+        before anything is read."""
+        source = self._source
+        unknown = [n for n, _, _ in targets if n not in source.tensors]
+        if unknown:
+            raise KeyError(f"{self.url} has no tensor(s) {sorted(set(unknown))}")
+        for name, offset, out in targets:
+            numel = source.tensors[name].numel
+            if out.dim() != 1 or not out.is_contiguous():
+                raise ValueError(f"{name}: the target must be 1-D and contiguous")
+            if offset < 0 or offset + out.numel() > numel:
+                raise ValueError(
+                    f"{name}: range offset={offset} length={out.numel()} is outside [0, {numel})"
+                )
+        _check_casts(
+            f"checkpoint {self.url}",
+            [(n, source.tensors[n].dtype, out.dtype, False) for n, _, out in targets],
+        )
+        # Phase one: read everything into staging of the saved dtypes (an allowed cast only
+        # widens: the narrower of the two, as load_into stages); nothing of the targets is
+        # written. Requests go in groups of at most a chunk (the ftsdp reader holds a group).
+        staging = [torch.empty(out.numel(), dtype=source.tensors[n].dtype) for n, _, out in targets]
+        pieces = [
+            (r.name, r.offset, stage[r.offset - offset : r.offset - offset + r.length])
+            for (name, offset, _), stage in zip(targets, staging, strict=True)
+            for r in split_request(name, offset, stage.numel(), stage.element_size(), chunk)
+        ]
+        group: list[tuple[str, int, torch.Tensor]] = []
+        used = 0
+        for piece in pieces:
+            nbytes = piece[2].numel() * piece[2].element_size()
+            if group and used + nbytes > chunk:
+                source.read_into(group)
+                group, used = [], 0
+            group.append(piece)
+            used += nbytes
+        if group:
+            source.read_into(group)
+        # Phase two: write the targets.
+        for (_, _, out), stage in zip(targets, staging, strict=True):
+            _copy_in(out, stage)
+        return sum(stage.numel() for stage in staging)
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._source.tensors))

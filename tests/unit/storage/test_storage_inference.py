@@ -158,3 +158,79 @@ def test_lazy_mapping_reads_on_first_access(
     storage.conversion.convert(url, hf, to="hf", model_only=True)
     lazy = storage.LazyStateDict(hf, dtype=torch.float16)
     assert lazy.format == "hf" and lazy["model.emb.weight"].dtype == torch.float16
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_fill_ranges_reads_only_its_ranges_all_or_nothing(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, ref = _saved(tmp_path)
+    emb, proj = ref.emb.weight.detach().reshape(-1), ref.proj.weight.detach().reshape(-1)
+    reads = _count_reads(monkeypatch)
+    with storage.LazyStateDict(url) as ckpt:
+        a, b = torch.full((30,), -1.0), torch.full((7,), -1.0, dtype=torch.float64)  # a widening
+        assert ckpt.fill_ranges([("model.emb.weight", 10, a), ("model.proj.weight", 5, b)]) == 37
+        assert torch.equal(a, emb[10:40]) and torch.equal(b, proj[5:12].double())
+        assert sorted(reads) == [("model.emb.weight", 10, 30), ("model.proj.weight", 5, 7)]
+        reads.clear()
+        # refused before anything is read
+        with pytest.raises(storage.StateMismatchError, match="refusing to cast"):
+            ckpt.fill_ranges([("model.emb.weight", 0, torch.empty(4, dtype=torch.bfloat16))])
+        with pytest.raises(ValueError, match=r"outside \[0, 128\)"):
+            ckpt.fill_ranges([("model.emb.weight", 100, torch.empty(29))])
+        with pytest.raises(KeyError, match="nope"):
+            ckpt.fill_ranges([("nope", 0, torch.empty(1))])
+        assert reads == []
+        # a read that fails half-way writes nothing: every target keeps its values
+        real = type(ckpt._source).read_into
+        calls = []
+
+        def fail_second(self: Any, requests: Any) -> None:
+            calls.append(len(requests))
+            if len(calls) == 2:
+                raise OSError("injected")
+            real(self, requests)
+
+        monkeypatch.setattr(type(ckpt._source), "read_into", fail_second)
+        c, d = torch.full((16,), 7.0), torch.full((16,), 7.0)
+        with pytest.raises(OSError, match="injected"):
+            ckpt.fill_ranges([("model.emb.weight", 0, c), ("model.emb.weight", 16, d)], chunk=64)
+        assert len(calls) == 2 and bool((c == 7).all()) and bool((d == 7).all())
+    # bf16 saved, fp32 targets (pretrained weights into fp32 master weights): a widening
+    from safetensors.torch import save_file
+
+    half = torch.randn(6, 5).to(torch.bfloat16)
+    save_file({"w": half}, str(tmp_path / "half.safetensors"))
+    with storage.LazyStateDict(str(tmp_path / "half.safetensors")) as ckpt:
+        e = torch.empty(11)
+        ckpt.fill_ranges([("w", 13, e)])
+    assert torch.equal(e, half.reshape(-1)[13:24].float())
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+@pytest.mark.parametrize("fmt", ["hf", "torch", "dcp"])
+def test_fill_ranges_reads_only_the_bytes_asked_for(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    # The formats with no checksum blocks: the bytes read are exactly the ranges' (an ftsdp
+    # step reads whole checksum blocks around them: test_load_state_dict_reads_only_requested).
+    url, ref = _saved(tmp_path)
+    dst = str(tmp_path / ("out.pt" if fmt == "torch" else "out"))
+    storage.conversion.convert(url, dst, to=fmt, model_only=True)
+    from ftsdp.storage.io._fs import Store
+
+    seen: list[int] = []
+    real = Store._read_into_once
+
+    def spy(self: Any, rel: str, start: int, view: Any) -> None:
+        seen.append(len(view))
+        real(self, rel, start, view)
+
+    with storage.LazyStateDict(dst) as ckpt:
+        ckpt.fill_ranges([("model.emb.weight", 0, torch.empty(1))])  # a layout's first read
+        monkeypatch.setattr(Store, "_read_into_once", spy)
+        a, b = torch.empty(30), torch.empty(7)
+        ckpt.fill_ranges([("model.emb.weight", 10, a), ("model.proj.weight", 5, b)])
+    assert torch.equal(a, ref.emb.weight.detach().reshape(-1)[10:40])
+    assert torch.equal(b, ref.proj.weight.detach().reshape(-1)[5:12])
+    assert sum(seen) == 37 * 4, seen

@@ -17,12 +17,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
+import ftsdp
 from ftsdp import storage
 from ftsdp.examples.data import TokenDataset
 from ftsdp.examples.gpt import GPT, GPTConfig
 from ftsdp.train import main
+from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._errors import JobError
-from ftsdp.trainer._models import init_weights
+from ftsdp.trainer._models import build_deferred, init_sharded, init_weights, plan_init, plan_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,6 +67,18 @@ def make_plain(cfg):
 
 def make_nothing(cfg):
     return "not a module"
+
+
+def make_derived(cfg):  # a buffer computed from a parameter: no checkpoint holds it
+    tiny = Tiny(256, 16)
+    tiny.register_buffer("norm", tiny.head.weight.detach().norm(dim=1), persistent=False)
+    return tiny
+
+
+def make_reading(cfg):  # reads a parameter's value while building
+    tiny = Tiny(256, 16)
+    tiny.first = float(tiny.head.bias.detach()[0])
+    return tiny
 
 
 def make_sized(cfg):  # the same spec, another model: a width from the environment
@@ -230,6 +244,95 @@ def test_init_from_another_model_is_refused_in_one_line_and_changes_nothing(tmp_
     with pytest.raises(JobError, match=r"other shapes than the model .*wpe.weight \[16, 16\]"):
         init_weights(module, str(tmp_path / "wider.pt"))
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+def test_the_job_starts_from_the_init_from_weights_read_after_wrapping(world_of_one, caplog):
+    tmp = world_of_one
+    data, metrics, ledger = _text(tmp), tmp / "m.jsonl", tmp / "l.jsonl"
+    torch.manual_seed(9)  # not the job's seed: its own init would give another loss
+    source = GPT(GPTConfig(vocab_size=128, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    saved = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}  # tied
+    url = str(tmp / "init.safetensors")
+    save_file(saved, url)
+    gpt = [*BASE, "--vocab-size", "128", "--n-layer", "1", "--n-head", "2", "--n-embd", "16"]
+    argv = [*gpt, "--data", data, "--seed", "3", "--init-from", url]
+    assert main([*argv, "--metrics", str(metrics), "--ledger", str(ledger)]) == 0
+    events = _records(metrics)
+    # built with its parameters on meta: the checkpoint fills each shard
+    assert {"event": "init_from", "url": url, "ignored": False, "deferred": True} in events
+    ids = _records(ledger)[0]["ids"]
+    x, y = TokenDataset(np.fromfile(data, dtype=np.uint8), 8, seed=3).batch(ids)
+    with torch.no_grad():
+        expected = (source(x[:2], y[:2])[1].item() + source(x[2:], y[2:])[1].item()) / 2
+    first = next(r for r in events if r["event"] == "step")
+    assert first["loss"] == pytest.approx(expected, abs=1e-6)
+    # A checkpoint that passes the checks but whose bytes are damaged: one line, exit 2.
+    run = str(tmp / "run")
+    storage.save({"model": saved}, run, 1).wait()
+    objects = sorted((tmp / "run").glob("step-*/*.safetensors"), key=lambda p: p.stat().st_size)
+    with open(objects[-1], "r+b") as f:
+        f.seek(-8, 2)
+        last = f.read(1)
+        f.seek(-8, 2)
+        f.write(bytes([last[0] ^ 1]))
+    with caplog.at_level(logging.ERROR, logger="ftsdp.train"):
+        assert main([*argv[:-1], run, "--steps", "1"]) == 2
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert f"--init-from {run} (ftsdp, step 1): loading failed: CorruptCheckpointError" in lines[0]
+    assert "checksum mismatch" in lines[0]
+    # Another model's checkpoint: refused before the model is wrapped, as the whole load was.
+    other = GPT(GPTConfig(vocab_size=128, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    torch.save(other.state_dict(), tmp / "other.pt")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="ftsdp.train"):
+        assert main([*argv[:-1], str(tmp / "other.pt"), "--steps", "1"]) == 2
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "does not match the model: 0 missing, 12 unexpected" in lines[0]
+
+
+class _Strided(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 6)
+        self.register_buffer("t", torch.randn(3, 5).t())  # not contiguous: its view is a copy
+
+
+def test_init_sharded_fills_a_wrapped_model_as_the_whole_init_does(tmp_path) -> None:
+    torch.manual_seed(1)
+    source = _Strided()
+    url = str(tmp_path / "m.safetensors")
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, url)
+    torch.manual_seed(2)
+    whole, module = _Strided(), _Strided()
+    assert init_weights(whole, url) == f"initialised from {url} (hf)"
+    plan = plan_init(module, url)
+    model = ftsdp.FSDP(module)  # one process, no group
+    assert init_sharded(model, plan) == f"initialised from {url} (hf)"
+    expected = whole.state_dict()
+    assert all(torch.equal(expected[k], source.state_dict()[k]) for k in expected)
+    views = model.sharded_state_dict()
+    assert sorted(views) == sorted(expected)
+    for k, v in views.items():
+        assert torch.equal(v.local, expected[k].reshape(-1)[v.offset : v.offset + v.length]), k
+    assert torch.equal(module.t, expected["t"]) and not module.t.is_contiguous()
+
+
+def test_a_model_built_on_meta_unless_it_needs_parameter_values(world_of_one) -> None:
+    def deferred(spec: str) -> bool:
+        cfg = TrainConfig(model=spec, init_from="/x")
+        return build_deferred(cfg, plan_model(cfg)) is not None
+
+    assert deferred("gpt") and deferred("py:byo_factory:make")
+    cfg = TrainConfig(model="gpt")
+    built = build_deferred(cfg, plan_model(cfg))
+    assert built is not None and all(p.is_meta for p in built.module.parameters())
+    gpt = built.module
+    assert gpt.lm_head.weight is gpt.wte.weight  # still tied
+    assert not any(b.is_meta for b in gpt.buffers())
+    assert torch.empty(1).device.type == "cpu"  # the patch is gone
+    assert not deferred("py:byo_factory:make_derived")  # its buffer would be zeros
+    assert not deferred("py:byo_factory:make_reading")  # built whole instead
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
