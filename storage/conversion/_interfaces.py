@@ -6,7 +6,9 @@ and exit codes")."""
 from __future__ import annotations
 
 import abc
+import itertools
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from ftsdp.storage._options import MAX_JSON_DEPTH
+from ftsdp.storage.format._grid import Box, Cuts, grid_tiles, strides
 from ftsdp.storage.format._json import too_deep
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import Meter, Request, TensorInfo, group_requests, split_request
@@ -23,6 +26,7 @@ class Source(abc.ABC):
     """A checkpoint opened for reading: its tensors and values, known without reading data."""
 
     format: str = ""
+    exact_boxes = False  # read_boxes_into reads only the boxes' bytes (else: see there)
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -38,6 +42,26 @@ class Source(abc.ABC):
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype) with elements
         ``[offset, offset + out.numel())`` of tensor ``name``."""
+
+    def read_boxes_into(self, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
+        """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype, ``box.numel`` elements)
+        with the elements of ``box`` of tensor ``name``, row-major in the box. Here: through
+        ``read_into``, of the row-major range from the box's first element to its last (at most
+        the box's rows of dim 0 times the rest of the tensor), cut (``Feed`` budgets for that)."""
+        reads, cuts = [], []
+        for name, box, out in requests:
+            if not box.numel:
+                continue
+            st = strides(self.tensors[name].shape)
+            lo = sum(o * k for o, k in zip(box.offsets, st, strict=True))
+            hi = sum((o + n - 1) * k for o, n, k in zip(*box, st, strict=True)) + 1
+            span = torch.empty(hi - lo, dtype=out.dtype)
+            reads.append((name, lo, span))
+            cuts.append((span.as_strided(box.lengths, st), out))
+        if reads:
+            self.read_into(reads)
+        for view, out in cuts:
+            out.view(view.shape).copy_(view)
 
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the reader holds (files, caches)."""
@@ -69,7 +93,8 @@ class OutTensor:
 
 class Feed:
     """Serves flat ranges of output tensors from ``source`` in requests of at most ``chunk`` bytes
-    (see [Note: the memory budget] in ``storage/io/_streaming.py``)."""
+    (see [Note: the memory budget] in ``storage/io/_streaming.py``): ranges of the row-major
+    order, or of the grid order of a tensor given a grid (``set_grid``)."""
 
     def __init__(self, source: Source, outputs: list[OutTensor], chunk: int, meter: Meter) -> None:
         self.source, self.chunk, self.meter = source, chunk, meter
@@ -78,6 +103,15 @@ class Feed:
             o.info.name: max(o.info.itemsize, source.tensors[o.source_name].itemsize)
             for o in outputs
         }
+        self.grids: dict[str, Cuts] = {}
+
+    def set_grid(self, name: str, cuts: Cuts) -> None:
+        """Serve output ``name`` in the grid order of ``cuts`` (its ranges are of that order)."""
+        self.grids[name] = cuts
+        if not self.source.exact_boxes:  # a box costs the rows holding it: smaller requests
+            shape = self.outputs[name].info.shape
+            narrowest = math.prod(min(b - a for a, b in itertools.pairwise(c)) for c in cuts[1:])
+            self._sizes[name] *= -(-math.prod(shape[1:]) // max(narrowest, 1))
 
     @property
     def infos(self) -> list[TensorInfo]:
@@ -91,15 +125,27 @@ class Feed:
         """One 1-D tensor (output dtype) per request, in order; a group of them read at a time."""
         for group in group_requests(requests, self._sizes, self.chunk):
             names = [self.outputs[r.name].source_name for r in group]
-            reads = [
-                (n, r.offset, torch.empty(r.length, dtype=self.source.tensors[n].dtype))
+            outs = [
+                torch.empty(r.length, dtype=self.source.tensors[n].dtype)
                 for n, r in zip(names, group, strict=True)
             ]
-            self.source.read_into(reads)
-            for r, (_, _, o) in zip(group, reads, strict=True):
+            reads, boxes = [], []
+            for n, r, o in zip(names, group, outs, strict=True):
+                cuts = self.grids.get(r.name)
+                if cuts is None:
+                    reads.append((n, r.offset, o))
+                    continue
+                shape = self.source.tensors[n].shape
+                for box, at in grid_tiles(cuts, shape, r.offset, r.length):
+                    boxes.append((n, box, o[at : at + box.numel]))
+            if reads:
+                self.source.read_into(reads)
+            if boxes:
+                self.source.read_boxes_into(boxes)
+            for r, o in zip(group, outs, strict=True):
                 self.meter.add(o.numel() * o.element_size())
                 yield o.to(self.outputs[r.name].info.dtype)
-            del reads
+            del reads, boxes, outs
 
     def block(self, info: TensorInfo, offset: int, length: int) -> torch.Tensor:
         """Elements ``[offset, offset + length)`` of output ``info`` as one tensor."""

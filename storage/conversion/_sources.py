@@ -16,6 +16,7 @@ from ftsdp.storage._errors import (
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._dtypes import BY_SAFETENSORS_CODE, torch_dtype
+from ftsdp.storage.format._grid import Box
 from ftsdp.storage.format._json import decode_json, show
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE, HF_VALUES_KEY
 from ftsdp.storage.format._ranges import Range
@@ -65,6 +66,7 @@ class FtsdpSource(Source):
     """One committed step (``step``; None: the newest) of an ftsdp checkpoint root."""
 
     format = "ftsdp"
+    exact_boxes = True
 
     def __init__(self, store: Store, step: int | None, options: LoadOptions | None = None) -> None:
         super().__init__(store)
@@ -80,6 +82,15 @@ class FtsdpSource(Source):
             Want(name, self.manifest.tensors[name], Range(offset, out.numel()), out)
             for name, offset, out in requests
             if out.numel()
+        ]
+        execute(self.store, self.manifest, plan_reads(wants, self.manifest.checksum_block_bytes))
+
+    def read_boxes_into(self, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
+        """Exactly the bytes of each box (from any saved layout: see ``plan_reads``)."""
+        wants = [
+            Want(name, self.manifest.tensors[name], Range(0, box.numel), out, box)
+            for name, box, out in requests
+            if box.numel
         ]
         execute(self.store, self.manifest, plan_reads(wants, self.manifest.checksum_block_bytes))
 

@@ -150,6 +150,33 @@ def flat_tiles(start: int, length: int, shape: Sequence[int]) -> list[tuple[Box,
     return out
 
 
+def grid_tiles(cuts: Cuts, shape: Sequence[int], start: int, length: int) -> list[tuple[Box, int]]:
+    """Elements ``[start, start + length)`` of the grid order of ``cuts`` as boxes of the tensor,
+    each a contiguous run of that order (row-major inside the box), with the run's first position
+    (in ``[0, length)``), in order: :func:`flat_tiles` of each cell the range crosses."""
+    out: list[tuple[Box, int]] = []
+    end = start + length
+    if length <= 0:
+        return out
+    ranges = [range(max(len(c) - 1, 1)) for c in cuts]
+    for index in itertools.product(*ranges):  # the cells in grid order
+        lo = tuple(cuts[d][i] for d, i in enumerate(index))
+        lengths = tuple(
+            c[i + 1] - c[i] if len(c) > 1 else 0 for c, i in zip(cuts, index, strict=True)
+        )
+        first = cell_start(cuts, shape, index)
+        numel = math.prod(lengths)
+        a, b = max(start, first), min(end, first + numel)
+        if first >= end:
+            break
+        if a >= b:
+            continue
+        for tile, pos in flat_tiles(a - first, b - a, lengths):
+            shifted = tuple(o + x for o, x in zip(lo, tile.offsets, strict=True))
+            out.append((Box(shifted, tile.lengths), a - start + pos))
+    return out
+
+
 def runs(shape: Sequence[int], cuts: Cuts, tiles: Sequence[tuple[Box, int]]) -> list[Run]:
     """The runs copying the elements of ``tiles`` (each a box stored row-major from its
     position in the target's buffer) out of a tensor stored in the grid order of ``cuts``."""

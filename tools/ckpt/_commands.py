@@ -107,8 +107,8 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         grid = sum("grid" in lay for lay in layouts)
         rule = sum("rule" in lay for lay in layouts)
         out.write(
-            f"layouts: {grid} on a grid (N-D shards), {rule} by a layout rule, "
-            f"{len(layouts) - rule} listing their pieces\n"
+            f"layouts: {grid} on a grid (N-D shards), {len(layouts) - grid} row-major; "
+            f"{rule} by a layout rule, {len(layouts) - rule} listing their pieces\n"
         )
     if not args.tensors:
         if info["tensors"]:
@@ -151,6 +151,8 @@ def _report_convert(result: storage.conversion.ConvertResult, out: TextIO) -> No
     where = (
         f" step {result.step} for world size {result.world_size}" if result.step is not None else ""
     )
+    if result.mesh is not None:
+        where += f" (a {'x'.join(map(str, result.mesh))} mesh)"
     read = "" if result.source_step is None else f" (step {result.source_step})"
     out.write(
         f"wrote {result.dest_format}{where}: {result.tensors} tensors, "
@@ -169,8 +171,8 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         kwargs.update(export)
     result = _with_progress(
         args, storage.conversion.convert, src=args.src, dst=args.dst, to=args.to,
-        src_format=args.src_format, world_size=args.world_size,
-        max_shard_bytes=args.max_shard_size, **kwargs,
+        src_format=args.src_format, world_size=args.world_size, mesh=args.mesh,
+        placements=args.placement, max_shard_bytes=args.max_shard_size, **kwargs,
     )  # fmt: skip
     _report_convert(result, out)
     for line in notes(result) if notes else []:  # the files copied, and notes
@@ -181,7 +183,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_reshard(args: argparse.Namespace, out: TextIO) -> int:
     result = _with_progress(
         args, storage.conversion.reshard, src=args.src, dst=args.dst, world_size=args.world_size,
-        **_convert_kwargs(args),
+        mesh=args.mesh, placements=args.placement, **_convert_kwargs(args),
     )  # fmt: skip
     _report_convert(result, out)
     return 0

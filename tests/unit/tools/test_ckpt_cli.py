@@ -103,7 +103,9 @@ def test_inspect_shows_grids_and_rules_of_the_v5_golden(tmp_path: pathlib.Path) 
     assert layout["model.up"] == {"pieces": 5} and layout["model.bias"] == {"pieces": 2}
     code, out, _ = _cli("inspect", str(GOLDEN_V5), "--tensors")
     assert code == 0
-    assert "layouts: 4 on a grid (N-D shards), 1 by a layout rule, 5 listing their pieces" in out
+    assert (
+        "layouts: 4 on a grid (N-D shards), 2 row-major; 1 by a layout rule, 5 listing their pieces"
+    ) in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("model.")}
     assert rows["model.down"].endswith("grid 2x2, cells 3|2 x 4|3, 6 pieces")
     assert rows["model.even"].endswith("grid 2x2, cells 2 x 3, even rule (chunk 6)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pathlib
 import shutil
 import warnings
@@ -148,3 +149,89 @@ def test_reshard_diff_and_verify(golden: str, tmp_path: pathlib.Path) -> None:
     obj.write_bytes(bytes(data))
     code, text, err = _cli("verify", golden, "--step", "13", "-q")
     assert code == 1 and "FAILED" in text and obj.name in text, (text, err)
+
+
+def _grids(root: str, step: int = STEP) -> tuple[dict, int, int]:
+    """Each tensor's grid (None: row-major), the version and world size of a step's manifest."""
+    doc = json.loads(pathlib.Path(root, f"step-{step}", "manifest.json").read_text())
+    return {n: t.get("grid") for n, t in doc["tensors"].items()}, doc["version"], doc["world_size"]
+
+
+_MESHES = {
+    "2x2": (
+        [],
+        {
+            "model.bias": None,  # (S0, R): halves of the rows, plain row-major
+            "model.cols": [[0, 2, 4], [0, 3, 6]],
+            "model.cube": [[0, 1, 2], [0, 2, 4], [0, 6]],
+            "model.down": [[0, 3, 5], [0, 4, 7]],  # torch's chunking: 3 + 2 rows, 4 + 3 cols
+            "model.even": [[0, 2, 4], [0, 3, 6]],
+            "model.up": [[0, 4, 8], [0, 2, 3]],
+        },
+    ),
+    "3x1": ([], dict.fromkeys(REF)),  # rows cut in 3 (2 + 2 + 1; cube: 1 + 1 + none): row-major
+    "3x1 placed": (
+        ["--placement", "model.cube=S2,S1", "--placement", "model.u*=S1,R"],
+        {
+            **dict.fromkeys(REF),
+            "model.cube": [[0, 2], [0, 4], [0, 2, 4, 6]],
+            "model.up": [[0, 8], [0, 1, 2, 3]],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MESHES))
+def test_reshard_to_a_mesh(golden: str, tmp_path: pathlib.Path, case: str) -> None:
+    """``reshard --mesh``: a version 5 step whose grids are the cuts of the placements asked for,
+    which loads bitwise and verifies."""
+    mesh = case.split()[0]
+    flags, want = _MESHES[case]
+    out = str(tmp_path / "mesh")
+    code, text, err = _cli("reshard", golden, out, "--mesh", mesh, *flags, "-q")
+    size = math.prod(int(n) for n in mesh.split("x"))
+    assert code == 0 and f"for world size {size} (a {mesh} mesh)" in text, err
+    grids, version, world = _grids(out)
+    assert grids == want and world == size
+    assert version == (5 if any(want.values()) else 3)
+    _same(storage.load_state_dict(out))
+    assert _cli("verify", out, "-q")[0] == 0
+
+
+def test_reshard_to_a_mesh_as_dtensors_save(golden: str, tmp_path: pathlib.Path) -> None:
+    """With the golden's own placements (those without a strided shard), the grids are the ones
+    the 4 ranks' DTensor save wrote; from an hf copy (no box reads: rows read and cut) too."""
+    flags = ["--placement", "model.cube=S2,S1", "--placement", "model.cols=R,S1"]
+    saved, _, _ = _grids(golden)
+    hf = str(tmp_path / "hf")
+    assert _cli("convert", golden, hf, "--to", "hf", *_AS_SAVED["hf"], "-q")[0] == 0
+    for src in (golden, hf):
+        out = str(tmp_path / f"mesh-{pathlib.Path(src).name}")
+        code, _, err = _cli("reshard", src, out, "--mesh", "2x2", *flags, "-q")
+        assert code == 0, err
+        grids, _, _ = _grids(out, STEP if src == golden else 0)
+        assert {n: g for n, g in grids.items() if n != "model.up"} == {
+            n: g for n, g in saved.items() if n != "model.up"
+        }
+        _same(storage.load_state_dict(out))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world-size", "2", "--placement", "*=S0"], "--placement applies with --mesh only"),
+        (["--mesh", "2x2", "--placement", "*=S0"], "gives 1 placements for the 2 dims"),
+        (["--mesh", "2x2", "--placement", "model.bias=S1,R"], "'model.bias' (1 dims) cannot"),
+        (["--mesh", "2x0"], "mesh '2x0' must be mesh dim sizes >= 1"),
+        (["--mesh", "2x2", "--placement", "*=S0,P"], "must be PATTERN=SPEC"),
+        (["--mesh", "2", "--world-size", "2"], "not allowed with argument"),
+        (["--to", "hf", "--mesh", "2"], "--mesh applies to --to ftsdp only, not hf"),
+    ],
+)
+def test_reshard_mesh_usage_errors(
+    golden: str, tmp_path: pathlib.Path, argv: list[str], message: str
+) -> None:
+    command = "convert" if "--to" in argv else "reshard"
+    code, out, err = _cli(command, golden, str(tmp_path / "out"), *argv, "-q")
+    assert code == 2 and message in err and not out, err
+    assert not (tmp_path / "out").exists()
