@@ -299,7 +299,10 @@ BAD = {
         "manifest is not valid JSON",
     ),
     "truncated hf": (["inspect", "{tmp}/trunc.safetensors"], "truncated or corrupt"),
-    "reshard without world size": (["reshard", "{root}", "{tmp}/o"], "required: --world-size"),
+    "reshard without world size": (
+        ["reshard", "{root}", "{tmp}/o"],
+        "one of the arguments --world-size --mesh is required",
+    ),
     "no command": ([], "required: command"),
 }
 
