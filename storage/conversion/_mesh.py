@@ -6,13 +6,13 @@ its mesh coordinate holds, and the tensor the grid of those boxes (storage/forma
 from __future__ import annotations
 
 import fnmatch
-import itertools
+import functools
 import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from ftsdp.storage.format._grid import Cuts, box_range, dtensor_grid, is_plain
+from ftsdp.storage.format._grid import Cuts, box_range, dtensor_boxes, is_plain
 from ftsdp.storage.format._ranges import Range
 
 _SPEC = re.compile(r"S(\d+)|R")
@@ -86,18 +86,16 @@ def placements_for(name: str, ndim: int, mesh: Sequence[int], rules: PlacementRu
     return out
 
 
+@functools.lru_cache(maxsize=1024)  # a model's layers share shapes and placements
 def mesh_layout(
-    shape: Sequence[int], mesh: Sequence[int], placements: tuple
-) -> tuple[Cuts | None, list[Range | None]]:
+    shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple
+) -> tuple[Cuts | None, tuple[Range | None, ...]]:
     """The grid of a tensor of ``shape`` under ``placements`` on ``mesh`` (None when its order
     is the row-major one), and each rank's range of that order (None: it holds nothing). Rank
     ``r`` is at the ``r``-th mesh coordinate in row-major order, as a ``DeviceMesh`` of
     ``torch.arange(world).reshape(mesh)`` places it."""
-    ranges: list[Range | None] = []
-    cuts: Cuts = ()
-    for coordinate in itertools.product(*(range(n) for n in mesh)):
-        box, cuts = dtensor_grid(shape, mesh, coordinate, placements)
-        ranges.append(Range(*box_range(cuts, shape, box)) if box.numel else None)
     if math.prod(shape) == 0:  # nothing to hold: rank 0 lists it
-        return None, [Range(0, 0)] + [None] * (len(ranges) - 1)
+        return None, (Range(0, 0), *[None] * (math.prod(mesh) - 1))
+    boxes, cuts = dtensor_boxes(shape, mesh, placements)
+    ranges = tuple(Range(*box_range(cuts, shape, box)) if box.numel else None for box in boxes)
     return (None if is_plain(cuts, shape) else cuts), ranges

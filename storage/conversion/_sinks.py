@@ -119,7 +119,7 @@ class FtsdpSink(Sink):
         box in the grid order, the grid as the sixth item; the feed serves that order."""
         assert self.mesh is not None
         placements = placements_for(t.name, len(t.shape), self.mesh, self.rules)
-        grid, ranges = mesh_layout(t.shape, self.mesh, placements)
+        grid, ranges = mesh_layout(tuple(t.shape), self.mesh, placements)
         if grid is not None:
             feed.set_grid(t.name, grid)
         for r, rng in enumerate(ranges):

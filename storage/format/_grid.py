@@ -287,6 +287,39 @@ def dtensor_grid(
     return Box(tuple(offsets), tuple(lengths)), tuple(cuts)
 
 
+def dtensor_boxes(
+    shape: Sequence[int], mesh_shape: Sequence[int], placements: Any
+) -> tuple[list[Box], Cuts]:
+    """Every mesh coordinate's box of a DTensor (coordinates in row-major order) and the grid of
+    them: :func:`dtensor_grid` for all coordinates at once, each dim's spans computed once."""
+    _, cuts = dtensor_grid(shape, mesh_shape, (0,) * len(mesh_shape), placements)  # checks
+    from torch.distributed.tensor import Replicate
+
+    per_dim = []  # per tensor dim: (mesh dims sharding it, their coordinates -> span)
+    for d in range(len(shape)):
+        mesh_dims = [
+            m
+            for m, p in enumerate(placements)
+            if not isinstance(p, Replicate) and getattr(p, "dim", None) == d
+        ]
+        spans = {
+            coords: _dim_span(
+                shape[d], mesh_shape, dict(zip(mesh_dims, coords, strict=True)), placements, d
+            )
+            for coords in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims))
+        }
+        per_dim.append((mesh_dims, spans))
+    boxes = []
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        offsets, lengths = [], []
+        for d, (mesh_dims, spans) in enumerate(per_dim):
+            lo, hi = spans[tuple(coordinate[m] for m in mesh_dims)] if mesh_dims else (0, shape[d])
+            offsets.append(lo)
+            lengths.append(hi - lo)
+        boxes.append(Box(tuple(offsets), tuple(lengths)))
+    return boxes, cuts
+
+
 def _dim_span(
     size: int, mesh_shape: Sequence[int], coords: dict[int, int], placements: Any, d: int
 ) -> tuple[int, int]:

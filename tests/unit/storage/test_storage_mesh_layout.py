@@ -15,7 +15,7 @@ from ftsdp import storage
 from ftsdp.storage.conversion._formats import open_source
 from ftsdp.storage.conversion._interfaces import Feed, OutTensor
 from ftsdp.storage.conversion._mesh import mesh_layout, parse_placements
-from ftsdp.storage.format._grid import grid_tiles
+from ftsdp.storage.format._grid import dtensor_boxes, dtensor_grid, grid_tiles
 from ftsdp.storage.io._streaming import Meter
 from tests.make_storage_golden_v5 import GOLDEN_V5, reference
 
@@ -87,3 +87,19 @@ def test_mesh_layout_ranks_and_uneven_chunks() -> None:
     assert (
         grid is None and [(r.offset, r.length) for r in ranges if r] == [(0, 2), (2, 2), (4, 2)] * 2
     )
+
+
+def test_dtensor_boxes_are_dtensor_grid_at_every_coordinate() -> None:
+    """The boxes of all coordinates at once equal ``dtensor_grid``'s, one coordinate at a time,
+    for the golden's placements (strided shards too) on meshes of uneven splits."""
+    from tests.make_storage_golden_v5 import placements
+
+    shapes = {"down": (5, 7), "up": (8, 3), "cols": (4, 6), "cube": (2, 4, 6), "bias": (6,)}
+    for mesh in ((2, 2), (3, 2), (2, 4)):
+        for name, shape in shapes.items():
+            p = placements()[name]
+            boxes, cuts = dtensor_boxes(shape, mesh, p)
+            coordinates = list(itertools.product(*(range(n) for n in mesh)))
+            assert len(boxes) == len(coordinates)
+            for box, coordinate in zip(boxes, coordinates, strict=True):
+                assert (box, cuts) == dtensor_grid(shape, mesh, coordinate, p), (name, mesh)
