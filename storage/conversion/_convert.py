@@ -197,9 +197,10 @@ def convert(
     ``step`` picks an ftsdp source step (newest by default), ``dst_step`` the step written
     (default: the source's, else 0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp
     output out in even flat ranges, ``mesh`` (dim sizes) as its ranks would hold DTensors of the
-    ``placements`` rules give (``(fnmatch pattern, "S0,R")``, first match wins; default: mesh dim
-    ``m`` shards tensor dim ``m``, see ``_mesh.py``); ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``, ``strip_prefix``
-    and ``exclude``: see ``select``. Memory in flight stays within ``max_memory``;
+    placements that the ``placements`` rules give (``(fnmatch pattern, "S0,R")``, first match
+    wins; default: mesh dim ``m`` shards tensor dim ``m``; see ``_mesh.py``); ``max_shard_bytes``
+    splits hf output; ``model_only``, ``rename``, ``strip_prefix`` and ``exclude``: see
+    ``select``. Memory in flight stays within ``max_memory``;
     ``progress(done, total)`` is told the bytes read; ``trust_pickle``: see ``open_source``. Into an
     hf folder only, before its commit file: ``extra_files`` (plain name -> bytes), and the
     ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).

@@ -48,7 +48,7 @@ class Source(abc.ABC):
         with the elements of ``box`` of tensor ``name``, row-major in the box. Here: through
         ``read_into``, of the row-major range from the box's first element to its last (at most
         the box's rows of dim 0 times the rest of the tensor), cut (``Feed`` budgets for that)."""
-        reads, cuts = [], []
+        reads, views = [], []
         for name, box, out in requests:
             if not box.numel:
                 continue
@@ -57,10 +57,10 @@ class Source(abc.ABC):
             hi = sum((o + n - 1) * k for o, n, k in zip(*box, st, strict=True)) + 1
             span = torch.empty(hi - lo, dtype=out.dtype)
             reads.append((name, lo, span))
-            cuts.append((span.as_strided(box.lengths, st), out))
+            views.append((span.as_strided(box.lengths, st), out))
         if reads:
             self.read_into(reads)
-        for view, out in cuts:
+        for view, out in views:
             out.view(view.shape).copy_(view)
 
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
