@@ -26,7 +26,6 @@ class Source(abc.ABC):
     """A checkpoint opened for reading: its tensors and values, known without reading data."""
 
     format: str = ""
-    exact_boxes = False  # read_boxes_into reads only the boxes' bytes (else: see there)
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -43,25 +42,17 @@ class Source(abc.ABC):
         """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype) with elements
         ``[offset, offset + out.numel())`` of tensor ``name``."""
 
+    def exact_boxes(self, name: str, cuts: Cuts) -> bool:
+        """True when ``read_boxes_into`` reads the cells of ``cuts`` of tensor ``name`` with
+        little more than their bytes and few copies; else ``Feed`` reads the rows holding each
+        (``read_rows_into``)."""
+        return False
+
     def read_boxes_into(self, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
         """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype, ``box.numel`` elements)
-        with the elements of ``box`` of tensor ``name``, row-major in the box. Here: through
-        ``read_into``, of the row-major range from the box's first element to its last (at most
-        the box's rows of dim 0 times the rest of the tensor), cut (``Feed`` budgets for that)."""
-        reads, views = [], []
-        for name, box, out in requests:
-            if not box.numel:
-                continue
-            st = strides(self.tensors[name].shape)
-            lo = sum(o * k for o, k in zip(box.offsets, st, strict=True))
-            hi = sum((o + n - 1) * k for o, n, k in zip(*box, st, strict=True)) + 1
-            span = torch.empty(hi - lo, dtype=out.dtype)
-            reads.append((name, lo, span))
-            views.append((span.as_strided(box.lengths, st), out))
-        if reads:
-            self.read_into(reads)
-        for view, out in views:
-            out.view(view.shape).copy_(view)
+        with the elements of ``box`` of tensor ``name``, row-major in the box (here: through the
+        rows holding it)."""
+        read_rows_into(self, requests)
 
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the reader holds (files, caches)."""
@@ -81,6 +72,26 @@ class Source(abc.ABC):
             self.dropped.append(f"{name} (nests deeper than {MAX_JSON_DEPTH} JSON levels)")
         else:
             self.values[name] = out
+
+
+def read_rows_into(source: Source, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
+    """``Source.read_boxes_into`` through ``source.read_into``: each box is read as the
+    row-major range from its first element to its last (at most its rows of dim 0 times the rest
+    of the tensor: ``Feed`` makes the requests of such a tensor smaller), then cut."""
+    reads, views = [], []
+    for name, box, out in requests:
+        if not box.numel:
+            continue
+        st = strides(source.tensors[name].shape)
+        lo = sum(o * k for o, k in zip(box.offsets, st, strict=True))
+        hi = sum((o + n - 1) * k for o, n, k in zip(*box, st, strict=True)) + 1
+        span = torch.empty(hi - lo, dtype=out.dtype)
+        reads.append((name, lo, span))
+        views.append((span.as_strided(box.lengths, st), out))
+    if reads:
+        source.read_into(reads)
+    for view, out in views:
+        out.view(view.shape).copy_(view)
 
 
 @dataclass(frozen=True)
@@ -103,12 +114,13 @@ class Feed:
             o.info.name: max(o.info.itemsize, source.tensors[o.source_name].itemsize)
             for o in outputs
         }
-        self.grids: dict[str, Cuts] = {}
+        self.grids: dict[str, tuple[Cuts, bool]] = {}  # name -> (cuts, read boxes exactly)
 
     def set_grid(self, name: str, cuts: Cuts) -> None:
         """Serve output ``name`` in the grid order of ``cuts`` (its ranges are of that order)."""
-        self.grids[name] = cuts
-        if not self.source.exact_boxes:  # a box costs the rows holding it: smaller requests
+        exact = self.source.exact_boxes(self.outputs[name].source_name, cuts)
+        self.grids[name] = (cuts, exact)
+        if not exact:  # a box costs the rows holding it: smaller requests
             shape = self.outputs[name].info.shape
             narrowest = math.prod(min(b - a for a, b in itertools.pairwise(c)) for c in cuts[1:])
             self._sizes[name] *= -(-math.prod(shape[1:]) // max(narrowest, 1))
@@ -129,19 +141,22 @@ class Feed:
                 torch.empty(r.length, dtype=self.source.tensors[n].dtype)
                 for n, r in zip(names, group, strict=True)
             ]
-            reads, boxes = [], []
+            reads: list = []
+            boxes: dict[bool, list] = {True: [], False: []}  # read exactly, through their rows
             for n, r, o in zip(names, group, outs, strict=True):
-                cuts = self.grids.get(r.name)
-                if cuts is None:
+                if r.name not in self.grids:
                     reads.append((n, r.offset, o))
                     continue
+                cuts, exact = self.grids[r.name]
                 shape = self.source.tensors[n].shape
                 for box, at in grid_tiles(cuts, shape, r.offset, r.length):
-                    boxes.append((n, box, o[at : at + box.numel]))
+                    boxes[exact].append((n, box, o[at : at + box.numel]))
             if reads:
                 self.source.read_into(reads)
-            if boxes:
-                self.source.read_boxes_into(boxes)
+            if boxes[True]:
+                self.source.read_boxes_into(boxes[True])
+            if boxes[False]:
+                read_rows_into(self.source, boxes[False])
             for r, o in zip(group, outs, strict=True):
                 self.meter.add(o.numel() * o.element_size())
                 yield o.to(self.outputs[r.name].info.dtype)

@@ -52,22 +52,26 @@ def test_grid_tiles_cover_any_range_in_grid_order() -> None:
 
 def test_feed_serves_another_grid_order(tmp_path: pathlib.Path) -> None:
     """Requests of 6 bytes (a few elements, crossing the cells of both grids) of the golden's
-    tensors in new grid orders equal the reference's elements in those orders."""
+    tensors in new grid orders equal the reference's elements in those orders: read as boxes
+    where the new cells are whole rows of the saved ones, else through their rows, cut."""
     hf = str(tmp_path / "hf")
     storage.conversion.convert(str(GOLDEN_V5), hf, to="hf")
-    new = {  # grids unlike the saved ones
-        "model.down": [[0, 1, 4, 5], [0, 2, 7]],
-        "model.up": [[0, 3, 8], [0, 1, 3]],
-        "model.cube": [[0, 1, 2], [0, 4], [0, 1, 5, 6]],
-        "model.bias": [[0, 2, 5, 6]],
+    new = {  # grids unlike the saved ones; exact: read as boxes from the ftsdp source
+        "model.down": ([[0, 1, 4, 5], [0, 2, 7]], False),  # cols cut where the saved are not
+        "model.up": ([[0, 3, 8], [0, 1, 3]], False),  # saved row-major
+        "model.cube": ([[0, 1, 2], [0, 4], [0, 1, 5, 6]], False),
+        "model.bias": ([[0, 2, 5, 6]], True),  # 1-D: every box is a run
+        "model.even": ([[0, 1, 3, 4], [0, 3, 6]], True),  # rows across the saved cells
+        "model.cols": ([[0, 1, 4], [0, 6]], True),  # a box spans 2 saved cells' whole rows
     }
     for url in (str(GOLDEN_V5), hf):
         source = open_source(url, None, None, None, 1 << 20)
         try:
             outputs = [OutTensor(source.tensors[n], n) for n in new]
             feed = Feed(source, outputs, 6, Meter(0, None))
-            for name, cuts in new.items():
+            for name, (cuts, exact) in new.items():
                 feed.set_grid(name, tuple(map(tuple, cuts)))
+                assert feed.grids[name][1] == (exact and url == str(GOLDEN_V5)), name
                 full = reference()[name.removeprefix("model.")]
                 parts = list(feed.stream(feed.requests(name, 0, full.numel())))
                 assert len(parts) > 1 and torch.equal(torch.cat(parts), _grid_order(full, cuts))
