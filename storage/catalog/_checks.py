@@ -18,7 +18,7 @@ from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._checksum import checksum_function
 from ftsdp.storage.format._dtypes import safetensors_code, torch_dtype
 from ftsdp.storage.format._layout import MANIFEST, manifest_path, parse_step, step_dir
-from ftsdp.storage.format._manifest import Manifest, Piece, read_manifest_file
+from ftsdp.storage.format._manifest import Manifest, Piece, TensorEntry, read_manifest_file
 from ftsdp.storage.format._safetensors import read_header
 from ftsdp.storage.format._steps import committed_steps, resolve_manifest
 from ftsdp.storage.io._fs import Store
@@ -67,6 +67,23 @@ def _step_directory(
     return parent or ("/" if store.url.startswith("/") else "."), own
 
 
+def tensor_layout(entry: TensorEntry) -> dict[str, Any]:
+    """How an ftsdp tensor is laid out (JSON): with a grid, its cuts per dim (``grid``) and the
+    number of cells per dim (``cells``); with a layout rule, ``rule`` (``{"kind": "even",
+    "start", "chunk"}`` or ``{"kind": "writer", "writer"}``), else ``pieces``: how many it lists."""
+    out: dict[str, Any] = {}
+    if entry.grid is not None:
+        out["grid"] = [list(c) for c in entry.grid]
+        out["cells"] = [max(len(c) - 1, 1) for c in entry.grid]
+    if entry.rule is not None:
+        kind, *args = entry.rule.as_json()
+        names = {"even": ("start", "chunk"), "writer": ("writer",)}.get(kind, ())
+        out["rule"] = {"kind": kind, **dict(zip(names, args, strict=True))}
+    else:
+        out["pieces"] = len(entry.explicit)
+    return out
+
+
 def inspect_checkpoint(
     url: str,
     step: int | None = None,
@@ -75,7 +92,7 @@ def inspect_checkpoint(
     trust_pickle: bool = False,
 ) -> dict[str, Any]:
     """A JSON-able description: format, steps (committed and torn), world size, tensors with
-    shape, dtype and bytes, totals and the non-tensor state's keys. Reads metadata only. A step
+    shape, dtype and bytes (and, for ftsdp, ``layout``: see ``tensor_layout``), totals and the non-tensor state's keys. Reads metadata only. A step
     directory (``ROOT/step-N``) is that step of its root."""
     url, step = _step_directory(url, step, storage_options)
     fmt = detect_format(url, storage_options)
@@ -96,6 +113,10 @@ def inspect_checkpoint(
             }
             for t in sorted(source.tensors.values(), key=lambda t: t.name)
         ]
+        manifest = getattr(source, "manifest", None)  # ftsdp: each tensor's saved layout
+        if isinstance(manifest, Manifest):
+            for t in tensors:
+                t["layout"] = tensor_layout(manifest.tensors[t["name"]])
         info.update(
             step=source.step,
             world_size=source.world_size,

@@ -5,6 +5,7 @@ before the destination is touched (docs/cli.md, "Threat model")."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import torch
 from ftsdp.storage._options import IOOptions
 from ftsdp.storage.conversion._formats import SinkOptions, get_format, open_source
 from ftsdp.storage.conversion._interfaces import Feed, OutTensor, Source
+from ftsdp.storage.conversion._mesh import PlacementRules, check_mesh, parse_placements
 from ftsdp.storage.conversion._sinks import PENDING
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE
 from ftsdp.storage.io._fs import Store, is_plain_name
@@ -41,6 +43,7 @@ class ConvertResult:
     dropped: list[str] = field(default_factory=list)  # source entries that could not be carried
     extra: list[str] = field(default_factory=list)  # names of the extra and copied files written
     source_step: int | None = None  # the step read (sources that have steps: ftsdp)
+    mesh: tuple[int, ...] | None = None  # the mesh laid out on (ftsdp destinations with a mesh)
 
 
 def check_locations(src: str, dst: str, storage_options: dict[str, Any] | None) -> None:
@@ -186,13 +189,18 @@ def convert(
     extra_files: Mapping[str, bytes] | None = None,
     copy_files: Sequence[str] = (),
     copy_files_from: str | None = None,
+    mesh: Sequence[int] | None = None,
+    placements: PlacementRules = (),
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` (format detected unless ``src_format``) to ``to`` at ``dst``.
 
     ``step`` picks an ftsdp source step (newest by default), ``dst_step`` the step written
     (default: the source's, else 0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp
-    output out; ``max_shard_bytes`` splits hf output; ``model_only``, ``rename``, ``strip_prefix``
-    and ``exclude``: see ``select``. Memory in flight stays within ``max_memory``;
+    output out in even flat ranges, ``mesh`` (dim sizes) as its ranks would hold DTensors of the
+    placements that the ``placements`` rules give (``(fnmatch pattern, "S0,R")``, first match
+    wins; default: mesh dim ``m`` shards tensor dim ``m``; see ``_mesh.py``); ``max_shard_bytes``
+    splits hf output; ``model_only``, ``rename``, ``strip_prefix`` and ``exclude``: see
+    ``select``. Memory in flight stays within ``max_memory``;
     ``progress(done, total)`` is told the bytes read; ``trust_pickle``: see ``open_source``. Into an
     hf folder only, before its commit file: ``extra_files`` (plain name -> bytes), and the
     ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).
@@ -207,6 +215,17 @@ def convert(
             f"world_size={world_size} conflicts with --to {to}: only the ftsdp format has a world "
             "size (>= 1)"
         )
+    if mesh is not None:
+        mesh = check_mesh(mesh)
+        if to != "ftsdp" or world_size not in (None, math.prod(mesh)):
+            raise ValueError(
+                f"mesh={list(mesh)} conflicts with --to {to} and world_size={world_size}: only "
+                "the ftsdp format is laid out on a mesh, of as many ranks as it has"
+            )
+        for _, spec in placements:
+            parse_placements(spec, len(mesh))  # ValueError before anything is opened
+    elif placements:
+        raise ValueError("placements apply to a mesh layout only: pass mesh (--mesh) too")
     if max_shard_bytes is not None and (to != "hf" or max_shard_bytes < 1):
         raise ValueError(
             f"max_shard_bytes={max_shard_bytes} conflicts with --to {to}: only hf output is sharded by size"
@@ -229,7 +248,10 @@ def convert(
         )  # fmt: skip
         extra = _extra_writers(extra_files, copy_files, copy_files_from, storage_options, chunk)
         store = Store(dst, storage_options, IOOptions(part_bytes=chunk))  # uploads buffer a chunk
-        options = SinkOptions(world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra))
+        options = SinkOptions(
+            world_size, max_shard_bytes, object_bytes, overwrite, tuple(extra),
+            tuple(mesh) if mesh is not None else None, tuple(placements),
+        )  # fmt: skip
         sink = get_format(to).sink(store, options)
         if sink.holds_checkpoint():
             if not overwrite:
@@ -249,21 +271,35 @@ def convert(
             source_format=source.format,
             dest_format=to,
             step=out_step if steps else None,
-            world_size=(world_size or 1) if steps else None,
+            world_size=(math.prod(mesh) if mesh else world_size or 1) if steps else None,
             tensors=len(outputs),
             bytes_read=meter.done,
             written=written,
             dropped=list(source.dropped),
             extra=[name for name, _ in extra],
             source_step=source.step,
+            mesh=tuple(mesh) if mesh is not None and steps else None,
         )
 
 
 def reshard(
-    src: str, dst: str, world_size: int, *, step: int | None = None, **kwargs: Any
+    src: str,
+    dst: str,
+    world_size: int | None = None,
+    *,
+    step: int | None = None,
+    mesh: Sequence[int] | None = None,
+    placements: PlacementRules = (),
+    **kwargs: Any,
 ) -> ConvertResult:
     """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline,
-    each tensor split into even flat ranges as a sharded save would (other arguments: ``convert``)."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
-    return convert(src, dst, to="ftsdp", step=step, world_size=world_size, **kwargs)
+    each tensor split into even flat ranges as a sharded save would; or, with ``mesh`` (its dim
+    sizes, e.g. ``(2, 2)`` for dp x tp), as the ranks of that mesh save DTensors of the
+    ``placements`` that rules give: the boxes of a grid, format version 5 (other arguments:
+    ``convert``)."""
+    if mesh is None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1 (or pass a mesh)")
+    return convert(
+        src, dst, to="ftsdp", step=step, world_size=world_size, mesh=mesh,
+        placements=placements, **kwargs,
+    )  # fmt: skip

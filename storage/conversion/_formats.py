@@ -40,6 +40,8 @@ class SinkOptions:
     object_bytes: int
     overwrite: bool = False  # replace what is there (see [Note: a sink deletes only what it wrote])
     extra: tuple = ()  # (plain name, produce) of files beside an hf folder's tensors (HfSink)
+    mesh: tuple[int, ...] | None = None  # ftsdp: laid out as the ranks of this mesh (_mesh.py)
+    placements: tuple = ()  # ftsdp with a mesh: (fnmatch pattern, placements) rules
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ _TABLE = {
         Format(
             "ftsdp",
             open=lambda store, step, chunk, trust, options: FtsdpSource(store, step, options),
-            sink=lambda store, o: FtsdpSink(store, o.world_size or 1, o.object_bytes),
+            sink=lambda store, o: FtsdpSink(
+                store, o.world_size or 1, o.object_bytes, o.mesh, o.placements
+            ),
             detect=lambda p: (  # latest or a step-<N> directory, whatever else it holds
                 not p.is_file
                 and (LATEST in p.names or any(parse_step(n) is not None for n in p.dirs))

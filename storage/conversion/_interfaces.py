@@ -6,7 +6,9 @@ and exit codes")."""
 from __future__ import annotations
 
 import abc
+import itertools
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from ftsdp.storage._options import MAX_JSON_DEPTH
+from ftsdp.storage.format._grid import Box, Cuts, grid_tiles, strides
 from ftsdp.storage.format._json import too_deep
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import Meter, Request, TensorInfo, group_requests, split_request
@@ -39,6 +42,18 @@ class Source(abc.ABC):
         """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype) with elements
         ``[offset, offset + out.numel())`` of tensor ``name``."""
 
+    def exact_boxes(self, name: str, cuts: Cuts) -> bool:
+        """True when ``read_boxes_into`` reads the cells of ``cuts`` of tensor ``name`` with
+        little more than their bytes and few copies; else ``Feed`` reads the rows holding each
+        (``read_rows_into``)."""
+        return False
+
+    def read_boxes_into(self, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
+        """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype, ``box.numel`` elements)
+        with the elements of ``box`` of tensor ``name``, row-major in the box (here: through the
+        rows holding it)."""
+        read_rows_into(self, requests)
+
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the reader holds (files, caches)."""
 
@@ -59,6 +74,26 @@ class Source(abc.ABC):
             self.values[name] = out
 
 
+def read_rows_into(source: Source, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
+    """``Source.read_boxes_into`` through ``source.read_into``: each box is read as the
+    row-major range from its first element to its last (at most its rows of dim 0 times the rest
+    of the tensor: ``Feed`` makes the requests of such a tensor smaller), then cut."""
+    reads, views = [], []
+    for name, box, out in requests:
+        if not box.numel:
+            continue
+        st = strides(source.tensors[name].shape)
+        lo = sum(o * k for o, k in zip(box.offsets, st, strict=True))
+        hi = sum((o + n - 1) * k for o, n, k in zip(*box, st, strict=True)) + 1
+        span = torch.empty(hi - lo, dtype=out.dtype)
+        reads.append((name, lo, span))
+        views.append((span.as_strided(box.lengths, st), out))
+    if reads:
+        source.read_into(reads)
+    for view, out in views:
+        out.view(view.shape).copy_(view)
+
+
 @dataclass(frozen=True)
 class OutTensor:
     """An output tensor: its info (name, shape, output dtype) and the source tensor it copies."""
@@ -69,7 +104,8 @@ class OutTensor:
 
 class Feed:
     """Serves flat ranges of output tensors from ``source`` in requests of at most ``chunk`` bytes
-    (see [Note: the memory budget] in ``storage/io/_streaming.py``)."""
+    (see [Note: the memory budget] in ``storage/io/_streaming.py``): ranges of the row-major
+    order, or of the grid order of a tensor given a grid (``set_grid``)."""
 
     def __init__(self, source: Source, outputs: list[OutTensor], chunk: int, meter: Meter) -> None:
         self.source, self.chunk, self.meter = source, chunk, meter
@@ -78,6 +114,16 @@ class Feed:
             o.info.name: max(o.info.itemsize, source.tensors[o.source_name].itemsize)
             for o in outputs
         }
+        self.grids: dict[str, tuple[Cuts, bool]] = {}  # name -> (cuts, read boxes exactly)
+
+    def set_grid(self, name: str, cuts: Cuts) -> None:
+        """Serve output ``name`` in the grid order of ``cuts`` (its ranges are of that order)."""
+        exact = self.source.exact_boxes(self.outputs[name].source_name, cuts)
+        self.grids[name] = (cuts, exact)
+        if not exact:  # a box costs the rows holding it: smaller requests
+            shape = self.outputs[name].info.shape
+            narrowest = math.prod(min(b - a for a, b in itertools.pairwise(c)) for c in cuts[1:])
+            self._sizes[name] *= -(-math.prod(shape[1:]) // max(narrowest, 1))
 
     @property
     def infos(self) -> list[TensorInfo]:
@@ -91,15 +137,30 @@ class Feed:
         """One 1-D tensor (output dtype) per request, in order; a group of them read at a time."""
         for group in group_requests(requests, self._sizes, self.chunk):
             names = [self.outputs[r.name].source_name for r in group]
-            reads = [
-                (n, r.offset, torch.empty(r.length, dtype=self.source.tensors[n].dtype))
+            outs = [
+                torch.empty(r.length, dtype=self.source.tensors[n].dtype)
                 for n, r in zip(names, group, strict=True)
             ]
-            self.source.read_into(reads)
-            for r, (_, _, o) in zip(group, reads, strict=True):
+            reads: list = []
+            boxes: dict[bool, list] = {True: [], False: []}  # read exactly, through their rows
+            for n, r, o in zip(names, group, outs, strict=True):
+                if r.name not in self.grids:
+                    reads.append((n, r.offset, o))
+                    continue
+                cuts, exact = self.grids[r.name]
+                shape = self.source.tensors[n].shape
+                for box, at in grid_tiles(cuts, shape, r.offset, r.length):
+                    boxes[exact].append((n, box, o[at : at + box.numel]))
+            if reads:
+                self.source.read_into(reads)
+            if boxes[True]:
+                self.source.read_boxes_into(boxes[True])
+            if boxes[False]:
+                read_rows_into(self.source, boxes[False])
+            for r, o in zip(group, outs, strict=True):
                 self.meter.add(o.numel() * o.element_size())
                 yield o.to(self.outputs[r.name].info.dtype)
-            del reads
+            del reads, boxes, outs
 
     def block(self, info: TensorInfo, offset: int, length: int) -> torch.Tensor:
         """Elements ``[offset, offset + length)`` of output ``info`` as one tensor."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import torch
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import MAX_MANIFEST_BYTES, SaveOptions
 from ftsdp.storage.conversion._interfaces import Feed, Sink
+from ftsdp.storage.conversion._mesh import PlacementRules, mesh_layout, placements_for
 from ftsdp.storage.format._dtypes import dtype_name
 from ftsdp.storage.format._layout import (
     HF_INDEX,
@@ -35,17 +37,29 @@ from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import layout, write_object
 from ftsdp.storage.format._steps import committed_steps, remove_attempt, remove_step
 from ftsdp.storage.io._fs import Store, is_plain_name
-from ftsdp.storage.io._streaming import tensor_bytes
+from ftsdp.storage.io._streaming import TensorInfo, tensor_bytes
 from ftsdp.storage.saving._commit import build_manifest, commit, new_attempt
 from ftsdp.storage.saving._save_plan import make_plan
 
 
 class FtsdpSink(Sink):
-    """An ftsdp checkpoint root; writes one step laid out for ``world_size`` ranks."""
+    """An ftsdp checkpoint root; writes one step laid out for ``world_size`` ranks (even flat
+    ranges), or as the ranks of ``mesh`` hold DTensors of the placements ``rules`` give
+    (``_mesh.py``: the boxes of a grid)."""
 
-    def __init__(self, store: Store, world_size: int, object_bytes: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        world_size: int,
+        object_bytes: int,
+        mesh: tuple[int, ...] | None = None,
+        rules: PlacementRules = (),
+    ) -> None:
         super().__init__(store)
         self.world_size, self.options = world_size, SaveOptions(object_bytes=object_bytes)
+        self.mesh, self.rules = mesh, rules
+        if mesh is not None:
+            self.world_size = math.prod(mesh)
 
     def holds_checkpoint(self) -> bool:
         return bool(committed_steps(self.store))  # torn attempts are no checkpoint
@@ -63,6 +77,9 @@ class FtsdpSink(Sink):
         w = self.world_size
         metas: list[dict[str, Any]] = [{"tensors": []} for _ in range(w)]
         for t in feed.infos:
+            if self.mesh is not None:
+                self._mesh_ranges(feed, t, metas)
+                continue
             per = -(-t.numel // w)
             for r in range(w):
                 lo, hi = min(r * per, t.numel), min((r + 1) * per, t.numel)
@@ -96,6 +113,19 @@ class FtsdpSink(Sink):
             raise
         commit(self.store, manifest)
         return [self.store.where(step_dir(step))]
+
+    def _mesh_ranges(self, feed: Feed, t: TensorInfo, metas: list[dict[str, Any]]) -> None:
+        """List ``t`` in each rank's meta as that rank of the mesh holds it: the range of its
+        box in the grid order, the grid as the sixth item; the feed serves that order."""
+        assert self.mesh is not None
+        placements = placements_for(t.name, len(t.shape), self.mesh, self.rules)
+        grid, ranges = mesh_layout(tuple(t.shape), self.mesh, placements)
+        if grid is not None:
+            feed.set_grid(t.name, grid)
+        for r, rng in enumerate(ranges):
+            if rng is not None:
+                entry = [t.name, list(t.shape), dtype_name(t.dtype), rng.offset, rng.length]
+                metas[r]["tensors"].append([*entry, [list(c) for c in grid]] if grid else entry)
 
     def _write_object(self, feed: Feed, step: int, obj: PlannedObject) -> list[list[int]]:
         """Write one data object from the feed; its pieces' checksums."""

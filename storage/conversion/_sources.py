@@ -16,6 +16,7 @@ from ftsdp.storage._errors import (
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._dtypes import BY_SAFETENSORS_CODE, torch_dtype
+from ftsdp.storage.format._grid import Box, Cuts, whole
 from ftsdp.storage.format._json import decode_json, show
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE, HF_VALUES_KEY
 from ftsdp.storage.format._ranges import Range
@@ -80,6 +81,24 @@ class FtsdpSource(Source):
             Want(name, self.manifest.tensors[name], Range(offset, out.numel()), out)
             for name, offset, out in requests
             if out.numel()
+        ]
+        execute(self.store, self.manifest, plan_reads(wants, self.manifest.checksum_block_bytes))
+
+    def exact_boxes(self, name: str, cuts: Cuts) -> bool:
+        """True when each dim but the first of ``cuts`` is cut only where the saved grid (or
+        the row-major order) cuts it: a box is then whole rows of every saved cell it meets, so
+        its read is a run per cell (a box that is a column strip of a saved cell would be a run,
+        a read, a copy and a task per row: read through its rows instead)."""
+        entry = self.manifest.tensors[name]
+        saved = entry.grid or whole(entry.shape)
+        return all(set(cuts[d]) <= set(saved[d]) for d in range(1, len(entry.shape)))
+
+    def read_boxes_into(self, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
+        """Exactly the bytes of each box (from any saved layout: see ``plan_reads``)."""
+        wants = [
+            Want(name, self.manifest.tensors[name], Range(0, box.numel), out, box)
+            for name, box, out in requests
+            if box.numel
         ]
         execute(self.store, self.manifest, plan_reads(wants, self.manifest.checksum_block_bytes))
 

@@ -150,6 +150,33 @@ def flat_tiles(start: int, length: int, shape: Sequence[int]) -> list[tuple[Box,
     return out
 
 
+def grid_tiles(cuts: Cuts, shape: Sequence[int], start: int, length: int) -> list[tuple[Box, int]]:
+    """Elements ``[start, start + length)`` of the grid order of ``cuts`` as boxes of the tensor,
+    each a contiguous run of that order (row-major inside the box), with the run's first position
+    (in ``[0, length)``), in order: :func:`flat_tiles` of each cell the range crosses."""
+    out: list[tuple[Box, int]] = []
+    end = start + length
+    if length <= 0:
+        return out
+    ranges = [range(max(len(c) - 1, 1)) for c in cuts]
+    for index in itertools.product(*ranges):  # the cells in grid order
+        lo = tuple(cuts[d][i] for d, i in enumerate(index))
+        lengths = tuple(
+            c[i + 1] - c[i] if len(c) > 1 else 0 for c, i in zip(cuts, index, strict=True)
+        )
+        first = cell_start(cuts, shape, index)
+        numel = math.prod(lengths)
+        a, b = max(start, first), min(end, first + numel)
+        if first >= end:
+            break
+        if a >= b:
+            continue
+        for tile, pos in flat_tiles(a - first, b - a, lengths):
+            shifted = tuple(o + x for o, x in zip(lo, tile.offsets, strict=True))
+            out.append((Box(shifted, tile.lengths), a - start + pos))
+    return out
+
+
 def runs(shape: Sequence[int], cuts: Cuts, tiles: Sequence[tuple[Box, int]]) -> list[Run]:
     """The runs copying the elements of ``tiles`` (each a box stored row-major from its
     position in the target's buffer) out of a tensor stored in the grid order of ``cuts``."""
@@ -252,6 +279,39 @@ def dtensor_grid(
                 raise ValueError(f"the shards of dim {d} overlap without being equal")
         cuts.append(c)
     return Box(tuple(offsets), tuple(lengths)), tuple(cuts)
+
+
+def dtensor_boxes(
+    shape: Sequence[int], mesh_shape: Sequence[int], placements: Any
+) -> tuple[list[Box], Cuts]:
+    """Every mesh coordinate's box of a DTensor (coordinates in row-major order) and the grid of
+    them: :func:`dtensor_grid` for all coordinates at once, each dim's spans computed once."""
+    _, cuts = dtensor_grid(shape, mesh_shape, (0,) * len(mesh_shape), placements)  # checks
+    from torch.distributed.tensor import Replicate
+
+    per_dim = []  # per tensor dim: (mesh dims sharding it, their coordinates -> span)
+    for d in range(len(shape)):
+        mesh_dims = [
+            m
+            for m, p in enumerate(placements)
+            if not isinstance(p, Replicate) and getattr(p, "dim", None) == d
+        ]
+        spans = {
+            coords: _dim_span(
+                shape[d], mesh_shape, dict(zip(mesh_dims, coords, strict=True)), placements, d
+            )
+            for coords in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims))
+        }
+        per_dim.append((mesh_dims, spans))
+    boxes = []
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        offsets, lengths = [], []
+        for d, (mesh_dims, spans) in enumerate(per_dim):
+            lo, hi = spans[tuple(coordinate[m] for m in mesh_dims)] if mesh_dims else (0, shape[d])
+            offsets.append(lo)
+            lengths.append(hi - lo)
+        boxes.append(Box(tuple(offsets), tuple(lengths)))
+    return boxes, cuts
 
 
 def _dim_span(

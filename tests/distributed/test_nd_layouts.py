@@ -9,7 +9,10 @@ Replicate())`` biases and 1-D ``Shard(0)`` norms, with AdamW's state beside them
 - W=4 (dp=2 x tp=2): one step, then the state saved by ``storage.save`` and by ``dcp.save``; the
   same model under FSDP2 alone (dp=4) saved the same way; a ``Partial`` DTensor refused; then
   both checkpoints loaded back into dp=2 x tp=2;
-- W=3 (dp=3) and W=2 (tp=2): both checkpoints loaded into fresh models.
+- W=3 (dp=3) and W=2 (tp=2): both checkpoints loaded into fresh models;
+- at W=4 rank 0 also reshards the FSDP2-alone checkpoint offline to a 2 x 2 mesh with the
+  dp x tp model's placements (``reshard(mesh=(2, 2))``), which every spawn loads: its grids are
+  the ones the dp x tp save wrote, and it loads what DCP loads from the checkpoint it came from.
 
 Every load is compared bitwise with what ``dcp.load`` puts into the same fresh model from the
 same state; in one process, ``load_state_dict`` and ``LazyStateDict`` against the full tensors
@@ -37,6 +40,9 @@ pytestmark = pytest.mark.timeout(300)
 
 BLOCK = 64
 D, H = 32, 64
+# first match wins: AdamW's scalar steps, then the column-parallel up projections' row quarters;
+# the rest take the defaults (S0,S1 weights, S0,R 1-D)
+MESH_RULES = [("*.step", "R,R"), ("*.up.*", "S0,S0")]
 
 
 class _Block(torch.nn.Module):
@@ -166,6 +172,12 @@ def _saves(rank: int, world: int, root: str) -> dict:
     flat = _build(4, 1)
     storage.save(flat, f"{root}/flat", 1, options=options)
     dcp.save(flat, checkpoint_id=f"{root}/flat-dcp")
+    if rank == 0:  # the column-parallel row quarters: (_StridedShard(0), Shard(0)) boxes
+        storage.conversion.reshard(
+            f"{root}/flat", f"{root}/mesh", mesh=(2, 2), placements=MESH_RULES
+        )
+    torch.distributed.barrier()
+    out["mesh"] = _load_both(2, 2, f"{root}/mesh", f"{root}/flat-dcp")
     mesh = init_device_mesh("cpu", (4,))
     partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
     try:
@@ -250,6 +262,7 @@ def _loads(rank: int, world: int, root: str, dp: int, tp: int) -> dict:
     return {
         "nd": _load_both(dp, tp, f"{root}/nd", f"{root}/nd-dcp"),
         "flat": _load_both(dp, tp, f"{root}/flat", f"{root}/flat-dcp"),
+        "mesh": _load_both(dp, tp, f"{root}/mesh", f"{root}/flat-dcp"),
         "job": _job(root, dp, tp, resume=True),
     }
 
@@ -297,6 +310,9 @@ def test_the_saved_state_holds_every_2d_placement(runs) -> None:
         ("dp3", "flat"),
         ("tp2", "nd"),
         ("tp2", "flat"),
+        ("saved", "mesh"),
+        ("dp3", "mesh"),
+        ("tp2", "mesh"),
     ],
 )
 def test_every_reshard_loads_bitwise_what_dcp_loads(runs, spawn, key) -> None:
@@ -317,6 +333,18 @@ def test_column_sharded_targets_read_at_most_125_percent_of_what_they_need(runs)
         read = sum(r[key]["read"] for r in runs[spawn])
         needed = sum(r[key]["needed"] for r in runs[spawn])
         assert needed > 0 and read / needed <= 1.25, (spawn, key, read, needed)
+
+
+def test_an_offline_reshard_to_the_mesh_writes_the_grids_of_its_save(runs) -> None:
+    """``reshard(mesh=(2, 2))`` of the FSDP2-alone checkpoint gives every tensor the grid the
+    dp x tp job's own save gave it (its loads are checked with the others above)."""
+    nd = storage.catalog.read_manifest(f"{runs['root']}/nd")
+    mesh = storage.catalog.read_manifest(f"{runs['root']}/mesh")
+    assert mesh.version == 5 and mesh.world_size == 4
+    assert {n: t.grid for n, t in mesh.tensors.items()} == {
+        n: t.grid for n, t in nd.tensors.items()
+    }
+    assert mesh.tensors["model.blocks.0.down.weight"].grid == ((0, 16, 32), (0, 32, 64))
 
 
 def test_one_process_reads_the_full_tensors(runs) -> None:

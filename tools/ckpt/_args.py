@@ -75,6 +75,31 @@ def parse_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"2x2"`` -> ``(2, 2)``: the size of each mesh dim, each >= 1."""
+    parts = text.lower().split("x")
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"mesh {text!r} must be mesh dim sizes >= 1 joined by x (examples: 4, 2x2, 2x2x2)"
+        )
+    return tuple(int(p) for p in parts)
+
+
+_PLACEMENTS = re.compile(r"(S\d+|R)(,(S\d+|R))*")
+
+
+def parse_placement(text: str) -> tuple[str, str]:
+    """``"model.*.bias=S0,R"`` -> ``("model.*.bias", "S0,R")``."""
+    pattern, sep, spec = text.rpartition("=")
+    spec = spec.replace(" ", "")
+    if not sep or not pattern or not _PLACEMENTS.fullmatch(spec):
+        raise argparse.ArgumentTypeError(
+            f"placement {text!r} must be PATTERN=SPEC, SPEC one of S<dim> (Shard) or R "
+            "(Replicate) per mesh dim, comma-separated (example: 'model.*.bias=S0,R')"
+        )
+    return pattern, spec
+
+
 def parse_step(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"step {text!r} must be a non-negative integer")
@@ -96,6 +121,25 @@ _POSITIONALS = {
     "diff url": "an ftsdp checkpoint root (local path or fsspec URL)",
     "gc url": "an ftsdp checkpoint root (local path or fsspec URL)",
 }
+
+
+def _mesh_options(p: argparse.ArgumentParser, layout: Any) -> None:
+    """``--mesh`` (in the group ``layout``, beside ``--world-size``) and ``--placement``."""
+    layout.add_argument(
+        "--mesh", type=parse_mesh, metavar="AxB",
+        help="ftsdp output: lay the step out as the ranks of this device mesh (e.g. 2x2 for dp "
+        "x tp; rank r at the r-th coordinate, row-major) would save DTensors of each tensor's "
+        "placements: the boxes of a grid (format version 5). Default placements: mesh dim m "
+        "shards tensor dim m (torch's chunking, uneven allowed) while the tensor has a dim m, "
+        "else replicates (2-D weights S0,S1; 1-D S0,R; scalars R,R)",
+    )  # fmt: skip
+    p.add_argument(
+        "--placement", type=parse_placement, action="append", default=[],
+        metavar="PATTERN=SPEC",
+        help="with --mesh: the placements of the tensors whose output name matches the fnmatch "
+        "PATTERN, one per mesh dim, comma-separated: S<d> shards tensor dim d, R replicates "
+        "(e.g. 'model.*.wo.weight=S0,S1', '*.bias=R,S0'); first match wins; repeatable",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,9 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from", dest="src_format", metavar="FORMAT", help="source format (default: detected)"
     )
-    p.add_argument(
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument(
         "--world-size", type=int, help="ftsdp output: lay the step out for this many ranks"
     )
+    _mesh_options(p, layout)
     p.add_argument(
         "--max-shard-size", type=parse_size, metavar="SIZE",
         help="hf output: split into files of at most SIZE",
@@ -201,9 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     p = command(
-        "reshard", "rewrite an ftsdp checkpoint for another world size", "src", "dst", parent=writes
+        "reshard", "rewrite a checkpoint as ftsdp for another world size or device mesh", "src",
+        "dst", parent=writes,
+    )  # fmt: skip
+    layout = p.add_mutually_exclusive_group(required=True)
+    layout.add_argument(
+        "--world-size", type=int, metavar="M", help="M ranks, each tensor cut in M flat ranges"
     )
-    p.add_argument("--world-size", type=int, required=True)
+    _mesh_options(p, layout)
 
     p = command("diff", "which tensors changed between two steps", "url")
     p.add_argument("step_a", type=parse_step)
@@ -237,8 +288,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         import torch  # here, not at the top: see the module docstring
 
         args.dtype = getattr(torch, args.dtype)
+    if args.command in ("convert", "reshard"):
+        mesh = args.mesh
+        if args.placement and mesh is None:
+            raise UsageError("--placement applies with --mesh only")
+        for pattern, spec in args.placement:
+            if mesh is not None and len(spec.split(",")) != len(mesh):
+                raise UsageError(
+                    f"--placement {pattern}={spec} gives {len(spec.split(','))} placements for "
+                    f"the {len(mesh)} dims of --mesh {'x'.join(map(str, mesh))}"
+                )
     if args.command != "convert":
         return args
+    if args.mesh is not None and args.to != "ftsdp":
+        raise UsageError(f"--mesh applies to --to ftsdp only, not {args.to}")
     if args.src_format and args.src_format not in FORMATS:
         raise UsageError(
             f"unknown format {args.src_format!r} for --from; choose one of {', '.join(FORMATS)}"

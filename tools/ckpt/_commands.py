@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +43,37 @@ def _groups(tensors: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return groups
 
 
+def _sizes(cuts: list[int]) -> str:
+    """The cell sizes along one dim: ``"2"`` when equal, else ``"3|2"``."""
+    sizes = [b - a for a, b in itertools.pairwise(cuts)] or [0]
+    return str(sizes[0]) if len(set(sizes)) == 1 else "|".join(map(str, sizes))
+
+
+def layout_text(layout: dict[str, Any] | None) -> str:
+    """One tensor's saved layout in a few words: ``grid 2x2, cells 3|2 x 4|3``, ``even rule
+    (chunk 6)``, ``writer rule (rank 0)``, ``3 pieces`` (``""`` for no layout)."""
+    if not layout:
+        return ""
+    parts = []
+    if "grid" in layout:
+        cells = "x".join(map(str, layout["cells"]))
+        parts.append(f"grid {cells}, cells {' x '.join(_sizes(c) for c in layout['grid'])}")
+    rule = layout.get("rule")
+    if rule is not None:
+        args = (
+            f"chunk {rule.get('chunk')}, start {rule.get('start')}"
+            if rule.get("start")
+            else f"chunk {rule.get('chunk')}"
+            if rule["kind"] == "even"
+            else f"rank {rule.get('writer')}"
+        )
+        parts.append(f"{printable(rule['kind'])} rule ({args})")
+    if "pieces" in layout:
+        n = layout["pieces"]
+        parts.append(f"{n} piece{'' if n == 1 else 's'}")
+    return ", ".join(parts)
+
+
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     info = storage.catalog.inspect_checkpoint(
         args.url, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
@@ -70,17 +102,27 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"values: {printable(', '.join(info['values'])) or 'none'}\n")
     for d in info.get("dropped", []):
         out.write(f"not representable: {printable(d)}\n")
+    layouts = [t["layout"] for t in info["tensors"] if "layout" in t]
+    if layouts:  # ftsdp: how the tensors were saved
+        grid = sum("grid" in lay for lay in layouts)
+        rule = sum("rule" in lay for lay in layouts)
+        out.write(
+            f"layouts: {grid} on a grid (N-D shards), {len(layouts) - grid} row-major; "
+            f"{rule} by a layout rule, {len(layouts) - rule} listing their pieces\n"
+        )
     if not args.tensors:
         if info["tensors"]:
-            out.write("every tensor's name, shape, dtype and bytes: --tensors\n")
+            what = "shape, dtype, bytes and layout" if layouts else "shape, dtype and bytes"
+            out.write(f"every tensor's name, {what}: --tensors\n")
         return 0
     names = [printable(t["name"]) for t in info["tensors"]]
     width = max([len(n) for n in names] + [4])
-    out.write(f"\n{'name':<{width}}  {'shape':<20} {'dtype':<14} {'bytes':>12}\n")
+    head = f"{'name':<{width}}  {'shape':<20} {'dtype':<14} {'bytes':>12}"
+    out.write(f"\n{head}  layout\n" if layouts else f"\n{head}\n")
     for name, t in zip(names, info["tensors"], strict=True):
-        out.write(
-            f"{name:<{width}}  {t['shape']!s:<20} {printable(t['dtype']):<14} {t['bytes']:>12}\n"
-        )
+        row = f"{name:<{width}}  {t['shape']!s:<20} {printable(t['dtype']):<14} {t['bytes']:>12}"
+        lay = layout_text(t.get("layout"))
+        out.write(f"{row}  {lay}\n" if lay else f"{row}\n")
     return 0
 
 
@@ -109,6 +151,8 @@ def _report_convert(result: storage.conversion.ConvertResult, out: TextIO) -> No
     where = (
         f" step {result.step} for world size {result.world_size}" if result.step is not None else ""
     )
+    if result.mesh is not None:
+        where += f" (a {'x'.join(map(str, result.mesh))} mesh)"
     read = "" if result.source_step is None else f" (step {result.source_step})"
     out.write(
         f"wrote {result.dest_format}{where}: {result.tensors} tensors, "
@@ -127,8 +171,8 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         kwargs.update(export)
     result = _with_progress(
         args, storage.conversion.convert, src=args.src, dst=args.dst, to=args.to,
-        src_format=args.src_format, world_size=args.world_size,
-        max_shard_bytes=args.max_shard_size, **kwargs,
+        src_format=args.src_format, world_size=args.world_size, mesh=args.mesh,
+        placements=args.placement, max_shard_bytes=args.max_shard_size, **kwargs,
     )  # fmt: skip
     _report_convert(result, out)
     for line in notes(result) if notes else []:  # the files copied, and notes
@@ -139,7 +183,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_reshard(args: argparse.Namespace, out: TextIO) -> int:
     result = _with_progress(
         args, storage.conversion.reshard, src=args.src, dst=args.dst, world_size=args.world_size,
-        **_convert_kwargs(args),
+        mesh=args.mesh, placements=args.placement, **_convert_kwargs(args),
     )  # fmt: skip
     _report_convert(result, out)
     return 0

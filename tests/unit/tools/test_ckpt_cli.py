@@ -65,7 +65,9 @@ def test_inspect_text_and_json(root: pathlib.Path) -> None:
     table = {line.split()[0]: line for line in out.splitlines() if line.startswith("model.")}
     assert sorted(table) == ["model.b", "model.n", "model.w"]
     assert "[20, 30]" in table["model.w"] and "float32" in table["model.w"]
-    assert table["model.w"].split()[-1] == "2400" and "bfloat16" in table["model.b"]
+    assert (
+        table["model.w"].split()[-3:] == ["2400", "1", "piece"] and "bfloat16" in table["model.b"]
+    )
     code, out, _ = _cli("inspect", str(root), "--step", "2", "--json")
     assert code == 0
     info = json.loads(out)
@@ -76,8 +78,39 @@ def test_inspect_text_and_json(root: pathlib.Path) -> None:
         "shape": [30],
         "dtype": "bfloat16",
         "bytes": 60,
+        "layout": {"pieces": 1},
     }
     assert info["total_bytes"] == sum(t["bytes"] for t in info["tensors"]) == 2400 + 60 + 32 + 2400
+
+
+def test_inspect_shows_grids_and_rules_of_the_v5_golden(tmp_path: pathlib.Path) -> None:
+    """Each tensor's saved layout of the golden N-D checkpoint (4 ranks on a 2 x 2 mesh): the
+    grid (cuts, cells per dim) of the boxes, the layout rule, else the pieces listed."""
+    from tests.make_storage_golden_v5 import GOLDEN_V5
+
+    code, out, _ = _cli("inspect", str(GOLDEN_V5), "--json")
+    assert code == 0
+    layout = {t["name"]: t["layout"] for t in json.loads(out)["tensors"]}
+    assert layout["model.down"] == {"grid": [[0, 3, 5], [0, 4, 7]], "cells": [2, 2], "pieces": 6}
+    assert layout["model.cols"] == {"grid": [[0, 4], [0, 3, 6]], "cells": [1, 2], "pieces": 2}
+    assert layout["model.cube"]["grid"] == [[0, 2], [0, 2, 4], [0, 3, 6]]
+    assert layout["model.cube"]["cells"] == [1, 2, 2]
+    assert layout["model.even"] == {
+        "grid": [[0, 2, 4], [0, 3, 6]],
+        "cells": [2, 2],
+        "rule": {"kind": "even", "start": 0, "chunk": 6},
+    }
+    assert layout["model.up"] == {"pieces": 5} and layout["model.bias"] == {"pieces": 2}
+    code, out, _ = _cli("inspect", str(GOLDEN_V5), "--tensors")
+    assert code == 0
+    assert (
+        "layouts: 4 on a grid (N-D shards), 2 row-major; 1 by a layout rule, 5 listing their pieces"
+    ) in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("model.")}
+    assert rows["model.down"].endswith("grid 2x2, cells 3|2 x 4|3, 6 pieces")
+    assert rows["model.even"].endswith("grid 2x2, cells 2 x 3, even rule (chunk 6)")
+    assert rows["model.cube"].endswith("grid 1x2x2, cells 2 x 2 x 3, 7 pieces")
+    assert rows["model.up"].endswith("5 pieces") and "grid" not in rows["model.up"]
 
 
 def test_inspect_help_describes_its_arguments() -> None:
@@ -266,7 +299,10 @@ BAD = {
         "manifest is not valid JSON",
     ),
     "truncated hf": (["inspect", "{tmp}/trunc.safetensors"], "truncated or corrupt"),
-    "reshard without world size": (["reshard", "{root}", "{tmp}/o"], "required: --world-size"),
+    "reshard without world size": (
+        ["reshard", "{root}", "{tmp}/o"],
+        "one of the arguments --world-size --mesh is required",
+    ),
     "no command": ([], "required: command"),
 }
 
