@@ -11,7 +11,9 @@ Replicate())`` biases and 1-D ``Shard(0)`` norms. One spawn saves it every round
 engine, the engines taking turns to go first: ``storage.save(state, url, step)`` against
 ``dcp.save(state, checkpoint_id=dir)``, and ``storage.save(..., async_save=True)`` against
 ``dcp.async_save`` (on a gloo group of its own, as DCP recommends; the time the call blocked,
-and until committed); and the raw floor, every rank writing its share of the same bytes to a
+and until committed). ftsdp saves to one root, a step a round, as a training job does (the
+first save to a root makes storage's own group and snapshot memory: a warm-up round's); DCP to
+a directory a save. Then the raw floor, every rank writing its share of the same bytes to a
 file of its own with plain writes and an fsync, all at once. Then, for each layout of
 ``--loads`` (3x1: W=3 with FSDP2 alone; 1x2: W=2 with tp=2), a spawn builds the same model
 sharded that way and loads the last round's two checkpoints into it every round, each engine's
@@ -291,46 +293,48 @@ def save_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     root = cfg["root"]
     out: dict[str, list[float]] = {}
 
-    def storage_async(url: str) -> float:
+    # ftsdp saves every round to one root, a step each, as a training job does (its lane, with
+    # its own group and snapshot memory, made at the first save); DCP to a directory each.
+    def storage_async(step: int) -> float:
         t0 = time.perf_counter()
-        handle = storage.save(state, url, 1, async_save=True)
+        handle = storage.save(state, f"{root}/ftsdp-async", step, async_save=True)
         blocking = time.perf_counter() - t0
         handle.wait()
         return blocking
 
-    def dcp_async(path: str) -> float:
+    def dcp_async(step: int) -> float:
         t0 = time.perf_counter()
+        path = f"{root}/dcp-async-{step}"
         future = dcp.async_save(state, checkpoint_id=path, process_group=async_group)
         blocking = time.perf_counter() - t0
         assert isinstance(future, Future)  # without an async stager: one future
         future.result()
         return blocking
 
-    def sync(engine: str, where: str) -> None:
+    def sync(engine: str, step: int) -> None:
         if engine == "ftsdp":
-            storage.save(state, where, 1)
+            storage.save(state, f"{root}/ftsdp", step)
         else:
-            dcp.save(state, checkpoint_id=where)
+            dcp.save(state, checkpoint_id=f"{root}/dcp-{step}")
 
     for i in range(cfg["warmup"] + cfg["rounds"]):
         timed = i >= cfg["warmup"]
         order = ENGINES if i % 2 == 0 else ENGINES[::-1]
         got: dict[str, float] = {}
         for engine in order:
-            got[f"{engine}.save_s"], _ = _timed(partial(sync, engine, f"{root}/{engine}-{i}"))
+            got[f"{engine}.save_s"], _ = _timed(partial(sync, engine, i))
             start = storage_async if engine == "ftsdp" else dcp_async
-            dt, blocking = _timed(partial(start, f"{root}/{engine}-async-{i}"))
+            dt, blocking = _timed(partial(start, i))
             got[f"{engine}.async_total_s"] = dt
             got[f"{engine}.async_blocking_s"] = _slowest(blocking)
         raw = f"{root}/raw-{rank}.bin"
         got["raw.save_s"], _ = _timed(partial(_raw_write, raw, total // world))
         os.remove(raw)
         dist.barrier()
-        if rank == 0:  # keep only the last round's sync saves: the loads read them
-            for engine in ENGINES:
-                shutil.rmtree(f"{root}/{engine}-async-{i}", ignore_errors=True)
-                if i:
-                    shutil.rmtree(f"{root}/{engine}-{i - 1}", ignore_errors=True)
+        if rank == 0:  # DCP's last sync save is the one the loads read
+            shutil.rmtree(f"{root}/dcp-async-{i}", ignore_errors=True)
+            if i:
+                shutil.rmtree(f"{root}/dcp-{i - 1}", ignore_errors=True)
         dist.barrier()
         if timed:
             for k, v in got.items():
@@ -350,13 +354,13 @@ def load_rank(
 
     mine, theirs = build(*layout, cfg), build(*layout, cfg)
     last = cfg["warmup"] + cfg["rounds"] - 1
-    paths = {engine: f"{cfg['root']}/{engine}-{last}" for engine in ENGINES}
+    paths = {"ftsdp": f"{cfg['root']}/ftsdp", "dcp": f"{cfg['root']}/dcp-{last}"}
     out: dict[str, list[float]] = {}
     checked = 0
 
     def load(engine: str) -> Any:
         if engine == "ftsdp":
-            return storage.load(mine, paths["ftsdp"])
+            return storage.load(mine, paths["ftsdp"], last)
         dcp.load(theirs, checkpoint_id=paths["dcp"])
         return None
 
