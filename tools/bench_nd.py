@@ -18,7 +18,8 @@ file of its own with plain writes and an fsync, all at once. Then, for each layo
 ``--loads`` (3x1: W=3 with FSDP2 alone; 1x2: W=2 with tp=2), a spawn builds the same model
 sharded that way and loads the last round's two checkpoints into it every round, each engine's
 load with the checkpoint's files dropped from the page cache first and then again with them
-in the cache (warm). Before each load the target is zeroed; after each round the two targets
+in the cache (warm), and the raw floor: every rank reading its share of the files of ftsdp's
+checkpoint, whole, cache dropped. Before each load the target is zeroed; after each round the two targets
 must be bitwise equal, tensor by tensor, and none may be left all zero; in the first round every
 tensor's float64 sum must match the saved one: the benchmark fails otherwise.
 
@@ -277,6 +278,15 @@ def _raw_write(path: str, n: int) -> None:
         os.fsync(f.fileno())
 
 
+def _raw_read(paths: list[str]) -> None:
+    """Read the files ``paths`` whole, in 8 MiB reads: the floor of a load."""
+    buf = bytearray(8 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
 def save_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Every round: each engine's sync and async save of the state (the order alternating) and
     the raw floor; rank 0's record of the slowest rank's times, per round."""
@@ -376,6 +386,9 @@ def load_rank(
                 got["ftsdp.read_ratio"] = read / needed
             _zero(target)
             got[f"{engine}.warm_load_s"], _ = _timed(partial(load, engine))
+        step_dir = f"{paths['ftsdp']}/step-{last}"  # the files of ftsdp's step, a share a rank
+        share = [os.path.join(step_dir, n) for n in sorted(os.listdir(step_dir))[rank::world]]
+        got["raw.load_s"], _ = _timed(partial(_raw_read, share), paths["ftsdp"])
         checked = compare(mine, theirs)
         if i == 0:
             check_sums(mine, saved)
@@ -459,9 +472,11 @@ def render(
         "ratios. Every load was checked: ftsdp's and DCP's targets bitwise equal, tensor by "
         "tensor, in every round. Bytes read / needed: ftsdp's `LoadResult`, summed over the "
         "ranks; above 1 where a rank's slice of a saved cell starts or ends inside a checksum "
-        "block (1 MiB by default), which it reads whole to verify it. Raw floor: every rank "
+        "block (1 MiB by default), which it reads whole to verify it. Raw floors: every rank "
         "writes its share of the state's bytes to a file of its own at once, in 8 MiB writes, "
-        "then fsync.",
+        "then fsync; every rank of a load's layout reads its share of the files of ftsdp's "
+        "checkpoint (whole files, 8 MiB reads) at once, after they were dropped from the page "
+        "cache.",
         "",
         "| measurement | ftsdp | DCP | ftsdp / DCP |",
         "|---|---|---|---|",
@@ -483,6 +498,13 @@ def render(
         f"| raw floor: the same bytes written with plain file writes, GB/s | "
         f"{cell(_stats(raw), '.2f')} | | |"
     )
+    for layout in cfg["loads"]:
+        times = res["loads"][_name(layout)]["times"]["raw.load_s"]
+        raw = [res["bytes"] / s / 1e9 for s in times]
+        lines.append(
+            f"| raw floor: ftsdp's files read at W={math.prod(layout)}, cache dropped, GB/s | "
+            f"{cell(_stats(raw), '.2f')} | | |"
+        )
     lines.append("")
     for key, label, _, higher in rows(cfg):
         if higher is None:

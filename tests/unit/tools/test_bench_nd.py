@@ -38,6 +38,7 @@ def test_a_tiny_run_measures_every_row_and_loads_bitwise(
         "| load 2x2 -> 3x1, warm cache, GB/s |",
         "| bytes read / needed, 2x2 -> 3x1 |",
         "| raw floor: the same bytes written with plain file writes, GB/s |",
+        "| raw floor: ftsdp's files read at W=3, cache dropped, GB/s |",
     ):
         assert label in text, label
     assert "python -m ftsdp.tools.bench_nd --size-mb 1" in text
