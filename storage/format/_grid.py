@@ -244,6 +244,29 @@ def dtensor_grid(
 ) -> tuple[Box, Cuts]:
     """This coordinate's box of a DTensor and the grid of every coordinate's boxes; ValueError
     when a shard is not a box or the boxes do not form a grid."""
+    dims, cuts = _dim_layouts(shape, mesh_shape, placements)
+    return _box_at(shape, dims, coordinate), cuts
+
+
+def dtensor_boxes(
+    shape: Sequence[int], mesh_shape: Sequence[int], placements: Any
+) -> tuple[list[Box], Cuts]:
+    """Every mesh coordinate's box of a DTensor (coordinates in row-major order) and the grid of
+    them, each dim's spans computed once."""
+    dims, cuts = _dim_layouts(shape, mesh_shape, placements)
+    coordinates = itertools.product(*(range(n) for n in mesh_shape))
+    return [_box_at(shape, dims, c) for c in coordinates], cuts
+
+
+# per tensor dim: the mesh dims sharding it, and their coordinates -> the span [lo, hi) held
+_DimLayout = tuple[list[int], dict[tuple[int, ...], tuple[int, int]]]
+
+
+def _dim_layouts(
+    shape: Sequence[int], mesh_shape: Sequence[int], placements: Any
+) -> tuple[list[_DimLayout], Cuts]:
+    """Each dim's spans at every coordinate of the mesh dims sharding it, and the grid; checks
+    that every shard is a box and the boxes form a grid."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -254,64 +277,34 @@ def dtensor_grid(
                 f"DTensor placement {p} is not supported (Partial sums are not a state: "
                 "redistribute to Replicate() or Shard(d) before saving)"
             )
-    ndim = len(shape)
-    offsets, lengths = [0] * ndim, list(shape)
+    dims: list[_DimLayout] = []
     cuts: list[tuple[int, ...]] = []
-    for d in range(ndim):
+    for d, size in enumerate(shape):
         mesh_dims = [m for m, p in enumerate(placements) if isinstance(p, shards) and p.dim == d]
-        if not mesh_dims:
-            cuts.append((0, shape[d]) if shape[d] else (0,))
-            continue
-        bounds: set[int] = {0, shape[d]}
-        spans = []
-        for coords in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims)):
-            span = _dim_span(
-                shape[d], mesh_shape, dict(zip(mesh_dims, coords, strict=True)), placements, d
-            )
-            if span[1] > span[0]:
-                spans.append(span)
-                bounds.update(span)
-            if all(coordinate[m] == c for m, c in zip(mesh_dims, coords, strict=True)):
-                offsets[d], lengths[d] = span[0], span[1] - span[0]
-        c = tuple(sorted(bounds))
-        for lo, hi in spans:  # every box spans exactly one cell of every dim
-            if _position(c, hi) != _position(c, lo) + 1:  # type: ignore[operator]
-                raise ValueError(f"the shards of dim {d} overlap without being equal")
-        cuts.append(c)
-    return Box(tuple(offsets), tuple(lengths)), tuple(cuts)
-
-
-def dtensor_boxes(
-    shape: Sequence[int], mesh_shape: Sequence[int], placements: Any
-) -> tuple[list[Box], Cuts]:
-    """Every mesh coordinate's box of a DTensor (coordinates in row-major order) and the grid of
-    them: :func:`dtensor_grid` for all coordinates at once, each dim's spans computed once."""
-    _, cuts = dtensor_grid(shape, mesh_shape, (0,) * len(mesh_shape), placements)  # checks
-    from torch.distributed.tensor import Replicate
-
-    per_dim = []  # per tensor dim: (mesh dims sharding it, their coordinates -> span)
-    for d in range(len(shape)):
-        mesh_dims = [
-            m
-            for m, p in enumerate(placements)
-            if not isinstance(p, Replicate) and getattr(p, "dim", None) == d
-        ]
         spans = {
             coords: _dim_span(
-                shape[d], mesh_shape, dict(zip(mesh_dims, coords, strict=True)), placements, d
+                size, mesh_shape, dict(zip(mesh_dims, coords, strict=True)), placements, d
             )
             for coords in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims))
         }
-        per_dim.append((mesh_dims, spans))
-    boxes = []
-    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
-        offsets, lengths = [], []
-        for d, (mesh_dims, spans) in enumerate(per_dim):
-            lo, hi = spans[tuple(coordinate[m] for m in mesh_dims)] if mesh_dims else (0, shape[d])
-            offsets.append(lo)
-            lengths.append(hi - lo)
-        boxes.append(Box(tuple(offsets), tuple(lengths)))
-    return boxes, cuts
+        held = [(lo, hi) for lo, hi in spans.values() if hi > lo]
+        c = tuple(sorted({0, size, *(b for span in held for b in span)}))
+        for lo, hi in held:  # every box spans exactly one cell of every dim
+            if _position(c, hi) != _position(c, lo) + 1:  # type: ignore[operator]
+                raise ValueError(f"the shards of dim {d} overlap without being equal")
+        dims.append((mesh_dims, spans))
+        cuts.append(c)
+    return dims, tuple(cuts)
+
+
+def _box_at(shape: Sequence[int], dims: list[_DimLayout], coordinate: Sequence[int]) -> Box:
+    """The box held at mesh ``coordinate`` (an empty span gives offset 0, length 0)."""
+    offsets, lengths = [], []
+    for size, (mesh_dims, spans) in zip(shape, dims, strict=True):
+        lo, hi = spans[tuple(coordinate[m] for m in mesh_dims)] if mesh_dims else (0, size)
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return Box(tuple(offsets), tuple(lengths))
 
 
 def _dim_span(
