@@ -231,7 +231,12 @@ def test_golden_v4_reads_exactly(tmp_path: pathlib.Path) -> None:
     assert storage.catalog.verify(str(root)).ok
 
     piece = manifest.tensors["model.w"].pieces_in(20, 21)[0]  # derived from rank 1's layout
-    path = root / f"step-{STEP4}" / piece.object
+    _flipped_byte_is_caught(root, STEP4, piece)
+
+
+def _flipped_byte_is_caught(root: pathlib.Path, step: int, piece: Any) -> None:
+    """Flip the last byte of ``piece``: a whole load must fail on its checksum."""
+    path = root / f"step-{step}" / piece.object
     data = bytearray(path.read_bytes())
     data[piece.byte_end - 1] ^= 0x10
     path.write_bytes(bytes(data))
@@ -325,12 +330,7 @@ def test_golden_v5_reads_exactly(tmp_path: pathlib.Path) -> None:
             assert torch.equal(wants[1].staging, t.reshape(-1)[a:b]), (name, a, b)
 
     piece = manifest.tensors["model.down"].pieces[-1]
-    path = root / f"step-{STEP5}" / piece.object
-    data = bytearray(path.read_bytes())
-    data[piece.byte_end - 1] ^= 0x10
-    path.write_bytes(bytes(data))
-    with pytest.raises(storage.CorruptCheckpointError, match="checksum mismatch"):
-        storage.load_state_dict(str(root))
+    _flipped_byte_is_caught(root, STEP5, piece)
 
 
 @pytest.mark.parametrize(
