@@ -170,7 +170,9 @@ def build(cfg: TrainConfig, session: Session) -> Job:
     built = on_every_rank(rm, lambda: _make_model(cfg, session, plan, data, saved, storage_options))
     n_params = sum(p.numel() for p in built.module.parameters())  # a tied weight counts once
     module = built.module
-    deferred = any(p.is_meta for p in module.parameters())  # --init-from fills every one
+    # built on meta for --init-from only (which fills every parameter); a model a factory hands
+    # over on meta without it is moved below and refused as before, never trained uninitialised
+    deferred = built.init is not None and any(p.is_meta for p in module.parameters())
     if deferred:
         for m in module.modules():  # the buffers are real: to the device, as .to() would
             for name, b in m._buffers.items():
