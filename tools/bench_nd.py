@@ -234,40 +234,6 @@ def check_sums(state: dict[str, Any], saved: dict[str, float]) -> None:
 # -- the timed phases (per rank) --------------------------------------------------------------------
 
 
-def _timed(fn: Any, evict: str | None = None) -> tuple[float, Any]:
-    """Barrier (rank 0 dropping ``evict`` from the page cache first), ``fn()``, barrier: the
-    slowest rank's wall time and ``fn``'s result."""
-    import torch.distributed as dist
-
-    from ftsdp.tools._bench_ranks import drop_cache
-
-    if evict is not None and dist.get_rank() == 0:
-        drop_cache(evict)
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn()
-    dist.barrier()
-    return time.perf_counter() - t0, out
-
-
-def _slowest(x: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _total(x: int) -> int:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.int64)
-    dist.all_reduce(t)
-    return int(t.item())
-
-
 def _raw_write(path: str, n: int) -> None:
     """``n`` bytes to ``path`` in 8 MiB writes, then fsync: the floor of a save."""
     chunk = 8 << 20
@@ -294,6 +260,7 @@ def save_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from ftsdp import storage
+    from ftsdp.tools._bench_ranks import _max, _timed
 
     dp, tp = cfg["save_mesh"]
     state = build(dp, tp, cfg)
@@ -336,7 +303,7 @@ def save_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             start = storage_async if engine == "ftsdp" else dcp_async
             dt, blocking = _timed(partial(start, i))
             got[f"{engine}.async_total_s"] = dt
-            got[f"{engine}.async_blocking_s"] = _slowest(blocking)
+            got[f"{engine}.async_blocking_s"] = _max(blocking)
         raw = f"{root}/raw-{rank}.bin"
         got["raw.save_s"], _ = _timed(partial(_raw_write, raw, total // world))
         os.remove(raw)
@@ -361,6 +328,7 @@ def load_rank(
     import torch.distributed.checkpoint as dcp
 
     from ftsdp import storage
+    from ftsdp.tools._bench_ranks import _sum, _timed
 
     mine, theirs = build(*layout, cfg), build(*layout, cfg)
     last = cfg["warmup"] + cfg["rounds"] - 1
@@ -382,7 +350,7 @@ def load_rank(
             _zero(target)
             got[f"{engine}.load_s"], result = _timed(partial(load, engine), paths[engine])
             if result is not None:
-                read, needed = _total(result.bytes_read), _total(result.bytes_needed)
+                read, needed = _sum(result.bytes_read), _sum(result.bytes_needed)
                 got["ftsdp.read_ratio"] = read / needed
             _zero(target)
             got[f"{engine}.warm_load_s"], _ = _timed(partial(load, engine))

@@ -15,6 +15,7 @@ from typing import Any
 from ftsdp.storage.format._grid import Cuts, box_range, dtensor_boxes, is_plain
 from ftsdp.storage.format._ranges import Range
 
+MAX_MESH_RANKS = 1 << 20  # a layout is planned per rank: a typo must not plan billions
 _SPEC = re.compile(r"S(\d+)|R")
 
 # (fnmatch pattern, placements): a spec "S0,R" or a sequence of torch placements
@@ -27,6 +28,8 @@ def check_mesh(mesh: Any) -> tuple[int, ...]:
         raise ValueError(f"mesh={mesh!r} must be a non-empty sequence of mesh dim sizes")
     if not all(type(n) is int and n >= 1 for n in mesh):
         raise ValueError(f"mesh={mesh!r}: every mesh dim size must be an int >= 1")
+    if math.prod(mesh) > MAX_MESH_RANKS:
+        raise ValueError(f"mesh={mesh!r} has more than {MAX_MESH_RANKS} ranks")
     return tuple(mesh)
 
 

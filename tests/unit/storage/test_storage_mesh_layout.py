@@ -9,6 +9,7 @@ import math
 import pathlib
 import random
 
+import pytest
 import torch
 
 from ftsdp import storage
@@ -93,9 +94,12 @@ def test_mesh_layout_ranks_and_uneven_chunks() -> None:
     )
 
 
-def test_dtensor_boxes_are_dtensor_grid_at_every_coordinate() -> None:
-    """The boxes of all coordinates at once equal ``dtensor_grid``'s, one coordinate at a time,
-    for the golden's placements (strided shards too) on meshes of uneven splits."""
+def test_dtensor_boxes_are_torchs_shards_at_every_coordinate() -> None:
+    """The boxes of all coordinates at once equal torch's own local shape and offset of each
+    coordinate (``_compute_local_shape_and_global_offset``), and ``dtensor_grid``'s, for the
+    golden's placements (strided shards too) on meshes of uneven splits."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
     from tests.make_storage_golden_v5 import placements
 
     shapes = {"down": (5, 7), "up": (8, 3), "cols": (4, 6), "cube": (2, 4, 6), "bias": (6,)}
@@ -106,4 +110,18 @@ def test_dtensor_boxes_are_dtensor_grid_at_every_coordinate() -> None:
             coordinates = list(itertools.product(*(range(n) for n in mesh)))
             assert len(boxes) == len(coordinates)
             for box, coordinate in zip(boxes, coordinates, strict=True):
+                local, offset = _compute_local_shape_and_global_offset(
+                    shape, mesh, list(coordinate), p
+                )
+                assert box.lengths == tuple(local), (name, mesh, coordinate)
+                if box.numel:
+                    assert box.offsets == tuple(offset), (name, mesh, coordinate)
                 assert (box, cuts) == dtensor_grid(shape, mesh, coordinate, p), (name, mesh)
+
+
+def test_a_mesh_of_more_ranks_than_a_layout_may_plan_is_refused() -> None:
+    from ftsdp.storage.conversion._mesh import MAX_MESH_RANKS, check_mesh
+
+    assert check_mesh((1024, 1024)) == (1024, 1024) and 1024 * 1024 == MAX_MESH_RANKS
+    with pytest.raises(ValueError, match="more than"):
+        check_mesh((100000, 100000))
