@@ -67,15 +67,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 # -- per rank ---------------------------------------------------------------------------------------
 
 
-def _blocks(cfg: dict[str, Any]) -> int:
-    """MLP blocks whose fp32 parameters with AdamW's two moments hold ``size_mb``."""
+def blocks_for(cfg: dict[str, Any]) -> int:
+    """MLP blocks (a LayerNorm, an up and a down projection) whose fp32 parameters with AdamW's
+    two moments hold ``size_mb`` (bench_nd's model too)."""
     d = cfg["dim"]
     per_block = (2 * 4 * d * d + 4 * d + d + 2 * d) * 4 * 3
     return max(1, round(cfg["size_mb"] * 1e6 / per_block))
 
 
 def _model_and_state(world: int, cfg: dict[str, Any], fill: bool) -> tuple[Any, Any, dict]:
-    """An FSDP2 model of ``_blocks`` blocks with AdamW state after one step, and its
+    """An FSDP2 model of ``blocks_for`` blocks with AdamW state after one step, and its
     ``get_state_dict``; with ``fill`` every tensor then holds its pattern (``_pattern``)."""
     import torch
     from torch import nn
@@ -87,7 +88,7 @@ def _model_and_state(world: int, cfg: dict[str, Any], fill: bool) -> tuple[Any, 
     d = cfg["dim"]
     blocks = [
         nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-        for _ in range(_blocks(cfg))
+        for _ in range(blocks_for(cfg))
     ]
     model = nn.Sequential(*blocks)
     mesh = init_device_mesh("cpu", (world,))
@@ -274,31 +275,40 @@ def summarize(rounds: list[dict[str, dict]]) -> dict[str, dict[str, Any]]:
     for key, _, _ in ROWS:
         row: dict[str, Any] = {}
         for lib in LIBS:
-            values = [r[lib][key] for r in rounds]
-            row[lib] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+            row[lib] = spread([r[lib][key] for r in rounds])
         ratios = [r["ftsdp"][key] / r["dcp"][key] for r in rounds]
-        row["ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        row["ratio"] = spread(ratios)
         row["ratios"] = ratios
         rows[key] = row
     return rows
 
 
-def _environment() -> str:
+def spread(values: list[float]) -> dict[str, float]:
+    """The median and the range of ``values`` (bench_nd's too)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def spread_cell(v: dict[str, float], fmt: str) -> str:
+    """A :func:`spread` as a table cell: ``median (min-max)``."""
+    return f"{v['median']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
+
+
+def environment(when: str) -> str:
+    """torch, the CPUs, their load average ``when`` (``start``, ``end``), the format version."""
     import torch
 
-    load = os.getloadavg()[0]
+    from ftsdp import storage
+
     return (
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs (1-minute load average {load:.1f} at "
-        "the end: other work shares them)"
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1-minute load average "
+        f"{os.getloadavg()[0]:.1f} at the {when}: other work shares them; format version "
+        f"{storage.format.FORMAT_VERSION}"
     )
 
 
 def render(rows: dict[str, dict[str, Any]], cfg: dict[str, Any], command: str, env: str) -> str:
     """The Markdown section: the command, the table, the verdicts."""
     gb = cfg["bytes"] / 1e9
-
-    def cell(v: dict[str, float], fmt: str) -> str:
-        return f"{v['median']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
 
     lines = [
         TITLE,
@@ -319,8 +329,8 @@ def render(rows: dict[str, dict[str, Any]], cfg: dict[str, Any], command: str, e
         name = label.format(saved=cfg["world"], loaded=cfg["load_world"])
         per = ", ".join(f"{x:.2f}" for x in r["ratios"])
         lines.append(
-            f"| {name} | {cell(r['ftsdp'], fmt)} | {cell(r['dcp'], fmt)} | "
-            f"{cell(r['ratio'], '.2f')}x | {per} |"
+            f"| {name} | {spread_cell(r['ftsdp'], fmt)} | {spread_cell(r['dcp'], fmt)} | "
+            f"{spread_cell(r['ratio'], '.2f')}x | {per} |"
         )
     lines.append("")
     for key, label, higher in ROWS:
@@ -363,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         shutil.rmtree(root, ignore_errors=True)
     cfg["bytes"] = rounds[0]["ftsdp"]["bytes"]
     rows = summarize(rounds)
-    env = _environment()
+    env = environment("end")
     text = render(rows, cfg, command.strip(), env)
     print(text)
     if args.out:

@@ -39,7 +39,6 @@ import datetime
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from typing import Any
 from ftsdp.testing import run_ranks
 from ftsdp.tools import _bench_json
 from ftsdp.tools._markdown import replace_section
+from ftsdp.tools.bench_first_call import blocks_for, environment, spread, spread_cell
 
 TITLE = "## N-D layouts (FSDP2 + TP)"
 ENGINES = ("ftsdp", "dcp")
@@ -91,13 +91,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 # -- the model and its state (per rank) -------------------------------------------------------------
 
 
-def _blocks(cfg: dict[str, Any]) -> int:
-    """Blocks whose fp32 parameters with AdamW's two moments hold ``size_mb``."""
-    d = cfg["dim"]
-    per_block = (2 * 4 * d * d + 4 * d + d + 2 * d) * 4 * 3
-    return max(1, round(cfg["size_mb"] * 1e6 / per_block))
-
-
 def build(dp: int, tp: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """The model on a dp x tp mesh (tp=1: FSDP2 alone over a 1-D mesh) after one AdamW step:
     ``{"model": ..., "optim": ...}`` of ``get_state_dict``. Every layout starts from the same
@@ -126,7 +119,7 @@ def build(dp: int, tp: int, cfg: dict[str, Any]) -> dict[str, Any]:
             return x + self.down(torch.relu(self.up(self.norm(x))))
 
     torch.manual_seed(0)
-    blocks = [Block() for _ in range(_blocks(cfg))]
+    blocks = [Block() for _ in range(blocks_for(cfg))]
     model = nn.Sequential(*blocks)
     if tp > 1:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -402,10 +395,6 @@ def per_round(res: dict[str, Any], key: str) -> dict[str, list[float]]:
     return {e: [total / s / 1e9 for s in lt[f"{e}.{field}"]] for e in ENGINES}
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarize(res: dict[str, Any], cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per row: each engine's median and range over the rounds, the per-round ratios
     ftsdp/DCP with their median and range."""
@@ -413,8 +402,8 @@ def summarize(res: dict[str, Any], cfg: dict[str, Any]) -> dict[str, dict[str, A
     for key, _, _, _ in rows(cfg):
         values = per_round(res, key)
         ratios = [a / b for a, b in zip(values["ftsdp"], values["dcp"], strict=True)]
-        out[key] = {e: _stats(values[e]) for e in ENGINES}
-        out[key]["ratio"] = _stats(ratios)
+        out[key] = {e: spread(values[e]) for e in ENGINES}
+        out[key]["ratio"] = spread(ratios)
         out[key]["ratios"] = ratios
     return out
 
@@ -423,9 +412,6 @@ def render(
     summary: dict[str, dict[str, Any]], res: dict[str, Any], cfg: dict[str, Any], command: str
 ) -> str:
     """The Markdown section: the command, the table, the verdicts."""
-
-    def cell(v: dict[str, float], fmt: str) -> str:
-        return f"{v['median']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
 
     save = _name(cfg["save_mesh"])
     lines = [
@@ -453,25 +439,25 @@ def render(
         fmt = ".2f" if unit == "gbps" else ".3f"
         r = summary[key]
         lines.append(
-            f"| {label} | {cell(r['ftsdp'], fmt)} | {cell(r['dcp'], fmt)} | "
-            f"{cell(r['ratio'], '.2f')}x |"
+            f"| {label} | {spread_cell(r['ftsdp'], fmt)} | {spread_cell(r['dcp'], fmt)} | "
+            f"{spread_cell(r['ratio'], '.2f')}x |"
         )
     for layout in cfg["loads"]:
-        ratio = _stats(res["loads"][_name(layout)]["times"]["ftsdp.read_ratio"])
+        ratio = spread(res["loads"][_name(layout)]["times"]["ftsdp.read_ratio"])
         lines.append(
             f"| bytes read / needed, {save} -> {_name(layout)} | {ratio['median']:.3f} | - | - |"
         )
     raw = [res["bytes"] / s / 1e9 for s in res["save"]["times"]["raw.save_s"]]
     lines.append(
         f"| raw floor: the same bytes written with plain file writes, GB/s | "
-        f"{cell(_stats(raw), '.2f')} | | |"
+        f"{spread_cell(spread(raw), '.2f')} | | |"
     )
     for layout in cfg["loads"]:
         times = res["loads"][_name(layout)]["times"]["raw.load_s"]
         raw = [res["bytes"] / s / 1e9 for s in times]
         lines.append(
             f"| raw floor: ftsdp's files read at W={math.prod(layout)}, cache dropped, GB/s | "
-            f"{cell(_stats(raw), '.2f')} | | |"
+            f"{spread_cell(spread(raw), '.2f')} | | |"
         )
     lines.append("")
     for key, label, _, higher in rows(cfg):
@@ -482,18 +468,6 @@ def render(
         goal = "at least DCP's speed" if higher else "at most DCP's"
         lines.append(f"- {label}: {goal}: {'MET' if met else 'MISSED'} ({ratio:.2f}x)")
     return "\n".join(lines) + "\n"
-
-
-def _environment() -> str:
-    import torch
-
-    from ftsdp import storage
-
-    return (
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1-minute load average "
-        f"{os.getloadavg()[0]:.1f} at the start: other work shares them; format version "
-        f"{storage.format.FORMAT_VERSION}"
-    )
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -510,7 +484,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         "root": root,
         "parent": parent,
     }
-    res: dict[str, Any] = {"environment": _environment(), "loads": {}}
+    res: dict[str, Any] = {"environment": environment("start"), "loads": {}}
     try:
         t0 = time.perf_counter()
         world = math.prod(args.save_mesh)

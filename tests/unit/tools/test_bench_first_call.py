@@ -53,7 +53,7 @@ def test_every_row_is_measured_and_every_load_holds_the_saved_values(
         assert len(row["ratios"]) == 1
     # both libraries loaded every tensor of the state, each equal to what was saved: per
     # parameter (6 a block) the parameter, AdamW's two moments and its step
-    blocks = bench_first_call._blocks({"size_mb": 0.5, "dim": 32})
+    blocks = bench_first_call.blocks_for({"size_mb": 0.5, "dim": 32})
     assert checked == [4 * 6 * blocks] * 2
     text = out.read_text()
     assert text.startswith("# Benchmarks") and "## First call" in text
