@@ -17,7 +17,6 @@ from ftsdp.storage._errors import StateMismatchError
 from ftsdp.storage._options import LoadOptions
 from ftsdp.storage.conversion._formats import open_source
 from ftsdp.storage.conversion._interfaces import Source
-from ftsdp.storage.format._dtypes import itemsize
 from ftsdp.storage.format._ranges import Range, check_range
 from ftsdp.storage.io._streaming import MiB, Request, TensorInfo, group_requests, split_request
 
@@ -101,7 +100,7 @@ class _Scratch:
 
     def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """``n`` elements of ``dtype``: from the buffer while it has room, else fresh."""
-        size = itemsize(dtype)
+        size = dtype.itemsize
         start = -(-self.pos // 16) * 16  # aligned for any dtype
         if start + n * size > self.nbytes:
             return torch.empty(n, dtype=dtype)
@@ -252,9 +251,9 @@ def load_into(
                 replace.append((groups[tid], old, new))
                 reads.append((name, new))
             else:
-                narrower = min(saved_dtype, old.dtype, key=itemsize)
+                narrower = min(saved_dtype, old.dtype, key=lambda d: d.itemsize)
                 in_place.append((name, old, narrower))
-        staged_bytes = sum(t.numel() * itemsize(d) for _, t, d in in_place)
+        staged_bytes = sum(t.numel() * d.itemsize for _, t, d in in_place)
         if max_staging_bytes is None or staged_bytes <= max_staging_bytes:
             staging = [torch.empty(t.shape, dtype=d) for _, t, d in in_place]
             fill(source, reads + [(n, b) for (n, _, _), b in zip(in_place, staging, strict=True)])
