@@ -344,9 +344,8 @@ def plan_retention(
     """What retention removes (docs/format.md, "Retention and garbage collection"); ``protect``
     is always kept. ``scan``: a fresh ``scan_root`` that read every manifest (else one is
     taken, with ``known``). A kept step of ``known`` is neither listed (its strays were looked
-    for when it was) nor read; one that goes is listed and its manifest read again."""
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
+    for when it was) nor read; one that goes is listed and its manifest read again. Its callers
+    refuse ``keep_last < 1``."""
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
     scan = scan_root(store, known=known) if scan is None else scan
