@@ -100,5 +100,5 @@ def mesh_layout(
     if math.prod(shape) == 0:  # nothing to hold: rank 0 lists it
         return None, (Range(0, 0), *[None] * (math.prod(mesh) - 1))
     boxes, cuts = dtensor_boxes(shape, mesh, placements)
-    ranges = tuple(Range(*box_range(cuts, shape, box)) if box.numel else None for box in boxes)
+    ranges = tuple(box_range(cuts, shape, box) if box.numel else None for box in boxes)
     return (None if is_plain(cuts, shape) else cuts), ranges
