@@ -56,7 +56,8 @@ def parse_placements(spec: Any, mesh_ndim: int) -> tuple[Any, ...]:
             raise ValueError(f"placements {spec!r}: {bad[0]} is not Shard(d) or Replicate()")
     if len(out) != mesh_ndim:
         raise ValueError(
-            f"placements {spec!r} give {len(out)} placements for a mesh of {mesh_ndim} dims"
+            f"placement spec {spec!r} gives {len(out)} placements for the {mesh_ndim} dims of the "
+            "mesh"
         )
     return tuple(out)
 

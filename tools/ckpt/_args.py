@@ -288,24 +288,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         import torch  # here, not at the top: see the module docstring
 
         args.dtype = getattr(torch, args.dtype)
-    if args.command in ("convert", "reshard"):
-        mesh = args.mesh
-        if args.placement and mesh is None:
-            raise UsageError("--placement applies with --mesh only")
-        for pattern, spec in args.placement:
-            if mesh is not None and len(spec.split(",")) != len(mesh):
-                raise UsageError(
-                    f"--placement {pattern}={spec} gives {len(spec.split(','))} placements for "
-                    f"the {len(mesh)} dims of --mesh {'x'.join(map(str, mesh))}"
-                )
+    # the number of placements per mesh dim is checked where they are parsed (storage)
+    if args.command in ("convert", "reshard") and args.placement and args.mesh is None:
+        raise UsageError("--placement applies with --mesh only")
     if args.command != "convert":
         return args
     if args.mesh is not None and args.to != "ftsdp":
         raise UsageError(f"--mesh applies to --to ftsdp only, not {args.to}")
-    if args.src_format and args.src_format not in FORMATS:
-        raise UsageError(
-            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(FORMATS)}"
-        )
     # --include-optimizer, --keep-names and --tokenizer shape the hf export only
     for flag, on in (
         ("--include-optimizer", args.include_optimizer),
