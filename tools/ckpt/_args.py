@@ -316,10 +316,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def printable(text: object) -> str:
     """``str(text)`` with each non-printable character escaped as Python writes it (``\\x1b``,
     ``\\u202e``): names from a checkpoint must not hide or forge a line (not for JSON output)."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(text))
 
 
 def human_bytes(n: float) -> str:
