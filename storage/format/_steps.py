@@ -247,13 +247,6 @@ def plan_removal(store: Store, d: StepDir) -> Deletion | None:
     return plan
 
 
-def plan_strays(store: Store, d: StepDir) -> Deletion:
-    """The garbage in committed step ``d``: our names its manifest does not list."""
-    assert d.manifest is not None
-    names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
-    return _sort_out(store, d, Deletion(d.step, whole=False), names)
-
-
 def _sort_out(
     store: Store, d: StepDir, plan: Deletion, names: list[str], listed: Collection[str] = ()
 ) -> Deletion:
@@ -358,8 +351,9 @@ def plan_retention(
     newest = committed[-1] if committed else None
     for step, d in sorted(scan.dirs.items()):
         if step in keep:
-            if d.listed:
-                strays = plan_strays(store, d)
+            if d.listed and d.manifest is not None:  # strays: our names it does not list
+                names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
+                strays = _sort_out(store, d, Deletion(step, whole=False), names)
                 plan.strays.append(strays)
                 plan.notes += [_foreign(store, step, n) for n in strays.left]
             continue
