@@ -408,11 +408,6 @@ class DcpSource(Source):
                 if md.properties.dtype not in SUPPORTED:
                     self.dropped.append(f"{fqn} (dtype {md.properties.dtype} unsupported)")
                     continue
-                if not all(type(d) is int and d >= 0 for d in md.size):
-                    raise CorruptCheckpointError(
-                        f"DCP checkpoint {self.url}: tensor {fqn!r} has size {list(md.size)}, "
-                        "not non-negative integers"
-                    )
                 self.tensors[fqn] = TensorInfo(fqn, tuple(md.size), md.properties.dtype)
             elif isinstance(md, BytesStorageMetadata):
                 value_keys.append(fqn)

@@ -50,9 +50,9 @@ class Source(abc.ABC):
 
     def read_boxes_into(self, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
         """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype, ``box.numel`` elements)
-        with the elements of ``box`` of tensor ``name``, row-major in the box (here: through the
-        rows holding it)."""
-        read_rows_into(self, requests)
+        with the elements of ``box`` of tensor ``name``, row-major in the box; called only for
+        the tensors and grids ``exact_boxes`` accepts."""
+        raise NotImplementedError
 
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the reader holds (files, caches)."""
@@ -75,7 +75,7 @@ class Source(abc.ABC):
 
 
 def read_rows_into(source: Source, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
-    """``Source.read_boxes_into`` through ``source.read_into``: each box is read as the
+    """What ``Source.read_boxes_into`` does, through ``source.read_into``: each box is read as the
     row-major range from its first element to its last (at most its rows of dim 0 times the rest
     of the tensor: ``Feed`` makes the requests of such a tensor smaller), then cut."""
     reads, views = [], []

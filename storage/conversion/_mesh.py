@@ -56,30 +56,25 @@ def parse_placements(spec: Any, mesh_ndim: int) -> tuple[Any, ...]:
             raise ValueError(f"placements {spec!r}: {bad[0]} is not Shard(d) or Replicate()")
     if len(out) != mesh_ndim:
         raise ValueError(
-            f"placements {spec!r} give {len(out)} placements for a mesh of {mesh_ndim} dims"
+            f"placement spec {spec!r} gives {len(out)} placements for the {mesh_ndim} dims of the "
+            "mesh"
         )
     return tuple(out)
 
 
-def default_placements(ndim: int, mesh_ndim: int) -> tuple[Any, ...]:
-    """Mesh dim ``m`` shards tensor dim ``m`` while the tensor has one, else replicates: a 2-D
-    weight on a 2-D mesh is ``(Shard(0), Shard(1))``, a 1-D bias ``(Shard(0), Replicate())``, a
-    scalar replicated."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    return tuple(Shard(m) if m < ndim else Replicate() for m in range(mesh_ndim))
-
-
 def placements_for(name: str, ndim: int, mesh: Sequence[int], rules: PlacementRules) -> tuple:
     """The placements of tensor ``name`` (``ndim`` dims): the first rule whose pattern matches
-    it (fnmatch, case-sensitive), else ``default_placements``; ValueError when they shard a dim
-    the tensor does not have."""
+    it (fnmatch, case-sensitive), else the default (docs/cli.md: mesh dim ``m`` shards tensor dim
+    ``m`` while the tensor has one, else replicates); ValueError when they shard a dim the tensor
+    does not have."""
     for pattern, spec in rules:
         if fnmatch.fnmatchcase(name, pattern):
             out = parse_placements(spec, len(mesh))
             break
     else:
-        return default_placements(ndim, len(mesh))
+        from torch.distributed.tensor import Replicate, Shard
+
+        return tuple(Shard(m) if m < ndim else Replicate() for m in range(len(mesh)))
     for p in out:
         if hasattr(p, "dim") and not 0 <= p.dim < ndim:
             raise ValueError(
@@ -100,5 +95,5 @@ def mesh_layout(
     if math.prod(shape) == 0:  # nothing to hold: rank 0 lists it
         return None, (Range(0, 0), *[None] * (math.prod(mesh) - 1))
     boxes, cuts = dtensor_boxes(shape, mesh, placements)
-    ranges = tuple(Range(*box_range(cuts, shape, box)) if box.numel else None for box in boxes)
+    ranges = tuple(box_range(cuts, shape, box) if box.numel else None for box in boxes)
     return (None if is_plain(cuts, shape) else cuts), ranges

@@ -1,14 +1,7 @@
-"""N-D layouts (docs/format.md, "Tensors saved on a grid"): a tensor cut into boxes along several
-dims is stored cell by cell, so that every rank's box is one flat range of that order.
-
-A **grid** gives each dim's cut points ``(0, c_1, ..., size)``. Its cells are the boxes between
-consecutive cuts, ordered row-major over the grid; a cell's elements are row-major inside it. The
-**grid order** of a tensor numbers its elements that way; with no grid (or one that cuts only the
-first dim of more than one element) it is the plain row-major order. Pieces, ranges and layout
-rules are flat ranges of the grid order, so that everything that plans, packs and commits flat
-ranges works unchanged; only the copies between a region of the tensor and the grid order
-(:func:`runs`) know about boxes.
-"""
+"""N-D layouts (docs/format.md, "The grid order"): a tensor cut into boxes along several dims is
+stored cell by cell, so that every rank's box is one flat range of that order. Pieces, ranges and
+layout rules are flat ranges of the grid order; only the copies between a region of the tensor and
+the grid order (:func:`runs`) know about boxes."""
 
 from __future__ import annotations
 
@@ -17,6 +10,8 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+from ftsdp.storage.format._ranges import Range
 
 Cuts = tuple[tuple[int, ...], ...]  # per dim: (0, c_1, ..., size), strictly increasing
 
@@ -93,9 +88,9 @@ def cell_start(cuts: Cuts, shape: Sequence[int], index: Sequence[int]) -> int:
     return start
 
 
-def box_range(cuts: Cuts, shape: Sequence[int], box: Box) -> tuple[int, int]:
-    """``(start, length)`` in grid order of ``box``, which must be one cell of ``cuts``;
-    ValueError otherwise."""
+def box_range(cuts: Cuts, shape: Sequence[int], box: Box) -> Range:
+    """The range in grid order of ``box``, which must be one cell of ``cuts``; ValueError
+    otherwise."""
     index = []
     for d, (o, n) in enumerate(zip(box.offsets, box.lengths, strict=True)):
         c = cuts[d]
@@ -103,7 +98,7 @@ def box_range(cuts: Cuts, shape: Sequence[int], box: Box) -> tuple[int, int]:
         if i is None or i + 1 >= len(c) or c[i + 1] != o + n:
             raise ValueError(f"box {tuple(box)} is not one cell of the grid {cuts} (dim {d})")
         index.append(i)
-    return cell_start(cuts, shape, index), box.numel
+    return Range(cell_start(cuts, shape, index), box.numel)
 
 
 def _position(c: Sequence[int], x: int) -> int | None:

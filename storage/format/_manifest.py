@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TypeGuard
 from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError, NewerFormatError
 from ftsdp.storage._options import MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, LoadOptions
 from ftsdp.storage.format._checksum import ALGORITHM_OF_VERSION, WRITTEN, checksum_function
-from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._dtypes import torch_dtype
 from ftsdp.storage.format._grid import Cuts, check_cuts
 from ftsdp.storage.format._json import MAX_INT, decode_json, show, too_deep
 from ftsdp.storage.format._layout import object_name
@@ -430,7 +430,7 @@ def _decode(doc: Any, where: str) -> Manifest:
             fail(f"{what}: shape={show(shape)} has more than 2**63-1 elements")
         dtype = t.get("dtype")
         try:
-            size = itemsize(torch_dtype(dtype))
+            size = torch_dtype(dtype).itemsize
         except (KeyError, TypeError):
             raise CorruptCheckpointError(
                 f"{where}: {what}: unknown dtype {show(dtype)} in manifest"

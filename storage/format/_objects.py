@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ftsdp.storage.format._dtypes import itemsize
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._safetensors import layout
 
@@ -66,7 +65,7 @@ def pack(
         current, used = [], 0
 
     for piece in pieces:
-        size = itemsize(piece.dtype)
+        size = piece.dtype.itemsize
         offset, left = piece.offset, piece.length
         while left:
             room = (cap - used) // size

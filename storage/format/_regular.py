@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._dtypes import torch_dtype
 from ftsdp.storage.format._objects import PlannedObject, PlannedPiece, pack
 from ftsdp.storage.format._ranges import Range
 
@@ -123,7 +123,7 @@ def resolve(
         if rule.kind == "irregular":
             continue
         if rule.kind == "whole":
-            if numel * itemsize(torch_dtype(dtype)) >= replica_split_bytes and numel >= world:
+            if numel * torch_dtype(dtype).itemsize >= replica_split_bytes and numel >= world:
                 rule = Rule("even", 0, -(-numel // world))
             else:
                 rule, turn = Rule("writer", writer=turn % world), turn + 1

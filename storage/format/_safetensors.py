@@ -13,7 +13,7 @@ import torch
 
 from ftsdp.storage._errors import CheckpointNotFoundError, CorruptCheckpointError
 from ftsdp.storage.format._checksum import WRITTEN, checksum_function
-from ftsdp.storage.format._dtypes import itemsize, safetensors_code
+from ftsdp.storage.format._dtypes import safetensors_code
 from ftsdp.storage.format._json import MAX_INT, decode_json, show
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import tensor_bytes
@@ -31,7 +31,7 @@ def layout(
     pos = 0
     rel = []
     for key, dtype, shape in entries:
-        nbytes = math.prod(shape) * itemsize(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         header[key] = {
             "dtype": safetensors_code(dtype),
             "shape": list(shape),

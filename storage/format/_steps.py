@@ -247,13 +247,6 @@ def plan_removal(store: Store, d: StepDir) -> Deletion | None:
     return plan
 
 
-def plan_strays(store: Store, d: StepDir) -> Deletion:
-    """The garbage in committed step ``d``: our names its manifest does not list."""
-    assert d.manifest is not None
-    names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
-    return _sort_out(store, d, Deletion(d.step, whole=False), names)
-
-
 def _sort_out(
     store: Store, d: StepDir, plan: Deletion, names: list[str], listed: Collection[str] = ()
 ) -> Deletion:
@@ -344,9 +337,8 @@ def plan_retention(
     """What retention removes (docs/format.md, "Retention and garbage collection"); ``protect``
     is always kept. ``scan``: a fresh ``scan_root`` that read every manifest (else one is
     taken, with ``known``). A kept step of ``known`` is neither listed (its strays were looked
-    for when it was) nor read; one that goes is listed and its manifest read again."""
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
+    for when it was) nor read; one that goes is listed and its manifest read again. Its callers
+    refuse ``keep_last < 1``."""
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
     scan = scan_root(store, known=known) if scan is None else scan
@@ -359,8 +351,9 @@ def plan_retention(
     newest = committed[-1] if committed else None
     for step, d in sorted(scan.dirs.items()):
         if step in keep:
-            if d.listed:
-                strays = plan_strays(store, d)
+            if d.listed and d.manifest is not None:  # strays: our names it does not list
+                names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
+                strays = _sort_out(store, d, Deletion(step, whole=False), names)
                 plan.strays.append(strays)
                 plan.notes += [_foreign(store, step, n) for n in strays.left]
             continue

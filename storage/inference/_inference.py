@@ -17,7 +17,7 @@ from ftsdp.storage._errors import StateMismatchError
 from ftsdp.storage._options import LoadOptions
 from ftsdp.storage.conversion._formats import open_source
 from ftsdp.storage.conversion._interfaces import Source
-from ftsdp.storage.format._dtypes import itemsize
+from ftsdp.storage.format._ranges import Range, check_range
 from ftsdp.storage.io._streaming import MiB, Request, TensorInfo, group_requests, split_request
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class _Scratch:
 
     def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """``n`` elements of ``dtype``: from the buffer while it has room, else fresh."""
-        size = itemsize(dtype)
+        size = dtype.itemsize
         start = -(-self.pos // 16) * 16  # aligned for any dtype
         if start + n * size > self.nbytes:
             return torch.empty(n, dtype=dtype)
@@ -251,9 +251,9 @@ def load_into(
                 replace.append((groups[tid], old, new))
                 reads.append((name, new))
             else:
-                narrower = min(saved_dtype, old.dtype, key=itemsize)
+                narrower = min(saved_dtype, old.dtype, key=lambda d: d.itemsize)
                 in_place.append((name, old, narrower))
-        staged_bytes = sum(t.numel() * itemsize(d) for _, t, d in in_place)
+        staged_bytes = sum(t.numel() * d.itemsize for _, t, d in in_place)
         if max_staging_bytes is None or staged_bytes <= max_staging_bytes:
             staging = [torch.empty(t.shape, dtype=d) for _, t, d in in_place]
             fill(source, reads + [(n, b) for (n, _, _), b in zip(in_place, staging, strict=True)])
@@ -343,10 +343,7 @@ class LazyStateDict(Mapping):
     def read(self, name: str, offset: int, length: int) -> torch.Tensor:
         """Elements ``[offset, offset + length)`` of the row-major flattening (1-D, saved dtype)."""
         info = self._source.tensors[name]
-        if offset < 0 or length < 0 or offset + length > info.numel:
-            raise ValueError(
-                f"{name}: range offset={offset} length={length} is outside [0, {info.numel})"
-            )
+        check_range(Range(offset, length), info.numel, name)
         out = torch.empty(length, dtype=info.dtype)
         if length:
             self._source.read_into([(name, offset, out)])
@@ -370,13 +367,9 @@ class LazyStateDict(Mapping):
         if unknown:
             raise KeyError(f"{self.url} has no tensor(s) {sorted(set(unknown))}")
         for name, offset, out in targets:
-            numel = source.tensors[name].numel
             if out.dim() != 1 or not out.is_contiguous():
                 raise ValueError(f"{name}: the target must be 1-D and contiguous")
-            if offset < 0 or offset + out.numel() > numel:
-                raise ValueError(
-                    f"{name}: range offset={offset} length={out.numel()} is outside [0, {numel})"
-                )
+            check_range(Range(offset, out.numel()), source.tensors[name].numel, name)
         _check_casts(
             f"checkpoint {self.url}",
             [(n, source.tensors[n].dtype, out.dtype, False) for n, _, out in targets],
@@ -386,21 +379,14 @@ class LazyStateDict(Mapping):
         # written. Requests go in groups of at most a chunk (the ftsdp reader holds a group).
         staging = [torch.empty(out.numel(), dtype=source.tensors[n].dtype) for n, _, out in targets]
         pieces = [
-            (r.name, r.offset, stage[r.offset - offset : r.offset - offset + r.length])
+            (r, stage[r.offset - offset : r.offset - offset + r.length])
             for (name, offset, _), stage in zip(targets, staging, strict=True)
             for r in split_request(name, offset, stage.numel(), stage.element_size(), chunk)
         ]
-        group: list[tuple[str, int, torch.Tensor]] = []
-        used = 0
-        for piece in pieces:
-            nbytes = piece[2].numel() * piece[2].element_size()
-            if group and used + nbytes > chunk:
-                source.read_into(group)
-                group, used = [], 0
-            group.append(piece)
-            used += nbytes
-        if group:
-            source.read_into(group)
+        views = iter(view for _, view in pieces)  # group_requests keeps the order
+        sizes = {n: source.tensors[n].itemsize for n, _, _ in targets}
+        for group in group_requests([r for r, _ in pieces], sizes, chunk):
+            source.read_into([(r.name, r.offset, next(views)) for r in group])
         # Phase two: write the targets.
         for (_, _, out), stage in zip(targets, staging, strict=True):
             _copy_in(out, stage)

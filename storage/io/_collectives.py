@@ -37,17 +37,10 @@ def all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     if group is None:
         return [json.loads(json.dumps(obj))]
     device, world = _device(group), dist.get_world_size(group)
-    data = json.dumps(obj).encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    bufs = [_received(longest, device) for _ in range(world)]
-    dist.all_gather(bufs, _padded(data, longest).to(device), group=group)
-    return [
-        json.loads(bytes(b[: int(s.item())].cpu().numpy()))
-        for b, s in zip(bufs, sizes, strict=True)
-    ]
+    buf = _framed_to_longest(json.dumps(obj).encode(), group, device)
+    bufs = [_received(buf.numel(), device) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    return [json.loads(raw[:n]) for n, raw in (_unframed(b.cpu()) for b in bufs)]
 
 
 def broadcast_json(obj: Any, group: dist.ProcessGroup | None) -> Any:
@@ -83,6 +76,13 @@ def _unframed(buf: torch.Tensor) -> tuple[int, bytes]:
     return int.from_bytes(raw[:_LENGTH], "little"), raw[_LENGTH:]
 
 
+def _framed_to_longest(data: bytes, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """``data`` framed in as many bytes as the group's longest frame (collective)."""
+    longest = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    return _framed(data, _LENGTH + int(longest.item()), device)
+
+
 def _padded(data: bytes, n: int) -> torch.Tensor:
     """The first ``n`` bytes of ``data``, zero-padded, as a CPU uint8 tensor over a bytearray
     (``torch.zeros`` would wake an OpenMP team on storage's background thread)."""
@@ -105,10 +105,7 @@ def gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
         return [json.loads(json.dumps(obj))]
     device, world, me = _device(group), dist.get_world_size(group), dist.get_rank(group)
     dst = dist.get_global_rank(group, 0)
-    data = json.dumps(obj).encode()
-    longest = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-    buf = _framed(data, _LENGTH + int(longest.item()), device)
+    buf = _framed_to_longest(json.dumps(obj).encode(), group, device)
     bufs = [_received(buf.numel(), device) for _ in range(world)] if me == 0 else None
     dist.gather(buf, bufs, dst=dst, group=group)
     if bufs is None:
@@ -125,14 +122,12 @@ def scatter_json(objs: list[Any] | None, group: dist.ProcessGroup | None) -> Any
     datas = [json.dumps(o).encode() for o in objs] if me == 0 and objs is not None else []
     head = torch.tensor([max(map(len, datas), default=0)], dtype=torch.int64, device=device)
     dist.broadcast(head, src=src, group=group)
-    longest = int(head.item())
-    sizes = [torch.tensor([len(d)], dtype=torch.int64, device=device) for d in datas]
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.scatter(size, sizes or None, src=src, group=group)
-    bufs = [_padded(d, longest).to(device) for d in datas] if me == 0 else None
-    buf = _received(longest, device)
+    size = _LENGTH + int(head.item())
+    bufs = [_framed(d, size, device) for d in datas] if me == 0 else None
+    buf = _received(size, device)
     dist.scatter(buf, bufs, src=src, group=group)
-    return json.loads(bytes(buf[: int(size.item())].cpu().numpy()))
+    n, raw = _unframed(buf.cpu())
+    return json.loads(raw[:n])
 
 
 def all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:

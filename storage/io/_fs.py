@@ -277,9 +277,9 @@ class Store:
 
     # -- removing ---------------------------------------------------------------------------------
 
-    def remove(self, rel: str, recursive: bool = False) -> None:
+    def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self._retry(lambda: self.fs.rm(self.full(rel), recursive=recursive))
+            self._retry(lambda: self.fs.rm(self.full(rel)))
         self.invalidate(self._parent(rel))
 
     def remove_empty_dir(self, rel: str) -> bool:

@@ -1,13 +1,8 @@
 """The commit protocol of the native format, its one owner (docs/design.md, "The commit protocol";
 docs/format.md, "Commit protocol"): the distributed ``save`` (``new_attempt`` on rank 0, then
 ``finish`` on every rank) and the single-process writer of ``convert`` and ``reshard``
-(``new_attempt``, its objects, then ``commit(store, build_manifest(...))``).
-
-[Note: commit without collectives in the background] After the planning exchange no collective
-is used (markers instead), so a background commit cannot deadlock with training's collectives.
-The manifest is created exclusively, and rank 0 gives up or backs its commit out when another
-writer committed a step meanwhile.
-"""
+(``new_attempt``, its objects, then ``commit(store, build_manifest(...))``). After the planning
+exchange no collective is used (markers instead)."""
 
 from __future__ import annotations
 

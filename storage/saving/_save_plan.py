@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ftsdp.storage._options import SaveOptions
-from ftsdp.storage.format._dtypes import itemsize, torch_dtype
+from ftsdp.storage.format._dtypes import torch_dtype
 from ftsdp.storage.format._grid import Cuts
 from ftsdp.storage.format._layout import object_name
 from ftsdp.storage.format._objects import PlannedObject, PlannedPiece, pack
@@ -83,7 +83,7 @@ def make_plan(metas: list[dict[str, Any]], attempt: str, options: SaveOptions) -
     for name in sorted(held):
         shape, dtype_s = shapes[name]
         dtype = torch_dtype(dtype_s)
-        size = itemsize(dtype)
+        size = dtype.itemsize
         numel = math.prod(shape)
         segs = segments(held[name].values())
         try:

@@ -288,24 +288,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         import torch  # here, not at the top: see the module docstring
 
         args.dtype = getattr(torch, args.dtype)
-    if args.command in ("convert", "reshard"):
-        mesh = args.mesh
-        if args.placement and mesh is None:
-            raise UsageError("--placement applies with --mesh only")
-        for pattern, spec in args.placement:
-            if mesh is not None and len(spec.split(",")) != len(mesh):
-                raise UsageError(
-                    f"--placement {pattern}={spec} gives {len(spec.split(','))} placements for "
-                    f"the {len(mesh)} dims of --mesh {'x'.join(map(str, mesh))}"
-                )
+    # the number of placements per mesh dim is checked where they are parsed (storage)
+    if args.command in ("convert", "reshard") and args.placement and args.mesh is None:
+        raise UsageError("--placement applies with --mesh only")
     if args.command != "convert":
         return args
     if args.mesh is not None and args.to != "ftsdp":
         raise UsageError(f"--mesh applies to --to ftsdp only, not {args.to}")
-    if args.src_format and args.src_format not in FORMATS:
-        raise UsageError(
-            f"unknown format {args.src_format!r} for --from; choose one of {', '.join(FORMATS)}"
-        )
     # --include-optimizer, --keep-names and --tokenizer shape the hf export only
     for flag, on in (
         ("--include-optimizer", args.include_optimizer),
@@ -327,10 +316,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def printable(text: object) -> str:
     """``str(text)`` with each non-printable character escaped as Python writes it (``\\x1b``,
     ``\\u202e``): names from a checkpoint must not hide or forge a line (not for JSON output)."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(text))
 
 
 def human_bytes(n: float) -> str:
