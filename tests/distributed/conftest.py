@@ -10,7 +10,8 @@ traceback); a phase that hangs or kills its rank fails every test of that spawn.
 - W=2: ``test_checkpoint_manager.py`` (save, corrupt copy, follow-ups),
   ``test_checkpoint_manager_engines.py`` (the save grid), ``test_engine_streams.py``,
   ``test_engine_grad_scaler.py``, ``test_engine_parity.py``,
-  ``test_engine_mixed_precision_fsdp2.py``, ``test_engine_compile.py``;
+  ``test_engine_mixed_precision_fsdp2.py``, ``test_engine_compile.py``,
+  ``test_engine_fsdp1_compat.py``;
 - W=3: the two CheckpointManager modules' resumes (after the W=2 spawn, and after
   ``_damage_and_keep`` between the two), ``test_engine_behaviour.py``,
   ``test_engine_parity.py``, ``test_engine_mixed_precision_fsdp2.py``,
@@ -19,6 +20,9 @@ traceback); a phase that hangs or kills its rank fails every test of that spawn.
   ``MALLOC_MMAP_THRESHOLD_`` is in the environment of the whole spawn), then
   ``test_engine_edge_cases.py``, ``test_engine_parity.py``, ``test_engine_compile.py`` and
   ``test_checkpoint_manager.py``'s memory tier on two simulated nodes.
+
+``test_nd_layouts.py`` saves in the W=4 spawn (after every other phase) and loads and resumes in
+the W=2 and W=3 spawns, so when it is selected the W=4 spawn runs before the other two.
 
 Only the phases of modules that have a selected test run, so running one module alone still
 costs one spawn per world size it uses.
@@ -47,6 +51,7 @@ ENGINE_PHASES: dict[int, list[tuple[str, str]]] = {
         ("test_engine_parity", "parity_grid"),
         ("test_engine_mixed_precision_fsdp2", "mixed_precision"),
         ("test_engine_compile", "compile_grid"),
+        ("test_engine_fsdp1_compat", "rank_main"),  # last: it runs torch FSDP1 too
     ],
     3: [
         ("test_engine_behaviour", "behaviour"),
@@ -61,6 +66,8 @@ ENGINE_PHASES: dict[int, list[tuple[str, str]]] = {
         ("test_engine_compile", "compile_grid"),
     ],
 }
+# test_nd_layouts.py: world size -> the (dp, tp) mesh its loads and resume run at
+ND_LOADS = {3: (3, 1), 2: (1, 2)}
 SPAWN_ENV = {4: {"MALLOC_MMAP_THRESHOLD_": "65536"}}  # test_engine_features: see its test
 TIMEOUT_S = 600  # a whole spawn, every phase of it
 
@@ -103,6 +110,8 @@ class SharedSpawns:
             self.again = str(tmp_path_factory.mktemp("again") / "again")
             self.root = tmp_path_factory.mktemp("engines")
             self.nodes = tmp_path_factory.mktemp("nodes")
+        if "test_nd_layouts" in modules:
+            self.nd_root = str(tmp_path_factory.mktemp("nd"))
         self.damaged: Any = None
         self._names: dict[int, list[str]] = {}  # per world size, the phase names in order
         self._results: dict[int, list[list[tuple[bool, Any]]]] = {}
@@ -130,11 +139,20 @@ class SharedSpawns:
                 phases.append((f"{module}.{fn}", (target, ())))
         if self.checkpoints and world == 4:  # after test_engine_features' memory checks
             phases.append(("manager.node_memory", (manager._node_memory_phase, (str(self.nodes),))))
+        if "test_nd_layouts" in self.modules:
+            from tests.distributed import test_nd_layouts as nd
+
+            if world == 4:
+                phases.append(("nd.saves", (nd._saves, (self.nd_root,))))
+            elif world in ND_LOADS:
+                phases.append(("nd.loads", (nd._loads, (self.nd_root, *ND_LOADS[world]))))
         return phases
 
     def _spawn(self, world: int) -> None:
         if world in self._results:
             return
+        if world in ND_LOADS and "test_nd_layouts" in self.modules:
+            self._spawn(4)  # its loads read what its W=4 phase saved
         if world == 3 and self.checkpoints:  # the resumes read what the W=2 saves wrote
             self._spawn(2)
             from tests.distributed import test_checkpoint_manager_engines as engines
@@ -187,6 +205,11 @@ class SharedSpawns:
             raise self.damaged
         as_saved, original_3 = self.damaged
         return self.root, as_saved, saved, resumed, original_3
+
+    # test_nd_layouts.py
+    def nd(self, world: int) -> list[Any]:
+        """Every rank's result of the N-D module's phase at ``world`` (4: the saves)."""
+        return self.result(world, "nd.saves" if world == 4 else "nd.loads")
 
 
 @pytest.fixture(scope="session")

@@ -3,16 +3,18 @@
 Each script below is written the way torch FSDP1's tutorials and docs write it, against a
 namespace ``F`` (``torch.distributed.fsdp`` or ``ftsdp.fsdp``) and ``W`` (its ``.wrap``):
 ``import torch.distributed.fsdp as F`` becomes ``import ftsdp.fsdp as F`` and nothing else
-changes. One spawn of two gloo ranks runs the grid; every script is compared with unwrapped
-training on the global batch in the same process (losses, clip norms, weights and optimizer
-state within 1e-5), and where torch FSDP1 runs on CPU, with torch FSDP1 itself running the
-same script (its state dicts are the format reference).
+changes. Two gloo ranks run the grid (a phase of the W=2 spawn this folder's modules share, see
+its conftest.py); every script is compared with unwrapped training on the global batch in the
+same process (losses, clip norms, weights and optimizer state within 1e-5), and where torch
+FSDP1 runs on CPU, with torch FSDP1 itself running the same script (its state dicts are the
+format reference).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import shutil
 
 import pytest
 import torch
@@ -25,9 +27,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from ftsdp.examples.gpt import GPT, MLP, Block, GPTConfig
-from ftsdp.testing import run_ranks
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the first test may run the shared spawns (conftest.py)
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16)
 GLOBAL_BATCH = 8
@@ -472,8 +473,23 @@ def grid(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-def test_fsdp1_scripts_run_unchanged_on_ftsdp(tmp_path) -> None:
-    results = run_ranks(grid, 2, str(tmp_path), timeout=240)
+def rank_main(rank: int, world: int) -> dict:
+    """``grid`` in a folder the ranks share, as a phase of this folder's W=2 spawn
+    (conftest.py): rank 0 makes it, the others learn its name."""
+    import tempfile
+
+    name = [tempfile.mkdtemp(prefix="ftsdp-fsdp1-") if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    try:
+        return grid(rank, world, name[0])
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(name[0], ignore_errors=True)
+
+
+def test_fsdp1_scripts_run_unchanged_on_ftsdp(spawns) -> None:
+    results = spawns.result(2, "test_engine_fsdp1_compat.rank_main")
     for rank, out in enumerate(results):
         assert len(out["scripts"]) == 7, out["scripts"]
         # the same state-dict format as torch FSDP1: FULL optimizer state keyed by the same

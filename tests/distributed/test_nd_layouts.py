@@ -20,13 +20,16 @@ gathered at save time. Bytes read against bytes needed are reported per rank: th
 use 64-byte checksum blocks, so that the amplification measured is the plan's, not the widening
 of these small tensors to the default 1 MiB blocks.
 
-The same spawns (and one of a single rank) run a job under ``CheckpointManager`` (its defaults:
-async, deferred copy): 4 steps at dp=2 x tp=2 saving every 2 and going on to step 5, then
-resumed from step 4 at dp=3, at tp=2 and on one rank with the model unwrapped; each resume runs
-step 5. Data: a global batch of 12 samples in the elastic sampler's order, split over the dp
-ranks only (the tp ranks of a dp rank share its samples). Every step 5 must equal the unwrapped
-reference: a model in this process that loaded step 4 with ``load_state_dict`` and took the step
-on the whole batch.
+The same spawns (and one rank in the test process) run a job under ``CheckpointManager`` (its
+defaults: async, deferred copy): 4 steps at dp=2 x tp=2 saving every 2 and going on to step 5,
+then resumed from step 4 at dp=3, at tp=2 and on one rank with the model unwrapped; each resume
+runs step 5. Data: a global batch of 12 samples in the elastic sampler's order, split over the
+dp ranks only (the tp ranks of a dp rank share its samples). Every step 5 must equal the
+unwrapped reference: a model in this process that loaded step 4 with ``load_state_dict`` and
+took the step on the whole batch.
+
+The spawns are the W=4, 3 and 2 spawns this folder's modules share (its conftest.py): the saves
+run in the W=4 spawn after the other modules' phases, and that spawn runs before the other two.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from ftsdp import storage
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the first test may run the shared spawns (conftest.py)
 
 BLOCK = 64
 D, H = 32, 64
@@ -272,18 +275,22 @@ def _resume_alone(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    from ftsdp.testing import run_ranks
+def runs(spawns) -> dict:
+    """The three spawns' results (the W=4, 3 and 2 spawns this folder shares, see its
+    conftest.py) and the resume on one rank, which runs in this process: a group of one rank
+    over an in-memory store, with the variables a spawned rank has."""
+    import torch.distributed as dist
 
-    root = str(tmp_path_factory.mktemp("nd"))
-    saved = run_ranks(_saves, 4, root, timeout=240)
-    return {
-        "root": root,
-        "saved": saved,
-        "dp3": run_ranks(_loads, 3, root, 3, 1, timeout=240),
-        "tp2": run_ranks(_loads, 2, root, 1, 2, timeout=240),
-        "alone": run_ranks(_resume_alone, 1, root, timeout=240),
-    }
+    runs = {"root": spawns.nd_root, "saved": spawns.nd(4), "dp3": spawns.nd(3), "tp2": spawns.nd(2)}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            mp.setenv(name, value)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            runs["alone"] = [_resume_alone(0, 1, spawns.nd_root)]
+        finally:
+            dist.destroy_process_group()
+    return runs
 
 
 def test_the_saved_state_holds_every_2d_placement(runs) -> None:

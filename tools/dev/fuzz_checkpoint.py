@@ -3,7 +3,7 @@
     python -m ftsdp.tools.dev.fuzz_checkpoint --cases 20000 --seed 1      # a table of outcomes
     python -m ftsdp.tools.dev.fuzz_checkpoint --seed 1 --case 4711 -v     # replay one case
     python -m ftsdp.tools.dev.fuzz_checkpoint --sharded --cases 5000      # a 3-rank, version 4 one
-    python -m ftsdp.tools.dev.fuzz_checkpoint --grid --cases 5000         # a 2 x 2 mesh, version 5
+    python -m ftsdp.tools.dev.fuzz_checkpoint --grid --cases 5000         # the version 5 golden
 
 A tiny checkpoint (a few small tensors of several dtypes spread over several objects, an empty
 tensor, nested non-tensor values) is saved once. Each case copies it, applies one random
@@ -111,32 +111,19 @@ def save_sharded(rank: int, world: int, url: str) -> None:
     storage.save(rank_state(rank, world), url, step=STEP, options=OPTIONS)
 
 
-GRID_MESH = (2, 2)  # the mesh of the checkpoint saved on a grid (format version 5)
+# The checkpoint fuzzed on a grid (format version 5): the checked-in golden of
+# tests/make_storage_golden_v5.py, saved by 4 ranks on a 2 x 2 mesh: boxes of 2 and 3 dims (one
+# under a layout rule), row slabs, replicated column blocks and per-rank values. Read from a
+# checkout (its tests package), like the rest of tools/dev.
+GOLDEN_V5 = Path(__file__).resolve().parents[2] / "tests" / "golden" / "storage_v5"
 
 
-def save_on_grid(rank: int, world: int, url: str) -> None:
-    """Save ``reference_state()`` as DTensors on a 2 x 2 mesh (``ftsdp.testing.run_ranks``):
-    ``w`` in boxes of both dims (a grid), the mask cut twice along its one dim, the rest
-    replicated."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def golden_v5() -> tuple[dict[str, Any], int]:
+    """What a single process loads from ``GOLDEN_V5`` (rank 0's values), and its step."""
+    from tests.make_storage_golden_v5 import STEP as GOLDEN_STEP
+    from tests.make_storage_golden_v5 import reference
 
-    from ftsdp.storage.format._grid import dtensor_grid
-
-    mesh = init_device_mesh("cpu", GRID_MESH)
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None
-    ref = reference_state()
-
-    def shard(t: torch.Tensor, placements: tuple) -> Any:
-        box, _ = dtensor_grid(t.shape, GRID_MESH, coordinate, placements)
-        local = t[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))].clone()
-        return DTensor.from_local(local, mesh, placements, shape=t.shape, stride=t.stride())
-
-    ref["model"]["w"] = shard(ref["model"]["w"], (Shard(1), Shard(0)))
-    ref["model"]["n"] = shard(ref["model"]["n"], (Replicate(), Shard(0)))
-    ref["optim"]["mask"] = shard(ref["optim"]["mask"], (Shard(0), Shard(0)))
-    storage.save(ref, url, step=STEP, options=OPTIONS)
+    return {"model": reference(), "trainer": {"step": GOLDEN_STEP, "rank": 0}}, GOLDEN_STEP
 
 
 def blank(state: Any) -> Any:
@@ -204,9 +191,12 @@ def seal(doc: dict[str, Any]) -> dict[str, Any]:
 class Mutator:
     """Applies one random mutation to the checkpoint at ``root`` (outside: a scratch folder)."""
 
-    def __init__(self, rng: random.Random, root: Path, outside: Path, case: Case) -> None:
+    def __init__(
+        self, rng: random.Random, root: Path, outside: Path, case: Case, step: int = STEP
+    ) -> None:
         self.rng, self.root, self.outside, self.case = rng, root, outside, case
-        self.step = root / f"step-{STEP}"
+        self.step_number = step
+        self.step = root / f"step-{step}"
 
     def files(self) -> list[Path]:
         return sorted(p for p in self.root.rglob("*") if p.is_file())
@@ -330,14 +320,14 @@ class Mutator:
             semantic = False
         elif edit == "swap" and "regular" in doc and r.random() < 0.5:
             # two ranks trade their regular objects' count or checksums, or two tensors their rule
-            if r.random() < 0.5:
+            ruled = [t for t in doc["tensors"].values() if "even" in t or "writer" in t]
+            if r.random() < 0.5 or len(ruled) < 2:
                 ranks = doc["regular"]["ranks"]
                 i, j = r.sample(range(len(ranks)), 2)
                 f = r.randrange(2)
                 ranks[i][f], ranks[j][f] = ranks[j][f], ranks[i][f]
                 detail = f"swap regular.ranks[{i}][{f}] and [{j}][{f}]"
             else:
-                ruled = [t for t in doc["tensors"].values() if "even" in t or "writer" in t]
                 a, b = r.sample(ruled, 2)
                 ka = "even" if "even" in a else "writer"
                 kb = "even" if "even" in b else "writer"
@@ -425,7 +415,7 @@ class Mutator:
         else:  # the whole committed step copied under another number
             new = self.root / r.choice(["step-2", "step-0"])
             shutil.copytree(self.step, new)
-            detail = f"step-{STEP} copied to {new.name}"
+            detail = f"step-{self.step_number} copied to {new.name}"
         self.note(f"file {edit}", detail)
 
     def link(self) -> None:
@@ -607,10 +597,11 @@ def run(
     """Cases ``start`` to ``start + cases - 1`` of ``seed``; each is replayable on its own.
     ``call_timeout_s``: fail a read that takes longer (SIGALRM; 0: no limit). ``sharded``: the
     checkpoint is saved by ``SHARDED_WORLD`` ranks under layout rules (format version 4);
-    ``grid``: by 4 ranks on a 2 x 2 mesh, a tensor on a grid (format version 5)."""
+    ``grid``: the golden of format version 5 (``GOLDEN_V5``: 4 ranks on a 2 x 2 mesh, tensors
+    on grids)."""
     global CALL_TIMEOUT_S
     CALL_TIMEOUT_S = call_timeout_s
-    ref = reference_state()
+    ref, step = golden_v5() if grid else (reference_state(), STEP)
     summary = Summary()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=workdir, prefix="ftsdp-fuzz-") as tmp:
@@ -621,9 +612,7 @@ def run(
             run_ranks("ftsdp.tools.dev.fuzz_checkpoint:save_sharded", SHARDED_WORLD, str(pristine))
             assert storage.catalog.read_manifest(str(pristine)).version == 4
         elif grid:
-            from ftsdp.testing import run_ranks
-
-            run_ranks("ftsdp.tools.dev.fuzz_checkpoint:save_on_grid", 4, str(pristine))
+            shutil.copytree(GOLDEN_V5, pristine)
             assert storage.catalog.read_manifest(str(pristine)).version == 5
         else:
             storage.save(ref, str(pristine), step=STEP, options=OPTIONS)
@@ -633,7 +622,7 @@ def run(
             root, outside = scratch / "ckpt", scratch / "outside"
             shutil.copytree(pristine, root, symlinks=True)
             outside.mkdir()
-            Mutator(random.Random(f"{seed}:{i}"), root, outside, case).apply()
+            Mutator(random.Random(f"{seed}:{i}"), root, outside, case, step).apply()
             check(str(root), ref, case)
             summary.cases.append(case)
             _remove(scratch)
@@ -668,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--grid",
         action="store_true",
-        help="fuzz a checkpoint saved by 4 ranks on a 2 x 2 mesh, a tensor on a grid (version 5)",
+        help="fuzz the golden checkpoint of version 5 (4 ranks on a 2 x 2 mesh, tensors on grids)",
     )
     args = p.parse_args(argv)
     start, n = (args.case, 1) if args.case is not None else (0, args.cases)
