@@ -29,6 +29,8 @@ class Engine(abc.ABC):
         # stop training"): (key, leaves), (key, groups, leaves)
         self._model_cache: tuple[Any, dict[str, Any]] | None = None
         self._optim_cache: tuple[Any, list, dict[str, dict[str, Any]]] | None = None
+        # a new number whenever leaves are made afresh: the same number, the same leaves
+        self.generation = 0
 
     @abc.abstractmethod
     def _model_state(self) -> dict[str, Any]:
@@ -48,19 +50,36 @@ class Engine(abc.ABC):
 
     def model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` of every parameter and persistent buffer (leaves reused: unchanged)."""
-        key = tuple(_identity(t) for t in _module_tensors(self.model))
-        if self._model_cache is None or self._model_cache[0] != key:
-            state = self._model_state()
-            # extra state (a non-tensor value) may change without any tensor changing
-            if not all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
-                self._model_cache = None
-                return state
-            self._model_cache = (key, state)
-        return dict(self._model_cache[1])
+        state, kept = self._model_leaves()
+        return dict(state) if kept else state
 
-    def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``state`` with every leaf holding one of the model's buffers replaced by a copy taken
-        now (forward may change buffers in place; the fence holds back only the optimizer)."""
+    def _model_leaves(self) -> tuple[dict[str, Any], bool]:
+        """``{name: leaf}`` and whether it is the kept dict (then read only)."""
+        key = tuple(_identity(t) for t in _module_tensors(self.model))
+        if self._model_cache is not None and self._model_cache[0] == key:
+            return self._model_cache[1], True
+        self.generation += 1
+        state = self._model_state()
+        # extra state (a non-tensor value) may change without any tensor changing
+        if not all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
+            self._model_cache = None
+            return state, False
+        self._model_cache = (key, state)
+        return state, True
+
+    def tensor_leaves(self) -> tuple[int, dict[str, Any], dict[str, dict[str, Any]], str]:
+        """``(generation, model leaves, optimizer state leaves by parameter, param groups as
+        JSON)``, the leaves read only. The same generation as a call before: the same leaves as
+        then (each call checks the live tensors: none replaced, resized or re-typed, no optimizer
+        state created or replaced, no non-tensor optimizer value changed; a model with extra
+        state that is not a tensor: never the same); the param groups are read at every call."""
+        model, _ = self._model_leaves()
+        optim, groups = self._optim()
+        return self.generation, model, optim, groups_json(groups)
+
+    def buffer_leaves(self, state: Mapping[str, Any]) -> list[str]:
+        """The names of ``state``'s leaves that hold one of the model's buffers (``forward`` may
+        change buffers in place; the fence holds back only the optimizer)."""
         buffers = {
             getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
             for module in self.model.modules()
@@ -68,17 +87,26 @@ class Engine(abc.ABC):
             if b is not None and b.numel()
         }
         if not buffers:
-            return state
-        copies = {}
+            return []
+        names = []
         for name, leaf in state.items():
-            flat = isinstance(leaf, storage.FlatShard)
-            local = leaf.local if flat else leaf
+            local = leaf.local if isinstance(leaf, storage.FlatShard) else leaf
             if not isinstance(local, torch.Tensor) or not local.numel():
                 continue
             if getattr(local, "_local_tensor", local).untyped_storage().data_ptr() in buffers:
-                copies[name] = (
-                    replace(leaf, local=local.clone()) if flat else local.detach().clone()
-                )
+                names.append(name)
+        return names
+
+    def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state`` with every leaf holding one of the model's buffers replaced by a copy taken
+        now (:meth:`buffer_leaves`)."""
+        copies = {}
+        for name in self.buffer_leaves(state):
+            leaf = state[name]
+            if isinstance(leaf, storage.FlatShard):
+                copies[name] = replace(leaf, local=leaf.local.clone())
+            else:
+                copies[name] = leaf.detach().clone()
         return {**state, **copies} if copies else state
 
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
@@ -91,6 +119,7 @@ class Engine(abc.ABC):
                 for live, names in zip(self.optimizer.param_groups, cached[1], strict=True)
             ]
             return cached[2], groups
+        self.generation += 1
         state, groups = self._raw_optim()
         params = self._params(groups)
         leaves = {
