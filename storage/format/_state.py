@@ -146,7 +146,7 @@ def _tensor_leaf(name: str, obj: Any, memo: dict) -> TensorLeaf:
     return TensorLeaf(name, shape, local.dtype, rng, local, hint, grid, box)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (compared by identity: its leaves hold tensors)
 class WalkedPart:
     """A part of a state flattened before (:func:`walk_part`), put back in its place in a state:
     :func:`flatten_state` takes its leaves as they are instead of walking the part again. Its
