@@ -55,7 +55,7 @@ class Engine(abc.ABC):
 
     def _model_leaves(self) -> tuple[dict[str, Any], bool]:
         """``{name: leaf}`` and whether it is the kept dict (then read only)."""
-        key = tuple(_identity(t) for t in _module_tensors(self.model))
+        key = list(map(_identity, _module_tensors(self.model)))
         if self._model_cache is not None and self._model_cache[0] == key:
             return self._model_cache[1], True
         self.generation += 1
@@ -303,23 +303,18 @@ def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def _optim_identities(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
-    """What makes a cached optimizer state dict stale; None: do not cache (no state yet)."""
+def _optim_identities(optimizer: torch.optim.Optimizer) -> list[Any] | None:
+    """What makes a cached optimizer state dict stale; None: do not cache (no state yet). Runs
+    at every save on the caller's thread: the state's own items, no lookup by parameter."""
     if not optimizer.state:
         return None
-    out: list[Any] = [tuple(len(g["params"]) for g in optimizer.param_groups)]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            entry = optimizer.state.get(p)
-            if entry is None:
-                out.append((id(p), None))
-                continue
-            values = (
-                (k, _identity(v) if isinstance(v, torch.Tensor) else repr(v))
-                for k, v in entry.items()
-            )
-            out.append((id(p), tuple(values)))
-    return tuple(out)
+    out: list[Any] = [list(map(id, g["params"])) for g in optimizer.param_groups]
+    for p, entry in optimizer.state.items():
+        values = [
+            (k, _identity(v) if isinstance(v, torch.Tensor) else repr(v)) for k, v in entry.items()
+        ]
+        out.append((id(p), values))
+    return out
 
 
 def _check_tensor(name: str, value: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,11 @@ does not change when torch adds a field); the walk of the engine's tensors kept 
 
 from __future__ import annotations
 
+import array
 import base64
 import json
 import random
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,17 +94,25 @@ def rng_state() -> str:
     assert isinstance(legacy, tuple)  # the global generator is always an MT19937
     kind, keys, pos, has_gauss, gauss = legacy
     version, internal, gauss_next = random.getstate()
-    return json.dumps(
-        {
-            "torch": _b64(torch.get_rng_state().numpy()),
-            "numpy": [kind, _b64(keys), int(pos), int(has_gauss), float(gauss)],
-            "python": [version, _b64(np.asarray(internal, dtype=np.uint32)), gauss_next],
-        }
-    )
+    # json.dumps of the whole would scan the base64 texts, which need no escaping: put in as is
+    numpy = f'[{json.dumps(kind)}, "{_b64(keys)}", {int(pos)}, {int(has_gauss)}, {json.dumps(float(gauss))}]'
+    python = f'[{int(version)}, "{_b64_ints(internal)}", {json.dumps(gauss_next)}]'
+    torch_ = _b64(torch.get_rng_state().numpy())
+    return f'{{"torch": "{torch_}", "numpy": {numpy}, "python": {python}}}'
 
 
 def _b64(words: np.ndarray) -> str:
     return base64.b64encode(words.astype(words.dtype.newbyteorder("<"), copy=False).data).decode()
+
+
+def _b64_ints(words: tuple[int, ...]) -> str:
+    """``_b64`` of Python ints that fit in 32 bits (without a numpy array of them)."""
+    packed = array.array("I", words)
+    if packed.itemsize != 4:  # (a C unsigned int of another size)
+        return _b64(np.asarray(words, dtype=np.uint32))
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed).decode()
 
 
 def _words(saved: str | list[int]) -> np.ndarray:

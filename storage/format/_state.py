@@ -123,6 +123,17 @@ class ValueLeaf:
 
 
 _TENSORS = (torch.Tensor, FlatShard)
+_SCALARS = frozenset({str, int, float, bool, type(None)})  # exactly these types, not subclasses
+
+
+def json_copy(values: Mapping[str, ValueLeaf]) -> dict[str, Any]:
+    """The leaves' values by name, as JSON would give them back (what a save records: a value
+    changed after the call is not seen); str, int, float, bool and None are taken as they are,
+    since JSON gives back an equal one of the same type."""
+    return {
+        n: v.value if type(v.value) in _SCALARS else json.loads(json.dumps(v.value))
+        for n, v in values.items()
+    }
 
 
 def _has_tensor(obj: Any) -> bool:
@@ -221,6 +232,8 @@ def _walk(
             _walk(name, child, tensors, values, memo)
         elif isinstance(child, tuple) and _has_tensor(child):
             raise TypeError(f"{name}: tuples holding tensors are not supported; use a list")
+        elif type(child) in _SCALARS:  # JSON as they are (a long string: no scan of it)
+            values[name] = ValueLeaf(name, child, obj, key)
         else:
             try:
                 json.dumps(child)

@@ -4,7 +4,6 @@ handle. The phases and threads: docs/design.md, "The commit protocol"."""
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import queue
@@ -21,7 +20,7 @@ from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._layout import step_dir
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
-from ftsdp.storage.format._state import TensorLeaf, flatten_state
+from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
 from ftsdp.storage.format._steps import Known
 from ftsdp.storage.io._collectives import own_group, rank_world, resolve_group
 from ftsdp.storage.io._fs import Store
@@ -369,8 +368,7 @@ def _describe(
     state: Mapping[str, Any],
 ) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
     tensors, values = flatten_state(state)
-    copied = json.loads(json.dumps({n: v.value for n, v in values.items()}))  # may change after
-    return tensors, {"error": None, "values": copied}
+    return tensors, {"error": None, "values": json_copy(values)}  # (values may change after)
 
 
 class _Save:
@@ -422,7 +420,8 @@ def _snapshot_size(
     """``(bytes, on CUDA)`` of the snapshot of ``tensors``; None where a save takes none: a
     deferred save written from the live tensors, or a share over the staging budget."""
     local = [t.local for t in tensors.values()]
-    cuda = any(t.device.type == "cuda" for t in local)
+    # no tensor is on CUDA before CUDA is initialised (a save of CPU tensors asks nothing more)
+    cuda = torch.cuda.is_initialized() and any(t.device.type == "cuda" for t in local)
     if deferred and in_place(store, cuda):
         return None
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
