@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import json
+import operator
 import sys
 from collections.abc import Mapping
 from dataclasses import replace
@@ -55,7 +56,7 @@ class Engine(abc.ABC):
 
     def _model_leaves(self) -> tuple[dict[str, Any], bool]:
         """``{name: leaf}`` and whether it is the kept dict (then read only)."""
-        key = list(map(_identity, _module_tensors(self.model)))
+        key = _identities(_module_tensors(self.model))
         if self._model_cache is not None and self._model_cache[0] == key:
             return self._model_cache[1], True
         self.generation += 1
@@ -280,14 +281,25 @@ class TorchEngine(Engine):
         )
 
 
-def _identity(t: torch.Tensor) -> tuple[Any, ...]:
-    # per tensor at every save, on the caller's thread: the common types skip the getattr
-    local = t if type(t) in _PLAIN else getattr(t, "_local_tensor", t)  # a DTensor's shard
-    ptr = local.data_ptr() if local.numel() else 0
-    return id(t), id(local), ptr, local.shape, local.dtype
+def _identities(tensors: list[torch.Tensor]) -> tuple[list[Any], ...]:
+    """Of each tensor (a DTensor: of its local shard too): identity, memory, shape and dtype, as
+    columns made by C-level maps (they run over every tensor at every save, on the caller's
+    thread)."""
+    local = tensors
+    if not _PLAIN_TYPES.issuperset(map(type, tensors)):
+        local = [t if type(t) in _PLAIN else getattr(t, "_local_tensor", t) for t in tensors]
+    return (
+        list(map(id, tensors)),
+        list(map(id, local)),
+        list(map(torch.Tensor.data_ptr, local)),
+        list(map(_SHAPE, local)),
+        list(map(_DTYPE, local)),
+    )
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _OWN_ANSWERS = ("parameters", "named_parameters", "buffers", "named_buffers")
 
 
@@ -303,18 +315,23 @@ def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def _optim_identities(optimizer: torch.optim.Optimizer) -> list[Any] | None:
+def _optim_identities(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
     """What makes a cached optimizer state dict stale; None: do not cache (no state yet). Runs
     at every save on the caller's thread: the state's own items, no lookup by parameter."""
     if not optimizer.state:
         return None
-    out: list[Any] = [list(map(id, g["params"])) for g in optimizer.param_groups]
+    structure: list[Any] = [list(map(id, g["params"])) for g in optimizer.param_groups]
+    tensors: list[torch.Tensor] = []
     for p, entry in optimizer.state.items():
-        values = [
-            (k, _identity(v) if isinstance(v, torch.Tensor) else repr(v)) for k, v in entry.items()
-        ]
-        out.append((id(p), values))
-    return out
+        keys: list[Any] = []
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                tensors.append(v)
+                keys.append(k)
+            else:
+                keys.append((k, repr(v)))
+        structure.append((id(p), keys))
+    return structure, _identities(tensors)
 
 
 def _check_tensor(name: str, value: torch.Tensor) -> torch.Tensor:
