@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import json
+import operator
 import sys
 from collections.abc import Mapping
 from dataclasses import replace
@@ -29,6 +30,8 @@ class Engine(abc.ABC):
         # stop training"): (key, leaves), (key, groups, leaves)
         self._model_cache: tuple[Any, dict[str, Any]] | None = None
         self._optim_cache: tuple[Any, list, dict[str, dict[str, Any]]] | None = None
+        # a new number whenever leaves are made afresh: the same number, the same leaves
+        self.generation = 0
 
     @abc.abstractmethod
     def _model_state(self) -> dict[str, Any]:
@@ -48,19 +51,36 @@ class Engine(abc.ABC):
 
     def model_state(self) -> dict[str, Any]:
         """``{name: leaf}`` of every parameter and persistent buffer (leaves reused: unchanged)."""
-        key = tuple(_identity(t) for t in _module_tensors(self.model))
-        if self._model_cache is None or self._model_cache[0] != key:
-            state = self._model_state()
-            # extra state (a non-tensor value) may change without any tensor changing
-            if not all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
-                self._model_cache = None
-                return state
-            self._model_cache = (key, state)
-        return dict(self._model_cache[1])
+        state, kept = self._model_leaves()
+        return dict(state) if kept else state
 
-    def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``state`` with every leaf holding one of the model's buffers replaced by a copy taken
-        now (forward may change buffers in place; the fence holds back only the optimizer)."""
+    def _model_leaves(self) -> tuple[dict[str, Any], bool]:
+        """``{name: leaf}`` and whether it is the kept dict (then read only)."""
+        key = _identities(_module_tensors(self.model))
+        if self._model_cache is not None and self._model_cache[0] == key:
+            return self._model_cache[1], True
+        self.generation += 1
+        state = self._model_state()
+        # extra state (a non-tensor value) may change without any tensor changing
+        if not all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
+            self._model_cache = None
+            return state, False
+        self._model_cache = (key, state)
+        return state, True
+
+    def tensor_leaves(self) -> tuple[int, dict[str, Any], dict[str, dict[str, Any]], str]:
+        """``(generation, model leaves, optimizer state leaves by parameter, param groups as
+        JSON)``, the leaves read only. The same generation as a call before: the same leaves as
+        then (each call checks the live tensors: none replaced, resized or re-typed, no optimizer
+        state created or replaced, no non-tensor optimizer value changed; a model with extra
+        state that is not a tensor: never the same); the param groups are read at every call."""
+        model, _ = self._model_leaves()
+        optim, groups = self._optim()
+        return self.generation, model, optim, groups_json(groups)
+
+    def buffer_leaves(self, state: Mapping[str, Any]) -> list[str]:
+        """The names of ``state``'s leaves that hold one of the model's buffers (``forward`` may
+        change buffers in place; the fence holds back only the optimizer)."""
         buffers = {
             getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
             for module in self.model.modules()
@@ -68,17 +88,26 @@ class Engine(abc.ABC):
             if b is not None and b.numel()
         }
         if not buffers:
-            return state
-        copies = {}
+            return []
+        names = []
         for name, leaf in state.items():
-            flat = isinstance(leaf, storage.FlatShard)
-            local = leaf.local if flat else leaf
+            local = leaf.local if isinstance(leaf, storage.FlatShard) else leaf
             if not isinstance(local, torch.Tensor) or not local.numel():
                 continue
             if getattr(local, "_local_tensor", local).untyped_storage().data_ptr() in buffers:
-                copies[name] = (
-                    replace(leaf, local=local.clone()) if flat else local.detach().clone()
-                )
+                names.append(name)
+        return names
+
+    def copy_buffers(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state`` with every leaf holding one of the model's buffers replaced by a copy taken
+        now (:meth:`buffer_leaves`)."""
+        copies = {}
+        for name in self.buffer_leaves(state):
+            leaf = state[name]
+            if isinstance(leaf, storage.FlatShard):
+                copies[name] = replace(leaf, local=leaf.local.clone())
+            else:
+                copies[name] = leaf.detach().clone()
         return {**state, **copies} if copies else state
 
     def _optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
@@ -91,6 +120,7 @@ class Engine(abc.ABC):
                 for live, names in zip(self.optimizer.param_groups, cached[1], strict=True)
             ]
             return cached[2], groups
+        self.generation += 1
         state, groups = self._raw_optim()
         params = self._params(groups)
         leaves = {
@@ -251,14 +281,25 @@ class TorchEngine(Engine):
         )
 
 
-def _identity(t: torch.Tensor) -> tuple[Any, ...]:
-    # per tensor at every save, on the caller's thread: the common types skip the getattr
-    local = t if type(t) in _PLAIN else getattr(t, "_local_tensor", t)  # a DTensor's shard
-    ptr = local.data_ptr() if local.numel() else 0
-    return id(t), id(local), ptr, local.shape, local.dtype
+def _identities(tensors: list[torch.Tensor]) -> tuple[list[Any], ...]:
+    """Of each tensor (a DTensor: of its local shard too): identity, memory, shape and dtype, as
+    columns made by C-level maps (they run over every tensor at every save, on the caller's
+    thread)."""
+    local = tensors
+    if not _PLAIN_TYPES.issuperset(map(type, tensors)):
+        local = [t if type(t) in _PLAIN else getattr(t, "_local_tensor", t) for t in tensors]
+    return (
+        list(map(id, tensors)),
+        list(map(id, local)),
+        list(map(torch.Tensor.data_ptr, local)),
+        list(map(_SHAPE, local)),
+        list(map(_DTYPE, local)),
+    )
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _OWN_ANSWERS = ("parameters", "named_parameters", "buffers", "named_buffers")
 
 
@@ -275,22 +316,22 @@ def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _optim_identities(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
-    """What makes a cached optimizer state dict stale; None: do not cache (no state yet)."""
+    """What makes a cached optimizer state dict stale; None: do not cache (no state yet). Runs
+    at every save on the caller's thread: the state's own items, no lookup by parameter."""
     if not optimizer.state:
         return None
-    out: list[Any] = [tuple(len(g["params"]) for g in optimizer.param_groups)]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            entry = optimizer.state.get(p)
-            if entry is None:
-                out.append((id(p), None))
-                continue
-            values = (
-                (k, _identity(v) if isinstance(v, torch.Tensor) else repr(v))
-                for k, v in entry.items()
-            )
-            out.append((id(p), tuple(values)))
-    return tuple(out)
+    structure: list[Any] = [list(map(id, g["params"])) for g in optimizer.param_groups]
+    tensors: list[torch.Tensor] = []
+    for p, entry in optimizer.state.items():
+        keys: list[Any] = []
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                tensors.append(v)
+                keys.append(k)
+            else:
+                keys.append((k, repr(v)))
+        structure.append((id(p), keys))
+    return structure, _identities(tensors)
 
 
 def _check_tensor(name: str, value: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,7 @@ class CheckpointManager:
                 memory_url, self._durable, keep_last=memory_keep, options=save_options
             )
         self.engine = _engines.engine_for(model, optimizer)
+        self._walk = cs.KeptWalk()  # the walk of the engine's tensors, kept between saves
         self.url, self.memory_url = url, memory_url
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.every_steps, self.every_seconds = every_steps, every_seconds
@@ -148,14 +149,28 @@ class CheckpointManager:
         memory = [self._memory] if self._memory is not None and self._memory.on else []
         return [self._durable, *memory]
 
-    def _state(self, trainer: Mapping[str, Any], tier: Tier, *, target: bool = False) -> dict:
-        """The state to save to ``tier`` (buffers copied if deferred), or, ``target``, to load."""
-        model: Mapping[str, Any] = self.engine.model_state()
-        if (self.defer_copy or self._defer_snapshot) and not target:
-            model = self.engine.copy_buffers(model)  # they change in forward(), not in step()
+    def _state(
+        self,
+        trainer: Mapping[str, Any],
+        tier: Tier,
+        *,
+        target: bool = False,
+        copy_buffers: bool | None = None,
+    ) -> dict:
+        """The state to save to ``tier`` (the walk of its tensors kept from the save before
+        while they are the same: ``KeptWalk``; buffers copied when ``copy_buffers``, by default
+        for a deferred save), or, ``target``, plain dicts to load into."""
+        if target:
+            model: Any = self.engine.model_state()
+            optim: dict[str, Any] = self.engine.optim_state()
+        else:
+            if copy_buffers is None:
+                copy_buffers = self.defer_copy or self._defer_snapshot
+            model, part, groups = self._walk.parts(self.engine, copy_buffers)
+            optim = {"state": part, "param_groups": groups}
         state: dict[str, Any] = {
             "model": model,
-            "optim": self.engine.optim_state(),
+            "optim": optim,
             "rng": cs.rng_state(),
             "trainer": dict(trainer),
             **tier.values(),
@@ -229,7 +244,8 @@ class CheckpointManager:
             extra = {
                 "memory_tier.durable_step": self._memory.values()["memory_tier"]["durable_step"]
             }
-        state = self._state(trainer, self._durable, target=block)  # a deferred copy: buffers now
+        # a deferred copy: buffers copied now
+        state = self._state(trainer, self._durable, copy_buffers=self._defer_snapshot and not block)
         saved = self._snap.save(
             state,
             step,

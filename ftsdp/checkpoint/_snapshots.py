@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import mmap
 import multiprocessing
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -31,6 +33,10 @@ from ftsdp.checkpoint import _persister as p
 from ftsdp.checkpoint._tiers import MemoryTier, PrivateRoot, Tier, _local_path, _machine, _place
 from ftsdp.storage.io import all_reduce_max, resolve_group
 
+logger = logging.getLogger(__name__)
+# a slot's copy: (contiguous sources' pieces, their views in the slot, (tensor, start, length,
+# view) of the pieces cut at each copy)
+_Plan = tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, int, int, Any]]]
 _CONNECT_TIMEOUT_S = 120.0  # the persister imports torch before it listens
 
 
@@ -53,11 +59,17 @@ class Snapshots:
         self.buffer = bytearray()
         self.lost = False
         self.starting = False  # memory snapshots skipped until the persister listens
-        self.copying: threading.Thread | None = None  # a deferred save's copy
+        self.copying: _Copy | None = None  # a deferred save's copy, until wait_copy()
+        self._copier: _Copier | None = None  # the thread of the deferred copies, kept
         self.fence_seconds = 0.0  # time wait_copy() blocked, in total
         self.layout: str | None = None
         self.rows: list[Any] | None = None
         self.views: list[list[tuple[str, int, int, torch.Tensor]]] = [[], []]
+        # kept while a save hands over the same leaves (objects): their rows, and per slot the
+        # copy plan (the sources' pieces and the slot's views), made again with the slots
+        self._kept_leaves: list[Any] = []
+        self._kept_rows: list[Any] | None = None
+        self._plans: list[_Plan | None] = [None, None]
         self.maps: list[mmap.mmap] = []
         self.busy: dict[int, tuple[int, bool, bool]] = {}  # slot -> (step, durable, memory)
         self.protect: int | None = None  # the slot of the newest memory snapshot
@@ -210,6 +222,7 @@ class Snapshots:
 
     def _unmap(self) -> None:
         self.views = [[], []]
+        self._plans = [None, None]
         maps, self.maps = self.maps, []
         for mm in maps:
             with contextlib.suppress(BufferError):  # a view still alive: freed with it
@@ -293,7 +306,7 @@ class Snapshots:
         saved tensors change). False: a memory snapshot skipped while the persister starts."""
         self.wait_copy()
         leaves, values = storage.saving.describe(state)
-        rows = storage.saving.leaf_rows(leaves)
+        rows = self._rows(leaves)
         self._drain()
         if self.proc is not None and self.proc.poll() is not None:
             self.lost = True
@@ -346,26 +359,58 @@ class Snapshots:
             self.durable.discard_newer = False
         if memory:
             self.protect = slot
+        plan = self._plan(slot, leaves)
         if defer and not block:  # the optimizer's next step waits for it (wait_copy)
-            self.copying = threading.Thread(
-                target=self._fill, args=(slot, leaves, message), name="ftsdp-snapshot", daemon=True
-            )
-            self.copying.start()
+            if self._copier is None:
+                self._copier = _Copier()
+            self.copying = self._copier.submit(lambda: self._fill(slot, plan, message))
         else:
-            self._fill(slot, leaves, message)
+            self._fill(slot, plan, message)
         if block:
             self.wait()
         return True
 
-    def _fill(self, slot: int, leaves: dict[str, Any], message: dict[str, Any]) -> None:
-        """Copy this rank's pieces into ``slot``, record it, tell the persister."""
+    def _rows(self, leaves: dict[str, Any]) -> list[Any]:
+        """``leaf_rows(leaves)``, kept while the leaves are the same objects as the save before's
+        (a ``TensorLeaf`` is not changed once made: the same one, the same row)."""
+        now = list(leaves.values())
+        kept = self._kept_leaves
+        if self._kept_rows is None or len(now) != len(kept) or not all(map(_same, now, kept)):
+            self._kept_rows = storage.saving.leaf_rows(leaves)
+            self._kept_leaves = now
+            self._plans = [None, None]
+        return self._kept_rows
+
+    def _plan(self, slot: int, leaves: dict[str, Any]) -> _Plan:
+        """The pieces of ``leaves`` this rank writes and their views in ``slot``, kept with the
+        rows (:meth:`_rows`) and the slots. A piece of a tensor that is not contiguous (whose
+        flat view would be a copy taken now) is cut at each copy."""
+        plan = self._plans[slot]
+        if plan is None:
+            plan = ([], [], [])
+            for name, offset, length, dst in self.views[slot]:
+                leaf = leaves[name]
+                start = offset - leaf.range.offset
+                if leaf.local.is_contiguous():
+                    plan[0].append(leaf.local.view(-1)[start : start + length])
+                    plan[1].append(dst)
+                else:
+                    plan[2].append((leaf.local, start, length, dst))
+            self._plans[slot] = plan
+        return plan
+
+    def _fill(self, slot: int, plan: _Plan, message: dict[str, Any]) -> None:
+        """Copy this rank's pieces into ``slot`` (``plan``: :meth:`_plan`), record it, tell the
+        persister."""
         record = p.record_file(self.folder, message["rank"], slot)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(record)  # the slot holds no complete step from here to its new record
-        for name, offset, length, dst in self.views[slot]:
-            leaf = leaves[name]
-            start = offset - leaf.range.offset
-            dst.copy_(leaf.local.reshape(-1)[start : start + length])
+        sources, targets, cut = plan
+        with torch.no_grad():
+            if targets:
+                torch._foreach_copy_(targets, sources)
+            for local, start, length, dst in cut:
+                dst.copy_(local.reshape(-1)[start : start + length])
         values = {**message["values"], **message["memory_extra"]}
         doc = {"step": message["step"], "layout": self.layout, "memory_values": values}
         p.write_private(record, json.dumps(doc).encode())
@@ -376,7 +421,7 @@ class Snapshots:
         copying, self.copying = self.copying, None
         if copying is not None:
             start = time.perf_counter()
-            copying.join()
+            copying.wait()
             self.fence_seconds += time.perf_counter() - start
 
     def _restart(self) -> None:
@@ -401,7 +446,7 @@ class Snapshots:
         """Whether a save is still being copied, written or committed (never waits: a log line
         asks right after each save)."""
         self._drain()
-        copying = self.copying is not None and self.copying.is_alive()
+        copying = self.copying is not None and not self.copying.done()
         return copying or bool(self.busy)
 
     def wait(self) -> None:
@@ -440,6 +485,68 @@ class Snapshots:
             if self.conn is not None:
                 self.conn.close()
             self.conn, self.on = None, False
+
+
+def _same(a: object, b: object) -> bool:
+    return a is b
+
+
+class _Copy:
+    """One deferred copy handed to the copier: :meth:`wait` until it is over (its error, if
+    any, was logged: the persister then never hears of the save, which fails as not committed)."""
+
+    def __init__(self, job: Any) -> None:
+        self.job = job
+        self._over = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.job()
+        except Exception:
+            logger.exception("ftsdp: the copy of a snapshot failed")
+        finally:
+            self._over.set()
+
+    def done(self) -> bool:
+        return self._over.is_set()
+
+    def wait(self) -> None:
+        self._over.wait()
+
+
+class _Copier:
+    """The daemon thread of a rank's deferred snapshot copies, one after the other, kept for
+    the next save (a thread started per save kept ``save`` waiting for it to start); it ends
+    after ``_IDLE_S`` without a copy and starts again with the next."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Copy] = queue.SimpleQueue()
+        self._guard = threading.Lock()
+        self._running = False
+
+    def submit(self, job: Any) -> _Copy:
+        copy = _Copy(job)
+        with self._guard:
+            self._jobs.put(copy)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._serve, name="ftsdp-snapshot", daemon=True).start()
+        return copy
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                copy = self._jobs.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._guard:  # a copy put meanwhile is served by this thread still
+                    if self._jobs.empty():
+                        self._running = False
+                        return
+                continue
+            copy.run()
+
+
+_IDLE_S = 120.0
 
 
 def _starter() -> int:

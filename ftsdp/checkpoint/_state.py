@@ -1,16 +1,22 @@
 """A checkpoint's optimizer set-up, param groups and RNG, each one JSON string (a key set that
-does not change when torch adds a field)."""
+does not change when torch adds a field); the walk of the engine's tensors kept between saves."""
 
 from __future__ import annotations
 
+import array
 import base64
 import json
 import random
+import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ftsdp import storage
+
+if TYPE_CHECKING:
+    from ftsdp.checkpoint._engines import Engine
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -88,17 +94,25 @@ def rng_state() -> str:
     assert isinstance(legacy, tuple)  # the global generator is always an MT19937
     kind, keys, pos, has_gauss, gauss = legacy
     version, internal, gauss_next = random.getstate()
-    return json.dumps(
-        {
-            "torch": _b64(torch.get_rng_state().numpy()),
-            "numpy": [kind, _b64(keys), int(pos), int(has_gauss), float(gauss)],
-            "python": [version, _b64(np.asarray(internal, dtype=np.uint32)), gauss_next],
-        }
-    )
+    # json.dumps of the whole would scan the base64 texts, which need no escaping: put in as is
+    numpy = f'[{json.dumps(kind)}, "{_b64(keys)}", {int(pos)}, {int(has_gauss)}, {json.dumps(float(gauss))}]'
+    python = f'[{int(version)}, "{_b64_ints(internal)}", {json.dumps(gauss_next)}]'
+    torch_ = _b64(torch.get_rng_state().numpy())
+    return f'{{"torch": "{torch_}", "numpy": {numpy}, "python": {python}}}'
 
 
 def _b64(words: np.ndarray) -> str:
     return base64.b64encode(words.astype(words.dtype.newbyteorder("<"), copy=False).data).decode()
+
+
+def _b64_ints(words: tuple[int, ...]) -> str:
+    """``_b64`` of Python ints that fit in 32 bits (without a numpy array of them)."""
+    packed = array.array("I", words)
+    if packed.itemsize != 4:  # (a C unsigned int of another size)
+        return _b64(np.asarray(words, dtype=np.uint32))
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed).decode()
 
 
 def _words(saved: str | list[int]) -> np.ndarray:
@@ -125,3 +139,39 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(mixed)
     np.random.seed(mixed % (1 << 32))
     random.seed(mixed)
+
+
+class KeptWalk:
+    """The walk of the engine's tensor leaves (model and optimizer state: their names, ranges
+    and rows) kept from one save to the next; one object, the ``CheckpointManager``'s own.
+
+    It holds while the engine hands out the same leaves: ``Engine.tensor_leaves`` checks the
+    live tensors at every save (one replaced, resized or re-typed, optimizer state created or
+    replaced, a non-tensor optimizer value changed: a new generation, walked again). What is not
+    a tensor leaf is read at every save (RNG states, trainer values, param groups, scheduler),
+    and a deferred save copies the buffers at every save (``forward`` changes them in place)."""
+
+    def __init__(self) -> None:
+        self.generation: int | None = None
+        self.model: storage.saving.WalkedPart | None = None
+        self.optim: storage.saving.WalkedPart | None = None
+        self.buffers: list[str] = []  # the model leaves holding buffers, by full name
+
+    def parts(self, engine: Engine, copy_buffers: bool) -> tuple[Any, Any, str]:
+        """``(model, optimizer state, param groups JSON)`` for a state to save: walked parts,
+        kept or made now (plain dicts when the walk fails: the save reports the error)."""
+        generation, model, optim, groups = engine.tensor_leaves()
+        if generation != self.generation or self.model is None or self.optim is None:
+            self.generation = None
+            try:
+                self.model = storage.saving.walk_part(model, "model")
+                self.optim = storage.saving.walk_part(optim, "optim.state")
+            except (TypeError, ValueError):  # every rank must still reach the save's exchange
+                return dict(model), {name: dict(entry) for name, entry in optim.items()}, groups
+            self.buffers = [f"model.{name}" for name in engine.buffer_leaves(model)]
+            self.generation = generation
+        part = self.model
+        if copy_buffers and self.buffers:
+            locals_ = {n: part.tensors[n].local.detach().clone() for n in self.buffers}
+            part = part.with_locals(locals_)
+        return part, self.optim, groups

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -123,6 +123,17 @@ class ValueLeaf:
 
 
 _TENSORS = (torch.Tensor, FlatShard)
+_SCALARS = frozenset({str, int, float, bool, type(None)})  # exactly these types, not subclasses
+
+
+def json_copy(values: Mapping[str, ValueLeaf]) -> dict[str, Any]:
+    """The leaves' values by name, as JSON would give them back (what a save records: a value
+    changed after the call is not seen); str, int, float, bool and None are taken as they are,
+    since JSON gives back an equal one of the same type."""
+    return {
+        n: v.value if type(v.value) in _SCALARS else json.loads(json.dumps(v.value))
+        for n, v in values.items()
+    }
 
 
 def _has_tensor(obj: Any) -> bool:
@@ -146,39 +157,103 @@ def _tensor_leaf(name: str, obj: Any, memo: dict) -> TensorLeaf:
     return TensorLeaf(name, shape, local.dtype, rng, local, hint, grid, box)
 
 
+@dataclass(frozen=True, eq=False)  # (compared by identity: its leaves hold tensors)
+class WalkedPart:
+    """A part of a state flattened before (:func:`walk_part`), put back in its place in a state:
+    :func:`flatten_state` takes its leaves as they are instead of walking the part again. Its
+    names are full names, so it belongs at the place it was walked for (``prefix``). Whoever
+    keeps one from a save to the next vouches that the part is still what it was: the same
+    tensors with the same storage, shape and dtype, and the same values."""
+
+    prefix: str
+    tensors: Mapping[str, TensorLeaf]
+    values: Mapping[str, ValueLeaf]
+
+    def with_locals(self, locals_: Mapping[str, torch.Tensor]) -> WalkedPart:
+        """A copy whose leaves named in ``locals_`` hold those tensors instead (same shape and
+        dtype: copies of the kept ones, e.g. buffers that change in ``forward``)."""
+        tensors = dict(self.tensors)
+        for name, local in locals_.items():
+            leaf = tensors[name]
+            if local.shape != leaf.local.shape or local.dtype != leaf.dtype:
+                raise ValueError(
+                    f"{name}: a replacement of {tuple(local.shape)} {local.dtype} for a leaf of "
+                    f"{tuple(leaf.local.shape)} {leaf.dtype}"
+                )
+            tensors[name] = replace(leaf, local=local)
+        return WalkedPart(self.prefix, tensors, self.values)
+
+
+def walk_part(part: Mapping, prefix: str) -> WalkedPart:
+    """``part`` flattened for its place ``prefix`` (a dotted name) in a state, to be kept."""
+    if not prefix:
+        raise ValueError("walk_part: the prefix must name the part's place (a non-empty name)")
+    if not isinstance(part, Mapping):
+        raise TypeError(f"{prefix}: a walked part must be a mapping, got {type(part).__name__}")
+    tensors: dict[str, TensorLeaf] = {}
+    values: dict[str, ValueLeaf] = {}
+    _walk(prefix, part, tensors, values, {})
+    return WalkedPart(prefix, tensors, values)
+
+
 def flatten_state(state: Mapping) -> tuple[dict[str, TensorLeaf], dict[str, ValueLeaf]]:
     """Tensor leaves (tensors, ``FlatShard``s, DTensors) and JSON value leaves of ``state`` by
-    dotted name, walking mappings (str or int keys) and lists holding tensors; TypeError for
-    another leaf, ValueError when two paths flatten to one name."""
+    dotted name, walking mappings (str or int keys) and lists holding tensors, and taking a
+    ``WalkedPart``'s leaves as they are; TypeError for another leaf, ValueError when two paths
+    flatten to one name."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping, got {type(state).__name__}")
     tensors: dict[str, TensorLeaf] = {}
     values: dict[str, ValueLeaf] = {}
-    memo: dict = {}  # DTensor grids by layout: the layers of a model and their states share them
-
-    def walk(prefix: str, obj: Any) -> None:
-        items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
-        for key, child in items:
-            if type(key) is not str and (not isinstance(key, (str, int)) or isinstance(key, bool)):
-                raise TypeError(f"{prefix or '<root>'}: key {key!r} must be a str or int")
-            name = f"{prefix}.{key}" if prefix else str(key)
-            if name in tensors or name in values:
-                raise ValueError(f"two entries of the state flatten to the same name {name!r}")
-            if isinstance(child, _TENSORS):
-                tensors[name] = _tensor_leaf(name, child, memo)
-            elif isinstance(child, Mapping) or (isinstance(child, list) and _has_tensor(child)):
-                walk(name, child)
-            elif isinstance(child, tuple) and _has_tensor(child):
-                raise TypeError(f"{name}: tuples holding tensors are not supported; use a list")
-            else:
-                try:
-                    json.dumps(child)
-                except (TypeError, ValueError) as e:
-                    raise TypeError(
-                        f"{name}: value of type {type(child).__name__} is neither a tensor nor "
-                        f"JSON-serialisable ({e}); convert it before saving"
-                    ) from e
-                values[name] = ValueLeaf(name, child, obj, key)
-
-    walk("", state)
+    # memo: DTensor grids by layout, for one walk (the layers of a model and their states share them)
+    _walk("", state, tensors, values, {})
     return tensors, values
+
+
+def _walk(
+    prefix: str,
+    obj: Any,
+    tensors: dict[str, TensorLeaf],
+    values: dict[str, ValueLeaf],
+    memo: dict,
+) -> None:
+    items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+    for key, child in items:
+        if type(key) is not str and (not isinstance(key, (str, int)) or isinstance(key, bool)):
+            raise TypeError(f"{prefix or '<root>'}: key {key!r} must be a str or int")
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if name in tensors or name in values:
+            raise ValueError(f"two entries of the state flatten to the same name {name!r}")
+        if isinstance(child, _TENSORS):
+            tensors[name] = _tensor_leaf(name, child, memo)
+        elif isinstance(child, WalkedPart):
+            _merge(name, child, tensors, values)
+        elif isinstance(child, Mapping) or (isinstance(child, list) and _has_tensor(child)):
+            _walk(name, child, tensors, values, memo)
+        elif isinstance(child, tuple) and _has_tensor(child):
+            raise TypeError(f"{name}: tuples holding tensors are not supported; use a list")
+        elif type(child) in _SCALARS:  # JSON as they are (a long string: no scan of it)
+            values[name] = ValueLeaf(name, child, obj, key)
+        else:
+            try:
+                json.dumps(child)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"{name}: value of type {type(child).__name__} is neither a tensor nor "
+                    f"JSON-serialisable ({e}); convert it before saving"
+                ) from e
+            values[name] = ValueLeaf(name, child, obj, key)
+
+
+def _merge(
+    name: str, part: WalkedPart, tensors: dict[str, TensorLeaf], values: dict[str, ValueLeaf]
+) -> None:
+    """Add a walked part's leaves at ``name``, the place it was walked for."""
+    if part.prefix != name:
+        raise ValueError(f"{name}: the walked part put here was walked for {part.prefix!r}")
+    for mine in (part.tensors, part.values):
+        if not (tensors.keys().isdisjoint(mine) and values.keys().isdisjoint(mine)):
+            same = sorted({*mine} & {*tensors, *values})[0]
+            raise ValueError(f"two entries of the state flatten to the same name {same!r}")
+    tensors.update(part.tensors)
+    values.update(part.values)

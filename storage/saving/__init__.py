@@ -1,5 +1,6 @@
 """saving: writing and committing a step: sync, async and deferred saves, node-local roots."""
 
+from ftsdp.storage.format._state import WalkedPart, walk_part
 from ftsdp.storage.saving._commit import CommitConflictError, guard_commits
 from ftsdp.storage.saving._nodes import clear_on_nodes, restore_on_nodes
 from ftsdp.storage.saving._save import (
@@ -22,6 +23,7 @@ __all__ = [
     "CommitConflictError",
     "RootForRanks",
     "SaveHandle",
+    "WalkedPart",
     "clear_on_nodes",
     "describe",
     "guard_commits",
@@ -34,4 +36,5 @@ __all__ = [
     "save_on_nodes",
     "snapshot_fence",
     "wait_snapshot",
+    "walk_part",
 ]

@@ -4,12 +4,12 @@ handle. The phases and threads: docs/design.md, "The commit protocol"."""
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._layout import step_dir
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
-from ftsdp.storage.format._state import TensorLeaf, flatten_state
+from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
 from ftsdp.storage.format._steps import Known
 from ftsdp.storage.io._collectives import own_group, rank_world, resolve_group
 from ftsdp.storage.io._fs import Store
@@ -55,6 +55,18 @@ class _Lane:
         self.previous: SaveHandle | None = None
         self.arena = SnapshotArena()
         self._writers: tuple[int, ThreadPoolExecutor] | None = None
+        self._workers: dict[str, _Worker] = {}
+
+    def worker(self, role: str) -> _Worker:
+        """The lane's thread for ``role`` (``copy``: the snapshots; ``run``: the plan, the
+        writes' hand-off and the commit), started on first use and kept for the next saves: a
+        thread started per save kept the caller waiting for it to start."""
+        with _lock:
+            worker = self._workers.get(role)
+            if worker is None:
+                name = "storage-snapshot" if role == "copy" else "storage-save-run"
+                worker = self._workers[role] = _Worker(name)
+            return worker
 
     def writers(self, threads: int) -> ThreadPoolExecutor:
         """The lane's pool of ``threads`` writer threads (made again when a save asks for
@@ -67,6 +79,43 @@ class _Lane:
             return self._writers[1]
 
 
+class _Worker:
+    """A daemon thread running the jobs handed to it one after the other (a job catches its own
+    errors: one that escapes is logged and the thread goes on), ended after ``_IDLE_S`` without
+    a job and started again by the next. Daemon: a save waiting on a dead peer never holds the
+    exit up."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._guard = threading.Lock()
+        self._running = False
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` after the jobs handed over before it (returns at once)."""
+        with self._guard:
+            self._jobs.put(job)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._serve, name=self.name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._guard:  # a job put meanwhile is served by this thread still
+                    if self._jobs.empty():
+                        self._running = False
+                        return
+                continue
+            try:
+                job()
+            except BaseException:
+                logger.exception("storage: a save's background job failed")
+
+
+_IDLE_S = 120.0  # a lane's thread ends after this long without a save (a process of many roots)
 _lanes: dict[str, _Lane] = {}
 
 
@@ -319,8 +368,7 @@ def _describe(
     state: Mapping[str, Any],
 ) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
     tensors, values = flatten_state(state)
-    copied = json.loads(json.dumps({n: v.value for n, v in values.items()}))  # may change after
-    return tensors, {"error": None, "values": copied}
+    return tensors, {"error": None, "values": json_copy(values)}  # (values may change after)
 
 
 class _Save:
@@ -372,7 +420,8 @@ def _snapshot_size(
     """``(bytes, on CUDA)`` of the snapshot of ``tensors``; None where a save takes none: a
     deferred save written from the live tensors, or a share over the staging budget."""
     local = [t.local for t in tensors.values()]
-    cuda = any(t.device.type == "cuda" for t in local)
+    # no tensor is on CUDA before CUDA is initialised (a save of CPU tensors asks nothing more)
+    cuda = torch.cuda.is_initialized() and any(t.device.type == "cuda" for t in local)
     if deferred and in_place(store, cuda):
         return None
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in local)
@@ -391,8 +440,8 @@ class _Snapshot:
         self.arena = save.lane.arena
         self.bytes: dict[str, memoryview] = {}
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._copy, name="storage-snapshot", daemon=True)
-        self._thread.start()
+        self._copied = threading.Event()  # the copy is over, whatever its outcome
+        save.lane.worker("copy").submit(self._copy)
 
     @classmethod
     def start(
@@ -410,6 +459,7 @@ class _Snapshot:
             self.bytes = {leaf.name: b for leaf, b in zip(self.leaves, raw, strict=True)}
         except BaseException as e:
             self.error = e
+        self._copied.set()
         self.handle._snapshot_done(self.t0)  # a failure too: the save fails, at wait()
 
     def join(self) -> None:
@@ -420,7 +470,7 @@ class _Snapshot:
 
     def settle(self) -> None:
         """Wait for the copy, whatever its outcome."""
-        self._thread.join()
+        self._copied.wait()
 
 
 def _in_background(
@@ -430,8 +480,8 @@ def _in_background(
     snapshot: _Snapshot | None,
     start: float,
 ) -> None:
-    """The rest of an async save on a daemon thread: plan (on storage's own group), stage
-    (without a snapshot: then the fence opens here), write, commit."""
+    """The rest of an async save on the lane's daemon thread: plan (on storage's own group),
+    stage (without a snapshot: then the fence opens here), write, commit."""
 
     def run() -> None:
         try:
@@ -447,7 +497,7 @@ def _in_background(
         else:
             handle._finish(None)
 
-    threading.Thread(target=run, name=f"storage-save-{save.step}", daemon=True).start()
+    save.lane.worker("run").submit(run)
 
 
 class _SaveJob:

@@ -8,7 +8,6 @@ would have made; the objects' bytes come ready laid out (header and payload), on
 from __future__ import annotations
 
 import copy
-import json
 import os
 import threading
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from ftsdp.storage.format._layout import step_dir
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._ranges import Range
 from ftsdp.storage.format._safetensors import write_object
-from ftsdp.storage.format._state import TensorLeaf, flatten_state
+from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
 from ftsdp.storage.format._steps import Known
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._commit import Reports, commit, fresh_attempt, plan_lineage, report_of
@@ -37,7 +36,7 @@ def describe(state: Any) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:
     """``state``'s tensor leaves and a JSON copy of its values (name -> value), as a save sees
     them."""
     tensors, values = flatten_state(state)
-    return tensors, json.loads(json.dumps({n: v.value for n, v in values.items()}))
+    return tensors, json_copy(values)
 
 
 def leaf_rows(leaves: dict[str, TensorLeaf]) -> Rows:
