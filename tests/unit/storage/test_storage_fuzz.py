@@ -68,9 +68,10 @@ def test_a_sharded_version_4_checkpoint_under_the_same_damage(tmp_path: pathlib.
 
 @pytest.mark.timeout(300)
 def test_a_version_5_checkpoint_on_a_grid_under_the_same_damage(tmp_path: pathlib.Path) -> None:
-    """The same oracle on a checkpoint saved by 4 ranks on a 2 x 2 mesh (format version 5): a
-    tensor in boxes of both dims, so damage to its grid must end in a CheckpointError too (150
-    cases here; 1,500 of seed 0 ran clean: ``python -m ftsdp.tools.dev.fuzz_checkpoint --grid``)."""
+    """The same oracle on the checked-in version 5 golden (4 ranks on a 2 x 2 mesh: 2-D and 3-D
+    boxes, a layout rule on a grid), copied: damage to a grid must end in a CheckpointError too
+    (150 cases here; 1,500 of seed 0 ran clean: ``python -m ftsdp.tools.dev.fuzz_checkpoint
+    --grid --cases 1500``)."""
     summary = run(min(CASES, 150), SEED, workdir=str(tmp_path), grid=True)
     assert not summary.failures, "\n\n".join(describe(c, SEED) for c in summary.failures[:10])
     words = {w for c in summary.cases for w in c.outcome.split()}
