@@ -56,13 +56,16 @@ class Engine(abc.ABC):
 
     def _model_leaves(self) -> tuple[dict[str, Any], bool]:
         """``{name: leaf}`` and whether it is the kept dict (then read only)."""
-        key = _identities(_module_tensors(self.model))
+        tensors = _module_tensors(self.model)
+        key = _identities(tensors)
         if self._model_cache is not None and self._model_cache[0] == key:
             return self._model_cache[1], True
         self.generation += 1
         state = self._model_state()
-        # extra state (a non-tensor value) may change without any tensor changing
-        if not all(isinstance(v, torch.Tensor | storage.FlatShard) for v in state.values()):
+        # Kept only while every leaf lies in a parameter's or buffer's memory, which the key
+        # watches: extra state (a value, or a tensor a hook makes anew at every call) may change
+        # without any of them changing.
+        if not _within(state.values(), tensors):
             self._model_cache = None
             return state, False
         self._model_cache = (key, state)
@@ -282,9 +285,9 @@ class TorchEngine(Engine):
 
 
 def _identities(tensors: list[torch.Tensor]) -> tuple[list[Any], ...]:
-    """Of each tensor (a DTensor: of its local shard too): identity, memory, shape and dtype, as
-    columns made by C-level maps (they run over every tensor at every save, on the caller's
-    thread)."""
+    """Of each tensor (a DTensor: of its local shard too): identity, memory, shape, strides and
+    dtype, as columns made by C-level maps (they run over every tensor at every save, on the
+    caller's thread)."""
     local = tensors
     if not _PLAIN_TYPES.issuperset(map(type, tensors)):
         local = [t if type(t) in _PLAIN else getattr(t, "_local_tensor", t) for t in tensors]
@@ -293,8 +296,24 @@ def _identities(tensors: list[torch.Tensor]) -> tuple[list[Any], ...]:
         list(map(id, local)),
         list(map(torch.Tensor.data_ptr, local)),
         list(map(_SHAPE, local)),
+        list(map(torch.Tensor.stride, local)),
         list(map(_DTYPE, local)),
     )
+
+
+def _memory(t: torch.Tensor) -> int:
+    """Where ``t``'s storage (a DTensor's: its local shard's) starts."""
+    return int(getattr(t, "_local_tensor", t).untyped_storage().data_ptr())
+
+
+def _within(leaves: Any, tensors: list[torch.Tensor]) -> bool:
+    """Whether every leaf is a tensor or ``FlatShard`` in the memory of one of ``tensors``."""
+    memory = set(map(_memory, tensors))
+    for leaf in leaves:
+        local = leaf.local if isinstance(leaf, storage.FlatShard) else leaf
+        if not isinstance(local, torch.Tensor) or (local.numel() and _memory(local) not in memory):
+            return False
+    return True
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)

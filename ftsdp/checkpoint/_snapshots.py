@@ -520,11 +520,17 @@ class _Copier:
     after ``_IDLE_S`` without a copy and starts again with the next."""
 
     def __init__(self) -> None:
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self._pid = os.getpid()
         self._jobs: queue.SimpleQueue[_Copy] = queue.SimpleQueue()
         self._guard = threading.Lock()
         self._running = False
 
     def submit(self, job: Any) -> _Copy:
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._fresh()
         copy = _Copy(job)
         with self._guard:
             self._jobs.put(copy)
@@ -543,7 +549,12 @@ class _Copier:
                         self._running = False
                         return
                 continue
-            copy.run()
+            try:
+                copy.run()
+            except BaseException:  # the thread dies: the next copy starts another
+                with self._guard:
+                    self._running = False
+                raise
 
 
 _IDLE_S = 120.0

@@ -166,7 +166,7 @@ class KeptWalk:
             try:
                 self.model = storage.saving.walk_part(model, "model")
                 self.optim = storage.saving.walk_part(optim, "optim.state")
-            except (TypeError, ValueError):  # every rank must still reach the save's exchange
+            except Exception:  # any error: every rank must still reach the save's exchange
                 return dict(model), {name: dict(entry) for name, entry in optim.items()}, groups
             self.buffers = [f"model.{name}" for name in engine.buffer_leaves(model)]
             self.generation = generation

@@ -106,6 +106,11 @@ def _value_in_place(model: nn.Module, opt: torch.optim.Optimizer, trainer: dict)
     opt.state[model[0].bias]["note"].append(3)  # the same list, changed
 
 
+def _transpose(model: nn.Module, opt: torch.optim.Optimizer, trainer: dict) -> None:
+    with torch.no_grad():  # the same memory, shape and dtype; other strides
+        model[0].weight.data = model[0].weight.data.t()
+
+
 def _in_place(model: nn.Module, opt: torch.optim.Optimizer, trainer: dict) -> None:
     with torch.no_grad():
         for p in model.parameters():
@@ -120,6 +125,7 @@ CHANGES: list[tuple[str, Change, bool]] = [
     ("values changed in place outside a step", _in_place, False),
     ("a parameter's memory replaced", _replace_memory, True),
     ("the optimizer's state tensors replaced", _replace_state, True),
+    ("a parameter's strides changed over the same memory", _transpose, True),
     ("a parameter's dtype changed", _new_dtype, True),
     ("a state tensor's shape changed", _new_shape, True),
     ("non-tensor values changed", _values, True),
@@ -256,3 +262,41 @@ def test_a_walked_part_goes_back_only_in_its_place_and_never_over_another_name()
     assert part.tensors["model.w"].local is t  # the kept part is not changed
     with pytest.raises(ValueError, match="replacement"):
         part.with_locals({"model.w": torch.zeros(5)})
+
+
+class _Counted(nn.Module):
+    """A module whose extra state is a tensor made anew at every call (as an FP8 module's
+    scaling history is): no parameter or buffer changes when it does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.counter = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([self.counter])
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.counter = int(state[0])
+
+
+def test_a_tensor_extra_state_is_read_at_every_save(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _Counted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    url = str(tmp_path / "ckpt")
+    ckpt = CheckpointManager(url, model, opt, keep_last=None)
+    ckpt.resume({"step": 0})
+    for step in (1, 2, 3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        model.counter = 10 * step
+        ckpt.save(step, {"step": step})
+        ckpt.wait()
+    ckpt.close()
+    for step in (1, 2, 3):
+        saved = storage.load_state_dict(url, step)
+        assert saved["model._extra_state"].tolist() == [10 * step], step
