@@ -16,7 +16,6 @@ import logging
 import mmap
 import multiprocessing
 import os
-import queue
 import socket
 import subprocess
 import sys
@@ -60,7 +59,7 @@ class Snapshots:
         self.lost = False
         self.starting = False  # memory snapshots skipped until the persister listens
         self.copying: _Copy | None = None  # a deferred save's copy, until wait_copy()
-        self._copier: _Copier | None = None  # the thread of the deferred copies, kept
+        self._copier: storage.saving.Worker | None = None  # the deferred copies' kept thread
         self.fence_seconds = 0.0  # time wait_copy() blocked, in total
         self.layout: str | None = None
         self.rows: list[Any] | None = None
@@ -362,8 +361,9 @@ class Snapshots:
         plan = self._plan(slot, leaves)
         if defer and not block:  # the optimizer's next step waits for it (wait_copy)
             if self._copier is None:
-                self._copier = _Copier()
-            self.copying = self._copier.submit(lambda: self._fill(slot, plan, message))
+                self._copier = storage.saving.Worker("ftsdp-snapshot")
+            self.copying = _Copy(lambda: self._fill(slot, plan, message))
+            self._copier.submit(self.copying.run)
         else:
             self._fill(slot, plan, message)
         if block:
@@ -512,52 +512,6 @@ class _Copy:
 
     def wait(self) -> None:
         self._over.wait()
-
-
-class _Copier:
-    """The daemon thread of a rank's deferred snapshot copies, one after the other, kept for
-    the next save (a thread started per save kept ``save`` waiting for it to start); it ends
-    after ``_IDLE_S`` without a copy and starts again with the next."""
-
-    def __init__(self) -> None:
-        self._fresh()
-
-    def _fresh(self) -> None:
-        self._pid = os.getpid()
-        self._jobs: queue.SimpleQueue[_Copy] = queue.SimpleQueue()
-        self._guard = threading.Lock()
-        self._running = False
-
-    def submit(self, job: Any) -> _Copy:
-        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
-            self._fresh()
-        copy = _Copy(job)
-        with self._guard:
-            self._jobs.put(copy)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._serve, name="ftsdp-snapshot", daemon=True).start()
-        return copy
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                copy = self._jobs.get(timeout=_IDLE_S)
-            except queue.Empty:
-                with self._guard:  # a copy put meanwhile is served by this thread still
-                    if self._jobs.empty():
-                        self._running = False
-                        return
-                continue
-            try:
-                copy.run()
-            except BaseException:  # the thread dies: the next copy starts another
-                with self._guard:
-                    self._running = False
-                raise
-
-
-_IDLE_S = 120.0
 
 
 def _starter() -> int:

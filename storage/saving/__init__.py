@@ -5,6 +5,7 @@ from ftsdp.storage.saving._commit import CommitConflictError, guard_commits
 from ftsdp.storage.saving._nodes import clear_on_nodes, restore_on_nodes
 from ftsdp.storage.saving._save import (
     SaveHandle,
+    Worker,
     prepare_save,
     save,
     save_on_nodes,
@@ -24,6 +25,7 @@ __all__ = [
     "RootForRanks",
     "SaveHandle",
     "WalkedPart",
+    "Worker",
     "clear_on_nodes",
     "describe",
     "guard_commits",

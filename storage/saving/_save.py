@@ -55,9 +55,9 @@ class _Lane:
         self.previous: SaveHandle | None = None
         self.arena = SnapshotArena()
         self._writers: tuple[int, ThreadPoolExecutor] | None = None
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, Worker] = {}
 
-    def worker(self, role: str) -> _Worker:
+    def worker(self, role: str) -> Worker:
         """The lane's thread for ``role`` (``copy``: the snapshots; ``run``: the plan, the
         writes' hand-off and the commit), started on first use and kept for the next saves: a
         thread started per save kept the caller waiting for it to start."""
@@ -65,7 +65,7 @@ class _Lane:
             worker = self._workers.get(role)
             if worker is None:
                 name = "storage-snapshot" if role == "copy" else "storage-save-run"
-                worker = self._workers[role] = _Worker(name)
+                worker = self._workers[role] = Worker(name)
             return worker
 
     def writers(self, threads: int) -> ThreadPoolExecutor:
@@ -79,7 +79,7 @@ class _Lane:
             return self._writers[1]
 
 
-class _Worker:
+class Worker:
     """A daemon thread running the jobs handed to it one after the other (a job catches its own
     errors: one that escapes is logged and the thread goes on), ended after ``_IDLE_S`` without
     a job and started again by the next. Daemon: a save waiting on a dead peer never holds the
@@ -87,12 +87,18 @@ class _Worker:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self._pid = os.getpid()
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._guard = threading.Lock()
         self._running = False
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` after the jobs handed over before it (returns at once)."""
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._fresh()
         with self._guard:
             self._jobs.put(job)
             if not self._running:
@@ -112,7 +118,7 @@ class _Worker:
             try:
                 job()
             except BaseException:
-                logger.exception("storage: a save's background job failed")
+                logger.exception("ftsdp: a background job (%s) failed", self.name)
 
 
 _IDLE_S = 120.0  # a lane's thread ends after this long without a save (a process of many roots)
