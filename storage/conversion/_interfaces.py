@@ -50,9 +50,9 @@ class Source(abc.ABC):
 
     def read_boxes_into(self, requests: Sequence[tuple[str, Box, torch.Tensor]]) -> None:
         """Fill each ``out`` (1-D, contiguous, CPU, the tensor's dtype, ``box.numel`` elements)
-        with the elements of ``box`` of tensor ``name``, row-major in the box; called only for
-        the tensors and grids ``exact_boxes`` accepts."""
-        raise NotImplementedError
+        with the elements of ``box`` of tensor ``name``, row-major in the box (here: through the
+        rows holding it; a source whose ``exact_boxes`` accepts grids reads them itself)."""
+        read_rows_into(self, requests)
 
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the reader holds (files, caches)."""
