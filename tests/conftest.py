@@ -21,6 +21,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for folder, marker in _TIERS.items():
             if folder in parts:
                 item.add_marker(getattr(pytest.mark, marker))
+    if any(item.name == "test_mypy" for item in items):
+        from tests.unit import test_types
+
+        config.stash[test_types.CHECK] = test_types.start(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End a background check the session did not wait for (it stopped early)."""
+    from tests.unit import test_types
+
+    check = config.stash.get(test_types.CHECK, None)
+    if check is not None and check.poll() is None:
+        check.kill()
+        check.wait()
 
 
 @pytest.fixture
