@@ -144,7 +144,10 @@ def test_regular_install_beside_the_users_packages(
     # they come after its own (the wheel's ftsdp wins), and their .pth files are not run, so
     # this environment's editable ftsdp stays out (checked below: ftsdp is the wheel's).
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # no pip of its own (seeding one costs seconds): this environment's pip installs into it
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     python = venv / "bin" / "python"
     inner = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
@@ -152,7 +155,8 @@ def test_regular_install_beside_the_users_packages(
     ).stdout.strip()  # fmt: skip
     (pathlib.Path(inner) / "outer-environment.pth").write_text("\n".join(site_dirs()) + "\n")
     subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+         "--no-index", str(wheel)],
         check=True, capture_output=True, timeout=240,
     )  # fmt: skip
     where = pathlib.Path(_run([str(python), "-c", NO_ENGINE], user_dir).strip())
