@@ -185,7 +185,9 @@ def build_all(cfg: dict, device: torch.device) -> tuple[list[Engine], dict[str, 
         if engine.kind in ("ftsdp", "fsdp2"):  # the same model again, compiled whole
             build = build_fsdp2 if engine.kind == "fsdp2" else partial(build_ftsdp, extra={})
             compiled = build(f"{engine.name}-compiled", cfg, device)
-            compiled.call = torch.compile(compiled.model)
+            compiled.call = torch.compile(
+                compiled.model, backend=cfg.get("compile_backend", "inductor")
+            )
             engines.append(compiled)
     for variant in cfg["variants"]:
         name = f"ftsdp+{variant}"

@@ -60,6 +60,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="also time ftsdp and FSDP2 with the whole model under torch.compile (engines "
         "ftsdp-compiled, fsdp2-compiled; warm-up steps include the compilation)",
     )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        metavar="NAME",
+        help="torch.compile's backend for --compile (default inductor, what a user gets; "
+        "aot_eager captures forward and backward through Dynamo and AOTAutograd as for inductor "
+        "and runs them eagerly: seconds to compile, for a smoke run)",
+    )
     p.add_argument("--schedule", choices=("interleaved", "blocked"), default="interleaved")
     p.add_argument(
         "--cuda",
@@ -88,6 +96,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"{what}: unknown {sorted(set(got) - set(allowed))}; allowed: {allowed}")
     if not args.engines and not args.variants:
         p.error("nothing to run: give --engines and/or --variants")
+    if args.compile_backend != "inductor" and not args.compile:
+        p.error(f"--compile-backend {args.compile_backend} without --compile: nothing compiles")
     if args.seq > args.block_size:
         p.error(f"--seq {args.seq} exceeds --block-size {args.block_size}")
     return args
@@ -118,6 +128,7 @@ def config(args: argparse.Namespace, device: str) -> dict:
         "engines": args.engines,
         "variants": args.variants,
         "compile": args.compile,
+        "compile_backend": args.compile_backend,
         "schedule": args.schedule,
         "profile_dir": args.profile,
         "profile_steps": args.profile_steps,
@@ -205,7 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     live = report.live_detail(runs)
     lines = report.verdicts(runs) + report.variant_notes(runs)
     if args.compile:
-        tables += "\n\ntorch.compile of the whole model, step time (median ms):\n\n"
+        tables += (
+            f"\n\ntorch.compile of the whole model (backend {args.compile_backend}), step time "
+            "(median ms):\n\n"
+        )
         tables += compile_table(runs)
     if args.steps < 10:
         lines.append(f"- note: only {args.steps} timed steps (a smoke run, not a measurement)")

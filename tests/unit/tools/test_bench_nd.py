@@ -20,7 +20,8 @@ def test_a_tiny_run_measures_every_row_and_loads_bitwise(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, results = tmp_path / "bench.md", tmp_path / "bench.json"
-    args = ["--size-mb", "1", "--dim", "32", "--save-mesh", "1x2", "--loads", "2x1"]
+    # 0.2 MB at width 32: 2 blocks (48 tensors with AdamW's), every placement of the layout
+    args = ["--size-mb", "0.2", "--dim", "32", "--save-mesh", "1x2", "--loads", "2x1"]
     args += ["--rounds", "1", "--warmup", "0"]
     summary = bench_nd.main(
         [*args, "--dir", str(tmp_path), "--out", str(out), "--json", str(results)]
@@ -43,7 +44,7 @@ def test_a_tiny_run_measures_every_row_and_loads_bitwise(
         "| raw floor: ftsdp's files read at W=2, cache dropped, GB/s |",
     ):
         assert label in text, label
-    assert "python -m ftsdp.tools.bench_nd --size-mb 1" in text
+    assert "python -m ftsdp.tools.bench_nd --size-mb 0.2" in text
     assert text == "# Benchmarks\n\n" + capsys.readouterr().out.split("\nwrote")[0]
     entry = json.loads(results.read_text())["nd"]
     # the load spawn compared every tensor of the state (parameters, AdamW's moments, steps)

@@ -37,7 +37,7 @@ def _pattern(seed: int, numel: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("bench-ranks")
-    shape_map = ranks.shapes(150_000, 16)
+    shape_map = ranks.shapes(50_000, 16)  # the embedding and one layer: 1-D and 2-D shards
     cfg = {
         "shapes": shape_map,
         "bytes": ranks.state_bytes(shape_map),
