@@ -21,6 +21,7 @@ import os
 import pathlib
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -32,9 +33,33 @@ from ftsdp import storage
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._commit import CommitConflictError, _wait_for_commit
 from ftsdp.tools.ckpt import main as cli
+from tests.s3_fixture import new_bucket_url
 
 pytestmark = pytest.mark.timeout(180)
 SMALL = storage.SaveOptions(checksum_block_bytes=64, object_bytes=3000)
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_endpoint: dict[str, Any]) -> str:
+    """``s3://<bucket>``, one for this module's S3 tests, each under a prefix of its own
+    (``s3_url``): a fresh SeaweedFS bucket costs about a second and a half before its first
+    concurrent writes return (it is created, then grows its volume), a dozen times here. One
+    small write first grows the volume alone, the quicker way."""
+    import s3fs
+
+    url = new_bucket_url(s3_endpoint).removesuffix("/ckpt")
+    s3fs.S3FileSystem(**s3_endpoint).pipe_file(f"{url.removeprefix('s3://')}/warm", b"warm")
+    return url
+
+
+@pytest.fixture
+def s3_url(bucket: str) -> Iterator[str]:
+    """``s3://<bucket>/<fresh prefix>/ckpt``: an empty root, as a fresh bucket's would be."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield f"{bucket}/{uuid.uuid4().hex[:12]}/ckpt"
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -42,7 +67,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> tuple[str
     """``(url, storage_options)`` of an empty root on a local disk and on S3 (SeaweedFS)."""
     if request.param == "local":
         return str(tmp_path / "ckpt"), None
-    return request.getfixturevalue("s3_bucket_url"), dict(request.getfixturevalue("s3_endpoint"))
+    return request.getfixturevalue("s3_url"), dict(request.getfixturevalue("s3_endpoint"))
 
 
 def _fs(url: str, opts: dict | None) -> tuple[Any, str]:
@@ -259,7 +284,7 @@ def any_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Store:
     if request.param == "memory":
         return Store(f"memory://excl-{uuid.uuid4().hex[:8]}", None)
     s3 = dict(request.getfixturevalue("s3_endpoint"))
-    return Store(request.getfixturevalue("s3_bucket_url"), s3)
+    return Store(request.getfixturevalue("s3_url"), s3)
 
 
 def test_write_exclusive_creates_only_once(any_store: Store) -> None:
@@ -278,6 +303,16 @@ def test_write_exclusive_creates_only_once(any_store: Store) -> None:
     with pytest.raises(FileExistsError):
         parts.write_exclusive("big", b"x" * (11 << 20))
     assert parts.read("big") == big
+
+
+def _writers() -> Any:
+    """The writers' start method: a fork server that imported torch, ftsdp and this module once
+    for every writer of the session (it stays); a spawned writer spends seconds importing them.
+    Not a fork of this process: its S3 client's event loop (epoll) would be the writers' too,
+    and a writer that drops the inherited client takes its connections off this process's loop
+    (this process's next S3 request then waits seconds for its answer)."""
+    multiprocessing.set_forkserver_preload(["torch", "ftsdp.storage", "s3fs", __name__])
+    return multiprocessing.get_context("forkserver")
 
 
 def _writer(url: str, opts: dict | None, value: float, barrier: Any, out: Any) -> None:
@@ -306,7 +341,7 @@ def test_two_writers_of_one_step_exactly_one_wins(backend) -> None:
     kept whichever manifest was written last (the other's state silently lost)."""
     url, opts = backend
     storage.save(_state(1, 20000), url, step=1, storage_options=opts, options=SMALL)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _writers()
     barrier, out = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_writer, args=(url, opts, v, barrier, out)) for v in (10, 20)]
     for p in procs:
