@@ -48,7 +48,8 @@ def check(args: list[str]) -> int:
 def start(config: pytest.Config) -> subprocess.Popen:
     """Start the check in the background (conftest.py calls this at collection when
     ``test_mypy`` is selected): a cold run takes half a minute of one core, which the rest of
-    the suite, about one core busy on average, leaves free."""
+    the suite, about one core busy on average, leaves free. At the lowest priority (nice 19), so
+    that it takes only the time the tests leave idle."""
     # pytest's cache folder keeps mypy's cache between runs (a warm run rechecks changed files)
     cache = config.cache
     if cache is not None:
@@ -56,7 +57,7 @@ def start(config: pytest.Config) -> subprocess.Popen:
     else:
         cache_dir = pathlib.Path(tempfile.mkdtemp(prefix="ftsdp-mypy-"))
     return subprocess.Popen(
-        [sys.executable, __file__, "--cache-dir", str(cache_dir)],
+        ["nice", "-n", "19", sys.executable, __file__, "--cache-dir", str(cache_dir)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
