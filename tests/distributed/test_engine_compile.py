@@ -89,6 +89,12 @@ def run_case(rank: int, world: int, mode: str, strategy: str, prefetch: bool, mi
     # to 4e-3): mixed precision compiles with the aot_eager backend, the same graphs (hooks,
     # breaks, casts) run by eager kernels, so any difference left is the engine's.
     backend = "aot_eager" if mixed else "inductor"
+    if backend == "inductor":
+        import torch._inductor.config
+
+        # cpuinfo names the CPU's vector ISAs: trust it rather than compile a probe of each
+        # (5 g++ runs over torch's headers, 15 s on a cold cache; nothing the engine does)
+        torch._inductor.config.cpp.vec_isa_ok = True
     label = f"{mode}/{strategy}/prefetch={prefetch}/mixed={mixed} W={world}"
     if mixed:
         reference, _ = wrap(strategy, prefetch, mixed, world)
