@@ -22,6 +22,15 @@ from typing import Any
 GRACE_S = 5.0  # after a rank fails, how long the others get to report their own errors
 
 
+def forkserver_flawed() -> bool:
+    """Whether any local user can reach this Python's fork server (CPython 3.10.0-3.10.8 and
+    3.11.0, CVE-2022-42919); the launcher's own check, which this room may not import, is
+    ``ftsdp.launch.forkserver_is_safe``, and a test holds the two together."""
+    v = sys.version_info
+    flawed = (v[:2] == (3, 10) and v[2] < 9) or v[:3] == (3, 11, 0)
+    return sys.implementation.name == "cpython" and flawed
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     return free_ports(1)[0]
@@ -45,7 +54,12 @@ def _resolve(target: str | bytes) -> Callable:
 
 
 def _rank_entry(rank: int, world_size: int, spec: tuple[Any, ...]) -> None:
-    port, backend, timeout, threads, env, target, args, results = spec
+    port, backend, timeout, threads, env, target, args, results, parent = spec
+    if parent is not None:  # forked from the fork server: the caller's environment, as spawned
+        environ, cwd = parent
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -112,17 +126,34 @@ def run_ranks(
     timeout: float = 240.0,
     threads: int = 1,
     env: Mapping[str, str] | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` (a picklable callable or ``"module:function"``) on fresh
     ranks with a ``backend`` process group (``LOCAL_RANK`` = rank); their results in rank order.
     ``timeout``: seconds for the run and the group; ``threads``: each rank's torch threads;
     ``env``: set last in each rank. A rank that fails or stays silent raises ``RuntimeError``
-    (tracebacks, exit codes); ranks are always reaped."""
+    (tracebacks, exit codes); ranks are always reaped.
+
+    ``start_method``: ``"spawn"``, a new interpreter per rank (what the benchmarks measure), or
+    ``"forkserver"``, a fork of a server process that imported torch once for every later call
+    (seconds less per rank). A forked rank gets this process's environment and working directory
+    as they are at the call, but what the C runtime read at the server's start (``MALLOC_*``) is
+    the server's. Where another local user could reach the fork server (``forkserver_flawed``)
+    the ranks are spawned instead."""
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method={start_method!r}: 'spawn' or 'forkserver'")
+    if start_method == "forkserver" and forkserver_flawed():
+        start_method = "spawn"
     target = fn if isinstance(fn, str) else pickle.dumps(fn)
-    ctx = multiprocessing.get_context("spawn")
+    parent = None
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "ftsdp.storage"])
+        parent = (dict(os.environ), os.getcwd())
+    ctx = multiprocessing.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     spec = (port, backend, timeout, threads, dict(env or {}), target, pickle.dumps(args), results)
+    spec += (parent,)
     procs = [
         ctx.Process(target=_rank_entry, args=(r, world_size, spec), name=f"rank{r}")
         for r in range(world_size)

@@ -1,7 +1,8 @@
 """Rank groups shared by the modules of this folder: one spawn per world size.
 
 A spawn costs seconds (every rank imports torch and joins a process group: 5-9 s for a group
-of 2-4 on the 2 loaded cores), so the modules below do not spawn their own groups: the session
+of 2-4 on the 2 loaded cores; the groups of 2 and 3 fork from ``run_ranks``' fork server, which
+imported torch once), so the modules below do not spawn their own groups: the session
 fixture ``spawns`` runs, at its first use for a world size, one group of that size in which
 every *phase* of the selected modules runs in turn (``in_turn``), and keeps each phase's result
 per rank. A phase that raises fails only the tests that use it (``phase_results`` raises its
@@ -167,7 +168,13 @@ class SharedSpawns:
         os.environ.update(SPAWN_ENV.get(world, {}))  # read by the ranks' allocator at start
         try:
             self._results[world] = run_ranks(
-                in_turn, world, [p for _, p in phases], timeout=TIMEOUT_S
+                in_turn,
+                world,
+                [p for _, p in phases],
+                timeout=TIMEOUT_S,
+                # a fork of a process that imported torch, unless the allocator must read the
+                # spawn's own environment at its start
+                start_method="spawn" if world in SPAWN_ENV else "forkserver",
             )
         finally:
             for k, v in saved.items():

@@ -173,7 +173,7 @@ def compile_grid(rank: int, world: int, cases: list | None = None) -> int:
 def test_compiled_training_matches_eager(spawns, world: int) -> None:
     # W=2, 3, 4: in the spawns shared with other modules; W=1 alone
     if world == 1:
-        done = run_ranks(compile_grid, world)
+        done = run_ranks(compile_grid, world, start_method="forkserver")
     else:
         done = spawns.result(world, "test_engine_compile.compile_grid")
     assert done == [len(cases_for(world))] * world

@@ -245,7 +245,7 @@ def parity_grid(rank: int, world: int) -> int:
 def test_parity_with_unsharded_training(spawns, world: int) -> None:
     # W=2, 3, 4: in the spawns shared with other modules; W=1 alone
     if world == 1:
-        cases = run_ranks(parity_grid, world)
+        cases = run_ranks(parity_grid, world, start_method="forkserver")
     else:
         cases = spawns.result(world, "test_engine_parity.parity_grid")
     assert cases == [len(cases_for(world))] * world

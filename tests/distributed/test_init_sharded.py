@@ -193,7 +193,9 @@ def test_sharded_init_equals_the_whole_init_and_holds_a_shard_of_host_memory(
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     gpt = _write_job_inputs(tmp_path / "job")
     urls["job_dir"] = str(tmp_path / "job")
-    results = run_ranks(f"{__name__}:rank_main", WORLD, urls, timeout=500)
+    results = run_ranks(
+        f"{__name__}:rank_main", WORLD, urls, timeout=500, start_method="forkserver"
+    )
     # The job under this group: its first loss is the saved GPT's on the same samples.
     assert [r["job"] for r in results] == [(0,)] * WORLD, results
     job = tmp_path / "job"

@@ -160,7 +160,9 @@ def job(tmp_path_factory, s3_endpoint):
 
     root = tmp_path_factory.mktemp("persister")
     s3_url = new_bucket_url(s3_endpoint)
-    results = run_ranks(_job, 2, str(root), s3_url, s3_endpoint, timeout=240)
+    results = run_ranks(
+        _job, 2, str(root), s3_url, s3_endpoint, timeout=240, start_method="forkserver"
+    )
     return root, results, s3_url, s3_endpoint
 
 

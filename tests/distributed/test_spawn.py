@@ -1,6 +1,7 @@
 """The rank spawner itself (``ftsdp.testing.run_ranks``): results in rank order, every failed
 rank's traceback, a hang named and cut short, a ``"module:function"`` target from a parent that
-never imports torch. Three spawns of 2 ranks (a couple of seconds per process)."""
+never imports torch, forked ranks that see the caller's environment. Three spawns of 2 ranks (a
+couple of seconds per process) and two forks."""
 
 from __future__ import annotations
 
@@ -63,6 +64,30 @@ def test_a_named_target_runs_on_every_rank_and_the_parent_never_imports_torch() 
             "OMP_NUM_THREADS": "2",
             "SPAWN_TEST": "1",
         }
+
+
+def _where(rank: int, world: int) -> tuple[str | None, str | None, str, int]:
+    return os.environ.get("SPAWN_TEST"), os.environ.get("SPAWN_GONE"), os.getcwd(), os.getpid()
+
+
+def test_forked_ranks_get_the_callers_environment_and_directory_at_each_call(
+    tmp_path, monkeypatch
+) -> None:
+    """The fork server started with the first call's environment; a later call's ranks still see
+    the caller's environment and working directory as they are then, and are new processes."""
+    monkeypatch.setenv("SPAWN_TEST", "first")
+    monkeypatch.setenv("SPAWN_GONE", "set")
+    first = run_ranks(_where, 2, start_method="forkserver")
+    assert [r[:3] for r in first] == [("first", "set", os.getcwd())] * 2
+    monkeypatch.setenv("SPAWN_TEST", "later")
+    monkeypatch.delenv("SPAWN_GONE")
+    monkeypatch.chdir(tmp_path)
+    later = run_ranks(_where, 2, start_method="forkserver", env={"SPAWN_GONE": "given"})
+    assert [r[:3] for r in later] == [("later", "given", str(tmp_path))] * 2
+    pids = {r[3] for r in first + later}
+    assert len(pids) == 4 and os.getpid() not in pids
+    with pytest.raises(ValueError, match="start_method='fork'"):
+        run_ranks(_where, 2, start_method="fork")
 
 
 def _both_fail(rank: int, world: int) -> None:

@@ -720,7 +720,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: dict) -> lis
     root = tmp_path_factory.mktemp("storage-multirank")
     s3_root = new_bucket_url(s3_endpoint)
     try:
-        return run_ranks(_main, 4, str(root), s3_root, dict(s3_endpoint), timeout=240)
+        return run_ranks(
+            _main, 4, str(root), s3_root, dict(s3_endpoint), timeout=240, start_method="forkserver"
+        )
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
 

@@ -83,7 +83,7 @@ def _tally(calls: list[tuple[str, str]], step: int) -> tuple[int, int, collectio
 @pytest.mark.timeout(300)
 def test_two_ranks_requests_per_save_stay_constant(s3_endpoint) -> None:
     url = new_bucket_url(s3_endpoint)
-    ranks = run_ranks(_rank, 2, url, dict(s3_endpoint), timeout=240)
+    ranks = run_ranks(_rank, 2, url, dict(s3_endpoint), timeout=240, start_method="forkserver")
     for rank, got in enumerate(ranks):
         tallies = [_tally(calls, step) for step, calls in enumerate(got["saves"], start=1)]
         data = [t[0] for t in tallies]

@@ -116,5 +116,5 @@ def _ftsdp(rank: int, world: int, url: str) -> list[float]:
 
 @pytest.mark.timeout(240)
 def test_fsdp2_dcp_converts_and_trains_on_in_ftsdp(tmp_path: pathlib.Path) -> None:
-    expected, got = run_ranks(_both, 3, str(tmp_path))[0]
+    expected, got = run_ranks(_both, 3, str(tmp_path), start_method="forkserver")[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-4)

@@ -31,9 +31,7 @@ import argparse
 import contextlib
 import io
 import json
-import multiprocessing
 import os
-import queue
 import random
 import shutil
 import signal
@@ -113,69 +111,15 @@ def save_sharded(rank: int, world: int, url: str) -> None:
     storage.save(rank_state(rank, world), url, step=STEP, options=OPTIONS)
 
 
-def _sharded_rank(rank: int, world: int, port: int, url: str, results: Any) -> None:
-    """Rank ``rank`` of ``save_sharded_on_ranks``: ``save_sharded`` in a gloo group."""
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
-        try:
-            save_sharded(rank, world, url)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, ""))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-
-
 def save_sharded_on_ranks(url: str, world: int = SHARDED_WORLD, timeout_s: float = 120.0) -> None:
-    """``save_sharded`` on ``world`` gloo ranks, as on ranks of ``ftsdp.testing.run_ranks``, but
-    forked from a fork server that imported torch and ftsdp once: a spawned rank spends
-    seconds importing torch, most of a short fuzz run. Not forked from this process, whose
-    threads (an S3 client's event loop, a test's) a fork would share. The server stays for the
-    next call. Raises RuntimeError with the failed ranks' tracebacks, or when one hangs."""
-    from ftsdp.testing import free_port
+    """``save_sharded`` on ``world`` gloo ranks of ``ftsdp.testing.run_ranks``, forked from its
+    fork server (a spawned rank spends seconds importing torch, most of a short fuzz run).
+    Raises RuntimeError with the failed ranks' tracebacks, or when one hangs."""
+    from ftsdp.testing import run_ranks
 
-    # (not this module: run as __main__, a rank runs it again as __mp_main__)
-    multiprocessing.set_forkserver_preload(["torch", "ftsdp.storage"])
-    ctx = multiprocessing.get_context("forkserver")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_sharded_rank, args=(r, world, port, url, results), name=f"rank{r}")
-        for r in range(world)
-    ]
-    reports: dict[int, str] = {}
-    try:
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout_s
-        while len(reports) < world and time.monotonic() < deadline:
-            with contextlib.suppress(queue.Empty):
-                rank, error = results.get(timeout=max(deadline - time.monotonic(), 0.01))
-                reports[rank] = error
-                if error:  # the others may wait for it in a collective: a moment for theirs
-                    deadline = min(deadline, time.monotonic() + 5.0)
-    finally:
-        for proc in procs:
-            proc.join(5.0 if len(reports) == world else 0.1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        results.close()
-    failed = {r: e for r, e in sorted(reports.items()) if e}
-    silent = sorted(set(range(world)) - set(reports))
-    if failed or silent:
-        lines = [f"saving the sharded checkpoint on {world} ranks failed"]
-        if silent:
-            lines.append(
-                f"rank(s) {silent} did not report in {timeout_s:g} s (or 5 s after a failure)"
-            )
-        lines += [f"--- rank {r} ---\n{e}" for r, e in failed.items()]
-        raise RuntimeError("\n".join(lines))
+    # named, not pickled: run as __main__, this module is not the ranks' __main__
+    target = "ftsdp.tools.dev.fuzz_checkpoint:save_sharded"
+    run_ranks(target, world, url, timeout=timeout_s, start_method="forkserver")
 
 
 # The checkpoint fuzzed on a grid (format version 5): the checked-in golden of

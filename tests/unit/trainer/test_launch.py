@@ -12,6 +12,7 @@ import pytest
 
 import ftsdp.train
 from ftsdp import launch
+from ftsdp.testing import _spawn
 
 
 def test_flags_before_the_separator_are_torchruns_and_after_it_the_trainings() -> None:
@@ -95,10 +96,11 @@ def test_the_forkserver_is_used_only_where_other_users_cannot_reach_it(
 ) -> None:
     """CVE-2022-42919: on CPython 3.10.0-3.10.8 and 3.11.0 any local user can connect to the
     forkserver's socket and run code as the job. There the launcher spawns its workers, and an
-    explicit forkserver is refused with one line."""
+    explicit forkserver is refused with one line. The tests' rank spawner spawns there too."""
     monkeypatch.delenv("PET_START_METHOD", raising=False)
     monkeypatch.setattr(sys, "version_info", (*version, "final", 0))
     assert launch.forkserver_is_safe() is safe
+    assert _spawn.forkserver_flawed() is not safe  # run_ranks' own check for the tests' ranks
     cmd = launch.torchrun_argv(["--standalone"], [])
     assert launch.start_method(cmd) == ("forkserver" if safe else "spawn")
     if safe:
