@@ -145,15 +145,27 @@ def run_ranks(
     if start_method == "forkserver" and forkserver_flawed():
         start_method = "spawn"
     target = fn if isinstance(fn, str) else pickle.dumps(fn)
-    parent = None
+    parent: tuple[dict[str, str], str] | None = None
+    ctx: multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext
     if start_method == "forkserver":
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "ftsdp.storage"])
         parent = (dict(os.environ), os.getcwd())
-    ctx = multiprocessing.get_context(start_method)
+        ctx = multiprocessing.get_context("forkserver")
+    else:
+        ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    spec = (port, backend, timeout, threads, dict(env or {}), target, pickle.dumps(args), results)
-    spec += (parent,)
+    spec = (
+        port,
+        backend,
+        timeout,
+        threads,
+        dict(env or {}),
+        target,
+        pickle.dumps(args),
+        results,
+        parent,
+    )
     procs = [
         ctx.Process(target=_rank_entry, args=(r, world_size, spec), name=f"rank{r}")
         for r in range(world_size)

@@ -1,8 +1,8 @@
 """Rank groups shared by the modules of this folder: one spawn per world size.
 
 A spawn costs seconds (every rank imports torch and joins a process group: 5-9 s for a group
-of 2-4 on the 2 loaded cores; the groups of 2 and 3 fork from ``run_ranks``' fork server, which
-imported torch once), so the modules below do not spawn their own groups: the session
+of 2-4 on the 2 loaded cores; the groups fork from ``run_ranks``' fork server, which imported
+torch once), so the modules below do not spawn their own groups: the session
 fixture ``spawns`` runs, at its first use for a world size, one group of that size in which
 every *phase* of the selected modules runs in turn (``in_turn``), and keeps each phase's result
 per rank. A phase that raises fails only the tests that use it (``phase_results`` raises its
@@ -17,8 +17,7 @@ traceback); a phase that hangs or kills its rank fails every test of that spawn.
   ``_damage_and_keep`` between the two), ``test_engine_behaviour.py``,
   ``test_engine_parity.py``, ``test_engine_mixed_precision_fsdp2.py``,
   ``test_engine_compile.py``;
-- W=4: ``test_engine_features.py`` first (its memory checks read this process's RSS; its
-  ``MALLOC_MMAP_THRESHOLD_`` is in the environment of the whole spawn), then
+- W=4: ``test_engine_features.py`` first (its memory checks read this process's RSS), then
   ``test_engine_edge_cases.py``, ``test_engine_parity.py``, ``test_engine_compile.py`` and
   ``test_checkpoint_manager.py``'s memory tier on two simulated nodes.
 
@@ -32,7 +31,6 @@ costs one spawn per world size it uses.
 from __future__ import annotations
 
 import importlib
-import os
 import pathlib
 import traceback
 from collections.abc import Callable
@@ -69,7 +67,6 @@ ENGINE_PHASES: dict[int, list[tuple[str, str]]] = {
 }
 # test_nd_layouts.py: world size -> the (dp, tp) mesh its loads and resume run at
 ND_LOADS = {3: (3, 1), 2: (1, 2)}
-SPAWN_ENV = {4: {"MALLOC_MMAP_THRESHOLD_": "65536"}}  # test_engine_features: see its test
 TIMEOUT_S = 600  # a whole spawn, every phase of it
 
 
@@ -164,24 +161,9 @@ class SharedSpawns:
                 self.damaged = e
         phases = self._phases(world)
         self._names[world] = [name for name, _ in phases]
-        saved = {k: os.environ.get(k) for k in SPAWN_ENV.get(world, {})}
-        os.environ.update(SPAWN_ENV.get(world, {}))  # read by the ranks' allocator at start
-        try:
-            self._results[world] = run_ranks(
-                in_turn,
-                world,
-                [p for _, p in phases],
-                timeout=TIMEOUT_S,
-                # a fork of a process that imported torch, unless the allocator must read the
-                # spawn's own environment at its start
-                start_method="spawn" if world in SPAWN_ENV else "forkserver",
-            )
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        self._results[world] = run_ranks(
+            in_turn, world, [p for _, p in phases], timeout=TIMEOUT_S, start_method="forkserver"
+        )
 
     def result(self, world: int, name: str) -> list[Any]:
         """Every rank's result of phase ``name`` of the W=``world`` spawn (run at first use)."""

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ftsdp
 from ftsdp.examples.gpt import GPT, Block, GPTConfig, param_groups
+from ftsdp.testing import fix_mmap_threshold, reset_peak_rss, status_bytes
 
 WORLD = 4
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -193,26 +194,15 @@ def check_deferred_init(rank: int) -> None:
     assert all(bool((v == 0.5).all()) for v in wrapped.state_dict().values())
 
 
-def _rss_peak_since_reset() -> int:
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["VmHWM"].split()[0]) * 1024
-
-
-def _reset_rss_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    return _rss_peak_since_reset()
-
-
 def check_deferred_init_memory(rank: int) -> None:
     """Peak RSS while wrapping a model 14 units large: deferred stays near one unit + shards."""
     config = GPTConfig(vocab_size=64, block_size=8, n_layer=12, n_head=4, n_embd=256)
+    fix_mmap_threshold()  # large tensors from mmap, back to the system when freed
     numel = GPT(config).num_parameters()  # warms up allocator and kernels, then freed
     full_bytes, unit_bytes = 4 * numel, 4 * 12 * 256 * 256
     peaks = {}
     for mode in ("deferred", "eager"):
-        base = _reset_rss_peak()
+        base = reset_peak_rss()
         torch.manual_seed(0)
         if mode == "deferred":
             with torch.device("meta"):
@@ -220,7 +210,7 @@ def check_deferred_init_memory(rank: int) -> None:
         else:
             model = GPT(config)
         wrapped = ftsdp.FSDP(model, auto_wrap_policy={Block})
-        peaks[mode] = _rss_peak_since_reset() - base
+        peaks[mode] = status_bytes("VmHWM") - base
         del wrapped, model
     shards = full_bytes // WORLD
     assert peaks["deferred"] < shards + 3 * unit_bytes, (peaks, shards, unit_bytes)
@@ -265,9 +255,7 @@ def features(rank: int, world: int) -> int:
 
 @pytest.mark.timeout(600)
 def test_engine_features(spawns) -> None:
-    # features runs first in the shared W=4 spawn, whose ranks start with a fixed mmap
-    # threshold (MALLOC_MMAP_THRESHOLD_=65536, conftest.SPAWN_ENV): large tensors come from
-    # mmap and go back to the OS when freed, so the RSS high-water mark follows the real
-    # allocations (glibc otherwise raises the threshold after the first free and keeps freed
-    # blocks in the heap).
+    # features runs first in the shared W=4 group; its memory check fixes glibc's mmap
+    # threshold (ftsdp.testing.fix_mmap_threshold): large tensors come from mmap and go back to
+    # the OS when freed, so the RSS high-water mark follows the real allocations.
     assert spawns.result(WORLD, "test_engine_features.features") == [7] * WORLD

@@ -9,9 +9,9 @@ and initialises the unwrapped model whole (``init_weights``, the reference, itse
 against the saved tensors). Each shard must equal the same range of the whole init, bitwise.
 
 Peak host memory: each rank resets its RSS high-water mark (``/proc/self/clear_refs``) right
-before an init and reads ``VmHWM`` minus the RSS at that moment after it. The ranks start with a
-fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_``), so large blocks go back to the system when
-freed and are not reused unseen. The sharded init must stay at most 1.3 x (model bytes / W +
+before an init and reads ``VmHWM`` minus the RSS at that moment after it. The ranks fix glibc's
+mmap threshold first (``ftsdp.testing.fix_mmap_threshold``), so large blocks go back to the
+system when freed and are not reused unseen. The sharded init must stay at most 1.3 x (model bytes / W +
 largest tensor bytes); the whole init must exceed that bound (it stages the whole model), which
 shows the measurement can fail.
 
@@ -31,6 +31,7 @@ from torch import nn
 
 from ftsdp.examples.data import TokenDataset
 from ftsdp.examples.gpt import GPT, GPTConfig
+from ftsdp.testing import fix_mmap_threshold, reset_peak_rss, status_bytes
 
 WORLD = 2
 WIDTH, LAYERS = 1024, 8  # 2 x 8 Linear(1024, 1024) + a tied 1024 x 1024 embedding: 68 MiB
@@ -91,20 +92,8 @@ def _write_sources(root: str) -> dict[str, str]:
     return urls
 
 
-def _peak_above_now() -> tuple[int, int]:
-    """Reset the RSS high-water mark; (now, the mark) in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    return _status("VmRSS"), _status("VmHWM")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
 def rank_main(rank: int, world_size: int, urls: dict[str, str]) -> dict[str, tuple]:
+    fix_mmap_threshold()  # large blocks from mmap, returned when freed
     urls = dict(urls)
     job_dir = urls.pop("job_dir")
     import gc
@@ -120,18 +109,18 @@ def rank_main(rank: int, world_size: int, urls: dict[str, str]) -> dict[str, tup
         plan = plan_init(net, url)
         model = ftsdp.FSDP(net, auto_wrap_policy={Layer})
         gc.collect()
-        base, _ = _peak_above_now()
+        base = reset_peak_rss()
         line = init_sharded(model, plan)
-        sharded_peak = _status("VmHWM") - base
+        sharded_peak = status_bytes("VmHWM") - base
         shards = {k: (v.offset, v.local.clone()) for k, v in model.sharded_state_dict().items()}
         model_cache = net.cache.clone()
         del model, net
         gc.collect()
 
         whole = _net(INIT_SEED)
-        base, _ = _peak_above_now()
+        base = reset_peak_rss()
         whole_line = init_weights(whole, url)
-        whole_peak = _status("VmHWM") - base
+        whole_peak = status_bytes("VmHWM") - base
         state = whole.state_dict()
         ref_ok = all(torch.equal(state[k], source[k]) for k in source)
         # every element of this rank's shards, against the same range of the whole init
@@ -181,16 +170,12 @@ def _write_job_inputs(root: pathlib.Path) -> GPT:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP saved in one process
-def test_sharded_init_equals_the_whole_init_and_holds_a_shard_of_host_memory(
-    tmp_path, monkeypatch
-) -> None:
+def test_sharded_init_equals_the_whole_init_and_holds_a_shard_of_host_memory(tmp_path) -> None:
     from ftsdp.testing import run_ranks
 
     urls = _write_sources(str(tmp_path))
     model_bytes, largest = _model_bytes(_net(SOURCE_SEED))
     bound = 1.3 * (model_bytes / WORLD + largest)
-    # large blocks from mmap, returned when freed (glibc otherwise keeps them for reuse)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     gpt = _write_job_inputs(tmp_path / "job")
     urls["job_dir"] = str(tmp_path / "job")
     results = run_ranks(
