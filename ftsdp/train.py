@@ -6,13 +6,36 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
+import os
 import sys
 import time
+from collections.abc import Sequence
 
-if __name__ == "__main__" and not {"-h", "--help", "--version"}.isdisjoint(sys.argv[1:]):
-    from ftsdp.trainer._config import parse_args  # answers before torch is imported
+from ftsdp.trainer._config import TrainConfig, parse_args  # imports no torch
 
-    parse_args(sys.argv[1:])
+# A bad command line: rank 0 reports it, the others wait this long first (torchrun stops them).
+REPORT_WAIT_S = 30.0
+
+
+def parse_or_exit(argv: Sequence[str] | None, rank: int) -> TrainConfig:
+    """:func:`parse_args`; a bad command line (or config file) exits 2 with one line on stderr,
+    from rank 0 (another rank only if the job was not stopped by then)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_args(argv)
+    except SystemExit as e:
+        if e.code:  # argparse wrote its usage, then the error on the last line
+            if rank != 0:
+                time.sleep(REPORT_WAIT_S)
+            lines = err.getvalue().strip().splitlines()
+            print(lines[-1] if lines else f"exit {e.code}", file=sys.stderr)
+        raise
+
+
+if __name__ == "__main__":  # --help, --version and a bad command line answer before torch loads
+    parse_or_exit(sys.argv[1:], int(os.environ.get("RANK", "0") or 0))
 
 # The imports, timed for the phases record with the garbage collector paused; a program (not a
 # library import) then freezes what they made (docs/elastic.md, "Recovery time").
@@ -25,12 +48,8 @@ try:
     with contextlib.suppress(ImportError):  # a torch without it: nothing to import early
         import torch._dynamo  # noqa: F401
     _TORCH_IMPORTED = time.time()
-    import io
     import logging
-    import os
-    from collections.abc import Sequence
 
-    from ftsdp.trainer._config import TrainConfig, parse_args
     from ftsdp.trainer._errors import JobError
     from ftsdp.trainer._hooks import HookFactory
     from ftsdp.trainer._job import build
@@ -58,24 +77,6 @@ def fault_hook() -> HookFactory | None:
 logger = logging.getLogger("ftsdp.train")
 
 EXIT_USER_ERROR = 2  # as argparse's usage errors
-# A bad command line: rank 0 reports it, the others wait this long first (torchrun stops them).
-REPORT_WAIT_S = 30.0
-
-
-def parse_or_exit(argv: Sequence[str] | None, rank: int) -> TrainConfig:
-    """:func:`parse_args`; a bad command line (or config file) exits 2 with one line on stderr,
-    from rank 0 (another rank only if the job was not stopped by then)."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return parse_args(argv)
-    except SystemExit as e:
-        if e.code:  # argparse wrote its usage, then the error on the last line
-            if rank != 0:
-                time.sleep(REPORT_WAIT_S)
-            lines = err.getvalue().strip().splitlines()
-            print(lines[-1] if lines else f"exit {e.code}", file=sys.stderr)
-        raise
 
 
 def start_marks() -> Phases:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import subprocess
+import sys
 
 import pytest
 
@@ -131,6 +133,37 @@ def test_help_lists_the_flags(capsys) -> None:
     assert "(default: 50)" in text  # the defaults are shown, each once
     assert "(default: /dev/shm/ftsdp-<uid>-<hash of the checkpoint root>)" in text
     assert "(default: None)" not in text.split("--memory-url")[1].split("--pg-timeout-s")[0]
+
+
+PROBE = """
+import runpy, sys
+sys.argv = ["ftsdp.train", *sys.argv[1:]]
+try:
+    runpy.run_module("ftsdp.train", run_name="__main__")
+except SystemExit as e:
+    print("exit", e.code, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [(["--global-batch", "30", "--micro-batch", "8"], 2), (["--help"], 0), (["--version"], 0)],
+)
+def test_the_entry_answers_a_bad_command_line_help_and_version_before_importing_torch(
+    argv, code
+) -> None:
+    """A worker that would fail on its flags stops in a fraction of a second, not after seconds of
+    importing torch: its last line is the error, and torch was never imported."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=60
+    )
+    *said, last = proc.stderr.strip().splitlines()
+    assert last == f"exit {code} False", proc.stderr
+    if code:
+        assert said == [
+            "ftsdp-train: error: TrainConfig: global_batch=30 must be a multiple of "
+            "micro_batch=8 (see ftsdp-train --help)"
+        ]
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
