@@ -199,24 +199,19 @@ _MEASURE = textwrap.dedent(
     """
     import json, os, sys, traceback, torch
     from ftsdp import storage
+    from ftsdp.testing import reset_peak_rss, status_bytes
 
     url, options = sys.argv[1], json.loads(sys.argv[2])
-
-    def status(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
     def measure(budget):
         meta = storage.catalog.inspect_checkpoint(url, storage_options=options)
         target = {t["name"]: torch.full(t["shape"], 7.0) for t in meta["tensors"]}  # touched
         small = {"t0": torch.zeros(10)}  # a first load: imports, the client, its threads
         storage.load(small, url, storage_options=options, strict=False)
-        before = status("VmRSS:")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
+        before = reset_peak_rss()  # VmHWM := VmRSS
         storage.load(target, url, storage_options=options,
                      options=storage.LoadOptions(inflight_bytes=budget))
-        return {"above": status("VmHWM:") - before,
+        return {"above": status_bytes("VmHWM") - before,
                 "sum": sum(float(t.double().sum()) for t in target.values())}
 
     # Each measurement in a fork of this process as it is now (torch and ftsdp imported, nothing
