@@ -1,7 +1,9 @@
-"""Shared pytest configuration: tier markers follow the test's folder."""
+"""Shared pytest configuration: tier markers follow the test's folder, and pytest-xdist's groups
+(``addopts`` runs two workers) keep each module, and the shared spawns, on one worker."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import tempfile
@@ -9,18 +11,25 @@ from collections.abc import Iterator
 
 import pytest
 
-# The S3 fixtures (one SeaweedFS server for the whole session), for every test module.
+# The S3 fixtures (one SeaweedFS server per worker's session), for every test module.
 pytest_plugins = ["tests.s3_fixture"]
 
 _TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e", "gpu": "gpu"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = pathlib.Path(str(item.fspath)).parts
         for folder, marker in _TIERS.items():
             if folder in parts:
                 item.add_marker(getattr(pytest.mark, marker))
+        # Under pytest-xdist (--dist loadgroup), a module's tests stay on one worker (its
+        # fixtures are built once), and so do all users of tests/distributed's shared spawns.
+        shared = "spawns" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("spawns" if shared else item.nodeid.split("::")[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # no idle core to start it early: test_mypy runs it on whichever worker gets it
     if any(item.name == "test_mypy" for item in items):
         from tests.unit import test_types
 
