@@ -17,6 +17,13 @@ pytest_plugins = ["tests.s3_fixture"]
 _TIERS = {"unit": "unit", "distributed": "distributed", "e2e": "e2e", "gpu": "gpu"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A run that measures the fault suite (``$FTSDP_FAULT_REPORT``) times each job alone: no
+    workers beside it (this runs before pytest-xdist starts them)."""
+    if os.environ.get("FTSDP_FAULT_REPORT") and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses, config.option.dist, config.option.tx = 0, "no", []
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
