@@ -1,5 +1,5 @@
-"""Shared pytest configuration: tier markers follow the test's folder, and pytest-xdist's groups
-(``addopts`` runs two workers) keep each module, and the shared spawns, on one worker."""
+"""Shared pytest configuration: tier markers follow the test's folder; pytest-xdist's two workers
+(``addopts``) take whole modules, and all of tests/distributed at once."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -24,17 +25,28 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.numprocesses, config.option.dist, config.option.tx = 0, "no", []
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's workers take whole scopes: a module (its fixtures are built once), and all
+    of tests/distributed as one, whose modules share the rank groups of its session fixture
+    ``spawns`` (one spawn per world size). A scheduler of our own, not ``xdist_group`` marks:
+    ``--dist loadgroup`` no longer groups under pytest 9.2 (pytest-xdist issue 1386)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/distributed" if path.startswith("tests/distributed/") else path
+
+    return Scopes(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = pathlib.Path(str(item.fspath)).parts
         for folder, marker in _TIERS.items():
             if folder in parts:
                 item.add_marker(getattr(pytest.mark, marker))
-        # Under pytest-xdist (--dist loadgroup), a module's tests stay on one worker (its
-        # fixtures are built once), and so do all users of tests/distributed's shared spawns.
-        shared = "spawns" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("spawns" if shared else item.nodeid.split("::")[0]))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # no idle core to start it early: test_mypy runs it on whichever worker gets it
     if any(item.name == "test_mypy" for item in items):
