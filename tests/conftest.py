@@ -30,9 +30,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's workers take whole scopes: a module (its fixtures are built once), and all
     of tests/distributed as one, whose modules share the rank groups of its session fixture
     ``spawns`` (one spawn per world size). A scheduler of our own, not ``xdist_group`` marks:
-    ``--dist loadgroup`` no longer groups under pytest 9.2 (pytest-xdist issue 1386). Scopes go
-    out in collection order (``--no-loadscope-reorder``): the rank groups and the e2e modules,
-    a few long tests each, first; the many short unit modules fill in at the end."""
+    ``--dist loadgroup`` no longer groups under pytest 9.2 (pytest-xdist issue 1386)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Scopes(LoadScopeScheduling):
