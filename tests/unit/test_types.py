@@ -47,9 +47,9 @@ def check(args: list[str]) -> int:
 
 def start(config: pytest.Config) -> subprocess.Popen:
     """Start the check in the background (conftest.py calls this at collection when
-    ``test_mypy`` is selected and the run is serial, ``-n 0``): a cold run takes half a minute of one core, which the rest of
-    the suite, about one core busy on average, leaves free. At the lowest priority (nice 19), so
-    that it takes only the time the tests leave idle."""
+    ``test_mypy`` is selected and the run is serial, ``-n 0``): a cold run takes half a minute of
+    one core, which the rest of a serial suite, about one core busy on average, leaves free. At
+    the lowest priority (nice 19), so that it takes only the time the tests leave idle."""
     # pytest's cache folder keeps mypy's cache between runs (a warm run rechecks changed files)
     cache = config.cache
     if cache is not None:
