@@ -81,6 +81,10 @@ def _rank_entry(rank: int, world_size: int, spec: tuple[Any, ...]) -> None:
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
+        # Every rank's group is connected before any function runs: a rank whose function
+        # returns at once would otherwise close its pairs while a peer is still connecting
+        # (gloo's "Connection closed by peer" in that peer's init_process_group).
+        dist.barrier()
         result = fn(rank, world_size, *pickle.loads(args))
         results.put((rank, True, pickle.dumps(result)))
     except BaseException:
