@@ -10,7 +10,6 @@ in-flight budget streams instead: ``fetch`` hands each verified part to ``Delive
 from __future__ import annotations
 
 import contextlib
-import mmap
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -24,6 +23,7 @@ from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage.format._checksum import Checksum, checksum_function
 from ftsdp.storage.format._layout import step_dir
 from ftsdp.storage.format._manifest import Manifest, Piece
+from ftsdp.storage.io._buffers import host_buffer
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.loading._read_plan import Copy, Span, Want
 
@@ -69,9 +69,7 @@ def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[S
     if store.local:
         data = store._retry(lambda: store.map_range(rel, part.start, part.end))
     else:
-        # a mapping of its own, returned to the system when its last view goes (a heap block
-        # could stay with its thread's arena): the in-flight budget bounds the memory held
-        data = np.frombuffer(mmap.mmap(-1, part.end - part.start), dtype=np.uint8)
+        data = host_buffer(part.end - part.start).numpy()  # the budget bounds what is held
         store.read_into(rel, part.start, data)
     for lo, hi, name, piece, k in part.blocks:
         if check(data[lo - part.start : hi - part.start], 0) != piece.checksums[k]:

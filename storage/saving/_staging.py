@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ftsdp.storage.io._buffers import host_buffer
+
 
 class StagingBudget:
     """At most ``limit`` bytes staged at once; ``acquire`` blocks until uploads release enough
@@ -42,7 +44,7 @@ def stage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     CUDA), complete when this returns."""
     total = sum(aligned_bytes(t.numel() * t.element_size()) for t in tensors)
     cuda = any(t.device.type == "cuda" for t in tensors)
-    out = copy_into(tensors, torch.empty(total, dtype=torch.uint8, pin_memory=cuda))
+    out = copy_into(tensors, _fresh(total, pinned=cuda))
     if cuda:
         torch.cuda.synchronize()
     return out
@@ -86,8 +88,15 @@ class SnapshotArena:
             self.layouts.clear()
 
 
+def _fresh(nbytes: int, pinned: bool) -> torch.Tensor:
+    """New host memory: pinned for copies from CUDA, else in huge pages where Linux has them."""
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return host_buffer(nbytes)
+
+
 def _touched(nbytes: int, pinned: bool) -> torch.Tensor:
-    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    buf = _fresh(nbytes, pinned)
     if not pinned:  # pinned memory is resident already; fresh pageable memory is not
         pages = buf[::4096]  # one write per page maps it, in parts on several threads
         n = max(1, min(_COPY_THREADS, nbytes // _BYTES_PER_THREAD))

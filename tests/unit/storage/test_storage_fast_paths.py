@@ -102,3 +102,50 @@ def test_saves_of_one_flat_shard_follow_its_tensor(tmp_path: Path) -> None:
     flat.resize_(6)
     with pytest.raises(ValueError, match=r"elements \[6, 12\) are not covered"):
         storage.save({"w": shard}, url, 3)
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The fields of the /proc/self/smaps entry of the mapping that holds ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+                fields = {"range": head} if inside else fields
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+def _thp_mode() -> str | None:
+    """Linux's transparent huge page mode ("always", "madvise", "never"); None elsewhere."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0]
+
+
+def test_fresh_host_memory_is_private_zeroed_and_in_huge_pages_where_linux_has_them() -> None:
+    """Staging and S3 read buffers: new zeroed memory of exactly the size asked, a private
+    mapping of their own (not mmap's shared default), backed by huge pages where the kernel
+    offers them, so that first writes fault in 2 MiB at a time."""
+    from ftsdp.storage.io._buffers import host_buffer
+
+    assert host_buffer(0).numel() == 0
+    n = 8 << 20
+    a, b = host_buffer(n), host_buffer(n)
+    assert a.dtype == torch.uint8 and a.numel() == n and not a.any()
+    a.fill_(7)
+    assert not b.any(), "each buffer is memory of its own"
+    mode = _thp_mode()
+    if mode is None:  # not Linux: nothing more to look at
+        return
+    entry = _mapping_of(a.data_ptr())
+    assert int(entry["Anonymous"].split()[0]) * 1024 >= n, "private anonymous memory, written"
+    if mode != "never":
+        assert int(entry["AnonHugePages"].split()[0]) > 0, entry
