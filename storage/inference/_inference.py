@@ -18,6 +18,7 @@ from ftsdp.storage._options import LoadOptions
 from ftsdp.storage.conversion._formats import open_source
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._ranges import Range, check_range
+from ftsdp.storage.io._buffers import empty_in_huge_pages
 from ftsdp.storage.io._streaming import MiB, Request, TensorInfo, group_requests, split_request
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,10 @@ def _target_dtype(dtype: torch.dtype | None, current: torch.dtype) -> tuple[torc
 
 def _empty(info: TensorInfo, dtype: torch.dtype | None, device: str | torch.device) -> torch.Tensor:
     """A new tensor for ``info`` on ``device``, cast only to a ``dtype`` of its kind."""
-    return torch.empty(info.shape, dtype=_target_dtype(dtype, info.dtype)[0], device=device)
+    want = _target_dtype(dtype, info.dtype)[0]
+    if torch.device(device).type == "cpu":
+        return empty_in_huge_pages(tuple(info.shape), want)
+    return torch.empty(info.shape, dtype=want, device=device)
 
 
 def _check_casts(where: str, casts: list[tuple[str, torch.dtype, torch.dtype, bool]]) -> None:

@@ -1,26 +1,47 @@
-"""Fresh host memory for staging and reads: an anonymous mapping of its own, in huge pages."""
+"""Fresh host memory for staging, reads and loaded tensors, in huge pages where Linux has them.
+
+The first write to fresh memory is where a copy into it spends its time: the kernel faults in
+and zeroes each page. In 2 MiB pages it does so 512 times less often (docs/benchmarks.md,
+"First call"). NumPy asks for them the same way for its arrays of 4 MB and more.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 
 import torch
 
+_HUGE = 2 << 20  # bytes in a huge page (x86-64 and arm64 with 4 KiB pages)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+
 
 def host_buffer(nbytes: int) -> torch.Tensor:
-    """A new writable uint8 CPU tensor of ``nbytes`` in a private anonymous mapping of its own.
-
-    The mapping goes back to the system when its last view goes (a heap block could stay with
-    its thread's arena), and Linux backs it with 2 MiB pages where transparent huge pages are
-    enabled (the usual ``madvise`` mode): the first write then faults in and zeroes 512 times
-    fewer pages. That first write is the larger part of copying into fresh memory, and of the
-    first async save's blocking (docs/benchmarks.md, "First call").
-    """
+    """A new writable uint8 CPU tensor of ``nbytes`` in a private anonymous mapping of its own,
+    in huge pages where the kernel gives them. The mapping goes back to the system when its last
+    view goes (a heap block could stay with its thread's arena), so a budget on buffers in
+    flight bounds the memory held."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; a kernel without huge pages refuses it
-        with contextlib.suppress(OSError):
-            m.madvise(mmap.MADV_HUGEPAGE)
+    if _MADV_HUGEPAGE is not None:
+        with contextlib.suppress(OSError):  # a kernel without huge pages refuses the advice
+            m.madvise(_MADV_HUGEPAGE)
     return torch.frombuffer(m, dtype=torch.uint8)
+
+
+def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)``, its whole 2 MiB pages advised to be huge pages
+    before anything is written: an ordinary tensor (torch owns and frees its memory, which
+    stays resizable), for tensors handed to the caller."""
+    t = torch.empty(shape, dtype=dtype)
+    start = -(-t.data_ptr() // _HUGE) * _HUGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
+    if _MADV_HUGEPAGE is not None and end > start:
+        # no Python call advises memory it did not map itself: libc's madvise; its error
+        # (an old kernel, huge pages compiled out) only leaves the pages small
+        ctypes.CDLL(None).madvise(
+            ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_HUGEPAGE)
+        )
+    return t

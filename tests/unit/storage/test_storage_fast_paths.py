@@ -149,3 +149,17 @@ def test_fresh_host_memory_is_private_zeroed_and_in_huge_pages_where_linux_has_t
     assert int(entry["Anonymous"].split()[0]) * 1024 >= n, "private anonymous memory, written"
     if mode != "never":
         assert int(entry["AnonHugePages"].split()[0]) > 0, entry
+
+
+def test_tensors_loaded_for_inference_are_torchs_memory_in_huge_pages(
+    tmp_path: Path,
+) -> None:
+    """``load_state_dict`` hands out tensors that torch allocated (and frees) whose whole 2 MiB
+    pages were advised to be huge before the load wrote them."""
+    big = torch.arange(4 << 20, dtype=torch.float32).reshape(2048, 2048)  # 16 MiB
+    storage.save({"big": big, "small": torch.ones(3)}, str(tmp_path), 1)
+    loaded = storage.load_state_dict(str(tmp_path))
+    assert torch.equal(loaded["big"], big) and torch.equal(loaded["small"], torch.ones(3))
+    if _thp_mode() not in (None, "never"):
+        entry = _mapping_of(loaded["big"].data_ptr() + (8 << 20))
+        assert int(entry["AnonHugePages"].split()[0]) > 0, entry
