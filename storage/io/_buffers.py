@@ -24,7 +24,8 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     flight bounds the memory held."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    private = getattr(mmap, "MAP_PRIVATE", None)  # not on Windows, whose mappings are private
+    m = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
     if _MADV_HUGEPAGE is not None:
         with contextlib.suppress(OSError):  # a kernel without huge pages refuses the advice
             m.madvise(_MADV_HUGEPAGE)
@@ -33,9 +34,9 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype)``, its whole 2 MiB pages advised to be huge pages
-    before anything is written: an ordinary tensor (torch owns and frees its memory, which
-    stays resizable), for tensors handed to the caller."""
-    t = torch.empty(shape, dtype=dtype)
+    before anything is written: an ordinary CPU tensor whose memory torch owns and frees, for
+    tensors handed to the caller."""
+    t = torch.empty(shape, dtype=dtype, device="cpu")  # whatever the default device
     start = -(-t.data_ptr() // _HUGE) * _HUGE
     end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
     if _MADV_HUGEPAGE is not None and end > start:
