@@ -33,7 +33,7 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 
 def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)``, its whole 2 MiB pages advised to be huge pages
+    """``torch.empty(shape, dtype=dtype, device="cpu")``, its whole 2 MiB pages advised huge
     before anything is written: an ordinary CPU tensor whose memory torch owns and frees, for
     tensors handed to the caller."""
     t = torch.empty(shape, dtype=dtype, device="cpu")  # whatever the default device
