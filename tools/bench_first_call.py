@@ -14,7 +14,9 @@ Every measurement runs in processes of its own, spawned for it (so every call is
 its process): async save (the time the call blocked, the slowest rank; then it waits for the
 commit), sync save (GB/s of the whole state, barrier to barrier), and the load of that sync
 save (GB/s; the files are in the page cache, as right after saving, unless ``--cold`` drops
-them first). Each round runs both libraries, alternating which goes first; the table holds the
+them first), and the load of that save into one process that has no model, as for inference
+(``storage.load_state_dict(url)`` against DCP's ``_load_state_dict_from_keys(checkpoint_id=dir)``,
+the one DCP call that makes the tensors itself; GB/s). Each round runs both libraries, alternating which goes first; the table holds the
 median over ``--rounds`` rounds, the range (min-max), and the median of the per-round ratios
 ftsdp/DCP. Every load is checked against the values saved (every saved tensor holds a pattern
 of its global element index). ``--out FILE`` writes the table into FILE's "First call"
@@ -46,6 +48,7 @@ ROWS = (  # (key, label, better when higher)
     ("async_total_s", "async save: until committed s", False),
     ("save_gbps", "sync save GB/s", True),
     ("load_gbps", "load {saved} -> {loaded} GB/s", True),
+    ("infer_gbps", "one-process load of everything (inference) GB/s", True),
 )
 
 
@@ -215,6 +218,7 @@ def save_rank(rank: int, world: int, cfg: dict[str, Any], lib: str, kind: str) -
         "cpu": _slowest(cpu),
         "total": total,
         "bytes": _nbytes(state),
+        "names": [name for name, _ in _leaves(state)],
     }
 
 
@@ -242,6 +246,37 @@ def load_rank(rank: int, world: int, cfg: dict[str, Any], lib: str) -> dict:
     return {"total": total, "bytes": _nbytes(state), "checked": _check(state)}
 
 
+def infer_rank(rank: int, world: int, cfg: dict[str, Any], lib: str, names: list[str]) -> dict:
+    """The first one-process load of everything in ``lib``'s sync save, in this fresh process,
+    which builds no model: the tensors come from the load. ``names``: the saved state's
+    ``_leaves`` names, in order (what ``_pattern`` was seeded with)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from ftsdp import storage
+
+    path = os.path.join(cfg["root"], f"{lib}-sync")
+    if cfg["cold"]:
+        from ftsdp.tools._bench_ranks import drop_cache
+
+        drop_cache(path)
+    t0 = time.perf_counter()
+    if lib == "dcp":
+        loaded = _load_state_dict_from_keys(checkpoint_id=path)
+    else:
+        loaded = storage.load_state_dict(path)
+    total = time.perf_counter() - t0
+    # ftsdp's keys are the nested names joined by "."; DCP gives the nested dict back
+    flat = loaded if lib == "ftsdp" else {name[1:]: t for name, t in _leaves(loaded)}
+    nbytes = 0
+    for i, name in enumerate(names):
+        t = flat[name[1:]]
+        if not torch.equal(t.reshape(-1), _pattern(i, 0, t.numel())):
+            raise AssertionError(f"{name}: the loaded values differ from the saved ones")
+        nbytes += t.numel() * t.element_size()
+    return {"total": total, "bytes": nbytes, "checked": len(names)}
+
+
 # -- the parent -------------------------------------------------------------------------------------
 
 
@@ -255,14 +290,17 @@ def run_round(cfg: dict[str, Any], order: tuple[str, ...], timeout: float) -> di
         a = run_ranks(f"{_HERE}:save_rank", cfg["world"], cfg, lib, "async", timeout=timeout)[0]
         s = run_ranks(f"{_HERE}:save_rank", cfg["world"], cfg, lib, "sync", timeout=timeout)[0]
         ld = run_ranks(f"{_HERE}:load_rank", cfg["load_world"], cfg, lib, timeout=timeout)[0]
+        inf = run_ranks(f"{_HERE}:infer_rank", 1, cfg, lib, s["names"], timeout=timeout)[0]
         out[lib] = {
             "async_blocking_s": a["blocking"],
             "async_cpu_s": a["cpu"],
             "async_total_s": a["total"],
             "save_gbps": s["bytes"] / s["total"] / 1e9,
             "load_gbps": ld["bytes"] / ld["total"] / 1e9,
+            "infer_gbps": inf["bytes"] / inf["total"] / 1e9,
             "bytes": s["bytes"],
             "checked": ld["checked"],
+            "infer_checked": inf["checked"],
         }
         shutil.rmtree(os.path.join(cfg["root"], f"{lib}-async"), ignore_errors=True)
     return out
