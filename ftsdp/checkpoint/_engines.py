@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ftsdp import storage
@@ -243,6 +244,24 @@ class TorchEngine(Engine):
         from torch.distributed.checkpoint import state_dict as dsd
 
         self._dsd = dsd
+        self._saved: tuple[int, dict[str, Any]] | None = None  # (generation, leaves to save)
+
+    def tensor_leaves(self) -> tuple[int, dict[str, Any], dict[str, dict[str, Any]], str]:
+        """As :meth:`Engine.tensor_leaves`; under DDP every rank but DDP's rank 0 saves none of
+        the buffers: DDP broadcasts rank 0's before each forward, while after a forward each
+        rank holds statistics of its own data (BatchNorm's), so rank 0's are the model's."""
+        generation, model, optim, groups = super().tensor_leaves()
+        if self.kind != "ddp" or not dist.is_initialized():
+            return generation, model, optim, groups
+        if dist.get_rank(getattr(self.model, "process_group", None)) == 0:
+            return generation, model, optim, groups
+        if self._saved is None or self._saved[0] != generation:
+            held = {
+                name: storage.FlatShard(tuple(model[name].shape), 0, model[name].reshape(-1)[:0])
+                for name in self.buffer_leaves(model)
+            }
+            self._saved = (generation, {**model, **held})
+        return generation, self._saved[1], optim, groups
 
     def _model_state(self) -> dict[str, Any]:
         state = self._dsd.get_model_state_dict(self.model)

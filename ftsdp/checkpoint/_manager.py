@@ -197,15 +197,19 @@ class CheckpointManager:
                 self.wait()
             return 0.0
         start = time.perf_counter()
-        if self._snapshots():
-            self._snapshot(step, trainer, durable=True, block=block)
-        else:
-            self._durable.save(  # waits for the previous save first, surfacing its error
-                self._state(trainer, self._durable),
-                step,
-                async_save=self.async_save and not block,
-                defer_copy=self.defer_copy and not block,
-            )
+        try:
+            if self._snapshots():
+                self._snapshot(step, trainer, durable=True, block=block)
+            else:
+                self._durable.save(  # waits for the previous save first, surfacing its error
+                    self._state(trainer, self._durable),
+                    step,
+                    async_save=self.async_save and not block,
+                    defer_copy=self.defer_copy and not block,
+                )
+        except BaseException:
+            self._forget_failed()
+            raise
         self._last_save = time.monotonic()
         self.last_saved_step = step
         return time.perf_counter() - start
@@ -287,10 +291,19 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the saves in flight commit; raise the durable one's error."""
-        if self._snap is not None and self._snap.on:
-            self._snap.wait()
-        for tier in reversed(self._tiers()):
-            tier.wait()
+        try:
+            if self._snap is not None and self._snap.on:
+                self._snap.wait()
+            for tier in reversed(self._tiers()):
+                tier.wait()
+        except BaseException:
+            self._forget_failed()
+            raise
+
+    def _forget_failed(self) -> None:
+        """A durable save failed (its error is being raised): a save of its step again is a new
+        save, not the no-op of saving the step saved last."""
+        self.last_saved_step = self._durable.newest
 
     def resume(self, trainer: dict[str, Any]) -> ResumeInfo | None:
         """Load the newest usable committed step of any tier at this world size; fill
@@ -303,10 +316,12 @@ class CheckpointManager:
         if candidates:
             had_state = {id(p) for p, entry in self.optimizer.state.items() if entry}
             cs.init_optimizer_state(self.optimizer)
-            loaded = self._load_newest(candidates, trainer)
-            if loaded is None:  # undo init_optimizer_state
-                for p in [p for p in self.optimizer.state if id(p) not in had_state]:
-                    del self.optimizer.state[p]
+            try:
+                loaded = self._load_newest(candidates, trainer)
+            finally:  # nothing loaded (or refused): undo init_optimizer_state
+                if loaded is None:
+                    for p in [p for p in self.optimizer.state if id(p) not in had_state]:
+                        del self.optimizer.state[p]
         if loaded is None:
             self.prepare(trainer)
             return None
@@ -331,13 +346,17 @@ class CheckpointManager:
         durable = [s for s, tier in candidates if tier is self._durable]
         skipped: list[tuple[int, str]] = []
         for i, (step, tier) in enumerate(candidates):
-            saved, foreign = tier.peek(step, durable)
-            if foreign is not None:
-                self._log(foreign)
+            peek = tier.peek(step, durable)
+            if peek.foreign is not None:
+                self._log(peek.foreign)
                 continue
             try:
                 target = self._state(trainer, tier, target=True)
-                stateless = _leave_out_stateless(target["optim"]["state"], saved)
+                if isinstance(peek.param_groups, str):  # before anything is loaded into place
+                    cs.check_param_groups(
+                        json.loads(peek.param_groups), json.loads(target["optim"]["param_groups"])
+                    )
+                stateless = _leave_out_stateless(target["optim"]["state"], peek.optim_names)
                 result, why = tier.load(target, step, self.load_options), None
             except Exception as e:  # still reach the agreement, or the other ranks would hang
                 why = e
@@ -415,23 +434,43 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the in-flight saves, raising the durable one's error; take the fence off and
-        clear the memory tier (collective, idempotent; a failed job skips it, for its restart)."""
+        clear the memory tier (collective, idempotent; a failed job skips it, for its restart).
+        A save after it copies the state before it returns (no fence is left to wait for a
+        deferred copy)."""
         try:
             self.wait()
         finally:
-            if self._fence is not None:
-                self._fence.remove()
-                self._fence = None
+            self._unfence()
             if self._snap is not None:
                 self._snap.close()
         for tier in self._tiers():
             tier.close()
 
+    def _unfence(self) -> None:
+        """Take the fence off the optimizer; saves from here on copy before they return."""
+        if self._fence is not None:
+            self._fence.remove()
+            self._fence = None
+        self.defer_copy = self._defer_snapshot = False
+
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """:meth:`close` when the block ended normally. Left by an exception, it does what a
+        crash does, for the restart: no wait (another rank may be gone), nothing cleared (the
+        memory tier's steps are the restart's), the persister left to end with this process;
+        only the fence comes off."""
+        if exc_type is None:
+            self.close()
+            return
+        self._unfence()
+        if self.in_flight():
+            self._log(
+                "ftsdp: leaving CheckpointManager on an exception with a save in flight: not "
+                "waited for (it commits only if this process lives on); the memory tier is kept "
+                "for the restart"
+            )
 
 
 def _leave_out_stateless(state: dict[str, dict[str, Any]], saved: set[str] | None) -> list[str]:

@@ -48,9 +48,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 group["lr"] = lr
 
 
-def restore_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, current: str) -> None:
-    """Set the saved hyper-parameters on the optimizer's groups (same parameter names)."""
-    saved, mine = json.loads(saved_json), json.loads(current)
+def check_param_groups(saved: list[dict[str, Any]], mine: list[dict[str, Any]]) -> None:
+    """Raise ``StateMismatchError`` unless the saved param groups (parsed JSON) name the same
+    parameters, group by group, as the optimizer's now."""
     if [g["params"] for g in saved] != [g["params"] for g in mine]:
         raise storage.StateMismatchError(
             "the optimizer's param groups hold other parameters than the checkpoint's: saved "
@@ -58,6 +58,12 @@ def restore_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, curr
             f"{[len(g['params']) for g in mine]}"
             + _first_difference([g["params"] for g in saved], [g["params"] for g in mine])
         )
+
+
+def restore_param_groups(optimizer: torch.optim.Optimizer, saved_json: str, current: str) -> None:
+    """Set the saved hyper-parameters on the optimizer's groups (same parameter names)."""
+    saved, mine = json.loads(saved_json), json.loads(current)
+    check_param_groups(saved, mine)
     for group, values in zip(optimizer.param_groups, saved, strict=True):
         for key, value in values.items():
             if key == "params" or key not in group:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -37,6 +37,14 @@ class Group:
     def agree(self, code: int) -> int:
         """The largest ``code`` of every rank."""
         return all_reduce_max([code], resolve_group(self.pg))[0]
+
+
+class Peek(NamedTuple):
+    """What a step's manifest says before it is loaded (``Tier.peek``)."""
+
+    optim_names: set[str] | None  # its ``optim.state.*`` names; None: the manifest is unreadable
+    param_groups: Any  # the optimizer's param groups as saved (JSON), when there are any
+    foreign: str | None  # why the step is not this run's; None: it is
 
 
 class Tier:
@@ -149,23 +157,25 @@ class Tier:
             f"listing the checkpoints under {self.url} failed on rank 0: {value}"
         )
 
-    def peek(self, step: int, durable: list[int]) -> tuple[set[str] | None, str | None]:
+    def peek(self, step: int, durable: list[int]) -> Peek:
         """From ``step``'s manifest, read by rank 0 (collective): its ``optim.state.*`` names
-        (None: unreadable, the load says why) and :meth:`foreign`'s answer."""
+        and its param groups (None: unreadable, the load says why), and :meth:`foreign`'s
+        answer."""
 
-        def peek() -> tuple[list[str] | None, str | None]:
+        def peek() -> tuple[list[str] | None, Any, str | None]:
             try:
                 m = storage.catalog.read_manifest(
                     self.url, step, storage_options=self.storage_options
                 )
             except Exception:
-                return None, None
+                return None, None, None
             found = {*m.tensors, *m.values, *(k for values in m.rank_values for k in values)}
             names = sorted(n for n in found if n.startswith("optim.state."))
-            return names, self.foreign(step, m.values, durable)
+            groups = m.values.get("optim.param_groups")
+            return names, groups, self.foreign(step, m.values, durable)
 
-        names, foreign = self.group.from_rank0(peek)
-        return (None if names is None else set(names)), foreign
+        names, groups, foreign = self.group.from_rank0(peek)
+        return Peek(None if names is None else set(names), groups, foreign)
 
     def load(self, target: dict[str, Any], step: int, options: Any) -> storage.LoadResult:
         """``storage.load`` of ``step`` into ``target`` (collective, all-or-nothing)."""

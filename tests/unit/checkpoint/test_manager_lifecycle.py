@@ -1,0 +1,157 @@
+"""CheckpointManager across its life: a save that failed and is tried again, a resume that is
+refused, a ``with`` block left by an exception, saves after ``close()``. Each checks what is on
+disk or in the live model against what the user was told."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+from ftsdp import storage
+from ftsdp.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+
+
+def _stepped(seed: int, groups: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and AdamW after one step; ``groups``: the 2-D weights in a group of their own."""
+    model = _net(seed)
+    if groups:
+        decay = [p for p in model.parameters() if p.ndim > 1]
+        rest = [p for p in model.parameters() if p.ndim <= 1]
+        params: list = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    else:
+        params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _values(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_a_step_whose_save_failed_is_saved_when_tried_again(
+    tmp_path: pathlib.Path, block: bool
+) -> None:
+    """The async save of step 1 fails (its root cannot be made: a file is in the way); the
+    user sees the error, clears the way and saves step 1 again: it is committed, with the
+    values of the retry."""
+    blocker = tmp_path / "disk"
+    root = blocker / "ckpt"
+    model, opt = _stepped(0)
+    ckpt = CheckpointManager(str(root), model, opt)
+    ckpt.resume({"step": 0})
+    blocker.write_text("in the way")
+    ckpt.save(1, {"step": 1})
+    with pytest.raises(OSError):
+        ckpt.wait()
+    blocker.unlink()
+    blocker.mkdir()
+    want = _values(model)
+    ckpt.save(1, {"step": 1}, block=block)
+    ckpt.close()
+    assert storage.list_steps(str(root)) == [1]
+    loaded = storage.load_state_dict(str(root))
+    for name, value in want.items():
+        assert torch.equal(loaded[f"model.{name}"], value), name
+
+
+def test_a_resume_refused_for_other_param_groups_changes_nothing(tmp_path: pathlib.Path) -> None:
+    """The same parameter names and shapes, split into other param groups: refused before
+    anything is loaded into the model, the optimizer or the trainer values."""
+    model, opt = _stepped(0)
+    with CheckpointManager(str(tmp_path), model, opt, async_save=False) as ckpt:
+        ckpt.resume({"step": 0})
+        ckpt.save(1, {"step": 1})
+    other, _ = _stepped(1)
+    decay = [p for p in other.parameters() if p.ndim > 1]
+    rest = [p for p in other.parameters() if p.ndim <= 1]
+    opt2 = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    before, trainer = _values(other), {"step": 0}
+    with pytest.raises(storage.StateMismatchError, match="param groups hold other parameters"):
+        CheckpointManager(str(tmp_path), other, opt2).resume(trainer)
+    after = _values(other)
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    assert trainer == {"step": 0}
+    assert not opt2.state  # no state created, none loaded
+
+
+def test_a_refused_resume_leaves_the_optimizer_as_it_was(tmp_path: pathlib.Path) -> None:
+    """A checkpoint of a narrower model is refused; the fresh optimizer the script then trains
+    from scratch takes the same step as one that never saw the checkpoint."""
+    model, opt = _stepped(0)
+    with CheckpointManager(str(tmp_path), model, opt, async_save=False) as ckpt:
+        ckpt.resume({"step": 0})
+        ckpt.save(1, {"step": 1})
+    wider = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 2))
+    opt2 = torch.optim.AdamW(wider.parameters(), lr=1e-2)
+    with pytest.raises(storage.StateMismatchError):
+        CheckpointManager(str(tmp_path), wider, opt2).resume({"step": 0})
+    assert not opt2.state
+
+
+def test_leaving_a_with_block_on_an_exception_keeps_the_memory_tier(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The documented contract: a failed run leaves the memory tier for its restart, which
+    resumes from its newest step; only close() at a normal end clears it."""
+    durable, memory = tmp_path / "ckpt", tmp_path / "mem"
+    model, opt = _stepped(0)
+    with (
+        pytest.raises(RuntimeError, match="the training loop failed"),
+        CheckpointManager(
+            str(durable), model, opt, every_steps=100, memory_url=str(memory), memory_every=1
+        ) as ckpt,
+    ):
+        ckpt.resume({"step": 0})
+        for step in (1, 2, 3):
+            ckpt.save_to_memory(step, {"step": step})
+        ckpt.wait()
+        raise RuntimeError("the training loop failed")
+    assert storage.list_steps(str(memory))[-1] == 3
+    want = _values(model)
+    restarted, opt2 = _stepped(1)
+    trainer = {"step": 0}
+    with CheckpointManager(
+        str(durable), restarted, opt2, every_steps=100, memory_url=str(memory), memory_every=1
+    ) as ckpt2:
+        info = ckpt2.resume(trainer)
+        assert info is not None and info.step == 3 and trainer == {"step": 3}
+        assert ckpt2.resumed_from == str(memory)
+        got = _values(restarted)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert storage.list_steps(str(memory)) == []  # a normal end clears it
+
+
+def test_a_save_after_close_holds_the_values_at_the_save(tmp_path: pathlib.Path) -> None:
+    """close() takes the fence off the optimizer, so a later save cannot defer its copy to the
+    next step: it copies before it returns, and an optimizer step right after it changes
+    nothing saved."""
+    model, opt = _stepped(0)
+    ckpt = CheckpointManager(str(tmp_path), model, opt)
+    ckpt.resume({"step": 0})
+    ckpt.save(1, {"step": 1})
+    ckpt.close()
+    for step in (2, 3, 4):
+        model(torch.randn(4, 8)).sum().backward()
+        want = _values(model)
+        ckpt.save(step, {"step": step})
+        opt.step()  # at once: no fence waits for a copy now
+        opt.zero_grad(set_to_none=True)
+        ckpt.wait()
+        saved = storage.load_state_dict(str(tmp_path), step)
+        assert all(torch.equal(saved[f"model.{k}"], v) for k, v in want.items()), step
+    ckpt.close()  # idempotent
+    assert storage.list_steps(str(tmp_path)) == [2, 3, 4]  # keep_last=3
