@@ -346,6 +346,13 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     if a.dtype == torch.bool or b.dtype == torch.bool:
         ne = a.to(torch.int8) != b.to(torch.int8)
         return int(ne.sum()), float(ne.any())
+    if not (a.is_floating_point() or a.is_complex() or b.is_floating_point() or b.is_complex()):
+        # integers exactly (float64 holds them only up to 2**53); the difference in float64
+        ne = a.to(torch.int64) != b.to(torch.int64)
+        if not bool(ne.any()):
+            return 0, 0.0
+        d = (a[ne].to(torch.float64) - b[ne].to(torch.float64)).abs()
+        return int(ne.sum()), max(float(d.max()), 1.0)  # they differ by 1 at least
     a64 = a.to(torch.complex128 if a.is_complex() else torch.float64)
     b64 = b.to(a64.dtype)
     same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))

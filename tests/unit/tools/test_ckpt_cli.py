@@ -504,3 +504,21 @@ def test_control_characters_in_names_are_escaped_in_text_and_exact_in_json(tmp_p
     assert [t["name"] for t in json.loads(out)["tensors"]] == [name]
     code, out, _ = _cli("verify", url, "--json")
     assert any(name in p for p in json.loads(out)["problems"])
+
+
+def test_diff_compares_integers_exactly(tmp_path: pathlib.Path) -> None:
+    """int64 values above 2**53 (counters, seeds, hashed ids) that differ by one are changed,
+    as torch.equal says; float64 would hold them as one number."""
+    url = str(tmp_path / "ck")
+    a = {"ids": torch.tensor([2**60, 7, -(2**62)]), "seed": torch.tensor(2**62)}
+    b = {"ids": torch.tensor([2**60 + 1, 7, -(2**62) - 3]), "seed": torch.tensor(2**62 + 100)}
+    storage.save(a, url, 1)
+    storage.save(b, url, 2)
+    rows = {r["name"]: r for r in storage.catalog.diff(url, 1, url, 2)["tensors"]}
+    for name in a:
+        assert not torch.equal(a[name], b[name])
+        assert rows[name]["status"] == "changed", rows[name]
+    assert rows["ids"]["changed"] == 2 and rows["seed"]["changed"] == 1
+    assert rows["ids"]["max_abs_diff"] >= 1
+    same = storage.catalog.diff(url, 2, url, 2)["tensors"]
+    assert {r["status"] for r in same} == {"same"}
