@@ -16,7 +16,12 @@ import torch
 from ftsdp.storage._options import IOOptions
 from ftsdp.storage.conversion._formats import SinkOptions, get_format, open_source
 from ftsdp.storage.conversion._interfaces import Feed, OutTensor, Source
-from ftsdp.storage.conversion._mesh import PlacementRules, check_mesh, parse_placements
+from ftsdp.storage.conversion._mesh import (
+    MAX_MESH_RANKS,
+    PlacementRules,
+    check_mesh,
+    parse_placements,
+)
 from ftsdp.storage.conversion._sinks import PENDING
 from ftsdp.storage.format._layout import HF_INDEX, HF_SHARD, HF_SINGLE
 from ftsdp.storage.io._fs import Store, is_plain_name
@@ -215,6 +220,8 @@ def convert(
             f"world_size={world_size} conflicts with --to {to}: only the ftsdp format has a world "
             "size (>= 1)"
         )
+    if world_size is not None and world_size > MAX_MESH_RANKS:
+        raise ValueError(f"world_size={world_size} is more than {MAX_MESH_RANKS} ranks")
     if mesh is not None:
         mesh = check_mesh(mesh)
         if to != "ftsdp" or world_size not in (None, math.prod(mesh)):

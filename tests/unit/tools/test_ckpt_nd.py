@@ -223,6 +223,7 @@ def test_reshard_to_a_mesh_as_dtensors_save(golden: str, tmp_path: pathlib.Path)
         (["--mesh", "2x2", "--placement", "*=S0"], "gives 1 placements for the 2 dims"),
         (["--mesh", "2x2", "--placement", "model.bias=S1,R"], "'model.bias' (1 dims) cannot"),
         (["--mesh", "2x0"], "mesh '2x0' must be mesh dim sizes >= 1"),
+        (["--world-size", "1000000000"], "world_size=1000000000 is more than 1048576 ranks"),
         (["--mesh", "2x2", "--placement", "*=S0,P"], "must be PATTERN=SPEC"),
         (["--mesh", "2", "--world-size", "2"], "not allowed with argument"),
         (["--to", "hf", "--mesh", "2"], "--mesh applies to --to ftsdp only, not hf"),
