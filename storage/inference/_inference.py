@@ -185,6 +185,9 @@ class LoadIntoResult:
     staged_bytes: int = 0  # staging held on top of the module's tensors
 
 
+_EXTRA_STATE = "_extra_state"  # the state_dict key of a module's get_extra_state()
+
+
 def load_into(
     module: torch.nn.Module,
     url: str,
@@ -199,7 +202,9 @@ def load_into(
     options: LoadOptions | None = None,
     trust_pickle: bool = False,
 ) -> LoadIntoResult:
-    """Fill ``module``'s parameters and persistent buffers from checkpoint names ``prefix + key``.
+    """Fill ``module``'s parameters and persistent buffers from checkpoint names ``prefix + key``;
+    a submodule's extra state saved under its ``..._extra_state`` name (a tensor, or a value of
+    an ftsdp checkpoint) is handed to its ``set_extra_state``, as ``Module.load_state_dict`` does.
 
     A meta module gets new tensors on ``device`` (default: cpu); a real one is filled in place (or
     moved to ``device`` / cast to ``dtype`` when given). ``dtype`` applies to the tensors of its
@@ -216,14 +221,20 @@ def load_into(
     ) as source:
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
+        extra: list[str] = []  # keys of modules' extra state (get_extra_state)
         for key, t in module.state_dict(keep_vars=True).items():
+            if key.rpartition(".")[2] == _EXTRA_STATE:
+                extra.append(key)
+                continue
             groups.setdefault(id(t), []).append(key)
             tensors[id(t)] = t
         saved = {n[len(prefix) :] for n in source.tensors if n.startswith(prefix)}
+        extra_saved = [k for k in extra if k in saved or prefix + k in source.values]
         missing = sorted(
-            k for keys in groups.values() if not saved.intersection(keys) for k in keys
+            [k for keys in groups.values() if not saved.intersection(keys) for k in keys]
+            + [k for k in extra if k not in extra_saved]
         )
-        unexpected = sorted(saved - {k for keys in groups.values() for k in keys})
+        unexpected = sorted(saved - {k for keys in groups.values() for k in keys} - set(extra))
         plan: list[tuple[int, str, torch.dtype, torch.dtype, bool]] = []  # tid, name, the cast
         bad = []
         for tid, keys in groups.items():
@@ -244,6 +255,15 @@ def load_into(
         _check_casts(f"checkpoint {url} (prefix {prefix!r})", [p[1:] for p in plan])
         # Phase one reads and verifies; nothing of the module is written.
         reads: list[tuple[str, torch.Tensor | None]] = []  # new tensors: the result
+        extra_states: list[tuple[str, Any]] = []  # (module key, its saved extra state)
+        for key in extra_saved:
+            if key in saved:  # a tensor, read like the others
+                info = source.tensors[prefix + key]
+                state = torch.empty(info.shape, dtype=info.dtype, device=device or "cpu")
+                reads.append((prefix + key, state))
+                extra_states.append((key, state))
+            else:
+                extra_states.append((key, source.values[prefix + key]))
         replace: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
         in_place: list[tuple[str, torch.Tensor, torch.dtype]] = []  # (name, tensor, staging dtype)
         for tid, name, saved_dtype, want_dtype, _ in plan:
@@ -281,6 +301,8 @@ def load_into(
                 else:  # exceptions have no notes before Python 3.11: the log says it
                     logger.error(note)
                 raise
+        for key, state in extra_states:  # as Module.load_state_dict hands it back
+            module.get_submodule(key.rpartition(".")[0]).set_extra_state(state)
         for keys, old, new in replace:
             value = new
             if isinstance(old, torch.nn.Parameter):

@@ -234,3 +234,44 @@ def test_fill_ranges_reads_only_the_bytes_asked_for(
     assert torch.equal(a, ref.emb.weight.detach().reshape(-1)[10:40])
     assert torch.equal(b, ref.proj.weight.detach().reshape(-1)[5:12])
     assert sum(seen) == 37 * 4, seen
+
+
+class _Scaled(nn.Linear):
+    """A module with extra state (fp8 modules keep their scales so): a tensor or a value."""
+
+    def __init__(self, extra: Any) -> None:
+        super().__init__(4, 3)
+        self.extra = extra
+
+    def get_extra_state(self) -> Any:  # made anew at each call, as fp8 modules serialize
+        return self.extra.clone() if isinstance(self.extra, torch.Tensor) else list(self.extra)
+
+    def set_extra_state(self, state: Any) -> None:
+        self.extra = state
+
+
+@pytest.mark.parametrize("kind", ["tensor", "value"])
+def test_load_into_hands_extra_state_to_set_extra_state(tmp_path: pathlib.Path, kind: str) -> None:
+    """As ``Module.load_state_dict`` does: the saved extra state reaches ``set_extra_state``
+    (it was copied into the throwaway tensor ``state_dict()`` returned, and reported loaded)."""
+    torch.manual_seed(0)
+    saved_extra = torch.tensor([7.0, 8.0]) if kind == "tensor" else [2.5, "e4m3"]
+    src = nn.Sequential(_Scaled(saved_extra), nn.ReLU())
+    url = str(tmp_path / "ck")
+    state = src.state_dict()
+    if kind == "value":  # a non-tensor is a JSON value of an ftsdp checkpoint
+        state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        state["0._extra_state"] = [2.5, "e4m3"]
+    storage.save(state, url, 1)
+    dst = nn.Sequential(_Scaled(torch.zeros(2) if kind == "tensor" else [0.0, ""]), nn.ReLU())
+    result = storage.load_into(dst, url)
+    assert result.missing == [] and result.unexpected == []
+    assert torch.equal(dst[0].weight, src[0].weight)
+    if kind == "tensor":
+        assert torch.equal(dst[0].extra, saved_extra)
+    else:
+        assert dst[0].extra == [2.5, "e4m3"]
+    bare = nn.Sequential(_Scaled([]), nn.ReLU())
+    storage.save({k: v for k, v in src.state_dict().items() if "extra" not in k}, url, 2)
+    with pytest.raises(storage.StateMismatchError, match=r"missing=\['0._extra_state'\]"):
+        storage.load_into(bare, url)  # strict: an extra state the checkpoint lacks is missing
