@@ -11,7 +11,9 @@ import math
 import os
 import re
 import shutil
+import socket
 import tempfile
+import uuid
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
@@ -149,30 +151,72 @@ class FtsdpSink(Sink):
 
 
 PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)
+
+
+def _running_here(host: Any, pid: Any) -> bool:
+    """Whether process ``pid`` of ``host`` is another process running on this machine."""
+    if host != socket.gethostname() or type(pid) is not int or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
 DCP_ITEM = re.compile(r"__\d+_\d+\.distcp")  # what our DCP writer names its files
 
 
 class Pending:
-    """A folder sink's record of its write in progress; only names ``scheme`` matches count."""
+    """A folder sink's record of its write in progress; only names ``scheme`` matches count.
+    The record names its writer (a token, the host and the process): a record of a process
+    still running on this host is a live write, not an interrupted one, and a write whose
+    record another writer took over does not commit."""
 
     def __init__(self, store: Store, scheme: re.Pattern) -> None:
         self.store, self.scheme = store, scheme
         self.leftovers: list[str] = []
         self.recorded = False
+        self.token = uuid.uuid4().hex
 
-    def _earlier(self) -> list[str] | None:
-        """The files an interrupted write recorded; None when the record is not ours."""
+    def _record(self) -> dict[str, Any] | None:
+        """The record there ({} when there is none; None when it is not one of ours)."""
         try:
             record = json.loads(self.store.read_bounded(PENDING, MAX_MANIFEST_BYTES))
         except FileNotFoundError:
-            return []
+            return {}
         except ValueError:
             return None
         files = record.get("files") if isinstance(record, dict) else None
-        if not isinstance(files, list):
-            return None
+        return record if isinstance(files, list) else None
+
+    def _earlier(self) -> list[str] | None:
+        """The files an interrupted write recorded; None when the record is not ours.
+        FileExistsError when the write that recorded them is running on this host."""
+        record = self._record()
+        if not record:
+            return None if record is None else []
+        owner = record.get("owner")
+        if isinstance(owner, dict) and _running_here(owner.get("host"), owner.get("pid")):
+            raise FileExistsError(
+                f"{self.store.url}: another write into it is running (process {owner['pid']} on "
+                "this machine); wait for it to end, or give another destination"
+            )
         self.recorded = True
-        return [f for f in files if is_plain_name(f) and self.scheme.fullmatch(f)]
+        return [f for f in record["files"] if is_plain_name(f) and self.scheme.fullmatch(f)]
+
+    def check(self) -> None:
+        """Before the commit: CheckpointError when another write took the record over (its
+        files then replace this write's: this one must not commit over them)."""
+        if not self.recorded:
+            return
+        record = self._record()
+        owner = (record or {}).get("owner")
+        if not isinstance(owner, dict) or owner.get("token") != self.token:
+            raise CheckpointError(
+                f"{self.store.url}: another write into it started while this one ran and took "
+                "it over; this one stops before its commit (the other's result is the one kept)"
+            )
 
     def claim(self, names: list[str], overwrite: bool, record: bool = True) -> None:
         """Before writing the files ``names``: FileExistsError for one that exists and is not
@@ -192,7 +236,8 @@ class Pending:
         self.leftovers = [n for n in earlier if n not in names and n in listing]
         if record:
             files = sorted(set(names) | set(earlier))
-            self.store.write_bytes(PENDING, json.dumps({"files": files}).encode())
+            owner = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid()}
+            self.store.write_bytes(PENDING, json.dumps({"files": files, "owner": owner}).encode())
             self.recorded = True
 
     def release(self) -> None:
@@ -293,6 +338,7 @@ class HfSink(Sink):
                 "metadata": {"total_size": sum(t.nbytes for t in infos)},
                 "weight_map": {t.name: names[i] for i, shard in enumerate(shards) for t in shard},
             }
+            pending.check()
             self.store.write_bytes(HF_INDEX, json.dumps(index, indent=2, sort_keys=True).encode())
         pending.release()
         written = names if n == 1 else [HF_INDEX, *names]

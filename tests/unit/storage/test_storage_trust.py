@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import pickle
+import socket
 import warnings
 import zipfile
 from typing import Any
@@ -377,6 +378,53 @@ def test_an_interrupted_write_is_finished_and_its_leftovers_removed(
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
     ]
+
+
+def test_a_write_still_running_into_the_folder_is_not_taken_for_an_interrupted_one(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two conversions into one folder: the record of a process still running on this host
+    makes the second refuse (it would delete the first one's files as leftovers); once that
+    process is gone the record is an interrupted write's. A write whose record another write
+    took over does not write its index over the other's files."""
+    import subprocess
+    import sys
+
+    from ftsdp.storage.conversion._interfaces import Feed
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    storage.save({n: torch.full((4,), float(i)) for i, n in enumerate("abc")}, str(src), step=3)
+    record = dst / ".ftsdp-writing.json"
+    dst.mkdir()
+    (dst / "model-00001-of-00003.safetensors").write_bytes(b"the other write's shard")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = {"token": "other", "host": socket.gethostname(), "pid": other.pid}
+        files = ["model-00001-of-00003.safetensors"]
+        record.write_text(json.dumps({"files": files, "owner": owner}))
+        with pytest.raises(FileExistsError, match=f"process {other.pid} on this machine"):
+            storage.conversion.convert(str(src), str(dst), to="hf", max_shard_bytes=40)
+        assert (dst / files[0]).read_bytes() == b"the other write's shard"
+    finally:
+        other.kill()
+        other.wait()
+    storage.conversion.convert(str(src), str(dst), to="hf", max_shard_bytes=40)  # gone: taken over
+    assert not record.exists() and not (dst / files[0]).exists()
+
+    real = Feed.stream
+    taken = tmp_path / "taken"
+
+    def taken_over(self: Any, requests: Any) -> Any:
+        if taken.is_dir() and (taken / ".ftsdp-writing.json").exists():
+            rec = json.loads((taken / ".ftsdp-writing.json").read_text())
+            rec["owner"]["token"] = "another writer"
+            (taken / ".ftsdp-writing.json").write_text(json.dumps(rec))
+        yield from real(self, requests)
+
+    monkeypatch.setattr(Feed, "stream", taken_over)
+    with pytest.raises(storage.CheckpointError, match="took it over"):
+        storage.conversion.convert(str(src), str(taken), to="hf", max_shard_bytes=40)
+    assert not (taken / "model.safetensors.index.json").exists()
 
 
 # -- 6. every pointer stays inside its checkpoint -------------------------------------------------
