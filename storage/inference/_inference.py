@@ -157,10 +157,14 @@ def load_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Whole tensors ``{dotted name: tensor}`` of a checkpoint of any format, in one process.
 
-    ``step`` picks an ftsdp step (newest by default); only ``keys`` are read (``KeyError`` for an
-    unknown one); ``dtype`` casts the tensors of its kind, the others keep their saved dtype;
-    tensors are created on ``device``.
+    ``step`` picks an ftsdp step (newest by default); only ``keys`` are read (one name or
+    several; ``KeyError`` for an unknown one); ``dtype`` casts the tensors of its kind, the
+    others keep their saved dtype; tensors are created on ``device``.
     """
+    if isinstance(keys, str):  # one name, not its characters
+        keys = [keys]
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or None")
     with closing(
         open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
     ) as source:

@@ -78,6 +78,10 @@ def test_load_state_dict_reads_only_requested(
     assert half["model.emb.weight"].dtype == torch.bfloat16
     with pytest.raises(KeyError, match=r"no tensor\(s\) \['model.nope'\]"):
         storage.load_state_dict(url, keys=["model.nope"])
+    one = storage.load_state_dict(url, keys="model.scale")  # one name, not its characters
+    assert list(one) == ["model.scale"] and torch.equal(one["model.scale"], got["model.scale"])
+    with pytest.raises(TypeError, match="must be a torch.dtype"):
+        storage.load_state_dict(url, dtype="bfloat16")  # type: ignore[arg-type]
 
 
 def test_load_into_meta_module_keeps_ties_and_flags(tmp_path: pathlib.Path) -> None:
