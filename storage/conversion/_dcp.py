@@ -60,6 +60,7 @@ from ftsdp.storage._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
 from ftsdp.storage._options import MAX_MANIFEST_BYTES
@@ -432,12 +433,42 @@ class DcpSource(Source):
             cause = _unwrap(e)
             if not isinstance(cause, Exception):
                 raise cause from None
+            if isinstance(cause, OSError) and (incomplete := self._incomplete()) is not None:
+                raise incomplete from None
             raise CorruptCheckpointError(
                 f"DCP checkpoint {self.url}: read failed ({cause})"
             ) from None
 
+    def _incomplete(self) -> IncompleteCheckpointError | None:
+        """IncompleteCheckpointError naming the first item file that ``.metadata`` lists and
+        that is missing or ends before the items it holds (what a short read met, as a missing
+        or short object of an ftsdp step); None when every one is whole."""
+        ends: dict[str, int] = {}  # each item file -> the end of its last item
+        for info in self._meta.storage_data.values():
+            end = info.offset + info.length
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+        listing = self.store.listdir()
+        for path, end in sorted(ends.items()):
+            where = f"DCP checkpoint {self.url}: item file {path!r}"
+            if path not in listing:
+                return IncompleteCheckpointError(
+                    f"{where}, listed in .metadata, is missing: an interrupted or partial copy; "
+                    "copy the checkpoint again"
+                )
+            if listing[path][1] < end:
+                return IncompleteCheckpointError(
+                    f"{where} has {listing[path][1]} bytes, .metadata lists items up to byte "
+                    f"{end}: it is truncated (an interrupted or partial copy); copy the "
+                    "checkpoint again"
+                )
+        return None
+
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
-        """(flat offset, length, file, byte offset) of each saved row block; None if not all are."""
+        """(flat offset, length, file, byte offset) of each saved row block; None if not all are.
+        A block is read as raw bytes only when its item holds a tensor of exactly the chunk's
+        shape and of the dtype ``.metadata`` gives: DCP's own reader loads an item whole and
+        casts it into a tensor of the metadata's dtype (``copy_``), which a planner that
+        converts what it writes relies on, so another item is read that way (None) too."""
         if name in self._layouts:
             return self._layouts[name]
         self._layouts[name] = None
@@ -462,8 +493,15 @@ class DcpSource(Source):
                 except Exception as e:  # the unpickler's and zip reader's errors are many
                     raise CorruptCheckpointError(f"{where} cannot be read: {e}") from None
                 numel = math.prod(c.sizes)
-                if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() != numel:
+                if (
+                    not isinstance(t, torch.Tensor)
+                    or not t.is_contiguous()
+                    or tuple(t.shape) != tuple(c.sizes)
+                    or t.dtype != md.properties.dtype
+                ):
                     return None
+                # t has the metadata's dtype: its bytes, read with the metadata's item size,
+                # lie inside the item's storage record
                 check_torch_storages(f, info.length, [(name, t)], where)
             base = t.untyped_storage()._checkpoint_offset
             assert base is not None, name  # check_torch_storages found its record
@@ -494,6 +532,20 @@ class DcpSource(Source):
         self._cache = {n: t.view(-1) for n, t in state.items()}
 
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """See ``Source.read_into``; IncompleteCheckpointError when a read meets a missing or
+        truncated item file."""
+        try:
+            self._read_into(requests)
+        except CheckpointError:
+            raise
+        except OSError:
+            incomplete = self._incomplete()
+            if incomplete is None:
+                raise
+            raise incomplete from None
+
+    def _read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """``read_into``: row blocks of plain items as flat ranges, other tensors through DCP."""
         for name, offset, out in requests:
             layout = self._layout(name)
             if layout is None:

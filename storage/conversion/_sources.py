@@ -62,6 +62,33 @@ def check_torch_storages(
             )
 
 
+def _holding_tensors(obj: dict) -> set[int]:
+    """The ids of the containers (dicts, lists, tuples) in ``obj`` that hold a tensor at some
+    depth, each walked once (an unpickled structure may share or loop its containers; no
+    recursion: it may nest arbitrarily deep, and a tensor however deep is then refused by
+    ``TorchSource._walk``, not dropped with its list)."""
+    holders: set[int] = set()
+    seen = {id(obj)}
+    stack: list[tuple[object, Iterator]] = [(obj, iter(obj.values()))]
+    while stack:
+        for child in stack[-1][1]:
+            container = isinstance(child, (dict, list, tuple))
+            if container and id(child) not in holders:
+                if id(child) in seen:
+                    continue  # walked (held no tensor), or a loop back to what holds it
+                seen.add(id(child))
+                stack.append((child, iter(child.values() if isinstance(child, dict) else child)))
+                break
+            if container or isinstance(child, torch.Tensor):  # a tensor, or what holds one
+                for held, _ in reversed(stack):  # the container and those holding it
+                    if id(held) in holders:
+                        break  # so are those below it
+                    holders.add(id(held))
+        else:
+            stack.pop()  # every child seen
+    return holders
+
+
 class FtsdpSource(Source):
     """One committed step (``step``; None: the newest) of an ftsdp checkpoint root."""
 
@@ -112,6 +139,7 @@ class HfSource(Source):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         url = store.url
+        index_map: dict[str, str] = {}  # an index's weight_map: each name in its named shard
         if url.endswith(".safetensors") and store.isfile():
             files = [""]  # the store is rooted at the file itself
         elif store.exists(HF_INDEX):
@@ -128,12 +156,19 @@ class HfSource(Source):
                     f"{where}: not a valid index (its weight_map must map tensor names to file "
                     f"names, got {show(weight_map)})"
                 )
-            files = sorted(set(weight_map.values()))
+            index_map, files = weight_map, sorted(set(weight_map.values()))
             outside = [f for f in files if not is_plain_name(f)]
             if outside:
                 raise CorruptCheckpointError(
                     f"{url}/{HF_INDEX} lists {outside}: not plain file names in the checkpoint's "
                     "folder; refusing to read outside it"
+                )
+            listing = store.listdir()
+            missing = [f for f in files if f not in listing]
+            if missing:  # as a manifest's missing object: the copy is incomplete
+                raise IncompleteCheckpointError(
+                    f"{url}/{HF_INDEX} lists shard(s) {missing}, missing from {url}: an "
+                    "interrupted or partial copy; copy the checkpoint again"
                 )
         elif store.exists(HF_SINGLE):  # the checkpoint, whatever else lies beside it
             files = [HF_SINGLE]
@@ -146,6 +181,7 @@ class HfSource(Source):
         if not files:
             raise CheckpointNotFoundError(f"no .safetensors file at {url}")
         self._where: dict[str, tuple[str, int, int]] = {}  # name -> (file, data start, byte start)
+        held: dict[str, str] = {}  # every name in a header (dtype supported or not) -> its file
         for file in files:
             header, base = read_header(store, file)
             meta = header.pop("__metadata__", None) or {}  # read_header checked: str -> str
@@ -159,6 +195,7 @@ class HfSource(Source):
                 for name, value in values.items():
                     self.keep_value(name, value)
             for name, entry in header.items():  # read_header checked each entry's types
+                held.setdefault(name, file)
                 if entry["dtype"] not in BY_SAFETENSORS_CODE:
                     self.dropped.append(f"{name} (safetensors dtype {entry['dtype']} unsupported)")
                     continue
@@ -174,6 +211,21 @@ class HfSource(Source):
                     raise CorruptCheckpointError(f"tensor {name!r} appears in two files of {url}")
                 self.tensors[name] = info
                 self._where[name] = (file, base, start)
+        self._check_index(index_map, held)
+
+    def _check_index(self, weight_map: dict[str, str], held: dict[str, str]) -> None:
+        """CorruptCheckpointError unless every tensor the index's ``weight_map`` names is in the
+        shard it names (``held``: each tensor's file): a shard replaced by another file, or an
+        edited index, would otherwise load fewer tensors than the index lists."""
+        wrong = [(n, f) for n, f in sorted(weight_map.items()) if held.get(n) != f]
+        if wrong:
+            name, file = wrong[0]
+            found = f"it is in {held[name]!r}" if name in held else "no shard it lists holds it"
+            raise CorruptCheckpointError(
+                f"{self.url}/{HF_INDEX} puts tensor {name!r} in {file!r}, but {found} "
+                f"({len(wrong)} tensor(s) of the index disagree with its shards: a shard replaced "
+                "by another file, or an edited index); copy or export the checkpoint again"
+            )
 
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         for name, offset, out in requests:
@@ -212,23 +264,20 @@ class TorchSource(Source):
 
     def _walk(self, obj: dict, url: str) -> None:
         """Flatten ``obj`` into tensors and JSON values, one container at a time (no recursion:
-        an unpickled structure may nest arbitrarily deep); CorruptCheckpointError past
-        MAX_JSON_DEPTH levels, which no manifest could hold."""
+        an unpickled structure may nest arbitrarily deep): into every dict, and into every list
+        or tuple holding a tensor at some depth (``layers.0.w``, as ``storage.save`` and DCP
+        name them; another is one value); CorruptCheckpointError past MAX_JSON_DEPTH levels,
+        which no manifest could hold, or when two entries flatten to one name."""
+        holders = _holding_tensors(obj)
+        names: set[str] = set()  # every flat name given (a tensor, a value, or dropped)
         # (prefix, its items not yet seen): depth first, in the order the recursion had
         stack: list[tuple[str, Iterator]] = [("", iter(obj.items()))]
         while stack:
             prefix, items = stack[-1]
             for key, value in items:
                 name = f"{prefix}.{key}" if prefix else str(key)
-                if isinstance(value, torch.Tensor):
-                    if value.dtype not in BY_SAFETENSORS_CODE.values():
-                        self.dropped.append(f"{name} (dtype {value.dtype} unsupported)")
-                        continue
-                    self._meta[name] = value
-                    self.tensors[name] = TensorInfo(name, tuple(value.shape), value.dtype)
-                elif isinstance(value, dict) or (
-                    isinstance(value, (list, tuple))
-                    and any(isinstance(v, torch.Tensor) for v in value)
+                if isinstance(value, dict) or (
+                    isinstance(value, (list, tuple)) and id(value) in holders
                 ):
                     if len(stack) >= MAX_JSON_DEPTH:
                         raise CorruptCheckpointError(
@@ -238,6 +287,19 @@ class TorchSource(Source):
                     children = value.items() if isinstance(value, dict) else enumerate(value)
                     stack.append((name, iter(children)))
                     break
+                if name in names:
+                    raise CorruptCheckpointError(
+                        f"torch file {url}: two entries flatten to the same name {show(name)} "
+                        "(a dotted key beside nested ones, e.g. 'a.b' and 'a': {'b': ...}); "
+                        "rename one of them and save the file again"
+                    )
+                names.add(name)
+                if isinstance(value, torch.Tensor):
+                    if value.dtype not in BY_SAFETENSORS_CODE.values():
+                        self.dropped.append(f"{name} (dtype {value.dtype} unsupported)")
+                        continue
+                    self._meta[name] = value
+                    self.tensors[name] = TensorInfo(name, tuple(value.shape), value.dtype)
                 else:
                     self.keep_value(name, value)
             else:
