@@ -164,6 +164,8 @@ def _running_here(host: Any, pid: Any) -> bool:
     except PermissionError:  # another user's process: running
         return True
     return True
+
+
 DCP_ITEM = re.compile(r"__\d+_\d+\.distcp")  # what our DCP writer names its files
 
 
