@@ -207,7 +207,7 @@ class CheckpointManager:
                     async_save=self.async_save and not block,
                     defer_copy=self.defer_copy and not block,
                 )
-        except BaseException:
+        except Exception:
             self._forget_failed()
             raise
         self._last_save = time.monotonic()
@@ -296,13 +296,14 @@ class CheckpointManager:
                 self._snap.wait()
             for tier in reversed(self._tiers()):
                 tier.wait()
-        except BaseException:
+        except Exception:
             self._forget_failed()
             raise
 
     def _forget_failed(self) -> None:
         """A durable save failed (its error is being raised): a save of its step again is a new
-        save, not the no-op of saving the step saved last."""
+        save, not the no-op of saving the step saved last. (An interrupt while waiting is not a
+        failure: that save may still commit.)"""
         self.last_saved_step = self._durable.newest
 
     def resume(self, trainer: dict[str, Any]) -> ResumeInfo | None:
