@@ -226,7 +226,11 @@ class CheckpointManager:
         assert self._memory is not None
         start = time.perf_counter()
         if self._snapshots():
-            self._snapshot(step, trainer, durable=False)
+            try:  # raises an earlier durable save's failure
+                self._snapshot(step, trainer, durable=False)
+            except Exception:
+                self._forget_failed()
+                raise
         else:
             self._memory.save(self._state(trainer, self._memory), step, defer_copy=self.defer_copy)
             self.last_memory_step = step
@@ -303,8 +307,10 @@ class CheckpointManager:
     def _forget_failed(self) -> None:
         """A durable save failed (its error is being raised): a save of its step again is a new
         save, not the no-op of saving the step saved last. (An interrupt while waiting is not a
-        failure: that save may still commit.)"""
-        self.last_saved_step = self._durable.newest
+        failure: that save may still commit; nor is an error raised while a save is still in
+        flight, before it was waited for: that save may commit too.)"""
+        if not self.in_flight():
+            self.last_saved_step = self._durable.newest
 
     def resume(self, trainer: dict[str, Any]) -> ResumeInfo | None:
         """Load the newest usable committed step of any tier at this world size; fill
@@ -316,13 +322,17 @@ class CheckpointManager:
         loaded = None
         if candidates:
             had_state = {id(p) for p, entry in self.optimizer.state.items() if entry}
+            kept = self._state_it_steps(had_state)
             cs.init_optimizer_state(self.optimizer)
             try:
                 loaded = self._load_newest(candidates, trainer)
             finally:  # nothing loaded (or refused): undo init_optimizer_state
                 if loaded is None:
-                    for p in [p for p in self.optimizer.state if id(p) not in had_state]:
-                        del self.optimizer.state[p]
+                    for p in list(self.optimizer.state):
+                        if id(p) not in had_state:
+                            del self.optimizer.state[p]
+                        elif id(p) in kept:
+                            self.optimizer.state[p] = kept[id(p)]
         if loaded is None:
             self.prepare(trainer)
             return None
@@ -333,6 +343,19 @@ class CheckpointManager:
         return ResumeInfo(
             loaded.step, loaded.saved_world_size, seconds, loaded.skipped, rng_restored
         )
+
+    def _state_it_steps(self, had_state: set[int]) -> dict[int, dict[str, Any]]:
+        """Copies of the state ``init_optimizer_state`` is about to step (lr 0: Adam's moments
+        and step still move): the parameters with state, when some other has none (else it
+        steps nothing)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if not had_state or all(id(p) in had_state for p in params):
+            return {}
+        return {
+            id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for p, entry in self.optimizer.state.items()
+            if id(p) in had_state
+        }
 
     def _candidates(self) -> list[tuple[int, Tier]]:
         """Every tier's committed steps, newest first, memory first at equal steps (collective)."""
@@ -460,12 +483,12 @@ class CheckpointManager:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         """:meth:`close` when the block ended normally. Left by an exception, it does what a
         crash does, for the restart: no wait (another rank may be gone), nothing cleared (the
-        memory tier's steps are the restart's), the persister left to end with this process;
-        only the fence comes off."""
+        memory tier's steps are the restart's), the persister left to end with this process.
+        The fence stays (it waits only for this rank's own copy), so an optimizer stepped after
+        a caught exception cannot change what a deferred save has still to copy."""
         if exc_type is None:
             self.close()
             return
-        self._unfence()
         if self.in_flight():
             self._log(
                 "ftsdp: leaving CheckpointManager on an exception with a save in flight: not "

@@ -74,6 +74,7 @@ class Snapshots:
         self.protect: int | None = None  # the slot of the newest memory snapshot
         self.last_slot = 1
         self.errors: list[str] = []  # durable saves that failed, raised at the next save
+        self.discarding: int | None = None  # the durable step sent to discard the newer ones
         self.newest: dict[str, int] = {}  # "durable" / "memory" -> newest committed step
 
     # -- starting -----------------------------------------------------------------------------
@@ -266,6 +267,8 @@ class Snapshots:
                 self.durable.newest = self.newest["durable"]
             else:
                 self.errors.append(f"saving step {step} to {self.durable.url}: {msg['durable']}")
+                if step == self.discarding:  # the newer steps are still there
+                    self.durable.discard_newer = True
         if memory:
             if msg["memory"] is None:
                 self.newest["memory"] = step
@@ -284,6 +287,8 @@ class Snapshots:
             for step, durable, _ in self.busy.values():
                 if durable:
                     self.errors.append(f"the snapshot persister died before committing step {step}")
+                    if step == self.discarding:  # the newer steps are still there
+                        self.durable.discard_newer = True
             self.busy.clear()
 
     # -- saving -------------------------------------------------------------------------------
@@ -354,8 +359,8 @@ class Snapshots:
             "discard_newer": self.durable.discard_newer,
         }
         self.busy[slot], self.last_slot = (step, durable, memory), slot
-        if durable:
-            self.durable.discard_newer = False
+        if durable and self.durable.discard_newer:  # once, unless this save fails (_done)
+            self.durable.discard_newer, self.discarding = False, step
         if memory:
             self.protect = slot
         plan = self._plan(slot, leaves)
@@ -427,6 +432,8 @@ class Snapshots:
     def _restart(self) -> None:
         """Every rank (collective): the persister is gone; rank 0 starts another."""
         lost = sorted(step for step, durable, _ in self.busy.values() if durable)
+        if self.discarding in lost:  # the newer steps are still there
+            self.durable.discard_newer = True
         self.busy.clear()
         if self.conn is not None:
             self.conn.close()

@@ -69,6 +69,7 @@ class Tier:
         self.storage_options, self.options = storage_options, options
         self.pending: storage.SaveHandle | None = None  # kept even when done: errors surface
         self.discard_newer = False  # the next save starts a new timeline here
+        self._discarding = False  # the save in flight was to discard the newer steps
         self.newest: int | None = None  # the newest step known to be committed here
 
     def values(self) -> dict[str, Any]:
@@ -93,16 +94,19 @@ class Tier:
             self.pending = save(state, self.url, step, options=options, **self._where(), **kw)
         except storage.CheckpointError as e:
             self._failed(e)
-        self.discard_newer = False  # once: after this save the newer steps are gone
+        # once: after this save the newer steps are gone (unless it fails: wait())
+        self._discarding, self.discard_newer = self.discard_newer, False
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error (a cache logs it)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
+        discarding, self._discarding = self._discarding, False
         try:
             pending.wait()
         except Exception as e:
+            self.discard_newer = self.discard_newer or discarding  # the newer steps are still there
             self._failed(e)
         else:
             self.newest = pending.step

@@ -88,18 +88,62 @@ def test_a_resume_refused_for_other_param_groups_changes_nothing(tmp_path: pathl
     assert not opt2.state  # no state created, none loaded
 
 
-def test_a_refused_resume_leaves_the_optimizer_as_it_was(tmp_path: pathlib.Path) -> None:
-    """A checkpoint of a narrower model is refused; the fresh optimizer the script then trains
-    from scratch takes the same step as one that never saw the checkpoint."""
+@pytest.mark.parametrize("state", ["none", "some"])
+def test_a_refused_resume_leaves_the_optimizer_as_it_was(
+    tmp_path: pathlib.Path, state: str
+) -> None:
+    """A checkpoint of a narrower model is refused; the optimizer keeps exactly the state it
+    had (none, or the first layer's after a step that reached only it), so a script that then
+    trains from scratch takes the step it would have taken."""
     model, opt = _stepped(0)
     with CheckpointManager(str(tmp_path), model, opt, async_save=False) as ckpt:
         ckpt.resume({"step": 0})
         ckpt.save(1, {"step": 1})
     wider = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 2))
     opt2 = torch.optim.AdamW(wider.parameters(), lr=1e-2)
+    if state == "some":
+        wider[0](torch.randn(4, 8)).sum().backward()
+        opt2.step()
+        opt2.zero_grad(set_to_none=True)
+    before = {id(p): {k: v.clone() for k, v in e.items()} for p, e in opt2.state.items()}
     with pytest.raises(storage.StateMismatchError):
         CheckpointManager(str(tmp_path), wider, opt2).resume({"step": 0})
-    assert not opt2.state
+    assert {id(p) for p in opt2.state} == set(before)
+    for p, entry in opt2.state.items():
+        assert all(torch.equal(v, before[id(p)][k]) for k, v in entry.items())
+
+
+def test_a_failed_save_after_a_fallback_still_discards_the_newer_steps(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resume fell back past a bad step 20 to 10; the first save after it (15) is to discard
+    20 and fails before its commit: its retry still does (it was refused for the newer 20)."""
+    from ftsdp.storage.saving import _save
+
+    model, opt = _stepped(0)
+    with CheckpointManager(str(tmp_path), model, opt, async_save=False) as ckpt:
+        ckpt.resume({"step": 0})
+        ckpt.save(10, {"step": 10})
+        ckpt.save(20, {"step": 20})
+    obj = next((tmp_path / "step-20").glob("*.safetensors"))
+    obj.write_bytes(obj.read_bytes()[:10])  # step 20 unusable
+    resumed, opt2 = _stepped(1)
+    lines: list[str] = []
+    ckpt = CheckpointManager(str(tmp_path), resumed, opt2, log=lines.append)
+    assert ckpt.resume({"step": 0}).step == 10
+    real = _save.finish
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise OSError("the object store said no")
+
+    monkeypatch.setattr(_save, "finish", fails)
+    ckpt.save(15, {"step": 15})
+    with pytest.raises(OSError, match="said no"):
+        ckpt.wait()
+    monkeypatch.setattr(_save, "finish", real)
+    ckpt.save(15, {"step": 15}, block=True)
+    ckpt.close()
+    assert storage.list_steps(str(tmp_path)) == [10, 15]
 
 
 def test_leaving_a_with_block_on_an_exception_keeps_the_memory_tier(
@@ -135,10 +179,23 @@ def test_leaving_a_with_block_on_an_exception_keeps_the_memory_tier(
     assert storage.list_steps(str(memory)) == []  # a normal end clears it
 
 
-def test_a_save_after_close_holds_the_values_at_the_save(tmp_path: pathlib.Path) -> None:
+def test_a_save_after_close_holds_the_values_at_the_save(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """close() takes the fence off the optimizer, so a later save cannot defer its copy to the
-    next step: it copies before it returns, and an optimizer step right after it changes
-    nothing saved."""
+    next step: it copies before it returns (the copy slowed down here, so that a deferred one
+    would still be running), and an optimizer step right after it changes nothing saved."""
+    import time
+
+    from ftsdp.storage.saving import _save
+
+    real = _save.copy_into
+
+    def slow(*args: object, **kwargs: object) -> object:
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "copy_into", slow)
     model, opt = _stepped(0)
     ckpt = CheckpointManager(str(tmp_path), model, opt)
     ckpt.resume({"step": 0})
