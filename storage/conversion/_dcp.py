@@ -310,10 +310,16 @@ class StoreWriter(_OnStore, StorageWriter):
     """Writes a DCP checkpoint at the store's root: one file per item, resolved one at a time,
     ``.metadata`` last."""
 
-    def __init__(self, store: Store, claim: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        claim: Callable[[list[str]], None] | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(store)
         self.save_id = uuid.uuid4().hex
         self.claim = claim  # told every item file's name before the first is written
+        self.check = check  # called before the commit (raises to refuse it)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.save_id = uuid.uuid4().hex
@@ -363,6 +369,8 @@ class StoreWriter(_OnStore, StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = self.storage_meta()
+        if self.check is not None:
+            self.check()
         self.store.write_bytes(DCP_METADATA, pickle.dumps(metadata))  # the commit
 
 
@@ -640,7 +648,8 @@ class DcpSink(Sink):
     ) -> list[str]:
         """Write the checkpoint, ``.metadata`` last; the item files are claimed before the first."""
         pending = Pending(self.store, DCP_ITEM)
-        writer = StoreWriter(self.store, functools.partial(pending.claim, overwrite=self.overwrite))
+        claim = functools.partial(pending.claim, overwrite=self.overwrite)
+        writer = StoreWriter(self.store, claim, pending.check)
         planner = _StreamingSavePlanner(feed.infos, values, feed.block, feed.chunk)
         try:
             with warnings.catch_warnings():

@@ -153,8 +153,18 @@ class FtsdpSink(Sink):
 PENDING = ".ftsdp-writing.json"  # the files a write in progress writes (see the note)
 
 
-def _running_here(host: Any, pid: Any) -> bool:
-    """Whether process ``pid`` of ``host`` is another process running on this machine."""
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, Linux's ``/proc``); None: unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22: after the name
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _running_here(host: Any, pid: Any, started: Any) -> bool:
+    """Whether process ``pid`` of ``host``, started at ``started``, is another process running
+    on this machine (a process that reused the number started later)."""
     if host != socket.gethostname() or type(pid) is not int or pid <= 0 or pid == os.getpid():
         return False
     try:
@@ -162,8 +172,9 @@ def _running_here(host: Any, pid: Any) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: running
-        return True
-    return True
+        pass
+    now = _started(pid)
+    return now is None or started is None or now == started
 
 
 DCP_ITEM = re.compile(r"__\d+_\d+\.distcp")  # what our DCP writer names its files
@@ -199,10 +210,14 @@ class Pending:
         if not record:
             return None if record is None else []
         owner = record.get("owner")
-        if isinstance(owner, dict) and _running_here(owner.get("host"), owner.get("pid")):
+        running = isinstance(owner, dict) and _running_here(
+            owner.get("host"), owner.get("pid"), owner.get("started")
+        )
+        if running:
             raise FileExistsError(
                 f"{self.store.url}: another write into it is running (process {owner['pid']} on "
-                "this machine); wait for it to end, or give another destination"
+                f"this machine); wait for it to end, or give another destination (if no such "
+                f"write runs, remove {PENDING} there)"
             )
         self.recorded = True
         return [f for f in record["files"] if is_plain_name(f) and self.scheme.fullmatch(f)]
@@ -238,7 +253,13 @@ class Pending:
         self.leftovers = [n for n in earlier if n not in names and n in listing]
         if record:
             files = sorted(set(names) | set(earlier))
-            owner = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid()}
+            pid = os.getpid()
+            owner = {
+                "token": self.token,
+                "host": socket.gethostname(),
+                "pid": pid,
+                "started": _started(pid),
+            }
             self.store.write_bytes(PENDING, json.dumps({"files": files, "owner": owner}).encode())
             self.recorded = True
 
@@ -332,6 +353,8 @@ class HfSink(Sink):
                 for data in feed.stream(requests):
                     f.write(tensor_bytes(data))
 
+            if n == 1 and not self.single_file:  # model.safetensors is the commit
+                pending.check()
             self.store.write("" if self.single_file else name, produce)
         if self.single_file:
             return [url]

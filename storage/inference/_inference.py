@@ -207,8 +207,9 @@ def load_into(
     trust_pickle: bool = False,
 ) -> LoadIntoResult:
     """Fill ``module``'s parameters and persistent buffers from checkpoint names ``prefix + key``;
-    a submodule's extra state saved under its ``..._extra_state`` name (a tensor, or a value of
-    an ftsdp checkpoint) is handed to its ``set_extra_state``, as ``Module.load_state_dict`` does.
+    a submodule's extra state saved under its ``..._extra_state`` name, a tensor or one value (of
+    an ftsdp checkpoint), is handed to its ``set_extra_state``, as ``Module.load_state_dict``
+    does (a dict, which a save flattens into several names, is reported missing).
 
     A meta module gets new tensors on ``device`` (default: cpu); a real one is filled in place (or
     moved to ``device`` / cast to ``dtype`` when given). ``dtype`` applies to the tensors of its

@@ -425,6 +425,39 @@ def test_a_write_still_running_into_the_folder_is_not_taken_for_an_interrupted_o
     with pytest.raises(storage.CheckpointError, match="took it over"):
         storage.conversion.convert(str(src), str(taken), to="hf", max_shard_bytes=40)
     assert not (taken / "model.safetensors.index.json").exists()
+    taken = tmp_path / "taken-dcp"
+    with pytest.raises(storage.CheckpointError, match="took it over"):
+        storage.conversion.convert(str(src), str(taken), to="dcp")
+    assert not (taken / ".metadata").exists()
+
+
+def test_a_write_record_of_a_process_number_now_reused_is_an_interrupted_write(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The process that wrote the record died and its number now belongs to another process
+    (one that started later): the record is an interrupted write's, not a live one."""
+    import subprocess
+    import sys
+
+    from ftsdp.storage.conversion import _sinks
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    storage.save({n: torch.full((4,), float(i)) for i, n in enumerate("abc")}, str(src), step=3)
+    dst.mkdir()
+    (dst / "model-00001-of-00003.safetensors").write_bytes(b"an interrupted write's shard")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = _sinks._started(other.pid)
+        assert started is not None
+        owner = {"token": "old", "host": socket.gethostname(), "pid": other.pid}
+        files = ["model-00001-of-00003.safetensors"]
+        record = {"files": files, "owner": {**owner, "started": started - 1}}
+        (dst / ".ftsdp-writing.json").write_text(json.dumps(record))
+        storage.conversion.convert(str(src), str(dst), to="hf", max_shard_bytes=40)
+    finally:
+        other.kill()
+        other.wait()
+    assert not (dst / files[0]).exists() and not (dst / ".ftsdp-writing.json").exists()
 
 
 # -- 6. every pointer stays inside its checkpoint -------------------------------------------------
