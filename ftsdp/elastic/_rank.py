@@ -112,6 +112,7 @@ class Agent:
         ppid = os.getppid()
         self.pid = parent.pid if parent is not None and parent.pid else ppid
         self._poll: Any = None
+        self._lock = threading.Lock()  # one poll() at a time: commits of two tiers ask at once
         try:
             fd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):  # no pidfds here, or the agent has already exited
@@ -121,8 +122,11 @@ class Agent:
             self._poll.register(fd, select.POLLIN)
 
     def gone(self) -> bool:
-        """Whether the agent has exited (one system call)."""
-        return bool(self._poll.poll(0)) if self._poll is not None else os.getppid() != self.pid
+        """Whether the agent has exited (one system call); from any thread."""
+        if self._poll is None:
+            return os.getppid() != self.pid
+        with self._lock:  # a poll object refuses a second poll() while one runs
+            return bool(self._poll.poll(0))
 
 
 @dataclass(frozen=True, kw_only=True)

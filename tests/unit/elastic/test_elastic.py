@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -431,6 +432,30 @@ def test_a_worker_whose_agent_is_killed_exits_with_one_line(tmp_path, pidfd: boo
         "committing nothing more"
     ]
     assert not os.path.exists(f"/proc/{worker}")
+
+
+def test_the_orphan_check_may_be_asked_from_several_threads_at_once() -> None:
+    """The commits of the durable tier and the memory tier run on threads of their own and
+    both ask whether the agent is gone before committing: a poll object refuses a second
+    poll() while one runs ("concurrent poll() invocation" failed a node-loss job once)."""
+    from ftsdp.elastic._rank import Agent
+
+    agent = Agent()  # this process's parent: alive
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            for _ in range(20_000):
+                assert not agent.gone()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
 
 
 # -- fault specs --------------------------------------------------------------------------------
