@@ -210,12 +210,11 @@ class Pending:
         if not record:
             return None if record is None else []
         owner = record.get("owner")
-        running = isinstance(owner, dict) and _running_here(
-            owner.get("host"), owner.get("pid"), owner.get("started")
-        )
-        if running:
+        owner = owner if isinstance(owner, dict) else {}
+        pid = owner.get("pid")
+        if _running_here(owner.get("host"), pid, owner.get("started")):
             raise FileExistsError(
-                f"{self.store.url}: another write into it is running (process {owner['pid']} on "
+                f"{self.store.url}: another write into it is running (process {pid} on "
                 f"this machine); wait for it to end, or give another destination (if no such "
                 f"write runs, remove {PENDING} there)"
             )
