@@ -190,26 +190,23 @@ class CheckpointManager:
 
     def save(self, step: int, trainer: Mapping[str, Any], *, block: bool = False) -> float:
         """Save ``step`` (collective); ``block`` (or ``async_save=False``) returns once it is
-        committed. Raises a previous async save's error. Saving the step saved last is a no-op.
+        committed. Raises a previous async save's error. Saving the step saved last is a no-op,
+        unless that save failed (``Tier.failed``).
         Returns the seconds this call blocked the caller."""
-        if step == self.last_saved_step:
+        if step == self.last_saved_step and step != self._durable.failed:
             if block:
                 self.wait()
             return 0.0
         start = time.perf_counter()
-        try:
-            if self._snapshots():
-                self._snapshot(step, trainer, durable=True, block=block)
-            else:
-                self._durable.save(  # waits for the previous save first, surfacing its error
-                    self._state(trainer, self._durable),
-                    step,
-                    async_save=self.async_save and not block,
-                    defer_copy=self.defer_copy and not block,
-                )
-        except Exception:
-            self._forget_failed()
-            raise
+        if self._snapshots():
+            self._snapshot(step, trainer, durable=True, block=block)
+        else:
+            self._durable.save(  # waits for the previous save first, surfacing its error
+                self._state(trainer, self._durable),
+                step,
+                async_save=self.async_save and not block,
+                defer_copy=self.defer_copy and not block,
+            )
         self._last_save = time.monotonic()
         self.last_saved_step = step
         return time.perf_counter() - start
@@ -226,11 +223,7 @@ class CheckpointManager:
         assert self._memory is not None
         start = time.perf_counter()
         if self._snapshots():
-            try:  # raises an earlier durable save's failure
-                self._snapshot(step, trainer, durable=False)
-            except Exception:
-                self._forget_failed()
-                raise
+            self._snapshot(step, trainer, durable=False)
         else:
             self._memory.save(self._state(trainer, self._memory), step, defer_copy=self.defer_copy)
             self.last_memory_step = step
@@ -295,22 +288,10 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the saves in flight commit; raise the durable one's error."""
-        try:
-            if self._snap is not None and self._snap.on:
-                self._snap.wait()
-            for tier in reversed(self._tiers()):
-                tier.wait()
-        except Exception:
-            self._forget_failed()
-            raise
-
-    def _forget_failed(self) -> None:
-        """A durable save failed (its error is being raised): a save of its step again is a new
-        save, not the no-op of saving the step saved last. (An interrupt while waiting is not a
-        failure: that save may still commit; nor is an error raised while a save is still in
-        flight, before it was waited for: that save may commit too.)"""
-        if not self.in_flight():
-            self.last_saved_step = self._durable.newest
+        if self._snap is not None and self._snap.on:
+            self._snap.wait()
+        for tier in reversed(self._tiers()):
+            tier.wait()
 
     def resume(self, trainer: dict[str, Any]) -> ResumeInfo | None:
         """Load the newest usable committed step of any tier at this world size; fill

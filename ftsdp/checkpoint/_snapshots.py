@@ -267,6 +267,7 @@ class Snapshots:
                 self.durable.newest = self.newest["durable"]
             else:
                 self.errors.append(f"saving step {step} to {self.durable.url}: {msg['durable']}")
+                self.durable.failed = step
                 if step == self.discarding:  # the newer steps are still there
                     self.durable.discard_newer = True
         if memory:
@@ -287,6 +288,7 @@ class Snapshots:
             for step, durable, _ in self.busy.values():
                 if durable:
                     self.errors.append(f"the snapshot persister died before committing step {step}")
+                    self.durable.failed = step
                     if step == self.discarding:  # the newer steps are still there
                         self.durable.discard_newer = True
             self.busy.clear()
@@ -359,6 +361,8 @@ class Snapshots:
             "discard_newer": self.durable.discard_newer,
         }
         self.busy[slot], self.last_slot = (step, durable, memory), slot
+        if durable and self.durable.failed == step:  # tried again
+            self.durable.failed = None
         if durable and self.durable.discard_newer:  # once, unless this save fails (_done)
             self.durable.discard_newer, self.discarding = False, step
         if memory:
@@ -434,6 +438,8 @@ class Snapshots:
         lost = sorted(step for step, durable, _ in self.busy.values() if durable)
         if self.discarding in lost:  # the newer steps are still there
             self.durable.discard_newer = True
+        if lost:
+            self.durable.failed = lost[-1]
         self.busy.clear()
         if self.conn is not None:
             self.conn.close()

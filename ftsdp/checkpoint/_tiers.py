@@ -70,6 +70,7 @@ class Tier:
         self.pending: storage.SaveHandle | None = None  # kept even when done: errors surface
         self.discard_newer = False  # the next save starts a new timeline here
         self._discarding = False  # the save in flight was to discard the newer steps
+        self.failed: int | None = None  # the step of the newest save that failed (not retried)
         self.newest: int | None = None  # the newest step known to be committed here
 
     def values(self) -> dict[str, Any]:
@@ -90,9 +91,11 @@ class Tier:
             discard_newer=self.discard_newer,
         )
         save = storage.save if node is None else partial(storage.saving.save_on_nodes, node=node)
+        self.failed = None if self.failed == step else self.failed  # tried again
         try:
             self.pending = save(state, self.url, step, options=options, **self._where(), **kw)
         except storage.CheckpointError as e:
+            self.failed = step
             self._failed(e)
         # once: after this save the newer steps are gone (unless it fails: wait())
         self._discarding, self.discard_newer = self.discard_newer, False
@@ -107,6 +110,7 @@ class Tier:
             pending.wait()
         except Exception as e:
             self.discard_newer = self.discard_newer or discarding  # the newer steps are still there
+            self.failed = pending.step
             self._failed(e)
         else:
             self.newest = pending.step
