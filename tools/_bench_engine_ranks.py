@@ -91,12 +91,16 @@ def build_ftsdp(name: str, cfg: dict, device: torch.device, extra: dict) -> Engi
 
 
 def build_fsdp2(name: str, cfg: dict, device: torch.device) -> Engine:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = _gpt(cfg, device)
+    # the ranks' own device: FSDP2's default mesh is on CUDA wherever a GPU is, CPU ranks too
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return Engine(name, model, "fsdp2", cfg["lr"])
 
 

@@ -103,6 +103,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated saving configurations to run, engine/mode keys or modes (e.g. "
         "ftsdp/storage, floor,dcp; with their engines' unsaved rounds); default: all",
     )
+    p.add_argument(
+        "--cuda",
+        action="store_true",
+        help="train on GPUs (NCCL, one per rank, --world of them): saves copy from the device; "
+        "the floor copies into pinned host buffers on a stream of its own",
+    )
     p.add_argument("--out", default=None, help="Markdown file whose Snapshots section to write")
     p.add_argument("--json", default=None, help="JSON results file whose snapshot entry to write")
     return p.parse_args(argv)
@@ -151,6 +157,13 @@ def network(cfg: dict[str, Any]) -> tuple[nn.Module, type[nn.Module]]:
     from ftsdp.examples.gpt import GPT, Block, GPTConfig
 
     return GPT(GPTConfig(**cfg["model"])), Block
+
+
+def device(cfg: dict[str, Any]) -> torch.device:
+    """This rank's device: its GPU with ``cfg["cuda"]``, else the CPU."""
+    if cfg.get("cuda"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # -- how each configuration saves --------------------------------------------------------------
@@ -287,16 +300,28 @@ class _Floor(_Saver):
         # taken once: the tensors stay the same objects from step to step (AdamW updates its
         # state in place, and the warm-up steps created it)
         self.sources = state_tensors(run.model, run.opt)
-        # zeros, not empty: their pages are touched now, not by the first timed copy
-        self.buffers = [torch.zeros_like(t, device="cpu") for t in self.sources]
+        # zeros, not empty: their pages are touched now, not by the first timed copy; pinned
+        # for copies from a GPU (on a stream of their own, after the work queued before save)
+        cuda = run.device.type == "cuda"
+        self.buffers = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=cuda) for t in self.sources]
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.ready: Any = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="floor-copy")
         self.pending: Future | None = None
         self.hook = run.opt.register_step_pre_hook(lambda *_: self._wait(fenced=True))
 
     def _copy(self) -> None:
         start = time.perf_counter()
-        for dst, src in zip(self.buffers, self.sources, strict=True):
-            dst.copy_(src)
+        if self.stream is None:
+            for dst, src in zip(self.buffers, self.sources, strict=True):
+                dst.copy_(src)
+        else:
+            torch.cuda.set_device(self.run.device)
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(self.ready)
+                for dst, src in zip(self.buffers, self.sources, strict=True):
+                    dst.copy_(src, non_blocking=True)
+            self.stream.synchronize()
         self.copy.append(time.perf_counter() - start)
 
     def _wait(self, fenced: bool) -> None:
@@ -310,6 +335,9 @@ class _Floor(_Saver):
 
     def save(self, step: int) -> float:
         start = time.perf_counter()
+        if self.stream is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record()  # after the step that made the values
         self.pending = self.pool.submit(self._copy)
         return time.perf_counter() - start
 
@@ -417,16 +445,22 @@ class _Run:
         torch.manual_seed(cfg["seed"])
         net, unit = network(cfg)
         model: nn.Module = net
+        self.device = device(cfg)
         if engine == "ftsdp":
             import ftsdp
 
-            model = ftsdp.FSDP(net, auto_wrap_policy={unit})
+            on = self.device if self.device.type == "cuda" else None
+            model = ftsdp.FSDP(net, auto_wrap_policy={unit}, device_id=on)
         else:
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            net.to(self.device)
+            # the ranks' own device: FSDP2's default mesh is on CUDA wherever a GPU is
+            mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
             for module in [m for m in net.modules() if isinstance(m, unit)]:
-                fully_shard(module)
-            fully_shard(net)
+                fully_shard(module, mesh=mesh)
+            fully_shard(net, mesh=mesh)
         self.engine, self.mode, self.cfg = engine, mode, cfg
         self.model = model
         if cfg.get("workload", "gpt") == "mlp":
@@ -448,15 +482,18 @@ class _Run:
         self.step += 1
         rank = dist.get_rank()
         for micro in range(cfg["micro_steps"]):
-            g = torch.Generator().manual_seed(self.step * 1009 + rank * 101 + micro)
+            # made on the rank's device: a GPU's batch is not paced by one CPU thread
+            g = torch.Generator(self.device).manual_seed(self.step * 1009 + rank * 101 + micro)
             if cfg.get("workload", "gpt") == "mlp":
-                x, y = torch.randn(2, cfg["mlp_batch"], MLP_WIDTH, generator=g)
+                shape = (2, cfg["mlp_batch"], MLP_WIDTH)
+                x, y = torch.randn(shape, generator=g, device=self.device)
                 loss = nn.functional.mse_loss(self.model(x), y)
             else:
                 tokens = torch.randint(
                     cfg["model"]["vocab_size"],
                     (cfg["micro_batch"], cfg["model"]["block_size"] + 1),
                     generator=g,
+                    device=self.device,
                 )
                 _, loss = self.model(tokens[:, :-1], tokens[:, 1:])
             (loss / cfg["micro_steps"]).backward()
@@ -493,6 +530,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Build every configuration, run the rounds, return the slowest rank's view (rank 0's
     times are barrier to barrier, so they are the slowest rank's). Each round of a saving
     configuration follows a round of the same engine without saving, its pair."""
+    if cfg.get("cuda"):
+        torch.cuda.set_device(rank)
     runs = [_Run(engine, mode, cfg, cfg["root"]) for engine, mode in configs(cfg.get("only"))]
     unsaved = {run.engine: run for run in runs if run.mode == "none"}
     saving = [run for run in runs if run.mode != "none"]
@@ -722,8 +761,11 @@ def environment(args: argparse.Namespace) -> str:
             f"GPT {args.n_layer} layers x {args.n_embd}, {args.micro_steps} x {args.micro_batch} "
             f"x {args.block_size} tokens per step and rank"
         )
+    ranks = f"W={args.world} gloo ranks"
+    if getattr(args, "cuda", False):
+        ranks = f"W={args.world} NCCL ranks on {torch.cuda.get_device_name(0)}"
     return (
-        f"W={args.world} gloo ranks, {args.threads} torch thread each, {shape}, about "
+        f"{ranks}, {args.threads} torch thread each, {shape}, about "
         f"{state_mb:.0f} MB of model and AdamW state per rank, a save every {args.every} steps "
         f"to {args.dir}; torch {torch.__version__}, {os.cpu_count()} CPUs, 1-minute load "
         f"average {load:.1f} at the start"
@@ -766,9 +808,13 @@ def main(argv: list[str] | None = None) -> None:
         "workload": args.model,
         "mlp_batch": args.mlp_batch,
         "only": only,
+        "cuda": args.cuda,
     }
+    backend = "nccl" if args.cuda else "gloo"
     try:
-        results = run_ranks(rank_main, args.world, cfg, threads=args.threads, timeout=1800)
+        results = run_ranks(
+            rank_main, args.world, cfg, backend=backend, threads=args.threads, timeout=1800
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = summarize(results)
