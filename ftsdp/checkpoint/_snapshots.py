@@ -70,6 +70,7 @@ class Snapshots:
         self._kept_rows: list[Any] | None = None
         self._plans: list[_Plan | None] = [None, None]
         self.maps: list[mmap.mmap] = []
+        self.pinned: list[int] = []  # addresses of the slots page-locked for copies from CUDA
         self.busy: dict[int, tuple[int, bool, bool]] = {}  # slot -> (step, durable, memory)
         self.protect: int | None = None  # the slot of the newest memory snapshot
         self.last_slot = 1
@@ -219,10 +220,28 @@ class Snapshots:
                     self.views[slot].append((name, offset, length, dst))
         self.layout, self.rows, self.busy = msg["layout"], rows, {}
         self.protect = msg["protect"]
+        if any(leaf.local.device.type == "cuda" for leaf in leaves.values()):
+            self._pin()
+
+    def _pin(self) -> None:
+        """Page-lock the slots for copies from CUDA: the device then copies into them itself,
+        on a stream of its own beside the training's kernels. Into pageable memory the driver
+        stages the bytes through a buffer of its own, several times slower, and holds the
+        training's stream meanwhile. A slot it refuses to lock is copied into as it is."""
+        for mm in self.maps:
+            ptr = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, len(mm), 0))
+            if err == 0:
+                self.pinned.append(ptr)
+            else:
+                logger.warning("ftsdp: could not page-lock a snapshot slot (CUDA error %d)", err)
 
     def _unmap(self) -> None:
         self.views = [[], []]
         self._plans = [None, None]
+        pinned, self.pinned = self.pinned, []
+        for ptr in pinned:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
         maps, self.maps = self.maps, []
         for mm in maps:
             with contextlib.suppress(BufferError):  # a view still alive: freed with it
@@ -368,13 +387,15 @@ class Snapshots:
         if memory:
             self.protect = slot
         plan = self._plan(slot, leaves)
+        # CUDA: the copy waits for the work queued so far on the caller's stream
+        ready = storage.saving.queued_work_event([*plan[0], *(c[0] for c in plan[2])])
         if defer and not block:  # the optimizer's next step waits for it (wait_copy)
             if self._copier is None:
                 self._copier = storage.saving.Worker("ftsdp-snapshot")
-            self.copying = _Copy(lambda: self._fill(slot, plan, message))
+            self.copying = _Copy(lambda: self._fill(slot, plan, message, ready))
             self._copier.submit(self.copying.run)
         else:
-            self._fill(slot, plan, message)
+            self._fill(slot, plan, message, ready)
         if block:
             self.wait()
         return True
@@ -408,18 +429,24 @@ class Snapshots:
             self._plans[slot] = plan
         return plan
 
-    def _fill(self, slot: int, plan: _Plan, message: dict[str, Any]) -> None:
+    def _fill(self, slot: int, plan: _Plan, message: dict[str, Any], ready: Any) -> None:
         """Copy this rank's pieces into ``slot`` (``plan``: :meth:`_plan`), record it, tell the
-        persister."""
+        persister. ``ready``: ``storage.saving.queued_work_event`` of the sources (CUDA)."""
         record = p.record_file(self.folder, message["rank"], slot)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(record)  # the slot holds no complete step from here to its new record
         sources, targets, cut = plan
-        with torch.no_grad():
+        stream = storage.saving.side_stream(ready)
+        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with torch.no_grad(), on_stream:
             if targets:
-                torch._foreach_copy_(targets, sources)
+                torch._foreach_copy_(targets, sources, non_blocking=stream is not None)
             for local, start, length, dst in cut:
-                dst.copy_(local.reshape(-1)[start : start + length])
+                dst.copy_(
+                    local.reshape(-1)[start : start + length], non_blocking=stream is not None
+                )
+        if stream is not None:
+            stream.synchronize()
         values = {**message["values"], **message["memory_extra"]}
         doc = {"step": message["step"], "layout": self.layout, "memory_values": values}
         p.write_private(record, json.dumps(doc).encode())

@@ -442,7 +442,7 @@ class _Snapshot:
         self.total = total  # bytes of the arena it takes
         self.leaves = list(save.tensors.values())
         self.flat = [leaf.local.reshape(-1) for leaf in self.leaves]  # views, mostly
-        self.ready = _queued_work_event(self.flat)  # CUDA: copy after the work queued so far
+        self.ready = queued_work_event(self.flat)  # CUDA: copy after the work queued so far
         self.arena = save.lane.arena
         self.bytes: dict[str, memoryview] = {}
         self.error: BaseException | None = None
@@ -459,7 +459,7 @@ class _Snapshot:
 
     def _copy(self) -> None:
         try:
-            stream = _side_stream(self.ready)
+            stream = side_stream(self.ready)
             buf = self.arena.take(self.total, stream is not None)
             raw = copy_into(self.flat, buf, stream, self.arena.layouts, as_bytes=True)
             self.bytes = {leaf.name: b for leaf, b in zip(self.leaves, raw, strict=True)}
@@ -684,7 +684,7 @@ def in_place(store: Store, cuda: bool) -> bool:
     return not cuda and store.tmpfs
 
 
-def _queued_work_event(tensors: list[torch.Tensor]) -> Any:
+def queued_work_event(tensors: list[torch.Tensor]) -> Any:
     """(event, device) after the work queued so far on the caller's stream, when a saved tensor
     is on CUDA (the copy must wait for the values); else None."""
     if any(t.device.type == "cuda" for t in tensors):
@@ -694,7 +694,7 @@ def _queued_work_event(tensors: list[torch.Tensor]) -> Any:
     return None
 
 
-def _side_stream(ready: Any) -> Any:
+def side_stream(ready: Any) -> Any:
     """A CUDA stream for the snapshot copies after ``ready``'s event; None without CUDA."""
     if ready is None:
         return None
