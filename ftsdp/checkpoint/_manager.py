@@ -193,6 +193,7 @@ class CheckpointManager:
         committed. Raises a previous async save's error. Saving the step saved last is a no-op,
         unless that save failed (``Tier.failed``).
         Returns the seconds this call blocked the caller."""
+        storage.format.check_step(step)
         if step == self.last_saved_step and step != self._durable.failed:
             if block:
                 self.wait()
@@ -218,6 +219,7 @@ class CheckpointManager:
 
     def save_to_memory(self, step: int, trainer: Mapping[str, Any]) -> float:
         """Save ``step`` to the memory tier when due (collective, each step); seconds blocked."""
+        storage.format.check_step(step)
         if not self.memory_due(step) or step in (self.last_saved_step, self.last_memory_step):
             return 0.0
         assert self._memory is not None

@@ -26,8 +26,15 @@ HF_VALUES_KEY = "ftsdp.values"  # safetensors __metadata__ key holding non-tenso
 DCP_METADATA = ".metadata"  # DCP's commit: present <=> the checkpoint is complete
 
 
+def check_step(step: object) -> int:
+    """``step`` when it is an int >= 0 (a bool is not one); else ValueError."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative int")
+    return step
+
+
 def step_dir(step: int) -> str:
-    return f"step-{step}"
+    return f"step-{check_step(step)}"
 
 
 def parse_step(name: str) -> int | None:

@@ -17,7 +17,7 @@ import torch
 
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import SaveOptions
-from ftsdp.storage.format._layout import step_dir
+from ftsdp.storage.format._layout import check_step, step_dir
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
 from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
@@ -312,8 +312,7 @@ def _save(
     """``save`` and ``save_on_nodes`` (``node``: None for a shared root)."""
     start = time.perf_counter()
     options = options or SaveOptions()
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step={step!r} must be a non-negative int")
+    check_step(step)
     if defer_copy and not async_save:
         raise ValueError("defer_copy=True needs async_save=True (a sync save copies as it writes)")
     store = Store(url, storage_options, options.io)

@@ -212,3 +212,24 @@ def test_a_save_after_close_holds_the_values_at_the_save(
         assert all(torch.equal(saved[f"model.{k}"], v) for k, v in want.items()), step
     ckpt.close()  # idempotent
     assert storage.list_steps(str(tmp_path)) == [2, 3, 4]  # keep_last=3
+
+
+@pytest.mark.parametrize("step", [True, 2.5, -1, "3"])
+def test_a_step_that_is_not_a_non_negative_int_is_refused_by_both_tiers(
+    tmp_path: pathlib.Path, step: object
+) -> None:
+    """``save`` and ``save_to_memory`` (in-process and through the persister) refuse a bool, a
+    float, a negative int or a str as the step, and write nothing."""
+    for persister in (False, True):
+        model, opt = _stepped(0)
+        durable, memory = tmp_path / f"ckpt{persister}", tmp_path / f"mem{persister}"
+        with CheckpointManager(
+            str(durable), model, opt, memory_url=str(memory), memory_every=1, persister=persister
+        ) as ckpt:
+            ckpt.resume({"step": 0})
+            for call in (ckpt.save, ckpt.save_to_memory):
+                with pytest.raises(ValueError, match="must be a non-negative int"):
+                    call(step, {"step": 0})  # type: ignore[operator]
+            ckpt.wait()
+        assert storage.list_steps(str(durable)) == []
+        assert storage.list_steps(str(memory)) == []

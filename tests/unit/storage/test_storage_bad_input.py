@@ -422,3 +422,28 @@ def test_a_manifest_that_is_a_directory_is_refused_as_not_a_file(ckpt: Path) -> 
     with pytest.raises(storage.CorruptCheckpointError, match="the manifest is not a file"):
         storage.load(target, str(ckpt), step=1)
     _untouched(target)
+
+
+@pytest.mark.parametrize("step", [True, False, -1, 1.0, "1", None])
+def test_a_step_that_is_not_a_non_negative_int_is_refused_by_every_call(
+    ckpt: Path, step: Any
+) -> None:
+    """``True == 1`` in Python, and a float or a str formats into a directory name: each would
+    read or write ``step-True``, ``step-1.0``. Every call that takes a step refuses them alike
+    (None means the newest step where a load takes it, never for a save)."""
+    target = _blank()
+    loads: list[Callable[[], Any]] = [
+        lambda: storage.load(target, str(ckpt), step=step),
+        lambda: storage.load_state_dict(str(ckpt), step=step),
+        lambda: storage.LazyStateDict(str(ckpt), step=step),
+        lambda: storage.load_into(torch.nn.Linear(1, 1), str(ckpt), step=step),
+    ]
+    calls = [lambda: storage.save(_ref(), str(ckpt), step=step)]
+    if step is not None:
+        calls += loads
+    for call in calls:
+        with pytest.raises(ValueError, match="must be a non-negative int"):
+            call()
+    _untouched(target)
+    assert storage.list_steps(str(ckpt)) == [1]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-1"]
