@@ -100,6 +100,11 @@ def _match(
             mismatched.append(
                 f"{name} (saved shape {list(entry.shape)}, target {list(leaf.shape)})"
             )
+        elif leaf.local.device.type == "meta":
+            mismatched.append(
+                f"{name} (target on the meta device, which holds no values: make it real first, "
+                "e.g. module.to_empty(device=...), or use load_into)"
+            )
         elif entry.dtype != dtype_name(leaf.dtype) and not cast:
             mismatched.append(
                 f"{name} (saved dtype {entry.dtype}, target {dtype_name(leaf.dtype)}; "

@@ -447,3 +447,16 @@ def test_a_step_that_is_not_a_non_negative_int_is_refused_by_every_call(
     _untouched(target)
     assert storage.list_steps(str(ckpt)) == [1]
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-1"]
+
+
+def test_a_target_on_the_meta_device_is_named_not_skipped(ckpt: Path) -> None:
+    """A meta tensor holds no values: a load into it would report success and fill nothing.
+    It is refused by name (strict) or reported as mismatched (strict=False), and the rest of
+    the target is loaded only in the second case."""
+    target = {**_blank(), "w": torch.empty(40, device="meta")}
+    with pytest.raises(storage.StateMismatchError, match=r"w \(target on the meta device"):
+        storage.load(target, str(ckpt))
+    assert not target["b"].any() and target["step"] == 0
+    result = storage.load(target, str(ckpt), strict=False)
+    assert [m.split(" ")[0] for m in result.mismatched] == ["w"]
+    assert torch.equal(target["b"], _ref()["b"]) and target["step"] == 3
