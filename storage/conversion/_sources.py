@@ -267,9 +267,12 @@ class TorchSource(Source):
         an unpickled structure may nest arbitrarily deep): into every dict, and into every list
         or tuple holding a tensor at some depth (``layers.0.w``, as ``storage.save`` and DCP
         name them; another is one value); CorruptCheckpointError past MAX_JSON_DEPTH levels,
-        which no manifest could hold, or when two entries flatten to one name."""
+        which no manifest could hold, when two entries flatten to one name, or when one
+        container is at two places (``torch.save`` keeps it once; flattened, each place would
+        get its own names, 2**depth of them for a list of itself twice, nested)."""
         holders = _holding_tensors(obj)
         names: set[str] = set()  # every flat name given (a tensor, a value, or dropped)
+        entered = {id(obj): "the top level"}  # each container walked into -> where
         # (prefix, its items not yet seen): depth first, in the order the recursion had
         stack: list[tuple[str, Iterator]] = [("", iter(obj.items()))]
         while stack:
@@ -284,6 +287,13 @@ class TorchSource(Source):
                             f"torch file {url}: {show(name)} nests dicts or lists deeper than "
                             f"{MAX_JSON_DEPTH} levels; flatten the state dict"
                         )
+                    if id(value) in entered:
+                        raise CorruptCheckpointError(
+                            f"torch file {url}: one {type(value).__name__} is both "
+                            f"{show(entered[id(value)])} and {show(name)}; save a state dict "
+                            "whose containers are each at one place (copy.deepcopy the shared one)"
+                        )
+                    entered[id(value)] = name
                     children = value.items() if isinstance(value, dict) else enumerate(value)
                     stack.append((name, iter(children)))
                     break

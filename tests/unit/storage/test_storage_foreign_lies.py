@@ -302,3 +302,28 @@ def test_torch_entries_flattening_to_one_name_are_corrupt(
         f"two entries flatten to the same name {name!r}",
         lambda: storage.load_state_dict(str(path)),
     )
+
+
+@pytest.mark.timeout(60)
+def test_torch_container_at_two_places_is_corrupt_and_found_at_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``torch.save`` keeps a shared container once, so a file of a few hundred bytes can hold
+    a list of itself twice, 60 levels deep: flattened, that is 2**60 names. A container met a
+    second time is refused with both of its places, before any name is multiplied."""
+    deep: Any = [torch.ones(1)]
+    for _ in range(60):
+        deep = [deep, deep]
+    shared = {"w": torch.ones(2)}
+    for state, first, second in (
+        # depth first: the innermost pair is met first (the message shortens such long names)
+        ({"deep": deep}, "one list is both 'deep.0.0", ".0.0' and 'deep.0.0"),
+        ({"model": shared, "ema": shared}, "one dict is both 'model' and 'ema'", "deepcopy"),
+    ):
+        path = tmp_path / "state.pt"
+        torch.save(state, path)
+        assert path.stat().st_size < 100_000
+        error = _raises(
+            storage.CorruptCheckpointError, first, lambda: storage.load_state_dict(str(path))
+        )
+        assert second in str(error)
