@@ -72,7 +72,8 @@ def _shared_manifest(
     if "error" in msg:
         raise _ERRORS.get(msg["error"][0], CheckpointError)(msg["error"][1])
     if manifest is None:
-        where = store.where(manifest_path(step if step is not None else -1))
+        # (the newest step: the one rank 0 found, named inside the manifest)
+        where = store.where(manifest_path(step)) if step is not None else store.where()
         manifest = Manifest.from_json(
             msg["manifest"].encode(),
             where=where,
