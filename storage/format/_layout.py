@@ -7,7 +7,9 @@ import re
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_STEP = re.compile(r"^step-(\d+)$")
+# ASCII digits, no leading zero: one name per step (``\d`` also matches other scripts' digits,
+# and "step-01" or "step-\u0661" would alias step 1)
+_STEP = re.compile(r"step-(0|[1-9][0-9]*)")
 # Every name this format writes in a step directory, also as a write's temporary name
 # (``<name>.tmp-<8 hex>``, storage/io/_local.py): only such names are ever deleted
 # ([Note: deleting only what is ours] in storage/format/_steps.py).
@@ -39,7 +41,7 @@ def step_dir(step: int) -> str:
 
 def parse_step(name: str) -> int | None:
     """The step of a ``step-<N>`` directory name, or None for any other name."""
-    m = _STEP.match(name)
+    m = _STEP.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

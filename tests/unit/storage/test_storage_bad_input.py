@@ -460,3 +460,22 @@ def test_a_target_on_the_meta_device_is_named_not_skipped(ckpt: Path) -> None:
     result = storage.load(target, str(ckpt), strict=False)
     assert [m.split(" ")[0] for m in result.mismatched] == ["w"]
     assert torch.equal(target["b"], _ref()["b"]) and target["step"] == 3
+
+
+def test_names_that_only_read_as_a_step_are_not_steps(ckpt: Path) -> None:
+    """``step-01``, ``step-\u0661`` (an Arabic-Indic one) and ``step-1`` followed by a newline
+    are other directories, not step 1 again (a root may hold other directories): each step is
+    listed once, ``step-09`` is no torn step 9, and garbage collection leaves them alone."""
+    from ftsdp.storage import catalog
+
+    for name in ("step-01", "step-\u0661", "step-1\n", "step-09", "step-+2", "step- 3"):
+        (ckpt / name).mkdir()
+    assert storage.list_steps(str(ckpt)) == [1]
+    info = catalog.inspect_checkpoint(str(ckpt))
+    assert info["committed_steps"] == [1] and info["torn_steps"] == [], info
+    assert catalog.verify(str(ckpt)).ok
+    catalog.collect_garbage(str(ckpt), keep_last=1)
+    assert len(list(ckpt.iterdir())) == 8  # step-1, latest and the six others
+    target = _blank()
+    storage.load(target, str(ckpt))
+    assert target["step"] == 3
