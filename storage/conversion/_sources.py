@@ -317,22 +317,33 @@ class TorchSource(Source):
 
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         for name, offset, out in requests:
+            self._read(name, offset, out)
             meta = self._meta[name]
-            base = meta.untyped_storage()._checkpoint_offset
-            assert base is not None, name  # check_torch_storages found its record
-            size = out.element_size()
-            if meta.is_contiguous():
-                at = base + (int(meta.storage_offset()) + offset) * size
-                self.store.read_into("", at, tensor_bytes(out))
-                continue
-            # A strided view is no flat range: read its storage once, keep a contiguous copy.
-            if self._cache is None or self._cache[0] != name:
-                self._cache = None  # freed before the next is read
-                raw = torch.empty(meta.untyped_storage().nbytes() // size, dtype=meta.dtype)
-                self.store.read_into("", base, tensor_bytes(raw))
-                full = raw.as_strided(meta.shape, meta.stride(), meta.storage_offset()).contiguous()
-                self._cache = (name, full.view(-1))
-            out.copy_(self._cache[1][offset : offset + out.numel()])
+            # A conjugate or negative view's storage holds the values before the view: torch
+            # applies the bit when the tensor is read, and so does this.
+            if meta.is_conj():
+                torch.conj_physical(out, out=out)
+            if meta.is_neg():
+                out.neg_()
+
+    def _read(self, name: str, offset: int, out: torch.Tensor) -> None:
+        """The stored elements ``offset ...`` of ``name``, as its storage holds them."""
+        meta = self._meta[name]
+        base = meta.untyped_storage()._checkpoint_offset
+        assert base is not None, name  # check_torch_storages found its record
+        size = out.element_size()
+        if meta.is_contiguous():
+            at = base + (int(meta.storage_offset()) + offset) * size
+            self.store.read_into("", at, tensor_bytes(out))
+            return
+        # A strided view is no flat range: read its storage once, keep a contiguous copy.
+        if self._cache is None or self._cache[0] != name:
+            self._cache = None  # freed before the next is read
+            raw = torch.empty(meta.untyped_storage().nbytes() // size, dtype=meta.dtype)
+            self.store.read_into("", base, tensor_bytes(raw))
+            full = raw.as_strided(meta.shape, meta.stride(), meta.storage_offset()).contiguous()
+            self._cache = (name, full.view(-1))
+        out.copy_(self._cache[1][offset : offset + out.numel()])
 
     def close(self) -> None:
         self._cache = None

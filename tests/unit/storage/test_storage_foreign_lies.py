@@ -327,3 +327,27 @@ def test_torch_container_at_two_places_is_corrupt_and_found_at_once(
             storage.CorruptCheckpointError, first, lambda: storage.load_state_dict(str(path))
         )
         assert second in str(error)
+
+
+def test_torch_conjugate_and_negative_views_load_as_torch_loads_them(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``torch.save`` keeps a conjugate or negative view as its storage plus a bit; the values
+    are those ``torch.load`` gives (contiguous or strided), through every reader."""
+    g = torch.Generator().manual_seed(5)
+    c = torch.randn(3, 4, dtype=torch.complex64, generator=g)
+    state = {
+        "conj": c.conj(),
+        "conj_t": c.conj().t(),  # strided: read through the storage's copy
+        "neg": c.clone().conj().imag,  # the imaginary part of a conjugate: a negative view
+        "plain": c,
+    }
+    path = tmp_path / "views.pt"
+    torch.save(state, path)
+    want = {
+        k: v.resolve_conj().resolve_neg() for k, v in torch.load(path, weights_only=True).items()
+    }
+    assert want["conj"].is_conj() is False and not torch.equal(want["conj"], c)
+    for got in (storage.load_state_dict(str(path)), storage.LazyStateDict(str(path))):
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
