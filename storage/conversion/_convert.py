@@ -163,7 +163,15 @@ def select(
             )
         cast = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
         outputs[out] = OutTensor(TensorInfo(out, info.shape, cast), name)
-    values = {} if model_only else {renamed(k): v for k, v in source.values.items()}
+    values: dict[str, Any] = {}
+    names: dict[str, str] = {}  # output value name -> its source name
+    for name, value in [] if model_only else sorted(source.values.items()):
+        out = renamed(name)
+        if not out:
+            raise ValueError(f"renaming {name!r} leaves an empty name")
+        if out in names:
+            raise ValueError(f"values {names[out]!r} and {name!r} both become {out!r}")
+        names[out], values[out] = name, value
     clash = sorted(set(values) & set(outputs))
     if clash:
         raise ValueError(f"names {clash} are both tensors and values after renaming")

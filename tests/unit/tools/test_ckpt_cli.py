@@ -522,3 +522,17 @@ def test_diff_compares_integers_exactly(tmp_path: pathlib.Path) -> None:
     assert rows["ids"]["max_abs_diff"] >= 1
     same = storage.catalog.diff(url, 2, url, 2)["tensors"]
     assert {r["status"] for r in same} == {"same"}
+
+
+@pytest.mark.parametrize("to", ["ftsdp", "hf", "torch", "dcp"])
+def test_two_values_renamed_onto_one_name_are_refused(tmp_path: pathlib.Path, to: str) -> None:
+    """As for tensors: ``--rename old.=new.`` on values ``old.lr`` and ``new.lr`` would keep
+    one of them and drop the other with exit 0; it exits 2 naming both, writing nothing (hf
+    keeps values with ``--include-optimizer``)."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    storage.save({"w": torch.ones(2), "old": {"lr": 0.1}, "new": {"lr": 0.5}}, str(src), 3)
+    extra = ["--include-optimizer"] if to == "hf" else []
+    args = ["convert", str(src), str(out), "--to", to, "--rename", "old.=new.", *extra]
+    code, _, err = _cli(*args)
+    assert code == 2 and "values 'new.lr' and 'old.lr' both become 'new.lr'" in err, err
+    assert not out.exists()
