@@ -124,7 +124,7 @@ def inspect_checkpoint(
             total_tensors=len(tensors),
             total_bytes=sum(t["bytes"] for t in tensors),
             values=sorted(source.values),
-            dropped=list(source.dropped),
+            dropped=source.dropped_list(),
         )
         return info
 
@@ -312,7 +312,7 @@ def verify(
             meter = Meter(sum(t.nbytes for t in source.tensors.values()), progress)
             report.checked = [None]
             _verify_source(source, chunk, meter, report.problems)
-            report.problems.extend(f"{d}: not checked" for d in source.dropped)
+            report.problems.extend(f"{d}: not checked" for d in source.dropped_list())
         report.bytes_read = meter.done
         return report
     store = Store(url, storage_options)

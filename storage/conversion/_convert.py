@@ -290,7 +290,7 @@ def convert(
             tensors=len(outputs),
             bytes_read=meter.done,
             written=written,
-            dropped=list(source.dropped),
+            dropped=source.dropped_list(),
             extra=[name for name, _ in extra],
             source_step=source.step,
             mesh=tuple(mesh) if mesh is not None and steps else None,

@@ -415,7 +415,7 @@ class DcpSource(Source):
         for fqn, md in self._meta.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 if md.properties.dtype not in SUPPORTED:
-                    self.dropped.append(f"{fqn} (dtype {md.properties.dtype} unsupported)")
+                    self.dropped[fqn] = f"dtype {md.properties.dtype} unsupported"
                     continue
                 self.tensors[fqn] = TensorInfo(fqn, tuple(md.size), md.properties.dtype)
             elif isinstance(md, BytesStorageMetadata):
@@ -426,7 +426,7 @@ class DcpSource(Source):
             self._load(state, failed)
             for key in value_keys:
                 if key in failed:
-                    self.dropped.append(f"{key} (not loadable with weights_only=True)")
+                    self.dropped[key] = "not loadable with weights_only=True"
                 else:
                     self.keep_value(key, state[key])
         self.order = list(self.tensors)

@@ -35,7 +35,8 @@ class Source(abc.ABC):
         self.step: int | None = None
         self.world_size: int | None = None
         self.rank_values: list[dict[str, Any]] = []
-        self.dropped: list[str] = []  # entries that cannot be represented (named in reports)
+        # entries that cannot be represented -> why (named in reports and by the loaders)
+        self.dropped: dict[str, str] = {}
 
     @abc.abstractmethod
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
@@ -57,6 +58,10 @@ class Source(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional: most sources hold nothing to release
         """Release what the reader holds (files, caches)."""
 
+    def dropped_list(self) -> list[str]:
+        """``dropped`` as report lines, ``name (why)``."""
+        return [f"{name} ({why})" for name, why in self.dropped.items()]
+
     def keep_value(self, name: str, value: Any) -> None:
         """Keep ``value`` as the JSON value ``name`` (a tuple becomes a list), or name it in
         ``dropped`` with why: not JSON, or nested deeper than a manifest may hold."""
@@ -64,12 +69,12 @@ class Source(abc.ABC):
             out = json.loads(json.dumps(value))
             deep = too_deep({"values": {name: out}}, MAX_JSON_DEPTH)  # as a manifest nests it
         except (TypeError, ValueError):
-            self.dropped.append(f"{name} ({type(value).__name__} is not JSON)")
+            self.dropped[name] = f"{type(value).__name__} is not JSON"
             return
         except RecursionError:  # the encoder's own depth guard: deeper still
             deep = True
         if deep:
-            self.dropped.append(f"{name} (nests deeper than {MAX_JSON_DEPTH} JSON levels)")
+            self.dropped[name] = f"nests deeper than {MAX_JSON_DEPTH} JSON levels"
         else:
             self.values[name] = out
 

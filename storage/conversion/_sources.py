@@ -197,7 +197,7 @@ class HfSource(Source):
             for name, entry in header.items():  # read_header checked each entry's types
                 held.setdefault(name, file)
                 if entry["dtype"] not in BY_SAFETENSORS_CODE:
-                    self.dropped.append(f"{name} (safetensors dtype {entry['dtype']} unsupported)")
+                    self.dropped[name] = f"safetensors dtype {entry['dtype']} unsupported"
                     continue
                 info = TensorInfo(name, tuple(entry["shape"]), BY_SAFETENSORS_CODE[entry["dtype"]])
                 start, end = entry["data_offsets"]
@@ -306,7 +306,7 @@ class TorchSource(Source):
                 names.add(name)
                 if isinstance(value, torch.Tensor):
                     if value.dtype not in BY_SAFETENSORS_CODE.values():
-                        self.dropped.append(f"{name} (dtype {value.dtype} unsupported)")
+                        self.dropped[name] = f"dtype {value.dtype} unsupported"
                         continue
                     self._meta[name] = value
                     self.tensors[name] = TensorInfo(name, tuple(value.shape), value.dtype)

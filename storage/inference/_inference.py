@@ -144,6 +144,39 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -
         d[a : a + step].copy_(s[a : a + step])
 
 
+def _open(
+    url: str,
+    step: int | None,
+    storage_options: dict[str, Any] | None,
+    options: LoadOptions | None,
+    trust_pickle: bool,
+) -> Source:
+    """The loaders' source of ``url``: what it holds that no loader can represent (a dtype
+    torch or the format lacks, a value that is not JSON) is named in a warning, not dropped
+    unsaid."""
+    source = open_source(
+        url, None, step, storage_options, options=options, trust_pickle=trust_pickle
+    )
+    if source.dropped:
+        logger.warning(
+            "%s: %d entr%s left out, not loadable here: %s",
+            *(url, len(source.dropped), "y" if len(source.dropped) == 1 else "ies"),
+            "; ".join(source.dropped_list()),
+        )
+    return source
+
+
+def _unknown(source: Source, where: str, names: Sequence[str]) -> KeyError:
+    """The KeyError for tensor ``names`` ``source`` does not give: those it holds in a form no
+    loader represents are named with why, apart from those it does not hold."""
+    left_out = [f"{n} ({source.dropped[n]})" for n in names if n in source.dropped]
+    absent = [n for n in names if n not in source.dropped]
+    parts = [f"has no tensor(s) {absent}"] if absent else []
+    if left_out:
+        parts.append(f"holds, but cannot load: {'; '.join(left_out)}")
+    return KeyError(f"{where} {' and '.join(parts)}")
+
+
 def load_state_dict(
     url: str,
     step: int | None = None,
@@ -165,14 +198,12 @@ def load_state_dict(
         keys = [keys]
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype={dtype!r} must be a torch.dtype (e.g. torch.bfloat16) or None")
-    with closing(
-        open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
-    ) as source:
+    with closing(_open(url, step, storage_options, options, trust_pickle)) as source:
         names = sorted(source.tensors) if keys is None else list(keys)
         unknown = [n for n in names if n not in source.tensors]
         if unknown:
             where = f"step {source.step} at {url}" if source.step is not None else url
-            raise KeyError(f"{where} has no tensor(s) {unknown}")
+            raise _unknown(source, where, unknown)
         out = {n: _empty(source.tensors[n], dtype, device) for n in names}
         fill(source, list(out.items()))
         return out
@@ -221,9 +252,7 @@ def load_into(
     Raises ``StateMismatchError`` before anything is read for a shape mismatch, a refused cast,
     or, when ``strict``, missing and unexpected keys (else reported in the result).
     """
-    with closing(
-        open_source(url, None, step, storage_options, options=options, trust_pickle=trust_pickle)
-    ) as source:
+    with closing(_open(url, step, storage_options, options, trust_pickle)) as source:
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
         extra: list[str] = []  # keys of modules' extra state (get_extra_state)
@@ -256,6 +285,11 @@ def load_into(
                 f"checkpoint {url} (prefix {prefix!r}) does not match the module: missing={missing} "
                 f"unexpected={unexpected} shape mismatches={bad}"
                 + ("" if bad else " (strict=False loads the rest and reports these)")
+                + "".join(
+                    f"; {k} is in it but cannot be loaded ({source.dropped[prefix + k]})"
+                    for k in missing
+                    if prefix + k in source.dropped
+                )
             )
         _check_casts(f"checkpoint {url} (prefix {prefix!r})", [p[1:] for p in plan])
         # Phase one reads and verifies; nothing of the module is written.
@@ -338,9 +372,7 @@ class LazyStateDict(Mapping):
         options: LoadOptions | None = None,
         trust_pickle: bool = False,
     ) -> None:
-        self._source = open_source(
-            url, None, step, storage_options, options=options, trust_pickle=trust_pickle
-        )
+        self._source = _open(url, step, storage_options, options, trust_pickle)
         self.url, self.device, self.dtype, self.cache = url, device, dtype, cache
         self._cache: dict[str, torch.Tensor] = {}
 
@@ -365,7 +397,9 @@ class LazyStateDict(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._cache:
             return self._cache[name]
-        t = _empty(self._source.tensors[name], self.dtype, self.device)  # KeyError: unknown name
+        if name not in self._source.tensors:
+            raise _unknown(self._source, self.url, [name])
+        t = _empty(self._source.tensors[name], self.dtype, self.device)
         fill(self._source, [(name, t)])
         if self.cache:
             self._cache[name] = t
@@ -396,7 +430,7 @@ class LazyStateDict(Mapping):
         source = self._source
         unknown = [n for n, _, _ in targets if n not in source.tensors]
         if unknown:
-            raise KeyError(f"{self.url} has no tensor(s) {sorted(set(unknown))}")
+            raise _unknown(source, self.url, sorted(set(unknown)))
         for name, offset, out in targets:
             if out.dim() != 1 or not out.is_contiguous():
                 raise ValueError(f"{name}: the target must be 1-D and contiguous")

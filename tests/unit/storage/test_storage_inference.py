@@ -279,3 +279,39 @@ def test_load_into_hands_extra_state_to_set_extra_state(tmp_path: pathlib.Path, 
     storage.save({k: v for k, v in src.state_dict().items() if "extra" not in k}, url, 2)
     with pytest.raises(storage.StateMismatchError, match=r"missing=\['0._extra_state'\]"):
         storage.load_into(bare, url)  # strict: an extra state the checkpoint lacks is missing
+
+
+def test_a_tensor_no_loader_can_represent_is_named_not_dropped_unsaid(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A uint16 tensor in a safetensors file (a dtype the format has no code for): every loader
+    says so. The others load; the warning names it; asking for it by name says the file holds
+    it and why it cannot be loaded (not that it is absent); a strict ``load_into`` says why it
+    is missing."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    save_file({"ids": torch.tensor([1, 65535], dtype=torch.uint16), "w": w}, str(path))
+    why = "ids (safetensors dtype U16 unsupported)"
+    with caplog.at_level("WARNING", logger="ftsdp.storage"):
+        got = storage.load_state_dict(str(path))
+    assert sorted(got) == ["w"] and torch.equal(got["w"], w)
+    assert any(why in r.getMessage() for r in caplog.records), caplog.text
+    with pytest.raises(KeyError, match=r"holds, but cannot load: ids \(safetensors dtype U16"):
+        storage.load_state_dict(str(path), keys=["ids"])
+    with pytest.raises(KeyError, match=r"has no tensor\(s\) \['nope'\] and holds, but cannot"):
+        storage.load_state_dict(str(path), keys=["nope", "ids"])
+    with storage.LazyStateDict(str(path)) as lazy, pytest.raises(KeyError, match="cannot load"):
+        lazy["ids"]
+
+    class WithIds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2, 3))
+            self.register_buffer("ids", torch.zeros(2, dtype=torch.int32))
+
+    module = WithIds()
+    with pytest.raises(storage.StateMismatchError, match="ids is in it but cannot be loaded"):
+        storage.load_into(module, str(path))
+    assert not module.w.any()  # nothing written
