@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -358,8 +360,15 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))
     if bool(same.all()):
         return 0, 0.0
-    d = torch.where(same, 0.0, (a64 - b64).abs()).nan_to_num(nan=float("inf"))
+    # NaN against a number differs by inf; +inf stays inf (nan_to_num's default makes it the
+    # largest double)
+    d = torch.where(same, 0.0, (a64 - b64).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
     return int((~same).sum()), float(d.max())
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """Two JSON values are the same as JSON: NaN is NaN, and 1, 1.0 and True differ."""
+    return json.dumps(x, sort_keys=True) == json.dumps(y, sort_keys=True)
 
 
 def diff(
@@ -422,7 +431,7 @@ def diff(
         values = [
             {"name": k, "a": a.values.get(k), "b": b.values.get(k)}
             for k in sorted(set(a.values) | set(b.values))
-            if a.values.get(k) != b.values.get(k) or (k in a.values) != (k in b.values)
+            if (k in a.values) != (k in b.values) or not _same_value(a.values[k], b.values[k])
         ]
         return {
             "a": {"url": url_a, "step": a.step},

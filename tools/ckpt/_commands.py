@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -15,7 +16,20 @@ from ftsdp.tools.ckpt._hf_export import hf_export
 
 
 def _emit(out: TextIO, obj: Any) -> None:
-    out.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    """``obj`` as strict JSON: a float that JSON cannot hold (NaN, an infinity) is written as
+    the string Python's ``json`` would have written bare ("NaN", "Infinity", "-Infinity")."""
+    out.write(json.dumps(_strict(obj), indent=2, sort_keys=True, default=str, allow_nan=False))
+    out.write("\n")
+
+
+def _strict(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return json.dumps(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
 
 
 def _with_progress(args: argparse.Namespace, fn: Callable[..., Any], **kwargs: Any) -> Any:

@@ -536,3 +536,24 @@ def test_two_values_renamed_onto_one_name_are_refused(tmp_path: pathlib.Path, to
     code, _, err = _cli(*args)
     assert code == 2 and "values 'new.lr' and 'old.lr' both become 'new.lr'" in err, err
     assert not out.exists()
+
+
+def test_diff_reports_infinities_and_nan_values_as_they_are(tmp_path: pathlib.Path) -> None:
+    """An element that became inf differs by inf (not by the largest double); a NaN value is
+    the same NaN in both steps; inf against -inf differs by inf; --json is strict JSON (what
+    JSON cannot hold is written as a string)."""
+    root = str(tmp_path / "ckpt")
+    storage.save({"w": torch.tensor([1.0, 2.0, 3.0]), "loss": float("nan")}, root, 1)
+    inf = float("inf")
+    storage.save({"w": torch.tensor([inf, 2.0, -inf]), "loss": float("nan")}, root, 2)
+    code, out, _ = _cli("diff", root, "1", "2")
+    assert code == 0 and "max abs diff inf" in out and "0 values differ" in out, out
+    code, out, _ = _cli("diff", root, "1", "1")
+    assert "1 same; 0 values differ" in out, out
+    code, out, _ = _cli("diff", root, "1", "2", "--json")
+    doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"bare {c} in --json"))
+    (row,) = doc["tensors"]
+    assert row["changed"] == 2 and row["max_abs_diff"] == "Infinity", row
+    storage.save({"w": torch.tensor([-inf, 2.0, inf]), "loss": 0.5}, root, 3)
+    code, out, _ = _cli("diff", root, "2", "3")
+    assert "2/3 elements, max abs diff inf" in out and "1 values differ" in out, out
