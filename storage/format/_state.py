@@ -154,6 +154,8 @@ def _tensor_leaf(name: str, obj: Any, memo: dict) -> TensorLeaf:
     else:
         shape, rng, local = tuple(obj.shape), Range(0, obj.numel()), obj
     dtype_name(local.dtype)  # raises for dtypes the format cannot hold
+    if local.is_conj() or local.is_neg():  # a view whose bit torch applies when it is read
+        local = local.resolve_conj().resolve_neg()  # its values, copied now
     return TensorLeaf(name, shape, local.dtype, rng, local, hint, grid, box)
 
 

@@ -479,3 +479,15 @@ def test_names_that_only_read_as_a_step_are_not_steps(ckpt: Path) -> None:
     target = _blank()
     storage.load(target, str(ckpt))
     assert target["step"] == 3
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_conjugate_and_negative_views_save_their_values(tmp_path: Path, async_save: bool) -> None:
+    """A conjugate view (and the imaginary part of one, a negative view) is saved with the
+    values torch gives when it is read, not its storage's (the save failed inside torch)."""
+    c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    state = {"conj": c.conj(), "neg": c.conj().imag}
+    storage.save(state, str(tmp_path), 1, async_save=async_save).wait()
+    got = storage.load_state_dict(str(tmp_path))
+    assert torch.equal(got["conj"], c.conj().resolve_conj())
+    assert torch.equal(got["neg"], torch.tensor([-2.0, 1.0]))
