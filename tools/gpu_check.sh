@@ -3,7 +3,8 @@
 #   bash tools/gpu_check.sh [STEP...]     (default: every step below)
 # With ftsdp installed (an editable install of this checkout), torch with CUDA, pytest and
 # pytest-timeout. Runs, each under a time limit of its own, logs under $OUT (or ./gpu-check):
-#   gpu_tests.log   tests/gpu: the engine's CUDA paths, checkpoints of state on the device
+#   gpu_tests.log   tests/gpu: the engine's CUDA paths, checkpoints of state on the device, the
+#                   main job killed with kill -9 on the GPU and resumed
 #   snap_cuda.log   the Snapshots benchmark on the GPU (one NCCL rank, the MLP, a larger batch)
 #   snap_gpt.log    the Snapshots benchmark's own rows (W=2 CPU ranks) on this machine's cores
 #   snap_mlp.log    the same on the MLP
@@ -27,7 +28,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, log to $out/NAME
   tail -n 40 "$out/$name.log"
   [ $rc -eq 0 ] || status=1
 }
-step gpu_tests 180 python3 -m pytest -p no:cacheprovider -o addopts="-ra" -q tests/gpu
+step gpu_tests 300 python3 -m pytest -p no:cacheprovider -o addopts="-ra" -q tests/gpu
 only=floor,ftsdp/storage,ftsdp/persister,dcp,dcp-process,fsdp2/persister
 step snap_cuda 150 python3 -m ftsdp.tools.bench_snapshot --cuda --world 1 --model mlp \
   --mlp-batch 8192 --rounds 2 --only $only
