@@ -164,15 +164,45 @@ def _json_value(what: str, value: Any) -> Any:
     return value
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with its tensors as numbers (or lists) and its tuples as lists."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, tuple | list) else value
+
+
+def _like(saved: Any, current: Any) -> Any:
+    """``saved`` (JSON) with a tensor wherever ``current`` (the live state) holds one."""
+    if isinstance(current, torch.Tensor):
+        return torch.as_tensor(saved, dtype=current.dtype, device=current.device)
+    if isinstance(current, dict) and isinstance(saved, dict):
+        return {k: _like(v, current[k]) if k in current else v for k, v in saved.items()}
+    if isinstance(current, list | tuple) and isinstance(saved, list) and len(saved) == len(current):
+        return type(current)(_like(s, c) for s, c in zip(saved, current, strict=True))
+    return saved
+
+
+def scheduler_json(state: dict[str, Any]) -> str:
+    """An LR scheduler's state dict as one JSON string: its tensors (a tensor learning rate's
+    ``base_lrs`` and ``_last_lr``) become numbers; anything else that is not JSON is named."""
+    try:
+        return json.dumps(_plain(state), sort_keys=True)
+    except (TypeError, ValueError):
+        for key, value in state.items():
+            _json_value(f"lr_scheduler state {key!r}", _plain(value))
+        raise
+
+
+def scheduler_state(saved_json: str, current: dict[str, Any]) -> dict[str, Any]:
+    """The saved scheduler state, with tensors again where the live scheduler holds them."""
+    return _like(json.loads(saved_json), current)
+
+
 def groups_json(groups: list[dict[str, Any]]) -> str:
     """Param groups as one JSON string: tensors become numbers (or lists), tuples lists."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.detach().cpu().tolist()
-        return [plain(v) for v in value] if isinstance(value, tuple | list) else value
-
-    doc = [{k: (v if k == "params" else plain(v)) for k, v in g.items()} for g in groups]
+    doc = [{k: (v if k == "params" else _plain(v)) for k, v in g.items()} for g in groups]
     try:
         return json.dumps(doc, sort_keys=True)
     except (TypeError, ValueError):  # name the value (checked only now: this runs every save)

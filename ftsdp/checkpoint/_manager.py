@@ -176,7 +176,7 @@ class CheckpointManager:
             **tier.values(),
         }
         if self.lr_scheduler is not None:
-            state["scheduler"] = json.dumps(self.lr_scheduler.state_dict(), sort_keys=True)
+            state["scheduler"] = _engines.scheduler_json(self.lr_scheduler.state_dict())
         return state
 
     def due(self, step: int) -> bool:
@@ -422,7 +422,8 @@ class CheckpointManager:
             self.engine.optim_state()["param_groups"],
         )
         if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(json.loads(target["scheduler"]))
+            sched = self.lr_scheduler
+            sched.load_state_dict(_engines.scheduler_state(target["scheduler"], sched.state_dict()))
         rank, world = self._group.rank_world()
         if loaded.saved_world_size == world:
             cs.set_rng_state(target["rng"])

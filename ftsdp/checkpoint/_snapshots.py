@@ -291,7 +291,7 @@ class Snapshots:
                     self.durable.discard_newer = True
         if memory:
             if msg["memory"] is None:
-                self.newest["memory"] = step
+                self.newest["memory"] = max(step, self.newest.get("memory", -1))  # (any order)
             else:
                 self.log(f"ftsdp: a save to the memory tier failed (step {step}): {msg['memory']}")
 

@@ -5,6 +5,7 @@ disk or in the live model against what the user was told."""
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -233,3 +234,68 @@ def test_a_step_that_is_not_a_non_negative_int_is_refused_by_both_tiers(
             ckpt.wait()
         assert storage.list_steps(str(durable)) == []
         assert storage.list_steps(str(memory)) == []
+
+
+def test_a_tensor_learning_rate_and_its_scheduler_resume(tmp_path: pathlib.Path) -> None:
+    """torch's recipe for a compiled optimizer with a scheduler: ``lr=torch.tensor(...)``.
+    The scheduler's state then holds tensors (``base_lrs``, ``_last_lr``); it is saved (the
+    save failed before training, in ``resume``) and comes back as tensors, and the resumed
+    run's learning rates follow the uninterrupted one's."""
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    model, opt, sched = build(0)
+    with CheckpointManager(str(tmp_path), model, opt, lr_scheduler=sched) as ckpt:
+        ckpt.resume({"step": 0})
+        for _ in range(3):
+            step(model, opt, sched)
+        ckpt.save(3, {"step": 3})
+    lr_at_save = float(opt.param_groups[0]["lr"])
+    step(model, opt, sched)
+    again, again_opt, again_sched = build(1)
+    with CheckpointManager(str(tmp_path), again, again_opt, lr_scheduler=again_sched) as ckpt:
+        assert ckpt.resume({"step": 0}) is not None
+    assert all(isinstance(x, torch.Tensor) for x in again_sched.state_dict()["base_lrs"])
+    assert float(again_opt.param_groups[0]["lr"]) == lr_at_save
+    step(again, again_opt, again_sched)
+    assert float(again_opt.param_groups[0]["lr"]) == float(opt.param_groups[0]["lr"])
+    assert again_sched.get_last_lr() == sched.get_last_lr()
+    for a, b in zip(again.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_newest_memory_step_known_to_the_persister_never_goes_back(
+    tmp_path: pathlib.Path, shm_path: pathlib.Path
+) -> None:
+    """The persister may answer a memory snapshot before the durable save of the step before
+    it: after ``wait()``, ``newest_committed()`` names the newest step the memory tier holds
+    (it named the older one in most such waits)."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    memory = str(shm_path / "tier")
+    with CheckpointManager(
+        str(tmp_path), model, opt, persister=True, memory_url=memory, memory_every=1, every_steps=2
+    ) as ckpt:
+        ckpt.resume({})
+        ckpt.save(0, {})  # waits for the persister to listen (memory snapshots do not)
+        for step in range(1, 13):
+            model(torch.randn(2, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if ckpt.due(step):
+                ckpt.save(step, {})
+            ckpt.save_to_memory(step, {})
+            if step % 2:  # a memory snapshot right after a durable save
+                ckpt.wait()
+                assert ckpt.newest_committed()["memory"] == storage.list_steps(memory)[-1]
