@@ -65,6 +65,13 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
         raise JobError(refusal(cfg.checkpoint_url or "", resumed.step, diffs), report=rm.rank == 0)
     if job.scaler is not None and isinstance(template.get("grad_scaler"), str):
         job.scaler.load_state_dict(json.loads(template["grad_scaler"]))
+    changed = _apply_schedule_flags(cfg, job, saved.config())
+    if changed:
+        log.write(
+            f"resumed with {', '.join(changed)}: this run's values apply from step "
+            f"{resumed.step + 1}",
+            {"event": "flags_changed", "step": resumed.step, "changed": changed},
+        )
     trainer.update(
         step=template["step"],
         cursor=template["cursor"],
@@ -96,6 +103,28 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
         },
     )
     return resumed.step
+
+
+_SCHEDULE_FLAGS = ("lr", "min_lr", "warmup", "weight_decay")
+
+
+def _apply_schedule_flags(cfg: TrainConfig, job: Job, saved: dict[str, Any]) -> list[str]:
+    """Put this run's learning-rate schedule and weight decay on the resumed optimizer: the
+    load gave it the checkpoint's (base learning rates, the current one, the decay group's
+    weight decay), and a restart with a lower ``--lr`` must train with it. The same values
+    leave every bit as it was. Returns the flags that differ from the saved run's."""
+    sched, groups = job.scheduler, job.optimizer.param_groups
+    assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR)
+    sched.base_lrs = [cfg.lr] * len(groups)
+    for group, base, factor in zip(groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        group["initial_lr"], group["lr"] = base, base * factor(sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports
+    groups[0]["weight_decay"] = cfg.weight_decay  # param_groups(): the decay group first
+    return [
+        f"--{k.replace('_', '-')} {getattr(cfg, k)} (saved {saved[k]})"
+        for k in _SCHEDULE_FLAGS
+        if k in saved and saved[k] != getattr(cfg, k)
+    ]
 
 
 def _step(
