@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import re
 import sys
 import types
@@ -44,6 +46,9 @@ def redact_url(value: str) -> str:
         return value
     host = netloc.rpartition("@")[2]
     return value[: m.start()] + urllib.parse.urlunsplit((scheme, host, path, "", ""))
+
+
+MAX_SECONDS = 1e9  # any duration flag (timedelta and torch's timeouts overflow far above)
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,12 @@ class TrainConfig:
                     '{"key": ..., "secret": ...}) or the storage\'s own environment variables '
                     "(AWS_ACCESS_KEY_ID, ...)"
                 )
+        for f in dataclasses.fields(self):  # inf passes every >= check, then breaks a timedelta
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                need(math.isfinite(value), f.name, "must be a finite number")
+            if f.name.endswith("_s"):  # a duration: torch's and Python's clocks hold ~30 years
+                need(value <= MAX_SECONDS, f.name, f"must be at most {MAX_SECONDS:g} seconds")
         for name in ("global_batch", "micro_batch", "steps", "log_every", "keep_last"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         periods = ("checkpoint_every", "memory_every", "checkpoint_every_s")
@@ -236,6 +247,21 @@ class TrainConfig:
             self.memory_url is None or self.memory_every > 0, "memory_url", "needs --memory-every N"
         )
         need(self.tensorboard != "", "tensorboard", "must be a directory (or not given)")
+        need(
+            not _same_place(self.memory_url, self.checkpoint_url),
+            "memory_url",
+            "must differ from --checkpoint-url (the memory tier is a root of its own)",
+        )
+        # local paths that cannot be what they are for: refused now, not at the first save
+        for name, kind in (
+            ("checkpoint_url", "dir"),
+            ("memory_url", "dir"),
+            ("metrics", "file"),
+            ("ledger", "file"),
+            ("tensorboard", "dir"),
+        ):
+            problem = _unusable_local_path(getattr(self, name), kind)
+            need(problem is None, name, problem or "")
         try:
             ModelSpec.parse(self.model)
         except ValueError as e:  # names the accepted forms
@@ -244,7 +270,7 @@ class TrainConfig:
             self.model_config()  # GPTConfig validates the model shape
         else:
             need(self.block_size >= 1, "block_size", "must be >= 1")
-            need(self.vocab_size >= 2, "vocab_size", "must be >= 2")
+        need(self.vocab_size >= 2, "vocab_size", "must be >= 2")
 
     def model_config(self) -> GPTConfig:
         from ftsdp.examples.gpt import GPTConfig
@@ -404,3 +430,40 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
+
+
+def _local(url: str | None) -> str | None:
+    """The local path of ``url`` (a plain path or ``file://``), else None (another filesystem)."""
+    if url is None:
+        return None
+    if url.startswith("file://"):
+        return url[len("file://") :]
+    return None if "://" in url else url
+
+
+def _same_place(a: str | None, b: str | None) -> bool:
+    """Whether ``a`` and ``b`` name one place (local paths resolved; other URLs as written)."""
+    if a is None or b is None:
+        return False
+    pa, pb = _local(a), _local(b)
+    if pa is None or pb is None:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(os.path.expanduser(pa)) == os.path.realpath(os.path.expanduser(pb))
+
+
+def _unusable_local_path(url: str | None, kind: str) -> str | None:
+    """Why local ``url`` cannot be a ``kind`` ("dir" or "file") this job writes, or None."""
+    path = _local(url)
+    if not path:
+        return None
+    path = os.path.expanduser(path)
+    if kind == "dir" and os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a directory"
+    if kind == "file" and os.path.isdir(path):
+        return "is a directory, not a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        return f"cannot be made: {parent} is a file"
+    return None

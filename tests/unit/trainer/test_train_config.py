@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,17 @@ def test_defaults_are_valid_and_split_over_two_ranks() -> None:
         ({"init_from": ""}, "init_from='' must be a checkpoint URL"),
         ({"memory_every": 1}, "memory_every=1 needs --checkpoint-url"),
         ({"memory_url": "/dev/shm/x", "checkpoint_url": "c"}, "memory_url=.* needs --memory-every"),
+        # inf passed every >= check, then failed in a timedelta (or trained to NaN)
+        ({"pg_timeout_s": float("inf")}, "pg_timeout_s=inf must be a finite number"),
+        ({"heartbeat_timeout_s": float("inf")}, "heartbeat_timeout_s=inf must be a finite"),
+        ({"lr": float("inf")}, "lr=inf must be a finite number"),
+        ({"weight_decay": float("nan")}, "weight_decay=nan must be a finite number"),
+        ({"pg_timeout_s": 1e20}, "pg_timeout_s=1e\\+20 must be at most 1e\\+09 seconds"),
+        ({"vocab_size": 1}, "vocab_size=1 must be >= 2"),  # the synthetic language needs two
+        (
+            {"checkpoint_url": "ck", "memory_url": "ck/", "memory_every": 1},
+            "memory_url='ck/' must differ from --checkpoint-url",
+        ),
     ],
 )
 def test_bad_values_raise_naming_the_value_and_rule(overrides: dict, message: str) -> None:
@@ -309,3 +321,34 @@ def test_urls_and_paths_without_credentials_are_kept_as_given() -> None:
     )
     assert (cfg.init_from, cfg.checkpoint_url) == ("s3://bucket/run/step_10", "HTTPS://H/x/")
     assert (cfg.data, cfg.metrics) == ("./tokens?.bin", "file:///tmp/m.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("flag", "make", "message"),
+    [
+        ("--checkpoint-url", "file", "is a file, not a directory"),
+        ("--memory-url", "file", "is a file, not a directory"),
+        ("--tensorboard", "file", "is a file, not a directory"),
+        ("--metrics", "dir", "is a directory, not a file"),
+        ("--ledger", "dir", "is a directory, not a file"),
+        ("--ledger", "file/under", "cannot be made: .* is a file"),
+        ("--checkpoint-url", "file/under", "cannot be made: .* is a file"),
+    ],
+)
+def test_a_local_path_that_cannot_serve_is_refused_before_anything_runs(
+    tmp_path, capsys, flag: str, make: str, message: str
+) -> None:
+    """A checkpoint root that is a file was taken for an empty root: the first save failed in
+    the background, and the run trained on until the next one raised. Each such path is one
+    line and exit 2 when the flags are read."""
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "dir").mkdir()
+    argv = [flag, str(tmp_path / make)]
+    if flag == "--memory-url":
+        argv += ["--memory-every", "1", "--checkpoint-url", str(tmp_path / "ck")]
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err
+    assert (tmp_path / "file").read_text() == "mine"
