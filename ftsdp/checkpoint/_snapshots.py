@@ -153,10 +153,7 @@ class Snapshots:
         }
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.folder, p.SOCKET))  # not to connect to a dead one
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from ftsdp.checkpoint._persister import main; main()"],
-            stdin=subprocess.PIPE,
-        )
+        self.proc = subprocess.Popen(persister_command(), stdin=subprocess.PIPE)
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(config).encode() + b"\n")
         self.proc.stdin.close()
@@ -552,6 +549,17 @@ class _Copy:
 
     def wait(self) -> None:
         self._over.wait()
+
+
+def persister_command() -> list[str]:
+    """The persister's command line. Python puts the working directory first on the path of a
+    ``-c`` program, so a module another user planted there (a job started in a shared ``/tmp``)
+    would run as this user before any of ours: ``-P`` (3.11+) leaves it out; before 3.11 the
+    program takes it out before importing anything."""
+    run = "from ftsdp.checkpoint._persister import main; main()"
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-c", run]
+    return [sys.executable, "-c", f"import sys; del sys.path[0]; {run}"]
 
 
 def _starter() -> int:

@@ -99,6 +99,7 @@ def seaweedfs_server(
         ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
         cmd = [
             sys.executable,
+            "-I",  # the standard library only: not the working directory, nor PYTHONPATH
             "-c",
             _EXEC_DYING_WITH_PARENT,
             binary,

@@ -34,3 +34,24 @@ def test_a_complete_record_over_a_truncated_slot_is_refused(tmp_path) -> None:
     committed, problems = p.recover(str(tmp_path), str(memory))
     assert committed == [] and len(problems) == 1 and "step 5 in slot 0" in problems[0]
     assert not memory.exists() or storage.list_steps(str(memory)) == []
+
+
+def test_the_persister_imports_nothing_from_the_working_directory(tmp_path) -> None:
+    """A job started in a directory another user can write to (a shared /tmp): a module
+    planted there under a name the persister imports must not run. Python puts the working
+    directory first on the path of a ``-c`` program; the persister's command leaves it out."""
+    import subprocess
+
+    from ftsdp.checkpoint._snapshots import persister_command
+
+    marker = tmp_path / "ran.txt"
+    for name in ("uuid", "queue", "ftsdp"):  # the first two imported before anything of ours
+        planted = tmp_path / (f"{name}/__init__.py" if name == "ftsdp" else f"{name}.py")
+        planted.parent.mkdir(exist_ok=True)
+        planted.write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    proc = subprocess.run(
+        persister_command(), cwd=tmp_path, input=b"", capture_output=True, timeout=120
+    )
+    assert not marker.exists(), marker.read_text()
+    # it got as far as reading its (here empty) configuration: the real modules were imported
+    assert proc.returncode != 0 and b"JSONDecodeError" in proc.stderr, proc.stderr[-2000:]
