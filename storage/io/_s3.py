@@ -49,6 +49,17 @@ class S3Store(Store):
     def _creates_exclusively(self) -> bool:
         return True
 
+    def remove(self, rel: str) -> None:
+        """Delete object ``rel`` with a DELETE of its own, whose refusal raises (PermissionError
+        for AccessDenied). s3fs deletes through DeleteObjects and drops the refusals that answer
+        lists per key, so under a policy that allows writes but not deletes a retention or a gc
+        said the objects were gone, and they were not."""
+        bucket, key, _ = self.fs.split_path(self.full(rel))
+        with contextlib.suppress(FileNotFoundError):
+            self._retry(lambda: self.fs.call_s3("delete_object", Bucket=bucket, Key=key))
+        self.fs.invalidate_cache(self.full(rel))
+        self.invalidate(self._parent(rel))
+
     def remove_empty_dir(self, rel: str) -> bool:
         """Remove the directory ``rel`` if it is empty: its marker object, where the server keeps
         one (SeaweedFS lists an emptied directory until its ``<key>/`` object is deleted)."""

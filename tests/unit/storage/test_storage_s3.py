@@ -165,3 +165,40 @@ def test_a_save_costs_its_objects_and_a_constant_number_of_requests(
     assert sum(rests[1].values()) <= 6, rests[1]  # listings, the manifest, ``latest``
     assert len(per_retired) >= 5 and len(set(per_retired)) == 1, per_retired
     assert loads[0] == loads[1] and loads[0][0] == 1, loads
+
+
+def test_deletes_a_policy_refuses_are_errors_not_removals(
+    s3_bucket_url, s3_endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket policy that allows writes but not deletes (a common no-delete policy): S3
+    answers DeleteObjects with HTTP 200 and a refusal per key, which s3fs drops, and a single
+    DELETE with 403 AccessDenied. gc raises instead of reporting the steps removed, and every
+    step is still there and loads."""
+    from ftsdp.storage import catalog
+
+    opts = s3_endpoint
+    for step in (1, 2, 3):
+        storage.save(
+            {"w": torch.full((4,), float(step))}, s3_bucket_url, step, storage_options=opts
+        )
+    real = AioBaseClient._make_api_call
+
+    async def no_deletes(self: Any, operation: str, params: dict) -> Any:
+        if operation == "DeleteObjects":  # as S3 answers: 200, the refusals listed per key
+            keys = [o["Key"] for o in params["Delete"]["Objects"]]
+            return {"Errors": [{"Key": k, "Code": "AccessDenied", "Message": "no"} for k in keys]}
+        if operation == "DeleteObject":
+            error = {"Code": "AccessDenied", "Message": "no deletes here"}
+            raise ClientError(
+                {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 403}}, operation
+            )
+        return await real(self, operation, params)
+
+    monkeypatch.setattr(AioBaseClient, "_make_api_call", no_deletes)
+    with pytest.raises(PermissionError):
+        catalog.collect_garbage(s3_bucket_url, keep_last=1, storage_options=opts)
+    monkeypatch.undo()
+    assert storage.list_steps(s3_bucket_url, storage_options=opts) == [1, 2, 3]
+    for step in (1, 2, 3):
+        got = storage.load_state_dict(s3_bucket_url, step, storage_options=opts)
+        assert torch.equal(got["w"], torch.full((4,), float(step)))
