@@ -41,6 +41,17 @@ def name_taken(err: BaseException) -> bool:
 class S3Store(Store):
     """A ``Store`` on S3: exclusive creates are native, uploads checksummed (``S3Upload``)."""
 
+    def __init__(self, url: str, storage_options: dict[str, Any] | None, io: Any = None) -> None:
+        super().__init__(url, storage_options, io)
+        key = self.fs.split_path(self.root)[1]
+        if key.startswith("/") or "//" in key:
+            raise ValueError(
+                f"{self.url}: the key prefix {key!r} has an empty path segment ('//'), which "
+                "S3 servers keep (AWS) or fold into one slash (SeaweedFS, MinIO), so its objects "
+                "would be written under one name and looked for under another; give the prefix "
+                "without it"
+            )
+
     @staticmethod
     def _serves(fs: Any) -> bool:
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)

@@ -202,3 +202,30 @@ def test_deletes_a_policy_refuses_are_errors_not_removals(
     for step in (1, 2, 3):
         got = storage.load_state_dict(s3_bucket_url, step, storage_options=opts)
         assert torch.equal(got["w"], torch.full((4,), float(step)))
+
+
+@pytest.mark.parametrize("tail", ["a//b", "/a", "a//"])
+def test_a_key_prefix_with_an_empty_segment_is_refused_before_anything_is_written(
+    s3_bucket_url, s3_endpoint, tail: str
+) -> None:
+    """``s3://bucket/a//b``: SeaweedFS (like MinIO) folds ``//`` into one slash, AWS keeps it,
+    so a save wrote its objects under one key and looked for them under another (it failed
+    and left an orphan object), and loads found nothing. Refused by every call, nothing made.
+    (A trailing ``//`` is only the root's end, as a trailing ``/`` is.)"""
+    import s3fs
+
+    url = f"{s3_bucket_url}/{tail}"
+    if tail == "a//":
+        storage.save({"w": torch.ones(2)}, url, 1, storage_options=s3_endpoint)
+        assert storage.list_steps(url, storage_options=s3_endpoint) == [1]
+        return
+    for call in (
+        lambda: storage.save({"w": torch.ones(2)}, url, 1, storage_options=s3_endpoint),
+        lambda: storage.list_steps(url, storage_options=s3_endpoint),
+        lambda: storage.load_state_dict(url, storage_options=s3_endpoint),
+    ):
+        with pytest.raises(ValueError, match="empty path segment"):
+            call()
+    fs = s3fs.S3FileSystem(**s3_endpoint)
+    bucket = s3_bucket_url.removeprefix("s3://").split("/")[0]
+    assert fs.find(bucket) == []
