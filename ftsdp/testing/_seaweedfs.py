@@ -9,6 +9,7 @@ one is chosen here, all at once, so that two servers on one machine never collid
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import subprocess
@@ -75,11 +76,32 @@ def _answers(url: str) -> bool:
         return False
 
 
+# The server checks credentials: the key and secret ``seaweedfs_server`` yields may do anything,
+# these may only read and list (for tests of what a save, a load or a gc does without the right
+# to write or delete).
+READER = {"key": "ftsdp-reader", "secret": "ftsdp-reader-secret"}
+_IDENTITIES = {
+    "identities": [
+        {
+            "name": "admin",
+            "credentials": [{"accessKey": "ftsdp", "secretKey": "ftsdp"}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        },
+        {
+            "name": "reader",
+            "credentials": [{"accessKey": READER["key"], "secretKey": READER["secret"]}],
+            "actions": ["Read", "List"],
+        },
+    ]
+}
+
+
 @contextlib.contextmanager
 def seaweedfs_server(
     data_dir: str | Path | None = None, *, start_timeout_s: float = 60.0
 ) -> Iterator[dict[str, Any]]:
-    """Run ``weed server -s3`` on 127.0.0.1 and yield s3fs ``storage_options`` for it.
+    """Run ``weed server -s3`` on 127.0.0.1 and yield s3fs ``storage_options`` for it. The
+    server checks credentials: those yielded may do anything, ``READER``'s only read and list.
 
     Args:
         data_dir: where the server keeps its volumes; a temporary directory (removed at the end)
@@ -115,6 +137,8 @@ def seaweedfs_server(
         # directory), small and not preallocated, so that a volume costs no disk until written.
         (data / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
         cmd += ["-master.telemetry=false", "-volume.max=10000", "-master.volumeSizeLimitMB=256"]
+        (data / "s3.json").write_text(json.dumps(_IDENTITIES))
+        cmd.append(f"-s3.config={data / 's3.json'}")
         log_file = stack.enter_context(open(data / "weed.log", "wb"))
         proc = subprocess.Popen(
             cmd,

@@ -229,3 +229,33 @@ def test_a_key_prefix_with_an_empty_segment_is_refused_before_anything_is_writte
     fs = s3fs.S3FileSystem(**s3_endpoint)
     bucket = s3_bucket_url.removeprefix("s3://").split("/")[0]
     assert fs.find(bucket) == []
+
+
+def test_credentials_the_server_refuses_are_errors_and_change_nothing(
+    s3_bucket_url, s3_endpoint
+) -> None:
+    """On the real server, which checks credentials: a wrong secret cannot list, save or load;
+    credentials that may only read and list load every step, and their save and their gc are
+    refused (the gc by its first delete) with every step still there."""
+    from ftsdp.storage import catalog
+    from ftsdp.testing._seaweedfs import READER
+
+    for step in (1, 2):
+        storage.save(
+            {"w": torch.full((3,), float(step))}, s3_bucket_url, step, storage_options=s3_endpoint
+        )
+    wrong = {**s3_endpoint, "secret": "not-the-secret"}
+    with pytest.raises(PermissionError):
+        storage.list_steps(s3_bucket_url, storage_options=wrong)
+    with pytest.raises(PermissionError):
+        storage.load_state_dict(s3_bucket_url, storage_options=wrong)
+    reader = {**s3_endpoint, **READER}
+    assert storage.list_steps(s3_bucket_url, storage_options=reader) == [1, 2]
+    got = storage.load_state_dict(s3_bucket_url, 1, storage_options=reader)
+    assert torch.equal(got["w"], torch.full((3,), 1.0))
+    with pytest.raises(PermissionError):
+        storage.save({"w": torch.zeros(3)}, s3_bucket_url, 3, storage_options=reader)
+    with pytest.raises(PermissionError):
+        catalog.collect_garbage(s3_bucket_url, keep_last=1, storage_options=reader)
+    assert storage.list_steps(s3_bucket_url, storage_options=s3_endpoint) == [1, 2]
+    assert catalog.verify(s3_bucket_url, storage_options=s3_endpoint).ok
