@@ -595,8 +595,11 @@ def build_units(
                 if u not in materialized:
                     _materialize(plans[u], options.device)
                     materialized.add(u)
+            # a module holding only buffers (a rotary embedding's frequencies) is initialised
+            # too, as torch FSDP does: materialized, its buffers would hold whatever memory held
+            meta_buffers = any(b is not None and b.is_meta for b in m._buffers.values())
             _materialize_buffers(m, options.device)
-            if owners[index]:
+            if owners[index] or meta_buffers:
                 with torch.no_grad():
                     if param_init_fn is not None:
                         param_init_fn(m)

@@ -362,3 +362,43 @@ def test_the_rate_limiter_bounds_prefetches_the_order_no_longer_uses() -> None:
         assert wrapped.memory_stats()["unsharded_param_bytes"] == 0
     assert outstanding[True] == 2, outstanding  # the limiter acted...
     assert outstanding[False] > 2, outstanding  # ...where prefetches would pile up
+
+
+class _Rotary(nn.Module):
+    """Buffers only, as a rotary embedding (HF's LlamaRotaryEmbedding): no parameters."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.d = d
+        self.register_buffer("inv_freq", torch.empty(d))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.inv_freq.copy_(1.0 / (10000 ** (torch.arange(self.d).float() / self.d)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.inv_freq
+
+
+@pytest.mark.parametrize("init", ["reset_parameters", "param_init_fn"])
+def test_deferred_init_initialises_a_module_that_holds_only_buffers(init: str) -> None:
+    """Built on the meta device, a module with buffers and no parameters is initialised as
+    torch FSDP does (its reset_parameters, or param_init_fn on it); its buffers were left as
+    the fresh memory held (zeros here), silently."""
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), _Rotary(4), nn.Linear(4, 2))
+
+    torch.manual_seed(0)
+    eager = net()
+
+    def init_fn(m: nn.Module) -> None:
+        m.to_empty(device=torch.device("cpu"), recurse=False)
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+
+    with torch.device("meta"):
+        model = net()
+    kwargs = {"param_init_fn": init_fn} if init == "param_init_fn" else {}
+    wrapped = ftsdp.FSDP(model, **kwargs)
+    assert torch.equal(wrapped.module[1].inv_freq, eager[1].inv_freq)
