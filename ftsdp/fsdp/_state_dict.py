@@ -384,6 +384,18 @@ def optim_state_dict(
     return {"state": state, "param_groups": groups_by_name(source, entries)}
 
 
+# torch's optimizers keep these per-parameter states as 0-dim tensors whatever the parameter's
+# shape (Adam and the others: step; ASGD: eta, mu)
+_SCALAR_STATES = frozenset({"step", "eta", "mu"})
+
+
+def _positional(key: str, value: torch.Tensor) -> bool:
+    """Whether state ``key`` (shaped like its parameter) holds a value per element, which the
+    rank's shard cuts: any tensor of 1 dim or more, and a 0-dim one of a 0-dim parameter unless
+    it is one of torch's scalar states."""
+    return value.dim() > 0 or key not in _SCALAR_STATES
+
+
 def optim_state_dict_to_load(
     model: FullyShardedDataParallel, optim: torch.optim.Optimizer, osd: dict[str, Any]
 ) -> dict[str, Any]:
@@ -411,7 +423,7 @@ def optim_state_dict_to_load(
         for key in sorted(saved):
             value = full_tensor(saved[key]) if is_distributed(saved[key]) else saved[key]
             if isinstance(value, torch.Tensor):
-                if info is not None and value.dim() > 0 and value.shape == info.shape:
+                if info is not None and value.shape == info.shape and _positional(key, value):
                     value = value.reshape(-1)[info.param_start : info.param_start + info.length]
                 value = value.clone()
             entry[key] = value

@@ -402,3 +402,41 @@ def test_deferred_init_initialises_a_module_that_holds_only_buffers(init: str) -
     kwargs = {"param_init_fn": init_fn} if init == "param_init_fn" else {}
     wrapped = ftsdp.FSDP(model, **kwargs)
     assert torch.equal(wrapped.module[1].inv_freq, eager[1].inv_freq)
+
+
+def test_the_optimizer_state_of_a_scalar_parameter_round_trips() -> None:
+    """A 0-dim parameter (a learnable temperature) trains; its AdamW state saved through
+    ``FSDP.optim_state_dict`` loads back through ``optim_state_dict_to_load`` and the next step
+    equals the one of a model that was never saved (the state came back 0-dim, uncut, and the
+    step failed on the shard's shape)."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = ftsdp.FSDP(Scaled())
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(4, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    model, opt = trained()
+    osd = ftsdp.FSDP.optim_state_dict(model, opt)
+    assert osd["state"]["scale"]["exp_avg"].shape == ()  # the parameter's own shape
+    reference, ref_opt = trained()
+    fresh = torch.optim.Adam(model.parameters(), lr=0.1)
+    fresh.load_state_dict(ftsdp.FSDP.optim_state_dict_to_load(model, fresh, osd))
+    for m, o in ((model, fresh), (reference, ref_opt)):
+        m(torch.ones(4, 3)).sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
