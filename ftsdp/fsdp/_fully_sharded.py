@@ -160,10 +160,13 @@ class FullyShardedDataParallel(nn.Module):
         units = _unit.build_units(
             module, plans, options, groups, self._comm_stats, param_init_fn, self._gauge, schedule
         )
-        for buffer in module.buffers():
+        # state dicts give the buffers in their own dtype, as torch FSDP's do
+        self._buffer_dtypes: dict[str, torch.dtype] = {}
+        for name, buffer in module.named_buffers():
             if sync_module_states:
                 broadcast_flat(buffer, groups.world)
             if mp.buffer_dtype is not None and buffer.is_floating_point():
+                self._buffer_dtypes[name] = buffer.dtype
                 buffer.data = buffer.data.to(mp.buffer_dtype)
         self.module = module
         self._ignored = ignored

@@ -286,10 +286,17 @@ def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
     """``model.state_dict()`` under the model's state-dict settings (collective)."""
     config = model._sd_settings.state_dict_config
     cpu = config.offload_to_cpu
+    dtypes = model._buffer_dtypes  # buffers held in MixedPrecision's buffer_dtype: their own
+
+    def own(key: str, value: Any) -> Any:
+        return value.to(dtypes[key]) if key in dtypes else value
+
     if model._sd_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
         full = full_state_dict(model._units, model.module, lambda t: _to_dtensor(model, t, cpu))
-        return {k: v if is_distributed(v) else _to_cpu(v.clone(), cpu) for k, v in full.items()}
-    full = full_state_dict(model._units, model.module)
+        return {
+            k: v if is_distributed(v) else _to_cpu(own(k, v.clone()), cpu) for k, v in full.items()
+        }
+    full = {k: own(k, v) for k, v in full_state_dict(model._units, model.module).items()}
     if _not_rank0(model, config):
         return {}
     return {key: _to_cpu(value, cpu) for key, value in full.items()}

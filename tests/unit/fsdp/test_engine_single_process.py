@@ -440,3 +440,24 @@ def test_the_optimizer_state_of_a_scalar_parameter_round_trips() -> None:
         o.step()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_state_dicts_give_buffers_in_their_own_dtype_under_a_buffer_dtype() -> None:
+    """``MixedPrecision(buffer_dtype=bf16)`` keeps the buffers in bf16 for the forward; the
+    state dict gives them in their own dtype, as torch FSDP's does (it gave bf16, so every
+    checkpoint and conversion carried the low precision), and loads back. (The sharded state
+    dict, which needs a process group, takes the same path: tests/distributed.)"""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    mp = ftsdp.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    model = ftsdp.FSDP(net, mixed_precision=mp)
+    model(torch.randn(5, 4)).sum().backward()
+    live = model.module[1].running_mean
+    assert live.dtype == torch.bfloat16
+    full = model.state_dict()
+    assert full["1.running_mean"].dtype == torch.float32
+    assert torch.equal(full["1.running_mean"], live.float())
+    before = live.clone()
+    full["1.running_mean"] = full["1.running_mean"] + 1
+    model.load_state_dict(full)
+    assert torch.equal(model.module[1].running_mean, (before.float() + 1).bfloat16())
