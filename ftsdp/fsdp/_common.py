@@ -70,12 +70,14 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Low-precision compute and communication over fp32 master shards (torch FSDP's fields)."""
+    """Low-precision compute and communication over fp32 master shards (torch FSDP's fields,
+    with its defaults): ``cast_root_forward_inputs`` casts the root's floating inputs to
+    ``param_dtype``, ``cast_forward_inputs`` every unit's (the root's follows the former)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
+    cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
     keep_low_precision_grads: bool = False
 
@@ -110,10 +112,8 @@ def as_mixed_precision(value: Any) -> MixedPrecision | None:
             reduce_dtype=value.reduce_dtype,
             buffer_dtype=value.buffer_dtype,
             keep_low_precision_grads=getattr(value, "keep_low_precision_grads", False),
-            cast_forward_inputs=bool(
-                getattr(value, "cast_root_forward_inputs", True)
-                or getattr(value, "cast_forward_inputs", False)
-            ),
+            cast_forward_inputs=bool(getattr(value, "cast_forward_inputs", False)),
+            cast_root_forward_inputs=bool(getattr(value, "cast_root_forward_inputs", True)),
         )
     raise ValueError(f"mixed_precision must be an ftsdp.MixedPrecision, got {value!r}")
 

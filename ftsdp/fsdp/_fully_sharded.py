@@ -192,6 +192,7 @@ class FullyShardedDataParallel(nn.Module):
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
+            cast_root_inputs_to=mp.param_dtype if mp.cast_root_forward_inputs else None,
             cast_inputs_to=mp.param_dtype if mp.cast_forward_inputs else None,
         )
         _install_stale_optimizer_guard()

@@ -67,6 +67,7 @@ class Runtime:
         backward_prefetch: bool,
         forward_prefetch: bool,
         limit_all_gathers: bool,
+        cast_root_inputs_to: torch.dtype | None,
         cast_inputs_to: torch.dtype | None,
     ) -> None:
         self.units = units
@@ -74,7 +75,8 @@ class Runtime:
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
-        self.cast_inputs_to = cast_inputs_to
+        # MixedPrecision's casts of floating inputs: the root's, every other unit's
+        self.cast_root_inputs_to, self.cast_inputs_to = cast_root_inputs_to, cast_inputs_to
         self._gathering: deque[FlatParamUnit] = deque()  # prefetched, oldest first
         self._reducing: deque[FlatParamUnit] = deque()  # reductions in flight, oldest first
         self._forward_order: list[FlatParamUnit] = []  # this iteration's pre-forward order
@@ -121,8 +123,9 @@ class Runtime:
                 run.wants_grad = run.wants_grad or bool(unit.trainable)
                 if unit is not self.root:
                     self._hook_inputs(unit, (args, kwargs))
-            if unit is self.root and self.cast_inputs_to is not None:
-                cast = partial(_cast_float, dtype=self.cast_inputs_to)
+            dtype = self.cast_root_inputs_to if unit is self.root else self.cast_inputs_to
+            if dtype is not None:
+                cast = partial(_cast_float, dtype=dtype)
                 return tree_map(args, cast), tree_map(kwargs, cast)
             return None
 

@@ -461,3 +461,48 @@ def test_state_dicts_give_buffers_in_their_own_dtype_under_a_buffer_dtype() -> N
     full["1.running_mean"] = full["1.running_mean"] + 1
     model.load_state_dict(full)
     assert torch.equal(model.module[1].running_mean, (before.float() + 1).bfloat16())
+
+
+@pytest.mark.parametrize("torch_config", [False, True], ids=["ftsdp", "torch's MixedPrecision"])
+def test_mixed_precision_casts_forward_inputs_as_torch_fsdp_does(torch_config: bool) -> None:
+    """torch FSDP's two switches: ``cast_root_forward_inputs`` (default on) casts the root's
+    floating inputs to ``param_dtype``, ``cast_forward_inputs`` (default off) every unit's.
+    A unit fed an fp32 tensor its parent made: cast with the second (ftsdp cast only at the
+    root, and the unit's bf16 matmul failed), refused by torch's own error without it; the
+    root's input left as it is with the first off (ftsdp ignored it)."""
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+
+    seen: dict[str, torch.dtype] = {}
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen["inner"] = x.dtype
+            return self.lin(x)
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen["root"] = x.dtype
+            return self.inner(x.float() * 2)  # fp32 again, whatever came in
+
+    def wrapped(**fields: bool) -> nn.Module:
+        kind = TorchMixedPrecision if torch_config else ftsdp.MixedPrecision
+        mp = kind(param_dtype=torch.bfloat16, **fields)
+        return ftsdp.FSDP(Root(), auto_wrap_policy={Inner}, mixed_precision=mp)
+
+    x = torch.randn(2, 4)
+    wrapped(cast_forward_inputs=True)(x)
+    assert seen == {"root": torch.bfloat16, "inner": torch.bfloat16}
+    with pytest.raises(RuntimeError, match="dtype"):
+        wrapped()(x)  # torch's defaults: the root cast, the unit not
+    assert seen["root"] == torch.bfloat16 and seen["inner"] == torch.float32
+    with pytest.raises(RuntimeError, match="dtype"):
+        wrapped(cast_root_forward_inputs=False)(x)
+    assert seen["root"] == torch.float32

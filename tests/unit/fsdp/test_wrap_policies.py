@@ -311,10 +311,7 @@ def test_exports_match_torch_fsdp1_names() -> None:
                 if field.startswith("_"):
                     continue
                 assert field in mine, (name, field)
-                # ftsdp's cast_forward_inputs (root only) defaults to True; torch's own
-                # default casts the root too, through cast_root_forward_inputs
-                if (name, field) != ("MixedPrecision", "cast_forward_inputs"):
-                    assert mine[field] == spec.default, (name, field)
+                assert mine[field] == spec.default, (name, field)
         elif hasattr(theirs, "__members__"):
             public = {m for m in theirs.__members__ if not m.startswith("_")}
             assert public <= set(ours.__members__), name
