@@ -1,13 +1,14 @@
-"""Fresh host memory for staging, reads and loaded tensors, in huge pages where Linux has them.
+"""Fresh host memory for staging and reads (private mappings of their own), and loaded tensors
+(advised huge pages).
 
 The first write to fresh memory is where a copy into it spends its time: the kernel faults in
-and zeroes each page. In 2 MiB pages it does so 512 times less often (docs/benchmarks.md,
-"First call"). NumPy asks for them the same way for its arrays of 4 MB and more.
+and zeroes each page. In 2 MiB pages it does so 512 times less often, but a process's first
+huge pages can cost far more on some machines (docs/benchmarks.md, "First call: what was
+slow"): only the tensors a load hands out, which stay, ask for them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 
@@ -18,17 +19,17 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
-    """A new writable uint8 CPU tensor of ``nbytes`` in a private anonymous mapping of its own,
-    in huge pages where the kernel gives them. The mapping goes back to the system when its last
+    """A new writable uint8 CPU tensor of ``nbytes`` in a private anonymous mapping of its own
+    (``mmap``'s default is a shared one, which the kernel faults in more slowly). The mapping goes back to the system when its last
     view goes (a heap block could stay with its thread's arena), so a budget on buffers in
     flight bounds the memory held."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     private = getattr(mmap, "MAP_PRIVATE", None)  # not on Windows, whose mappings are private
     m = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
-    if _MADV_HUGEPAGE is not None:
-        with contextlib.suppress(OSError):  # a kernel without huge pages refuses the advice
-            m.madvise(_MADV_HUGEPAGE)
+    # No huge page advice here: a process's first huge pages cost the kernel far more than
+    # small ones on some machines (docs/benchmarks.md, "First call: what was slow"), and this
+    # memory is mostly a save's first, written once.
     return torch.frombuffer(m, dtype=torch.uint8)
 
 
