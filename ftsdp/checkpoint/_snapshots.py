@@ -70,6 +70,7 @@ class Snapshots:
         self._kept_rows: list[Any] | None = None
         self._plans: list[_Plan | None] = [None, None]
         self.maps: list[mmap.mmap] = []
+        self.cuda = False  # a saved tensor is on CUDA (decided with the slots, at the hello)
         self.pinned: list[int] = []  # addresses of the slots page-locked for copies from CUDA
         self.busy: dict[int, tuple[int, bool, bool]] = {}  # slot -> (step, durable, memory)
         self.protect: int | None = None  # the slot of the newest memory snapshot
@@ -217,7 +218,8 @@ class Snapshots:
                     self.views[slot].append((name, offset, length, dst))
         self.layout, self.rows, self.busy = msg["layout"], rows, {}
         self.protect = msg["protect"]
-        if any(leaf.local.device.type == "cuda" for leaf in leaves.values()):
+        self.cuda = any(leaf.local.device.type == "cuda" for leaf in leaves.values())
+        if self.cuda:
             self._pin()
 
     def _pin(self) -> None:
@@ -385,7 +387,8 @@ class Snapshots:
             self.protect = slot
         plan = self._plan(slot, leaves)
         # CUDA: the copy waits for the work queued so far on the caller's stream
-        ready = storage.saving.queued_work_event([*plan[0], *(c[0] for c in plan[2])])
+        sources = plan[0] or [local for local, *_ in plan[2]]
+        ready = storage.saving.queued_work_event(sources) if self.cuda else None
         if defer and not block:  # the optimizer's next step waits for it (wait_copy)
             if self._copier is None:
                 self._copier = storage.saving.Worker("ftsdp-snapshot")
