@@ -66,6 +66,10 @@ class S3Store(Store):
         lists per key, so under a policy that allows writes but not deletes a retention or a gc
         said the objects were gone, and they were not."""
         bucket, key, _ = self.fs.split_path(self.full(rel))
+        self._delete(bucket, key, rel)
+
+    def _delete(self, bucket: str, key: str, rel: str) -> None:
+        """One DELETE of ``key`` (absent already: nothing to do); the caches of ``rel`` dropped."""
         with contextlib.suppress(FileNotFoundError):
             self._retry(lambda: self.fs.call_s3("delete_object", Bucket=bucket, Key=key))
         self.fs.invalidate_cache(self.full(rel))
@@ -79,9 +83,7 @@ class S3Store(Store):
             return super().remove_empty_dir(rel)
         if self.listdir(rel):
             return False
-        with contextlib.suppress(FileNotFoundError):
-            self._retry(lambda: self.fs.call_s3("delete_object", Bucket=bucket, Key=f"{key}/"))
-        self.invalidate(self._parent(rel))
+        self._delete(bucket, f"{key}/", rel)
         return True
 
     @contextlib.contextmanager
