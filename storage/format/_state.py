@@ -244,7 +244,28 @@ def _walk(
                     f"{name}: value of type {type(child).__name__} is neither a tensor nor "
                     f"JSON-serialisable ({e}); convert it before saving"
                 ) from e
+            _refuse_merged_keys(name, child)
             values[name] = ValueLeaf(name, child, obj, key)
+
+
+def _refuse_merged_keys(name: str, value: Any) -> None:
+    """ValueError where a dict inside a JSON value has two keys that JSON writes alike (``1``
+    and ``"1"``, ``True`` and ``"true"``): one of them would come back, silently. Other keys
+    that are not strings come back as strings, as JSON gives them."""
+    if isinstance(value, Mapping):
+        written: dict[str, Any] = {}
+        for k, v in value.items():
+            as_json = k if isinstance(k, str) else json.dumps(k)
+            if as_json in written:
+                raise ValueError(
+                    f"{name}: keys {written[as_json]!r} and {k!r} of a dict in this value are one "
+                    f"key in JSON ({as_json!r}), so one of them would be lost; rename one"
+                )
+            written[as_json] = k
+            _refuse_merged_keys(name, v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _refuse_merged_keys(name, v)
 
 
 def _merge(

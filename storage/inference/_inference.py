@@ -375,6 +375,14 @@ class LazyStateDict(Mapping):
         self._source = _open(url, step, storage_options, options, trust_pickle)
         self.url, self.device, self.dtype, self.cache = url, device, dtype, cache
         self._cache: dict[str, torch.Tensor] = {}
+        self._closed = False
+
+    def _open_source(self) -> Source:
+        """The reader, unless ``close()`` was called: reading then raises, as a closed file
+        does (the reader would quietly open its files again)."""
+        if self._closed:
+            raise ValueError(f"LazyStateDict of {self.url} is closed: open it again to read")
+        return self._source
 
     @property
     def step(self) -> int | None:
@@ -397,21 +405,23 @@ class LazyStateDict(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._cache:
             return self._cache[name]
-        if name not in self._source.tensors:
-            raise _unknown(self._source, self.url, [name])
-        t = _empty(self._source.tensors[name], self.dtype, self.device)
-        fill(self._source, [(name, t)])
+        source = self._open_source()
+        if name not in source.tensors:
+            raise _unknown(source, self.url, [name])
+        t = _empty(source.tensors[name], self.dtype, self.device)
+        fill(source, [(name, t)])
         if self.cache:
             self._cache[name] = t
         return t
 
     def read(self, name: str, offset: int, length: int) -> torch.Tensor:
         """Elements ``[offset, offset + length)`` of the row-major flattening (1-D, saved dtype)."""
-        info = self._source.tensors[name]
+        source = self._open_source()
+        info = source.tensors[name]
         check_range(Range(offset, length), info.numel, name)
         out = torch.empty(length, dtype=info.dtype)
         if length:
-            self._source.read_into([(name, offset, out)])
+            source.read_into([(name, offset, out)])
         return out
 
     def fill_ranges(
@@ -427,7 +437,7 @@ class LazyStateDict(Mapping):
         is written. ``KeyError`` for an unknown name, ``ValueError`` for a range outside
         its tensor, ``StateMismatchError`` for a cast refused by [Note: the cast rule], all
         before anything is read."""
-        source = self._source
+        source = self._open_source()
         unknown = [n for n, _, _ in targets if n not in source.tensors]
         if unknown:
             raise _unknown(source, self.url, sorted(set(unknown)))
@@ -467,7 +477,9 @@ class LazyStateDict(Mapping):
         return name in self._source.tensors
 
     def close(self) -> None:
-        """Drop cached tensors and the reader."""
+        """Drop cached tensors and the reader; reading a tensor afterwards raises
+        ``ValueError`` (the names, ``info`` and ``values`` stay). Closing twice is fine."""
+        self._closed = True
         self._cache.clear()
         self._source.close()
 

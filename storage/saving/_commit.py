@@ -264,7 +264,7 @@ def commit(
             _abandon(store, step, attempt)
             raise CommitConflictError(
                 f"step {step} at {store.where(step_dir(step))} was committed by another writer "
-                f"(attempt {winner}) while this save (attempt {attempt}) was in progress; the "
+                f"({_named(winner)}) while this save (attempt {attempt}) was in progress; the "
                 "committed step is the other writer's, and this save's objects were removed"
             ) from e
     # One scan of the root after the commit serves its check, the markers' removal and the
@@ -381,6 +381,12 @@ def _attempt_at(store: Store, step: int) -> str | None:
     except Exception:
         return None
     return str(doc.get("attempt")) if isinstance(doc, dict) else None
+
+
+def _named(attempt: str | None) -> str:
+    """The other writer's attempt as a message names it (its manifest may be gone again or
+    not readable by the time it is read)."""
+    return "its manifest could not be read" if attempt is None else f"attempt {attempt}"
 
 
 # -- several ranks ------------------------------------------------------------------------------

@@ -389,6 +389,29 @@ def test_bad_state_on_save(tmp_path: Path) -> None:
         storage.SaveOptions(object_bytes=0)
 
 
+@pytest.mark.parametrize(
+    ("value", "keys"),
+    [
+        ([{1: "a", "1": "b"}], "1 and '1'"),
+        ([[{"x": {True: 1, "true": 2}}]], "True and 'true'"),
+        ((0, {None: 1, "null": 2}), "None and 'null'"),
+    ],
+)
+def test_a_value_whose_dict_keys_json_would_merge_is_refused(
+    tmp_path: Path, value: Any, keys: str
+) -> None:
+    """JSON writes ``1`` and ``"1"`` as one key: one value would come back, silently."""
+    url = str(tmp_path)
+    with pytest.raises(ValueError, match=rf"v: keys {keys} of a dict in this value are one key"):
+        storage.save({"w": torch.ones(2), "v": value}, url, step=0)
+    assert storage.list_steps(url) == []
+    # keys JSON keeps apart are saved; those that are not strings come back as strings
+    storage.save({"w": torch.ones(2), "v": [{1: "a", 2: "b"}]}, url, step=0)
+    target: dict[str, Any] = {"w": torch.zeros(2), "v": None}
+    storage.load(target, url)
+    assert target["v"] == [{"1": "a", "2": "b"}]
+
+
 def test_verify_of_a_large_step_lists_every_mismatch_in_order(tmp_path: Path) -> None:
     """Past 16 MiB of data verify checks parts on several threads (a local object in parts of
     32 MiB of its mapped pages): every damaged block is still listed, in the order one thread

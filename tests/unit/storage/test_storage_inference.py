@@ -164,6 +164,33 @@ def test_lazy_mapping_reads_on_first_access(
     assert lazy.format == "hf" and lazy["model.emb.weight"].dtype == torch.float16
 
 
+def test_a_closed_lazy_mapping_refuses_to_read_as_a_closed_file_does(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, ref = _saved(tmp_path)
+    reads = _count_reads(monkeypatch)
+    ckpt = storage.LazyStateDict(url)
+    assert torch.equal(ckpt["model.proj.weight"], ref.proj.weight)
+    ckpt.close()
+    n = len(reads)
+    out = torch.zeros(4)
+    for read in (
+        lambda: ckpt["model.proj.weight"],  # cached before the close: dropped with the reader
+        lambda: ckpt["model.emb.weight"],
+        lambda: ckpt.read("model.emb.weight", 0, 4),
+        lambda: ckpt.fill_ranges([("model.emb.weight", 0, out)]),
+    ):
+        with pytest.raises(ValueError, match="is closed"):
+            read()
+    assert len(reads) == n and not out.any()  # nothing was read again
+    # what needs no tensor still answers, and a second close is fine
+    assert "model.emb.weight" in ckpt and ckpt.info("model.emb.weight").shape == (16, 8)
+    assert ckpt.values == {"trainer.step": 5}
+    ckpt.close()
+    with storage.LazyStateDict(url) as again:  # a new one reads
+        assert torch.equal(again["model.proj.weight"], ref.proj.weight)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 def test_fill_ranges_reads_only_its_ranges_all_or_nothing(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch

@@ -368,6 +368,28 @@ def test_a_rank_of_the_losing_writer_does_not_report_success(tmp_path: pathlib.P
     _wait_for_commit(store, 5, "aaaaaaaa", 1, 5.0, None)  # its own: committed
 
 
+def test_a_conflict_with_an_unreadable_winner_says_so_and_removes_its_objects(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other writer's manifest appears between the check and the create, and cannot be
+    read: the loser still fails with CommitConflictError, names no "attempt None", and takes
+    away only its own objects."""
+    url = str(tmp_path / "root")
+    real = Store.write_exclusive
+
+    def raced(self: Store, rel: str, data: bytes) -> None:
+        if rel == "step-3/manifest.json":
+            self.write_bytes(rel, b"\x00 not json")  # the other writer's, damaged
+            raise FileExistsError(rel)
+        real(self, rel, data)
+
+    monkeypatch.setattr(Store, "write_exclusive", raced)
+    with pytest.raises(CommitConflictError, match="its manifest could not be read") as err:
+        storage.save(_state(3), url, step=3, options=SMALL)
+    assert "None" not in str(err.value)
+    assert os.listdir(tmp_path / "root" / "step-3") == ["manifest.json"]  # the other's stays
+
+
 def _copy_step(src: str, dst: str, opts: dict | None, step: int) -> None:
     """Put a committed step of root ``src`` into root ``dst`` as another writer would: its
     objects, then its manifest."""
