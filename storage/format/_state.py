@@ -90,12 +90,11 @@ def dtensor_leaf(
     box, cuts = hit
     local = getattr(dt, "_local_tensor", None)  # to_local() goes through autograd
     local = local if isinstance(local, torch.Tensor) else dt.to_local()
+    grid = None if is_plain(cuts, shape) else cuts  # every rank names the same one, empty too
     if box.numel == 0:
-        return shape, Range(0, 0), local, None, None
+        return shape, Range(0, 0), local, grid, None
     start, length = box_range(cuts, shape, box)
-    if is_plain(cuts, shape):
-        return shape, Range(start, length), local, None, None
-    return shape, Range(start, length), local, cuts, box
+    return shape, Range(start, length), local, grid, None if grid is None else box
 
 
 @dataclass(slots=True)

@@ -188,9 +188,54 @@ def _saves(rank: int, world: int, root: str) -> dict:
         out["partial"] = None
     except ValueError as e:
         out["partial"] = str(e)
+    out["empty"] = _empty_boxes(root)
     out["back"] = _load_both(2, 2, f"{root}/nd", f"{root}/nd-dcp")
     out["flat_to_nd"] = _load_both(2, 2, f"{root}/flat", f"{root}/flat-dcp")
     out["job"] = _job(root, 2, 2, resume=False)
+    return out
+
+
+# Tensors whose grid cuts more than the first dim and leaves some rank's box empty: a (1, 4)
+# row-parallel weight at dp=2 (dp rank 1 holds no row) and a (2, 3) tensor cut twice along its
+# columns (rank 3 holds none).
+EMPTY_BOXES = {
+    "rows": ((1, 4), ("S0", "S1"), ("S1", "R")),
+    "cols": ((2, 3), ("S1", "S1"), ("R", "S0")),
+}  # name: (shape, the saved placements, the placements loaded into)
+
+
+def _empty_box_state(mesh, which: int, fill: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    made = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    state = {}
+    for name, (shape, *placements) in EMPTY_BOXES.items():
+        full = torch.arange(float(torch.Size(shape).numel())).reshape(shape) + 1
+        t = distribute_tensor(
+            full if fill else torch.zeros(shape), mesh, [made[p] for p in placements[which]]
+        )
+        state[name] = t
+    return state
+
+
+def _empty_boxes(root: str) -> dict:
+    """Save the EMPTY_BOXES with storage and DCP; load both into the other placements."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    saved = _empty_box_state(mesh, 0, fill=True)
+    out: dict = {"locals": {n: tuple(_local(t).shape) for n, t in saved.items()}}
+    try:  # (raised on every rank alike: the spawn goes on to the other phases)
+        storage.save(saved, f"{root}/empty", 1)
+    except ValueError as e:
+        return {**out, "error": str(e)}
+    dcp.save(saved, checkpoint_id=f"{root}/empty-dcp")
+    for which in (0, 1):
+        mine, theirs = _empty_box_state(mesh, which, False), _empty_box_state(mesh, which, False)
+        storage.load(mine, f"{root}/empty")
+        dcp.load(theirs, checkpoint_id=f"{root}/empty-dcp")
+        out[which] = [n for n in mine if not torch.equal(_local(mine[n]), _local(theirs[n]))]
     return out
 
 
@@ -362,6 +407,21 @@ def test_one_process_reads_the_full_tensors(runs) -> None:
     for name, t in full.items():
         assert torch.equal(loaded[name], t), name
         assert torch.equal(lazy[name], t), name
+
+
+def test_a_grid_with_empty_boxes_saves_and_loads_what_dcp_loads(runs) -> None:
+    """Some rank holds no part of a tensor whose grid is not row-major: every rank still names
+    the grid (the save once failed on every rank, "rank 3 has ... grid=None"), and the
+    checkpoint loads back, into other placements too, bitwise what DCP loads."""
+    results = [r["empty"] for r in runs["saved"]]
+    assert [r.get("error") for r in results] == [None] * 4
+    assert {r["locals"]["rows"] for r in results} == {(1, 2), (0, 2)}  # dp rank 1: no row
+    assert {r["locals"]["cols"] for r in results} >= {(2, 0)}  # rank 3: no column
+    assert all(r[0] == [] and r[1] == [] for r in results), results
+    loaded = storage.load_state_dict(f"{runs['root']}/empty")
+    for name, (shape, *_) in EMPTY_BOXES.items():
+        want = torch.arange(float(torch.Size(shape).numel())).reshape(shape) + 1
+        assert torch.equal(loaded[name], want), name
 
 
 def test_a_partial_dtensor_is_refused_with_a_clear_error(runs) -> None:
