@@ -6,7 +6,7 @@ before the destination is touched (docs/cli.md, "Threat model")."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -119,6 +119,25 @@ def _extra_writers(
     return out
 
 
+# First components of the other names a training checkpoint holds beside the model's and the
+# optimizer's (CheckpointManager's RNG states, trainer and scheduler values).
+TRAINING_ROOTS = frozenset(("trainer", "rng", "scheduler"))
+
+
+def training_layout(fmt: str, names: Iterable[str]) -> bool:
+    """Whether a checkpoint's tensor ``names`` are a training checkpoint's: the model under
+    ``model.``, every other tensor under an optimizer root or the manager's own. A Hugging Face
+    folder never is, nor a model's own state dict whose names start with ``model.`` beside
+    others (a Llama's ``model.layers.0...`` and ``lm_head.weight``)."""
+    if fmt == "hf":
+        return False
+    names = list(names)
+    allowed = {"model", *OPTIMIZER_ROOTS, *TRAINING_ROOTS}
+    return any(n.startswith("model.") for n in names) and all(
+        n.split(".", 1)[0] in allowed for n in names
+    )
+
+
 def _is_model_state(name: str, has_model_root: bool) -> bool:
     if has_model_root:
         return name.startswith("model.")
@@ -136,8 +155,9 @@ def select(
 ) -> tuple[list[OutTensor], dict[str, Any]]:
     """Output tensors (renamed, cast) and values for a source; ValueError when names collide.
 
-    ``model_only`` keeps the names under ``model.`` when there are any, else drops those under an
-    ``OPTIMIZER_ROOTS`` name, and drops all values. ``rename`` maps prefixes (first match wins),
+    ``model_only`` keeps the names under ``model.`` of a training checkpoint
+    (``training_layout``), else drops those under an ``OPTIMIZER_ROOTS`` name, and drops all
+    values. ``rename`` maps prefixes (first match wins),
     then ``strip_prefix`` is stripped; the tensors named in ``exclude`` are left out.
     """
     exclude = frozenset(exclude)
@@ -149,13 +169,13 @@ def select(
                 return new + name[len(old) :]
         return name
 
-    has_model_root = any(n.startswith("model.") for n in source.tensors)
+    has_model_root = training_layout(source.format, source.tensors)
     outputs: dict[str, OutTensor] = {}
     for name, info in sorted(source.tensors.items()):
         if name in exclude or (model_only and not _is_model_state(name, has_model_root)):
             continue
         out = renamed(name)
-        if not out:
+        if not out and name:  # (a name that was empty is kept: every format holds it)
             raise ValueError(f"renaming {name!r} leaves an empty name")
         if out in outputs:
             raise ValueError(
@@ -167,7 +187,7 @@ def select(
     names: dict[str, str] = {}  # output value name -> its source name
     for name, value in [] if model_only else sorted(source.values.items()):
         out = renamed(name)
-        if not out:
+        if not out and name:  # (a name that was empty is kept: every format holds it)
             raise ValueError(f"renaming {name!r} leaves an empty name")
         if out in names:
             raise ValueError(f"values {names[out]!r} and {name!r} both become {out!r}")

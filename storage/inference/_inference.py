@@ -244,8 +244,9 @@ def load_into(
 
     A meta module gets new tensors on ``device`` (default: cpu); a real one is filled in place (or
     moved to ``device`` / cast to ``dtype`` when given). ``dtype`` applies to the tensors of its
-    kind; the others keep the module's dtype ([Note: the cast rule]). Tied parameters stay tied.
-    All or nothing: the module is written only after every byte it gets was read and verified,
+    kind; the others keep the module's dtype ([Note: the cast rule]). Tied parameters stay tied;
+    saved under several of their names, they take the last one's values, as torch does. All or
+    nothing: the module is written only after every byte it gets was read and verified,
     staged on the CPU (``staged_bytes``) or, past ``max_staging_bytes``, read twice (docs/cli.md,
     "Python API for inference").
 
@@ -272,7 +273,9 @@ def load_into(
         plan: list[tuple[int, str, torch.dtype, torch.dtype, bool]] = []  # tid, name, the cast
         bad = []
         for tid, keys in groups.items():
-            hit = next((k for k in keys if k in saved), None)
+            # of a tied tensor's names saved, the last (torch's load_state_dict copies each in
+            # order, so the last copy wins there too)
+            hit = next((k for k in reversed(keys) if k in saved), None)
             if hit is None:
                 continue
             info: TensorInfo = source.tensors[prefix + hit]

@@ -238,6 +238,69 @@ def tokenizer_source(
     return folder, _tokenizer_files(folder, root), []
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config.json read from a source folder: far more than any model's
+
+
+def _as_named(
+    args: argparse.Namespace, fmt: str, step: int | None
+) -> tuple[dict[str, Any], Callable[[Any], list[str]]]:
+    """The export of a checkpoint that is not a training checkpoint (a Hugging Face folder, or a
+    model's own state dict saved in another format): every tensor under the name it has (but the
+    optimizer's, without ``--include-optimizer``); from a Hugging Face folder, its config.json
+    (its dtype set to the weights') and tokenizer files come along."""
+    kwargs: dict[str, Any] = {"model_only": not args.include_optimizer, "step": step}
+    what = "a Hugging Face folder" if fmt == "hf" else f"not a training checkpoint ({DOCS})"
+    notes = [f"note: {args.src} is {what}: wrote every tensor under its own name"]
+    path = _local(args.src)
+    if (
+        fmt != "hf"
+        or args.dst.rstrip("/").endswith(".safetensors")
+        or (path is not None and not os.path.isdir(path))
+    ):
+        return kwargs, lambda r: notes
+    config = _source_config(args.src, args.storage_options)
+    if config is not None:
+        dtype = str(args.dtype).removeprefix("torch.") if args.dtype else None
+        if dtype is not None and isinstance(config, dict):  # as save_pretrained sets it
+            config["dtype"] = dtype
+            if "torch_dtype" in config:  # the older key
+                config["torch_dtype"] = dtype
+        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        kwargs["extra_files"] = {"config.json": text.encode()}
+    folder = args.tokenizer or args.src
+    tokenizer = _local(folder)
+    files = _tokenizer_files(folder, tokenizer and _link_root(tokenizer))
+    if files:
+        kwargs.update(copy_files=list(files), copy_files_from=folder)
+
+    def lines(result: Any) -> list[str]:
+        copied = [f"copied {name} from {files[name]}" for name in result.extra if name in files]
+        return [
+            *(["wrote config.json from the source's"] if config is not None else []),
+            *copied,
+            *notes,
+        ]
+
+    return kwargs, lines
+
+
+def _source_config(folder: str, storage_options: dict[str, Any] | None) -> Any:
+    """The JSON of ``folder``'s config.json; None when it has none. ValueError when it is larger
+    than ``MAX_CONFIG_BYTES`` or not JSON."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(folder, **(storage_options or {}))
+    path = f"{root.rstrip('/')}/config.json"
+    if not fs.isfile(path):
+        return None
+    if fs.size(path) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{folder}/config.json is larger than {MAX_CONFIG_BYTES} bytes: refused")
+    try:
+        return json.loads(fs.cat_file(path))
+    except ValueError as e:
+        raise ValueError(f"{folder}/config.json is not JSON ({e}); pass --keep-names") from e
+
+
 def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any], list[str]]]:
     """``storage.conversion.convert`` keyword arguments for ``convert --to hf``, and a function
     giving the lines to print on its result (each tokenizer file copied and where from; notes)."""
@@ -246,6 +309,10 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
     with storage.LazyStateDict(
         args.src, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
     ) as ckpt:
+        if not storage.conversion.training_layout(
+            ckpt.format, ckpt
+        ):  # a model's own names: written as they are
+            return _as_named(args, ckpt.format, ckpt.step)
         record = read_record(ckpt.values, args.src)
         # the exported floating weights' dtype name (None when they mix dtypes)
         kinds = {ckpt.info(n).dtype for n in ckpt if n.startswith(MODEL_PREFIX)}

@@ -102,6 +102,24 @@ def test_load_into_meta_module_keeps_ties_and_flags(tmp_path: pathlib.Path) -> N
     assert torch.equal(model(x), ref(x))
 
 
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_tied_weight_saved_twice_with_other_bytes_loads_as_torch_loads_it(
+    tmp_path: pathlib.Path, meta: bool
+) -> None:
+    """Copies of one tied weight that differ in the checkpoint: the last name's, as torch's
+    ``load_state_dict`` gives (it copies each name in turn)."""
+    sd = {k: torch.randn_like(v) for k, v in TinyLM().state_dict().items()}  # head != emb
+    torch.save(sd, tmp_path / "c.pt")
+    want = TinyLM()
+    want.load_state_dict(sd)
+    with torch.device("meta" if meta else "cpu"):
+        model = TinyLM()
+    storage.load_into(model, str(tmp_path / "c.pt"))
+    assert model.head.weight is model.emb.weight  # still tied
+    assert torch.equal(model.emb.weight, want.emb.weight)
+    assert torch.equal(model.emb.weight, sd["head.weight"])
+
+
 def test_load_into_real_module_in_place(tmp_path: pathlib.Path) -> None:
     url, ref = _saved(tmp_path)
     model = TinyLM()

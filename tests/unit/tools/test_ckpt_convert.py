@@ -99,6 +99,19 @@ def test_round_trip_is_bitwise(src: str, tmp_path: pathlib.Path, fmt: str) -> No
         _same_through_dcp(mid, _state())
 
 
+@pytest.mark.parametrize("fmt", ["hf", "dcp", "torch", "ftsdp"])
+def test_a_tensor_named_by_the_empty_string_converts(tmp_path: pathlib.Path, fmt: str) -> None:
+    """``storage.save`` and safetensors hold a tensor named ``""``; conversions once refused it
+    ("renaming '' leaves an empty name") with no ``--rename`` given."""
+    src = str(tmp_path / "src")
+    state = {"": torch.arange(3.0), "x": torch.zeros(2)}
+    storage.save(state, src, 1)
+    mid = str(tmp_path / ("mid.pt" if fmt == "torch" else "mid"))
+    code, _, err = _cli("convert", src, mid, "--to", fmt, *_AS_SAVED.get(fmt, []), "-q")
+    assert code == 0, err
+    _same(storage.load_state_dict(mid), state)
+
+
 def _same_through_dcp(path: str, state: dict[str, Any]) -> None:
     """``dcp.load`` (torch's reader, one process) reads EVERY key of ``state`` back from the DCP
     checkpoint at ``path``, equal to ``state``: tensors of each dtype, shape (empty, 0-d) and

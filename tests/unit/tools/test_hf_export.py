@@ -385,3 +385,53 @@ def test_tokenizer_files_come_only_from_a_named_folder_or_the_checkpoint(
     assert not leaked(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tokenizer("hello, world")["input_ids"] == run["tokenizer"]("hello, world")["input_ids"]
+
+
+def _llama(folder: pathlib.Path) -> Any:
+    """A tiny Llama with an untied head (its names: ``model.*`` and ``lm_head.weight``), saved
+    by ``save_pretrained``, with a tokenizer beside it."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+        intermediate_size=32, vocab_size=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(str(folder))
+    _tokenizer(folder)
+    return model
+
+
+def test_a_hugging_face_folder_exports_whole_under_its_own_names(tmp_path: pathlib.Path) -> None:
+    """A Llama's folder to hf (a cast to bf16): every tensor under its own name (``lm_head``
+    was dropped and ``model.`` stripped from the rest, exit 0), its config with the new dtype
+    and its tokenizer; from_pretrained gives the source model's logits."""
+    src, dst = tmp_path / "llama", tmp_path / "out"
+    model = _llama(src)
+    code, out, err = _cli("convert", str(src), str(dst), "--to", "hf", "--dtype", "bf16")
+    assert code == 0, err
+    assert "a Hugging Face folder: wrote every tensor under its own name" in out
+    assert _keys(dst / "model.safetensors") == _keys(src / "model.safetensors")
+    assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all((dst / name).is_file() for name in TOKENIZER)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32)
+    rounded = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
+    model.load_state_dict(rounded)  # the source's weights as the cast wrote them
+    x = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(x).logits, model(x).logits)
+
+
+def test_a_models_own_state_dict_keeps_its_head_with_model_only(tmp_path: pathlib.Path) -> None:
+    """The same Llama's ``state_dict()`` in a torch file is not a training checkpoint although
+    its names start with ``model.``: ``--model-only`` and ``--to hf`` keep ``lm_head.weight``
+    and every name."""
+    model = _llama(tmp_path / "llama")
+    sd = model.state_dict()
+    torch.save(sd, tmp_path / "llama.pt")
+    code, _, err = _cli("convert", str(tmp_path / "llama.pt"), str(tmp_path / "ft"), "--to",
+                        "ftsdp", "--model-only")  # fmt: skip
+    assert code == 0, err
+    assert set(storage.load_state_dict(str(tmp_path / "ft"))) == set(sd)
+    code, out, err = _cli("convert", str(tmp_path / "llama.pt"), str(tmp_path / "hf"), "--to", "hf")
+    assert code == 0, err and "not a training checkpoint" in out
+    assert _keys(tmp_path / "hf" / "model.safetensors") == set(sd)
