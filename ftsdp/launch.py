@@ -13,6 +13,7 @@ import multiprocessing.forkserver
 import os
 import socket
 import sys
+import threading
 import typing
 from collections.abc import Sequence
 
@@ -178,8 +179,11 @@ def release_finished_workers() -> None:
 
     def _close(self: typing.Any, death_sig: typing.Any, timeout: int = 30) -> None:
         finished = getattr(self, "_worker_finished_event", None)
-        if finished is not None:
-            finished.set()  # no result is read any more
+        if finished is not None:  # no result is read any more
+            # On a thread that is not waited for: a multiprocessing Event's set() waits for
+            # every worker that was waiting on it to acknowledge, and a worker stopped meanwhile
+            # (torch stops the others when one fails) never does; it kept the agent forever.
+            threading.Thread(target=finished.set, name="ftsdp-release", daemon=True).start()
         close(self, death_sig, timeout)
 
     _close.releases_workers = True  # type: ignore[attr-defined]

@@ -175,4 +175,57 @@ def test_the_agents_shutdown_frees_the_workers_that_finished(monkeypatch) -> Non
     context._pc = None  # no processes: torch's close returns at once
     context._worker_finished_event = threading.Event()
     context._close(signal.SIGTERM, timeout=0)
-    assert context._worker_finished_event.is_set()
+    assert context._worker_finished_event.wait(10)  # set on a thread of its own
+
+
+def _wait_on(event) -> None:
+    event.wait()
+
+
+def test_a_worker_stopped_while_waiting_does_not_keep_the_agent(monkeypatch) -> None:
+    """A multiprocessing Event's ``set`` waits for each process waiting on it to wake, and one
+    stopped meanwhile (torch stops the other workers when one fails: a worker that had finished
+    first was waiting) never does. The agent's close hung there for good; it returns at once
+    now. With every waiter alive, the close frees them all."""
+    import multiprocessing
+    import signal
+    import time
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    monkeypatch.setattr(api.MultiprocessContext, "_close", api.MultiprocessContext._close)
+    launch.release_finished_workers()
+    ctx = multiprocessing.get_context("spawn")
+
+    def close_with_waiters(stop_one: bool) -> tuple[float, list]:
+        event = ctx.Event()
+        waiters = [ctx.Process(target=_wait_on, args=(event,)) for _ in range(2)]
+        for p in waiters:
+            p.start()
+        try:
+            deadline = time.monotonic() + 60
+            while event._cond._sleeping_count.get_value() < 2:  # both are waiting
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            if stop_one:
+                waiters[0].kill()
+                waiters[0].join()
+            context = api.MultiprocessContext.__new__(api.MultiprocessContext)
+            context._pc = None
+            context._worker_finished_event = event
+            start = time.monotonic()
+            context._close(signal.SIGTERM, timeout=0)
+            took = time.monotonic() - start
+            if not stop_one:
+                for p in waiters:
+                    p.join(30)
+            return took, [p.exitcode for p in waiters]
+        finally:
+            for p in waiters:
+                p.kill()
+                p.join()
+
+    took, codes = close_with_waiters(stop_one=False)
+    assert took < 5 and codes == [0, 0]  # both woken by the event
+    took, codes = close_with_waiters(stop_one=True)
+    assert took < 5 and codes[0] == -signal.SIGKILL
