@@ -303,9 +303,12 @@ RESTART_FAULTS = [
     "crash_in_save:point=before_manifest:rank=0:step=6:restart=2",
     "crash_in_save:point=before_latest:rank=0:step=8:restart=3",
     "stop:rank=1:step=9:restart=4",
+    # one worker preempted alone: both save, one returns, its peer exits 75; under
+    # ftsdp.launch the agent once hung there for good
+    "term:rank=1:step=10:target=self:restart=5",
 ]
 RESTARTS_COMMAND = (
-    "python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=5, FTSDP_FAULT="
+    "python -m ftsdp.launch --standalone --nproc-per-node=2 --max-restarts=6, FTSDP_FAULT="
 )
 
 
@@ -314,15 +317,15 @@ def restarts(tmp_path_factory, resize: Background) -> Run:
     """Job A. ``resize`` (job B) and the reference run are started first, to run beside it."""
     start_reference(tmp_path_factory.getbasetemp())
     run = Run(tmp_path_factory.mktemp("restarts") / "job")
-    rc = run.torchrun(2, faults=";".join(RESTART_FAULTS), max_restarts=5, timeout=400, launch=True)
+    rc = run.torchrun(2, faults=";".join(RESTART_FAULTS), max_restarts=6, timeout=400, launch=True)
     assert rc == 0, run.output()[-8000:]
     return run
 
 
 @pytest.mark.timeout(420)
 def test_restarted_job_equals_the_uninterrupted_run(restarts: Run, ref: Run) -> None:
-    assert [r["step"] for r in _resumes(restarts)] == [2, 2, 4, 8, 8]
-    assert [(r["saved_world_size"], r["world_size"]) for r in _resumes(restarts)] == [(2, 2)] * 5
+    assert [r["step"] for r in _resumes(restarts)] == [2, 2, 4, 8, 8, _preempted_at(restarts)]
+    assert [(r["saved_world_size"], r["world_size"]) for r in _resumes(restarts)] == [(2, 2)] * 6
     check_against_reference(restarts, ref)
 
 
@@ -344,17 +347,22 @@ def test_kill9_one_worker_restarts_the_group_at_the_same_size(restarts: Run) -> 
     ), lost
     # A signal after the loss (torchrun stopping the group) promises no save. One that arrives
     # before the survivor has seen the loss (the agent saw the exit first) cannot know: that
-    # rank's next line must then be the loss, exiting without saving.
+    # rank's next line must then be the loss, exiting without saving, or (the preemption of
+    # the job's last fault, which loses no rank) the save it promised, committed.
     lines = out.splitlines()
     for i, line in enumerate(lines):
         if "SIGTERM received" not in line or "nothing will be saved" in line:
             continue
         rank = re.search(r" rank (\d+) ", line)
         assert rank, line
-        after = [x for x in lines[i + 1 :] if f" rank {rank.group(1)} " in x]
-        assert after and re.search(
-            r"ERROR ftsdp\.train: peer lost after SIGTERM: .*; exiting without saving", after[0]
-        ), (line, after[:2])
+        nxt = next(j for j in range(i + 1, len(lines)) if f" rank {rank.group(1)} " in lines[j])
+        saved = any(
+            re.search(r"INFO ftsdp\.train: preempted at step \d+: checkpoint committed", x)
+            for x in lines[i + 1 : nxt]
+        )  # (rank 0 says it for every rank)
+        assert saved or re.search(
+            r"ERROR ftsdp\.train: peer lost after SIGTERM: .*; exiting without saving", lines[nxt]
+        ), (line, lines[nxt])
 
 
 @pytest.mark.timeout(420)
@@ -393,8 +401,31 @@ def test_a_stopped_rank_is_detected_named_and_the_job_recovers(restarts: Run) ->
     assert m["resumed_step"] == 8
 
 
+@pytest.mark.timeout(420)
+def test_sigterm_to_one_worker_under_the_launcher_restarts_the_group(restarts: Run) -> None:
+    """One worker SIGTERMed alone: both ranks save the step they agree on, one returns and its
+    peer exits 75, and ``ftsdp.launch`` restarts the group at the same size from that step
+    (its agent once hung for good there: a stopped worker never answered its close)."""
+    m = measure(
+        restarts,
+        "SIGTERM to one worker under ftsdp.launch (peer exits 75, group restarts)",
+        RESTARTS_COMMAND + RESTART_FAULTS[5],
+        5,
+    )
+    assert m["detected_by"] == "preempted" and m["steps_lost"] == 0, m
+    assert m["resumed_step"] == _preempted_at(restarts) and m["world_sizes"] == "2 -> 2"
+
+
 def _resumes(run: Run) -> list[dict]:
     return [r for r in run.metrics() if r["event"] == "resume"]
+
+
+def _preempted_at(run: Run) -> int:
+    """The step job A's preempted worker group saved at: the signal's step boundary or the
+    next (the ranks agree at a boundary)."""
+    (stop,) = [r for r in run.metrics() if r["event"] == "preempted"]
+    assert stop["step"] in (10, 11), stop
+    return int(stop["step"])
 
 
 @pytest.mark.timeout(420)
@@ -406,9 +437,9 @@ def test_every_worker_group_records_where_its_start_went(restarts: Run) -> None:
     phases = [r for r in restarts.metrics() if r["event"] == "phases"]
     ledger, faults = restarts.ledger(), restarts.faults()
     groups = list(dict.fromkeys(r["incarnation"] for r in ledger))
-    assert [r["incarnation"] for r in phases] == groups and len(groups) == 6
-    assert [r["restart_count"] for r in phases] == list(range(6))
-    assert [r["resumed_step"] for r in phases] == [None, 2, 2, 4, 8, 8]
+    assert [r["incarnation"] for r in phases] == groups and len(groups) == 7
+    assert [r["restart_count"] for r in phases] == list(range(7))
+    assert [r["resumed_step"] for r in phases] == [None, 2, 2, 4, 8, 8, _preempted_at(restarts)]
     for rec in phases:
         assert list(rec["marks"]) == list(MARKS)  # under torchrun's agent every mark applies
         times = list(rec["marks"].values())
@@ -444,9 +475,12 @@ def test_the_report_of_the_job_marks_each_restart_at_its_step(restarts: Run) -> 
     assert [b.get_height() for b in report.axes["checkpoint"].patches] == saves
 
     resumes, faults = _resumes(restarts), restarts.faults()
-    markers = [ln for ln in loss.lines if ln.get_gid()]
-    assert [ln.get_gid() for ln in markers] == ["marker:restart"] * len(RESTART_FAULTS)
-    assert [ln.get_xdata()[0] for ln in markers] == [r["step"] for r in resumes] == [2, 2, 4, 8, 8]
+    markers = [ln for ln in loss.lines if ln.get_gid() == "marker:restart"]
+    assert len(markers) == len(RESTART_FAULTS)
+    (stop,) = [ln for ln in loss.lines if ln.get_gid() == "marker:preempted"]
+    assert stop.get_xdata()[0] == _preempted_at(restarts)
+    assert [ln.get_xdata()[0] for ln in markers] == [r["step"] for r in resumes]
+    assert [r["step"] for r in resumes] == [2, 2, 4, 8, 8, _preempted_at(restarts)]
     assert [ln.get_label() for ln in markers] == [
         f"restart {r['restarts']}: from step {r['step']} (world 2)" for r in resumes
     ]
