@@ -166,6 +166,33 @@ def bind_rendezvous_stores() -> None:
         setattr(handler, "_create_tcp_store_server", create)  # noqa: B010 (mypy)
 
 
+def publish_store_every_round() -> None:
+    """Make rank 0's agent publish the workers' store address in every rendezvous round. torch
+    (2.4 to at least 2.13) shares the rendezvous store with the workers and publishes its address
+    only in the round where rank 0's agent first made it; an agent that joins a later round (a
+    lost node coming back, a new one) waits for the address there until both time out and the
+    job ends (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is the workaround under plain torchrun;
+    docs/elastic.md, "Limits")."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    rendezvous = handler.next_rendezvous
+    if getattr(rendezvous, "publishes_every_round", False):
+        return
+
+    def next_rendezvous(self: typing.Any) -> typing.Any:
+        info = rendezvous(self)
+        shared = getattr(info, "bootstrap_store_info", None)
+        if info.rank == 0 and shared is not None:  # (the round's store: keys of this round)
+            info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, shared.master_addr)
+            info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(shared.master_port))
+        return info
+
+    next_rendezvous.publishes_every_round = True  # type: ignore[attr-defined]
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
 def release_finished_workers() -> None:
     """Let the agent's shutdown free the workers that finished: a forked worker whose function
     returned waits for the agent to read its result, which an agent stopping (SIGTERM) never
@@ -234,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     plain_tracebacks("torch", "torch.distributed")  # the handlers torch's import installed
     bind_rendezvous_stores()
+    publish_store_every_round()
     release_finished_workers()
     torchrun.main(command)
 

@@ -263,7 +263,33 @@ def _check_saved_run(
             raise JobError(refusal(cfg.checkpoint_url, saved.step, diffs), report=rm.rank == 0)
     if cfg.memory_every:
         drop_another_runs_memory(memory_root(cfg, url), cfg, model, data, rm)
+    elif os.environ.get("LOCAL_RANK", "0") == "0":  # one rank per machine: the tier is local
+        note_unused_memory(memory_root(cfg, url))
     return saved
+
+
+def note_unused_memory(root: str) -> None:
+    """Say so when the memory tier an earlier run of this root kept on this machine is still
+    there: without ``--memory-every`` it is neither loaded nor cleared, and it holds host
+    memory (a copy of the state for each step kept) until it is removed."""
+    if root_problem(root) is not None or not os.path.isdir(root):
+        return  # not there, or not this user's own: another's business
+    try:
+        steps = storage.list_steps(root)
+        held = sum(
+            os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files
+        )
+    except (OSError, storage.CheckpointError):
+        return
+    if steps:
+        logger.warning(
+            "ftsdp.train: the memory tier %s of an earlier run holds step %d (%.1f MB of host "
+            "memory); without --memory-every this run neither loads nor clears it: add "
+            "--memory-every N to resume from it (and keep using it), or remove the directory",
+            root,
+            steps[-1],
+            held / 1e6,
+        )
 
 
 def _make_model(

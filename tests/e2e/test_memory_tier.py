@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -187,3 +188,36 @@ def test_sigterm_commits_the_persisted_step_and_leaves_no_persister(
         (stops[0]["step"], "durable", 1)
     ], out[-3000:]
     _same_final_state(reference(), str(tmp_path / "ckpt"))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_without_memory_every_names_the_memory_tier_an_earlier_run_left(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The default memory tier of this root (``/dev/shm/ftsdp-<uid>-<hash>``) holds a step from
+    an earlier run with ``--memory-every``; a run without it resumes from the durable root and
+    says where that tier is, what it holds and what to do (it stayed there unsaid), and leaves
+    it alone."""
+    from ftsdp.trainer._config import TrainConfig
+    from ftsdp.trainer._job import memory_root
+
+    url = str(tmp_path / "ckpt")
+    shm = pathlib.Path(memory_root(TrainConfig(), url))
+    assert not shm.exists()
+    shm.mkdir(mode=0o700)
+    try:
+        storage.save({"w": torch.zeros(500_000)}, str(shm), 5)  # 2 MB
+        cmd = [sys.executable, "-m", "ftsdp.train", *TINY, "--steps", "1", "--checkpoint-url", url]
+        job = subprocess.run(
+            cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=100, check=False
+        )
+        assert job.returncode == 0, job.stderr[-3000:]
+        said = re.findall(r"WARNING ftsdp\.trainer\._job: (.*)", job.stderr)
+        assert said == [
+            f"ftsdp.train: the memory tier {shm} of an earlier run holds step 5 (2.0 MB of host "
+            "memory); without --memory-every this run neither loads nor clears it: add "
+            "--memory-every N to resume from it (and keep using it), or remove the directory"
+        ], job.stderr[-3000:]
+        assert storage.list_steps(str(shm)) == [5]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)  # the test's own

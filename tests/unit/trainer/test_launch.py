@@ -229,3 +229,28 @@ def test_a_worker_stopped_while_waiting_does_not_keep_the_agent(monkeypatch) -> 
     assert took < 5 and codes == [0, 0]  # both woken by the event
     took, codes = close_with_waiters(stop_one=True)
     assert took < 5 and codes[0] == -signal.SIGKILL
+
+
+def test_rank_0_publishes_the_workers_store_in_every_round(monkeypatch) -> None:
+    """torch publishes the shared store's address only in the round where rank 0's agent made
+    it; an agent joining a later round (a lost node back) waited for it until the job died.
+    Under ftsdp.launch rank 0 writes it into each round's store; other ranks write nothing."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    stores = {0: dist.HashStore(), 1: dist.HashStore()}
+    shared = RendezvousStoreInfo("10.0.0.7", 29511)  # made in an earlier round, kept by torch
+
+    def cached(self, rank: int = 0) -> RendezvousInfo:
+        return RendezvousInfo(stores[self], self, 2, shared)
+
+    monkeypatch.setattr(handler, "next_rendezvous", cached)
+    launch.publish_store_every_round()
+    launch.publish_store_every_round()  # once only: not wrapped twice
+    info = handler.next_rendezvous(0)
+    assert info.rank == 0 and info.bootstrap_store_info is shared
+    assert stores[0].get("MASTER_ADDR") == b"10.0.0.7" and stores[0].get("MASTER_PORT") == b"29511"
+    handler.next_rendezvous(1)
+    assert stores[1].num_keys() == 0
