@@ -34,8 +34,15 @@ def parse_or_exit(argv: Sequence[str] | None, rank: int) -> TrainConfig:
         raise
 
 
+def _rank() -> int:
+    """RANK, only to choose which rank reports a bad command line (0 when it is not an integer:
+    the rank manager says what is wrong with it)."""
+    value = os.environ.get("RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
 if __name__ == "__main__":  # --help, --version and a bad command line answer before torch loads
-    parse_or_exit(sys.argv[1:], int(os.environ.get("RANK", "0") or 0))
+    parse_or_exit(sys.argv[1:], _rank())
 
 # The imports, timed for the phases record with the garbage collector paused; a program (not a
 # library import) then freezes what they made (docs/elastic.md, "Recovery time").
@@ -50,6 +57,7 @@ try:
     _TORCH_IMPORTED = time.time()
     import logging
 
+    from ftsdp.elastic import LaunchEnvironmentError
     from ftsdp.trainer._errors import JobError
     from ftsdp.trainer._hooks import HookFactory
     from ftsdp.trainer._job import build
@@ -92,9 +100,14 @@ def start_marks() -> Phases:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_or_exit(argv, int(os.environ.get("RANK", "0") or 0))
+    cfg = parse_or_exit(argv, _rank())
     phases = start_marks()
-    with Session.open(cfg, hook=fault_hook(), phases=phases) as session:
+    try:
+        opened = Session.open(cfg, hook=fault_hook(), phases=phases)
+    except LaunchEnvironmentError as e:  # one line, as a bad flag: not torchrun's doing
+        print(f"ftsdp.train: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    with opened as session:
         try:
             job = build(cfg, session)
             phases.mark("built")

@@ -1,6 +1,13 @@
 """ftsdp.elastic: the rank manager of elastic torchrun jobs (docs/elastic.md); no engine import."""
 
-from ftsdp.elastic._rank import Peer, RankInfo, RankManager, read_env, resolve_device
+from ftsdp.elastic._rank import (
+    LaunchEnvironmentError,
+    Peer,
+    RankInfo,
+    RankManager,
+    read_env,
+    resolve_device,
+)
 from ftsdp.elastic._sampler import BatchGeometry, GlobalSampler, RankBatchSampler
 from ftsdp.elastic._signals import EXIT_GRACE_EXCEEDED, PreemptionHandler
 from ftsdp.elastic._simulation import simulate_heartbeats
@@ -16,6 +23,7 @@ __all__ = [
     "BatchGeometry",
     "CloseReport",
     "GlobalSampler",
+    "LaunchEnvironmentError",
     "Peer",
     "PreemptionHandler",
     "RankBatchSampler",

@@ -70,10 +70,21 @@ class RankInfo:
             )
 
 
+class LaunchEnvironmentError(ValueError):
+    """torchrun's environment variables are not what torchrun sets: not integers, out of range,
+    or a world of several ranks without a master address."""
+
+
 def read_env(env: Mapping[str, str] | None = None) -> RankInfo:
     """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ..., TORCHELASTIC_*, MASTER_*);
-    absent variables default to a world of one."""
-    env = os.environ if env is None else env
+    absent variables default to a world of one. ``LaunchEnvironmentError`` says what is wrong."""
+    try:
+        return _read_env(os.environ if env is None else env)
+    except ValueError as e:
+        raise LaunchEnvironmentError(str(e)) from None
+
+
+def _read_env(env: Mapping[str, str]) -> RankInfo:
     world = _int(env, "WORLD_SIZE", 1)
     port = env.get("MASTER_PORT")
     return RankInfo(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ftsdp import storage
-from ftsdp.elastic import PreemptionHandler, RankManager, Watchdog
+from ftsdp.elastic import PreemptionHandler, RankManager, Watchdog, read_env
 from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._errors import JobError
 from ftsdp.trainer._hooks import HookFactory, NoStepHook, StepHook
@@ -235,8 +235,8 @@ class Session:
         phases = Phases() if phases is None else phases
         try:
             # First opened, last closed: closing errors are still shown. torchrun sets RANK
-            # before the process starts; RankManager.init may log already.
-            closers.push(console_logging(cfg.log_level, int(os.environ.get("RANK", "0") or 0)))
+            # before the process starts (read_env checks it); RankManager.init may log already.
+            closers.push(console_logging(cfg.log_level, read_env().rank))
             rm = RankManager.init(
                 device=cfg.device,
                 timeout_s=cfg.pg_timeout_s,
@@ -263,9 +263,11 @@ class Session:
                 closers.push(storage.saving.guard_commits(rm.exit_if_orphaned))
             watchdog = None
             torchrun = rm.world_size > 1 or rm.agent is not None
-            if torchrun and cfg.heartbeat_timeout_s > 0:
+            # (a store: one rank started by hand with torchrun's variables has none)
+            store = rm.store("watchdog", timeout_s=cfg.heartbeat_timeout_s) if torchrun else None
+            if store is not None and cfg.heartbeat_timeout_s > 0:
                 watchdog = Watchdog(
-                    rm.store("watchdog", timeout_s=cfg.heartbeat_timeout_s),
+                    store,
                     rank,
                     rm.world_size,
                     interval_s=min(1.0, cfg.heartbeat_timeout_s / 4),

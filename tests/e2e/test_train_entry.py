@@ -169,3 +169,39 @@ def test_rerunning_a_finished_job_says_so_and_a_resume_counts_its_own_steps(tmp_
     assert "resumed step 30" in stdout and "the job's restart 1" in stdout
     assert [r["step"] for r in records if r["event"] == "step"] == [35, 40]
     assert re.search(r"done \| steps 30->40 in [\d.]+s \| final loss [\d.]+$", stdout, re.M)
+
+
+@pytest.mark.timeout(240)
+def test_a_wrong_launch_environment_is_one_line_and_exit_2() -> None:
+    """torchrun's variables set by hand, wrongly: one line naming the variable, exit 2, no
+    traceback (they were tracebacks, exit 1). One process with only ``TORCHELASTIC_RUN_ID``
+    (no store to watch) trains: its watchdog once failed on the missing store."""
+    cases = {
+        "RANK=abc": "environment variable RANK='abc' must be an integer",
+        "WORLD_SIZE=2 RANK=0": (
+            "WORLD_SIZE=2 but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun"
+        ),
+        "LOCAL_RANK=3 LOCAL_WORLD_SIZE=2": "LOCAL_RANK=3 must be in [0, LOCAL_WORLD_SIZE=2)",
+    }
+    cmd = [sys.executable, "-m", "ftsdp.train", *TINY, "--steps", "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for given, said in cases.items():
+        extra = dict(pair.split("=") for pair in given.split())
+        proc = subprocess.run(
+            cmd, cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=150
+        )
+        assert proc.returncode == 2, (given, proc.stderr[-3000:])
+        assert proc.stderr.strip().splitlines() == [f"ftsdp.train: error: {said}"], (
+            given,
+            proc.stderr[-3000:],
+        )
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**env, "TORCHELASTIC_RUN_ID": "by-hand"},
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
