@@ -243,8 +243,13 @@ class Store:
 
     def _write_once(self, rel: str, produce: Callable[[IO[bytes]], None]) -> None:
         # Every write, exclusive or not, passes here (one place where tests watch or fail writes).
-        with self._atomic_write(self.full(rel), isinstance(produce, _CreateOnly)) as f:
-            produce(f)
+        try:
+            with self._atomic_write(self.full(rel), isinstance(produce, _CreateOnly)) as f:
+                produce(f)
+        except OSError as e:
+            if e.filename is None and e.errno is not None:  # a bare "No space left on device"
+                raise OSError(e.errno, e.strerror, self.where(rel)) from e  # (its subclass)
+            raise
 
     @contextlib.contextmanager
     def _atomic_write(self, path: str, exclusive: bool = False) -> Iterator[IO[bytes]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -410,6 +411,30 @@ def test_a_value_whose_dict_keys_json_would_merge_is_refused(
     target: dict[str, Any] = {"w": torch.zeros(2), "v": None}
     storage.load(target, url)
     assert target["v"] == [{"1": "a", "2": "b"}]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_names_the_file_it_could_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """An object write failing with ENOSPC said only "No space left on device"; the error now
+    names the file (and stays an OSError of that errno), and nothing is committed."""
+    import errno
+
+    from ftsdp.storage.format import _safetensors
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(_safetensors, "write_object", full)
+    monkeypatch.setattr("ftsdp.storage.saving._save.write_object", full, raising=False)
+    url = str(tmp_path / "root")
+    with pytest.raises(OSError, match=r"No space left on device: .*step-3/.*\.safetensors") as e:
+        handle = storage.save({"w": torch.ones(10)}, url, 3, async_save=async_save)
+        if handle is not None:
+            handle.wait()
+    assert e.value.errno == errno.ENOSPC
+    assert storage.list_steps(url) == []
 
 
 def test_verify_of_a_large_step_lists_every_mismatch_in_order(tmp_path: Path) -> None:
