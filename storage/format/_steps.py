@@ -137,6 +137,7 @@ class Known:
     removed, is forgotten. Owned by whoever saves (``saving``'s lane of the root)."""
 
     manifests: dict[int, Manifest] = field(default_factory=dict)
+    told: set[str] = field(default_factory=set)  # what retention left alone, logged once
 
 
 @dataclass
@@ -383,7 +384,8 @@ def retain(
     known: Known | None = None,
 ) -> list[int]:
     """Apply retention under ``store`` (``plan_retention``); the removed steps, ascending (and
-    forgotten by ``known``). What was left alone is logged as a WARNING."""
+    forgotten by ``known``). What was left alone is logged as a WARNING (once for ``known``'s
+    saves)."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
     plan = plan_retention(store, keep_last, keep_every, protect, scan, known)
@@ -391,8 +393,11 @@ def retain(
         if known is not None and removal.whole:
             known.manifests.pop(removal.step, None)
         execute(store, removal)
-    if plan.notes:
-        logger.warning("retention left alone: %s", "; ".join(plan.notes))
+    notes = plan.notes if known is None else [n for n in plan.notes if n not in known.told]
+    if notes:  # (the saves of one process to a root say each once: not at every save)
+        logger.warning("retention left alone: %s", "; ".join(notes))
+        if known is not None:
+            known.told.update(notes)
     return plan.removed_steps
 
 

@@ -163,6 +163,14 @@ def test_an_unreadable_manifest_never_counts_toward_keep_last(backend, caplog) -
         p: b for p, b in before.items() if p.startswith("step-2/")
     }
     _same(_load(url, opts, 3), _state(3))
+    caplog.clear()  # said once: the next saves of this process to the root do not repeat it
+    with caplog.at_level(logging.WARNING, logger="ftsdp.storage.format._steps"):
+        for step in (4, 5):
+            storage.save(
+                _state(step), url, step, storage_options=opts, options=replace(SMALL, keep_last=1)
+            )
+    assert "left alone" not in caplog.text
+    assert storage.list_steps(url, storage_options=opts) == [2, 5]  # retention still ran
 
 
 def test_torn_and_stray_files_are_ours_only_by_name(backend) -> None:
