@@ -40,7 +40,12 @@ class Stall:
 
     def __str__(self) -> str:
         what = _KINDS[self.kind]
-        return f"rank {self.rank} stalled at step {self.step} for {self.seconds:.1f} s ({what})"
+        # (the step its last heartbeat reported: a heartbeat goes out once an interval, so the
+        # rank may have gone on for a few steps after it)
+        return (
+            f"rank {self.rank} stalled for {self.seconds:.1f} s ({what}); its last heartbeat "
+            f"reported step {self.step}"
+        )
 
 
 @functools.lru_cache(maxsize=8)

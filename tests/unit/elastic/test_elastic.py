@@ -195,7 +195,8 @@ def test_a_rank_that_stops_beating_is_named_within_the_bound() -> None:
     (stall,) = found[0]
     assert (stall.rank, stall.step, stall.kind, stall.seen_by) == (1, 7, "heartbeat", 0)
     _check_staleness(stall, 0.5, observer=0)
-    assert str(stall).startswith("rank 1 stalled at step 7 for ")
+    assert str(stall).startswith("rank 1 stalled for ")
+    assert str(stall).endswith("its last heartbeat reported step 7")
     dogs[0].close()
 
 
