@@ -33,6 +33,7 @@ from ftsdp.storage.saving._staging import (
     SnapshotArena,
     StagingBudget,
     aligned_bytes,
+    copy_cpu,
     copy_into,
     stage,
 )
@@ -443,6 +444,8 @@ class _Snapshot:
         self.flat = [leaf.local.reshape(-1) for leaf in self.leaves]  # views, mostly
         self.ready = queued_work_event(self.flat)  # CUDA: copy after the work queued so far
         self.arena = save.lane.arena
+        # on the CPU, the tensors it copies into, made here on the caller's thread (see leaves)
+        self.into = self.arena.leaves(self.flat) if self.ready is None else None
         self.bytes: dict[str, memoryview] = {}
         self.error: BaseException | None = None
         self._copied = threading.Event()  # the copy is over, whatever its outcome
@@ -458,9 +461,13 @@ class _Snapshot:
 
     def _copy(self) -> None:
         try:
-            stream = side_stream(self.ready)
-            buf = self.arena.take(self.total, stream is not None)
-            raw = copy_into(self.flat, buf, stream, self.arena.layouts, as_bytes=True)
+            if self.into is not None:
+                copy_cpu(self.into, self.flat)
+                raw = [t.view(torch.uint8).numpy().data for t in self.into]
+            else:
+                stream = side_stream(self.ready)
+                buf = self.arena.pinned(self.total)
+                raw = copy_into(self.flat, buf, stream, self.arena.layouts, as_bytes=True)
             self.bytes = {leaf.name: b for leaf, b in zip(self.leaves, raw, strict=True)}
         except BaseException as e:
             self.error = e
@@ -670,10 +677,11 @@ def prepare_save(
     own_group(resolve_group(process_group), lane.key)
     if state is None:
         return 0
-    size = _snapshot_size(store, flatten_state(state)[0], options, deferred=True)
+    tensors = flatten_state(state)[0]
+    size = _snapshot_size(store, tensors, options, deferred=True)
     if size is None:
         return 0
-    lane.arena.reserve(*size)
+    lane.arena.reserve([t.local.reshape(-1) for t in tensors.values()], *size)
     return size[0]
 
 

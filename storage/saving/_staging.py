@@ -51,40 +51,60 @@ def stage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class SnapshotArena:
-    """One host buffer per kind (pinned or not) that snapshots pack a rank's share into, kept
-    for the next save (``reuse_staging=False`` frees it), its pages touched when new. One save
-    of the lane uses it at a time."""
+    """Where snapshots put a rank's share, kept for the next save (``reuse_staging=False`` frees
+    it); one save of the lane uses it at a time. From CUDA: one pinned buffer the share is packed
+    into. On the CPU: one tensor per leaf (:meth:`leaves`), made on the caller's thread."""
 
     def __init__(self) -> None:
-        self._bufs: dict[bool, torch.Tensor] = {}
+        self._pinned: torch.Tensor | None = None
+        self._leaves: tuple[Any, list[torch.Tensor]] | None = None  # (layout, tensors)
         self._lock = threading.Lock()
-        # copy_into's views of the kept buffers, by layout: valid while those buffers are kept
+        # copy_into's views of the kept buffer, by layout: valid while that buffer is kept
         self.layouts: dict[Any, tuple[list[torch.Tensor], list[memoryview]]] = {}
 
-    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        """A uint8 buffer of exactly ``nbytes`` (a view of the kept one when it is big enough)."""
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 buffer of exactly ``nbytes`` (a view of the kept one when it is big
+        enough), for a copy from CUDA."""
         with self._lock:
-            buf = self._bufs.get(pinned)
-            if buf is None or buf.numel() < nbytes:
-                self._bufs.pop(pinned, None)  # free the small one before allocating
+            if self._pinned is None or self._pinned.numel() < nbytes:
+                self._pinned = None  # free the small one before allocating
                 self.layouts.clear()  # their views would keep it alive
-                buf = _touched(nbytes, pinned)
-                self._bufs[pinned] = buf
-            return buf[:nbytes]
+                self._pinned = _fresh(nbytes, pinned=True)  # (resident already)
+            return self._pinned[:nbytes]
 
-    def reserve(self, nbytes: int, pinned: bool) -> None:
-        """Make sure the kept buffer of this kind holds at least ``nbytes``, pages touched."""
-        self.take(nbytes, pinned)
+    def leaves(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU tensors of the dtypes and sizes of the 1-D ``tensors``, to copy them into: the
+        kept ones when those are the same, else new ones. Call it on the thread that trains:
+        glibc's malloc gives each thread an arena of its own, and that thread's holds what the
+        process freed (activations, gradients, unsharded parameters), which a copy maps no page
+        for; a helper thread's is fresh memory, every page of it faulted in by the copy
+        (docs/benchmarks.md, "First call: what was slow")."""
+        layout = tuple((t.dtype, t.numel()) for t in tensors)
+        with self._lock:
+            if self._leaves is None or self._leaves[0] != layout:
+                self._leaves = None  # free the old ones before allocating
+                self._leaves = layout, [torch.empty(n, dtype=d) for d, n in layout]
+            return self._leaves[1]
+
+    def reserve(self, tensors: list[torch.Tensor], nbytes: int, pinned: bool) -> None:
+        """Make the memory the next snapshot of ``tensors`` (``nbytes`` packed) takes, its pages
+        touched."""
+        if pinned:
+            self.pinned(nbytes)
+        else:
+            _touch([t.view(torch.uint8) for t in self.leaves(tensors) if t.numel()])
 
     def held_bytes(self) -> int:
         """Bytes kept, all kinds."""
         with self._lock:
-            return sum(b.numel() for b in self._bufs.values())
+            kept = [] if self._leaves is None else list(self._leaves[1])
+            kept += [] if self._pinned is None else [self._pinned]
+            return sum(t.numel() * t.element_size() for t in kept)
 
     def clear(self) -> None:
         """Drop the kept buffers."""
         with self._lock:
-            self._bufs.clear()
+            self._pinned = self._leaves = None
             self.layouts.clear()
 
 
@@ -95,13 +115,13 @@ def _fresh(nbytes: int, pinned: bool) -> torch.Tensor:
     return host_buffer(nbytes)
 
 
-def _touched(nbytes: int, pinned: bool) -> torch.Tensor:
-    buf = _fresh(nbytes, pinned)
-    if not pinned:  # pinned memory is resident already; fresh pageable memory is not
-        pages = buf[::4096]  # one write per page maps it, in parts on several threads
-        n = max(1, min(_COPY_THREADS, nbytes // _BYTES_PER_THREAD))
-        _on_threads([lambda p=p: p.fill_(0) for p in pages.tensor_split(n)])
-    return buf
+def _touch(bufs: list[torch.Tensor]) -> None:
+    """Map the pages of uint8 CPU tensors: one write per page, in parts on several threads."""
+    n = max(1, min(_COPY_THREADS, sum(b.numel() for b in bufs) // _BYTES_PER_THREAD))
+    groups: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for i, b in enumerate(bufs):
+        groups[i % n].append(b[::4096])
+    _on_threads([lambda g=g: [p.fill_(0) for p in g] for g in groups if g])
 
 
 def aligned_bytes(nbytes: int) -> int:
@@ -143,7 +163,7 @@ def copy_into(
         if stream is not None:
             stream.synchronize()
     else:
-        _copy_cpu(views, tensors)
+        copy_cpu(views, tensors)
     return list(raw if as_bytes else views)
 
 
@@ -155,7 +175,7 @@ _COPY_THREADS = min(8, _CPUS or 1)
 _BYTES_PER_THREAD = 16 << 20
 
 
-def _copy_cpu(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+def copy_cpu(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     """``views[i].copy_(tensors[i])`` for 1-D CPU tensors, on several threads when large."""
     total = sum(t.numel() * t.element_size() for t in tensors)
     n = min(_COPY_THREADS, total // _BYTES_PER_THREAD)

@@ -65,12 +65,13 @@ def test_async_save_reuses_staging_memory(tmp_path: Path) -> None:
     h = storage.save(state, str(tmp_path), 1, async_save=True, options=SAVE)
     h.wait()
     arena = _save._lanes[Store(str(tmp_path), None).where()].arena
-    kept = {b.data_ptr() for b in arena._bufs.values()}
+    assert arena._leaves is not None
+    kept = {t.data_ptr() for t in arena._leaves[1]}
     assert arena.held_bytes() >= sum(v.numel() * v.element_size() for v in state.values())
     state["w"].add_(1.0)
     h = storage.save(state, str(tmp_path), 2, async_save=True, options=SAVE)
     h.wait()
-    assert {b.data_ptr() for b in arena._bufs.values()} == kept, "the next save reuses it"
+    assert {t.data_ptr() for t in arena._leaves[1]} == kept, "the next save reuses them"
     for step, values in ((1, first), (2, state)):
         target = {k: torch.zeros_like(v) for k, v in values.items()}
         storage.load(target, str(tmp_path), step)
