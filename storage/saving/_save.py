@@ -462,8 +462,8 @@ class _Snapshot:
     def _copy(self) -> None:
         try:
             if self.into is not None:
-                copy_cpu(self.into, self.flat)
-                raw = [t.view(torch.uint8).numpy().data for t in self.into]
+                copy_cpu(self.into[0], self.flat)
+                raw = self.into[1]
             else:
                 stream = side_stream(self.ready)
                 buf = self.arena.pinned(self.total)

@@ -57,7 +57,8 @@ class SnapshotArena:
 
     def __init__(self) -> None:
         self._pinned: torch.Tensor | None = None
-        self._leaves: tuple[Any, list[torch.Tensor]] | None = None  # (layout, tensors)
+        # (layout, tensors, their bytes): the bytes' views made once, not at every save
+        self._leaves: tuple[Any, list[torch.Tensor], list[memoryview]] | None = None
         self._lock = threading.Lock()
         # copy_into's views of the kept buffer, by layout: valid while that buffer is kept
         self.layouts: dict[Any, tuple[list[torch.Tensor], list[memoryview]]] = {}
@@ -72,9 +73,9 @@ class SnapshotArena:
                 self._pinned = _fresh(nbytes, pinned=True)  # (resident already)
             return self._pinned[:nbytes]
 
-    def leaves(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """CPU tensors of the dtypes and sizes of the 1-D ``tensors``, to copy them into: the
-        kept ones when those are the same, else new ones. Call it on the thread that trains:
+    def leaves(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[memoryview]]:
+        """CPU tensors of the dtypes and sizes of the 1-D ``tensors``, to copy them into, and
+        their bytes: the kept ones when those are the same, else new ones. Call it on the thread that trains:
         glibc's malloc gives each thread an arena of its own, and that thread's holds what the
         process freed (activations, gradients, unsharded parameters), which a copy maps no page
         for; a helper thread's is fresh memory, every page of it faulted in by the copy
@@ -83,8 +84,10 @@ class SnapshotArena:
         with self._lock:
             if self._leaves is None or self._leaves[0] != layout:
                 self._leaves = None  # free the old ones before allocating
-                self._leaves = layout, [torch.empty(n, dtype=d) for d, n in layout]
-            return self._leaves[1]
+                into = [torch.empty(n, dtype=d) for d, n in layout]
+                raw = [t.view(torch.uint8).numpy().data for t in into]
+                self._leaves = layout, into, raw
+            return self._leaves[1], self._leaves[2]
 
     def reserve(self, tensors: list[torch.Tensor], nbytes: int, pinned: bool) -> None:
         """Make the memory the next snapshot of ``tensors`` (``nbytes`` packed) takes, its pages
@@ -92,7 +95,7 @@ class SnapshotArena:
         if pinned:
             self.pinned(nbytes)
         else:
-            _touch([t.view(torch.uint8) for t in self.leaves(tensors) if t.numel()])
+            _touch([t.view(torch.uint8) for t in self.leaves(tensors)[0] if t.numel()])
 
     def held_bytes(self) -> int:
         """Bytes kept, all kinds."""
