@@ -20,7 +20,7 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 def host_buffer(nbytes: int) -> torch.Tensor:
     """A new writable uint8 CPU tensor of ``nbytes`` in a private anonymous mapping of its own
-    (``mmap``'s default is a shared one, which the kernel faults in more slowly). The mapping goes back to the system when its last
+    (``mmap``'s default is a shared one). The mapping goes back to the system when its last
     view goes (a heap block could stay with its thread's arena), so a budget on buffers in
     flight bounds the memory held."""
     if nbytes == 0:

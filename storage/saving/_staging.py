@@ -112,7 +112,7 @@ class SnapshotArena:
 
 
 def _fresh(nbytes: int, pinned: bool) -> torch.Tensor:
-    """New host memory: pinned for copies from CUDA, else in huge pages where Linux has them."""
+    """New host memory: pinned for copies from CUDA, else a private mapping of its own."""
     if pinned:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     return host_buffer(nbytes)

@@ -293,10 +293,11 @@ def _source_config(folder: str, storage_options: dict[str, Any] | None) -> Any:
     path = f"{root.rstrip('/')}/config.json"
     if not fs.isfile(path):
         return None
-    if fs.size(path) > MAX_CONFIG_BYTES:
+    data = fs.cat_file(path, start=0, end=MAX_CONFIG_BYTES + 1)  # never more, whatever it says
+    if len(data) > MAX_CONFIG_BYTES:
         raise ValueError(f"{folder}/config.json is larger than {MAX_CONFIG_BYTES} bytes: refused")
     try:
-        return json.loads(fs.cat_file(path))
+        return json.loads(data)
     except ValueError as e:
         raise ValueError(f"{folder}/config.json is not JSON ({e}); pass --keep-names") from e
 

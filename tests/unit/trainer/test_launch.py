@@ -235,22 +235,30 @@ def test_rank_0_publishes_the_workers_store_in_every_round(monkeypatch) -> None:
     """torch publishes the shared store's address only in the round where rank 0's agent made
     it; an agent joining a later round (a lost node back) waited for it until the job died.
     Under ftsdp.launch rank 0 writes it into each round's store; other ranks write nothing."""
+    import datetime
+
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
     handler = dynamic_rendezvous.DynamicRendezvousHandler
-    stores = {0: dist.HashStore(), 1: dist.HashStore()}
     shared = RendezvousStoreInfo("10.0.0.7", 29511)  # made in an earlier round, kept by torch
 
-    def cached(self, rank: int = 0) -> RendezvousInfo:
-        return RendezvousInfo(stores[self], self, 2, shared)
+    class Agent:  # a handler past its first round: torch's next_rendezvous returns the cached info
+        def __init__(self, rank: int) -> None:
+            self.rank, self.store = rank, dist.HashStore()  # the round's store, empty
+            self.store.set_timeout(datetime.timedelta(seconds=2))  # a missing key: an error
+
+    def cached(self: Agent) -> RendezvousInfo:
+        return RendezvousInfo(self.store, self.rank, 2, shared)
 
     monkeypatch.setattr(handler, "next_rendezvous", cached)
     launch.publish_store_every_round()
     launch.publish_store_every_round()  # once only: not wrapped twice
-    info = handler.next_rendezvous(0)
+    first, other = Agent(0), Agent(1)
+    info = handler.next_rendezvous(first)
     assert info.rank == 0 and info.bootstrap_store_info is shared
-    assert stores[0].get("MASTER_ADDR") == b"10.0.0.7" and stores[0].get("MASTER_PORT") == b"29511"
-    handler.next_rendezvous(1)
-    assert stores[1].num_keys() == 0
+    assert first.store.get("MASTER_ADDR") == b"10.0.0.7"
+    assert first.store.get("MASTER_PORT") == b"29511"
+    handler.next_rendezvous(other)
+    assert other.store.num_keys() == 0
