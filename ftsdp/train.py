@@ -57,6 +57,7 @@ try:
     _TORCH_IMPORTED = time.time()
     import logging
 
+    from ftsdp.checkpoint import RootInUseError
     from ftsdp.elastic import LaunchEnvironmentError
     from ftsdp.trainer._errors import JobError
     from ftsdp.trainer._hooks import HookFactory
@@ -112,9 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             job = build(cfg, session)
             phases.mark("built")
             return run(cfg, session, job)
-        except JobError as e:  # the user's to fix: one line, no traceback
-            session.log.event({"event": "error", "error": f"JobError: {e}"[:2000]})
-            if e.report:
+        except (JobError, RootInUseError) as e:  # the user's to fix: one line, no traceback
+            session.log.event({"event": "error", "error": f"{type(e).__name__}: {e}"[:2000]})
+            if getattr(e, "report", session.rm.rank == 0):  # every rank meets a shared root
                 logger.error("error: %s", e)  # the console prefix names the logger and rank
             return EXIT_USER_ERROR
 

@@ -302,6 +302,7 @@ class CheckpointManager:
         self.wait()  # the load writes into the saved tensors: no save may be reading them
         self._snapshots()  # memory steps a dead persister left complete are committed first
         candidates = self._candidates()
+        self._durable.seen = {s for s, tier in candidates if tier is self._durable}
         loaded = None
         if candidates:
             had_state = {id(p) for p, entry in self.optimizer.state.items() if entry}
@@ -437,6 +438,7 @@ class CheckpointManager:
         self.last_saved_step = max(durable, default=None)
         self._durable.newest = self.last_saved_step
         self._durable.discard_newer = bool(loaded.skipped)
+        self._durable.resumed = loaded.step
         self.resumed_from = loaded.tier.url
         self._last_save = time.monotonic()
 

@@ -283,6 +283,8 @@ class Snapshots:
             if msg["durable"] is None:
                 self.newest["durable"] = max(step, self.newest.get("durable", -1))
                 self.durable.newest = self.newest["durable"]
+                if self.durable.seen is not None:
+                    self.durable.seen.add(step)
             else:
                 self.errors.append(f"saving step {step} to {self.durable.url}: {msg['durable']}")
                 self.durable.failed = step
@@ -495,7 +497,7 @@ class Snapshots:
         self._wait_free()
         if self.errors:
             errors, self.errors = self.errors, []
-            raise storage.CheckpointError("; ".join(errors))
+            self.durable.report_failure(storage.CheckpointError("; ".join(errors)))
 
     def close(self) -> None:
         """Wait for the saves, stop the persister, remove the slots (rank 0, after a barrier)."""

@@ -39,6 +39,10 @@ class Group:
         return all_reduce_max([code], resolve_group(self.pg))[0]
 
 
+class RootInUseError(storage.CheckpointError):
+    """A save failed because another job commits steps under the same checkpoint root."""
+
+
 class Peek(NamedTuple):
     """What a step's manifest says before it is loaded (``Tier.peek``)."""
 
@@ -72,6 +76,10 @@ class Tier:
         self._discarding = False  # the save in flight was to discard the newer steps
         self.failed: int | None = None  # the step of the newest save that failed (not retried)
         self.newest: int | None = None  # the newest step known to be committed here
+        # every step this job knows committed here (those at its resume and its own): any
+        # other met by a failed save is another writer's; None: no resume listed the root
+        self.seen: set[int] | None = None
+        self.resumed: int | None = None  # the step the job resumed from (any tier)
 
     def values(self) -> dict[str, Any]:
         """JSON values this tier saves beside the manager's state (and loads back)."""
@@ -94,9 +102,9 @@ class Tier:
         self.failed = None if self.failed == step else self.failed  # tried again
         try:
             self.pending = save(state, self.url, step, options=options, **self._where(), **kw)
-        except storage.CheckpointError as e:
+        except (storage.CheckpointError, FileExistsError) as e:
             self.failed = step
-            self._failed(e)
+            self.report_failure(e)
         # once: after this save the newer steps are gone (unless it fails: wait())
         self._discarding, self.discard_newer = self.discard_newer, False
 
@@ -111,19 +119,47 @@ class Tier:
         except Exception as e:
             self.discard_newer = self.discard_newer or discarding  # the newer steps are still there
             self.failed = pending.step
-            self._failed(e)
+            self.report_failure(e)
         else:
             self.newest = pending.step
+            if self.seen is not None:
+                self.seen.add(pending.step)
 
     def _where(self) -> dict[str, Any]:
         """The process group and storage options of every storage call on this tier."""
         return {"process_group": self.group.pg, "storage_options": self.storage_options}
 
-    def _failed(self, error: Exception) -> None:
-        """A save's error: raised, or logged by a cache."""
+    def report_failure(self, error: Exception) -> None:
+        """A save's error: raised (as :class:`RootInUseError` when another writer's steps are
+        why), or logged by a cache."""
         if not self.cache:
+            others = self._other_writers(error)
+            if others:
+                raise RootInUseError(
+                    f"another job is saving to {self.url}: step(s) {others} were committed "
+                    "there by another writer while this job ran (this job "
+                    + (
+                        f"resumed from step {self.resumed}"
+                        if self.resumed is not None
+                        else "found no committed step when it started"
+                    )
+                    + "), so this job's save failed. Two jobs must not share a checkpoint "
+                    "root: stop one of them, or give each its own checkpoint URL"
+                ) from error
             raise error
         self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
+
+    def _other_writers(self, error: Exception) -> list[int]:
+        """The committed steps here that this job did not know of, when ``error`` is a save's
+        refusal that another writer's steps explain (this rank lists the root: ranks need not
+        fail at the same call); [] when it is not, or when no resume listed the root."""
+        if self.seen is None or not isinstance(error, FileExistsError | storage.CheckpointError):
+            return []
+        try:
+            steps = storage.list_steps(self.url, storage_options=self.storage_options)
+        except Exception:  # the original error says more than a failed listing
+            return []
+        return sorted(set(steps) - self.seen)
 
     def newest_committed(self) -> int | None:
         """The newest step known to be committed, without waiting (errors left to :meth:`wait`)."""

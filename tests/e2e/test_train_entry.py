@@ -9,12 +9,15 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from ftsdp import storage
+from ftsdp.storage.catalog import read_manifest
 from ftsdp.trainer._phases import MARKS, PHASES
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -169,6 +172,49 @@ def test_rerunning_a_finished_job_says_so_and_a_resume_counts_its_own_steps(tmp_
     assert "resumed step 30" in stdout and "the job's restart 1" in stdout
     assert [r["step"] for r in records if r["event"] == "step"] == [35, 40]
     assert re.search(r"done \| steps 30->40 in [\d.]+s \| final loss [\d.]+$", stdout, re.M)
+
+
+@pytest.mark.timeout(240)
+def test_a_second_job_on_the_same_root_stops_the_first_with_one_line(tmp_path) -> None:
+    """The same command started twice on one root: job A resumes (nothing there), stops itself
+    at step 3 (SIGSTOP); job B trains to the end, committing steps 10, 20 and 30; A continues,
+    and its save of step 10 fails with one line naming the other writer's steps, exit 2, no
+    traceback. B's steps stay, and they are B's."""
+    ckpt = ["--checkpoint-url", str(tmp_path / "ckpt"), "--checkpoint-every", "10"]
+    entry = [sys.executable, "-m", "ftsdp.train", *TINY, *ckpt]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {"OMP_NUM_THREADS": "1", "FTSDP_FAULT": "stop:step=3"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    a = subprocess.Popen(entry, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while _state(a.pid) != "T":  # stopped by its fault
+            assert a.poll() is None and time.monotonic() < deadline, "job A did not stop"
+            time.sleep(0.1)
+        _, records = _run(
+            [sys.executable, "-m", "ftsdp.train"], tmp_path / "b.jsonl", *ckpt, "--seed", "7"
+        )
+        os.kill(a.pid, signal.SIGCONT)
+        out, err = (b.decode() for b in a.communicate(timeout=120))
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+    assert a.returncode == 2, f"exit {a.returncode}\n{out}\n{err[-4000:]}"
+    assert "Traceback" not in err, err[-4000:]
+    (line,) = [x for x in err.splitlines() if " ERROR " in x]
+    assert "error: another job is saving to" in line and "[10, 20, 30]" in line, line
+    assert "found no committed step when it started" in line, line
+    assert storage.list_steps(str(tmp_path / "ckpt")) == [10, 20, 30]
+    (done,) = [r for r in records if r["event"] == "done"]
+    values = read_manifest(str(tmp_path / "ckpt"), 30).values
+    assert json.loads(values["trainer.config"])["seed"] == 7  # B's (A runs with seed 0)
+    assert values["trainer.loss"] == done["loss"]
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``/proc/<pid>/stat``): ``T`` when stopped."""
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.mark.timeout(240)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ftsdp import storage
-from ftsdp.checkpoint import CheckpointManager
+from ftsdp.checkpoint import CheckpointManager, RootInUseError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -299,3 +299,42 @@ def test_the_newest_memory_step_known_to_the_persister_never_goes_back(
             if step % 2:  # a memory snapshot right after a durable save
                 ckpt.wait()
                 assert ckpt.newest_committed()["memory"] == storage.list_steps(memory)[-1]
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["newer-steps", "same-step"])
+def test_a_second_job_on_the_same_root_is_named_as_such(
+    tmp_path: pathlib.Path, ahead: bool
+) -> None:
+    """Two jobs started on one root: the one behind fails with ``RootInUseError`` naming the
+    other writer's steps (not a bare "step 5 is already committed"); what the other committed
+    stays, and the first job's own earlier steps are not counted as another writer's."""
+    model, opt = _stepped(0)
+    other_model, other_opt = _stepped(1)
+    first = CheckpointManager(str(tmp_path), model, opt, async_save=False)
+    second = CheckpointManager(str(tmp_path), other_model, other_opt, async_save=False)
+    first.resume({"step": 0})
+    second.resume({"step": 0})
+    first.save(2, {"step": 2})  # its own: never "another writer"
+    for step in (4, 6) if ahead else (4,):
+        second.save(step, {"step": step})
+    with pytest.raises(RootInUseError, match=r"another job is saving to .*step\(s\) \[4") as e:
+        first.save(4, {"step": 4})
+    assert "[2" not in str(e.value) and "found no committed step" in str(e.value)
+    assert storage.list_steps(str(tmp_path)) == ([2, 4, 6] if ahead else [2, 4])
+    loaded = storage.load_state_dict(str(tmp_path), step=4)
+    for name, value in other_model.state_dict().items():
+        assert torch.equal(loaded[f"model.{name}"], value), name
+
+
+def test_a_save_behind_newer_steps_without_another_job_keeps_its_own_error(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A manager that never resumed does not know the root: steps newer than its save are
+    refused with storage's own error, not blamed on another job."""
+    model, opt = _stepped(0)
+    with CheckpointManager(str(tmp_path), model, opt, async_save=False) as ckpt:
+        ckpt.save(6, {"step": 6})
+    fresh = CheckpointManager(str(tmp_path), *_stepped(1), async_save=False)
+    with pytest.raises(storage.CheckpointError, match="newer than it exist") as e:
+        fresh.save(4, {"step": 4})
+    assert not isinstance(e.value, RootInUseError)
