@@ -14,7 +14,7 @@ import re
 import struct
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from ftsdp.storage.format._manifest import (
     TensorEntry,
     manifest_version,
 )
+from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._steps import (
     Known,
     RootScan,
@@ -416,15 +417,19 @@ def finish(
     if rank != 0:  # report, then wait for rank 0's verdict
         report = report_of(plan, rank, crcs, values)
         _write_marker(store, done_marker(step, plan.attempt, rank), error, rank=rank, **report)
-        if error is not None:
+        if error is not None:  # rank 0 never commits an attempt a rank reported failed
+            _drop(store, step, plan.own(rank))
             raise error
-        _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces)
+        own = [o.name for o in plan.own(rank)]
+        _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces, own)
         return
+    committing = False  # from here on a manifest of this attempt may exist
     if error is None:
         try:
             reports = Reports(plan, step, world_size, crcs, values)
             _collect_markers(store, step, plan, reports, timeout_s)
             manifest = reports.manifest(checksum_block_bytes)
+            committing = True
             commit(
                 store,
                 manifest,
@@ -436,12 +441,42 @@ def finish(
             return
         except BaseException as e:
             error = e
+    if not committing or _no_manifest(store, step):
+        _drop(store, step, plan.own(rank))
+        if world_size == 1:  # nothing else of the attempt is there
+            with contextlib.suppress(Exception):
+                store.remove_empty_dir(step_dir(step))
     # Ranks > 0 stop waiting at the abort marker, or at another writer's manifest of this step
     # (then no marker is left in that writer's step). A single rank needs none.
     if world_size > 1 and _attempt_at(store, step) in (None, plan.attempt, replaces):
         with contextlib.suppress(Exception):  # best effort: the original error is what matters
             _write_marker(store, abort_marker(step, plan.attempt), error)
     raise error
+
+
+def _no_manifest(store: Store, step: int) -> bool:
+    """Whether ``step`` certainly has no manifest (False when that cannot be told)."""
+    try:
+        return not store.exists(manifest_path(step))
+    except Exception:
+        return False
+
+
+def _drop(store: Store, step: int, objects: Sequence[PlannedObject | str]) -> None:
+    """Best effort: remove a rank's ``objects`` of an attempt that will never be committed (each
+    rank removes its own, once it has written them: no rank removes a file another may still
+    be writing), so that a retry on a full disk has their room back."""
+    try:
+        for o in objects:
+            store.remove(f"{step_dir(step)}/{o if isinstance(o, str) else o.name}")
+    except Exception as e:  # retention or ``gc`` removes them later
+        logger.warning(
+            "could not remove the objects of the failed save of step %d at %s: %s: %s",
+            step,
+            store.where(),
+            type(e).__name__,
+            e,
+        )
 
 
 def _write_marker(store: Store, rel: str, error: BaseException | None, **fields: Any) -> None:
@@ -451,14 +486,22 @@ def _write_marker(store: Store, rel: str, error: BaseException | None, **fields:
 
 
 def _wait_for_commit(
-    store: Store, step: int, attempt: str, rank: int, timeout_s: float, replaces: str | None
+    store: Store,
+    step: int,
+    attempt: str,
+    rank: int,
+    timeout_s: float,
+    replaces: str | None,
+    own: Sequence[str] = (),
 ) -> None:
-    """Rank > 0: wait for this attempt's manifest; raise at an abort marker or at another
-    writer's manifest (but that of the commit this save replaces)."""
+    """Rank > 0: wait for this attempt's manifest; raise at an abort marker (removing this
+    rank's objects ``own``) or at another writer's manifest (but that of the commit this save
+    replaces). A timeout removes nothing: rank 0 may still commit."""
     abort = abort_marker(step, attempt)
     for _ in _poll(timeout_s):
         names = store.listdir(step_dir(step))  # one request a poll on S3, for both
         if abort.rsplit("/", 1)[-1] in names:
+            _drop(store, step, own)
             reason = json.loads(store.read_bounded(abort, MAX_MANIFEST_BYTES)).get("error")
             raise CheckpointError(
                 f"save of step {step} to {store.where()} was aborted by rank 0: {reason}"

@@ -141,6 +141,36 @@ def _failed_load_is_atomic(rank: int, groups: dict[int, Any], root: str) -> None
     dist.barrier()
 
 
+def _failed_save_leaves_no_objects(rank: int, world: int, root: str) -> None:
+    """A write fails on one rank (rank 2, then rank 0): the save fails on every rank, and no
+    object of it is left (each rank removes its own once rank 0 gave up: the failed rank at
+    once, the others at the abort marker); the retry commits."""
+    import errno
+    import os
+
+    ref, url = _reference(), f"{root}/failed-save"
+    real = _save.write_object
+    for step, failing in ((1, 2), (2, 0)):
+
+        def full(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        _save.write_object = full if rank == failing else real
+        try:
+            with pytest.raises((OSError, storage.CheckpointError)):
+                storage.save(_state(rank, world, ref, None), url, step, options=OPTIONS)
+        finally:
+            _save.write_object = real
+        dist.barrier()
+        left = sorted(p.name for p in Path(url, f"step-{step}").glob("*.safetensors"))
+        assert left == [], f"step {step} (rank {failing} failed): {left}"
+        dist.barrier()
+        storage.save(_state(rank, world, ref, None), url, step, options=OPTIONS)
+        target = _state(rank, world, ref, fill=float("nan"))
+        storage.load(target, url, step)
+        _check(target, ref, f"retry of step {step}")
+
+
 def _dedupe_cases(rank: int, world: int, root: str) -> None:
     """Replicas (hybrid: 2 groups of 2) and whole tensors on all ranks are written once."""
     ref = _reference()
@@ -649,6 +679,7 @@ SCENARIOS = [
     *(f"reshard {n}->{m}" for n, m in RESHARDS),
     "reshard 3->2 on s3",
     "failed load is atomic",
+    "failed save leaves no objects",
     "dedupe",
     "async",
     "deferred",
@@ -670,6 +701,7 @@ def _calls(rank: int, world: int, root: str, s3_root: str, s3_opts: dict) -> dic
     calls.update({
         "reshard 3->2 on s3": lambda: _reshard_grid(rank, groups, s3_root, s3_opts, ((3, 2),)),
         "failed load is atomic": lambda: _failed_load_is_atomic(rank, groups, root),
+        "failed save leaves no objects": lambda: _failed_save_leaves_no_objects(rank, world, root),
         "dedupe": lambda: _dedupe_cases(rank, world, root),
         "async": lambda: _async_cases(rank, world, root),
         "deferred": lambda: _deferred_cases(rank, world, root, groups[2]),

@@ -437,6 +437,44 @@ def test_a_full_disk_names_the_file_it_could_not_write(
     assert storage.list_steps(url) == []
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_failed_leaves_none_of_its_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """The second of four objects fails (ENOSPC): the other three were written and stayed
+    beside the failed attempt until retention or ``gc``, taking the room a retry needs. Now the
+    failed save removes them (and its empty step directory); the retry commits, and the files
+    already in the root are untouched."""
+    import errno
+
+    from ftsdp.storage.saving import _save
+
+    real, calls = _save.write_object, []
+
+    def second_fails(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+
+    url = str(tmp_path / "root")
+    storage.save({"w": torch.ones(3)}, url, 1)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    state = {f"w{i}": torch.full((1 << 16,), float(i)) for i in range(4)}
+    options = storage.SaveOptions(object_bytes=1 << 18)  # one object per tensor
+    monkeypatch.setattr(_save, "write_object", second_fails)
+    with pytest.raises(OSError, match="No space left on device"):
+        handle = storage.save(state, url, 3, options=options, async_save=async_save)
+        if handle is not None:
+            handle.wait()
+    assert len(calls) == 4  # every object was tried: three were written, then removed
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    storage.save(state, url, 3, options=options)
+    assert storage.list_steps(url) == [1, 3]
+    loaded = storage.load_state_dict(url, 3)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
 def test_verify_of_a_large_step_lists_every_mismatch_in_order(tmp_path: Path) -> None:
     """Past 16 MiB of data verify checks parts on several threads (a local object in parts of
     32 MiB of its mapped pages): every damaged block is still listed, in the order one thread
