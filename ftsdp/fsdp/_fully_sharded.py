@@ -197,6 +197,22 @@ class FullyShardedDataParallel(nn.Module):
         )
         _install_stale_optimizer_guard()
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``.to()``, ``.float()``, ``.bfloat16()``, ``.cuda()``...: refused before anything
+        changes when they would change the sharded parameters' dtype or device (the units keep
+        views of them); a call that changes neither (``.float()`` of an fp32 model) is fine."""
+        for p in {id(p): p for p in self._sharded_params.values()}.values():
+            probe = p.detach()[:0]
+            out = fn(probe)
+            if out.dtype != probe.dtype or out.device != probe.device:
+                raise RuntimeError(
+                    f"ftsdp.FSDP: the wrapped model's parameters cannot change from "
+                    f"{probe.dtype} on {probe.device} to {out.dtype} on {out.device} after "
+                    "wrapping: move and cast the model before wrapping it (device_id= for the "
+                    "device), or use MixedPrecision(param_dtype=...) to compute in another dtype"
+                )
+        return super()._apply(fn, recurse)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (its hooks gather and free each unit around its use)."""
         if self._summoned:
@@ -610,7 +626,9 @@ def _reject_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
         for p in group["params"]:
             if getattr(p, STALE_ATTR, False):
                 raise ValueError(
-                    f"{type(optimizer).__name__} was created before ftsdp.FSDP wrapped the "
-                    "model: it holds the original parameters, which no longer train. Create "
-                    "the optimizer after wrapping, from wrapped_model.parameters()"
+                    f"{type(optimizer).__name__} holds parameters that ftsdp.FSDP retired when "
+                    "it wrapped the model (the optimizer was created before wrapping, or from "
+                    "references to parameters taken before it); they no longer train. Create "
+                    "the optimizer after wrapping, from wrapped_model.parameters() or "
+                    "named_parameters()"
                 )

@@ -5,6 +5,7 @@ a model's units: device, process groups, a meta model materialised unit by unit 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import weakref
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
     # process_group=: one group, or (shard group, replicate group) for HYBRID_SHARD
     ProcessGroups: TypeAlias = dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup]
+
+logger = logging.getLogger(__name__)
 
 
 STALE_ATTR = "_ftsdp_stale"  # set on original parameters once their values moved into a shard
@@ -334,7 +337,9 @@ class FlatParamUnit:
             self._padding += padding
         elif self._unsharded_grad is None:
             self._unsharded_grad = grad
-        else:
+        else:  # a sum of several backwards (no_sync) is kept in reduce_dtype, as FSDP2 does
+            if self._unsharded_grad.dtype != self.reduce_dtype:
+                self._unsharded_grad = self._unsharded_grad.to(self.reduce_dtype)
             self._unsharded_grad += grad
 
     def has_unreduced_grad(self) -> bool:
@@ -590,6 +595,9 @@ def build_units(
     units: list[FlatParamUnit | None] = [None] * len(plans)
     if any(pp.param.is_meta for plan in plans for pp in plan.params):
         materialized: set[int] = set()
+        initialised: set[int] = set()  # ids of the parameters a module's init has run for
+        uninitialised: list[str] = []  # modules with meta tensors that nothing initialised
+        names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
         for index, m in enumerate(modules):
             for u in owners[index]:
                 if u not in materialized:
@@ -600,14 +608,25 @@ def build_units(
             meta_buffers = any(b is not None and b.is_meta for b in m._buffers.values())
             _materialize_buffers(m, options.device)
             if owners[index] or meta_buffers:
-                with torch.no_grad():
-                    if param_init_fn is not None:
-                        param_init_fn(m)
-                    elif callable(reset := getattr(m, "reset_parameters", None)):
-                        reset()
+                reset = getattr(m, "reset_parameters", None)
+                if param_init_fn is None and not callable(reset):
+                    uninitialised.append(f"{names.get(id(m)) or '<root>'} ({type(m).__name__})")
+                else:
+                    _init_module(m, param_init_fn, initialised)
             for u in owners[index]:
                 if last_module[u] == index:
                     units[u] = build(plans[u])
+        if uninitialised:
+            logger.warning(
+                "ftsdp.FSDP: %d module(s) built on the meta device have no reset_parameters() "
+                "and no param_init_fn was given, so their parameters hold uninitialised memory "
+                "and their buffers zeros until weights are loaded into them: %s%s. Pass "
+                "param_init_fn=... (e.g. a Hugging Face model's _init_weights) or load a "
+                "checkpoint before training",
+                len(uninitialised),
+                ", ".join(uninitialised[:5]),
+                ", ..." if len(uninitialised) > 5 else "",
+            )
     else:
         # param_init_fn only initialises meta parameters (as in torch FSDP): rank 0 may hold
         # real weights while the others build on meta and receive them by sync_module_states.
@@ -616,6 +635,27 @@ def build_units(
         if units[u] is None:
             units[u] = build(plans[u])
     return units  # type: ignore[return-value]
+
+
+def _init_module(
+    m: nn.Module, init: Callable[[nn.Module], None] | None, initialised: set[int]
+) -> None:
+    """Run ``init(m)`` (None: ``m.reset_parameters()``); a parameter shared with a module initialised earlier (a tied head)
+    keeps that module's values, as in an eager build that ties after construction, while
+    ``init`` still draws from the RNG as it would there."""
+    shared = {
+        name: p.detach().clone()
+        for name, p in m._parameters.items()
+        if p is not None and id(p) in initialised
+    }
+    with torch.no_grad():
+        if init is not None:
+            init(m)
+        else:
+            m.reset_parameters()  # type: ignore[operator]
+        for name, value in shared.items():
+            m._parameters[name].copy_(value)  # type: ignore[union-attr]
+    initialised.update(id(p) for p in m._parameters.values() if p is not None)
 
 
 def _materialize(plan: UnitPlan, device: torch.device) -> None:

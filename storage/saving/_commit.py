@@ -418,7 +418,8 @@ def finish(
         report = report_of(plan, rank, crcs, values)
         _write_marker(store, done_marker(step, plan.attempt, rank), error, rank=rank, **report)
         if error is not None:  # rank 0 never commits an attempt a rank reported failed
-            _drop(store, step, plan.own(rank))
+            if isinstance(error, Exception):  # not on the way out (KeyboardInterrupt)
+                _drop(store, step, plan.own(rank))
             raise error
         own = [o.name for o in plan.own(rank)]
         _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces, own)
@@ -441,7 +442,7 @@ def finish(
             return
         except BaseException as e:
             error = e
-    if not committing or _no_manifest(store, step):
+    if isinstance(error, Exception) and (not committing or _no_manifest(store, step)):
         _drop(store, step, plan.own(rank))
         if world_size == 1:  # nothing else of the attempt is there
             with contextlib.suppress(Exception):

@@ -55,7 +55,7 @@ def test_optimizer_created_before_wrapping_fails_at_step() -> None:
     wrapped = ftsdp.FSDP(model, auto_wrap_policy={Block})
     x, y = tokens()
     wrapped(x, y)[1].backward()
-    with pytest.raises(ValueError, match="created before ftsdp.FSDP wrapped the model"):
+    with pytest.raises(ValueError, match="retired when it wrapped the model .*created before"):
         early.step()
     late = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     late.step()  # the right order works
@@ -506,3 +506,120 @@ def test_mixed_precision_casts_forward_inputs_as_torch_fsdp_does(torch_config: b
     with pytest.raises(RuntimeError, match="dtype"):
         wrapped(cast_root_forward_inputs=False)(x)
     assert seen["root"] == torch.float32
+
+
+class _TiedLM(nn.Module):
+    """An embedding, a layer, a head tied to the embedding (tied after construction, as
+    Hugging Face and GPT-2 style models do), and a module with a weight and no
+    ``reset_parameters``."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+def test_deferred_init_keeps_a_tied_weight_as_an_eager_build_does() -> None:
+    """Initialised module by module, the head's ``reset_parameters`` re-initialised the
+    embedding it is tied to (a Linear's init instead of the embedding's N(0, 1)); an eager
+    build ties after both were initialised, so the embedding's values win. Now a parameter
+    keeps its first owner's values, and the RNG draws are the same as the eager build's, so
+    every weight is bitwise the eager one."""
+    torch.manual_seed(0)
+    eager = ftsdp.FSDP(_TiedLM()).state_dict()
+    with torch.device("meta"):
+        model = _TiedLM()
+    torch.manual_seed(0)
+    wrapped = ftsdp.FSDP(model)
+    assert wrapped.module.head.weight is wrapped.module.emb.weight
+    deferred = wrapped.state_dict()
+    assert deferred.keys() == eager.keys()
+    for name, value in eager.items():
+        assert torch.equal(deferred[name], value), name
+
+
+def test_deferred_init_names_modules_that_nothing_initialised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A module with meta parameters or buffers, no ``reset_parameters`` and no
+    ``param_init_fn`` (an RMSNorm, a rotary embedding) kept uninitialised memory (or zeros)
+    silently, and a Hugging Face Llama trained on NaN. Now the wrap warns, naming them; with
+    a ``param_init_fn`` it does not."""
+
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(6))
+
+    class Frequencies(nn.Module):  # computed in __init__ only
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(6) / 6))
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 6), Norm(), Frequencies(), _Rotary(6))
+
+    with torch.device("meta"):
+        model = net()
+    with caplog.at_level("WARNING", logger="ftsdp.fsdp._unit"):
+        ftsdp.FSDP(model)
+    (record,) = [r for r in caplog.records if "no reset_parameters()" in r.message]
+    assert "2 module(s)" in record.message and "1 (Norm), 2 (Frequencies)." in record.message
+    caplog.clear()
+
+    def init_fn(m: nn.Module) -> None:
+        for p in m.parameters(recurse=False):
+            p.fill_(1.0)
+
+    with torch.device("meta"):
+        model = net()
+    with caplog.at_level("WARNING", logger="ftsdp.fsdp._unit"):
+        ftsdp.FSDP(model, param_init_fn=init_fn)
+    assert not [r for r in caplog.records if "no reset_parameters()" in r.message]
+
+
+def test_casting_the_wrapped_model_is_refused_before_anything_changes() -> None:
+    """``.bfloat16()`` after wrapping left parameters of two dtypes and failed in the next
+    forward ("mat1 and mat2 must have the same dtype"); now it is refused with what to do,
+    and the model still trains. A call that changes nothing (``.float()``) is fine."""
+    reference = tiny_gpt()
+    wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy={Block})
+    for cast in (
+        lambda m: m.bfloat16(),
+        lambda m: m.double(),
+        lambda m: m.to(torch.float16),
+        lambda m: m.to("meta"),
+    ):
+        with pytest.raises(RuntimeError, match="cannot change from torch.float32 on cpu to"):
+            cast(wrapped)
+    assert wrapped.float() is wrapped and wrapped.to("cpu") is wrapped
+    assert {p.dtype for p in wrapped.parameters()} == {torch.float32}
+    x, y = tokens()
+    torch.testing.assert_close(wrapped(x, y)[1], reference(x, y)[1])
+
+
+def test_no_sync_sums_bf16_gradients_in_the_reduce_dtype() -> None:
+    """With bf16 parameters and an fp32 reduce dtype, gradients kept under ``no_sync`` were
+    summed in bf16 (worse with every micro-batch); now in fp32, as FSDP2 does, so they equal
+    the gradients of the same micro-batches reduced one by one."""
+    mp = ftsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reference = tiny_gpt()
+    grads = []
+    for accumulate in (False, True):
+        wrapped = ftsdp.FSDP(copy.deepcopy(reference), auto_wrap_policy={Block}, mixed_precision=mp)
+        for k in range(16):
+            x, y = tokens(seed=10 + k)
+            if accumulate and k < 15:
+                with wrapped.no_sync():
+                    wrapped(x, y)[1].backward()
+            else:
+                wrapped(x, y)[1].backward()
+        grads.append([p.grad.clone() for p in wrapped.parameters()])
+    for one_by_one, accumulated in zip(*grads, strict=True):
+        assert torch.equal(accumulated, one_by_one)
