@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -100,3 +102,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS, "__version__"})
+
+
+@atexit.register
+def _let_gloo_workers_finish() -> None:
+    """At exit, before the interpreter finalizes: wait (without the GIL, at most 5 s) until
+    gloo's worker threads are idle, so that none drops the last reference to a finished
+    collective's tensors once the GIL can no longer be taken, which aborts the process
+    (SIGABRT). ``RankManager.close()`` does this too; a script that ends with
+    ``dist.destroy_process_group()`` gets it from here (docs/elastic.md, "Teardown")."""
+    if "torch.distributed" not in sys.modules:
+        return
+    from ftsdp.elastic._teardown import wait_for_idle_workers
+
+    wait_for_idle_workers()

@@ -13,6 +13,10 @@ processes that exits through the interpreter's normal shutdown (as a user's scri
 - ``wrap``: only ``RankManager.init()``, the wrap and ``rm.close()`` (the issue's reproduction);
 - ``fsdp2``: the same with torch's ``fully_shard`` on every block and the root, and the full
   state dict from ``torch.distributed.checkpoint.state_dict.get_model_state_dict``;
+- ``plain``: a script as docs/migrating.md has it, without the rank manager:
+  ``dist.init_process_group("gloo")``, the wrap, the step and the state dict of ``ftsdp``,
+  then ``dist.destroy_process_group()``; the exit is left to what ``import ftsdp`` registers
+  (docs/elastic.md, "Teardown");
 - ``train``: ``python -m ftsdp.train`` (a tiny GPT, 2 steps, an async checkpoint every step):
   the training entry's end of run.
 
@@ -49,7 +53,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-VARIANTS = ("ftsdp", "wrap", "fsdp2", "train")
+VARIANTS = ("ftsdp", "wrap", "fsdp2", "plain", "train")
 _ABORT_CODES = (-signal.SIGABRT, 128 + signal.SIGABRT)
 # torchrun's failure report: one block per failed rank ("rank : 1 (local_rank: 1)" then
 # "exitcode : -6 (pid: ...)").
@@ -116,9 +120,14 @@ def worker(variant: str, provoke: bool = False) -> None:
     from ftsdp.elastic import RankManager
     from ftsdp.examples.gpt import Block
 
-    rm = RankManager.init(device="cpu", timeout_s=60)
+    if variant == "plain":
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rm = RankManager.init(device="cpu", timeout_s=60)
+        rank, world = rm.rank, rm.world_size
     model, config = _tiny_gpt()
-    if variant in ("ftsdp", "wrap"):
+    if variant in ("ftsdp", "wrap", "plain"):
         import ftsdp
 
         model = ftsdp.FSDP(model, auto_wrap_policy={Block})
@@ -130,18 +139,18 @@ def worker(variant: str, provoke: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (rm.world_size,))
+        mesh = init_device_mesh("cpu", (world,))
         for module in model.modules():
             if isinstance(module, Block):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = _batch(rm.rank, config)
+    x, y = _batch(rank, config)
     _, loss = model(x, y)
     loss.backward()
     opt.step()
     opt.zero_grad()
-    if variant == "ftsdp":
+    if variant in ("ftsdp", "plain"):
         full = model.state_dict()
     else:
         from torch.distributed.checkpoint.state_dict import (
@@ -152,14 +161,17 @@ def worker(variant: str, provoke: bool = False) -> None:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert len(full) > 0
     if provoke:  # see the module doc
-        side = dist.new_group(list(range(rm.world_size)))
+        side = dist.new_group(list(range(world)))
         _KEEP.append(side)  # held past close(), freed at exit: its destructor joins its threads
         sys.setswitchinterval(1000.0)
-        if rm.rank == 0:
+        if rank == 0:
             time.sleep(1.0)  # late: its collective finishes at once, with the GIL held here
         scratch = torch.ones(1 << 16)
         dist.all_reduce(scratch.view(-1), group=side, async_op=True)
-    rm.close()
+    if variant == "plain":
+        dist.destroy_process_group()
+    else:
+        rm.close()
     _KEEP.extend([model, opt, full])  # alive until the interpreter shuts down, as in a script
 
 
@@ -238,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.nproc < 1:
         parser.error("--runs and --nproc must be >= 1")
     if args.provoke and args.variant in ("train", "wrap"):
-        parser.error("--provoke works with --variant ftsdp or fsdp2")
+        parser.error("--provoke works with --variant ftsdp, fsdp2 or plain")
     runs: list[Run] = []
     t0 = time.monotonic()
     for i in range(args.runs):
