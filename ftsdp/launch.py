@@ -246,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, RuntimeError) as e:
         print(f"ftsdp.launch: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    sys.argv[0] = "python -m ftsdp.launch"  # torchrun's usage lines name the program by it
     if "-h" in ours or "--help" in ours:
         print(USAGE)  # then torchrun's flags
         from torch.distributed import run as torchrun

@@ -254,6 +254,10 @@ class RankManager:
     def world_size(self) -> int:
         return self.info.world_size
 
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
     def exit_if_orphaned(self) -> None:
         """Exit with ``EXIT_STALL`` and one log line if the torchrun agent is gone."""
         agent = self.agent

@@ -217,12 +217,18 @@ def comm_device(group: dist.ProcessGroup | None) -> torch.device:
 
 # fp16 loss scaling whose found-inf flag every rank agrees on (docs/engine.md, "fp16")
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose skip decision every rank of ``process_group`` agrees on."""
+    """``torch.amp.GradScaler`` whose skip decision every rank of ``process_group`` agrees on;
+    ``device`` None: CUDA where there is one, else the CPU (torch's default, ``"cuda"``, turns
+    the scaler off on a machine without CUDA)."""
 
     def __init__(
-        self, device: str = "cuda", *, process_group: dist.ProcessGroup | None = None, **kwargs: Any
+        self,
+        device: str | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(device, **kwargs)
+        super().__init__(device or ("cuda" if torch.cuda.is_available() else "cpu"), **kwargs)
         self._group = process_group
 
     @property

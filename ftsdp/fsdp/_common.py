@@ -27,11 +27,13 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
     NO_SHARD = "NO_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
+    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"  # torch's; refused by parse()
 
     @classmethod
     def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
         """The member for itself, torch FSDP's member or its name (any case); else ValueError."""
-        if getattr(value, "name", None) == "_HYBRID_SHARD_ZERO2":  # torch's enum only
+        name = getattr(value, "name", value)
+        if isinstance(name, str) and name.upper() == "_HYBRID_SHARD_ZERO2":
             raise ValueError(
                 "sharding_strategy=_HYBRID_SHARD_ZERO2 is not supported by ftsdp; use "
                 "HYBRID_SHARD (shard inside a group, replicate across groups)"
@@ -48,7 +50,7 @@ def enum_member(value: Any, cls: type[enum.Enum], what: str) -> enum.Enum:
         return cls[value.name]
     if isinstance(value, str) and value.upper() in cls.__members__:
         return cls[value.upper()]
-    valid = ", ".join(f"{cls.__name__}.{name}" for name in cls.__members__)
+    valid = ", ".join(f"{cls.__name__}.{name}" for name in cls.__members__ if name[0] != "_")
     raise ValueError(f"{what}={value!r} is not one of: {valid}")
 
 
@@ -68,18 +70,21 @@ class Phase(enum.Enum):
     BACKWARD = "BACKWARD"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class MixedPrecision:
     """Low-precision compute and communication over fp32 master shards (torch FSDP's fields,
-    with its defaults): ``cast_root_forward_inputs`` casts the root's floating inputs to
-    ``param_dtype``, ``cast_forward_inputs`` every unit's (the root's follows the former)."""
+    in its order, with its defaults): ``cast_root_forward_inputs`` casts the root's floating
+    inputs to ``param_dtype``, ``cast_forward_inputs`` every unit's (the root's follows the
+    former). ``_module_classes_to_ignore`` is accepted and not honoured (a warning at the
+    wrap): those modules compute in ``param_dtype`` like the rest."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
-    keep_low_precision_grads: bool = False
+    _module_classes_to_ignore: tuple[type, ...] = ()
 
     def __post_init__(self) -> None:
         if self.keep_low_precision_grads:
@@ -95,7 +100,7 @@ class MixedPrecision:
                 raise ValueError(f"MixedPrecision: {name}={value!r} must be a floating torch.dtype")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class CPUOffload:
     """Keep the sharded parameters and gradients in host memory (docs/engine.md)."""
 

@@ -132,6 +132,12 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision = as_mixed_precision(mixed_precision)
         cpu_offload = as_cpu_offload(cpu_offload)
         backward_prefetch = as_backward_prefetch(backward_prefetch)
+        if mixed_precision is not None and mixed_precision._module_classes_to_ignore:
+            logger.warning(
+                "MixedPrecision(_module_classes_to_ignore=%s) is not honoured by ftsdp: those "
+                "modules compute in param_dtype like the rest",
+                tuple(c.__name__ for c in mixed_precision._module_classes_to_ignore),
+            )
         if not use_orig_params:
             logger.warning(
                 "FSDP(use_orig_params=False): ftsdp always exposes the original parameters "

@@ -83,8 +83,10 @@ def _resume(cfg: TrainConfig, session: Session, job: Job, trainer: dict[str, Any
     )
     skipped = [s for s, _ in resumed.skipped]
     tier = "memory" if ckpt.memory_url and ckpt.resumed_from == ckpt.memory_url else "durable"
+    # a converted checkpoint may be committed under another step than the one it trained
+    other = f"committed as step {resumed.step}, " if template["step"] != resumed.step else ""
     log.write(
-        f"resumed step {resumed.step} (saved at world {resumed.saved_world_size}, now "
+        f"resumed step {template['step']} ({other}saved at world {resumed.saved_world_size}, now "
         f"{rm.world_size}) in {resumed.seconds:.2f}s | the job's restart {trainer['restarts']}"
         + (" | from the memory tier" if tier == "memory" else "")
         + (f" | skipped unusable steps {skipped}" if skipped else ""),

@@ -327,6 +327,7 @@ def plan_init(
             + (f" ({_few(missing)})" if missing else "")
             + f", {len(unexpected)} unexpected"
             + (f" ({_few(unexpected)})" if unexpected else "")
+            + (f"; it holds {len(shapes)} tensors ({_few(sorted(shapes))})" if missing else "")
             + "; pass a checkpoint of this model (names as in the model, or under 'model.' as "
             "an ftsdp run saves them)"
         )

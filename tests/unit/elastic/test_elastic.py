@@ -729,6 +729,7 @@ def test_close_destroys_every_group_and_reports_the_ones_still_held() -> None:
     from ftsdp.elastic import CloseReport, RankManager
 
     rm = RankManager.init(device="cpu", timeout_s=30, env={})
+    assert (rm.rank, rm.world_size, rm.local_rank) == (0, 1, 0)
     try:
         held = dist.new_group([0])  # as a model holds its groups past close()
         dropped = dist.new_group([0])

@@ -66,6 +66,8 @@ def test_optimizer_created_before_wrapping_fails_at_step() -> None:
     [
         ({"sharding_strategy": "HYBRID_SHARD"}, "HYBRID_SHARD needs torch.distributed"),
         ({"sharding_strategy": "ZERO3"}, "sharding_strategy='ZERO3' is not one of"),
+        ({"sharding_strategy": ftsdp.ShardingStrategy._HYBRID_SHARD_ZERO2}, "use HYBRID_SHARD"),
+        ({"sharding_strategy": "_hybrid_shard_zero2"}, "use HYBRID_SHARD"),
         ({"mixed_precision": object()}, "mixed_precision must be an ftsdp.MixedPrecision"),
         ({"cpu_offload": object()}, "cpu_offload must be an ftsdp.CPUOffload"),
         ({"process_group": "world"}, "process_group must be a torch.distributed.ProcessGroup"),
@@ -623,3 +625,33 @@ def test_no_sync_sums_bf16_gradients_in_the_reduce_dtype() -> None:
         grads.append([p.grad.clone() for p in wrapped.parameters()])
     for one_by_one, accumulated in zip(*grads, strict=True):
         assert torch.equal(accumulated, one_by_one)
+
+
+def test_the_configs_take_torch_fsdps_positional_arguments(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``MixedPrecision(torch.bfloat16, torch.float32)`` and ``CPUOffload(True)`` work as with
+    torch FSDP (the same fields in the same order); ``_module_classes_to_ignore`` is accepted
+    and the wrap says it is not honoured."""
+    from torch.distributed import fsdp as torch_fsdp
+
+    ours = ftsdp.MixedPrecision(torch.bfloat16, torch.float32, None, False, True, False)
+    theirs = torch_fsdp.MixedPrecision(torch.bfloat16, torch.float32, None, False, True, False)
+    for field in ("param_dtype", "reduce_dtype", "buffer_dtype", "keep_low_precision_grads"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    for field in ("cast_forward_inputs", "cast_root_forward_inputs"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ftsdp.CPUOffload(True).offload_params is torch_fsdp.CPUOffload(True).offload_params
+    mp = ftsdp.MixedPrecision(torch.bfloat16, _module_classes_to_ignore=(nn.BatchNorm1d,))
+    with caplog.at_level("WARNING", logger="ftsdp.fsdp._fully_sharded"):
+        ftsdp.FSDP(tiny_gpt(), mixed_precision=mp)
+    assert any("_module_classes_to_ignore=('BatchNorm1d',)" in r.message for r in caplog.records)
+
+
+def test_the_grad_scaler_scales_on_a_machine_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ShardedGradScaler()`` took torch's ``"cuda"`` default: on a CPU machine it turned
+    itself off (scale 1.0, a warning). Now it scales on the CPU when there is no CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    scaler = ftsdp.ShardedGradScaler()
+    assert scaler.is_enabled() and scaler.get_scale() == 65536.0
+    assert scaler.scale(torch.ones(())).item() == 65536.0

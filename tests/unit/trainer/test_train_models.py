@@ -243,6 +243,11 @@ def test_init_from_another_model_is_refused_in_one_line_and_changes_nothing(tmp_
     torch.save(wider.state_dict(), tmp_path / "wider.pt")
     with pytest.raises(JobError, match=r"other shapes than the model .*wpe.weight \[16, 16\]"):
         init_weights(module, str(tmp_path / "wider.pt"))
+    renamed = {f"net.{k}": v for k, v in module.state_dict().items()}
+    torch.save(renamed, tmp_path / "renamed.pt")
+    # the names it could not have guessed are named (16 tensors, 17 names: a tied pair)
+    with pytest.raises(JobError, match=r"16 missing .*; it holds 17 tensors \(net\.blocks"):
+        init_weights(module, str(tmp_path / "renamed.pt"))
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
 
 
