@@ -496,13 +496,17 @@ def _wait_for_commit(
     own: Sequence[str] = (),
 ) -> None:
     """Rank > 0: wait for this attempt's manifest; raise at an abort marker (removing this
-    rank's objects ``own``) or at another writer's manifest (but that of the commit this save
-    replaces). A timeout removes nothing: rank 0 may still commit."""
+    rank's objects ``own`` unless this attempt's manifest exists) or at another writer's
+    manifest (but that of the commit this save replaces). A timeout removes nothing: rank 0
+    may still commit."""
     abort = abort_marker(step, attempt)
     for _ in _poll(timeout_s):
         names = store.listdir(step_dir(step))  # one request a poll on S3, for both
         if abort.rsplit("/", 1)[-1] in names:
-            _drop(store, step, own)
+            # Rank 0 may have failed after creating this attempt's manifest (a listing after
+            # the commit): then the objects are a committed step's, and stay.
+            if MANIFEST not in names or _attempt_at(store, step) not in (None, attempt):
+                _drop(store, step, own)
             reason = json.loads(store.read_bounded(abort, MAX_MANIFEST_BYTES)).get("error")
             raise CheckpointError(
                 f"save of step {step} to {store.where()} was aborted by rank 0: {reason}"

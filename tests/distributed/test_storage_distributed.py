@@ -170,6 +170,30 @@ def _failed_save_leaves_no_objects(rank: int, world: int, root: str) -> None:
         storage.load(target, url, step)
         _check(target, ref, f"retry of step {step}")
 
+    # Rank 0 fails *after* creating the manifest (its listing after the commit): the step is
+    # committed, so the other ranks, seeing the abort marker, must keep their objects.
+    from ftsdp.storage.saving import _commit
+
+    real_scan = _commit.scan_root
+
+    def scan_fails_once_committed(store: Any, *args: Any, **kwargs: Any) -> Any:
+        if store.exists("step-3/manifest.json"):
+            raise OSError("injected: listing the root after the commit failed")
+        return real_scan(store, *args, **kwargs)
+
+    _commit.scan_root = scan_fails_once_committed if rank == 0 else real_scan
+    try:
+        with pytest.raises((OSError, storage.CheckpointError)):
+            storage.save(_state(rank, world, ref, None), url, 3, options=OPTIONS)
+    finally:
+        _commit.scan_root = real_scan
+    dist.barrier()
+    assert 3 in storage.list_steps(url)
+    target = _state(rank, world, ref, fill=float("nan"))
+    storage.load(target, url, 3)
+    _check(target, ref, "a step committed before rank 0 failed")
+    dist.barrier()
+
 
 def _dedupe_cases(rank: int, world: int, root: str) -> None:
     """Replicas (hybrid: 2 groups of 2) and whole tensors on all ranks are written once."""
