@@ -102,7 +102,7 @@ class Tier:
         self.failed = None if self.failed == step else self.failed  # tried again
         try:
             self.pending = save(state, self.url, step, options=options, **self._where(), **kw)
-        except (storage.CheckpointError, FileExistsError) as e:
+        except (storage.CheckpointError, OSError) as e:  # FileExistsError among them
             self.failed = step
             self.report_failure(e)
         # once: after this save the newer steps are gone (unless it fails: wait())
@@ -134,6 +134,10 @@ class Tier:
         why), or logged by a cache."""
         if not self.cache:
             others = self._other_writers(error)
+            if self.seen is not None and self.failed is not None:
+                # a step this job tried to save may be committed, by this job (a commit whose
+                # reply was lost) or not: it is never blamed on another writer later
+                self.seen.add(self.failed)
             if others:
                 raise RootInUseError(
                     f"another job is saving to {self.url}: step(s) {others} were committed "
@@ -150,16 +154,18 @@ class Tier:
         self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
 
     def _other_writers(self, error: Exception) -> list[int]:
-        """The committed steps here that this job did not know of, when ``error`` is a save's
-        refusal that another writer's steps explain (this rank lists the root: ranks need not
-        fail at the same call); [] when it is not, or when no resume listed the root."""
+        """The committed steps here, at or after the failed step (``self.failed``: those
+        refuse a save), that this job did not know of, when ``error`` is a refusal they may
+        explain (this rank lists the root: ranks need not fail at the same call); [] when it
+        is not, or when no resume listed the root."""
         if self.seen is None or not isinstance(error, FileExistsError | storage.CheckpointError):
             return []
         try:
             steps = storage.list_steps(self.url, storage_options=self.storage_options)
         except Exception:  # the original error says more than a failed listing
             return []
-        return sorted(set(steps) - self.seen)
+        least = self.failed if self.failed is not None else -1
+        return sorted(s for s in set(steps) - self.seen if s >= least)
 
     def newest_committed(self) -> int | None:
         """The newest step known to be committed, without waiting (errors left to :meth:`wait`)."""

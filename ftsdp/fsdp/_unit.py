@@ -640,13 +640,14 @@ def build_units(
 def _init_module(
     m: nn.Module, init: Callable[[nn.Module], None] | None, initialised: set[int]
 ) -> None:
-    """Run ``init(m)`` (None: ``m.reset_parameters()``); a parameter shared with a module initialised earlier (a tied head)
-    keeps that module's values, as in an eager build that ties after construction, while
-    ``init`` still draws from the RNG as it would there."""
+    """Run ``init(m)``, or without one ``m.reset_parameters()``. On that path a parameter
+    shared with a module reset earlier (a tied head) keeps that module's values, as in an
+    eager build that ties after construction, while the reset still draws from the RNG as it
+    would there. A ``param_init_fn`` decides for itself (it may skip the first owner)."""
     shared = {
         name: p.detach().clone()
         for name, p in m._parameters.items()
-        if p is not None and id(p) in initialised
+        if init is None and p is not None and id(p) in initialised
     }
     with torch.no_grad():
         if init is not None:

@@ -338,3 +338,41 @@ def test_a_save_behind_newer_steps_without_another_job_keeps_its_own_error(
     with pytest.raises(storage.CheckpointError, match="newer than it exist") as e:
         fresh.save(4, {"step": 4})
     assert not isinstance(e.value, RootInUseError)
+
+
+def test_a_step_this_job_committed_despite_an_error_is_not_another_writers(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save of step 1 commits, then its listing of the root fails: the save raises, and
+    the step is committed without the manager knowing. Trying step 1 again is refused as
+    committed, and a later unrelated failure is itself: neither is "another job"."""
+    from ftsdp.storage.saving import _commit
+
+    real = _commit.scan_root
+    failures = []
+
+    def scan(store: Any, *args: Any, **kwargs: Any) -> Any:
+        if store.exists("step-1/manifest.json") and not failures:
+            failures.append(1)
+            raise OSError(5, "injected: listing the root after the commit failed")
+        return real(store, *args, **kwargs)
+
+    model, opt = _stepped(0)
+    ckpt = CheckpointManager(str(tmp_path), model, opt, async_save=False)
+    ckpt.resume({"step": 0})
+    monkeypatch.setattr(_commit, "scan_root", scan)
+    with pytest.raises(OSError, match="injected"):
+        ckpt.save(1, {"step": 1})
+    assert storage.list_steps(str(tmp_path)) == [1]
+    with pytest.raises(FileExistsError, match="step 1 is already committed") as e:
+        ckpt.save(1, {"step": 1})
+    assert not isinstance(e.value, RootInUseError)
+
+    def refuse() -> None:
+        raise storage.CheckpointError("injected: an unrelated refusal")
+
+    monkeypatch.setattr(_commit, "_GUARDS", [refuse])
+    with pytest.raises(storage.CheckpointError, match="unrelated") as e:
+        ckpt.save(2, {"step": 2})
+    assert not isinstance(e.value, RootInUseError)
+

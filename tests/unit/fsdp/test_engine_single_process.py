@@ -546,6 +546,24 @@ def test_deferred_init_keeps_a_tied_weight_as_an_eager_build_does() -> None:
         assert torch.equal(deferred[name], value), name
 
 
+def test_a_param_init_fn_that_skips_the_first_owner_of_a_tied_weight_still_initialises_it() -> None:
+    """A ``param_init_fn`` that initialises Linear layers only: the embedding (first owner of
+    the tied weight) is skipped, the head initialises it. The head's values must stay, not
+    the embedding's uninitialised memory."""
+    torch.manual_seed(0)
+
+    def linears_only(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            for p in m.parameters(recurse=False):
+                nn.init.normal_(p, std=0.02)
+
+    with torch.device("meta"):
+        model = _TiedLM()
+    wrapped = ftsdp.FSDP(model, param_init_fn=linears_only)
+    tied = wrapped.state_dict()["emb.weight"]
+    assert torch.isfinite(tied).all() and 0.01 < tied.std().item() < 0.03
+
+
 def test_deferred_init_names_modules_that_nothing_initialised(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
