@@ -6,7 +6,7 @@ import abc
 import json
 import operator
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ class Engine(abc.ABC):
         self._optim_cache: tuple[Any, list, dict[str, dict[str, Any]]] | None = None
         # a new number whenever leaves are made afresh: the same number, the same leaves
         self.generation = 0
+        self._held: tuple[int, dict[str, Any], dict[str, dict[str, Any]]] | None = None
 
     @abc.abstractmethod
     def _model_state(self) -> dict[str, Any]:
@@ -81,6 +82,31 @@ class Engine(abc.ABC):
         model, _ = self._model_leaves()
         optim, groups = self._optim()
         return self.generation, model, optim, groups_json(groups)
+
+    def _rank0_only(
+        self,
+        generation: int,
+        model: dict[str, Any],
+        optim: dict[str, dict[str, Any]],
+        names: list[str],
+        optim_names: Sequence[tuple[str, str]] = (),
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """``model`` and ``optim`` with the leaves ``names`` (and optimizer values
+        ``(param, key)``) held as empty shards: a rank other than 0 saves none of them, so a
+        tensor every rank holds whole but not alike (statistics of each rank's data) is saved
+        as one rank's, not pieced together from several (kept per generation)."""
+        if self._held is None or self._held[0] != generation:
+
+            def held(t: Any) -> storage.FlatShard:
+                if isinstance(t, storage.FlatShard):
+                    return storage.FlatShard(t.global_shape, 0, t.local[:0])
+                return storage.FlatShard(tuple(t.shape), 0, t.reshape(-1)[:0])
+
+            new_optim = {name: dict(entry) for name, entry in optim.items()}
+            for name, key in optim_names:
+                new_optim[name][key] = held(optim[name][key])
+            self._held = (generation, {**model, **{n: held(model[n]) for n in names}}, new_optim)
+        return self._held[1], self._held[2]
 
     def buffer_leaves(self, state: Mapping[str, Any]) -> list[str]:
         """The names of ``state``'s leaves that hold one of the model's buffers (``forward`` may
@@ -230,6 +256,29 @@ class FtsdpEngine(Engine):
     def _model_state(self) -> dict[str, Any]:
         return {name: _flat(view) for name, view in self.model.sharded_state_dict().items()}
 
+    def tensor_leaves(self) -> tuple[int, dict[str, Any], dict[str, dict[str, Any]], str]:
+        """As :meth:`Engine.tensor_leaves`; every rank but rank 0 saves none of the tensors the
+        engine does not shard (buffers, ignored parameters and their optimizer state): each
+        rank holds them whole, and after a forward with its own statistics (BatchNorm's)."""
+        generation, model, optim, groups = super().tensor_leaves()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            return generation, model, optim, groups
+        whole = [  # in no unit's range (layout None): a buffer, an ignored parameter
+            n
+            for n, v in model.items()
+            if isinstance(v, storage.FlatShard) and v.layout is None and v.local.numel()
+        ]
+        optim_whole = [
+            (name, key)
+            for name, entry in optim.items()
+            for key, v in entry.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
+        if not whole and not optim_whole:
+            return generation, model, optim, groups
+        model, optim = self._rank0_only(generation, model, optim, whole, optim_whole)
+        return generation, model, optim, groups
+
     def _raw_optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
         sd = self.model.sharded_optim_state_dict(self.optimizer)
         return sd["state"], sd["param_groups"]
@@ -274,7 +323,6 @@ class TorchEngine(Engine):
         from torch.distributed.checkpoint import state_dict as dsd
 
         self._dsd = dsd
-        self._saved: tuple[int, dict[str, Any]] | None = None  # (generation, leaves to save)
 
     def tensor_leaves(self) -> tuple[int, dict[str, Any], dict[str, dict[str, Any]], str]:
         """As :meth:`Engine.tensor_leaves`; under DDP every rank but DDP's rank 0 saves none of
@@ -285,13 +333,8 @@ class TorchEngine(Engine):
             return generation, model, optim, groups
         if dist.get_rank(getattr(self.model, "process_group", None)) == 0:
             return generation, model, optim, groups
-        if self._saved is None or self._saved[0] != generation:
-            held = {
-                name: storage.FlatShard(tuple(model[name].shape), 0, model[name].reshape(-1)[:0])
-                for name in self.buffer_leaves(model)
-            }
-            self._saved = (generation, {**model, **held})
-        return generation, self._saved[1], optim, groups
+        model, optim = self._rank0_only(generation, model, optim, self.buffer_leaves(model))
+        return generation, model, optim, groups
 
     def _model_state(self) -> dict[str, Any]:
         state = self._dsd.get_model_state_dict(self.model)

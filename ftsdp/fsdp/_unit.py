@@ -150,6 +150,7 @@ class FlatParamUnit:
         self._contributions: list[torch.Tensor] = []  # deterministic mode: one per backward
         self._padding = 0  # of those, padding passes' (zeros; not counted in the mean)
         self.real_rows = 0  # every rank's non-padding contributions: the deterministic divisor
+        self._sender_order: list[int] | None = None  # see _senders
         self.used = [False] * len(self.infos)  # which parameters got a gradient
         self._gathered_version = -1  # the shard's version when it was last all-gathered
         self._gather_token: object = None  # the all-gather in flight (see [Note: streams])
@@ -400,13 +401,29 @@ class FlatParamUnit:
         self._contributions.clear()
         self._padding = 0
         rows = all_gather_rows(mine, groups, stats=self.stats)  # [W*k, padded]
-        total = rows[0].to(self.dtype, copy=True)
-        for row in rows[1:]:
-            total += row
+        k = mine.shape[0]
+        # summed in global rank order whatever the layout of the two groups
+        order = [b * k + j for b in self._senders(groups, rows.shape[0] // k) for j in range(k)]
+        total = rows[order[0]].to(self.dtype, copy=True)
+        for i in order[1:]:
+            total += rows[i]
         total /= max(1, self.real_rows)
         start = self.rank * self.shard_numel
         out = total[start : start + self.shard_numel].clone()
         self._pending.append((None, out, False, mine))
+
+    def _senders(self, groups: list[dist.ProcessGroup], world: int) -> list[int]:
+        """The blocks of ``all_gather_rows``' result in the global rank order of their senders
+        (learned once, by gathering the ranks the same way): a HYBRID layout whose shard
+        groups are not runs of consecutive ranks gathers them in another order."""
+        if self._sender_order is None:
+            if len(groups) < 2 or world == 1:
+                self._sender_order = list(range(world))
+            else:
+                me = torch.tensor([[dist.get_rank()]], dtype=torch.int64, device=self.device)
+                ranks = all_gather_rows(me, groups, stats=self.stats).reshape(-1).tolist()
+                self._sender_order = sorted(range(world), key=ranks.__getitem__)
+        return self._sender_order
 
     def complete_reductions(self) -> None:
         """Wait for the reductions in flight and keep their sharded results."""

@@ -127,14 +127,19 @@ MICRO = 2
 MICROBATCHES = (5, 3)
 
 
-def deterministic_run(rank: int, group: dist.ProcessGroup, n: int) -> dict[str, torch.Tensor]:
+def deterministic_run(
+    rank: int, group: dist.ProcessGroup, n: int, hybrid: tuple | None = None
+) -> dict[str, torch.Tensor]:
     """4 steps of GPT in deterministic mode on ``group``, ``n`` micro-batches each; rank r runs
     the r-th contiguous block (sizes differing by at most one), then padding passes up to the
-    longest."""
+    longest. ``hybrid``: HYBRID_SHARD over these (shard, replicate) groups instead."""
     world = dist.get_world_size(group)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    wrapped = ftsdp.FSDP(model, auto_wrap_policy={Block}, process_group=group, deterministic=True)
+    layout: dict = {"process_group": group}
+    if hybrid is not None:
+        layout = {"process_group": hybrid, "sharding_strategy": "HYBRID_SHARD"}
+    wrapped = ftsdp.FSDP(model, auto_wrap_policy={Block}, deterministic=True, **layout)
     opt = torch.optim.AdamW(param_groups(wrapped, 0.1), lr=1e-2)
     g = torch.Generator().manual_seed(3)
     base, extra = divmod(n, world)
@@ -159,6 +164,7 @@ def deterministic_run(rank: int, group: dist.ProcessGroup, n: int) -> dict[str, 
 
 
 def check_deterministic_across_world_sizes(rank: int) -> None:
+    single = {}
     for n in MICROBATCHES:
         results = {}
         for size in (1, 2, 3, 4):
@@ -166,12 +172,22 @@ def check_deterministic_across_world_sizes(rank: int) -> None:
             if rank < size:
                 results[size] = deterministic_run(rank, group, n)
             dist.barrier()
+        single[n] = results.get(1)
         if rank == 0:
             for size in (2, 3, 4):
                 for key, value in results[1].items():
                     assert torch.equal(results[size][key], value), (
                         f"{n} micro-batches, W={size}: {key}"
                     )
+    # HYBRID over shard groups that are not runs of consecutive ranks ({0, 2} and {1, 3}, as a
+    # (replicate, shard) mesh [[0, 2], [1, 3]] makes): its gather yields the ranks' rows in
+    # another order than theirs (0, 2, 1, 3), which summed them in that order (3.7e-8 off).
+    shards = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replicas = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    hybrid = deterministic_run(rank, dist.group.WORLD, 5, (shards[rank % 2], replicas[rank // 2]))
+    if rank == 0:
+        for key, value in single[5].items():
+            assert torch.equal(hybrid[key], value), f"HYBRID on [[0, 2], [1, 3]]: {key}"
 
 
 def edge_cases(rank: int, world: int) -> int:
