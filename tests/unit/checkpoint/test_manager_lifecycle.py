@@ -375,4 +375,3 @@ def test_a_step_this_job_committed_despite_an_error_is_not_another_writers(
     with pytest.raises(storage.CheckpointError, match="unrelated") as e:
         ckpt.save(2, {"step": 2})
     assert not isinstance(e.value, RootInUseError)
-
