@@ -10,6 +10,7 @@ acts alike.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -29,8 +30,18 @@ import torch
 
 from ftsdp import storage
 from ftsdp.checkpoint import _persister as p
-from ftsdp.checkpoint._tiers import MemoryTier, PrivateRoot, Tier, _local_path, _machine, _place
+from ftsdp.checkpoint._tiers import (
+    MemoryTier,
+    PrivateRoot,
+    RootInUseError,
+    Tier,
+    _local_path,
+    _machine,
+    _place,
+)
 from ftsdp.storage.io import all_reduce_max, resolve_group
+
+_LOCK = "lock"  # the slot folder's lock file: one job at a time (Snapshots._claim_or_raise)
 
 logger = logging.getLogger(__name__)
 # a slot's copy: (contiguous sources' pieces, their views in the slot, (tensor, start, length,
@@ -54,6 +65,7 @@ class Snapshots:
         self.on: bool | None = None  # decided by start(): one machine, plain local roots
         self.folder = ""
         self.proc: subprocess.Popen[bytes] | None = None  # rank 0's persister
+        self._lock_fd: int | None = None  # rank 0's lock on the slot folder (_claim_or_raise)
         self.conn: socket.socket | None = None
         self.buffer = bytearray()
         self.lost = False
@@ -112,6 +124,8 @@ class Snapshots:
             self.folder = os.path.join(mem_path, "slots")
             if rank == 0 and ok:
                 os.makedirs(self.folder, mode=0o700, exist_ok=True)
+            self._claim_or_raise(ok)
+            if rank == 0 and ok:
                 committed, problems = p.recover(self.folder, self.memory.url)
                 if committed:
                     self.log(
@@ -137,9 +151,32 @@ class Snapshots:
                     f"ftsdp: the snapshot folder {self.folder} is not usable ({why}): saves run "
                     "in each rank's process"
                 )
+            self._claim_or_raise(bool(self.on))
         if self.on and rank == 0:
             self._spawn()
         return bool(self.on)
+
+    def _claim_or_raise(self, usable: bool) -> None:
+        """Rank 0 locks the slot folder for this job's life (``flock``: the kernel releases it
+        when the process ends, so a restart takes it again); RootInUseError on every rank when
+        another live job holds it: a second job saving to the same root on this machine, whose
+        slots and persister this one would take over (collective)."""
+        held = False
+        if usable and self.group.rank_world()[0] == 0:
+            fd = os.open(os.path.join(self.folder, _LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock_fd = fd
+            except BlockingIOError:
+                os.close(fd)
+                held = True
+        if self.group.agree(1 if held else 0):
+            raise RootInUseError(
+                f"another job is saving to {self.durable.url} from this machine: its snapshot "
+                f"persister holds {self.folder} (or a CheckpointManager of this process that "
+                "was not closed does). Two jobs must not share a checkpoint root: stop one of "
+                "them (close() the manager), or give each its own checkpoint URL"
+            )
 
     def _spawn(self) -> None:
         config = {
@@ -291,10 +328,12 @@ class Snapshots:
                 if step == self.discarding:  # the newer steps are still there
                     self.durable.discard_newer = True
         if memory:
+            assert self.memory is not None  # a memory snapshot was sent
             if msg["memory"] is None:
                 self.newest["memory"] = max(step, self.newest.get("memory", -1))  # (any order)
+                self.memory.note_success()
             else:
-                self.log(f"ftsdp: a save to the memory tier failed (step {step}): {msg['memory']}")
+                self.memory.log_cache_failure(f"step {step}: {msg['memory']}")
 
     def _drain(self) -> None:
         while self._receive(block=False) is not None:
@@ -345,9 +384,8 @@ class Snapshots:
         if failed:
             self._wait_free()
             errors, self.errors = self.errors, []
-            raise storage.CheckpointError(
-                "; ".join(errors) or "a save to the durable root failed on another rank"
-            )
+            error = "; ".join(errors) or "a save to the durable root failed on another rank"
+            self.durable.report_failure(storage.CheckpointError(error))  # raises (durable)
         if lost:
             self._restart()
         if (lost or absent) and not (durable or block):
@@ -524,6 +562,9 @@ class Snapshots:
                         self.proc.kill()
                         self.proc.wait()
                 _remove_own_files(self.folder)
+                if self._lock_fd is not None:  # the lock file went with the folder's files
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
             if self.conn is not None:
                 self.conn.close()
             self.conn, self.on = None, False
@@ -589,7 +630,7 @@ def _open_slot(path: str, size: int) -> mmap.mmap:
 def _remove_own_files(folder: str) -> None:
     """The slot files, records, layout and socket in ``folder`` (and the folder when it is
     empty then); nothing else."""
-    own = (p.SOCKET, p.LAYOUT)
+    own = (p.SOCKET, p.LAYOUT, _LOCK)
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(folder):
             if name in own or (name[:1] == "r" and ".s" in name):

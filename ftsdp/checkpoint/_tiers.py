@@ -80,6 +80,7 @@ class Tier:
         # other met by a failed save is another writer's; None: no resume listed the root
         self.seen: set[int] | None = None
         self.resumed: int | None = None  # the step the job resumed from (any tier)
+        self._failures = 0  # a cache's failed saves in a row (log_cache_failure)
 
     def values(self) -> dict[str, Any]:
         """JSON values this tier saves beside the manager's state (and loads back)."""
@@ -124,6 +125,16 @@ class Tier:
             self.newest = pending.step
             if self.seen is not None:
                 self.seen.add(pending.step)
+            self.note_success()
+
+    def note_success(self) -> None:
+        """A save committed: after failures of a cache, say that saves work again."""
+        if self._failures:
+            self.log(
+                f"ftsdp: saves to {self.name} {self.url} work again (after {self._failures} "
+                "failed in a row)"
+            )
+            self._failures = 0
 
     def _where(self) -> dict[str, Any]:
         """The process group and storage options of every storage call on this tier."""
@@ -151,7 +162,20 @@ class Tier:
                     "root: stop one of them, or give each its own checkpoint URL"
                 ) from error
             raise error
-        self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
+        self.log_cache_failure(str(error))
+
+    def log_cache_failure(self, error: str) -> None:
+        """A cache's failed save: the first logged whole, then the count of failures in a row
+        at 10, 100, 1000... (a full memory tier fails at every step)."""
+        self._failures += 1
+        n = self._failures
+        if n == 1:
+            self.log(f"ftsdp: a save to {self.name} {self.url} failed: {error}")
+        elif n >= 10 and str(n).strip("0") == "1":
+            self.log(
+                f"ftsdp: saves to {self.name} {self.url} still fail: {n} in a row (the last: "
+                f"{error})"
+            )
 
     def _other_writers(self, error: Exception) -> list[int]:
         """The committed steps here, at or after the failed step (``self.failed``: those

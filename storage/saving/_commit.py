@@ -416,7 +416,14 @@ def finish(
     the attempt of an earlier commit this one replaces; ``known``: see ``commit``."""
     if rank != 0:  # report, then wait for rank 0's verdict
         report = report_of(plan, rank, crcs, values)
-        _write_marker(store, done_marker(step, plan.attempt, rank), error, rank=rank, **report)
+        marker = done_marker(step, plan.attempt, rank)
+        try:
+            _write_marker(store, marker, error, rank=rank, **report)
+        except Exception as e:  # a full disk: make room, then report the failure in brief
+            _drop(store, step, plan.own(rank))
+            with contextlib.suppress(Exception):  # else rank 0 waits until commit_timeout_s
+                _write_marker(store, marker, e, rank=rank)
+            raise
         if error is not None:  # rank 0 never commits an attempt a rank reported failed
             if isinstance(error, Exception):  # not on the way out (KeyboardInterrupt)
                 _drop(store, step, plan.own(rank))

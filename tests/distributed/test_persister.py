@@ -115,6 +115,8 @@ def _job(rank: int, world: int, root: str, s3_url: str, s3_options: dict) -> dic
             time.sleep(0.01)
     dist.barrier()
     ck._snap.conn.close()  # the job died: nothing closes this manager
+    if rank == 0:  # and the kernel released its lock on the slot folder
+        os.close(ck._snap._lock_fd)
 
     model, opt, sched = _build(1)  # the restarted job
     ck = manager()

@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import json
 import shutil
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -170,10 +171,38 @@ def _failed_save_leaves_no_objects(rank: int, world: int, root: str) -> None:
         storage.load(target, url, step)
         _check(target, ref, f"retry of step {step}")
 
-    # Rank 0 fails *after* creating the manifest (its listing after the commit): the step is
-    # committed, so the other ranks, seeing the abort marker, must keep their objects.
+    # Rank 2 cannot write its done marker (the disk filled up after its objects): it removes
+    # its objects and reports in brief, so rank 0 gives up at once instead of waiting for the
+    # marker until commit_timeout_s (the whole job hung), and no object is left.
+    from dataclasses import replace
+
     from ftsdp.storage.saving import _commit
 
+    real_marker = _commit._write_marker
+    failed_once: list[int] = []
+
+    def marker_fails_once(store: Any, rel: str, error: Any, **fields: Any) -> None:
+        if "_done-" in rel and not failed_once:
+            failed_once.append(1)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), rel)
+        real_marker(store, rel, error, **fields)
+
+    _commit._write_marker = marker_fails_once if rank == 2 else real_marker
+    started = time.monotonic()
+    try:
+        with pytest.raises((OSError, storage.CheckpointError)):
+            quick = replace(OPTIONS, commit_timeout_s=60.0)
+            storage.save(_state(rank, world, ref, None), url, 4, options=quick)
+    finally:
+        _commit._write_marker = real_marker
+    assert time.monotonic() - started < 30, "rank 0 waited for the marker that never came"
+    dist.barrier()
+    left = sorted(p.name for p in Path(url, "step-4").glob("*.safetensors"))
+    assert left == [], f"step 4 (rank 2's marker failed): {left}"
+    dist.barrier()
+
+    # Rank 0 fails *after* creating the manifest (its listing after the commit): the step is
+    # committed, so the other ranks, seeing the abort marker, must keep their objects.
     real_scan = _commit.scan_root
 
     def scan_fails_once_committed(store: Any, *args: Any, **kwargs: Any) -> Any:

@@ -4,7 +4,9 @@ disk or in the live model against what the user was told."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import time
 from typing import Any
 
 import pytest
@@ -375,3 +377,62 @@ def test_a_step_this_job_committed_despite_an_error_is_not_another_writers(
     with pytest.raises(storage.CheckpointError, match="unrelated") as e:
         ckpt.save(2, {"step": 2})
     assert not isinstance(e.value, RootInUseError)
+
+
+def test_a_second_job_with_a_persister_on_the_same_root_is_refused(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Two jobs on one root and one machine with ``persister=True`` shared the slot folder and
+    its socket (one per user and root): each took over the other's persister, and they failed
+    with unrelated errors or hung. The second now gets ``RootInUseError`` at its resume; the
+    first saves on, and once it closed, a later job uses the root."""
+    model, opt = _stepped(0)
+    first = CheckpointManager(str(tmp_path), model, opt, persister=True)
+    first.resume({"step": 0})
+    first.save(1, {"step": 1})
+    second = CheckpointManager(str(tmp_path), *_stepped(1), persister=True)
+    with pytest.raises(RootInUseError, match="from this machine: its snapshot persister holds"):
+        second.resume({"step": 0})
+    first.save(2, {"step": 2})
+    first.close()
+    assert storage.list_steps(str(tmp_path)) == [1, 2]
+    want = _values(model)
+    loaded = storage.load_state_dict(str(tmp_path), 2)
+    assert all(torch.equal(loaded[f"model.{k}"], v) for k, v in want.items())
+    third = CheckpointManager(str(tmp_path), *_stepped(2), persister=True)
+    assert third.resume({"step": 0}).step == 2
+    third.save(3, {"step": 3})
+    third.close()
+    assert storage.list_steps(str(tmp_path)) == [1, 2, 3]
+
+
+def test_two_jobs_with_persisters_of_their_own_on_one_root(
+    tmp_path: pathlib.Path, shm_path: pathlib.Path
+) -> None:
+    """Two jobs on one durable root, each with its persister and memory tier: the one behind
+    failed with a CheckpointError and a traceback (its persister's refusal, raised as it came);
+    it is ``RootInUseError`` now, as without a persister."""
+    root = str(tmp_path / "ckpt")
+
+    def job(seed: int, memory: str) -> CheckpointManager:
+        model, opt = _stepped(seed)
+        m = CheckpointManager(
+            root, model, opt, persister=True, memory_url=str(shm_path / memory), memory_every=1
+        )
+        m.resume({"step": 0})
+        return m
+
+    first, second = job(0, "a"), job(1, "b")
+    try:
+        for step in (2, 4):
+            second.save(step, {"step": step}, block=True)
+        first.save(2, {"step": 2})
+        while first.in_flight():  # until its persister's refusal has come back
+            time.sleep(0.02)
+        with pytest.raises(RootInUseError, match=r"another job .* step\(s\) \[2, 4\]"):
+            first.save(4, {"step": 4})  # the refusal is raised by the next save
+    finally:
+        second.close()
+        with contextlib.suppress(Exception):
+            first.close()
+    assert storage.list_steps(root) == [2, 4]

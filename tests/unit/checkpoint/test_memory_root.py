@@ -216,3 +216,38 @@ def test_the_default_memory_root_names_the_uid(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(os, "geteuid", lambda: 4242)
     theirs = memory_root(cfg, "/data/ckpt")
     assert os.path.basename(theirs).startswith("ftsdp-4242-") and theirs != mine
+
+
+def test_a_memory_tier_that_keeps_failing_says_so_once_then_counts(
+    tmp_path: Any, shm_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full memory tier fails at every step: it logged one warning per step and rank (161
+    lines in a 120-step run). Now the first failure whole, then the count at 10, 100, ...; and
+    a line when saves work again."""
+    from ftsdp.checkpoint import _tiers
+
+    durable, shm = str(tmp_path / "ckpt"), str(shm_path / "tier")
+    real, full = _tiers.storage.save, {"on": True}
+
+    def save(state: Any, url: str, step: int, **kwargs: Any) -> Any:
+        if url == shm and full["on"]:
+            raise OSError(28, "No space left on device", f"{shm}/step-{step}")
+        return real(state, url, step, **kwargs)
+
+    monkeypatch.setattr(_tiers.storage, "save", save)
+    lines: list[str] = []
+    model, opt = _model()
+    ckpt = CheckpointManager(durable, model, opt, memory_url=shm, memory_every=1, log=lines.append)
+    ckpt.resume({"step": 0})
+    for step in range(1, 13):
+        ckpt.save_to_memory(step, {"step": step})
+        ckpt.wait()
+    full["on"] = False
+    ckpt.save_to_memory(13, {"step": 13})
+    ckpt.wait()
+    ckpt.close()
+    told = [line for line in lines if "memory" in line and ("fail" in line or "again" in line)]
+    assert len(told) == 3, told
+    assert "failed: [Errno 28] No space left on device" in told[0]
+    assert "still fail: 10 in a row" in told[1]
+    assert "work again (after 12 failed in a row)" in told[2]
