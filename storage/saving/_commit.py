@@ -36,7 +36,6 @@ from ftsdp.storage.format._manifest import (
     TensorEntry,
     manifest_version,
 )
-from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._steps import (
     Known,
     RootScan,
@@ -414,22 +413,22 @@ def finish(
     """Steps 3 to 5 of the protocol on ``rank`` once it wrote its objects (checksums ``crcs``)
     or failed (``error``): returns once committed, raises on every rank otherwise. ``replaces``:
     the attempt of an earlier commit this one replaces; ``known``: see ``commit``."""
+    written = [o.name for o in plan.own(rank) if o.name in crcs]  # what a failure removes
     if rank != 0:  # report, then wait for rank 0's verdict
         report = report_of(plan, rank, crcs, values)
         marker = done_marker(step, plan.attempt, rank)
         try:
             _write_marker(store, marker, error, rank=rank, **report)
         except Exception as e:  # a full disk: make room, then report the failure in brief
-            _drop(store, step, plan.own(rank))
+            _drop(store, step, written)
             with contextlib.suppress(Exception):  # else rank 0 waits until commit_timeout_s
                 _write_marker(store, marker, e, rank=rank)
             raise
         if error is not None:  # rank 0 never commits an attempt a rank reported failed
             if isinstance(error, Exception):  # not on the way out (KeyboardInterrupt)
-                _drop(store, step, plan.own(rank))
+                _drop(store, step, written)
             raise error
-        own = [o.name for o in plan.own(rank)]
-        _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces, own)
+        _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces, written)
         return
     committing = False  # from here on a manifest of this attempt may exist
     if error is None:
@@ -450,7 +449,7 @@ def finish(
         except BaseException as e:
             error = e
     if isinstance(error, Exception) and (not committing or _no_manifest(store, step)):
-        _drop(store, step, plan.own(rank))
+        _drop(store, step, written)
         if world_size == 1:  # nothing else of the attempt is there
             with contextlib.suppress(Exception):
                 store.remove_empty_dir(step_dir(step))
@@ -470,13 +469,13 @@ def _no_manifest(store: Store, step: int) -> bool:
         return False
 
 
-def _drop(store: Store, step: int, objects: Sequence[PlannedObject | str]) -> None:
-    """Best effort: remove a rank's ``objects`` of an attempt that will never be committed (each
-    rank removes its own, once it has written them: no rank removes a file another may still
-    be writing), so that a retry on a full disk has their room back."""
+def _drop(store: Store, step: int, objects: Sequence[str]) -> None:
+    """Best effort: remove a rank's ``objects`` (those it wrote) of an attempt that will never be
+    committed (each rank removes its own, once it has written them: no rank removes a file
+    another may still be writing), so that a retry on a full disk has their room back."""
     try:
-        for o in objects:
-            store.remove(f"{step_dir(step)}/{o if isinstance(o, str) else o.name}")
+        for name in objects:
+            store.remove(f"{step_dir(step)}/{name}")
     except Exception as e:  # retention or ``gc`` removes them later
         logger.warning(
             "could not remove the objects of the failed save of step %d at %s: %s: %s",
