@@ -420,7 +420,8 @@ def finish(
         try:
             _write_marker(store, marker, error, rank=rank, **report)
         except Exception as e:  # a full disk: make room, then report the failure in brief
-            _drop(store, step, written)
+            if _absent(store, marker):  # else rank 0 may have read it and be committing
+                _drop(store, step, written)
             with contextlib.suppress(Exception):  # else rank 0 waits until commit_timeout_s
                 _write_marker(store, marker, e, rank=rank)
             raise
@@ -448,7 +449,7 @@ def finish(
             return
         except BaseException as e:
             error = e
-    if isinstance(error, Exception) and (not committing or _no_manifest(store, step)):
+    if isinstance(error, Exception) and (not committing or _absent(store, manifest_path(step))):
         _drop(store, step, written)
         if world_size == 1:  # nothing else of the attempt is there
             with contextlib.suppress(Exception):
@@ -461,10 +462,10 @@ def finish(
     raise error
 
 
-def _no_manifest(store: Store, step: int) -> bool:
-    """Whether ``step`` certainly has no manifest (False when that cannot be told)."""
+def _absent(store: Store, rel: str) -> bool:
+    """Whether ``rel`` certainly does not exist (False when that cannot be told)."""
     try:
-        return not store.exists(manifest_path(step))
+        return not store.exists(rel)
     except Exception:
         return False
 
