@@ -199,9 +199,7 @@ class CheckpointManager:
                 self.wait()
             return 0.0
         start = time.perf_counter()
-        if self._snapshots():
-            self._snapshot(step, trainer, durable=True, block=block)
-        else:
+        if not (self._snapshots() and self._snapshot(step, trainer, durable=True, block=block)):
             self._durable.save(  # waits for the previous save first, surfacing its error
                 self._state(trainer, self._durable),
                 step,
@@ -224,9 +222,7 @@ class CheckpointManager:
             return 0.0
         assert self._memory is not None
         start = time.perf_counter()
-        if self._snapshots():
-            self._snapshot(step, trainer, durable=False)
-        else:
+        if not (self._snapshots() and self._snapshot(step, trainer, durable=False)):
             self._memory.save(self._state(trainer, self._memory), step, defer_copy=self.defer_copy)
             self.last_memory_step = step
         return time.perf_counter() - start
@@ -237,9 +233,10 @@ class CheckpointManager:
 
     def _snapshot(
         self, step: int, trainer: Mapping[str, Any], *, durable: bool, block: bool = False
-    ) -> None:
+    ) -> bool:
         """A save through the persister: to the durable root when ``durable``, to the memory
-        tier when it is due."""
+        tier when it is due. False: the persister could not take the state and is off (the
+        caller saves in this process)."""
         assert self._snap is not None
         memory = self.memory_due(step) and step != self.last_memory_step
         extra = {}
@@ -258,8 +255,11 @@ class CheckpointManager:
             block=block,
             defer=self._defer_snapshot,
         )
+        if saved is None:
+            return False
         if memory and saved:
             self.last_memory_step = step
+        return True
 
     def in_flight(self) -> bool:
         """True while an async save (durable or memory) is uploading or committing."""

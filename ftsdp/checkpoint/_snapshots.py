@@ -364,11 +364,13 @@ class Snapshots:
         memory_values: dict[str, Any],
         block: bool = False,
         defer: bool = False,
-    ) -> bool:
+    ) -> bool | None:
         """Snapshot ``state`` as ``step`` for the durable root (``durable``) and the memory tier
         (``memory``); collective. ``block``: return once committed. Raises an earlier durable
         save's error (on every rank). ``defer``: copy on a thread (:meth:`wait_copy` before the
-        saved tensors change). False: a memory snapshot skipped while the persister starts."""
+        saved tensors change). False: a memory snapshot skipped while the persister starts.
+        None: the persister could not take the state (its slots: a full memory tier), it is
+        stopped, and the caller saves in its own process."""
         self.wait_copy()
         leaves, values = storage.saving.describe(state)
         rows = self._rows(leaves)
@@ -401,7 +403,15 @@ class Snapshots:
             self._connect()
         self.starting = False
         if lost or changed or absent:
-            self._hello(rows, leaves)
+            try:
+                self._hello(rows, leaves)
+            except storage.CheckpointError as e:  # every rank has the same answer
+                self.log(
+                    f"ftsdp: the snapshot persister cannot hold this state ({e}): saves run in "
+                    "each rank's process from now on"
+                )
+                self._shut()
+                return None
         slot = 1 - self.protect if self.protect is not None else 1 - self.last_slot
         self._wait_free(slot)
         message = {
@@ -544,30 +554,34 @@ class Snapshots:
         try:
             self.wait()
         finally:
-            rank, world = self.group.rank_world()
-            if rank == 0 and self.conn is not None and not self.lost:
-                self._send({"op": "stop"})
-                while (msg := self._receive(block=True)) is not None and msg["op"] != "stopped":
-                    pass
-            self._unmap()
-            if world > 1:
-                torch.distributed.barrier(group=self.group.pg)
-            if rank == 0:
-                if self.proc is not None:
-                    if self.conn is None or self.lost:  # never asked to stop: it holds nothing
-                        self.proc.kill()
-                    try:
-                        self.proc.wait(_CONNECT_TIMEOUT_S)
-                    except subprocess.TimeoutExpired:
-                        self.proc.kill()
-                        self.proc.wait()
-                _remove_own_files(self.folder)
-                if self._lock_fd is not None:  # the lock file went with the folder's files
-                    os.close(self._lock_fd)
-                    self._lock_fd = None
-            if self.conn is not None:
-                self.conn.close()
-            self.conn, self.on = None, False
+            self._shut()
+
+    def _shut(self) -> None:
+        """Stop the persister and remove the slots (rank 0, after a barrier); off from now on."""
+        rank, world = self.group.rank_world()
+        if rank == 0 and self.conn is not None and not self.lost:
+            self._send({"op": "stop"})
+            while (msg := self._receive(block=True)) is not None and msg["op"] != "stopped":
+                pass
+        self._unmap()
+        if world > 1:
+            torch.distributed.barrier(group=self.group.pg)
+        if rank == 0:
+            if self.proc is not None:
+                if self.conn is None or self.lost:  # never asked to stop: it holds nothing
+                    self.proc.kill()
+                try:
+                    self.proc.wait(_CONNECT_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            _remove_own_files(self.folder)
+            if self._lock_fd is not None:  # the lock file went with the folder's files
+                os.close(self._lock_fd)
+                self._lock_fd = None
+        if self.conn is not None:
+            self.conn.close()
+        self.conn, self.on = None, False
 
 
 def _same(a: object, b: object) -> bool:

@@ -436,3 +436,41 @@ def test_two_jobs_with_persisters_of_their_own_on_one_root(
         with contextlib.suppress(Exception):
             first.close()
     assert storage.list_steps(root) == [2, 4]
+
+
+def test_a_persister_that_cannot_hold_the_state_hands_the_saves_back(
+    tmp_path: pathlib.Path, shm_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The persister refuses the state when its slots cannot be made (a memory tier already
+    full: ENOSPC): the job died at its first save, with no durable step ever written, where
+    without a persister it trains on. Now the persister stops, one line says so, and every
+    save from then on runs in this process: the durable steps and the memory tier's are
+    committed and hold the values of their steps."""
+    from ftsdp.checkpoint import _snapshots
+
+    def refused(self: Any, rows: Any, leaves: Any) -> None:
+        raise storage.CheckpointError(
+            "the snapshot persister refused the state: OSError: [Errno 28] No space left on device"
+        )
+
+    monkeypatch.setattr(_snapshots.Snapshots, "_hello", refused)
+    lines: list[str] = []
+    model, opt = _stepped(0)
+    memory = str(shm_path / "tier")
+    ckpt = CheckpointManager(
+        str(tmp_path), model, opt, persister=True, memory_url=memory, memory_every=1,
+        log=lines.append,
+    )  # fmt: skip
+    ckpt.resume({"step": 0})
+    ckpt.save(1, {"step": 1}, block=True)
+    want = _values(model)
+    ckpt.save_to_memory(2, {"step": 2})
+    ckpt.wait()
+    assert ckpt._snap is not None and ckpt._snap.on is False
+    assert storage.list_steps(str(tmp_path)) == [1] and storage.list_steps(memory) == [2]
+    for url, step in ((str(tmp_path), 1), (memory, 2)):
+        loaded = storage.load_state_dict(url, step)
+        assert all(torch.equal(loaded[f"model.{k}"], v) for k, v in want.items())
+    ckpt.close()
+    (told,) = [line for line in lines if "cannot hold this state" in line]
+    assert told.endswith("saves run in each rank's process from now on")
