@@ -402,13 +402,17 @@ class Snapshots:
         if self.conn is None:
             self._connect()
         self.starting = False
-        if lost or changed or absent:
+        if lost or changed or absent:  # (agreed above: every rank is here)
+            why: Exception | None = None
             try:
                 self._hello(rows, leaves)
-            except storage.CheckpointError as e:  # every rank has the same answer
+            except storage.CheckpointError as e:
+                why = e
+            if self.group.agree(1 if why is not None else 0):
                 self.log(
-                    f"ftsdp: the snapshot persister cannot hold this state ({e}): saves run in "
-                    "each rank's process from now on"
+                    "ftsdp: the snapshot persister cannot hold this state "
+                    f"({why or 'it failed on another rank'}): saves run in each rank's process "
+                    "from now on"
                 )
                 self._shut()
                 return None
