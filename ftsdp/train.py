@@ -115,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(cfg, session, job)
         except (JobError, RootInUseError) as e:  # the user's to fix: one line, no traceback
             session.log.event({"event": "error", "error": f"{type(e).__name__}: {e}"[:2000]})
-            if getattr(e, "report", session.rm.rank == 0):  # every rank meets a shared root
+            # a JobError says whether this rank reports; every rank meets a root in use
+            report = e.report if isinstance(e, JobError) else session.rm.rank == 0
+            if report:
                 logger.error("error: %s", e)  # the console prefix names the logger and rank
             return EXIT_USER_ERROR
 

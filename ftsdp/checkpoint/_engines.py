@@ -6,7 +6,7 @@ import abc
 import json
 import operator
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -88,13 +88,13 @@ class Engine(abc.ABC):
         generation: int,
         model: dict[str, Any],
         optim: dict[str, dict[str, Any]],
-        names: list[str],
-        optim_names: Sequence[tuple[str, str]] = (),
+        choose: Callable[[], tuple[list[str], list[tuple[str, str]]]],
     ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """``model`` and ``optim`` with the leaves ``names`` (and optimizer values
-        ``(param, key)``) held as empty shards: a rank other than 0 saves none of them, so a
-        tensor every rank holds whole but not alike (statistics of each rank's data) is saved
-        as one rank's, not pieced together from several (kept per generation)."""
+        """``model`` and ``optim`` with the leaves ``choose()`` names (model leaves, optimizer
+        values ``(param, key)``) held as empty shards: a rank other than 0 saves none of them,
+        so a tensor every rank holds whole but not alike (statistics of each rank's data) is
+        saved as one rank's, not pieced together from several. Chosen and made once per
+        generation (the same leaves until then)."""
         if self._held is None or self._held[0] != generation:
 
             def held(t: Any) -> storage.FlatShard:
@@ -102,6 +102,7 @@ class Engine(abc.ABC):
                     return storage.FlatShard(t.global_shape, 0, t.local[:0])
                 return storage.FlatShard(tuple(t.shape), 0, t.reshape(-1)[:0])
 
+            names, optim_names = choose()
             new_optim = {name: dict(entry) for name, entry in optim.items()}
             for name, key in optim_names:
                 new_optim[name][key] = held(optim[name][key])
@@ -263,20 +264,22 @@ class FtsdpEngine(Engine):
         generation, model, optim, groups = super().tensor_leaves()
         if not dist.is_initialized() or dist.get_rank() == 0:
             return generation, model, optim, groups
-        whole = [  # in no unit's range (layout None): a buffer, an ignored parameter
-            n
-            for n, v in model.items()
-            if isinstance(v, storage.FlatShard) and v.layout is None and v.local.numel()
-        ]
-        optim_whole = [
-            (name, key)
-            for name, entry in optim.items()
-            for key, v in entry.items()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        ]
-        if not whole and not optim_whole:
-            return generation, model, optim, groups
-        model, optim = self._rank0_only(generation, model, optim, whole, optim_whole)
+
+        def whole() -> tuple[list[str], list[tuple[str, str]]]:
+            names = [  # in no unit's range (layout None): a buffer, an ignored parameter
+                n
+                for n, v in model.items()
+                if isinstance(v, storage.FlatShard) and v.layout is None and v.local.numel()
+            ]
+            values = [
+                (name, key)
+                for name, entry in optim.items()
+                for key, v in entry.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ]
+            return names, values
+
+        model, optim = self._rank0_only(generation, model, optim, whole)
         return generation, model, optim, groups
 
     def _raw_optim(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
@@ -333,7 +336,9 @@ class TorchEngine(Engine):
             return generation, model, optim, groups
         if dist.get_rank(getattr(self.model, "process_group", None)) == 0:
             return generation, model, optim, groups
-        model, optim = self._rank0_only(generation, model, optim, self.buffer_leaves(model))
+        model, optim = self._rank0_only(
+            generation, model, optim, lambda: (self.buffer_leaves(model), [])
+        )
         return generation, model, optim, groups
 
     def _model_state(self) -> dict[str, Any]:

@@ -163,7 +163,8 @@ class Snapshots:
         slots and persister this one would take over (collective)."""
         held = False
         if usable and self.group.rank_world()[0] == 0:
-            fd = os.open(os.path.join(self.folder, _LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(os.path.join(self.folder, _LOCK), flags, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 self._lock_fd = fd
@@ -646,8 +647,8 @@ def _open_slot(path: str, size: int) -> mmap.mmap:
 
 
 def _remove_own_files(folder: str) -> None:
-    """The slot files, records, layout and socket in ``folder`` (and the folder when it is
-    empty then); nothing else."""
+    """The slot files, records, layout, socket and lock in ``folder`` (and the folder when it
+    is empty then); nothing else."""
     own = (p.SOCKET, p.LAYOUT, _LOCK)
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(folder):

@@ -185,8 +185,9 @@ def broadcast_flat(
 def all_gather_rows(
     rows: torch.Tensor, groups: list[dist.ProcessGroup], *, stats: CommStats
 ) -> torch.Tensor:
-    """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n] in rank order (two
-    groups, shard then replicate: by replica, then shard rank)."""
+    """Stack every rank's ``rows`` ([k, n], same k everywhere): [W*k, n], gathered over each
+    group in turn (two groups, shard then replicate: by replica, then by shard rank; rank order
+    only where each shard group is a run of consecutive ranks, hence ``FlatParamUnit._senders``)."""
     for group in groups:
         world = group_size(group)
         if world == 1:

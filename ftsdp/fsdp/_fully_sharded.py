@@ -207,7 +207,8 @@ class FullyShardedDataParallel(nn.Module):
         """``.to()``, ``.float()``, ``.bfloat16()``, ``.cuda()``...: refused before anything
         changes when they would change the sharded parameters' dtype or device (the units keep
         views of them); a call that changes neither (``.float()`` of an fp32 model) is fine."""
-        for p in {id(p): p for p in self._sharded_params.values()}.values():
+        kinds = {(p.dtype, p.device): p for p in self._sharded_params.values()}
+        for p in kinds.values():  # one probe per dtype and device
             probe = p.detach()[:0]
             out = fn(probe)
             if out.dtype != probe.dtype or out.device != probe.device:

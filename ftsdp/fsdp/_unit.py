@@ -612,7 +612,7 @@ def build_units(
     units: list[FlatParamUnit | None] = [None] * len(plans)
     if any(pp.param.is_meta for plan in plans for pp in plan.params):
         materialized: set[int] = set()
-        initialised: set[int] = set()  # ids of the parameters a module's init has run for
+        reset_done: set[int] = set()  # ids of the parameters a reset_parameters() has set
         uninitialised: list[str] = []  # modules with meta tensors that nothing initialised
         names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
         for index, m in enumerate(modules):
@@ -626,10 +626,13 @@ def build_units(
             _materialize_buffers(m, options.device)
             if owners[index] or meta_buffers:
                 reset = getattr(m, "reset_parameters", None)
-                if param_init_fn is None and not callable(reset):
-                    uninitialised.append(f"{names.get(id(m)) or '<root>'} ({type(m).__name__})")
+                if param_init_fn is not None:
+                    with torch.no_grad():
+                        param_init_fn(m)
+                elif callable(reset):
+                    _reset_keeping_shared(m, reset, reset_done)
                 else:
-                    _init_module(m, param_init_fn, initialised)
+                    uninitialised.append(f"{names.get(id(m)) or '<root>'} ({type(m).__name__})")
             for u in owners[index]:
                 if last_module[u] == index:
                     units[u] = build(plans[u])
@@ -654,26 +657,20 @@ def build_units(
     return units  # type: ignore[return-value]
 
 
-def _init_module(
-    m: nn.Module, init: Callable[[nn.Module], None] | None, initialised: set[int]
-) -> None:
-    """Run ``init(m)``, or without one ``m.reset_parameters()``. On that path a parameter
-    shared with a module reset earlier (a tied head) keeps that module's values, as in an
-    eager build that ties after construction, while the reset still draws from the RNG as it
-    would there. A ``param_init_fn`` decides for itself (it may skip the first owner)."""
+def _reset_keeping_shared(m: nn.Module, reset: Callable[[], object], reset_done: set[int]) -> None:
+    """``m.reset_parameters()``; a parameter shared with a module reset earlier (a tied head)
+    keeps that module's values, as in an eager build that ties after construction, while the
+    reset still draws from the RNG as it would there."""
     shared = {
         name: p.detach().clone()
         for name, p in m._parameters.items()
-        if init is None and p is not None and id(p) in initialised
+        if p is not None and id(p) in reset_done
     }
     with torch.no_grad():
-        if init is not None:
-            init(m)
-        else:
-            m.reset_parameters()  # type: ignore[operator]
+        reset()
         for name, value in shared.items():
             m._parameters[name].copy_(value)  # type: ignore[union-attr]
-    initialised.update(id(p) for p in m._parameters.values() if p is not None)
+    reset_done.update(id(p) for p in m._parameters.values() if p is not None)
 
 
 def _materialize(plan: UnitPlan, device: torch.device) -> None:

@@ -263,7 +263,7 @@ def _check_saved_run(
             raise JobError(refusal(cfg.checkpoint_url, saved.step, diffs), report=rm.rank == 0)
     if cfg.memory_every:
         drop_another_runs_memory(memory_root(cfg, url), cfg, model, data, rm)
-    elif os.environ.get("LOCAL_RANK", "0") == "0":  # one rank per machine: the tier is local
+    elif rm.local_rank == 0:  # one rank per machine: the tier is local
         note_unused_memory(memory_root(cfg, url))
     return saved
 

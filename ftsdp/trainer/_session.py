@@ -263,9 +263,10 @@ class Session:
                 closers.push(storage.saving.guard_commits(rm.exit_if_orphaned))
             watchdog = None
             torchrun = rm.world_size > 1 or rm.agent is not None
-            # (a store: one rank started by hand with torchrun's variables has none)
-            store = rm.store("watchdog", timeout_s=cfg.heartbeat_timeout_s) if torchrun else None
-            if store is not None and cfg.heartbeat_timeout_s > 0:
+            store = None  # (one rank started by hand with torchrun's variables has none)
+            if torchrun and cfg.heartbeat_timeout_s > 0:
+                store = rm.store("watchdog", timeout_s=cfg.heartbeat_timeout_s)
+            if store is not None:
                 watchdog = Watchdog(
                     store,
                     rank,

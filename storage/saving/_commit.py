@@ -413,7 +413,10 @@ def finish(
     """Steps 3 to 5 of the protocol on ``rank`` once it wrote its objects (checksums ``crcs``)
     or failed (``error``): returns once committed, raises on every rank otherwise. ``replaces``:
     the attempt of an earlier commit this one replaces; ``known``: see ``commit``."""
-    written = [o.name for o in plan.own(rank) if o.name in crcs]  # what a failure removes
+
+    def written() -> list[str]:  # what a failure removes: this rank's objects it wrote
+        return [o.name for o in plan.own(rank) if o.name in crcs]
+
     if rank != 0:  # report, then wait for rank 0's verdict
         report = report_of(plan, rank, crcs, values)
         marker = done_marker(step, plan.attempt, rank)
@@ -421,13 +424,13 @@ def finish(
             _write_marker(store, marker, error, rank=rank, **report)
         except Exception as e:  # a full disk: make room, then report the failure in brief
             if _absent(store, marker):  # else rank 0 may have read it and be committing
-                _drop(store, step, written)
+                _drop(store, step, written())
             with contextlib.suppress(Exception):  # else rank 0 waits until commit_timeout_s
                 _write_marker(store, marker, e, rank=rank)
             raise
         if error is not None:  # rank 0 never commits an attempt a rank reported failed
             if isinstance(error, Exception):  # not on the way out (KeyboardInterrupt)
-                _drop(store, step, written)
+                _drop(store, step, written())
             raise error
         _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces, written)
         return
@@ -450,7 +453,7 @@ def finish(
         except BaseException as e:
             error = e
     if isinstance(error, Exception) and (not committing or _absent(store, manifest_path(step))):
-        _drop(store, step, written)
+        _drop(store, step, written())
         if world_size == 1:  # nothing else of the attempt is there
             with contextlib.suppress(Exception):
                 store.remove_empty_dir(step_dir(step))
@@ -500,10 +503,10 @@ def _wait_for_commit(
     rank: int,
     timeout_s: float,
     replaces: str | None,
-    own: Sequence[str] = (),
+    written: Callable[[], list[str]] = list,
 ) -> None:
     """Rank > 0: wait for this attempt's manifest; raise at an abort marker (removing this
-    rank's objects ``own`` unless this attempt's manifest exists) or at another writer's
+    rank's objects ``written()`` unless this attempt's manifest exists) or at another writer's
     manifest (but that of the commit this save replaces). A timeout removes nothing: rank 0
     may still commit."""
     abort = abort_marker(step, attempt)
@@ -513,7 +516,7 @@ def _wait_for_commit(
             # Rank 0 may have failed after creating this attempt's manifest (a listing after
             # the commit): then the objects are a committed step's, and stay.
             if MANIFEST not in names or _attempt_at(store, step) not in (None, attempt):
-                _drop(store, step, own)
+                _drop(store, step, written())
             reason = json.loads(store.read_bounded(abort, MAX_MANIFEST_BYTES)).get("error")
             raise CheckpointError(
                 f"save of step {step} to {store.where()} was aborted by rank 0: {reason}"

@@ -546,7 +546,7 @@ def test_deferred_init_keeps_a_tied_weight_as_an_eager_build_does() -> None:
         assert torch.equal(deferred[name], value), name
 
 
-def test_a_param_init_fn_that_skips_the_first_owner_of_a_tied_weight_still_initialises_it() -> None:
+def test_a_param_init_fn_skipping_a_tied_weights_first_owner_still_initialises_it() -> None:
     """A ``param_init_fn`` that initialises Linear layers only: the embedding (first owner of
     the tied weight) is skipped, the head initialises it. The head's values must stay, not
     the embedding's uninitialised memory."""
