@@ -27,7 +27,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -155,14 +155,14 @@ def commit_to_memory(
 ) -> None:
     """Commit ``step`` from ``slot``'s files to the memory root by hard links, keeping only it."""
     mem = replace(options, keep_last=1, keep_every=None, discard_newer=True)
-    saved = root.begin(step, rows, mem)
-    named = []
-    for r in range(len(rows)):
-        objs = saved.objects(r)
-        for i, obj in enumerate(objs):
-            saved.link(obj, paths[r, slot, i])
-        named.append({o.name: crcs[r][i] for i, o in enumerate(objs)})
-    saved.commit(named, values)
+    with root.begin(step, rows, mem) as saved:  # a failure removes the links it made
+        named = []
+        for r in range(len(rows)):
+            objs = saved.objects(r)
+            for i, obj in enumerate(objs):
+                saved.link(obj, paths[r, slot, i])
+            named.append({o.name: crcs[r][i] for i, o in enumerate(objs)})
+        saved.commit(named, values)
 
 
 def recover(folder: str, memory_url: str) -> tuple[list[int], list[str]]:
@@ -375,17 +375,18 @@ class Persister:
             keep_every=first["keep_every"],
             discard_newer=first["discard_newer"],
         )
-        job = self.durable.begin(first["step"], rows, options)
-        writes = {
-            (r, i): self.pool.submit(job.write, obj, slots.views[r, slot, i], crcs is None)
-            for r in range(self.world)
-            for i, obj in enumerate(job.objects(r))
-        }
-        named: list[dict[str, Any]] = [{} for _ in range(self.world)]
-        for (r, i), w in writes.items():
-            written = w.result()  # every write done before the commit
-            named[r][job.objects(r)[i].name] = written if crcs is None else crcs[r][i]
-        job.commit(named, [saved[r]["values"] for r in range(self.world)])
+        with self.durable.begin(first["step"], rows, options) as job:  # a failure removes
+            writes = {  # the objects it wrote
+                (r, i): self.pool.submit(job.write, obj, slots.views[r, slot, i], crcs is None)
+                for r in range(self.world)
+                for i, obj in enumerate(job.objects(r))
+            }
+            wait(writes.values())  # none in flight when a failure cleans up
+            named: list[dict[str, Any]] = [{} for _ in range(self.world)]
+            for (r, i), w in writes.items():
+                written = w.result()
+                named[r][job.objects(r)[i].name] = written if crcs is None else crcs[r][i]
+            job.commit(named, [saved[r]["values"] for r in range(self.world)])
 
     def _finish(self, saved: dict[int, Any], error: str | None, errors: Any = None) -> None:
         """Tell the ranks of ``saved`` that its slot is free, with what became of the step."""

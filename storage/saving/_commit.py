@@ -423,14 +423,14 @@ def finish(
         try:
             _write_marker(store, marker, error, rank=rank, **report)
         except Exception as e:  # a full disk: make room, then report the failure in brief
-            if _absent(store, marker):  # else rank 0 may have read it and be committing
-                _drop(store, step, written())
+            if absent(store, marker):  # else rank 0 may have read it and be committing
+                drop(store, step, written())
             with contextlib.suppress(Exception):  # else rank 0 waits until commit_timeout_s
                 _write_marker(store, marker, e, rank=rank)
             raise
         if error is not None:  # rank 0 never commits an attempt a rank reported failed
             if isinstance(error, Exception):  # not on the way out (KeyboardInterrupt)
-                _drop(store, step, written())
+                drop(store, step, written())
             raise error
         _wait_for_commit(store, step, plan.attempt, rank, timeout_s, replaces, written)
         return
@@ -452,8 +452,8 @@ def finish(
             return
         except BaseException as e:
             error = e
-    if isinstance(error, Exception) and (not committing or _absent(store, manifest_path(step))):
-        _drop(store, step, written())
+    if isinstance(error, Exception) and (not committing or absent(store, manifest_path(step))):
+        drop(store, step, written())
         if world_size == 1:  # nothing else of the attempt is there
             with contextlib.suppress(Exception):
                 store.remove_empty_dir(step_dir(step))
@@ -465,7 +465,7 @@ def finish(
     raise error
 
 
-def _absent(store: Store, rel: str) -> bool:
+def absent(store: Store, rel: str) -> bool:
     """Whether ``rel`` certainly does not exist (False when that cannot be told)."""
     try:
         return not store.exists(rel)
@@ -473,7 +473,7 @@ def _absent(store: Store, rel: str) -> bool:
         return False
 
 
-def _drop(store: Store, step: int, objects: Sequence[str]) -> None:
+def drop(store: Store, step: int, objects: Sequence[str]) -> None:
     """Best effort: remove a rank's ``objects`` (those it wrote) of an attempt that will never be
     committed (each rank removes its own, once it has written them: no rank removes a file
     another may still be writing), so that a retry on a full disk has their room back."""
@@ -516,7 +516,7 @@ def _wait_for_commit(
             # Rank 0 may have failed after creating this attempt's manifest (a listing after
             # the commit): then the objects are a committed step's, and stay.
             if MANIFEST not in names or _attempt_at(store, step) not in (None, attempt):
-                _drop(store, step, written())
+                drop(store, step, written())
             reason = json.loads(store.read_bounded(abort, MAX_MANIFEST_BYTES)).get("error")
             raise CheckpointError(
                 f"save of step {step} to {store.where()} was aborted by rank 0: {reason}"

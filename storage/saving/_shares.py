@@ -7,6 +7,7 @@ would have made; the objects' bytes come ready laid out (header and payload), on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
@@ -18,14 +19,22 @@ import torch
 from ftsdp.storage._errors import CheckpointError
 from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._dtypes import dtype_name, torch_dtype
-from ftsdp.storage.format._layout import step_dir
+from ftsdp.storage.format._layout import manifest_path, step_dir
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._ranges import Range
 from ftsdp.storage.format._safetensors import write_object
 from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
 from ftsdp.storage.format._steps import Known
 from ftsdp.storage.io._fs import Store
-from ftsdp.storage.saving._commit import Reports, commit, fresh_attempt, plan_lineage, report_of
+from ftsdp.storage.saving._commit import (
+    Reports,
+    absent,
+    commit,
+    drop,
+    fresh_attempt,
+    plan_lineage,
+    report_of,
+)
 from ftsdp.storage.saving._exchange import exchange
 from ftsdp.storage.saving._save_plan import SavePlan
 
@@ -169,7 +178,8 @@ class RootForRanks:
 class StepForRanks:
     """One step of every rank written and committed by this process: each object either goes
     to the root (:meth:`write`) or, on a local root, is linked from its file (:meth:`link`);
-    then :meth:`commit` with each rank's checksums and values."""
+    then :meth:`commit` with each rank's checksums and values. Used as a context manager, a
+    step that fails before it is committed removes what it placed (:meth:`abandon`)."""
 
     def __init__(
         self, root: RootForRanks, step: int, rows: Sequence[Rows], options: SaveOptions
@@ -177,6 +187,26 @@ class StepForRanks:
         self.store, self.step, self.options, self.known = root.store, step, options, root.known
         self.lineage = plan_lineage(self.store, step, options.discard_newer, self.known)
         self.plans = plan_for_ranks(rows, step, options, fresh_attempt(), self.lineage.replaces)
+        self.placed: list[str] = []  # the objects written or linked so far (by any thread)
+        self.committing = False  # from here on this attempt's manifest may exist
+
+    def __enter__(self) -> StepForRanks:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        if isinstance(error, Exception):  # not on the way out (KeyboardInterrupt)
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Best effort, once no write is in flight: remove the objects this step placed and its
+        directory if that leaves it empty, unless its manifest may exist (then it committed and
+        they are the step's). A failed memory commit so frees the slot files' old bytes its
+        links kept alive, and a failed durable one the room its objects took."""
+        if self.committing and not absent(self.store, manifest_path(self.step)):
+            return
+        drop(self.store, self.step, self.placed)
+        with contextlib.suppress(Exception):
+            self.store.remove_empty_dir(step_dir(self.step))
 
     def objects(self, rank: int) -> list[PlannedObject]:
         """Rank ``rank``'s objects, in the order of its files."""
@@ -196,6 +226,7 @@ class StepForRanks:
             crcs[:] = write_object(f, obj.head, len(obj.pieces), chunks, block)
 
         self.store.write(f"{step_dir(self.step)}/{obj.name}", produce)
+        self.placed.append(obj.name)
         return crcs
 
     def link(self, obj: PlannedObject, path: str) -> None:
@@ -203,6 +234,7 @@ class StepForRanks:
         folder = os.path.join(self.store.root, step_dir(self.step))
         os.makedirs(folder, mode=0o700, exist_ok=True)
         os.link(path, os.path.join(folder, obj.name))
+        self.placed.append(obj.name)
 
     def commit(self, crcs: Sequence[dict[str, list[list[int]]]], values: Sequence[dict]) -> None:
         """Commit the step with ``crcs[r]`` (object name -> checksums) and ``values[r]`` of each
@@ -211,6 +243,7 @@ class StepForRanks:
         reports = Reports(plans[0], self.step, len(plans), crcs[0], values[0])
         for r in range(1, len(plans)):
             reports.take(r, report_of(plans[r], r, crcs[r], values[r]))
+        self.committing = True
         commit(
             self.store,
             reports.manifest(self.options.checksum_block_bytes),

@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 
+import torch
+
 from ftsdp import storage
 from ftsdp.checkpoint import _persister as p
 
@@ -55,3 +57,34 @@ def test_the_persister_imports_nothing_from_the_working_directory(tmp_path) -> N
     assert not marker.exists(), marker.read_text()
     # it got as far as reading its (here empty) configuration: the real modules were imported
     assert proc.returncode != 0 and b"JSONDecodeError" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_failed_memory_commit_leaves_no_links_behind(tmp_path, monkeypatch) -> None:
+    """A memory commit links the slot files into the memory root: one that fails (here its
+    manifest write, on a full shared memory) removes its links, else each failure would keep a
+    slot file's old bytes alive in shared memory until some later commit succeeded."""
+    from ftsdp.storage.saving import _shares
+
+    rows = [[["w", [4, 4], "float32", 0, 16, None]], [["v", [2, 2], "float32", 0, 4, None]]]
+    options = storage.SaveOptions()
+    (tmp_path / p.LAYOUT).write_text(
+        json.dumps({"id": 1, "rows": rows, "options": dataclasses.asdict(options)})
+    )
+    p._Slots(str(tmp_path), p.plan_for_ranks(rows, 0, options), (0,))  # laid out, zeros
+    for rank in range(2):
+        with open(p.record_file(str(tmp_path), rank, 0), "w") as f:
+            json.dump({"step": 7, "layout": 1, "memory_values": {}}, f)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_shares, "commit", full)
+    memory = tmp_path / "memory"
+    committed, problems = p.recover(str(tmp_path), str(memory))
+    assert committed == [] and len(problems) == 1 and "No space" in problems[0]
+    assert not memory.exists() or os.listdir(memory) == []
+    slot_files = [f for f in tmp_path.iterdir() if f.name.startswith("r") and ".o" in f.name]
+    assert len(slot_files) == 2 and all(f.stat().st_nlink == 1 for f in slot_files)
+    monkeypatch.undo()  # the next try commits the slot, which holds what was copied
+    assert p.recover(str(tmp_path), str(memory)) == ([7], [])
+    assert torch.equal(storage.load_state_dict(str(memory))["w"], torch.zeros(4, 4))
