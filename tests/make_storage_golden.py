@@ -2,7 +2,7 @@
 
 Run once, from the repository root: ``python -m tests.make_storage_golden``. Do NOT regenerate it
 when the format changes: the point of the golden checkpoint is that every future version of
-``storage`` still reads what version 1 wrote (tests/unit/storage/test_storage_golden.py).
+``storage`` still reads what version 1 wrote (tests/unit/storage/format/test_golden.py).
 """
 
 from __future__ import annotations

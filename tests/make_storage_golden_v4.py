@@ -3,7 +3,7 @@ described by a layout rule, saved by 3 ranks).
 
 Run once, from the repository root: ``python -m tests.make_storage_golden_v4``. Do NOT regenerate
 it when the code changes: a reader derives the pieces of a rule tensor by running the layout code
-again, so this checkpoint pins that code (tests/unit/storage/test_storage_golden.py).
+again, so this checkpoint pins that code (tests/unit/storage/format/test_golden.py).
 """
 
 from __future__ import annotations

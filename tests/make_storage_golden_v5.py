@@ -3,7 +3,7 @@ saved on a grid: DTensor shards that are boxes of several dims, saved by 4 ranks
 
 Run once, from the repository root: ``python -m tests.make_storage_golden_v5``. Do NOT regenerate
 it when the code changes: it pins the grid order that readers must keep reading
-(tests/unit/storage/test_storage_golden.py).
+(tests/unit/storage/format/test_golden.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The S3 requests of a save and a load at world size 2, on a real server (SeaweedFS), counted in
-each rank at aiobotocore's ``_make_api_call`` (tests/unit/storage/test_storage_s3.py counts
+each rank at aiobotocore's ``_make_api_call`` (tests/unit/storage/io/test_s3.py counts
 world size 1). Rank 0 plans, collects the done markers and commits; rank 1 writes its marker
 and waits for the manifest. Both poll the step's directory while they wait (one listing a
 poll), so those listings depend on timing and are counted apart; everything else must not grow

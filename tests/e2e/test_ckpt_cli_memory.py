@@ -1,7 +1,7 @@
 """``ftsdp-ckpt`` as a real process: a conversion of a checkpoint three times the memory budget
 stays within the budget (peak RSS measured), loading the model weights of a checkpoint that also
 holds optimizer state needs about the weights' size, and the progress bar shows on a terminal
-only (the exit codes of bad inputs are checked in process, tests/unit/tools/test_ckpt_cli.py)."""
+only (the exit codes of bad inputs are checked in process, tests/unit/tools/ckpt/test_cli.py)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from ftsdp import storage
 from ftsdp.tools.ckpt import main as ckpt_main
 from ftsdp.train import main as train_main
 from tests.e2e.test_faults import REPO, STEPS, Run, check_against_reference
-from tests.unit.tools.test_hf_export import _tokenizer
+from tests.unit.tools.ckpt.test_hf_export import _tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -163,6 +163,24 @@ def test_the_map_lists_every_package_as_a_room() -> None:
     assert set(MAP) == packages
 
 
+def test_the_unit_tests_mirror_the_rooms() -> None:
+    """Each room's unit tests live in a folder of the same path under tests/unit
+    (``ftsdp.storage.io`` -> tests/unit/storage/io, the benchmarks of ``ftsdp.tools`` ->
+    tests/unit/tools), and no tests folder names a room that does not exist (docs/design.md,
+    "The map"). ``ftsdp`` and ``ftsdp.storage`` are tested through their rooms and tests/unit's
+    own modules; ``ftsdp.testing`` by the tests that use it."""
+    paths = {room: "/".join(room.split(".")[1:]) for room in MAP if room != "ftsdp.testing"}
+    unit = REPO / "tests" / "unit"
+    found = {
+        str(d.relative_to(unit)).replace(".", "")  # tests/unit itself: ""
+        for d in [unit, *unit.rglob("*")]
+        if d.is_dir() and any(d.glob("test_*.py"))
+    }
+    expected = set(paths.values())
+    assert expected - {"", "storage"} <= found, sorted(expected - found)
+    assert found <= expected, sorted(found - expected)
+
+
 def test_every_import_follows_the_map_in_docs_design_md() -> None:
     bad = []
     for name, path in MODULES.items():

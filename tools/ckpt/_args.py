@@ -1,6 +1,6 @@
 """The ``ftsdp-ckpt`` command line, and its terminal output (safe text, sizes, a progress line on
 stderr when it is a terminal). Neither imports torch nor ``ftsdp.storage``: the two storage
-constants the help shows are copied here (tests/unit/tools/test_ckpt_cli.py checks they agree)
+constants the help shows are copied here (tests/unit/tools/ckpt/test_cli.py checks they agree)
 and ``--dtype`` becomes a ``torch.dtype`` once the command line is known to be good."""
 
 from __future__ import annotations

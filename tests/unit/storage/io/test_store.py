@@ -18,7 +18,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from ftsdp import storage
 from ftsdp.storage.io._fs import Store
 
-STORAGE = pathlib.Path(__file__).resolve().parents[3] / "storage"
+STORAGE = pathlib.Path(__file__).resolve().parents[4] / "storage"
 
 
 def test_a_store_rooted_at_a_file(tmp_path: pathlib.Path) -> None:

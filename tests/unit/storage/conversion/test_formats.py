@@ -16,7 +16,7 @@ import torch
 from ftsdp import storage
 from ftsdp.storage.conversion import _formats
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
+REPO = pathlib.Path(__file__).resolve().parents[4]
 
 
 def _state() -> dict[str, Any]:

@@ -357,7 +357,7 @@ def test_closed_pipe_ends_quietly(tmp_path) -> None:
         [sys.executable, "-m", "ftsdp.tools.ckpt", "inspect", url],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        cwd=pathlib.Path(__file__).resolve().parents[3],
+        cwd=pathlib.Path(__file__).resolve().parents[4],
     )
     proc.stdout.readline()
     proc.stdout.close()
