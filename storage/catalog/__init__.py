@@ -2,9 +2,16 @@
 
 from ftsdp.storage.catalog._checks import VerifyReport, diff, inspect_checkpoint, verify
 from ftsdp.storage.catalog._gc import GcReport, collect_garbage
-from ftsdp.storage.format._steps import apply_retention, clear_steps, list_steps, read_manifest
+from ftsdp.storage.format._steps import (
+    GRACE_S,
+    apply_retention,
+    clear_steps,
+    list_steps,
+    read_manifest,
+)
 
 __all__ = [
+    "GRACE_S",
     "GcReport",
     "VerifyReport",
     "apply_retention",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,10 @@ from ftsdp.storage.format._manifest import Manifest, read_manifest_file
 from ftsdp.storage.io._fs import Store
 
 logger = logging.getLogger(__name__)
+# What ``gc`` and ``apply_retention`` take for a save that may still be running: a step directory
+# whose uncommitted files were written less than this long ago (a job that resumed from an older
+# step saves below the newest committed one).
+GRACE_S = 3600.0
 
 
 def committed_steps(store: Store) -> list[int]:
@@ -260,12 +265,14 @@ def _sort_out(
     return plan
 
 
-def execute(store: Store, plan: Deletion) -> None:
+def execute(store: Store, plan: Deletion, done: list[str] | None = None) -> None:
     """Delete the files of ``plan`` in order (each checked again), then its directory if the
-    step goes and nothing is left in it."""
+    step goes and nothing is left in it; each path removed is appended to ``done``."""
     for rel, _ in plan.files:
         if not store.is_link(rel) and store.inside_root(rel):
             store.remove(rel)
+            if done is not None:
+                done.append(rel)
     if plan.whole and not plan.left:
         store.remove_empty_dir(step_dir(plan.step))
 
@@ -334,27 +341,42 @@ def plan_retention(
     protect: int | None = None,
     scan: RootScan | None = None,
     known: Known | None = None,
+    grace_s: float | None = None,
 ) -> RetentionPlan:
     """What retention removes (docs/format.md, "Retention and garbage collection"); ``protect``
     is always kept. ``scan``: a fresh ``scan_root`` that read every manifest (else one is
     taken, with ``known``). A kept step of ``known`` is neither listed (its strays were looked
-    for when it was) nor read; one that goes is listed and its manifest read again. Its callers
-    refuse ``keep_last < 1``."""
+    for when it was) nor read; one that goes is listed and its manifest read again. A step
+    whose listing lacks an object of its manifest (or has it short) is not counted among the
+    kept steps, and is kept itself when it is newer than every complete one. ``grace_s``: a
+    step directory holding a file written less than that long ago loses nothing that is not
+    committed (a save may be writing it: the save of a job that resumed from an older step, or
+    one replacing a damaged step). Its callers refuse ``keep_last < 1``."""
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
     scan = scan_root(store, known=known) if scan is None else scan
     plan = RetentionPlan(notes=list(scan.skipped))
     committed = scan.committed
-    keep = set(committed if keep_last is None else committed[-keep_last:])
-    keep |= {s for s in committed if keep_every and s % keep_every == 0}
+    damaged = {s: why for s in committed if (why := _damage(store, scan.dirs[s]))}
+    complete = [s for s in committed if s not in damaged]
+    keep = set(committed if keep_last is None else complete[-keep_last:])
+    keep |= {s for s in complete if keep_every and s % keep_every == 0}
+    for s, why in damaged.items():
+        if not complete or s > complete[-1]:  # a newer step than every loadable one: evidence
+            keep.add(s)
+            plan.notes.append(f"{store.where(step_dir(s))}: kept, but not counted ({why})")
     if protect is not None and protect in committed:
         keep.add(protect)
     newest = committed[-1] if committed else None
+    since = None if not grace_s else time.time() - grace_s
     for step, d in sorted(scan.dirs.items()):
         if step in keep:
             if d.listed and d.manifest is not None:  # strays: our names it does not list
                 names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
                 strays = _sort_out(store, d, Deletion(step, whole=False), names)
+                if strays.files and _written_since(store, strays, since):
+                    plan.notes.append(_recent(store, step, grace_s))
+                    continue
                 plan.strays.append(strays)
                 plan.notes += [_foreign(store, step, n) for n in strays.left]
             continue
@@ -369,10 +391,48 @@ def plan_retention(
         if removal is None:
             plan.notes.append(_why_left(store, d))
             continue
+        if d.manifest is None and _written_since(store, removal, since):
+            plan.in_progress.append(step)  # torn and written lately: a save may be writing it
+            continue
         plan.removals.append(removal)
         plan.notes += [_foreign(store, step, n) for n in removal.left]
     plan.kept = sorted(keep)
     return plan
+
+
+def _damage(store: Store, d: StepDir) -> str | None:
+    """Why committed step ``d`` cannot load by its listing (an object missing or of another
+    size), or None; a step of ``Known`` (not listed) was whole when this process saw it."""
+    assert d.manifest is not None
+    if not d.listed:
+        return None
+    for name, size in sorted(d.manifest.objects.items()):
+        if name not in d.entries:
+            return f"its object {name} is missing"
+        if d.entries[name][1] != size:
+            return f"its object {name} has {d.entries[name][1]} bytes, the manifest lists {size}"
+    return None
+
+
+def _written_since(store: Store, plan: Deletion, since: float | None) -> bool:
+    """Whether a file of ``plan`` was written after ``since`` (None: never asked); a file that
+    vanished meanwhile counts (something is at work there)."""
+    if since is None:
+        return False
+    for rel, _ in plan.files:
+        try:
+            if store.modified(rel) > since:
+                return True
+        except FileNotFoundError:
+            return True
+    return False
+
+
+def _recent(store: Store, step: int, grace_s: float | None) -> str:
+    return (
+        f"{store.where(step_dir(step))}: files it does not list were written less than "
+        f"{grace_s:g} s ago, left for now (a save may be writing them)"
+    )
 
 
 def retain(
@@ -382,13 +442,14 @@ def retain(
     protect: int | None = None,
     scan: RootScan | None = None,
     known: Known | None = None,
+    grace_s: float | None = None,
 ) -> list[int]:
     """Apply retention under ``store`` (``plan_retention``); the removed steps, ascending (and
     forgotten by ``known``). What was left alone is logged as a WARNING (once for ``known``'s
     saves)."""
     if keep_last is None or keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1 (the newest step is always kept)")
-    plan = plan_retention(store, keep_last, keep_every, protect, scan, known)
+    plan = plan_retention(store, keep_last, keep_every, protect, scan, known, grace_s)
     for removal in plan.removals + plan.strays:
         if known is not None and removal.whole:
             known.manifests.pop(removal.step, None)
@@ -406,11 +467,13 @@ def apply_retention(
     *,
     keep_last: int,
     keep_every: int | None = None,
+    grace_s: float = GRACE_S,
     storage_options: dict[str, Any] | None = None,
 ) -> list[int]:
     """Keep the newest ``keep_last`` committed steps and every step divisible by ``keep_every``,
-    deleting only what is provably ours; returns the removed steps."""
-    return retain(Store(url, storage_options), keep_last, keep_every)
+    deleting only what is provably ours and nothing uncommitted written less than ``grace_s``
+    seconds ago (a save may be writing it); returns the removed steps."""
+    return retain(Store(url, storage_options), keep_last, keep_every, grace_s=grace_s)
 
 
 def read_manifest(

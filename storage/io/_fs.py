@@ -54,6 +54,8 @@ class Store:
     ) -> None:
         if not isinstance(url, (str, os.PathLike)):
             raise TypeError(f"url must be a str or path, got {type(url).__name__}")
+        if not str(url).strip():  # not "the working directory": name it ("." does)
+            raise ValueError("the checkpoint URL is empty")
         self.url = str(url).rstrip("/")
         self.io = io or IOOptions()
         self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
@@ -138,6 +140,11 @@ class Store:
     def size(self, rel: str = "") -> int:
         """The size of an object in bytes; FileNotFoundError when it does not exist."""
         return int(self._retry(lambda: self.fs.size(self.full(rel))))
+
+    def modified(self, rel: str) -> float:
+        """When ``rel`` was last written, in seconds since the epoch; FileNotFoundError when
+        it does not exist."""
+        return float(self._retry(lambda: self.fs.modified(self.full(rel))).timestamp())
 
     def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
         """``{name: (type, size)}`` of the entries directly under ``rel``; {} when absent."""

@@ -60,6 +60,9 @@ class LocalStore(Store):
     def size(self, rel: str = "") -> int:
         return self._retry(lambda: os.stat(self.full(rel)).st_size)
 
+    def modified(self, rel: str) -> float:
+        return self._retry(lambda: os.lstat(self.full(rel)).st_mtime)
+
     def listdir(self, rel: str = "") -> dict[str, tuple[str, int]]:
         try:
             return self._retry(lambda: _scan_local(self.full(rel)))

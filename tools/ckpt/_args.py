@@ -1,5 +1,5 @@
 """The ``ftsdp-ckpt`` command line, and its terminal output (safe text, sizes, a progress line on
-stderr when it is a terminal). Neither imports torch nor ``ftsdp.storage``: the two storage
+stderr when it is a terminal). Neither imports torch nor ``ftsdp.storage``: the storage
 constants the help shows are copied here (tests/unit/tools/ckpt/test_cli.py checks they agree)
 and ``--dtype`` becomes a ``torch.dtype`` once the command line is known to be good."""
 
@@ -18,6 +18,7 @@ import ftsdp
 PROG = "ftsdp-ckpt"
 DEFAULT_MAX_MEMORY = 256 * 1024**2  # storage.io.DEFAULT_MAX_MEMORY
 FORMATS = ("ftsdp", "hf", "torch", "dcp")  # storage.conversion.FORMATS
+GRACE_S = 3600.0  # storage.catalog.GRACE_S
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.I)
 _DTYPES = {  # spelling -> the torch attribute
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -269,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-every", type=parse_positive, metavar="E",
         help="also keep every step divisible by E >= 1",
+    )  # fmt: skip
+    p.add_argument(
+        "--grace-s", type=float, default=GRACE_S, metavar="S",
+        help="leave uncommitted files written less than S seconds ago: a save may be writing "
+        f"them (default: {GRACE_S:g}; 0 removes every torn attempt now)",
     )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     return parser

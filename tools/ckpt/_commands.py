@@ -235,22 +235,25 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
     report = storage.catalog.collect_garbage(
         args.url, keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run,
-        storage_options=args.storage_options,
+        grace_s=args.grace_s, storage_options=args.storage_options,
     )  # fmt: skip
     verb = "would remove" if report.dry_run else "removed"
     for path in report.removed_paths:
         out.write(f"{verb} {printable(path)}\n")
     for why in report.left_alone:  # not provably this format's: never deleted
         out.write(f"left alone: {printable(why)}\n")
+    for why in report.failed:
+        out.write(f"FAILED: {printable(why)}\n")
     out.write(
         f"{verb} steps {report.removed_steps or 'none'} and {len(report.removed_paths)} paths, "
         f"{human_bytes(report.bytes)}; kept steps {report.kept_steps or 'none'}\n"
     )
     if report.in_progress:
         out.write(
-            f"kept torn steps {report.in_progress}: newer than the newest commit (a save may be running)\n"
+            f"kept torn steps {report.in_progress}: newer than the newest commit or written "
+            f"less than {args.grace_s:g} s ago (a save may be running)\n"
         )
-    return 0
+    return 1 if report.failed else 0
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {

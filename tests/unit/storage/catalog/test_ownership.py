@@ -188,7 +188,7 @@ def test_torn_and_stray_files_are_ours_only_by_name(backend) -> None:
     _put(url, opts, "step-3/rank00001-000-cccccccc.safetensors", b"stray")
     _put(url, opts, "step-3/keep.me", b"user file")
     before = _tree(url, opts)
-    report = storage.catalog.collect_garbage(url, keep_last=2, storage_options=opts)
+    report = storage.catalog.collect_garbage(url, keep_last=2, grace_s=0, storage_options=opts)
     assert report.removed_steps == [0, 2] and report.kept_steps == [3, 4]
     tree = _tree(url, opts)
     assert not any(p.startswith("step-0/") for p in tree)

@@ -143,6 +143,7 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
 
     assert _args.DEFAULT_MAX_MEMORY == storage.io.DEFAULT_MAX_MEMORY
     assert _args.FORMATS == storage.conversion.FORMATS
+    assert _args.GRACE_S == storage.catalog.GRACE_S
     proc = _answer_without_torch(
         "ftsdp.tools.ckpt",
         "ftsdp-ckpt",
@@ -223,13 +224,13 @@ def test_diff_names_changed_tensors(root: pathlib.Path) -> None:
 
 
 def test_gc_dry_run_then_real(root: pathlib.Path) -> None:
-    code, out, _ = _cli("gc", str(root), "--keep-last", "2", "--dry-run")
+    code, out, _ = _cli("gc", str(root), "--keep-last", "2", "--dry-run", "--grace-s", "0")
     assert code == 0 and "would remove steps [0, 1, 2]" in out and "kept steps [3, 4]" in out
     assert "kept torn steps [9]" in out
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
         "step-0", "step-1", "step-2", "step-3", "step-4", "step-9",
     ]  # fmt: skip
-    code, out, _ = _cli("gc", str(root), "--keep-last", "2")
+    code, out, _ = _cli("gc", str(root), "--keep-last", "2", "--grace-s", "0")
     assert code == 0 and "removed steps [0, 1, 2]" in out
     assert storage.list_steps(str(root)) == [3, 4]
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
