@@ -7,10 +7,12 @@ import json
 import logging
 import math
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 import ftsdp
@@ -303,6 +305,10 @@ def _make_model(
     """The unwrapped model (same on every rank), checked; ``--init-from`` (unless resuming)
     checked against it, to be read after wrapping: then the model is built with its parameters
     on the meta device where it can be (the engine allocates them unit by unit)."""
+    # Every generator a model or its code may draw from, the same on every rank: a run is
+    # then reproducible from --seed alone (a resume restores them from the checkpoint).
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed % (1 << 32))
     torch.manual_seed(cfg.seed)  # same init on every rank
     built = build_deferred(cfg, plan) if cfg.init_from and saved is None else None
     if built is None:
