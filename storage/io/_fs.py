@@ -19,6 +19,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage._options import IOOptions
+from ftsdp.storage.io._buffers import host_buffer
 from ftsdp.storage.io._range_file import RangeFile
 from ftsdp.storage.io._retry import retry
 
@@ -229,6 +230,14 @@ class Store:
     def map_range(self, rel: str, start: int, end: int) -> np.ndarray:
         """Bytes ``[start, end)`` of a local file as a read-only memory-mapped uint8 array."""
         raise ValueError(f"map_range needs a local file, not {self.where(rel)}")
+
+    def stable_range(self, rel: str, start: int, end: int) -> np.ndarray:
+        """Bytes ``[start, end)`` of ``rel`` as a uint8 array that no write to the object can
+        change afterwards, so that what a reader verified is what it copies: here read into a
+        private buffer (``LocalStore`` maps an object that has no other name)."""
+        data = host_buffer(end - start).numpy()
+        self.read_into(rel, start, data)
+        return data
 
     # -- writing ----------------------------------------------------------------------------------
 

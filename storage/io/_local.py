@@ -19,6 +19,7 @@ from typing import IO, Any
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from ftsdp.storage.io._buffers import host_buffer
 from ftsdp.storage.io._fs import Store
 
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
@@ -92,23 +93,38 @@ class LocalStore(Store):
     def map_range(self, rel: str, start: int, end: int) -> np.ndarray:
         fd = os.open(self.full(rel), os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
-            if size < end:  # mapping past the end would fault (SIGBUS) on access
-                raise OSError(
-                    f"short read of {self.where(rel)} bytes [{start}, {end}): the object has "
-                    f"{size} bytes; it is truncated"
-                )
-            base = start - start % mmap.ALLOCATIONGRANULARITY
-            mm = mmap.mmap(
-                fd,
-                end - base,
-                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                prot=mmap.PROT_READ,
-                offset=base,
-            )
+            _check_size(self, rel, os.fstat(fd).st_size, start, end)
+            return _map(fd, start, end)
         finally:
             os.close(fd)
-        return np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start - base)
+
+    def stable_range(self, rel: str, start: int, end: int) -> np.ndarray:
+        # An object with one name is never written again (a durable root writes new names and
+        # renames them): its pages are mapped. One with another name may be rewritten through
+        # that name (the persister's memory tier links its reusable slot files; a user's
+        # hard link): read privately, from the same open file whose links were counted.
+        return self._retry(lambda: self._stable_range_once(rel, start, end))
+
+    def _stable_range_once(self, rel: str, start: int, end: int) -> np.ndarray:
+        fd = os.open(self.full(rel), os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            _check_size(self, rel, st.st_size, start, end)
+            if st.st_nlink == 1:
+                return _map(fd, start, end)
+            data = host_buffer(end - start).numpy()
+            view, at = data.data, start  # uint8, one dimension
+            while at < end:
+                got = os.preadv(fd, [view[at - start :]], at)
+                if got == 0:
+                    raise OSError(
+                        f"short read of {self.where(rel)} bytes [{start}, {end}): got "
+                        f"{at - start}; the file is truncated"
+                    )
+                at += got
+            return data
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def _atomic_write(self, path: str, exclusive: bool = False) -> Iterator[IO[bytes]]:
@@ -147,6 +163,27 @@ class LocalStore(Store):
             return False
         self.invalidate(self._parent(rel))
         return True
+
+
+def _check_size(store: LocalStore, rel: str, size: int, start: int, end: int) -> None:
+    if size < end:  # mapping past the end would fault (SIGBUS) on access
+        raise OSError(
+            f"short read of {store.where(rel)} bytes [{start}, {end}): the object has "
+            f"{size} bytes; it is truncated"
+        )
+
+
+def _map(fd: int, start: int, end: int) -> np.ndarray:
+    """Bytes ``[start, end)`` of the open file ``fd`` mapped read-only, populated up front."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(
+        fd,
+        end - base,
+        flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+        prot=mmap.PROT_READ,
+        offset=base,
+    )
+    return np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start - base)
 
 
 def _link_exclusive(tmp: str, path: str, mode: int) -> None:

@@ -23,7 +23,6 @@ from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage.format._checksum import Checksum, checksum_function
 from ftsdp.storage.format._layout import step_dir
 from ftsdp.storage.format._manifest import Manifest, Piece
-from ftsdp.storage.io._buffers import host_buffer
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.loading._read_plan import Copy, Span, Want
 
@@ -66,11 +65,10 @@ def _parts(span: Span, block: int, part_bytes: int) -> list[_Part]:
 
 def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[Segment]:
     rel = f"{step_dir(step)}/{part.span.object}"
-    if store.local:
-        data = store._retry(lambda: store.map_range(rel, part.start, part.end))
-    else:
-        data = host_buffer(part.end - part.start).numpy()  # the budget bounds what is held
-        store.read_into(rel, part.start, data)
+    # Bytes no one can change once read: the checks below and the copies of the returned
+    # segments see the same bytes (a local object's pages only when it has no other name;
+    # otherwise a private buffer, which the in-flight budget bounds).
+    data = store.stable_range(rel, part.start, part.end)
     for lo, hi, name, piece, k in part.blocks:
         if check(data[lo - part.start : hi - part.start], 0) != piece.checksums[k]:
             raise CorruptCheckpointError(
