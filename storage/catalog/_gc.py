@@ -25,6 +25,8 @@ class GcReport:
     in_progress: list[int] = field(default_factory=list)  # torn but newer than the newest commit
     bytes: int = 0
     left_alone: list[str] = field(default_factory=list)  # not provably ours: untouched, and why
+    # steps whose manifest vanished while gc read it: another gc or a job's retention removes them
+    removed_elsewhere: list[int] = field(default_factory=list)
 
 
 def collect_garbage(
@@ -55,6 +57,7 @@ def collect_garbage(
         kept_steps=plan.kept,
         in_progress=plan.in_progress,
         left_alone=plan.notes,
+        removed_elsewhere=plan.vanished,
     )
     removals = plan.removals + plan.strays
     for removal in removals:
