@@ -14,7 +14,11 @@ from typing import Any
 
 import torch
 
-from ftsdp.storage._errors import CheckpointError
+from ftsdp.storage._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+)
 from ftsdp.storage.conversion._formats import detect_format, open_source
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._checksum import checksum_function
@@ -36,6 +40,7 @@ _THREADED_BYTES = 16 << 20  # a step's data below this is checked on the calling
 _MAPPED_PART = 32 << 20  # the bytes of a local object one thread maps and checks at a time
 OBJECT_METADATA = {"format": "ftsdp.storage"}  # every data object's header (docs/format.md)
 _FORMAT_MARK = b'"ftsdp.storage"'  # a manifest's first 64 bytes hold its format (as written)
+REMOVED = "removed while checking (retention or gc)"  # a step that went while verify or diff ran
 
 
 def _step_dirs(store: Store) -> tuple[list[int], list[int]]:
@@ -141,6 +146,7 @@ class VerifyReport:
     torn_steps: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     bytes_read: int = 0
+    removed: list[int] = field(default_factory=list)  # steps removed while checked: no problem
 
     @property
     def ok(self) -> bool:
@@ -155,6 +161,9 @@ def _check_header(
     url = store.where(rel)
     try:
         header, base = read_header(store, rel)
+    except FileNotFoundError:  # removed after the listing (CheckpointNotFoundError too)
+        problems.append(f"step {step}: object {url} is missing")
+        return False
     except CheckpointError as e:
         problems.append(f"step {step}: {e}")
         return False
@@ -215,6 +224,8 @@ def _verify_step(
         url = store.where(f"{step_dir(step)}/{name}")
         if name not in listing:
             problems.append(f"step {step}: object {url} is missing")
+        elif listing[name][0] == "directory":
+            problems.append(f"step {step}: object {url} is a directory, not a file")
         elif listing[name][1] != size:
             problems.append(
                 f"step {step}: object {url} has {listing[name][1]} bytes, the manifest lists {size}"
@@ -239,6 +250,7 @@ def _verify_step(
     ]
 
     buffers = threading.local()  # one reused buffer per thread: no allocation per part
+    missing: set[str] = set()  # objects removed while their parts were read
 
     def part_bytes(rel: str, start: int, end: int) -> memoryview:
         if store.local:
@@ -252,7 +264,12 @@ def _verify_step(
     def check_part(part: tuple[str, Piece, str, int, int]) -> tuple[int, list[str]]:
         tname, p, rel, start, end = part
         found = []
-        with part_bytes(rel, start, end) as mv:
+        try:
+            view = part_bytes(rel, start, end)
+        except FileNotFoundError:  # removed after the listing: said once, below
+            missing.add(rel)
+            return end - start, []
+        with view as mv:
             for k0 in range(0, end - start, block):
                 k = (start - p.byte_start + k0) // block
                 if check(mv[k0 : k0 + block], 0) != p.checksums[k]:
@@ -268,6 +285,7 @@ def _verify_step(
         for nbytes, found in (map if small else pool.map)(check_part, parts):
             meter.add(nbytes)
             problems.extend(found)
+    problems.extend(f"step {step}: object {store.where(rel)} is missing" for rel in sorted(missing))
 
 
 def _cpus() -> int:
@@ -300,8 +318,9 @@ def verify(
     """Read every byte of a checkpoint and report each problem (missing or short objects, bad
     manifests, a manifest of another step, pieces misplaced or of another dtype than their
     object's header says, checksum mismatches). For ftsdp, every committed step is checked (or
-    only ``step``); torn steps are listed, not counted as problems. A step directory
-    (``ROOT/step-N``) is checked as step N of its root."""
+    only ``step``); torn steps are listed, not counted as problems, and so are the steps removed
+    (manifest gone) while checked (``removed``; CheckpointNotFoundError for ``step``). A step
+    directory (``ROOT/step-N``) is checked as step N of its root."""
     chunk = chunk_bytes(max_memory)
     given = url
     url, step = _step_directory(url, step, storage_options)
@@ -326,7 +345,7 @@ def verify(
     if not checked:
         report.problems.append(f"no committed step under {url} (torn steps: {report.torn_steps})")
         return report
-    manifests: dict[int, Manifest | CheckpointError] = {}
+    manifests: dict[int, Manifest | CheckpointError | None] = {}  # None: removed meanwhile
     total = 0
     for s in checked:  # read and parsed once: for the total, then for the checks
         try:
@@ -334,11 +353,27 @@ def verify(
             # a version 4 manifest's rule pieces are derived here: their errors are this step's
             total += sum(p.byte_end - p.byte_start for t in m.tensors.values() for p in t.pieces)
             manifests[s] = m
+        except FileNotFoundError:  # (CheckpointNotFoundError too) removed since the listing
+            manifests[s] = None
         except CheckpointError as e:
             manifests[s] = e
     meter = Meter(total, progress)
-    for s in checked:
-        _verify_step(store, s, manifests[s], chunk, meter, report.problems)
+    for s, manifest in manifests.items():
+        # Retention or gc may remove a step while it is checked (its manifest first): what is
+        # missing of a step whose manifest is gone is that removal, not a problem.
+        found: list[str] = []
+        try:
+            if manifest is not None:
+                _verify_step(store, s, manifest, chunk, meter, found)
+        except FileNotFoundError as e:  # a file of the step vanished where none was expected
+            found.append(f"step {s}: {e.filename or e} vanished while it was read")
+        if manifest is None or (found and not store.exists(manifest_path(s))):
+            report.removed.append(s)
+        else:
+            report.problems += found
+    if step is not None and report.removed:
+        raise CheckpointNotFoundError(f"step {step}: {REMOVED}")
+    report.checked = [s for s in checked if s not in report.removed]
     report.bytes_read = meter.done
     return report
 
@@ -412,8 +447,8 @@ def diff(
             for r in split_request(n, 0, ta.numel, 8, chunk):
                 xa = torch.empty(r.length, dtype=ta.dtype)
                 xb = torch.empty(r.length, dtype=tb.dtype)
-                a.read_into([(n, r.offset, xa)])
-                b.read_into([(n, r.offset, xb)])
+                _read_step(a, n, r.offset, xa)
+                _read_step(b, n, r.offset, xb)
                 meter.add(r.length * (ta.itemsize + tb.itemsize))
                 c, w = _compare(xa, xb)
                 changed, worst = changed + c, max(worst, w)
@@ -439,3 +474,22 @@ def diff(
             "tensors": rows,
             "values": values,
         }
+
+
+def _read_step(source: Source, name: str, offset: int, out: torch.Tensor) -> None:
+    """``source.read_into`` for one request; a file of an ftsdp step that vanished is that step's
+    removal (retention or gc, which remove its manifest first) while its manifest is gone, else
+    an incomplete checkpoint: either said in one line."""
+    try:
+        source.read_into([(name, offset, out)])
+    except (FileNotFoundError, IncompleteCheckpointError) as e:
+        if source.format != "ftsdp" or source.step is None:
+            raise
+        if not source.store.exists(manifest_path(source.step)):
+            raise CheckpointNotFoundError(f"step {source.step}: {REMOVED}") from None
+        if isinstance(e, CheckpointError):
+            raise
+        raise IncompleteCheckpointError(
+            f"step {source.step}: {e.filename or e} is missing, yet its manifest lists it: the "
+            "checkpoint is incomplete"
+        ) from None

@@ -30,6 +30,8 @@ class GcReport:
     bytes: int = 0
     left_alone: list[str] = field(default_factory=list)  # not provably ours: untouched, and why
     failed: list[str] = field(default_factory=list)  # removals that raised, and what they said
+    # steps whose manifest vanished while gc read it: another gc or a job's retention removes them
+    removed_elsewhere: list[int] = field(default_factory=list)
 
 
 def collect_garbage(
@@ -61,6 +63,7 @@ def collect_garbage(
         kept_steps=plan.kept,
         in_progress=plan.in_progress,
         left_alone=plan.notes,
+        removed_elsewhere=plan.vanished,
     )
     for removal in plan.removals + plan.strays:
         done: list[str] = []

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 # whose uncommitted files were written less than this long ago (a job that resumed from an older
 # step saves below the newest committed one).
 GRACE_S = 3600.0
+VANISHED = "manifest.json vanished"  # while it was read: someone else is removing the step
 
 
 def committed_steps(store: Store) -> list[int]:
@@ -206,7 +207,7 @@ def own_manifest(store: Store, step: int) -> tuple[Manifest | None, str | None]:
     try:
         manifest = read_manifest_file(store, rel)
     except FileNotFoundError:
-        return None, "manifest.json vanished"
+        return None, VANISHED
     except Exception as e:  # whatever the bytes: not ours
         return None, f"{type(e).__name__}: {e}"
     if manifest.step != step:
@@ -305,6 +306,8 @@ def remove_attempt(store: Store, step: int, attempt: str) -> None:
 
 def _why_left(store: Store, d: StepDir) -> str:
     where = store.where(step_dir(d.step))
+    if d.problem == VANISHED:
+        return f"{where}: removed by someone else meanwhile ({VANISHED} while it was read)"
     if d.problem is not None:
         return (
             f"{where}: left alone, its manifest.json is not a committed step of this format "
@@ -328,6 +331,7 @@ class RetentionPlan:
     kept: list[int] = field(default_factory=list)  # committed steps kept
     in_progress: list[int] = field(default_factory=list)  # torn, newer than the newest commit
     notes: list[str] = field(default_factory=list)  # left alone, and why
+    vanished: list[int] = field(default_factory=list)  # being removed by someone else meanwhile
 
     @property
     def removed_steps(self) -> list[int]:
@@ -386,6 +390,9 @@ def plan_retention(
                 d.manifest, d.problem = own_manifest(store, step)
         if d.manifest is None and not d.has_manifest and (newest is None or step > newest):
             plan.in_progress.append(step)  # a save may be writing it
+            continue
+        if d.problem == VANISHED:  # another gc or a job's retention is removing it
+            plan.vanished.append(step)
             continue
         removal = plan_removal(store, d)
         if removal is None:

@@ -147,6 +147,8 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
         return 0 if report.ok else 1
     for problem in report.problems:
         out.write(f"PROBLEM: {printable(problem)}\n")
+    for step in report.removed:  # retention or gc took it meanwhile: not a problem
+        out.write(f"step {step}: removed while checking (retention or gc)\n")
     steps = ", ".join("all" if s is None else str(s) for s in report.checked) or "none"
     torn = f"; torn steps (ignored by readers): {report.torn_steps}" if report.torn_steps else ""
     verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
@@ -244,6 +246,9 @@ def cmd_gc(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"left alone: {printable(why)}\n")
     for why in report.failed:
         out.write(f"FAILED: {printable(why)}\n")
+    for step in report.removed_elsewhere:  # its manifest vanished while gc read it
+        where = printable(f"{report.url}/step-{step}")
+        out.write(f"removed by someone else meanwhile (another gc or a job's retention): {where}\n")
     out.write(
         f"{verb} steps {report.removed_steps or 'none'} and {len(report.removed_paths)} paths, "
         f"{human_bytes(report.bytes)}; kept steps {report.kept_steps or 'none'}\n"

@@ -8,9 +8,9 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, BinaryIO, TypeGuard
 
 # Records of ``ftsdp.train --metrics`` this report reads, with the fields each must have.
 RUN_EVENTS: dict[str, tuple[str, ...]] = {
@@ -28,6 +28,12 @@ QUIET_EVENTS = ("checkpoint_warning", "init_from", "phases")
 FAULT_FIELDS = ("time", "kind", "step")  # a fault log record (FTSDP_FAULT_LOG)
 SUITE_FIELDS = ("scenario", "detection_s", "fault_to_first_new_step_s", "steps_lost")
 DETECTION = ("error", "stall", "preempted")
+COUNTS = ("step", "world_size", "saved_world_size")  # whole numbers wherever they appear
+MAX_COUNT = 2**53  # a count beyond this is no run's (nor exact in a float)
+MAX_VALUE = 1e100  # a finite number beyond this is no measurement (it breaks the axes' ticks)
+MAX_LINE = 1 << 20  # bytes: a longer line is skipped unread (no record comes near it)
+MAX_SKIP = 256 << 20  # an overlong line running past this ends the file (/dev/zero has no end)
+TRUNCATED = "not JSON (truncated: the writer stopped mid-line)"
 PROGRESS = ("start", "resume", "step", "checkpoint")
 
 
@@ -135,26 +141,82 @@ def _check(record: dict[str, Any], fields: Iterable[str]) -> str | None:
             return f"{name}={value!r} is not a finite number"
         if name == "loss" and not _number(value):
             return f"loss={value!r} is not a number"
+    return _absurd(record)
+
+
+def _absurd(record: dict[str, Any]) -> str | None:
+    """Why a number of ``record`` is none a run writes (a count that is not a whole number from
+    0 to 2**53, a finite value beyond 1e100: either would break the figure), or None."""
+    for name, value in record.items():
+        if not _number(value) or not math.isfinite(value):
+            continue  # NaN and infinities are plotted as gaps; non-numbers are checked above
+        if name in COUNTS and not (value == int(value) and 0 <= value <= MAX_COUNT):
+            return f"{name}={value!r} is not a whole number from 0 to 2**53"
+        if abs(value) > MAX_VALUE:
+            return f"{name}={value!r} is out of range (beyond 1e100)"
     return None
 
 
 def read_source(path: str, label: str | None = None) -> tuple[Source, list[Skipped]]:
-    """Read one JSONL file: its records by kind, and the lines it skipped; OSError if unreadable."""
+    """Read one JSONL file line by line (a line longer than ``MAX_LINE`` is skipped unread): its
+    records by kind, and the lines it skipped; OSError if unreadable."""
     source = Source(path=path, label=label or os.path.basename(path))
     skipped: list[Skipped] = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().splitlines()
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            reason = _add(source, json.loads(text), number)
-        except json.JSONDecodeError:
-            last = number == len(lines)
-            reason = "not JSON (truncated: the writer stopped mid-line)" if last else "not JSON"
-        if reason:
-            skipped.append(Skipped(path, number, reason))
+    with open(path, "rb") as f:
+        for number, (line, reason) in enumerate(_lines(f), start=1):
+            text = line.decode("utf-8", errors="replace")
+            if not reason and text.strip():
+                reason = _read_line(source, text, number, last=not line.endswith(b"\n"))
+            if reason:
+                skipped.append(Skipped(path, number, reason))
     return source, skipped
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[bytes, str | None]]:
+    """Each line of ``f`` and None, or b"" and why it is not read: longer than ``MAX_LINE``
+    (read on to its end, never held whole; past ``MAX_SKIP`` the file's reading stops there)."""
+    while line := f.readline(MAX_LINE + 1):
+        if len(line) <= MAX_LINE or line.endswith(b"\n"):
+            yield line, None
+            continue
+        read = len(line)
+        while line and not line.endswith(b"\n"):
+            if read >= MAX_SKIP:
+                yield b"", f"longer than {MAX_SKIP >> 20} MiB: the rest of the file is not read"
+                return
+            line = f.readline(MAX_LINE)
+            read += len(line)
+        yield b"", f"longer than {MAX_LINE >> 20} MiB"
+
+
+def _read_line(source: Source, text: str, number: int, last: bool) -> str | None:
+    """Add the record of line ``number`` to ``source``; why it cannot be, or None. A line that
+    is not JSON but ends in a whole record is a write cut short by a kill, then the next
+    incarnation's first record appended to it: that record is read, the cut one skipped."""
+    try:
+        return _add(source, json.loads(text), number)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; too many digits; too deep
+        deep = isinstance(e, RecursionError)
+    if last:
+        return TRUNCATED
+    for at in _record_starts(text):
+        try:
+            record = json.loads(text[at:])
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict):
+            return _add(source, record, number) or TRUNCATED
+    return "not JSON (nested too deeply)" if deep else "not JSON"
+
+
+def _record_starts(text: str) -> Iterator[int]:
+    """Where a record may begin inside ``text`` (after its first character), at most 8."""
+    at = 0
+    for _ in range(8):
+        at = text.find('{"event"', at + 1)
+        if at < 0:
+            return
+        yield at
 
 
 def _add(source: Source, record: Any, number: int) -> str | None:
@@ -169,6 +231,9 @@ def _add(source: Source, record: Any, number: int) -> str | None:
             return f"{event} record {problem}"
         (source.faults if event == "fault" else source.events).append(kept)
     elif event is None and all(k in record for k in SUITE_FIELDS):
+        problem = _absurd(record)
+        if problem:
+            return f"fault-suite report row {problem}"
         source.suite.append(kept)
     elif event is None:
         return "no 'event' field, and not a fault-suite report row"

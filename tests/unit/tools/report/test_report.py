@@ -16,6 +16,7 @@ import pathlib
 import re
 import struct
 import sys
+import tracemalloc
 
 import pytest
 
@@ -245,6 +246,108 @@ def test_truncated_and_unknown_lines_are_skipped_counted_and_named(
     assert stderr.count("\n") == 1 and f"skipped 6 lines of {path}: " in stderr
     assert "1 unknown event 'mystery' (line " in stderr and stdout.startswith(f"wrote {out}")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _losses(report) -> list[float]:
+    (line,) = [ln for ln in report.axes["loss"].lines if not ln.get_gid()]
+    return _real(line.get_ydata())
+
+
+def test_a_line_nested_too_deeply_is_skipped(tmp_path, killed_run, capsys) -> None:
+    """json raises RecursionError, not JSONDecodeError, on 5,000 nested lists: a bad line."""
+    _, _, first, second, _ = killed_run
+    path = _write(tmp_path / "m.jsonl", first)
+    with open(path, "a") as f:
+        f.write("[" * 5000 + "]" * 5000 + "\n" + "".join(json.dumps(r) + "\n" for r in second))
+    report = build_report([path])
+    assert [(s.line, s.reason) for s in report.skipped] == [
+        (len(first) + 1, "not JSON (nested too deeply)")
+    ]
+    assert _losses(report) == [r["loss"] for r in first + second if r["event"] == "step"]
+    assert main([path, "-o", str(tmp_path / "r.png")]) == 0
+    assert f"(line {len(first) + 1})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"step": 1e308},  # the review's record: "arange: cannot compute length"
+        {"step": 2.5},
+        {"step": -1},
+        {"step": 2.0**60},
+        {"world_size": 1e300},
+        {"loss": 1e308},
+        {"tokens_per_s": -1e308},
+        {"time": 1e308},
+    ],
+)
+def test_a_number_no_run_writes_is_skipped_and_named(tmp_path, killed_run, bad) -> None:
+    """Counts (step, world sizes) are whole numbers from 0 to 2**53 and no value is beyond
+    1e100; a record that breaks either is skipped, the rest renders."""
+    _, _, first, second, _ = killed_run
+    records = first + second
+    at = next(i for i, r in enumerate(records) if r["event"] == "step")
+    records.insert(at + 1, {**records[at], **bad})
+    path = _write(tmp_path / "m.jsonl", records)
+    report = build_report([path])
+    ((name, value),) = bad.items()
+    (skipped,) = report.skipped
+    assert skipped.line == at + 2 and skipped.reason.startswith(f"step record {name}={value!r} ")
+    assert _losses(report) == [r["loss"] for r in first + second if r["event"] == "step"]
+    assert main([path, "-o", str(tmp_path / "r.png")]) == 0
+
+
+def test_an_overlong_line_is_skipped_unread(tmp_path, killed_run, monkeypatch) -> None:
+    """A line longer than 1 MiB is skipped without holding it (memory stays bounded); an
+    endless one (/dev/zero) ends the file's reading."""
+    from ftsdp.tools.report import _records
+
+    _, _, first, second, _ = killed_run
+    path = _write(tmp_path / "m.jsonl", first)
+    with open(path, "a") as f:
+        f.write(json.dumps({"event": "step", "pad": "x" * (12 << 20)}) + "\n")
+        f.write("".join(json.dumps(r) + "\n" for r in second))
+    tracemalloc.start()
+    try:
+        source, skipped = _records.read_source(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # the whole file is 12 MiB
+    assert [(s.line, s.reason) for s in skipped] == [(len(first) + 1, "longer than 1 MiB")]
+    assert [r["_line"] for r in source.events] == [
+        *range(1, len(first) + 1),
+        *range(len(first) + 2, len(first) + len(second) + 2),
+    ]
+    if pathlib.Path("/dev/zero").exists():
+        monkeypatch.setattr(_records, "MAX_SKIP", 16 << 20)  # 16 MiB of it read, not 256
+        source, skipped = _records.read_source("/dev/zero")
+        assert skipped == [
+            _records.Skipped("/dev/zero", 1, "longer than 16 MiB: the rest of the file is not read")
+        ]
+
+
+def test_a_write_cut_by_a_kill_then_appended_to_is_truncated(tmp_path) -> None:
+    """kill -9 mid-line, then the restarted job appends its start record to that line: the cut
+    record is a truncated write, the start record is read, and the kill stays in the fault
+    table, as when the kill fell between two lines."""
+    first = _incarnation(T0, 2, [1, 2, 3, 4], saves=(2, 4))  # killed: no end record
+    second = _incarnation(T0 + 8, 2, [5, 6], restarts=1, resumed=(4, 2), end="done")
+    cut = json.dumps(_incarnation(T0 + 3, 2, [5])[1])[:40]
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "clean").mkdir()
+    path = _write(tmp_path / "cut" / "m.jsonl", first, tail=cut)
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in second))
+    clean = build_report([_write(tmp_path / "clean" / "m.jsonl", first + second)])
+    report = build_report([path])
+    assert [(s.line, s.reason) for s in report.skipped] == [
+        (len(first) + 1, "not JSON (truncated: the writer stopped mid-line)")
+    ]
+    assert len(clean.faults) == 1 and report.faults == clean.faults
+    assert report.markers == clean.markers and _losses(report) == _losses(clean)
+    (row,) = report.faults
+    assert (row.step, row.resumed_from) == (4, second[1]["step"])
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
