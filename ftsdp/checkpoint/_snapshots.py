@@ -586,6 +586,9 @@ class Snapshots:
                 self._lock_fd = None
         if self.conn is not None:
             self.conn.close()
+        if self._copier is not None:  # its thread ends now, not after its idle time
+            self._copier.stop()
+            self._copier = None
         self.conn, self.on = None, False
 
 

@@ -256,7 +256,9 @@ class Tier:
         return storage.load(target, self.url, step, options=options, **self._where())
 
     def close(self) -> None:
-        """The end of a run, once every save has committed."""
+        """The end of a run, once every save has committed (collective): what this process
+        kept for its saves to the root goes (``storage.saving.release``)."""
+        storage.saving.release(self.url, storage_options=self.storage_options)
 
 
 def _machine() -> str:
@@ -458,6 +460,7 @@ class MemoryTier(Tier):
         if world > 1:
             dist.barrier(group=self.group.pg)
         if not self._private():  # a link to the durable root would have it cleared
+            super().close()
             return
         try:
             if self.node is not None:  # one rank per machine clears its own
@@ -466,4 +469,5 @@ class MemoryTier(Tier):
                 storage.catalog.clear_steps(self.url)
         except OSError as e:
             self.log(f"ftsdp: clearing the memory tier {self.url} failed: {e}")
+        super().close()
         self._off()

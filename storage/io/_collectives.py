@@ -163,6 +163,17 @@ def own_group(group: dist.ProcessGroup | None, lane: str = "") -> dist.ProcessGr
         return made
 
 
+def release_own_group(lane: str) -> None:
+    """Destroy storage's own groups for ``lane`` (collective: after a barrier on each, so that
+    no rank still uses one when another closes its connections)."""
+    with _own_lock:
+        groups = [_own_groups.pop(k) for k in [k for k in _own_groups if k[1] == lane]]
+    for group in groups:
+        if _alive(group):
+            dist.barrier(group=group)
+            dist.destroy_process_group(group)
+
+
 def _alive(group: dist.ProcessGroup) -> bool:
     try:
         dist.get_process_group_ranks(group)

@@ -154,6 +154,8 @@ class Store:
             entries = self._retry(lambda: self.fs.ls(self.full(rel), detail=True))
         except FileNotFoundError:
             return {}
+        finally:  # every listing is read fresh: one kept would only grow (on S3, s3fs keeps
+            self.invalidate(rel)  # each listed directory's entries for good)
         out, here = {}, self.full(rel).rstrip("/")
         for e in entries:
             if e["name"].rstrip("/") == here:  # the directory's own marker (SeaweedFS keeps one)

@@ -4,6 +4,7 @@ handle. The phases and threads: docs/design.md, "The commit protocol"."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -22,7 +23,7 @@ from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
 from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
 from ftsdp.storage.format._steps import Known
-from ftsdp.storage.io._collectives import own_group, rank_world, resolve_group
+from ftsdp.storage.io._collectives import own_group, rank_world, release_own_group, resolve_group
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import piece_bytes
 from ftsdp.storage.saving._commit import Lineage, finish, fresh_attempt, plan_lineage
@@ -69,6 +70,17 @@ class _Lane:
                 worker = self._workers[role] = Worker(name)
             return worker
 
+    def close(self) -> None:
+        """Let go of the lane's threads and snapshot memory (its saves are done)."""
+        with _lock:
+            writers, self._writers = self._writers, None
+            workers, self._workers = list(self._workers.values()), {}
+        if writers is not None:
+            writers[1].shutdown(wait=True)
+        for worker in workers:
+            worker.stop()
+        self.arena.clear()
+
     def writers(self, threads: int) -> ThreadPoolExecutor:
         """The lane's pool of ``threads`` writer threads (made again when a save asks for
         another number; the saves of a lane never overlap, so the old one is idle)."""
@@ -92,9 +104,16 @@ class Worker:
 
     def _fresh(self) -> None:
         self._pid = os.getpid()
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._guard = threading.Lock()
         self._running = False
+
+    def stop(self) -> None:
+        """End the thread once the jobs handed over before are done (a later job starts
+        another)."""
+        with self._guard:
+            if self._running and self._pid == os.getpid():
+                self._jobs.put(None)
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` after the jobs handed over before it (returns at once)."""
@@ -111,6 +130,8 @@ class Worker:
             try:
                 job = self._jobs.get(timeout=_IDLE_S)
             except queue.Empty:
+                job = None
+            if job is None:  # idle, or stopped
                 with self._guard:  # a job put meanwhile is served by this thread still
                     if self._jobs.empty():
                         self._running = False
@@ -120,6 +141,7 @@ class Worker:
                 job()
             except BaseException:
                 logger.exception("ftsdp: a background job (%s) failed", self.name)
+            job = None  # what it holds is not kept while the thread waits for the next
 
 
 _IDLE_S = 120.0  # a lane's thread ends after this long without a save (a process of many roots)
@@ -132,6 +154,26 @@ def _lane(key: str) -> _Lane:
         if lane is None:
             lane = _lanes[key] = _Lane(key)
         return lane
+
+
+def release(url: str, *, storage_options: dict[str, Any] | None = None) -> None:
+    """Let go of what this process keeps for its saves to ``url`` once they are done: the
+    snapshot memory (the size of the rank's share), the writer and background threads, storage's
+    own process group for that root and what the saves learned of it. A process that saves to
+    many roots (a sweep, a notebook) keeps all that for each root until then. Collective: every
+    rank calls it, after its last save to ``url``; the save in flight is waited for (its error
+    stays its handle's). A later save to ``url`` makes them again. ``CheckpointManager.close()``
+    does it for its roots."""
+    key = Store(url, storage_options).where()
+    with _lock:
+        lane = _lanes.pop(key, None)
+    if lane is None:
+        return
+    if lane.previous is not None:
+        with contextlib.suppress(Exception):
+            lane.previous.wait()
+    lane.close()
+    release_own_group(key)
 
 
 def _forget_in_child() -> None:

@@ -118,8 +118,9 @@ def test_a_tmpfs_root_is_written_from_the_live_tensors_and_the_step_waits_for_th
     ckpt.save(1, {"step": 1})
     assert not ckpt._durable.pending.snapshot_taken()
     _step_waits_for(model, opt, release, "the objects were being written")
-    ckpt.close()
+    ckpt.wait()
     assert copies == [] and _save._lanes[url].arena.held_bytes() == 0
+    ckpt.close()
     saved = storage.load_state_dict(url)
     for k, v in moment.items():
         assert torch.equal(saved[f"model.{k}"], v), k
