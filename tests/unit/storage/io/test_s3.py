@@ -260,3 +260,14 @@ def test_credentials_the_server_refuses_are_errors_and_change_nothing(
     assert report.removed_steps == [] and len(report.failed) == 1, report
     assert storage.list_steps(s3_bucket_url, storage_options=s3_endpoint) == [1, 2]
     assert catalog.verify(s3_bucket_url, storage_options=s3_endpoint).ok
+
+
+def test_a_listing_is_not_kept_once_read(s3_bucket_url, s3_endpoint) -> None:
+    """Every listing is read fresh (other processes write the root), so none is kept: s3fs's
+    cache of listings grew by every step a rank listed, for the life of the process."""
+    from ftsdp.storage.io._fs import Store
+
+    storage.save({"w": torch.zeros(3)}, s3_bucket_url, 1, storage_options=s3_endpoint)
+    store = Store(s3_bucket_url, s3_endpoint)
+    assert "step-1" in store.listdir() and store.listdir("step-1")
+    assert not [k for k in store.fs.dircache if k.startswith(store.root)], list(store.fs.dircache)
