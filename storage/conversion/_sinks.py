@@ -316,6 +316,12 @@ class HfSink(Sink):
         self, feed: Feed, values: dict[str, Any], rank_values: list[dict], step: int
     ) -> list[str]:
         infos = sorted(feed.infos, key=lambda t: t.name)
+        if any(t.name == "__metadata__" for t in infos):  # checked before anything is written
+            raise ValueError(
+                f"{self.store.url}: a tensor named '__metadata__' cannot be written to "
+                "safetensors, whose header keeps its metadata under that key; rename it "
+                "(--rename __metadata__=NEW)"
+            )
         shards: list[list] = [[]]
         used = 0
         for t in infos:

@@ -138,6 +138,9 @@ def _read_group(
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
     """Copy ``src`` (CPU) into ``dst`` (any dtype and device) a chunk at a time."""
+    if not dst.is_contiguous():  # a strided target (a channels_last weight): one copy
+        dst.detach().copy_(src.view(dst.shape))
+        return
     d, s = dst.detach().view(-1), src.view(-1)
     step = max(1, chunk // max(d.element_size(), s.element_size()))
     for a in range(0, d.numel(), step):
@@ -312,7 +315,7 @@ def load_into(
             old = tensors[tid]
             want_device = torch.device(device or ("cpu" if old.is_meta else old.device))
             moved = old.is_meta or old.device != want_device or old.dtype != want_dtype
-            if moved or not old.is_contiguous():
+            if moved:  # (a strided tensor is filled in place too, as torch's load_state_dict)
                 new = torch.empty(old.shape, dtype=want_dtype, device=want_device)
                 replace.append((groups[tid], old, new))
                 reads.append((name, new))
@@ -331,7 +334,13 @@ def load_into(
             staged_bytes = 0
             fill(source, reads + [(name, None) for name, _, _ in in_place])
             try:
-                fill(source, [(name, t) for name, t, _ in in_place])
+                fill(source, [(name, t) for name, t, _ in in_place if t.is_contiguous()])
+                for name, t, narrower in in_place:
+                    if not t.is_contiguous():  # a strided one through a staging tensor of its own
+                        buf = torch.empty(t.shape, dtype=narrower)
+                        staged_bytes = max(staged_bytes, buf.numel() * buf.element_size())
+                        fill(source, [(name, buf)])
+                        _copy_in(t, buf)
             except Exception as e:
                 note = (
                     f"load_into: every byte of {url} had been read and verified once, so the "

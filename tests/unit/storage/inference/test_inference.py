@@ -360,3 +360,22 @@ def test_a_tensor_no_loader_can_represent_is_named_not_dropped_unsaid(
     with pytest.raises(storage.StateMismatchError, match="ids is in it but cannot be loaded"):
         storage.load_into(module, str(path))
     assert not module.w.any()  # nothing written
+
+
+@pytest.mark.parametrize("max_staging_bytes", [None, 64], ids=["staged", "bounded"])
+def test_load_into_fills_a_strided_parameter_in_place(tmp_path, max_staging_bytes) -> None:
+    """A channels_last convolution's weight (not contiguous) is filled in place, as torch's
+    ``load_state_dict`` does: the same Parameter (an optimizer built before still holds it),
+    the same memory format, the saved values."""
+    torch.manual_seed(0)
+    saved = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    url = str(tmp_path / "ckpt")
+    storage.save({k: v.detach() for k, v in saved.state_dict().items()}, url, 1)
+    model = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    weight = model.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert not weight.is_contiguous()
+    storage.load_into(model, url, max_staging_bytes=max_staging_bytes)
+    assert model.weight is weight and opt.param_groups[0]["params"][0] is weight
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)

@@ -112,6 +112,27 @@ def test_a_tensor_named_by_the_empty_string_converts(tmp_path: pathlib.Path, fmt
     _same(storage.load_state_dict(mid), state)
 
 
+def test_a_tensor_named_like_the_safetensors_header_key_is_refused_for_hf(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A tensor named ``__metadata__`` (any other format holds it) would overwrite the
+    safetensors header's own key: the export wrote a file neither safetensors nor ftsdp could
+    read, and said it succeeded. Refused before anything is written; ``--rename`` gets it out."""
+    src = str(tmp_path / "src")
+    state = {"__metadata__": torch.arange(3.0), "x": torch.zeros(2)}
+    storage.save(state, src, 1)
+    out = tmp_path / "hf"
+    code, _, err = _cli("convert", src, str(out), "--to", "hf", *_AS_SAVED["hf"], "-q")
+    assert code == 2 and "'__metadata__' cannot be written to safetensors" in err, err
+    assert not out.exists() or not any(out.iterdir())
+    code, _, err = _cli(
+        "convert", src, str(out), "--to", "hf", *_AS_SAVED["hf"], "-q",
+        "--rename", "__metadata__=meta",
+    )  # fmt: skip
+    assert code == 0, err
+    _same(storage.load_state_dict(str(out)), {"meta": state["__metadata__"], "x": state["x"]})
+
+
 def _same_through_dcp(path: str, state: dict[str, Any]) -> None:
     """``dcp.load`` (torch's reader, one process) reads EVERY key of ``state`` back from the DCP
     checkpoint at ``path``, equal to ``state``: tensors of each dtype, shape (empty, 0-d) and
