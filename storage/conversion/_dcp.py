@@ -477,9 +477,11 @@ class DcpSource(Source):
         shape and of the dtype ``.metadata`` gives: DCP's own reader loads an item whole and
         casts it into a tensor of the metadata's dtype (``copy_``), which a planner that
         converts what it writes relies on, so another item is read that way (None) too."""
-        if name in self._layouts:
-            return self._layouts[name]
-        self._layouts[name] = None
+        if name not in self._layouts:  # threads finding it at once compute the same
+            self._layouts[name] = self._find_layout(name)
+        return self._layouts[name]
+
+    def _find_layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
         md = self._meta.state_dict_metadata[name]
         assert isinstance(md, TensorStorageMetadata), name  # asked for tensors only
         shape = tuple(md.size)
@@ -521,12 +523,13 @@ class DcpSource(Source):
             check_disjoint_cover([Range(f, n) for f, n, _, _ in out], math.prod(shape), name)
         except ValueError:
             return None
-        self._layouts[name] = out
         return out
 
-    def _fill_cache(self, name: str) -> None:
-        """Load ``name`` and the tensors after it in ``order`` while they fit in one chunk."""
-        self._cache.clear()
+    def _fill_cache(self, name: str) -> dict[str, torch.Tensor]:
+        """Load ``name`` and the tensors after it in ``order`` while they fit in one chunk; the
+        new cache, which replaces the old one whole (a thread copying from the old one keeps it
+        until it is done)."""
+        self._cache = {}  # freed before the next is read (unless in use)
         start = self.order.index(name) if name in self.order else 0
         batch, used = [name], self.tensors[name].nbytes
         for other in self.order[start + 1 :]:
@@ -537,7 +540,8 @@ class DcpSource(Source):
             used += nbytes
         state = {n: torch.empty(self.tensors[n].shape, dtype=self.tensors[n].dtype) for n in batch}
         self._load(state, [])
-        self._cache = {n: t.view(-1) for n, t in state.items()}
+        self._cache = cache = {n: t.view(-1) for n, t in state.items()}
+        return cache
 
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         """See ``Source.read_into``; IncompleteCheckpointError when a read meets a missing or
@@ -557,9 +561,10 @@ class DcpSource(Source):
         for name, offset, out in requests:
             layout = self._layout(name)
             if layout is None:
-                if name not in self._cache:
-                    self._fill_cache(name)
-                out.copy_(self._cache[name][offset : offset + out.numel()])
+                cache = self._cache  # taken once: another thread may replace it meanwhile
+                if name not in cache:
+                    cache = self._fill_cache(name)
+                out.copy_(cache[name][offset : offset + out.numel()])
                 continue
             end = offset + out.numel()
             for flat, numel, path, byte in layout:
@@ -569,7 +574,7 @@ class DcpSource(Source):
                     self.store.read_into(path, at, tensor_bytes(out[lo - offset : hi - offset]))
 
     def close(self) -> None:
-        self._cache.clear()
+        self._cache = {}
 
 
 class _StreamingSavePlanner(dcp.DefaultSavePlanner):

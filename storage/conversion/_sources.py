@@ -181,8 +181,24 @@ class HfSource(Source):
         if not files:
             raise CheckpointNotFoundError(f"no .safetensors file at {url}")
         self._where: dict[str, tuple[str, int, int]] = {}  # name -> (file, data start, byte start)
+        try:
+            self._read_headers(files, index_map)
+        except BaseException:
+            store.release()
+            raise
+
+    def _read_headers(self, files: list[str], index_map: dict[str, str]) -> None:
+        """Every file's header, each file held open first (``Store.hold``): its tensors are read
+        later from the file whose header was read here."""
+        store, url = self.store, self.url
         held: dict[str, str] = {}  # every name in a header (dtype supported or not) -> its file
         for file in files:
+            try:
+                store.hold(file)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"safetensors file {store.where(file)} does not exist"
+                ) from None
             header, base = read_header(store, file)
             meta = header.pop("__metadata__", None) or {}  # read_header checked: str -> str
             if HF_VALUES_KEY in meta:
@@ -233,6 +249,9 @@ class HfSource(Source):
             at = base + start + offset * out.element_size()
             self.store.read_into(file, at, tensor_bytes(out))
 
+    def close(self) -> None:
+        self.store.release()
+
 
 class TorchSource(Source):
     """A ``torch.save`` zip file; structure read with ``weights_only=True`` on the meta device."""
@@ -241,6 +260,18 @@ class TorchSource(Source):
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
+        url = store.url
+        try:
+            store.hold()  # every read below and later is of the file as it is now
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"torch file {url} does not exist") from None
+        try:
+            self._open(store)
+        except BaseException:
+            store.release()
+            raise
+
+    def _open(self, store: Store) -> None:
         url = store.url
         try:
             with store.open() as f:  # the store is rooted at the file itself
@@ -257,6 +288,8 @@ class TorchSource(Source):
                 f"torch file {url} holds a {type(obj).__name__}, not a state dict"
             )
         self._meta: dict[str, torch.Tensor] = {}
+        # the strided tensor read last, contiguous: replaced whole, never changed (each read
+        # takes it once, so that threads reading at once each copy from the one they took)
         self._cache: tuple[str, torch.Tensor] | None = None
         self._walk(obj, url)
         with store.open() as f:
@@ -337,13 +370,15 @@ class TorchSource(Source):
             self.store.read_into("", at, tensor_bytes(out))
             return
         # A strided view is no flat range: read its storage once, keep a contiguous copy.
-        if self._cache is None or self._cache[0] != name:
-            self._cache = None  # freed before the next is read
+        cached = self._cache  # taken once: another thread may replace it meanwhile
+        if cached is None or cached[0] != name:
+            self._cache = cached = None  # freed before the next is read (unless in use)
             raw = torch.empty(meta.untyped_storage().nbytes() // size, dtype=meta.dtype)
             self.store.read_into("", base, tensor_bytes(raw))
             full = raw.as_strided(meta.shape, meta.stride(), meta.storage_offset()).contiguous()
-            self._cache = (name, full.view(-1))
-        out.copy_(self._cache[1][offset : offset + out.numel()])
+            self._cache = cached = (name, full.view(-1))
+        out.copy_(cached[1][offset : offset + out.numel()])
 
     def close(self) -> None:
         self._cache = None
+        self.store.release()

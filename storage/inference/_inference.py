@@ -4,8 +4,10 @@ target implicitly only when every saved value is one of the target's (``_cast_ok
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -370,7 +372,15 @@ def load_into(
 class LazyStateDict(Mapping):
     """A read-only mapping ``{dotted name: tensor}`` over a checkpoint; a tensor is read on first
     access (kept unless ``cache=False``); ``info`` and ``values`` read no tensor. ``dtype`` casts
-    as in ``load_state_dict``; ``read(name, offset, length)`` gives a flat range, saved dtype."""
+    as in ``load_state_dict``; ``read(name, offset, length)`` gives a flat range, saved dtype.
+
+    Threads may share one: every read (``[]``, ``read``, ``fill_ranges``) may be called from
+    several at once and gives the tensor asked for (reads of a tensor's contiguous bytes run in
+    parallel). Local hf and torch files are held open from here to ``close()``: a file replaced
+    by a rename meanwhile is still read as it was opened, one rewritten in place raises
+    ``CorruptCheckpointError`` naming it (docs/cli.md, "Python API for inference"). A process
+    may fork with a local one open and read it in the child; one on S3 used before a fork
+    cannot be read in the child (fsspec's S3 filesystem is not fork-safe): open it there."""
 
     def __init__(
         self,
@@ -388,6 +398,7 @@ class LazyStateDict(Mapping):
         self.url, self.device, self.dtype, self.cache = url, device, dtype, cache
         self._cache: dict[str, torch.Tensor] = {}
         self._closed = False
+        self._lock = threading.Lock()  # close() against a read storing into the cache
 
     def _open_source(self) -> Source:
         """The reader, unless ``close()`` was called: reading then raises, as a closed file
@@ -395,6 +406,18 @@ class LazyStateDict(Mapping):
         if self._closed:
             raise ValueError(f"LazyStateDict of {self.url} is closed: open it again to read")
         return self._source
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[Source]:
+        """The reader for one read; a read that ``close()`` overtook raises the closed error
+        (whatever the reader raised meanwhile), before anything is kept or written."""
+        source = self._open_source()
+        try:
+            yield source
+        except Exception:
+            self._open_source()
+            raise
+        self._open_source()
 
     @property
     def step(self) -> int | None:
@@ -415,15 +438,19 @@ class LazyStateDict(Mapping):
         return self._source.tensors[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self._cache:
-            return self._cache[name]
-        source = self._open_source()
+        source = self._open_source()  # closed: raises, cached or not
+        cached = self._cache.get(name)
+        if cached is not None:
+            return cached
         if name not in source.tensors:
             raise _unknown(source, self.url, [name])
         t = _empty(source.tensors[name], self.dtype, self.device)
-        fill(source, [(name, t)])
+        with self._reading():
+            fill(source, [(name, t)])
         if self.cache:
-            self._cache[name] = t
+            with self._lock:  # not into the cache close() cleared
+                self._open_source()
+                t = self._cache.setdefault(name, t)  # a thread that read it too keeps the first
         return t
 
     def read(self, name: str, offset: int, length: int) -> torch.Tensor:
@@ -433,7 +460,8 @@ class LazyStateDict(Mapping):
         check_range(Range(offset, length), info.numel, name)
         out = torch.empty(length, dtype=info.dtype)
         if length:
-            source.read_into([(name, offset, out)])
+            with self._reading():
+                source.read_into([(name, offset, out)])
         return out
 
     def fill_ranges(
@@ -472,8 +500,9 @@ class LazyStateDict(Mapping):
         ]
         views = iter(view for _, view in pieces)  # group_requests keeps the order
         sizes = {n: source.tensors[n].itemsize for n, _, _ in targets}
-        for group in group_requests([r for r, _ in pieces], sizes, chunk):
-            source.read_into([(r.name, r.offset, next(views)) for r in group])
+        with self._reading():
+            for group in group_requests([r for r, _ in pieces], sizes, chunk):
+                source.read_into([(r.name, r.offset, next(views)) for r in group])
         # Phase two: write the targets.
         for (_, _, out), stage in zip(targets, staging, strict=True):
             _copy_in(out, stage)
@@ -490,9 +519,11 @@ class LazyStateDict(Mapping):
 
     def close(self) -> None:
         """Drop cached tensors and the reader; reading a tensor afterwards raises
-        ``ValueError`` (the names, ``info`` and ``values`` stay). Closing twice is fine."""
-        self._closed = True
-        self._cache.clear()
+        ``ValueError`` (the names, ``info`` and ``values`` stay), and so does a read that was
+        in flight, which keeps nothing. Closing twice is fine."""
+        with self._lock:
+            self._closed = True
+            self._cache.clear()
         self._source.close()
 
     def __enter__(self) -> LazyStateDict:

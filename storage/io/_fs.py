@@ -222,6 +222,15 @@ class Store:
         view[: len(data)] = data
         return len(data)
 
+    def hold(self, rel: str = "") -> None:
+        """Read ``rel`` from now on as it is now, where the backend can (``LocalStore``: its open
+        descriptor; a file replaced by a rename is still read as it was, one rewritten in place
+        raises ``CorruptCheckpointError``). Here, on an object store, nothing is held: each read
+        is a request by name, so an object replaced since is read as it is then."""
+
+    def release(self) -> None:
+        """Let go of what ``hold`` holds; reading a held object afterwards raises ValueError."""
+
     def open(self, rel: str = "", start: int = 0, end: int | None = None) -> RangeFile:
         """Bytes ``[start, end)`` of ``rel`` (``end``: its size) as a seekable read-only file;
         FileNotFoundError when absent."""

@@ -12,13 +12,16 @@ import mmap
 import os
 import shutil
 import stat
+import threading
 import uuid
+import weakref
 from collections.abc import Iterator
 from typing import IO, Any
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage.io._buffers import host_buffer
 from ftsdp.storage.io._fs import Store
 
@@ -58,9 +61,6 @@ class LocalStore(Store):
     def isdir(self, rel: str = "") -> bool:
         return self._retry(lambda: os.path.isdir(self.full(rel)))
 
-    def size(self, rel: str = "") -> int:
-        return self._retry(lambda: os.stat(self.full(rel)).st_size)
-
     def modified(self, rel: str) -> float:
         return self._retry(lambda: os.lstat(self.full(rel)).st_mtime)
 
@@ -85,7 +85,39 @@ class LocalStore(Store):
                 return os.path.commonpath([root, os.path.realpath(self.full(rel))]) == root
         return True
 
+    def hold(self, rel: str = "") -> None:
+        held = self.__dict__.setdefault("_held", {})
+        if rel not in held:
+            held[rel] = _HeldFile(self.full(rel), self.where(rel))
+
+    def release(self) -> None:
+        for f in self.__dict__.get("_held", {}).values():
+            f.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # open descriptors stay with this process: a copy elsewhere reads by path
+        return {k: v for k, v in self.__dict__.items() if k != "_held"}
+
+    def _holding(self, rel: str) -> _HeldFile | None:
+        return self.__dict__.get("_held", {}).get(rel)
+
+    def size(self, rel: str = "") -> int:
+        held = self._holding(rel)
+        if held is not None:
+            return held.size
+        return self._retry(lambda: os.stat(self.full(rel)).st_size)
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        if self._holding(rel) is None:
+            return super().read_range(rel, start, end)
+        data = bytearray(end - start)
+        self.read_into(rel, start, data)
+        return bytes(data)
+
     def _read_at(self, rel: str, start: int, view: memoryview) -> int:
+        held = self._holding(rel)
+        if held is not None:
+            return held.read(start, view)
         with open(self.full(rel), "rb") as f:
             f.seek(start)
             return f.readinto(view)
@@ -163,6 +195,61 @@ class LocalStore(Store):
             return False
         self.invalidate(self._parent(rel))
         return True
+
+
+class _HeldFile:
+    """A file kept open from ``LocalStore.hold`` on: read through its descriptor (positional
+    reads, any number of threads at once), so that a file replaced by a rename since is still
+    read as it was; each read then checks that the file's size and modification time are those
+    it had when opened (CorruptCheckpointError otherwise: rewritten in place, its bytes are no
+    longer those its header described). ``close`` closes the descriptor once no read uses it."""
+
+    def __init__(self, path: str, where: str) -> None:
+        self.where = where
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._done = weakref.finalize(self, os.close, self.fd)  # closed if never released
+        st = os.fstat(self.fd)
+        self.size, self._stamp = st.st_size, (st.st_size, st.st_mtime_ns)
+        self._lock, self._users, self._closed = threading.Lock(), 0, False
+
+    def read(self, start: int, view: memoryview) -> int:
+        """Bytes from ``start`` into ``view``; the number read (fewer only at the end)."""
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"{self.where} was released (its reader is closed)")
+            self._users += 1  # the descriptor stays open until this read is done
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(self.fd, [view[got:]], start + got)
+                if n == 0:
+                    break
+                got += n
+            # after the read: a rewrite that raced it has changed the stamp by now
+            st = os.fstat(self.fd)
+            if (st.st_size, st.st_mtime_ns) != self._stamp:
+                how = (
+                    f"now {st.st_size} bytes, {self._stamp[0]} then"
+                    if st.st_size != self._stamp[0]
+                    else "written in place"
+                )
+                raise CorruptCheckpointError(
+                    f"{self.where} changed since it was opened ({how}): the offsets read from it "
+                    "then no longer hold; open the checkpoint again (a new version written "
+                    "elsewhere and renamed over it is not seen by a reader already open)"
+                )
+            return got
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._closed and not self._users:
+                    self._done()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if not self._users:
+                self._done()
 
 
 def _check_size(store: LocalStore, rel: str, size: int, start: int, end: int) -> None:

@@ -19,9 +19,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from ftsdp.storage._errors import CorruptCheckpointError
+from ftsdp.storage._errors import CorruptCheckpointError, IncompleteCheckpointError
 from ftsdp.storage.format._checksum import Checksum, checksum_function
-from ftsdp.storage.format._layout import step_dir
+from ftsdp.storage.format._layout import manifest_path, step_dir
 from ftsdp.storage.format._manifest import Manifest, Piece
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.loading._read_plan import Copy, Span, Want
@@ -68,7 +68,10 @@ def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[S
     # Bytes no one can change once read: the checks below and the copies of the returned
     # segments see the same bytes (a local object's pages only when it has no other name;
     # otherwise a private buffer, which the in-flight budget bounds).
-    data = store.stable_range(rel, part.start, part.end)
+    try:
+        data = store.stable_range(rel, part.start, part.end)
+    except FileNotFoundError:
+        raise _missing(store, step, rel) from None
     for lo, hi, name, piece, k in part.blocks:
         if check(data[lo - part.start : hi - part.start], 0) != piece.checksums[k]:
             raise CorruptCheckpointError(
@@ -82,6 +85,26 @@ def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[S
         if hi > lo:
             out.append((c, lo - c.src, data[lo - part.start : hi - part.start]))
     return out
+
+
+def _missing(store: Store, step: int, rel: str) -> IncompleteCheckpointError:
+    """The error for object ``rel`` of ``step``, which its manifest lists and which is gone:
+    the whole step removed since it was opened (retention, a discard) when its manifest is gone
+    too, else an incomplete step."""
+    try:
+        removed = not store.exists(manifest_path(step))
+    except OSError:
+        removed = False  # not known: say what is
+    if removed:
+        return IncompleteCheckpointError(
+            f"step {step} was removed while it was read (its manifest and object "
+            f"{store.where(rel)} are gone: retention or a discard deleted the step after it was "
+            "opened); load a step that is kept"
+        )
+    return IncompleteCheckpointError(
+        f"step {step}: {store.where(rel)} is missing, yet its manifest lists it: the step is "
+        "incomplete; load another step"
+    )
 
 
 class _Budget:

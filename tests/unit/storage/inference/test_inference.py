@@ -379,3 +379,46 @@ def test_load_into_fills_a_strided_parameter_in_place(tmp_path, max_staging_byte
     assert model.weight is weight and opt.param_groups[0]["params"][0] is weight
     assert weight.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
+
+
+def test_close_stops_a_read_in_flight(tmp_path: pathlib.Path) -> None:
+    """A read that close() overtakes raises and keeps nothing; every read after close() raises."""
+    import threading
+
+    url = str(tmp_path / "root")
+    ref = {"a": torch.randn(64, 8), "b": torch.randn(64, 8)}
+    storage.save(ref, url, step=1)
+    for what in ("getitem", "fill_ranges"):
+        lz = storage.LazyStateDict(url)
+        real, started, go = lz._source.read_into, threading.Event(), threading.Event()
+
+        def blocked(requests: Any, real: Any = real, started: Any = started, go: Any = go) -> None:
+            started.set()
+            assert go.wait(10)
+            real(requests)
+
+        lz._source.read_into = blocked  # type: ignore[method-assign]
+        out, target = [], torch.zeros(8)
+
+        def reader(lz: Any = lz, what: str = what, out: list = out, target: Any = target) -> None:
+            try:
+                if what == "getitem":
+                    out.append(lz["a"])
+                else:
+                    lz.fill_ranges([("a", 0, target)])
+                    out.append(target)
+            except ValueError as e:
+                out.append(e)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        assert started.wait(10)
+        lz.close()
+        go.set()
+        t.join(10)
+        assert isinstance(out[0], ValueError) and "closed" in str(out[0]), out
+        assert not lz._cache  # before: the tensor read in flight was cached after close()
+        assert torch.equal(target, torch.zeros(8))  # all or nothing: not written
+        for name in ("a", "b"):
+            with pytest.raises(ValueError, match="closed"):
+                lz[name]
