@@ -10,7 +10,7 @@ import os
 import posixpath
 import re
 from collections.abc import Callable, Iterator
-from typing import IO, Any
+from typing import IO, Any, Generic, TypeVar
 
 import fsspec
 import numpy as np
@@ -36,6 +36,29 @@ def is_plain_name(name: object) -> bool:
         and name == name.strip()
         and name not in (".", "..")
     )
+
+
+_T = TypeVar("_T")
+
+
+class once(Generic[_T]):
+    """A property computed on first use and kept on the instance: ``functools.cached_property``
+    without its lock. Before Python 3.12 that lock is one for every instance of the class, and
+    a child forked while another thread computed the property inherits it held: the child's
+    first use waits for good (a forked child's own save hung in a store's ``_private``)."""
+
+    def __init__(self, fn: Callable[[Any], _T]) -> None:
+        self.fn, self.name = fn, fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> _T:
+        if obj is None:
+            return self  # type: ignore[return-value]
+        value = obj.__dict__[self.name] = self.fn(obj)  # computing twice at once is harmless
+        return value
 
 
 class Store:

@@ -23,7 +23,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage.io._buffers import host_buffer
-from ftsdp.storage.io._fs import Store
+from ftsdp.storage.io._fs import Store, once
 
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
 
@@ -37,12 +37,12 @@ class LocalStore(Store):
     def _serves(fs: Any) -> bool:
         return isinstance(fs, LocalFileSystem)
 
-    @functools.cached_property
+    @once
     def tmpfs(self) -> bool:
         """Whether the root is on a tmpfs mount (host memory: ``/dev/shm``), by the mount table."""
         return _mount_type(self.root) == "tmpfs"
 
-    @functools.cached_property
+    @once
     def _private(self) -> bool:
         """Whether the root lets no group or other user in (the memory tier's, mode 0700): its
         files are then written 0600 and its folders 0700, whatever the umask. Other roots keep

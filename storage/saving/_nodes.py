@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from ftsdp.storage.io._collectives import (
     rank_world,
     resolve_group,
 )
-from ftsdp.storage.io._fs import Store
+from ftsdp.storage.io._fs import Store, once
 from ftsdp.storage.saving._commit import Crcs, Lineage, Reports, commit, plan_lineage, report_of
 from ftsdp.storage.saving._save_plan import SavePlan
 
@@ -37,14 +36,14 @@ class Nodes:
 
     of: tuple[str, ...]
 
-    @cached_property
+    @once
     def _members(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for r, n in enumerate(self.of):
             out.setdefault(n, []).append(r)
         return out
 
-    @cached_property
+    @once
     def _local(self) -> list[int]:
         """Each rank's index among its node's ranks."""
         seen: dict[str, int] = {}
@@ -54,12 +53,12 @@ class Nodes:
             seen[n] = out[-1] + 1
         return out
 
-    @cached_property
+    @once
     def order(self) -> list[str]:
         """The nodes, by their lowest rank."""
         return list(self._members)
 
-    @cached_property
+    @once
     def _next(self) -> dict[str, str]:
         order = self.order
         return {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}

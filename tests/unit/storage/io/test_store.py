@@ -265,3 +265,42 @@ def test_inside_root_agrees_with_resolving_both_paths(tmp_path: pathlib.Path) ->
         for rel in rels:
             want = os.path.commonpath([resolved, os.path.realpath(store.full(rel))]) == resolved
             assert store.inside_root(rel) == want, (root, rel)
+
+
+def test_a_child_forked_while_a_store_property_is_computed_does_not_hang(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's lazily computed properties (``tmpfs``, ``_private``) take no lock: before
+    Python 3.12 ``functools.cached_property`` holds one lock for every instance, and a child
+    forked while another thread computed one waited on it for good at its own first use (a
+    forked child's save hung)."""
+    import os
+    import signal
+    import threading
+
+    from ftsdp.storage.io import _local
+
+    started, go, real = threading.Event(), threading.Event(), _local._mount_type
+
+    def slow(path: str) -> str:
+        started.set()
+        go.wait(10)
+        return real(path)
+
+    monkeypatch.setattr(_local, "_mount_type", slow)
+    t = threading.Thread(target=lambda: Store(str(tmp_path / "a"), None).tmpfs)
+    t.start()
+    assert started.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its own store answers
+        signal.alarm(10)
+        _local._mount_type = real
+        code = 1
+        try:
+            Store(str(tmp_path / "b"), None).tmpfs  # noqa: B018
+            code = 0
+        finally:
+            os._exit(code)
+    go.set()
+    t.join()
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
