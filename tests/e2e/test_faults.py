@@ -368,8 +368,12 @@ def test_kill9_one_worker_restarts_the_group_at_the_same_size(restarts: Run) -> 
             re.search(r"INFO ftsdp\.train: preempted at step \d+: checkpoint committed", x)
             for x in lines[i + 1 : nxt]
         )  # (rank 0 says it for every rank)
+        # (under load the watchdog may name the lost peer first: it misses the dead one's
+        # heartbeats while this rank waits for the save that one never commits)
         assert saved or re.search(
-            r"ERROR ftsdp\.train: peer lost after SIGTERM: .*; exiting without saving", lines[nxt]
+            r"ERROR ftsdp\.train: (peer lost after SIGTERM: .*; exiting without saving"
+            r"|ftsdp watchdog \(rank \d\): rank \d stalled for .*; exiting with 86)",
+            lines[nxt],
         ), (line, lines[nxt])
 
 
@@ -396,9 +400,11 @@ def test_crash_inside_checkpoint_writes_resumes_from_the_last_committed_step(res
 
 @pytest.mark.timeout(420)
 def test_a_stopped_rank_is_detected_named_and_the_job_recovers(restarts: Run) -> None:
-    stall = [r for r in restarts.metrics() if r["event"] == "stall"]
-    assert stall and "rank 1 stalled for" in stall[0]["message"], stall
-    assert "no heartbeat" in stall[0]["message"]
+    # the SIGSTOP's stall, seen by rank 0 (a crash's survivor may have named its dead peer so
+    # before, under load)
+    events = [r for r in restarts.metrics() if r["event"] == "stall"]
+    stall = [r for r in events if "(rank 0): rank 1 stalled for" in r["message"]]
+    assert stall and "no heartbeat" in stall[0]["message"], events
     m = measure(
         restarts,
         "hung rank (SIGSTOP)",
