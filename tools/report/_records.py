@@ -337,7 +337,8 @@ def fault_rows(run: Run) -> list[FaultRow]:
         first_new = (
             _first_new_step(run, nxt, resume, later.t0 if later else math.inf) if nxt else None
         )
-        completed = max(last_step or 0, step or 0)
+        # a resume from a step proves it was completed, whatever records the kill cut
+        completed = max(last_step or 0, step or 0, 0 if resume is None else int(resume["step"]))
         if resume is not None:
             world = f"{resume['saved_world_size']} → {resume['world_size']}"
         else:

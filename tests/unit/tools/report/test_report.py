@@ -350,6 +350,15 @@ def test_a_write_cut_by_a_kill_then_appended_to_is_truncated(tmp_path) -> None:
     assert (row.step, row.resumed_from) == (4, second[1]["step"])
 
 
+def test_a_resume_past_the_last_record_loses_no_steps(tmp_path) -> None:
+    """The records of steps 5 and 6 (and step 6's save) were lost with the kill, but the restart
+    resumed from step 6: it was completed, so no step was lost (not -2)."""
+    first = _incarnation(T0, 2, [1, 2, 3, 4], saves=(2, 4))  # killed: no end record
+    second = _incarnation(T0 + 8, 2, [7, 8], restarts=1, resumed=(6, 2), end="done")
+    (row,) = build_report([_write(tmp_path / "m.jsonl", first + second)]).faults
+    assert (row.steps_lost, row.resumed_from) == (0, 6)
+
+
 def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
