@@ -453,8 +453,8 @@ class CheckpointManager:
             self._unfence()
             if self._snap is not None:
                 self._snap.close()
-        for tier in self._tiers():
-            tier.close()
+        for tier in [self._durable, *([self._memory] if self._memory is not None else [])]:
+            tier.close()  # (a memory tier turned off still lets go of what its saves kept)
 
     def _unfence(self) -> None:
         """Take the fence off the optimizer; saves from here on copy before they return."""

@@ -454,7 +454,8 @@ class MemoryTier(Tier):
 
     def close(self) -> None:
         """Clear the tier (collective: every rank has finished its saves first)."""
-        if not self.on:
+        if not self.on:  # (turned off by agreement, maybe after saves: their lane goes)
+            super().close()
             return
         rank, world = self.group.rank_world()
         if world > 1:

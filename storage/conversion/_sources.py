@@ -188,8 +188,8 @@ class HfSource(Source):
             raise
 
     def _read_headers(self, files: list[str], index_map: dict[str, str]) -> None:
-        """Every file's header, each file held open first (``Store.hold``): its tensors are read
-        later from the file whose header was read here."""
+        """Every file's header, each file's identity noted first (``Store.hold``): its tensors
+        are read later from the file whose header was read here, or not at all."""
         store, url = self.store, self.url
         held: dict[str, str] = {}  # every name in a header (dtype supported or not) -> its file
         for file in files:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -358,6 +359,8 @@ def plan_retention(
     one replacing a damaged step). Its callers refuse ``keep_last < 1``."""
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
+    if grace_s is not None and not (math.isfinite(grace_s) and grace_s >= 0):
+        raise ValueError(f"grace_s={grace_s} must be a number of seconds >= 0")
     scan = scan_root(store, known=known) if scan is None else scan
     plan = RetentionPlan(notes=list(scan.skipped))
     committed = scan.committed

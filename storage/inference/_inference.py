@@ -376,9 +376,9 @@ class LazyStateDict(Mapping):
 
     Threads may share one: every read (``[]``, ``read``, ``fill_ranges``) may be called from
     several at once and gives the tensor asked for (reads of a tensor's contiguous bytes run in
-    parallel). Local hf and torch files are held open from here to ``close()``: a file replaced
-    by a rename meanwhile is still read as it was opened, one rewritten in place raises
-    ``CorruptCheckpointError`` naming it (docs/cli.md, "Python API for inference"). A process
+    parallel). A local hf or torch file replaced (renamed over) or rewritten since it was opened
+    here raises ``CorruptCheckpointError`` naming it when read (docs/cli.md, "Python API for
+    inference"). A process
     may fork with a local one open and read it in the child; one on S3 used before a fork
     cannot be read in the child (fsspec's S3 filesystem is not fork-safe): open it there."""
 

@@ -246,10 +246,10 @@ class Store:
         return len(data)
 
     def hold(self, rel: str = "") -> None:
-        """Read ``rel`` from now on as it is now, where the backend can (``LocalStore``: its open
-        descriptor; a file replaced by a rename is still read as it was, one rewritten in place
-        raises ``CorruptCheckpointError``). Here, on an object store, nothing is held: each read
-        is a request by name, so an object replaced since is read as it is then."""
+        """Read ``rel`` from now on only as it is now, where the backend can tell (``LocalStore``:
+        a file replaced or rewritten since raises ``CorruptCheckpointError`` when read). Here, on
+        an object store, nothing is noted: each read is a request by name, so an object replaced
+        since is read as it is then."""
 
     def release(self) -> None:
         """Let go of what ``hold`` holds; reading a held object afterwards raises ValueError."""

@@ -12,9 +12,7 @@ import mmap
 import os
 import shutil
 import stat
-import threading
 import uuid
-import weakref
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -93,10 +91,6 @@ class LocalStore(Store):
     def release(self) -> None:
         for f in self.__dict__.get("_held", {}).values():
             f.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # open descriptors stay with this process: a copy elsewhere reads by path
-        return {k: v for k, v in self.__dict__.items() if k != "_held"}
 
     def _holding(self, rel: str) -> _HeldFile | None:
         return self.__dict__.get("_held", {}).get(rel)
@@ -198,58 +192,58 @@ class LocalStore(Store):
 
 
 class _HeldFile:
-    """A file kept open from ``LocalStore.hold`` on: read through its descriptor (positional
-    reads, any number of threads at once), so that a file replaced by a rename since is still
-    read as it was; each read then checks that the file's size and modification time are those
-    it had when opened (CorruptCheckpointError otherwise: rewritten in place, its bytes are no
-    longer those its header described). ``close`` closes the descriptor once no read uses it."""
+    """What a file was when ``LocalStore.hold`` took it (device, inode, size, modification and
+    change times): each read opens it again and checks, before and after reading, that it is
+    still that file (``CorruptCheckpointError`` otherwise: replaced or rewritten, its bytes are
+    no longer those its header described). No descriptor is kept: a reader of a model in
+    hundreds of shards holds none between reads."""
 
     def __init__(self, path: str, where: str) -> None:
-        self.where = where
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self._done = weakref.finalize(self, os.close, self.fd)  # closed if never released
-        st = os.fstat(self.fd)
-        self.size, self._stamp = st.st_size, (st.st_size, st.st_mtime_ns)
-        self._lock, self._users, self._closed = threading.Lock(), 0, False
+        self.path, self.where = path, where
+        st = os.stat(path)
+        self.size, self._stamp = st.st_size, _stamp(st)
+        self._closed = False
 
     def read(self, start: int, view: memoryview) -> int:
         """Bytes from ``start`` into ``view``; the number read (fewer only at the end)."""
-        with self._lock:
-            if self._closed:
-                raise ValueError(f"{self.where} was released (its reader is closed)")
-            self._users += 1  # the descriptor stays open until this read is done
+        if self._closed:
+            raise ValueError(f"{self.where} was released (its reader is closed)")
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
+            self._check(os.fstat(fd))
             got = 0
             while got < len(view):
-                n = os.preadv(self.fd, [view[got:]], start + got)
+                n = os.preadv(fd, [view[got:]], start + got)
                 if n == 0:
                     break
                 got += n
-            # after the read: a rewrite that raced it has changed the stamp by now
-            st = os.fstat(self.fd)
-            if (st.st_size, st.st_mtime_ns) != self._stamp:
-                how = (
-                    f"now {st.st_size} bytes, {self._stamp[0]} then"
-                    if st.st_size != self._stamp[0]
-                    else "written in place"
-                )
-                raise CorruptCheckpointError(
-                    f"{self.where} changed since it was opened ({how}): the offsets read from it "
-                    "then no longer hold; open the checkpoint again (a new version written "
-                    "elsewhere and renamed over it is not seen by a reader already open)"
-                )
+            self._check(os.fstat(fd))  # a rewrite that raced the read has changed it by now
             return got
         finally:
-            with self._lock:
-                self._users -= 1
-                if self._closed and not self._users:
-                    self._done()
+            os.close(fd)
+
+    def _check(self, st: os.stat_result) -> None:
+        if _stamp(st) == self._stamp:
+            return
+        if (st.st_dev, st.st_ino) != self._stamp[:2]:
+            how = "replaced by another file"
+        elif st.st_size != self.size:
+            how = f"now {st.st_size} bytes, {self.size} then"
+        else:
+            how = "written in place"
+        raise CorruptCheckpointError(
+            f"{self.where} changed since it was opened ({how}): the offsets read from it then "
+            "no longer hold; open the checkpoint again"
+        )
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            if not self._users:
-                self._done()
+        self._closed = True
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    # the change time too: a rewrite whose modification time is put back (cp -p, rsync -t,
+    # os.utime) still changes it
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _check_size(store: LocalStore, rel: str, size: int, start: int, end: int) -> None:

@@ -167,13 +167,12 @@ def release(url: str, *, storage_options: dict[str, Any] | None = None) -> None:
     key = Store(url, storage_options).where()
     with _lock:
         lane = _lanes.pop(key, None)
-    if lane is None:
-        return
-    if lane.previous is not None:
-        with contextlib.suppress(Exception):
-            lane.previous.wait()
-    lane.close()
-    release_own_group(key)
+    if lane is not None:
+        if lane.previous is not None:
+            with contextlib.suppress(Exception):
+                lane.previous.wait()
+        lane.close()
+    release_own_group(key)  # (a restore on nodes makes one with no lane)
 
 
 def _forget_in_child() -> None:

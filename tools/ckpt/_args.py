@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import sys
 import time
@@ -105,6 +106,17 @@ def parse_step(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"step {text!r} must be a non-negative integer")
     return int(text)
+
+
+def parse_seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (``nan`` or a negative one would turn a wait off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds >= 0")
+    return value
 
 
 def parse_positive(text: str) -> int:
@@ -272,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also keep every step divisible by E >= 1",
     )  # fmt: skip
     p.add_argument(
-        "--grace-s", type=float, default=GRACE_S, metavar="S",
+        "--grace-s", type=parse_seconds, default=GRACE_S, metavar="S",
         help="leave uncommitted files written less than S seconds ago: a save may be writing "
         f"them (default: {GRACE_S:g}; 0 removes every torn attempt now)",
     )  # fmt: skip

@@ -130,13 +130,21 @@ def _number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _finite(value: Any) -> bool:
+    """A number that is not NaN or infinite (an int too large for a float is not)."""
+    try:
+        return _number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check(record: dict[str, Any], fields: Iterable[str]) -> str | None:
     """The first problem with ``record``'s fields, or None."""
     for name in fields:
         if name not in record:
             return f"without {name!r}"
         value = record[name]
-        finite = _number(value) and math.isfinite(value)
+        finite = _finite(value)
         if name in ("time", "step", "world_size", "saved_world_size", "blocking_s") and not finite:
             return f"{name}={value!r} is not a finite number"
         if name == "loss" and not _number(value):
@@ -148,7 +156,9 @@ def _absurd(record: dict[str, Any]) -> str | None:
     """Why a number of ``record`` is none a run writes (a count that is not a whole number from
     0 to 2**53, a finite value beyond 1e100: either would break the figure), or None."""
     for name, value in record.items():
-        if not _number(value) or not math.isfinite(value):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_VALUE:
+            return f"{name}={value!r} is out of range (beyond 1e100)"  # no float holds it
+        if not _finite(value):
             continue  # NaN and infinities are plotted as gaps; non-numbers are checked above
         if name in COUNTS and not (value == int(value) and 0 <= value <= MAX_COUNT):
             return f"{name}={value!r} is not a whole number from 0 to 2**53"

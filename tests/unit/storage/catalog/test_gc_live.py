@@ -166,3 +166,16 @@ def test_retention_during_saves_keeps_its_figures(tmp_path: pathlib.Path) -> Non
     (torn / "rank00000-000-aaaaaaaa.safetensors").write_bytes(b"torn")
     storage.save(_state(4), url, 4, options=options)
     assert storage.list_steps(url) == [3, 4] and not torn.exists()
+
+
+def test_a_grace_that_is_not_a_number_of_seconds_is_refused(tmp_path: pathlib.Path) -> None:
+    """nan or a negative grace made every comparison false: the grace was off, silently."""
+    url = str(tmp_path / "ckpt")
+    storage.save(_state(2), url, 2)
+    for bad in ("nan", "-1", "inf"):
+        out = io.StringIO()
+        assert cli(["gc", url, "--grace-s", bad], out, out) == 2, bad
+        assert "must be a number of seconds >= 0" in out.getvalue()
+        with pytest.raises(ValueError, match="grace_s"):
+            collect_garbage(url, grace_s=float(bad))
+    assert storage.list_steps(url) == [2]

@@ -1,10 +1,11 @@
 """Sources shared by threads, and over files that change while they are open: a source's reads
 may be called from several threads at once, each getting the tensor it asked for; a local hf or
-torch file is read as it was when opened (replaced by a rename: still the old bytes) or, rewritten
-in place, raises an error naming it (docs/cli.md, "Python API for inference")."""
+torch file replaced (renamed over) or rewritten in place since it was opened raises an error
+naming it, no descriptor kept between reads (docs/cli.md, "Python API for inference")."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
@@ -211,19 +212,20 @@ def _fds() -> int:
 
 
 @pytest.mark.parametrize("fmt", ["hf", "torch"])
-def test_file_replaced_by_rename_is_read_as_opened(tmp_path: Path, fmt: str) -> None:
+def test_file_replaced_by_rename_raises_naming_it(tmp_path: Path, fmt: str) -> None:
     v1, v2 = _versions()
     url, path = _target(tmp_path, fmt)
     _write(fmt, v1, path)
     before = _fds()
     lz = storage.LazyStateDict(url)
     assert torch.equal(lz["a"], v1["a"])
+    assert _fds() == before  # no descriptor is kept between reads
     _write(fmt, v2, path + ".new")
     os.replace(path + ".new", path)
-    assert torch.equal(lz.read("b", 0, 1000), v1["b"])  # before: bytes of v2 at v1's offsets
-    assert torch.equal(lz["b"], v1["b"])
+    with pytest.raises(CorruptCheckpointError, match="changed since it was opened"):
+        lz.read("b", 0, 1000)  # before: the bytes of v2 at v1's offsets
     lz.close()
-    assert _fds() == before  # the descriptors it held are closed
+    assert _fds() == before
     with pytest.raises(ValueError, match="closed"):
         lz.read("b", 0, 1)
     with storage.LazyStateDict(url) as again:  # opened again: the new version
@@ -289,3 +291,46 @@ def test_a_local_lazy_state_dict_reads_in_a_forked_child(tmp_path: Path) -> None
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert torch.equal(lz["b"], v1["b"])
+
+
+def test_a_model_in_more_shards_than_the_open_file_limit_reads(tmp_path: Path) -> None:
+    """300 shards under a limit of 256 open files: no descriptor is kept per shard (keeping
+    them, the reader failed with 'Too many open files' at the 251st)."""
+    import resource
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    weight_map = {}
+    for i in range(300):
+        name = f"model-{i + 1:05d}-of-00300.safetensors"
+        save_file({f"layer{i}.w": torch.full((2,), float(i))}, str(folder / name))
+        weight_map[f"layer{i}.w"] = name
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        got = storage.load_state_dict(str(folder), keys=["layer0.w", "layer299.w"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert torch.equal(got["layer299.w"], torch.full((2,), 299.0))
+
+
+def test_a_rewrite_whose_modification_time_is_put_back_raises(tmp_path: Path) -> None:
+    """cp -p, rsync -t or os.utime can restore a file's modification time; its change time
+    still tells the rewrite."""
+    v1, _ = _versions()
+    url, path = _target(tmp_path, "hf")
+    _write("hf", v1, path)
+    lz = storage.LazyStateDict(url)
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # same size, other bytes
+        f.seek(st.st_size - 4)
+        f.write(b"\xff\xff\xff\xff")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(CorruptCheckpointError, match="changed since it was opened"):
+        lz["b"]
+    lz.close()

@@ -92,3 +92,56 @@ def test_a_manager_per_root_leaves_nothing_behind_after_close(tmp_path) -> None:
     (fds0, threads0), (fds, threads) = result["seen"][1], result["seen"][-1]
     assert result["lanes"] == 0
     assert fds <= fds0 + 1 and threads <= threads0 + 1, result["seen"]
+
+
+_EDGES = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import ftsdp
+    from ftsdp import storage
+    from ftsdp.storage.io import _collectives
+    from ftsdp.storage.saving import _save
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    out = {}
+    # a group made by a restore on nodes, with no save after it (no lane)
+    storage.saving.restore_on_nodes(f"{sys.argv[1]}/nodes", node="n0")
+    out["groups_after_restore"] = len(_collectives._own_groups)
+    storage.saving.release(f"{sys.argv[1]}/nodes")
+    out["groups_after_release"] = len(_collectives._own_groups)
+    # a memory tier that saved, then was turned off (its root no longer private)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    mem = f"{sys.argv[1]}/mem"
+    with ftsdp.CheckpointManager(f"{sys.argv[1]}/run", model, opt, memory_url=mem,
+                                 memory_every=1) as ckpt:
+        ckpt.resume({"step": 0})
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        ckpt.save_to_memory(1, {"step": 1})
+        ckpt.wait()
+        os.chmod(mem, 0o755)
+        ckpt.save_to_memory(2, {"step": 2})
+        ckpt.save(3, {"step": 3})
+        ckpt.wait()
+    out["memory_on"] = ckpt._memory.on
+    out["lanes"] = len(_save._lanes)
+    out["groups"] = len(_collectives._own_groups)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_release_lets_go_of_a_group_without_a_lane_and_of_a_tier_turned_off(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _EDGES, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["groups_after_restore"] == 1 and out["groups_after_release"] == 0, out
+    assert out["memory_on"] is False and out["lanes"] == 0 and out["groups"] == 0, out

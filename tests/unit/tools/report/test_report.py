@@ -279,6 +279,9 @@ def test_a_line_nested_too_deeply_is_skipped(tmp_path, killed_run, capsys) -> No
         {"loss": 1e308},
         {"tokens_per_s": -1e308},
         {"time": 1e308},
+        {"grad_norm": 10**400},  # an int no float holds: math.isfinite raised OverflowError
+        {"step": 10**400},
+        {"loss": 10**400},
     ],
 )
 def test_a_number_no_run_writes_is_skipped_and_named(tmp_path, killed_run, bad) -> None:
