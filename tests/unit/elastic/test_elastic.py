@@ -748,3 +748,16 @@ def test_close_destroys_every_group_and_reports_the_ones_still_held() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_fault_whose_step_was_resumed_past_fires_at_the_first_boundary(monkeypatch) -> None:
+    """A preemption that landed later than the scenario planned (a loaded machine) resumes the
+    next incarnation past a fault's step: the fault fires at its first boundary, once, instead
+    of never (the resize scenario then ran to the end without its signal)."""
+    fired: list[tuple[str, int]] = []
+    monkeypatch.setattr(_hook, "fire", lambda f, *a: fired.append((f.kind, f.step)))
+    hook = FaultHook(parse_faults("term:rank=0:step=6;usr1:rank=0:step=9"), rank=0, restart_count=0)
+    for step in (7, 8, 9, 10):  # resumed at step 6
+        hook.at_step_end(step)
+        hook.after_save(step)
+    assert fired == [("term", 6), ("usr1", 9)]
