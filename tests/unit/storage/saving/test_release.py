@@ -44,6 +44,19 @@ def test_release_lets_go_of_a_roots_threads_and_memory(tmp_path) -> None:
     storage.saving.release(url)
 
 
+def _run(script: str, *args: str) -> dict:
+    """The JSON last line of ``script`` run in a fresh interpreter (it makes a process group)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 _MANY_ROOTS = textwrap.dedent(
     """
     import json, os, sys, threading
@@ -80,15 +93,7 @@ def test_a_manager_per_root_leaves_nothing_behind_after_close(tmp_path) -> None:
     """Twelve managers on fresh roots in one process, each closed: descriptors and threads
     after the last are those after the first (each kept a gloo group, its sockets and threads
     before ``close()`` let go of them)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _MANY_ROOTS, str(tmp_path), "12"],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _run(_MANY_ROOTS, str(tmp_path), "12")
     (fds0, threads0), (fds, threads) = result["seen"][1], result["seen"][-1]
     assert result["lanes"] == 0
     assert fds <= fds0 + 1 and threads <= threads0 + 1, result["seen"]
@@ -134,14 +139,6 @@ _EDGES = textwrap.dedent(
 
 
 def test_release_lets_go_of_a_group_without_a_lane_and_of_a_tier_turned_off(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _EDGES, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run(_EDGES, str(tmp_path))
     assert out["groups_after_restore"] == 1 and out["groups_after_release"] == 0, out
     assert out["memory_on"] is False and out["lanes"] == 0 and out["groups"] == 0, out
