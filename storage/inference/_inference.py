@@ -408,16 +408,14 @@ class LazyStateDict(Mapping):
         return self._source
 
     @contextlib.contextmanager
-    def _reading(self) -> Iterator[Source]:
-        """The reader for one read; a read that ``close()`` overtook raises the closed error
-        (whatever the reader raised meanwhile), before anything is kept or written."""
-        source = self._open_source()
+    def _reading(self) -> Iterator[None]:
+        """Around one read (the caller took the reader already): a read that ``close()``
+        overtook raises the closed error (whatever the reader raised meanwhile), before anything
+        is kept or written."""
         try:
-            yield source
-        except Exception:
+            yield
+        finally:
             self._open_source()
-            raise
-        self._open_source()
 
     @property
     def step(self) -> int | None:

@@ -139,15 +139,12 @@ class LocalStore(Store):
             if st.st_nlink == 1:
                 return _map(fd, start, end)
             data = host_buffer(end - start).numpy()
-            view, at = data.data, start  # uint8, one dimension
-            while at < end:
-                got = os.preadv(fd, [view[at - start :]], at)
-                if got == 0:
-                    raise OSError(
-                        f"short read of {self.where(rel)} bytes [{start}, {end}): got "
-                        f"{at - start}; the file is truncated"
-                    )
-                at += got
+            got = _pread_all(fd, data.data, start)
+            if got < end - start:
+                raise OSError(
+                    f"short read of {self.where(rel)} bytes [{start}, {end}): got {got}; the "
+                    "file is truncated"
+                )
             return data
         finally:
             os.close(fd)
@@ -211,12 +208,7 @@ class _HeldFile:
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             self._check(os.fstat(fd))
-            got = 0
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], start + got)
-                if n == 0:
-                    break
-                got += n
+            got = _pread_all(fd, view, start)
             self._check(os.fstat(fd))  # a rewrite that raced the read has changed it by now
             return got
         finally:
@@ -238,6 +230,17 @@ class _HeldFile:
 
     def close(self) -> None:
         self._closed = True
+
+
+def _pread_all(fd: int, view: memoryview, start: int) -> int:
+    """Read ``fd`` from ``start`` into ``view`` until it is full or the file ends; the count."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], start + got)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
