@@ -79,7 +79,8 @@ def collect_garbage(
                 if not removal.left:
                     done.append(step_dir(removal.step))
         report.removed_paths += [store.where(rel) for rel in done]
-        report.bytes += sum(size for rel, size in removal.files if rel in done)
+        gone = set(done)
+        report.bytes += sum(size for rel, size in removal.files if rel in gone)
     report.removed_steps.sort()
     if report.failed:
         logger.warning(

@@ -100,18 +100,31 @@ def resolve_manifest(
     )  # size-capped, validated
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: manifest says step {manifest.step}")
+    bad = object_problem(manifest, listing)
+    if bad is not None:
+        name, why = bad
+        where = store.where(f"{step_dir(step)}/{name}")
+        raise IncompleteCheckpointError(
+            f"step {step}: object {where} listed in the manifest is missing; the checkpoint is "
+            "incomplete, load another step"
+            if why is None
+            else f"step {step}: object {where} {why}"
+        )
+    return manifest
+
+
+def object_problem(
+    manifest: Manifest, listing: dict[str, tuple[str, int]]
+) -> tuple[str, str | None] | None:
+    """The first object of ``manifest`` that its step directory's ``listing`` lacks (``(name,
+    None)``) or holds at another size (``(name, "has N bytes, the manifest lists M")``); None
+    when every one is there whole."""
     for name, size in sorted(manifest.objects.items()):
         if name not in listing:
-            raise IncompleteCheckpointError(
-                f"step {step}: object {store.where(f'{step_dir(step)}/{name}')} listed in the "
-                "manifest is missing; the checkpoint is incomplete, load another step"
-            )
+            return name, None
         if listing[name][1] != size:
-            raise IncompleteCheckpointError(
-                f"step {step}: object {store.where(f'{step_dir(step)}/{name}')} has "
-                f"{listing[name][1]} bytes, the manifest lists {size}"
-            )
-    return manifest
+            return name, f"has {listing[name][1]} bytes, the manifest lists {size}"
+    return None
 
 
 # -- what is ours: scanning a root, deleting steps ------------------------------------------------
@@ -364,7 +377,7 @@ def plan_retention(
     scan = scan_root(store, known=known) if scan is None else scan
     plan = RetentionPlan(notes=list(scan.skipped))
     committed = scan.committed
-    damaged = {s: why for s in committed if (why := _damage(store, scan.dirs[s]))}
+    damaged = {s: why for s in committed if (why := _damage(scan.dirs[s]))}
     complete = [s for s in committed if s not in damaged]
     keep = set(committed if keep_last is None else complete[-keep_last:])
     keep |= {s for s in complete if keep_every and s % keep_every == 0}
@@ -410,18 +423,14 @@ def plan_retention(
     return plan
 
 
-def _damage(store: Store, d: StepDir) -> str | None:
+def _damage(d: StepDir) -> str | None:
     """Why committed step ``d`` cannot load by its listing (an object missing or of another
     size), or None; a step of ``Known`` (not listed) was whole when this process saw it."""
     assert d.manifest is not None
-    if not d.listed:
+    bad = object_problem(d.manifest, d.entries) if d.listed else None
+    if bad is None:
         return None
-    for name, size in sorted(d.manifest.objects.items()):
-        if name not in d.entries:
-            return f"its object {name} is missing"
-        if d.entries[name][1] != size:
-            return f"its object {name} has {d.entries[name][1]} bytes, the manifest lists {size}"
-    return None
+    return f"its object {bad[0]} {bad[1] or 'is missing'}"
 
 
 def _written_since(store: Store, plan: Deletion, since: float | None) -> bool:
