@@ -144,10 +144,11 @@ class CheckpointManager:
         self.last_memory_step: int | None = None
         self.resumed_from: str | None = None  # the root the last resume loaded from
 
-    def _tiers(self) -> list[Tier]:
-        """The tiers in use: the durable one, and the memory tier while it is on."""
-        memory = [self._memory] if self._memory is not None and self._memory.on else []
-        return [self._durable, *memory]
+    def _tiers(self, off_too: bool = False) -> list[Tier]:
+        """The tiers in use: the durable one, and the memory tier while it is on (``off_too``:
+        also once off)."""
+        memory = self._memory
+        return [self._durable, *([memory] if memory is not None and (memory.on or off_too) else [])]
 
     def _state(
         self,
@@ -453,7 +454,7 @@ class CheckpointManager:
             self._unfence()
             if self._snap is not None:
                 self._snap.close()
-        for tier in [self._durable, *([self._memory] if self._memory is not None else [])]:
+        for tier in self._tiers(off_too=True):
             tier.close()  # (a memory tier turned off still lets go of what its saves kept)
 
     def _unfence(self) -> None:

@@ -477,19 +477,13 @@ def diff(
 
 
 def _read_step(source: Source, name: str, offset: int, out: torch.Tensor) -> None:
-    """``source.read_into`` for one request; a file of an ftsdp step that vanished is that step's
-    removal (retention or gc, which remove its manifest first) while its manifest is gone, else
-    an incomplete checkpoint: either said in one line."""
+    """``source.read_into`` for one request; an object of an ftsdp step that is gone (the
+    reader's IncompleteCheckpointError) is that step's removal (retention or gc, which remove
+    its manifest first) while its manifest is gone too: said in one line."""
     try:
         source.read_into([(name, offset, out)])
-    except (FileNotFoundError, IncompleteCheckpointError) as e:
-        if source.format != "ftsdp" or source.step is None:
-            raise
-        if not source.store.exists(manifest_path(source.step)):
-            raise CheckpointNotFoundError(f"step {source.step}: {REMOVED}") from None
-        if isinstance(e, CheckpointError):
-            raise
-        raise IncompleteCheckpointError(
-            f"step {source.step}: {e.filename or e} is missing, yet its manifest lists it: the "
-            "checkpoint is incomplete"
-        ) from None
+    except IncompleteCheckpointError:
+        step = source.step if source.format == "ftsdp" else None
+        if step is not None and not source.store.exists(manifest_path(step)):
+            raise CheckpointNotFoundError(f"step {step}: {REMOVED}") from None
+        raise
