@@ -1,11 +1,6 @@
-"""Snapshots through the persister, the training side (docs/elastic.md, "Snapshots"): a save
-copies this rank's tensors once into one of its two slots in shared memory, records it and tells
-the persister (``_persister.py``), which does the rest. Nothing else runs on the training
-process: between saves, no checkpoint thread but a deferred copy until the next optimizer
-step; at a save, the walk of the state and one agreement of four integers
-(persister lost, layout changed, a save failed, persister not listening yet) so that every rank
-acts alike.
-"""
+"""Snapshots through the persister, the training side (docs/elastic.md, "Snapshots through a
+persister"): a save copies this rank's tensors into one of its two slots in shared memory,
+records it and tells the persister (``_persister.py``), which does the rest."""
 
 from __future__ import annotations
 
@@ -16,6 +11,7 @@ import json
 import logging
 import mmap
 import multiprocessing
+import operator
 import os
 import socket
 import subprocess
@@ -157,10 +153,8 @@ class Snapshots:
         return bool(self.on)
 
     def _claim_or_raise(self, usable: bool) -> None:
-        """Rank 0 locks the slot folder for this job's life (``flock``: the kernel releases it
-        when the process ends, so a restart takes it again); RootInUseError on every rank when
-        another live job holds it: a second job saving to the same root on this machine, whose
-        slots and persister this one would take over (collective)."""
+        """Rank 0 locks the slot folder for the process's life (``flock``); RootInUseError on
+        every rank when another live job holds it (collective)."""
         held = False
         if usable and self.group.rank_world()[0] == 0:
             flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
@@ -261,10 +255,8 @@ class Snapshots:
             self._pin()
 
     def _pin(self) -> None:
-        """Page-lock the slots for copies from CUDA: the device then copies into them itself,
-        on a stream of its own beside the training's kernels. Into pageable memory the driver
-        stages the bytes through a buffer of its own, several times slower, and holds the
-        training's stream meanwhile. A slot it refuses to lock is copied into as it is."""
+        """Page-lock the slots for copies from CUDA (docs/elastic.md); a slot CUDA refuses to
+        lock is copied into as it is."""
         for mm in self.maps:
             ptr = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
             err = int(torch.cuda.cudart().cudaHostRegister(ptr, len(mm), 0))
@@ -324,10 +316,7 @@ class Snapshots:
                 if self.durable.seen is not None:
                     self.durable.seen.add(step)
             else:
-                self.errors.append(f"saving step {step} to {self.durable.url}: {msg['durable']}")
-                self.durable.failed = step
-                if step == self.discarding:  # the newer steps are still there
-                    self.durable.discard_newer = True
+                self._failed(step, f"saving step {step} to {self.durable.url}: {msg['durable']}")
         if memory:
             assert self.memory is not None  # a memory snapshot was sent
             if msg["memory"] is None:
@@ -347,11 +336,17 @@ class Snapshots:
         if self.lost:
             for step, durable, _ in self.busy.values():
                 if durable:
-                    self.errors.append(f"the snapshot persister died before committing step {step}")
-                    self.durable.failed = step
-                    if step == self.discarding:  # the newer steps are still there
-                        self.durable.discard_newer = True
+                    self._failed(step, f"the snapshot persister died before committing step {step}")
             self.busy.clear()
+
+    def _failed(self, step: int, error: str | None = None) -> None:
+        """The durable save of ``step`` failed: ``error`` raised at the next save, the step
+        saved again, and the newer steps still to discard when it was to discard them."""
+        if error is not None:
+            self.errors.append(error)
+        self.durable.failed = step
+        if step == self.discarding:  # the newer steps are still there
+            self.durable.discard_newer = True
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -457,10 +452,10 @@ class Snapshots:
 
     def _rows(self, leaves: dict[str, Any]) -> list[Any]:
         """``leaf_rows(leaves)``, kept while the leaves are the same objects as the save before's
-        (a ``TensorLeaf`` is not changed once made: the same one, the same row)."""
+        (a ``TensorLeaf`` is not changed once made)."""
         now = list(leaves.values())
-        kept = self._kept_leaves
-        if self._kept_rows is None or len(now) != len(kept) or not all(map(_same, now, kept)):
+        same = len(now) == len(self._kept_leaves) and all(map(operator.is_, now, self._kept_leaves))
+        if self._kept_rows is None or not same:
             self._kept_rows = storage.saving.leaf_rows(leaves)
             self._kept_leaves = now
             self._plans = [None, None]
@@ -468,8 +463,7 @@ class Snapshots:
 
     def _plan(self, slot: int, leaves: dict[str, Any]) -> _Plan:
         """The pieces of ``leaves`` this rank writes and their views in ``slot``, kept with the
-        rows (:meth:`_rows`) and the slots. A piece of a tensor that is not contiguous (whose
-        flat view would be a copy taken now) is cut at each copy."""
+        rows and the slots; a piece of a tensor that is not contiguous is cut at each copy."""
         plan = self._plans[slot]
         if plan is None:
             plan = ([], [], [])
@@ -518,10 +512,8 @@ class Snapshots:
     def _restart(self) -> None:
         """Every rank (collective): the persister is gone; rank 0 starts another."""
         lost = sorted(step for step, durable, _ in self.busy.values() if durable)
-        if self.discarding in lost:  # the newer steps are still there
-            self.durable.discard_newer = True
-        if lost:
-            self.durable.failed = lost[-1]
+        for step in lost:
+            self._failed(step)
         self.busy.clear()
         if self.conn is not None:
             self.conn.close()
@@ -590,10 +582,6 @@ class Snapshots:
             self._copier.stop()
             self._copier = None
         self.conn, self.on = None, False
-
-
-def _same(a: object, b: object) -> bool:
-    return a is b
 
 
 class _Copy:
