@@ -27,8 +27,7 @@ class Engine(abc.ABC):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
-        # reused between saves while no tensor was replaced (docs/elastic.md, "Saves that do not
-        # stop training"): (key, leaves), (key, groups, leaves)
+        # reused between saves while no tensor was replaced: (key, leaves), (key, groups, leaves)
         self._model_cache: tuple[Any, dict[str, Any]] | None = None
         self._optim_cache: tuple[Any, list, dict[str, dict[str, Any]]] | None = None
         # a new number whenever leaves are made afresh: the same number, the same leaves
@@ -75,10 +74,8 @@ class Engine(abc.ABC):
 
     def tensor_leaves(self) -> tuple[int, dict[str, Any], dict[str, dict[str, Any]], str]:
         """``(generation, model leaves, optimizer state leaves by parameter, param groups as
-        JSON)``, the leaves read only. The same generation as a call before: the same leaves as
-        then (each call checks the live tensors: none replaced, resized or re-typed, no optimizer
-        state created or replaced, no non-tensor optimizer value changed; a model with extra
-        state that is not a tensor: never the same); the param groups are read at every call."""
+        JSON)``, the leaves read only: the same generation, the same leaves (docs/elastic.md,
+        "Saves that do not stop training"); the param groups are read at every call."""
         model, _ = self._model_leaves()
         optim, groups = self._optim()
         return self.generation, model, optim, groups_json(groups)
@@ -91,10 +88,8 @@ class Engine(abc.ABC):
         choose: Callable[[], tuple[list[str], list[tuple[str, str]]]],
     ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """``model`` and ``optim`` with the leaves ``choose()`` names (model leaves, optimizer
-        values ``(param, key)``) held as empty shards: a rank other than 0 saves none of them,
-        so a tensor every rank holds whole but not alike (statistics of each rank's data) is
-        saved as one rank's, not pieced together from several. Chosen and made once per
-        generation (the same leaves until then)."""
+        values ``(param, key)``) as empty shards, so that only rank 0 saves them; chosen once
+        per generation."""
         if self._held is None or self._held[0] != generation:
 
             def held(t: Any) -> storage.FlatShard:
@@ -258,9 +253,8 @@ class FtsdpEngine(Engine):
         return {name: _flat(view) for name, view in self.model.sharded_state_dict().items()}
 
     def tensor_leaves(self) -> tuple[int, dict[str, Any], dict[str, dict[str, Any]], str]:
-        """As :meth:`Engine.tensor_leaves`; every rank but rank 0 saves none of the tensors the
-        engine does not shard (buffers, ignored parameters and their optimizer state): each
-        rank holds them whole, and after a forward with its own statistics (BatchNorm's)."""
+        """As :meth:`Engine.tensor_leaves`; what the engine does not shard (buffers, ignored
+        parameters and their optimizer state) from rank 0 only (docs/elastic.md, "Any engine")."""
         generation, model, optim, groups = super().tensor_leaves()
         if not dist.is_initialized() or dist.get_rank() == 0:
             return generation, model, optim, groups
@@ -328,9 +322,8 @@ class TorchEngine(Engine):
         self._dsd = dsd
 
     def tensor_leaves(self) -> tuple[int, dict[str, Any], dict[str, dict[str, Any]], str]:
-        """As :meth:`Engine.tensor_leaves`; under DDP every rank but DDP's rank 0 saves none of
-        the buffers: DDP broadcasts rank 0's before each forward, while after a forward each
-        rank holds statistics of its own data (BatchNorm's), so rank 0's are the model's."""
+        """As :meth:`Engine.tensor_leaves`; under DDP the buffers from DDP's rank 0 only, whose
+        buffers DDP broadcasts before each forward (docs/elastic.md, "Any engine")."""
         generation, model, optim, groups = super().tensor_leaves()
         if self.kind != "ddp" or not dist.is_initialized():
             return generation, model, optim, groups
@@ -383,8 +376,7 @@ class TorchEngine(Engine):
 
 def _identities(tensors: list[torch.Tensor]) -> tuple[list[Any], ...]:
     """Of each tensor (a DTensor: of its local shard too): identity, memory, shape, strides and
-    dtype, as columns made by C-level maps (they run over every tensor at every save, on the
-    caller's thread)."""
+    dtype, as columns made by C-level maps (this runs at every save)."""
     local = tensors
     if not _PLAIN_TYPES.issuperset(map(type, tensors)):
         local = [t if type(t) in _PLAIN else getattr(t, "_local_tensor", t) for t in tensors]
@@ -432,8 +424,7 @@ def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _optim_identities(optimizer: torch.optim.Optimizer) -> tuple[Any, ...] | None:
-    """What makes a cached optimizer state dict stale; None: do not cache (no state yet). Runs
-    at every save on the caller's thread: the state's own items, no lookup by parameter."""
+    """What makes a cached optimizer state dict stale; None: do not cache (no state yet)."""
     if not optimizer.state:
         return None
     structure: list[Any] = [list(map(id, g["params"])) for g in optimizer.param_groups]

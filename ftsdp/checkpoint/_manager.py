@@ -145,8 +145,7 @@ class CheckpointManager:
         self.resumed_from: str | None = None  # the root the last resume loaded from
 
     def _tiers(self, off_too: bool = False) -> list[Tier]:
-        """The tiers in use: the durable one, and the memory tier while it is on (``off_too``:
-        also once off)."""
+        """The durable tier, and the memory tier while it is on (``off_too``: also once off)."""
         memory = self._memory
         return [self._durable, *([memory] if memory is not None and (memory.on or off_too) else [])]
 
@@ -158,9 +157,9 @@ class CheckpointManager:
         target: bool = False,
         copy_buffers: bool | None = None,
     ) -> dict:
-        """The state to save to ``tier`` (the walk of its tensors kept from the save before
-        while they are the same: ``KeptWalk``; buffers copied when ``copy_buffers``, by default
-        for a deferred save), or, ``target``, plain dicts to load into."""
+        """The state to save to ``tier`` (its tensors' walk kept: ``KeptWalk``; buffers copied
+        when ``copy_buffers``, by default for a deferred save), or, ``target``, dicts to load
+        into."""
         if target:
             model: Any = self.engine.model_state()
             optim: dict[str, Any] = self.engine.optim_state()
@@ -331,8 +330,7 @@ class CheckpointManager:
 
     def _state_it_steps(self, had_state: set[int]) -> dict[int, dict[str, Any]]:
         """Copies of the state ``init_optimizer_state`` is about to step (lr 0: Adam's moments
-        and step still move): the parameters with state, when some other has none (else it
-        steps nothing)."""
+        and step still move), when some parameter has none (else it steps nothing)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
         if not had_state or all(id(p) in had_state for p in params):
             return {}
@@ -468,11 +466,8 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        """:meth:`close` when the block ended normally. Left by an exception, it does what a
-        crash does, for the restart: no wait (another rank may be gone), nothing cleared (the
-        memory tier's steps are the restart's), the persister left to end with this process.
-        The fence stays (it waits only for this rank's own copy), so an optimizer stepped after
-        a caught exception cannot change what a deferred save has still to copy."""
+        """:meth:`close` when the block ended normally; left by an exception, what a crash does:
+        no wait, nothing cleared, the fence kept (docs/elastic.md, "CheckpointManager")."""
         if exc_type is None:
             self.close()
             return

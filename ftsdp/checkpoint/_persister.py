@@ -1,15 +1,7 @@
-"""The snapshot persister (docs/elastic.md, "Snapshots"): a process started by rank 0 of a job on
-one machine, which turns the snapshots the ranks copied into shared memory into committed steps.
-
-The ranks and the persister share a private directory (mode 0700): per rank two slots of files,
-``r{rank}.s{slot}.o{i}``, each one data object laid out as its save plans it (header written
-once, the ranks copy the payload); ``r{rank}.s{slot}.json``, the rank's record of what a slot
-holds, written after its copy; ``layout.json``, every rank's tensor rows; and the control socket.
-Over the socket (JSON lines) a rank says ``hello`` (its rows; answered with its slot files once
-every rank's arrived) and ``saved`` (a slot holds a step; answered ``done`` once the slot is
-free again). For each step the persister checksums the slots, commits the step to the memory
-tier by hard links to the slot files, and writes and commits it to the durable root when due.
-"""
+"""The snapshot persister (docs/elastic.md, "Snapshots through a persister"): a process started
+by rank 0 that turns the slots the ranks copied into shared memory into committed steps. Over
+its control socket (JSON lines) a rank says ``hello`` (its rows; answered ``slots`` once every
+rank's arrived) and ``saved`` (a slot holds a step; answered ``done`` once it is free again)."""
 
 from __future__ import annotations
 
@@ -331,14 +323,7 @@ class Persister:
                 block = self.options.checksum_block_bytes
                 crcs = _checksums(self.pool, slots, plans, slot, block)
                 commit_to_memory(
-                    self.memory,
-                    step,
-                    rows,
-                    self.options,
-                    slots.paths,
-                    slot,
-                    crcs,
-                    values,
+                    self.memory, step, rows, self.options, slots.paths, slot, crcs, values
                 )
             except Exception as e:
                 errors["memory"] = f"{type(e).__name__}: {e}"

@@ -148,14 +148,9 @@ def reseed(seed: int, step: int, rank: int) -> None:
 
 
 class KeptWalk:
-    """The walk of the engine's tensor leaves (model and optimizer state: their names, ranges
-    and rows) kept from one save to the next; one object, the ``CheckpointManager``'s own.
-
-    It holds while the engine hands out the same leaves: ``Engine.tensor_leaves`` checks the
-    live tensors at every save (one replaced, resized or re-typed, optimizer state created or
-    replaced, a non-tensor optimizer value changed: a new generation, walked again). What is not
-    a tensor leaf is read at every save (RNG states, trainer values, param groups, scheduler),
-    and a deferred save copies the buffers at every save (``forward`` changes them in place)."""
+    """The walk of the engine's tensor leaves (their names, ranges and rows) kept from one save
+    to the next while the engine hands out the same leaves (the same generation); one object,
+    the ``CheckpointManager``'s own (docs/elastic.md, "Saves that do not stop training")."""
 
     def __init__(self) -> None:
         self.generation: int | None = None

@@ -165,8 +165,7 @@ class Tier:
         self.log_cache_failure(str(error))
 
     def log_cache_failure(self, error: str) -> None:
-        """A cache's failed save: the first logged whole, then the count of failures in a row
-        at 10, 100, 1000... (a full memory tier fails at every step)."""
+        """A cache's failed save: the first logged whole, then the count at 10, 100, 1000..."""
         self._failures += 1
         n = self._failures
         if n == 1:
@@ -178,10 +177,8 @@ class Tier:
             )
 
     def _other_writers(self, error: Exception) -> list[int]:
-        """The committed steps here, at or after the failed step (``self.failed``: those
-        refuse a save), that this job did not know of, when ``error`` is a refusal they may
-        explain (this rank lists the root: ranks need not fail at the same call); [] when it
-        is not, or when no resume listed the root."""
+        """The steps committed here at or after ``self.failed`` that this job did not know of,
+        when ``error`` is a refusal they may explain (this rank lists the root); else []."""
         if self.seen is None or not isinstance(error, FileExistsError | storage.CheckpointError):
             return []
         try:
@@ -232,9 +229,7 @@ class Tier:
         )
 
     def peek(self, step: int, durable: list[int]) -> Peek:
-        """From ``step``'s manifest, read by rank 0 (collective): its ``optim.state.*`` names
-        and its param groups (None: unreadable, the load says why), and :meth:`foreign`'s
-        answer."""
+        """What rank 0 reads in ``step``'s manifest (collective): see :class:`Peek`."""
 
         def peek() -> tuple[list[str] | None, Any, str | None]:
             try:
@@ -256,8 +251,7 @@ class Tier:
         return storage.load(target, self.url, step, options=options, **self._where())
 
     def close(self) -> None:
-        """The end of a run, once every save has committed (collective): what this process
-        kept for its saves to the root goes (``storage.saving.release``)."""
+        """Let go of what this process kept for its saves to the root (collective)."""
         storage.saving.release(self.url, storage_options=self.storage_options)
 
 
@@ -279,8 +273,8 @@ def _place(url: str) -> str:
 
 
 class PrivateRoot:
-    """A local root only this user can reach (a directory owned by the effective uid, mode 0700,
-    not a link), its identity checked before each use, so a path swapped meanwhile is refused."""
+    """A local root only this user can reach (a directory of the effective uid, mode 0700, not a
+    link), its identity checked before each use."""
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)  # not resolved: a link at the path must be seen
