@@ -236,9 +236,8 @@ def build_model(cfg: TrainConfig, plan: ModelPlan) -> BuiltModel:
 
 @contextmanager
 def params_on_meta() -> Iterator[None]:
-    """Every parameter registered inside moves to the meta device as it is registered (its
-    initialisers then run on meta: no memory, no RNG); buffers stay real. For a model whose every
-    parameter ``--init-from`` fills once it is wrapped (the engine allocates it unit by unit)."""
+    """Every parameter registered inside moves to the meta device as it is registered; buffers
+    stay real (docs/training.md, "--init-from")."""
     register = nn.Module.register_parameter
 
     def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -295,9 +294,8 @@ class InitPlan:
 def plan_init(
     module: nn.Module, url: str, *, storage_options: dict[str, Any] | None = None
 ) -> InitPlan:
-    """Check the checkpoint at ``url`` (any format ``ftsdp-ckpt`` reads; names bare or under
-    ``model.``) against ``module`` without reading a tensor: every parameter and persistent
-    buffer there with its shape; :class:`JobError` naming what does not match."""
+    """Check the checkpoint at ``url`` against ``module`` without reading a tensor (names bare or
+    under ``model.``); :class:`JobError` naming what does not match."""
     try:
         with storage.LazyStateDict(url, storage_options=storage_options) as src:
             fmt, step = src.format, src.step
@@ -346,10 +344,8 @@ def plan_init(
 def init_weights(
     module: nn.Module, url: str, *, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """Fill the unwrapped ``module`` from the checkpoint at ``url`` (checked by
-    :func:`plan_init`), all or nothing: every tensor whole, in this process; a one-line
-    description, :class:`JobError` if it cannot. A wrapped model reads only its shards:
-    :func:`init_sharded`."""
+    """Fill the unwrapped ``module`` from the checkpoint at ``url``, every tensor whole, all or
+    nothing; a one-line description, :class:`JobError` if it cannot."""
     plan = plan_init(module, url, storage_options=storage_options)
     try:
         storage.load_into(
@@ -363,11 +359,9 @@ def init_weights(
 def init_sharded(
     model: ftsdp.FSDP, plan: InitPlan, *, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """Fill a wrapped ``model`` from ``plan`` (made by :func:`plan_init` on the model before
-    it was wrapped): each rank reads only the flat ranges of its own shards (and the whole
-    persistent buffers), all or nothing on this rank: nothing is written before every range was
-    read. The same tensors as :func:`init_weights` on the unwrapped model, bitwise; a one-line
-    description, :class:`JobError` if it cannot."""
+    """Fill a wrapped ``model`` from ``plan`` (:func:`plan_init` of the unwrapped model): each
+    rank reads only its own shards' ranges, all before writing any (docs/training.md); a
+    one-line description, :class:`JobError` if it cannot."""
     views = model.sharded_state_dict()
     unknown = sorted(k for k in views if k not in plan.names)
     if unknown:  # the wrapped model names what the unwrapped one did: a bug if not
