@@ -60,11 +60,10 @@ try:
     from ftsdp.checkpoint import RootInUseError
     from ftsdp.elastic import LaunchEnvironmentError
     from ftsdp.trainer._errors import JobError
-    from ftsdp.trainer._hooks import HookFactory
     from ftsdp.trainer._job import build
     from ftsdp.trainer._loop import run
     from ftsdp.trainer._phases import Phases, process_start_time
-    from ftsdp.trainer._session import Session
+    from ftsdp.trainer._session import HookFactory, Session
 finally:
     if __name__ == "__main__":  # a worker, not a library import: see above
         gc.freeze()

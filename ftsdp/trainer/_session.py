@@ -10,13 +10,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol, runtime_checkable
 
 from ftsdp import storage
 from ftsdp.elastic import PreemptionHandler, RankManager, Watchdog, read_env
 from ftsdp.trainer._config import TrainConfig
 from ftsdp.trainer._errors import JobError
-from ftsdp.trainer._hooks import HookFactory, NoStepHook, StepHook
 from ftsdp.trainer._phases import Phases
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,7 @@ INSTALL = "pip install 'ftsdp[tensorboard]' (or pip install tensorboard)"
 
 class TensorBoardScalars:
     """``--tensorboard DIR``: a ``SummaryWriter`` fed rank 0's metrics records, flushed as each is
-    written, so a SIGKILL loses nothing it logged (docs/report.md, "TensorBoard")."""
+    written (docs/report.md, "TensorBoard")."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer
@@ -121,9 +120,8 @@ def console_logging(level: str, rank: int) -> Callable[[], None]:
 
 
 class MetricsLog:
-    """Rank 0's progress lines (the ``ftsdp.train`` logger, INFO) and their JSON records; any
-    rank's :meth:`event` records, each one ``write`` of one line to a file opened for appending
-    so that ranks do not interleave; and an attached sink (``--tensorboard``)."""
+    """Rank 0's progress lines (the ``ftsdp.train`` logger, INFO) and their JSON records, any
+    rank's :meth:`event` records (one appended line each), and a ``--tensorboard`` sink."""
 
     def __init__(self, path: str | None, enabled: bool, rank: int = 0):
         self.enabled = enabled
@@ -207,6 +205,41 @@ def _close_after(error: BaseException, close: Callable[[], None], what: str) -> 
     except BaseException as closing:
         failed = f"{type(closing).__name__}: {closing}"
         logger.warning("%s after %s also failed: %s", what, type(error).__name__, failed)
+
+
+@runtime_checkable
+class StepHook(Protocol):
+    """The step hook, satisfied by shape: ``ftsdp.testing`` needs nothing of the trainer."""
+
+    def checkpoint_url(self, url: str) -> str: ...
+
+    def at_step_end(self, step: int) -> None: ...
+
+    def after_save(self, step: int) -> None: ...
+
+    # Optional: ``needs_commit(step) -> bool``; when true, the loop waits for the save in flight
+    # to commit, then calls ``after_commit(step)`` (the fault suite's ``when=after_commit``).
+
+
+class HookFactory(Protocol):
+    """Makes a worker's hook from its rank, restart count, incarnation and ``agent`` pid."""
+
+    def __call__(
+        self, *, rank: int, restart_count: int, incarnation: str, agent: int | None
+    ) -> StepHook: ...
+
+
+class NoStepHook:
+    """The default hook: the URL unchanged, nothing at step boundaries."""
+
+    def checkpoint_url(self, url: str) -> str:
+        return url
+
+    def at_step_end(self, step: int) -> None:
+        pass
+
+    def after_save(self, step: int) -> None:
+        pass
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from ftsdp import storage
 from ftsdp.elastic import EXIT_STALL, PreemptionHandler, RankInfo, Watchdog, read_env
 from ftsdp.testing import FaultHook, _faulty_fs, _hook, fault_hook_from_env, parse_faults
 from ftsdp.testing._faults import fire, log_fault
-from ftsdp.trainer._hooks import StepHook
+from ftsdp.trainer._session import StepHook
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,8 +16,7 @@ import pytest
 
 from ftsdp.trainer import _session
 from ftsdp.trainer._config import TrainConfig
-from ftsdp.trainer._hooks import NoStepHook, StepHook
-from ftsdp.trainer._session import Closers, Session
+from ftsdp.trainer._session import Closers, NoStepHook, Session, StepHook
 
 pytestmark = pytest.mark.timeout(120)
 
