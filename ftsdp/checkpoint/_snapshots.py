@@ -96,13 +96,8 @@ class Snapshots:
             return self.on
         rank, world = self.group.rank_world()
         here = _machine()
-        whole = (
-            world == 1
-            or resolve_group(self.group.pg) is None
-            or (
-                torch.distributed.get_world_size(self.group.pg)
-                == torch.distributed.get_world_size()
-            )
+        whole = world == 1 or (
+            torch.distributed.get_world_size(self.group.pg) == torch.distributed.get_world_size()
         )
         local = self.memory is None or _local_path(self.memory.url) is not None
         same = self.group.from_rank0(lambda: here) == here
