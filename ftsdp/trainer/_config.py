@@ -429,7 +429,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         return TrainConfig(**values)
     except ValueError as e:
         parser.error(str(e))
-        raise  # unreachable: parser.error exits
 
 
 def _local(url: str | None) -> str | None:
