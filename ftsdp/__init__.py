@@ -106,11 +106,8 @@ def __dir__() -> list[str]:
 
 @atexit.register
 def _let_gloo_workers_finish() -> None:
-    """At exit, before the interpreter finalizes: wait (without the GIL, at most 5 s) until
-    gloo's worker threads are idle, so that none drops the last reference to a finished
-    collective's tensors once the GIL can no longer be taken, which aborts the process
-    (SIGABRT). ``RankManager.close()`` does this too; a script that ends with
-    ``dist.destroy_process_group()`` gets it from here (docs/elastic.md, "Teardown")."""
+    """At exit, wait (at most 5 s) until gloo's worker threads are idle, as
+    ``RankManager.close()`` does, or the process may abort (docs/elastic.md, "Teardown")."""
     if "torch.distributed" not in sys.modules:
         return
     from ftsdp.elastic._teardown import wait_for_idle_workers

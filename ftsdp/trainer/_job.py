@@ -272,8 +272,7 @@ def _check_saved_run(
 
 def note_unused_memory(root: str) -> None:
     """Say so when the memory tier an earlier run of this root kept on this machine is still
-    there: without ``--memory-every`` it is neither loaded nor cleared, and it holds host
-    memory (a copy of the state for each step kept) until it is removed."""
+    there: without ``--memory-every`` it is neither loaded nor cleared, yet holds host memory."""
     if root_problem(root) is not None or not os.path.isdir(root):
         return  # not there, or not this user's own: another's business
     try:
@@ -303,8 +302,7 @@ def _make_model(
     storage_options: dict[str, Any] | None,
 ) -> BuiltModel:
     """The unwrapped model (same on every rank), checked; ``--init-from`` (unless resuming)
-    checked against it, to be read after wrapping: then the model is built with its parameters
-    on the meta device where it can be (the engine allocates them unit by unit)."""
+    checked against it, to be read after wrapping (the model then built on meta if it can be)."""
     # Every generator a model or its code may draw from, the same on every rank: a run is
     # then reproducible from --seed alone (a resume restores them from the checkpoint).
     random.seed(cfg.seed)

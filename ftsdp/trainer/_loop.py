@@ -111,10 +111,9 @@ _SCHEDULE_FLAGS = ("lr", "min_lr", "warmup", "weight_decay")
 
 
 def _apply_schedule_flags(cfg: TrainConfig, job: Job, saved: dict[str, Any]) -> list[str]:
-    """Put this run's learning-rate schedule and weight decay on the resumed optimizer: the
-    load gave it the checkpoint's (base learning rates, the current one, the decay group's
-    weight decay), and a restart with a lower ``--lr`` must train with it. The same values
-    leave every bit as it was. Returns the flags that differ from the saved run's."""
+    """Put this run's learning-rate schedule and weight decay on the resumed optimizer (the load
+    gave it the checkpoint's; the same values leave every bit as it was); the flags that differ
+    from the saved run's."""
     sched, groups = job.scheduler, job.optimizer.param_groups
     assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR)
     sched.base_lrs = [cfg.lr] * len(groups)
@@ -317,7 +316,7 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
             )
             window, blocking, t_window = [], 0.0, time.perf_counter()
         hook.after_save(step)
-        if getattr(hook, "needs_commit", lambda _: False)(step):  # optional (_hooks)
+        if getattr(hook, "needs_commit", lambda _: False)(step):  # optional (StepHook)
             if job.ckpt is not None:
                 job.ckpt.wait()
             hook.after_commit(step)  # type: ignore[attr-defined]
@@ -346,8 +345,8 @@ def peer_lost(error: BaseException) -> bool:
 
 
 def _peer_lost(session: Session, job: Job, error: BaseException) -> int:
-    """One line instead of the traceback: what happened, where torchrun's restart resumes from
-    (nothing is saved: a save needs every rank); an orphaned rank says so instead and exits."""
+    """One line instead of the traceback: what happened and where the restart resumes from (a
+    save needs every rank); an orphaned rank says so instead and exits."""
     session.rm.exit_if_orphaned()
     session.preempt.cannot_save("a peer process was lost")
     session.rm.close(barrier=False)  # now, without the barrier: the peer will never reach it
