@@ -108,7 +108,7 @@ class Engine(abc.ABC):
         """The names of ``state``'s leaves that hold one of the model's buffers (``forward`` may
         change buffers in place; the fence holds back only the optimizer)."""
         buffers = {
-            getattr(b, "_local_tensor", b).untyped_storage().data_ptr()
+            _memory(b)
             for module in self.model.modules()
             for b in module._buffers.values()
             if b is not None and b.numel()
@@ -118,9 +118,7 @@ class Engine(abc.ABC):
         names = []
         for name, leaf in state.items():
             local = leaf.local if isinstance(leaf, storage.FlatShard) else leaf
-            if not isinstance(local, torch.Tensor) or not local.numel():
-                continue
-            if getattr(local, "_local_tensor", local).untyped_storage().data_ptr() in buffers:
+            if isinstance(local, torch.Tensor) and local.numel() and _memory(local) in buffers:
                 names.append(name)
         return names
 
