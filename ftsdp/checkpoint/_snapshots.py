@@ -224,12 +224,10 @@ class Snapshots:
             self._connect()
         rank = self.group.rank_world()[0]
         self._send({"op": "hello", "rank": rank, "rows": rows})
-        while True:
-            msg = self._receive(block=True)
-            if msg is None:
-                raise storage.CheckpointError("the snapshot persister died during the set-up")
-            if msg["op"] == "slots":
-                break
+        while (msg := self._receive(block=True)) is not None and msg["op"] != "slots":
+            pass
+        if msg is None:
+            raise storage.CheckpointError("the snapshot persister died during the set-up")
         if "error" in msg:
             raise storage.CheckpointError(
                 f"the snapshot persister refused the state: {msg['error']}"
