@@ -167,11 +167,8 @@ def bind_rendezvous_stores() -> None:
 
 
 def publish_store_every_round() -> None:
-    """Make rank 0's agent publish the workers' store address in every rendezvous round. torch
-    (2.4 to at least 2.13) shares the rendezvous store with the workers and publishes its address
-    only in the round where rank 0's agent first made it; an agent that joins a later round (a
-    lost node coming back, a new one) waits for the address there until both time out and the
-    job ends (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is the workaround under plain torchrun;
+    """Make rank 0's agent publish the workers' store address in every rendezvous round, not
+    only in the first (an agent joining a later round waited for it until the job ended;
     docs/elastic.md, "Limits")."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
