@@ -76,10 +76,7 @@ def peek(
             break
     if world_size > 1:
         dist.broadcast_object_list(msg, src=0)
-    if msg[0] is None:
-        return None
-    step, values = msg[0]
-    return SavedRun(step, values)
+    return None if msg[0] is None else SavedRun(*msg[0])
 
 
 def mismatch(
