@@ -78,28 +78,24 @@ class LaunchEnvironmentError(ValueError):
 def read_env(env: Mapping[str, str] | None = None) -> RankInfo:
     """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ..., TORCHELASTIC_*, MASTER_*);
     absent variables default to a world of one. ``LaunchEnvironmentError`` says what is wrong."""
+    env = os.environ if env is None else env
     try:
-        return _read_env(os.environ if env is None else env)
+        world = _int(env, "WORLD_SIZE", 1)
+        return RankInfo(
+            rank=_int(env, "RANK", 0),
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
+            group_rank=_int(env, "GROUP_RANK", 0),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+            run_id=env.get("TORCHELASTIC_RUN_ID") or "local",
+            master_addr=env.get("MASTER_ADDR") or None,
+            master_port=_int(env, "MASTER_PORT", 0) if env.get("MASTER_PORT") else None,
+            torchrun="TORCHELASTIC_RUN_ID" in env,
+        )
     except ValueError as e:
         raise LaunchEnvironmentError(str(e)) from None
-
-
-def _read_env(env: Mapping[str, str]) -> RankInfo:
-    world = _int(env, "WORLD_SIZE", 1)
-    port = env.get("MASTER_PORT")
-    return RankInfo(
-        rank=_int(env, "RANK", 0),
-        world_size=world,
-        local_rank=_int(env, "LOCAL_RANK", 0),
-        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
-        group_rank=_int(env, "GROUP_RANK", 0),
-        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
-        max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
-        run_id=env.get("TORCHELASTIC_RUN_ID") or "local",
-        master_addr=env.get("MASTER_ADDR") or None,
-        master_port=_int(env, "MASTER_PORT", 0) if port else None,
-        torchrun="TORCHELASTIC_RUN_ID" in env,
-    )
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
