@@ -572,8 +572,7 @@ def check_same_structure(plans: list[UnitPlan], group: dist.ProcessGroup | None)
         for plan in plans
     ]
     everyone = all_gather_objects(mine, group)
-    differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
-    if differing:
+    if differing := [r for r, row in enumerate(everyone) if row != everyone[0]]:
         raise ValueError(
             "the wrapped model differs across ranks (per unit: parameter count, trainable "
             f"count, dtypes): rank 0 has {everyone[0]}, "
