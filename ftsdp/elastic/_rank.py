@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftsdp.elastic._join import client_store, handshake
 from ftsdp.elastic._teardown import CloseReport, close_process_groups
 from ftsdp.elastic._watchdog import EXIT_STALL
 
 logger = logging.getLogger(__name__)
 _LEAVING = threading.Lock()  # one line, even when two threads find the agent gone at once
+_POLL_S = 0.01  # the join handshake's store polls
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -78,28 +78,24 @@ class LaunchEnvironmentError(ValueError):
 def read_env(env: Mapping[str, str] | None = None) -> RankInfo:
     """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ..., TORCHELASTIC_*, MASTER_*);
     absent variables default to a world of one. ``LaunchEnvironmentError`` says what is wrong."""
+    env = os.environ if env is None else env
     try:
-        return _read_env(os.environ if env is None else env)
+        world = _int(env, "WORLD_SIZE", 1)
+        return RankInfo(
+            rank=_int(env, "RANK", 0),
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
+            group_rank=_int(env, "GROUP_RANK", 0),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+            run_id=env.get("TORCHELASTIC_RUN_ID") or "local",
+            master_addr=env.get("MASTER_ADDR") or None,
+            master_port=_int(env, "MASTER_PORT", 0) if env.get("MASTER_PORT") else None,
+            torchrun="TORCHELASTIC_RUN_ID" in env,
+        )
     except ValueError as e:
         raise LaunchEnvironmentError(str(e)) from None
-
-
-def _read_env(env: Mapping[str, str]) -> RankInfo:
-    world = _int(env, "WORLD_SIZE", 1)
-    port = env.get("MASTER_PORT")
-    return RankInfo(
-        rank=_int(env, "RANK", 0),
-        world_size=world,
-        local_rank=_int(env, "LOCAL_RANK", 0),
-        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
-        group_rank=_int(env, "GROUP_RANK", 0),
-        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
-        max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
-        run_id=env.get("TORCHELASTIC_RUN_ID") or "local",
-        master_addr=env.get("MASTER_ADDR") or None,
-        master_port=_int(env, "MASTER_PORT", 0) if port else None,
-        torchrun="TORCHELASTIC_RUN_ID" in env,
-    )
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
@@ -113,6 +109,64 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     if device != "cpu":
         raise ValueError(f"device={device!r} must be 'auto', 'cpu' or 'cuda'")
     return torch.device("cpu")
+
+
+def client_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
+    """The job's TCPStore as torch's env:// rendezvous would open it: a client of torchrun's
+    agent store (``TORCHELASTIC_USE_AGENT_STORE=True``), else hosted by rank 0."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return dist.TCPStore(
+        addr,
+        port,
+        world_size,
+        is_master=not agent and rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+        multi_tenant=True,
+    )
+
+
+def _get(store: Any, key: str) -> str | None:
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def handshake(store: Any, rank: int, world_size: int, timeout_s: float) -> str:
+    """Agree on rank 0's fresh token, this incarnation's store namespace (docs/elastic.md);
+    every rank of the group must call it."""
+    deadline = time.monotonic() + timeout_s
+
+    def waited(what: str) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {rank}: no {what} within {timeout_s:g}s while joining the process group "
+                f"(world size {world_size}): is every rank of this incarnation running?"
+            )
+        time.sleep(_POLL_S)
+
+    if rank == 0:
+        token = uuid.uuid4().hex[:12]
+        answered: dict[int, str] = {}
+        pending = set(range(1, world_size))
+        while pending:
+            for r in sorted(pending):
+                nonce = _get(store, f"req/{r}")
+                if nonce is not None and answered.get(r) != nonce:
+                    store.set(f"ack/{r}", f"{token} {nonce}")
+                    answered[r] = nonce
+                if _get(store, f"ok/{r}") == token:
+                    pending.discard(r)
+            if pending:
+                waited(f"answer from ranks {sorted(pending)}")
+        return token
+    nonce = uuid.uuid4().hex
+    store.set(f"req/{rank}", nonce)
+    while True:
+        ack = _get(store, f"ack/{rank}")
+        if ack is not None:
+            token, _, echoed = ack.partition(" ")
+            if echoed == nonce:
+                store.set(f"ok/{rank}", token)
+                return token
+        waited("answer from rank 0")
 
 
 class Agent:
@@ -198,7 +252,7 @@ class RankManager:
         if owns:
             timeout = timedelta(seconds=timeout_s)
             if info.master_addr is not None and info.master_port is not None:
-                # a fresh store namespace per incarnation (see _join.py)
+                # a fresh store namespace per incarnation (see handshake)
                 base = client_store(
                     info.master_addr, info.master_port, info.rank, info.world_size, timeout_s
                 )

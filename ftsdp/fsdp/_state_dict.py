@@ -573,8 +573,7 @@ def _full_grads(
     has = dict(zip((id(i) for i in infos), present.tolist(), strict=True))
     out: dict[int, torch.Tensor] = {}
     for unit in units:
-        wanted = [info for info in unit.infos if has[id(info)]]
-        if wanted:
+        if wanted := [info for info in unit.infos if has[id(info)]]:
             pieces = [(info, info.sharded_param.grad) for info in wanted]
             for info, full in zip(wanted, _gather_params(unit, pieces), strict=True):
                 out[id(info)] = full

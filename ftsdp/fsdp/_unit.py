@@ -572,8 +572,7 @@ def check_same_structure(plans: list[UnitPlan], group: dist.ProcessGroup | None)
         for plan in plans
     ]
     everyone = all_gather_objects(mine, group)
-    differing = [r for r, row in enumerate(everyone) if row != everyone[0]]
-    if differing:
+    if differing := [r for r, row in enumerate(everyone) if row != everyone[0]]:
         raise ValueError(
             "the wrapped model differs across ranks (per unit: parameter count, trainable "
             f"count, dtypes): rank 0 has {everyone[0]}, "
@@ -593,10 +592,6 @@ def build_units(
     schedule: HostSchedule,
 ) -> list[FlatParamUnit]:
     """One FlatParamUnit per plan; a meta-device model is materialised unit by unit."""
-
-    def build(plan: UnitPlan) -> FlatParamUnit:
-        return FlatParamUnit(plan, options, groups, stats, gauge, schedule)
-
     # Units are built as the modules() walk passes their last module; an eager model builds
     # in the same order, so a meta-device rank and an eager one pair their broadcasts.
     unit_of = {id(pp.param): i for i, plan in enumerate(plans) for pp in plan.params}
@@ -635,7 +630,7 @@ def build_units(
                     uninitialised.append(f"{names.get(id(m)) or '<root>'} ({type(m).__name__})")
             for u in owners[index]:
                 if last_module[u] == index:
-                    units[u] = build(plans[u])
+                    units[u] = FlatParamUnit(plans[u], options, groups, stats, gauge, schedule)
         if uninitialised:
             logger.warning(
                 "ftsdp.FSDP: %d module(s) built on the meta device have no reset_parameters() "
@@ -653,7 +648,7 @@ def build_units(
         module.to(options.device)
     for u in order:
         if units[u] is None:
-            units[u] = build(plans[u])
+            units[u] = FlatParamUnit(plans[u], options, groups, stats, gauge, schedule)
     return units  # type: ignore[return-value]
 
 

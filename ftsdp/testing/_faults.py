@@ -85,8 +85,7 @@ def log_fault(fault: Fault, rank: int, incarnation: str = "", **extra: object) -
         **extra,
     }
     logger.warning("ftsdp: injecting fault %s on rank %d", fault.describe(), rank)
-    path = os.environ.get("FTSDP_FAULT_LOG")
-    if path:
+    if path := os.environ.get("FTSDP_FAULT_LOG"):
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

@@ -110,8 +110,7 @@ class FaultyFileSystem(AbstractFileSystem):
         return _Writer(self, path) if "w" in mode else self._local._open(path, mode)
 
     def _commit(self, path: str, data: bytes) -> None:
-        manifest = _MANIFEST.search(path)
-        if manifest:
+        if manifest := _MANIFEST.search(path):
             self._maybe_crash("before_manifest", int(manifest.group(1)), path)
         if path.endswith("/latest"):
             self._maybe_crash("before_latest", int(data.decode().strip() or -1), path)
@@ -122,8 +121,7 @@ class FaultyFileSystem(AbstractFileSystem):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        data_obj = _DATA.search(path)
-        if data_obj:
+        if data_obj := _DATA.search(path):
             step = int(data_obj.group(1))
             with _lock:
                 _written[step] = _written.get(step, 0) + 1

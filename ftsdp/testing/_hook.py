@@ -45,7 +45,7 @@ class FaultHook:
 
     def needs_commit(self, step: int) -> bool:
         """Whether an ``after_commit`` fault of ``step`` applies (the loop then waits)."""
-        return any(i in self._due(step, "after_commit") for i in range(len(self.faults)))
+        return bool(self._due(step, "after_commit"))
 
     def after_commit(self, step: int) -> None:
         """Fire the ``after_commit`` faults of ``step``."""
@@ -92,9 +92,8 @@ def fault_hook_from_env(
             f"ftsdp (rank {rank}): fault injection armed by FTSDP_FAULT={spec!r} "
             f"({len(hook.faults)} fault(s) for this rank); unset it outside the fault suite"
         )
-        if any(f.kind == "kill_node" or f.target == "agent" for f in hook.faults) and not is_agent(
-            agent
-        ):
+        signals_agent = any(f.kind == "kill_node" or f.target == "agent" for f in hook.faults)
+        if signals_agent and not is_agent(agent):
             logger.warning(
                 "ftsdp (rank %d): FTSDP_FAULT's kill_node and target=agent faults will be refused: "
                 "this process was not started by torchrun or ftsdp.launch",

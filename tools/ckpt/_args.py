@@ -155,8 +155,9 @@ def _mesh_options(p: argparse.ArgumentParser, layout: Any) -> None:
     )  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every subcommand."""
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand, built once per process: parsing leaves it as it was."""
     common = _Parser(add_help=False)
     common.add_argument(
         "--max-memory", type=parse_size, default=DEFAULT_MAX_MEMORY, metavar="SIZE",
@@ -290,12 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     return parser
-
-
-@functools.cache
-def _parser() -> argparse.ArgumentParser:
-    """:func:`build_parser`, once per process: parsing leaves it as it was."""
-    return build_parser()
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -241,6 +241,15 @@ def tokenizer_source(
 MAX_CONFIG_BYTES = 1 << 20  # a config.json read from a source folder: far more than any model's
 
 
+def _config_json(config: Any, dtype: str | None) -> bytes:
+    """``config`` as config.json's text, its dtype set to ``dtype`` as save_pretrained sets it."""
+    if dtype is not None and isinstance(config, dict):
+        config = {**config, "dtype": dtype}
+        if "torch_dtype" in config:  # the older key
+            config["torch_dtype"] = dtype
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
 def _as_named(
     args: argparse.Namespace, fmt: str, step: int | None
 ) -> tuple[dict[str, Any], Callable[[Any], list[str]]]:
@@ -261,15 +270,8 @@ def _as_named(
     config = _source_config(args.src, args.storage_options)
     if config is not None:
         dtype = str(args.dtype).removeprefix("torch.") if args.dtype else None
-        if dtype is not None and isinstance(config, dict):  # as save_pretrained sets it
-            config["dtype"] = dtype
-            if "torch_dtype" in config:  # the older key
-                config["torch_dtype"] = dtype
-        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-        kwargs["extra_files"] = {"config.json": text.encode()}
-    folder = args.tokenizer or args.src
-    tokenizer = _local(folder)
-    files = _tokenizer_files(folder, tokenizer and _link_root(tokenizer))
+        kwargs["extra_files"] = {"config.json": _config_json(config, dtype)}
+    folder, files, _ = tokenizer_source(args.src, args.tokenizer or args.src, None)
     if files:
         kwargs.update(copy_files=list(files), copy_files_from=folder)
 
@@ -310,9 +312,7 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
     with storage.LazyStateDict(
         args.src, args.step, storage_options=args.storage_options, trust_pickle=args.trust_pickle
     ) as ckpt:
-        if not storage.conversion.training_layout(
-            ckpt.format, ckpt
-        ):  # a model's own names: written as they are
+        if not storage.conversion.training_layout(ckpt.format, ckpt):  # a model's own names
             return _as_named(args, ckpt.format, ckpt.step)
         record = read_record(ckpt.values, args.src)
         # the exported floating weights' dtype name (None when they mix dtypes)
@@ -338,13 +338,7 @@ def hf_export(args: argparse.Namespace) -> tuple[dict[str, Any], Callable[[Any],
     if args.dst.rstrip("/").endswith(".safetensors"):  # one file
         note = f"note: {args.dst} is one file: config.json and tokenizer files not written ({DOCS})"
         return kwargs, lambda r: [*notes, note]
-    config = dict(config)  # its dtype set to the weights' as save_pretrained does
-    if dtype is not None:
-        config["dtype"] = dtype
-        if "torch_dtype" in config:  # the older key
-            config["torch_dtype"] = dtype
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    kwargs["extra_files"] = {"config.json": text.encode()}
+    kwargs["extra_files"] = {"config.json": _config_json(config, dtype)}
     assert record is not None  # config came from it
     folder, files, tokenizer_notes = tokenizer_source(
         args.src, args.tokenizer, record.get("tokenizer_dir")

@@ -236,13 +236,11 @@ def _add(source: Source, record: Any, number: int) -> str | None:
     event = record.get("event")
     kept = {**record, "_line": number}
     if event in RUN_EVENTS or event == "fault":
-        problem = _check(record, RUN_EVENTS.get(event, FAULT_FIELDS))
-        if problem:
+        if problem := _check(record, RUN_EVENTS.get(event, FAULT_FIELDS)):
             return f"{event} record {problem}"
         (source.faults if event == "fault" else source.events).append(kept)
     elif event is None and all(k in record for k in SUITE_FIELDS):
-        problem = _absurd(record)
-        if problem:
+        if problem := _absurd(record):
             return f"fault-suite report row {problem}"
         source.suite.append(kept)
     elif event is None:

@@ -644,7 +644,7 @@ def test_faulty_fs_crashes_at_each_point_of_the_commit(tmp_path, point, crash_in
 def test_the_join_handshake_ignores_keys_left_by_a_previous_incarnation() -> None:
     import threading
 
-    from ftsdp.elastic._join import handshake
+    from ftsdp.elastic._rank import handshake
 
     store = dist.HashStore()
     for r in (1, 2):  # what the previous incarnation left behind
