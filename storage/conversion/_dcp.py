@@ -311,10 +311,7 @@ class StoreWriter(_OnStore, StorageWriter):
     ``.metadata`` last."""
 
     def __init__(
-        self,
-        store: Store,
-        claim: Callable[[list[str]], None] | None = None,
-        check: Callable[[], None] | None = None,
+        self, store: Store, claim: Callable[[list[str]], None], check: Callable[[], None]
     ) -> None:
         super().__init__(store)
         self.save_id = uuid.uuid4().hex
@@ -338,8 +335,7 @@ class StoreWriter(_OnStore, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         names = [f"{plan.storage_data.prefix}{n}.distcp" for n in range(len(plan.items))]
-        if self.claim is not None:
-            self.claim(names)
+        self.claim(names)
         results = []
         for name, item in zip(names, plan.items, strict=True):
             length = self._write_item(name, item, planner.resolve_data(item))
@@ -369,8 +365,7 @@ class StoreWriter(_OnStore, StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = self.storage_meta()
-        if self.check is not None:
-            self.check()
+        self.check()
         self.store.write_bytes(DCP_METADATA, pickle.dumps(metadata))  # the commit
 
 
@@ -544,10 +539,23 @@ class DcpSource(Source):
         return cache
 
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
-        """See ``Source.read_into``; IncompleteCheckpointError when a read meets a missing or
-        truncated item file."""
+        """Row blocks of plain items as flat ranges, other tensors through DCP;
+        IncompleteCheckpointError when a read meets a missing or truncated item file."""
         try:
-            self._read_into(requests)
+            for name, offset, out in requests:
+                layout = self._layout(name)
+                if layout is None:
+                    cache = self._cache  # taken once: another thread may replace it meanwhile
+                    if name not in cache:
+                        cache = self._fill_cache(name)
+                    out.copy_(cache[name][offset : offset + out.numel()])
+                    continue
+                end = offset + out.numel()
+                for flat, numel, path, byte in layout:
+                    lo, hi = max(offset, flat), min(end, flat + numel)
+                    if lo < hi:
+                        at = byte + (lo - flat) * out.element_size()
+                        self.store.read_into(path, at, tensor_bytes(out[lo - offset : hi - offset]))
         except CheckpointError:
             raise
         except OSError:
@@ -555,23 +563,6 @@ class DcpSource(Source):
             if incomplete is None:
                 raise
             raise incomplete from None
-
-    def _read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
-        """``read_into``: row blocks of plain items as flat ranges, other tensors through DCP."""
-        for name, offset, out in requests:
-            layout = self._layout(name)
-            if layout is None:
-                cache = self._cache  # taken once: another thread may replace it meanwhile
-                if name not in cache:
-                    cache = self._fill_cache(name)
-                out.copy_(cache[name][offset : offset + out.numel()])
-                continue
-            end = offset + out.numel()
-            for flat, numel, path, byte in layout:
-                lo, hi = max(offset, flat), min(end, flat + numel)
-                if lo < hi:
-                    at = byte + (lo - flat) * out.element_size()
-                    self.store.read_into(path, at, tensor_bytes(out[lo - offset : hi - offset]))
 
     def close(self) -> None:
         self._cache = {}
