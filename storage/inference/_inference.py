@@ -21,7 +21,7 @@ from ftsdp.storage.conversion._formats import open_source
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._ranges import Range, check_range
 from ftsdp.storage.io._buffers import empty_in_huge_pages
-from ftsdp.storage.io._streaming import MiB, Request, TensorInfo, group_requests, split_request
+from ftsdp.storage.io._streaming import MiB, TensorInfo, group_requests, split_request
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,21 @@ def fill(
     ]
     scratch = _Scratch(chunk)
     for group in group_requests(requests, sizes, chunk):
-        _read_group(source, group, by_name, scratch)
+        reads, staged = [], []
+        scratch.pos = 0  # the previous group's staging is copied out: reuse it
+        for r in group:
+            saved, target = source.tensors[r.name].dtype, by_name[r.name]
+            if target is not None and target.device.type == "cpu" and target.dtype == saved:
+                flat = target.detach().view(-1)[r.offset : r.offset + r.length]
+                reads.append((r.name, r.offset, flat))  # straight into the final buffer
+                continue
+            buf = scratch.take(r.length, saved)  # staged, or only verified (no target)
+            reads.append((r.name, r.offset, buf))
+            if target is not None:
+                staged.append((target.detach().view(-1)[r.offset : r.offset + r.length], buf))
+        source.read_into(reads)
+        for flat, buf in staged:
+            flat.copy_(buf)
 
 
 class _Scratch:
@@ -116,28 +130,6 @@ class _Scratch:
         return self.buf[start : self.pos].view(dtype)
 
 
-def _read_group(
-    source: Source, group: list[Request], targets: dict[str, torch.Tensor | None], scratch: _Scratch
-) -> None:
-    requests, staged = [], []
-    scratch.pos = 0  # the previous group's staging is copied out: reuse it
-    for r in group:
-        saved, target = source.tensors[r.name].dtype, targets[r.name]
-        if target is None:  # verify only
-            requests.append((r.name, r.offset, scratch.take(r.length, saved)))
-            continue
-        flat = target.detach().view(-1)[r.offset : r.offset + r.length]
-        if target.device.type == "cpu" and target.dtype == saved:
-            requests.append((r.name, r.offset, flat))  # straight into the final buffer
-        else:
-            buf = scratch.take(r.length, saved)
-            requests.append((r.name, r.offset, buf))
-            staged.append((flat, buf))
-    source.read_into(requests)
-    for flat, buf in staged:
-        flat.copy_(buf)
-
-
 def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
     """Copy ``src`` (CPU) into ``dst`` (any dtype and device) a chunk at a time."""
     if not dst.is_contiguous():  # a strided target (a channels_last weight): one copy
@@ -156,9 +148,8 @@ def _open(
     options: LoadOptions | None,
     trust_pickle: bool,
 ) -> Source:
-    """The loaders' source of ``url``: what it holds that no loader can represent (a dtype
-    torch or the format lacks, a value that is not JSON) is named in a warning, not dropped
-    unsaid."""
+    """The loaders' source of ``url``: what it holds that no loader can represent (a dtype torch or
+    the format lacks, a value that is not JSON) is named in a warning, not dropped unsaid."""
     source = open_source(
         url, None, step, storage_options, options=options, trust_pickle=trust_pickle
     )
@@ -371,15 +362,14 @@ def load_into(
 
 class LazyStateDict(Mapping):
     """A read-only mapping ``{dotted name: tensor}`` over a checkpoint; a tensor is read on first
-    access (kept unless ``cache=False``); ``info`` and ``values`` read no tensor. ``dtype`` casts
-    as in ``load_state_dict``; ``read(name, offset, length)`` gives a flat range, saved dtype.
+    access (kept unless ``cache=False``); ``info`` and ``values`` read no tensor. ``dtype`` casts as
+    in ``load_state_dict``; ``read(name, offset, length)`` gives a flat range, saved dtype.
 
-    Threads may share one: every read (``[]``, ``read``, ``fill_ranges``) may be called from
-    several at once and gives the tensor asked for (reads of a tensor's contiguous bytes run in
-    parallel). A local hf or torch file replaced (renamed over) or rewritten since it was opened
-    here raises ``CorruptCheckpointError`` naming it when read (docs/cli.md, "Python API for
-    inference"). A process
-    may fork with a local one open and read it in the child; one on S3 used before a fork
+    Threads may share one: every read (``[]``, ``read``, ``fill_ranges``) may be called from several
+    at once and gives the tensor asked for (reads of a tensor's contiguous bytes run in parallel). A
+    local hf or torch file replaced (renamed over) or rewritten since it was opened here raises
+    ``CorruptCheckpointError`` naming it when read (docs/cli.md, "Python API for inference"). A
+    process may fork with a local one open and read it in the child; one on S3 used before a fork
     cannot be read in the child (fsspec's S3 filesystem is not fork-safe): open it there."""
 
     def __init__(
