@@ -443,9 +443,8 @@ class DcpSource(Source):
             ) from None
 
     def _incomplete(self) -> IncompleteCheckpointError | None:
-        """IncompleteCheckpointError naming the first item file that ``.metadata`` lists and
-        that is missing or ends before the items it holds (what a short read met, as a missing
-        or short object of an ftsdp step); None when every one is whole."""
+        """IncompleteCheckpointError for the first item file ``.metadata`` lists that is missing
+        or ends before its items (what a short read met); None when every one is whole."""
         ends: dict[str, int] = {}  # each item file -> the end of its last item
         for info in self._meta.storage_data.values():
             end = info.offset + info.length
@@ -467,11 +466,9 @@ class DcpSource(Source):
         return None
 
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
-        """(flat offset, length, file, byte offset) of each saved row block; None if not all are.
-        A block is read as raw bytes only when its item holds a tensor of exactly the chunk's
-        shape and of the dtype ``.metadata`` gives: DCP's own reader loads an item whole and
-        casts it into a tensor of the metadata's dtype (``copy_``), which a planner that
-        converts what it writes relies on, so another item is read that way (None) too."""
+        """(flat offset, length, file, byte offset) of each saved row block; None unless every
+        block's item is a tensor of exactly the chunk's shape and ``.metadata``'s dtype (DCP's own
+        reader casts an item into that dtype, which a converting planner relies on)."""
         if name not in self._layouts:  # threads finding it at once compute the same
             self._layouts[name] = self._find_layout(name)
         return self._layouts[name]
@@ -521,9 +518,8 @@ class DcpSource(Source):
         return out
 
     def _fill_cache(self, name: str) -> dict[str, torch.Tensor]:
-        """Load ``name`` and the tensors after it in ``order`` while they fit in one chunk; the
-        new cache, which replaces the old one whole (a thread copying from the old one keeps it
-        until it is done)."""
+        """Load ``name`` and the tensors after it in ``order`` that fit in one chunk into a new
+        cache, which replaces the old one whole (a thread copying from the old one keeps it)."""
         self._cache = {}  # freed before the next is read (unless in use)
         start = self.order.index(name) if name in self.order else 0
         batch, used = [name], self.tensors[name].nbytes
