@@ -235,8 +235,7 @@ def convert(
     -> bytes), and the ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).
 
     Raises ``FileExistsError`` when ``dst`` holds a checkpoint unless ``overwrite`` (which removes
-    only that checkpoint), ``ValueError`` for invalid options or overlapping locations.
-    """
+    only that checkpoint), ``ValueError`` for invalid options or overlapping locations."""
     extra_files = dict(extra_files or {})
     get_format(to)  # ValueError for an unknown format
     if world_size is not None and (to != "ftsdp" or world_size < 1):

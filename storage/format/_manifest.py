@@ -1,8 +1,7 @@
 """The versioned manifest (docs/format.md, "manifest.json"): encode, decode, validate.
 
 ``Manifest.from_json`` fails only with a ``CheckpointError`` whatever its bytes, and bounds the
-work a hostile document can cause (docs/format.md, "Rules a reader enforces", "Threat model").
-"""
+work a hostile document can cause (docs/format.md, "Rules a reader enforces", "Threat model")."""
 
 from __future__ import annotations
 

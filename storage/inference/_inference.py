@@ -188,8 +188,7 @@ def load_state_dict(
 
     ``step`` picks an ftsdp step (newest by default); only ``keys`` are read (one name or
     several; ``KeyError`` for an unknown one); ``dtype`` casts the tensors of its kind, the
-    others keep their saved dtype; tensors are created on ``device``.
-    """
+    others keep their saved dtype; tensors are created on ``device``."""
     if isinstance(keys, str):  # one name, not its characters
         keys = [keys]
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -242,13 +241,12 @@ def load_into(
     moved to ``device`` / cast to ``dtype`` when given). ``dtype`` applies to the tensors of its
     kind; the others keep the module's dtype ([Note: the cast rule]). Tied parameters stay tied;
     saved under several of their names, they take the last one's values, as torch does. All or
-    nothing: the module is written only after every byte it gets was read and verified,
-    staged on the CPU (``staged_bytes``) or, past ``max_staging_bytes``, read twice (docs/cli.md,
-    "Python API for inference").
+    nothing: the module is written only after every byte it gets was read and verified, staged on
+    the CPU (``staged_bytes``) or, past ``max_staging_bytes``, read twice (docs/cli.md, "Python
+    API for inference").
 
     Raises ``StateMismatchError`` before anything is read for a shape mismatch, a refused cast,
-    or, when ``strict``, missing and unexpected keys (else reported in the result).
-    """
+    or, when ``strict``, missing and unexpected keys (else reported in the result)."""
     with closing(_open(url, step, storage_options, options, trust_pickle)) as source:
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
@@ -365,12 +363,10 @@ class LazyStateDict(Mapping):
     access (kept unless ``cache=False``); ``info`` and ``values`` read no tensor. ``dtype`` casts as
     in ``load_state_dict``; ``read(name, offset, length)`` gives a flat range, saved dtype.
 
-    Threads may share one: every read (``[]``, ``read``, ``fill_ranges``) may be called from several
-    at once and gives the tensor asked for (reads of a tensor's contiguous bytes run in parallel). A
-    local hf or torch file replaced (renamed over) or rewritten since it was opened here raises
-    ``CorruptCheckpointError`` naming it when read (docs/cli.md, "Python API for inference"). A
-    process may fork with a local one open and read it in the child; one on S3 used before a fork
-    cannot be read in the child (fsspec's S3 filesystem is not fork-safe): open it there."""
+    Threads may share one: ``[]``, ``read`` and ``fill_ranges`` may be called from several at once.
+    A local hf or torch file replaced or rewritten since it was opened raises
+    ``CorruptCheckpointError`` naming it when read. A forked child may read a local one; one on S3
+    used before the fork must be opened again there (docs/cli.md, "Python API for inference")."""
 
     def __init__(
         self,
@@ -457,8 +453,7 @@ class LazyStateDict(Mapping):
     ) -> int:
         """Fill each ``(name, offset, out)``: ``out`` (1-D, contiguous, any dtype and device) gets
         elements ``[offset, offset + out.numel())`` of the row-major flattening of tensor
-        ``name``; the number of elements read. Only those ranges are read (a sharded model's
-        init: each rank asks for its own shard; docs/training.md, "--init-from").
+        ``name``, reading only those ranges; returns the number of elements read.
 
         All or nothing: every range is read (and verified, where the format has checksums) into
         CPU staging of the saved dtype, ``chunk`` bytes of requests at a time, before any ``out``
