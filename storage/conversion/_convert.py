@@ -157,15 +157,16 @@ def select(
 
     ``model_only`` keeps the names under ``model.`` of a training checkpoint
     (``training_layout``), else drops those under an ``OPTIMIZER_ROOTS`` name, and drops all
-    values. ``rename`` maps prefixes (first match wins),
-    then ``strip_prefix`` is stripped; the tensors named in ``exclude`` are left out.
-    """
+    values. ``rename`` maps prefixes (first match wins), then ``strip_prefix`` is stripped; the
+    tensors named in ``exclude`` are left out."""
     exclude = frozenset(exclude)
     rules = [*rename, (strip_prefix, "")] if strip_prefix else list(rename)
 
     def renamed(name: str) -> str:
         for old, new in rules:
             if name.startswith(old):
+                if name == old and not new:
+                    raise ValueError(f"renaming {name!r} leaves an empty name")
                 return new + name[len(old) :]
         return name
 
@@ -175,8 +176,6 @@ def select(
         if name in exclude or (model_only and not _is_model_state(name, has_model_root)):
             continue
         out = renamed(name)
-        if not out and name:  # (a name that was empty is kept: every format holds it)
-            raise ValueError(f"renaming {name!r} leaves an empty name")
         if out in outputs:
             raise ValueError(
                 f"tensors {outputs[out].source_name!r} and {name!r} both become {out!r}"
@@ -187,8 +186,6 @@ def select(
     names: dict[str, str] = {}  # output value name -> its source name
     for name, value in [] if model_only else sorted(source.values.items()):
         out = renamed(name)
-        if not out and name:  # (a name that was empty is kept: every format holds it)
-            raise ValueError(f"renaming {name!r} leaves an empty name")
         if out in names:
             raise ValueError(f"values {names[out]!r} and {name!r} both become {out!r}")
         names[out], values[out] = name, value
@@ -227,20 +224,18 @@ def convert(
 ) -> ConvertResult:
     """Convert the checkpoint at ``src`` (format detected unless ``src_format``) to ``to`` at ``dst``.
 
-    ``step`` picks an ftsdp source step (newest by default), ``dst_step`` the step written
-    (default: the source's, else 0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp
-    output out in even flat ranges, ``mesh`` (dim sizes) as its ranks would hold DTensors of the
-    placements that the ``placements`` rules give (``(fnmatch pattern, "S0,R")``, first match
-    wins; default: mesh dim ``m`` shards tensor dim ``m``; see ``_mesh.py``); ``max_shard_bytes``
-    splits hf output; ``model_only``, ``rename``, ``strip_prefix`` and ``exclude``: see
-    ``select``. Memory in flight stays within ``max_memory``;
-    ``progress(done, total)`` is told the bytes read; ``trust_pickle``: see ``open_source``. Into an
-    hf folder only, before its commit file: ``extra_files`` (plain name -> bytes), and the
-    ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).
+    ``step`` picks an ftsdp source step (newest by default), ``dst_step`` the step written (default:
+    the source's, else 0). ``dtype`` casts floating tensors; ``world_size`` lays an ftsdp output out
+    in even flat ranges, ``mesh`` (dim sizes) as its ranks would hold DTensors of the placements
+    that the ``placements`` rules give (``(fnmatch pattern, "S0,R")``, first match wins; default:
+    mesh dim ``m`` shards tensor dim ``m``; see ``_mesh.py``); ``max_shard_bytes`` splits hf output;
+    ``model_only``, ``rename``, ``strip_prefix`` and ``exclude``: see ``select``. Memory in flight
+    stays within ``max_memory``; ``progress(done, total)`` is told the bytes read; ``trust_pickle``:
+    see ``open_source``. Into an hf folder only, before its commit file: ``extra_files`` (plain name
+    -> bytes), and the ``copy_files`` found in the directory ``copy_files_from`` (docs/cli.md).
 
     Raises ``FileExistsError`` when ``dst`` holds a checkpoint unless ``overwrite`` (which removes
-    only that checkpoint), ``ValueError`` for invalid options or overlapping locations.
-    """
+    only that checkpoint), ``ValueError`` for invalid options or overlapping locations."""
     extra_files = dict(extra_files or {})
     get_format(to)  # ValueError for an unknown format
     if world_size is not None and (to != "ftsdp" or world_size < 1):
@@ -327,11 +322,10 @@ def reshard(
     placements: PlacementRules = (),
     **kwargs: Any,
 ) -> ConvertResult:
-    """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline,
-    each tensor split into even flat ranges as a sharded save would; or, with ``mesh`` (its dim
-    sizes, e.g. ``(2, 2)`` for dp x tp), as the ranks of that mesh save DTensors of the
-    ``placements`` that rules give: the boxes of a grid, format version 5 (other arguments:
-    ``convert``)."""
+    """Rewrite a checkpoint as an ftsdp checkpoint laid out for ``world_size`` ranks, offline, each
+    tensor split into even flat ranges as a sharded save would; or, with ``mesh`` (its dim sizes,
+    e.g. ``(2, 2)`` for dp x tp), as the ranks of that mesh save DTensors of the ``placements`` that
+    rules give: the boxes of a grid, format version 5 (other arguments: ``convert``)."""
     if mesh is None and (not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world_size={world_size!r} must be an int >= 1 (or pass a mesh)")
     return convert(

@@ -311,10 +311,7 @@ class StoreWriter(_OnStore, StorageWriter):
     ``.metadata`` last."""
 
     def __init__(
-        self,
-        store: Store,
-        claim: Callable[[list[str]], None] | None = None,
-        check: Callable[[], None] | None = None,
+        self, store: Store, claim: Callable[[list[str]], None], check: Callable[[], None]
     ) -> None:
         super().__init__(store)
         self.save_id = uuid.uuid4().hex
@@ -338,8 +335,7 @@ class StoreWriter(_OnStore, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         names = [f"{plan.storage_data.prefix}{n}.distcp" for n in range(len(plan.items))]
-        if self.claim is not None:
-            self.claim(names)
+        self.claim(names)
         results = []
         for name, item in zip(names, plan.items, strict=True):
             length = self._write_item(name, item, planner.resolve_data(item))
@@ -369,8 +365,7 @@ class StoreWriter(_OnStore, StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = self.storage_meta()
-        if self.check is not None:
-            self.check()
+        self.check()
         self.store.write_bytes(DCP_METADATA, pickle.dumps(metadata))  # the commit
 
 
@@ -448,9 +443,8 @@ class DcpSource(Source):
             ) from None
 
     def _incomplete(self) -> IncompleteCheckpointError | None:
-        """IncompleteCheckpointError naming the first item file that ``.metadata`` lists and
-        that is missing or ends before the items it holds (what a short read met, as a missing
-        or short object of an ftsdp step); None when every one is whole."""
+        """IncompleteCheckpointError for the first item file ``.metadata`` lists that is missing
+        or ends before its items (what a short read met); None when every one is whole."""
         ends: dict[str, int] = {}  # each item file -> the end of its last item
         for info in self._meta.storage_data.values():
             end = info.offset + info.length
@@ -472,11 +466,9 @@ class DcpSource(Source):
         return None
 
     def _layout(self, name: str) -> list[tuple[int, int, str, int]] | None:
-        """(flat offset, length, file, byte offset) of each saved row block; None if not all are.
-        A block is read as raw bytes only when its item holds a tensor of exactly the chunk's
-        shape and of the dtype ``.metadata`` gives: DCP's own reader loads an item whole and
-        casts it into a tensor of the metadata's dtype (``copy_``), which a planner that
-        converts what it writes relies on, so another item is read that way (None) too."""
+        """(flat offset, length, file, byte offset) of each saved row block; None unless every
+        block's item is a tensor of exactly the chunk's shape and ``.metadata``'s dtype (DCP's own
+        reader casts an item into that dtype, which a converting planner relies on)."""
         if name not in self._layouts:  # threads finding it at once compute the same
             self._layouts[name] = self._find_layout(name)
         return self._layouts[name]
@@ -526,9 +518,8 @@ class DcpSource(Source):
         return out
 
     def _fill_cache(self, name: str) -> dict[str, torch.Tensor]:
-        """Load ``name`` and the tensors after it in ``order`` while they fit in one chunk; the
-        new cache, which replaces the old one whole (a thread copying from the old one keeps it
-        until it is done)."""
+        """Load ``name`` and the tensors after it in ``order`` that fit in one chunk into a new
+        cache, which replaces the old one whole (a thread copying from the old one keeps it)."""
         self._cache = {}  # freed before the next is read (unless in use)
         start = self.order.index(name) if name in self.order else 0
         batch, used = [name], self.tensors[name].nbytes
@@ -544,10 +535,23 @@ class DcpSource(Source):
         return cache
 
     def read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
-        """See ``Source.read_into``; IncompleteCheckpointError when a read meets a missing or
-        truncated item file."""
+        """Row blocks of plain items as flat ranges, other tensors through DCP;
+        IncompleteCheckpointError when a read meets a missing or truncated item file."""
         try:
-            self._read_into(requests)
+            for name, offset, out in requests:
+                layout = self._layout(name)
+                if layout is None:
+                    cache = self._cache  # taken once: another thread may replace it meanwhile
+                    if name not in cache:
+                        cache = self._fill_cache(name)
+                    out.copy_(cache[name][offset : offset + out.numel()])
+                    continue
+                end = offset + out.numel()
+                for flat, numel, path, byte in layout:
+                    lo, hi = max(offset, flat), min(end, flat + numel)
+                    if lo < hi:
+                        at = byte + (lo - flat) * out.element_size()
+                        self.store.read_into(path, at, tensor_bytes(out[lo - offset : hi - offset]))
         except CheckpointError:
             raise
         except OSError:
@@ -555,23 +559,6 @@ class DcpSource(Source):
             if incomplete is None:
                 raise
             raise incomplete from None
-
-    def _read_into(self, requests: Sequence[tuple[str, int, torch.Tensor]]) -> None:
-        """``read_into``: row blocks of plain items as flat ranges, other tensors through DCP."""
-        for name, offset, out in requests:
-            layout = self._layout(name)
-            if layout is None:
-                cache = self._cache  # taken once: another thread may replace it meanwhile
-                if name not in cache:
-                    cache = self._fill_cache(name)
-                out.copy_(cache[name][offset : offset + out.numel()])
-                continue
-            end = offset + out.numel()
-            for flat, numel, path, byte in layout:
-                lo, hi = max(offset, flat), min(end, flat + numel)
-                if lo < hi:
-                    at = byte + (lo - flat) * out.element_size()
-                    self.store.read_into(path, at, tensor_bytes(out[lo - offset : hi - offset]))
 
     def close(self) -> None:
         self._cache = {}

@@ -58,10 +58,9 @@ class FtsdpSink(Sink):
         rules: PlacementRules = (),
     ) -> None:
         super().__init__(store)
-        self.world_size, self.options = world_size, SaveOptions(object_bytes=object_bytes)
+        self.world_size = world_size if mesh is None else math.prod(mesh)
+        self.options = SaveOptions(object_bytes=object_bytes)
         self.mesh, self.rules = mesh, rules
-        if mesh is not None:
-            self.world_size = math.prod(mesh)
 
     def holds_checkpoint(self) -> bool:
         return bool(committed_steps(self.store))  # torn attempts are no checkpoint

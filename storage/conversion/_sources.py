@@ -63,10 +63,8 @@ def check_torch_storages(
 
 
 def _holding_tensors(obj: dict) -> set[int]:
-    """The ids of the containers (dicts, lists, tuples) in ``obj`` that hold a tensor at some
-    depth, each walked once (an unpickled structure may share or loop its containers; no
-    recursion: it may nest arbitrarily deep, and a tensor however deep is then refused by
-    ``TorchSource._walk``, not dropped with its list)."""
+    """The ids of the containers (dicts, lists, tuples) in ``obj`` holding a tensor at some depth,
+    each walked once, without recursion (an unpickled structure may share, loop or nest deeply)."""
     holders: set[int] = set()
     seen = {id(obj)}
     stack: list[tuple[object, Iterator]] = [(obj, iter(obj.values()))]
@@ -296,13 +294,10 @@ class TorchSource(Source):
             check_torch_storages(cast(IO[bytes], f), size, self._meta.items(), f"torch file {url}")
 
     def _walk(self, obj: dict, url: str) -> None:
-        """Flatten ``obj`` into tensors and JSON values, one container at a time (no recursion:
-        an unpickled structure may nest arbitrarily deep): into every dict, and into every list
-        or tuple holding a tensor at some depth (``layers.0.w``, as ``storage.save`` and DCP
-        name them; another is one value); CorruptCheckpointError past MAX_JSON_DEPTH levels,
-        which no manifest could hold, when two entries flatten to one name, or when one
-        container is at two places (``torch.save`` keeps it once; flattened, each place would
-        get its own names, 2**depth of them for a list of itself twice, nested)."""
+        """Flatten ``obj`` into tensors and JSON values without recursion: into every dict and
+        every list or tuple holding a tensor (``layers.0.w``, as ``storage.save`` and DCP name
+        them; another is one value). A container at two places is refused: flattened, each place
+        would get its own names, 2**depth of them for a list of itself twice, nested."""
         holders = _holding_tensors(obj)
         names: set[str] = set()  # every flat name given (a tensor, a value, or dropped)
         entered = {id(obj): "the top level"}  # each container walked into -> where

@@ -89,8 +89,7 @@ def cell_start(cuts: Cuts, shape: Sequence[int], index: Sequence[int]) -> int:
 
 
 def box_range(cuts: Cuts, shape: Sequence[int], box: Box) -> Range:
-    """The range in grid order of ``box``, which must be one cell of ``cuts``; ValueError
-    otherwise."""
+    """The range in grid order of ``box``, which must be one cell of ``cuts`` (else ValueError)."""
     index = []
     for d, (o, n) in enumerate(zip(box.offsets, box.lengths, strict=True)):
         c = cuts[d]

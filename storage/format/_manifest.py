@@ -1,8 +1,7 @@
 """The versioned manifest (docs/format.md, "manifest.json"): encode, decode, validate.
 
 ``Manifest.from_json`` fails only with a ``CheckpointError`` whatever its bytes, and bounds the
-work a hostile document can cause (docs/format.md, "Rules a reader enforces", "Threat model").
-"""
+work a hostile document can cause (docs/format.md, "Rules a reader enforces", "Threat model")."""
 
 from __future__ import annotations
 
@@ -390,10 +389,8 @@ def _decode(doc: Any, where: str) -> Manifest:
                 f"manifest checksum mismatch (stored {show(field_['value'])}, content {actual}): "
                 "the manifest is corrupt or was edited; load another step"
             )
-    for key in ("step", "world_size"):
-        need(
-            _is_int(doc.get(key), 0 if key == "step" else 1), f"{key}={show(doc.get(key))} invalid"
-        )
+    need(_is_int(doc.get("step")), f"step={show(doc.get('step'))} invalid")
+    need(_is_int(doc.get("world_size"), 1), f"world_size={show(doc.get('world_size'))} invalid")
     attempt = doc.get("attempt", "")
     need(isinstance(attempt, str), f"attempt={show(attempt)} is not a string")
     checksum = doc.get("checksum")

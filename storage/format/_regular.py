@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftsdp.storage.format._dtypes import torch_dtype
+from ftsdp.storage.format._json import MAX_INT
 from ftsdp.storage.format._objects import PlannedObject, PlannedPiece, pack
 from ftsdp.storage.format._ranges import Range
 
@@ -66,7 +67,7 @@ def infer_rule(
     if hint is not None:
         start, chunk = hint
         rule = Rule("even", int(start), int(chunk))
-        fits = 1 <= chunk <= _MAX and 0 <= start <= _MAX and start + numel <= world * chunk
+        fits = 1 <= chunk <= MAX_INT and 0 <= start <= MAX_INT and start + numel <= world * chunk
         return rule if fits and _same(rule.held(rank, numel), rng) else IRREGULAR
     if rng.offset == 0 and rng.length == numel:
         return WHOLE
@@ -76,11 +77,6 @@ def infer_rule(
         if _same(rule.held(rank, numel), rng):
             return rule
     return IRREGULAR
-
-
-# The largest start or chunk of a rule: the exchange compares rules as int64, and the manifest
-# allows no larger integer.
-_MAX = 2**63 - 1
 
 
 def _same(a: Range, b: Range) -> bool:

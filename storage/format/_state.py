@@ -67,7 +67,7 @@ def is_dtensor(obj: Any) -> bool:
 
 
 def dtensor_leaf(
-    name: str, dt: Any, memo: dict | None = None
+    name: str, dt: Any, memo: dict
 ) -> tuple[tuple[int, ...], Range, torch.Tensor, Cuts | None, Box | None]:
     """``(global shape, range, local tensor, grid, box)`` of this rank's shard of DTensor ``dt``:
     any mix of ``Shard(d)``, ``_StridedShard`` and ``Replicate`` whose shards are boxes. The range
@@ -79,14 +79,12 @@ def dtensor_leaf(
     if coordinate is None:
         raise ValueError(f"{name}: this rank is not in the DTensor's device mesh")
     key = (shape, tuple(mesh.shape), tuple(coordinate), tuple(dt.placements))
-    hit = memo.get(key) if memo is not None else None
+    hit = memo.get(key)
     if hit is None:
         try:
-            hit = dtensor_grid(shape, mesh.shape, coordinate, dt.placements)
+            hit = memo[key] = dtensor_grid(shape, mesh.shape, coordinate, dt.placements)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        if memo is not None:
-            memo[key] = hit
     box, cuts = hit
     local = getattr(dt, "_local_tensor", None)  # to_local() goes through autograd
     local = local if isinstance(local, torch.Tensor) else dt.to_local()

@@ -48,9 +48,8 @@ def committed_steps(store: Store) -> list[int]:
 
 
 def _newest_committed(store: Store) -> tuple[int, dict[str, tuple[str, int]]] | None:
-    """The newest committed step and its directory's listing, or None: the step directories
-    newest first, each listed until one holds a manifest (one listing of the root and usually one
-    of a step, whatever the steps)."""
+    """The newest committed step and its directory's listing, or None (step directories listed
+    newest first until one holds a manifest)."""
     names = store.listdir().items()
     dirs = sorted(
         (s for n, (k, _) in names if k == "directory" and (s := parse_step(n)) is not None)
@@ -310,8 +309,7 @@ def remove_step(store: Store, step: int, *, attempt: str | None = None) -> list[
 
 
 def remove_attempt(store: Store, step: int, attempt: str) -> None:
-    """Delete the objects and markers of one save attempt in step ``step`` (never the
-    manifest)."""
+    """Delete the objects and markers of one save attempt in step ``step`` (never the manifest)."""
     d = StepDir(step, store.listdir(step_dir(step)))
     for name in sorted(d.entries):
         if attempt_of(name) == attempt and _mine(store, d, name):
@@ -361,15 +359,10 @@ def plan_retention(
     known: Known | None = None,
     grace_s: float | None = None,
 ) -> RetentionPlan:
-    """What retention removes (docs/format.md, "Retention and garbage collection"); ``protect``
-    is always kept. ``scan``: a fresh ``scan_root`` that read every manifest (else one is
-    taken, with ``known``). A kept step of ``known`` is neither listed (its strays were looked
-    for when it was) nor read; one that goes is listed and its manifest read again. A step
-    whose listing lacks an object of its manifest (or has it short) is not counted among the
-    kept steps, and is kept itself when it is newer than every complete one. ``grace_s``: a
-    step directory holding a file written less than that long ago loses nothing that is not
-    committed (a save may be writing it: the save of a job that resumed from an older step, or
-    one replacing a damaged step). Its callers refuse ``keep_last < 1``."""
+    """What retention removes (docs/format.md, "Retention and garbage collection", damaged steps
+    and ``grace_s`` included); ``protect`` is always kept. ``scan``: a fresh ``scan_root`` that
+    read every manifest (else one is taken, with ``known``). A kept step of ``known`` is neither
+    listed nor read; one that goes is listed and read again. Callers refuse ``keep_last < 1``."""
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every={keep_every} must be >= 1 or None")
     if grace_s is not None and not (math.isfinite(grace_s) and grace_s >= 0):
@@ -395,7 +388,10 @@ def plan_retention(
                 names = sorted(set(d.entries) - {MANIFEST, *d.manifest.objects})
                 strays = _sort_out(store, d, Deletion(step, whole=False), names)
                 if strays.files and _written_since(store, strays, since):
-                    plan.notes.append(_recent(store, step, grace_s))
+                    plan.notes.append(
+                        f"{store.where(step_dir(step))}: files it does not list were written less "
+                        f"than {grace_s:g} s ago, left for now (a save may be writing them)"
+                    )
                     continue
                 plan.strays.append(strays)
                 plan.notes += [_foreign(store, step, n) for n in strays.left]
@@ -424,8 +420,8 @@ def plan_retention(
 
 
 def _damage(d: StepDir) -> str | None:
-    """Why committed step ``d`` cannot load by its listing (an object missing or of another
-    size), or None; a step of ``Known`` (not listed) was whole when this process saw it."""
+    """Why committed step ``d`` cannot load by its listing, or None (a step of ``Known``, not
+    listed, was whole when this process saw it)."""
     assert d.manifest is not None
     bad = object_problem(d.manifest, d.entries) if d.listed else None
     if bad is None:
@@ -445,13 +441,6 @@ def _written_since(store: Store, plan: Deletion, since: float | None) -> bool:
         except FileNotFoundError:
             return True
     return False
-
-
-def _recent(store: Store, step: int, grace_s: float | None) -> str:
-    return (
-        f"{store.where(step_dir(step))}: files it does not list were written less than "
-        f"{grace_s:g} s ago, left for now (a save may be writing them)"
-    )
 
 
 def retain(

@@ -21,7 +21,7 @@ from ftsdp.storage.conversion._formats import open_source
 from ftsdp.storage.conversion._interfaces import Source
 from ftsdp.storage.format._ranges import Range, check_range
 from ftsdp.storage.io._buffers import empty_in_huge_pages
-from ftsdp.storage.io._streaming import MiB, Request, TensorInfo, group_requests, split_request
+from ftsdp.storage.io._streaming import MiB, TensorInfo, group_requests, split_request
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,21 @@ def fill(
     ]
     scratch = _Scratch(chunk)
     for group in group_requests(requests, sizes, chunk):
-        _read_group(source, group, by_name, scratch)
+        reads, staged = [], []
+        scratch.pos = 0  # the previous group's staging is copied out: reuse it
+        for r in group:
+            saved, target = source.tensors[r.name].dtype, by_name[r.name]
+            if target is not None and target.device.type == "cpu" and target.dtype == saved:
+                flat = target.detach().view(-1)[r.offset : r.offset + r.length]
+                reads.append((r.name, r.offset, flat))  # straight into the final buffer
+                continue
+            buf = scratch.take(r.length, saved)  # staged, or only verified (no target)
+            reads.append((r.name, r.offset, buf))
+            if target is not None:
+                staged.append((target.detach().view(-1)[r.offset : r.offset + r.length], buf))
+        source.read_into(reads)
+        for flat, buf in staged:
+            flat.copy_(buf)
 
 
 class _Scratch:
@@ -116,28 +130,6 @@ class _Scratch:
         return self.buf[start : self.pos].view(dtype)
 
 
-def _read_group(
-    source: Source, group: list[Request], targets: dict[str, torch.Tensor | None], scratch: _Scratch
-) -> None:
-    requests, staged = [], []
-    scratch.pos = 0  # the previous group's staging is copied out: reuse it
-    for r in group:
-        saved, target = source.tensors[r.name].dtype, targets[r.name]
-        if target is None:  # verify only
-            requests.append((r.name, r.offset, scratch.take(r.length, saved)))
-            continue
-        flat = target.detach().view(-1)[r.offset : r.offset + r.length]
-        if target.device.type == "cpu" and target.dtype == saved:
-            requests.append((r.name, r.offset, flat))  # straight into the final buffer
-        else:
-            buf = scratch.take(r.length, saved)
-            requests.append((r.name, r.offset, buf))
-            staged.append((flat, buf))
-    source.read_into(requests)
-    for flat, buf in staged:
-        flat.copy_(buf)
-
-
 def _copy_in(dst: torch.Tensor, src: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
     """Copy ``src`` (CPU) into ``dst`` (any dtype and device) a chunk at a time."""
     if not dst.is_contiguous():  # a strided target (a channels_last weight): one copy
@@ -156,9 +148,8 @@ def _open(
     options: LoadOptions | None,
     trust_pickle: bool,
 ) -> Source:
-    """The loaders' source of ``url``: what it holds that no loader can represent (a dtype
-    torch or the format lacks, a value that is not JSON) is named in a warning, not dropped
-    unsaid."""
+    """The loaders' source of ``url``: what it holds that no loader can represent (a dtype torch or
+    the format lacks, a value that is not JSON) is named in a warning, not dropped unsaid."""
     source = open_source(
         url, None, step, storage_options, options=options, trust_pickle=trust_pickle
     )
@@ -197,8 +188,7 @@ def load_state_dict(
 
     ``step`` picks an ftsdp step (newest by default); only ``keys`` are read (one name or
     several; ``KeyError`` for an unknown one); ``dtype`` casts the tensors of its kind, the
-    others keep their saved dtype; tensors are created on ``device``.
-    """
+    others keep their saved dtype; tensors are created on ``device``."""
     if isinstance(keys, str):  # one name, not its characters
         keys = [keys]
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -251,13 +241,12 @@ def load_into(
     moved to ``device`` / cast to ``dtype`` when given). ``dtype`` applies to the tensors of its
     kind; the others keep the module's dtype ([Note: the cast rule]). Tied parameters stay tied;
     saved under several of their names, they take the last one's values, as torch does. All or
-    nothing: the module is written only after every byte it gets was read and verified,
-    staged on the CPU (``staged_bytes``) or, past ``max_staging_bytes``, read twice (docs/cli.md,
-    "Python API for inference").
+    nothing: the module is written only after every byte it gets was read and verified, staged on
+    the CPU (``staged_bytes``) or, past ``max_staging_bytes``, read twice (docs/cli.md, "Python
+    API for inference").
 
     Raises ``StateMismatchError`` before anything is read for a shape mismatch, a refused cast,
-    or, when ``strict``, missing and unexpected keys (else reported in the result).
-    """
+    or, when ``strict``, missing and unexpected keys (else reported in the result)."""
     with closing(_open(url, step, storage_options, options, trust_pickle)) as source:
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
@@ -371,16 +360,13 @@ def load_into(
 
 class LazyStateDict(Mapping):
     """A read-only mapping ``{dotted name: tensor}`` over a checkpoint; a tensor is read on first
-    access (kept unless ``cache=False``); ``info`` and ``values`` read no tensor. ``dtype`` casts
-    as in ``load_state_dict``; ``read(name, offset, length)`` gives a flat range, saved dtype.
+    access (kept unless ``cache=False``); ``info`` and ``values`` read no tensor. ``dtype`` casts as
+    in ``load_state_dict``; ``read(name, offset, length)`` gives a flat range, saved dtype.
 
-    Threads may share one: every read (``[]``, ``read``, ``fill_ranges``) may be called from
-    several at once and gives the tensor asked for (reads of a tensor's contiguous bytes run in
-    parallel). A local hf or torch file replaced (renamed over) or rewritten since it was opened
-    here raises ``CorruptCheckpointError`` naming it when read (docs/cli.md, "Python API for
-    inference"). A process
-    may fork with a local one open and read it in the child; one on S3 used before a fork
-    cannot be read in the child (fsspec's S3 filesystem is not fork-safe): open it there."""
+    Threads may share one: ``[]``, ``read`` and ``fill_ranges`` may be called from several at once.
+    A local hf or torch file replaced or rewritten since it was opened raises
+    ``CorruptCheckpointError`` naming it when read. A forked child may read a local one; one on S3
+    used before the fork must be opened again there (docs/cli.md, "Python API for inference")."""
 
     def __init__(
         self,
@@ -467,8 +453,7 @@ class LazyStateDict(Mapping):
     ) -> int:
         """Fill each ``(name, offset, out)``: ``out`` (1-D, contiguous, any dtype and device) gets
         elements ``[offset, offset + out.numel())`` of the row-major flattening of tensor
-        ``name``; the number of elements read. Only those ranges are read (a sharded model's
-        init: each rank asks for its own shard; docs/training.md, "--init-from").
+        ``name``, reading only those ranges; returns the number of elements read.
 
         All or nothing: every range is read (and verified, where the format has checksums) into
         CPU staging of the saved dtype, ``chunk`` bytes of requests at a time, before any ``out``
