@@ -23,6 +23,7 @@ from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
 from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
 from ftsdp.storage.format._steps import Known
+from ftsdp.storage.io._buffers import ByteBudget
 from ftsdp.storage.io._collectives import own_group, rank_world, release_own_group, resolve_group
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import piece_bytes
@@ -32,7 +33,6 @@ from ftsdp.storage.saving._nodes import finish_on_nodes
 from ftsdp.storage.saving._save_plan import SavePlan
 from ftsdp.storage.saving._staging import (
     SnapshotArena,
-    StagingBudget,
     aligned_bytes,
     copy_cpu,
     copy_into,
@@ -646,7 +646,7 @@ class _SaveJob:
     def _stage_in_budget(
         self, pool: ThreadPoolExecutor, handle: SaveHandle, futures: list[Future]
     ) -> tuple[list[Future], BaseException | None]:
-        budget = StagingBudget(self.options.staging_budget_bytes)
+        budget = ByteBudget(self.options.staging_budget_bytes)
 
         def upload(obj: PlannedObject, staged: list[torch.Tensor]) -> Any:
             try:

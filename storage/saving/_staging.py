@@ -12,30 +12,6 @@ import torch
 
 from ftsdp.storage.io._buffers import host_buffer
 
-
-class StagingBudget:
-    """At most ``limit`` bytes staged at once; ``acquire`` blocks until uploads release enough
-    (a request over the whole budget is admitted when nothing else is held: progress)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int) -> None:
-        with self._cond:
-            while self.used > 0 and self.used + n > self.limit:
-                self._cond.wait()
-            self.used += n
-            self.peak = max(self.peak, self.used)
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
 _ALIGN = 64  # bytes: every staged piece starts aligned for any dtype
 
 
