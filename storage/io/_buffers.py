@@ -28,9 +28,6 @@ def host_buffer(nbytes: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
     private = getattr(mmap, "MAP_PRIVATE", None)  # not on Windows, whose mappings are private
     m = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
-    # No huge page advice here: a process's first huge pages cost the kernel far more than
-    # small ones on some machines (docs/benchmarks.md, "First call: what was slow"), and this
-    # memory is mostly a save's first, written once.
     return torch.frombuffer(m, dtype=torch.uint8)
 
 

@@ -125,10 +125,7 @@ class LocalStore(Store):
             os.close(fd)
 
     def stable_range(self, rel: str, start: int, end: int) -> np.ndarray:
-        # An object with one name is never written again (a durable root writes new names and
-        # renames them): its pages are mapped. One with another name may be rewritten through
-        # that name (the persister's memory tier links its reusable slot files; a user's
-        # hard link): read privately, from the same open file whose links were counted.
+        # docs/format.md, "Integrity": one name, mapped; more, read privately
         return self._retry(lambda: self._stable_range_once(rel, start, end))
 
     def _stable_range_once(self, rel: str, start: int, end: int) -> np.ndarray:
@@ -189,11 +186,9 @@ class LocalStore(Store):
 
 
 class _HeldFile:
-    """What a file was when ``LocalStore.hold`` took it (device, inode, size, modification and
-    change times): each read opens it again and checks, before and after reading, that it is
-    still that file (``CorruptCheckpointError`` otherwise: replaced or rewritten, its bytes are
-    no longer those its header described). No descriptor is kept: a reader of a model in
-    hundreds of shards holds none between reads."""
+    """What a file was when ``LocalStore.hold`` took it: each read opens it again and checks,
+    before and after, that it is still that file (docs/cli.md, "Python API for inference": "Files
+    that change while open")."""
 
     def __init__(self, path: str, where: str) -> None:
         self.path, self.where = path, where
@@ -244,8 +239,6 @@ def _pread_all(fd: int, view: memoryview, start: int) -> int:
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
-    # the change time too: a rewrite whose modification time is put back (cp -p, rsync -t,
-    # os.utime) still changes it
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 

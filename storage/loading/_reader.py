@@ -64,10 +64,7 @@ def _parts(span: Span, block: int, part_bytes: int) -> list[_Part]:
 
 def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[Segment]:
     rel = f"{step_dir(step)}/{part.span.object}"
-    # Bytes no one can change once read: the checks below and the copies of the returned
-    # segments see the same bytes (a local object's pages only when it has no other name;
-    # otherwise a private buffer, which the in-flight budget bounds).
-    try:
+    try:  # bytes no one can change once read: the checks and the copies see the same bytes
         data = store.stable_range(rel, part.start, part.end)
     except FileNotFoundError:
         raise _missing(store, step, rel) from None
