@@ -21,7 +21,7 @@ from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._layout import check_step, step_dir
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
-from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
+from ftsdp.storage.format._state import TensorLeaf, flatten_state
 from ftsdp.storage.format._steps import Known
 from ftsdp.storage.io._buffers import ByteBudget
 from ftsdp.storage.io._collectives import own_group, rank_world, release_own_group, resolve_group
@@ -31,6 +31,7 @@ from ftsdp.storage.saving._commit import Lineage, finish, fresh_attempt, plan_li
 from ftsdp.storage.saving._exchange import exchange
 from ftsdp.storage.saving._nodes import finish_on_nodes
 from ftsdp.storage.saving._save_plan import SavePlan
+from ftsdp.storage.saving._shares import describe
 from ftsdp.storage.saving._staging import (
     SnapshotArena,
     aligned_bytes,
@@ -368,13 +369,17 @@ def _save(
             "job (a gloo group of storage's own); the process group given is a subgroup"
         )
     save = _Save(store, step, group, options, lane, node, own)
-    handle = _register(SaveHandle(step, store.where()), lane)
+    handle = SaveHandle(step, store.where())
+    with _lock:
+        lane.previous = handle
     # Every rank reaches the exchange even when its own state is bad, so errors never hang.
     try:
-        save.tensors, save.meta = _describe(state)
+        save.tensors, values = describe(state)
+        save.meta["values"] = values
     except Exception as e:
         save.failed(e)
-    snapshot = _Snapshot.start(save, handle, start, defer_copy) if async_save else None
+    size = _snapshot_size(store, save.tensors, options, defer_copy) if async_save else None
+    snapshot = None if size is None else _Snapshot(save, handle, start, size[0])
     job: _SaveJob | None = None
     if not async_save or (group is not None and own is None):  # sync, or over a subgroup
         try:
@@ -403,19 +408,6 @@ def _save(
             handle._snapshot.wait()  # the copy is done (or the save failed: wait() says)
     handle.blocking_seconds = time.perf_counter() - start
     return handle
-
-
-def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
-    with _lock:
-        lane.previous = handle
-    return handle
-
-
-def _describe(
-    state: Mapping[str, Any],
-) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
-    tensors, values = flatten_state(state)
-    return tensors, {"error": None, "values": json_copy(values)}  # (values may change after)
 
 
 class _Save:
@@ -491,14 +483,6 @@ class _Snapshot:
         self.error: BaseException | None = None
         self._copied = threading.Event()  # the copy is over, whatever its outcome
         save.lane.worker("copy").submit(self._copy)
-
-    @classmethod
-    def start(
-        cls, save: _Save, handle: SaveHandle, start: float, deferred: bool
-    ) -> _Snapshot | None:
-        """The snapshot of ``save``'s tensors, started; None where there is none."""
-        size = _snapshot_size(save.store, save.tensors, save.options, deferred)
-        return None if size is None else cls(save, handle, start, size[0])
 
     def _copy(self) -> None:
         try:
