@@ -613,40 +613,31 @@ class _SaveJob:
                 for obj in self.mine:
                     futures.append(pool.submit(self._write, obj, self._pieces(obj, snapshot)))
                 return futures, None
-            if in_place(self.save.store, cuda=self._on_cuda()):
+            cuda = any(t.local.device.type == "cuda" for t in self.save.tensors.values())
+            if in_place(self.save.store, cuda):
                 live = [self._pieces(obj, in_place=True) for obj in self.mine]  # before any write
                 futures = [
                     pool.submit(self._write, o, b) for o, b in zip(self.mine, live, strict=True)
                 ]
                 wait(futures)  # the snapshot: the bytes are in the files now
                 return futures, None
-            return self._stage_in_budget(pool, handle, futures)
+            budget = ByteBudget(self.options.staging_budget_bytes)
+
+            def upload(obj: PlannedObject, staged: list[torch.Tensor]) -> Any:
+                try:
+                    return self._write(obj, staged)
+                finally:
+                    budget.release(obj.payload_bytes)
+
+            try:
+                for obj in self.mine:
+                    budget.acquire(obj.payload_bytes)
+                    futures.append(pool.submit(upload, obj, stage(self._pieces(obj))))
+            finally:
+                handle.staging_peak_bytes = budget.peak
+            return futures, None
         except BaseException as e:
             return futures, e
-
-    def _on_cuda(self) -> bool:
-        return any(t.local.device.type == "cuda" for t in self.save.tensors.values())
-
-    def _stage_in_budget(
-        self, pool: ThreadPoolExecutor, handle: SaveHandle, futures: list[Future]
-    ) -> tuple[list[Future], BaseException | None]:
-        budget = ByteBudget(self.options.staging_budget_bytes)
-
-        def upload(obj: PlannedObject, staged: list[torch.Tensor]) -> Any:
-            try:
-                return self._write(obj, staged)
-            finally:
-                budget.release(obj.payload_bytes)
-
-        error: BaseException | None = None
-        try:
-            for obj in self.mine:
-                budget.acquire(obj.payload_bytes)
-                futures.append(pool.submit(upload, obj, stage(self._pieces(obj))))
-        except BaseException as e:  # still take part in the commit protocol, as a failure
-            error = e
-        handle.staging_peak_bytes = budget.peak
-        return futures, error
 
     def write_and_commit(self, uploads: tuple[list[Future], BaseException | None]) -> None:
         """Wait for this rank's writes, then the commit (storage/saving/_commit.py)."""
