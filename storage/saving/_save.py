@@ -384,6 +384,8 @@ def _save(
     if not async_save or (group is not None and own is None):  # sync, or over a subgroup
         try:
             job = save.plan(group)
+            if not async_save:
+                job.write_and_commit(job.submit_live())
         except BaseException as e:
             if snapshot is not None:  # the lane's arena is the next save's: leave it settled
                 snapshot.settle()
@@ -391,13 +393,6 @@ def _save(
             handle._finish(e)
             raise
     if not async_save:
-        assert job is not None
-        try:
-            job.write_and_commit(job.submit_live())
-        except BaseException as e:
-            handle._observed = True
-            handle._finish(e)
-            raise
         handle._finish(None)
     else:
         _in_background(handle, save, job, snapshot, start)  # peers learn of errors there
