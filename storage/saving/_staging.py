@@ -52,10 +52,8 @@ class SnapshotArena:
     def leaves(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[memoryview]]:
         """CPU tensors of the dtypes and sizes of the 1-D ``tensors``, to copy them into, and
         their bytes: the kept ones when those are the same, else new ones. Call it on the
-        thread that trains: glibc's malloc gives each thread an arena of its own, and that
-        thread's holds what the process freed (activations, gradients, unsharded parameters),
-        which a copy maps no page for; a helper thread's is fresh memory, every page of it
-        faulted in by the copy (docs/benchmarks.md, "First call: what was slow")."""
+        thread that trains, whose malloc arena holds what the process freed (docs/benchmarks.md,
+        "First call: what was slow, and what changed", 2026-12-04)."""
         layout = tuple((t.dtype, t.numel()) for t in tensors)
         with self._lock:
             if self._leaves is None or self._leaves[0] != layout:
