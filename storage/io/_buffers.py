@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 
 import torch
 
@@ -27,10 +28,31 @@ def host_buffer(nbytes: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
     private = getattr(mmap, "MAP_PRIVATE", None)  # not on Windows, whose mappings are private
     m = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
-    # No huge page advice here: a process's first huge pages cost the kernel far more than
-    # small ones on some machines (docs/benchmarks.md, "First call: what was slow"), and this
-    # memory is mostly a save's first, written once.
     return torch.frombuffer(m, dtype=torch.uint8)
+
+
+class ByteBudget:
+    """At most ``limit`` bytes of buffers in flight (a save's staging, a streamed load's reads):
+    ``acquire`` blocks until others release enough (a request over the whole budget is admitted
+    when nothing else is held: progress)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used > 0 and self.used + n > self.limit:
+                self._cond.wait()
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
 
 
 def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -10,6 +10,7 @@ import os
 import posixpath
 import re
 from collections.abc import Callable, Iterator
+from io import SEEK_CUR, SEEK_END, SEEK_SET, RawIOBase
 from typing import IO, Any, Generic, TypeVar
 
 import fsspec
@@ -20,7 +21,6 @@ from fsspec.implementations.memory import MemoryFileSystem
 from ftsdp.storage._errors import CorruptCheckpointError
 from ftsdp.storage._options import IOOptions
 from ftsdp.storage.io._buffers import host_buffer
-from ftsdp.storage.io._range_file import RangeFile
 from ftsdp.storage.io._retry import retry
 
 _PLAIN_NAME = re.compile(r"[^/\\:\x00-\x1f\x7f]{1,255}")
@@ -355,3 +355,54 @@ class _CreateOnly:
 
     def __call__(self, f: IO[bytes]) -> None:
         f.write(self.data)
+
+
+_READ_AHEAD = 64 << 10  # what a small read of a ``RangeFile`` fetches
+
+
+class RangeFile(RawIOBase):
+    """A byte range of an object as a seekable read-only file (``Store.open``): a small read
+    fetches up to ``_READ_AHEAD`` bytes for the next ones (a zip directory's dozens of tiny reads
+    cost one request), a large one goes straight into the caller's buffer."""
+
+    def __init__(self, store: Store, rel: str, start: int, length: int) -> None:
+        super().__init__()
+        self.store, self.rel, self.start, self.length, self.pos = store, rel, start, length, 0
+        self._ahead, self._ahead_at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = SEEK_SET) -> int:
+        base = {SEEK_SET: 0, SEEK_CUR: self.pos, SEEK_END: self.length}[whence]
+        self.pos = max(0, min(self.length, base + pos))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readall(self) -> bytes:
+        out = bytearray(self.length - self.pos)
+        self.readinto(out)
+        return bytes(out)
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = min(len(view), self.length - self.pos)
+        if n <= 0:
+            return 0
+        lo = self.pos - self._ahead_at
+        if 0 <= lo and lo + n <= len(self._ahead):
+            view[:n] = self._ahead[lo : lo + n]
+        elif n < _READ_AHEAD:
+            take = min(_READ_AHEAD, self.length - self.pos)
+            at = self.start + self.pos
+            self._ahead, self._ahead_at = self.store.read_range(self.rel, at, at + take), self.pos
+            view[:n] = self._ahead[:n]
+        else:
+            self.store.read_into(self.rel, self.start + self.pos, view[:n])
+        self.pos += n
+        return n

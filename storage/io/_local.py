@@ -117,26 +117,24 @@ class LocalStore(Store):
             return f.readinto(view)
 
     def map_range(self, rel: str, start: int, end: int) -> np.ndarray:
-        fd = os.open(self.full(rel), os.O_RDONLY)
-        try:
-            _check_size(self, rel, os.fstat(fd).st_size, start, end)
-            return _map(fd, start, end)
-        finally:
-            os.close(fd)
+        return self._range(rel, start, end, mapped=True)
 
     def stable_range(self, rel: str, start: int, end: int) -> np.ndarray:
-        # An object with one name is never written again (a durable root writes new names and
-        # renames them): its pages are mapped. One with another name may be rewritten through
-        # that name (the persister's memory tier links its reusable slot files; a user's
-        # hard link): read privately, from the same open file whose links were counted.
-        return self._retry(lambda: self._stable_range_once(rel, start, end))
+        # docs/format.md, "Integrity": one name, mapped; more, read privately
+        return self._retry(lambda: self._range(rel, start, end, mapped=False))
 
-    def _stable_range_once(self, rel: str, start: int, end: int) -> np.ndarray:
+    def _range(self, rel: str, start: int, end: int, mapped: bool) -> np.ndarray:
+        """Bytes ``[start, end)`` of ``rel`` from one open file: mapped when ``mapped`` or when
+        the file has one link, else read into private memory."""
         fd = os.open(self.full(rel), os.O_RDONLY)
         try:
             st = os.fstat(fd)
-            _check_size(self, rel, st.st_size, start, end)
-            if st.st_nlink == 1:
+            if st.st_size < end:  # mapping past the end would fault (SIGBUS) on access
+                raise OSError(
+                    f"short read of {self.where(rel)} bytes [{start}, {end}): the object has "
+                    f"{st.st_size} bytes; it is truncated"
+                )
+            if mapped or st.st_nlink == 1:
                 return _map(fd, start, end)
             data = host_buffer(end - start).numpy()
             got = _pread_all(fd, data.data, start)
@@ -189,11 +187,9 @@ class LocalStore(Store):
 
 
 class _HeldFile:
-    """What a file was when ``LocalStore.hold`` took it (device, inode, size, modification and
-    change times): each read opens it again and checks, before and after reading, that it is
-    still that file (``CorruptCheckpointError`` otherwise: replaced or rewritten, its bytes are
-    no longer those its header described). No descriptor is kept: a reader of a model in
-    hundreds of shards holds none between reads."""
+    """What a file was when ``LocalStore.hold`` took it: each read opens it again and checks,
+    before and after, that it is still that file (docs/cli.md, "Python API for inference": "Files
+    that change while open")."""
 
     def __init__(self, path: str, where: str) -> None:
         self.path, self.where = path, where
@@ -244,17 +240,7 @@ def _pread_all(fd: int, view: memoryview, start: int) -> int:
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:
-    # the change time too: a rewrite whose modification time is put back (cp -p, rsync -t,
-    # os.utime) still changes it
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _check_size(store: LocalStore, rel: str, size: int, start: int, end: int) -> None:
-    if size < end:  # mapping past the end would fault (SIGBUS) on access
-        raise OSError(
-            f"short read of {store.where(rel)} bytes [{start}, {end}): the object has "
-            f"{size} bytes; it is truncated"
-        )
 
 
 def _map(fd: int, start: int, end: int) -> np.ndarray:

@@ -51,12 +51,12 @@ def is_transient(err: BaseException) -> bool:
 def retry(io: IOOptions, fn: Callable[[], T], *, sleep: Callable[[float], None] = time.sleep) -> T:
     """Call ``fn`` until it succeeds, a non-transient error occurs, or attempts run out."""
     delay = io.backoff_s
-    for attempt in range(1, io.max_attempts + 1):
+    for _ in range(io.max_attempts - 1):
         try:
             return fn()
         except Exception as e:
-            if attempt == io.max_attempts or not is_transient(e):
+            if not is_transient(e):
                 raise
         sleep(delay)
         delay = min(delay * 2, io.backoff_cap_s)
-    raise AssertionError("unreachable")
+    return fn()  # the last attempt: its error raises, whatever it is

@@ -155,7 +155,6 @@ class S3Upload:
         self.crc = 0  # of the whole object so far
         self.part_crc = 0  # of the bytes in ``buf``
         self.upload_id: str | None = None
-        self.parts: list[dict[str, Any]] = []
         self.sending: list[tuple[int, str, Future]] = []  # (part number, checksum, upload_part)
         self.pool: ThreadPoolExecutor | None = None
         self.closed = False
@@ -213,13 +212,6 @@ class S3Upload:
         self.sending.append((number, checksum, sent))
         self.buf, self.part_crc = bytearray(), 0
 
-    def _sent(self) -> None:
-        """Wait for every part sent (the first error raises) and list them for the completion."""
-        self.parts = [
-            {"PartNumber": n, "ETag": f.result()["ETag"], "ChecksumCRC32C": c}
-            for n, c, f in self.sending
-        ]
-
     def close(self) -> None:
         """Publish the object (``exclusive``: the server refuses when the name is taken)."""
         if self.closed:
@@ -237,11 +229,14 @@ class S3Upload:
             try:
                 if self.buf:
                     self._send_part()
-                self._sent()
+                parts = [  # every part sent (the first error raises)
+                    {"PartNumber": n, "ETag": f.result()["ETag"], "ChecksumCRC32C": c}
+                    for n, c, f in self.sending
+                ]
                 self._call(
                     "complete_multipart_upload",
                     UploadId=self.upload_id,
-                    MultipartUpload={"Parts": self.parts},
+                    MultipartUpload={"Parts": parts},
                     ChecksumCRC32C=_b64_crc(self.crc),
                     ChecksumType="FULL_OBJECT",
                     **self.match,

@@ -176,8 +176,6 @@ def load(
             )
         spans = plan_reads(wants, manifest.checksum_block_bytes, options.coalesce_gap_bytes)
         delivery = Delivery(wants, [leaf.local for leaf in targets])
-        # A local load is never streamed: an object is read through its memory map (page
-        # cache), or privately only when it has another name (docs/format.md, "Loading").
         budget = options.inflight_bytes
         stream = (
             budget is not None and not store.local and sum(s.end - s.start for s in spans) > budget

@@ -9,9 +9,7 @@ in-flight budget streams instead: ``fetch`` hands each verified part to ``Delive
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +21,7 @@ from ftsdp.storage._errors import CorruptCheckpointError, IncompleteCheckpointEr
 from ftsdp.storage.format._checksum import Checksum, checksum_function
 from ftsdp.storage.format._layout import manifest_path, step_dir
 from ftsdp.storage.format._manifest import Manifest, Piece
+from ftsdp.storage.io._buffers import ByteBudget
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.loading._read_plan import Copy, Span, Want
 
@@ -65,10 +64,7 @@ def _parts(span: Span, block: int, part_bytes: int) -> list[_Part]:
 
 def _fetch_part(store: Store, step: int, check: Checksum, part: _Part) -> list[Segment]:
     rel = f"{step_dir(step)}/{part.span.object}"
-    # Bytes no one can change once read: the checks below and the copies of the returned
-    # segments see the same bytes (a local object's pages only when it has no other name;
-    # otherwise a private buffer, which the in-flight budget bounds).
-    try:
+    try:  # bytes no one can change once read: the checks and the copies see the same bytes
         data = store.stable_range(rel, part.start, part.end)
     except FileNotFoundError:
         raise _missing(store, step, rel) from None
@@ -105,26 +101,6 @@ def _missing(store: Store, step: int, rel: str) -> IncompleteCheckpointError:
         f"step {step}: {store.where(rel)} is missing, yet its manifest lists it: the step is "
         "incomplete; load another step"
     )
-
-
-class _Budget:
-    """At most ``limit`` bytes taken at once (a request above it waits for everything)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used, self.cond = limit, 0, threading.Condition()
-
-    @contextlib.contextmanager
-    def take(self, n: int) -> Iterator[None]:
-        n = min(n, self.limit)
-        with self.cond:
-            self.cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.used -= n
-                self.cond.notify_all()
 
 
 def _run(threads: int, tasks: Sequence[Callable[[], object]]) -> list:
@@ -167,12 +143,15 @@ def fetch(
     if place is not None:  # parts small enough that ``threads`` of them fit in the budget
         part_bytes = min(part_bytes, max(block, inflight_bytes // threads))
     parts = [p for s in spans for p in _parts(s, block, part_bytes)]
-    budget = _Budget(max(inflight_bytes, 1)) if place is not None else None
+    budget = ByteBudget(max(inflight_bytes, 1)) if place is not None else None
 
     def streamed(p: _Part) -> list[Segment]:
         assert place is not None and budget is not None
-        with budget.take(p.end - p.start):
+        budget.acquire(p.end - p.start)
+        try:
             place(_fetch_part(store, step, check, p))
+        finally:
+            budget.release(p.end - p.start)
         return []
 
     task = partial(_fetch_part, store, step, check) if place is None else streamed

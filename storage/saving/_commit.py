@@ -262,9 +262,11 @@ def commit(
         winner = _attempt_at(store, step)
         if winner != attempt:  # not our own create whose reply was lost and was retried
             _abandon(store, step, attempt)
+            # (its manifest may be gone again, or not readable, by now)
+            named = "its manifest could not be read" if winner is None else f"attempt {winner}"
             raise CommitConflictError(
                 f"step {step} at {store.where(step_dir(step))} was committed by another writer "
-                f"({_named(winner)}) while this save (attempt {attempt}) was in progress; the "
+                f"({named}) while this save (attempt {attempt}) was in progress; the "
                 "committed step is the other writer's, and this save's objects were removed"
             ) from e
     # One scan of the root after the commit serves its check, the markers' removal and the
@@ -381,12 +383,6 @@ def _attempt_at(store: Store, step: int) -> str | None:
     except Exception:
         return None
     return str(doc.get("attempt")) if isinstance(doc, dict) else None
-
-
-def _named(attempt: str | None) -> str:
-    """The other writer's attempt as a message names it (its manifest may be gone again or
-    not readable by the time it is read)."""
-    return "its manifest could not be read" if attempt is None else f"attempt {attempt}"
 
 
 # -- several ranks ------------------------------------------------------------------------------

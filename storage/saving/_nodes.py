@@ -5,7 +5,6 @@ storage's own gloo group (docs/design.md, "The commit protocol")."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,45 +22,25 @@ from ftsdp.storage.io._collectives import (
     rank_world,
     resolve_group,
 )
-from ftsdp.storage.io._fs import Store, once
+from ftsdp.storage.io._fs import Store
 from ftsdp.storage.saving._commit import Crcs, Lineage, Reports, commit, plan_lineage, report_of
 from ftsdp.storage.saving._save_plan import SavePlan
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class Nodes:
     """Which rank is on which node: ``of[r]`` is rank r's node id (lookups O(1) after one pass)."""
 
-    of: tuple[str, ...]
-
-    @once
-    def _members(self) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for r, n in enumerate(self.of):
-            out.setdefault(n, []).append(r)
-        return out
-
-    @once
-    def _local(self) -> list[int]:
-        """Each rank's index among its node's ranks."""
-        seen: dict[str, int] = {}
-        out = []
-        for n in self.of:
-            out.append(seen.get(n, 0))
-            seen[n] = out[-1] + 1
-        return out
-
-    @once
-    def order(self) -> list[str]:
-        """The nodes, by their lowest rank."""
-        return list(self._members)
-
-    @once
-    def _next(self) -> dict[str, str]:
-        order = self.order
-        return {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
+    def __init__(self, of: tuple[str, ...]) -> None:
+        self.of = of
+        self._members: dict[str, list[int]] = {}  # node -> its ranks
+        self._local: list[int] = []  # each rank's index among its node's ranks
+        for r, n in enumerate(of):
+            self._local.append(len(self._members.setdefault(n, [])))
+            self._members[n].append(r)
+        self.order = list(self._members)  # the nodes, by their lowest rank
+        self._next = {n: self.order[(i + 1) % len(self.order)] for i, n in enumerate(self.order)}
 
     def ranks(self, node: str) -> list[int]:
         return self._members.get(node, [])

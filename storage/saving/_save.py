@@ -21,8 +21,9 @@ from ftsdp.storage._options import SaveOptions
 from ftsdp.storage.format._layout import check_step, step_dir
 from ftsdp.storage.format._objects import PlannedObject
 from ftsdp.storage.format._safetensors import write_object
-from ftsdp.storage.format._state import TensorLeaf, flatten_state, json_copy
+from ftsdp.storage.format._state import TensorLeaf, flatten_state
 from ftsdp.storage.format._steps import Known
+from ftsdp.storage.io._buffers import ByteBudget
 from ftsdp.storage.io._collectives import own_group, rank_world, release_own_group, resolve_group
 from ftsdp.storage.io._fs import Store
 from ftsdp.storage.io._streaming import piece_bytes
@@ -30,9 +31,9 @@ from ftsdp.storage.saving._commit import Lineage, finish, fresh_attempt, plan_li
 from ftsdp.storage.saving._exchange import exchange
 from ftsdp.storage.saving._nodes import finish_on_nodes
 from ftsdp.storage.saving._save_plan import SavePlan
+from ftsdp.storage.saving._shares import describe
 from ftsdp.storage.saving._staging import (
     SnapshotArena,
-    StagingBudget,
     aligned_bytes,
     copy_cpu,
     copy_into,
@@ -368,17 +369,23 @@ def _save(
             "job (a gloo group of storage's own); the process group given is a subgroup"
         )
     save = _Save(store, step, group, options, lane, node, own)
-    handle = _register(SaveHandle(step, store.where()), lane)
+    handle = SaveHandle(step, store.where())
+    with _lock:
+        lane.previous = handle
     # Every rank reaches the exchange even when its own state is bad, so errors never hang.
     try:
-        save.tensors, save.meta = _describe(state)
+        save.tensors, values = describe(state)
+        save.meta["values"] = values
     except Exception as e:
         save.failed(e)
-    snapshot = _Snapshot.start(save, handle, start, defer_copy) if async_save else None
+    size = _snapshot_size(store, save.tensors, options, defer_copy) if async_save else None
+    snapshot = None if size is None else _Snapshot(save, handle, start, size[0])
     job: _SaveJob | None = None
     if not async_save or (group is not None and own is None):  # sync, or over a subgroup
         try:
             job = save.plan(group)
+            if not async_save:
+                job.write_and_commit(job.submit_live())
         except BaseException as e:
             if snapshot is not None:  # the lane's arena is the next save's: leave it settled
                 snapshot.settle()
@@ -386,13 +393,6 @@ def _save(
             handle._finish(e)
             raise
     if not async_save:
-        assert job is not None
-        try:
-            job.write_and_commit(job.submit_live())
-        except BaseException as e:
-            handle._observed = True
-            handle._finish(e)
-            raise
         handle._finish(None)
     else:
         _in_background(handle, save, job, snapshot, start)  # peers learn of errors there
@@ -403,19 +403,6 @@ def _save(
             handle._snapshot.wait()  # the copy is done (or the save failed: wait() says)
     handle.blocking_seconds = time.perf_counter() - start
     return handle
-
-
-def _register(handle: SaveHandle, lane: _Lane) -> SaveHandle:
-    with _lock:
-        lane.previous = handle
-    return handle
-
-
-def _describe(
-    state: Mapping[str, Any],
-) -> tuple[dict[str, TensorLeaf], dict[str, Any]]:  # (tensor leaves, this rank's metadata)
-    tensors, values = flatten_state(state)
-    return tensors, {"error": None, "values": json_copy(values)}  # (values may change after)
 
 
 class _Save:
@@ -491,14 +478,6 @@ class _Snapshot:
         self.error: BaseException | None = None
         self._copied = threading.Event()  # the copy is over, whatever its outcome
         save.lane.worker("copy").submit(self._copy)
-
-    @classmethod
-    def start(
-        cls, save: _Save, handle: SaveHandle, start: float, deferred: bool
-    ) -> _Snapshot | None:
-        """The snapshot of ``save``'s tensors, started; None where there is none."""
-        size = _snapshot_size(save.store, save.tensors, save.options, deferred)
-        return None if size is None else cls(save, handle, start, size[0])
 
     def _copy(self) -> None:
         try:
@@ -629,40 +608,31 @@ class _SaveJob:
                 for obj in self.mine:
                     futures.append(pool.submit(self._write, obj, self._pieces(obj, snapshot)))
                 return futures, None
-            if in_place(self.save.store, cuda=self._on_cuda()):
+            cuda = any(t.local.device.type == "cuda" for t in self.save.tensors.values())
+            if in_place(self.save.store, cuda):
                 live = [self._pieces(obj, in_place=True) for obj in self.mine]  # before any write
                 futures = [
                     pool.submit(self._write, o, b) for o, b in zip(self.mine, live, strict=True)
                 ]
                 wait(futures)  # the snapshot: the bytes are in the files now
                 return futures, None
-            return self._stage_in_budget(pool, handle, futures)
+            budget = ByteBudget(self.options.staging_budget_bytes)
+
+            def upload(obj: PlannedObject, staged: list[torch.Tensor]) -> Any:
+                try:
+                    return self._write(obj, staged)
+                finally:
+                    budget.release(obj.payload_bytes)
+
+            try:
+                for obj in self.mine:
+                    budget.acquire(obj.payload_bytes)
+                    futures.append(pool.submit(upload, obj, stage(self._pieces(obj))))
+            finally:
+                handle.staging_peak_bytes = budget.peak
+            return futures, None
         except BaseException as e:
             return futures, e
-
-    def _on_cuda(self) -> bool:
-        return any(t.local.device.type == "cuda" for t in self.save.tensors.values())
-
-    def _stage_in_budget(
-        self, pool: ThreadPoolExecutor, handle: SaveHandle, futures: list[Future]
-    ) -> tuple[list[Future], BaseException | None]:
-        budget = StagingBudget(self.options.staging_budget_bytes)
-
-        def upload(obj: PlannedObject, staged: list[torch.Tensor]) -> Any:
-            try:
-                return self._write(obj, staged)
-            finally:
-                budget.release(obj.payload_bytes)
-
-        error: BaseException | None = None
-        try:
-            for obj in self.mine:
-                budget.acquire(obj.payload_bytes)
-                futures.append(pool.submit(upload, obj, stage(self._pieces(obj))))
-        except BaseException as e:  # still take part in the commit protocol, as a failure
-            error = e
-        handle.staging_peak_bytes = budget.peak
-        return futures, error
 
     def write_and_commit(self, uploads: tuple[list[Future], BaseException | None]) -> None:
         """Wait for this rank's writes, then the commit (storage/saving/_commit.py)."""

@@ -12,30 +12,6 @@ import torch
 
 from ftsdp.storage.io._buffers import host_buffer
 
-
-class StagingBudget:
-    """At most ``limit`` bytes staged at once; ``acquire`` blocks until uploads release enough
-    (a request over the whole budget is admitted when nothing else is held: progress)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int) -> None:
-        with self._cond:
-            while self.used > 0 and self.used + n > self.limit:
-                self._cond.wait()
-            self.used += n
-            self.peak = max(self.peak, self.used)
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
 _ALIGN = 64  # bytes: every staged piece starts aligned for any dtype
 
 
@@ -76,10 +52,8 @@ class SnapshotArena:
     def leaves(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[memoryview]]:
         """CPU tensors of the dtypes and sizes of the 1-D ``tensors``, to copy them into, and
         their bytes: the kept ones when those are the same, else new ones. Call it on the
-        thread that trains: glibc's malloc gives each thread an arena of its own, and that
-        thread's holds what the process freed (activations, gradients, unsharded parameters),
-        which a copy maps no page for; a helper thread's is fresh memory, every page of it
-        faulted in by the copy (docs/benchmarks.md, "First call: what was slow")."""
+        thread that trains, whose malloc arena holds what the process freed (docs/benchmarks.md,
+        "First call: what was slow, and what changed", 2026-12-04)."""
         layout = tuple((t.dtype, t.numel()) for t in tensors)
         with self._lock:
             if self._leaves is None or self._leaves[0] != layout:
