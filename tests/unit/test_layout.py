@@ -370,3 +370,17 @@ def test_the_product_imports_testing_only_where_the_entry_plugs_the_fault_hook_i
         if isinstance(f, ast.FunctionDef) and f.lineno <= line <= (f.end_lineno or 0)
     )
     assert "FTSDP_FAULT" in ast.get_source_segment(entry.read_text(), plug_in)
+
+
+def test_every_source_file_the_docs_name_exists() -> None:
+    """A file of the tree named in README.md or docs/ (``ftsdp/fsdp/_unit.py``) is there: a
+    module joined into another must take its mentions along."""
+    pattern = re.compile(r"\b(?:ftsdp|storage|tools|tests)/[\w/]+\.(?:py|sh|md)\b")
+    missing = [
+        f"{doc.relative_to(REPO)}:{n}: {path}"
+        for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        for path in pattern.findall(line)
+        if not (REPO / path).exists()
+    ]
+    assert not missing, "\n".join(missing)
