@@ -40,7 +40,12 @@ class Group:
 
 
 class RootInUseError(storage.CheckpointError):
-    """A save failed because another job commits steps under the same checkpoint root."""
+    """A save failed because another job commits steps under the same checkpoint root;
+    ``steps``: the other writer's steps it found there (none when a lock said so)."""
+
+    def __init__(self, message: str, steps: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.steps = steps or []
 
 
 class Peek(NamedTuple):
@@ -159,7 +164,8 @@ class Tier:
                         else "found no committed step when it started"
                     )
                     + "), so this job's save failed. Two jobs must not share a checkpoint "
-                    "root: stop one of them, or give each its own checkpoint URL"
+                    "root: stop one of them, or give each its own checkpoint URL",
+                    others,
                 ) from error
             raise error
         self.log_cache_failure(str(error))

@@ -332,9 +332,12 @@ class RankManager:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return tuple(bool(v) for v in t.tolist())
 
-    def store(self, prefix: str = "", timeout_s: float | None = None) -> Any:
+    def store(
+        self, prefix: str = "", timeout_s: float | None = None, *, run_wide: bool = False
+    ) -> Any:
         """A client of the job's c10d store on a connection of its own, keys under this incarnation
-        and ``prefix``; None for a world of one without a master address."""
+        (``run_wide``: under the run, seen by every incarnation the agent restarts) and
+        ``prefix``; None for a world of one without a master address."""
         if self.info.master_addr is None or self.info.master_port is None:
             return None
         if self._store is None:
@@ -345,9 +348,8 @@ class RankManager:
                 timeout=timedelta(seconds=timeout_s or self.timeout_s),
                 wait_for_workers=False,
             )
-        return dist.PrefixStore(
-            f"ftsdp/{self.info.run_id}/{self.incarnation}/{prefix}", self._store
-        )
+        scope = "run" if run_wide else self.incarnation  # an incarnation's token is hex
+        return dist.PrefixStore(f"ftsdp/{self.info.run_id}/{scope}/{prefix}", self._store)
 
     def close(self, *, barrier: bool | None = None, barrier_timeout_s: float = 60.0) -> CloseReport:
         """Leave the job, every rank at one point; destroy the groups :meth:`init` made (idempotent,

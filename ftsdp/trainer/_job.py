@@ -18,7 +18,7 @@ import torch
 import ftsdp
 from ftsdp import storage
 from ftsdp.checkpoint._manager import CheckpointManager
-from ftsdp.checkpoint._tiers import root_problem
+from ftsdp.checkpoint._tiers import RootInUseError, root_problem
 from ftsdp.elastic import BatchGeometry, GlobalSampler, RankManager
 from ftsdp.examples.data import MarkovDataset, TokenDataset
 from ftsdp.examples.gpt import param_groups
@@ -167,6 +167,8 @@ def build(cfg: TrainConfig, session: Session) -> Job:
             session.log.attach(writer)
     data, plan = on_every_rank(rm, lambda: (open_data(cfg), plan_model(cfg)))
     url = session.hook.checkpoint_url(cfg.checkpoint_url) if cfg.checkpoint_url else None
+    if cfg.checkpoint_url:
+        refuse_a_root_lost_before(rm, cfg.checkpoint_url)
     storage_options = storage_options_from_env()
     saved = _check_saved_run(cfg, rm, url, storage_options, plan.record, data.record)
     built = on_every_rank(rm, lambda: _make_model(cfg, session, plan, data, saved, storage_options))
@@ -245,6 +247,48 @@ def build(cfg: TrainConfig, session: Session) -> Job:
 
 def _uninitialised(module: torch.nn.Module) -> None:
     """``param_init_fn`` of a model ``--init-from`` fills: its parameters stay as allocated."""
+
+
+def _lost_root_key(rm: RankManager, url: str) -> tuple[Any, str]:
+    """The job's run-wide store (None: no store, nothing restarts this process) and the key
+    that marks ``url`` as lost to another job."""
+    return rm.store("lost-roots", run_wide=True), hashlib.sha256(url.encode()).hexdigest()
+
+
+def remember_lost_root(
+    rm: RankManager, url: str, error: RootInUseError, storage_options: dict[str, Any] | None
+) -> None:
+    """Note in the job's store that this run lost ``url`` to another job, so that the
+    incarnations torchrun restarts refuse it at once instead of resuming the other job's steps
+    (docs/elastic.md, "CheckpointManager"). A step committed by this very run (the
+    ``trainer.run`` it saved) is not another job's: nothing is noted. Best effort: a failure
+    is logged, and the restarted job is then refused at its next save as before."""
+    store, key = _lost_root_key(rm, url)
+    if store is None:
+        return
+    try:
+        if error.steps:
+            manifest = storage.catalog.read_manifest(
+                url, max(error.steps), storage_options=storage_options
+            )
+            if manifest.values.get("trainer.run") == rm.info.run_id:
+                return
+        store.set(key, str(error)[:2000])
+    except Exception as e:
+        logger.warning("ftsdp.train: could not note the lost root %s for the restarts: %s", url, e)
+
+
+def refuse_a_root_lost_before(rm: RankManager, url: str) -> None:
+    """RootInUseError when an earlier incarnation of this run lost ``url`` to another job
+    (:func:`remember_lost_root`): the root's newest steps are that job's, not this run's."""
+    store, key = _lost_root_key(rm, url)
+    if store is None or not store.check([key]):
+        return
+    raise RootInUseError(
+        f"an earlier incarnation of this run lost {url} to another job, so this restart does "
+        "not resume that job's steps; stop this job, or start it again with a checkpoint URL "
+        f"of its own (the earlier error: {store.get(key).decode()})"
+    )
 
 
 def _check_saved_run(

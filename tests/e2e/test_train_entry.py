@@ -212,6 +212,58 @@ def test_a_second_job_on_the_same_root_stops_the_first_with_one_line(tmp_path) -
     assert values["trainer.loss"] == done["loss"]
 
 
+@pytest.mark.timeout(300)
+def test_the_loser_of_a_root_is_not_restarted_into_the_other_jobs_steps(tmp_path) -> None:
+    """As above, the same command twice (same flags: nothing tells the runs apart), with job A
+    under torchrun that may restart it twice: after its refused save, each restart refuses at
+    once, naming the lost root, instead of resuming B's steps (it used to resume B's step 30
+    and exit 0 as "already complete"); torchrun then gives up. B's steps stay, and they are
+    B's."""
+    ckpt = ["--checkpoint-url", str(tmp_path / "ckpt"), "--checkpoint-every", "10"]
+    torchrun = [*_torchrun(1)[:-3], "--max-restarts=2", "--nproc-per-node=1", "-m", "ftsdp.train"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {"OMP_NUM_THREADS": "1", "FTSDP_FAULT": "stop:step=3"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    a = subprocess.Popen(
+        [*torchrun, *TINY, *ckpt], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while (worker := _stopped_child(a.pid)) is None:  # stopped by its fault
+            assert a.poll() is None and time.monotonic() < deadline, "job A did not stop"
+            time.sleep(0.1)
+        _, records = _run([sys.executable, "-m", "ftsdp.train"], tmp_path / "b.jsonl", *ckpt)
+        os.kill(worker, signal.SIGCONT)
+        out, err = (b.decode() for b in a.communicate(timeout=200))
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+    assert a.returncode != 0, f"exit {a.returncode}\n{out}\n{err[-4000:]}"
+    errors = [x for x in err.splitlines() if " ERROR ftsdp.train" in x]
+    assert len(errors) == 3, err[-6000:]  # the refused save, then each of the 2 restarts
+    assert "error: another job is saving to" in errors[0], errors[0]
+    for line in errors[1:]:
+        assert "an earlier incarnation of this run lost" in line and "[10, 20, 30]" in line, line
+    assert "already complete" not in out + err and "resumed" not in out + err, out[-3000:]
+    assert storage.list_steps(str(tmp_path / "ckpt")) == [10, 20, 30]
+    (done,) = [r for r in records if r["event"] == "done"]
+    values = read_manifest(str(tmp_path / "ckpt"), 30).values
+    assert values["trainer.loss"] == done["loss"] and values["trainer.run"] == "local"  # B's
+
+
+def _stopped_child(pid: int) -> int | None:
+    """A stopped child process of ``pid`` (torchrun's worker), if there is one."""
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] == "T" and int(fields[1]) == pid:
+            return int(stat.parent.name)
+    return None
+
+
 def _state(pid: int) -> str:
     """A process's state letter (``/proc/<pid>/stat``): ``T`` when stopped."""
     return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -1,0 +1,65 @@
+"""Two jobs on one root under torchrun's restarts (docs/elastic.md, "CheckpointManager"): a
+run that lost its root notes it in the run-wide store, and its restarts refuse the root; a step
+its own run committed (a late commit of an earlier incarnation) is not another job's."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftsdp import storage
+from ftsdp.checkpoint import RootInUseError
+from ftsdp.trainer._job import refuse_a_root_lost_before, remember_lost_root
+
+
+class _Ranks:
+    """The two things these functions ask of a RankManager: its run id and its store."""
+
+    def __init__(self, run_id: str, store: object) -> None:
+        self.info = types.SimpleNamespace(run_id=run_id)
+        self._store, self.asked = store, []
+
+    def store(self, prefix: str = "", timeout_s: float | None = None, *, run_wide: bool = False):
+        self.asked.append((prefix, run_wide))
+        return None if self._store is None else dist.PrefixStore(prefix, self._store)
+
+
+def _saved_by(url: str, step: int, run: str) -> None:
+    state = {"w": torch.ones(2), "trainer": {"run": run, "step": step}}
+    storage.save(state, url, step)
+
+
+def test_a_root_lost_to_another_run_is_refused_by_the_restarts(tmp_path) -> None:
+    url = str(tmp_path / "ckpt")
+    _saved_by(url, 30, run="other")
+    rm = _Ranks("mine", dist.HashStore())
+    refuse_a_root_lost_before(rm, url)  # nothing noted yet: no refusal
+    error = RootInUseError("another job is saving to ROOT: step(s) [30] ...", [30])
+    remember_lost_root(rm, url, error, None)
+    assert rm.asked[-1] == ("lost-roots", True)  # seen by every incarnation of the run
+    with pytest.raises(RootInUseError, match="an earlier incarnation of this run lost") as e:
+        refuse_a_root_lost_before(rm, url)
+    assert "another job is saving to ROOT: step(s) [30]" in str(e.value)
+    refuse_a_root_lost_before(rm, str(tmp_path / "elsewhere"))  # another root: no refusal
+
+
+def test_a_step_of_this_very_run_is_not_another_jobs(tmp_path) -> None:
+    url = str(tmp_path / "ckpt")
+    _saved_by(url, 6, run="mine")  # say, a commit that landed after its incarnation died
+    rm = _Ranks("mine", dist.HashStore())
+    remember_lost_root(rm, url, RootInUseError("another job ...", [6]), None)
+    refuse_a_root_lost_before(rm, url)  # no refusal: the restart resumes it, as before
+
+
+def test_a_lock_refusal_is_noted_and_no_store_notes_nothing(tmp_path) -> None:
+    url = str(tmp_path / "ckpt")
+    rm = _Ranks("mine", dist.HashStore())
+    remember_lost_root(rm, url, RootInUseError("the slot folder is locked by pid 7"), None)
+    with pytest.raises(RootInUseError, match="locked by pid 7"):
+        refuse_a_root_lost_before(rm, url)
+    alone = _Ranks("local", None)  # one plain process: nothing restarts it
+    remember_lost_root(alone, url, RootInUseError("x"), None)
+    refuse_a_root_lost_before(alone, url)
