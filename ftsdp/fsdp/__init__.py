@@ -1,5 +1,7 @@
 """ftsdp.fsdp: the FSDP engine (docs/engine.md, docs/migrating.md); it imports no other room."""
 
+from torch.distributed.fsdp import OptimStateKeyType
+
 from ._collectives import CommStats, ShardedGradScaler
 from ._common import (
     BackwardPrefetch,
@@ -32,6 +34,7 @@ __all__ = [
     "LocalStateDictConfig",
     "MixedPrecision",
     "OptimStateDictConfig",
+    "OptimStateKeyType",
     "ShardView",
     "ShardedGradScaler",
     "ShardedOptimStateDictConfig",

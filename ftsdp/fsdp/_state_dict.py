@@ -110,6 +110,12 @@ def full_state_dict(
     }
 
 
+class _LoadError(RuntimeError, ValueError):
+    """A state dict that does not fit the model: a ``RuntimeError``, as torch's
+    ``load_state_dict`` raises (scripts catch that to retry with ``strict=False``), and the
+    ``ValueError`` ftsdp raised before."""
+
+
 def load_full_state_dict(
     units: list[FlatParamUnit], module: nn.Module, state: dict[str, Any], strict: bool
 ) -> tuple[list[str], list[str]]:
@@ -119,7 +125,7 @@ def load_full_state_dict(
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if strict and (missing or unexpected):
-        raise ValueError(
+        raise _LoadError(
             f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}; "
             "pass strict=False to load the keys that match"
         )
@@ -129,7 +135,7 @@ def load_full_state_dict(
         shape = index[key].shape if key in index else current.shape
         if not isinstance(value, torch.Tensor) or value.shape != shape:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(
+            raise _LoadError(
                 f"load_state_dict: {key!r} has shape {got}, the model expects {tuple(shape)}"
             )
     plan: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source) pairs

@@ -111,6 +111,10 @@ def test_state_dict_round_trip_and_bad_loads_leave_the_model_untouched() -> None
     missing = {k: v for k, v in expected.items() if k != "ln_f.bias"}
     with pytest.raises(ValueError, match=r"missing keys \['ln_f.bias'\]"):
         wrapped.load_state_dict(missing)
+    # torch's load_state_dict raises RuntimeError, which scripts catch to retry non-strict
+    for bad in (missing, bad_shape):
+        with pytest.raises(RuntimeError, match="load_state_dict: "):
+            wrapped.load_state_dict(bad)
     for key, value in wrapped.state_dict().items():
         assert torch.equal(value, before[key]), f"{key} changed by a failed load"
 
