@@ -201,6 +201,10 @@ class FullyShardedDataParallel(nn.Module):
             cast_root_inputs_to=mp.param_dtype if mp.cast_root_forward_inputs else None,
             cast_inputs_to=mp.param_dtype if mp.cast_forward_inputs else None,
         )
+        # a parent module's load_state_dict() (the wrapper inside a GAN, an EMA holder...)
+        self._parent_load: tuple[int, int] | None = None
+        self._register_load_state_dict_pre_hook(_load_from_parent, with_module=True)
+        self.register_load_state_dict_post_hook(_drop_inner_keys)
         _install_stale_optimizer_guard()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
@@ -277,20 +281,30 @@ class FullyShardedDataParallel(nn.Module):
             prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
         )
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The unwrapped module's keys, in the ``state_dict_type``'s form (a collective)."""
-        if args or kwargs:
-            raise ValueError(
-                "FSDP.state_dict() takes no arguments: it returns the state with the "
-                "unwrapped module's keys (choose its form with FSDP.state_dict_type)"
-            )
+    def state_dict(  # type: ignore[override]
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The unwrapped module's keys, in the ``state_dict_type``'s form (a collective).
+
+        Called by a parent module's ``state_dict()``, the keys go into its ``destination``
+        under the wrapper's ``prefix`` (``net.emb.weight``), as torch FSDP1's do; parameters
+        are always new full tensors, ``keep_vars`` keeps the buffers themselves."""
         self._require_idle("state_dict()")
-        return _state_dict.model_state_dict(self)
+        state = _state_dict.model_state_dict(self, keep_vars=keep_vars)
+        if destination is None and not prefix:
+            return state
+        out: dict[str, Any] = {} if destination is None else destination
+        for key, value in state.items():
+            out[prefix + key] = value
+        return out
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load full tensors (or DTensors of them: a collective) into each rank's shards."""
+        """Load full tensors (or DTensors of them: a collective) into each rank's shards.
+
+        A parent module's ``load_state_dict()`` loads the wrapper's entries (those under its
+        prefix) the same way, through the hooks below."""
         if assign:
             raise ValueError("FSDP.load_state_dict does not support assign=True")
         self._require_idle("load_state_dict()")
@@ -610,6 +624,45 @@ def _reject_wrapped(module: nn.Module) -> None:
                 f"parameter {name!r} already belongs to an ftsdp.FSDP wrapper; a module can be "
                 "wrapped only once"
             )
+
+
+def _load_from_parent(
+    wrapper: FullyShardedDataParallel,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """A parent's ``load_state_dict()`` reaching the wrapper (a load-state-dict pre-hook): the
+    entries under ``prefix`` leave the parent's dict and load as ``wrapper.load_state_dict``
+    loads them. The keys the wrapped model lacks, and those it does not know, are reported
+    under ``prefix`` (``strict`` here is always True: the parent raises on them if its own
+    ``strict`` is)."""
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError("FSDP.load_state_dict does not support assign=True")
+    wrapper._require_idle("load_state_dict()")
+    keys = [key for key in state_dict if key.startswith(prefix)]
+    mine = {key[len(prefix) :]: state_dict.pop(key) for key in keys}
+    missing, unexpected = _state_dict.load_full_state_dict(
+        wrapper._units, wrapper.module, mine, strict=False
+    )
+    missing_keys.extend(prefix + key for key in missing)
+    unexpected_keys.extend(prefix + key for key in unexpected)
+    wrapper._parent_load = (len(missing_keys), len(unexpected_keys))
+
+
+def _drop_inner_keys(wrapper: FullyShardedDataParallel, incompatible: Any) -> None:
+    """After the parent's load went on into ``wrapper.module`` (its entries taken by
+    ``_load_from_parent``, it finds none): forget what that reported (``net.module.*``)."""
+    if wrapper._parent_load is None:
+        return
+    n_missing, n_unexpected = wrapper._parent_load
+    wrapper._parent_load = None
+    del incompatible.missing_keys[n_missing:]
+    del incompatible.unexpected_keys[n_unexpected:]
 
 
 def _wrappers_in(module: nn.Module, what: str) -> list[FullyShardedDataParallel]:

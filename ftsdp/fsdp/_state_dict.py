@@ -93,8 +93,10 @@ def full_state_dict(
     units: list[FlatParamUnit],
     module: nn.Module,
     convert: Callable[[torch.Tensor], Any] = torch.Tensor.clone,
+    keep_vars: bool = False,
 ) -> dict[str, Any]:
-    """The unwrapped module's state, full parameters gathered a unit at a time (collective)."""
+    """The unwrapped module's state, full parameters gathered a unit at a time (collective);
+    ``keep_vars``: the buffers themselves, not detached."""
     full_params: dict[int, Any] = {}
     for unit in units:
         if unit.infos:
@@ -104,10 +106,13 @@ def full_state_dict(
                 full_params[id(info)] = convert(full)
     state = module.state_dict(keep_vars=True)
     index = state_index(units, state)
-    return {
-        key: full_params[id(index[key])] if key in index else value.detach()
-        for key, value in state.items()
-    }
+    out = {}
+    for key, value in state.items():
+        if key in index:
+            out[key] = full_params[id(index[key])]
+        else:
+            out[key] = value if keep_vars else value.detach()
+    return out
 
 
 class _LoadError(RuntimeError, ValueError):
@@ -288,7 +293,7 @@ def _to_dtensor(model: FullyShardedDataParallel, full: torch.Tensor, cpu: bool) 
     )
 
 
-def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
+def model_state_dict(model: FullyShardedDataParallel, keep_vars: bool = False) -> dict[str, Any]:
     """``model.state_dict()`` under the model's state-dict settings (collective)."""
     config = model._sd_settings.state_dict_config
     cpu = config.offload_to_cpu
@@ -302,7 +307,8 @@ def model_state_dict(model: FullyShardedDataParallel) -> dict[str, Any]:
         return {
             k: v if is_distributed(v) else _to_cpu(own(k, v.clone()), cpu) for k, v in full.items()
         }
-    full = {k: own(k, v) for k, v in full_state_dict(model._units, model.module).items()}
+    full = full_state_dict(model._units, model.module, keep_vars=keep_vars)
+    full = {k: own(k, v) for k, v in full.items()}
     if _not_rank0(model, config):
         return {}
     return {key: _to_cpu(value, cpu) for key, value in full.items()}

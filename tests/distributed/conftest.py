@@ -51,6 +51,7 @@ ENGINE_PHASES: dict[int, list[tuple[str, str]]] = {
         ("test_engine_mixed_precision_fsdp2", "mixed_precision"),
         ("test_engine_compile", "compile_grid"),
         ("test_engine_fsdp1_compat", "rank_main"),  # last: it runs torch FSDP1 too
+        ("test_engine_fsdp1_compat", "in_parent"),
     ],
     3: [
         ("test_engine_behaviour", "behaviour"),

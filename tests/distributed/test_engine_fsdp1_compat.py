@@ -459,6 +459,62 @@ def check_meta_on_other_ranks(rank: int) -> None:
     assert_close_state(wrapped.state_dict(), gpt(seed=6).state_dict(), "meta on rank 1")
 
 
+# ---------------------------------------------------------------------- inside a parent module
+def in_parent(rank: int, world: int) -> dict:
+    """The wrapper inside a parent module (a GAN, an EMA holder), with either engine: the
+    parent's state dicts (FULL, rank0_only, SHARDED), a round trip into a fresh parent, and a
+    non-strict load with a key missing and one unexpected under the wrapper's prefix. A phase
+    of this folder's W=2 spawn, after ``rank_main``."""
+    torch.set_num_threads(1)
+    out = {}
+    for engine in ("torch", "ftsdp"):
+        F, W = namespaces(engine)
+        FSDP = F.FullyShardedDataParallel
+        policy = functools.partial(W.transformer_auto_wrap_policy, transformer_layer_cls={Block})
+
+        def parent(seed: int, F=F, policy=policy) -> nn.ModuleDict:
+            net = F.FullyShardedDataParallel(
+                gpt(seed), auto_wrap_policy=policy, device_id=CPU, use_orig_params=True
+            )
+            torch.manual_seed(seed)
+            return nn.ModuleDict({"net": net, "head": nn.Linear(3, 2)})
+
+        saved = parent(0)
+        state = saved.state_dict()
+        got: dict = {"state": dict(state)}
+        configs = [F.FullStateDictConfig(rank0_only=True)]
+        if engine not in TORCH_CPU_LIMITS:
+            configs.append(F.FullStateDictConfig(rank0_only=True, offload_to_cpu=True))
+        with FSDP.state_dict_type(saved, F.StateDictType.FULL_STATE_DICT, configs[0]):
+            got["rank0_only"] = list(saved.state_dict())
+        for config in configs[1:]:
+            with FSDP.state_dict_type(saved, F.StateDictType.FULL_STATE_DICT, config):
+                offloaded = saved.state_dict()
+            assert list(offloaded) == got["rank0_only"], (engine, list(offloaded))
+        with FSDP.state_dict_type(saved, F.StateDictType.SHARDED_STATE_DICT):
+            sharded = saved.state_dict()
+        got["sharded"] = {k: describe(v)[1:] for k, v in sharded.items()}
+        fresh = parent(1)
+        with FSDP.state_dict_type(fresh, F.StateDictType.SHARDED_STATE_DICT):
+            result = fresh.load_state_dict(sharded)
+        assert (result.missing_keys, result.unexpected_keys) == ([], []), (engine, result)
+        assert_close_state(fresh.state_dict(), state, f"{engine}: SHARDED round trip")
+        fresh = parent(2)
+        result = fresh.load_state_dict(state)
+        assert (result.missing_keys, result.unexpected_keys) == ([], []), (engine, result)
+        assert_close_state(fresh.state_dict(), state, f"{engine}: FULL round trip")
+        partial = {k: v for k, v in state.items() if k != "net.ln_f.weight"}
+        partial["net.extra"] = torch.zeros(2)
+        fresh = parent(3)
+        result = fresh.load_state_dict(partial, strict=False)
+        got["non_strict"] = (list(result.missing_keys), list(result.unexpected_keys))
+        got["non_strict_state"] = fresh.state_dict()
+        with pytest.raises(RuntimeError, match="Missing key"):
+            fresh.load_state_dict(partial)
+        out[engine] = got
+    return out
+
+
 # ---------------------------------------------------------------------- the grid
 def grid(rank: int, world: int, tmp: str) -> dict:
     torch.set_num_threads(1)
@@ -500,3 +556,27 @@ def test_fsdp1_scripts_run_unchanged_on_ftsdp(spawns) -> None:
         for key, (kind, shape, rows) in ours.items():
             assert (shape, rows) == theirs[key][1:], (rank, key, ours[key], theirs[key])
             assert kind == ("DTensor" if theirs[key][0] == "ShardedTensor" else "Tensor"), key
+
+
+def test_wrapper_inside_a_parent_module(spawns) -> None:
+    """parent = ModuleDict({"net": FSDP(model), ...}): parent.state_dict() and
+    parent.load_state_dict() give and take what torch FSDP1's do (keys under "net.")."""
+    for rank, out in enumerate(spawns.result(2, "test_engine_fsdp1_compat.in_parent")):
+        ours, theirs = out["ftsdp"], out["torch"]
+        assert_close_state(ours["state"], theirs["state"], f"rank {rank}: parent.state_dict()")
+        # rank0_only: the other ranks keep the parent's own entries
+        head = ["head.weight", "head.bias"]
+        assert ours["rank0_only"] == theirs["rank0_only"], rank
+        assert ours["rank0_only"] == (list(theirs["state"]) if rank == 0 else head), rank
+        assert list(ours["sharded"]) == list(theirs["sharded"]), rank
+        for key, (shape, rows) in ours["sharded"].items():
+            assert (shape, rows) == theirs["sharded"][key], (rank, key)
+        want = (["net.ln_f.weight"], ["net.extra"])  # (missing, unexpected), as torch's
+        assert ours["non_strict"] == theirs["non_strict"] == want, (
+            rank,
+            ours["non_strict"],
+            theirs["non_strict"],
+        )
+        assert_close_state(
+            ours["non_strict_state"], theirs["non_strict_state"], f"rank {rank}: strict=False"
+        )
