@@ -263,10 +263,10 @@ def remember_lost_root(
     (docs/elastic.md, "CheckpointManager"). A step committed by this very run (the
     ``trainer.run`` it saved) is not another job's: nothing is noted. Best effort: a failure
     is logged, and the restarted job is then refused at its next save as before."""
-    store, key = _lost_root_key(rm, url)
-    if store is None:
-        return
     try:
+        store, key = _lost_root_key(rm, url)
+        if store is None:
+            return
         if error.steps:
             manifest = storage.catalog.read_manifest(
                 url, max(error.steps), storage_options=storage_options
@@ -281,14 +281,18 @@ def remember_lost_root(
 def refuse_a_root_lost_before(rm: RankManager, url: str) -> None:
     """RootInUseError when an earlier incarnation of this run lost ``url`` to another job
     (:func:`remember_lost_root`): the root's newest steps are that job's, not this run's."""
-    store, key = _lost_root_key(rm, url)
-    if store is None or not store.check([key]):
+    try:
+        store, key = _lost_root_key(rm, url)
+        earlier = None if store is None or not store.check([key]) else store.get(key).decode()
+    except Exception as e:  # the store's trouble is the watchdog's to report, not this check's
+        logger.warning("ftsdp.train: could not ask the job's store about %s: %s", url, e)
         return
-    raise RootInUseError(
-        f"an earlier incarnation of this run lost {url} to another job, so this restart does "
-        "not resume that job's steps; stop this job, or start it again with a checkpoint URL "
-        f"of its own (the earlier error: {store.get(key).decode()})"
-    )
+    if earlier is not None:
+        raise RootInUseError(
+            f"an earlier incarnation of this run lost {url} to another job, so this restart "
+            "does not resume that job's steps; stop this job, or start it again with a "
+            f"checkpoint URL of its own (the earlier error: {earlier})"
+        )
 
 
 def _check_saved_run(

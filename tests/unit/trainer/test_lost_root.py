@@ -63,3 +63,21 @@ def test_a_lock_refusal_is_noted_and_no_store_notes_nothing(tmp_path) -> None:
     alone = _Ranks("local", None)  # one plain process: nothing restarts it
     remember_lost_root(alone, url, RootInUseError("x"), None)
     refuse_a_root_lost_before(alone, url)
+
+
+class _BrokenStore:
+    def check(self, *args):
+        raise RuntimeError("store gone")
+
+    set = get = check
+
+
+def test_a_store_in_trouble_neither_refuses_nor_raises(tmp_path, caplog) -> None:
+    """The check and the note are best effort: a store that fails says so in a warning."""
+    url = str(tmp_path / "ckpt")
+    rm = _Ranks("mine", None)
+    rm.store = lambda *a, **k: _BrokenStore()  # type: ignore[method-assign]
+    refuse_a_root_lost_before(rm, url)
+    remember_lost_root(rm, url, RootInUseError("x"), None)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and all("store gone" in w for w in warned), warned
