@@ -60,7 +60,7 @@ try:
     from ftsdp.checkpoint import RootInUseError
     from ftsdp.elastic import LaunchEnvironmentError
     from ftsdp.trainer._errors import JobError
-    from ftsdp.trainer._job import build, remember_lost_root, storage_options_from_env
+    from ftsdp.trainer._job import build, remember_lost_root
     from ftsdp.trainer._loop import run
     from ftsdp.trainer._phases import Phases, process_start_time
     from ftsdp.trainer._session import HookFactory, Session
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # a JobError says whether this rank reports; every rank meets a root in use
             report = e.report if isinstance(e, JobError) else session.rm.rank == 0
             if isinstance(e, RootInUseError) and cfg.checkpoint_url:
-                remember_lost_root(session.rm, cfg.checkpoint_url, e, storage_options_from_env())
+                remember_lost_root(session.rm, cfg.checkpoint_url, e)
             if report:
                 logger.error("error: %s", e)  # the console prefix names the logger and rank
             return EXIT_USER_ERROR

@@ -462,6 +462,12 @@ def engine_for(model: nn.Module, optimizer: torch.optim.Optimizer) -> Engine:
         )
     if hasattr(model, "sharded_state_dict") and hasattr(model, "sharded_optim_state_dict"):
         return FtsdpEngine(model, optimizer)
+    if any(hasattr(m, "sharded_optim_state_dict") for m in model.modules()):
+        raise TypeError(
+            "CheckpointManager: the model holds an ftsdp.FSDP wrapper inside another module; "
+            "pass the wrapper itself (its optimizer state is sharded, which only the wrapper "
+            "saves and loads correctly), and save the other modules' state beside it"
+        )
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):

@@ -255,43 +255,38 @@ def _lost_root_key(rm: RankManager, url: str) -> tuple[Any, str]:
     return rm.store("lost-roots", run_wide=True), hashlib.sha256(url.encode()).hexdigest()
 
 
-def remember_lost_root(
-    rm: RankManager, url: str, error: RootInUseError, storage_options: dict[str, Any] | None
-) -> None:
-    """Note in the job's store that this run lost ``url`` to another job, so that the
-    incarnations torchrun restarts refuse it at once instead of resuming the other job's steps
-    (docs/elastic.md, "CheckpointManager"). A step committed by this very run (the
-    ``trainer.run`` it saved) is not another job's: nothing is noted. Best effort: a failure
-    is logged, and the restarted job is then refused at its next save as before."""
+def remember_lost_root(rm: RankManager, url: str, error: RootInUseError) -> None:
+    """Note in the job's store that this run lost ``url`` to another job, whose steps it found
+    there (``error.steps``), so that the incarnations torchrun restarts refuse the root at once
+    instead of resuming that job's steps (docs/elastic.md, "CheckpointManager"). A refusal
+    without such steps (a lock, or this very refusal) notes nothing. Best effort: a failure is
+    logged, and the restarted job is then refused at its next save as before."""
+    if not error.steps:
+        return
     try:
         store, key = _lost_root_key(rm, url)
-        if store is None:
-            return
-        if error.steps:
-            manifest = storage.catalog.read_manifest(
-                url, max(error.steps), storage_options=storage_options
-            )
-            if manifest.values.get("trainer.run") == rm.info.run_id:
-                return
-        store.set(key, str(error)[:2000])
+        if store is not None:
+            store.set(key, str(error)[:2000])
     except Exception as e:
         logger.warning("ftsdp.train: could not note the lost root %s for the restarts: %s", url, e)
 
 
 def refuse_a_root_lost_before(rm: RankManager, url: str) -> None:
-    """RootInUseError when an earlier incarnation of this run lost ``url`` to another job
-    (:func:`remember_lost_root`): the root's newest steps are that job's, not this run's."""
+    """RootInUseError on every rank when an earlier incarnation of this run lost ``url`` to
+    another job (:func:`remember_lost_root`), as any rank's store says (collective)."""
     try:
         store, key = _lost_root_key(rm, url)
         earlier = None if store is None or not store.check([key]) else store.get(key).decode()
     except Exception as e:  # the store's trouble is the watchdog's to report, not this check's
         logger.warning("ftsdp.train: could not ask the job's store about %s: %s", url, e)
-        return
-    if earlier is not None:
+        earlier = None
+    (lost,) = rm.agree_any(earlier is not None)
+    if lost:
         raise RootInUseError(
             f"an earlier incarnation of this run lost {url} to another job, so this restart "
             "does not resume that job's steps; stop this job, or start it again with a "
-            f"checkpoint URL of its own (the earlier error: {earlier})"
+            "checkpoint URL of its own"
+            + (f" (the earlier error: {earlier})" if earlier is not None else "")
         )
 
 

@@ -221,7 +221,6 @@ def train(cfg: TrainConfig, session: Session, job: Job) -> Outcome:
         "cursor": 0,
         "restarts": 0,
         "world_size": rm.world_size,
-        "run": rm.info.run_id,  # torchrun's: whose step it is, when a save is refused
         "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True),
         "loss": None,  # the last logged loss and its step: a rerun of a finished job shows it
         "loss_step": None,

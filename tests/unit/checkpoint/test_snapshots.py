@@ -455,3 +455,18 @@ def test_a_failed_write_on_a_tmpfs_root_fails_that_save_only(
     storage.save(state, url, 2, async_save=True, defer_copy=True).wait(30)
     assert storage.list_steps(url) == [2]
     assert torch.equal(storage.load_state_dict(url)["x"], state["x"])
+
+
+def test_an_ftsdp_wrapper_inside_another_module_is_refused() -> None:
+    """A parent module holding the wrapper would be saved as a plain module, its sharded
+    optimizer state taken for a replica (wrong on resume): refused, naming what to pass."""
+    import ftsdp
+
+    wrapped = ftsdp.FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+    parent = nn.ModuleDict({"net": wrapped, "head": nn.Linear(4, 2)})
+    opt = torch.optim.AdamW(parent.parameters(), lr=1e-2)
+    with pytest.raises(TypeError, match="pass the wrapper itself"):
+        engine_for(parent, opt)
+    assert type(engine_for(wrapped, torch.optim.AdamW(wrapped.parameters()))).__name__ == (
+        "FtsdpEngine"
+    )
