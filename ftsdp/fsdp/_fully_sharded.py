@@ -641,16 +641,12 @@ def _load_from_parent(
     loads them. The keys the wrapped model lacks, and those it does not know, are reported
     under ``prefix`` (``strict`` here is always True: the parent raises on them if its own
     ``strict`` is)."""
-    if local_metadata.get("assign_to_params_buffers", False):
-        raise ValueError("FSDP.load_state_dict does not support assign=True")
-    wrapper._require_idle("load_state_dict()")
     keys = [key for key in state_dict if key.startswith(prefix)]
     mine = {key[len(prefix) :]: state_dict.pop(key) for key in keys}
-    missing, unexpected = _state_dict.load_full_state_dict(
-        wrapper._units, wrapper.module, mine, strict=False
-    )
-    missing_keys.extend(prefix + key for key in missing)
-    unexpected_keys.extend(prefix + key for key in unexpected)
+    assign = local_metadata.get("assign_to_params_buffers", False)
+    result = wrapper.load_state_dict(mine, strict=False, assign=assign)
+    missing_keys.extend(prefix + key for key in result.missing_keys)
+    unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
     wrapper._parent_load = (len(missing_keys), len(unexpected_keys))
 
 
