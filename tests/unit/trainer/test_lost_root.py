@@ -4,8 +4,6 @@ that names no other job's steps (a lock, the restart's own refusal) notes nothin
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch.distributed as dist
 
@@ -14,10 +12,9 @@ from ftsdp.trainer._job import refuse_a_root_lost_before, remember_lost_root
 
 
 class _Ranks:
-    """The two things these functions ask of a RankManager: its run id and its store."""
+    """What these functions ask of a RankManager: its store, and the ranks' agreement."""
 
-    def __init__(self, run_id: str, store: object) -> None:
-        self.info = types.SimpleNamespace(run_id=run_id)
+    def __init__(self, store: object) -> None:
         self._store, self.asked = store, []
 
     def store(self, prefix: str = "", timeout_s: float | None = None, *, run_wide: bool = False):
@@ -30,7 +27,7 @@ class _Ranks:
 
 def test_a_root_lost_to_another_run_is_refused_by_the_restarts(tmp_path) -> None:
     url = str(tmp_path / "ckpt")
-    rm = _Ranks("mine", dist.HashStore())
+    rm = _Ranks(dist.HashStore())
     refuse_a_root_lost_before(rm, url)  # nothing noted yet: no refusal
     error = RootInUseError("another job is saving to ROOT: step(s) [30] ...", [30])
     remember_lost_root(rm, url, error)
@@ -46,7 +43,7 @@ def test_a_lock_refusal_or_a_restarts_refusal_notes_nothing(tmp_path) -> None:
     forked child of a dead rank) must not refuse every later restart, and a restart's own
     refusal does not note itself again."""
     url = str(tmp_path / "ckpt")
-    rm = _Ranks("mine", dist.HashStore())
+    rm = _Ranks(dist.HashStore())
     remember_lost_root(rm, url, RootInUseError("the slot folder is locked by pid 7"))
     refuse_a_root_lost_before(rm, url)
     remember_lost_root(rm, url, RootInUseError("another job ...", [30]))
@@ -56,7 +53,7 @@ def test_a_lock_refusal_or_a_restarts_refusal_notes_nothing(tmp_path) -> None:
     with pytest.raises(RootInUseError) as again:
         refuse_a_root_lost_before(rm, url)
     assert str(again.value) == str(refused.value)
-    alone = _Ranks("local", None)  # one plain process: nothing restarts it
+    alone = _Ranks(None)  # one plain process: nothing restarts it
     remember_lost_root(alone, url, RootInUseError("x", [1]))
     refuse_a_root_lost_before(alone, url)
 
@@ -71,7 +68,7 @@ class _BrokenStore:
 def test_a_store_in_trouble_neither_refuses_nor_raises(tmp_path, caplog) -> None:
     """The check and the note are best effort: a store that fails says so in a warning."""
     url = str(tmp_path / "ckpt")
-    rm = _Ranks("mine", None)
+    rm = _Ranks(None)
     rm.store = lambda *a, **k: _BrokenStore()  # type: ignore[method-assign]
     refuse_a_root_lost_before(rm, url)
     remember_lost_root(rm, url, RootInUseError("x", [1]))
@@ -82,7 +79,7 @@ def test_a_store_in_trouble_neither_refuses_nor_raises(tmp_path, caplog) -> None
 def test_every_rank_refuses_when_any_ranks_store_says_so(tmp_path) -> None:
     """The refusal is agreed: a rank whose own look found nothing (its store in trouble) still
     refuses with the others, rather than going on into the build's collectives alone."""
-    rm = _Ranks("mine", None)
+    rm = _Ranks(None)
     rm.agree_any = lambda *flags: (True,)  # type: ignore[method-assign]
     with pytest.raises(RootInUseError, match="lost .* to another job") as e:
         refuse_a_root_lost_before(rm, str(tmp_path / "ckpt"))
