@@ -19,16 +19,23 @@ _HUGE = 2 << 20  # bytes in a huge page (x86-64 and arm64 with 4 KiB pages)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
-def host_buffer(nbytes: int) -> torch.Tensor:
+def host_buffer(nbytes: int, *, populate: bool = False) -> torch.Tensor:
     """A new writable uint8 CPU tensor of ``nbytes`` in a private anonymous mapping of its own
     (``mmap``'s default is a shared one). The mapping goes back to the system when its last
     view goes (a heap block could stay with its thread's arena), so a budget on buffers in
-    flight bounds the memory held."""
+    flight bounds the memory held.
+
+    ``populate`` (Linux): the kernel maps and zeroes every page inside the ``mmap`` call, which
+    releases the GIL, rather than on first write. A ranged read asks for it: the S3 client
+    writes the body on the one event-loop thread every reader shares, and there the page faults
+    were most of its copy's time (docs/benchmarks.md, "Checkpoint on S3")."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     private = getattr(mmap, "MAP_PRIVATE", None)  # not on Windows, whose mappings are private
-    m = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
-    return torch.frombuffer(m, dtype=torch.uint8)
+    if private is None:
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    flags = private | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=torch.uint8)
 
 
 class ByteBudget:

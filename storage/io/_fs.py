@@ -269,7 +269,7 @@ class Store:
         """Bytes ``[start, end)`` of ``rel`` as a uint8 array that no write to the object can
         change afterwards, so that what a reader verified is what it copies: here read into a
         private buffer (``LocalStore`` maps an object that has no other name)."""
-        data = host_buffer(end - start).numpy()
+        data = host_buffer(end - start, populate=True).numpy()
         self.read_into(rel, start, data)
         return data
 

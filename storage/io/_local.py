@@ -136,7 +136,7 @@ class LocalStore(Store):
                 )
             if mapped or st.st_nlink == 1:
                 return _map(fd, start, end)
-            data = host_buffer(end - start).numpy()
+            data = host_buffer(end - start, populate=True).numpy()
             got = _pread_all(fd, data.data, start)
             if got < end - start:
                 raise OSError(

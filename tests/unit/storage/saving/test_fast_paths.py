@@ -150,6 +150,24 @@ def test_fresh_host_memory_is_private_zeroed_and_in_small_pages() -> None:
     assert not _advised_huge(entry), entry
 
 
+def test_read_buffers_are_mapped_before_the_read_writes_them() -> None:
+    """A ranged read's buffer (``populate``) has every page resident when ``host_buffer``
+    returns, so the S3 client's event-loop thread, which writes every body, takes no page
+    fault; a staging buffer's pages are mapped on first write (its copies touch them on
+    several threads)."""
+    import mmap
+
+    from ftsdp.storage.io._buffers import host_buffer
+
+    if not _THP.exists() or not hasattr(mmap, "MAP_POPULATE"):
+        pytest.skip("needs Linux's MAP_POPULATE and /proc/self/smaps")
+    n = 8 << 20
+    read, staging = host_buffer(n, populate=True), host_buffer(n)
+    assert int(_mapping_of(read.data_ptr())["Rss"].split()[0]) * 1024 >= n
+    assert int(_mapping_of(staging.data_ptr())["Rss"].split()[0]) * 1024 < n // 2
+    assert not read.any() and read.numel() == n
+
+
 def test_tensors_loaded_for_inference_are_advised_huge_pages(tmp_path: Path) -> None:
     """``load_state_dict`` hands out tensors that torch allocated (and frees), on the CPU
     whatever the default device, whose whole 2 MiB pages were advised to be huge before the
