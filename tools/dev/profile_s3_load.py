@@ -36,23 +36,28 @@ from ftsdp.storage.format._layout import step_dir
 from ftsdp.storage.loading import _reader
 from ftsdp.tools import _bench_ranks as ranks
 
-_FETCH, _FINISH = _reader._fetch_part, _reader.Delivery.finish
+_CHECKSUM, _FINISH = _reader.checksum_function, _reader.Delivery.finish
 
 
-def _unchecked_part(store: Any, step: int, check: Any, part: Any) -> list:
-    """``_fetch_part`` without the checksum comparison."""
-    data = store.stable_range(f"{step_dir(step)}/{part.span.object}", part.start, part.end)
-    out = []
-    for c in part.span.copies:
-        lo, hi = max(c.src, part.start), min(c.src + c.nbytes, part.end)
-        if hi > lo:
-            out.append((c, lo - c.src, data[lo - part.start : hi - part.start]))
-    return out
+class _Matches:
+    """A "checksum" equal to every expected one: the reader's checks pass without computing."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _unchecked(algorithm: str) -> Any:
+    return lambda data, seed: _Matches()
 
 
 def _switch(variant: str) -> None:
     flags = set(variant.split("+"))
-    _reader._fetch_part = _unchecked_part if "nocrc" in flags else _FETCH  # type: ignore[assignment]
+    _reader.checksum_function = _unchecked if "nocrc" in flags else _CHECKSUM  # type: ignore[assignment]
     _reader.Delivery.finish = (  # type: ignore[method-assign]
         (lambda self, segments, threads: None) if "nocopy" in flags else _FINISH
     )
