@@ -27,8 +27,8 @@ def host_buffer(nbytes: int, *, populate: bool = False) -> torch.Tensor:
 
     ``populate`` (Linux): the kernel maps and zeroes every page inside the ``mmap`` call, which
     releases the GIL, rather than on first write. A ranged read asks for it: the S3 client
-    writes the body on the one event-loop thread every reader shares, and there the page faults
-    were most of its copy's time (docs/benchmarks.md, "Checkpoint on S3")."""
+    writes every body on the one event-loop thread all readers share, which then takes no page
+    fault (docs/benchmarks.md, "Checkpoint on S3")."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     private = getattr(mmap, "MAP_PRIVATE", None)  # not on Windows, whose mappings are private
