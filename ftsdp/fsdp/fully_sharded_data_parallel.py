@@ -1,42 +1,11 @@
 """torch's ``torch.distributed.fsdp.fully_sharded_data_parallel`` path: the wrapper and the
-names scripts import with it from there (docs/migrating.md)."""
+names scripts import with it from there (docs/migrating.md): those of ``api`` and three more."""
 
 from torch.distributed.fsdp import OptimStateKeyType
 
-from ._common import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    OptimStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-)
+from . import api
 from ._fully_sharded import FSDP, FullyShardedDataParallel
+from .api import *  # noqa: F403  (torch's module holds its api names too)
 
-__all__ = [
-    "FSDP",
-    "BackwardPrefetch",
-    "CPUOffload",
-    "FullOptimStateDictConfig",
-    "FullStateDictConfig",
-    "FullyShardedDataParallel",
-    "LocalOptimStateDictConfig",
-    "LocalStateDictConfig",
-    "MixedPrecision",
-    "OptimStateDictConfig",
-    "OptimStateKeyType",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
-    "ShardingStrategy",
-    "StateDictConfig",
-    "StateDictSettings",
-    "StateDictType",
-]
+__all__ = ["FSDP", "FullyShardedDataParallel", "OptimStateKeyType"]
+__all__ += api.__all__
